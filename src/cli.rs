@@ -1,0 +1,202 @@
+//! The `troupe` command line. Errors print one line naming the problem and exit with 2.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::error::{Result, TroupeError};
+use crate::generate::{DEFAULT_BLOCK_SIZE, GenerateRequest, Generator};
+use crate::kernels::cpu::CpuBackend;
+use crate::model::chat_template::ChatMessage;
+use crate::model::{self, hub};
+use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
+use crate::sampling::SamplingParams;
+
+#[derive(Parser)]
+#[command(name = "troupe", version, about = "An LLM inference engine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text for one prompt or a file of prompts.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// A known model name, a GGUF file or an HF model directory.
+    #[arg(long, default_value = hub::DEFAULT_MODEL)]
+    model: String,
+    #[arg(long, group = "input")]
+    prompt: Option<String>,
+    /// Comma-separated token ids.
+    #[arg(long, group = "input", value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// JSONL: one `{"prompt"|"prompt_ids", "max_tokens", "temperature", "seed", ...}` per line.
+    #[arg(long, group = "input")]
+    prompts_file: Option<PathBuf>,
+    /// Render the prompt as one user turn through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system turn before the user turn (implies --chat).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 means no top-k cut.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed of the sampler; drawn at random when left out.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Report the K most likely tokens and their log-probabilities per generated token.
+    #[arg(long, default_value_t = 0)]
+    top_logprobs: usize,
+    /// Print one JSON object per prompt, in input order.
+    #[arg(long)]
+    json: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    block_size: usize,
+}
+
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    let result = match cli.command {
+        Command::Generate(args) => run_generate(args),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+fn random_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    crate::sampling::splitmix64(nanos ^ std::process::id() as u64)
+}
+
+fn run_generate(args: GenerateArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .map_err(|e| TroupeError::InvalidInput(format!("--threads: {e}")))?;
+    }
+    if args.block_size == 0 || args.block_size > 256 {
+        return Err(TroupeError::InvalidInput(format!(
+            "--block-size must be in 1..=256, got {}",
+            args.block_size
+        )));
+    }
+    let lines: Vec<PromptLine> = match (&args.prompt, &args.prompt_ids, &args.prompts_file) {
+        (Some(p), _, _) => vec![PromptLine {
+            prompt: Some(p.clone()),
+            ..Default::default()
+        }],
+        (_, Some(ids), _) => vec![PromptLine {
+            prompt_ids: Some(ids.clone()),
+            ..Default::default()
+        }],
+        (_, _, Some(path)) => {
+            let text = std::fs::read_to_string(path).map_err(|e| TroupeError::io(path, e))?;
+            parse_prompts_file(&text, &path.display().to_string())?
+        }
+        _ => {
+            return Err(TroupeError::InvalidInput(
+                "nothing to generate from: pass --prompt, --prompt-ids or --prompts-file".into(),
+            ));
+        }
+    };
+    let path = model::resolve_model_path(&args.model)?;
+    let backend = CpuBackend;
+    let loaded = model::load(&path, &backend)?;
+    let default_seed = args.seed.unwrap_or_else(random_seed);
+    let mut requests = Vec::with_capacity(lines.len());
+    for (index, line) in lines.iter().enumerate() {
+        let prompt_ids = match (&line.prompt, &line.prompt_ids) {
+            (_, Some(ids)) => ids.clone(),
+            (Some(text), None) => {
+                let tok = loaded.tokenizer.as_ref().ok_or_else(|| {
+                    TroupeError::InvalidInput(format!(
+                        "{} has no tokenizer: give prompts as token ids (--prompt-ids or `prompt_ids`)",
+                        path.display()
+                    ))
+                })?;
+                let system = line.system.as_ref().or(args.system.as_ref());
+                if line.chat.unwrap_or(args.chat) || system.is_some() {
+                    let template = loaded.chat_template.as_ref().ok_or_else(|| {
+                        TroupeError::InvalidInput(format!("{} has no chat template: drop --chat", path.display()))
+                    })?;
+                    let mut messages = Vec::new();
+                    if let Some(sys) = system {
+                        messages.push(ChatMessage::new("system", sys));
+                    }
+                    messages.push(ChatMessage::new("user", text));
+                    tok.encode(&template.render(&messages, true)?)?
+                } else {
+                    tok.encode_prompt(text)?
+                }
+            }
+            (None, None) => unreachable!("parse_prompts_file rejects lines without a prompt"),
+        };
+        let params = SamplingParams {
+            temperature: line.temperature.unwrap_or(args.temperature),
+            top_k: line.top_k.unwrap_or(args.top_k),
+            top_p: line.top_p.unwrap_or(args.top_p),
+            seed: line.seed.unwrap_or_else(|| default_seed.wrapping_add(index as u64)),
+            num_top_logprobs: line.top_logprobs.unwrap_or(args.top_logprobs),
+        };
+        requests.push(GenerateRequest {
+            prompt_ids,
+            max_tokens: line.max_tokens.unwrap_or(args.max_tokens),
+            params,
+        });
+    }
+    let mut generator = Generator::new(backend, loaded, args.block_size);
+    let outputs = generator.generate(&requests, |_| {})?;
+    let tok = generator.model.tokenizer.as_ref();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    for (i, o) in outputs.iter().enumerate() {
+        let text = match tok {
+            Some(t) => t.decode(&o.token_ids, true)?,
+            None => String::new(),
+        };
+        let written = if args.json {
+            let line = OutputLine::new(o, text, requests[i].params.num_top_logprobs > 0);
+            writeln!(out, "{}", serde_json::to_string(&line).expect("output serializes"))
+        } else if tok.is_none() {
+            writeln!(out, "{:?}", o.token_ids)
+        } else {
+            writeln!(out, "{text}")
+        };
+        // A closed pipe (`| head`) is not an error worth a message.
+        if written.is_err() {
+            break;
+        }
+    }
+    Ok(())
+}

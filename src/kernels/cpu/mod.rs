@@ -1,0 +1,191 @@
+//! The CPU backend: the embedded default and the numeric reference for the others.
+//! Multi-threaded with rayon; SIMD through `simd` and the `gemm` crate.
+
+mod attention;
+mod matmul;
+pub mod simd;
+
+use rayon::prelude::*;
+
+use super::paged_kv::{KvCacheShape, SeqAttention};
+use super::{Backend, HostMatrix};
+
+pub use matmul::matmul;
+
+pub struct CpuBackend;
+
+pub struct CpuMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    /// `[rows, cols]` row-major.
+    pub data: Vec<f32>,
+}
+
+pub struct CpuKvCache {
+    pub shape: KvCacheShape,
+    /// Per layer `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+}
+
+fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let mean_sq = simd::dot(x, x) / x.len() as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * inv * w;
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Matrix = CpuMatrix;
+    type KvCache = CpuKvCache;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload_matrix(&self, m: HostMatrix) -> CpuMatrix {
+        CpuMatrix {
+            rows: m.rows,
+            cols: m.cols,
+            data: m.data,
+        }
+    }
+
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn alloc_kv_cache(&self, shape: KvCacheShape) -> CpuKvCache {
+        let layer = || vec![0f32; shape.layer_len()];
+        CpuKvCache {
+            shape,
+            k: (0..shape.num_layers).map(|_| layer()).collect(),
+            v: (0..shape.num_layers).map(|_| layer()).collect(),
+        }
+    }
+
+    fn download(&self, buf: &Vec<f32>, len: usize) -> Vec<f32> {
+        buf[..len].to_vec()
+    }
+
+    fn embedding(&self, table: &CpuMatrix, ids: &[u32], out: &mut Vec<f32>) {
+        let d = table.cols;
+        for (t, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            out[t * d..(t + 1) * d].copy_from_slice(&table.data[id * d..(id + 1) * d]);
+        }
+    }
+
+    fn matmul(&self, x: &Vec<f32>, num_rows: usize, w: &CpuMatrix, bias: Option<&Vec<f32>>, out: &mut Vec<f32>) {
+        matmul::matmul(x, num_rows, &w.data, w.rows, w.cols, out);
+        if let Some(bias) = bias {
+            for row in out[..num_rows * w.rows].chunks_exact_mut(w.rows) {
+                for (o, b) in row.iter_mut().zip(bias) {
+                    *o += b;
+                }
+            }
+        }
+    }
+
+    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, num_rows: usize, dim: usize, out: &mut Vec<f32>) {
+        out[..num_rows * dim]
+            .par_chunks_mut(dim)
+            .zip(x[..num_rows * dim].par_chunks(dim))
+            .for_each(|(o, x)| rms_norm_row(x, weight, eps, o));
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut Vec<f32>,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) {
+        out[..num_rows * dim]
+            .par_chunks_mut(dim)
+            .zip(residual[..num_rows * dim].par_chunks_mut(dim))
+            .zip(x[..num_rows * dim].par_chunks(dim))
+            .for_each(|((o, r), x)| {
+                for (r, x) in r.iter_mut().zip(x) {
+                    *r += x;
+                }
+                rms_norm_row(r, weight, eps, o);
+            });
+    }
+
+    fn add(&self, residual: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        for (r, x) in residual[..len].iter_mut().zip(&x[..len]) {
+            *r += x;
+        }
+    }
+
+    fn rope(&self, x: &mut Vec<f32>, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Vec<f32>) {
+        let half = head_dim / 2;
+        let width = num_heads * head_dim;
+        x[..positions.len() * width]
+            .par_chunks_mut(width)
+            .zip(positions.par_iter())
+            .for_each(|(row, &pos)| {
+                let table = &cos_sin[pos as usize * head_dim..(pos as usize + 1) * head_dim];
+                let (cos, sin) = table.split_at(half);
+                for head in row.chunks_exact_mut(head_dim) {
+                    let (a, b) = head.split_at_mut(half);
+                    for i in 0..half {
+                        let (x1, x2) = (a[i], b[i]);
+                        a[i] = x1 * cos[i] - x2 * sin[i];
+                        b[i] = x2 * cos[i] + x1 * sin[i];
+                    }
+                }
+            });
+    }
+
+    fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        out[..len]
+            .par_chunks_mut(4096)
+            .zip(gate[..len].par_chunks(4096).zip(up[..len].par_chunks(4096)))
+            .for_each(|(o, (g, u))| {
+                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+            });
+    }
+
+    fn kv_write(&self, cache: &mut CpuKvCache, layer: usize, k: &Vec<f32>, v: &Vec<f32>, slots: &[u32]) {
+        let d = cache.shape.kv_dim();
+        for (t, &slot) in slots.iter().enumerate() {
+            let s = slot as usize;
+            cache.k[layer][s * d..(s + 1) * d].copy_from_slice(&k[t * d..(t + 1) * d]);
+            cache.v[layer][s * d..(s + 1) * d].copy_from_slice(&v[t * d..(t + 1) * d]);
+        }
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Vec<f32>,
+        cache: &CpuKvCache,
+        layer: usize,
+        seqs: &[SeqAttention<'_>],
+        num_heads: usize,
+        out: &mut Vec<f32>,
+    ) {
+        attention::paged_attention(q, &cache.k[layer], &cache.v[layer], &cache.shape, seqs, num_heads, out);
+    }
+
+    fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {
+        for (i, &r) in rows.iter().enumerate() {
+            out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,106 @@
+//! The few vector primitives the CPU kernels are built from, with AVX2+FMA paths chosen
+//! once at run time (the binary stays portable) and scalar fallbacks.
+
+use std::sync::OnceLock;
+
+fn has_avx2_fma() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// `Σ a[i]·b[i]`.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { dot_avx2(a, b) };
+    }
+    dot_scalar(a, b)
+}
+
+fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
+    // Eight partial sums so LLVM can vectorize without reassociating a single chain.
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: every load reads 8 floats below `n`.
+    unsafe {
+        while i + 32 <= n {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let off = i + 8 * k;
+                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(off)), _mm256_loadu_ps(pb.add(off)), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+            i += 8;
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let hi = _mm256_extractf128_ps(s, 1);
+        let lo = _mm256_castps256_ps128(s);
+        let s4 = _mm_add_ps(hi, lo);
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        let mut sum = _mm_cvtss_f32(s1);
+        while i < n {
+            sum += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        sum
+    }
+}
+
+/// `y[i] = y[i]·scale + w·x[i]`: the accumulator update of online softmax.
+#[inline]
+pub fn scale_add(y: &mut [f32], scale: f32, w: f32, x: &[f32]) {
+    debug_assert_eq!(y.len(), x.len());
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = y.mul_add(scale, w * x);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_matches_scalar_reference_at_odd_lengths() {
+        for n in [0usize, 1, 7, 8, 31, 32, 33, 100, 577] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.25).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.5).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-3, "n={n}");
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! The backend seam: everything the model's forward pass asks of a device, and nothing
+//! more. CPU implements it here; CUDA (`kernels-cuda`) and Ascend (`kernels-ascend`)
+//! implement the same methods.
+//!
+//! Activations are row-major `[num_tokens, width]` buffers. Per-step metadata (token
+//! positions, KV slots, block tables) arrives as host slices; a device backend uploads it
+//! once per step.
+
+pub mod cpu;
+pub mod paged_kv;
+
+pub use paged_kv::{KvCacheShape, SeqAttention};
+
+/// A weight matrix as loaded from a checkpoint, before it is placed on a device.
+/// `data` is row-major `[rows, cols]`: one row per output feature.
+pub struct HostMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+pub trait Backend: Send + Sync {
+    /// Activations, norms' weights and biases: a flat f32 buffer on the device.
+    type Buf: Send + Sync;
+    /// A weight matrix `[rows, cols]` on the device, in whatever layout is fastest there.
+    type Matrix: Send + Sync;
+    /// The paged KV cache of all layers.
+    type KvCache: Send + Sync;
+
+    fn name(&self) -> &'static str;
+    fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;
+    fn upload(&self, data: &[f32]) -> Self::Buf;
+    /// A zeroed buffer of `len` floats.
+    fn alloc(&self, len: usize) -> Self::Buf;
+    fn alloc_kv_cache(&self, shape: KvCacheShape) -> Self::KvCache;
+    fn download(&self, buf: &Self::Buf, len: usize) -> Vec<f32>;
+
+    /// `out[t] = table[ids[t]]`.
+    fn embedding(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buf);
+    /// `out[num_rows, w.rows] = x[num_rows, w.cols] · wᵀ (+ bias)`.
+    fn matmul(&self, x: &Self::Buf, num_rows: usize, w: &Self::Matrix, bias: Option<&Self::Buf>, out: &mut Self::Buf);
+    /// Row-wise RMSNorm of `x[num_rows, dim]` scaled by `weight[dim]`.
+    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, eps: f32, num_rows: usize, dim: usize, out: &mut Self::Buf);
+    /// `residual += x` then `out = rms_norm(residual)`: the residual add fused into the norm.
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Buf,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut Self::Buf,
+    );
+    /// `residual += x`.
+    fn add(&self, residual: &mut Self::Buf, x: &Self::Buf, len: usize);
+    /// Rotary embedding (half-split / NeoX layout) of `x[num_tokens, num_heads, head_dim]`
+    /// in place; `cos_sin` holds `[max_pos, head_dim]` as cos halves then sin halves.
+    fn rope(&self, x: &mut Self::Buf, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Self::Buf);
+    /// `out = silu(gate) * up`, element-wise over `len`.
+    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
+    /// Writes token `t`'s K and V (`[num_tokens, kv_dim]`) into cache slot `slots[t]`.
+    fn kv_write(&self, cache: &mut Self::KvCache, layer: usize, k: &Self::Buf, v: &Self::Buf, slots: &[u32]);
+    /// Causal attention of each sequence's query tokens over its paged context.
+    /// `q` is `[num_tokens, num_heads * head_dim]`, `out` the same shape.
+    fn paged_attention(
+        &self,
+        q: &Self::Buf,
+        cache: &Self::KvCache,
+        layer: usize,
+        seqs: &[SeqAttention<'_>],
+        num_heads: usize,
+        out: &mut Self::Buf,
+    );
+    /// Copies rows `rows[i]` of `x[_, width]` to row `i` of `out`.
+    fn gather_rows(&self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
+}

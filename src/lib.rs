@@ -1,0 +1,12 @@
+//! troupe: an LLM inference engine. See docs/ARCHITECTURE.md for the map of the tree.
+
+pub mod actors;
+pub mod cli;
+pub mod error;
+pub mod generate;
+pub mod kernels;
+pub mod model;
+pub mod protocol;
+pub mod sampling;
+
+pub use error::{Result, TroupeError};

@@ -1,0 +1,3 @@
+fn main() {
+    std::process::exit(troupe::cli::main());
+}

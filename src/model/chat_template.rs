@@ -1,0 +1,129 @@
+//! Chat templates: the model's own Jinja template rendered with minijinja, with the
+//! Python-compatible methods (`.strip()`, `.items()`, ...) and the globals that
+//! transformers provides (`raise_exception`, `strftime_now`).
+
+use minijinja::{Environment, Error, ErrorKind, Value, context};
+use serde::Serialize;
+
+use crate::error::{Result, TroupeError};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+fn raise_exception(msg: String) -> std::result::Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// transformers' `strftime_now`: the current UTC time through a C `strftime` format.
+fn strftime_now(format: String) -> String {
+    let now = time::OffsetDateTime::now_utc();
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out += &now.year().to_string(),
+            Some('y') => out += &format!("{:02}", now.year() % 100),
+            Some('m') => out += &format!("{:02}", u8::from(now.month())),
+            Some('d') => out += &format!("{:02}", now.day()),
+            Some('B') => out += &now.month().to_string(),
+            Some('b') => out += &now.month().to_string()[..3],
+            Some('A') => out += &now.weekday().to_string(),
+            Some('a') => out += &now.weekday().to_string()[..3],
+            Some('H') => out += &format!("{:02}", now.hour()),
+            Some('M') => out += &format!("{:02}", now.minute()),
+            Some('S') => out += &format!("{:02}", now.second()),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
+        let mut env = Environment::new();
+        // transformers renders with these two on; templates are written for them.
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .expect("default delimiters are valid"),
+        );
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| TroupeError::ChatTemplate(format!("cannot parse: {e}")))?;
+        Ok(ChatTemplate {
+            env,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
+    }
+
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self.env.get_template("chat").expect("template added in new");
+        tmpl.render(context! {
+            messages => Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
+        .map_err(|e| TroupeError::ChatTemplate(format!("cannot render: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_renders_with_generation_prompt() {
+        let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        let out = t.render(&[ChatMessage::new("user", "  hi ")], true).unwrap();
+        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn raise_exception_is_a_clear_error() {
+        let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
+        let err = t.render(&[], false).unwrap_err().to_string();
+        assert!(err.contains("roles must alternate"), "{err}");
+    }
+
+    #[test]
+    fn strftime_now_formats_a_date() {
+        let s = strftime_now("%d %B %Y".into());
+        assert_eq!(s.split(' ').count(), 3, "{s}");
+        assert!(s.ends_with(&time::OffsetDateTime::now_utc().year().to_string()));
+    }
+}

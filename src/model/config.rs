@@ -1,0 +1,198 @@
+//! Architecture-independent hyperparameters of a Llama-family model, read from a GGUF
+//! header or an HF `config.json`.
+
+use serde_json::Value;
+
+use super::gguf::GgufFile;
+use crate::error::{Result, TroupeError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 2/3, Mistral, SmolLM2: no biases, no q/k norm.
+    Llama,
+    /// Qwen2 / Qwen2.5: biases on q, k, v.
+    Qwen2,
+    /// Qwen3: RMSNorm over each q and k head before RoPE.
+    Qwen3,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear { factor: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_context_tokens: usize,
+    pub attention_bias: bool,
+    pub tie_word_embeddings: bool,
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(TroupeError::InvalidInput(format!("model config: {m}")));
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return bad(format!(
+                "{} attention heads is not a multiple of {} kv heads",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 || self.head_dim > 512 {
+            return bad(format!("head_dim {} must be even and at most 512", self.head_dim));
+        }
+        if self.hidden_size == 0 || self.vocab_size == 0 || self.num_layers == 0 || self.intermediate_size == 0 {
+            return bad("zero-sized dimension".into());
+        }
+        Ok(())
+    }
+
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let arch_name = gguf
+            .meta_str("general.architecture")
+            .ok_or_else(|| TroupeError::Gguf {
+                path: gguf.path.clone(),
+                reason: "missing `general.architecture`".into(),
+            })?
+            .to_string();
+        let arch = match arch_name.as_str() {
+            "llama" | "mistral" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            other => return Err(TroupeError::UnsupportedArchitecture(other.to_string())),
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let hidden_size = gguf.require_u64(&key("embedding_length"))? as usize;
+        let num_heads = gguf.require_u64(&key("attention.head_count"))? as usize;
+        let num_kv_heads = gguf.meta_u64(&key("attention.head_count_kv")).unwrap_or(num_heads as u64) as usize;
+        let head_dim = gguf
+            .meta_u64(&key("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(hidden_size / num_heads.max(1));
+        let vocab_size = match gguf.meta_u64(&key("vocab_size")) {
+            Some(v) => v as usize,
+            None => gguf
+                .meta("tokenizer.ggml.tokens")
+                .and_then(|t| t.as_array())
+                .map(|a| a.len())
+                .unwrap_or(0),
+        };
+        let rope_scaling = match gguf.meta_str(&key("rope.scaling.type")) {
+            Some("linear") => RopeScaling::Linear {
+                factor: gguf.meta_f64(&key("rope.scaling.factor")).unwrap_or(1.0),
+            },
+            // Llama 3 GGUFs carry their scaling as a `rope_freqs` tensor, applied by the loader.
+            _ => RopeScaling::None,
+        };
+        let has_output = gguf.tensor_info("output.weight").is_some();
+        let cfg = ModelConfig {
+            arch,
+            vocab_size,
+            hidden_size,
+            intermediate_size: gguf.require_u64(&key("feed_forward_length"))? as usize,
+            num_layers: gguf.require_u64(&key("block_count"))? as usize,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: gguf.meta_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+            rope_theta: gguf.meta_f64(&key("rope.freq_base")).unwrap_or(10000.0),
+            rope_scaling,
+            max_context_tokens: gguf.meta_u64(&key("context_length")).unwrap_or(2048) as usize,
+            attention_bias: gguf.tensor_info("blk.0.attn_q.bias").is_some(),
+            tie_word_embeddings: !has_output,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn from_hf_json(json: &Value) -> Result<Self> {
+        let bad = |m: String| TroupeError::InvalidInput(format!("config.json: {m}"));
+        let arch_name = json["architectures"][0]
+            .as_str()
+            .or_else(|| json["model_type"].as_str())
+            .ok_or_else(|| bad("no `architectures` or `model_type`".into()))?;
+        let arch = match arch_name {
+            "LlamaForCausalLM" | "MistralForCausalLM" | "llama" | "mistral" => Arch::Llama,
+            "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
+            "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
+            other => return Err(TroupeError::UnsupportedArchitecture(other.to_string())),
+        };
+        let usize_of = |k: &str| -> Result<usize> {
+            json[k]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| bad(format!("missing integer `{k}`")))
+        };
+        let hidden_size = usize_of("hidden_size")?;
+        let num_heads = usize_of("num_attention_heads")?;
+        let num_kv_heads = json["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(num_heads);
+        let head_dim = json["head_dim"]
+            .as_u64()
+            .map(|v| v as usize)
+            .unwrap_or(hidden_size / num_heads.max(1));
+        // transformers 5 folds rope_theta and rope_scaling into `rope_parameters`.
+        let rope = if json["rope_parameters"].is_object() {
+            &json["rope_parameters"]
+        } else {
+            &json["rope_scaling"]
+        };
+        let rope_theta = json["rope_theta"].as_f64().or_else(|| rope["rope_theta"].as_f64()).unwrap_or(10000.0);
+        let rope_type = rope["rope_type"].as_str().or_else(|| rope["type"].as_str()).unwrap_or("default");
+        let f = |k: &str| rope[k].as_f64();
+        let rope_scaling = match rope_type {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: f("factor").unwrap_or(1.0),
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: f("factor").ok_or_else(|| bad("llama3 rope scaling without `factor`".into()))?,
+                low_freq_factor: f("low_freq_factor").unwrap_or(1.0),
+                high_freq_factor: f("high_freq_factor").unwrap_or(4.0),
+                original_max_position_embeddings: f("original_max_position_embeddings").unwrap_or(8192.0),
+            },
+            other => return Err(bad(format!("unsupported rope type `{other}`"))),
+        };
+        let cfg = ModelConfig {
+            arch,
+            vocab_size: usize_of("vocab_size")?,
+            hidden_size,
+            intermediate_size: usize_of("intermediate_size")?,
+            num_layers: usize_of("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: json["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling,
+            max_context_tokens: json["max_position_embeddings"].as_u64().unwrap_or(4096) as usize,
+            attention_bias: arch == Arch::Qwen2 || json["attention_bias"].as_bool().unwrap_or(false),
+            tie_word_embeddings: json["tie_word_embeddings"].as_bool().unwrap_or(false),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}

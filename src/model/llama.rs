@@ -1,0 +1,173 @@
+//! The Llama-family forward pass (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5, Qwen3) over a
+//! paged KV cache, for a step that mixes any number of sequences, each contributing a
+//! prefill chunk or one decode token.
+
+use super::config::ModelConfig;
+use super::rope::{cos_sin_table, inv_freqs};
+use super::weights::Weights;
+use crate::kernels::{Backend, KvCacheShape, SeqAttention};
+
+/// One sequence's part of a step, as the caller plans it.
+#[derive(Debug, Clone)]
+pub struct SeqStep<'a> {
+    /// Tokens to run now; the first sits at position `num_cached_tokens`.
+    pub token_ids: &'a [u32],
+    /// Tokens whose K/V are already in the cache.
+    pub num_cached_tokens: usize,
+    /// Blocks covering at least `num_cached_tokens + token_ids.len()` positions.
+    pub block_table: &'a [u32],
+}
+
+/// Activation buffers, sized for the largest step seen and reused: nothing is allocated
+/// per token once a step size has been seen.
+struct Workspace<B: Backend> {
+    capacity_tokens: usize,
+    capacity_logit_rows: usize,
+    x: B::Buf,      // (tokens, hidden): the residual stream
+    normed: B::Buf, // (tokens, hidden)
+    q: B::Buf,      // (tokens, q_dim)
+    k: B::Buf,      // (tokens, kv_dim)
+    v: B::Buf,      // (tokens, kv_dim)
+    attn: B::Buf,   // (tokens, q_dim)
+    proj: B::Buf,   // (tokens, hidden)
+    gate: B::Buf,   // (tokens, intermediate)
+    up: B::Buf,     // (tokens, intermediate)
+    act: B::Buf,    // (tokens, intermediate)
+    k_normed: B::Buf, // (tokens, kv_dim), Qwen3 only
+    last: B::Buf,   // (logit rows, hidden)
+    logits: B::Buf, // (logit rows, vocab)
+}
+
+pub struct LlamaModel<B: Backend> {
+    pub cfg: ModelConfig,
+    pub weights: Weights<B>,
+    cos_sin: B::Buf, // (max_context_tokens, head_dim)
+    ws: Option<Workspace<B>>,
+    // Host-side step metadata, kept to avoid reallocating it every step.
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    ids: Vec<u32>,
+}
+
+impl<B: Backend> LlamaModel<B> {
+    pub fn new(cfg: ModelConfig, weights: Weights<B>, backend: &B, freq_factors: Option<&[f32]>) -> Self {
+        let table = cos_sin_table(&inv_freqs(&cfg, freq_factors), cfg.max_context_tokens);
+        LlamaModel {
+            cos_sin: backend.upload(&table),
+            cfg,
+            weights,
+            ws: None,
+            positions: Vec::new(),
+            slots: Vec::new(),
+            ids: Vec::new(),
+        }
+    }
+
+    pub fn kv_cache_shape(&self, num_blocks: usize, block_size: usize) -> KvCacheShape {
+        KvCacheShape {
+            num_layers: self.cfg.num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    fn ensure_workspace(&mut self, backend: &B, num_tokens: usize, num_logit_rows: usize) {
+        let fits = self
+            .ws
+            .as_ref()
+            .is_some_and(|w| w.capacity_tokens >= num_tokens && w.capacity_logit_rows >= num_logit_rows);
+        if fits {
+            return;
+        }
+        let c = &self.cfg;
+        let t = num_tokens.max(self.ws.as_ref().map_or(0, |w| w.capacity_tokens));
+        let r = num_logit_rows.max(self.ws.as_ref().map_or(0, |w| w.capacity_logit_rows));
+        self.ws = Some(Workspace {
+            capacity_tokens: t,
+            capacity_logit_rows: r,
+            x: backend.alloc(t * c.hidden_size),
+            normed: backend.alloc(t * c.hidden_size),
+            q: backend.alloc(t * c.q_dim()),
+            k: backend.alloc(t * c.kv_dim()),
+            v: backend.alloc(t * c.kv_dim()),
+            attn: backend.alloc(t * c.q_dim()),
+            proj: backend.alloc(t * c.hidden_size),
+            gate: backend.alloc(t * c.intermediate_size),
+            up: backend.alloc(t * c.intermediate_size),
+            act: backend.alloc(t * c.intermediate_size),
+            k_normed: backend.alloc(if c.arch == super::config::Arch::Qwen3 { t * c.kv_dim() } else { 0 }),
+            last: backend.alloc(r * c.hidden_size),
+            logits: backend.alloc(r * c.vocab_size),
+        });
+    }
+
+    /// Runs one step and returns the logits of each sequence's last token,
+    /// `[seqs.len(), vocab]` row-major.
+    pub fn forward(&mut self, backend: &B, cache: &mut B::KvCache, block_size: usize, seqs: &[SeqStep<'_>]) -> Vec<f32> {
+        let num_tokens: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
+        self.ensure_workspace(backend, num_tokens, seqs.len());
+        self.positions.clear();
+        self.slots.clear();
+        self.ids.clear();
+        let mut attn_seqs = Vec::with_capacity(seqs.len());
+        let mut last_rows = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let query_start = self.ids.len();
+            for (i, &id) in s.token_ids.iter().enumerate() {
+                let pos = s.num_cached_tokens + i;
+                self.ids.push(id);
+                self.positions.push(pos as u32);
+                self.slots.push(crate::kernels::paged_kv::slot_of(s.block_table, block_size, pos));
+            }
+            attn_seqs.push(SeqAttention {
+                query_start,
+                num_query_tokens: s.token_ids.len(),
+                num_context_tokens: s.num_cached_tokens + s.token_ids.len(),
+                block_table: s.block_table,
+            });
+            last_rows.push(self.ids.len() - 1);
+        }
+
+        let c = &self.cfg;
+        let w = &self.weights;
+        let ws = self.ws.as_mut().expect("workspace ensured above");
+        let (hd, eps) = (c.head_dim, c.rms_norm_eps);
+        backend.embedding(&w.embed, &self.ids, &mut ws.x);
+        for (li, lw) in w.layers.iter().enumerate() {
+            if li == 0 {
+                backend.rms_norm(&ws.x, &lw.attn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
+            } else {
+                // The previous layer's MLP output joins the residual stream here, fused.
+                backend.add_rms_norm(&mut ws.x, &ws.proj, &lw.attn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
+            }
+            backend.matmul(&ws.normed, num_tokens, &lw.wq, lw.bq.as_ref(), &mut ws.q);
+            backend.matmul(&ws.normed, num_tokens, &lw.wk, lw.bk.as_ref(), &mut ws.k);
+            backend.matmul(&ws.normed, num_tokens, &lw.wv, lw.bv.as_ref(), &mut ws.v);
+            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                // Qwen3 normalizes each head; reuse `attn` as the scratch for q.
+                backend.rms_norm(&ws.q, qn, eps, num_tokens * c.num_heads, hd, &mut ws.attn);
+                std::mem::swap(&mut ws.q, &mut ws.attn);
+                backend.rms_norm(&ws.k, kn, eps, num_tokens * c.num_kv_heads, hd, &mut ws.k_normed);
+                std::mem::swap(&mut ws.k, &mut ws.k_normed);
+            }
+            backend.rope(&mut ws.q, &self.positions, c.num_heads, hd, &self.cos_sin);
+            backend.rope(&mut ws.k, &self.positions, c.num_kv_heads, hd, &self.cos_sin);
+            backend.kv_write(cache, li, &ws.k, &ws.v, &self.slots);
+            backend.paged_attention(&ws.q, cache, li, &attn_seqs, c.num_heads, &mut ws.attn);
+            backend.matmul(&ws.attn, num_tokens, &lw.wo, None, &mut ws.proj);
+            backend.add_rms_norm(&mut ws.x, &ws.proj, &lw.ffn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
+            backend.matmul(&ws.normed, num_tokens, &lw.w_gate, None, &mut ws.gate);
+            backend.matmul(&ws.normed, num_tokens, &lw.w_up, None, &mut ws.up);
+            backend.silu_mul(&ws.gate, &ws.up, num_tokens * c.intermediate_size, &mut ws.act);
+            backend.matmul(&ws.act, num_tokens, &lw.w_down, None, &mut ws.proj);
+        }
+        backend.add(&mut ws.x, &ws.proj, num_tokens * c.hidden_size);
+        backend.gather_rows(&ws.x, c.hidden_size, &last_rows, &mut ws.normed);
+        backend.rms_norm(&ws.normed, &w.final_norm, eps, seqs.len(), c.hidden_size, &mut ws.last);
+        let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+        backend.matmul(&ws.last, seqs.len(), head, None, &mut ws.logits);
+        backend.download(&ws.logits, seqs.len() * c.vocab_size)
+    }
+}

@@ -1,0 +1,199 @@
+//! Where weights come from: a GGUF file or an HF directory of safetensors (single or
+//! sharded), both memory-mapped. Each source answers by transformers' tensor names and
+//! hands out row-major f32 data, so the model code never sees a file format.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use super::config::Arch;
+use super::gguf::GgufFile;
+use super::quant::dequantize;
+use crate::error::{Result, TroupeError};
+
+/// A tensor in host memory: row-major, outermost dimension first.
+pub struct HostTensor {
+    pub dims: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+pub trait TensorSource {
+    /// The tensor named as transformers names it, or `None` when the checkpoint lacks it.
+    fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>>;
+}
+
+/// transformers' name → llama.cpp's GGUF name.
+fn gguf_name(hf_name: &str) -> Option<String> {
+    let fixed = match hf_name {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = hf_name.strip_prefix("model.layers.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let mapped = match suffix {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{mapped}"))
+}
+
+pub struct GgufSource<'a> {
+    pub gguf: &'a GgufFile,
+    pub arch: Arch,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+}
+
+impl GgufSource<'_> {
+    fn load_raw(&self, name: &str) -> Result<Option<HostTensor>> {
+        let Some(info) = self.gguf.tensor_info(name) else {
+            return Ok(None);
+        };
+        let mut data = vec![0f32; info.num_elements()];
+        dequantize(info.ggml_type, self.gguf.tensor_bytes(info), &mut data);
+        let dims = info.dims.iter().rev().map(|&d| d as usize).collect();
+        Ok(Some(HostTensor { dims, data }))
+    }
+
+    /// llama.cpp's converter permutes Llama's q/k rows so its kernels can rotate adjacent
+    /// pairs; undo it so every source uses the half-split rotation transformers uses.
+    fn unpermute_rows(t: &mut HostTensor, num_heads: usize) {
+        let rows = t.dims[0];
+        let cols: usize = t.dims[1..].iter().product();
+        let head_dim = rows / num_heads;
+        let half = head_dim / 2;
+        let src = t.data.clone();
+        for h in 0..num_heads {
+            for i in 0..half {
+                for j in 0..2 {
+                    let from = h * head_dim + 2 * i + j;
+                    let to = h * head_dim + j * half + i;
+                    t.data[to * cols..(to + 1) * cols].copy_from_slice(&src[from * cols..(from + 1) * cols]);
+                }
+            }
+        }
+    }
+
+    /// Llama 3's frequency factors, stored by llama.cpp as a tensor.
+    pub fn rope_freq_factors(&self) -> Result<Option<Vec<f32>>> {
+        Ok(self.load_raw("rope_freqs.weight")?.map(|t| t.data))
+    }
+}
+
+impl TensorSource for GgufSource<'_> {
+    fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
+        let Some(name) = gguf_name(hf_name) else {
+            return Ok(None);
+        };
+        let Some(mut t) = self.load_raw(&name)? else {
+            return Ok(None);
+        };
+        if self.arch == Arch::Llama {
+            if name.ends_with("attn_q.weight") || name.ends_with("attn_q.bias") {
+                Self::unpermute_rows(&mut t, self.num_heads);
+            } else if name.ends_with("attn_k.weight") || name.ends_with("attn_k.bias") {
+                Self::unpermute_rows(&mut t, self.num_kv_heads);
+            }
+        }
+        Ok(Some(t))
+    }
+}
+
+pub struct SafetensorsSource {
+    maps: Vec<(PathBuf, Mmap)>,
+    /// Tensor name → index into `maps`.
+    index: HashMap<String, usize>,
+}
+
+impl SafetensorsSource {
+    pub fn open_dir(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if single.exists() {
+            vec![single]
+        } else if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| TroupeError::io(&index_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
+                path: index_path.clone(),
+                reason: format!("invalid JSON: {e}"),
+            })?;
+            let map = json["weight_map"].as_object().ok_or_else(|| TroupeError::ModelFormat {
+                path: index_path.clone(),
+                reason: "no `weight_map` object".into(),
+            })?;
+            let mut shards: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
+            shards.sort();
+            shards.dedup();
+            shards
+        } else {
+            return Err(TroupeError::ModelFormat {
+                path: dir.to_path_buf(),
+                reason: "no model.safetensors or model.safetensors.index.json".into(),
+            });
+        };
+        let mut maps = Vec::new();
+        let mut index = HashMap::new();
+        for path in files {
+            let file = File::open(&path).map_err(|e| TroupeError::io(&path, e))?;
+            // SAFETY: read-only map held for the lifetime of the source.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| TroupeError::io(&path, e))?;
+            let st = SafeTensors::deserialize(&mmap).map_err(|e| TroupeError::ModelFormat {
+                path: path.clone(),
+                reason: format!("invalid safetensors: {e}"),
+            })?;
+            for name in st.names() {
+                index.insert(name.to_string(), maps.len());
+            }
+            maps.push((path, mmap));
+        }
+        Ok(SafetensorsSource { maps, index })
+    }
+}
+
+impl TensorSource for SafetensorsSource {
+    fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
+        let Some(&i) = self.index.get(hf_name) else {
+            return Ok(None);
+        };
+        let (path, mmap) = &self.maps[i];
+        let bad = |reason: String| TroupeError::ModelFormat {
+            path: path.clone(),
+            reason,
+        };
+        let st = SafeTensors::deserialize(mmap).map_err(|e| bad(e.to_string()))?;
+        let view = st.tensor(hf_name).map_err(|e| bad(e.to_string()))?;
+        let bytes = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => return Err(bad(format!("tensor `{hf_name}` has unsupported dtype {other:?}"))),
+        };
+        Ok(Some(HostTensor {
+            dims: view.shape().to_vec(),
+            data,
+        }))
+    }
+}

@@ -1,0 +1,162 @@
+//! Models: configuration, checkpoint loaders (GGUF, HF safetensors), tokenizer, chat
+//! template and the Llama-family forward pass. No scheduling here.
+
+pub mod chat_template;
+pub mod config;
+pub mod gguf;
+pub mod hub;
+pub mod llama;
+pub mod loader;
+pub mod quant;
+pub mod rope;
+pub mod tokenizer;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+use chat_template::ChatTemplate;
+use config::ModelConfig;
+use gguf::GgufFile;
+use llama::LlamaModel;
+use loader::{GgufSource, SafetensorsSource};
+use tokenizer::Tokenizer;
+use weights::Weights;
+
+use crate::error::{Result, TroupeError};
+use crate::kernels::Backend;
+
+/// A model ready to run: weights on a backend plus what turns text into its tokens.
+pub struct LoadedModel<B: Backend> {
+    pub path: PathBuf,
+    pub model: LlamaModel<B>,
+    /// `None` for checkpoints without a tokenizer: they take and return token ids.
+    pub tokenizer: Option<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    /// Token ids that end generation (EOS, end-of-turn).
+    pub stop_ids: Vec<u32>,
+}
+
+/// Resolves `--model`: a known name (fetched on first use), a GGUF file or an HF directory.
+pub fn resolve_model_path(spec: &str) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.exists() {
+        return Ok(path.to_path_buf());
+    }
+    if hub::is_known(spec) {
+        return hub::resolve(spec);
+    }
+    Err(TroupeError::InvalidInput(format!(
+        "model `{spec}` is neither an existing file or directory nor a known model name (`{}`)",
+        hub::DEFAULT_MODEL
+    )))
+}
+
+pub fn load<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
+    if path.is_dir() {
+        load_hf_dir(path, backend)
+    } else {
+        load_gguf(path, backend)
+    }
+}
+
+fn load_gguf<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
+    let gguf = GgufFile::open(path)?;
+    let cfg = ModelConfig::from_gguf(&gguf)?;
+    let src = GgufSource {
+        gguf: &gguf,
+        arch: cfg.arch,
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+    };
+    let weights = Weights::load(&cfg, &src, backend)?;
+    let freq_factors = src.rope_freq_factors()?;
+    let tokenizer = if gguf.meta("tokenizer.ggml.model").is_some() {
+        Some(Tokenizer::from_gguf(&gguf)?)
+    } else {
+        None
+    };
+    let chat_template = match (gguf.meta_str("tokenizer.chat_template"), &tokenizer) {
+        (Some(src), Some(tok)) => {
+            let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
+            let eos = name(gguf.meta_u64("tokenizer.ggml.eos_token_id").map(|v| v as u32));
+            Some(ChatTemplate::new(src, &name(tok.bos_id), &eos)?)
+        }
+        _ => None,
+    };
+    let stop_ids = match &tokenizer {
+        Some(t) => t.stop_ids.clone(),
+        None => gguf.meta_u64("tokenizer.ggml.eos_token_id").map(|v| v as u32).into_iter().collect(),
+    };
+    Ok(LoadedModel {
+        path: path.to_path_buf(),
+        model: LlamaModel::new(cfg, weights, backend, freq_factors.as_deref()),
+        tokenizer,
+        chat_template,
+        stop_ids,
+    })
+}
+
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| TroupeError::io(path, e))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| TroupeError::ModelFormat {
+        path: path.to_path_buf(),
+        reason: format!("invalid JSON: {e}"),
+    })
+}
+
+/// A special token in `tokenizer_config.json` is a string or `{"content": ...}`.
+fn token_string(v: &serde_json::Value) -> Option<String> {
+    v.as_str().map(str::to_string).or_else(|| v["content"].as_str().map(str::to_string))
+}
+
+fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
+    let config_path = dir.join("config.json");
+    let config = read_json(&config_path)?.ok_or_else(|| TroupeError::ModelFormat {
+        path: dir.to_path_buf(),
+        reason: "not a model directory: no config.json".into(),
+    })?;
+    let cfg = ModelConfig::from_hf_json(&config)?;
+    let src = SafetensorsSource::open_dir(dir)?;
+    let weights = Weights::load(&cfg, &src, backend)?;
+    let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
+    let gen_cfg = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
+    let eos_ids: Vec<u32> = [&gen_cfg["eos_token_id"], &config["eos_token_id"]]
+        .iter()
+        .flat_map(|v| match v {
+            serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+            v => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        })
+        .collect();
+    let bos = token_string(&tok_cfg["bos_token"]);
+    let eos = token_string(&tok_cfg["eos_token"]);
+    let tokenizer = if dir.join("tokenizer.json").exists() {
+        let add_bos = tok_cfg["add_bos_token"].as_bool().unwrap_or(false);
+        let mut tok = Tokenizer::from_hf_dir(dir, bos.as_deref(), add_bos, eos_ids.clone())?;
+        if let Some(id) = eos.as_deref().and_then(|e| tok.token_to_id(e)) {
+            if !tok.stop_ids.contains(&id) {
+                tok.stop_ids.push(id);
+            }
+        }
+        Some(tok)
+    } else {
+        None
+    };
+    let template_src = tok_cfg["chat_template"].as_str().map(str::to_string).or_else(|| {
+        std::fs::read_to_string(dir.join("chat_template.jinja")).ok()
+    });
+    let chat_template = match template_src {
+        Some(t) => Some(ChatTemplate::new(&t, bos.as_deref().unwrap_or(""), eos.as_deref().unwrap_or(""))?),
+        None => None,
+    };
+    let stop_ids = tokenizer.as_ref().map_or(eos_ids, |t| t.stop_ids.clone());
+    Ok(LoadedModel {
+        path: dir.to_path_buf(),
+        model: LlamaModel::new(cfg, weights, backend, None),
+        tokenizer,
+        chat_template,
+        stop_ids,
+    })
+}

@@ -1,0 +1,84 @@
+//! The offline batch format: one JSON object per line in (`--prompts-file`), one per
+//! prompt out (`--json`).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TroupeError};
+use crate::generate::GenerateOutput;
+
+/// One line of `--prompts-file`. Fields left out take the command-line values.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromptLine {
+    pub prompt: Option<String>,
+    pub prompt_ids: Option<Vec<u32>>,
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub seed: Option<u64>,
+    pub top_logprobs: Option<usize>,
+    pub chat: Option<bool>,
+    pub system: Option<String>,
+}
+
+pub fn parse_prompts_file(text: &str, file_name: &str) -> Result<Vec<PromptLine>> {
+    let mut lines = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |reason: String| TroupeError::InvalidInput(format!("{file_name} line {}: {reason}", i + 1));
+        let p: PromptLine = serde_json::from_str(line).map_err(|e| bad(format!("malformed JSON object: {e}")))?;
+        match (&p.prompt, &p.prompt_ids) {
+            (Some(_), Some(_)) => return Err(bad("give either `prompt` or `prompt_ids`, not both".into())),
+            (None, None) => return Err(bad("needs `prompt` (text) or `prompt_ids` (token ids)".into())),
+            _ => {}
+        }
+        lines.push(p);
+    }
+    if lines.is_empty() {
+        return Err(TroupeError::InvalidInput(format!("{file_name} holds no prompts")));
+    }
+    Ok(lines)
+}
+
+#[derive(Debug, Serialize)]
+pub struct OutputLine<'a> {
+    pub prompt_ids: &'a [u32],
+    pub token_ids: &'a [u32],
+    pub text: String,
+    pub finish_reason: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
+}
+
+impl<'a> OutputLine<'a> {
+    pub fn new(out: &'a GenerateOutput, text: String, with_logprobs: bool) -> Self {
+        OutputLine {
+            prompt_ids: &out.prompt_ids,
+            token_ids: &out.token_ids,
+            text,
+            finish_reason: out.finish_reason.as_str(),
+            top_logprobs: with_logprobs.then(|| out.top_logprobs.clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_parse_and_errors_name_the_line() {
+        let ok = parse_prompts_file("{\"prompt\":\"hi\",\"max_tokens\":3}\n\n{\"prompt_ids\":[1,2]}\n", "p.jsonl").unwrap();
+        assert_eq!(ok.len(), 2);
+        assert_eq!(ok[1].prompt_ids.as_deref(), Some(&[1, 2][..]));
+        let err = parse_prompts_file("{\"prompt\":\"a\"}\n{oops\n", "p.jsonl").unwrap_err().to_string();
+        assert!(err.contains("p.jsonl line 2"), "{err}");
+        let err = parse_prompts_file("{\"max_tokens\":3}\n", "p.jsonl").unwrap_err().to_string();
+        assert!(err.contains("prompt_ids"), "{err}");
+        let err = parse_prompts_file("{\"prompt\":\"a\",\"temprature\":1}\n", "p.jsonl").unwrap_err().to_string();
+        assert!(err.contains("temprature"), "{err}");
+    }
+}
