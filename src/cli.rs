@@ -48,9 +48,9 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// 0 means greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// 0 means no top-k cut.
     #[arg(long, default_value_t = 0)]

@@ -12,10 +12,11 @@ use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::normalizers::prepend::Prepend;
 use tokenizers::normalizers::replace::Replace;
+use tokenizers::normalizers::{NormalizerWrapper, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
@@ -35,6 +36,8 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special-token strings read as plain text.
+    plain: tokenizers::Tokenizer,
     pub bos_id: Option<u32>,
     pub add_bos: bool,
     /// Ids that end generation: EOS and the chat template's end-of-turn tokens.
@@ -66,8 +69,11 @@ impl Tokenizer {
                 }
             }
         }
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Tokenizer {
             inner,
+            plain,
             bos_id,
             add_bos: add_bos && bos_id.is_some(),
             stop_ids,
@@ -111,6 +117,13 @@ impl Tokenizer {
     /// Encodes text; special-token strings in it become their special ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Encodes text with special-token strings read as the characters they are: what
+    /// untrusted text (a user's message) must go through.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.plain.encode_fast(text, false).map_err(tok_err)?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -238,13 +251,18 @@ fn spm_tokenizer(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) -> Res
         .meta("tokenizer.ggml.add_space_prefix")
         .and_then(MetaValue::as_bool)
         .unwrap_or(true);
-    let scheme = if add_space_prefix {
-        PrependScheme::First
-    } else {
-        PrependScheme::Never
-    };
+    // SentencePiece prefixes a space unconditionally, even before a leading space;
+    // Metaspace's own prepend skips such text, so the prefix is a normalizer here.
+    let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
+    if add_space_prefix {
+        normalizers.push(Prepend::new("▁".into()).into());
+    }
+    normalizers.push(Replace::new(" ", "▁").map_err(tok_err)?.into());
     let mut tok = tokenizers::Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(Metaspace::new('▁', scheme, false)));
+    tok.with_normalizer(Some(NormalizerSequence::new(normalizers))).map_err(tok_err)?;
+    // A word is a run of `▁` and the text after it: SentencePiece keeps whitespace runs
+    // with the following word (`▁▁b`), and no piece crosses from text into `▁`.
+    tok.with_pre_tokenizer(Some(split("▁*[^▁]+|▁+")?));
     let mut decoders: Vec<DecoderWrapper> = vec![
         Replace::new("▁", " ").map_err(tok_err)?.into(),
         ByteFallback::new().into(),
@@ -257,5 +275,3 @@ fn spm_tokenizer(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) -> Res
     Ok(tok)
 }
 
-#[cfg(test)]
-mod tests;

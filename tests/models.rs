@@ -1,0 +1,160 @@
+//! End-to-end numerics against transformers: the tiny random Llama / Qwen2 / Qwen3
+//! checkpoints (HF safetensors) and SmolLM2-135M-Instruct (GGUF Q4_1).
+
+mod common;
+
+use troupe::generate::{FinishReason, GenerateRequest, Generator};
+use troupe::kernels::cpu::CpuBackend;
+use troupe::model::chat_template::ChatMessage;
+use troupe::sampling::SamplingParams;
+
+const LOGIT_TOLERANCE: f32 = 1e-3;
+
+fn greedy(prompt_ids: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt_ids,
+        max_tokens,
+        params: SamplingParams::default(),
+    }
+}
+
+fn check_tiny(name: &str, block_size: usize) {
+    let dir = common::goldens().join(name);
+    let reference = common::read_json(&format!("{name}/reference.json"));
+    let mut loaded = common::load(&dir);
+    // The reference generated past EOS; so do we.
+    loaded.stop_ids.clear();
+    let mut generator = Generator::new(CpuBackend, loaded, block_size);
+    let cases = reference["cases"].as_array().unwrap();
+    let mut requests = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let prompt = common::ids(&case["prompt_ids"]);
+        let want_logits = common::floats(&case["last_logits"]);
+        let got_logits = last_logits(&mut generator, &prompt, block_size);
+        let err = common::relative_error(&got_logits, &want_logits);
+        assert!(err < LOGIT_TOLERANCE, "{name} case {i}: logits relative error {err}");
+        requests.push(greedy(prompt, 16));
+    }
+    // All cases in one batch, and each alone: both equal the reference.
+    let batched = generator.generate(&requests, |_| {}).unwrap();
+    for (i, case) in cases.iter().enumerate() {
+        let want = common::ids(&case["greedy"]);
+        assert_eq!(batched[i].token_ids, want, "{name} case {i} (batched)");
+        let alone = generator.generate(&requests[i..i + 1], |_| {}).unwrap();
+        assert_eq!(alone[0].token_ids, want, "{name} case {i} (alone)");
+    }
+    let tok = generator.model.tokenizer.as_ref().expect("tiny models ship a tokenizer.json");
+    for case in reference["text_cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        assert_eq!(tok.encode(text).unwrap(), common::ids(&case["ids"]), "{name}: {text:?}");
+    }
+    let template = generator.model.chat_template.as_ref().expect("tokenizer_config.json has a chat template");
+    for case in reference["chat_cases"].as_array().unwrap() {
+        let messages: Vec<ChatMessage> = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+            .collect();
+        let rendered = template.render(&messages, true).unwrap();
+        assert_eq!(rendered, case["rendered"].as_str().unwrap(), "{name}: chat template");
+        assert_eq!(tok.encode(&rendered).unwrap(), common::ids(&case["ids"]), "{name}: chat ids");
+    }
+}
+
+/// Logits of the last prompt position, through a prefill split into two chunks so the
+/// chunked path (cached tokens + new tokens) is what gets compared.
+fn last_logits(
+    generator: &mut Generator<CpuBackend>,
+    prompt: &[u32],
+    block_size: usize,
+) -> Vec<f32> {
+    use troupe::kernels::Backend;
+    use troupe::model::llama::SeqStep;
+    let model = &mut generator.model.model;
+    let num_blocks = prompt.len().div_ceil(block_size);
+    let mut cache = generator.backend.alloc_kv_cache(model.kv_cache_shape(num_blocks + 3, block_size));
+    // Blocks in reverse order: the table, not the pool order, must decide where tokens live.
+    let table: Vec<u32> = (0..num_blocks as u32).rev().map(|b| b + 3).collect();
+    let split = prompt.len() / 2;
+    let mut logits = Vec::new();
+    for (start, chunk) in [(0, &prompt[..split]), (split, &prompt[split..])] {
+        if chunk.is_empty() {
+            continue;
+        }
+        let step = SeqStep {
+            token_ids: chunk,
+            num_cached_tokens: start,
+            block_table: &table,
+        };
+        logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
+    }
+    logits
+}
+
+#[test]
+fn tiny_llama_with_llama3_rope_scaling_matches_transformers() {
+    check_tiny("tiny-llama", 16);
+}
+
+#[test]
+fn tiny_qwen2_sharded_with_qkv_bias_matches_transformers() {
+    check_tiny("tiny-qwen2", 8);
+}
+
+#[test]
+fn tiny_qwen3_with_qk_norm_matches_transformers() {
+    check_tiny("tiny-qwen3", 32);
+}
+
+#[test]
+fn smollm2_gguf_matches_transformers() {
+    let golden = common::read_json("smollm2.json");
+    let loaded = common::load(&common::smollm2_path());
+    let tok = loaded.tokenizer.as_ref().unwrap();
+    let template = loaded.chat_template.as_ref().unwrap();
+    let prompts = golden["prompts"].as_array().unwrap();
+    let mut requests = Vec::new();
+    for p in prompts {
+        let text = p["text"].as_str().unwrap();
+        let want_ids = common::ids(&p["prompt_ids"]);
+        let got_ids = if p["chat"].as_bool().unwrap() {
+            let rendered = template.render(&[ChatMessage::new("user", text)], true).unwrap();
+            assert_eq!(rendered, p["rendered"].as_str().unwrap(), "chat template of {text:?}");
+            tok.encode(&rendered).unwrap()
+        } else {
+            tok.encode_prompt(text).unwrap()
+        };
+        assert_eq!(got_ids, want_ids, "prompt ids of {text:?}");
+        requests.push(greedy(want_ids, 32));
+    }
+    let mut generator = Generator::new(CpuBackend, loaded, 16);
+    // Logits: each prompt alone, last position, on the reference's top-20 ids.
+    for (p, req) in prompts.iter().zip(&requests) {
+        let logits = last_logits(&mut generator, &req.prompt_ids, 16);
+        let top: Vec<(u32, f32)> = p["top20"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e[0].as_u64().unwrap() as u32, e[1].as_f64().unwrap() as f32))
+            .collect();
+        let got: Vec<f32> = top.iter().map(|&(id, _)| logits[id as usize]).collect();
+        let want: Vec<f32> = top.iter().map(|&(_, v)| v).collect();
+        let err = common::relative_error(&got, &want);
+        assert!(err < LOGIT_TOLERANCE, "{}: top-20 logits relative error {err}", p["name"]);
+        assert_eq!(troupe::sampling::argmax(&logits), top[0].0, "{}: argmax", p["name"]);
+    }
+    // Greedy: all prompts as one batch.
+    let outputs = generator.generate(&requests, |_| {}).unwrap();
+    let stop = golden["eos_id"].as_u64().unwrap() as u32;
+    for (p, out) in prompts.iter().zip(&outputs) {
+        let mut want = common::ids(&p["greedy"]);
+        let stopped = want.last() == Some(&stop);
+        if stopped {
+            want.pop();
+        }
+        assert_eq!(out.token_ids, want, "{}: greedy tokens", p["name"]);
+        let reason = if stopped { FinishReason::Stop } else { FinishReason::Length };
+        assert_eq!(out.finish_reason, reason, "{}", p["name"]);
+    }
+}
