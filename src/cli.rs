@@ -69,6 +69,12 @@ pub struct GenerateArgs {
     threads: Option<usize>,
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
     block_size: usize,
+    /// Generate past EOS / end-of-turn tokens until --max-tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print prefill and decode throughput to stderr as one JSON object.
+    #[arg(long)]
+    stats: bool,
 }
 
 pub fn main() -> i32 {
@@ -173,10 +179,21 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             prompt_ids,
             max_tokens: line.max_tokens.unwrap_or(args.max_tokens),
             params,
+            ignore_eos: args.ignore_eos,
         });
     }
     let mut generator = Generator::new(backend, loaded, args.block_size);
     let outputs = generator.generate(&requests, |_| {})?;
+    if args.stats {
+        let st = generator.stats;
+        let stats = serde_json::json!({
+            "prefill_tokens": st.num_prefill_tokens,
+            "prefill_tokens_per_s": st.num_prefill_tokens as f64 / st.prefill_secs.max(1e-9),
+            "decode_tokens": st.num_decode_tokens,
+            "decode_tokens_per_s": st.num_decode_tokens as f64 / st.decode_secs.max(1e-9),
+        });
+        eprintln!("{stats}");
+    }
     let tok = generator.model.tokenizer.as_ref();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

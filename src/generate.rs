@@ -17,6 +17,8 @@ pub struct GenerateRequest {
     pub prompt_ids: Vec<u32>,
     pub max_tokens: usize,
     pub params: SamplingParams,
+    /// Keep generating past stop tokens (benchmarks need a fixed output length).
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +57,15 @@ struct SeqState {
     done: bool,
 }
 
+/// Wall time split by step kind, for `--stats` and the benchmarks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GenerateStats {
+    pub num_prefill_tokens: usize,
+    pub prefill_secs: f64,
+    pub num_decode_tokens: usize,
+    pub decode_secs: f64,
+}
+
 pub struct Generator<B: Backend> {
     pub backend: B,
     pub model: LoadedModel<B>,
@@ -62,6 +73,7 @@ pub struct Generator<B: Backend> {
     cache: Option<B::KvCache>,
     num_cache_blocks: usize,
     sampler: Sampler,
+    pub stats: GenerateStats,
 }
 
 impl<B: Backend> Generator<B> {
@@ -73,6 +85,7 @@ impl<B: Backend> Generator<B> {
             cache: None,
             num_cache_blocks: 0,
             sampler: Sampler::default(),
+            stats: GenerateStats::default(),
         }
     }
 
@@ -146,6 +159,9 @@ impl<B: Backend> Generator<B> {
                     block_table: &seqs[i].block_table,
                 })
                 .collect();
+            let num_step_tokens: usize = steps.iter().map(|s| s.token_ids.len()).sum();
+            let is_decode = num_step_tokens == steps.len();
+            let started = std::time::Instant::now();
             let logits = self.model.model.forward(&self.backend, cache, bs, &steps);
             for (row, &i) in active.iter().enumerate() {
                 let s = &mut seqs[i];
@@ -154,7 +170,7 @@ impl<B: Backend> Generator<B> {
                 s.num_cached_tokens += s.pending.len();
                 let position = s.num_cached_tokens as u64;
                 let token = self.sampler.sample(row_logits, &r.params, position);
-                if self.model.stop_ids.contains(&token) {
+                if !r.ignore_eos && self.model.stop_ids.contains(&token) {
                     s.output.finish_reason = FinishReason::Stop;
                     s.done = true;
                     continue;
@@ -169,6 +185,14 @@ impl<B: Backend> Generator<B> {
                 }
                 s.pending.clear();
                 s.pending.push(token);
+            }
+            let secs = started.elapsed().as_secs_f64();
+            if is_decode {
+                self.stats.num_decode_tokens += num_step_tokens;
+                self.stats.decode_secs += secs;
+            } else {
+                self.stats.num_prefill_tokens += num_step_tokens;
+                self.stats.prefill_secs += secs;
             }
         }
         Ok(seqs.into_iter().map(|s| s.output).collect())

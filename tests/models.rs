@@ -15,6 +15,7 @@ fn greedy(prompt_ids: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         prompt_ids,
         max_tokens,
         params: SamplingParams::default(),
+        ignore_eos: false,
     }
 }
 

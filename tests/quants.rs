@@ -2,7 +2,7 @@
 
 mod common;
 
-use troupe::model::quant::{GgmlType, dequantize};
+use troupe::kernels::quant::{GgmlType, dequantize};
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()

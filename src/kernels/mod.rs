@@ -8,15 +8,37 @@
 
 pub mod cpu;
 pub mod paged_kv;
+pub mod quant;
 
 pub use paged_kv::{KvCacheShape, SeqAttention};
 
+/// Tensor data in host memory, as the checkpoint stores it.
+pub enum HostData {
+    F32(Vec<f32>),
+    /// Whole GGML blocks, each row of the tensor a whole number of them.
+    Quantized { ggml_type: quant::GgmlType, bytes: Vec<u8> },
+}
+
+impl HostData {
+    pub fn into_f32(self, num_elements: usize) -> Vec<f32> {
+        match self {
+            HostData::F32(v) => v,
+            HostData::Quantized { ggml_type, bytes } => {
+                let mut out = vec![0f32; num_elements];
+                quant::dequantize(ggml_type, &bytes, &mut out);
+                out
+            }
+        }
+    }
+}
+
 /// A weight matrix as loaded from a checkpoint, before it is placed on a device.
-/// `data` is row-major `[rows, cols]`: one row per output feature.
+/// Row-major `[rows, cols]`: one row per output feature. A backend keeps quantized
+/// formats it has kernels for and dequantizes the rest.
 pub struct HostMatrix {
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<f32>,
+    pub data: HostData,
 }
 
 pub trait Backend: Send + Sync {

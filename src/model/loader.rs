@@ -12,13 +12,24 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::config::Arch;
 use super::gguf::GgufFile;
-use super::quant::dequantize;
 use crate::error::{Result, TroupeError};
+use crate::kernels::HostData;
+use crate::kernels::quant::GgmlType;
 
 /// A tensor in host memory: row-major, outermost dimension first.
 pub struct HostTensor {
     pub dims: Vec<usize>,
-    pub data: Vec<f32>,
+    pub data: HostData,
+}
+
+impl HostTensor {
+    pub fn num_elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+    pub fn into_f32(self) -> Vec<f32> {
+        let n = self.num_elements();
+        self.data.into_f32(n)
+    }
 }
 
 pub trait TensorSource {
@@ -71,34 +82,56 @@ impl GgufSource<'_> {
         let Some(info) = self.gguf.tensor_info(name) else {
             return Ok(None);
         };
-        let mut data = vec![0f32; info.num_elements()];
-        dequantize(info.ggml_type, self.gguf.tensor_bytes(info), &mut data);
+        let bytes = self.gguf.tensor_bytes(info);
+        let data = match info.ggml_type {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                let mut v = vec![0f32; info.num_elements()];
+                crate::kernels::quant::dequantize(info.ggml_type, bytes, &mut v);
+                HostData::F32(v)
+            }
+            ggml_type => HostData::Quantized {
+                ggml_type,
+                bytes: bytes.to_vec(),
+            },
+        };
         let dims = info.dims.iter().rev().map(|&d| d as usize).collect();
         Ok(Some(HostTensor { dims, data }))
     }
 
     /// llama.cpp's converter permutes Llama's q/k rows so its kernels can rotate adjacent
     /// pairs; undo it so every source uses the half-split rotation transformers uses.
+    /// Rows are whole blocks in every format, so the permutation moves bytes.
     fn unpermute_rows(t: &mut HostTensor, num_heads: usize) {
         let rows = t.dims[0];
-        let cols: usize = t.dims[1..].iter().product();
         let head_dim = rows / num_heads;
         let half = head_dim / 2;
-        let src = t.data.clone();
-        for h in 0..num_heads {
-            for i in 0..half {
-                for j in 0..2 {
-                    let from = h * head_dim + 2 * i + j;
-                    let to = h * head_dim + j * half + i;
-                    t.data[to * cols..(to + 1) * cols].copy_from_slice(&src[from * cols..(from + 1) * cols]);
+        let permute = |data: &mut [u8]| {
+            let row_bytes = data.len() / rows;
+            let src = data.to_vec();
+            for h in 0..num_heads {
+                for i in 0..half {
+                    for j in 0..2 {
+                        let from = h * head_dim + 2 * i + j;
+                        let to = h * head_dim + j * half + i;
+                        data[to * row_bytes..(to + 1) * row_bytes]
+                            .copy_from_slice(&src[from * row_bytes..(from + 1) * row_bytes]);
+                    }
                 }
             }
+        };
+        match &mut t.data {
+            HostData::F32(v) => {
+                let mut bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                permute(&mut bytes);
+                *v = bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+            }
+            HostData::Quantized { bytes, .. } => permute(bytes),
         }
     }
 
     /// Llama 3's frequency factors, stored by llama.cpp as a tensor.
     pub fn rope_freq_factors(&self) -> Result<Option<Vec<f32>>> {
-        Ok(self.load_raw("rope_freqs.weight")?.map(|t| t.data))
+        Ok(self.load_raw("rope_freqs.weight")?.map(HostTensor::into_f32))
     }
 }
 
@@ -193,7 +226,7 @@ impl TensorSource for SafetensorsSource {
         };
         Ok(Some(HostTensor {
             dims: view.shape().to_vec(),
-            data,
+            data: HostData::F32(data),
         }))
     }
 }

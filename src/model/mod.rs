@@ -7,7 +7,6 @@ pub mod gguf;
 pub mod hub;
 pub mod llama;
 pub mod loader;
-pub mod quant;
 pub mod rope;
 pub mod tokenizer;
 pub mod weights;

@@ -59,10 +59,10 @@ impl<B: Backend> Loader<'_, B> {
         Ok(self.backend.upload_matrix(HostMatrix { rows, cols, data: t.data }))
     }
     fn vector(&self, name: &str, len: usize) -> Result<B::Buf> {
-        Ok(self.backend.upload(&self.required(name, &[len])?.data))
+        Ok(self.backend.upload(&self.required(name, &[len])?.into_f32()))
     }
     fn optional_vector(&self, name: &str, len: usize) -> Result<Option<B::Buf>> {
-        Ok(self.optional(name, &[len])?.map(|t| self.backend.upload(&t.data)))
+        Ok(self.optional(name, &[len])?.map(|t| self.backend.upload(&t.into_f32())))
     }
 }
 

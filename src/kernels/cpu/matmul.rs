@@ -1,17 +1,26 @@
 //! `out[m, n] = x[m, k] · wᵀ` with `w` stored `[n, k]` (one row per output feature).
 //!
-//! Decode (few rows) is bandwidth-bound: each weight row is streamed once and dotted with
-//! every activation row while it is in cache, rows split across threads. Prefill (many
-//! rows) is compute-bound and goes to the `gemm` crate's packed, blocked kernels.
+//! Decode (few rows) is bandwidth-bound: each weight row is streamed once, in its
+//! quantized form, and dotted with every activation row while it is in cache; rows are
+//! split across threads. Prefill (many rows) is compute-bound: panels of weight rows are
+//! expanded to f32 and multiplied by the `gemm` crate's packed, blocked kernels.
+
+use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::simd::dot;
+use super::qmatrix::{CpuMatrix, QBLOCK, block_sums};
 
-/// Above this many activation rows, packing for a blocked GEMM pays for itself.
-const GEMV_MAX_ROWS: usize = 8;
+/// Above this many activation rows, a blocked GEMM beats row dots.
+pub const GEMV_MAX_ROWS: usize = 8;
 /// Weight rows per parallel task: enough to amortize scheduling, few enough to balance.
 const ROWS_PER_TASK: usize = 32;
+/// Weight rows expanded to f32 at a time in the prefill path (bounded scratch).
+const PANEL_ROWS: usize = 128;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
 
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -19,60 +28,104 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-pub fn matmul(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32]) {
-    assert!(x.len() >= m * k && w.len() >= n * k && out.len() >= m * n, "matmul shape mismatch");
+pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
+    let (n, k) = (w.rows(), w.cols());
+    assert!(x.len() >= m * k && out.len() >= m * n, "matmul shape mismatch");
     if m <= GEMV_MAX_ROWS {
-        gemv_rows(x, m, w, n, k, out);
+        gemv_rows(x, m, w, out);
+    } else if let CpuMatrix::F32 { data, .. } = w {
+        // SAFETY: the assert above bounds every index the strides reach.
+        unsafe { gemm_f32(x, m, data, n, k, n, out.as_mut_ptr(), rayon::current_num_threads()) };
     } else {
-        // SAFETY: the asserts above bound every index the strides reach.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                k as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::Rayon(rayon::current_num_threads()),
-            );
-        }
+        gemm_panels(x, m, w, out);
     }
 }
 
-fn gemv_rows(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f32]) {
+/// `dst[i * dst_stride + j] = Σ_t x[i, t] · w[j, t]` for `i < m`, `j < n`.
+///
+/// # Safety
+/// `dst` must be valid for writes at those indices.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, dst_stride: usize, dst: *mut f32, threads: usize) {
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: x is [m, k] with row stride k, w is [n, k] read transposed, dst per the contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_stride as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
+    let (n, k) = (w.rows(), w.cols());
+    let mut sums = Vec::new();
+    if w.needs_block_sums() {
+        for i in 0..m {
+            let mut row = Vec::new();
+            block_sums(&x[i * k..(i + 1) * k], &mut row);
+            sums.extend(row);
+        }
+    }
+    let nb = k / QBLOCK;
     let out_ptr = OutPtr(out.as_mut_ptr());
-    w[..n * k]
-        .par_chunks(ROWS_PER_TASK * k)
-        .enumerate()
-        .for_each(|(task, w_rows)| {
-            let out_ptr = out_ptr;
-            let first_row = task * ROWS_PER_TASK;
-            for (r, w_row) in w_rows.chunks_exact(k).enumerate() {
-                let j = first_row + r;
-                for i in 0..m {
-                    let v = dot(&x[i * k..(i + 1) * k], w_row);
-                    // SAFETY: (i, j) is written by this task only, and i < m, j < n.
-                    unsafe { *out_ptr.0.add(i * n + j) = v };
-                }
+    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
+        let out_ptr = out_ptr;
+        for j in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(n) {
+            for i in 0..m {
+                let s = if sums.is_empty() { &[][..] } else { &sums[i * nb..(i + 1) * nb] };
+                let v = w.dot_row(j, &x[i * k..(i + 1) * k], s);
+                // SAFETY: (i, j) is written by this task only, and i < m, j < n.
+                unsafe { *out_ptr.0.add(i * n + j) = v };
             }
+        }
+    });
+}
+
+fn gemm_panels(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
+    let (n, k) = (w.rows(), w.cols());
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(PANEL_ROWS)).into_par_iter().for_each(|panel| {
+        let out_ptr = out_ptr;
+        let first = panel * PANEL_ROWS;
+        let rows = PANEL_ROWS.min(n - first);
+        SCRATCH.with_borrow_mut(|buf| {
+            buf.resize(PANEL_ROWS * k, 0.0);
+            for r in 0..rows {
+                w.dequantize_row(first + r, &mut buf[r * k..(r + 1) * k]);
+            }
+            // SAFETY: this panel writes columns first..first + rows of every output row.
+            unsafe { gemm_f32(x, m, buf, rows, k, n, out_ptr.0.add(first), 1) };
         });
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::quant::GgmlType;
+    use crate::kernels::{HostData, HostMatrix};
 
     fn naive(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
         let mut out = vec![0f32; m * n];
@@ -84,17 +137,69 @@ mod tests {
         out
     }
 
-    #[test]
-    fn both_paths_match_naive_product() {
-        for &(m, n, k) in &[(1, 70, 33), (3, 65, 64), (8, 31, 100), (9, 40, 17), (37, 129, 96)] {
-            let x: Vec<f32> = (0..m * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| ((i * 13 % 19) as f32 - 9.0) / 9.0).collect();
-            let mut out = vec![f32::NAN; m * n];
-            matmul(&x, m, &w, n, k, &mut out);
-            let want = naive(&x, m, &w, n, k);
-            for (a, b) in out.iter().zip(&want) {
-                assert!((a - b).abs() < 1e-4 * (1.0 + b.abs()), "m={m} n={n} k={k}: {a} vs {b}");
+    /// Random blocks with sane f16 scales at the front of each block.
+    fn random_blocks(ty: GgmlType, num_blocks: usize, seed: u64) -> Vec<u8> {
+        let bb = ty.block_bytes();
+        let mut bytes: Vec<u8> = (0..num_blocks * bb)
+            .map(|i| crate::sampling::splitmix64(seed + i as u64) as u8)
+            .collect();
+        let scale_bytes = if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4K) { 4 } else { 2 };
+        for (b, blk) in bytes.chunks_exact_mut(bb).enumerate() {
+            for s in (0..scale_bytes).step_by(2) {
+                let v = 0.01 + 0.001 * ((b * 7 + s) % 13) as f32 - if s == 2 { 0.02 } else { 0.0 };
+                blk[s..s + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
             }
         }
+        bytes
+    }
+
+    #[test]
+    fn every_layout_and_path_matches_the_naive_product() {
+        for ty in [GgmlType::F32, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K] {
+            for &(m, n, k) in &[(1, 70, 64), (3, 65, 256), (8, 31, 256), (9, 40, 256), (37, 300, 512)] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+                let data = if ty == GgmlType::F32 {
+                    HostData::F32((0..n * k).map(|i| ((i * 13 % 19) as f32 - 9.0) / 9.0).collect())
+                } else {
+                    if k % ty.block_len() != 0 {
+                        continue;
+                    }
+                    HostData::Quantized {
+                        ggml_type: ty,
+                        bytes: random_blocks(ty, n * k / ty.block_len(), (m * n * k) as u64),
+                    }
+                };
+                let w_f32 = match &data {
+                    HostData::F32(v) => v.clone(),
+                    HostData::Quantized { ggml_type, bytes } => {
+                        let mut v = vec![0f32; n * k];
+                        crate::kernels::quant::dequantize(*ggml_type, bytes, &mut v);
+                        v
+                    }
+                };
+                let w = CpuMatrix::from_host(HostMatrix { rows: n, cols: k, data });
+                let mut out = vec![f32::NAN; m * n];
+                matmul(&x, m, &w, &mut out);
+                let want = naive(&x, m, &w_f32, n, k);
+                let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+                for (a, b) in out.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-5 * scale * (k as f32).sqrt(), "{ty:?} m={m} n={n} k={k}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_and_scalar_block_dots_agree() {
+        use super::super::qmatrix::{dot_q4_1, dot_q4_1_scalar, dot_q8_0, dot_q8_0_scalar};
+        let nb = 9;
+        let d: Vec<f32> = (0..nb).map(|b| 0.01 * (b as f32 + 1.0)).collect();
+        let nibbles: Vec<u8> = (0..nb * 16).map(|i| crate::sampling::splitmix64(i as u64) as u8).collect();
+        let quants: Vec<i8> = (0..nb * 32).map(|i| crate::sampling::splitmix64(99 + i as u64) as i8).collect();
+        let x: Vec<f32> = (0..nb * 32).map(|i| ((i * 7 % 23) as f32 - 11.0) / 11.0).collect();
+        let (a, b) = (dot_q4_1(&d, &nibbles, &x), dot_q4_1_scalar(&d, &nibbles, &x));
+        assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{a} vs {b}");
+        let (a, b) = (dot_q8_0(&d, &quants, &x), dot_q8_0_scalar(&d, &quants, &x));
+        assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{a} vs {b}");
     }
 }

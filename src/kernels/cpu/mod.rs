@@ -2,7 +2,8 @@
 //! Multi-threaded with rayon; SIMD through `simd` and the `gemm` crate.
 
 mod attention;
-mod matmul;
+pub mod matmul;
+pub mod qmatrix;
 pub mod simd;
 
 use rayon::prelude::*;
@@ -10,16 +11,9 @@ use rayon::prelude::*;
 use super::paged_kv::{KvCacheShape, SeqAttention};
 use super::{Backend, HostMatrix};
 
-pub use matmul::matmul;
+pub use qmatrix::CpuMatrix;
 
 pub struct CpuBackend;
-
-pub struct CpuMatrix {
-    pub rows: usize,
-    pub cols: usize,
-    /// `[rows, cols]` row-major.
-    pub data: Vec<f32>,
-}
 
 pub struct CpuKvCache {
     pub shape: KvCacheShape,
@@ -46,11 +40,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_matrix(&self, m: HostMatrix) -> CpuMatrix {
-        CpuMatrix {
-            rows: m.rows,
-            cols: m.cols,
-            data: m.data,
-        }
+        CpuMatrix::from_host(m)
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {
@@ -75,17 +65,16 @@ impl Backend for CpuBackend {
     }
 
     fn embedding(&self, table: &CpuMatrix, ids: &[u32], out: &mut Vec<f32>) {
-        let d = table.cols;
+        let d = table.cols();
         for (t, &id) in ids.iter().enumerate() {
-            let id = id as usize;
-            out[t * d..(t + 1) * d].copy_from_slice(&table.data[id * d..(id + 1) * d]);
+            table.dequantize_row(id as usize, &mut out[t * d..(t + 1) * d]);
         }
     }
 
     fn matmul(&self, x: &Vec<f32>, num_rows: usize, w: &CpuMatrix, bias: Option<&Vec<f32>>, out: &mut Vec<f32>) {
-        matmul::matmul(x, num_rows, &w.data, w.rows, w.cols, out);
+        matmul::matmul(x, num_rows, w, out);
         if let Some(bias) = bias {
-            for row in out[..num_rows * w.rows].chunks_exact_mut(w.rows) {
+            for row in out[..num_rows * w.rows()].chunks_exact_mut(w.rows()) {
                 for (o, b) in row.iter_mut().zip(bias) {
                     *o += b;
                 }

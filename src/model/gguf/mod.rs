@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::quant::GgmlType;
+use crate::kernels::quant::GgmlType;
 use crate::error::{Result, TroupeError};
 
 const MAGIC: &[u8; 4] = b"GGUF";

@@ -94,11 +94,11 @@ fn parses_metadata_tensors_and_data() {
     let t = g.tensor_info("f32.weight").unwrap();
     assert_eq!((t.dims.clone(), t.ggml_type, t.num_bytes), (vec![4, 2], GgmlType::F32, 32));
     let mut out = vec![0f32; 8];
-    super::super::quant::dequantize(t.ggml_type, g.tensor_bytes(t), &mut out);
+    crate::kernels::quant::dequantize(t.ggml_type, g.tensor_bytes(t), &mut out);
     assert_eq!(out, (0..8).map(|i| i as f32 * 0.5).collect::<Vec<_>>());
     let q = g.tensor_info("q8.weight").unwrap();
     let mut out = vec![0f32; 32];
-    super::super::quant::dequantize(q.ggml_type, g.tensor_bytes(q), &mut out);
+    crate::kernels::quant::dequantize(q.ggml_type, g.tensor_bytes(q), &mut out);
     assert_eq!(out[0], -16.0 * 0.25);
     assert_eq!(out[31], 15.0 * 0.25);
 }

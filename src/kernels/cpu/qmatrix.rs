@@ -1,0 +1,264 @@
+//! Weight matrices in the CPU backend's layouts, and the row-dot kernels over them.
+//!
+//! Q4_1 and Q8_0 stay quantized in memory (0.75 and 1.125 bytes a weight instead of 4)
+//! and are expanded to f32 inside the dot product, so decode streams a fraction of the
+//! bytes while the arithmetic stays that of the dequantized f32 model: activations are
+//! never quantized, and results differ from a dequantize-then-f32 matmul only in the
+//! order of the additions. Q4_1 uses `Σ (d·q + m)·x = d·Σ q·x + m·Σ x`, with `Σ x` per
+//! block computed once per activation row. Other formats are dequantized at load.
+//! Blocks are repacked at load: f32 scales in their own arrays, quants contiguous.
+
+use half::f16;
+
+use crate::kernels::quant::GgmlType;
+use crate::kernels::{HostData, HostMatrix};
+
+pub const QBLOCK: usize = 32;
+
+pub enum CpuMatrix {
+    F32 {
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>, // (rows, cols)
+    },
+    Q4_1 {
+        rows: usize,
+        cols: usize,
+        scales: Vec<f32>, // (rows, cols / 32)
+        mins: Vec<f32>,   // (rows, cols / 32)
+        nibbles: Vec<u8>, // (rows, cols / 2): per block, element j low nibble, j + 16 high
+    },
+    Q8_0 {
+        rows: usize,
+        cols: usize,
+        scales: Vec<f32>, // (rows, cols / 32)
+        quants: Vec<i8>,  // (rows, cols)
+    },
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+impl CpuMatrix {
+    pub fn from_host(m: HostMatrix) -> Self {
+        let (rows, cols) = (m.rows, m.cols);
+        match m.data {
+            HostData::Quantized {
+                ggml_type: GgmlType::Q4_1,
+                bytes,
+            } => {
+                let nb = bytes.len() / 20;
+                let (mut scales, mut mins, mut nibbles) =
+                    (Vec::with_capacity(nb), Vec::with_capacity(nb), Vec::with_capacity(nb * 16));
+                for blk in bytes.chunks_exact(20) {
+                    scales.push(f16_at(blk, 0));
+                    mins.push(f16_at(blk, 2));
+                    nibbles.extend_from_slice(&blk[4..20]);
+                }
+                CpuMatrix::Q4_1 {
+                    rows,
+                    cols,
+                    scales,
+                    mins,
+                    nibbles,
+                }
+            }
+            HostData::Quantized {
+                ggml_type: GgmlType::Q8_0,
+                bytes,
+            } => {
+                let nb = bytes.len() / 34;
+                let (mut scales, mut quants) = (Vec::with_capacity(nb), Vec::with_capacity(nb * 32));
+                for blk in bytes.chunks_exact(34) {
+                    scales.push(f16_at(blk, 0));
+                    quants.extend(blk[2..34].iter().map(|&q| q as i8));
+                }
+                CpuMatrix::Q8_0 {
+                    rows,
+                    cols,
+                    scales,
+                    quants,
+                }
+            }
+            data => CpuMatrix::F32 {
+                rows,
+                cols,
+                data: data.into_f32(rows * cols),
+            },
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        match *self {
+            CpuMatrix::F32 { rows, .. } | CpuMatrix::Q4_1 { rows, .. } | CpuMatrix::Q8_0 { rows, .. } => rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match *self {
+            CpuMatrix::F32 { cols, .. } | CpuMatrix::Q4_1 { cols, .. } | CpuMatrix::Q8_0 { cols, .. } => cols,
+        }
+    }
+
+    pub fn needs_block_sums(&self) -> bool {
+        matches!(self, CpuMatrix::Q4_1 { .. })
+    }
+
+    /// Row `r` as f32.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let k = self.cols();
+        let nb = k / QBLOCK;
+        match self {
+            CpuMatrix::F32 { data, .. } => out[..k].copy_from_slice(&data[r * k..(r + 1) * k]),
+            CpuMatrix::Q4_1 {
+                scales, mins, nibbles, ..
+            } => {
+                for b in 0..nb {
+                    let (d, m) = (scales[r * nb + b], mins[r * nb + b]);
+                    let qs = &nibbles[(r * nb + b) * 16..(r * nb + b + 1) * 16];
+                    let y = &mut out[b * QBLOCK..(b + 1) * QBLOCK];
+                    for j in 0..16 {
+                        y[j] = (qs[j] & 0xF) as f32 * d + m;
+                        y[j + 16] = (qs[j] >> 4) as f32 * d + m;
+                    }
+                }
+            }
+            CpuMatrix::Q8_0 { scales, quants, .. } => {
+                for b in 0..nb {
+                    let d = scales[r * nb + b];
+                    for j in 0..QBLOCK {
+                        out[b * QBLOCK + j] = quants[r * k + b * QBLOCK + j] as f32 * d;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `row r · x`; `block_sums` holds `Σ x` per 32-block when `needs_block_sums`.
+    #[inline]
+    pub fn dot_row(&self, r: usize, x: &[f32], block_sums: &[f32]) -> f32 {
+        let k = self.cols();
+        let nb = k / QBLOCK;
+        match self {
+            CpuMatrix::F32 { data, .. } => super::simd::dot(&data[r * k..(r + 1) * k], x),
+            CpuMatrix::Q4_1 {
+                scales, mins, nibbles, ..
+            } => {
+                let (d, m) = (&scales[r * nb..(r + 1) * nb], &mins[r * nb..(r + 1) * nb]);
+                let qs = &nibbles[r * nb * 16..(r + 1) * nb * 16];
+                dot_q4_1(d, qs, x) + super::simd::dot(m, block_sums)
+            }
+            CpuMatrix::Q8_0 { scales, quants, .. } => {
+                dot_q8_0(&scales[r * nb..(r + 1) * nb], &quants[r * k..(r + 1) * k], x)
+            }
+        }
+    }
+}
+
+/// `Σ x` over each 32-block of `x`.
+pub fn block_sums(x: &[f32], out: &mut Vec<f32>) {
+    out.clear();
+    out.extend(x.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
+}
+
+fn has_avx512() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// `Σ_b d[b] · Σ_j q[b][j] · x[b][j]` over Q4_1 nibbles (the `m` term is added apart).
+#[inline]
+pub fn dot_q4_1(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: AVX-512F is present (checked above); slices hold whole blocks.
+        return unsafe { dot_q4_1_avx512(d, nibbles, x) };
+    }
+    dot_q4_1_scalar(d, nibbles, x)
+}
+
+pub fn dot_q4_1_scalar(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
+    let mut total = 0f32;
+    for (b, &d) in d.iter().enumerate() {
+        let qs = &nibbles[b * 16..(b + 1) * 16];
+        let xb = &x[b * QBLOCK..(b + 1) * QBLOCK];
+        let mut s = 0f32;
+        for j in 0..16 {
+            s += (qs[j] & 0xF) as f32 * xb[j] + (qs[j] >> 4) as f32 * xb[j + 16];
+        }
+        total += d * s;
+    }
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q4_1_avx512(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mask = _mm_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); 2];
+    // SAFETY: block b reads nibbles[16b..16b+16] and x[32b..32b+32], inside the slices.
+    unsafe {
+        for (b, &scale) in d.iter().enumerate() {
+            let raw = _mm_loadu_si128(nibbles.as_ptr().add(b * 16) as *const __m128i);
+            let lo = _mm_and_si128(raw, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+            let q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+            let q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+            let xp = x.as_ptr().add(b * QBLOCK);
+            let p = _mm512_fmadd_ps(q_hi, _mm512_loadu_ps(xp.add(16)), _mm512_mul_ps(q_lo, _mm512_loadu_ps(xp)));
+            // Two accumulators break the FMA dependency chain across blocks.
+            acc[b & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale), p, acc[b & 1]);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+    }
+}
+
+/// `Σ_b d[b] · Σ_j q[b][j] · x[b][j]` over Q8_0 quants.
+#[inline]
+pub fn dot_q8_0(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: AVX-512F is present (checked above); slices hold whole blocks.
+        return unsafe { dot_q8_0_avx512(d, quants, x) };
+    }
+    dot_q8_0_scalar(d, quants, x)
+}
+
+pub fn dot_q8_0_scalar(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
+    let mut total = 0f32;
+    for (b, &d) in d.iter().enumerate() {
+        let s: f32 = (0..QBLOCK).map(|j| quants[b * QBLOCK + j] as f32 * x[b * QBLOCK + j]).sum();
+        total += d * s;
+    }
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q8_0_avx512(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); 2];
+    // SAFETY: block b reads quants and x at [32b, 32b + 32), inside the slices.
+    unsafe {
+        for (b, &scale) in d.iter().enumerate() {
+            let qp = quants.as_ptr().add(b * QBLOCK) as *const __m128i;
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp)));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(1))));
+            let xp = x.as_ptr().add(b * QBLOCK);
+            let p = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp.add(16)), _mm512_mul_ps(q0, _mm512_loadu_ps(xp)));
+            acc[b & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale), p, acc[b & 1]);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+    }
+}
