@@ -41,6 +41,38 @@ pub struct HostMatrix {
     pub data: HostData,
 }
 
+impl HostMatrix {
+    /// Stacks matrices with equal `cols` (q/k/v, gate/up) into one, so one kernel launch
+    /// does the work of several. Keeps a shared quantized format; mixed formats go f32.
+    pub fn concat_rows(parts: Vec<HostMatrix>) -> HostMatrix {
+        let cols = parts[0].cols;
+        let rows = parts.iter().map(|p| p.rows).sum();
+        assert!(parts.iter().all(|p| p.cols == cols), "concat_rows needs equal widths");
+        let shared_type = match &parts[0].data {
+            HostData::Quantized { ggml_type, .. } => Some(*ggml_type),
+            HostData::F32(_) => None,
+        };
+        let same = parts.iter().all(|p| match &p.data {
+            HostData::Quantized { ggml_type, .. } => Some(*ggml_type) == shared_type,
+            HostData::F32(_) => shared_type.is_none(),
+        });
+        let data = match shared_type {
+            Some(ggml_type) if same => HostData::Quantized {
+                ggml_type,
+                bytes: parts
+                    .into_iter()
+                    .flat_map(|p| match p.data {
+                        HostData::Quantized { bytes, .. } => bytes,
+                        HostData::F32(_) => unreachable!("all parts share the quantized type"),
+                    })
+                    .collect(),
+            },
+            _ => HostData::F32(parts.into_iter().flat_map(|p| p.data.into_f32(p.rows * p.cols)).collect()),
+        };
+        HostMatrix { rows, cols, data }
+    }
+}
+
 pub trait Backend: Send + Sync {
     /// Activations, norms' weights and biases: a flat f32 buffer on the device.
     type Buf: Send + Sync;
@@ -79,8 +111,10 @@ pub trait Backend: Send + Sync {
     /// Rotary embedding (half-split / NeoX layout) of `x[num_tokens, num_heads, head_dim]`
     /// in place; `cos_sin` holds `[max_pos, head_dim]` as cos halves then sin halves.
     fn rope(&self, x: &mut Self::Buf, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Self::Buf);
-    /// `out = silu(gate) * up`, element-wise over `len`.
-    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
+    /// Rows of `gate_up` are `[gate (width) | up (width)]`; `out[r] = silu(gate) * up`.
+    fn silu_mul(&self, gate_up: &Self::Buf, num_rows: usize, width: usize, out: &mut Self::Buf);
+    /// `dst[r, 0..width] = src[r, col_start..col_start + width]` for `r < num_rows`.
+    fn copy_columns(&self, src: &Self::Buf, src_width: usize, col_start: usize, width: usize, num_rows: usize, dst: &mut Self::Buf);
     /// Writes token `t`'s K and V (`[num_tokens, kv_dim]`) into cache slot `slots[t]`.
     fn kv_write(&self, cache: &mut Self::KvCache, layer: usize, k: &Self::Buf, v: &Self::Buf, slots: &[u32]);
     /// Causal attention of each sequence's query tokens over its paged context.

@@ -25,13 +25,13 @@ struct Workspace<B: Backend> {
     capacity_logit_rows: usize,
     x: B::Buf,      // (tokens, hidden): the residual stream
     normed: B::Buf, // (tokens, hidden)
+    qkv: B::Buf,    // (tokens, q_dim + 2 * kv_dim)
     q: B::Buf,      // (tokens, q_dim)
     k: B::Buf,      // (tokens, kv_dim)
     v: B::Buf,      // (tokens, kv_dim)
     attn: B::Buf,   // (tokens, q_dim)
     proj: B::Buf,   // (tokens, hidden)
-    gate: B::Buf,   // (tokens, intermediate)
-    up: B::Buf,     // (tokens, intermediate)
+    gate_up: B::Buf, // (tokens, 2 * intermediate)
     act: B::Buf,    // (tokens, intermediate)
     k_normed: B::Buf, // (tokens, kv_dim), Qwen3 only
     last: B::Buf,   // (logit rows, hidden)
@@ -89,13 +89,13 @@ impl<B: Backend> LlamaModel<B> {
             capacity_logit_rows: r,
             x: backend.alloc(t * c.hidden_size),
             normed: backend.alloc(t * c.hidden_size),
+            qkv: backend.alloc(t * (c.q_dim() + 2 * c.kv_dim())),
             q: backend.alloc(t * c.q_dim()),
             k: backend.alloc(t * c.kv_dim()),
             v: backend.alloc(t * c.kv_dim()),
             attn: backend.alloc(t * c.q_dim()),
             proj: backend.alloc(t * c.hidden_size),
-            gate: backend.alloc(t * c.intermediate_size),
-            up: backend.alloc(t * c.intermediate_size),
+            gate_up: backend.alloc(t * 2 * c.intermediate_size),
             act: backend.alloc(t * c.intermediate_size),
             k_normed: backend.alloc(if c.arch == super::config::Arch::Qwen3 { t * c.kv_dim() } else { 0 }),
             last: backend.alloc(r * c.hidden_size),
@@ -142,9 +142,11 @@ impl<B: Backend> LlamaModel<B> {
                 // The previous layer's MLP output joins the residual stream here, fused.
                 backend.add_rms_norm(&mut ws.x, &ws.proj, &lw.attn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
             }
-            backend.matmul(&ws.normed, num_tokens, &lw.wq, lw.bq.as_ref(), &mut ws.q);
-            backend.matmul(&ws.normed, num_tokens, &lw.wk, lw.bk.as_ref(), &mut ws.k);
-            backend.matmul(&ws.normed, num_tokens, &lw.wv, lw.bv.as_ref(), &mut ws.v);
+            let (qd, kvd) = (c.q_dim(), c.kv_dim());
+            backend.matmul(&ws.normed, num_tokens, &lw.wqkv, lw.bqkv.as_ref(), &mut ws.qkv);
+            backend.copy_columns(&ws.qkv, qd + 2 * kvd, 0, qd, num_tokens, &mut ws.q);
+            backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd, kvd, num_tokens, &mut ws.k);
+            backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd + kvd, kvd, num_tokens, &mut ws.v);
             if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
                 // Qwen3 normalizes each head; reuse `attn` as the scratch for q.
                 backend.rms_norm(&ws.q, qn, eps, num_tokens * c.num_heads, hd, &mut ws.attn);
@@ -158,9 +160,8 @@ impl<B: Backend> LlamaModel<B> {
             backend.paged_attention(&ws.q, cache, li, &attn_seqs, c.num_heads, &mut ws.attn);
             backend.matmul(&ws.attn, num_tokens, &lw.wo, None, &mut ws.proj);
             backend.add_rms_norm(&mut ws.x, &ws.proj, &lw.ffn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
-            backend.matmul(&ws.normed, num_tokens, &lw.w_gate, None, &mut ws.gate);
-            backend.matmul(&ws.normed, num_tokens, &lw.w_up, None, &mut ws.up);
-            backend.silu_mul(&ws.gate, &ws.up, num_tokens * c.intermediate_size, &mut ws.act);
+            backend.matmul(&ws.normed, num_tokens, &lw.w_gate_up, None, &mut ws.gate_up);
+            backend.silu_mul(&ws.gate_up, num_tokens, c.intermediate_size, &mut ws.act);
             backend.matmul(&ws.act, num_tokens, &lw.w_down, None, &mut ws.proj);
         }
         backend.add(&mut ws.x, &ws.proj, num_tokens * c.hidden_size);

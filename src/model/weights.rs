@@ -7,18 +7,15 @@ use crate::kernels::{Backend, HostMatrix};
 
 pub struct LayerWeights<B: Backend> {
     pub attn_norm: B::Buf, // (hidden)
-    pub wq: B::Matrix,     // (num_heads * head_dim, hidden)
-    pub wk: B::Matrix,     // (num_kv_heads * head_dim, hidden)
-    pub wv: B::Matrix,     // (num_kv_heads * head_dim, hidden)
-    pub bq: Option<B::Buf>,
-    pub bk: Option<B::Buf>,
-    pub bv: Option<B::Buf>,
+    /// q, k and v projections stacked: one matmul per layer instead of three.
+    pub wqkv: B::Matrix, // (q_dim + 2 * kv_dim, hidden)
+    pub bqkv: Option<B::Buf>, // (q_dim + 2 * kv_dim), Qwen2
     pub q_norm: Option<B::Buf>, // (head_dim), Qwen3
     pub k_norm: Option<B::Buf>, // (head_dim), Qwen3
     pub wo: B::Matrix,          // (hidden, num_heads * head_dim)
     pub ffn_norm: B::Buf,       // (hidden)
-    pub w_gate: B::Matrix,      // (intermediate, hidden)
-    pub w_up: B::Matrix,        // (intermediate, hidden)
+    /// gate and up projections stacked, rows `[gate | up]`.
+    pub w_gate_up: B::Matrix, // (2 * intermediate, hidden)
     pub w_down: B::Matrix,      // (hidden, intermediate)
 }
 
@@ -54,9 +51,20 @@ impl<B: Backend> Loader<'_, B> {
             reason: "missing from the checkpoint".into(),
         })
     }
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix> {
+    fn host_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix> {
         let t = self.required(name, &[rows, cols])?;
-        Ok(self.backend.upload_matrix(HostMatrix { rows, cols, data: t.data }))
+        Ok(HostMatrix { rows, cols, data: t.data })
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix> {
+        Ok(self.backend.upload_matrix(self.host_matrix(name, rows, cols)?))
+    }
+    /// Several `[rows_i, cols]` tensors stacked into one matrix.
+    fn stacked(&self, parts: &[(String, usize)], cols: usize) -> Result<B::Matrix> {
+        let hosts = parts
+            .iter()
+            .map(|(name, rows)| self.host_matrix(name, *rows, cols))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.backend.upload_matrix(HostMatrix::concat_rows(hosts)))
     }
     fn vector(&self, name: &str, len: usize) -> Result<B::Buf> {
         Ok(self.backend.upload(&self.required(name, &[len])?.into_f32()))
@@ -73,13 +81,17 @@ impl<B: Backend> Weights<B> {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
-            let bias = |n: &str, len| {
-                if cfg.attention_bias {
-                    l.vector(&format!("{p}.self_attn.{n}.bias"), len).map(Some)
-                } else {
-                    Ok(None)
+            let bqkv = if cfg.attention_bias {
+                let mut b = Vec::with_capacity(q + 2 * kv);
+                for (n, len) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                    b.extend(l.required(&format!("{p}.self_attn.{n}.bias"), &[len])?.into_f32());
                 }
+                Some(backend.upload(&b))
+            } else {
+                None
             };
+            let attn = |n: &str, rows| (format!("{p}.self_attn.{n}.weight"), rows);
+            let mlp = |n: &str| (format!("{p}.mlp.{n}.weight"), ff);
             let qk_norm = |n: &str| {
                 if cfg.arch == Arch::Qwen3 {
                     l.vector(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim).map(Some)
@@ -89,18 +101,13 @@ impl<B: Backend> Weights<B> {
             };
             layers.push(LayerWeights {
                 attn_norm: l.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                wq: l.matrix(&format!("{p}.self_attn.q_proj.weight"), q, h)?,
-                wk: l.matrix(&format!("{p}.self_attn.k_proj.weight"), kv, h)?,
-                wv: l.matrix(&format!("{p}.self_attn.v_proj.weight"), kv, h)?,
-                bq: bias("q_proj", q)?,
-                bk: bias("k_proj", kv)?,
-                bv: bias("v_proj", kv)?,
+                wqkv: l.stacked(&[attn("q_proj", q), attn("k_proj", kv), attn("v_proj", kv)], h)?,
+                bqkv,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
                 wo: l.matrix(&format!("{p}.self_attn.o_proj.weight"), h, q)?,
                 ffn_norm: l.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                w_gate: l.matrix(&format!("{p}.mlp.gate_proj.weight"), ff, h)?,
-                w_up: l.matrix(&format!("{p}.mlp.up_proj.weight"), ff, h)?,
+                w_gate_up: l.stacked(&[mlp("gate_proj"), mlp("up_proj")], h)?,
                 w_down: l.matrix(&format!("{p}.mlp.down_proj.weight"), h, ff)?,
             });
         }

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{dot, scale_add};
+use super::simd::{axpy, dot};
 use crate::kernels::paged_kv::{KvCacheShape, SeqAttention};
 
 pub const MAX_BLOCK_SIZE: usize = 256;
@@ -38,10 +38,17 @@ pub fn paged_attention(
     let kv_dim = kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = OutPtr(out.as_mut_ptr());
+    let threads = rayon::current_num_threads();
     seqs.par_iter().for_each(|seq| {
-        (0..seq.num_query_tokens * kv_heads).into_par_iter().for_each(|task| {
+        // Few (token, kv head) tasks, as in decode, would leave threads idle: then each
+        // query head gets its own task and re-reads its group's K/V (cheap at that size).
+        let heads_per_task = if seq.num_query_tokens * kv_heads >= 4 * threads { group } else { 1 };
+        let tasks_per_kv_head = group / heads_per_task;
+        (0..seq.num_query_tokens * kv_heads * tasks_per_kv_head).into_par_iter().for_each(|task| {
             let out_ptr = out_ptr;
-            let (t, kvh) = (task / kv_heads, task % kv_heads);
+            let sub = task % tasks_per_kv_head;
+            let (t, kvh) = (task / tasks_per_kv_head / kv_heads, task / tasks_per_kv_head % kv_heads);
+            let heads = sub * heads_per_task..(sub + 1) * heads_per_task;
             let row = seq.query_start + t;
             // Causal: the query at context position p sees positions 0..=p.
             let num_visible = seq.num_context_tokens - seq.num_query_tokens + t + 1;
@@ -56,7 +63,7 @@ pub fn paged_attention(
                 }
                 let n = bs.min(num_visible - first);
                 let base = block as usize * bs * kv_dim + kvh * hd;
-                for g in 0..group {
+                for g in heads.clone() {
                     let qh = kvh * group + g;
                     let qv = &q[row * q_width + qh * hd..row * q_width + (qh + 1) * hd];
                     let mut block_max = f32::NEG_INFINITY;
@@ -76,12 +83,12 @@ pub fn paged_attention(
                         let p = (scores[g][s] - new_max).exp();
                         denom[g] += p;
                         let vv = &v_cache[base + s * kv_dim..base + s * kv_dim + hd];
-                        scale_add(&mut acc[g][..hd], 1.0, p, vv);
+                        axpy(&mut acc[g][..hd], p, vv);
                     }
                     max[g] = new_max;
                 }
             }
-            for g in 0..group {
+            for g in heads {
                 let qh = kvh * group + g;
                 let inv = 1.0 / denom[g];
                 for d in 0..hd {

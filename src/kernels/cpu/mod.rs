@@ -15,6 +15,10 @@ pub use qmatrix::CpuMatrix;
 
 pub struct CpuBackend;
 
+/// Below this many elements an element-wise op runs on the calling thread: waking the
+/// pool costs more than the work (decode steps are full of such ops).
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
+
 pub struct CpuKvCache {
     pub shape: KvCacheShape,
     /// Per layer `[num_blocks, block_size, num_kv_heads, head_dim]`.
@@ -83,10 +87,14 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, num_rows: usize, dim: usize, out: &mut Vec<f32>) {
-        out[..num_rows * dim]
-            .par_chunks_mut(dim)
-            .zip(x[..num_rows * dim].par_chunks(dim))
-            .for_each(|(o, x)| rms_norm_row(x, weight, eps, o));
+        let (out, x) = (&mut out[..num_rows * dim], &x[..num_rows * dim]);
+        if num_rows * dim < PARALLEL_MIN_ELEMENTS {
+            out.chunks_mut(dim).zip(x.chunks(dim)).for_each(|(o, x)| rms_norm_row(x, weight, eps, o));
+        } else {
+            out.par_chunks_mut(dim)
+                .zip(x.par_chunks(dim))
+                .for_each(|(o, x)| rms_norm_row(x, weight, eps, o));
+        }
     }
 
     fn add_rms_norm(
@@ -99,16 +107,22 @@ impl Backend for CpuBackend {
         dim: usize,
         out: &mut Vec<f32>,
     ) {
-        out[..num_rows * dim]
-            .par_chunks_mut(dim)
-            .zip(residual[..num_rows * dim].par_chunks_mut(dim))
-            .zip(x[..num_rows * dim].par_chunks(dim))
-            .for_each(|((o, r), x)| {
-                for (r, x) in r.iter_mut().zip(x) {
-                    *r += x;
-                }
-                rms_norm_row(r, weight, eps, o);
-            });
+        let row = |((o, r), x): ((&mut [f32], &mut [f32]), &[f32])| {
+            for (r, x) in r.iter_mut().zip(x) {
+                *r += x;
+            }
+            rms_norm_row(r, weight, eps, o);
+        };
+        let n = num_rows * dim;
+        if n < PARALLEL_MIN_ELEMENTS {
+            out[..n].chunks_mut(dim).zip(residual[..n].chunks_mut(dim)).zip(x[..n].chunks(dim)).for_each(row);
+        } else {
+            out[..n]
+                .par_chunks_mut(dim)
+                .zip(residual[..n].par_chunks_mut(dim))
+                .zip(x[..n].par_chunks(dim))
+                .for_each(row);
+        }
     }
 
     fn add(&self, residual: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
@@ -120,32 +134,46 @@ impl Backend for CpuBackend {
     fn rope(&self, x: &mut Vec<f32>, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Vec<f32>) {
         let half = head_dim / 2;
         let width = num_heads * head_dim;
-        x[..positions.len() * width]
-            .par_chunks_mut(width)
-            .zip(positions.par_iter())
-            .for_each(|(row, &pos)| {
-                let table = &cos_sin[pos as usize * head_dim..(pos as usize + 1) * head_dim];
-                let (cos, sin) = table.split_at(half);
-                for head in row.chunks_exact_mut(head_dim) {
-                    let (a, b) = head.split_at_mut(half);
-                    for i in 0..half {
-                        let (x1, x2) = (a[i], b[i]);
-                        a[i] = x1 * cos[i] - x2 * sin[i];
-                        b[i] = x2 * cos[i] + x1 * sin[i];
-                    }
+        let rotate = |(row, &pos): (&mut [f32], &u32)| {
+            let table = &cos_sin[pos as usize * head_dim..(pos as usize + 1) * head_dim];
+            let (cos, sin) = table.split_at(half);
+            for head in row.chunks_exact_mut(head_dim) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * cos[i] - x2 * sin[i];
+                    b[i] = x2 * cos[i] + x1 * sin[i];
                 }
-            });
+            }
+        };
+        let x = &mut x[..positions.len() * width];
+        if x.len() < PARALLEL_MIN_ELEMENTS {
+            x.chunks_mut(width).zip(positions.iter()).for_each(rotate);
+        } else {
+            x.par_chunks_mut(width).zip(positions.par_iter()).for_each(rotate);
+        }
     }
 
-    fn silu_mul(&self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
-        out[..len]
-            .par_chunks_mut(4096)
-            .zip(gate[..len].par_chunks(4096).zip(up[..len].par_chunks(4096)))
-            .for_each(|(o, (g, u))| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g / (1.0 + (-g).exp()) * u;
-                }
-            });
+    fn silu_mul(&self, gate_up: &Vec<f32>, num_rows: usize, width: usize, out: &mut Vec<f32>) {
+        let row = |(o, gu): (&mut [f32], &[f32])| {
+            let (g, u) = gu.split_at(width);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        };
+        let (out, gate_up) = (&mut out[..num_rows * width], &gate_up[..num_rows * 2 * width]);
+        if num_rows * width < PARALLEL_MIN_ELEMENTS {
+            out.chunks_mut(width).zip(gate_up.chunks(2 * width)).for_each(row);
+        } else {
+            out.par_chunks_mut(width).zip(gate_up.par_chunks(2 * width)).for_each(row);
+        }
+    }
+
+    fn copy_columns(&self, src: &Vec<f32>, src_width: usize, col_start: usize, width: usize, num_rows: usize, dst: &mut Vec<f32>) {
+        for r in 0..num_rows {
+            let from = r * src_width + col_start;
+            dst[r * width..(r + 1) * width].copy_from_slice(&src[from..from + width]);
+        }
     }
 
     fn kv_write(&self, cache: &mut CpuKvCache, layer: usize, k: &Vec<f32>, v: &Vec<f32>, slots: &[u32]) {

@@ -81,12 +81,13 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
-/// `y[i] = y[i]·scale + w·x[i]`: the accumulator update of online softmax.
+/// `y[i] += w·x[i]`. Plain multiply-add, not `mul_add`: without FMA enabled at compile
+/// time `mul_add` becomes a libm call per element.
 #[inline]
-pub fn scale_add(y: &mut [f32], scale: f32, w: f32, x: &[f32]) {
+pub fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
     debug_assert_eq!(y.len(), x.len());
     for (y, &x) in y.iter_mut().zip(x) {
-        *y = y.mul_add(scale, w * x);
+        *y += w * x;
     }
 }
 

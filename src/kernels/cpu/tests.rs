@@ -131,8 +131,9 @@ fn silu_mul_matches_formula() {
     let b = CpuBackend;
     let g = vec![-2.0, 0.0, 1.5];
     let u = vec![3.0, 4.0, -1.0];
+    let gate_up: Vec<f32> = g.iter().chain(&u).copied().collect();
     let mut out = vec![0.0; 3];
-    b.silu_mul(&g, &u, 3, &mut out);
+    b.silu_mul(&gate_up, 1, 3, &mut out);
     for i in 0..3 {
         let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
         assert!((out[i] - want).abs() < 1e-6);
