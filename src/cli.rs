@@ -154,7 +154,10 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 let system = line.system.as_ref().or(args.system.as_ref());
                 if line.chat.unwrap_or(args.chat) || system.is_some() {
                     let template = loaded.chat_template.as_ref().ok_or_else(|| {
-                        TroupeError::InvalidInput(format!("{} has no chat template: drop --chat", path.display()))
+                        TroupeError::InvalidInput(format!(
+                            "{} has no chat template: drop --chat",
+                            path.display()
+                        ))
                     })?;
                     let mut messages = Vec::new();
                     if let Some(sys) = system {
@@ -172,7 +175,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             temperature: line.temperature.unwrap_or(args.temperature),
             top_k: line.top_k.unwrap_or(args.top_k),
             top_p: line.top_p.unwrap_or(args.top_p),
-            seed: line.seed.unwrap_or_else(|| default_seed.wrapping_add(index as u64)),
+            seed: line
+                .seed
+                .unwrap_or_else(|| default_seed.wrapping_add(index as u64)),
             num_top_logprobs: line.top_logprobs.unwrap_or(args.top_logprobs),
         };
         requests.push(GenerateRequest {
@@ -204,7 +209,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         };
         let written = if args.json {
             let line = OutputLine::new(o, text, requests[i].params.num_top_logprobs > 0);
-            writeln!(out, "{}", serde_json::to_string(&line).expect("output serializes"))
+            writeln!(
+                out,
+                "{}",
+                serde_json::to_string(&line).expect("output serializes")
+            )
         } else if tok.is_none() {
             writeln!(out, "{:?}", o.token_ids)
         } else {

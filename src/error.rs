@@ -23,7 +23,9 @@ pub enum TroupeError {
     Tokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
-    #[error("prompt {index} has {num_prompt_tokens} tokens but the model context is {max_context_tokens} tokens")]
+    #[error(
+        "prompt {index} has {num_prompt_tokens} tokens but the model context is {max_context_tokens} tokens"
+    )]
     PromptTooLong {
         index: usize,
         num_prompt_tokens: usize,

@@ -94,7 +94,11 @@ impl<B: Backend> Generator<B> {
         if req.prompt_ids.is_empty() {
             return Err(TroupeError::EmptyPrompt { index });
         }
-        if let Some(&bad) = req.prompt_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        if let Some(&bad) = req
+            .prompt_ids
+            .iter()
+            .find(|&&t| t as usize >= cfg.vocab_size)
+        {
             return Err(TroupeError::TokenOutOfRange {
                 index,
                 token_id: bad,
@@ -112,7 +116,11 @@ impl<B: Backend> Generator<B> {
     }
 
     /// Runs all requests to completion; outputs come back in request order.
-    pub fn generate(&mut self, reqs: &[GenerateRequest], mut on_token: impl FnMut(usize)) -> Result<Vec<GenerateOutput>> {
+    pub fn generate(
+        &mut self,
+        reqs: &[GenerateRequest],
+        mut on_token: impl FnMut(usize),
+    ) -> Result<Vec<GenerateOutput>> {
         for (i, r) in reqs.iter().enumerate() {
             self.validate(i, r)?;
         }
@@ -176,7 +184,9 @@ impl<B: Backend> Generator<B> {
                     continue;
                 }
                 if r.params.num_top_logprobs > 0 {
-                    s.output.top_logprobs.push(top_logprobs(row_logits, r.params.num_top_logprobs));
+                    s.output
+                        .top_logprobs
+                        .push(top_logprobs(row_logits, r.params.num_top_logprobs));
                 }
                 s.output.token_ids.push(token);
                 on_token(i);

@@ -36,7 +36,10 @@ impl SamplingParams {
             )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(TroupeError::InvalidSampling(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(TroupeError::InvalidSampling(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
         }
         if self.num_top_logprobs > 20 {
             return Err(TroupeError::InvalidSampling(format!(
@@ -80,13 +83,26 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
         return Vec::new();
     }
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let log_z = max + logits.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let log_z = max
+        + logits
+            .iter()
+            .map(|&v| ((v - max) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let k = k.min(ids.len());
-    ids.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    ids.select_nth_unstable_by(k - 1, |&a, &b| {
+        logits[b as usize].total_cmp(&logits[a as usize])
+    });
     ids.truncate(k);
-    ids.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
-    ids.into_iter().map(|i| (i, logits[i as usize] - log_z)).collect()
+    ids.sort_by(|&a, &b| {
+        logits[b as usize]
+            .total_cmp(&logits[a as usize])
+            .then(a.cmp(&b))
+    });
+    ids.into_iter()
+        .map(|i| (i, logits[i as usize] - log_z))
+        .collect()
 }
 
 /// Reusable buffers so sampling allocates nothing per token.
@@ -103,7 +119,12 @@ impl Sampler {
         }
         let c = &mut self.candidates;
         c.clear();
-        c.extend(logits.iter().enumerate().map(|(i, &v)| (i as u32, v / params.temperature)));
+        c.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (i as u32, v / params.temperature)),
+        );
         if params.top_k > 0 && params.top_k < c.len() {
             c.select_nth_unstable_by(params.top_k - 1, |a, b| b.1.total_cmp(&a.1));
             c.truncate(params.top_k);
@@ -148,7 +169,10 @@ mod tests {
     #[test]
     fn greedy_picks_the_maximum() {
         let mut s = Sampler::default();
-        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9], &SamplingParams::default(), 0), 1);
+        assert_eq!(
+            s.sample(&[0.1, 3.0, -1.0, 2.9], &SamplingParams::default(), 0),
+            1
+        );
     }
 
     #[test]
@@ -163,7 +187,10 @@ mod tests {
         let a: Vec<u32> = (0..20).map(|pos| s.sample(&logits, &p, pos)).collect();
         let b: Vec<u32> = (0..20).map(|pos| s.sample(&logits, &p, pos)).collect();
         assert_eq!(a, b);
-        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 3, "draws vary by position: {a:?}");
+        assert!(
+            a.iter().collect::<std::collections::HashSet<_>>().len() > 3,
+            "draws vary by position: {a:?}"
+        );
     }
 
     #[test]
@@ -201,7 +228,12 @@ mod tests {
             temperature: -1.0,
             ..Default::default()
         };
-        assert!(bad.validate().unwrap_err().to_string().contains("temperature"));
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("temperature")
+        );
         let bad = SamplingParams {
             top_p: 0.0,
             ..Default::default()

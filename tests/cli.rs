@@ -30,7 +30,10 @@ fn scratch(name: &str, contents: &[u8]) -> PathBuf {
 fn assert_clear_error(out: &Output, needle: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "panic reached the user: {stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "panic reached the user: {stderr}"
+    );
     assert!(stderr.starts_with("error"), "stderr: {stderr}");
     assert!(stderr.contains(needle), "expected {needle:?} in: {stderr}");
 }
@@ -41,8 +44,21 @@ fn json_output_has_the_documented_fields_in_input_order() {
         "prompts.jsonl",
         b"{\"prompt_ids\":[5,6,7],\"max_tokens\":4}\n{\"prompt\":\"hello world\",\"max_tokens\":2,\"temperature\":0.8,\"seed\":3}\n",
     );
-    let out = troupe(&["generate", "--model", &tiny("tiny-qwen2"), "--prompts-file", file.to_str().unwrap(), "--json", "--top-logprobs", "3"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-qwen2"),
+        "--prompts-file",
+        file.to_str().unwrap(),
+        "--json",
+        "--top-logprobs",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -64,8 +80,25 @@ fn json_output_has_the_documented_fields_in_input_order() {
 #[test]
 fn seeded_sampling_repeats_and_different_seeds_differ() {
     let run = |seed: &str| {
-        let out = troupe(&["generate", "--model", &tiny("tiny-llama"), "--prompt-ids", "3,4,5", "--max-tokens", "24", "--temperature", "1.0", "--seed", seed, "--json"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = troupe(&[
+            "generate",
+            "--model",
+            &tiny("tiny-llama"),
+            "--prompt-ids",
+            "3,4,5",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "1.0",
+            "--seed",
+            seed,
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     };
     assert_eq!(run("7"), run("7"));
@@ -74,47 +107,116 @@ fn seeded_sampling_repeats_and_different_seeds_differ() {
 
 #[test]
 fn missing_model_file_is_named() {
-    assert_clear_error(&troupe(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"]), "/nonexistent/model.gguf");
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "hi",
+        ]),
+        "/nonexistent/model.gguf",
+    );
 }
 
 #[test]
 fn corrupt_gguf_is_named() {
     let f = scratch("corrupt.gguf", b"GGUF\x03\x00\x00\x00garbage");
-    assert_clear_error(&troupe(&["generate", "--model", f.to_str().unwrap(), "--prompt", "hi"]), "not a valid GGUF file");
+    assert_clear_error(
+        &troupe(&["generate", "--model", f.to_str().unwrap(), "--prompt", "hi"]),
+        "not a valid GGUF file",
+    );
     let f = scratch("notgguf.gguf", b"this is text");
-    assert_clear_error(&troupe(&["generate", "--model", f.to_str().unwrap(), "--prompt", "hi"]), "bad magic");
+    assert_clear_error(
+        &troupe(&["generate", "--model", f.to_str().unwrap(), "--prompt", "hi"]),
+        "bad magic",
+    );
 }
 
 #[test]
 fn unknown_architecture_is_named() {
     let dir = std::env::temp_dir().join(format!("troupe-cli-arch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("config.json"), br#"{"architectures":["GPTNeoXForCausalLM"]}"#).unwrap();
-    assert_clear_error(&troupe(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1"]), "unsupported architecture `GPTNeoXForCausalLM`");
+    std::fs::write(
+        dir.join("config.json"),
+        br#"{"architectures":["GPTNeoXForCausalLM"]}"#,
+    )
+    .unwrap();
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+        ]),
+        "unsupported architecture `GPTNeoXForCausalLM`",
+    );
 }
 
 #[test]
 fn prompt_longer_than_the_context_is_named() {
     // tiny-llama's context is 512 tokens.
     let ids: Vec<String> = (0..600).map(|i| (i % 300).to_string()).collect();
-    let out = troupe(&["generate", "--model", &tiny("tiny-llama"), "--prompt-ids", &ids.join(",")]);
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama"),
+        "--prompt-ids",
+        &ids.join(","),
+    ]);
     assert_clear_error(&out, "600 tokens but the model context is 512");
 }
 
 #[test]
 fn malformed_jsonl_line_is_named() {
-    let f = scratch("bad.jsonl", b"{\"prompt_ids\":[1,2]}\n{\"prompt_ids\": [1,\n");
-    let out = troupe(&["generate", "--model", &tiny("tiny-llama"), "--prompts-file", f.to_str().unwrap()]);
+    let f = scratch(
+        "bad.jsonl",
+        b"{\"prompt_ids\":[1,2]}\n{\"prompt_ids\": [1,\n",
+    );
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama"),
+        "--prompts-file",
+        f.to_str().unwrap(),
+    ]);
     assert_clear_error(&out, "line 2");
 }
 
 #[test]
 fn bad_values_are_named() {
     let m = tiny("tiny-llama");
-    assert_clear_error(&troupe(&["generate", "--model", &m, "--prompt-ids", "1,2", "--temperature", "-1"]), "temperature");
-    assert_clear_error(&troupe(&["generate", "--model", &m, "--prompt-ids", "1,99999"]), "token id 99999");
-    assert_clear_error(&troupe(&["generate", "--model", &m, "--prompts-file", "/nonexistent/p.jsonl"]), "/nonexistent/p.jsonl");
-    assert_clear_error(&troupe(&["generate", "--model", &m]), "nothing to generate from");
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            &m,
+            "--prompt-ids",
+            "1,2",
+            "--temperature",
+            "-1",
+        ]),
+        "temperature",
+    );
+    assert_clear_error(
+        &troupe(&["generate", "--model", &m, "--prompt-ids", "1,99999"]),
+        "token id 99999",
+    );
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            &m,
+            "--prompts-file",
+            "/nonexistent/p.jsonl",
+        ]),
+        "/nonexistent/p.jsonl",
+    );
+    assert_clear_error(
+        &troupe(&["generate", "--model", &m]),
+        "nothing to generate from",
+    );
 }
 
 #[test]
@@ -124,7 +226,28 @@ fn text_prompt_on_a_tokenizerless_checkpoint_asks_for_ids() {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(common::goldens().join("tiny-llama").join(f), dir.join(f)).unwrap();
     }
-    assert_clear_error(&troupe(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi"]), "--prompt-ids");
-    let ok = troupe(&["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,2,3", "--max-tokens", "3"]);
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ]),
+        "--prompt-ids",
+    );
+    let ok = troupe(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "3",
+    ]);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
 }

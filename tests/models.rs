@@ -33,7 +33,10 @@ fn check_tiny(name: &str, block_size: usize) {
         let want_logits = common::floats(&case["last_logits"]);
         let got_logits = last_logits(&mut generator, &prompt, block_size);
         let err = common::relative_error(&got_logits, &want_logits);
-        assert!(err < LOGIT_TOLERANCE, "{name} case {i}: logits relative error {err}");
+        assert!(
+            err < LOGIT_TOLERANCE,
+            "{name} case {i}: logits relative error {err}"
+        );
         requests.push(greedy(prompt, 16));
     }
     // All cases in one batch, and each alone: both equal the reference.
@@ -44,12 +47,24 @@ fn check_tiny(name: &str, block_size: usize) {
         let alone = generator.generate(&requests[i..i + 1], |_| {}).unwrap();
         assert_eq!(alone[0].token_ids, want, "{name} case {i} (alone)");
     }
-    let tok = generator.model.tokenizer.as_ref().expect("tiny models ship a tokenizer.json");
+    let tok = generator
+        .model
+        .tokenizer
+        .as_ref()
+        .expect("tiny models ship a tokenizer.json");
     for case in reference["text_cases"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
-        assert_eq!(tok.encode(text).unwrap(), common::ids(&case["ids"]), "{name}: {text:?}");
+        assert_eq!(
+            tok.encode(text).unwrap(),
+            common::ids(&case["ids"]),
+            "{name}: {text:?}"
+        );
     }
-    let template = generator.model.chat_template.as_ref().expect("tokenizer_config.json has a chat template");
+    let template = generator
+        .model
+        .chat_template
+        .as_ref()
+        .expect("tokenizer_config.json has a chat template");
     for case in reference["chat_cases"].as_array().unwrap() {
         let messages: Vec<ChatMessage> = case["messages"]
             .as_array()
@@ -58,8 +73,16 @@ fn check_tiny(name: &str, block_size: usize) {
             .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
             .collect();
         let rendered = template.render(&messages, true).unwrap();
-        assert_eq!(rendered, case["rendered"].as_str().unwrap(), "{name}: chat template");
-        assert_eq!(tok.encode(&rendered).unwrap(), common::ids(&case["ids"]), "{name}: chat ids");
+        assert_eq!(
+            rendered,
+            case["rendered"].as_str().unwrap(),
+            "{name}: chat template"
+        );
+        assert_eq!(
+            tok.encode(&rendered).unwrap(),
+            common::ids(&case["ids"]),
+            "{name}: chat ids"
+        );
     }
 }
 
@@ -74,7 +97,9 @@ fn last_logits(
     use troupe::model::llama::SeqStep;
     let model = &mut generator.model.model;
     let num_blocks = prompt.len().div_ceil(block_size);
-    let mut cache = generator.backend.alloc_kv_cache(model.kv_cache_shape(num_blocks + 3, block_size));
+    let mut cache = generator
+        .backend
+        .alloc_kv_cache(model.kv_cache_shape(num_blocks + 3, block_size));
     // Blocks in reverse order: the table, not the pool order, must decide where tokens live.
     let table: Vec<u32> = (0..num_blocks as u32).rev().map(|b| b + 3).collect();
     let split = prompt.len() / 2;
@@ -120,8 +145,14 @@ fn smollm2_gguf_matches_transformers() {
         let text = p["text"].as_str().unwrap();
         let want_ids = common::ids(&p["prompt_ids"]);
         let got_ids = if p["chat"].as_bool().unwrap() {
-            let rendered = template.render(&[ChatMessage::new("user", text)], true).unwrap();
-            assert_eq!(rendered, p["rendered"].as_str().unwrap(), "chat template of {text:?}");
+            let rendered = template
+                .render(&[ChatMessage::new("user", text)], true)
+                .unwrap();
+            assert_eq!(
+                rendered,
+                p["rendered"].as_str().unwrap(),
+                "chat template of {text:?}"
+            );
             tok.encode(&rendered).unwrap()
         } else {
             tok.encode_prompt(text).unwrap()
@@ -142,8 +173,17 @@ fn smollm2_gguf_matches_transformers() {
         let got: Vec<f32> = top.iter().map(|&(id, _)| logits[id as usize]).collect();
         let want: Vec<f32> = top.iter().map(|&(_, v)| v).collect();
         let err = common::relative_error(&got, &want);
-        assert!(err < LOGIT_TOLERANCE, "{}: top-20 logits relative error {err}", p["name"]);
-        assert_eq!(troupe::sampling::argmax(&logits), top[0].0, "{}: argmax", p["name"]);
+        assert!(
+            err < LOGIT_TOLERANCE,
+            "{}: top-20 logits relative error {err}",
+            p["name"]
+        );
+        assert_eq!(
+            troupe::sampling::argmax(&logits),
+            top[0].0,
+            "{}: argmax",
+            p["name"]
+        );
     }
     // Greedy: all prompts as one batch.
     let outputs = generator.generate(&requests, |_| {}).unwrap();
@@ -155,7 +195,11 @@ fn smollm2_gguf_matches_transformers() {
             want.pop();
         }
         assert_eq!(out.token_ids, want, "{}: greedy tokens", p["name"]);
-        let reason = if stopped { FinishReason::Stop } else { FinishReason::Length };
+        let reason = if stopped {
+            FinishReason::Stop
+        } else {
+            FinishReason::Length
+        };
         assert_eq!(out.finish_reason, reason, "{}", p["name"]);
     }
 }

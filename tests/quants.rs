@@ -5,7 +5,10 @@ mod common;
 use troupe::kernels::quant::{GgmlType, dequantize};
 
 fn hex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
 }
 
 #[test]
@@ -22,11 +25,16 @@ fn dequantization_matches_the_gguf_package() {
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             // Exact but for the order of f32 products within a block.
-            assert!((g - w).abs() <= 1e-6 * scale, "{name} element {i}: {g} vs {w}");
+            assert!(
+                (g - w).abs() <= 1e-6 * scale,
+                "{name} element {i}: {g} vs {w}"
+            );
         }
         seen.push(name.to_string());
     }
-    for name in ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"] {
+    for name in [
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+    ] {
         assert!(seen.iter().any(|s| s == name), "no golden for {name}");
     }
 }

@@ -27,7 +27,12 @@ fn smollm2_gguf_tokenizer_matches_transformers() {
             failures.push(format!("decode: got {got:?}, want {want:?}"));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -58,7 +63,12 @@ fn sentencepiece_gguf_tokenizer_matches_sentencepiece() {
             failures.push(format!("decode {ids:?}: got {got:?}, want {want:?}"));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -66,7 +76,11 @@ fn plain_encoding_does_not_produce_special_ids() {
     let gguf = GgufFile::open(&common::smollm2_path()).unwrap();
     let tok = Tokenizer::from_gguf(&gguf).unwrap();
     let im_start = tok.token_to_id("<|im_start|>").unwrap();
-    assert!(tok.encode("<|im_start|>system").unwrap().contains(&im_start));
+    assert!(
+        tok.encode("<|im_start|>system")
+            .unwrap()
+            .contains(&im_start)
+    );
     let plain = tok.encode_plain("<|im_start|>system").unwrap();
     assert!(!plain.contains(&im_start), "{plain:?}");
     assert_eq!(tok.decode(&plain, false).unwrap(), "<|im_start|>system");

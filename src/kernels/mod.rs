@@ -16,7 +16,10 @@ pub use paged_kv::{KvCacheShape, SeqAttention};
 pub enum HostData {
     F32(Vec<f32>),
     /// Whole GGML blocks, each row of the tensor a whole number of them.
-    Quantized { ggml_type: quant::GgmlType, bytes: Vec<u8> },
+    Quantized {
+        ggml_type: quant::GgmlType,
+        bytes: Vec<u8>,
+    },
 }
 
 impl HostData {
@@ -47,7 +50,10 @@ impl HostMatrix {
     pub fn concat_rows(parts: Vec<HostMatrix>) -> HostMatrix {
         let cols = parts[0].cols;
         let rows = parts.iter().map(|p| p.rows).sum();
-        assert!(parts.iter().all(|p| p.cols == cols), "concat_rows needs equal widths");
+        assert!(
+            parts.iter().all(|p| p.cols == cols),
+            "concat_rows needs equal widths"
+        );
         let shared_type = match &parts[0].data {
             HostData::Quantized { ggml_type, .. } => Some(*ggml_type),
             HostData::F32(_) => None,
@@ -67,7 +73,12 @@ impl HostMatrix {
                     })
                     .collect(),
             },
-            _ => HostData::F32(parts.into_iter().flat_map(|p| p.data.into_f32(p.rows * p.cols)).collect()),
+            _ => HostData::F32(
+                parts
+                    .into_iter()
+                    .flat_map(|p| p.data.into_f32(p.rows * p.cols))
+                    .collect(),
+            ),
         };
         HostMatrix { rows, cols, data }
     }
@@ -92,10 +103,26 @@ pub trait Backend: Send + Sync {
     /// `out[t] = table[ids[t]]`.
     fn embedding(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buf);
     /// `out[num_rows, w.rows] = x[num_rows, w.cols] · wᵀ (+ bias)`.
-    fn matmul(&self, x: &Self::Buf, num_rows: usize, w: &Self::Matrix, bias: Option<&Self::Buf>, out: &mut Self::Buf);
+    fn matmul(
+        &self,
+        x: &Self::Buf,
+        num_rows: usize,
+        w: &Self::Matrix,
+        bias: Option<&Self::Buf>,
+        out: &mut Self::Buf,
+    );
     /// Row-wise RMSNorm of `x[num_rows, dim]` scaled by `weight[dim]`.
-    fn rms_norm(&self, x: &Self::Buf, weight: &Self::Buf, eps: f32, num_rows: usize, dim: usize, out: &mut Self::Buf);
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut Self::Buf,
+    );
     /// `residual += x` then `out = rms_norm(residual)`: the residual add fused into the norm.
+    #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(
         &self,
         residual: &mut Self::Buf,
@@ -110,13 +137,35 @@ pub trait Backend: Send + Sync {
     fn add(&self, residual: &mut Self::Buf, x: &Self::Buf, len: usize);
     /// Rotary embedding (half-split / NeoX layout) of `x[num_tokens, num_heads, head_dim]`
     /// in place; `cos_sin` holds `[max_pos, head_dim]` as cos halves then sin halves.
-    fn rope(&self, x: &mut Self::Buf, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Self::Buf);
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        positions: &[u32],
+        num_heads: usize,
+        head_dim: usize,
+        cos_sin: &Self::Buf,
+    );
     /// Rows of `gate_up` are `[gate (width) | up (width)]`; `out[r] = silu(gate) * up`.
     fn silu_mul(&self, gate_up: &Self::Buf, num_rows: usize, width: usize, out: &mut Self::Buf);
     /// `dst[r, 0..width] = src[r, col_start..col_start + width]` for `r < num_rows`.
-    fn copy_columns(&self, src: &Self::Buf, src_width: usize, col_start: usize, width: usize, num_rows: usize, dst: &mut Self::Buf);
+    fn copy_columns(
+        &self,
+        src: &Self::Buf,
+        src_width: usize,
+        col_start: usize,
+        width: usize,
+        num_rows: usize,
+        dst: &mut Self::Buf,
+    );
     /// Writes token `t`'s K and V (`[num_tokens, kv_dim]`) into cache slot `slots[t]`.
-    fn kv_write(&self, cache: &mut Self::KvCache, layer: usize, k: &Self::Buf, v: &Self::Buf, slots: &[u32]);
+    fn kv_write(
+        &self,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        slots: &[u32],
+    );
     /// Causal attention of each sequence's query tokens over its paged context.
     /// `q` is `[num_tokens, num_heads * head_dim]`, `out` the same shape.
     fn paged_attention(

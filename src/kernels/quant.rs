@@ -132,7 +132,10 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
 fn q5_values(qh: u32, qs: &[u8], j: usize) -> (i32, i32) {
     let h0 = ((qh >> j) << 4) & 0x10;
     let h1 = (qh >> (j + 12)) & 0x10;
-    (((qs[j] & 0xF) as u32 | h0) as i32, ((qs[j] >> 4) as u32 | h1) as i32)
+    (
+        ((qs[j] & 0xF) as u32 | h0) as i32,
+        ((qs[j] >> 4) as u32 | h1) as i32,
+    )
 }
 
 fn q5_0(b: &[u8], y: &mut [f32]) {

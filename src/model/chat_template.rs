@@ -90,7 +90,10 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let tmpl = self.env.get_template("chat").expect("template added in new");
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .expect("template added in new");
         tmpl.render(context! {
             messages => Value::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
@@ -109,8 +112,13 @@ mod tests {
     fn chatml_renders_with_generation_prompt() {
         let src = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-        let out = t.render(&[ChatMessage::new("user", "  hi ")], true).unwrap();
-        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        let out = t
+            .render(&[ChatMessage::new("user", "  hi ")], true)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]

@@ -19,7 +19,9 @@ pub enum Arch {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     Llama3 {
         factor: f64,
         low_freq_factor: f64,
@@ -56,16 +58,26 @@ impl ModelConfig {
 
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(TroupeError::InvalidInput(format!("model config: {m}")));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
+        {
             return bad(format!(
                 "{} attention heads is not a multiple of {} kv heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 || self.head_dim > 512 {
-            return bad(format!("head_dim {} must be even and at most 512", self.head_dim));
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) || self.head_dim > 512 {
+            return bad(format!(
+                "head_dim {} must be even and at most 512",
+                self.head_dim
+            ));
         }
-        if self.hidden_size == 0 || self.vocab_size == 0 || self.num_layers == 0 || self.intermediate_size == 0 {
+        if self.hidden_size == 0
+            || self.vocab_size == 0
+            || self.num_layers == 0
+            || self.intermediate_size == 0
+        {
             return bad("zero-sized dimension".into());
         }
         Ok(())
@@ -88,7 +100,9 @@ impl ModelConfig {
         let key = |k: &str| format!("{arch_name}.{k}");
         let hidden_size = gguf.require_u64(&key("embedding_length"))? as usize;
         let num_heads = gguf.require_u64(&key("attention.head_count"))? as usize;
-        let num_kv_heads = gguf.meta_u64(&key("attention.head_count_kv")).unwrap_or(num_heads as u64) as usize;
+        let num_kv_heads = gguf
+            .meta_u64(&key("attention.head_count_kv"))
+            .unwrap_or(num_heads as u64) as usize;
         let head_dim = gguf
             .meta_u64(&key("attention.key_length"))
             .map(|v| v as usize)
@@ -118,7 +132,9 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: gguf.meta_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+            rms_norm_eps: gguf
+                .meta_f64(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f32,
             rope_theta: gguf.meta_f64(&key("rope.freq_base")).unwrap_or(10000.0),
             rope_scaling,
             max_context_tokens: gguf.meta_u64(&key("context_length")).unwrap_or(2048) as usize,
@@ -149,7 +165,10 @@ impl ModelConfig {
         };
         let hidden_size = usize_of("hidden_size")?;
         let num_heads = usize_of("num_attention_heads")?;
-        let num_kv_heads = json["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(num_heads);
+        let num_kv_heads = json["num_key_value_heads"]
+            .as_u64()
+            .map(|v| v as usize)
+            .unwrap_or(num_heads);
         let head_dim = json["head_dim"]
             .as_u64()
             .map(|v| v as usize)
@@ -160,8 +179,14 @@ impl ModelConfig {
         } else {
             &json["rope_scaling"]
         };
-        let rope_theta = json["rope_theta"].as_f64().or_else(|| rope["rope_theta"].as_f64()).unwrap_or(10000.0);
-        let rope_type = rope["rope_type"].as_str().or_else(|| rope["type"].as_str()).unwrap_or("default");
+        let rope_theta = json["rope_theta"]
+            .as_f64()
+            .or_else(|| rope["rope_theta"].as_f64())
+            .unwrap_or(10000.0);
+        let rope_type = rope["rope_type"]
+            .as_str()
+            .or_else(|| rope["type"].as_str())
+            .unwrap_or("default");
         let f = |k: &str| rope[k].as_f64();
         let rope_scaling = match rope_type {
             "default" => RopeScaling::None,
@@ -169,10 +194,12 @@ impl ModelConfig {
                 factor: f("factor").unwrap_or(1.0),
             },
             "llama3" => RopeScaling::Llama3 {
-                factor: f("factor").ok_or_else(|| bad("llama3 rope scaling without `factor`".into()))?,
+                factor: f("factor")
+                    .ok_or_else(|| bad("llama3 rope scaling without `factor`".into()))?,
                 low_freq_factor: f("low_freq_factor").unwrap_or(1.0),
                 high_freq_factor: f("high_freq_factor").unwrap_or(4.0),
-                original_max_position_embeddings: f("original_max_position_embeddings").unwrap_or(8192.0),
+                original_max_position_embeddings: f("original_max_position_embeddings")
+                    .unwrap_or(8192.0),
             },
             other => return Err(bad(format!("unsupported rope type `{other}`"))),
         };
@@ -189,7 +216,8 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_context_tokens: json["max_position_embeddings"].as_u64().unwrap_or(4096) as usize,
-            attention_bias: arch == Arch::Qwen2 || json["attention_bias"].as_bool().unwrap_or(false),
+            attention_bias: arch == Arch::Qwen2
+                || json["attention_bias"].as_bool().unwrap_or(false),
             tie_word_embeddings: json["tie_word_embeddings"].as_bool().unwrap_or(false),
         };
         cfg.validate()?;

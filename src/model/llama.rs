@@ -23,19 +23,19 @@ pub struct SeqStep<'a> {
 struct Workspace<B: Backend> {
     capacity_tokens: usize,
     capacity_logit_rows: usize,
-    x: B::Buf,      // (tokens, hidden): the residual stream
-    normed: B::Buf, // (tokens, hidden)
-    qkv: B::Buf,    // (tokens, q_dim + 2 * kv_dim)
-    q: B::Buf,      // (tokens, q_dim)
-    k: B::Buf,      // (tokens, kv_dim)
-    v: B::Buf,      // (tokens, kv_dim)
-    attn: B::Buf,   // (tokens, q_dim)
-    proj: B::Buf,   // (tokens, hidden)
-    gate_up: B::Buf, // (tokens, 2 * intermediate)
-    act: B::Buf,    // (tokens, intermediate)
+    x: B::Buf,        // (tokens, hidden): the residual stream
+    normed: B::Buf,   // (tokens, hidden)
+    qkv: B::Buf,      // (tokens, q_dim + 2 * kv_dim)
+    q: B::Buf,        // (tokens, q_dim)
+    k: B::Buf,        // (tokens, kv_dim)
+    v: B::Buf,        // (tokens, kv_dim)
+    attn: B::Buf,     // (tokens, q_dim)
+    proj: B::Buf,     // (tokens, hidden)
+    gate_up: B::Buf,  // (tokens, 2 * intermediate)
+    act: B::Buf,      // (tokens, intermediate)
     k_normed: B::Buf, // (tokens, kv_dim), Qwen3 only
-    last: B::Buf,   // (logit rows, hidden)
-    logits: B::Buf, // (logit rows, vocab)
+    last: B::Buf,     // (logit rows, hidden)
+    logits: B::Buf,   // (logit rows, vocab)
 }
 
 pub struct LlamaModel<B: Backend> {
@@ -50,7 +50,12 @@ pub struct LlamaModel<B: Backend> {
 }
 
 impl<B: Backend> LlamaModel<B> {
-    pub fn new(cfg: ModelConfig, weights: Weights<B>, backend: &B, freq_factors: Option<&[f32]>) -> Self {
+    pub fn new(
+        cfg: ModelConfig,
+        weights: Weights<B>,
+        backend: &B,
+        freq_factors: Option<&[f32]>,
+    ) -> Self {
         let table = cos_sin_table(&inv_freqs(&cfg, freq_factors), cfg.max_context_tokens);
         LlamaModel {
             cos_sin: backend.upload(&table),
@@ -74,10 +79,9 @@ impl<B: Backend> LlamaModel<B> {
     }
 
     fn ensure_workspace(&mut self, backend: &B, num_tokens: usize, num_logit_rows: usize) {
-        let fits = self
-            .ws
-            .as_ref()
-            .is_some_and(|w| w.capacity_tokens >= num_tokens && w.capacity_logit_rows >= num_logit_rows);
+        let fits = self.ws.as_ref().is_some_and(|w| {
+            w.capacity_tokens >= num_tokens && w.capacity_logit_rows >= num_logit_rows
+        });
         if fits {
             return;
         }
@@ -97,7 +101,11 @@ impl<B: Backend> LlamaModel<B> {
             proj: backend.alloc(t * c.hidden_size),
             gate_up: backend.alloc(t * 2 * c.intermediate_size),
             act: backend.alloc(t * c.intermediate_size),
-            k_normed: backend.alloc(if c.arch == super::config::Arch::Qwen3 { t * c.kv_dim() } else { 0 }),
+            k_normed: backend.alloc(if c.arch == super::config::Arch::Qwen3 {
+                t * c.kv_dim()
+            } else {
+                0
+            }),
             last: backend.alloc(r * c.hidden_size),
             logits: backend.alloc(r * c.vocab_size),
         });
@@ -105,7 +113,13 @@ impl<B: Backend> LlamaModel<B> {
 
     /// Runs one step and returns the logits of each sequence's last token,
     /// `[seqs.len(), vocab]` row-major.
-    pub fn forward(&mut self, backend: &B, cache: &mut B::KvCache, block_size: usize, seqs: &[SeqStep<'_>]) -> Vec<f32> {
+    pub fn forward(
+        &mut self,
+        backend: &B,
+        cache: &mut B::KvCache,
+        block_size: usize,
+        seqs: &[SeqStep<'_>],
+    ) -> Vec<f32> {
         let num_tokens: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
         self.ensure_workspace(backend, num_tokens, seqs.len());
         self.positions.clear();
@@ -119,7 +133,11 @@ impl<B: Backend> LlamaModel<B> {
                 let pos = s.num_cached_tokens + i;
                 self.ids.push(id);
                 self.positions.push(pos as u32);
-                self.slots.push(crate::kernels::paged_kv::slot_of(s.block_table, block_size, pos));
+                self.slots.push(crate::kernels::paged_kv::slot_of(
+                    s.block_table,
+                    block_size,
+                    pos,
+                ));
             }
             attn_seqs.push(SeqAttention {
                 query_start,
@@ -137,13 +155,34 @@ impl<B: Backend> LlamaModel<B> {
         backend.embedding(&w.embed, &self.ids, &mut ws.x);
         for (li, lw) in w.layers.iter().enumerate() {
             if li == 0 {
-                backend.rms_norm(&ws.x, &lw.attn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
+                backend.rms_norm(
+                    &ws.x,
+                    &lw.attn_norm,
+                    eps,
+                    num_tokens,
+                    c.hidden_size,
+                    &mut ws.normed,
+                );
             } else {
                 // The previous layer's MLP output joins the residual stream here, fused.
-                backend.add_rms_norm(&mut ws.x, &ws.proj, &lw.attn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
+                backend.add_rms_norm(
+                    &mut ws.x,
+                    &ws.proj,
+                    &lw.attn_norm,
+                    eps,
+                    num_tokens,
+                    c.hidden_size,
+                    &mut ws.normed,
+                );
             }
             let (qd, kvd) = (c.q_dim(), c.kv_dim());
-            backend.matmul(&ws.normed, num_tokens, &lw.wqkv, lw.bqkv.as_ref(), &mut ws.qkv);
+            backend.matmul(
+                &ws.normed,
+                num_tokens,
+                &lw.wqkv,
+                lw.bqkv.as_ref(),
+                &mut ws.qkv,
+            );
             backend.copy_columns(&ws.qkv, qd + 2 * kvd, 0, qd, num_tokens, &mut ws.q);
             backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd, kvd, num_tokens, &mut ws.k);
             backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd + kvd, kvd, num_tokens, &mut ws.v);
@@ -151,22 +190,50 @@ impl<B: Backend> LlamaModel<B> {
                 // Qwen3 normalizes each head; reuse `attn` as the scratch for q.
                 backend.rms_norm(&ws.q, qn, eps, num_tokens * c.num_heads, hd, &mut ws.attn);
                 std::mem::swap(&mut ws.q, &mut ws.attn);
-                backend.rms_norm(&ws.k, kn, eps, num_tokens * c.num_kv_heads, hd, &mut ws.k_normed);
+                backend.rms_norm(
+                    &ws.k,
+                    kn,
+                    eps,
+                    num_tokens * c.num_kv_heads,
+                    hd,
+                    &mut ws.k_normed,
+                );
                 std::mem::swap(&mut ws.k, &mut ws.k_normed);
             }
             backend.rope(&mut ws.q, &self.positions, c.num_heads, hd, &self.cos_sin);
-            backend.rope(&mut ws.k, &self.positions, c.num_kv_heads, hd, &self.cos_sin);
+            backend.rope(
+                &mut ws.k,
+                &self.positions,
+                c.num_kv_heads,
+                hd,
+                &self.cos_sin,
+            );
             backend.kv_write(cache, li, &ws.k, &ws.v, &self.slots);
             backend.paged_attention(&ws.q, cache, li, &attn_seqs, c.num_heads, &mut ws.attn);
             backend.matmul(&ws.attn, num_tokens, &lw.wo, None, &mut ws.proj);
-            backend.add_rms_norm(&mut ws.x, &ws.proj, &lw.ffn_norm, eps, num_tokens, c.hidden_size, &mut ws.normed);
+            backend.add_rms_norm(
+                &mut ws.x,
+                &ws.proj,
+                &lw.ffn_norm,
+                eps,
+                num_tokens,
+                c.hidden_size,
+                &mut ws.normed,
+            );
             backend.matmul(&ws.normed, num_tokens, &lw.w_gate_up, None, &mut ws.gate_up);
             backend.silu_mul(&ws.gate_up, num_tokens, c.intermediate_size, &mut ws.act);
             backend.matmul(&ws.act, num_tokens, &lw.w_down, None, &mut ws.proj);
         }
         backend.add(&mut ws.x, &ws.proj, num_tokens * c.hidden_size);
         backend.gather_rows(&ws.x, c.hidden_size, &last_rows, &mut ws.normed);
-        backend.rms_norm(&ws.normed, &w.final_norm, eps, seqs.len(), c.hidden_size, &mut ws.last);
+        backend.rms_norm(
+            &ws.normed,
+            &w.final_norm,
+            eps,
+            seqs.len(),
+            c.hidden_size,
+            &mut ws.last,
+        );
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         backend.matmul(&ws.last, seqs.len(), head, None, &mut ws.logits);
         backend.download(&ws.logits, seqs.len() * c.vocab_size)

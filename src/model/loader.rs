@@ -123,7 +123,10 @@ impl GgufSource<'_> {
             HostData::F32(v) => {
                 let mut bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                 permute(&mut bytes);
-                *v = bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+                *v = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
             }
             HostData::Quantized { bytes, .. } => permute(bytes),
         }
@@ -131,7 +134,9 @@ impl GgufSource<'_> {
 
     /// Llama 3's frequency factors, stored by llama.cpp as a tensor.
     pub fn rope_freq_factors(&self) -> Result<Option<Vec<f32>>> {
-        Ok(self.load_raw("rope_freqs.weight")?.map(HostTensor::into_f32))
+        Ok(self
+            .load_raw("rope_freqs.weight")?
+            .map(HostTensor::into_f32))
     }
 }
 
@@ -167,16 +172,24 @@ impl SafetensorsSource {
         let files: Vec<PathBuf> = if single.exists() {
             vec![single]
         } else if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| TroupeError::io(&index_path, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
-                path: index_path.clone(),
-                reason: format!("invalid JSON: {e}"),
-            })?;
-            let map = json["weight_map"].as_object().ok_or_else(|| TroupeError::ModelFormat {
-                path: index_path.clone(),
-                reason: "no `weight_map` object".into(),
-            })?;
-            let mut shards: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| TroupeError::io(&index_path, e))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
+                    path: index_path.clone(),
+                    reason: format!("invalid JSON: {e}"),
+                })?;
+            let map = json["weight_map"]
+                .as_object()
+                .ok_or_else(|| TroupeError::ModelFormat {
+                    path: index_path.clone(),
+                    reason: "no `weight_map` object".into(),
+                })?;
+            let mut shards: Vec<PathBuf> = map
+                .values()
+                .filter_map(|v| v.as_str())
+                .map(|f| dir.join(f))
+                .collect();
             shards.sort();
             shards.dedup();
             shards
@@ -219,10 +232,23 @@ impl TensorSource for SafetensorsSource {
         let view = st.tensor(hf_name).map_err(|e| bad(e.to_string()))?;
         let bytes = view.data();
         let data: Vec<f32> = match view.dtype() {
-            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            other => return Err(bad(format!("tensor `{hf_name}` has unsupported dtype {other:?}"))),
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(bad(format!(
+                    "tensor `{hf_name}` has unsupported dtype {other:?}"
+                )));
+            }
         };
         Ok(Some(HostTensor {
             dims: view.shape().to_vec(),

@@ -77,14 +77,21 @@ fn load_gguf<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
     let chat_template = match (gguf.meta_str("tokenizer.chat_template"), &tokenizer) {
         (Some(src), Some(tok)) => {
             let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
-            let eos = name(gguf.meta_u64("tokenizer.ggml.eos_token_id").map(|v| v as u32));
+            let eos = name(
+                gguf.meta_u64("tokenizer.ggml.eos_token_id")
+                    .map(|v| v as u32),
+            );
             Some(ChatTemplate::new(src, &name(tok.bos_id), &eos)?)
         }
         _ => None,
     };
     let stop_ids = match &tokenizer {
         Some(t) => t.stop_ids.clone(),
-        None => gguf.meta_u64("tokenizer.ggml.eos_token_id").map(|v| v as u32).into_iter().collect(),
+        None => gguf
+            .meta_u64("tokenizer.ggml.eos_token_id")
+            .map(|v| v as u32)
+            .into_iter()
+            .collect(),
     };
     Ok(LoadedModel {
         path: path.to_path_buf(),
@@ -100,15 +107,19 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| TroupeError::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| TroupeError::ModelFormat {
-        path: path.to_path_buf(),
-        reason: format!("invalid JSON: {e}"),
-    })
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| TroupeError::ModelFormat {
+            path: path.to_path_buf(),
+            reason: format!("invalid JSON: {e}"),
+        })
 }
 
 /// A special token in `tokenizer_config.json` is a string or `{"content": ...}`.
 fn token_string(v: &serde_json::Value) -> Option<String> {
-    v.as_str().map(str::to_string).or_else(|| v["content"].as_str().map(str::to_string))
+    v.as_str()
+        .map(str::to_string)
+        .or_else(|| v["content"].as_str().map(str::to_string))
 }
 
 fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
@@ -125,7 +136,11 @@ fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
     let eos_ids: Vec<u32> = [&gen_cfg["eos_token_id"], &config["eos_token_id"]]
         .iter()
         .flat_map(|v| match v {
-            serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+            serde_json::Value::Array(a) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect(),
             v => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
         })
         .collect();
@@ -134,20 +149,25 @@ fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
     let tokenizer = if dir.join("tokenizer.json").exists() {
         let add_bos = tok_cfg["add_bos_token"].as_bool().unwrap_or(false);
         let mut tok = Tokenizer::from_hf_dir(dir, bos.as_deref(), add_bos, eos_ids.clone())?;
-        if let Some(id) = eos.as_deref().and_then(|e| tok.token_to_id(e)) {
-            if !tok.stop_ids.contains(&id) {
-                tok.stop_ids.push(id);
-            }
+        if let Some(id) = eos.as_deref().and_then(|e| tok.token_to_id(e))
+            && !tok.stop_ids.contains(&id)
+        {
+            tok.stop_ids.push(id);
         }
         Some(tok)
     } else {
         None
     };
-    let template_src = tok_cfg["chat_template"].as_str().map(str::to_string).or_else(|| {
-        std::fs::read_to_string(dir.join("chat_template.jinja")).ok()
-    });
+    let template_src = tok_cfg["chat_template"]
+        .as_str()
+        .map(str::to_string)
+        .or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok());
     let chat_template = match template_src {
-        Some(t) => Some(ChatTemplate::new(&t, bos.as_deref().unwrap_or(""), eos.as_deref().unwrap_or(""))?),
+        Some(t) => Some(ChatTemplate::new(
+            &t,
+            bos.as_deref().unwrap_or(""),
+            eos.as_deref().unwrap_or(""),
+        )?),
         None => None,
     };
     let stop_ids = tokenizer.as_ref().map_or(eos_ids, |t| t.stop_ids.clone());

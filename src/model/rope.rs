@@ -33,7 +33,8 @@ pub fn inv_freqs(cfg: &ModelConfig, freq_factors: Option<&[f32]>) -> Vec<f64> {
                 if wavelen > low_freq_wavelen {
                     *f /= factor;
                 } else {
-                    let smooth = (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    let smooth = (old_ctx / wavelen - low_freq_factor)
+                        / (high_freq_factor - low_freq_factor);
                     *f = (1.0 - smooth) * *f / factor + smooth * *f;
                 }
             }

@@ -5,27 +5,28 @@
 use std::collections::HashSet;
 use std::path::Path;
 
+use tokenizers::decoders::DecoderWrapper;
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
-use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::normalizers::prepend::Prepend;
 use tokenizers::normalizers::replace::Replace;
 use tokenizers::normalizers::{NormalizerWrapper, Sequence as NormalizerSequence};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use super::gguf::{GgufFile, MetaValue};
 use crate::error::{Result, TroupeError};
 
-const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2_REGEX: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -50,10 +51,21 @@ fn tok_err(e: impl std::fmt::Display) -> TroupeError {
 
 /// Tokens that close a turn in the chat formats we know; added to the stop set when the
 /// vocabulary has them, as llama.cpp and transformers' generation configs do.
-const END_OF_TURN_TOKENS: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"];
+const END_OF_TURN_TOKENS: &[&str] = &[
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+];
 
 impl Tokenizer {
-    pub fn from_hf_dir(dir: &Path, bos: Option<&str>, add_bos: bool, eos_ids: Vec<u32>) -> Result<Self> {
+    pub fn from_hf_dir(
+        dir: &Path,
+        bos: Option<&str>,
+        add_bos: bool,
+        eos_ids: Vec<u32>,
+    ) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| TroupeError::Tokenizer(format!("{}: {e}", path.display())))?;
@@ -61,12 +73,17 @@ impl Tokenizer {
         Ok(Self::finish(inner, bos_id, add_bos, eos_ids))
     }
 
-    fn finish(inner: tokenizers::Tokenizer, bos_id: Option<u32>, add_bos: bool, mut stop_ids: Vec<u32>) -> Self {
+    fn finish(
+        inner: tokenizers::Tokenizer,
+        bos_id: Option<u32>,
+        add_bos: bool,
+        mut stop_ids: Vec<u32>,
+    ) -> Self {
         for t in END_OF_TURN_TOKENS {
-            if let Some(id) = inner.token_to_id(t) {
-                if !stop_ids.contains(&id) {
-                    stop_ids.push(id);
-                }
+            if let Some(id) = inner.token_to_id(t)
+                && !stop_ids.contains(&id)
+            {
+                stop_ids.push(id);
             }
         }
         let mut plain = inner.clone();
@@ -81,12 +98,18 @@ impl Tokenizer {
     }
 
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
-        let model = gguf
-            .meta_str("tokenizer.ggml.model")
-            .ok_or_else(|| tok_err("GGUF has no `tokenizer.ggml.model`; pass --prompt-ids instead"))?;
+        let model = gguf.meta_str("tokenizer.ggml.model").ok_or_else(|| {
+            tok_err("GGUF has no `tokenizer.ggml.model`; pass --prompt-ids instead")
+        })?;
         let tokens: Vec<String> = string_array(gguf, "tokenizer.ggml.tokens")?;
-        let token_types: Vec<i64> = match gguf.meta("tokenizer.ggml.token_type").and_then(MetaValue::as_array) {
-            Some(a) => a.iter().map(|v| v.as_u64().map(|x| x as i64).unwrap_or(1)).collect(),
+        let token_types: Vec<i64> = match gguf
+            .meta("tokenizer.ggml.token_type")
+            .and_then(MetaValue::as_array)
+        {
+            Some(a) => a
+                .iter()
+                .map(|v| v.as_u64().map(|x| x as i64).unwrap_or(1))
+                .collect(),
             None => vec![1; tokens.len()],
         };
         let id_of = |key: &str| gguf.meta_u64(key).map(|v| v as u32);
@@ -96,7 +119,11 @@ impl Tokenizer {
         let (inner, default_add_bos) = match model {
             "gpt2" => (gpt2_tokenizer(gguf, &tokens)?, false),
             "llama" => (spm_tokenizer(gguf, &tokens, &token_types)?, true),
-            other => return Err(tok_err(format!("unsupported GGUF tokenizer model `{other}` (supported: gpt2, llama)"))),
+            other => {
+                return Err(tok_err(format!(
+                    "unsupported GGUF tokenizer model `{other}` (supported: gpt2, llama)"
+                )));
+            }
         };
         let mut inner = inner;
         let specials: Vec<AddedToken> = tokens
@@ -130,10 +157,10 @@ impl Tokenizer {
     /// Encodes a prompt: BOS first when the model wants one and the text lacks it.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
         let mut ids = self.encode(text)?;
-        if let (true, Some(bos)) = (self.add_bos, self.bos_id) {
-            if ids.first() != Some(&bos) {
-                ids.insert(0, bos);
-            }
+        if let (true, Some(bos)) = (self.add_bos, self.bos_id)
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
         }
         Ok(ids)
     }
@@ -161,12 +188,21 @@ fn string_array(gguf: &GgufFile, key: &str) -> Result<Vec<String>> {
         .and_then(MetaValue::as_array)
         .ok_or_else(|| tok_err(format!("GGUF metadata `{key}` is missing")))?;
     arr.iter()
-        .map(|v| v.as_str().map(str::to_string).ok_or_else(|| tok_err(format!("`{key}` holds a non-string"))))
+        .map(|v| {
+            v.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| tok_err(format!("`{key}` holds a non-string")))
+        })
         .collect()
 }
 
 fn split(regex: &str) -> Result<PreTokenizerWrapper> {
-    let s = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?;
+    let s = Split::new(
+        SplitPattern::Regex(regex.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(tok_err)?;
     Ok(s.into())
 }
 
@@ -181,22 +217,40 @@ fn gpt2_tokenizer(gguf: &GgufFile, tokens: &[String]) -> Result<tokenizers::Toke
                 .ok_or_else(|| tok_err(format!("malformed merge `{m}`")))
         })
         .collect::<Result<_>>()?;
-    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-    let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
     let byte_level = ByteLevel::new(false, false, false);
     let pre = gguf.meta_str("tokenizer.ggml.pre").unwrap_or("default");
     let pre_tokenizer: PreTokenizerWrapper = match pre {
         "llama-bpe" | "llama3" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => {
             PreSequence::new(vec![split(LLAMA3_REGEX)?, byte_level.into()]).into()
         }
-        "qwen2" | "deepseek-r1-qwen" | "qwen35" => PreSequence::new(vec![split(QWEN2_REGEX)?, byte_level.into()]).into(),
+        "qwen2" | "deepseek-r1-qwen" | "qwen35" => {
+            PreSequence::new(vec![split(QWEN2_REGEX)?, byte_level.into()]).into()
+        }
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
-            PreSequence::new(vec![Digits::new(true).into(), split(GPT2_REGEX)?, byte_level.into()]).into()
+            PreSequence::new(vec![
+                Digits::new(true).into(),
+                split(GPT2_REGEX)?,
+                byte_level.into(),
+            ])
+            .into()
         }
         "default" | "gpt2" | "gpt-2" | "mpt" | "olmo" | "jais" | "phi-2" => {
             PreSequence::new(vec![split(GPT2_REGEX)?, byte_level.into()]).into()
         }
-        other => return Err(tok_err(format!("unsupported `tokenizer.ggml.pre` variant `{other}`"))),
+        other => {
+            return Err(tok_err(format!(
+                "unsupported `tokenizer.ggml.pre` variant `{other}`"
+            )));
+        }
     };
     let mut tok = tokenizers::Tokenizer::new(bpe);
     tok.with_pre_tokenizer(Some(pre_tokenizer));
@@ -206,13 +260,23 @@ fn gpt2_tokenizer(gguf: &GgufFile, tokens: &[String]) -> Result<tokenizers::Toke
 
 /// SentencePiece BPE: a merge's priority is the score of the piece it produces, which is
 /// how SentencePiece itself picks the next pair.
-fn spm_tokenizer(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) -> Result<tokenizers::Tokenizer> {
-    let scores: Vec<f32> = match gguf.meta("tokenizer.ggml.scores").and_then(MetaValue::as_array) {
+fn spm_tokenizer(
+    gguf: &GgufFile,
+    tokens: &[String],
+    token_types: &[i64],
+) -> Result<tokenizers::Tokenizer> {
+    let scores: Vec<f32> = match gguf
+        .meta("tokenizer.ggml.scores")
+        .and_then(MetaValue::as_array)
+    {
         Some(a) => a.iter().map(|v| v.as_f64().unwrap_or(0.0) as f32).collect(),
         None => vec![0.0; tokens.len()],
     };
-    let vocab: Vocab =
-        tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
     let mergeable: HashSet<&str> = tokens
         .iter()
         .zip(token_types)
@@ -226,10 +290,11 @@ fn spm_tokenizer(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) -> Res
         }
         for (split_at, _) in piece.char_indices().skip(1) {
             let (l, r) = piece.split_at(split_at);
-            if let (Some(&lid), Some(&rid)) = (vocab.get(l), vocab.get(r)) {
-                if mergeable.contains(l) && mergeable.contains(r) {
-                    merges.push((scores[id], lid, rid, l.to_string(), r.to_string()));
-                }
+            if let (Some(&lid), Some(&rid)) = (vocab.get(l), vocab.get(r))
+                && mergeable.contains(l)
+                && mergeable.contains(r)
+            {
+                merges.push((scores[id], lid, rid, l.to_string(), r.to_string()));
             }
         }
     }
@@ -259,7 +324,8 @@ fn spm_tokenizer(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) -> Res
     }
     normalizers.push(Replace::new(" ", "▁").map_err(tok_err)?.into());
     let mut tok = tokenizers::Tokenizer::new(bpe);
-    tok.with_normalizer(Some(NormalizerSequence::new(normalizers))).map_err(tok_err)?;
+    tok.with_normalizer(Some(NormalizerSequence::new(normalizers)))
+        .map_err(tok_err)?;
     // A word is a run of `▁` and the text after it: SentencePiece keeps whitespace runs
     // with the following word (`▁▁b`), and no piece crosses from text into `▁`.
     tok.with_pre_tokenizer(Some(split("▁*[^▁]+|▁+")?));
@@ -274,4 +340,3 @@ fn spm_tokenizer(gguf: &GgufFile, tokens: &[String], token_types: &[i64]) -> Res
     tok.with_decoder(Some(DecoderSequence::new(decoders)));
     Ok(tok)
 }
-

@@ -12,11 +12,11 @@ pub struct LayerWeights<B: Backend> {
     pub bqkv: Option<B::Buf>, // (q_dim + 2 * kv_dim), Qwen2
     pub q_norm: Option<B::Buf>, // (head_dim), Qwen3
     pub k_norm: Option<B::Buf>, // (head_dim), Qwen3
-    pub wo: B::Matrix,          // (hidden, num_heads * head_dim)
-    pub ffn_norm: B::Buf,       // (hidden)
+    pub wo: B::Matrix,     // (hidden, num_heads * head_dim)
+    pub ffn_norm: B::Buf,  // (hidden)
     /// gate and up projections stacked, rows `[gate | up]`.
     pub w_gate_up: B::Matrix, // (2 * intermediate, hidden)
-    pub w_down: B::Matrix,      // (hidden, intermediate)
+    pub w_down: B::Matrix, // (hidden, intermediate)
 }
 
 pub struct Weights<B: Backend> {
@@ -40,23 +40,33 @@ impl<B: Backend> Loader<'_, B> {
         if t.dims != dims {
             return Err(TroupeError::Tensor {
                 name: name.into(),
-                reason: format!("shape {:?}, expected {dims:?} from the model config", t.dims),
+                reason: format!(
+                    "shape {:?}, expected {dims:?} from the model config",
+                    t.dims
+                ),
             });
         }
         Ok(Some(t))
     }
     fn required(&self, name: &str, dims: &[usize]) -> Result<HostTensor> {
-        self.optional(name, dims)?.ok_or_else(|| TroupeError::Tensor {
-            name: name.into(),
-            reason: "missing from the checkpoint".into(),
-        })
+        self.optional(name, dims)?
+            .ok_or_else(|| TroupeError::Tensor {
+                name: name.into(),
+                reason: "missing from the checkpoint".into(),
+            })
     }
     fn host_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix> {
         let t = self.required(name, &[rows, cols])?;
-        Ok(HostMatrix { rows, cols, data: t.data })
+        Ok(HostMatrix {
+            rows,
+            cols,
+            data: t.data,
+        })
     }
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix> {
-        Ok(self.backend.upload_matrix(self.host_matrix(name, rows, cols)?))
+        Ok(self
+            .backend
+            .upload_matrix(self.host_matrix(name, rows, cols)?))
     }
     /// Several `[rows_i, cols]` tensors stacked into one matrix.
     fn stacked(&self, parts: &[(String, usize)], cols: usize) -> Result<B::Matrix> {
@@ -67,24 +77,36 @@ impl<B: Backend> Loader<'_, B> {
         Ok(self.backend.upload_matrix(HostMatrix::concat_rows(hosts)))
     }
     fn vector(&self, name: &str, len: usize) -> Result<B::Buf> {
-        Ok(self.backend.upload(&self.required(name, &[len])?.into_f32()))
+        Ok(self
+            .backend
+            .upload(&self.required(name, &[len])?.into_f32()))
     }
     fn optional_vector(&self, name: &str, len: usize) -> Result<Option<B::Buf>> {
-        Ok(self.optional(name, &[len])?.map(|t| self.backend.upload(&t.into_f32())))
+        Ok(self
+            .optional(name, &[len])?
+            .map(|t| self.backend.upload(&t.into_f32())))
     }
 }
 
 impl<B: Backend> Weights<B> {
     pub fn load(cfg: &ModelConfig, src: &dyn TensorSource, backend: &B) -> Result<Self> {
         let l = Loader { src, backend };
-        let (h, q, kv, ff) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        let (h, q, kv, ff) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
             let bqkv = if cfg.attention_bias {
                 let mut b = Vec::with_capacity(q + 2 * kv);
                 for (n, len) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-                    b.extend(l.required(&format!("{p}.self_attn.{n}.bias"), &[len])?.into_f32());
+                    b.extend(
+                        l.required(&format!("{p}.self_attn.{n}.bias"), &[len])?
+                            .into_f32(),
+                    );
                 }
                 Some(backend.upload(&b))
             } else {
@@ -94,14 +116,18 @@ impl<B: Backend> Weights<B> {
             let mlp = |n: &str| (format!("{p}.mlp.{n}.weight"), ff);
             let qk_norm = |n: &str| {
                 if cfg.arch == Arch::Qwen3 {
-                    l.vector(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim).map(Some)
+                    l.vector(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim)
+                        .map(Some)
                 } else {
                     l.optional_vector(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim)
                 }
             };
             layers.push(LayerWeights {
                 attn_norm: l.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                wqkv: l.stacked(&[attn("q_proj", q), attn("k_proj", kv), attn("v_proj", kv)], h)?,
+                wqkv: l.stacked(
+                    &[attn("q_proj", q), attn("k_proj", kv), attn("v_proj", kv)],
+                    h,
+                )?,
                 bqkv,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,

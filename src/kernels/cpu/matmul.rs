@@ -28,14 +28,35 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// Through a method, so closures capture the `Send` wrapper, not its raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
-    assert!(x.len() >= m * k && out.len() >= m * n, "matmul shape mismatch");
+    assert!(
+        x.len() >= m * k && out.len() >= m * n,
+        "matmul shape mismatch"
+    );
     if m <= GEMV_MAX_ROWS {
         gemv_rows(x, m, w, out);
     } else if let CpuMatrix::F32 { data, .. } = w {
         // SAFETY: the assert above bounds every index the strides reach.
-        unsafe { gemm_f32(x, m, data, n, k, n, out.as_mut_ptr(), rayon::current_num_threads()) };
+        unsafe {
+            gemm_f32(
+                x,
+                m,
+                data,
+                n,
+                k,
+                n,
+                out.as_mut_ptr(),
+                rayon::current_num_threads(),
+            )
+        };
     } else {
         gemm_panels(x, m, w, out);
     }
@@ -46,7 +67,16 @@ pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
 /// # Safety
 /// `dst` must be valid for writes at those indices.
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, dst_stride: usize, dst: *mut f32, threads: usize) {
+unsafe fn gemm_f32(
+    x: &[f32],
+    m: usize,
+    w: &[f32],
+    n: usize,
+    k: usize,
+    dst_stride: usize,
+    dst: *mut f32,
+    threads: usize,
+) {
     let parallelism = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -90,35 +120,41 @@ fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     }
     let nb = k / QBLOCK;
     let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
-        let out_ptr = out_ptr;
-        for j in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(n) {
-            for i in 0..m {
-                let s = if sums.is_empty() { &[][..] } else { &sums[i * nb..(i + 1) * nb] };
-                let v = w.dot_row(j, &x[i * k..(i + 1) * k], s);
-                // SAFETY: (i, j) is written by this task only, and i < m, j < n.
-                unsafe { *out_ptr.0.add(i * n + j) = v };
+    (0..n.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|task| {
+            for j in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(n) {
+                for i in 0..m {
+                    let s = if sums.is_empty() {
+                        &[][..]
+                    } else {
+                        &sums[i * nb..(i + 1) * nb]
+                    };
+                    let v = w.dot_row(j, &x[i * k..(i + 1) * k], s);
+                    // SAFETY: (i, j) is written by this task only, and i < m, j < n.
+                    unsafe { *out_ptr.get().add(i * n + j) = v };
+                }
             }
-        }
-    });
+        });
 }
 
 fn gemm_panels(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
     let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..n.div_ceil(PANEL_ROWS)).into_par_iter().for_each(|panel| {
-        let out_ptr = out_ptr;
-        let first = panel * PANEL_ROWS;
-        let rows = PANEL_ROWS.min(n - first);
-        SCRATCH.with_borrow_mut(|buf| {
-            buf.resize(PANEL_ROWS * k, 0.0);
-            for r in 0..rows {
-                w.dequantize_row(first + r, &mut buf[r * k..(r + 1) * k]);
-            }
-            // SAFETY: this panel writes columns first..first + rows of every output row.
-            unsafe { gemm_f32(x, m, buf, rows, k, n, out_ptr.0.add(first), 1) };
+    (0..n.div_ceil(PANEL_ROWS))
+        .into_par_iter()
+        .for_each(|panel| {
+            let first = panel * PANEL_ROWS;
+            let rows = PANEL_ROWS.min(n - first);
+            SCRATCH.with_borrow_mut(|buf| {
+                buf.resize(PANEL_ROWS * k, 0.0);
+                for r in 0..rows {
+                    w.dequantize_row(first + r, &mut buf[r * k..(r + 1) * k]);
+                }
+                // SAFETY: this panel writes columns first..first + rows of every output row.
+                unsafe { gemm_f32(x, m, buf, rows, k, n, out_ptr.get().add(first), 1) };
+            });
         });
-    });
 }
 
 #[cfg(test)]
@@ -131,7 +167,9 @@ mod tests {
         let mut out = vec![0f32; m * n];
         for i in 0..m {
             for j in 0..n {
-                out[i * n + j] = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum::<f64>() as f32;
+                out[i * n + j] = (0..k)
+                    .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         out
@@ -143,7 +181,11 @@ mod tests {
         let mut bytes: Vec<u8> = (0..num_blocks * bb)
             .map(|i| crate::sampling::splitmix64(seed + i as u64) as u8)
             .collect();
-        let scale_bytes = if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4K) { 4 } else { 2 };
+        let scale_bytes = if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4K) {
+            4
+        } else {
+            2
+        };
         for (b, blk) in bytes.chunks_exact_mut(bb).enumerate() {
             for s in (0..scale_bytes).step_by(2) {
                 let v = 0.01 + 0.001 * ((b * 7 + s) % 13) as f32 - if s == 2 { 0.02 } else { 0.0 };
@@ -156,10 +198,22 @@ mod tests {
     #[test]
     fn every_layout_and_path_matches_the_naive_product() {
         for ty in [GgmlType::F32, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K] {
-            for &(m, n, k) in &[(1, 70, 64), (3, 65, 256), (8, 31, 256), (9, 40, 256), (37, 300, 512)] {
-                let x: Vec<f32> = (0..m * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+            for &(m, n, k) in &[
+                (1, 70, 64),
+                (3, 65, 256),
+                (8, 31, 256),
+                (9, 40, 256),
+                (37, 300, 512),
+            ] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
+                    .collect();
                 let data = if ty == GgmlType::F32 {
-                    HostData::F32((0..n * k).map(|i| ((i * 13 % 19) as f32 - 9.0) / 9.0).collect())
+                    HostData::F32(
+                        (0..n * k)
+                            .map(|i| ((i * 13 % 19) as f32 - 9.0) / 9.0)
+                            .collect(),
+                    )
                 } else {
                     if k % ty.block_len() != 0 {
                         continue;
@@ -177,13 +231,20 @@ mod tests {
                         v
                     }
                 };
-                let w = CpuMatrix::from_host(HostMatrix { rows: n, cols: k, data });
+                let w = CpuMatrix::from_host(HostMatrix {
+                    rows: n,
+                    cols: k,
+                    data,
+                });
                 let mut out = vec![f32::NAN; m * n];
                 matmul(&x, m, &w, &mut out);
                 let want = naive(&x, m, &w_f32, n, k);
                 let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
                 for (a, b) in out.iter().zip(&want) {
-                    assert!((a - b).abs() < 1e-5 * scale * (k as f32).sqrt(), "{ty:?} m={m} n={n} k={k}: {a} vs {b}");
+                    assert!(
+                        (a - b).abs() < 1e-5 * scale * (k as f32).sqrt(),
+                        "{ty:?} m={m} n={n} k={k}: {a} vs {b}"
+                    );
                 }
             }
         }
@@ -194,10 +255,19 @@ mod tests {
         use super::super::qmatrix::{dot_q4_1, dot_q4_1_scalar, dot_q8_0, dot_q8_0_scalar};
         let nb = 9;
         let d: Vec<f32> = (0..nb).map(|b| 0.01 * (b as f32 + 1.0)).collect();
-        let nibbles: Vec<u8> = (0..nb * 16).map(|i| crate::sampling::splitmix64(i as u64) as u8).collect();
-        let quants: Vec<i8> = (0..nb * 32).map(|i| crate::sampling::splitmix64(99 + i as u64) as i8).collect();
-        let x: Vec<f32> = (0..nb * 32).map(|i| ((i * 7 % 23) as f32 - 11.0) / 11.0).collect();
-        let (a, b) = (dot_q4_1(&d, &nibbles, &x), dot_q4_1_scalar(&d, &nibbles, &x));
+        let nibbles: Vec<u8> = (0..nb * 16)
+            .map(|i| crate::sampling::splitmix64(i as u64) as u8)
+            .collect();
+        let quants: Vec<i8> = (0..nb * 32)
+            .map(|i| crate::sampling::splitmix64(99 + i as u64) as i8)
+            .collect();
+        let x: Vec<f32> = (0..nb * 32)
+            .map(|i| ((i * 7 % 23) as f32 - 11.0) / 11.0)
+            .collect();
+        let (a, b) = (
+            dot_q4_1(&d, &nibbles, &x),
+            dot_q4_1_scalar(&d, &nibbles, &x),
+        );
         assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{a} vs {b}");
         let (a, b) = (dot_q8_0(&d, &quants, &x), dot_q8_0_scalar(&d, &quants, &x));
         assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{a} vs {b}");

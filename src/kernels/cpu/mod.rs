@@ -75,7 +75,14 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn matmul(&self, x: &Vec<f32>, num_rows: usize, w: &CpuMatrix, bias: Option<&Vec<f32>>, out: &mut Vec<f32>) {
+    fn matmul(
+        &self,
+        x: &Vec<f32>,
+        num_rows: usize,
+        w: &CpuMatrix,
+        bias: Option<&Vec<f32>>,
+        out: &mut Vec<f32>,
+    ) {
         matmul::matmul(x, num_rows, w, out);
         if let Some(bias) = bias {
             for row in out[..num_rows * w.rows()].chunks_exact_mut(w.rows()) {
@@ -86,10 +93,20 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, num_rows: usize, dim: usize, out: &mut Vec<f32>) {
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) {
         let (out, x) = (&mut out[..num_rows * dim], &x[..num_rows * dim]);
         if num_rows * dim < PARALLEL_MIN_ELEMENTS {
-            out.chunks_mut(dim).zip(x.chunks(dim)).for_each(|(o, x)| rms_norm_row(x, weight, eps, o));
+            out.chunks_mut(dim)
+                .zip(x.chunks(dim))
+                .for_each(|(o, x)| rms_norm_row(x, weight, eps, o));
         } else {
             out.par_chunks_mut(dim)
                 .zip(x.par_chunks(dim))
@@ -97,6 +114,7 @@ impl Backend for CpuBackend {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(
         &self,
         residual: &mut Vec<f32>,
@@ -115,7 +133,11 @@ impl Backend for CpuBackend {
         };
         let n = num_rows * dim;
         if n < PARALLEL_MIN_ELEMENTS {
-            out[..n].chunks_mut(dim).zip(residual[..n].chunks_mut(dim)).zip(x[..n].chunks(dim)).for_each(row);
+            out[..n]
+                .chunks_mut(dim)
+                .zip(residual[..n].chunks_mut(dim))
+                .zip(x[..n].chunks(dim))
+                .for_each(row);
         } else {
             out[..n]
                 .par_chunks_mut(dim)
@@ -131,7 +153,14 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut Vec<f32>, positions: &[u32], num_heads: usize, head_dim: usize, cos_sin: &Vec<f32>) {
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        positions: &[u32],
+        num_heads: usize,
+        head_dim: usize,
+        cos_sin: &Vec<f32>,
+    ) {
         let half = head_dim / 2;
         let width = num_heads * head_dim;
         let rotate = |(row, &pos): (&mut [f32], &u32)| {
@@ -150,7 +179,9 @@ impl Backend for CpuBackend {
         if x.len() < PARALLEL_MIN_ELEMENTS {
             x.chunks_mut(width).zip(positions.iter()).for_each(rotate);
         } else {
-            x.par_chunks_mut(width).zip(positions.par_iter()).for_each(rotate);
+            x.par_chunks_mut(width)
+                .zip(positions.par_iter())
+                .for_each(rotate);
         }
     }
 
@@ -161,22 +192,44 @@ impl Backend for CpuBackend {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         };
-        let (out, gate_up) = (&mut out[..num_rows * width], &gate_up[..num_rows * 2 * width]);
+        let (out, gate_up) = (
+            &mut out[..num_rows * width],
+            &gate_up[..num_rows * 2 * width],
+        );
         if num_rows * width < PARALLEL_MIN_ELEMENTS {
-            out.chunks_mut(width).zip(gate_up.chunks(2 * width)).for_each(row);
+            out.chunks_mut(width)
+                .zip(gate_up.chunks(2 * width))
+                .for_each(row);
         } else {
-            out.par_chunks_mut(width).zip(gate_up.par_chunks(2 * width)).for_each(row);
+            out.par_chunks_mut(width)
+                .zip(gate_up.par_chunks(2 * width))
+                .for_each(row);
         }
     }
 
-    fn copy_columns(&self, src: &Vec<f32>, src_width: usize, col_start: usize, width: usize, num_rows: usize, dst: &mut Vec<f32>) {
+    fn copy_columns(
+        &self,
+        src: &Vec<f32>,
+        src_width: usize,
+        col_start: usize,
+        width: usize,
+        num_rows: usize,
+        dst: &mut Vec<f32>,
+    ) {
         for r in 0..num_rows {
             let from = r * src_width + col_start;
             dst[r * width..(r + 1) * width].copy_from_slice(&src[from..from + width]);
         }
     }
 
-    fn kv_write(&self, cache: &mut CpuKvCache, layer: usize, k: &Vec<f32>, v: &Vec<f32>, slots: &[u32]) {
+    fn kv_write(
+        &self,
+        cache: &mut CpuKvCache,
+        layer: usize,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        slots: &[u32],
+    ) {
         let d = cache.shape.kv_dim();
         for (t, &slot) in slots.iter().enumerate() {
             let s = slot as usize;
@@ -194,7 +247,15 @@ impl Backend for CpuBackend {
         num_heads: usize,
         out: &mut Vec<f32>,
     ) {
-        attention::paged_attention(q, &cache.k[layer], &cache.v[layer], &cache.shape, seqs, num_heads, out);
+        attention::paged_attention(
+            q,
+            &cache.k[layer],
+            &cache.v[layer],
+            &cache.shape,
+            seqs,
+            num_heads,
+            out,
+        );
     }
 
     fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {

@@ -49,8 +49,11 @@ impl CpuMatrix {
                 bytes,
             } => {
                 let nb = bytes.len() / 20;
-                let (mut scales, mut mins, mut nibbles) =
-                    (Vec::with_capacity(nb), Vec::with_capacity(nb), Vec::with_capacity(nb * 16));
+                let (mut scales, mut mins, mut nibbles) = (
+                    Vec::with_capacity(nb),
+                    Vec::with_capacity(nb),
+                    Vec::with_capacity(nb * 16),
+                );
                 for blk in bytes.chunks_exact(20) {
                     scales.push(f16_at(blk, 0));
                     mins.push(f16_at(blk, 2));
@@ -69,7 +72,8 @@ impl CpuMatrix {
                 bytes,
             } => {
                 let nb = bytes.len() / 34;
-                let (mut scales, mut quants) = (Vec::with_capacity(nb), Vec::with_capacity(nb * 32));
+                let (mut scales, mut quants) =
+                    (Vec::with_capacity(nb), Vec::with_capacity(nb * 32));
                 for blk in bytes.chunks_exact(34) {
                     scales.push(f16_at(blk, 0));
                     quants.extend(blk[2..34].iter().map(|&q| q as i8));
@@ -91,13 +95,17 @@ impl CpuMatrix {
 
     pub fn rows(&self) -> usize {
         match *self {
-            CpuMatrix::F32 { rows, .. } | CpuMatrix::Q4_1 { rows, .. } | CpuMatrix::Q8_0 { rows, .. } => rows,
+            CpuMatrix::F32 { rows, .. }
+            | CpuMatrix::Q4_1 { rows, .. }
+            | CpuMatrix::Q8_0 { rows, .. } => rows,
         }
     }
 
     pub fn cols(&self) -> usize {
         match *self {
-            CpuMatrix::F32 { cols, .. } | CpuMatrix::Q4_1 { cols, .. } | CpuMatrix::Q8_0 { cols, .. } => cols,
+            CpuMatrix::F32 { cols, .. }
+            | CpuMatrix::Q4_1 { cols, .. }
+            | CpuMatrix::Q8_0 { cols, .. } => cols,
         }
     }
 
@@ -112,7 +120,10 @@ impl CpuMatrix {
         match self {
             CpuMatrix::F32 { data, .. } => out[..k].copy_from_slice(&data[r * k..(r + 1) * k]),
             CpuMatrix::Q4_1 {
-                scales, mins, nibbles, ..
+                scales,
+                mins,
+                nibbles,
+                ..
             } => {
                 for b in 0..nb {
                     let (d, m) = (scales[r * nb + b], mins[r * nb + b]);
@@ -143,15 +154,20 @@ impl CpuMatrix {
         match self {
             CpuMatrix::F32 { data, .. } => super::simd::dot(&data[r * k..(r + 1) * k], x),
             CpuMatrix::Q4_1 {
-                scales, mins, nibbles, ..
+                scales,
+                mins,
+                nibbles,
+                ..
             } => {
                 let (d, m) = (&scales[r * nb..(r + 1) * nb], &mins[r * nb..(r + 1) * nb]);
                 let qs = &nibbles[r * nb * 16..(r + 1) * nb * 16];
                 dot_q4_1(d, qs, x) + super::simd::dot(m, block_sums)
             }
-            CpuMatrix::Q8_0 { scales, quants, .. } => {
-                dot_q8_0(&scales[r * nb..(r + 1) * nb], &quants[r * k..(r + 1) * k], x)
-            }
+            CpuMatrix::Q8_0 { scales, quants, .. } => dot_q8_0(
+                &scales[r * nb..(r + 1) * nb],
+                &quants[r * k..(r + 1) * k],
+                x,
+            ),
         }
     }
 }
@@ -216,7 +232,11 @@ unsafe fn dot_q4_1_avx512(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
             let q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
             let q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
             let xp = x.as_ptr().add(b * QBLOCK);
-            let p = _mm512_fmadd_ps(q_hi, _mm512_loadu_ps(xp.add(16)), _mm512_mul_ps(q_lo, _mm512_loadu_ps(xp)));
+            let p = _mm512_fmadd_ps(
+                q_hi,
+                _mm512_loadu_ps(xp.add(16)),
+                _mm512_mul_ps(q_lo, _mm512_loadu_ps(xp)),
+            );
             // Two accumulators break the FMA dependency chain across blocks.
             acc[b & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale), p, acc[b & 1]);
         }
@@ -238,7 +258,9 @@ pub fn dot_q8_0(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
 pub fn dot_q8_0_scalar(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
     let mut total = 0f32;
     for (b, &d) in d.iter().enumerate() {
-        let s: f32 = (0..QBLOCK).map(|j| quants[b * QBLOCK + j] as f32 * x[b * QBLOCK + j]).sum();
+        let s: f32 = (0..QBLOCK)
+            .map(|j| quants[b * QBLOCK + j] as f32 * x[b * QBLOCK + j])
+            .sum();
         total += d * s;
     }
     total
@@ -256,7 +278,11 @@ unsafe fn dot_q8_0_avx512(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
             let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp)));
             let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(1))));
             let xp = x.as_ptr().add(b * QBLOCK);
-            let p = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp.add(16)), _mm512_mul_ps(q0, _mm512_loadu_ps(xp)));
+            let p = _mm512_fmadd_ps(
+                q1,
+                _mm512_loadu_ps(xp.add(16)),
+                _mm512_mul_ps(q0, _mm512_loadu_ps(xp)),
+            );
             acc[b & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale), p, acc[b & 1]);
         }
         _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))

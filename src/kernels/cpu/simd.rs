@@ -58,12 +58,20 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         while i + 32 <= n {
             for (k, acc) in acc.iter_mut().enumerate() {
                 let off = i + 8 * k;
-                *acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(off)), _mm256_loadu_ps(pb.add(off)), *acc);
+                *acc = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(off)),
+                    _mm256_loadu_ps(pb.add(off)),
+                    *acc,
+                );
             }
             i += 32;
         }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+            acc[0] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i)),
+                _mm256_loadu_ps(pb.add(i)),
+                acc[0],
+            );
             i += 8;
         }
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));

@@ -8,8 +8,18 @@ fn pseudo(i: usize, salt: usize) -> f32 {
     (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Dense causal GQA attention for one sequence, the reference for the paged kernel.
-fn dense_attention(q: &[f32], k: &[f32], v: &[f32], n_q: usize, n_ctx: usize, heads: usize, kv_heads: usize, hd: usize) -> Vec<f32> {
+fn dense_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_q: usize,
+    n_ctx: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+) -> Vec<f32> {
     let mut out = vec![0f32; n_q * heads * hd];
     let group = heads / kv_heads;
     for t in 0..n_q {
@@ -20,14 +30,20 @@ fn dense_attention(q: &[f32], k: &[f32], v: &[f32], n_q: usize, n_ctx: usize, he
             let scores: Vec<f64> = (0..visible)
                 .map(|p| {
                     let kv = &k[(p * kv_heads + kvh) * hd..(p * kv_heads + kvh + 1) * hd];
-                    qv.iter().zip(kv).map(|(a, b)| (*a * *b) as f64).sum::<f64>() / (hd as f64).sqrt()
+                    qv.iter()
+                        .zip(kv)
+                        .map(|(a, b)| (*a * *b) as f64)
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
                 })
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
             let z: f64 = w.iter().sum();
             for d in 0..hd {
-                let acc: f64 = (0..visible).map(|p| w[p] * v[(p * kv_heads + kvh) * hd + d] as f64).sum();
+                let acc: f64 = (0..visible)
+                    .map(|p| w[p] * v[(p * kv_heads + kvh) * hd + d] as f64)
+                    .sum();
                 out[(t * heads + h) * hd + d] = (acc / z) as f32;
             }
         }
@@ -80,7 +96,16 @@ fn paged_attention_matches_dense_attention_with_scattered_blocks() {
     let w = heads * hd;
     for s in 0..2 {
         let rows = seqs[s].query_start..seqs[s].query_start + n_q[s];
-        let want = dense_attention(&q[rows.start * w..rows.end * w], &dense_kv[s].0, &dense_kv[s].1, n_q[s], n_ctx[s], heads, kv_heads, hd);
+        let want = dense_attention(
+            &q[rows.start * w..rows.end * w],
+            &dense_kv[s].0,
+            &dense_kv[s].1,
+            n_q[s],
+            n_ctx[s],
+            heads,
+            kv_heads,
+            hd,
+        );
         for (a, e) in out[rows.start * w..rows.end * w].iter().zip(&want) {
             assert!((a - e).abs() < 1e-5, "seq {s}: {a} vs {e}");
         }
@@ -111,7 +136,12 @@ fn rope_rotates_half_split_pairs() {
     let table: Vec<f32> = [0.0f32, 0.0, 1.0, 1.0]
         .iter()
         .copied()
-        .chain([theta[0].cos(), theta[1].cos(), theta[0].sin(), theta[1].sin()])
+        .chain([
+            theta[0].cos(),
+            theta[1].cos(),
+            theta[0].sin(),
+            theta[1].sin(),
+        ])
         .collect();
     let mut x = vec![1.0, 2.0, 3.0, 4.0];
     b.rope(&mut x, &[1], 1, 4, &table);
@@ -129,8 +159,8 @@ fn rope_rotates_half_split_pairs() {
 #[test]
 fn silu_mul_matches_formula() {
     let b = CpuBackend;
-    let g = vec![-2.0, 0.0, 1.5];
-    let u = vec![3.0, 4.0, -1.0];
+    let g = [-2.0f32, 0.0, 1.5];
+    let u = [3.0f32, 4.0, -1.0];
     let gate_up: Vec<f32> = g.iter().chain(&u).copied().collect();
     let mut out = vec![0.0; 3];
     b.silu_mul(&gate_up, 1, 3, &mut out);

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::kernels::quant::GgmlType;
 use crate::error::{Result, TroupeError};
+use crate::kernels::quant::GgmlType;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -195,12 +195,18 @@ impl GgufFile {
             bytes: &mmap,
             pos: 0,
         };
-        if cur.take(4).map_err(|_| "file is shorter than the GGUF magic".to_string())? != MAGIC {
+        if cur
+            .take(4)
+            .map_err(|_| "file is shorter than the GGUF magic".to_string())?
+            != MAGIC
+        {
             return Err("bad magic (expected `GGUF`)".into());
         }
         let version = cur.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(format!("unsupported GGUF version {version} (supported: 2, 3)"));
+            return Err(format!(
+                "unsupported GGUF version {version} (supported: 2, 3)"
+            ));
         }
         let tensor_count = cur.count("tensor")?;
         let kv_count = cur.count("metadata")?;
@@ -208,7 +214,9 @@ impl GgufFile {
         for _ in 0..kv_count {
             let key = cur.string()?;
             let value_type = cur.u32()?;
-            let value = cur.value(value_type, 0).map_err(|e| format!("metadata `{key}`: {e}"))?;
+            let value = cur
+                .value(value_type, 0)
+                .map_err(|e| format!("metadata `{key}`: {e}"))?;
             metadata.insert(key, value);
         }
         let mut raw_infos = Vec::with_capacity(tensor_count as usize);
@@ -216,9 +224,13 @@ impl GgufFile {
             let name = cur.string()?;
             let n_dims = cur.u32()?;
             if n_dims == 0 || n_dims > 4 {
-                return Err(format!("tensor `{name}` has {n_dims} dimensions (1 to 4 allowed)"));
+                return Err(format!(
+                    "tensor `{name}` has {n_dims} dimensions (1 to 4 allowed)"
+                ));
             }
-            let dims = (0..n_dims).map(|_| cur.u64()).collect::<std::result::Result<Vec<_>, _>>()?;
+            let dims = (0..n_dims)
+                .map(|_| cur.u64())
+                .collect::<std::result::Result<Vec<_>, _>>()?;
             let type_id = cur.u32()?;
             let rel_offset = cur.u64()?;
             raw_infos.push((name, dims, type_id, rel_offset));
@@ -228,7 +240,9 @@ impl GgufFile {
             .and_then(MetaValue::as_u64)
             .unwrap_or(DEFAULT_ALIGNMENT);
         if alignment == 0 || !alignment.is_power_of_two() {
-            return Err(format!("general.alignment {alignment} is not a power of two"));
+            return Err(format!(
+                "general.alignment {alignment} is not a power of two"
+            ));
         }
         let data_start = (cur.pos as u64).div_ceil(alignment) * alignment;
         let mut tensors = Vec::with_capacity(raw_infos.len());
@@ -244,12 +258,18 @@ impl GgufFile {
                     "tensor `{name}` has {num_elements} elements, not a multiple of the {ggml_type:?} block"
                 ));
             }
-            let num_bytes = num_elements / ggml_type.block_len() as u64 * ggml_type.block_bytes() as u64;
+            let num_bytes =
+                num_elements / ggml_type.block_len() as u64 * ggml_type.block_bytes() as u64;
             let offset = data_start + rel_offset;
             if offset % alignment != 0 {
-                return Err(format!("tensor `{name}` data at {offset} is not {alignment}-aligned"));
+                return Err(format!(
+                    "tensor `{name}` data at {offset} is not {alignment}-aligned"
+                ));
             }
-            if offset.checked_add(num_bytes).is_none_or(|end| end > mmap.len() as u64) {
+            if offset
+                .checked_add(num_bytes)
+                .is_none_or(|end| end > mmap.len() as u64)
+            {
                 return Err(format!(
                     "tensor `{name}` data ({num_bytes} bytes at {offset}) runs past the end of the file ({} bytes)",
                     mmap.len()

@@ -7,7 +7,9 @@ struct Writer {
 
 impl Writer {
     fn new(version: u32, num_tensors: u64, num_kv: u64) -> Self {
-        let mut w = Writer { bytes: b"GGUF".to_vec() };
+        let mut w = Writer {
+            bytes: b"GGUF".to_vec(),
+        };
         w.u32(version);
         w.u64(num_tensors);
         w.u64(num_kv);
@@ -52,7 +54,7 @@ impl Writer {
         self.u64(offset);
     }
     fn align(&mut self, a: usize) {
-        while self.bytes.len() % a != 0 {
+        while !self.bytes.len().is_multiple_of(a) {
             self.bytes.push(0);
         }
     }
@@ -78,7 +80,8 @@ fn valid_file() -> Vec<u8> {
         w.bytes.extend_from_slice(&(i as f32 * 0.5).to_le_bytes());
     }
     w.bytes.resize(w.bytes.len() + 32, 0); // pad to the second tensor at +64
-    w.bytes.extend_from_slice(&half::f16::from_f32(0.25).to_le_bytes());
+    w.bytes
+        .extend_from_slice(&half::f16::from_f32(0.25).to_le_bytes());
     w.bytes.extend((0..32).map(|i| (i as i8 - 16) as u8));
     w.bytes
 }
@@ -90,9 +93,19 @@ fn parses_metadata_tensors_and_data() {
     assert_eq!(g.version, 3);
     assert_eq!(g.meta_str("general.architecture"), Some("llama"));
     assert_eq!(g.meta_u64("llama.block_count"), Some(2));
-    assert_eq!(g.meta("tokenizer.ggml.tokens").unwrap().as_array().unwrap().len(), 3);
+    assert_eq!(
+        g.meta("tokenizer.ggml.tokens")
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
     let t = g.tensor_info("f32.weight").unwrap();
-    assert_eq!((t.dims.clone(), t.ggml_type, t.num_bytes), (vec![4, 2], GgmlType::F32, 32));
+    assert_eq!(
+        (t.dims.clone(), t.ggml_type, t.num_bytes),
+        (vec![4, 2], GgmlType::F32, 32)
+    );
     let mut out = vec![0f32; 8];
     crate::kernels::quant::dequantize(t.ggml_type, g.tensor_bytes(t), &mut out);
     assert_eq!(out, (0..8).map(|i| i as f32 * 0.5).collect::<Vec<_>>());

