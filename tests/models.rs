@@ -19,10 +19,12 @@ fn greedy(prompt_ids: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     }
 }
 
-fn check_tiny(name: &str, block_size: usize) {
-    let dir = common::goldens().join(name);
-    let reference = common::read_json(&format!("{name}/reference.json"));
-    let mut loaded = common::load(&dir);
+/// `model` (a directory or GGUF under tests/goldens) against `reference` (its
+/// transformers outputs), in a pool of `block_size`-token blocks.
+fn check_tiny(model: &str, reference: &str, block_size: usize) {
+    let name = model;
+    let reference = common::read_json(reference);
+    let mut loaded = common::load(&common::goldens().join(model));
     // The reference generated past EOS; so do we.
     loaded.stop_ids.clear();
     let mut generator = Generator::new(CpuBackend, loaded, block_size);
@@ -52,7 +54,7 @@ fn check_tiny(name: &str, block_size: usize) {
         .tokenizer
         .as_ref()
         .expect("tiny models ship a tokenizer.json");
-    for case in reference["text_cases"].as_array().unwrap() {
+    for case in reference["text_cases"].as_array().into_iter().flatten() {
         let text = case["text"].as_str().unwrap();
         assert_eq!(
             tok.encode(text).unwrap(),
@@ -64,8 +66,8 @@ fn check_tiny(name: &str, block_size: usize) {
         .model
         .chat_template
         .as_ref()
-        .expect("tokenizer_config.json has a chat template");
-    for case in reference["chat_cases"].as_array().unwrap() {
+        .expect("the checkpoint has a chat template");
+    for case in reference["chat_cases"].as_array().into_iter().flatten() {
         let messages: Vec<ChatMessage> = case["messages"]
             .as_array()
             .unwrap()
@@ -120,17 +122,37 @@ fn last_logits(
 
 #[test]
 fn tiny_llama_with_llama3_rope_scaling_matches_transformers() {
-    check_tiny("tiny-llama", 16);
+    check_tiny("tiny-llama", "tiny-llama/reference.json", 16);
 }
 
 #[test]
 fn tiny_qwen2_sharded_with_qkv_bias_matches_transformers() {
-    check_tiny("tiny-qwen2", 8);
+    check_tiny("tiny-qwen2", "tiny-qwen2/reference.json", 8);
 }
 
 #[test]
 fn tiny_qwen3_with_qk_norm_matches_transformers() {
-    check_tiny("tiny-qwen3", 32);
+    check_tiny("tiny-qwen3", "tiny-qwen3/reference.json", 32);
+}
+
+/// The same weights converted as llama.cpp converts them: permuted q/k, `rope_freqs`,
+/// and a gpt2 tokenizer with the `llama-bpe` split regex, from GGUF metadata.
+#[test]
+fn tiny_llama_gguf_matches_transformers() {
+    check_tiny("tiny-llama.gguf", "tiny-llama/reference.json", 16);
+}
+
+/// Qwen2 from GGUF: tied output, q/k/v biases, the `qwen2` split regex.
+#[test]
+fn tiny_qwen2_gguf_matches_transformers() {
+    check_tiny("tiny-qwen2.gguf", "tiny-qwen2/reference.json", 16);
+}
+
+/// Q8_0 matrices, kept quantized by the CPU backend, against transformers running the
+/// dequantized weights.
+#[test]
+fn tiny_llama_q8_0_gguf_matches_transformers() {
+    check_tiny("tiny-llama-q8.gguf", "tiny-llama-q8.reference.json", 16);
 }
 
 #[test]
