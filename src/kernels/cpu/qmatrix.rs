@@ -10,6 +10,7 @@
 
 use half::f16;
 
+use super::simd::has_avx512;
 use crate::kernels::quant::GgmlType;
 use crate::kernels::{HostData, HostMatrix};
 
@@ -176,20 +177,6 @@ impl CpuMatrix {
 pub fn block_sums(x: &[f32], out: &mut Vec<f32>) {
     out.clear();
     out.extend(x.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
-}
-
-fn has_avx512() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx512f")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
 }
 
 /// `Σ_b d[b] · Σ_j q[b][j] · x[b][j]` over Q4_1 nibbles (the `m` term is added apart).

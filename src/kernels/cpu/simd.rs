@@ -17,6 +17,20 @@ fn has_avx2_fma() -> bool {
     })
 }
 
+pub fn has_avx512() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// `Σ a[i]·b[i]`.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
