@@ -8,5 +8,7 @@ pub mod kernels;
 pub mod model;
 pub mod protocol;
 pub mod sampling;
+pub mod sched;
+pub mod sync;
 
 pub use error::{Result, TroupeError};
