@@ -1,15 +1,16 @@
 //! The `troupe` command line. Errors print one line naming the problem and exit with 2.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::engine::{Engine, EngineConfig, EngineError, EngineRequest, FinishReason};
 use crate::error::{Result, TroupeError};
-use crate::generate::{DEFAULT_BLOCK_SIZE, GenerateRequest, Generator};
-use crate::kernels::cpu::CpuBackend;
+use crate::generate::DEFAULT_BLOCK_SIZE;
 use crate::model::chat_template::ChatMessage;
-use crate::model::{self, hub};
+use crate::model::config::ModelConfig;
+use crate::model::{self, ModelText, hub};
 use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
 use crate::sampling::SamplingParams;
 
@@ -75,6 +76,77 @@ pub struct GenerateArgs {
     /// Print prefill and decode throughput to stderr as one JSON object.
     #[arg(long)]
     stats: bool,
+    /// Turn zero-overhead scheduling off (wait for each step before planning the next).
+    #[arg(long)]
+    no_zos: bool,
+    #[arg(long)]
+    no_prefix_cache: bool,
+}
+
+fn engine_err(e: EngineError) -> TroupeError {
+    match e {
+        EngineError::Model(m) => m,
+        other => TroupeError::InvalidInput(other.to_string()),
+    }
+}
+
+fn prompt_ids(
+    args: &GenerateArgs,
+    text: &ModelText,
+    path: &Path,
+    line: &PromptLine,
+) -> Result<Vec<u32>> {
+    let (prompt, ids) = (&line.prompt, &line.prompt_ids);
+    if let Some(ids) = ids {
+        return Ok(ids.clone());
+    }
+    let prompt = prompt
+        .as_ref()
+        .expect("parse_prompts_file rejects lines without a prompt");
+    let tok = text.tokenizer.as_ref().ok_or_else(|| {
+        TroupeError::InvalidInput(format!(
+            "{} has no tokenizer: give prompts as token ids (--prompt-ids or `prompt_ids`)",
+            path.display()
+        ))
+    })?;
+    let system = line.system.as_ref().or(args.system.as_ref());
+    if !(line.chat.unwrap_or(args.chat) || system.is_some()) {
+        return tok.encode_prompt(prompt);
+    }
+    let template = text.chat_template.as_ref().ok_or_else(|| {
+        TroupeError::InvalidInput(format!(
+            "{} has no chat template: drop --chat",
+            path.display()
+        ))
+    })?;
+    let mut messages = Vec::new();
+    if let Some(sys) = system {
+        messages.push(ChatMessage::new("system", sys));
+    }
+    messages.push(ChatMessage::new("user", prompt));
+    tok.encode(&template.render(&messages, true)?)
+}
+
+/// The checks that name a prompt by its place in the input, before the engine sees it.
+fn validate_prompt(index: usize, prompt_ids: &[u32], cfg: &ModelConfig) -> Result<()> {
+    if prompt_ids.is_empty() {
+        return Err(TroupeError::EmptyPrompt { index });
+    }
+    if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(TroupeError::TokenOutOfRange {
+            index,
+            token_id: bad,
+            vocab_size: cfg.vocab_size,
+        });
+    }
+    if prompt_ids.len() >= cfg.max_context_tokens {
+        return Err(TroupeError::PromptTooLong {
+            index,
+            num_prompt_tokens: prompt_ids.len(),
+            max_context_tokens: cfg.max_context_tokens,
+        });
+    }
+    Ok(())
 }
 
 pub fn main() -> i32 {
@@ -137,40 +209,12 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
     };
     let path = model::resolve_model_path(&args.model)?;
-    let backend = CpuBackend;
-    let loaded = model::load(&path, &backend)?;
+    let text = model::load_text(&path)?;
     let default_seed = args.seed.unwrap_or_else(random_seed);
     let mut requests = Vec::with_capacity(lines.len());
     for (index, line) in lines.iter().enumerate() {
-        let prompt_ids = match (&line.prompt, &line.prompt_ids) {
-            (_, Some(ids)) => ids.clone(),
-            (Some(text), None) => {
-                let tok = loaded.tokenizer.as_ref().ok_or_else(|| {
-                    TroupeError::InvalidInput(format!(
-                        "{} has no tokenizer: give prompts as token ids (--prompt-ids or `prompt_ids`)",
-                        path.display()
-                    ))
-                })?;
-                let system = line.system.as_ref().or(args.system.as_ref());
-                if line.chat.unwrap_or(args.chat) || system.is_some() {
-                    let template = loaded.chat_template.as_ref().ok_or_else(|| {
-                        TroupeError::InvalidInput(format!(
-                            "{} has no chat template: drop --chat",
-                            path.display()
-                        ))
-                    })?;
-                    let mut messages = Vec::new();
-                    if let Some(sys) = system {
-                        messages.push(ChatMessage::new("system", sys));
-                    }
-                    messages.push(ChatMessage::new("user", text));
-                    tok.encode(&template.render(&messages, true)?)?
-                } else {
-                    tok.encode_prompt(text)?
-                }
-            }
-            (None, None) => unreachable!("parse_prompts_file rejects lines without a prompt"),
-        };
+        let prompt_ids = prompt_ids(&args, &text, &path, line)?;
+        validate_prompt(index, &prompt_ids, &text.config)?;
         let params = SamplingParams {
             temperature: line.temperature.unwrap_or(args.temperature),
             top_k: line.top_k.unwrap_or(args.top_k),
@@ -180,35 +224,69 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 .unwrap_or_else(|| default_seed.wrapping_add(index as u64)),
             num_top_logprobs: line.top_logprobs.unwrap_or(args.top_logprobs),
         };
-        requests.push(GenerateRequest {
+        params.validate()?;
+        requests.push(EngineRequest {
             prompt_ids,
             max_tokens: line.max_tokens.unwrap_or(args.max_tokens),
             params,
             ignore_eos: args.ignore_eos,
         });
     }
-    let mut generator = Generator::new(backend, loaded, args.block_size);
-    let outputs = generator.generate(&requests, |_| {})?;
+    let mut cfg = EngineConfig::new(&path);
+    cfg.block_size = args.block_size;
+    cfg.zero_overhead_scheduling = !args.no_zos;
+    cfg.enable_prefix_cache = !args.no_prefix_cache;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| TroupeError::InvalidInput(format!("cannot start the async runtime: {e}")))?;
+    let (outputs, status) = runtime.block_on(async {
+        let engine = Engine::spawn(cfg).await.map_err(engine_err)?;
+        let outputs = engine.generate_batch(requests.clone()).await;
+        let status = engine.status().await.map_err(engine_err)?;
+        engine.shutdown(false).await;
+        Ok::<_, TroupeError>((outputs, status))
+    })?;
     if args.stats {
-        let st = generator.stats;
         let stats = serde_json::json!({
-            "prefill_tokens": st.num_prefill_tokens,
-            "prefill_tokens_per_s": st.num_prefill_tokens as f64 / st.prefill_secs.max(1e-9),
-            "decode_tokens": st.num_decode_tokens,
-            "decode_tokens_per_s": st.num_decode_tokens as f64 / st.decode_secs.max(1e-9),
+            "prefill_tokens": status.num_prefill_tokens,
+            "prefill_tokens_per_s": status.num_prefill_tokens as f64 / status.prefill_secs.max(1e-9),
+            "decode_tokens": status.num_decode_tokens,
+            "decode_tokens_per_s": status.num_decode_tokens as f64 / status.decode_secs.max(1e-9),
+            "steps": status.num_steps,
+            "worker_idle_secs": status.worker_idle_secs,
+            "prefix_cache_hit_blocks": status.num_prefix_hit_blocks,
+            "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,
         });
         eprintln!("{stats}");
     }
-    let tok = generator.model.tokenizer.as_ref();
+    let tok = text.tokenizer.as_deref();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    for (i, o) in outputs.iter().enumerate() {
+    for (i, result) in outputs.into_iter().enumerate() {
+        let o = result.map_err(|e| TroupeError::InvalidInput(format!("prompt {i}: {e}")))?;
+        if let Some(err) = &o.error {
+            return Err(TroupeError::InvalidInput(format!("prompt {i}: {err}")));
+        }
         let text = match tok {
             Some(t) => t.decode(&o.token_ids, true)?,
             None => String::new(),
         };
+        let finish = o.finish_reason.map_or("length", |r| match r {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        });
         let written = if args.json {
-            let line = OutputLine::new(o, text, requests[i].params.num_top_logprobs > 0);
+            let line = OutputLine {
+                prompt_ids: &requests[i].prompt_ids,
+                token_ids: &o.token_ids,
+                text,
+                finish_reason: finish,
+                top_logprobs: (requests[i].params.num_top_logprobs > 0)
+                    .then(|| o.top_logprobs.clone()),
+            };
             writeln!(
                 out,
                 "{}",

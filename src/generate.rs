@@ -178,7 +178,7 @@ impl<B: Backend> Generator<B> {
                 s.num_cached_tokens += s.pending.len();
                 let position = s.num_cached_tokens as u64;
                 let token = self.sampler.sample(row_logits, &r.params, position);
-                if !r.ignore_eos && self.model.stop_ids.contains(&token) {
+                if !r.ignore_eos && self.model.text.stop_ids.contains(&token) {
                     s.output.finish_reason = FinishReason::Stop;
                     s.done = true;
                     continue;

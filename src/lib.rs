@@ -2,6 +2,7 @@
 
 pub mod actors;
 pub mod cli;
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod kernels;

@@ -26,7 +26,7 @@ fn check_tiny(model: &str, reference: &str, block_size: usize) {
     let reference = common::read_json(reference);
     let mut loaded = common::load(&common::goldens().join(model));
     // The reference generated past EOS; so do we.
-    loaded.stop_ids.clear();
+    loaded.text.stop_ids.clear();
     let mut generator = Generator::new(CpuBackend, loaded, block_size);
     let cases = reference["cases"].as_array().unwrap();
     let mut requests = Vec::new();
@@ -51,6 +51,7 @@ fn check_tiny(model: &str, reference: &str, block_size: usize) {
     }
     let tok = generator
         .model
+        .text
         .tokenizer
         .as_ref()
         .expect("tiny models ship a tokenizer.json");
@@ -64,6 +65,7 @@ fn check_tiny(model: &str, reference: &str, block_size: usize) {
     }
     let template = generator
         .model
+        .text
         .chat_template
         .as_ref()
         .expect("the checkpoint has a chat template");
@@ -159,8 +161,8 @@ fn tiny_llama_q8_0_gguf_matches_transformers() {
 fn smollm2_gguf_matches_transformers() {
     let golden = common::read_json("smollm2.json");
     let loaded = common::load(&common::smollm2_path());
-    let tok = loaded.tokenizer.as_ref().unwrap();
-    let template = loaded.chat_template.as_ref().unwrap();
+    let tok = loaded.text.tokenizer.as_ref().unwrap();
+    let template = loaded.text.chat_template.as_ref().unwrap();
     let prompts = golden["prompts"].as_array().unwrap();
     let mut requests = Vec::new();
     for p in prompts {

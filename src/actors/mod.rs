@@ -1,2 +1,11 @@
-//! The actor system (supervisor, scheduler, rank workers, sampler) arrives with the
-//! engine-core issue; until then `generate` runs the step loop synchronously.
+//! The actor system. `EngineSupervisor` spawns and links a `SchedulerActor` (a shell around
+//! `sched::Scheduler`), a `SamplerActor`, and one `RankWorker` per rank, each rank on its
+//! own OS thread. Messages are one typed enum per actor and step-sized: plans and logits
+//! travel as `Arc`s, tokens reach callers through per-request channels.
+
+pub mod fault;
+pub mod rank_worker;
+pub mod sampled_tokens;
+pub mod sampler;
+pub mod scheduler;
+pub mod supervisor;

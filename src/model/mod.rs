@@ -12,6 +12,7 @@ pub mod tokenizer;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use chat_template::ChatTemplate;
 use config::ModelConfig;
@@ -24,15 +25,21 @@ use weights::Weights;
 use crate::error::{Result, TroupeError};
 use crate::kernels::Backend;
 
-/// A model ready to run: weights on a backend plus what turns text into its tokens.
-pub struct LoadedModel<B: Backend> {
-    pub path: PathBuf,
-    pub model: LlamaModel<B>,
+/// What turns text into a model's tokens and back, and when generation stops.
+pub struct ModelText {
+    pub config: ModelConfig,
     /// `None` for checkpoints without a tokenizer: they take and return token ids.
-    pub tokenizer: Option<Tokenizer>,
+    pub tokenizer: Option<Arc<Tokenizer>>,
     pub chat_template: Option<ChatTemplate>,
     /// Token ids that end generation (EOS, end-of-turn).
     pub stop_ids: Vec<u32>,
+}
+
+/// A model ready to run: weights on a backend plus its text side.
+pub struct LoadedModel<B: Backend> {
+    pub path: PathBuf,
+    pub model: LlamaModel<B>,
+    pub text: ModelText,
 }
 
 /// Resolves `--model`: a known name (fetched on first use), a GGUF file or an HF directory.
@@ -60,17 +67,42 @@ pub fn load<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
 
 fn load_gguf<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
     let gguf = GgufFile::open(path)?;
-    let cfg = ModelConfig::from_gguf(&gguf)?;
+    let text = gguf_text(&gguf)?;
     let src = GgufSource {
         gguf: &gguf,
-        arch: cfg.arch,
-        num_heads: cfg.num_heads,
-        num_kv_heads: cfg.num_kv_heads,
+        arch: text.config.arch,
+        num_heads: text.config.num_heads,
+        num_kv_heads: text.config.num_kv_heads,
     };
-    let weights = Weights::load(&cfg, &src, backend)?;
+    let weights = Weights::load(&text.config, &src, backend)?;
     let freq_factors = src.rope_freq_factors()?;
+    Ok(LoadedModel {
+        path: path.to_path_buf(),
+        model: LlamaModel::new(
+            text.config.clone(),
+            weights,
+            backend,
+            freq_factors.as_deref(),
+        ),
+        text,
+    })
+}
+
+/// The text side of a model without its weights: cheap, for the request-facing half of
+/// the engine.
+pub fn load_text(path: &Path) -> Result<ModelText> {
+    if path.is_dir() {
+        let (config, json) = hf_config(path)?;
+        hf_text(path, &json, config)
+    } else {
+        gguf_text(&GgufFile::open(path)?)
+    }
+}
+
+fn gguf_text(gguf: &GgufFile) -> Result<ModelText> {
+    let config = ModelConfig::from_gguf(gguf)?;
     let tokenizer = if gguf.meta("tokenizer.ggml.model").is_some() {
-        Some(Tokenizer::from_gguf(&gguf)?)
+        Some(Arc::new(Tokenizer::from_gguf(gguf)?))
     } else {
         None
     };
@@ -93,9 +125,8 @@ fn load_gguf<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
             .into_iter()
             .collect(),
     };
-    Ok(LoadedModel {
-        path: path.to_path_buf(),
-        model: LlamaModel::new(cfg, weights, backend, freq_factors.as_deref()),
+    Ok(ModelText {
+        config,
         tokenizer,
         chat_template,
         stop_ids,
@@ -122,15 +153,28 @@ fn token_string(v: &serde_json::Value) -> Option<String> {
         .or_else(|| v["content"].as_str().map(str::to_string))
 }
 
-fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
+fn hf_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
     let config_path = dir.join("config.json");
-    let config = read_json(&config_path)?.ok_or_else(|| TroupeError::ModelFormat {
+    let json = read_json(&config_path)?.ok_or_else(|| TroupeError::ModelFormat {
         path: dir.to_path_buf(),
         reason: "not a model directory: no config.json".into(),
     })?;
-    let cfg = ModelConfig::from_hf_json(&config)?;
+    Ok((ModelConfig::from_hf_json(&json)?, json))
+}
+
+fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
+    let (cfg, json) = hf_config(dir)?;
     let src = SafetensorsSource::open_dir(dir)?;
     let weights = Weights::load(&cfg, &src, backend)?;
+    let text = hf_text(dir, &json, cfg.clone())?;
+    Ok(LoadedModel {
+        path: dir.to_path_buf(),
+        model: LlamaModel::new(cfg, weights, backend, None),
+        text,
+    })
+}
+
+fn hf_text(dir: &Path, config: &serde_json::Value, cfg: ModelConfig) -> Result<ModelText> {
     let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
     let gen_cfg = read_json(&dir.join("generation_config.json"))?.unwrap_or_default();
     let eos_ids: Vec<u32> = [&gen_cfg["eos_token_id"], &config["eos_token_id"]]
@@ -154,7 +198,7 @@ fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
         {
             tok.stop_ids.push(id);
         }
-        Some(tok)
+        Some(Arc::new(tok))
     } else {
         None
     };
@@ -171,9 +215,8 @@ fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
         None => None,
     };
     let stop_ids = tokenizer.as_ref().map_or(eos_ids, |t| t.stop_ids.clone());
-    Ok(LoadedModel {
-        path: dir.to_path_buf(),
-        model: LlamaModel::new(cfg, weights, backend, None),
+    Ok(ModelText {
+        config: cfg,
         tokenizer,
         chat_template,
         stop_ids,

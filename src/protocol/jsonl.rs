@@ -4,7 +4,6 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
-use crate::generate::GenerateOutput;
 
 /// One line of `--prompts-file`. Fields left out take the command-line values.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -62,18 +61,6 @@ pub struct OutputLine<'a> {
     pub finish_reason: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
-}
-
-impl<'a> OutputLine<'a> {
-    pub fn new(out: &'a GenerateOutput, text: String, with_logprobs: bool) -> Self {
-        OutputLine {
-            prompt_ids: &out.prompt_ids,
-            token_ids: &out.token_ids,
-            text,
-            finish_reason: out.finish_reason.as_str(),
-            top_logprobs: with_logprobs.then(|| out.top_logprobs.clone()),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -53,3 +53,4 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     max_diff / max_ref
 }
+pub mod engine;

@@ -1,0 +1,156 @@
+//! The rank worker actor: owns one rank's backend, weights and KV cache, on its own OS
+//! thread (a `ThreadLocalActorSpawner` each: device contexts are bound to one thread).
+//! It runs the steps the scheduler plans and hands logits to the sampler; rows that
+//! continue the previous step take their input token from `SampledTokens` (ZOS).
+
+use std::path::PathBuf;
+use std::sync::Arc as StdArc;
+use std::time::Instant;
+
+use ractor::thread_local::ThreadLocalActor;
+use ractor::{ActorProcessingErr, ActorRef};
+
+use super::fault::FaultPlan;
+use super::sampled_tokens::SampledTokens;
+use super::sampler::{RowSampling, SamplerMsg};
+use crate::kernels::Backend;
+use crate::kernels::cpu::CpuBackend;
+use crate::model::llama::{LlamaModel, SeqStep};
+use crate::sched::{RowInput, StepPlan};
+
+pub enum RankMsg {
+    /// Run one step. Step-sized: the plan and sampling parameters travel as `Arc`s.
+    Step {
+        epoch: u64,
+        plan: StdArc<StepPlan>,
+        sampling: StdArc<Vec<Option<RowSampling>>>,
+        sampler: ActorRef<SamplerMsg>,
+    },
+}
+
+pub struct RankArgs {
+    pub rank: usize,
+    pub model_path: PathBuf,
+    pub num_kv_blocks: usize,
+    pub block_size: usize,
+    pub sampled: SampledTokens,
+    pub faults: FaultPlan,
+}
+
+pub struct RankState {
+    backend: CpuBackend,
+    model: LlamaModel<CpuBackend>,
+    cache: <CpuBackend as Backend>::KvCache,
+    block_size: usize,
+    sampled: SampledTokens,
+    faults: FaultPlan,
+    /// Input ids of the current step's rows, reused across steps.
+    inputs: Vec<Vec<u32>>,
+    /// When the last step's compute ended: the gap to the next step's start is idle time.
+    last_step_end: Option<Instant>,
+}
+
+#[derive(Default)]
+pub struct RankWorker;
+
+impl ThreadLocalActor for RankWorker {
+    type Msg = RankMsg;
+    type State = RankState;
+    type Arguments = RankArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<RankMsg>,
+        args: RankArgs,
+    ) -> Result<RankState, ActorProcessingErr> {
+        if args.faults.take_start_failure() {
+            return Err(format!("rank {} failed to start (injected fault)", args.rank).into());
+        }
+        let backend = CpuBackend;
+        let loaded = crate::model::load(&args.model_path, &backend)?;
+        let shape = loaded
+            .model
+            .kv_cache_shape(args.num_kv_blocks, args.block_size);
+        let cache = backend.alloc_kv_cache(shape);
+        Ok(RankState {
+            backend,
+            model: loaded.model,
+            cache,
+            block_size: args.block_size,
+            sampled: args.sampled,
+            faults: args.faults,
+            inputs: Vec::new(),
+            last_step_end: None,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<RankMsg>,
+        msg: RankMsg,
+        st: &mut RankState,
+    ) -> Result<(), ActorProcessingErr> {
+        let RankMsg::Step {
+            epoch,
+            plan,
+            sampling,
+            sampler,
+        } = msg;
+        if epoch != st.sampled.epoch() {
+            // Planned before a reset: every sequence in it is being recomputed.
+            return Ok(());
+        }
+        st.inputs.resize_with(plan.rows.len(), Vec::new);
+        for (row, input) in plan.rows.iter().zip(st.inputs.iter_mut()) {
+            input.clear();
+            match &row.input {
+                RowInput::Tokens(ids) => input.extend_from_slice(ids),
+                RowInput::FromPrevious {
+                    prev_step,
+                    prev_row,
+                } => {
+                    match st.sampled.wait(epoch, *prev_step, *prev_row) {
+                        Some(token) => input.push(token),
+                        // The engine was reset while we waited: this step is void.
+                        None => return Ok(()),
+                    }
+                }
+            }
+        }
+        // Timed from here: waiting on the previous step's tokens is not this step's cost.
+        let started = Instant::now();
+        let idle_secs = st
+            .last_step_end
+            .map_or(0.0, |end| (started - end).as_secs_f64());
+        if st.faults.take_step_panic() {
+            panic!("rank worker panicked mid-step (injected fault)");
+        }
+        let steps: Vec<SeqStep<'_>> = plan
+            .rows
+            .iter()
+            .zip(&st.inputs)
+            .map(|(row, input)| SeqStep {
+                token_ids: input,
+                num_cached_tokens: row.num_cached_tokens,
+                block_table: &row.block_table,
+            })
+            .collect();
+        let logits = st
+            .model
+            .forward(&st.backend, &mut st.cache, st.block_size, &steps);
+        let vocab_size = st.model.cfg.vocab_size;
+        st.last_step_end = Some(Instant::now());
+        // A sampler that died with this step in flight is being replaced; the restart
+        // resets the scheduler, which no longer waits for these logits.
+        let _ = sampler.cast(SamplerMsg::Sample {
+            epoch,
+            step_id: plan.step_id,
+            logits: StdArc::new(logits),
+            vocab_size,
+            sampling,
+            started,
+            idle_secs,
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,405 @@
+//! The scheduler actor: a thin shell around `sched::Scheduler`. It admits requests, sends
+//! each planned step to the rank worker, turns sampled tokens into request outputs, and
+//! resets the core when a rank or the sampler restarts.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc as StdArc;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::rank_worker::RankMsg;
+use super::sampled_tokens::SampledTokens;
+use super::sampler::{RowSampling, SamplerMsg};
+use crate::engine::{EngineError, EngineRequest, RequestOutput};
+use crate::model::tokenizer::Tokenizer;
+use crate::sched::{
+    FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepPlan,
+};
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStatus {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_free_blocks: usize,
+    pub num_total_blocks: usize,
+    pub num_steps: u64,
+    /// Times the device state was (re)attached: 1 after start, +1 per restart.
+    pub num_resets: u64,
+    /// Tokens and measured step seconds of steps that held a prefill chunk ...
+    pub num_prefill_tokens: u64,
+    pub prefill_secs: f64,
+    /// ... and of pure decode steps.
+    pub num_decode_tokens: u64,
+    pub decode_secs: f64,
+    pub num_prefix_queried_blocks: u64,
+    pub num_prefix_hit_blocks: u64,
+    /// Rank worker time between steps (ZOS shrinks it).
+    pub worker_idle_secs: f64,
+}
+
+pub enum SchedulerMsg {
+    Submit {
+        request_id: u64,
+        request: EngineRequest,
+        stream: UnboundedSender<RequestOutput>,
+        reply: RpcReplyPort<Result<(), EngineError>>,
+    },
+    Abort {
+        request_id: u64,
+    },
+    /// From the sampler: the tokens of the sampling rows of `step_id`, in row order.
+    StepSampled {
+        epoch: u64,
+        step_id: u64,
+        tokens: Vec<u32>,
+        top_logprobs: Vec<Vec<(u32, f32)>>,
+        elapsed_secs: f64,
+        worker_idle_secs: f64,
+    },
+    /// From the supervisor, at start and after restarts: device state is fresh, so every
+    /// unfinished sequence is recomputed.
+    Attach {
+        worker: Option<ActorRef<RankMsg>>,
+        sampler: Option<ActorRef<SamplerMsg>>,
+    },
+    /// From the supervisor: no rank can run; fail everything now and later.
+    RankLost {
+        reason: String,
+    },
+    Status(RpcReplyPort<EngineStatus>),
+    /// Replies once no request is left.
+    Drain(RpcReplyPort<()>),
+}
+
+pub struct SchedulerArgs {
+    pub config: SchedulerConfig,
+    pub zero_overhead_scheduling: bool,
+    pub sampled: SampledTokens,
+    pub tokenizer: Option<StdArc<Tokenizer>>,
+    pub stop_ids: Vec<u32>,
+}
+
+struct Request {
+    stream: UnboundedSender<RequestOutput>,
+    request: EngineRequest,
+    token_ids: Vec<u32>,
+    /// Bytes of decoded text already sent.
+    num_text_bytes_sent: usize,
+}
+
+pub struct SchedulerState {
+    core: Scheduler,
+    zos: bool,
+    sampled: SampledTokens,
+    epoch: u64,
+    worker: Option<ActorRef<RankMsg>>,
+    sampler: Option<ActorRef<SamplerMsg>>,
+    tokenizer: Option<StdArc<Tokenizer>>,
+    stop_ids: Vec<u32>,
+    requests: HashMap<SeqId, Request>,
+    in_flight: VecDeque<StdArc<StepPlan>>,
+    failed: Option<String>,
+    drains: Vec<RpcReplyPort<()>>,
+    status: EngineStatus,
+}
+
+impl SchedulerState {
+    /// Plans and sends steps while the pipeline has room: one step in flight without ZOS,
+    /// two with it (step N runs while N+1 is planned and queued behind it).
+    fn kick(&mut self) {
+        let (Some(worker), Some(sampler)) = (&self.worker, &self.sampler) else {
+            return;
+        };
+        let depth = if self.zos { 2 } else { 1 };
+        while self.failed.is_none() && self.in_flight.len() < depth {
+            let Some(plan) = self.core.schedule() else {
+                break;
+            };
+            let sampling: Vec<Option<RowSampling>> = plan
+                .rows
+                .iter()
+                .map(|row| {
+                    let num_new = match &row.input {
+                        RowInput::Tokens(t) => t.len(),
+                        RowInput::FromPrevious { .. } => 1,
+                    };
+                    let params = self
+                        .requests
+                        .get(&row.seq_id)
+                        .map(|r| r.request.params.clone());
+                    row.sample.then(|| RowSampling {
+                        params: params.unwrap_or_default(),
+                        position: (row.num_cached_tokens + num_new) as u64,
+                    })
+                })
+                .collect();
+            let plan = StdArc::new(plan);
+            self.in_flight.push_back(plan.clone());
+            self.status.num_steps += 1;
+            let msg = RankMsg::Step {
+                epoch: self.epoch,
+                plan,
+                sampling: StdArc::new(sampling),
+                sampler: sampler.clone(),
+            };
+            // A dead worker loses the step; the supervisor's restart resets the core.
+            let _ = worker.cast(msg);
+        }
+        self.answer_drains();
+    }
+
+    fn answer_drains(&mut self) {
+        if self.requests.is_empty() {
+            for d in self.drains.drain(..) {
+                let _ = d.send(());
+            }
+        }
+    }
+
+    fn emit(&mut self, seq_id: SeqId, out: RequestOutput) {
+        let gone = match self.requests.get(&seq_id) {
+            Some(r) => r.stream.send(out).is_err(),
+            None => false,
+        };
+        if gone {
+            // The caller dropped its stream: nobody wants the rest.
+            self.core.abort(seq_id);
+            self.requests.remove(&seq_id);
+        }
+    }
+
+    /// Text not yet sent for `seq_id`, held back while it ends in a partial character.
+    fn text_delta(&mut self, seq_id: SeqId, final_piece: bool) -> String {
+        let (Some(tok), Some(r)) = (&self.tokenizer, self.requests.get_mut(&seq_id)) else {
+            return String::new();
+        };
+        let text = tok.decode(&r.token_ids, true).unwrap_or_default();
+        if (!final_piece && text.ends_with('\u{FFFD}')) || text.len() < r.num_text_bytes_sent {
+            return String::new();
+        }
+        let delta = text[r.num_text_bytes_sent..].to_string();
+        r.num_text_bytes_sent = text.len();
+        delta
+    }
+
+    fn on_sampled(
+        &mut self,
+        step_id: u64,
+        tokens: Vec<u32>,
+        logprobs: Vec<Vec<(u32, f32)>>,
+        secs: f64,
+    ) {
+        let Some(plan) = self.in_flight.pop_front() else {
+            return;
+        };
+        debug_assert_eq!(plan.step_id, step_id, "steps complete in plan order");
+        let num_tokens: usize = plan
+            .rows
+            .iter()
+            .map(|r| match &r.input {
+                RowInput::Tokens(t) => t.len(),
+                RowInput::FromPrevious { .. } => 1,
+            })
+            .sum();
+        if num_tokens == plan.rows.len() {
+            self.status.num_decode_tokens += num_tokens as u64;
+            self.status.decode_secs += secs;
+        } else {
+            self.status.num_prefill_tokens += num_tokens as u64;
+            self.status.prefill_secs += secs;
+        }
+        let mut logprobs_of: HashMap<SeqId, Vec<(u32, f32)>> = HashMap::new();
+        for (row, lp) in plan.rows.iter().filter(|r| r.sample).zip(logprobs) {
+            logprobs_of.insert(row.seq_id, lp);
+        }
+        for event in self.core.on_step_done(step_id, &tokens, secs) {
+            match event {
+                SeqEvent::Token { seq_id, token } => {
+                    let Some(r) = self.requests.get_mut(&seq_id) else {
+                        continue;
+                    };
+                    r.token_ids.push(token);
+                    let with_logprobs = r.request.params.num_top_logprobs > 0;
+                    let text = self.text_delta(seq_id, false);
+                    let out = RequestOutput {
+                        request_id: seq_id,
+                        token_ids: vec![token],
+                        text,
+                        top_logprobs: if with_logprobs {
+                            vec![logprobs_of.get(&seq_id).cloned().unwrap_or_default()]
+                        } else {
+                            Vec::new()
+                        },
+                        ..Default::default()
+                    };
+                    self.emit(seq_id, out);
+                }
+                SeqEvent::Finished { seq_id, reason } => self.finish(seq_id, reason),
+            }
+        }
+    }
+
+    fn finish(&mut self, seq_id: SeqId, reason: FinishReason) {
+        let text = self.text_delta(seq_id, true);
+        if let Some(r) = self.requests.remove(&seq_id) {
+            let _ = r.stream.send(RequestOutput {
+                request_id: seq_id,
+                text,
+                finish_reason: Some(reason),
+                ..Default::default()
+            });
+        }
+    }
+
+    fn fail_all(&mut self, reason: &str) {
+        for (seq_id, r) in self.requests.drain() {
+            self.core.abort(seq_id);
+            let _ = r.stream.send(RequestOutput {
+                request_id: seq_id,
+                error: Some(reason.to_string()),
+                ..Default::default()
+            });
+        }
+        self.answer_drains();
+    }
+}
+
+pub struct SchedulerActor;
+
+impl Actor for SchedulerActor {
+    type Msg = SchedulerMsg;
+    type State = SchedulerState;
+    type Arguments = SchedulerArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<SchedulerMsg>,
+        args: SchedulerArgs,
+    ) -> Result<SchedulerState, ActorProcessingErr> {
+        let num_total_blocks = args.config.num_blocks;
+        Ok(SchedulerState {
+            core: Scheduler::new(args.config),
+            zos: args.zero_overhead_scheduling,
+            epoch: args.sampled.epoch(),
+            sampled: args.sampled,
+            worker: None,
+            sampler: None,
+            tokenizer: args.tokenizer,
+            stop_ids: args.stop_ids,
+            requests: HashMap::new(),
+            in_flight: VecDeque::new(),
+            failed: None,
+            drains: Vec::new(),
+            status: EngineStatus {
+                num_total_blocks,
+                ..Default::default()
+            },
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<SchedulerMsg>,
+        msg: SchedulerMsg,
+        st: &mut SchedulerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SchedulerMsg::Submit {
+                request_id,
+                request,
+                stream,
+                reply,
+            } => {
+                if let Some(reason) = &st.failed {
+                    let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
+                    return Ok(());
+                }
+                if let Err(e) = request.params.validate() {
+                    let _ = reply.send(Err(EngineError::Rejected(e.to_string())));
+                    return Ok(());
+                }
+                let seq = SeqRequest {
+                    seq_id: request_id,
+                    prompt_ids: request.prompt_ids.clone(),
+                    max_tokens: request.max_tokens,
+                    stop_ids: st.stop_ids.clone(),
+                    ignore_eos: request.ignore_eos,
+                    cache_salt: 0,
+                };
+                match st.core.add(seq) {
+                    Ok(()) => {
+                        st.requests.insert(
+                            request_id,
+                            Request {
+                                stream,
+                                request,
+                                token_ids: Vec::new(),
+                                num_text_bytes_sent: 0,
+                            },
+                        );
+                        let _ = reply.send(Ok(()));
+                        st.kick();
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(EngineError::Rejected(e.to_string())));
+                    }
+                }
+            }
+            SchedulerMsg::Abort { request_id } => {
+                if st.core.abort(request_id) {
+                    st.finish(request_id, FinishReason::Abort);
+                }
+                st.kick();
+            }
+            SchedulerMsg::StepSampled {
+                epoch,
+                step_id,
+                tokens,
+                top_logprobs,
+                elapsed_secs,
+                worker_idle_secs,
+            } => {
+                if epoch == st.epoch {
+                    st.status.worker_idle_secs += worker_idle_secs;
+                    st.on_sampled(step_id, tokens, top_logprobs, elapsed_secs);
+                    st.kick();
+                }
+            }
+            SchedulerMsg::Attach { worker, sampler } => {
+                if worker.is_some() {
+                    st.worker = worker;
+                }
+                if sampler.is_some() {
+                    st.sampler = sampler;
+                }
+                st.epoch = st.sampled.invalidate();
+                st.in_flight.clear();
+                st.core.reset_device_state();
+                st.status.num_resets += 1;
+                st.kick();
+            }
+            SchedulerMsg::RankLost { reason } => {
+                let reason = format!("no rank worker is left: {reason}");
+                st.failed = Some(reason.clone());
+                st.sampled.invalidate();
+                st.fail_all(&reason);
+            }
+            SchedulerMsg::Status(reply) => {
+                let mut s = st.status;
+                s.num_running = st.core.num_running();
+                s.num_waiting = st.core.num_waiting();
+                s.num_free_blocks = st.core.num_free_blocks();
+                let prefix = st.core.prefix_cache_stats();
+                s.num_prefix_queried_blocks = prefix.num_queried_blocks;
+                s.num_prefix_hit_blocks = prefix.num_hit_blocks;
+                let _ = reply.send(s);
+            }
+            SchedulerMsg::Drain(reply) => {
+                st.drains.push(reply);
+                st.answer_drains();
+            }
+        }
+        Ok(())
+    }
+}

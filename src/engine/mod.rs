@@ -1,0 +1,244 @@
+//! The library API: `Engine::spawn` starts the actor system and returns an `EngineHandle`
+//! to submit requests to, stream their outputs, abort them and shut down.
+
+mod types;
+
+use std::sync::Arc as StdArc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ractor::{Actor, ActorRef};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+
+pub use types::{EngineConfig, EngineError, EngineRequest, FinishReason, RequestOutput};
+
+use crate::actors::fault::FaultPlan;
+use crate::actors::sampled_tokens::SampledTokens;
+use crate::actors::scheduler::{EngineStatus, SchedulerArgs, SchedulerMsg};
+use crate::actors::supervisor::{
+    Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
+};
+use crate::model::{self, ModelText};
+use crate::sched::SchedulerConfig;
+
+pub struct Engine;
+
+#[derive(Clone)]
+pub struct EngineHandle {
+    supervisor: ActorRef<SupervisorMsg>,
+    scheduler: ActorRef<SchedulerMsg>,
+    permits: StdArc<Semaphore>,
+    next_id: StdArc<AtomicU64>,
+    text: StdArc<ModelText>,
+    faults: FaultPlan,
+}
+
+impl Engine {
+    pub async fn spawn(cfg: EngineConfig) -> Result<EngineHandle, EngineError> {
+        Self::spawn_with_faults(cfg, FaultPlan::default()).await
+    }
+
+    /// As `spawn`, with a fault plan the tests drive.
+    #[doc(hidden)]
+    pub async fn spawn_with_faults(
+        cfg: EngineConfig,
+        faults: FaultPlan,
+    ) -> Result<EngineHandle, EngineError> {
+        let text = model::load_text(&cfg.model_path)?;
+        let mcfg = &text.config;
+        let bytes_per_block =
+            2 * mcfg.num_layers * cfg.block_size * mcfg.kv_dim() * std::mem::size_of::<f32>();
+        let num_kv_blocks = (cfg.kv_cache_bytes / bytes_per_block).max(1);
+        let sampled = SampledTokens::new();
+        let scheduler_cfg = SchedulerConfig {
+            block_size: cfg.block_size,
+            num_blocks: num_kv_blocks,
+            num_state_slots: None,
+            max_num_seqs: cfg.max_num_seqs,
+            max_step_tokens: cfg.max_step_tokens,
+            step_time_budget_secs: cfg.step_time_budget_secs,
+            enable_prefix_cache: cfg.enable_prefix_cache,
+            max_context_tokens: mcfg.max_context_tokens,
+        };
+        let args = SupervisorArgs {
+            scheduler: SchedulerArgs {
+                config: scheduler_cfg,
+                zero_overhead_scheduling: cfg.zero_overhead_scheduling,
+                sampled,
+                tokenizer: text.tokenizer.clone(),
+                stop_ids: text.stop_ids.clone(),
+            },
+            rank: RankArgsTemplate {
+                model_path: cfg.model_path.clone(),
+                num_kv_blocks,
+                block_size: cfg.block_size,
+                faults: faults.clone(),
+            },
+            max_rank_restarts: cfg.max_rank_restarts,
+        };
+        let (supervisor, _) = Actor::spawn(None, EngineSupervisor, args)
+            .await
+            .map_err(|e| EngineError::Spawn(e.to_string()))?;
+        let children = ractor::call!(supervisor, SupervisorMsg::Children)
+            .map_err(|e| EngineError::Spawn(e.to_string()))?;
+        Ok(EngineHandle {
+            supervisor,
+            scheduler: children.scheduler,
+            permits: StdArc::new(Semaphore::new(cfg.max_pending_requests.max(1))),
+            next_id: StdArc::new(AtomicU64::new(1)),
+            text: StdArc::new(text),
+            faults,
+        })
+    }
+}
+
+/// The outputs of one request, in order; dropping it before the end aborts the request.
+pub struct RequestStream {
+    pub request_id: u64,
+    rx: mpsc::UnboundedReceiver<RequestOutput>,
+    scheduler: ActorRef<SchedulerMsg>,
+    finished: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl RequestStream {
+    /// The next output; `None` after the final one.
+    pub async fn next(&mut self) -> Option<RequestOutput> {
+        if self.finished {
+            return None;
+        }
+        let out = self.rx.recv().await;
+        match &out {
+            Some(o) if !o.is_final() => {}
+            _ => self.finished = true,
+        }
+        out
+    }
+
+    /// Collects the whole output: all tokens and text, the finish reason or the error.
+    pub async fn collect(mut self) -> RequestOutput {
+        let mut all = RequestOutput {
+            request_id: self.request_id,
+            ..Default::default()
+        };
+        while let Some(o) = self.next().await {
+            all.token_ids.extend(o.token_ids);
+            all.text.push_str(&o.text);
+            all.top_logprobs.extend(o.top_logprobs);
+            all.finish_reason = o.finish_reason;
+            all.error = o.error;
+        }
+        if all.finish_reason.is_none() && all.error.is_none() {
+            all.error = Some("the engine stopped before the request finished".into());
+        }
+        all
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.scheduler.cast(SchedulerMsg::Abort {
+                request_id: self.request_id,
+            });
+        }
+    }
+}
+
+impl EngineHandle {
+    pub fn text(&self) -> &ModelText {
+        &self.text
+    }
+
+    pub async fn generate(&self, request: EngineRequest) -> Result<RequestStream, EngineError> {
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| EngineError::Unavailable("the engine is shut down".into()))?;
+        let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let submitted = ractor::call!(self.scheduler, |reply| SchedulerMsg::Submit {
+            request_id,
+            request,
+            stream: tx,
+            reply
+        })
+        .map_err(|e| EngineError::Unavailable(e.to_string()))?;
+        submitted?;
+        Ok(RequestStream {
+            request_id,
+            rx,
+            scheduler: self.scheduler.clone(),
+            finished: false,
+            _permit: permit,
+        })
+    }
+
+    pub fn abort(&self, request_id: u64) {
+        let _ = self.scheduler.cast(SchedulerMsg::Abort { request_id });
+    }
+
+    /// Runs all requests concurrently; results come back in request order. A progress bar
+    /// shows on stderr when it is a terminal.
+    pub async fn generate_batch(
+        &self,
+        requests: Vec<EngineRequest>,
+    ) -> Vec<Result<RequestOutput, EngineError>> {
+        let bar = indicatif::ProgressBar::new(requests.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} requests [{elapsed_precise}]",
+            )
+            .expect("static template"),
+        );
+        let mut tasks = Vec::with_capacity(requests.len());
+        for r in requests {
+            let this = self.clone();
+            let bar = bar.clone();
+            tasks.push(tokio::spawn(async move {
+                let out = match this.generate(r).await {
+                    Ok(stream) => Ok(stream.collect().await),
+                    Err(e) => Err(e),
+                };
+                bar.inc(1);
+                out
+            }));
+        }
+        let mut results = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            results.push(
+                t.await
+                    .unwrap_or_else(|e| Err(EngineError::Unavailable(e.to_string()))),
+            );
+        }
+        bar.finish_and_clear();
+        results
+    }
+
+    pub async fn status(&self) -> Result<EngineStatus, EngineError> {
+        ractor::call!(self.scheduler, SchedulerMsg::Status)
+            .map_err(|e| EngineError::Unavailable(e.to_string()))
+    }
+
+    /// Stops the engine: with `drain`, after every request in flight has finished;
+    /// without, at once (requests end with an error).
+    pub async fn shutdown(self, drain: bool) {
+        if drain {
+            let _ = ractor::call!(self.scheduler, SchedulerMsg::Drain);
+        }
+        self.permits.close();
+        let _ = self.supervisor.stop_and_wait(None, None).await;
+    }
+
+    #[doc(hidden)]
+    pub fn faults(&self) -> &FaultPlan {
+        &self.faults
+    }
+
+    #[doc(hidden)]
+    pub async fn children(&self) -> Result<Children, EngineError> {
+        ractor::call!(self.supervisor, SupervisorMsg::Children)
+            .map_err(|e| EngineError::Unavailable(e.to_string()))
+    }
+}

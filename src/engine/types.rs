@@ -1,0 +1,82 @@
+//! What callers of the library exchange with the engine.
+
+use std::path::PathBuf;
+
+use crate::sampling::SamplingParams;
+pub use crate::sched::FinishReason;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// A GGUF file or HF model directory (resolve names with `model::resolve_model_path`).
+    pub model_path: PathBuf,
+    pub block_size: usize,
+    /// Memory for the paged KV cache; the number of blocks follows from the model's shape.
+    pub kv_cache_bytes: usize,
+    pub max_num_seqs: usize,
+    pub max_step_tokens: usize,
+    pub step_time_budget_secs: f64,
+    pub enable_prefix_cache: bool,
+    /// Zero-overhead scheduling: plan step N+1 while step N runs.
+    pub zero_overhead_scheduling: bool,
+    /// Requests admitted to the engine at once; `generate` waits for a free place
+    /// (back-pressure in front of ractor's unbounded mailboxes).
+    pub max_pending_requests: usize,
+    /// Rank worker restarts allowed before a failure counts as permanent.
+    pub max_rank_restarts: usize,
+}
+
+impl EngineConfig {
+    pub fn new(model_path: impl Into<PathBuf>) -> Self {
+        EngineConfig {
+            model_path: model_path.into(),
+            block_size: 16,
+            kv_cache_bytes: 1 << 30,
+            max_num_seqs: 256,
+            max_step_tokens: 2048,
+            step_time_budget_secs: 0.25,
+            enable_prefix_cache: true,
+            zero_overhead_scheduling: true,
+            max_pending_requests: 4096,
+            max_rank_restarts: 8,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub params: SamplingParams,
+    pub ignore_eos: bool,
+}
+
+/// One increment of a request's output. The last one carries `finish_reason` (or `error`).
+#[derive(Debug, Clone, Default)]
+pub struct RequestOutput {
+    pub request_id: u64,
+    pub token_ids: Vec<u32>,
+    /// Text of `token_ids`, held back while it ends inside a multi-byte character.
+    pub text: String,
+    /// Per token in `token_ids`: the most likely `(id, logprob)` pairs.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    pub finish_reason: Option<FinishReason>,
+    pub error: Option<String>,
+}
+
+impl RequestOutput {
+    pub fn is_final(&self) -> bool {
+        self.finish_reason.is_some() || self.error.is_some()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("request rejected: {0}")]
+    Rejected(String),
+    #[error("engine unavailable: {0}")]
+    Unavailable(String),
+    #[error("engine failed to start: {0}")]
+    Spawn(String),
+    #[error(transparent)]
+    Model(#[from] crate::error::TroupeError),
+}

@@ -1,0 +1,37 @@
+//! Scheduler configuration: pool sizes, caps and the per-step time budget.
+
+/// Sizes and policies of one [`Scheduler`](super::Scheduler). Plain data; the scheduler
+/// reads it once at construction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV pool size in blocks.
+    pub num_blocks: usize,
+    /// Per-sequence state slots; `None` when the model needs none.
+    pub num_state_slots: Option<usize>,
+    /// Cap on running (admitted) sequences.
+    pub max_num_seqs: usize,
+    /// Token cap per step: prefill chunk tokens plus one per decode row.
+    pub max_step_tokens: usize,
+    /// Time budget per step that the cost model sizes prefill chunks against.
+    pub step_time_budget_secs: f64,
+    pub enable_prefix_cache: bool,
+    /// Prompt plus generated tokens of one sequence never exceed this.
+    pub max_context_tokens: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 1024,
+            num_state_slots: None,
+            max_num_seqs: 256,
+            max_step_tokens: 2048,
+            step_time_budget_secs: 0.05,
+            enable_prefix_cache: true,
+            max_context_tokens: 4096,
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! A planned step: what the rank workers run, row by row.
+
+use super::{SeqId, StepId};
+
+/// One forward step over a batch of rows (decode rows and prefill chunks, mixed).
+#[derive(Debug, Clone)]
+pub struct StepPlan {
+    pub step_id: StepId,
+    pub rows: Vec<PlannedRow>,
+}
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone)]
+pub struct PlannedRow {
+    pub seq_id: SeqId,
+    pub input: RowInput,
+    /// KV positions already filled; the row's first input token sits at this position.
+    pub num_cached_tokens: usize,
+    /// Covers `num_cached_tokens + row length` positions.
+    pub block_table: Vec<u32>,
+    pub state_slot: Option<u32>,
+    /// This row's last token yields a sampled token (final prefill chunk, or decode).
+    pub sample: bool,
+}
+
+impl PlannedRow {
+    /// Input tokens of the row (`FromPrevious` is one token).
+    pub fn num_tokens(&self) -> usize {
+        match &self.input {
+            RowInput::Tokens(tokens) => tokens.len(),
+            RowInput::FromPrevious { .. } => 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RowInput {
+    Tokens(Vec<u32>),
+    /// Zero-overhead scheduling: one token, the one sampled by row `prev_row` of the
+    /// in-flight step `prev_step`; the rank worker fills it from its own sampled-token
+    /// buffer. `prev_row` indexes that plan's `rows` (all rows, not only sampling ones).
+    FromPrevious {
+        prev_step: StepId,
+        prev_row: usize,
+    },
+}

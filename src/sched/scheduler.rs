@@ -1,0 +1,597 @@
+//! The step planner: continuous batching with cost-model-sized chunked prefill, prefix
+//! caching, LCFS preemption by recompute, zero-overhead scheduling (ZOS) and deferred
+//! release.
+//!
+//! Contract with the caller (the scheduler actor):
+//! - `schedule()` may run while up to one earlier step is in flight (so at most two are
+//!   in flight); it plans as if every in-flight sampling row yields exactly one token.
+//!   A decode row whose input token is still in flight reads it on the device through
+//!   [`RowInput::FromPrevious`].
+//! - `on_step_done()` is called once per planned step, in plan order, with that step's
+//!   sampled tokens (one per `sample == true` row, in row order).
+//! - Resources a sequence leaves behind (finish, abort, preemption) are reused only after
+//!   every in-flight step that may touch them is done.
+//!
+//! One `schedule()` is O(running + admitted rows + blocks allocated), no hashing on the
+//! decode path; `on_step_done()` is O(rows + newly full blocks).
+
+use std::collections::{HashMap, VecDeque};
+
+use self::resources::{DeferredRelease, Reserve};
+use super::block_manager::BlockManager;
+use super::cost_model::{CostModel, StepFeatures};
+use super::prefix_cache::{CachedBlock, PrefixCache, PrefixCacheStats};
+use super::sequence::{RowRef, SeqEvent, SeqRequest, SeqStatus, Sequence};
+use super::state_slots::StateSlots;
+use super::{PlannedRow, RowInput, SchedError, SchedulerConfig, SeqId, StepId, StepPlan};
+
+/// What the scheduler remembers of an in-flight step's row.
+#[derive(Debug, Clone)]
+struct RowRecord {
+    /// Index into `Scheduler::seqs`; stays valid while the row is in flight because a
+    /// sequence with in-flight rows is never removed.
+    seq_idx: usize,
+    num_tokens: usize,
+    sample: bool,
+}
+
+#[derive(Debug, Clone)]
+struct InFlightStep {
+    step_id: StepId,
+    rows: Vec<RowRecord>,
+    features: StepFeatures,
+}
+
+/// The pure scheduling core; see the module doc for the call contract.
+#[derive(Clone)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    blocks: BlockManager,
+    slots: Option<StateSlots>,
+    prefix_cache: PrefixCache,
+    cost_model: CostModel,
+    /// Slab of live sequences (unfinished, or finished with rows still in flight).
+    seqs: Vec<Option<Sequence>>,
+    free_seq_slots: Vec<usize>,
+    idx_of: HashMap<SeqId, usize>,
+    waiting: VecDeque<usize>,
+    /// Admission order: the last one is the preemption victim (LCFS).
+    running: Vec<usize>,
+    in_flight: VecDeque<InFlightStep>,
+    deferred: VecDeque<DeferredRelease>,
+    num_deferred_blocks: usize,
+    next_step_id: StepId,
+    next_arrival: u64,
+    num_preemptions: u64,
+    hits: Vec<CachedBlock>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        assert!(cfg.block_size > 0, "block_size must be positive");
+        assert!(cfg.max_step_tokens > 0, "max_step_tokens must be positive");
+        assert!(cfg.max_num_seqs > 0, "max_num_seqs must be positive");
+        Self {
+            blocks: BlockManager::new(cfg.num_blocks),
+            slots: cfg.num_state_slots.map(StateSlots::new),
+            prefix_cache: PrefixCache::new(cfg.num_blocks, cfg.block_size),
+            cost_model: CostModel::default(),
+            seqs: Vec::new(),
+            free_seq_slots: Vec::new(),
+            idx_of: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            in_flight: VecDeque::new(),
+            deferred: VecDeque::new(),
+            num_deferred_blocks: 0,
+            next_step_id: 0,
+            next_arrival: 0,
+            num_preemptions: 0,
+            hits: Vec::new(),
+            cfg,
+        }
+    }
+
+    /// Replaces the cost model (a calibrated one from an earlier run, or a test prior).
+    pub fn with_cost_model(mut self, cost_model: CostModel) -> Self {
+        self.cost_model = cost_model;
+        self
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn cost_model(&self) -> &CostModel {
+        &self.cost_model
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_in_flight_steps(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.blocks.num_free()
+    }
+
+    pub fn num_free_state_slots(&self) -> Option<usize> {
+        self.slots.as_ref().map(StateSlots::num_free)
+    }
+
+    /// Sequences sent back to waiting for lack of blocks, over the scheduler's lifetime.
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.prefix_cache.stats()
+    }
+
+    /// Queues a request, or refuses it for good (see [`SchedError`]).
+    pub fn add(&mut self, req: SeqRequest) -> Result<(), SchedError> {
+        let seq_id = req.seq_id;
+        let cfg = &self.cfg;
+        if self.idx_of.contains_key(&seq_id) {
+            return Err(SchedError::DuplicateId { seq_id });
+        }
+        if req.prompt_ids.is_empty() {
+            return Err(SchedError::EmptyPrompt { seq_id });
+        }
+        if req.max_tokens == 0 {
+            return Err(SchedError::ZeroMaxTokens { seq_id });
+        }
+        let num_prompt_tokens = req.prompt_ids.len();
+        if num_prompt_tokens >= cfg.max_context_tokens {
+            return Err(SchedError::PromptTooLong {
+                seq_id,
+                num_prompt_tokens,
+                max_context_tokens: cfg.max_context_tokens,
+            });
+        }
+        if cfg.num_state_slots == Some(0) {
+            return Err(SchedError::NoStateSlots { seq_id });
+        }
+        // The last sampled token is never fed back, so its position needs no KV.
+        let max_kv_positions = (num_prompt_tokens + req.max_tokens).min(cfg.max_context_tokens) - 1;
+        let num_blocks_needed = max_kv_positions.div_ceil(cfg.block_size);
+        if num_blocks_needed > cfg.num_blocks {
+            return Err(SchedError::NeverFits {
+                seq_id,
+                num_blocks_needed,
+                num_blocks_total: cfg.num_blocks,
+            });
+        }
+        let seq = Sequence::new(req, self.next_arrival);
+        self.next_arrival += 1;
+        let idx = match self.free_seq_slots.pop() {
+            Some(idx) => {
+                self.seqs[idx] = Some(seq);
+                idx
+            }
+            None => {
+                self.seqs.push(Some(seq));
+                self.seqs.len() - 1
+            }
+        };
+        self.idx_of.insert(seq_id, idx);
+        self.waiting.push_back(idx);
+        Ok(())
+    }
+
+    /// Ends a sequence early. No event is emitted; its resources come back once no
+    /// in-flight step reads them. False if the id is unknown or already finished.
+    pub fn abort(&mut self, seq_id: SeqId) -> bool {
+        let Some(&idx) = self.idx_of.get(&seq_id) else {
+            return false;
+        };
+        match self.seq(idx).status {
+            SeqStatus::Finished => return false,
+            SeqStatus::Running => self.running.retain(|&i| i != idx),
+            SeqStatus::Waiting => self.waiting.retain(|&i| i != idx),
+        }
+        self.finish(idx);
+        true
+    }
+
+    /// Plans the next step, or `None` when nothing can run now.
+    pub fn schedule(&mut self) -> Option<StepPlan> {
+        let step_id = self.next_step_id;
+        let budget_secs = self.cfg.step_time_budget_secs;
+        let mut rows: Vec<PlannedRow> = Vec::with_capacity(self.running.len());
+        let mut records: Vec<RowRecord> = Vec::with_capacity(self.running.len());
+        let mut num_tokens_left = self.cfg.max_step_tokens;
+        // Prefill chunks are sized against every decode row of the step, planned or not
+        // yet, so an early chunk cannot eat the budget of later decodes. Summed lazily:
+        // a decode-only step never needs it.
+        let mut decode_features: Option<StepFeatures> = None;
+        let mut prefill_features = StepFeatures::default();
+        let mut num_prefill_rows = 0;
+        let mut preempted_any = false;
+
+        let mut i = 0;
+        while i < self.running.len() && num_tokens_left > 0 {
+            let idx = self.running[i];
+            let seq = self.seq(idx);
+            if !seq.may_sample_more(self.cfg.max_context_tokens) {
+                i += 1;
+                continue;
+            }
+            let num_cached = seq.num_scheduled_tokens;
+            let num_remaining = seq.num_tokens() - num_cached;
+            let is_decode = num_remaining == 1;
+            let q = if is_decode {
+                1
+            } else {
+                let max_q = num_remaining.min(num_tokens_left);
+                let base = *decode_features.get_or_insert_with(|| self.decode_features());
+                let features = base + prefill_features;
+                match self.chunk(&features, num_cached, max_q, budget_secs, num_prefill_rows) {
+                    0 => {
+                        i += 1;
+                        continue;
+                    }
+                    q => q,
+                }
+            };
+            let num_new_blocks = self.num_new_blocks(idx, num_cached + q);
+            let num_running_before = self.running.len();
+            let reserved = self.reserve_blocks(idx, num_new_blocks);
+            preempted_any |= self.running.len() < num_running_before;
+            match reserved {
+                Reserve::Reserved => {}
+                Reserve::Wait => {
+                    i += 1;
+                    continue;
+                }
+                Reserve::SelfPreempted => break,
+            }
+            self.allocate_into(idx, num_new_blocks);
+            if !is_decode {
+                prefill_features.add_row(q, num_cached);
+                num_prefill_rows += 1;
+            }
+            self.push_row(idx, step_id, q, &mut rows, &mut records);
+            num_tokens_left -= q;
+            i += 1;
+        }
+
+        // FCFS admission; not in a step that had to preempt (the victim would be
+        // re-admitted at once and thrash).
+        while !preempted_any
+            && num_tokens_left > 0
+            && self.running.len() < self.cfg.max_num_seqs
+            && let Some(&idx) = self.waiting.front()
+        {
+            let base = *decode_features.get_or_insert_with(|| self.decode_features());
+            let features = base + prefill_features;
+            let Some(q) = self.try_admit(idx, &features, num_tokens_left, num_prefill_rows) else {
+                break;
+            };
+            let num_cached = self.seq(idx).num_scheduled_tokens;
+            prefill_features.add_row(q, num_cached);
+            num_prefill_rows += 1;
+            self.push_row(idx, step_id, q, &mut rows, &mut records);
+            num_tokens_left -= q;
+        }
+
+        if rows.is_empty() {
+            return None;
+        }
+        self.next_step_id += 1;
+        let mut step_features = StepFeatures::default();
+        for row in &rows {
+            step_features.add_row(row.num_tokens(), row.num_cached_tokens);
+        }
+        self.in_flight.push_back(InFlightStep {
+            step_id,
+            rows: records,
+            features: step_features,
+        });
+        Some(StepPlan { step_id, rows })
+    }
+
+    /// Takes step `step_id`'s results. See the module doc for the contract.
+    pub fn on_step_done(
+        &mut self,
+        step_id: StepId,
+        sampled: &[u32],
+        elapsed_secs: f64,
+    ) -> Vec<SeqEvent> {
+        if self.in_flight.front().is_none_or(|s| s.step_id != step_id) {
+            debug_assert!(
+                self.in_flight.iter().all(|s| s.step_id != step_id),
+                "step {step_id} completed out of plan order"
+            );
+            return Vec::new();
+        }
+        let step = self.in_flight.pop_front().expect("checked above");
+        let num_sampling_rows = step.rows.iter().filter(|r| r.sample).count();
+        assert_eq!(
+            sampled.len(),
+            num_sampling_rows,
+            "step {step_id} has {num_sampling_rows} sampling rows but {} tokens came back",
+            sampled.len()
+        );
+        self.cost_model
+            .observe_features(&step.features, elapsed_secs);
+        let mut events = Vec::new();
+        let mut sampled = sampled.iter();
+        let mut any_finished = false;
+        for rec in &step.rows {
+            let token = if rec.sample {
+                sampled.next().copied()
+            } else {
+                None
+            };
+            let seq = self.seqs[rec.seq_idx]
+                .as_mut()
+                .expect("in-flight row's sequence lives");
+            seq.num_in_flight_rows -= 1;
+            match seq.status {
+                // The row ran after its sequence ended (ZOS overshoot, abort): discarded.
+                SeqStatus::Finished => {
+                    if seq.num_in_flight_rows == 0 {
+                        self.remove(rec.seq_idx);
+                    }
+                    continue;
+                }
+                SeqStatus::Running => {
+                    seq.num_computed_tokens += rec.num_tokens;
+                    self.register_computed_blocks(rec.seq_idx);
+                }
+                // Preempted after planning: its KV is dropped, but the sample is valid.
+                SeqStatus::Waiting => {}
+            }
+            let Some(token) = token else { continue };
+            let seq = self.seqs[rec.seq_idx].as_mut().expect("live");
+            let seq_id = seq.seq_id;
+            let (emitted, finish) = seq.accept_sample(token, self.cfg.max_context_tokens);
+            if emitted {
+                events.push(SeqEvent::Token { seq_id, token });
+            }
+            if let Some(reason) = finish {
+                events.push(SeqEvent::Finished { seq_id, reason });
+                self.finish(rec.seq_idx);
+                any_finished = true;
+            }
+        }
+        while self
+            .deferred
+            .front()
+            .is_some_and(|d| d.after_step <= step_id)
+        {
+            let d = self.deferred.pop_front().expect("checked above");
+            self.num_deferred_blocks -= d.blocks.len();
+            self.release_now(&d.blocks, d.slot);
+        }
+        if any_finished {
+            let seqs = &self.seqs;
+            let live = |i: &usize| seqs[*i].as_ref().is_some_and(|s| !s.is_finished());
+            self.running.retain(live);
+            self.waiting.retain(live);
+        }
+        events
+    }
+
+    /// The device lost its KV and state: forget in-flight steps, give every block and
+    /// slot back, clear the prefix cache and requeue every unfinished sequence in arrival
+    /// order to be recomputed from its known tokens.
+    pub fn reset_device_state(&mut self) {
+        self.in_flight.clear();
+        self.deferred.clear();
+        self.num_deferred_blocks = 0;
+        self.blocks = BlockManager::new(self.cfg.num_blocks);
+        self.slots = self.cfg.num_state_slots.map(StateSlots::new);
+        self.prefix_cache.clear();
+        self.running.clear();
+        self.waiting.clear();
+        let mut unfinished = Vec::new();
+        for idx in 0..self.seqs.len() {
+            let Some(seq) = self.seqs[idx].as_mut() else {
+                continue;
+            };
+            seq.num_in_flight_rows = 0;
+            seq.num_pending_tokens = 0;
+            seq.last_sample_row = None;
+            seq.block_table.clear();
+            seq.state_slot = None;
+            seq.reset_kv();
+            if seq.is_finished() {
+                self.remove(idx);
+            } else {
+                seq.status = SeqStatus::Waiting;
+                unfinished.push((seq.arrival, idx));
+            }
+        }
+        unfinished.sort_unstable();
+        self.waiting
+            .extend(unfinished.into_iter().map(|(_, idx)| idx));
+    }
+
+    /// Cost features of the decode rows this step would plan for the running sequences.
+    fn decode_features(&self) -> StepFeatures {
+        let mut features = StepFeatures::default();
+        for &idx in &self.running {
+            let seq = self.seq(idx);
+            if seq.num_tokens() - seq.num_scheduled_tokens == 1
+                && seq.may_sample_more(self.cfg.max_context_tokens)
+            {
+                features.add_row(1, seq.num_scheduled_tokens);
+            }
+        }
+        features
+    }
+
+    fn seq(&self, idx: usize) -> &Sequence {
+        self.seqs[idx].as_ref().expect("index of a live sequence")
+    }
+
+    fn seq_mut(&mut self, idx: usize) -> &mut Sequence {
+        self.seqs[idx].as_mut().expect("index of a live sequence")
+    }
+
+    /// Prefill chunk size; the first prefill row of a step gets at least one token so
+    /// prefills always progress, later ones only what fits the budget.
+    fn chunk(
+        &self,
+        features: &StepFeatures,
+        num_cached: usize,
+        max_q: usize,
+        budget_secs: f64,
+        num_prefill_rows: usize,
+    ) -> usize {
+        let q = self
+            .cost_model
+            .largest_fitting_chunk(features, num_cached, max_q, budget_secs);
+        if q == 0 && num_prefill_rows == 0 {
+            max_q.min(1)
+        } else {
+            q
+        }
+    }
+
+    fn num_new_blocks(&self, idx: usize, num_positions: usize) -> usize {
+        num_positions
+            .div_ceil(self.cfg.block_size)
+            .saturating_sub(self.seq(idx).block_table.len())
+    }
+
+    /// Admits waiting sequence `idx` (blocks, cache hits and slot at once, or nothing)
+    /// and returns its first chunk's size; `None` if it cannot run now.
+    fn try_admit(
+        &mut self,
+        idx: usize,
+        features: &StepFeatures,
+        num_tokens_left: usize,
+        num_prefill_rows: usize,
+    ) -> Option<usize> {
+        let mut hits = std::mem::take(&mut self.hits);
+        hits.clear();
+        let seq = self.seq(idx);
+        // Its rows from before a preemption still run: their KV would race ours.
+        if seq.num_in_flight_rows > 0 {
+            self.hits = hits;
+            return None;
+        }
+        let block_size = self.cfg.block_size;
+        // Never match the last token: it must be computed to sample the next one.
+        let num_matchable = seq.tokens.len() - 1;
+        if self.cfg.enable_prefix_cache {
+            self.prefix_cache.match_prefix(
+                &seq.tokens[..num_matchable],
+                seq.cache_salt,
+                usize::MAX,
+                &mut hits,
+            );
+        }
+        let num_cached = hits.len() * block_size;
+        let max_q = (seq.tokens.len() - num_cached).min(num_tokens_left);
+        let q = self.chunk(
+            features,
+            num_cached,
+            max_q,
+            self.cfg.step_time_budget_secs,
+            num_prefill_rows,
+        );
+        let num_new_blocks = (num_cached + q).div_ceil(block_size) - hits.len();
+        // Hits on evictable blocks stop being allocatable once taken.
+        let num_evictable_hits = hits
+            .iter()
+            .filter(|h| self.blocks.ref_count(h.block_id) == 0)
+            .count();
+        let fits = q > 0
+            && self.blocks.num_free() - num_evictable_hits >= num_new_blocks
+            && self.slots.as_ref().is_none_or(|s| s.num_free() > 0);
+        if !fits {
+            self.hits = hits;
+            return None;
+        }
+        // Commit: nothing below can fail.
+        for h in &hits {
+            self.blocks.share(h.block_id);
+        }
+        if self.cfg.enable_prefix_cache {
+            self.prefix_cache
+                .record_query(num_matchable / block_size, hits.len());
+        }
+        let slot = self.slots.as_mut().map(|s| s.allocate().expect("checked"));
+        let seq = self.seq_mut(idx);
+        seq.block_table.extend(hits.iter().map(|h| h.block_id));
+        seq.block_hashes.extend(hits.iter().map(|h| h.hash));
+        seq.num_scheduled_tokens = num_cached;
+        seq.num_computed_tokens = num_cached;
+        seq.state_slot = slot;
+        seq.status = SeqStatus::Running;
+        self.hits = hits;
+        self.allocate_into(idx, num_new_blocks);
+        self.waiting.pop_front();
+        self.running.push(idx);
+        Some(q)
+    }
+
+    /// Appends the row of sequence `idx` feeding its next `q` positions.
+    fn push_row(
+        &mut self,
+        idx: usize,
+        step_id: StepId,
+        q: usize,
+        rows: &mut Vec<PlannedRow>,
+        records: &mut Vec<RowRecord>,
+    ) {
+        let row_index = rows.len();
+        let seq = self.seqs[idx].as_mut().expect("live");
+        let start = seq.num_scheduled_tokens;
+        let input = if seq.num_pending_tokens > 0 {
+            // Only a decode row can start at a pending token (see sequence.rs).
+            debug_assert_eq!((q, start + 1), (1, seq.num_tokens()));
+            let from = seq.last_sample_row.expect("pending token has a source row");
+            RowInput::FromPrevious {
+                prev_step: from.step_id,
+                prev_row: from.row,
+            }
+        } else {
+            RowInput::Tokens(seq.tokens[start..start + q].to_vec())
+        };
+        let sample = start + q == seq.num_tokens();
+        rows.push(PlannedRow {
+            seq_id: seq.seq_id,
+            input,
+            num_cached_tokens: start,
+            block_table: seq.block_table.clone(),
+            state_slot: seq.state_slot,
+            sample,
+        });
+        records.push(RowRecord {
+            seq_idx: idx,
+            num_tokens: q,
+            sample,
+        });
+        seq.num_scheduled_tokens += q;
+        seq.num_in_flight_rows += 1;
+        if sample {
+            seq.num_pending_tokens += 1;
+            seq.last_sample_row = Some(RowRef {
+                step_id,
+                row: row_index,
+            });
+        }
+    }
+}
+
+mod resources;
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;

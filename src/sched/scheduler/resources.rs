@@ -1,0 +1,154 @@
+//! A sequence's resources over its life: blocks reserved (preempting LCFS victims if
+//! needed) and allocated, full blocks registered in the prefix cache once computed, and
+//! blocks plus slot released on preemption or finish: at once, or deferred until the
+//! last in-flight step that may touch them is done.
+
+use super::Scheduler;
+use crate::sched::StepId;
+use crate::sched::prefix_cache::ROOT_HASH;
+use crate::sched::sequence::SeqStatus;
+
+/// Blocks and a slot to give back once step `after_step` is done.
+#[derive(Debug, Clone)]
+pub(super) struct DeferredRelease {
+    pub(super) after_step: StepId,
+    pub(super) blocks: Vec<u32>,
+    pub(super) slot: Option<u32>,
+}
+
+/// Outcome of finding blocks for one running sequence's row.
+pub(super) enum Reserve {
+    Reserved,
+    /// Enough blocks come back when in-flight steps finish: skip this sequence this step.
+    Wait,
+    /// The sequence itself was the preemption victim.
+    SelfPreempted,
+}
+
+impl Scheduler {
+    /// Makes `num_blocks` allocatable for running sequence `idx`, preempting the most
+    /// recently admitted running sequences if needed.
+    pub(super) fn reserve_blocks(&mut self, idx: usize, num_blocks: usize) -> Reserve {
+        loop {
+            if self.blocks.num_free() >= num_blocks {
+                return Reserve::Reserved;
+            }
+            // Deferred blocks return when in-flight steps finish; preempting now would
+            // not free anything sooner. (An estimate: shared blocks may not come back.)
+            if !self.in_flight.is_empty()
+                && self.blocks.num_free() + self.num_deferred_blocks >= num_blocks
+            {
+                return Reserve::Wait;
+            }
+            let victim = self.running.pop().expect("idx itself is running");
+            self.preempt(victim);
+            if victim == idx {
+                return Reserve::SelfPreempted;
+            }
+        }
+    }
+
+    pub(super) fn allocate_into(&mut self, idx: usize, num_blocks: usize) {
+        for _ in 0..num_blocks {
+            let alloc = self.blocks.allocate().expect("reserved beforehand");
+            if alloc.evicted_cached {
+                self.prefix_cache.remove_block(alloc.block_id);
+            }
+            self.seq_mut(idx).block_table.push(alloc.block_id);
+        }
+    }
+
+    /// Registers the sequence's newly computed full blocks in the prefix cache.
+    pub(super) fn register_computed_blocks(&mut self, idx: usize) {
+        if !self.cfg.enable_prefix_cache {
+            return;
+        }
+        let block_size = self.cfg.block_size;
+        let seq = self.seqs[idx].as_mut().expect("live");
+        let num_full_blocks = seq.num_computed_tokens / block_size;
+        debug_assert!(num_full_blocks * block_size <= seq.tokens.len());
+        while seq.block_hashes.len() < num_full_blocks {
+            let i = seq.block_hashes.len();
+            let parent_hash = seq.block_hashes.last().copied().unwrap_or(ROOT_HASH);
+            let tokens = &seq.tokens[i * block_size..(i + 1) * block_size];
+            let hash = self
+                .prefix_cache
+                .hash_block(parent_hash, tokens, seq.cache_salt);
+            let block_id = seq.block_table[i];
+            if self
+                .prefix_cache
+                .insert(block_id, hash, parent_hash, tokens, seq.cache_salt)
+            {
+                self.blocks.mark_cached(block_id);
+            }
+            seq.block_hashes.push(hash);
+        }
+    }
+
+    /// Moves running sequence `idx` (already off `running`) to the front of the queue,
+    /// to be recomputed from its known tokens.
+    pub(super) fn preempt(&mut self, idx: usize) {
+        self.num_preemptions += 1;
+        self.release_resources(idx);
+        let seq = self.seq_mut(idx);
+        seq.reset_kv();
+        seq.status = SeqStatus::Waiting;
+        self.waiting.push_front(idx);
+    }
+
+    /// Marks `idx` finished (already off `running`/`waiting` or to be retained out),
+    /// releases its resources and drops it once no row of it is in flight.
+    pub(super) fn finish(&mut self, idx: usize) {
+        self.release_resources(idx);
+        let seq = self.seq_mut(idx);
+        seq.status = SeqStatus::Finished;
+        if seq.num_in_flight_rows == 0 {
+            self.remove(idx);
+        }
+    }
+
+    /// Gives back the sequence's blocks and slot: now, or after the last in-flight step
+    /// if one of its rows may still read or write them.
+    pub(super) fn release_resources(&mut self, idx: usize) {
+        let seq = self.seqs[idx].as_mut().expect("live");
+        let mut blocks = std::mem::take(&mut seq.block_table);
+        let slot = seq.state_slot.take();
+        // Tail blocks first: they join the LRU earlier and so are evicted before the
+        // shared prefix blocks other requests are likelier to hit.
+        blocks.reverse();
+        let last_in_flight = self.in_flight.back().map(|s| s.step_id);
+        match last_in_flight.filter(|_| seq.num_in_flight_rows > 0) {
+            Some(after_step) => {
+                self.num_deferred_blocks += blocks.len();
+                self.deferred.push_back(DeferredRelease {
+                    after_step,
+                    blocks,
+                    slot,
+                });
+            }
+            None => self.release_now(&blocks, slot),
+        }
+    }
+
+    pub(super) fn release_now(&mut self, blocks: &[u32], slot: Option<u32>) {
+        for &b in blocks {
+            self.blocks.free(b);
+        }
+        if let (Some(slot), Some(slots)) = (slot, self.slots.as_mut()) {
+            slots.free(slot);
+        }
+    }
+
+    pub(super) fn remove(&mut self, idx: usize) {
+        let seq = self.seqs[idx].take().expect("live");
+        self.idx_of.remove(&seq.seq_id);
+        self.free_seq_slots.push(idx);
+    }
+
+    #[cfg(test)]
+    pub(super) fn check_block_integrity(&self) {
+        self.blocks
+            .check_integrity()
+            .expect("block lists consistent");
+    }
+}

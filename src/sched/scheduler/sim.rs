@@ -1,0 +1,222 @@
+//! Test harness for the scheduler: a fake device that writes each row's input tokens
+//! into a paged "KV" through the row's block table and samples the next token as a hash
+//! of the whole context read back through the block table. A wrong position, block
+//! table, prefix hit or early block reuse therefore changes the output, which is
+//! compared with a one-sequence-at-a-time reference.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use super::Scheduler;
+use crate::sched::{
+    FinishReason, RowInput, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepId, StepPlan,
+};
+
+pub(super) const VOCAB: u32 = 64;
+pub(super) const STOP: u32 = 0;
+
+pub(super) fn fake_next(context: &[u32]) -> u32 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &t in context {
+        h = (h ^ t as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    (h >> 17) as u32 % VOCAB
+}
+
+/// Output of a request run alone: generated tokens and why it ended.
+pub(super) fn reference(req: &SeqRequest, max_context_tokens: usize) -> (Vec<u32>, FinishReason) {
+    let mut context = req.prompt_ids.clone();
+    let mut out = Vec::new();
+    loop {
+        let t = fake_next(&context);
+        if !req.ignore_eos && req.stop_ids.contains(&t) {
+            return (out, FinishReason::Stop);
+        }
+        context.push(t);
+        out.push(t);
+        if out.len() >= req.max_tokens || context.len() >= max_context_tokens {
+            return (out, FinishReason::Length);
+        }
+    }
+}
+
+pub(super) struct Device {
+    pub(super) block_size: usize,
+    kv: Vec<Option<u32>>,
+    /// Per step, per row: the token that row sampled.
+    sampled: HashMap<StepId, Vec<Option<u32>>>,
+    pub(super) num_from_previous: usize,
+}
+
+impl Device {
+    pub(super) fn new(cfg: &SchedulerConfig) -> Self {
+        Self {
+            block_size: cfg.block_size,
+            kv: vec![None; cfg.num_blocks * cfg.block_size],
+            sampled: HashMap::new(),
+            num_from_previous: 0,
+        }
+    }
+
+    pub(super) fn slot(&self, table: &[u32], pos: usize) -> usize {
+        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    pub(super) fn execute(&mut self, plan: &StepPlan) -> Vec<u32> {
+        let mut per_row = vec![None; plan.rows.len()];
+        let mut out = Vec::new();
+        for (r, row) in plan.rows.iter().enumerate() {
+            let input = match &row.input {
+                RowInput::Tokens(t) => t.clone(),
+                RowInput::FromPrevious {
+                    prev_step,
+                    prev_row,
+                } => {
+                    self.num_from_previous += 1;
+                    vec![self.sampled[prev_step][*prev_row].expect("previous row sampled")]
+                }
+            };
+            let end = row.num_cached_tokens + input.len();
+            assert!(
+                row.block_table.len() * self.block_size >= end,
+                "table too short"
+            );
+            for (k, &t) in input.iter().enumerate() {
+                let s = self.slot(&row.block_table, row.num_cached_tokens + k);
+                self.kv[s] = Some(t);
+            }
+            if row.sample {
+                let context: Vec<u32> = (0..end)
+                    .map(|p| self.kv[self.slot(&row.block_table, p)].expect("position filled"))
+                    .collect();
+                let t = fake_next(&context);
+                per_row[r] = Some(t);
+                out.push(t);
+            }
+        }
+        self.sampled.insert(plan.step_id, per_row);
+        out
+    }
+}
+
+pub(super) fn fake_secs(plan: &StepPlan) -> f64 {
+    1e-3 + plan
+        .rows
+        .iter()
+        .map(|r| r.num_tokens() as f64 * 1e-5)
+        .sum::<f64>()
+}
+
+#[derive(Default, Debug, PartialEq)]
+pub(super) struct Outputs(pub(super) BTreeMap<SeqId, (Vec<u32>, Option<FinishReason>)>);
+
+impl Outputs {
+    pub(super) fn merge(&mut self, later: Outputs) {
+        for (seq_id, (tokens, reason)) in later.0 {
+            let o = self.0.entry(seq_id).or_default();
+            assert!(o.1.is_none(), "{seq_id} continued after finishing");
+            o.0.extend(tokens);
+            o.1 = reason;
+        }
+    }
+
+    pub(super) fn apply(&mut self, events: Vec<SeqEvent>) {
+        for e in events {
+            match e {
+                SeqEvent::Token { seq_id, token } => {
+                    let o = self.0.entry(seq_id).or_default();
+                    assert!(o.1.is_none(), "token after finish for {seq_id}");
+                    o.0.push(token);
+                }
+                SeqEvent::Finished { seq_id, reason } => {
+                    let o = self.0.entry(seq_id).or_default();
+                    assert!(o.1.replace(reason).is_none(), "{seq_id} finished twice");
+                }
+            }
+        }
+    }
+}
+
+/// Runs until nothing is left, keeping up to `depth` steps in flight (1: ZOS off, 2: on).
+/// `hook(scheduler, tick, device_queue)` runs before each tick.
+pub(super) fn drive(
+    s: &mut Scheduler,
+    dev: &mut Device,
+    depth: usize,
+    mut hook: impl FnMut(&mut Scheduler, usize, &mut VecDeque<StepPlan>),
+) -> Outputs {
+    let mut outputs = Outputs::default();
+    let mut queue: VecDeque<StepPlan> = VecDeque::new();
+    for tick in 0.. {
+        hook(s, tick, &mut queue);
+        if queue.len() < depth
+            && let Some(plan) = s.schedule()
+        {
+            queue.push_back(plan);
+            continue;
+        }
+        match queue.pop_front() {
+            Some(plan) => {
+                let sampled = dev.execute(&plan);
+                outputs.apply(s.on_step_done(plan.step_id, &sampled, fake_secs(&plan)));
+            }
+            None if !s.has_unfinished() => break,
+            None => panic!("deadlock at tick {tick}: nothing planned, nothing in flight"),
+        }
+        assert!(tick < 1_000_000, "no progress");
+    }
+    outputs
+}
+
+pub(super) fn req(seq_id: SeqId, prompt_ids: Vec<u32>, max_tokens: usize) -> SeqRequest {
+    SeqRequest {
+        seq_id,
+        prompt_ids,
+        max_tokens,
+        stop_ids: vec![STOP],
+        ignore_eos: false,
+        cache_salt: 0,
+    }
+}
+
+pub(super) fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 1 + (seed * 7919 + i * 31) % (VOCAB - 1))
+        .collect()
+}
+
+pub(super) fn expect_reference(out: &Outputs, reqs: &[SeqRequest], cfg: &SchedulerConfig) {
+    for r in reqs {
+        let (tokens, reason) = reference(r, cfg.max_context_tokens);
+        assert_eq!(
+            out.0.get(&r.seq_id),
+            Some(&(tokens, Some(reason))),
+            "request {}",
+            r.seq_id
+        );
+    }
+}
+
+pub(super) fn assert_idle_and_full(s: &Scheduler) {
+    assert!(!s.has_unfinished());
+    assert_eq!(s.num_in_flight_steps(), 0);
+    assert_eq!(s.num_free_blocks(), s.config().num_blocks, "a block leaked");
+    assert_eq!(
+        s.num_free_state_slots(),
+        s.config().num_state_slots,
+        "a slot leaked"
+    );
+    assert!(
+        s.seqs.iter().all(Option::is_none),
+        "a sequence record leaked"
+    );
+    s.check_block_integrity();
+}
+
+pub(super) fn small_cfg() -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 4,
+        num_blocks: 64,
+        max_context_tokens: 256,
+        ..SchedulerConfig::default()
+    }
+}

@@ -1,0 +1,204 @@
+//! A request as the scheduler sees it: what was asked ([`SeqRequest`]), what it emits
+//! ([`SeqEvent`]) and its progress ([`Sequence`]).
+//!
+//! Token positions of a sequence, at any moment:
+//! `num_computed_tokens ≤ num_scheduled_tokens < num_tokens()`, where
+//! - `tokens` are the known ones (prompt + generated tokens already reported);
+//! - `num_tokens()` adds `num_pending_tokens`, sampled by in-flight steps but not yet
+//!   reported (zero-overhead scheduling plans as if each had arrived);
+//! - `num_scheduled_tokens` have their KV written by done or in-flight steps;
+//! - `num_computed_tokens` have their KV written by done steps (prefix-cache safe).
+//!
+//! A running sequence's next row feeds positions `num_scheduled_tokens..` and samples
+//! when it reaches `num_tokens()`; a decode row is the case of exactly one position left.
+
+use super::{SeqId, StepId};
+
+/// A generation request handed to [`Scheduler::add`](super::Scheduler::add).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqRequest {
+    pub seq_id: SeqId,
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub stop_ids: Vec<u32>,
+    /// Generate through stop tokens (they are emitted as ordinary tokens).
+    pub ignore_eos: bool,
+    /// Prefix-cache namespace: only requests with equal salts share cached blocks.
+    pub cache_salt: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token was sampled (it is not emitted).
+    Stop,
+    /// `max_tokens` generated, or the context is full.
+    Length,
+    /// Ended by [`Scheduler::abort`](super::Scheduler::abort); never emitted by the core.
+    Abort,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    /// One generated token, in order; stop tokens are not emitted.
+    Token {
+        seq_id: SeqId,
+        token: u32,
+    },
+    Finished {
+        seq_id: SeqId,
+        reason: FinishReason,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+    /// Finished or aborted; kept only until its in-flight rows are done.
+    Finished,
+}
+
+/// Where a pending token will come from: row `row` of in-flight step `step_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowRef {
+    pub step_id: StepId,
+    pub row: usize,
+}
+
+/// Progress of one request; see the module doc for the position invariants.
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub seq_id: SeqId,
+    /// Order of arrival, for re-queueing after a device reset.
+    pub arrival: u64,
+    pub num_prompt_tokens: usize,
+    pub max_tokens: usize,
+    pub stop_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub cache_salt: u64,
+    pub tokens: Vec<u32>,
+    pub num_pending_tokens: usize,
+    pub num_scheduled_tokens: usize,
+    pub num_computed_tokens: usize,
+    pub block_table: Vec<u32>,
+    /// Chain hashes of `block_table`'s leading blocks that are prefix-cache hits or were
+    /// registered (or found already registered) after being computed.
+    pub block_hashes: Vec<u64>,
+    pub state_slot: Option<u32>,
+    pub status: SeqStatus,
+    /// Rows of this sequence in in-flight steps; resources are only reused at 0.
+    pub num_in_flight_rows: usize,
+    /// The latest sampling row planned for this sequence.
+    pub last_sample_row: Option<RowRef>,
+}
+
+impl Sequence {
+    pub fn new(req: SeqRequest, arrival: u64) -> Self {
+        Self {
+            seq_id: req.seq_id,
+            arrival,
+            num_prompt_tokens: req.prompt_ids.len(),
+            max_tokens: req.max_tokens,
+            stop_ids: req.stop_ids,
+            ignore_eos: req.ignore_eos,
+            cache_salt: req.cache_salt,
+            tokens: req.prompt_ids,
+            num_pending_tokens: 0,
+            num_scheduled_tokens: 0,
+            num_computed_tokens: 0,
+            block_table: Vec::new(),
+            block_hashes: Vec::new(),
+            state_slot: None,
+            status: SeqStatus::Waiting,
+            num_in_flight_rows: 0,
+            last_sample_row: None,
+        }
+    }
+
+    /// Known plus pending tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len() + self.num_pending_tokens
+    }
+
+    /// Generated tokens already reported.
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.num_prompt_tokens
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.status == SeqStatus::Finished
+    }
+
+    /// Whether one more token may be sampled, counting in-flight samples: never plan a
+    /// row past `max_tokens` or the context.
+    pub fn may_sample_more(&self, max_context_tokens: usize) -> bool {
+        self.num_generated() + self.num_pending_tokens < self.max_tokens
+            && self.num_tokens() < max_context_tokens
+    }
+
+    /// Takes one sampled token. Returns whether it is emitted and whether the sequence
+    /// finished with it. A stop token is neither emitted nor kept.
+    pub fn accept_sample(
+        &mut self,
+        token: u32,
+        max_context_tokens: usize,
+    ) -> (bool, Option<FinishReason>) {
+        self.num_pending_tokens -= 1;
+        if !self.ignore_eos && self.stop_ids.contains(&token) {
+            return (false, Some(FinishReason::Stop));
+        }
+        self.tokens.push(token);
+        let full =
+            self.num_generated() >= self.max_tokens || self.tokens.len() >= max_context_tokens;
+        (true, full.then_some(FinishReason::Length))
+    }
+
+    /// Forgets all KV state so the sequence recomputes from its known tokens; the caller
+    /// has taken `block_table` and `state_slot` to release them.
+    pub fn reset_kv(&mut self) {
+        debug_assert!(self.block_table.is_empty() && self.state_slot.is_none());
+        self.num_scheduled_tokens = 0;
+        self.num_computed_tokens = 0;
+        self.block_hashes.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(max_tokens: usize, ignore_eos: bool) -> Sequence {
+        Sequence::new(
+            SeqRequest {
+                seq_id: 1,
+                prompt_ids: vec![5, 6, 7],
+                max_tokens,
+                stop_ids: vec![0],
+                ignore_eos,
+                cache_salt: 0,
+            },
+            0,
+        )
+    }
+
+    #[test]
+    fn stop_token_finishes_without_being_kept() {
+        let mut s = seq(10, false);
+        s.num_pending_tokens = 2;
+        assert_eq!(s.accept_sample(9, 100), (true, None));
+        assert_eq!(s.accept_sample(0, 100), (false, Some(FinishReason::Stop)));
+        assert_eq!(s.tokens, vec![5, 6, 7, 9]);
+    }
+
+    #[test]
+    fn ignore_eos_emits_stop_tokens_and_length_limits_apply() {
+        let mut s = seq(2, true);
+        s.num_pending_tokens = 2;
+        assert!(!s.may_sample_more(100), "two pending reach max_tokens");
+        assert_eq!(s.accept_sample(0, 100), (true, None));
+        assert_eq!(s.accept_sample(0, 100), (true, Some(FinishReason::Length)));
+        let mut s = seq(10, false);
+        s.num_pending_tokens = 1;
+        assert_eq!(s.accept_sample(4, 4), (true, Some(FinishReason::Length)));
+    }
+}
