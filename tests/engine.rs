@@ -120,3 +120,84 @@ async fn a_request_that_can_never_fit_is_refused_with_the_numbers() {
     assert!(err.contains("blocks"), "{err}");
     engine.shutdown(true).await;
 }
+
+/// The acceptance run: `troupe generate --prompts-file` with 64 prompts on the
+/// default model against each prompt alone. Until the batch-invariant mode exists the
+/// rule is: equal, or at the first difference each side's token is in the other's top-5.
+#[test]
+fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
+    use std::io::Write;
+    use troupe::generate::{GenerateRequest, Generator};
+    use troupe::kernels::cpu::CpuBackend;
+    use troupe::sampling::SamplingParams;
+
+    let topics = ["the sea", "Rust", "Paris", "a cat", "winter", "music", "the moon", "bread"];
+    let forms = [
+        "Write one sentence about {}.",
+        "What is {}?",
+        "The best thing about {} is",
+        "Tell me a fact about {}.",
+        "{} reminds me of",
+        "List three words about {}:",
+        "Why do people like {}?",
+        "Describe {} briefly.",
+    ];
+    let dir = std::env::temp_dir().join(format!("troupe-engine-64-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("prompts.jsonl");
+    let mut f = std::fs::File::create(&file).unwrap();
+    for (i, form) in forms.iter().enumerate() {
+        for topic in topics {
+            let line = serde_json::json!({"prompt": form.replace("{}", topic), "chat": i % 2 == 0});
+            writeln!(f, "{line}").unwrap();
+        }
+    }
+    drop(f);
+    let model = common::smollm2_path();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_troupe"))
+        .args(["generate", "--model", model.to_str().unwrap(), "--prompts-file", file.to_str().unwrap()])
+        .args(["--max-tokens", "16", "--top-logprobs", "5", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 64);
+
+    let mut generator = Generator::new(CpuBackend, common::load(&model), 16);
+    let top5 = |v: &serde_json::Value| -> Vec<Vec<u32>> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_array().unwrap().iter().map(|e| e[0].as_u64().unwrap() as u32).collect())
+            .collect()
+    };
+    let mut num_identical = 0;
+    for line in &lines {
+        let req = GenerateRequest {
+            prompt_ids: common::ids(&line["prompt_ids"]),
+            max_tokens: 16,
+            params: SamplingParams {
+                num_top_logprobs: 5,
+                ..Default::default()
+            },
+            ignore_eos: false,
+        };
+        let alone = generator.generate(&[req], |_| {}).unwrap().remove(0);
+        let got = common::ids(&line["token_ids"]);
+        let got_top = top5(&line["top_logprobs"]);
+        if got == alone.token_ids {
+            num_identical += 1;
+            continue;
+        }
+        let k = got.iter().zip(&alone.token_ids).take_while(|(a, b)| a == b).count();
+        assert!(k < got.len() && k < alone.token_ids.len(), "one output is a prefix of the other: {got:?} vs {:?}", alone.token_ids);
+        let alone_top: Vec<u32> = alone.top_logprobs[k].iter().map(|e| e.0).collect();
+        assert!(alone_top.contains(&got[k]) && got_top[k].contains(&alone.token_ids[k]), "prompt {}: diverged at {k} beyond the top-5", line["prompt_ids"]);
+    }
+    eprintln!("{num_identical} of 64 outputs identical to the one-at-a-time run");
+    assert!(num_identical >= 48, "only {num_identical} of 64 identical");
+}
