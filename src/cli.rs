@@ -277,6 +277,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Preempted => "preempted",
         });
         let written = if args.json {
             let line = OutputLine {

@@ -131,7 +131,9 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
     use troupe::kernels::cpu::CpuBackend;
     use troupe::sampling::SamplingParams;
 
-    let topics = ["the sea", "Rust", "Paris", "a cat", "winter", "music", "the moon", "bread"];
+    let topics = [
+        "the sea", "Rust", "Paris", "a cat", "winter", "music", "the moon", "bread",
+    ];
     let forms = [
         "Write one sentence about {}.",
         "What is {}?",
@@ -155,11 +157,21 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
     drop(f);
     let model = common::smollm2_path();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["generate", "--model", model.to_str().unwrap(), "--prompts-file", file.to_str().unwrap()])
+        .args([
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompts-file",
+            file.to_str().unwrap(),
+        ])
         .args(["--max-tokens", "16", "--top-logprobs", "5", "--json"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
         .unwrap()
         .lines()
@@ -172,7 +184,13 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
         v.as_array()
             .unwrap()
             .iter()
-            .map(|t| t.as_array().unwrap().iter().map(|e| e[0].as_u64().unwrap() as u32).collect())
+            .map(|t| {
+                t.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| e[0].as_u64().unwrap() as u32)
+                    .collect()
+            })
             .collect()
     };
     let mut num_identical = 0;
@@ -193,10 +211,22 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
             num_identical += 1;
             continue;
         }
-        let k = got.iter().zip(&alone.token_ids).take_while(|(a, b)| a == b).count();
-        assert!(k < got.len() && k < alone.token_ids.len(), "one output is a prefix of the other: {got:?} vs {:?}", alone.token_ids);
+        let k = got
+            .iter()
+            .zip(&alone.token_ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        assert!(
+            k < got.len() && k < alone.token_ids.len(),
+            "one output is a prefix of the other: {got:?} vs {:?}",
+            alone.token_ids
+        );
         let alone_top: Vec<u32> = alone.top_logprobs[k].iter().map(|e| e.0).collect();
-        assert!(alone_top.contains(&got[k]) && got_top[k].contains(&alone.token_ids[k]), "prompt {}: diverged at {k} beyond the top-5", line["prompt_ids"]);
+        assert!(
+            alone_top.contains(&got[k]) && got_top[k].contains(&alone.token_ids[k]),
+            "prompt {}: diverged at {k} beyond the top-5",
+            line["prompt_ids"]
+        );
     }
     eprintln!("{num_identical} of 64 outputs identical to the one-at-a-time run");
     assert!(num_identical >= 48, "only {num_identical} of 64 identical");

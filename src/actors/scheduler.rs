@@ -108,12 +108,18 @@ impl SchedulerState {
     /// Plans and sends steps while the pipeline has room: one step in flight without ZOS,
     /// two with it (step N runs while N+1 is planned and queued behind it).
     fn kick(&mut self) {
-        let (Some(worker), Some(sampler)) = (&self.worker, &self.sampler) else {
+        let (Some(worker), Some(sampler)) = (self.worker.clone(), self.sampler.clone()) else {
             return;
         };
         let depth = if self.zos { 2 } else { 1 };
         while self.failed.is_none() && self.in_flight.len() < depth {
-            let Some(plan) = self.core.schedule() else {
+            let plan = self.core.schedule();
+            for event in self.core.take_events() {
+                if let SeqEvent::Finished { seq_id, reason } = event {
+                    self.finish(seq_id, reason);
+                }
+            }
+            let Some(plan) = plan else {
                 break;
             };
             let sampling: Vec<Option<RowSampling>> = plan

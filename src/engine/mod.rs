@@ -58,6 +58,7 @@ impl Engine {
             step_time_budget_secs: cfg.step_time_budget_secs,
             enable_prefix_cache: cfg.enable_prefix_cache,
             max_context_tokens: mcfg.max_context_tokens,
+            stop_preempted: cfg.stop_preempted,
         };
         let args = SupervisorArgs {
             scheduler: SchedulerArgs {

@@ -23,6 +23,8 @@ pub struct EngineConfig {
     pub max_pending_requests: usize,
     /// Rank worker restarts allowed before a failure counts as permanent.
     pub max_rank_restarts: usize,
+    /// End preempted requests (`FinishReason::Preempted`) instead of recomputing them.
+    pub stop_preempted: bool,
 }
 
 impl EngineConfig {
@@ -38,6 +40,7 @@ impl EngineConfig {
             zero_overhead_scheduling: true,
             max_pending_requests: 4096,
             max_rank_restarts: 8,
+            stop_preempted: false,
         }
     }
 }

@@ -19,6 +19,9 @@ pub struct SchedulerConfig {
     pub enable_prefix_cache: bool,
     /// Prompt plus generated tokens of one sequence never exceed this.
     pub max_context_tokens: usize,
+    /// A preempted sequence ends (`FinishReason::Preempted`) instead of being
+    /// recomputed later: for callers that would rather retry elsewhere than wait.
+    pub stop_preempted: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -32,6 +35,7 @@ impl Default for SchedulerConfig {
             step_time_budget_secs: 0.05,
             enable_prefix_cache: true,
             max_context_tokens: 4096,
+            stop_preempted: false,
         }
     }
 }

@@ -64,6 +64,9 @@ pub struct Scheduler {
     next_arrival: u64,
     num_preemptions: u64,
     hits: Vec<CachedBlock>,
+    /// Events raised while planning (a sequence stopped by preemption), handed out by
+    /// `take_events` or with the next `on_step_done`.
+    pending_events: Vec<SeqEvent>,
 }
 
 impl Scheduler {
@@ -88,6 +91,7 @@ impl Scheduler {
             next_arrival: 0,
             num_preemptions: 0,
             hits: Vec::new(),
+            pending_events: Vec::new(),
             cfg,
         }
     }
@@ -133,6 +137,11 @@ impl Scheduler {
     /// Sequences sent back to waiting for lack of blocks, over the scheduler's lifetime.
     pub fn num_preemptions(&self) -> u64 {
         self.num_preemptions
+    }
+
+    /// Events raised by `schedule` itself (today: sequences ended by `stop_preempted`).
+    pub fn take_events(&mut self) -> Vec<SeqEvent> {
+        std::mem::take(&mut self.pending_events)
     }
 
     pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
@@ -326,7 +335,7 @@ impl Scheduler {
         );
         self.cost_model
             .observe_features(&step.features, elapsed_secs);
-        let mut events = Vec::new();
+        let mut events = std::mem::take(&mut self.pending_events);
         let mut sampled = sampled.iter();
         let mut any_finished = false;
         for rec in &step.rows {

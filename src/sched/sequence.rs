@@ -35,6 +35,8 @@ pub enum FinishReason {
     Length,
     /// Ended by [`Scheduler::abort`](super::Scheduler::abort); never emitted by the core.
     Abort,
+    /// Preempted under `stop_preempted`: its KV was given up and it is not recomputed.
+    Preempted,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -7,6 +7,7 @@ use super::Scheduler;
 use crate::sched::StepId;
 use crate::sched::prefix_cache::ROOT_HASH;
 use crate::sched::sequence::SeqStatus;
+use crate::sched::{FinishReason, SeqEvent};
 
 /// Blocks and a slot to give back once step `after_step` is done.
 #[derive(Debug, Clone)]
@@ -89,6 +90,15 @@ impl Scheduler {
     /// to be recomputed from its known tokens.
     pub(super) fn preempt(&mut self, idx: usize) {
         self.num_preemptions += 1;
+        if self.cfg.stop_preempted {
+            let seq_id = self.seq(idx).seq_id;
+            self.pending_events.push(SeqEvent::Finished {
+                seq_id,
+                reason: FinishReason::Preempted,
+            });
+            self.finish(idx);
+            return;
+        }
         self.release_resources(idx);
         let seq = self.seq_mut(idx);
         seq.reset_kv();

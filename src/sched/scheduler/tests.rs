@@ -1,6 +1,7 @@
 //! Scheduler scenarios, driven through the fake device of `sim.rs` and compared with
 //! one-request-at-a-time reference outputs.
 
+use crate::sched::FinishReason;
 use std::collections::VecDeque;
 
 use super::sim::*;
@@ -267,6 +268,45 @@ fn preemption_picks_the_newest_and_recompute_gives_the_same_tokens() {
         "LCFS: the last admitted is the victim"
     );
     expect_reference(&out, &reqs, &cfg);
+    assert_idle_and_full(&s);
+}
+
+#[test]
+fn stop_preempted_ends_the_victim_instead_of_recomputing_it() {
+    let cfg = SchedulerConfig {
+        num_blocks: 8,
+        stop_preempted: true,
+        ..small_cfg()
+    };
+    let reqs: Vec<SeqRequest> = (1..=3)
+        .map(|id| SeqRequest {
+            ignore_eos: true,
+            ..req(id, prompt(id as u32, 6), 10)
+        })
+        .collect();
+    let mut s = Scheduler::new(cfg.clone());
+    let mut dev = Device::new(&cfg);
+    for r in &reqs {
+        s.add(r.clone()).unwrap();
+    }
+    let out = drive(&mut s, &mut dev, 1, |_, _, _| {});
+    assert_eq!(s.num_preemptions(), 1);
+    let (victim_tokens, victim_reason) = &out.0[&3];
+    assert_eq!(*victim_reason, Some(FinishReason::Preempted));
+    let (want, _) = reference(&reqs[2], cfg.max_context_tokens);
+    assert!(
+        want.starts_with(victim_tokens),
+        "the victim's tokens so far are still right"
+    );
+    assert!(victim_tokens.len() < want.len());
+    for r in &reqs[..2] {
+        let (want, reason) = reference(r, cfg.max_context_tokens);
+        assert_eq!(
+            out.0[&r.seq_id],
+            (want, Some(reason)),
+            "survivors are untouched"
+        );
+    }
     assert_idle_and_full(&s);
 }
 
