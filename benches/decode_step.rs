@@ -9,7 +9,7 @@ use troupe::model::{self, hub};
 
 fn bench(c: &mut Criterion) {
     let path = model::resolve_model_path(hub::DEFAULT_MODEL).expect("default model");
-    let backend = CpuBackend;
+    let backend = CpuBackend::default();
     let mut loaded = model::load(&path, &backend).expect("model loads");
     let block_size = 16;
     let context = 256;

@@ -42,7 +42,7 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; m * rows];
             group.throughput(Throughput::Elements((2 * m * rows * cols) as u64));
             group.bench_with_input(BenchmarkId::new(format!("{ty:?}"), m), &m, |b, &m| {
-                b.iter(|| matmul(&x, m, &w, &mut out))
+                b.iter(|| matmul(&x, m, &w, &mut out, false))
             });
         }
     }

@@ -34,4 +34,4 @@ print(f"{mode:<8} {wall:>7.2f} s {s['decode_tokens'] / wall:>9.1f} tok/s {s['ste
 PY
 }
 echo "64 prompts x 64 tokens, SmolLM2-135M Q4_1, CPU (wall includes model load)"
-for _ in 1 2 3; do run; run --no-zos; done
+for _ in 1 2 3; do run "$@"; run --no-zos "$@"; done

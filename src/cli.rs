@@ -81,6 +81,24 @@ pub struct GenerateArgs {
     no_zos: bool,
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
+    #[arg(long)]
+    batch_invariant: bool,
+    /// Drop tokens below this fraction of the most likely token's probability.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Stop tokens are not sampled before this many tokens.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
+    /// A stop string (repeatable); not included in the output.
+    #[arg(long)]
+    stop: Vec<String>,
 }
 
 fn engine_err(e: EngineError) -> TroupeError {
@@ -169,13 +187,6 @@ pub fn main() -> i32 {
     }
 }
 
-fn random_seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    crate::sampling::splitmix64(nanos ^ std::process::id() as u64)
-}
-
 fn run_generate(args: GenerateArgs) -> Result<()> {
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
@@ -210,7 +221,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     };
     let path = model::resolve_model_path(&args.model)?;
     let text = model::load_text(&path)?;
-    let default_seed = args.seed.unwrap_or_else(random_seed);
     let mut requests = Vec::with_capacity(lines.len());
     for (index, line) in lines.iter().enumerate() {
         let prompt_ids = prompt_ids(&args, &text, &path, line)?;
@@ -219,23 +229,33 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             temperature: line.temperature.unwrap_or(args.temperature),
             top_k: line.top_k.unwrap_or(args.top_k),
             top_p: line.top_p.unwrap_or(args.top_p),
-            seed: line
-                .seed
-                .unwrap_or_else(|| default_seed.wrapping_add(index as u64)),
+            min_p: line.min_p.unwrap_or(args.min_p),
+            repetition_penalty: line.repetition_penalty.unwrap_or(args.repetition_penalty),
+            frequency_penalty: line.frequency_penalty.unwrap_or(args.frequency_penalty),
+            presence_penalty: line.presence_penalty.unwrap_or(args.presence_penalty),
             num_top_logprobs: line.top_logprobs.unwrap_or(args.top_logprobs),
+            ..Default::default()
         };
         params.validate()?;
-        requests.push(EngineRequest {
+        params.validate_for_vocab(text.config.vocab_size)?;
+        let mut request = EngineRequest::new(
             prompt_ids,
-            max_tokens: line.max_tokens.unwrap_or(args.max_tokens),
+            line.max_tokens.unwrap_or(args.max_tokens),
             params,
-            ignore_eos: args.ignore_eos,
-        });
+        );
+        request.seed = line
+            .seed
+            .or(args.seed.map(|s| s.wrapping_add(index as u64)));
+        request.min_tokens = line.min_tokens.unwrap_or(args.min_tokens);
+        request.ignore_eos = args.ignore_eos;
+        request.stop = line.stop.clone().unwrap_or_else(|| args.stop.clone());
+        requests.push(request);
     }
     let mut cfg = EngineConfig::new(&path);
     cfg.block_size = args.block_size;
     cfg.zero_overhead_scheduling = !args.no_zos;
     cfg.enable_prefix_cache = !args.no_prefix_cache;
+    cfg.batch_invariant = args.batch_invariant;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -269,10 +289,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         if let Some(err) = &o.error {
             return Err(TroupeError::InvalidInput(format!("prompt {i}: {err}")));
         }
-        let text = match tok {
-            Some(t) => t.decode(&o.token_ids, true)?,
-            None => String::new(),
-        };
+        // The streamed text: stop strings already cut off.
+        let text = o.text.clone();
         let finish = o.finish_reason.map_or("length", |r| match r {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
@@ -287,6 +305,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 finish_reason: finish,
                 top_logprobs: (requests[i].params.num_top_logprobs > 0)
                     .then(|| o.top_logprobs.clone()),
+                seed: o.seed,
             };
             writeln!(
                 out,

@@ -179,7 +179,7 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
         .collect();
     assert_eq!(lines.len(), 64);
 
-    let mut generator = Generator::new(CpuBackend, common::load(&model), 16);
+    let mut generator = Generator::new(CpuBackend::default(), common::load(&model), 16);
     let top5 = |v: &serde_json::Value| -> Vec<Vec<u32>> {
         v.as_array()
             .unwrap()

@@ -27,7 +27,7 @@ fn check_tiny(model: &str, reference: &str, block_size: usize) {
     let mut loaded = common::load(&common::goldens().join(model));
     // The reference generated past EOS; so do we.
     loaded.text.stop_ids.clear();
-    let mut generator = Generator::new(CpuBackend, loaded, block_size);
+    let mut generator = Generator::new(CpuBackend::default(), loaded, block_size);
     let cases = reference["cases"].as_array().unwrap();
     let mut requests = Vec::new();
     for (i, case) in cases.iter().enumerate() {
@@ -184,7 +184,7 @@ fn smollm2_gguf_matches_transformers() {
         assert_eq!(got_ids, want_ids, "prompt ids of {text:?}");
         requests.push(greedy(want_ids, 32));
     }
-    let mut generator = Generator::new(CpuBackend, loaded, 16);
+    let mut generator = Generator::new(CpuBackend::default(), loaded, 16);
     // Logits: each prompt alone, last position, on the reference's top-20 ids.
     for (p, req) in prompts.iter().zip(&requests) {
         let logits = last_logits(&mut generator, &req.prompt_ids, 16);

@@ -35,6 +35,7 @@ pub struct RankArgs {
     pub block_size: usize,
     pub sampled: SampledTokens,
     pub faults: FaultPlan,
+    pub batch_invariant: bool,
 }
 
 pub struct RankState {
@@ -66,7 +67,9 @@ impl ThreadLocalActor for RankWorker {
         if args.faults.take_start_failure() {
             return Err(format!("rank {} failed to start (injected fault)", args.rank).into());
         }
-        let backend = CpuBackend;
+        let backend = CpuBackend {
+            batch_invariant: args.batch_invariant,
+        };
         let loaded = crate::model::load(&args.model_path, &backend)?;
         let shape = loaded
             .model

@@ -1,6 +1,6 @@
 //! The sampler actor: turns a step's logits into tokens, each row with its own request's
-//! parameters and seed, publishes them to the rank's `SampledTokens` (for ZOS) and reports
-//! them to the scheduler.
+//! parameters, history and seed, publishes them to the rank's `SampledTokens` (for ZOS)
+//! and reports them to the scheduler.
 
 use std::sync::Arc as StdArc;
 use std::time::Instant;
@@ -9,15 +9,23 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::sampled_tokens::SampledTokens;
 use super::scheduler::SchedulerMsg;
-use crate::sampling::{Sampler as RowSampler, SamplingParams, top_logprobs};
+use crate::sampling::{SampleContext, Sampler as RowSampler, SamplingParams};
 
 /// How to sample one plan row.
 #[derive(Debug, Clone)]
 pub struct RowSampling {
-    pub params: SamplingParams,
+    /// The request's parameters, its seed resolved.
+    pub params: StdArc<SamplingParams>,
     /// Position of the token being sampled in its sequence: with the seed, the whole of
     /// what the draw depends on.
     pub position: u64,
+    pub prompt_ids: StdArc<[u32]>,
+    /// Generated tokens the scheduler knew when it planned the step.
+    pub output_ids: StdArc<Vec<u32>>,
+    /// ZOS: one more generated token, the one row `prev_row` of the previous step drew.
+    pub pending_prev_row: Option<usize>,
+    /// Ids that may not be drawn now (stop ids while under `min_tokens`).
+    pub banned_ids: StdArc<[u32]>,
 }
 
 pub enum SamplerMsg {
@@ -43,6 +51,9 @@ pub struct SamplerState {
     scheduler: ActorRef<SchedulerMsg>,
     sampled: SampledTokens,
     sampler: RowSampler,
+    /// The previous step's tokens by row, for the histories of ZOS rows.
+    last_step: Option<(u64, u64, Vec<Option<u32>>)>,
+    history: Vec<u32>,
 }
 
 pub struct SamplerActor;
@@ -61,6 +72,8 @@ impl Actor for SamplerActor {
             scheduler: args.scheduler,
             sampled: args.sampled,
             sampler: RowSampler::default(),
+            last_step: None,
+            history: Vec::new(),
         })
     }
 
@@ -80,25 +93,52 @@ impl Actor for SamplerActor {
             idle_secs,
         } = msg;
         let mut per_row = Vec::with_capacity(sampling.len());
-        let mut tokens = Vec::new();
-        let mut logprobs = Vec::new();
+        let (mut tokens, mut token_logprobs, mut top_logprobs) =
+            (Vec::new(), Vec::new(), Vec::new());
         for (row, s) in sampling.iter().enumerate() {
             let Some(s) = s else {
                 per_row.push(None);
                 continue;
             };
-            let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
-            let token = st.sampler.sample(row_logits, &s.params, s.position);
-            per_row.push(Some(token));
-            tokens.push(token);
-            logprobs.push(top_logprobs(row_logits, s.params.num_top_logprobs));
+            let pending = s.pending_prev_row.and_then(|prev_row| match &st.last_step {
+                Some((e, prev_step, toks)) if *e == epoch && *prev_step + 1 == step_id => {
+                    toks.get(prev_row).copied().flatten()
+                }
+                _ => None,
+            });
+            let output_ids: &[u32] = match pending {
+                Some(t) => {
+                    st.history.clear();
+                    st.history.extend_from_slice(&s.output_ids);
+                    st.history.push(t);
+                    &st.history
+                }
+                None => &s.output_ids,
+            };
+            let ctx = SampleContext {
+                position: s.position,
+                prompt_ids: &s.prompt_ids,
+                output_ids,
+                banned_ids: &s.banned_ids,
+            };
+            let out = st.sampler.sample_row(
+                &logits[row * vocab_size..(row + 1) * vocab_size],
+                &s.params,
+                &ctx,
+            );
+            per_row.push(Some(out.token));
+            tokens.push(out.token);
+            token_logprobs.push(out.logprob);
+            top_logprobs.push(out.top_logprobs);
         }
-        st.sampled.publish(epoch, step_id, per_row);
+        st.sampled.publish(epoch, step_id, per_row.clone());
+        st.last_step = Some((epoch, step_id, per_row));
         st.scheduler.cast(SchedulerMsg::StepSampled {
             epoch,
             step_id,
             tokens,
-            top_logprobs: logprobs,
+            token_logprobs,
+            top_logprobs,
             elapsed_secs: started.elapsed().as_secs_f64(),
             worker_idle_secs: idle_secs,
         })?;

@@ -11,8 +11,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::rank_worker::RankMsg;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg};
-use crate::engine::{EngineError, EngineRequest, RequestOutput};
+use crate::engine::{EngineError, EngineRequest, RequestOutput, TextStream};
 use crate::model::tokenizer::Tokenizer;
+use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepPlan,
 };
@@ -53,6 +54,7 @@ pub enum SchedulerMsg {
         epoch: u64,
         step_id: u64,
         tokens: Vec<u32>,
+        token_logprobs: Vec<f32>,
         top_logprobs: Vec<Vec<(u32, f32)>>,
         elapsed_secs: f64,
         worker_idle_secs: f64,
@@ -78,14 +80,18 @@ pub struct SchedulerArgs {
     pub sampled: SampledTokens,
     pub tokenizer: Option<StdArc<Tokenizer>>,
     pub stop_ids: Vec<u32>,
+    pub vocab_size: usize,
 }
 
 struct Request {
     stream: UnboundedSender<RequestOutput>,
     request: EngineRequest,
-    token_ids: Vec<u32>,
-    /// Bytes of decoded text already sent.
-    num_text_bytes_sent: usize,
+    /// `request.params` with the seed resolved, shared with every step's sampling rows.
+    params: StdArc<SamplingParams>,
+    prompt_ids: StdArc<[u32]>,
+    /// Generated so far; copied on write only while a step still holds the previous one.
+    token_ids: StdArc<Vec<u32>>,
+    text: TextStream,
 }
 
 pub struct SchedulerState {
@@ -96,7 +102,11 @@ pub struct SchedulerState {
     worker: Option<ActorRef<RankMsg>>,
     sampler: Option<ActorRef<SamplerMsg>>,
     tokenizer: Option<StdArc<Tokenizer>>,
-    stop_ids: Vec<u32>,
+    stop_ids: StdArc<[u32]>,
+    no_ids: StdArc<[u32]>,
+    vocab_size: usize,
+    /// Mixed into drawn seeds so two engine runs draw different ones.
+    seed_entropy: u64,
     requests: HashMap<SeqId, Request>,
     in_flight: VecDeque<StdArc<StepPlan>>,
     failed: Option<String>,
@@ -126,17 +136,28 @@ impl SchedulerState {
                 .rows
                 .iter()
                 .map(|row| {
-                    let num_new = match &row.input {
-                        RowInput::Tokens(t) => t.len(),
-                        RowInput::FromPrevious { .. } => 1,
+                    let r = self.requests.get(&row.seq_id)?;
+                    if !row.sample {
+                        return None;
+                    }
+                    let pending_prev_row = match row.input {
+                        RowInput::FromPrevious { prev_row, .. } => Some(prev_row),
+                        RowInput::Tokens(_) => None,
                     };
-                    let params = self
-                        .requests
-                        .get(&row.seq_id)
-                        .map(|r| r.request.params.clone());
-                    row.sample.then(|| RowSampling {
-                        params: params.unwrap_or_default(),
-                        position: (row.num_cached_tokens + num_new) as u64,
+                    let num_generated = r.token_ids.len() + pending_prev_row.is_some() as usize;
+                    let banned_ids =
+                        if !r.request.ignore_eos && num_generated < r.request.min_tokens {
+                            self.stop_ids.clone()
+                        } else {
+                            self.no_ids.clone()
+                        };
+                    Some(RowSampling {
+                        params: r.params.clone(),
+                        position: (row.num_cached_tokens + row.num_tokens()) as u64,
+                        prompt_ids: r.prompt_ids.clone(),
+                        output_ids: r.token_ids.clone(),
+                        pending_prev_row,
+                        banned_ids,
                     })
                 })
                 .collect();
@@ -175,39 +196,28 @@ impl SchedulerState {
         }
     }
 
-    /// Text not yet sent for `seq_id`, held back while it ends in a partial character.
-    fn text_delta(&mut self, seq_id: SeqId, final_piece: bool) -> String {
+    /// The next piece of `seq_id`'s text and whether a stop string ended it.
+    fn text_delta(&mut self, seq_id: SeqId, is_final: bool) -> (String, bool) {
         let (Some(tok), Some(r)) = (&self.tokenizer, self.requests.get_mut(&seq_id)) else {
-            return String::new();
+            return (String::new(), false);
         };
         let text = tok.decode(&r.token_ids, true).unwrap_or_default();
-        if (!final_piece && text.ends_with('\u{FFFD}')) || text.len() < r.num_text_bytes_sent {
-            return String::new();
-        }
-        let delta = text[r.num_text_bytes_sent..].to_string();
-        r.num_text_bytes_sent = text.len();
-        delta
+        r.text.next(&text, is_final)
     }
 
     fn on_sampled(
         &mut self,
         step_id: u64,
         tokens: Vec<u32>,
-        logprobs: Vec<Vec<(u32, f32)>>,
+        token_logprobs: Vec<f32>,
+        top_logprobs: Vec<Vec<(u32, f32)>>,
         secs: f64,
     ) {
         let Some(plan) = self.in_flight.pop_front() else {
             return;
         };
         debug_assert_eq!(plan.step_id, step_id, "steps complete in plan order");
-        let num_tokens: usize = plan
-            .rows
-            .iter()
-            .map(|r| match &r.input {
-                RowInput::Tokens(t) => t.len(),
-                RowInput::FromPrevious { .. } => 1,
-            })
-            .sum();
+        let num_tokens: usize = plan.rows.iter().map(|r| r.num_tokens()).sum();
         if num_tokens == plan.rows.len() {
             self.status.num_decode_tokens += num_tokens as u64;
             self.status.decode_secs += secs;
@@ -215,9 +225,10 @@ impl SchedulerState {
             self.status.num_prefill_tokens += num_tokens as u64;
             self.status.prefill_secs += secs;
         }
-        let mut logprobs_of: HashMap<SeqId, Vec<(u32, f32)>> = HashMap::new();
-        for (row, lp) in plan.rows.iter().filter(|r| r.sample).zip(logprobs) {
-            logprobs_of.insert(row.seq_id, lp);
+        let mut logprobs_of: HashMap<SeqId, (f32, Vec<(u32, f32)>)> = HashMap::new();
+        let sampling_rows = plan.rows.iter().filter(|r| r.sample);
+        for ((row, lp), top) in sampling_rows.zip(token_logprobs).zip(top_logprobs) {
+            logprobs_of.insert(row.seq_id, (lp, top));
         }
         for event in self.core.on_step_done(step_id, &tokens, secs) {
             match event {
@@ -225,21 +236,24 @@ impl SchedulerState {
                     let Some(r) = self.requests.get_mut(&seq_id) else {
                         continue;
                     };
-                    r.token_ids.push(token);
-                    let with_logprobs = r.request.params.num_top_logprobs > 0;
-                    let text = self.text_delta(seq_id, false);
+                    StdArc::make_mut(&mut r.token_ids).push(token);
+                    let (logprob, top) = logprobs_of.remove(&seq_id).unwrap_or_default();
+                    let with_top = r.params.num_top_logprobs > 0;
+                    let (text, stopped) = self.text_delta(seq_id, false);
                     let out = RequestOutput {
                         request_id: seq_id,
                         token_ids: vec![token],
                         text,
-                        top_logprobs: if with_logprobs {
-                            vec![logprobs_of.get(&seq_id).cloned().unwrap_or_default()]
-                        } else {
-                            Vec::new()
-                        },
+                        token_logprobs: vec![logprob],
+                        top_logprobs: if with_top { vec![top] } else { Vec::new() },
                         ..Default::default()
                     };
                     self.emit(seq_id, out);
+                    if stopped {
+                        // The core still counts the sequence as running: end it there too.
+                        self.core.abort(seq_id);
+                        self.finish(seq_id, FinishReason::Stop);
+                    }
                 }
                 SeqEvent::Finished { seq_id, reason } => self.finish(seq_id, reason),
             }
@@ -247,12 +261,13 @@ impl SchedulerState {
     }
 
     fn finish(&mut self, seq_id: SeqId, reason: FinishReason) {
-        let text = self.text_delta(seq_id, true);
+        let (text, _) = self.text_delta(seq_id, true);
         if let Some(r) = self.requests.remove(&seq_id) {
             let _ = r.stream.send(RequestOutput {
                 request_id: seq_id,
                 text,
                 finish_reason: Some(reason),
+                seed: Some(r.params.seed),
                 ..Default::default()
             });
         }
@@ -292,7 +307,12 @@ impl Actor for SchedulerActor {
             worker: None,
             sampler: None,
             tokenizer: args.tokenizer,
-            stop_ids: args.stop_ids,
+            stop_ids: args.stop_ids.into(),
+            no_ids: StdArc::from(Vec::new()),
+            vocab_size: args.vocab_size,
+            seed_entropy: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
             requests: HashMap::new(),
             in_flight: VecDeque::new(),
             failed: None,
@@ -321,15 +341,24 @@ impl Actor for SchedulerActor {
                     let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
                     return Ok(());
                 }
-                if let Err(e) = request.params.validate() {
+                let valid = request
+                    .params
+                    .validate()
+                    .and_then(|()| request.params.validate_for_vocab(st.vocab_size));
+                if let Err(e) = valid {
                     let _ = reply.send(Err(EngineError::Rejected(e.to_string())));
                     return Ok(());
                 }
+                let mut params = request.params.clone();
+                // Unseeded requests get a seed now, reported back, so any run can be replayed.
+                params.seed = request
+                    .seed
+                    .unwrap_or_else(|| splitmix64(st.seed_entropy ^ splitmix64(request_id)));
                 let seq = SeqRequest {
                     seq_id: request_id,
                     prompt_ids: request.prompt_ids.clone(),
                     max_tokens: request.max_tokens,
-                    stop_ids: st.stop_ids.clone(),
+                    stop_ids: st.stop_ids.to_vec(),
                     ignore_eos: request.ignore_eos,
                     cache_salt: 0,
                 };
@@ -339,9 +368,11 @@ impl Actor for SchedulerActor {
                             request_id,
                             Request {
                                 stream,
+                                params: StdArc::new(params),
+                                prompt_ids: request.prompt_ids.clone().into(),
+                                text: TextStream::new(request.stop.clone()),
                                 request,
-                                token_ids: Vec::new(),
-                                num_text_bytes_sent: 0,
+                                token_ids: StdArc::new(Vec::new()),
                             },
                         );
                         let _ = reply.send(Ok(()));
@@ -362,13 +393,14 @@ impl Actor for SchedulerActor {
                 epoch,
                 step_id,
                 tokens,
+                token_logprobs,
                 top_logprobs,
                 elapsed_secs,
                 worker_idle_secs,
             } => {
                 if epoch == st.epoch {
                     st.status.worker_idle_secs += worker_idle_secs;
-                    st.on_sampled(step_id, tokens, top_logprobs, elapsed_secs);
+                    st.on_sampled(step_id, tokens, token_logprobs, top_logprobs, elapsed_secs);
                     st.kick();
                 }
             }

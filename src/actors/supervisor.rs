@@ -26,6 +26,7 @@ pub struct RankArgsTemplate {
     pub num_kv_blocks: usize,
     pub block_size: usize,
     pub faults: FaultPlan,
+    pub batch_invariant: bool,
 }
 
 pub enum SupervisorMsg {
@@ -61,6 +62,7 @@ async fn spawn_worker(
         block_size: rank.block_size,
         sampled: sampled.clone(),
         faults: rank.faults.clone(),
+        batch_invariant: rank.batch_invariant,
     };
     RankWorker::spawn_linked(None, args, myself.clone(), spawner.clone())
         .await

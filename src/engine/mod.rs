@@ -1,7 +1,10 @@
 //! The library API: `Engine::spawn` starts the actor system and returns an `EngineHandle`
 //! to submit requests to, stream their outputs, abort them and shut down.
 
+mod text_stream;
 mod types;
+
+pub use text_stream::TextStream;
 
 use std::sync::Arc as StdArc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,12 +70,14 @@ impl Engine {
                 sampled,
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
+                vocab_size: mcfg.vocab_size,
             },
             rank: RankArgsTemplate {
                 model_path: cfg.model_path.clone(),
                 num_kv_blocks,
                 block_size: cfg.block_size,
                 faults: faults.clone(),
+                batch_invariant: cfg.batch_invariant,
             },
             max_rank_restarts: cfg.max_rank_restarts,
         };
@@ -124,7 +129,9 @@ impl RequestStream {
         while let Some(o) = self.next().await {
             all.token_ids.extend(o.token_ids);
             all.text.push_str(&o.text);
+            all.token_logprobs.extend(o.token_logprobs);
             all.top_logprobs.extend(o.top_logprobs);
+            all.seed = o.seed.or(all.seed);
             all.finish_reason = o.finish_reason;
             all.error = o.error;
         }

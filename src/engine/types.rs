@@ -25,6 +25,9 @@ pub struct EngineConfig {
     pub max_rank_restarts: usize,
     /// End preempted requests (`FinishReason::Preempted`) instead of recomputing them.
     pub stop_preempted: bool,
+    /// Kernels with a reduction order independent of the batch: a request's logits are
+    /// bitwise the same alone or among others, in any prefill chunking.
+    pub batch_invariant: bool,
 }
 
 impl EngineConfig {
@@ -41,6 +44,7 @@ impl EngineConfig {
             max_pending_requests: 4096,
             max_rank_restarts: 8,
             stop_preempted: false,
+            batch_invariant: false,
         }
     }
 }
@@ -49,8 +53,30 @@ impl EngineConfig {
 pub struct EngineRequest {
     pub prompt_ids: Vec<u32>,
     pub max_tokens: usize,
+    /// Stop tokens (EOS, end of turn) are not sampled before this many tokens.
+    pub min_tokens: usize,
     pub params: SamplingParams,
+    /// `None`: one is drawn at admission and reported in the final output, so the run
+    /// can be reproduced. `Some` overrides `params.seed`.
+    pub seed: Option<u64>,
     pub ignore_eos: bool,
+    /// Stop strings, matched on the decoded text across token boundaries; the matched
+    /// string and what follows it are not part of the output text.
+    pub stop: Vec<String>,
+}
+
+impl EngineRequest {
+    pub fn new(prompt_ids: Vec<u32>, max_tokens: usize, params: SamplingParams) -> Self {
+        EngineRequest {
+            prompt_ids,
+            max_tokens,
+            min_tokens: 0,
+            params,
+            seed: None,
+            ignore_eos: false,
+            stop: Vec::new(),
+        }
+    }
 }
 
 /// One increment of a request's output. The last one carries `finish_reason` (or `error`).
@@ -60,8 +86,13 @@ pub struct RequestOutput {
     pub token_ids: Vec<u32>,
     /// Text of `token_ids`, held back while it ends inside a multi-byte character.
     pub text: String,
+    /// Per token in `token_ids`: its log-probability under the distribution it was
+    /// sampled from (or the raw model's, with `raw_logprobs`).
+    pub token_logprobs: Vec<f32>,
     /// Per token in `token_ids`: the most likely `(id, logprob)` pairs.
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// The seed the request ran with (set on the final output).
+    pub seed: Option<u64>,
     pub finish_reason: Option<FinishReason>,
     pub error: Option<String>,
 }

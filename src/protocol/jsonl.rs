@@ -19,6 +19,12 @@ pub struct PromptLine {
     pub top_logprobs: Option<usize>,
     pub chat: Option<bool>,
     pub system: Option<String>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub min_tokens: Option<usize>,
+    pub stop: Option<Vec<String>>,
 }
 
 pub fn parse_prompts_file(text: &str, file_name: &str) -> Result<Vec<PromptLine>> {
@@ -61,6 +67,8 @@ pub struct OutputLine<'a> {
     pub finish_reason: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top_logprobs: Option<Vec<Vec<(u32, f32)>>>,
+    /// The seed the prompt ran with: pass it back to reproduce the output.
+    pub seed: Option<u64>,
 }
 
 #[cfg(test)]

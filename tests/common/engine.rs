@@ -19,14 +19,13 @@ pub fn random_requests(n: usize, vocab: u32, seed: u64) -> Vec<EngineRequest> {
         .map(|i| {
             let h = |k: u64| splitmix64(seed ^ splitmix64(i as u64 * 1000 + k));
             let len = 3 + (h(0) % 38) as usize;
-            EngineRequest {
-                prompt_ids: (0..len)
-                    .map(|j| 3 + (h(10 + j as u64) % (vocab as u64 - 3)) as u32)
-                    .collect(),
-                max_tokens: 8 + (h(1) % 17) as usize,
-                params: SamplingParams::default(),
-                ignore_eos: true,
-            }
+            let prompt_ids = (0..len)
+                .map(|j| 3 + (h(10 + j as u64) % (vocab as u64 - 3)) as u32)
+                .collect();
+            let max_tokens = 8 + (h(1) % 17) as usize;
+            let mut r = EngineRequest::new(prompt_ids, max_tokens, SamplingParams::default());
+            r.ignore_eos = true;
+            r
         })
         .collect()
 }
@@ -34,7 +33,7 @@ pub fn random_requests(n: usize, vocab: u32, seed: u64) -> Vec<EngineRequest> {
 /// Each request alone through the synchronous reference loop.
 pub fn reference_outputs(model: &str, requests: &[EngineRequest]) -> Vec<Vec<u32>> {
     let loaded = super::load(&super::goldens().join(model));
-    let mut generator = Generator::new(CpuBackend, loaded, 16);
+    let mut generator = Generator::new(CpuBackend::default(), loaded, 16);
     requests
         .iter()
         .map(|r| {

@@ -41,7 +41,7 @@ pub fn smollm2_path() -> PathBuf {
 }
 
 pub fn load(path: &std::path::Path) -> LoadedModel<CpuBackend> {
-    model::load(path, &CpuBackend).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    model::load(path, &CpuBackend::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {

@@ -35,13 +35,15 @@ impl OutPtr {
     }
 }
 
-pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
+/// With `batch_invariant`, every row takes the row-dot path whatever `m` is, so a row's
+/// result is bitwise the same alone, in any batch, or in any prefill chunk.
+pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32], batch_invariant: bool) {
     let (n, k) = (w.rows(), w.cols());
     assert!(
         x.len() >= m * k && out.len() >= m * n,
         "matmul shape mismatch"
     );
-    if m <= GEMV_MAX_ROWS {
+    if batch_invariant || m <= GEMV_MAX_ROWS {
         gemv_rows(x, m, w, out);
     } else if let CpuMatrix::F32 { data, .. } = w {
         // SAFETY: the assert above bounds every index the strides reach.
@@ -110,32 +112,45 @@ unsafe fn gemm_f32(
 
 fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
+    let nb = k / QBLOCK;
     let mut sums = Vec::new();
     if w.needs_block_sums() {
+        let mut row = Vec::new();
         for i in 0..m {
-            let mut row = Vec::new();
             block_sums(&x[i * k..(i + 1) * k], &mut row);
-            sums.extend(row);
+            sums.extend_from_slice(&row);
         }
     }
-    let nb = k / QBLOCK;
+    let x_row = |i: usize| &x[i * k..(i + 1) * k];
+    let sum_row = |i: usize| {
+        if sums.is_empty() {
+            &[][..]
+        } else {
+            &sums[i * nb..(i + 1) * nb]
+        }
+    };
     let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..n.div_ceil(ROWS_PER_TASK))
-        .into_par_iter()
-        .for_each(|task| {
-            for j in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(n) {
-                for i in 0..m {
-                    let s = if sums.is_empty() {
-                        &[][..]
-                    } else {
-                        &sums[i * nb..(i + 1) * nb]
-                    };
-                    let v = w.dot_row(j, &x[i * k..(i + 1) * k], s);
-                    // SAFETY: (i, j) is written by this task only, and i < m, j < n.
-                    unsafe { *out_ptr.get().add(i * n + j) = v };
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    (0..tasks).into_par_iter().for_each(|task| {
+        for j in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(n) {
+            // Four activation rows share each expansion of the weight row.
+            let mut i = 0;
+            while i + 4 <= m {
+                let rows = [i, i + 1, i + 2, i + 3];
+                let v = w.dot_rows::<4>(j, rows.map(x_row), rows.map(sum_row));
+                for (r, v) in rows.into_iter().zip(v) {
+                    // SAFETY: (r, j) is written by this task only, and r < m, j < n.
+                    unsafe { *out_ptr.get().add(r * n + j) = v };
                 }
+                i += 4;
             }
-        });
+            for r in i..m {
+                let [v] = w.dot_rows::<1>(j, [x_row(r)], [sum_row(r)]);
+                // SAFETY: as above.
+                unsafe { *out_ptr.get().add(r * n + j) = v };
+            }
+        }
+    });
 }
 
 fn gemm_panels(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
@@ -237,17 +252,64 @@ mod tests {
                     data,
                 });
                 let mut out = vec![f32::NAN; m * n];
-                matmul(&x, m, &w, &mut out);
+                matmul(&x, m, &w, &mut out, false);
+                let mut invariant = vec![f32::NAN; m * n];
+                matmul(&x, m, &w, &mut invariant, true);
                 let want = naive(&x, m, &w_f32, n, k);
                 let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
-                for (a, b) in out.iter().zip(&want) {
+                for (a, b) in out.iter().chain(&invariant).zip(want.iter().cycle()) {
                     assert!(
                         (a - b).abs() < 1e-5 * scale * (k as f32).sqrt(),
                         "{ty:?} m={m} n={n} k={k}: {a} vs {b}"
                     );
                 }
+                if batch_invariant_rows_equal_alone(&x, m, &w, &invariant).is_err() {
+                    panic!("{ty:?} m={m}: a row in the batch differs from the row alone");
+                }
             }
         }
+    }
+
+    /// Each row of a batch-invariant product, recomputed alone, bitwise.
+    fn batch_invariant_rows_equal_alone(
+        x: &[f32],
+        m: usize,
+        w: &CpuMatrix,
+        batched: &[f32],
+    ) -> Result<(), usize> {
+        let (n, k) = (w.rows(), w.cols());
+        let mut alone = vec![0f32; n];
+        for i in 0..m {
+            matmul(&x[i * k..(i + 1) * k], 1, w, &mut alone, true);
+            if alone
+                .iter()
+                .zip(&batched[i * n..(i + 1) * n])
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                return Err(i);
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn without_the_mode_large_batches_do_differ_from_rows_alone() {
+        // The check above could pass vacuously if the two paths agreed by accident.
+        let (m, n, k) = (37, 64, 512);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 7.0)
+            .collect();
+        let w = CpuMatrix::from_host(HostMatrix {
+            rows: n,
+            cols: k,
+            data: HostData::Quantized {
+                ggml_type: GgmlType::Q4_1,
+                bytes: random_blocks(GgmlType::Q4_1, n * k / 32, 5),
+            },
+        });
+        let mut fast = vec![0f32; m * n];
+        matmul(&x, m, &w, &mut fast, false);
+        assert!(batch_invariant_rows_equal_alone(&x, m, &w, &fast).is_err());
     }
 
     #[test]

@@ -13,7 +13,11 @@ use super::{Backend, HostMatrix};
 
 pub use qmatrix::CpuMatrix;
 
-pub struct CpuBackend;
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend {
+    /// Fixed reduction order for every row whatever the batch: see `matmul::matmul`.
+    pub batch_invariant: bool,
+}
 
 /// Below this many elements an element-wise op runs on the calling thread: waking the
 /// pool costs more than the work (decode steps are full of such ops).
@@ -83,7 +87,7 @@ impl Backend for CpuBackend {
         bias: Option<&Vec<f32>>,
         out: &mut Vec<f32>,
     ) {
-        matmul::matmul(x, num_rows, w, out);
+        matmul::matmul(x, num_rows, w, out, self.batch_invariant);
         if let Some(bias) = bias {
             for row in out[..num_rows * w.rows()].chunks_exact_mut(w.rows()) {
                 for (o, b) in row.iter_mut().zip(bias) {

@@ -147,13 +147,22 @@ impl CpuMatrix {
         }
     }
 
-    /// `row r · x`; `block_sums` holds `Σ x` per 32-block when `needs_block_sums`.
+    /// `row r · xs[i]` for `R` activation rows; `sums[i]` holds `Σ x` per 32-block of
+    /// `xs[i]` when `needs_block_sums`. A row's result does not depend on `R` or on the
+    /// other rows.
     #[inline]
-    pub fn dot_row(&self, r: usize, x: &[f32], block_sums: &[f32]) -> f32 {
+    pub fn dot_rows<const R: usize>(
+        &self,
+        r: usize,
+        xs: [&[f32]; R],
+        sums: [&[f32]; R],
+    ) -> [f32; R] {
         let k = self.cols();
         let nb = k / QBLOCK;
         match self {
-            CpuMatrix::F32 { data, .. } => super::simd::dot(&data[r * k..(r + 1) * k], x),
+            CpuMatrix::F32 { data, .. } => {
+                xs.map(|x| super::simd::dot(&data[r * k..(r + 1) * k], x))
+            }
             CpuMatrix::Q4_1 {
                 scales,
                 mins,
@@ -162,12 +171,16 @@ impl CpuMatrix {
             } => {
                 let (d, m) = (&scales[r * nb..(r + 1) * nb], &mins[r * nb..(r + 1) * nb]);
                 let qs = &nibbles[r * nb * 16..(r + 1) * nb * 16];
-                dot_q4_1(d, qs, x) + super::simd::dot(m, block_sums)
+                let mut out = dot_q4_1_rows::<R>(d, qs, xs);
+                for (o, s) in out.iter_mut().zip(sums) {
+                    *o += super::simd::dot(m, s);
+                }
+                out
             }
-            CpuMatrix::Q8_0 { scales, quants, .. } => dot_q8_0(
+            CpuMatrix::Q8_0 { scales, quants, .. } => dot_q8_0_rows::<R>(
                 &scales[r * nb..(r + 1) * nb],
                 &quants[r * k..(r + 1) * k],
-                x,
+                xs,
             ),
         }
     }
@@ -179,15 +192,24 @@ pub fn block_sums(x: &[f32], out: &mut Vec<f32>) {
     out.extend(x.chunks_exact(QBLOCK).map(|b| b.iter().sum::<f32>()));
 }
 
-/// `Σ_b d[b] · Σ_j q[b][j] · x[b][j]` over Q4_1 nibbles (the `m` term is added apart).
+/// `Σ_b d[b] · Σ_j q[b][j] · x[b][j]` over Q4_1 nibbles (the `m` term is added apart),
+/// for `R` activation rows at once: each block's nibbles are expanded once and used by
+/// every row. Row `i`'s result comes from the same operations in the same order whatever
+/// `R` is and whichever rows share the call — the batch-invariance of the CPU matmul
+/// rests on this.
 #[inline]
-pub fn dot_q4_1(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
+pub fn dot_q4_1_rows<const R: usize>(d: &[f32], nibbles: &[u8], xs: [&[f32]; R]) -> [f32; R] {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         // SAFETY: AVX-512F is present (checked above); slices hold whole blocks.
-        return unsafe { dot_q4_1_avx512(d, nibbles, x) };
+        return unsafe { dot_q4_1_avx512::<R>(d, nibbles, xs) };
     }
-    dot_q4_1_scalar(d, nibbles, x)
+    xs.map(|x| dot_q4_1_scalar(d, nibbles, x))
+}
+
+#[inline]
+pub fn dot_q4_1(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
+    dot_q4_1_rows::<1>(d, nibbles, [x])[0]
 }
 
 pub fn dot_q4_1_scalar(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
@@ -206,10 +228,10 @@ pub fn dot_q4_1_scalar(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_q4_1_avx512(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
+unsafe fn dot_q4_1_avx512<const R: usize>(d: &[f32], nibbles: &[u8], xs: [&[f32]; R]) -> [f32; R] {
     use std::arch::x86_64::*;
     let mask = _mm_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
     // SAFETY: block b reads nibbles[16b..16b+16] and x[32b..32b+32], inside the slices.
     unsafe {
         for (b, &scale) in d.iter().enumerate() {
@@ -218,28 +240,37 @@ unsafe fn dot_q4_1_avx512(d: &[f32], nibbles: &[u8], x: &[f32]) -> f32 {
             let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
             let q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
             let q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-            let xp = x.as_ptr().add(b * QBLOCK);
-            let p = _mm512_fmadd_ps(
-                q_hi,
-                _mm512_loadu_ps(xp.add(16)),
-                _mm512_mul_ps(q_lo, _mm512_loadu_ps(xp)),
-            );
-            // Two accumulators break the FMA dependency chain across blocks.
-            acc[b & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale), p, acc[b & 1]);
+            let scale = _mm512_set1_ps(scale);
+            for (acc, x) in acc.iter_mut().zip(xs) {
+                let xp = x.as_ptr().add(b * QBLOCK);
+                let p = _mm512_fmadd_ps(
+                    q_hi,
+                    _mm512_loadu_ps(xp.add(16)),
+                    _mm512_mul_ps(q_lo, _mm512_loadu_ps(xp)),
+                );
+                // Two accumulators break the FMA dependency chain across blocks.
+                acc[b & 1] = _mm512_fmadd_ps(scale, p, acc[b & 1]);
+            }
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+        acc.map(|a| _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])))
     }
 }
 
-/// `Σ_b d[b] · Σ_j q[b][j] · x[b][j]` over Q8_0 quants.
+/// `Σ_b d[b] · Σ_j q[b][j] · x[b][j]` over Q8_0 quants, for `R` rows at once (see
+/// `dot_q4_1_rows` for why the result of a row does not depend on `R`).
 #[inline]
-pub fn dot_q8_0(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
+pub fn dot_q8_0_rows<const R: usize>(d: &[f32], quants: &[i8], xs: [&[f32]; R]) -> [f32; R] {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         // SAFETY: AVX-512F is present (checked above); slices hold whole blocks.
-        return unsafe { dot_q8_0_avx512(d, quants, x) };
+        return unsafe { dot_q8_0_avx512::<R>(d, quants, xs) };
     }
-    dot_q8_0_scalar(d, quants, x)
+    xs.map(|x| dot_q8_0_scalar(d, quants, x))
+}
+
+#[inline]
+pub fn dot_q8_0(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
+    dot_q8_0_rows::<1>(d, quants, [x])[0]
 }
 
 pub fn dot_q8_0_scalar(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
@@ -255,23 +286,26 @@ pub fn dot_q8_0_scalar(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_q8_0_avx512(d: &[f32], quants: &[i8], x: &[f32]) -> f32 {
+unsafe fn dot_q8_0_avx512<const R: usize>(d: &[f32], quants: &[i8], xs: [&[f32]; R]) -> [f32; R] {
     use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); 2];
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
     // SAFETY: block b reads quants and x at [32b, 32b + 32), inside the slices.
     unsafe {
         for (b, &scale) in d.iter().enumerate() {
             let qp = quants.as_ptr().add(b * QBLOCK) as *const __m128i;
             let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp)));
             let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(1))));
-            let xp = x.as_ptr().add(b * QBLOCK);
-            let p = _mm512_fmadd_ps(
-                q1,
-                _mm512_loadu_ps(xp.add(16)),
-                _mm512_mul_ps(q0, _mm512_loadu_ps(xp)),
-            );
-            acc[b & 1] = _mm512_fmadd_ps(_mm512_set1_ps(scale), p, acc[b & 1]);
+            let scale = _mm512_set1_ps(scale);
+            for (acc, x) in acc.iter_mut().zip(xs) {
+                let xp = x.as_ptr().add(b * QBLOCK);
+                let p = _mm512_fmadd_ps(
+                    q1,
+                    _mm512_loadu_ps(xp.add(16)),
+                    _mm512_mul_ps(q0, _mm512_loadu_ps(xp)),
+                );
+                acc[b & 1] = _mm512_fmadd_ps(scale, p, acc[b & 1]);
+            }
         }
-        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
+        acc.map(|a| _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])))
     }
 }

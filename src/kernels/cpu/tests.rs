@@ -61,7 +61,7 @@ fn paged_attention_matches_dense_attention_with_scattered_blocks() {
         num_kv_heads: kv_heads,
         head_dim: hd,
     };
-    let b = CpuBackend;
+    let b = CpuBackend::default();
     let mut cache = b.alloc_kv_cache(shape);
     // Two sequences interleaved in the pool in scrambled block order: a 3-token prefill
     // chunk after 7 cached tokens, and a single decode token after 12 cached tokens.
@@ -114,7 +114,7 @@ fn paged_attention_matches_dense_attention_with_scattered_blocks() {
 
 #[test]
 fn rms_norm_and_fused_residual_add() {
-    let b = CpuBackend;
+    let b = CpuBackend::default();
     let x = vec![1.0, 2.0, 3.0, 4.0, -1.0, 0.0, 1.0, 0.0];
     let w = vec![1.0, 0.5, 2.0, 1.0];
     let mut out = vec![0.0; 8];
@@ -130,7 +130,7 @@ fn rms_norm_and_fused_residual_add() {
 
 #[test]
 fn rope_rotates_half_split_pairs() {
-    let b = CpuBackend;
+    let b = CpuBackend::default();
     // head_dim 4: pairs (0, 2) and (1, 3); table row = [cos0, cos1, sin0, sin1].
     let theta = [0.3f32, 1.1];
     let table: Vec<f32> = [0.0f32, 0.0, 1.0, 1.0]
@@ -158,7 +158,7 @@ fn rope_rotates_half_split_pairs() {
 
 #[test]
 fn silu_mul_matches_formula() {
-    let b = CpuBackend;
+    let b = CpuBackend::default();
     let g = [-2.0f32, 0.0, 1.5];
     let u = [3.0f32, 4.0, -1.0];
     let gate_up: Vec<f32> = g.iter().chain(&u).copied().collect();

@@ -1,0 +1,108 @@
+//! Incremental output text: what of a request's decoded text may be sent now. Text is
+//! held back while it ends inside a multi-byte character (the decoder shows U+FFFD there)
+//! or could still be the start of a stop string; a stop string ends the text before it,
+//! even when it spans token boundaries.
+
+#[derive(Debug, Default)]
+pub struct TextStream {
+    stop: Vec<String>,
+    /// Bytes of the decoded text already handed out.
+    num_sent_bytes: usize,
+    /// Longest stop string minus one: a suffix this long may be a stop string's start.
+    num_holdback_bytes: usize,
+}
+
+impl TextStream {
+    pub fn new(stop: Vec<String>) -> Self {
+        let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+        let num_holdback_bytes = stop.iter().map(String::len).max().unwrap_or(1) - 1;
+        TextStream {
+            stop,
+            num_sent_bytes: 0,
+            num_holdback_bytes,
+        }
+    }
+
+    /// Given the whole text decoded so far, the new piece to send, and whether a stop
+    /// string matched (the text then ends where it starts; nothing more will be sent).
+    pub fn next(&mut self, text: &str, is_final: bool) -> (String, bool) {
+        // A stop string can only end in the unsent text: search from just before it.
+        let mut search_from = self
+            .num_sent_bytes
+            .saturating_sub(self.num_holdback_bytes)
+            .min(text.len());
+        while !text.is_char_boundary(search_from) {
+            search_from -= 1;
+        }
+        let stop_at = self
+            .stop
+            .iter()
+            .filter_map(|s| {
+                text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| search_from + i)
+            })
+            .min();
+        let (end, stopped) = match stop_at {
+            Some(i) => (i, true),
+            None if is_final => (text.len(), false),
+            None if text.ends_with('\u{FFFD}') => return (String::new(), false),
+            None => {
+                let mut end = text.len().saturating_sub(self.num_holdback_bytes);
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                (end, false)
+            }
+        };
+        if end <= self.num_sent_bytes {
+            return (String::new(), stopped);
+        }
+        let piece = text[self.num_sent_bytes..end].to_string();
+        self.num_sent_bytes = end;
+        (piece, stopped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stream: &mut TextStream, prefixes: &[&str]) -> (String, bool) {
+        let mut out = String::new();
+        for (i, p) in prefixes.iter().enumerate() {
+            let (piece, stopped) = stream.next(p, i + 1 == prefixes.len());
+            out.push_str(&piece);
+            if stopped {
+                return (out, true);
+            }
+        }
+        (out, false)
+    }
+
+    #[test]
+    fn a_stop_string_spanning_pieces_ends_the_text_before_it() {
+        let mut s = TextStream::new(vec!["END".into()]);
+        let (out, stopped) = run(
+            &mut s,
+            &["abc E", "abc EN", "abc ENDxyz", "abc ENDxyz more"],
+        );
+        assert_eq!((out.as_str(), stopped), ("abc ", true));
+    }
+
+    #[test]
+    fn held_back_text_is_released_when_no_stop_follows() {
+        let mut s = TextStream::new(vec!["STOP".into()]);
+        let (first, _) = s.next("hello ST", false);
+        assert_eq!(first, "hello"); // " ST" may begin "STOP"
+        let (rest, stopped) = s.next("hello STAR", true);
+        assert_eq!((rest.as_str(), stopped), (" STAR", false));
+    }
+
+    #[test]
+    fn a_partial_character_is_never_sent() {
+        let mut s = TextStream::new(Vec::new());
+        assert_eq!(s.next("caf\u{FFFD}", false).0, "");
+        assert_eq!(s.next("café", false).0, "café");
+    }
+}

@@ -1,0 +1,227 @@
+//! Per-request sampling through the engine: seeded output independent of the batch
+//! (the "needle" test), repeatability under load, stop strings across token boundaries,
+//! and streamed text that never splits a character.
+
+mod common;
+
+use common::engine::tiny_config;
+use troupe::engine::{
+    Engine, EngineHandle, EngineRequest, FinishReason, RequestOutput, TextStream,
+};
+use troupe::sampling::{SamplingParams, splitmix64};
+
+const VOCAB: u32 = 384;
+
+fn sampled_request(seed: u64, salt: u64) -> EngineRequest {
+    let h = |k: u64| splitmix64(seed ^ splitmix64(salt * 7919 + k));
+    let len = 3 + (h(0) % 60) as usize;
+    let prompt = (0..len)
+        .map(|j| 3 + (h(10 + j as u64) % (VOCAB as u64 - 3)) as u32)
+        .collect();
+    let params = SamplingParams {
+        temperature: 0.8,
+        num_top_logprobs: 5,
+        ..Default::default()
+    };
+    let mut r = EngineRequest::new(prompt, 6 + (h(1) % 20) as usize, params);
+    r.seed = Some(h(2));
+    r.ignore_eos = true;
+    r
+}
+
+/// Tokens, token logprob bits, top-logprob (id, bits) pairs.
+type Fingerprint = (Vec<u32>, Vec<u32>, Vec<Vec<(u32, u32)>>);
+
+/// What must be bitwise equal between runs of the same request.
+fn fingerprint(o: &RequestOutput) -> Fingerprint {
+    (
+        o.token_ids.clone(),
+        o.token_logprobs.iter().map(|l| l.to_bits()).collect(),
+        o.top_logprobs
+            .iter()
+            .map(|t| t.iter().map(|(id, l)| (*id, l.to_bits())).collect())
+            .collect(),
+    )
+}
+
+/// `needle` at position `at` among `others`; returns the needle's output.
+async fn run_among(
+    engine: &EngineHandle,
+    needle: &EngineRequest,
+    others: Vec<EngineRequest>,
+    at: usize,
+) -> RequestOutput {
+    let mut batch = others;
+    batch.insert(at, needle.clone());
+    let mut outs = engine.generate_batch(batch).await;
+    let out = outs.remove(at).unwrap();
+    assert!(out.error.is_none(), "{:?}", out.error);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn needle_is_bitwise_identical_in_any_batch_with_batch_invariant_kernels() {
+    for model in ["tiny-llama-q8.gguf", "tiny-qwen3"] {
+        let needle = sampled_request(1, 0);
+        let mut cfg = tiny_config(model);
+        cfg.batch_invariant = true;
+        let engine = Engine::spawn(cfg.clone()).await.unwrap();
+        let alone = run_among(&engine, &needle, Vec::new(), 0).await;
+        for (trial, size) in [2usize, 5, 17, 33, 64].into_iter().enumerate() {
+            let others: Vec<_> = (0..size - 1)
+                .map(|i| sampled_request(100 + trial as u64, i as u64 + 1))
+                .collect();
+            let at = (splitmix64(trial as u64) % size as u64) as usize;
+            let got = run_among(&engine, &needle, others, at).await;
+            assert_eq!(
+                fingerprint(&got),
+                fingerprint(&alone),
+                "{model}: batch of {size}, needle at {at}"
+            );
+        }
+        engine.shutdown(true).await;
+        // Small steps: the prompt is prefilled in many chunks instead of one.
+        cfg.max_step_tokens = 7;
+        let engine = Engine::spawn(cfg).await.unwrap();
+        let chunked = run_among(&engine, &needle, vec![sampled_request(9, 9)], 1).await;
+        assert_eq!(
+            fingerprint(&chunked),
+            fingerprint(&alone),
+            "{model}: chunked prefill"
+        );
+        engine.shutdown(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_needle_keeps_its_tokens_in_any_batch_without_the_mode() {
+    let mut needle = sampled_request(2, 0);
+    needle.params.temperature = 0.0;
+    let engine = Engine::spawn(tiny_config("tiny-llama-q8.gguf"))
+        .await
+        .unwrap();
+    let alone = run_among(&engine, &needle, Vec::new(), 0).await;
+    for (trial, size) in [3usize, 16, 64].into_iter().enumerate() {
+        let others: Vec<_> = (0..size - 1)
+            .map(|i| sampled_request(200 + trial as u64, i as u64 + 1))
+            .collect();
+        let got = run_among(&engine, &needle, others, size / 2).await;
+        assert_eq!(got.token_ids, alone.token_ids, "batch of {size}");
+    }
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_runs_under_random_load_give_one_unique_output() {
+    let mut cfg = tiny_config("tiny-llama-q8.gguf");
+    cfg.batch_invariant = true;
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let request = sampled_request(3, 0);
+    let mut outputs = std::collections::HashSet::new();
+    for run in 0..50u64 {
+        let load: Vec<_> = (0..splitmix64(run) % 12)
+            .map(|i| sampled_request(300 + run, i + 1))
+            .collect();
+        let handle = engine.clone();
+        let background = tokio::spawn(async move { handle.generate_batch(load).await });
+        let out = engine
+            .generate(request.clone())
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        background.await.unwrap();
+        outputs.insert(fingerprint(&out));
+    }
+    assert_eq!(outputs.len(), 1);
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unseeded_request_reports_the_seed_that_reproduces_it() {
+    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let mut request = sampled_request(4, 0);
+    request.seed = None;
+    let first = engine
+        .generate(request.clone())
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    let seed = first.seed.expect("the final output reports the seed");
+    request.seed = Some(seed);
+    let again = engine.generate(request).await.unwrap().collect().await;
+    assert_eq!(first.token_ids, again.token_ids);
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_match_across_token_boundaries_and_are_cut_off() {
+    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let tok = engine.text().tokenizer.clone().unwrap();
+    let mut request = EngineRequest::new(
+        tok.encode("the quick brown fox").unwrap(),
+        40,
+        SamplingParams::default(),
+    );
+    request.ignore_eos = true;
+    let free = engine
+        .generate(request.clone())
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    // A stop string that starts inside one token and ends inside a later one.
+    let pieces: Vec<String> = free
+        .token_ids
+        .iter()
+        .map(|&t| tok.decode(&[t], true).unwrap())
+        .collect();
+    let starts: Vec<usize> = pieces
+        .iter()
+        .scan(0, |acc, p| {
+            let s = *acc;
+            *acc += p.len();
+            Some(s)
+        })
+        .collect();
+    let i = (2..pieces.len() - 2)
+        .find(|&i| pieces[i].len() >= 2 && pieces[i + 1].len() >= 2)
+        .expect("multi-byte tokens");
+    let from = starts[i] + 1;
+    let to = starts[i + 1] + pieces[i + 1].len() - 1;
+    let stop = free.text[from..to].to_string();
+    assert!(stop.len() >= 2);
+    request.stop = vec![stop.clone()];
+    let stopped = engine.generate(request).await.unwrap().collect().await;
+    assert_eq!(stopped.finish_reason, Some(FinishReason::Stop));
+    let cut = free.text.find(&stop).unwrap();
+    assert_eq!(stopped.text, free.text[..cut], "stop string {stop:?}");
+    engine.shutdown(true).await;
+}
+
+#[test]
+fn streamed_text_never_splits_a_character_with_the_real_tokenizer() {
+    let gguf = troupe::model::gguf::GgufFile::open(&common::smollm2_path()).unwrap();
+    let tok = troupe::model::tokenizer::Tokenizer::from_gguf(&gguf).unwrap();
+    let text = "Crabs 🦀 and café, naïve 日本語 — done ✅";
+    let ids = tok.encode(text).unwrap();
+    let mut stream = TextStream::new(Vec::new());
+    let mut out = String::new();
+    let mut num_split_points = 0;
+    for n in 1..=ids.len() {
+        let prefix = tok.decode(&ids[..n], true).unwrap();
+        num_split_points += prefix.ends_with('\u{FFFD}') as usize;
+        let (piece, _) = stream.next(&prefix, n == ids.len());
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "a partial character escaped: {piece:?}"
+        );
+        out.push_str(&piece);
+    }
+    assert!(
+        num_split_points > 0,
+        "the text should split characters across tokens"
+    );
+    assert_eq!(out, text);
+}
