@@ -15,6 +15,8 @@ use super::qmatrix::{CpuMatrix, QBLOCK, block_sums};
 pub const GEMV_MAX_ROWS: usize = 8;
 /// Weight rows per parallel task: enough to amortize scheduling, few enough to balance.
 const ROWS_PER_TASK: usize = 32;
+/// Activation rows swept together over a task's weight rows in the row-dot path.
+const ACTIVATION_ROWS_PER_BLOCK: usize = 32;
 /// Weight rows expanded to f32 at a time in the prefill path (bounded scratch).
 const PANEL_ROWS: usize = 128;
 
@@ -132,22 +134,27 @@ fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     let out_ptr = OutPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(ROWS_PER_TASK);
     (0..tasks).into_par_iter().for_each(|task| {
-        for j in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(n) {
-            // Four activation rows share each expansion of the weight row.
-            let mut i = 0;
-            while i + 4 <= m {
-                let rows = [i, i + 1, i + 2, i + 3];
-                let v = w.dot_rows::<4>(j, rows.map(x_row), rows.map(sum_row));
-                for (r, v) in rows.into_iter().zip(v) {
-                    // SAFETY: (r, j) is written by this task only, and r < m, j < n.
+        let weight_rows = task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(n);
+        // Activation rows in cache-sized blocks, each swept over the task's weight rows
+        // (which stay in L1); within a block, four rows share each weight expansion.
+        for block in (0..m).step_by(ACTIVATION_ROWS_PER_BLOCK) {
+            let block_end = (block + ACTIVATION_ROWS_PER_BLOCK).min(m);
+            for j in weight_rows.clone() {
+                let mut i = block;
+                while i + 4 <= block_end {
+                    let rows = [i, i + 1, i + 2, i + 3];
+                    let v = w.dot_rows::<4>(j, rows.map(x_row), rows.map(sum_row));
+                    for (r, v) in rows.into_iter().zip(v) {
+                        // SAFETY: (r, j) is written by this task only, and r < m, j < n.
+                        unsafe { *out_ptr.get().add(r * n + j) = v };
+                    }
+                    i += 4;
+                }
+                for r in i..block_end {
+                    let [v] = w.dot_rows::<1>(j, [x_row(r)], [sum_row(r)]);
+                    // SAFETY: as above.
                     unsafe { *out_ptr.get().add(r * n + j) = v };
                 }
-                i += 4;
-            }
-            for r in i..m {
-                let [v] = w.dot_rows::<1>(j, [x_row(r)], [sum_row(r)]);
-                // SAFETY: as above.
-                unsafe { *out_ptr.get().add(r * n + j) = v };
             }
         }
     });
