@@ -225,3 +225,56 @@ fn streamed_text_never_splits_a_character_with_the_real_tokenizer() {
     );
     assert_eq!(out, text);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_completions_share_the_prompt_blocks_and_free_them_once() {
+    let mut cfg = tiny_config("tiny-llama");
+    cfg.batch_invariant = true;
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let mut request = sampled_request(5, 0);
+    request.prompt_ids = (0..70).map(|i| 3 + (i * 11) % 380).collect(); // 4 full 16-token blocks
+    request.max_tokens = 12;
+    request.n = 4;
+    let before = engine.status().await.unwrap();
+    let choices = engine
+        .generate(request.clone())
+        .await
+        .unwrap()
+        .collect_choices()
+        .await;
+    let after = engine.status().await.unwrap();
+    assert_eq!(choices.len(), 4);
+    assert!(
+        choices
+            .iter()
+            .all(|c| c.error.is_none() && c.token_ids.len() == 12)
+    );
+    let distinct: std::collections::HashSet<_> =
+        choices.iter().map(|c| c.token_ids.clone()).collect();
+    assert!(
+        distinct.len() > 1,
+        "completions with their own seeds should differ"
+    );
+    // Completions 1..4 started from completion 0's four cached prompt blocks.
+    assert_eq!(
+        after.num_prefix_hit_blocks - before.num_prefix_hit_blocks,
+        3 * 4,
+        "{after:?}"
+    );
+    // Each completion is what a single request with its reported seed gives.
+    for c in &choices {
+        let mut alone = request.clone();
+        alone.n = 1;
+        alone.seed = c.seed;
+        let single = engine.generate(alone).await.unwrap().collect().await;
+        assert_eq!(single.token_ids, c.token_ids, "completion {}", c.index);
+    }
+    let status = engine.status().await.unwrap();
+    assert_eq!(
+        status.num_free_blocks, status.num_total_blocks,
+        "shared blocks freed exactly once: {status:?}"
+    );
+    let refused = engine.generate(EngineRequest { n: 0, ..request }).await;
+    assert!(refused.err().unwrap().to_string().contains("n must be in"));
+    engine.shutdown(true).await;
+}

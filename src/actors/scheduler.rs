@@ -11,7 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::rank_worker::RankMsg;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg};
-use crate::engine::{EngineError, EngineRequest, RequestOutput, TextStream};
+use crate::engine::{EngineError, EngineRequest, MAX_CHOICES, RequestOutput, TextStream};
 use crate::model::tokenizer::Tokenizer;
 use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
@@ -83,7 +83,13 @@ pub struct SchedulerArgs {
     pub vocab_size: usize,
 }
 
+/// One completion of a request. A request with `n` completions runs as `n` sequences,
+/// `seq_id = request_id << 8 | index`.
 struct Request {
+    index: usize,
+    /// Completions 1..n wait here until completion 0's prompt is in the KV cache, so
+    /// they start from its blocks instead of computing the prompt again.
+    pending_forks: Vec<(SeqRequest, Request)>,
     stream: UnboundedSender<RequestOutput>,
     request: EngineRequest,
     /// `request.params` with the seed resolved, shared with every step's sampling rows.
@@ -191,8 +197,7 @@ impl SchedulerState {
         };
         if gone {
             // The caller dropped its stream: nobody wants the rest.
-            self.core.abort(seq_id);
-            self.requests.remove(&seq_id);
+            self.abort_request(request_id_of(seq_id));
         }
     }
 
@@ -239,9 +244,12 @@ impl SchedulerState {
                     StdArc::make_mut(&mut r.token_ids).push(token);
                     let (logprob, top) = logprobs_of.remove(&seq_id).unwrap_or_default();
                     let with_top = r.params.num_top_logprobs > 0;
+                    let index = r.index;
+                    let forks = std::mem::take(&mut r.pending_forks);
                     let (text, stopped) = self.text_delta(seq_id, false);
                     let out = RequestOutput {
-                        request_id: seq_id,
+                        request_id: request_id_of(seq_id),
+                        index,
                         token_ids: vec![token],
                         text,
                         token_logprobs: vec![logprob],
@@ -249,6 +257,7 @@ impl SchedulerState {
                         ..Default::default()
                     };
                     self.emit(seq_id, out);
+                    self.start_forks(forks);
                     if stopped {
                         // The core still counts the sequence as running: end it there too.
                         self.core.abort(seq_id);
@@ -260,30 +269,97 @@ impl SchedulerState {
         }
     }
 
-    fn finish(&mut self, seq_id: SeqId, reason: FinishReason) {
-        let (text, _) = self.text_delta(seq_id, true);
+    /// Admits completions 1..n once completion 0's prompt blocks are cached.
+    fn start_forks(&mut self, forks: Vec<(SeqRequest, Request)>) {
+        for (seq, r) in forks {
+            let seq_id = seq.seq_id;
+            self.requests.insert(seq_id, r);
+            if let Err(e) = self.core.add(seq) {
+                self.fail(seq_id, &e.to_string());
+            }
+        }
+    }
+
+    fn fail(&mut self, seq_id: SeqId, reason: &str) {
         if let Some(r) = self.requests.remove(&seq_id) {
             let _ = r.stream.send(RequestOutput {
-                request_id: seq_id,
-                text,
-                finish_reason: Some(reason),
-                seed: Some(r.params.seed),
+                request_id: request_id_of(seq_id),
+                index: r.index,
+                error: Some(reason.to_string()),
                 ..Default::default()
             });
         }
     }
 
-    fn fail_all(&mut self, reason: &str) {
-        for (seq_id, r) in self.requests.drain() {
-            self.core.abort(seq_id);
+    /// Ends every completion of `request_id` still running.
+    fn abort_request(&mut self, request_id: u64) {
+        for index in 0..MAX_CHOICES {
+            let seq_id = seq_id_of(request_id, index);
+            if self.requests.contains_key(&seq_id) {
+                self.core.abort(seq_id);
+                self.finish(seq_id, FinishReason::Abort);
+            }
+        }
+    }
+
+    fn finish(&mut self, seq_id: SeqId, reason: FinishReason) {
+        let (text, _) = self.text_delta(seq_id, true);
+        if let Some(mut r) = self.requests.remove(&seq_id) {
+            let forks = std::mem::take(&mut r.pending_forks);
             let _ = r.stream.send(RequestOutput {
-                request_id: seq_id,
-                error: Some(reason.to_string()),
+                request_id: request_id_of(seq_id),
+                index: r.index,
+                text,
+                finish_reason: Some(reason),
+                seed: Some(r.params.seed),
                 ..Default::default()
             });
+            if reason == FinishReason::Abort {
+                for (seq, fork) in forks {
+                    let _ = fork.stream.send(RequestOutput {
+                        request_id: request_id_of(seq.seq_id),
+                        index: fork.index,
+                        finish_reason: Some(FinishReason::Abort),
+                        seed: Some(fork.params.seed),
+                        ..Default::default()
+                    });
+                }
+            } else {
+                // Finished before its first token (a stop token at once): the prompt is
+                // cached all the same.
+                self.start_forks(forks);
+            }
+        }
+    }
+
+    fn fail_all(&mut self, reason: &str) {
+        let all: Vec<(SeqId, Request)> = self.requests.drain().collect();
+        for (seq_id, mut r) in all {
+            self.core.abort(seq_id);
+            let forks = std::mem::take(&mut r.pending_forks);
+            for (seq_id, r) in
+                std::iter::once((seq_id, r)).chain(forks.into_iter().map(|(s, r)| (s.seq_id, r)))
+            {
+                let _ = r.stream.send(RequestOutput {
+                    request_id: request_id_of(seq_id),
+                    index: r.index,
+                    error: Some(reason.to_string()),
+                    ..Default::default()
+                });
+            }
         }
         self.answer_drains();
     }
+}
+
+const CHOICE_BITS: u32 = 8;
+
+fn seq_id_of(request_id: u64, index: usize) -> SeqId {
+    (request_id << CHOICE_BITS) | index as u64
+}
+
+fn request_id_of(seq_id: SeqId) -> u64 {
+    seq_id >> CHOICE_BITS
 }
 
 pub struct SchedulerActor;
@@ -349,32 +425,52 @@ impl Actor for SchedulerActor {
                     let _ = reply.send(Err(EngineError::Rejected(e.to_string())));
                     return Ok(());
                 }
-                let mut params = request.params.clone();
+                if request.n == 0 || request.n > MAX_CHOICES {
+                    let msg = format!("n must be in 1..={MAX_CHOICES}, got {}", request.n);
+                    let _ = reply.send(Err(EngineError::Rejected(msg)));
+                    return Ok(());
+                }
                 // Unseeded requests get a seed now, reported back, so any run can be replayed.
-                params.seed = request
+                let seed = request
                     .seed
                     .unwrap_or_else(|| splitmix64(st.seed_entropy ^ splitmix64(request_id)));
-                let seq = SeqRequest {
-                    seq_id: request_id,
-                    prompt_ids: request.prompt_ids.clone(),
-                    max_tokens: request.max_tokens,
-                    stop_ids: st.stop_ids.to_vec(),
-                    ignore_eos: request.ignore_eos,
-                    cache_salt: 0,
-                };
-                match st.core.add(seq) {
+                let prompt_ids: StdArc<[u32]> = request.prompt_ids.clone().into();
+                let mut choices: Vec<(SeqRequest, Request)> = (0..request.n)
+                    .map(|index| {
+                        let mut params = request.params.clone();
+                        // Completion 0 keeps the seed; the others get their own, derived.
+                        params.seed = if index == 0 {
+                            seed
+                        } else {
+                            splitmix64(seed ^ index as u64)
+                        };
+                        let seq = SeqRequest {
+                            seq_id: seq_id_of(request_id, index),
+                            prompt_ids: request.prompt_ids.clone(),
+                            max_tokens: request.max_tokens,
+                            stop_ids: st.stop_ids.to_vec(),
+                            ignore_eos: request.ignore_eos,
+                            cache_salt: 0,
+                        };
+                        let r = Request {
+                            index,
+                            pending_forks: Vec::new(),
+                            stream: stream.clone(),
+                            params: StdArc::new(params),
+                            prompt_ids: prompt_ids.clone(),
+                            text: TextStream::new(request.stop.clone()),
+                            request: request.clone(),
+                            token_ids: StdArc::new(Vec::new()),
+                        };
+                        (seq, r)
+                    })
+                    .collect();
+                let (first_seq, mut first) = choices.remove(0);
+                first.pending_forks = choices;
+                let seq_id = first_seq.seq_id;
+                match st.core.add(first_seq) {
                     Ok(()) => {
-                        st.requests.insert(
-                            request_id,
-                            Request {
-                                stream,
-                                params: StdArc::new(params),
-                                prompt_ids: request.prompt_ids.clone().into(),
-                                text: TextStream::new(request.stop.clone()),
-                                request,
-                                token_ids: StdArc::new(Vec::new()),
-                            },
-                        );
+                        st.requests.insert(seq_id, first);
                         let _ = reply.send(Ok(()));
                         st.kick();
                     }
@@ -384,9 +480,7 @@ impl Actor for SchedulerActor {
                 }
             }
             SchedulerMsg::Abort { request_id } => {
-                if st.core.abort(request_id) {
-                    st.finish(request_id, FinishReason::Abort);
-                }
+                st.abort_request(request_id);
                 st.kick();
             }
             SchedulerMsg::StepSampled {

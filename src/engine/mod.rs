@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ractor::{Actor, ActorRef};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-pub use types::{EngineConfig, EngineError, EngineRequest, FinishReason, RequestOutput};
+pub use types::{
+    EngineConfig, EngineError, EngineRequest, FinishReason, MAX_CHOICES, RequestOutput,
+};
 
 use crate::actors::fault::FaultPlan;
 use crate::actors::sampled_tokens::SampledTokens;
@@ -102,41 +104,60 @@ pub struct RequestStream {
     pub request_id: u64,
     rx: mpsc::UnboundedReceiver<RequestOutput>,
     scheduler: ActorRef<SchedulerMsg>,
-    finished: bool,
+    num_choices: usize,
+    num_finished_choices: usize,
     _permit: OwnedSemaphorePermit,
 }
 
 impl RequestStream {
     /// The next output; `None` after the final one.
     pub async fn next(&mut self) -> Option<RequestOutput> {
-        if self.finished {
+        if self.is_finished() {
             return None;
         }
         let out = self.rx.recv().await;
         match &out {
             Some(o) if !o.is_final() => {}
-            _ => self.finished = true,
+            Some(_) => self.num_finished_choices += 1,
+            None => self.num_finished_choices = self.num_choices,
         }
         out
     }
 
-    /// Collects the whole output: all tokens and text, the finish reason or the error.
-    pub async fn collect(mut self) -> RequestOutput {
-        let mut all = RequestOutput {
-            request_id: self.request_id,
-            ..Default::default()
-        };
+    fn is_finished(&self) -> bool {
+        self.num_finished_choices >= self.num_choices
+    }
+
+    /// Collects the whole output (of the first completion when `n > 1`).
+    pub async fn collect(self) -> RequestOutput {
+        self.collect_choices().await.swap_remove(0)
+    }
+
+    /// Collects every completion, by index: tokens, text, the finish reason or the error.
+    pub async fn collect_choices(mut self) -> Vec<RequestOutput> {
+        let mut all: Vec<RequestOutput> = (0..self.num_choices)
+            .map(|index| RequestOutput {
+                request_id: self.request_id,
+                index,
+                ..Default::default()
+            })
+            .collect();
         while let Some(o) = self.next().await {
-            all.token_ids.extend(o.token_ids);
-            all.text.push_str(&o.text);
-            all.token_logprobs.extend(o.token_logprobs);
-            all.top_logprobs.extend(o.top_logprobs);
-            all.seed = o.seed.or(all.seed);
-            all.finish_reason = o.finish_reason;
-            all.error = o.error;
+            let Some(c) = all.get_mut(o.index) else {
+                continue;
+            };
+            c.token_ids.extend(o.token_ids);
+            c.text.push_str(&o.text);
+            c.token_logprobs.extend(o.token_logprobs);
+            c.top_logprobs.extend(o.top_logprobs);
+            c.seed = o.seed.or(c.seed);
+            c.finish_reason = o.finish_reason.or(c.finish_reason);
+            c.error = o.error.or(c.error.take());
         }
-        if all.finish_reason.is_none() && all.error.is_none() {
-            all.error = Some("the engine stopped before the request finished".into());
+        for c in &mut all {
+            if c.finish_reason.is_none() && c.error.is_none() {
+                c.error = Some("the engine stopped before the request finished".into());
+            }
         }
         all
     }
@@ -144,7 +165,7 @@ impl RequestStream {
 
 impl Drop for RequestStream {
     fn drop(&mut self) {
-        if !self.finished {
+        if !self.is_finished() {
             let _ = self.scheduler.cast(SchedulerMsg::Abort {
                 request_id: self.request_id,
             });
@@ -165,6 +186,7 @@ impl EngineHandle {
             .await
             .map_err(|_| EngineError::Unavailable("the engine is shut down".into()))?;
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let num_choices = request.n.max(1);
         let (tx, rx) = mpsc::unbounded_channel();
         let submitted = ractor::call!(self.scheduler, |reply| SchedulerMsg::Submit {
             request_id,
@@ -178,7 +200,8 @@ impl EngineHandle {
             request_id,
             rx,
             scheduler: self.scheduler.clone(),
-            finished: false,
+            num_choices,
+            num_finished_choices: 0,
             _permit: permit,
         })
     }

@@ -63,7 +63,13 @@ pub struct EngineRequest {
     /// Stop strings, matched on the decoded text across token boundaries; the matched
     /// string and what follows it are not part of the output text.
     pub stop: Vec<String>,
+    /// Independent completions of the prompt; they share its KV blocks (the later ones
+    /// start from the first one's cached prompt blocks) and are told apart by `index`.
+    pub n: usize,
 }
+
+/// The most completions one request may ask for.
+pub const MAX_CHOICES: usize = 64;
 
 impl EngineRequest {
     pub fn new(prompt_ids: Vec<u32>, max_tokens: usize, params: SamplingParams) -> Self {
@@ -75,6 +81,7 @@ impl EngineRequest {
             seed: None,
             ignore_eos: false,
             stop: Vec::new(),
+            n: 1,
         }
     }
 }
@@ -83,6 +90,8 @@ impl EngineRequest {
 #[derive(Debug, Clone, Default)]
 pub struct RequestOutput {
     pub request_id: u64,
+    /// Which of the request's `n` completions this belongs to.
+    pub index: usize,
     pub token_ids: Vec<u32>,
     /// Text of `token_ids`, held back while it ends inside a multi-byte character.
     pub text: String,
