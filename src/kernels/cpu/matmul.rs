@@ -45,7 +45,9 @@ pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32], batch_invaria
         x.len() >= m * k && out.len() >= m * n,
         "matmul shape mismatch"
     );
-    if batch_invariant || m <= GEMV_MAX_ROWS {
+    if batch_invariant {
+        super::invariant_gemm::matmul_invariant(x, m, w, out);
+    } else if m <= GEMV_MAX_ROWS {
         gemv_rows(x, m, w, out);
     } else if let CpuMatrix::F32 { data, .. } = w {
         // SAFETY: the assert above bounds every index the strides reach.
@@ -300,8 +302,8 @@ mod tests {
     }
 
     #[test]
-    fn without_the_mode_large_batches_do_differ_from_rows_alone() {
-        // The check above could pass vacuously if the two paths agreed by accident.
+    fn without_the_mode_a_row_alone_and_in_a_large_batch_differ() {
+        // The invariance checks could pass vacuously if the fast paths agreed by accident.
         let (m, n, k) = (37, 64, 512);
         let x: Vec<f32> = (0..m * k)
             .map(|i| ((i * 31 % 17) as f32 - 8.0) / 7.0)
@@ -314,9 +316,17 @@ mod tests {
                 bytes: random_blocks(GgmlType::Q4_1, n * k / 32, 5),
             },
         });
-        let mut fast = vec![0f32; m * n];
-        matmul(&x, m, &w, &mut fast, false);
-        assert!(batch_invariant_rows_equal_alone(&x, m, &w, &fast).is_err());
+        let mut batched = vec![0f32; m * n];
+        matmul(&x, m, &w, &mut batched, false);
+        let mut alone = vec![0f32; n];
+        let differs = (0..m).any(|i| {
+            matmul(&x[i * k..(i + 1) * k], 1, &w, &mut alone, false);
+            alone
+                .iter()
+                .zip(&batched[i * n..(i + 1) * n])
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+        });
+        assert!(differs);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! Multi-threaded with rayon; SIMD through `simd` and the `gemm` crate.
 
 mod attention;
+mod invariant_gemm;
 pub mod matmul;
 pub mod qmatrix;
 pub mod simd;
