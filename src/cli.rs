@@ -234,6 +234,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             frequency_penalty: line.frequency_penalty.unwrap_or(args.frequency_penalty),
             presence_penalty: line.presence_penalty.unwrap_or(args.presence_penalty),
             num_top_logprobs: line.top_logprobs.unwrap_or(args.top_logprobs),
+            logit_bias: line.logit_bias_ids()?,
             ..Default::default()
         };
         params.validate()?;
@@ -249,6 +250,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         request.min_tokens = line.min_tokens.unwrap_or(args.min_tokens);
         request.ignore_eos = args.ignore_eos;
         request.stop = line.stop.clone().unwrap_or_else(|| args.stop.clone());
+        request.stop_token_ids = line.stop_token_ids.clone().unwrap_or_default();
         requests.push(request);
     }
     let mut cfg = EngineConfig::new(&path);

@@ -251,3 +251,51 @@ fn text_prompt_on_a_tokenizerless_checkpoint_asks_for_ids() {
         String::from_utf8_lossy(&ok.stderr)
     );
 }
+
+#[test]
+fn jsonl_sampling_fields_reach_the_sampler_and_bad_ones_are_named() {
+    // A +100 bias on one token makes greedy decoding pick it every time.
+    let file = scratch(
+        "bias.jsonl",
+        b"{\"prompt_ids\":[5,6,7],\"max_tokens\":5,\"logit_bias\":{\"42\":100},\"stop_token_ids\":[999]}\n",
+    );
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama"),
+        "--prompts-file",
+        file.to_str().unwrap(),
+        "--json",
+        "--ignore-eos",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(common::ids(&line["token_ids"]), vec![42; 5]);
+    assert!(line["seed"].is_u64(), "the seed is reported: {line}");
+    let bad = scratch(
+        "badbias.jsonl",
+        b"{\"prompt_ids\":[5],\"logit_bias\":{\"x\":1}}\n",
+    );
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama"),
+        "--prompts-file",
+        bad.to_str().unwrap(),
+    ]);
+    assert_clear_error(&out, "logit_bias key `x`");
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama"),
+        "--prompt-ids",
+        "5",
+        "--min-p",
+        "1.5",
+    ]);
+    assert_clear_error(&out, "min_p");
+}

@@ -278,3 +278,40 @@ async fn n_completions_share_the_prompt_blocks_and_free_them_once() {
     assert!(refused.err().unwrap().to_string().contains("n must be in"));
     engine.shutdown(true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_token_ids_end_a_request_and_min_tokens_bans_them_until_then() {
+    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let mut request = EngineRequest::new((5..25).collect(), 20, SamplingParams::default());
+    request.ignore_eos = true;
+    let free = engine
+        .generate(request.clone())
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    let stop = free.token_ids[3];
+    let first = free.token_ids.iter().position(|&t| t == stop).unwrap();
+    request.stop_token_ids = vec![stop];
+    let stopped = engine
+        .generate(request.clone())
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    assert_eq!(stopped.finish_reason, Some(FinishReason::Stop));
+    assert_eq!(
+        stopped.token_ids,
+        free.token_ids[..first],
+        "the stop token is not emitted"
+    );
+    request.min_tokens = first + 3;
+    let held = engine.generate(request).await.unwrap().collect().await;
+    assert!(held.token_ids.len() >= first + 3, "{:?}", held.token_ids);
+    assert!(
+        !held.token_ids[..first + 3].contains(&stop),
+        "banned before min_tokens: {:?}",
+        held.token_ids
+    );
+    engine.shutdown(true).await;
+}

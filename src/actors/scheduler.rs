@@ -92,6 +92,9 @@ struct Request {
     pending_forks: Vec<(SeqRequest, Request)>,
     stream: UnboundedSender<RequestOutput>,
     request: EngineRequest,
+    /// Ids that end this completion (the model's unless `ignore_eos`, plus the request's
+    /// own); banned while fewer than `min_tokens` were generated.
+    stop_ids: StdArc<[u32]>,
     /// `request.params` with the seed resolved, shared with every step's sampling rows.
     params: StdArc<SamplingParams>,
     prompt_ids: StdArc<[u32]>,
@@ -151,12 +154,11 @@ impl SchedulerState {
                         RowInput::Tokens(_) => None,
                     };
                     let num_generated = r.token_ids.len() + pending_prev_row.is_some() as usize;
-                    let banned_ids =
-                        if !r.request.ignore_eos && num_generated < r.request.min_tokens {
-                            self.stop_ids.clone()
-                        } else {
-                            self.no_ids.clone()
-                        };
+                    let banned_ids = if num_generated < r.request.min_tokens {
+                        r.stop_ids.clone()
+                    } else {
+                        self.no_ids.clone()
+                    };
                     Some(RowSampling {
                         params: r.params.clone(),
                         position: (row.num_cached_tokens + row.num_tokens()) as u64,
@@ -435,6 +437,16 @@ impl Actor for SchedulerActor {
                     .seed
                     .unwrap_or_else(|| splitmix64(st.seed_entropy ^ splitmix64(request_id)));
                 let prompt_ids: StdArc<[u32]> = request.prompt_ids.clone().into();
+                let model_stop_ids: &[u32] = if request.ignore_eos {
+                    &[]
+                } else {
+                    &st.stop_ids
+                };
+                let stop_ids: StdArc<[u32]> = model_stop_ids
+                    .iter()
+                    .chain(&request.stop_token_ids)
+                    .copied()
+                    .collect();
                 let mut choices: Vec<(SeqRequest, Request)> = (0..request.n)
                     .map(|index| {
                         let mut params = request.params.clone();
@@ -448,11 +460,13 @@ impl Actor for SchedulerActor {
                             seq_id: seq_id_of(request_id, index),
                             prompt_ids: request.prompt_ids.clone(),
                             max_tokens: request.max_tokens,
-                            stop_ids: st.stop_ids.to_vec(),
-                            ignore_eos: request.ignore_eos,
+                            stop_ids: stop_ids.to_vec(),
+                            // Folded into `stop_ids`: EOS left out, the request's own kept.
+                            ignore_eos: false,
                             cache_salt: 0,
                         };
                         let r = Request {
+                            stop_ids: stop_ids.clone(),
                             index,
                             pending_forks: Vec::new(),
                             stream: stream.clone(),

@@ -63,6 +63,8 @@ pub struct EngineRequest {
     /// Stop strings, matched on the decoded text across token boundaries; the matched
     /// string and what follows it are not part of the output text.
     pub stop: Vec<String>,
+    /// Token ids that end the request, besides the model's EOS / end-of-turn ids.
+    pub stop_token_ids: Vec<u32>,
     /// Independent completions of the prompt; they share its KV blocks (the later ones
     /// start from the first one's cached prompt blocks) and are told apart by `index`.
     pub n: usize,
@@ -81,6 +83,7 @@ impl EngineRequest {
             seed: None,
             ignore_eos: false,
             stop: Vec::new(),
+            stop_token_ids: Vec::new(),
             n: 1,
         }
     }

@@ -25,6 +25,25 @@ pub struct PromptLine {
     pub presence_penalty: Option<f32>,
     pub min_tokens: Option<usize>,
     pub stop: Option<Vec<String>>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// OpenAI's form: token id (as a string) → bias in [-100, 100].
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+}
+
+impl PromptLine {
+    /// `logit_bias` with its keys read as token ids.
+    pub fn logit_bias_ids(&self) -> Result<Vec<(u32, f32)>> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        map.iter()
+            .map(|(k, &v)| {
+                k.parse::<u32>().map(|id| (id, v)).map_err(|_| {
+                    TroupeError::InvalidSampling(format!("logit_bias key `{k}` is not a token id"))
+                })
+            })
+            .collect()
+    }
 }
 
 pub fn parse_prompts_file(text: &str, file_name: &str) -> Result<Vec<PromptLine>> {
