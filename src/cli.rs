@@ -25,6 +25,53 @@ struct Cli {
 enum Command {
     /// Generate text for one prompt or a file of prompts.
     Generate(GenerateArgs),
+    /// Serve an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// A known model name, a GGUF file or an HF model directory; also the name clients
+    /// send as `model`.
+    #[arg(long, default_value = hub::DEFAULT_MODEL)]
+    model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    block_size: usize,
+    /// Memory for the paged KV cache, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    kv_cache_mib: usize,
+    #[arg(long)]
+    no_zos: bool,
+    #[arg(long)]
+    no_prefix_cache: bool,
+    #[arg(long)]
+    batch_invariant: bool,
+}
+
+fn run_serve(args: ServeArgs) -> Result<()> {
+    let path = model::resolve_model_path(&args.model)?;
+    let mut cfg = EngineConfig::new(&path);
+    cfg.block_size = args.block_size;
+    cfg.kv_cache_bytes = args.kv_cache_mib << 20;
+    cfg.zero_overhead_scheduling = !args.no_zos;
+    cfg.enable_prefix_cache = !args.no_prefix_cache;
+    cfg.batch_invariant = args.batch_invariant;
+    // The engine's actors live on their own runtime; actix-web runs its own.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| TroupeError::InvalidInput(format!("cannot start the async runtime: {e}")))?;
+    let engine = runtime.block_on(Engine::spawn(cfg)).map_err(engine_err)?;
+    crate::protocol::server::serve(engine, args.model.clone(), &args.host, args.port).map_err(
+        |e| TroupeError::InvalidInput(format!("cannot serve on {}:{}: {e}", args.host, args.port)),
+    )?;
+    drop(runtime);
+    Ok(())
 }
 
 #[derive(Args)]
@@ -177,6 +224,7 @@ pub fn main() -> i32 {
     };
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
+        Command::Serve(args) => run_serve(args),
     };
     match result {
         Ok(()) => 0,

@@ -1,4 +1,7 @@
-//! Request/response types for the CLI's `--json` output; the HTTP server's codecs
-//! (OpenAI, Anthropic) join them with the server issue.
+//! The protocol layer: one conversation type inside, and a codec per API around it
+//! (`--prompts-file` JSONL for the CLI; OpenAI Chat Completions and Completions over HTTP).
 
+pub mod conversation;
 pub mod jsonl;
+pub mod openai;
+pub mod server;
