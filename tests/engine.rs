@@ -231,3 +231,35 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
     eprintln!("{num_identical} of 64 outputs identical to the one-at-a-time run");
     assert!(num_identical >= 48, "only {num_identical} of 64 identical");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_library_input_is_refused_without_hurting_the_engine() {
+    let mut bad_cfg = tiny_config("tiny-llama");
+    bad_cfg.block_size = 0;
+    let err = Engine::spawn(bad_cfg)
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("block_size (0)"), "{err}");
+
+    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let mut req = random_requests(1, 384, 3).remove(0);
+    req.prompt_ids.push(384);
+    let err = engine
+        .generate(req.clone())
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("token id 384"), "{err}");
+    // "Unlimited" max_tokens runs to the end of the context instead of overflowing.
+    req.prompt_ids.pop();
+    req.max_tokens = usize::MAX;
+    let out = engine.generate(req.clone()).await.unwrap().collect().await;
+    assert_eq!(out.finish_reason, Some(FinishReason::Length));
+    assert_eq!(out.token_ids.len() + req.prompt_ids.len(), 512);
+    let status = engine.status().await.unwrap();
+    assert_eq!(status.num_resets, 1, "no rank restart: {status:?}");
+    engine.shutdown(true).await;
+}

@@ -247,7 +247,6 @@ impl SchedulerState {
                     let (logprob, top) = logprobs_of.remove(&seq_id).unwrap_or_default();
                     let with_top = r.params.num_top_logprobs > 0;
                     let index = r.index;
-                    let forks = std::mem::take(&mut r.pending_forks);
                     let (text, stopped) = self.text_delta(seq_id, false);
                     let out = RequestOutput {
                         request_id: request_id_of(seq_id),
@@ -259,7 +258,12 @@ impl SchedulerState {
                         ..Default::default()
                     };
                     self.emit(seq_id, out);
-                    self.start_forks(forks);
+                    // Only while the request is still wanted: `emit` aborts it when the
+                    // caller has gone.
+                    if let Some(r) = self.requests.get_mut(&seq_id) {
+                        let forks = std::mem::take(&mut r.pending_forks);
+                        self.start_forks(forks);
+                    }
                     if stopped {
                         // The core still counts the sequence as running: end it there too.
                         self.core.abort(seq_id);
@@ -425,6 +429,20 @@ impl Actor for SchedulerActor {
                     .and_then(|()| request.params.validate_for_vocab(st.vocab_size));
                 if let Err(e) = valid {
                     let _ = reply.send(Err(EngineError::Rejected(e.to_string())));
+                    return Ok(());
+                }
+                // Checked here, not in the kernels: a bad id would crash the rank worker on
+                // every recompute and take the whole engine down with it.
+                if let Some(&bad) = request
+                    .prompt_ids
+                    .iter()
+                    .find(|&&t| t as usize >= st.vocab_size)
+                {
+                    let msg = format!(
+                        "prompt token id {bad} is outside the vocabulary (size {})",
+                        st.vocab_size
+                    );
+                    let _ = reply.send(Err(EngineError::Rejected(msg)));
                     return Ok(());
                 }
                 if request.n == 0 || request.n > MAX_CHOICES {

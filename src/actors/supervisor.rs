@@ -184,6 +184,16 @@ impl Actor for EngineSupervisor {
         Ok(())
     }
 
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        st: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        // A worker blocked on tokens that will never come must wake up and exit.
+        st.sampled.invalidate();
+        Ok(())
+    }
+
     async fn handle_supervisor_evt(
         &self,
         myself: ActorRef<SupervisorMsg>,
@@ -209,6 +219,20 @@ impl Actor for EngineSupervisor {
             Self::restart_worker(&myself, st, why).await;
         } else if st.children.sampler.get_id() == id {
             st.sampled.invalidate();
+            // Sampler restarts spend the same budget: a fault that recurs on every
+            // recompute must end in an error, not a livelock.
+            if st.num_rank_restarts >= st.max_rank_restarts {
+                let reason = format!(
+                    "the sampler failed {} times, last: {why}",
+                    st.num_rank_restarts + 1
+                );
+                let _ = st
+                    .children
+                    .scheduler
+                    .cast(SchedulerMsg::RankLost { reason });
+                return Ok(());
+            }
+            st.num_rank_restarts += 1;
             Self::restart_sampler(&myself, st).await?;
         } else if st.children.scheduler.get_id() == id {
             // The scheduler holds every request's state: without it the engine is gone.

@@ -35,6 +35,7 @@ pub struct EngineHandle {
     next_id: StdArc<AtomicU64>,
     text: StdArc<ModelText>,
     faults: FaultPlan,
+    sampled: SampledTokens,
 }
 
 impl Engine {
@@ -48,12 +49,23 @@ impl Engine {
         cfg: EngineConfig,
         faults: FaultPlan,
     ) -> Result<EngineHandle, EngineError> {
+        if cfg.block_size == 0
+            || cfg.max_num_seqs == 0
+            || cfg.max_step_tokens == 0
+            || cfg.max_pending_requests == 0
+        {
+            return Err(EngineError::Spawn(format!(
+                "block_size ({}), max_num_seqs ({}), max_step_tokens ({}) and max_pending_requests ({}) must be positive",
+                cfg.block_size, cfg.max_num_seqs, cfg.max_step_tokens, cfg.max_pending_requests
+            )));
+        }
         let text = model::load_text(&cfg.model_path)?;
         let mcfg = &text.config;
         let bytes_per_block =
             2 * mcfg.num_layers * cfg.block_size * mcfg.kv_dim() * std::mem::size_of::<f32>();
         let num_kv_blocks = (cfg.kv_cache_bytes / bytes_per_block).max(1);
         let sampled = SampledTokens::new();
+        let handle_sampled = sampled.clone();
         let scheduler_cfg = SchedulerConfig {
             block_size: cfg.block_size,
             num_blocks: num_kv_blocks,
@@ -95,6 +107,7 @@ impl Engine {
             next_id: StdArc::new(AtomicU64::new(1)),
             text: StdArc::new(text),
             faults,
+            sampled: handle_sampled,
         })
     }
 }
@@ -259,6 +272,9 @@ impl EngineHandle {
             let _ = ractor::call!(self.scheduler, SchedulerMsg::Drain);
         }
         self.permits.close();
+        // Wake a rank worker waiting on tokens of a step that will never be sampled, so
+        // its thread (and its weights and KV cache) can go.
+        self.sampled.invalidate();
         let _ = self.supervisor.stop_and_wait(None, None).await;
     }
 

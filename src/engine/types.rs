@@ -56,8 +56,8 @@ pub struct EngineRequest {
     /// Stop tokens (EOS, end of turn) are not sampled before this many tokens.
     pub min_tokens: usize,
     pub params: SamplingParams,
-    /// `None`: one is drawn at admission and reported in the final output, so the run
-    /// can be reproduced. `Some` overrides `params.seed`.
+    /// The seed; `params.seed` is not read by the engine. `None`: one is drawn at
+    /// admission and reported in the final output, so the run can be reproduced.
     pub seed: Option<u64>,
     pub ignore_eos: bool,
     /// Stop strings, matched on the decoded text across token boundaries; the matched

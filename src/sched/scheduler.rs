@@ -173,7 +173,10 @@ impl Scheduler {
             return Err(SchedError::NoStateSlots { seq_id });
         }
         // The last sampled token is never fed back, so its position needs no KV.
-        let max_kv_positions = (num_prompt_tokens + req.max_tokens).min(cfg.max_context_tokens) - 1;
+        let max_kv_positions = num_prompt_tokens
+            .saturating_add(req.max_tokens)
+            .min(cfg.max_context_tokens)
+            - 1;
         let num_blocks_needed = max_kv_positions.div_ceil(cfg.block_size);
         if num_blocks_needed > cfg.num_blocks {
             return Err(SchedError::NeverFits {
