@@ -60,6 +60,19 @@ fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiError>
     }
 }
 
+/// Every completion, or the engine's error as a 503.
+async fn collect_ok(stream: RequestStream) -> Result<Vec<RequestOutput>, ApiError> {
+    let choices = stream.collect_choices().await;
+    match choices.iter().find_map(|c| c.error.clone()) {
+        Some(message) => Err(ApiError {
+            status: 503,
+            message,
+            param: None,
+        }),
+        None => Ok(choices),
+    }
+}
+
 async fn health() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "ok"}))
 }
@@ -190,14 +203,7 @@ async fn chat_inner(st: web::Data<ServerState>, body: Bytes) -> Result<HttpRespo
         };
         return Ok(sse(stream, encode, tail));
     }
-    let choices = stream.collect_choices().await;
-    if let Some(err) = choices.iter().find_map(|c| c.error.clone()) {
-        return Err(ApiError {
-            status: 503,
-            message: err,
-            param: None,
-        });
-    }
+    let choices = collect_ok(stream).await?;
     let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
     let choices: Vec<Value> = choices
         .iter()
@@ -245,14 +251,7 @@ async fn completions_inner(
         };
         return Ok(sse(stream, encode, Vec::new));
     }
-    let choices = stream.collect_choices().await;
-    if let Some(err) = choices.iter().find_map(|c| c.error.clone()) {
-        return Err(ApiError {
-            status: 503,
-            message: err,
-            param: None,
-        });
-    }
+    let choices = collect_ok(stream).await?;
     let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
     let choices: Vec<Value> = choices
         .iter()
