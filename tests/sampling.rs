@@ -6,7 +6,8 @@ mod common;
 
 use common::engine::tiny_config;
 use troupe::engine::{
-    Engine, EngineHandle, EngineRequest, FinishReason, RequestOutput, TextStream,
+    Engine, EngineHandle, EngineRequest, FinishReason, IncrementalDecoder, RequestOutput,
+    TextStream,
 };
 use troupe::sampling::{SamplingParams, splitmix64};
 
@@ -200,30 +201,58 @@ async fn stop_strings_match_across_token_boundaries_and_are_cut_off() {
     engine.shutdown(true).await;
 }
 
-#[test]
-fn streamed_text_never_splits_a_character_with_the_real_tokenizer() {
-    let gguf = troupe::model::gguf::GgufFile::open(&common::smollm2_path()).unwrap();
-    let tok = troupe::model::tokenizer::Tokenizer::from_gguf(&gguf).unwrap();
-    let text = "Crabs 🦀 and café, naïve 日本語 — done ✅";
-    let ids = tok.encode(text).unwrap();
+/// The scheduler's text path, token by token: incremental decoding, then the stream.
+fn stream_tokens(tok: &troupe::model::tokenizer::Tokenizer, ids: &[u32]) -> String {
+    let mut decoder = IncrementalDecoder::default();
     let mut stream = TextStream::new(Vec::new());
     let mut out = String::new();
-    let mut num_split_points = 0;
     for n in 1..=ids.len() {
-        let prefix = tok.decode(&ids[..n], true).unwrap();
-        num_split_points += prefix.ends_with('\u{FFFD}') as usize;
-        let (piece, _) = stream.next(&prefix, n == ids.len());
+        decoder.update(tok, &ids[..n], n == ids.len());
+        let (piece, _) = stream.next(&decoder.text, n == ids.len());
         assert!(
             !piece.contains('\u{FFFD}'),
             "a partial character escaped: {piece:?}"
         );
         out.push_str(&piece);
     }
+    out
+}
+
+#[test]
+fn streamed_text_never_splits_a_character_with_the_real_tokenizer() {
+    let gguf = troupe::model::gguf::GgufFile::open(&common::smollm2_path()).unwrap();
+    let tok = troupe::model::tokenizer::Tokenizer::from_gguf(&gguf).unwrap();
+    let text = "Crabs 🦀 and café, naïve 日本語 — done ✅";
+    let ids = tok.encode(text).unwrap();
+    let num_split = (1..=ids.len())
+        .filter(|&n| tok.decode(&ids[..n], true).unwrap().ends_with('\u{FFFD}'))
+        .count();
     assert!(
-        num_split_points > 0,
+        num_split > 0,
         "the text should split characters across tokens"
     );
-    assert_eq!(out, text);
+    assert_eq!(stream_tokens(&tok, &ids), text);
+}
+
+#[test]
+fn incremental_decoding_equals_a_full_decode_for_sentencepiece_too() {
+    // SentencePiece strips the leading space of a sequence's first piece: decoding a
+    // window mid-sequence must not strip spaces between words.
+    let gguf =
+        troupe::model::gguf::GgufFile::open(&common::goldens().join("spm_tiny.gguf")).unwrap();
+    let tok = troupe::model::tokenizer::Tokenizer::from_gguf(&gguf).unwrap();
+    for text in [
+        "Hello world, this is a test",
+        "  two leading spaces and é",
+        "line one\nline two",
+    ] {
+        let ids = tok.encode_plain(text).unwrap();
+        assert_eq!(
+            stream_tokens(&tok, &ids),
+            tok.decode(&ids, true).unwrap(),
+            "{text:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

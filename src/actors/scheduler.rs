@@ -11,7 +11,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::rank_worker::RankMsg;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg};
-use crate::engine::{EngineError, EngineRequest, MAX_CHOICES, RequestOutput, TextStream};
+use crate::engine::{
+    EngineError, EngineRequest, IncrementalDecoder, MAX_CHOICES, RequestOutput, TextStream,
+};
 use crate::model::tokenizer::Tokenizer;
 use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
@@ -100,6 +102,7 @@ struct Request {
     prompt_ids: StdArc<[u32]>,
     /// Generated so far; copied on write only while a step still holds the previous one.
     token_ids: StdArc<Vec<u32>>,
+    decoded: IncrementalDecoder,
     text: TextStream,
 }
 
@@ -208,8 +211,8 @@ impl SchedulerState {
         let (Some(tok), Some(r)) = (&self.tokenizer, self.requests.get_mut(&seq_id)) else {
             return (String::new(), false);
         };
-        let text = tok.decode(&r.token_ids, true).unwrap_or_default();
-        r.text.next(&text, is_final)
+        r.decoded.update(tok, &r.token_ids, is_final);
+        r.text.next(&r.decoded.text, is_final)
     }
 
     fn on_sampled(
@@ -490,6 +493,7 @@ impl Actor for SchedulerActor {
                             stream: stream.clone(),
                             params: StdArc::new(params),
                             prompt_ids: prompt_ids.clone(),
+                            decoded: IncrementalDecoder::default(),
                             text: TextStream::new(request.stop.clone()),
                             request: request.clone(),
                             token_ids: StdArc::new(Vec::new()),

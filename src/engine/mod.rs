@@ -4,7 +4,7 @@
 mod text_stream;
 mod types;
 
-pub use text_stream::TextStream;
+pub use text_stream::{IncrementalDecoder, TextStream};
 
 use std::sync::Arc as StdArc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -3,6 +3,42 @@
 //! or could still be the start of a stop string; a stop string ends the text before it,
 //! even when it spans token boundaries.
 
+use crate::model::tokenizer::Tokenizer;
+
+/// Detokenizes a growing token list in O(new tokens) per step: each step decodes only a
+/// short window (the last emitted token onwards) and keeps what the window adds. The
+/// window keeps one earlier token so decoders that treat a sequence's first token
+/// specially (SentencePiece's leading-space strip) see the same context as a full decode.
+#[derive(Debug, Default)]
+pub struct IncrementalDecoder {
+    prefix_offset: usize,
+    read_offset: usize,
+    /// Everything decoded so far.
+    pub text: String,
+}
+
+impl IncrementalDecoder {
+    /// Appends what `ids` (the whole output so far) adds to `text`; with `is_final`, also
+    /// a trailing partial character.
+    pub fn update(&mut self, tok: &Tokenizer, ids: &[u32], is_final: bool) {
+        let prefix = tok
+            .decode(&ids[self.prefix_offset..self.read_offset], true)
+            .unwrap_or_default();
+        let full = tok
+            .decode(&ids[self.prefix_offset..], true)
+            .unwrap_or_default();
+        if full.len() <= prefix.len() || !full.is_char_boundary(prefix.len()) {
+            return;
+        }
+        if full.ends_with('\u{FFFD}') && !is_final {
+            return; // a character split across tokens: wait for the rest
+        }
+        self.text.push_str(&full[prefix.len()..]);
+        self.prefix_offset = self.read_offset;
+        self.read_offset = ids.len();
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct TextStream {
     stop: Vec<String>,
