@@ -9,11 +9,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::qmatrix::CpuMatrix;
+use super::qmatrix::{CpuMatrix, PANEL};
 use super::simd::has_avx512;
 
-/// Output columns per panel: two AVX-512 registers.
-const PANEL: usize = 32;
 /// Activation rows per microkernel call.
 const ROWS: usize = 4;
 
@@ -43,16 +41,23 @@ pub fn matmul_invariant(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     (0..n.div_ceil(PANEL)).into_par_iter().for_each(|panel| {
         let first = panel * PANEL;
         let cols = PANEL.min(n - first);
-        SCRATCH.with_borrow_mut(|(row, wt)| {
-            row.resize(k, 0.0);
-            wt.clear();
-            wt.resize(k * PANEL, 0.0);
-            for c in 0..cols {
-                w.dequantize_row(first + c, row);
-                for (kk, &v) in row.iter().enumerate() {
-                    wt[kk * PANEL + c] = v;
+        SCRATCH.with_borrow_mut(|(row, scratch)| {
+            let wt: &[f32] = match w {
+                // Resident panels (batch-invariant backend): nothing to expand.
+                CpuMatrix::Panels { data, .. } => &data[panel * k * PANEL..(panel + 1) * k * PANEL],
+                _ => {
+                    row.resize(k, 0.0);
+                    scratch.clear();
+                    scratch.resize(k * PANEL, 0.0);
+                    for c in 0..cols {
+                        w.dequantize_row(first + c, row);
+                        for (kk, &v) in row.iter().enumerate() {
+                            scratch[kk * PANEL + c] = v;
+                        }
+                    }
+                    scratch
                 }
-            }
+            };
             let mut i = 0;
             while i < m {
                 let rows = ROWS.min(m - i);

@@ -330,6 +330,46 @@ mod tests {
     }
 
     #[test]
+    fn resident_panels_give_the_same_bits_as_expanding_on_the_fly() {
+        let (n, k) = (70, 256);
+        let make = || {
+            CpuMatrix::from_host(HostMatrix {
+                rows: n,
+                cols: k,
+                data: HostData::Quantized {
+                    ggml_type: GgmlType::Q4_1,
+                    bytes: random_blocks(GgmlType::Q4_1, n * k / 32, 11),
+                },
+            })
+        };
+        let (w, panels) = (make(), make().into_panels());
+        let mut a = vec![0f32; k];
+        let mut b = vec![0f32; k];
+        for r in [0, 31, 32, 69] {
+            w.dequantize_row(r, &mut a);
+            panels.dequantize_row(r, &mut b);
+            assert_eq!(a, b, "row {r}");
+        }
+        for m in [1usize, 3, 9] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 13 % 29) as f32 - 14.0) / 9.0)
+                .collect();
+            let (mut on_the_fly, mut resident) = (vec![0f32; m * n], vec![1f32; m * n]);
+            matmul(&x, m, &w, &mut on_the_fly, true);
+            matmul(&x, m, &panels, &mut resident, true);
+            assert!(
+                on_the_fly
+                    .iter()
+                    .zip(&resident)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "m={m}"
+            );
+            let [dot] = panels.dot_rows::<1>(5, [&x[..k]], [&[][..]]);
+            assert_eq!(dot.to_bits(), on_the_fly[5].to_bits());
+        }
+    }
+
+    #[test]
     fn simd_and_scalar_block_dots_agree() {
         use super::super::qmatrix::{dot_q4_1, dot_q4_1_scalar, dot_q8_0, dot_q8_0_scalar};
         let nb = 9;

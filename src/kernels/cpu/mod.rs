@@ -49,7 +49,12 @@ impl Backend for CpuBackend {
     }
 
     fn upload_matrix(&self, m: HostMatrix) -> CpuMatrix {
-        CpuMatrix::from_host(m)
+        let matrix = CpuMatrix::from_host(m);
+        if self.batch_invariant {
+            matrix.into_panels()
+        } else {
+            matrix
+        }
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {

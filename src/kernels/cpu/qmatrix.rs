@@ -35,7 +35,17 @@ pub enum CpuMatrix {
         scales: Vec<f32>, // (rows, cols / 32)
         quants: Vec<i8>,  // (rows, cols)
     },
+    /// Batch-invariant mode: f32, k-major panels of `PANEL` rows, the invariant GEMM's
+    /// operand kept resident so no step expands weights again.
+    Panels {
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>, // (rows / PANEL rounded up, cols, PANEL)
+    },
 }
+
+/// Output columns (weight rows) per invariant-GEMM panel: two AVX-512 registers.
+pub const PANEL: usize = 32;
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
@@ -98,7 +108,8 @@ impl CpuMatrix {
         match *self {
             CpuMatrix::F32 { rows, .. }
             | CpuMatrix::Q4_1 { rows, .. }
-            | CpuMatrix::Q8_0 { rows, .. } => rows,
+            | CpuMatrix::Q8_0 { rows, .. }
+            | CpuMatrix::Panels { rows, .. } => rows,
         }
     }
 
@@ -106,8 +117,24 @@ impl CpuMatrix {
         match *self {
             CpuMatrix::F32 { cols, .. }
             | CpuMatrix::Q4_1 { cols, .. }
-            | CpuMatrix::Q8_0 { cols, .. } => cols,
+            | CpuMatrix::Q8_0 { cols, .. }
+            | CpuMatrix::Panels { cols, .. } => cols,
         }
+    }
+
+    /// The same matrix as resident k-major f32 panels (4 bytes a weight).
+    pub fn into_panels(self) -> CpuMatrix {
+        let (rows, cols) = (self.rows(), self.cols());
+        let mut data = vec![0f32; rows.div_ceil(PANEL) * cols * PANEL];
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            self.dequantize_row(r, &mut row);
+            let (p, c) = (r / PANEL, r % PANEL);
+            for (kk, &v) in row.iter().enumerate() {
+                data[(p * cols + kk) * PANEL + c] = v;
+            }
+        }
+        CpuMatrix::Panels { rows, cols, data }
     }
 
     pub fn needs_block_sums(&self) -> bool {
@@ -142,6 +169,12 @@ impl CpuMatrix {
                     for j in 0..QBLOCK {
                         out[b * QBLOCK + j] = quants[r * k + b * QBLOCK + j] as f32 * d;
                     }
+                }
+            }
+            CpuMatrix::Panels { data, .. } => {
+                let (p, c) = (r / PANEL, r % PANEL);
+                for (kk, o) in out[..k].iter_mut().enumerate() {
+                    *o = data[(p * k + kk) * PANEL + c];
                 }
             }
         }
@@ -182,6 +215,15 @@ impl CpuMatrix {
                 &quants[r * k..(r + 1) * k],
                 xs,
             ),
+            // One FMA chain in k order: the invariant GEMM's arithmetic, element for element.
+            CpuMatrix::Panels { data, .. } => {
+                let (p, c) = (r / PANEL, r % PANEL);
+                xs.map(|x| {
+                    (0..k).fold(0f32, |acc, kk| {
+                        x[kk].mul_add(data[(p * k + kk) * PANEL + c], acc)
+                    })
+                })
+            }
         }
     }
 }
