@@ -39,33 +39,60 @@ pub struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
+    #[command(flatten)]
+    engine: EngineFlags,
+}
+
+/// Engine settings `generate` and `serve` share.
+#[derive(Args)]
+pub struct EngineFlags {
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
     block_size: usize,
     /// Memory for the paged KV cache, in MiB.
     #[arg(long, default_value_t = 1024)]
     kv_cache_mib: usize,
+    /// Turn zero-overhead scheduling off (wait for each step before planning the next).
     #[arg(long)]
     no_zos: bool,
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
     #[arg(long)]
     batch_invariant: bool,
 }
 
-fn run_serve(args: ServeArgs) -> Result<()> {
-    let path = model::resolve_model_path(&args.model)?;
-    let mut cfg = EngineConfig::new(&path);
-    cfg.block_size = args.block_size;
-    cfg.kv_cache_bytes = args.kv_cache_mib << 20;
-    cfg.zero_overhead_scheduling = !args.no_zos;
-    cfg.enable_prefix_cache = !args.no_prefix_cache;
-    cfg.batch_invariant = args.batch_invariant;
-    // The engine's actors live on their own runtime; actix-web runs its own.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+impl EngineFlags {
+    fn config(&self, model_path: &Path) -> Result<EngineConfig> {
+        // The CPU attention kernel holds one block's scores on the stack.
+        if self.block_size == 0 || self.block_size > 256 {
+            return Err(TroupeError::InvalidInput(format!(
+                "--block-size must be in 1..=256, got {}",
+                self.block_size
+            )));
+        }
+        let mut cfg = EngineConfig::new(model_path);
+        cfg.block_size = self.block_size;
+        cfg.kv_cache_bytes = self.kv_cache_mib << 20;
+        cfg.zero_overhead_scheduling = !self.no_zos;
+        cfg.enable_prefix_cache = !self.no_prefix_cache;
+        cfg.batch_invariant = self.batch_invariant;
+        Ok(cfg)
+    }
+}
+
+/// The runtime the engine's actors live on (actix-web, when serving, runs its own).
+fn engine_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| TroupeError::InvalidInput(format!("cannot start the async runtime: {e}")))?;
+        .map_err(|e| TroupeError::InvalidInput(format!("cannot start the async runtime: {e}")))
+}
+
+fn run_serve(args: ServeArgs) -> Result<()> {
+    let path = model::resolve_model_path(&args.model)?;
+    let cfg = args.engine.config(&path)?;
+    let runtime = engine_runtime()?;
     let engine = runtime.block_on(Engine::spawn(cfg)).map_err(engine_err)?;
     crate::protocol::server::serve(engine, args.model.clone(), &args.host, args.port).map_err(
         |e| TroupeError::InvalidInput(format!("cannot serve on {}:{}: {e}", args.host, args.port)),
@@ -115,22 +142,14 @@ pub struct GenerateArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
-    block_size: usize,
     /// Generate past EOS / end-of-turn tokens until --max-tokens.
     #[arg(long)]
     ignore_eos: bool,
     /// Print prefill and decode throughput to stderr as one JSON object.
     #[arg(long)]
     stats: bool,
-    /// Turn zero-overhead scheduling off (wait for each step before planning the next).
-    #[arg(long)]
-    no_zos: bool,
-    #[arg(long)]
-    no_prefix_cache: bool,
-    /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
-    #[arg(long)]
-    batch_invariant: bool,
+    #[command(flatten)]
+    engine: EngineFlags,
     /// Drop tokens below this fraction of the most likely token's probability.
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
@@ -242,12 +261,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             .build_global()
             .map_err(|e| TroupeError::InvalidInput(format!("--threads: {e}")))?;
     }
-    if args.block_size == 0 || args.block_size > 256 {
-        return Err(TroupeError::InvalidInput(format!(
-            "--block-size must be in 1..=256, got {}",
-            args.block_size
-        )));
-    }
     let lines: Vec<PromptLine> = match (&args.prompt, &args.prompt_ids, &args.prompts_file) {
         (Some(p), _, _) => vec![PromptLine {
             prompt: Some(p.clone()),
@@ -301,16 +314,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         request.stop_token_ids = line.stop_token_ids.clone().unwrap_or_default();
         requests.push(request);
     }
-    let mut cfg = EngineConfig::new(&path);
-    cfg.block_size = args.block_size;
-    cfg.zero_overhead_scheduling = !args.no_zos;
-    cfg.enable_prefix_cache = !args.no_prefix_cache;
-    cfg.batch_invariant = args.batch_invariant;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| TroupeError::InvalidInput(format!("cannot start the async runtime: {e}")))?;
+    let cfg = args.engine.config(&path)?;
+    let runtime = engine_runtime()?;
     let (outputs, status) = runtime.block_on(async {
         let engine = Engine::spawn(cfg).await.map_err(engine_err)?;
         let outputs = engine.generate_batch(requests.clone()).await;

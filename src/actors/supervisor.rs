@@ -73,24 +73,33 @@ async fn spawn_worker(
 pub struct EngineSupervisor;
 
 impl EngineSupervisor {
-    async fn restart_worker(
-        myself: &ActorRef<SupervisorMsg>,
-        st: &mut SupervisorState,
-        why: String,
-    ) {
-        st.children.worker = None;
+    /// Takes one restart from the shared budget, or, when it is spent, tells the scheduler
+    /// the engine is lost and returns false.
+    fn spend_restart(st: &mut SupervisorState, who: &str, why: &str) -> bool {
         if st.num_rank_restarts >= st.max_rank_restarts {
             let reason = format!(
-                "rank 0 failed {} times, last: {why}",
+                "{who} failed {} times, last: {why}",
                 st.num_rank_restarts + 1
             );
             let _ = st
                 .children
                 .scheduler
                 .cast(SchedulerMsg::RankLost { reason });
-            return;
+            return false;
         }
         st.num_rank_restarts += 1;
+        true
+    }
+
+    async fn restart_worker(
+        myself: &ActorRef<SupervisorMsg>,
+        st: &mut SupervisorState,
+        why: String,
+    ) {
+        st.children.worker = None;
+        if !Self::spend_restart(st, "rank 0", &why) {
+            return;
+        }
         tracing::warn!("rank 0 worker died ({why}); restarting");
         match spawn_worker(&myself.get_cell(), &st.rank, &st.sampled, &st.spawner).await {
             Ok(worker) => {
@@ -221,18 +230,9 @@ impl Actor for EngineSupervisor {
             st.sampled.invalidate();
             // Sampler restarts spend the same budget: a fault that recurs on every
             // recompute must end in an error, not a livelock.
-            if st.num_rank_restarts >= st.max_rank_restarts {
-                let reason = format!(
-                    "the sampler failed {} times, last: {why}",
-                    st.num_rank_restarts + 1
-                );
-                let _ = st
-                    .children
-                    .scheduler
-                    .cast(SchedulerMsg::RankLost { reason });
+            if !Self::spend_restart(st, "the sampler", &why) {
                 return Ok(());
             }
-            st.num_rank_restarts += 1;
             Self::restart_sampler(&myself, st).await?;
         } else if st.children.scheduler.get_id() == id {
             // The scheduler holds every request's state: without it the engine is gone.
