@@ -10,6 +10,7 @@ pub mod model;
 pub mod protocol;
 pub mod sampling;
 pub mod sched;
+pub mod structured;
 pub mod sync;
 
 pub use error::{Result, TroupeError};

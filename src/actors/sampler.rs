@@ -10,6 +10,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::sampled_tokens::SampledTokens;
 use super::scheduler::SchedulerMsg;
 use crate::sampling::{SampleContext, Sampler as RowSampler, SamplingParams};
+use crate::structured::SeqConstraint;
 
 /// How to sample one plan row.
 #[derive(Debug, Clone)]
@@ -26,6 +27,8 @@ pub struct RowSampling {
     pub pending_prev_row: Option<usize>,
     /// Ids that may not be drawn now (stop ids while under `min_tokens`).
     pub banned_ids: StdArc<[u32]>,
+    /// Structured output: the grammar that masks this row.
+    pub constraint: Option<StdArc<SeqConstraint>>,
 }
 
 pub enum SamplerMsg {
@@ -54,6 +57,8 @@ pub struct SamplerState {
     /// The previous step's tokens by row, for the histories of ZOS rows.
     last_step: Option<(u64, u64, Vec<Option<u32>>)>,
     history: Vec<u32>,
+    /// A constrained row's logits, masked.
+    masked: Vec<f32>,
 }
 
 pub struct SamplerActor;
@@ -74,6 +79,7 @@ impl Actor for SamplerActor {
             sampler: RowSampler::default(),
             last_step: None,
             history: Vec::new(),
+            masked: Vec::new(),
         })
     }
 
@@ -95,6 +101,9 @@ impl Actor for SamplerActor {
         let mut per_row = Vec::with_capacity(sampling.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
             (Vec::new(), Vec::new(), Vec::new());
+        // Constrained rows and their histories with the new token, advanced after the
+        // tokens are out so the next masks are computed beside the next forward pass.
+        let mut advances: Vec<(StdArc<SeqConstraint>, Vec<u32>)> = Vec::new();
         for (row, s) in sampling.iter().enumerate() {
             let Some(s) = s else {
                 per_row.push(None);
@@ -121,11 +130,22 @@ impl Actor for SamplerActor {
                 output_ids,
                 banned_ids: &s.banned_ids,
             };
-            let out = st.sampler.sample_row(
-                &logits[row * vocab_size..(row + 1) * vocab_size],
-                &s.params,
-                &ctx,
-            );
+            let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
+            let row_logits = match &s.constraint {
+                Some(c) => {
+                    st.masked.clear();
+                    st.masked.extend_from_slice(row_logits);
+                    c.mask_logits(output_ids, &mut st.masked);
+                    &st.masked[..]
+                }
+                None => row_logits,
+            };
+            let out = st.sampler.sample_row(row_logits, &s.params, &ctx);
+            if let Some(c) = &s.constraint {
+                let mut history = output_ids.to_vec();
+                history.push(out.token);
+                advances.push((c.clone(), history));
+            }
             per_row.push(Some(out.token));
             tokens.push(out.token);
             token_logprobs.push(out.logprob);
@@ -142,6 +162,9 @@ impl Actor for SamplerActor {
             elapsed_secs: started.elapsed().as_secs_f64(),
             worker_idle_secs: idle_secs,
         })?;
+        for (c, history) in advances {
+            c.advance(history);
+        }
         Ok(())
     }
 }

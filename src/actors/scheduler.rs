@@ -19,6 +19,7 @@ use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepPlan,
 };
+use crate::structured::{CompiledGrammar, SeqConstraint};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EngineStatus {
@@ -45,6 +46,8 @@ pub enum SchedulerMsg {
     Submit {
         request_id: u64,
         request: EngineRequest,
+        /// `request.grammar`, compiled.
+        grammar: Option<StdArc<CompiledGrammar>>,
         stream: UnboundedSender<RequestOutput>,
         reply: RpcReplyPort<Result<(), EngineError>>,
     },
@@ -104,6 +107,8 @@ struct Request {
     token_ids: StdArc<Vec<u32>>,
     decoded: IncrementalDecoder,
     text: TextStream,
+    /// Structured output: the grammar state the sampler masks this completion with.
+    constraint: Option<StdArc<SeqConstraint>>,
 }
 
 pub struct SchedulerState {
@@ -169,6 +174,7 @@ impl SchedulerState {
                         output_ids: r.token_ids.clone(),
                         pending_prev_row,
                         banned_ids,
+                        constraint: r.constraint.clone(),
                     })
                 })
                 .collect();
@@ -419,6 +425,7 @@ impl Actor for SchedulerActor {
             SchedulerMsg::Submit {
                 request_id,
                 request,
+                grammar,
                 stream,
                 reply,
             } => {
@@ -468,6 +475,7 @@ impl Actor for SchedulerActor {
                     .chain(&request.stop_token_ids)
                     .copied()
                     .collect();
+                let eos_id = st.stop_ids.first().copied().unwrap_or(0);
                 let mut choices: Vec<(SeqRequest, Request)> = (0..request.n)
                     .map(|index| {
                         let mut params = request.params.clone();
@@ -497,6 +505,9 @@ impl Actor for SchedulerActor {
                             text: TextStream::new(request.stop.clone()),
                             request: request.clone(),
                             token_ids: StdArc::new(Vec::new()),
+                            constraint: grammar
+                                .as_ref()
+                                .map(|g| SeqConstraint::start(g, eos_id, stop_ids.clone())),
                         };
                         (seq, r)
                     })

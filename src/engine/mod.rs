@@ -7,6 +7,7 @@ mod types;
 pub use text_stream::{IncrementalDecoder, TextStream};
 
 use std::sync::Arc as StdArc;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ractor::{Actor, ActorRef};
@@ -24,6 +25,7 @@ use crate::actors::supervisor::{
 };
 use crate::model::{self, ModelText};
 use crate::sched::SchedulerConfig;
+use crate::structured::{CompiledGrammar, GrammarCompiler};
 
 pub struct Engine;
 
@@ -36,6 +38,8 @@ pub struct EngineHandle {
     text: StdArc<ModelText>,
     faults: FaultPlan,
     sampled: SampledTokens,
+    /// Built on the first structured-output request (the vocabulary trie takes a moment).
+    grammars: StdArc<OnceLock<Result<StdArc<GrammarCompiler>, String>>>,
 }
 
 impl Engine {
@@ -108,6 +112,7 @@ impl Engine {
             text: StdArc::new(text),
             faults,
             sampled: handle_sampled,
+            grammars: StdArc::new(OnceLock::new()),
         })
     }
 }
@@ -191,7 +196,36 @@ impl EngineHandle {
         &self.text
     }
 
+    /// Compiles `request.grammar` (cached), or says why it cannot be served.
+    fn compile_grammar(
+        &self,
+        request: &EngineRequest,
+    ) -> Result<Option<StdArc<CompiledGrammar>>, EngineError> {
+        let Some(spec) = &request.grammar else {
+            return Ok(None);
+        };
+        let compiler = self.grammars.get_or_init(|| {
+            let tok = self
+                .text
+                .tokenizer
+                .clone()
+                .ok_or_else(|| crate::structured::StructuredError::NoTokenizer.to_string())?;
+            let eos_id = self.text.stop_ids.first().copied().unwrap_or(0);
+            GrammarCompiler::new(tok, eos_id)
+                .map(StdArc::new)
+                .map_err(|e| e.to_string())
+        });
+        let compiler = compiler
+            .as_ref()
+            .map_err(|e| EngineError::Rejected(e.clone()))?;
+        compiler
+            .compile(spec)
+            .map(Some)
+            .map_err(|e| EngineError::Rejected(e.to_string()))
+    }
+
     pub async fn generate(&self, request: EngineRequest) -> Result<RequestStream, EngineError> {
+        let grammar = self.compile_grammar(&request)?;
         let permit = self
             .permits
             .clone()
@@ -204,6 +238,7 @@ impl EngineHandle {
         let submitted = ractor::call!(self.scheduler, |reply| SchedulerMsg::Submit {
             request_id,
             request,
+            grammar,
             stream: tx,
             reply
         })

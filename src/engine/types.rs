@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use crate::sampling::SamplingParams;
 pub use crate::sched::FinishReason;
+use crate::structured::GrammarSpec;
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -68,6 +69,8 @@ pub struct EngineRequest {
     /// Independent completions of the prompt; they share its KV blocks (the later ones
     /// start from the first one's cached prompt blocks) and are told apart by `index`.
     pub n: usize,
+    /// Structured output: every completion matches this grammar.
+    pub grammar: Option<GrammarSpec>,
 }
 
 /// The most completions one request may ask for.
@@ -85,6 +88,7 @@ impl EngineRequest {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             n: 1,
+            grammar: None,
         }
     }
 }

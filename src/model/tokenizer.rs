@@ -177,6 +177,11 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The tokenizer in `tokenizer.json` form (also for GGUF-built ones).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(tok_err)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -1,0 +1,96 @@
+//! Grammar compilation against the vocabulary, with a bounded cache: a service answering
+//! the same schema for every request compiles it once.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use llguidance::toktrie::TokEnv;
+use llguidance::{ParserFactory, TokenParser};
+
+use super::token_env::token_env;
+use super::{GrammarSpec, StructuredError};
+use crate::model::tokenizer::Tokenizer;
+
+/// Compiled grammars kept for reuse.
+const CACHE_CAPACITY: usize = 128;
+
+/// A grammar ready to start matchers from; cheap to clone into each sequence.
+pub struct CompiledGrammar {
+    pub(super) parser: TokenParser,
+}
+
+impl std::fmt::Debug for CompiledGrammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CompiledGrammar")
+    }
+}
+
+pub struct GrammarCompiler {
+    factory: ParserFactory,
+    cache: Mutex<Cache>,
+}
+
+#[derive(Default)]
+struct Cache {
+    by_key: HashMap<String, Arc<CompiledGrammar>>,
+    /// Keys oldest first, for eviction.
+    order: VecDeque<String>,
+}
+
+impl GrammarCompiler {
+    /// `eos_id`: the token a finished grammar allows (the sampler widens it to every
+    /// stop id of the request).
+    pub fn new(tokenizer: Arc<Tokenizer>, eos_id: u32) -> Result<Self, StructuredError> {
+        let env: TokEnv = token_env(tokenizer, eos_id)?;
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| StructuredError::TokenTable(e.to_string()))?;
+        factory.quiet();
+        Ok(GrammarCompiler {
+            factory,
+            cache: Mutex::new(Cache::default()),
+        })
+    }
+
+    pub fn compile(&self, spec: &GrammarSpec) -> Result<Arc<CompiledGrammar>, StructuredError> {
+        let grammar = spec.to_llguidance();
+        let key = serde_json::to_string(&grammar).unwrap_or_default();
+        if let Some(hit) = self.lock().by_key.get(&key) {
+            return Ok(hit.clone());
+        }
+        // llguidance reports bad grammars as errors; a panic on an odd one must not take
+        // the server down either.
+        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.factory.create_parser(grammar)
+        }))
+        .map_err(|_| StructuredError::Unsupported {
+            kind: spec.kind(),
+            reason: "the grammar compiler failed on it".into(),
+        })?
+        .map_err(|e| StructuredError::Unsupported {
+            kind: spec.kind(),
+            reason: first_line(&e.to_string()),
+        })?;
+        let compiled = Arc::new(CompiledGrammar { parser });
+        let mut cache = self.lock();
+        if cache.order.len() >= CACHE_CAPACITY
+            && let Some(old) = cache.order.pop_front()
+        {
+            cache.by_key.remove(&old);
+        }
+        cache.order.push_back(key.clone());
+        cache.by_key.insert(key, compiled.clone());
+        Ok(compiled)
+    }
+
+    pub fn num_cached(&self) -> usize {
+        self.lock().by_key.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or(s).to_string()
+}

@@ -1,0 +1,163 @@
+//! One sequence's grammar state. The sampler masks a row with it and then hands the drawn
+//! token to the mask pool, which advances the matcher and computes the next mask while the
+//! next forward pass runs.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+
+use llguidance::Matcher;
+use llguidance::toktrie::SimpleVob;
+
+use super::CompiledGrammar;
+
+/// Threads computing masks beside the forward pass.
+const MASK_THREADS: usize = 2;
+
+fn mask_pool() -> &'static rayon::ThreadPool {
+    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(MASK_THREADS)
+            .thread_name(|i| format!("troupe-mask-{i}"))
+            .build()
+            .expect("the mask pool's threads start")
+    })
+}
+
+pub struct SeqConstraint {
+    state: Mutex<State>,
+    ready: Condvar,
+    eos_id: u32,
+    /// Ids that end the sequence: allowed wherever the grammar allows its end.
+    stop_ids: Arc<[u32]>,
+}
+
+impl std::fmt::Debug for SeqConstraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SeqConstraint")
+            .field("num_seen", &self.lock().seen.len())
+            .finish()
+    }
+}
+
+struct State {
+    matcher: Matcher,
+    /// The generated tokens the matcher has seen, stop ids included (not consumed).
+    seen: Vec<u32>,
+    /// The mask for `seen`, once computed.
+    mask: Option<SimpleVob>,
+    /// A pool task is bringing the state forward: wait for it instead of racing it.
+    busy: bool,
+}
+
+impl SeqConstraint {
+    /// A fresh matcher for `grammar`; the first mask is computed at once on the pool,
+    /// beside the prompt's prefill.
+    pub fn start(grammar: &CompiledGrammar, eos_id: u32, stop_ids: Arc<[u32]>) -> Arc<Self> {
+        let c = Arc::new(SeqConstraint {
+            state: Mutex::new(State {
+                matcher: Matcher::new(Ok(grammar.parser.clone())),
+                seen: Vec::new(),
+                mask: None,
+                busy: false,
+            }),
+            ready: Condvar::new(),
+            eos_id,
+            stop_ids,
+        });
+        c.advance(Vec::new());
+        c
+    }
+
+    /// Moves the matcher to `history` and computes its mask, on the pool.
+    pub fn advance(self: &Arc<Self>, history: Vec<u32>) {
+        self.lock().busy = true;
+        let me = self.clone();
+        mask_pool().spawn(move || {
+            let mut st = me.lock();
+            me.sync(&mut st, &history);
+            if st.mask.is_none() {
+                st.mask = Some(compute_mask(&mut st.matcher));
+            }
+            st.busy = false;
+            drop(st);
+            me.ready.notify_all();
+        });
+    }
+
+    /// Sets the logits of every token the grammar forbids after `history` to −∞.
+    pub fn mask_logits(&self, history: &[u32], logits: &mut [f32]) {
+        let mut st = self.lock();
+        while st.busy {
+            st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        self.sync(&mut st, history);
+        let st = &mut *st;
+        let mask = st.mask.get_or_insert_with(|| compute_mask(&mut st.matcher));
+        let mask_len = mask.len().min(logits.len());
+        let ends = mask_len > self.eos_id as usize && mask.is_allowed(self.eos_id);
+        let mut num_allowed = 0usize;
+        for (id, logit) in logits.iter_mut().enumerate() {
+            let is_stop = self.stop_ids.contains(&(id as u32));
+            let allowed = if is_stop {
+                ends
+            } else {
+                id < mask_len && mask.is_allowed(id as u32)
+            };
+            if allowed {
+                num_allowed += 1;
+            } else {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        if num_allowed == 0 {
+            // A grammar in an error state, or one whose end is banned: end the sequence
+            // rather than draw from nothing.
+            for &id in self.stop_ids.iter() {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = 0.0;
+                }
+            }
+        }
+    }
+
+    /// Brings the matcher to `history` by rolling back to the common prefix and
+    /// consuming the rest (a restarted step or a preemption may replay tokens).
+    fn sync(&self, st: &mut State, history: &[u32]) {
+        let common = st
+            .seen
+            .iter()
+            .zip(history)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if common == st.seen.len() && common == history.len() {
+            return;
+        }
+        let num_undo = st.seen[common..]
+            .iter()
+            .filter(|t| !self.stop_ids.contains(t))
+            .count();
+        if num_undo > 0 && st.matcher.rollback(num_undo).is_err() {
+            // Matcher::rollback leaves an error state on failure; masks then end the
+            // sequence.
+        }
+        for &t in &history[common..] {
+            if !self.stop_ids.contains(&t) {
+                let _ = st.matcher.consume_token(t);
+            }
+        }
+        st.seen.truncate(common);
+        st.seen.extend_from_slice(&history[common..]);
+        st.mask = None;
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn compute_mask(matcher: &mut Matcher) -> SimpleVob {
+    matcher.compute_mask_or_eos().unwrap_or_else(|_| {
+        // Nothing allowed: `mask_logits` then allows only the stop ids.
+        SimpleVob::new()
+    })
+}

@@ -1,0 +1,77 @@
+//! Structured output: grammars (JSON schema, regex, Lark) compiled by llguidance against
+//! the model's vocabulary, and per-sequence constraints whose token masks the sampler
+//! applies. Masks for step N+1 are computed on a worker pool while step N+1's forward pass
+//! runs, so the scheduler's critical path never waits on a grammar.
+
+mod compiler;
+mod constraint;
+mod token_env;
+
+pub use compiler::{CompiledGrammar, GrammarCompiler};
+pub use constraint::SeqConstraint;
+
+/// What a request's output must match.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GrammarSpec {
+    /// Any JSON object.
+    JsonObject,
+    /// A JSON schema (strict: unknown keywords are an error, not ignored).
+    JsonSchema(serde_json::Value),
+    /// A regular expression (Rust `regex` syntax) the whole output must match.
+    Regex(String),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StructuredError {
+    #[error("structured output needs a tokenizer; this model has none")]
+    NoTokenizer,
+    #[error("cannot build the token table for structured output: {0}")]
+    TokenTable(String),
+    #[error("unsupported {kind}: {reason}")]
+    Unsupported { kind: &'static str, reason: String },
+}
+
+impl GrammarSpec {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GrammarSpec::JsonObject | GrammarSpec::JsonSchema(_) => "JSON schema",
+            GrammarSpec::Regex(_) => "regex",
+            GrammarSpec::Lark(_) => "grammar",
+        }
+    }
+
+    /// The llguidance grammar. JSON is compact (no free whitespace between tokens): small
+    /// models otherwise wander off into endless newlines inside an object.
+    fn to_llguidance(&self) -> llguidance::api::TopLevelGrammar {
+        use llguidance::api::TopLevelGrammar;
+        match self {
+            GrammarSpec::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
+            }
+            GrammarSpec::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(compact(schema.clone()))
+            }
+            GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        }
+    }
+}
+
+fn compact(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(obj) = schema.as_object_mut()
+        && !obj.contains_key("x-guidance")
+    {
+        obj.insert(
+            "x-guidance".into(),
+            serde_json::json!({"whitespace_flexible": false}),
+        );
+    }
+    schema
+}
+
+/// Lark for a JSON value matching `schema`, for embedding in larger grammars.
+pub fn lark_json(schema: &serde_json::Value) -> String {
+    format!("%json {}", compact(schema.clone()))
+}
