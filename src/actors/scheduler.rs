@@ -45,7 +45,7 @@ pub struct EngineStatus {
 pub enum SchedulerMsg {
     Submit {
         request_id: u64,
-        request: EngineRequest,
+        request: Box<EngineRequest>,
         /// `request.grammar`, compiled.
         grammar: Option<StdArc<CompiledGrammar>>,
         stream: UnboundedSender<RequestOutput>,

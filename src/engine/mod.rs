@@ -237,7 +237,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let submitted = ractor::call!(self.scheduler, |reply| SchedulerMsg::Submit {
             request_id,
-            request,
+            request: Box::new(request),
             grammar,
             stream: tx,
             reply
