@@ -503,7 +503,7 @@ impl Actor for SchedulerActor {
                             prompt_ids: prompt_ids.clone(),
                             decoded: IncrementalDecoder::default(),
                             text: TextStream::new(request.stop.clone()),
-                            request: request.clone(),
+                            request: (*request).clone(),
                             token_ids: StdArc::new(Vec::new()),
                             constraint: grammar
                                 .as_ref()
