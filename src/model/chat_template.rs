@@ -24,6 +24,8 @@ impl ChatMessage {
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template renders a `tools` list (it has its own tool-call syntax).
+    supports_tools: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -84,18 +86,36 @@ impl ChatTemplate {
             .map_err(|e| TroupeError::ChatTemplate(format!("cannot parse: {e}")))?;
         Ok(ChatTemplate {
             env,
+            supports_tools: source.contains("tools"),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let messages = serde_json::to_value(messages).expect("messages serialize");
+        self.render_json(&messages, None, add_generation_prompt)
+    }
+
+    pub fn supports_tools(&self) -> bool {
+        self.supports_tools
+    }
+
+    /// Renders messages in transformers' JSON shape (with `tool_calls`, `tool_call_id`),
+    /// and `tools` as OpenAI function definitions when given.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template("chat")
             .expect("template added in new");
         tmpl.render(context! {
             messages => Value::from(minijinja::value::Serde(messages)),
+            tools => tools.map(|t| Value::from(minijinja::value::Serde(t))),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,

@@ -177,6 +177,20 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The special (control) tokens' strings, longest first.
+    pub fn special_tokens(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .inner
+            .get_added_tokens_decoder()
+            .values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content.clone())
+            .collect();
+        v.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        v.dedup();
+        v
+    }
+
     /// The tokenizer in `tokenizer.json` form (also for GGUF-built ones).
     pub fn to_json(&self) -> Result<String> {
         self.inner.to_string(false).map_err(tok_err)

@@ -5,3 +5,4 @@ pub mod conversation;
 pub mod jsonl;
 pub mod openai;
 pub mod server;
+pub mod output_parser;

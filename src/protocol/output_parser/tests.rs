@@ -1,0 +1,105 @@
+use super::*;
+
+/// Runs `text` through a parser in pieces of `chunk` chars, merging adjacent deltas.
+fn parse(text: &str, chunk: usize, tools: bool, reasoning: bool) -> (Vec<OutputEvent>, usize) {
+    let mut p = OutputParser::new(tools, reasoning);
+    let chars: Vec<char> = text.chars().collect();
+    let mut raw = Vec::new();
+    for piece in chars.chunks(chunk) {
+        raw.extend(p.push(&piece.iter().collect::<String>()));
+    }
+    raw.extend(p.finish());
+    let num_raw_args = raw
+        .iter()
+        .filter(|e| matches!(e, OutputEvent::CallArgs { .. }))
+        .count();
+    let mut merged: Vec<OutputEvent> = Vec::new();
+    for e in raw {
+        match (merged.last_mut(), e) {
+            (Some(OutputEvent::Text(a)), OutputEvent::Text(b)) => a.push_str(&b),
+            (Some(OutputEvent::Reasoning(a)), OutputEvent::Reasoning(b)) => a.push_str(&b),
+            (
+                Some(OutputEvent::CallArgs { index: i, delta: a }),
+                OutputEvent::CallArgs { index: j, delta: b },
+            ) if *i == j => a.push_str(&b),
+            (_, e) => merged.push(e),
+        }
+    }
+    (merged, num_raw_args)
+}
+
+fn call(index: usize, name: &str, args: &str) -> Vec<OutputEvent> {
+    vec![
+        OutputEvent::CallStart {
+            index,
+            name: name.into(),
+        },
+        OutputEvent::CallArgs {
+            index,
+            delta: args.into(),
+        },
+        OutputEvent::CallEnd { index },
+    ]
+}
+
+#[test]
+fn plain_text_passes_through_in_any_chunking() {
+    let text = "a < b, and <tool> is not <tool_cal a call.";
+    for chunk in [1, 3, 100] {
+        let (events, _) = parse(text, chunk, true, true);
+        assert_eq!(events, vec![OutputEvent::Text(text.into())], "chunk {chunk}");
+    }
+}
+
+#[test]
+fn a_tool_call_streams_its_arguments() {
+    let args = r#"{"city": "Paris \"}\" </tool_call>", "days": [1, {"x": 2}]}"#;
+    let text = format!("Let me check.<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {args}}}\n</tool_call>");
+    for chunk in [1, 2, 7, 1000] {
+        let (events, num_raw_args) = parse(&text, chunk, true, false);
+        let mut want = vec![OutputEvent::Text("Let me check.".into())];
+        want.extend(call(0, "get_weather", args));
+        assert_eq!(events, want, "chunk {chunk}");
+        if chunk == 1 {
+            assert!(num_raw_args > 10, "arguments arrive incrementally");
+        }
+    }
+}
+
+#[test]
+fn several_calls_other_field_orders_and_bare_json() {
+    let text = "<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>\n<tool_call>{\"arguments\": {\"k\": 1}, \"name\": \"b\"}</tool_call>";
+    let (events, _) = parse(text, 4, true, false);
+    let mut want = call(0, "a", "{}");
+    want.extend(call(1, "b", "{\"k\":1}"));
+    assert_eq!(events, want);
+    let (events, _) = parse(
+        "{\"name\": \"get_time\", \"parameters\": {\"tz\": \"UTC\"}}",
+        5,
+        true,
+        false,
+    );
+    assert_eq!(events, call(0, "get_time", "{\"tz\":\"UTC\"}"));
+    // Without tools a JSON reply is text.
+    let (events, _) = parse("{\"name\": \"x\", \"arguments\": {}}", 5, false, false);
+    assert_eq!(
+        events,
+        vec![OutputEvent::Text("{\"name\": \"x\", \"arguments\": {}}".into())]
+    );
+}
+
+#[test]
+fn reasoning_and_truncated_calls() {
+    let (events, _) = parse("<think>hmm, 2+2</think>\n\nIt is 4.", 3, true, true);
+    assert_eq!(
+        events,
+        vec![
+            OutputEvent::Reasoning("hmm, 2+2".into()),
+            OutputEvent::Text("It is 4.".into())
+        ]
+    );
+    let (events, _) = parse("<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": ", 3, true, false);
+    assert_eq!(events, call(0, "f", "{\"a\": "));
+    let (events, _) = parse("<tool_call>not json", 3, true, false);
+    assert_eq!(events, vec![OutputEvent::Text("<tool_call>not json".into())]);
+}
