@@ -1,8 +1,12 @@
-//! The protocol layer: one conversation type inside, and a codec per API around it
-//! (`--prompts-file` JSONL for the CLI; OpenAI Chat Completions and Completions over HTTP).
+//! The protocol layer: one conversation type, a codec per API, the HTTP server.
 
+pub mod anthropic;
+pub mod api;
 pub mod conversation;
 pub mod jsonl;
+pub mod metrics;
 pub mod openai;
-pub mod server;
 pub mod output_parser;
+pub mod reply;
+pub mod responses;
+pub mod server;

@@ -1,54 +1,60 @@
-//! The OpenAI codec: Chat Completions and Completions requests into engine requests,
-//! engine outputs into OpenAI's response and SSE chunk objects.
+//! The OpenAI codec for Chat Completions and (legacy) Completions: requests into a
+//! conversation or prompt plus sampling, engine outputs into OpenAI's objects and chunks.
 
+use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::conversation::Conversation;
-use crate::engine::{EngineRequest, FinishReason, MAX_CHOICES, RequestOutput};
+use super::api::{
+    self, ApiError, Content, Flavor, Sampling, StopField, conversation_request, parse_body,
+};
+use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
+use super::output_parser::OutputEvent;
+use super::reply::{ChoiceStreams, Reply, call_id};
+use super::server::{
+    ServerState, SseEvent, Timed, check_model, engine_error, now_secs, read_body, respond, sse,
+};
+use crate::engine::{FinishReason, RequestOutput};
 use crate::model::ModelText;
-use crate::model::chat_template::ChatMessage;
-use crate::sampling::SamplingParams;
+use crate::structured::GrammarSpec;
 
-/// A client mistake, answered with 400 and OpenAI's error object.
-#[derive(Debug)]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-    pub param: Option<&'static str>,
-}
-
-impl ApiError {
-    pub fn bad(param: &'static str, message: impl Into<String>) -> Self {
-        ApiError {
-            status: 400,
-            message: message.into(),
-            param: Some(param),
-        }
-    }
-    pub fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": null}})
-    }
+#[derive(Debug, Deserialize)]
+pub struct WireFunctionCall {
+    pub name: String,
+    #[serde(default)]
+    pub arguments: String,
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum StopField {
-    One(String),
-    Many(Vec<String>),
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Content {
-    Text(String),
-    Parts(Vec<Value>),
+pub struct WireToolCall {
+    #[serde(default)]
+    pub id: String,
+    pub function: WireFunctionCall,
 }
 
 #[derive(Debug, Deserialize)]
 pub struct WireMessage {
     pub role: String,
     pub content: Option<Content>,
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WireFunction {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub parameters: Option<Value>,
+    pub strict: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WireTool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: WireFunction,
 }
 
 /// Fields both OpenAI endpoints share.
@@ -69,6 +75,101 @@ pub struct SamplingFields {
     pub max_completion_tokens: Option<usize>,
     pub min_tokens: Option<usize>,
     pub ignore_eos: Option<bool>,
+    /// vLLM's extension: `{"json": schema}`, `{"regex": ...}` or `{"grammar": lark}`.
+    pub structured_outputs: Option<Value>,
+}
+
+impl SamplingFields {
+    fn sampling(&self) -> Result<Sampling, ApiError> {
+        Ok(Sampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            n: self.n,
+            stop: match &self.stop {
+                None => Vec::new(),
+                Some(StopField::One(s)) => vec![s.clone()],
+                Some(StopField::Many(v)) => v.clone(),
+            },
+            logit_bias: self.logit_bias.clone(),
+            max_tokens: self.max_completion_tokens.or(self.max_tokens),
+            min_tokens: self.min_tokens,
+            ignore_eos: self.ignore_eos,
+            num_top_logprobs: 0,
+            grammar: match &self.structured_outputs {
+                None => None,
+                Some(v) => Some(structured_outputs(v)?),
+            },
+        })
+    }
+}
+
+fn structured_outputs(v: &Value) -> Result<GrammarSpec, ApiError> {
+    let field = "structured_outputs";
+    match (v.get("json"), v.get("regex"), v.get("grammar")) {
+        (Some(schema), None, None) => Ok(GrammarSpec::JsonSchema(match schema {
+            Value::String(s) => serde_json::from_str(s)
+                .map_err(|e| ApiError::bad(field, format!("`json` is not JSON: {e}")))?,
+            other => other.clone(),
+        })),
+        (None, Some(Value::String(rx)), None) => Ok(GrammarSpec::Regex(rx.clone())),
+        (None, None, Some(Value::String(g))) => Ok(GrammarSpec::Lark(g.clone())),
+        _ => Err(ApiError::bad(
+            field,
+            "give exactly one of `json` (a schema), `regex` or `grammar` (Lark) as a string",
+        )),
+    }
+}
+
+/// `response_format` of Chat Completions (and, reshaped, of Responses' `text.format`).
+pub fn response_format(v: &Value, field: &str) -> Result<Option<GrammarSpec>, ApiError> {
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(GrammarSpec::JsonObject)),
+        Some("json_schema") => {
+            // Chat nests the schema under `json_schema`; Responses puts it beside `type`.
+            let schema = v
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .or_else(|| v.get("schema"))
+                .ok_or_else(|| ApiError::bad(field, "`json_schema` needs a `schema`"))?;
+            Ok(Some(GrammarSpec::JsonSchema(schema.clone())))
+        }
+        other => Err(ApiError::bad(
+            field,
+            format!(
+                "type {} is not supported (text, json_object, json_schema)",
+                other.map_or("(missing)".into(), |t| format!("`{t}`"))
+            ),
+        )),
+    }
+}
+
+pub fn tool_choice(v: &Option<Value>, field: &str) -> Result<ToolChoice, ApiError> {
+    match v {
+        None => Ok(ToolChoice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Ok(ToolChoice::None),
+            "auto" => Ok(ToolChoice::Auto),
+            "required" => Ok(ToolChoice::Required),
+            other => Err(ApiError::bad(
+                field,
+                format!("`{other}` is not one of none, auto, required"),
+            )),
+        },
+        Some(obj) => obj
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .or_else(|| obj.get("name"))
+            .and_then(Value::as_str)
+            .map(|n| ToolChoice::Named(n.to_string()))
+            .ok_or_else(|| ApiError::bad(field, "a named tool choice needs `function.name`")),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -85,6 +186,9 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<usize>,
+    pub tools: Option<Vec<WireTool>>,
+    pub tool_choice: Option<Value>,
+    pub response_format: Option<Value>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
 }
@@ -108,148 +212,271 @@ pub struct CompletionRequest {
     pub sampling: SamplingFields,
 }
 
-fn content_text(c: &Option<Content>) -> Result<String, ApiError> {
-    match c {
-        None => Ok(String::new()),
-        Some(Content::Text(t)) => Ok(t.clone()),
-        Some(Content::Parts(parts)) => parts
-            .iter()
-            .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
-                (Some("text"), Some(t)) => Ok(t.to_string()),
-                _ => Err(ApiError::bad(
-                    "messages",
-                    "only text content parts are supported",
-                )),
-            })
-            .collect(),
-    }
-}
-
-/// The engine request for `fields`, with `prompt_ids` and the logprob count given.
-pub fn engine_request(
-    fields: &SamplingFields,
-    prompt_ids: Vec<u32>,
-    num_top_logprobs: usize,
-    text: &ModelText,
-) -> Result<EngineRequest, ApiError> {
-    let ctx = text.config.max_context_tokens;
-    if prompt_ids.is_empty() {
-        return Err(ApiError::bad("prompt", "the prompt is empty"));
-    }
-    if prompt_ids.len() >= ctx {
-        return Err(ApiError::bad(
-            "messages",
-            format!(
-                "the prompt has {} tokens; the context is {ctx}",
-                prompt_ids.len()
-            ),
-        ));
-    }
-    let max_tokens = fields
-        .max_completion_tokens
-        .or(fields.max_tokens)
-        .unwrap_or(ctx - prompt_ids.len());
-    if prompt_ids.len() + max_tokens > ctx {
-        return Err(ApiError::bad(
-            "max_tokens",
-            format!(
-                "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the context of {ctx} tokens",
-                prompt_ids.len()
-            ),
-        ));
-    }
-    let top_k = match fields.top_k {
-        None | Some(0) | Some(-1) => 0,
-        Some(k) if k > 0 => k as usize,
-        Some(k) => {
-            return Err(ApiError::bad(
-                "top_k",
-                format!("top_k must be -1, 0 or positive, got {k}"),
-            ));
-        }
-    };
-    let logit_bias = fields
-        .logit_bias
-        .iter()
-        .flatten()
-        .map(|(k, &v)| {
-            k.parse::<u32>()
-                .map(|id| (id, v))
-                .map_err(|_| ApiError::bad("logit_bias", format!("`{k}` is not a token id")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let params = SamplingParams {
-        temperature: fields.temperature.unwrap_or(1.0),
-        top_p: fields.top_p.unwrap_or(1.0),
-        top_k,
-        min_p: fields.min_p.unwrap_or(0.0),
-        frequency_penalty: fields.frequency_penalty.unwrap_or(0.0),
-        presence_penalty: fields.presence_penalty.unwrap_or(0.0),
-        repetition_penalty: fields.repetition_penalty.unwrap_or(1.0),
-        logit_bias,
-        num_top_logprobs,
-        ..Default::default()
-    };
-    params
-        .validate()
-        .map_err(|e| ApiError::bad("sampling", e.to_string()))?;
-    params
-        .validate_for_vocab(text.config.vocab_size)
-        .map_err(|e| ApiError::bad("logit_bias", e.to_string()))?;
-    let n = fields.n.unwrap_or(1);
-    if n == 0 || n > MAX_CHOICES {
-        return Err(ApiError::bad(
-            "n",
-            format!("n must be in 1..={MAX_CHOICES}, got {n}"),
-        ));
-    }
-    let mut r = EngineRequest::new(prompt_ids, max_tokens, params);
-    r.seed = fields.seed;
-    r.n = n;
-    r.min_tokens = fields.min_tokens.unwrap_or(0);
-    r.ignore_eos = fields.ignore_eos.unwrap_or(false);
-    r.stop = match &fields.stop {
-        None => Vec::new(),
-        Some(StopField::One(s)) => vec![s.clone()],
-        Some(StopField::Many(v)) => v.clone(),
-    };
-    Ok(r)
-}
-
-pub fn chat_to_engine(req: &ChatRequest, text: &ModelText) -> Result<EngineRequest, ApiError> {
+pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages", "messages must not be empty"));
     }
     let mut messages = Vec::with_capacity(req.messages.len());
-    for m in &req.messages {
-        if !["system", "user", "assistant", "developer", "tool"].contains(&m.role.as_str()) {
+    for (i, m) in req.messages.iter().enumerate() {
+        let field = format!("messages[{i}]");
+        let role = match m.role.as_str() {
+            "system" | "developer" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            "tool" => Role::Tool,
+            other => {
+                return Err(ApiError::bad(&field, format!("unknown role `{other}`")));
+            }
+        };
+        let content = match &m.content {
+            None => String::new(),
+            Some(c) => c.text(&format!("{field}.content"), &["text"])?,
+        };
+        let mut msg = Message::new(role, content);
+        msg.tool_call_id = m.tool_call_id.clone();
+        msg.name = m.name.clone();
+        for c in m.tool_calls.iter().flatten() {
+            msg.tool_calls.push(ToolCall {
+                id: c.id.clone(),
+                name: c.function.name.clone(),
+                arguments: c.function.arguments.clone(),
+            });
+        }
+        messages.push(msg);
+    }
+    let mut tools = Vec::new();
+    for (i, t) in req.tools.iter().flatten().enumerate() {
+        if t.kind != "function" {
             return Err(ApiError::bad(
-                "messages",
-                format!("unknown role `{}`", m.role),
+                &format!("tools[{i}].type"),
+                format!("tool type `{}` is not supported (function)", t.kind),
             ));
         }
-        let role = if m.role == "developer" {
-            "system"
-        } else {
-            m.role.as_str()
-        };
-        messages.push(ChatMessage::new(role, &content_text(&m.content)?));
+        tools.push(Tool {
+            name: t.function.name.clone(),
+            description: t.function.description.clone(),
+            parameters: t
+                .function
+                .parameters
+                .clone()
+                .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+            strict: t.function.strict.unwrap_or(false),
+        });
     }
-    let prompt_ids = Conversation { messages }
-        .to_prompt_ids(text)
-        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    let num_top = if req.logprobs.unwrap_or(false) {
-        req.top_logprobs.unwrap_or(0)
-    } else {
-        0
-    };
-    engine_request(&req.sampling, prompt_ids, num_top, text)
+    Ok(Conversation {
+        messages,
+        tools,
+        tool_choice: tool_choice(&req.tool_choice, "tool_choice")?,
+    })
 }
 
-pub fn completion_to_engine(
-    req: &CompletionRequest,
-    text: &ModelText,
-) -> Result<EngineRequest, ApiError> {
+fn finish_reason(r: Option<FinishReason>, num_calls: usize) -> Value {
+    match r {
+        Some(FinishReason::Stop) if num_calls > 0 => json!("tool_calls"),
+        Some(FinishReason::Stop) => json!("stop"),
+        Some(FinishReason::Length) | Some(FinishReason::Preempted) => json!("length"),
+        Some(FinishReason::Abort) => json!("abort"),
+        None => Value::Null,
+    }
+}
+
+fn chat_logprobs(o: &RequestOutput, text: &ModelText) -> Value {
+    let Some(tok) = &text.tokenizer else {
+        return Value::Null;
+    };
+    let piece = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+    let content: Vec<Value> = o
+        .token_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            let top: Vec<Value> = o
+                .top_logprobs
+                .get(i)
+                .into_iter()
+                .flatten()
+                .map(|&(t, lp)| json!({"token": piece(t), "logprob": lp, "bytes": piece(t).into_bytes()}))
+                .collect();
+            json!({"token": piece(id), "logprob": o.token_logprobs.get(i).copied().unwrap_or(0.0), "bytes": piece(id).into_bytes(), "top_logprobs": top})
+        })
+        .collect();
+    json!({"content": content})
+}
+
+fn usage(num_prompt_tokens: usize, num_completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+           "total_tokens": num_prompt_tokens + num_completion_tokens})
+}
+
+pub async fn chat_completions(st: web::Data<ServerState>, body: web::Payload) -> HttpResponse {
+    let result = chat_inner(&st, body).await;
+    respond(&st, "chat_completions", Flavor::OpenAi, result).await
+}
+
+async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
+    let req: ChatRequest = parse_body(&read_body(body).await?)?;
+    check_model(st, &req.model)?;
+    let text = st.engine.text();
+    let conv = chat_conversation(&req)?;
+    let mut sampling = req.sampling.sampling()?;
+    if let Some(f) = &req.response_format {
+        let g = response_format(f, "response_format")?;
+        if g.is_some() && sampling.grammar.is_some() {
+            return Err(ApiError::bad(
+                "response_format",
+                "give response_format or structured_outputs, not both",
+            ));
+        }
+        sampling.grammar = sampling.grammar.or(g);
+    }
+    let want_logprobs = req.logprobs.unwrap_or(false);
+    if want_logprobs {
+        sampling.num_top_logprobs = req.top_logprobs.unwrap_or(0);
+    }
+    let engine_req = conversation_request(&conv, sampling, text)?;
+    let num_prompt_tokens = engine_req.prompt_ids.len();
+    let (parse_tools, parse_reasoning) = (conv.uses_tools(), api::parses_reasoning(text));
+    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
+    let stream = Timed::new(stream, st, num_prompt_tokens);
+    let request_id = stream.request_id();
+    let id = format!("chatcmpl-{request_id}");
+    let (created, model) = (now_secs(), st.model_name.clone());
+    if !req.stream {
+        let choices = stream.collect_ok().await?;
+        let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
+        let choices: Vec<Value> = choices
+            .iter()
+            .map(|c| {
+                let r = Reply::parse(c, parse_tools, parse_reasoning);
+                let calls: Vec<Value> = r.calls.iter().enumerate().map(|(k, call)| {
+                    json!({"id": call_id("call_", request_id, c.index, k), "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}})
+                }).collect();
+                let mut message = json!({"role": "assistant",
+                    "content": if r.text.is_empty() && !calls.is_empty() { Value::Null } else { json!(r.text) }});
+                if !calls.is_empty() {
+                    message["tool_calls"] = json!(calls);
+                }
+                if !r.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(r.reasoning);
+                }
+                json!({"index": c.index, "message": message,
+                       "logprobs": if want_logprobs { chat_logprobs(c, text) } else { Value::Null },
+                       "finish_reason": finish_reason(r.finish, r.calls.len())})
+            })
+            .collect();
+        return Ok(HttpResponse::Ok().json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens),
+        })));
+    }
+    let include_usage = req
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    let mut parsers = ChoiceStreams::new(parse_tools, parse_reasoning);
+    let mut started = std::collections::HashSet::new();
+    let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
+    let counter_tail = counter.clone();
+    let (id2, model2) = (id.clone(), model.clone());
+    let engine = st.engine.clone();
+    let encode = move |o: &RequestOutput| {
+        let chunk = |delta: Value, finish: Value, logprobs: Value| {
+            SseEvent::data(
+                json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish}]}),
+            )
+        };
+        let mut events = Vec::new();
+        if started.insert(o.index) {
+            events.push(chunk(
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+                Value::Null,
+            ));
+        }
+        counter.set(counter.get() + o.token_ids.len());
+        if let Some(err) = &o.error {
+            events.push(SseEvent::data(
+                json!({"error": {"message": err, "type": "server_error"}}),
+            ));
+            return events;
+        }
+        let mut logprobs = if want_logprobs && !o.token_ids.is_empty() {
+            chat_logprobs(o, engine.text())
+        } else {
+            Value::Null
+        };
+        for e in parsers.feed(o) {
+            let delta = match e {
+                OutputEvent::Text(t) => json!({"content": t}),
+                OutputEvent::Reasoning(t) => json!({"reasoning_content": t}),
+                OutputEvent::CallStart { index, name } => json!({"tool_calls": [{"index": index,
+                    "id": call_id("call_", o.request_id, o.index, index), "type": "function",
+                    "function": {"name": name, "arguments": ""}}]}),
+                OutputEvent::CallArgs { index, delta } => {
+                    json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]})
+                }
+                OutputEvent::CallEnd { .. } => continue,
+            };
+            events.push(chunk(delta, Value::Null, std::mem::take(&mut logprobs)));
+        }
+        if !logprobs.is_null() {
+            events.push(chunk(json!({"content": ""}), Value::Null, logprobs));
+        }
+        if o.finish_reason.is_some() {
+            let reason = finish_reason(o.finish_reason, parsers.num_calls(o.index));
+            events.push(chunk(json!({}), reason, Value::Null));
+        }
+        events
+    };
+    let tail = move || {
+        if !include_usage {
+            return Vec::new();
+        }
+        vec![SseEvent::data(
+            json!({"id": id2, "object": "chat.completion.chunk",
+            "created": created, "model": model2, "choices": [],
+            "usage": usage(num_prompt_tokens, counter_tail.get())}),
+        )]
+    };
+    Ok(sse(stream, encode, tail, true))
+}
+
+fn completion_logprobs(o: &RequestOutput, text: &ModelText) -> Value {
+    let Some(tok) = &text.tokenizer else {
+        return Value::Null;
+    };
+    let piece = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+    let tokens: Vec<String> = o.token_ids.iter().map(|&t| piece(t)).collect();
+    let top: Vec<Value> = o
+        .top_logprobs
+        .iter()
+        .map(|row| Value::Object(row.iter().map(|&(t, lp)| (piece(t), json!(lp))).collect()))
+        .collect();
+    let mut offset = 0usize;
+    let offsets: Vec<usize> = tokens
+        .iter()
+        .map(|t| {
+            let at = offset;
+            offset += t.len();
+            at
+        })
+        .collect();
+    json!({"tokens": tokens, "token_logprobs": o.token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+pub async fn completions(st: web::Data<ServerState>, body: web::Payload) -> HttpResponse {
+    let result = completions_inner(&st, body).await;
+    respond(&st, "completions", Flavor::OpenAi, result).await
+}
+
+async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
+    let req: CompletionRequest = parse_body(&read_body(body).await?)?;
+    check_model(st, &req.model)?;
+    let text = st.engine.text();
     let prompt_ids = match &req.prompt {
         PromptField::Ids(ids) => {
             if let Some(&bad) = ids.iter().find(|&&t| t as usize >= text.config.vocab_size) {
@@ -271,37 +498,66 @@ pub fn completion_to_engine(
                 .map_err(|e| ApiError::bad("prompt", e.to_string()))?
         }
     };
-    engine_request(&req.sampling, prompt_ids, req.logprobs.unwrap_or(0), text)
-}
-
-pub fn finish_reason(r: Option<FinishReason>) -> Value {
-    match r {
-        Some(FinishReason::Stop) => json!("stop"),
-        Some(FinishReason::Length) | Some(FinishReason::Preempted) => json!("length"),
-        Some(FinishReason::Abort) => json!("abort"),
-        None => Value::Null,
+    let mut sampling = req.sampling.sampling()?;
+    let want_logprobs = req.logprobs.is_some();
+    sampling.num_top_logprobs = req.logprobs.unwrap_or(0);
+    let engine_req = api::engine_request(&sampling, prompt_ids, text)?;
+    let num_prompt_tokens = engine_req.prompt_ids.len();
+    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
+    let stream = Timed::new(stream, st, num_prompt_tokens);
+    let id = format!("cmpl-{}", stream.request_id());
+    let (created, model) = (now_secs(), st.model_name.clone());
+    if req.stream {
+        let include_usage = req
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
+        let counter_tail = counter.clone();
+        let (id2, model2) = (id.clone(), model.clone());
+        let engine = st.engine.clone();
+        let encode = move |o: &RequestOutput| {
+            counter.set(counter.get() + o.token_ids.len());
+            if let Some(err) = &o.error {
+                return vec![SseEvent::data(
+                    json!({"error": {"message": err, "type": "server_error"}}),
+                )];
+            }
+            let lp = if want_logprobs {
+                completion_logprobs(o, engine.text())
+            } else {
+                Value::Null
+            };
+            vec![SseEvent::data(
+                json!({"id": id, "object": "text_completion", "created": created,
+                "model": model, "choices": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                "logprobs": lp, "finish_reason": finish_reason(o.finish_reason, 0)}]}),
+            )]
+        };
+        let tail = move || {
+            if !include_usage {
+                return Vec::new();
+            }
+            vec![SseEvent::data(
+                json!({"id": id2, "object": "text_completion", "created": created,
+                "model": model2, "choices": [], "usage": usage(num_prompt_tokens, counter_tail.get())}),
+            )]
+        };
+        return Ok(sse(stream, encode, tail, true));
     }
-}
-
-pub fn chat_logprobs(o: &RequestOutput, text: &ModelText) -> Value {
-    let Some(tok) = &text.tokenizer else {
-        return Value::Null;
-    };
-    let piece = |id: u32| tok.decode(&[id], false).unwrap_or_default();
-    let content: Vec<Value> = o
-        .token_ids
+    let choices = stream.collect_ok().await?;
+    let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
+    let choices: Vec<Value> = choices
         .iter()
-        .enumerate()
-        .map(|(i, &id)| {
-            let top: Vec<Value> = o
-                .top_logprobs
-                .get(i)
-                .into_iter()
-                .flatten()
-                .map(|&(t, lp)| json!({"token": piece(t), "logprob": lp, "bytes": piece(t).into_bytes()}))
-                .collect();
-            json!({"token": piece(id), "logprob": o.token_logprobs.get(i).copied().unwrap_or(0.0), "bytes": piece(id).into_bytes(), "top_logprobs": top})
+        .map(|c| {
+            json!({"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                   "logprobs": if want_logprobs { completion_logprobs(c, text) } else { Value::Null },
+                   "finish_reason": finish_reason(c.finish_reason, 0)})
         })
         .collect();
-    json!({"content": content})
+    Ok(HttpResponse::Ok().json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+        "usage": usage(num_prompt_tokens, num_completion_tokens),
+    })))
 }

@@ -173,9 +173,7 @@ impl OutputParser {
             State::Reasoning => {
                 if let Some(at) = self.buf.find(THINK_CLOSE) {
                     let reasoning = self.buf[..at].to_string();
-                    self.buf = self.buf[at + THINK_CLOSE.len()..]
-                        .trim_start()
-                        .to_string();
+                    self.buf = self.buf[at + THINK_CLOSE.len()..].trim_start().to_string();
                     if !reasoning.is_empty() {
                         out.push(OutputEvent::Reasoning(reasoning));
                     }
@@ -353,10 +351,14 @@ enum Head {
 /// Reads `{"name": "<name>", "arguments":` (or `"parameters":`) from the start of `s`.
 fn parse_call_head(s: &str) -> Head {
     let mut rest = s;
-    let mut expect = |lit: &str, rest: &mut &str| -> Option<bool> {
+    let expect = |lit: &str, rest: &mut &str| -> Option<bool> {
         let t = rest.trim_start();
         if t.len() < lit.len() {
-            return if lit.starts_with(t) { None } else { Some(false) };
+            return if lit.starts_with(t) {
+                None
+            } else {
+                Some(false)
+            };
         }
         if let Some(after) = t.strip_prefix(lit) {
             *rest = after;

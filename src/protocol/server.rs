@@ -1,52 +1,67 @@
-//! `troupe serve`: the HTTP front end (actix-web). Handlers decode a request through its
-//! API's codec, submit it to the engine, and encode the outputs — whole, or as SSE.
-//! Dropping a response (client gone) drops its `RequestStream`, which aborts the request.
+//! `troupe serve`: the HTTP front end (actix-web). Each API's handlers live with its codec;
+//! this file holds what they share — body reading with a size limit, errors in the API's
+//! own JSON, SSE framing, latency metrics — and the routes. Dropping a response (client
+//! gone) drops its `RequestStream`, which aborts the request and frees its blocks.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use actix_web::{App, HttpResponse, HttpServer, web};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
 use serde_json::{Value, json};
 
-use super::openai::{self, ApiError, ChatRequest, CompletionRequest};
+use super::api::{ApiError, Flavor};
+use super::metrics::Metrics;
+use super::{anthropic, openai, responses};
 use crate::engine::{EngineError, EngineHandle, RequestOutput, RequestStream};
 
-/// Request bodies above this are refused (413) before parsing.
-const MAX_BODY_BYTES: usize = 4 << 20;
+/// Request bodies above this are refused (413) while reading.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
 
 pub struct ServerState {
     pub engine: EngineHandle,
     pub model_name: String,
+    pub metrics: Arc<Metrics>,
 }
 
-fn now_secs() -> u64 {
+pub fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
 
-fn error_response(e: &ApiError) -> HttpResponse {
-    HttpResponse::build(actix_web::http::StatusCode::from_u16(e.status).expect("valid status"))
-        .json(e.body())
+pub fn error_response(e: &ApiError, flavor: Flavor) -> HttpResponse {
+    let status = actix_web::http::StatusCode::from_u16(e.status)
+        .unwrap_or(actix_web::http::StatusCode::BAD_REQUEST);
+    HttpResponse::build(status).json(e.body(flavor))
 }
 
-fn engine_error(e: EngineError) -> ApiError {
+pub fn engine_error(e: EngineError) -> ApiError {
     match e {
         EngineError::Rejected(m) => ApiError::bad("request", m),
-        other => ApiError {
-            status: 503,
-            message: other.to_string(),
-            param: None,
-        },
+        other => ApiError::status(503, other.to_string()),
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad("body", format!("invalid request body: {e}")))
+/// The body, refused with 413 past `MAX_BODY_BYTES`.
+pub async fn read_body(mut payload: web::Payload) -> Result<Bytes, ApiError> {
+    let mut body = BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk =
+            chunk.map_err(|e| ApiError::bad("body", format!("cannot read the body: {e}")))?;
+        if body.len() + chunk.len() > MAX_BODY_BYTES {
+            return Err(ApiError::status(
+                413,
+                format!("the request body exceeds {MAX_BODY_BYTES} bytes"),
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
 }
 
-fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiError> {
+pub fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
         Some(m) if m != &st.model_name => Err(ApiError {
             status: 404,
@@ -54,44 +69,125 @@ fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiError>
                 "model `{m}` does not exist; this server serves `{}`",
                 st.model_name
             ),
-            param: Some("model"),
+            param: Some("model".into()),
         }),
         _ => Ok(()),
     }
 }
 
-/// Every completion, or the engine's error as a 503.
-async fn collect_ok(stream: RequestStream) -> Result<Vec<RequestOutput>, ApiError> {
-    let choices = stream.collect_choices().await;
-    match choices.iter().find_map(|c| c.error.clone()) {
-        Some(message) => Err(ApiError {
-            status: 503,
-            message,
-            param: None,
-        }),
-        None => Ok(choices),
+/// A request's outputs with its latencies recorded as they arrive.
+pub struct Timed {
+    stream: RequestStream,
+    metrics: Arc<Metrics>,
+    started: Instant,
+    last_token: Option<Instant>,
+    num_prompt_tokens: usize,
+    num_generated_tokens: usize,
+    done: bool,
+}
+
+impl Timed {
+    pub fn new(stream: RequestStream, st: &ServerState, num_prompt_tokens: usize) -> Self {
+        Timed {
+            stream,
+            metrics: st.metrics.clone(),
+            started: Instant::now(),
+            last_token: None,
+            num_prompt_tokens,
+            num_generated_tokens: 0,
+            done: false,
+        }
+    }
+
+    pub fn request_id(&self) -> u64 {
+        self.stream.request_id
+    }
+
+    pub async fn next(&mut self) -> Option<RequestOutput> {
+        let out = self.stream.next().await;
+        let now = Instant::now();
+        match &out {
+            Some(o) if !o.token_ids.is_empty() => {
+                match self.last_token {
+                    None => self
+                        .metrics
+                        .observe_ttft_secs((now - self.started).as_secs_f64()),
+                    Some(t) => self
+                        .metrics
+                        .observe_inter_token_secs((now - t).as_secs_f64()),
+                }
+                self.last_token = Some(now);
+                self.num_generated_tokens += o.token_ids.len();
+            }
+            Some(_) => {}
+            None => self.finish(),
+        }
+        out
+    }
+
+    pub async fn collect_ok(mut self) -> Result<Vec<RequestOutput>, ApiError> {
+        let mut by_index: Vec<RequestOutput> = Vec::new();
+        while let Some(o) = self.next().await {
+            while by_index.len() <= o.index {
+                by_index.push(RequestOutput::default());
+            }
+            let acc = &mut by_index[o.index];
+            acc.index = o.index;
+            acc.request_id = o.request_id;
+            acc.token_ids.extend(&o.token_ids);
+            acc.text.push_str(&o.text);
+            acc.token_logprobs.extend(&o.token_logprobs);
+            acc.top_logprobs.extend(o.top_logprobs.iter().cloned());
+            if o.finish_reason.is_some() {
+                acc.finish_reason = o.finish_reason;
+                acc.seed = o.seed;
+            }
+            if let Some(e) = o.error {
+                return Err(ApiError::status(503, e));
+            }
+        }
+        Ok(by_index)
+    }
+
+    fn finish(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.metrics
+                .record_tokens(self.num_prompt_tokens, self.num_generated_tokens);
+            self.metrics
+                .observe_e2e_secs(self.started.elapsed().as_secs_f64());
+        }
     }
 }
 
-async fn health() -> HttpResponse {
-    HttpResponse::Ok().json(json!({"status": "ok"}))
+/// One server-sent event: `event:` (the Anthropic and Responses APIs name theirs) and data.
+pub struct SseEvent {
+    pub event: Option<String>,
+    pub data: Value,
 }
 
-async fn models(st: web::Data<ServerState>) -> HttpResponse {
-    HttpResponse::Ok().json(json!({
-        "object": "list",
-        "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "troupe"}],
-    }))
+impl SseEvent {
+    pub fn data(data: Value) -> Self {
+        SseEvent { event: None, data }
+    }
+    pub fn named(event: &str, data: Value) -> Self {
+        SseEvent {
+            event: Some(event.to_string()),
+            data,
+        }
+    }
 }
 
-/// The SSE body: one `data:` event per JSON value, then `[DONE]`.
-fn sse(
-    stream: RequestStream,
-    encode: impl FnMut(&RequestOutput) -> Vec<Value> + 'static,
-    tail: impl FnOnce() -> Vec<Value> + 'static,
+/// The SSE body: the encoded events of each output, the tail's after the last, then
+/// OpenAI's `[DONE]` when `done_marker`.
+pub fn sse(
+    stream: Timed,
+    encode: impl FnMut(&RequestOutput) -> Vec<SseEvent> + 'static,
+    tail: impl FnOnce() -> Vec<SseEvent> + 'static,
+    done_marker: bool,
 ) -> HttpResponse {
     struct State<E, T> {
-        stream: Option<RequestStream>,
+        stream: Option<Timed>,
         encode: E,
         tail: Option<T>,
     }
@@ -100,8 +196,8 @@ fn sse(
         encode,
         tail: Some(tail),
     };
-    let body = futures_util::stream::unfold(state, |mut s| async move {
-        let events: Vec<Value> = match s.stream.as_mut() {
+    let body = futures_util::stream::unfold(state, move |mut s| async move {
+        let events: Vec<SseEvent> = match s.stream.as_mut() {
             Some(stream) => match stream.next().await {
                 Some(out) => (s.encode)(&out),
                 None => {
@@ -113,9 +209,12 @@ fn sse(
         };
         let mut text = String::new();
         for e in events {
-            text.push_str(&format!("data: {e}\n\n"));
+            if let Some(name) = e.event {
+                text.push_str(&format!("event: {name}\n"));
+            }
+            text.push_str(&format!("data: {}\n\n", e.data));
         }
-        if s.stream.is_none() {
+        if s.stream.is_none() && done_marker {
             text.push_str("data: [DONE]\n\n");
         }
         Some((Ok::<_, actix_web::Error>(Bytes::from(text)), s))
@@ -126,175 +225,93 @@ fn sse(
         .streaming(body)
 }
 
-async fn chat_completions(st: web::Data<ServerState>, body: Bytes) -> HttpResponse {
-    match chat_inner(st, body).await {
+/// Runs a handler body and answers its error in the API's format; counts the request.
+pub async fn respond(
+    st: &ServerState,
+    endpoint: &str,
+    flavor: Flavor,
+    result: Result<HttpResponse, ApiError>,
+) -> HttpResponse {
+    let response = match result {
         Ok(r) => r,
-        Err(e) => error_response(&e),
+        Err(e) => error_response(&e, flavor),
+    };
+    st.metrics
+        .record_request(endpoint, response.status().as_u16());
+    response
+}
+
+async fn health(st: web::Data<ServerState>) -> HttpResponse {
+    match st.engine.status().await {
+        Ok(_) => HttpResponse::Ok().json(json!({"status": "ok"})),
+        Err(e) => error_response(&ApiError::status(503, e.to_string()), Flavor::OpenAi),
     }
 }
 
-async fn chat_inner(st: web::Data<ServerState>, body: Bytes) -> Result<HttpResponse, ApiError> {
-    let req: ChatRequest = parse(&body)?;
-    check_model(&st, &req.model)?;
-    let text = st.engine.text();
-    let engine_req = openai::chat_to_engine(&req, text)?;
-    let num_prompt_tokens = engine_req.prompt_ids.len();
-    let want_logprobs = req.logprobs.unwrap_or(false);
-    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
-    let id = format!("chatcmpl-{}", stream.request_id);
-    let (created, model) = (now_secs(), st.model_name.clone());
-    if req.stream {
-        let include_usage = req
-            .stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
-        let mut started = std::collections::HashSet::new();
-        let mut num_completion_tokens = 0usize;
-        let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
-        let counter_tail = counter.clone();
-        let (id2, model2) = (id.clone(), model.clone());
-        let text_side = st.engine.clone();
-        let encode = move |o: &RequestOutput| {
-            let mut events = Vec::new();
-            let chunk = |delta: Value, finish: Value, logprobs: Value| {
-                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
-            };
-            if started.insert(o.index) {
-                events.push(chunk(
-                    json!({"role": "assistant", "content": ""}),
-                    Value::Null,
-                    Value::Null,
-                ));
-            }
-            num_completion_tokens += o.token_ids.len();
-            counter.set(num_completion_tokens);
-            if let Some(err) = &o.error {
-                events.push(json!({"error": {"message": err, "type": "server_error"}}));
-                return events;
-            }
-            let lp = if want_logprobs {
-                openai::chat_logprobs(o, text_side.text())
-            } else {
-                Value::Null
-            };
-            if !o.text.is_empty() || !o.token_ids.is_empty() {
-                events.push(chunk(json!({"content": o.text}), Value::Null, lp));
-            }
-            if o.finish_reason.is_some() {
-                events.push(chunk(
-                    json!({}),
-                    openai::finish_reason(o.finish_reason),
-                    Value::Null,
-                ));
-            }
-            events
-        };
-        let tail = move || {
-            if !include_usage {
-                return Vec::new();
-            }
-            let n = counter_tail.get();
-            vec![
-                json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": model2, "choices": [],
-                        "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": n, "total_tokens": num_prompt_tokens + n}}),
-            ]
-        };
-        return Ok(sse(stream, encode, tail));
-    }
-    let choices = collect_ok(stream).await?;
-    let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
-    let choices: Vec<Value> = choices
-        .iter()
-        .map(|c| {
-            json!({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                   "logprobs": if want_logprobs { openai::chat_logprobs(c, text) } else { Value::Null },
-                   "finish_reason": openai::finish_reason(c.finish_reason)})
-        })
-        .collect();
-    Ok(HttpResponse::Ok().json(json!({
-        "id": id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-        "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                  "total_tokens": num_prompt_tokens + num_completion_tokens},
-    })))
+async fn models(st: web::Data<ServerState>) -> HttpResponse {
+    HttpResponse::Ok().json(json!({
+        "object": "list",
+        "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "troupe",
+                  "max_model_len": st.engine.text().config.max_context_tokens}],
+    }))
 }
 
-async fn completions(st: web::Data<ServerState>, body: Bytes) -> HttpResponse {
-    match completions_inner(st, body).await {
-        Ok(r) => r,
-        Err(e) => error_response(&e),
+async fn metrics(st: web::Data<ServerState>) -> HttpResponse {
+    match st.engine.status().await {
+        Ok(status) => HttpResponse::Ok()
+            .content_type("text/plain; version=0.0.4; charset=utf-8")
+            .body(st.metrics.render(&status)),
+        Err(e) => error_response(&ApiError::status(503, e.to_string()), Flavor::OpenAi),
     }
-}
-
-async fn completions_inner(
-    st: web::Data<ServerState>,
-    body: Bytes,
-) -> Result<HttpResponse, ApiError> {
-    let req: CompletionRequest = parse(&body)?;
-    check_model(&st, &req.model)?;
-    let engine_req = openai::completion_to_engine(&req, st.engine.text())?;
-    let num_prompt_tokens = engine_req.prompt_ids.len();
-    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
-    let id = format!("cmpl-{}", stream.request_id);
-    let (created, model) = (now_secs(), st.model_name.clone());
-    if req.stream {
-        let encode = move |o: &RequestOutput| {
-            if let Some(err) = &o.error {
-                return vec![json!({"error": {"message": err, "type": "server_error"}})];
-            }
-            vec![
-                json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
-                                     "finish_reason": openai::finish_reason(o.finish_reason)}]}),
-            ]
-        };
-        return Ok(sse(stream, encode, Vec::new));
-    }
-    let choices = collect_ok(stream).await?;
-    let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
-    let choices: Vec<Value> = choices
-        .iter()
-        .map(|c| {
-            json!({"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": null,
-                        "finish_reason": openai::finish_reason(c.finish_reason)})
-        })
-        .collect();
-    Ok(HttpResponse::Ok().json(json!({
-        "id": id, "object": "text_completion", "created": created, "model": model, "choices": choices,
-        "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                  "total_tokens": num_prompt_tokens + num_completion_tokens},
-    })))
 }
 
 async fn not_found() -> HttpResponse {
-    error_response(&ApiError {
-        status: 404,
-        message: "no such route".into(),
-        param: None,
+    error_response(&ApiError::status(404, "no such route"), Flavor::OpenAi)
+}
+
+/// The routes, for `serve` and for in-process tests.
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/health", web::get().to(health))
+        .route("/metrics", web::get().to(metrics))
+        .route("/v1/models", web::get().to(models))
+        .route(
+            "/v1/chat/completions",
+            web::post().to(openai::chat_completions),
+        )
+        .route("/v1/completions", web::post().to(openai::completions))
+        .route("/v1/responses", web::post().to(responses::create))
+        .route("/v1/messages", web::post().to(anthropic::messages))
+        .default_service(web::to(not_found));
+}
+
+pub fn state(engine: EngineHandle, model_name: String) -> web::Data<ServerState> {
+    web::Data::new(ServerState {
+        engine,
+        model_name,
+        metrics: Arc::new(Metrics::new()),
     })
 }
 
-/// Serves until the process is stopped.
+/// Serves on `listener` until the process is stopped.
+pub fn serve_on(
+    engine: EngineHandle,
+    model_name: String,
+    listener: std::net::TcpListener,
+) -> std::io::Result<()> {
+    let state = state(engine, model_name);
+    let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(configure))
+        .workers(2)
+        .listen(listener)?;
+    actix_web::rt::System::new().block_on(server.run())
+}
+
 pub fn serve(
     engine: EngineHandle,
     model_name: String,
     host: &str,
     port: u16,
 ) -> std::io::Result<()> {
-    let state = web::Data::new(ServerState { engine, model_name });
-    let server = HttpServer::new(move || {
-        App::new()
-            .app_data(state.clone())
-            .app_data(web::PayloadConfig::new(MAX_BODY_BYTES))
-            .route("/health", web::get().to(health))
-            .route("/v1/models", web::get().to(models))
-            .route("/v1/chat/completions", web::post().to(chat_completions))
-            .route("/v1/completions", web::post().to(completions))
-            .default_service(web::to(not_found))
-    })
-    .workers(2)
-    .bind((host, port))?;
+    let listener = std::net::TcpListener::bind((host, port))?;
     eprintln!("troupe: serving on http://{host}:{port}");
-    actix_web::rt::System::new().block_on(server.run())
+    serve_on(engine, model_name, listener)
 }

@@ -47,14 +47,20 @@ fn plain_text_passes_through_in_any_chunking() {
     let text = "a < b, and <tool> is not <tool_cal a call.";
     for chunk in [1, 3, 100] {
         let (events, _) = parse(text, chunk, true, true);
-        assert_eq!(events, vec![OutputEvent::Text(text.into())], "chunk {chunk}");
+        assert_eq!(
+            events,
+            vec![OutputEvent::Text(text.into())],
+            "chunk {chunk}"
+        );
     }
 }
 
 #[test]
 fn a_tool_call_streams_its_arguments() {
     let args = r#"{"city": "Paris \"}\" </tool_call>", "days": [1, {"x": 2}]}"#;
-    let text = format!("Let me check.<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {args}}}\n</tool_call>");
+    let text = format!(
+        "Let me check.<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {args}}}\n</tool_call>"
+    );
     for chunk in [1, 2, 7, 1000] {
         let (events, num_raw_args) = parse(&text, chunk, true, false);
         let mut want = vec![OutputEvent::Text("Let me check.".into())];
@@ -84,7 +90,9 @@ fn several_calls_other_field_orders_and_bare_json() {
     let (events, _) = parse("{\"name\": \"x\", \"arguments\": {}}", 5, false, false);
     assert_eq!(
         events,
-        vec![OutputEvent::Text("{\"name\": \"x\", \"arguments\": {}}".into())]
+        vec![OutputEvent::Text(
+            "{\"name\": \"x\", \"arguments\": {}}".into()
+        )]
     );
 }
 
@@ -98,8 +106,16 @@ fn reasoning_and_truncated_calls() {
             OutputEvent::Text("It is 4.".into())
         ]
     );
-    let (events, _) = parse("<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": ", 3, true, false);
+    let (events, _) = parse(
+        "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": ",
+        3,
+        true,
+        false,
+    );
     assert_eq!(events, call(0, "f", "{\"a\": "));
     let (events, _) = parse("<tool_call>not json", 3, true, false);
-    assert_eq!(events, vec![OutputEvent::Text("<tool_call>not json".into())]);
+    assert_eq!(
+        events,
+        vec![OutputEvent::Text("<tool_call>not json".into())]
+    );
 }

@@ -1,0 +1,256 @@
+//! What every API codec shares: the error every client mistake becomes, body parsing that
+//! names the offending field, and the mapping of sampling fields to an engine request.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::conversation::Conversation;
+use crate::engine::{EngineRequest, MAX_CHOICES};
+use crate::model::ModelText;
+use crate::sampling::SamplingParams;
+use crate::structured::GrammarSpec;
+
+/// Whose error JSON a failure is answered with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Flavor {
+    OpenAi,
+    Anthropic,
+}
+
+/// A failed request: a 4xx for client mistakes, 503 when the engine cannot serve.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn bad(param: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: 400,
+            message: message.into(),
+            param: Some(param.to_string()),
+        }
+    }
+
+    pub fn status(status: u16, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn body(&self, flavor: Flavor) -> Value {
+        match flavor {
+            Flavor::OpenAi => {
+                let kind = match self.status {
+                    400 | 413 | 422 => "invalid_request_error",
+                    404 => "not_found_error",
+                    _ => "server_error",
+                };
+                json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": null}})
+            }
+            Flavor::Anthropic => {
+                let kind = match self.status {
+                    400 | 422 => "invalid_request_error",
+                    404 => "not_found_error",
+                    413 => "request_too_large",
+                    503 | 529 => "overloaded_error",
+                    _ => "api_error",
+                };
+                json!({"type": "error", "error": {"type": kind, "message": self.message}})
+            }
+        }
+    }
+}
+
+/// Parses a body; errors name the field (`temperature: invalid type ...`).
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::bad("body", format!("invalid request body: {inner}"))
+        } else {
+            ApiError::bad(&path, format!("`{path}`: {inner}"))
+        }
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Sampling as each API spells it, normalised by its codec.
+#[derive(Debug, Default)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub n: Option<usize>,
+    pub stop: Vec<String>,
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    pub max_tokens: Option<usize>,
+    pub min_tokens: Option<usize>,
+    pub ignore_eos: Option<bool>,
+    pub num_top_logprobs: usize,
+    pub grammar: Option<GrammarSpec>,
+}
+
+/// The engine request for a prompt, checked against the model's limits.
+pub fn engine_request(
+    s: &Sampling,
+    prompt_ids: Vec<u32>,
+    text: &ModelText,
+) -> Result<EngineRequest, ApiError> {
+    let ctx = text.config.max_context_tokens;
+    if prompt_ids.is_empty() {
+        return Err(ApiError::bad("prompt", "the prompt is empty"));
+    }
+    if prompt_ids.len() >= ctx {
+        return Err(ApiError::bad(
+            "messages",
+            format!(
+                "the prompt has {} tokens; the context is {ctx}",
+                prompt_ids.len()
+            ),
+        ));
+    }
+    let max_tokens = s.max_tokens.unwrap_or(ctx - prompt_ids.len());
+    if max_tokens == 0 {
+        return Err(ApiError::bad("max_tokens", "max_tokens must be at least 1"));
+    }
+    if prompt_ids.len() + max_tokens > ctx {
+        return Err(ApiError::bad(
+            "max_tokens",
+            format!(
+                "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the context of {ctx} tokens",
+                prompt_ids.len()
+            ),
+        ));
+    }
+    let top_k = match s.top_k {
+        None | Some(0) | Some(-1) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::bad(
+                "top_k",
+                format!("top_k must be -1, 0 or positive, got {k}"),
+            ));
+        }
+    };
+    let logit_bias = s
+        .logit_bias
+        .iter()
+        .flatten()
+        .map(|(k, &v)| {
+            k.parse::<u32>()
+                .map(|id| (id, v))
+                .map_err(|_| ApiError::bad("logit_bias", format!("`{k}` is not a token id")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let params = SamplingParams {
+        temperature: s.temperature.unwrap_or(1.0),
+        top_p: s.top_p.unwrap_or(1.0),
+        top_k,
+        min_p: s.min_p.unwrap_or(0.0),
+        frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
+        presence_penalty: s.presence_penalty.unwrap_or(0.0),
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        logit_bias,
+        num_top_logprobs: s.num_top_logprobs,
+        ..Default::default()
+    };
+    params
+        .validate()
+        .map_err(|e| ApiError::bad("sampling", e.to_string()))?;
+    params
+        .validate_for_vocab(text.config.vocab_size)
+        .map_err(|e| ApiError::bad("logit_bias", e.to_string()))?;
+    let n = s.n.unwrap_or(1);
+    if n == 0 || n > MAX_CHOICES {
+        return Err(ApiError::bad(
+            "n",
+            format!("n must be in 1..={MAX_CHOICES}, got {n}"),
+        ));
+    }
+    let mut r = EngineRequest::new(prompt_ids, max_tokens, params);
+    r.seed = s.seed;
+    r.n = n;
+    r.min_tokens = s.min_tokens.unwrap_or(0);
+    r.ignore_eos = s.ignore_eos.unwrap_or(false);
+    r.stop = s.stop.clone();
+    r.grammar = s.grammar.clone();
+    Ok(r)
+}
+
+/// A conversation's engine request: template, guard, tool grammar, limits.
+pub fn conversation_request(
+    conv: &Conversation,
+    mut s: Sampling,
+    text: &ModelText,
+) -> Result<EngineRequest, ApiError> {
+    conv.validate().map_err(|m| ApiError::bad("messages", m))?;
+    if let Some(g) = conv.tool_grammar() {
+        if s.grammar.is_some() {
+            return Err(ApiError::bad(
+                "tool_choice",
+                "a forced tool choice and a response format cannot both constrain the reply",
+            ));
+        }
+        s.grammar = Some(g);
+    }
+    let prompt_ids = conv
+        .to_prompt_ids(text)
+        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    engine_request(&s, prompt_ids, text)
+}
+
+/// Text content given as a string or as typed parts; only text parts are served.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+impl Content {
+    /// The text of the parts whose `type` is one of `text_types`.
+    pub fn text(&self, field: &str, text_types: &[&str]) -> Result<String, ApiError> {
+        match self {
+            Content::Text(t) => Ok(t.clone()),
+            Content::Parts(parts) => parts
+                .iter()
+                .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
+                    (Some(ty), Some(t)) if text_types.contains(&ty) => Ok(t.to_string()),
+                    (ty, _) => Err(ApiError::bad(
+                        field,
+                        format!(
+                            "content part type {} is not supported (only {})",
+                            ty.map_or("(missing)".to_string(), |t| format!("`{t}`")),
+                            text_types.join(", ")
+                        ),
+                    )),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Whether the model's template thinks in `<think>` blocks.
+pub fn parses_reasoning(text: &ModelText) -> bool {
+    text.tokenizer
+        .as_ref()
+        .is_some_and(|t| t.token_to_id("<think>").is_some())
+}

@@ -1,0 +1,100 @@
+//! Engine outputs → what a reply is made of, for every API: per choice, the parser that
+//! splits generated text into reasoning, text and tool calls, fed incrementally when
+//! streaming and once with the whole text otherwise.
+
+use super::output_parser::{OutputEvent, OutputParser};
+use crate::engine::{FinishReason, RequestOutput};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallOut {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// One choice, whole.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub text: String,
+    pub reasoning: String,
+    pub calls: Vec<CallOut>,
+    pub finish: Option<FinishReason>,
+}
+
+impl Reply {
+    pub fn from_events(
+        events: impl IntoIterator<Item = OutputEvent>,
+        finish: Option<FinishReason>,
+    ) -> Self {
+        let mut r = Reply {
+            text: String::new(),
+            reasoning: String::new(),
+            calls: Vec::new(),
+            finish,
+        };
+        for e in events {
+            match e {
+                OutputEvent::Text(t) => r.text.push_str(&t),
+                OutputEvent::Reasoning(t) => r.reasoning.push_str(&t),
+                OutputEvent::CallStart { name, .. } => r.calls.push(CallOut {
+                    name,
+                    arguments: String::new(),
+                }),
+                OutputEvent::CallArgs { index, delta } => {
+                    if let Some(c) = r.calls.get_mut(index) {
+                        c.arguments.push_str(&delta);
+                    }
+                }
+                OutputEvent::CallEnd { .. } => {}
+            }
+        }
+        r
+    }
+
+    /// A finished output's reply.
+    pub fn parse(o: &RequestOutput, parse_tools: bool, parse_reasoning: bool) -> Self {
+        let mut p = OutputParser::new(parse_tools, parse_reasoning);
+        let mut events = p.push(&o.text);
+        events.extend(p.finish());
+        Self::from_events(events, o.finish_reason)
+    }
+}
+
+/// The parsers of a streamed request's choices.
+pub struct ChoiceStreams {
+    parsers: Vec<OutputParser>,
+    parse_tools: bool,
+    parse_reasoning: bool,
+}
+
+impl ChoiceStreams {
+    pub fn new(parse_tools: bool, parse_reasoning: bool) -> Self {
+        ChoiceStreams {
+            parsers: Vec::new(),
+            parse_tools,
+            parse_reasoning,
+        }
+    }
+
+    /// The events of one output; a final one flushes its choice.
+    pub fn feed(&mut self, o: &RequestOutput) -> Vec<OutputEvent> {
+        while self.parsers.len() <= o.index {
+            self.parsers
+                .push(OutputParser::new(self.parse_tools, self.parse_reasoning));
+        }
+        let p = &mut self.parsers[o.index];
+        let mut events = p.push(&o.text);
+        if o.is_final() {
+            events.extend(p.finish());
+        }
+        events
+    }
+
+    pub fn num_calls(&self, index: usize) -> usize {
+        self.parsers.get(index).map_or(0, |p| p.num_calls())
+    }
+}
+
+/// A tool call's id: unique per server run, stable within a reply.
+pub fn call_id(prefix: &str, request_id: u64, choice: usize, call: usize) -> String {
+    format!("{prefix}{request_id:x}{choice:02x}{call:02x}")
+}
