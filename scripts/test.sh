@@ -16,8 +16,8 @@ cargo clippy --release --all-targets -- -D warnings
 # Fetch the default model once, outside the test harness, so a network error reads as one.
 cargo run --release --quiet -- generate --prompt-ids 1 --max-tokens 1 >/dev/null
 cargo test --release
-# The HTTP server against the official OpenAI SDK (a real client, the real default model).
-python3 -m pip install --quiet --disable-pip-version-check openai
+# The HTTP server against the official OpenAI and Anthropic SDKs (real clients, the real default model).
+python3 -m pip install --quiet --disable-pip-version-check openai anthropic jsonschema
 python3 scripts/test_server_sdk.py target/release/troupe
 # The loom suites explore the interleavings of our shared-memory primitives.
 RUSTFLAGS="--cfg troupe_loom" LOOM_MAX_PREEMPTIONS=3 \

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Drives a running `troupe serve` (started here, on the default model) with the official
-`openai` Python SDK: chat (stream and not), completions with token ids, seeded
-reproducibility, n > 1, API errors, the special-token guard and a client disconnect.
+`openai` and `anthropic` Python SDKs: chat (stream and not), completions with token ids,
+responses, messages, tool calls (auto, required, named; streamed and whole), json_schema
+output validated with `jsonschema`, seeded reproducibility, n > 1, API errors in each API's
+format, the special-token guard, /metrics and a client disconnect.
 
-Run: python3 scripts/test_server_sdk.py target/release/troupe   (needs `pip install openai`)
+Run: python3 scripts/test_server_sdk.py target/release/troupe
+     (needs `pip install openai anthropic jsonschema`)
 """
 
 import json
@@ -13,6 +16,8 @@ import sys
 import time
 import urllib.request
 
+import anthropic
+import jsonschema
 import openai
 
 
@@ -36,7 +41,9 @@ def main(binary):
         else:
             raise SystemExit("server did not come up: " + server.stderr.read1().decode())
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
-        checks = run_checks(client, base)
+        claude = anthropic.Anthropic(base_url=base, api_key="unused")
+        checks = run_checks(client, base) + run_tool_checks(client) + run_responses_checks(client) \
+            + run_anthropic_checks(claude) + run_http_checks(base)
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -107,6 +114,208 @@ def run_checks(client, base):
     time.sleep(0.5)
     health = json.load(urllib.request.urlopen(base + "/health"))
     checks.append(("server healthy after a disconnect", health == {"status": "ok"}))
+    return checks
+
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                 "parameters": WEATHER_SCHEMA, "strict": True}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                              "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                                                             "required": ["tz"], "additionalProperties": False},
+                                              "strict": True}}
+
+
+def valid(instance, schema):
+    try:
+        jsonschema.validate(instance, schema)
+        return True
+    except jsonschema.ValidationError:
+        return False
+
+
+def run_tool_checks(client):
+    checks = []
+    model = "smollm2-135m-instruct"
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice="required", temperature=0, max_tokens=80)
+    calls = r.choices[0].message.tool_calls or []
+    checks.append(("tool_choice required gives a tool call", len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"))
+    args = json.loads(calls[0].function.arguments) if calls else None
+    schema = WEATHER_SCHEMA if calls and calls[0].function.name == "get_weather" else TIME_TOOL["function"]["parameters"]
+    checks.append(("strict tool arguments match the schema", args is not None and valid(args, schema)))
+
+    named = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           temperature=0.8, seed=5, max_tokens=80)
+    ncalls = named.choices[0].message.tool_calls or []
+    checks.append(("a named tool choice calls that tool",
+                   len(ncalls) == 1 and ncalls[0].function.name == "get_time"
+                   and valid(json.loads(ncalls[0].function.arguments), TIME_TOOL["function"]["parameters"])))
+
+    chunks = list(client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                 tool_choice="required", temperature=0, max_tokens=80, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    streamed_args = "".join(tc.function.arguments or "" for tc in deltas if tc.function)
+    checks.append(("tool call arguments stream incrementally and equal the whole call",
+                   len(deltas) > 2 and calls and streamed_args == calls[0].function.arguments
+                   and deltas[0].id is not None and deltas[0].function.name == calls[0].function.name))
+
+    none = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL], tool_choice="none",
+                                          temperature=0, max_tokens=24)
+    checks.append(("tool_choice none answers in text", not none.choices[0].message.tool_calls and none.choices[0].message.content))
+
+    follow = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'}]
+    f = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER_TOOL], tool_choice="none",
+                                       temperature=0, max_tokens=40)
+    checks.append(("a tool result round-trips into an answer", f.choices[0].finish_reason in ("stop", "length")
+                   and bool(f.choices[0].message.content)))
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ok = True
+    for seed in range(3):
+        j = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Invent a person."}],
+                                           response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}},
+                                           temperature=1.0, seed=seed, max_tokens=60)
+        try:
+            ok = ok and valid(json.loads(j.choices[0].message.content), person)
+        except json.JSONDecodeError:
+            ok = False
+    checks.append(("json_schema output validates with jsonschema (3 sampled replies)", ok))
+    jo = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+                                        response_format={"type": "json_object"}, temperature=0, max_tokens=60)
+    try:
+        checks.append(("json_object output is an object", isinstance(json.loads(jo.choices[0].message.content), dict)))
+    except json.JSONDecodeError:
+        checks.append(("json_object output is an object", jo.choices[0].finish_reason == "length"))
+    rx = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A date?"}],
+                                        extra_body={"structured_outputs": {"regex": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"}},
+                                        temperature=1.0, max_tokens=20)
+    import re
+    checks.append(("regex structured output matches", re.fullmatch(r"20\d{2}-[01]\d-[0-3]\d", rx.choices[0].message.content) is not None))
+    try:
+        client.chat.completions.create(model=model, messages=ask, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}})
+        checks.append(("an unsupported schema is a 400", False))
+    except openai.BadRequestError as e:
+        checks.append(("an unsupported schema is a 400 naming it", "JSON schema" in str(e)))
+    return checks
+
+
+def run_responses_checks(client):
+    checks = []
+    model = "smollm2-135m-instruct"
+    r = client.responses.create(model=model, input="What is the capital of France?", temperature=0, max_output_tokens=24)
+    checks.append(("responses answers sensibly", "Paris" in r.output_text and r.status == "completed"))
+    checks.append(("responses reports usage", r.usage.output_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens))
+    events = list(client.responses.create(model=model, input="What is the capital of France?", temperature=0,
+                                          max_output_tokens=24, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = [e for e in events if e.type in ("response.completed", "response.incomplete")]
+    checks.append(("streamed response equals the whole one", deltas == r.output_text and len(done) == 1
+                   and done[0].response.output_text == r.output_text))
+    checks.append(("response events are numbered in order", [e.sequence_number for e in events] == list(range(len(events)))))
+    seeded = [client.responses.create(model=model, input="Tell me a story.", temperature=1.0, max_output_tokens=16,
+                                      extra_body={"seed": 11}).output_text for _ in range(2)]
+    checks.append(("a seed reproduces a sampled response", seeded[0] == seeded[1]))
+    t = client.responses.create(model=model, input=[{"role": "user", "content": "Weather in Rome?"}],
+                                tools=[{"type": "function", "name": "get_weather", "description": "Current weather",
+                                        "parameters": WEATHER_SCHEMA, "strict": True}],
+                                tool_choice="required", temperature=0, max_output_tokens=80)
+    fc = [o for o in t.output if o.type == "function_call"]
+    checks.append(("responses tool call matches its schema", len(fc) == 1 and fc[0].name == "get_weather"
+                   and valid(json.loads(fc[0].arguments), WEATHER_SCHEMA)))
+    follow = client.responses.create(model=model, input=[{"role": "user", "content": "Weather in Rome?"},
+                                                         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Rome","unit":"celsius"}'},
+                                                         {"type": "function_call_output", "call_id": "c1", "output": "18 degrees, cloudy"}],
+                                     temperature=0, max_output_tokens=30)
+    checks.append(("responses takes function call outputs", follow.status in ("completed", "incomplete") and follow.output_text != ""))
+    try:
+        client.responses.create(model=model, input="hi", previous_response_id="resp_x")
+        checks.append(("previous_response_id is a 400", False))
+    except openai.BadRequestError as e:
+        checks.append(("previous_response_id is a 400 naming it", "previous_response_id" in str(e)))
+    return checks
+
+
+def run_anthropic_checks(claude):
+    checks = []
+    model = "smollm2-135m-instruct"
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    # This SDK no longer sends sampling fields: they go as extra body fields.
+    greedy = {"temperature": 0}
+    m = claude.messages.create(model=model, max_tokens=24, messages=ask, extra_body=greedy)
+    text = "".join(b.text for b in m.content if b.type == "text")
+    checks.append(("messages answers sensibly", "Paris" in text and m.stop_reason in ("end_turn", "max_tokens")))
+    checks.append(("messages reports usage", m.usage.input_tokens > 0 and m.usage.output_tokens > 0))
+    with claude.messages.stream(model=model, max_tokens=24, messages=ask, extra_body=greedy) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    checks.append(("streamed message equals the whole one", streamed == text and final.usage.output_tokens == m.usage.output_tokens))
+    tool = {"name": "get_weather", "description": "Current weather", "input_schema": WEATHER_SCHEMA, "strict": True}
+    t = claude.messages.create(model=model, max_tokens=80, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                               tools=[tool], tool_choice={"type": "tool", "name": "get_weather"}, extra_body=greedy)
+    uses = [b for b in t.content if b.type == "tool_use"]
+    checks.append(("messages tool_use matches its schema", t.stop_reason == "tool_use" and len(uses) == 1
+                   and valid(uses[0].input, WEATHER_SCHEMA)))
+    with claude.messages.stream(model=model, max_tokens=80, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                                tools=[tool], tool_choice={"type": "tool", "name": "get_weather"}, extra_body=greedy) as s:
+        sfinal = s.get_final_message()
+    suses = [b for b in sfinal.content if b.type == "tool_use"]
+    checks.append(("a streamed tool_use equals the whole one", len(suses) == 1 and uses and suses[0].input == uses[0].input))
+    follow = claude.messages.create(model=model, max_tokens=30, extra_body=greedy, tools=[tool], messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo", "unit": "celsius"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "3 degrees, snow"}]}])
+    js = claude.messages.create(model=model, max_tokens=60, messages=[{"role": "user", "content": "Weather in Oslo as JSON?"}],
+                                output_config={"format": {"type": "json_schema", "schema": WEATHER_SCHEMA}})
+    try:
+        checks.append(("messages output_config json_schema validates",
+                       valid(json.loads("".join(b.text for b in js.content if b.type == "text")), WEATHER_SCHEMA)))
+    except json.JSONDecodeError:
+        checks.append(("messages output_config json_schema validates", False))
+    checks.append(("messages takes tool results", any(b.type in ("text", "tool_use") for b in follow.content)))
+    try:
+        claude.messages.create(model=model, max_tokens=10, messages=ask, extra_body={"temperature": -2})
+        checks.append(("bad temperature is an Anthropic 400", False))
+    except anthropic.BadRequestError as e:
+        checks.append(("bad temperature is an Anthropic 400", e.body.get("type") == "error" and "temperature" in str(e)))
+    return checks
+
+
+def run_http_checks(base):
+    checks = []
+
+    def post(path, data, ctype="application/json"):
+        req = urllib.request.Request(base + path, method="POST", headers={"content-type": ctype}, data=data)
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    status, body = post("/v1/chat/completions", b"{not json")
+    checks.append(("invalid JSON is a 400 with an error object", status == 400 and "error" in json.loads(body)))
+    status, body = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode())
+    checks.append(("a wrongly typed field is a 400 naming it", status == 400 and "temperature" in json.loads(body)["error"]["message"]))
+    status, body = post("/v1/completions", b"{\"prompt\": \"" + b"a" * (5 << 20) + b"\"}")
+    checks.append(("an oversized body is a 413", status == 413 and "error" in json.loads(body)))
+    status, body = post("/v1/messages", json.dumps({"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}).encode())
+    checks.append(("Anthropic errors keep Anthropic's shape", status == 404 and json.loads(body)["type"] == "error"))
+    metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+    checks.append(("/metrics counts requests and latencies", "troupe_requests_total" in metrics
+                   and "troupe_time_to_first_token_seconds_count" in metrics
+                   and "troupe_kv_cache_usage_ratio" in metrics))
     return checks
 
 

@@ -8,8 +8,7 @@ use serde_json::{Value, json};
 use troupe::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineRequest, FinishReason,
 };
-use troupe::model::chat_template::ChatMessage;
-use troupe::protocol::conversation::Conversation;
+use troupe::protocol::conversation::{Conversation, Message, Role};
 use troupe::sampling::SamplingParams;
 use troupe::structured::GrammarSpec;
 
@@ -21,9 +20,7 @@ async fn engine(zos: bool) -> EngineHandle {
 }
 
 fn chat(engine: &EngineHandle, user: &str, grammar: GrammarSpec, n: usize) -> EngineRequest {
-    let conv = Conversation {
-        messages: vec![ChatMessage::new("user", user)],
-    };
+    let conv = Conversation::from_messages(vec![Message::new(Role::User, user)]);
     let ids = conv.to_prompt_ids(engine.text()).unwrap();
     // Hot sampling: only the mask keeps the output well-formed.
     let params = SamplingParams {

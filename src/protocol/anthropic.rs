@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use super::api::{self, ApiError, Flavor, Sampling, conversation_request, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
+use super::openai::response_format;
 use super::output_parser::OutputEvent;
 use super::reply::{ChoiceStreams, Reply, call_id};
 use super::server::{
@@ -51,6 +52,8 @@ pub struct MessagesRequest {
     pub stream: bool,
     pub tools: Option<Vec<WireTool>>,
     pub tool_choice: Option<Value>,
+    /// `{"format": {"type": "json_schema", "schema": ...}}`: structured output.
+    pub output_config: Option<Value>,
 }
 
 fn block_text(b: &Value, field: &str) -> Result<String, ApiError> {
@@ -217,7 +220,12 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
     check_model(st, &req.model)?;
     let text = st.engine.text();
     let conv = conversation(&req)?;
+    let grammar = match req.output_config.as_ref().and_then(|c| c.get("format")) {
+        Some(f) if !f.is_null() => response_format(f, "output_config.format")?,
+        _ => None,
+    };
     let sampling = Sampling {
+        grammar,
         temperature: req.temperature,
         top_p: req.top_p,
         top_k: req.top_k,

@@ -26,10 +26,17 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// A 400 about `param`; the message names it (some SDKs show only the message).
     pub fn bad(param: &str, message: impl Into<String>) -> Self {
+        let message = message.into();
+        let message = if message.contains(param) {
+            message
+        } else {
+            format!("`{param}`: {message}")
+        };
         ApiError {
             status: 400,
-            message: message.into(),
+            message,
             param: Some(param.to_string()),
         }
     }
@@ -70,6 +77,19 @@ impl ApiError {
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::bad("body", format!("invalid request body: {inner}"))
+        } else {
+            ApiError::bad(&path, format!("`{path}`: {inner}"))
+        }
+    })
+}
+
+/// Deserializes `T` from an already parsed body, errors naming the field.
+pub fn parse_value<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if path == "." || path.is_empty() {

@@ -7,6 +7,7 @@ use serde_json::{Value, json};
 
 use super::api::{
     self, ApiError, Content, Flavor, Sampling, StopField, conversation_request, parse_body,
+    parse_value,
 };
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
 use super::output_parser::OutputEvent;
@@ -189,7 +190,8 @@ pub struct ChatRequest {
     pub tools: Option<Vec<WireTool>>,
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
-    #[serde(flatten)]
+    /// Read in a second pass over the same body, so errors keep the field's name.
+    #[serde(skip)]
     pub sampling: SamplingFields,
 }
 
@@ -208,7 +210,7 @@ pub struct CompletionRequest {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<usize>,
-    #[serde(flatten)]
+    #[serde(skip)]
     pub sampling: SamplingFields,
 }
 
@@ -314,7 +316,9 @@ pub async fn chat_completions(st: web::Data<ServerState>, body: web::Payload) ->
 }
 
 async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let req: ChatRequest = parse_body(&read_body(body).await?)?;
+    let body: Value = parse_body(&read_body(body).await?)?;
+    let mut req: ChatRequest = parse_value(&body)?;
+    req.sampling = parse_value(&body)?;
     check_model(st, &req.model)?;
     let text = st.engine.text();
     let conv = chat_conversation(&req)?;
@@ -474,7 +478,9 @@ pub async fn completions(st: web::Data<ServerState>, body: web::Payload) -> Http
 }
 
 async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let req: CompletionRequest = parse_body(&read_body(body).await?)?;
+    let body: Value = parse_body(&read_body(body).await?)?;
+    let mut req: CompletionRequest = parse_value(&body)?;
+    req.sampling = parse_value(&body)?;
     check_model(st, &req.model)?;
     let text = st.engine.text();
     let prompt_ids = match &req.prompt {
