@@ -19,7 +19,8 @@ pub use types::{
 
 use crate::actors::fault::FaultPlan;
 use crate::actors::sampled_tokens::SampledTokens;
-use crate::actors::scheduler::{EngineStatus, SchedulerArgs, SchedulerMsg};
+pub use crate::actors::scheduler::EngineStatus;
+use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{
     Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
 };

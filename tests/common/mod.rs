@@ -54,3 +54,4 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     max_diff / max_ref
 }
 pub mod engine;
+pub mod server;
