@@ -3,5 +3,6 @@
 
 pub mod conversation;
 pub mod jsonl;
+pub mod metrics;
 pub mod openai;
 pub mod server;
