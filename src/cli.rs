@@ -27,6 +27,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Serve an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Benchmark a running server: Poisson arrivals at each rate, TTFT / TPOT / ITL.
+    BenchServe(crate::bench_serve::BenchServeArgs),
 }
 
 #[derive(Args)]
@@ -244,6 +246,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Serve(args) => run_serve(args),
+        Command::BenchServe(args) => crate::bench_serve::run(args),
     };
     match result {
         Ok(()) => 0,

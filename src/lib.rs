@@ -1,6 +1,7 @@
 //! troupe: an LLM inference engine. See docs/ARCHITECTURE.md for the map of the tree.
 
 pub mod actors;
+pub mod bench_serve;
 pub mod cli;
 pub mod engine;
 pub mod error;

@@ -1,0 +1,588 @@
+//! `troupe bench-serve`: an online serving benchmark against a running `troupe serve`
+//! (or any OpenAI-compatible server that streams `token_ids`). For each request rate it
+//! sends `--num-prompts` streaming `/v1/completions` requests with Poisson arrivals, each a
+//! random `--input-len`-token prompt generating exactly `--output-len` tokens (EOS
+//! ignored), and reports throughput and TTFT / TPOT / ITL percentiles, like vLLM's
+//! `benchmark_serving.py`.
+//!
+//! Arrivals and prompts are seeded counter draws (`sampling::uniform`), so a run is
+//! reproducible; every rate gets fresh prompts so a prefix cache cannot carry hits from
+//! one rate to the next. A failed request (refused, error event, cut stream, wrong token
+//! count) is counted and left out of the latency statistics.
+
+mod http;
+
+use std::path::PathBuf;
+// std's Arc even under loom: these tasks run on a real tokio runtime, never in a model.
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::error::{Result, TroupeError};
+use crate::sampling::{splitmix64, uniform};
+use http::Endpoint;
+
+/// Draw streams of `sampling::uniform`, apart from each other.
+const STREAM_ARRIVAL: u64 = 0x6172_7269_7661_6c00;
+const STREAM_PROMPT: u64 = 0x7072_6f6d_7074_0000;
+/// Prompt ids are drawn from here: clear of the special tokens at the bottom of common
+/// vocabularies and inside every vocabulary the engine serves.
+const PROMPT_TOKEN_IDS: std::ops::Range<u32> = 100..10_000;
+
+#[derive(Args)]
+pub struct BenchServeArgs {
+    /// The server root.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// The model name to send; by default the first one GET /v1/models lists.
+    #[arg(long)]
+    model: Option<String>,
+    /// Request rates in requests/s, comma-separated; `inf` sends all requests at once.
+    #[arg(long, value_delimiter = ',', value_parser = parse_rate,
+          default_values = ["1", "2", "4", "8", "inf"])]
+    rates: Vec<f64>,
+    /// Requests per rate.
+    #[arg(long, default_value_t = 64)]
+    num_prompts: usize,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 128)]
+    input_len: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 64)]
+    output_len: usize,
+    /// Seed of the arrival times and the prompts.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write the rows as a JSON array to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// A request still unfinished after this many seconds counts as failed.
+    #[arg(long, default_value_t = 600)]
+    request_timeout_secs: u64,
+}
+
+pub fn parse_rate(s: &str) -> std::result::Result<f64, String> {
+    let rate = match s.trim() {
+        "inf" => f64::INFINITY,
+        t => t
+            .parse::<f64>()
+            .map_err(|_| format!("`{s}` is not a rate (a number of requests/s, or inf)"))?,
+    };
+    if rate.is_nan() || rate <= 0.0 {
+        return Err(format!("rate `{s}` must be positive"));
+    }
+    Ok(rate)
+}
+
+fn rate_label(rate: f64) -> String {
+    if rate.is_infinite() {
+        "inf".into()
+    } else {
+        format!("{rate}")
+    }
+}
+
+/// Send times in seconds from the start: exponential gaps of mean `1 / rate`, the first
+/// request at once; all at 0 for an infinite rate.
+pub fn poisson_arrivals(num_requests: usize, rate: f64, seed: u64) -> Vec<f64> {
+    let mut at = 0.0;
+    (0..num_requests)
+        .map(|i| {
+            if i > 0 && rate.is_finite() {
+                let u = uniform(seed, i as u64, STREAM_ARRIVAL);
+                // 1 - u is in (0, 1], so the log is finite.
+                at += -(1.0 - u).ln() / rate;
+            }
+            at
+        })
+        .collect()
+}
+
+/// Prompt number `index` of a run: `len` ids from `PROMPT_TOKEN_IDS`, exact length.
+pub fn random_prompt_ids(len: usize, seed: u64, index: u64) -> Vec<u32> {
+    let prompt_seed = splitmix64(seed ^ splitmix64(index));
+    let span = (PROMPT_TOKEN_IDS.end - PROMPT_TOKEN_IDS.start) as f64;
+    (0..len as u64)
+        .map(|j| PROMPT_TOKEN_IDS.start + (uniform(prompt_seed, j, STREAM_PROMPT) * span) as u32)
+        .collect()
+}
+
+/// The `p`-th percentile (0..=100) of sorted values, interpolated linearly between
+/// ranks (numpy's default, which vLLM's numbers use); `None` without values.
+pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    let last = sorted.len().checked_sub(1)?;
+    let rank = p.clamp(0.0, 100.0) / 100.0 * last as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    Some(sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64))
+}
+
+#[derive(Debug, PartialEq)]
+pub enum StreamEvent {
+    /// A chunk carrying this many new tokens (0 for a chunk with only a finish reason).
+    Tokens(usize),
+    Done,
+}
+
+/// One SSE event's data from `/v1/completions`.
+pub fn parse_event(data: &str) -> std::result::Result<StreamEvent, String> {
+    if data.trim() == "[DONE]" {
+        return Ok(StreamEvent::Done);
+    }
+    let value: Value = serde_json::from_str(data)
+        .map_err(|e| format!("a stream event is not JSON ({e}): {}", clip(data)))?;
+    if let Some(err) = value.get("error") {
+        let message = err["message"]
+            .as_str()
+            .map_or_else(|| err.to_string(), str::to_string);
+        return Err(format!("the server reported an error: {message}"));
+    }
+    let choices = value["choices"]
+        .as_array()
+        .ok_or_else(|| format!("a stream event has no `choices`: {}", clip(data)))?;
+    let mut num_tokens = 0;
+    for choice in choices {
+        let ids = choice["token_ids"].as_array().ok_or_else(|| {
+            format!(
+                "a stream choice has no `token_ids` (is this a troupe server?): {}",
+                clip(data)
+            )
+        })?;
+        num_tokens += ids.len();
+    }
+    Ok(StreamEvent::Tokens(num_tokens))
+}
+
+fn clip(s: &str) -> String {
+    match s.char_indices().nth(200) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// The latencies of one finished request, in seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestTiming {
+    pub ttft_secs: f64,
+    pub e2e_secs: f64,
+    /// Gaps between consecutive events that carried tokens.
+    pub itl_secs: Vec<f64>,
+    pub num_output_tokens: usize,
+}
+
+impl RequestTiming {
+    /// From (seconds since send, tokens) per token-carrying event, in arrival order.
+    pub fn from_events(
+        events: &[(f64, usize)],
+        e2e_secs: f64,
+        expected_tokens: usize,
+    ) -> std::result::Result<Self, String> {
+        let &(ttft_secs, _) = events.first().ok_or("the stream carried no tokens")?;
+        let num_output_tokens: usize = events.iter().map(|&(_, n)| n).sum();
+        if num_output_tokens != expected_tokens {
+            return Err(format!(
+                "generated {num_output_tokens} tokens, expected {expected_tokens} (ignore_eos not honoured?)"
+            ));
+        }
+        Ok(RequestTiming {
+            ttft_secs,
+            e2e_secs,
+            itl_secs: events.windows(2).map(|w| w[1].0 - w[0].0).collect(),
+            num_output_tokens,
+        })
+    }
+
+    /// Mean time per output token after the first; `None` with a single token.
+    pub fn tpot_secs(&self) -> Option<f64> {
+        (self.num_output_tokens > 1)
+            .then(|| (self.e2e_secs - self.ttft_secs) / (self.num_output_tokens - 1) as f64)
+    }
+}
+
+/// One rate's results: a row of the table and of `--json`. Latencies in milliseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct RateRow {
+    /// Requests/s as given, or "inf".
+    pub rate: String,
+    pub completed: usize,
+    pub failed: usize,
+    pub duration_secs: f64,
+    pub request_throughput: f64,
+    pub output_token_throughput: f64,
+    pub ttft_p50_ms: Option<f64>,
+    pub ttft_p90_ms: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+    pub tpot_p50_ms: Option<f64>,
+    pub tpot_p90_ms: Option<f64>,
+    pub tpot_p99_ms: Option<f64>,
+    pub itl_p50_ms: Option<f64>,
+    pub itl_p99_ms: Option<f64>,
+}
+
+pub fn summarize(
+    rate: f64,
+    results: &[std::result::Result<RequestTiming, String>],
+    duration_secs: f64,
+) -> RateRow {
+    let ok: Vec<&RequestTiming> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    let sorted_ms = |mut v: Vec<f64>| {
+        v.iter_mut().for_each(|x| *x *= 1e3);
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let ttft = sorted_ms(ok.iter().map(|t| t.ttft_secs).collect());
+    let tpot = sorted_ms(ok.iter().filter_map(|t| t.tpot_secs()).collect());
+    let itl = sorted_ms(ok.iter().flat_map(|t| t.itl_secs.iter().copied()).collect());
+    let num_output_tokens: usize = ok.iter().map(|t| t.num_output_tokens).sum();
+    let per_sec = |n: usize| {
+        if duration_secs > 0.0 {
+            n as f64 / duration_secs
+        } else {
+            0.0
+        }
+    };
+    RateRow {
+        rate: rate_label(rate),
+        completed: ok.len(),
+        failed: results.len() - ok.len(),
+        duration_secs,
+        request_throughput: per_sec(ok.len()),
+        output_token_throughput: per_sec(num_output_tokens),
+        ttft_p50_ms: percentile(&ttft, 50.0),
+        ttft_p90_ms: percentile(&ttft, 90.0),
+        ttft_p99_ms: percentile(&ttft, 99.0),
+        tpot_p50_ms: percentile(&tpot, 50.0),
+        tpot_p90_ms: percentile(&tpot, 90.0),
+        tpot_p99_ms: percentile(&tpot, 99.0),
+        itl_p50_ms: percentile(&itl, 50.0),
+        itl_p99_ms: percentile(&itl, 99.0),
+    }
+}
+
+/// The rows as an aligned text table.
+pub fn format_table(rows: &[RateRow]) -> String {
+    let header = [
+        "rate", "ok", "fail", "time_s", "req/s", "tok/s", "ttft_p50", "ttft_p90", "ttft_p99",
+        "tpot_p50", "tpot_p90", "tpot_p99", "itl_p50", "itl_p99",
+    ];
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.rate.clone(),
+                r.completed.to_string(),
+                r.failed.to_string(),
+                format!("{:.2}", r.duration_secs),
+                format!("{:.2}", r.request_throughput),
+                format!("{:.1}", r.output_token_throughput),
+                ms(r.ttft_p50_ms),
+                ms(r.ttft_p90_ms),
+                ms(r.ttft_p99_ms),
+                ms(r.tpot_p50_ms),
+                ms(r.tpot_p90_ms),
+                ms(r.tpot_p99_ms),
+                ms(r.itl_p50_ms),
+                ms(r.itl_p99_ms),
+            ]
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            cells
+                .iter()
+                .map(|r| r[c].len())
+                .fold(header[c].len(), usize::max)
+        })
+        .collect();
+    let line = |fields: Vec<&str>| {
+        let padded: Vec<String> = fields
+            .iter()
+            .zip(&widths)
+            .map(|(f, w)| format!("{f:>w$}"))
+            .collect();
+        padded.join("  ") + "\n"
+    };
+    let mut out = line(header.to_vec());
+    for r in &cells {
+        out += &line(r.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+/// What every request of a run shares.
+struct Ctx {
+    endpoint: Endpoint,
+    model: String,
+    input_len: usize,
+    output_len: usize,
+    seed: u64,
+    request_timeout: Duration,
+}
+
+async fn run_one(
+    ctx: Arc<Ctx>,
+    prompt_ids: Vec<u32>,
+) -> std::result::Result<RequestTiming, String> {
+    let body = json!({
+        "model": ctx.model, "prompt": prompt_ids, "max_tokens": ctx.output_len,
+        "ignore_eos": true, "stream": true, "temperature": 0,
+    })
+    .to_string();
+    let start = Instant::now();
+    let mut events: Vec<(f64, usize)> = Vec::with_capacity(ctx.output_len);
+    let mut done = false;
+    let on_event = |data: &str, at: Instant| {
+        match parse_event(data)? {
+            StreamEvent::Done => done = true,
+            StreamEvent::Tokens(0) => {}
+            StreamEvent::Tokens(n) => events.push((at.duration_since(start).as_secs_f64(), n)),
+        }
+        Ok(())
+    };
+    let request = http::post_sse(&ctx.endpoint, "/v1/completions", &body, on_event);
+    tokio::time::timeout(ctx.request_timeout, request)
+        .await
+        .map_err(|_| format!("timed out after {:?}", ctx.request_timeout))??;
+    let e2e_secs = start.elapsed().as_secs_f64();
+    if !done {
+        return Err("the stream ended without [DONE]".into());
+    }
+    RequestTiming::from_events(&events, e2e_secs, ctx.output_len)
+}
+
+/// One rate: `num_prompts` requests at Poisson times, prompts `first_prompt..`.
+async fn run_rate(
+    ctx: &Arc<Ctx>,
+    rate: f64,
+    arrival_seed: u64,
+    first_prompt: u64,
+    num: usize,
+) -> RateRow {
+    let arrivals = poisson_arrivals(num, rate, arrival_seed);
+    let t0 = tokio::time::Instant::now();
+    let mut tasks = Vec::with_capacity(num);
+    for (i, &at) in arrivals.iter().enumerate() {
+        tokio::time::sleep_until(t0 + Duration::from_secs_f64(at)).await;
+        let prompt = random_prompt_ids(ctx.input_len, ctx.seed, first_prompt + i as u64);
+        tasks.push(tokio::spawn(run_one(ctx.clone(), prompt)));
+    }
+    let mut results = Vec::with_capacity(num);
+    for task in tasks {
+        results.push(
+            task.await
+                .unwrap_or_else(|e| Err(format!("the request task failed: {e}"))),
+        );
+    }
+    let row = summarize(rate, &results, t0.elapsed().as_secs_f64());
+    let mut errors: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    errors.dedup();
+    for e in errors.iter().take(3) {
+        eprintln!("bench-serve: rate {}: failed request: {e}", row.rate);
+    }
+    row
+}
+
+async fn served_model(endpoint: &Endpoint) -> std::result::Result<String, String> {
+    let models = http::get_json(endpoint, "/v1/models").await?;
+    models["data"][0]["id"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| {
+            format!(
+                "GET /v1/models lists no model: {}",
+                clip(&models.to_string())
+            )
+        })
+}
+
+pub fn run(args: BenchServeArgs) -> Result<()> {
+    let bad = |m: String| TroupeError::InvalidInput(m);
+    for (flag, value) in [
+        ("--num-prompts", args.num_prompts),
+        ("--input-len", args.input_len),
+        ("--output-len", args.output_len),
+    ] {
+        if value == 0 {
+            return Err(bad(format!("{flag} must be at least 1")));
+        }
+    }
+    let endpoint = http::parse_url(&args.url).map_err(bad)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| bad(format!("cannot start the async runtime: {e}")))?;
+    let rows = runtime.block_on(async {
+        let model = match &args.model {
+            Some(m) => m.clone(),
+            None => served_model(&endpoint)
+                .await
+                .map_err(|e| bad(format!("cannot ask {} for its model: {e}", args.url)))?,
+        };
+        let ctx = Arc::new(Ctx {
+            endpoint,
+            model,
+            input_len: args.input_len,
+            output_len: args.output_len,
+            seed: args.seed,
+            request_timeout: Duration::from_secs(args.request_timeout_secs),
+        });
+        // One request first: a misconfigured server fails here with its reason, and the
+        // first rate does not pay for warm-up.
+        let probe = random_prompt_ids(ctx.input_len, ctx.seed, u64::MAX);
+        run_one(ctx.clone(), probe)
+            .await
+            .map_err(|e| bad(format!("the test request to {} failed: {e}", args.url)))?;
+        eprintln!(
+            "bench-serve: {} at {}: {} requests per rate, {} prompt + {} output tokens each",
+            ctx.model, args.url, args.num_prompts, args.input_len, args.output_len
+        );
+        let mut rows = Vec::new();
+        for (k, &rate) in args.rates.iter().enumerate() {
+            let first_prompt = (k * args.num_prompts) as u64;
+            let arrival_seed = splitmix64(args.seed ^ splitmix64(k as u64));
+            let row = run_rate(&ctx, rate, arrival_seed, first_prompt, args.num_prompts).await;
+            eprintln!(
+                "bench-serve: rate {}: {} ok, {} failed in {:.1} s",
+                row.rate, row.completed, row.failed, row.duration_secs
+            );
+            rows.push(row);
+        }
+        Ok::<_, TroupeError>(rows)
+    })?;
+    print!("{}", format_table(&rows));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&rows).expect("rows serialize");
+        std::fs::write(path, text + "\n").map_err(|e| TroupeError::io(path, e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_parse() {
+        assert_eq!(parse_rate("2.5"), Ok(2.5));
+        assert_eq!(parse_rate("inf"), Ok(f64::INFINITY));
+        assert!(parse_rate("0").is_err());
+        assert!(parse_rate("-1").is_err());
+        assert!(parse_rate("NaN").is_err());
+        assert!(parse_rate("fast").is_err());
+    }
+
+    #[test]
+    fn arrivals_are_poisson_and_seeded() {
+        let a = poisson_arrivals(20_000, 4.0, 7);
+        assert_eq!(a, poisson_arrivals(20_000, 4.0, 7));
+        assert_ne!(a, poisson_arrivals(20_000, 4.0, 8));
+        assert_eq!(a[0], 0.0);
+        assert!(a.windows(2).all(|w| w[1] >= w[0]));
+        let gaps: Vec<f64> = a.windows(2).map(|w| w[1] - w[0]).collect();
+        let n = gaps.len() as f64;
+        let mean = gaps.iter().sum::<f64>() / n;
+        let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / n;
+        // Exponential with rate 4: mean 0.25 and standard deviation 0.25 (±~2% at n=20k).
+        assert!((mean - 0.25).abs() < 0.01, "mean {mean}");
+        assert!((var.sqrt() - 0.25).abs() < 0.015, "sd {}", var.sqrt());
+        assert!(
+            poisson_arrivals(5, f64::INFINITY, 1)
+                .iter()
+                .all(|&t| t == 0.0)
+        );
+        assert!(poisson_arrivals(0, 1.0, 1).is_empty());
+    }
+
+    #[test]
+    fn prompts_have_exact_length_and_range() {
+        let p = random_prompt_ids(128, 3, 0);
+        assert_eq!(p.len(), 128);
+        assert!(p.iter().all(|id| PROMPT_TOKEN_IDS.contains(id)));
+        assert_eq!(p, random_prompt_ids(128, 3, 0));
+        assert_ne!(p, random_prompt_ids(128, 3, 1));
+        assert_ne!(p, random_prompt_ids(128, 4, 0));
+        let distinct: std::collections::HashSet<_> = p.iter().collect();
+        assert!(distinct.len() > 100, "{} distinct ids", distinct.len());
+    }
+
+    #[test]
+    fn percentiles_interpolate() {
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.0), Some(1.0));
+        assert_eq!(percentile(&v, 100.0), Some(10.0));
+        assert_eq!(percentile(&v, 50.0), Some(5.5));
+        assert!((percentile(&v, 90.0).unwrap() - 9.1).abs() < 1e-12);
+        assert!((percentile(&v, 99.0).unwrap() - 9.91).abs() < 1e-12);
+        assert_eq!(percentile(&[4.0], 99.0), Some(4.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+
+    #[test]
+    fn events_parse() {
+        let chunk = r#"{"id":"cmpl-1","choices":[{"index":0,"text":"hi","token_ids":[5,6],"finish_reason":null}]}"#;
+        assert_eq!(parse_event(chunk), Ok(StreamEvent::Tokens(2)));
+        assert_eq!(parse_event("[DONE]"), Ok(StreamEvent::Done));
+        let finish =
+            r#"{"choices":[{"index":0,"text":"","token_ids":[],"finish_reason":"length"}]}"#;
+        assert_eq!(parse_event(finish), Ok(StreamEvent::Tokens(0)));
+        let err = parse_event(r#"{"error":{"message":"rank lost","type":"server_error"}}"#);
+        assert!(err.unwrap_err().contains("rank lost"));
+        assert!(parse_event("{not json").is_err());
+        assert!(parse_event(r#"{"choices":[{"text":"x"}]}"#).is_err());
+        assert!(parse_event(r#"{"object":"x"}"#).is_err());
+    }
+
+    #[test]
+    fn timings_from_events() {
+        let events = [(0.5, 1), (0.6, 1), (0.8, 2)];
+        let t = RequestTiming::from_events(&events, 0.9, 4).unwrap();
+        assert_eq!(t.ttft_secs, 0.5);
+        assert_eq!(t.num_output_tokens, 4);
+        assert!(
+            t.itl_secs
+                .iter()
+                .zip([0.1, 0.2])
+                .all(|(a, b)| (a - b).abs() < 1e-12)
+        );
+        assert!((t.tpot_secs().unwrap() - (0.9 - 0.5) / 3.0).abs() < 1e-12);
+        assert!(RequestTiming::from_events(&events, 0.9, 5).is_err());
+        assert!(RequestTiming::from_events(&[], 0.9, 0).is_err());
+        let one = RequestTiming::from_events(&[(0.2, 1)], 0.2, 1).unwrap();
+        assert_eq!(one.tpot_secs(), None);
+    }
+
+    #[test]
+    fn summary_leaves_failures_out_of_latencies() {
+        let ok = |ttft: f64, e2e: f64| {
+            Ok(RequestTiming {
+                ttft_secs: ttft,
+                e2e_secs: e2e,
+                itl_secs: vec![0.01; 2],
+                num_output_tokens: 3,
+            })
+        };
+        let results = vec![ok(0.1, 0.3), ok(0.3, 0.5), Err("refused".to_string())];
+        let row = summarize(2.0, &results, 2.0);
+        assert_eq!((row.completed, row.failed, row.rate.as_str()), (2, 1, "2"));
+        assert_eq!(row.request_throughput, 1.0);
+        assert_eq!(row.output_token_throughput, 3.0);
+        assert!((row.ttft_p50_ms.unwrap() - 200.0).abs() < 1e-9);
+        assert!((row.tpot_p99_ms.unwrap() - 100.0).abs() < 1e-9);
+        assert!((row.itl_p50_ms.unwrap() - 10.0).abs() < 1e-9);
+        let none = summarize(f64::INFINITY, &[Err("x".into())], 1.0);
+        assert_eq!((none.rate.as_str(), none.ttft_p50_ms), ("inf", None));
+        let table = format_table(&[row, none]);
+        assert_eq!(table.lines().count(), 3);
+        assert!(
+            table
+                .lines()
+                .nth(2)
+                .unwrap()
+                .trim_start()
+                .starts_with("inf")
+        );
+    }
+}
