@@ -41,26 +41,56 @@ fn seeds() -> Vec<(&'static str, Value)> {
         "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}, "strict": true}});
     let schema = json!({"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}, "required": ["a"]});
     vec![
-        ("/v1/chat/completions", json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})),
-        ("/v1/chat/completions", json!({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "max_tokens": 6, "stream": true, "stream_options": {"include_usage": true}, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
-            "seed": 3, "n": 2, "stop": ["a"], "logprobs": true, "top_logprobs": 2, "logit_bias": {"5": 1.0}})),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "call"}], "tools": [tool], "tool_choice": "required", "max_tokens": 12})),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "json"}], "max_tokens": 10,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})),
-        ("/v1/completions", json!({"model": "tiny", "prompt": "once upon", "max_tokens": 6, "logprobs": 2})),
-        ("/v1/completions", json!({"prompt": [1, 2, 3, 4], "max_tokens": 5, "stream": true, "ignore_eos": true, "min_tokens": 2})),
-        ("/v1/responses", json!({"model": "tiny", "input": "hi", "max_output_tokens": 6})),
-        ("/v1/responses", json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]},
+            "seed": 3, "n": 2, "stop": ["a"], "logprobs": true, "top_logprobs": 2, "logit_bias": {"5": 1.0}}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "call"}], "tools": [tool], "tool_choice": "required", "max_tokens": 12}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "json"}], "max_tokens": 10,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "once upon", "max_tokens": 6, "logprobs": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 2, 3, 4], "max_tokens": 5, "stream": true, "ignore_eos": true, "min_tokens": 2}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "tiny", "input": "hi", "max_output_tokens": 6}),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]},
             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c", "output": "1"}], "stream": true, "max_output_tokens": 5,
-            "text": {"format": {"type": "json_object"}}})),
-        ("/v1/messages", json!({"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]})),
-        ("/v1/messages", json!({"max_tokens": 8, "system": [{"type": "text", "text": "s"}], "stream": true,
+            "text": {"format": {"type": "json_object"}}}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/v1/messages",
+            json!({"max_tokens": 8, "system": [{"type": "text", "text": "s"}], "stream": true,
             "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
                          {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"x": 1}}]},
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "2"}]}],
-            "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "auto"}})),
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "auto"}}),
+        ),
     ]
 }
 
@@ -69,18 +99,60 @@ fn random_value(rng: &mut Rng, depth: usize) -> Value {
         0 => Value::Null,
         1 => json!(rng.below(2) == 0),
         2 => json!(rng.next() as i64),
-        3 => json!(*rng.pick(&[-1i64, 0, 1, 2, 7, 511, 512, 513, 100_000, i64::MAX, i64::MIN])),
+        3 => json!(*rng.pick(&[
+            -1i64,
+            0,
+            1,
+            2,
+            7,
+            511,
+            512,
+            513,
+            100_000,
+            i64::MAX,
+            i64::MIN
+        ])),
         4 => json!(*rng.pick(&[-1.5f64, 0.0, 0.5, 1e-9, 2.0, 1e30, -1e30])),
-        5 => json!(*rng.pick(&["", "user", "assistant", "tool", "system", "json_schema", "required", "none", "<|im_start|>", "<|im_end|>", "\u{F8F0}0\u{F8F1}", "<tool_call>", "[0-9", "start: x"])),
+        5 => json!(*rng.pick(&[
+            "",
+            "user",
+            "assistant",
+            "tool",
+            "system",
+            "json_schema",
+            "required",
+            "none",
+            "<|im_start|>",
+            "<|im_end|>",
+            "\u{F8F0}0\u{F8F1}",
+            "<tool_call>",
+            "[0-9",
+            "start: x"
+        ])),
         6 => {
             let n = rng.below(40);
-            Value::String((0..n).map(|_| char::from_u32(rng.below(0x3000) as u32).unwrap_or('?')).collect())
+            Value::String(
+                (0..n)
+                    .map(|_| char::from_u32(rng.below(0x3000) as u32).unwrap_or('?'))
+                    .collect(),
+            )
         }
         7 => json!("x".repeat(rng.below(3000))),
-        8 => Value::Array((0..rng.below(4)).map(|_| random_value(rng, depth + 1)).collect()),
+        8 => Value::Array(
+            (0..rng.below(4))
+                .map(|_| random_value(rng, depth + 1))
+                .collect(),
+        ),
         _ => {
-            let keys = ["type", "role", "content", "text", "schema", "name", "json", "regex", "grammar", "function", "x"];
-            Value::Object((0..rng.below(4)).map(|_| (rng.pick(&keys).to_string(), random_value(rng, depth + 1))).collect())
+            let keys = [
+                "type", "role", "content", "text", "schema", "name", "json", "regex", "grammar",
+                "function", "x",
+            ];
+            Value::Object(
+                (0..rng.below(4))
+                    .map(|_| (rng.pick(&keys).to_string(), random_value(rng, depth + 1)))
+                    .collect(),
+            )
         }
     }
 }
@@ -128,7 +200,9 @@ fn mutate_bytes(rng: &mut Rng, mut b: Vec<u8>) -> Vec<u8> {
                 b.drain(i..j);
             }
             _ => {
-                let junk: Vec<u8> = (0..rng.below(6)).map(|_| *rng.pick(b"{}[]\",:0-e\\\x00\xff")).collect();
+                let junk: Vec<u8> = (0..rng.below(6))
+                    .map(|_| *rng.pick(b"{}[]\",:0-e\\\x00\xff"))
+                    .collect();
                 b.splice(i..i, junk);
             }
         }
@@ -150,7 +224,11 @@ fn every_route_answers_random_and_mutated_bodies_without_a_server_error() {
     let mut num_ok = 0usize;
     for case in 0..num_cases {
         let (route, seed) = rng.pick(&seeds).clone();
-        let route = if rng.below(10) == 0 { *rng.pick(ROUTES) } else { route };
+        let route = if rng.below(10) == 0 {
+            *rng.pick(ROUTES)
+        } else {
+            route
+        };
         let body = match rng.below(10) {
             0 => (0..rng.below(64)).map(|_| rng.next() as u8).collect(),
             1..=3 => mutate_bytes(&mut rng, serde_json::to_vec(&seed).unwrap()),
@@ -177,7 +255,9 @@ fn every_route_answers_random_and_mutated_bodies_without_a_server_error() {
                 panic!("case {case}: {route} {shown}: error body is not JSON ({e})")
             });
             let message = if route == "/v1/messages" && method == "POST" {
-                err["error"]["message"].as_str().filter(|_| err["type"] == "error")
+                err["error"]["message"]
+                    .as_str()
+                    .filter(|_| err["type"] == "error")
             } else {
                 err["error"]["message"].as_str()
             };
@@ -190,7 +270,10 @@ fn every_route_answers_random_and_mutated_bodies_without_a_server_error() {
         }
     }
     // The mutations keep a fair share of requests valid, so generation paths are exercised.
-    assert!(num_ok * 20 > num_cases, "only {num_ok} of {num_cases} requests succeeded");
+    assert!(
+        num_ok * 20 > num_cases,
+        "only {num_ok} of {num_cases} requests succeeded"
+    );
     assert_eq!(server.get("/health").0, 200);
     server
         .wait_idle(Duration::from_secs(30))

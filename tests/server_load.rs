@@ -18,23 +18,43 @@ enum Outcome {
     HungUp,
 }
 
+/// The token budget of client `i` and, for those that hang up, after how many bytes.
+fn plan(i: usize) -> (u64, Option<usize>) {
+    let h = |k: u64| splitmix64(0x10ad ^ splitmix64(i as u64 * 31 + k));
+    if h(2) % 3 == 0 {
+        // Long enough that the hang-up lands while the request is still generating.
+        (300 + h(0) % 150, Some(200 + (h(3) % 1500) as usize))
+    } else {
+        (16 + h(0) % 48, None)
+    }
+}
+
 fn client(server: &common::server::TestServer, i: usize) -> Result<Outcome, String> {
     let h = |k: u64| splitmix64(0x10ad ^ splitmix64(i as u64 * 31 + k));
-    let max_tokens = 16 + h(0) % 48;
+    let (max_tokens, hang_up_after) = plan(i);
     let (path, body, end_marker) = match h(1) % 3 {
         0 => (
             "/v1/chat/completions",
-            format!(r#"{{"messages":[{{"role":"user","content":"client {i}"}}],"max_tokens":{max_tokens},"stream":true,"ignore_eos":true,"temperature":0.8,"seed":{i}}}"#),
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"client {i}"}}],"max_tokens":{max_tokens},"stream":true,"ignore_eos":true,"temperature":0.8,"seed":{i}}}"#
+            ),
             "data: [DONE]",
         ),
         1 => (
             "/v1/completions",
-            format!(r#"{{"prompt":[{},{},{}],"max_tokens":{max_tokens},"stream":true,"ignore_eos":true}}"#, 1 + i % 300, 2 + i % 200, 3),
+            format!(
+                r#"{{"prompt":[{},{},{}],"max_tokens":{max_tokens},"stream":true,"ignore_eos":true}}"#,
+                1 + i % 300,
+                2 + i % 200,
+                3
+            ),
             "data: [DONE]",
         ),
         _ => (
             "/v1/messages",
-            format!(r#"{{"max_tokens":{max_tokens},"messages":[{{"role":"user","content":"client {i}"}}],"stream":true}}"#),
+            format!(
+                r#"{{"max_tokens":{max_tokens},"messages":[{{"role":"user","content":"client {i}"}}],"stream":true}}"#
+            ),
             "event: message_stop",
         ),
     };
@@ -46,11 +66,12 @@ fn client(server: &common::server::TestServer, i: usize) -> Result<Outcome, Stri
     s.write_all(head.as_bytes())
         .and_then(|()| s.write_all(body.as_bytes()))
         .map_err(|e| format!("client {i}: send: {e}"))?;
-    let hang_up_after = (h(2) % 3 == 0).then(|| 200 + (h(3) % 1500) as usize);
     let mut raw = Vec::new();
     let mut buf = [0u8; 512];
     loop {
-        let n = s.read(&mut buf).map_err(|e| format!("client {i}: read: {e}"))?;
+        let n = s
+            .read(&mut buf)
+            .map_err(|e| format!("client {i}: read: {e}"))?;
         if n == 0 {
             break;
         }
@@ -87,21 +108,51 @@ fn two_hundred_streaming_clients_with_disconnects_leave_nothing_behind() {
     });
     let elapsed = started.elapsed();
     let errors: Vec<&String> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
-    assert!(errors.is_empty(), "{} failed: {:?}", errors.len(), &errors[..errors.len().min(5)]);
+    assert!(
+        errors.is_empty(),
+        "{} failed: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
     let num_hung_up = outcomes
         .iter()
         .filter(|o| matches!(o, Ok(Outcome::HungUp)))
         .count();
-    assert!(num_hung_up > 20 && num_hung_up < NUM_CLIENTS - 20, "{num_hung_up} hung up");
-    assert!(elapsed < Duration::from_secs(120), "the load took {elapsed:?}");
+    assert!(
+        num_hung_up > 20 && num_hung_up < NUM_CLIENTS - 20,
+        "{num_hung_up} hung up"
+    );
+    assert!(
+        elapsed < Duration::from_secs(120),
+        "the load took {elapsed:?}"
+    );
+    // The hung-up requests were aborted, not run to their budget.
+    let budget: u64 = (0..NUM_CLIENTS).map(|i| plan(i).0).sum();
+    let metrics = String::from_utf8(server.get("/metrics").1).unwrap();
+    let generated: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("troupe_generation_tokens_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("metrics count generated tokens");
+    assert!(
+        generated < 0.8 * budget as f64,
+        "{generated} tokens generated of a {budget} budget: aborts did not stop generation"
+    );
     server
         .wait_idle(Duration::from_secs(30))
-        .unwrap_or_else(|s| panic!("after {num_hung_up} disconnects, blocks or requests were left: {s:?}"));
+        .unwrap_or_else(|s| {
+            panic!("after {num_hung_up} disconnects, blocks or requests were left: {s:?}")
+        });
     assert_eq!(server.get("/health").0, 200);
     let after = server.request(
         "POST",
         "/v1/completions",
         br#"{"prompt":[1,2,3],"max_tokens":4,"ignore_eos":true}"#,
     );
-    assert_eq!(after.status, 200, "{}", String::from_utf8_lossy(&after.body));
+    assert_eq!(
+        after.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&after.body)
+    );
 }

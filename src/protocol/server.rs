@@ -259,7 +259,7 @@ async fn models(st: web::Data<ServerState>) -> HttpResponse {
 async fn metrics(st: web::Data<ServerState>) -> HttpResponse {
     match st.engine.status().await {
         Ok(status) => HttpResponse::Ok()
-            .content_type("text/plain; version=0.0.4; charset=utf-8")
+            .content_type(super::metrics::CONTENT_TYPE)
             .body(st.metrics.render(&status)),
         Err(e) => error_response(&ApiError::status(503, e.to_string()), Flavor::OpenAi),
     }

@@ -61,7 +61,9 @@ impl TestServer {
             body.len()
         );
         // The server may answer (413) and close before it has read everything.
-        let _ = s.write_all(head.as_bytes()).and_then(|()| s.write_all(body));
+        let _ = s
+            .write_all(head.as_bytes())
+            .and_then(|()| s.write_all(body));
         let mut raw = Vec::new();
         let _ = s.read_to_end(&mut raw);
         parse_reply(&raw)
