@@ -19,6 +19,11 @@ cargo test --release
 # The HTTP server against the official OpenAI and Anthropic SDKs (real clients, the real default model).
 python3 -m pip install --quiet --disable-pip-version-check openai anthropic jsonschema
 python3 scripts/test_server_sdk.py target/release/troupe
+# The CUDA backend keeps compiling without a GPU, and its kernels compile with NVRTC (a
+# compiler only: pip ships it), so a kernel that does not build fails here.
+cargo clippy --release --all-targets --features cuda -- -D warnings
+python3 -m pip install --quiet --disable-pip-version-check --target target/nvrtc "nvidia-cuda-nvrtc==13.0.*"
+LD_LIBRARY_PATH="$PWD/target/nvrtc/nvidia/cu13/lib" cargo test --release --features cuda --test cuda_kernels
 # The loom suites explore the interleavings of our shared-memory primitives.
 RUSTFLAGS="--cfg troupe_loom" LOOM_MAX_PREEMPTIONS=3 \
   CARGO_TARGET_DIR=target/loom cargo test --release --test 'loom_*'

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::{Engine, EngineConfig, EngineError, EngineRequest, FinishReason};
+use crate::engine::{Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason};
 use crate::error::{Result, TroupeError};
 use crate::generate::DEFAULT_BLOCK_SIZE;
 use crate::model::chat_template::ChatMessage;
@@ -45,14 +45,33 @@ pub struct ServeArgs {
     engine: EngineFlags,
 }
 
+fn parse_device(s: &str) -> std::result::Result<Device, String> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Device::Cuda)
+            .ok_or_else(|| format!("`{s}` is not a device: use cpu, cuda or cuda:N")),
+    }
+}
+
 /// Engine settings `generate` and `serve` share.
 #[derive(Args)]
 pub struct EngineFlags {
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
     block_size: usize,
-    /// Memory for the paged KV cache, in MiB.
-    #[arg(long, default_value_t = 1024)]
-    kv_cache_mib: usize,
+    /// Memory for the paged KV cache, in MiB (default: 1024 on the CPU; on a GPU, what
+    /// `--gpu-memory-utilization` leaves after the weights).
+    #[arg(long)]
+    kv_cache_mib: Option<usize>,
+    /// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
+    /// Share of the GPU's free memory troupe may take.
+    #[arg(long, default_value_t = 0.9)]
+    gpu_memory_utilization: f64,
     /// Turn zero-overhead scheduling off (wait for each step before planning the next).
     #[arg(long)]
     no_zos: bool,
@@ -74,7 +93,19 @@ impl EngineFlags {
         }
         let mut cfg = EngineConfig::new(model_path);
         cfg.block_size = self.block_size;
-        cfg.kv_cache_bytes = self.kv_cache_mib << 20;
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(TroupeError::InvalidInput(format!(
+                "--gpu-memory-utilization must be in (0, 1], got {}",
+                self.gpu_memory_utilization
+            )));
+        }
+        cfg.device = self.device;
+        cfg.gpu_memory_utilization = self.gpu_memory_utilization;
+        cfg.kv_cache_bytes = match (self.kv_cache_mib, self.device) {
+            (Some(mib), _) => mib << 20,
+            (None, Device::Cpu) => 1024 << 20,
+            (None, Device::Cuda(_)) => 0,
+        };
         cfg.zero_overhead_scheduling = !self.no_zos;
         cfg.enable_prefix_cache = !self.no_prefix_cache;
         cfg.batch_invariant = self.batch_invariant;

@@ -13,6 +13,7 @@ use ractor::{ActorProcessingErr, ActorRef};
 use super::fault::FaultPlan;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg};
+use crate::engine::Device;
 use crate::kernels::Backend;
 use crate::kernels::cpu::CpuBackend;
 use crate::model::llama::{LlamaModel, SeqStep};
@@ -36,12 +37,65 @@ pub struct RankArgs {
     pub sampled: SampledTokens,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
+    pub device: Device,
+}
+
+/// One rank's model, weights and KV cache on its device: all a step needs.
+trait DeviceModel {
+    /// Logits of each sampling row, `[rows, vocab]`.
+    fn forward(&mut self, block_size: usize, steps: &[SeqStep<'_>]) -> Vec<f32>;
+    fn vocab_size(&self) -> usize;
+}
+
+struct OnBackend<B: Backend> {
+    backend: B,
+    model: LlamaModel<B>,
+    cache: B::KvCache,
+}
+
+impl<B: Backend> DeviceModel for OnBackend<B> {
+    fn forward(&mut self, block_size: usize, steps: &[SeqStep<'_>]) -> Vec<f32> {
+        self.model
+            .forward(&self.backend, &mut self.cache, block_size, steps)
+    }
+    fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+}
+
+fn load_on<B: Backend + 'static>(
+    backend: B,
+    args: &RankArgs,
+) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
+    let loaded = crate::model::load(&args.model_path, &backend)?;
+    let shape = loaded
+        .model
+        .kv_cache_shape(args.num_kv_blocks, args.block_size);
+    let cache = backend.alloc_kv_cache(shape);
+    Ok(Box::new(OnBackend {
+        backend,
+        model: loaded.model,
+        cache,
+    }))
+}
+
+fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
+    match args.device {
+        Device::Cpu => load_on(
+            CpuBackend {
+                batch_invariant: args.batch_invariant,
+            },
+            args,
+        ),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => load_on(crate::kernels::cuda::CudaBackend::new(ordinal)?, args),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::engine::NO_CUDA.into()),
+    }
 }
 
 pub struct RankState {
-    backend: CpuBackend,
-    model: LlamaModel<CpuBackend>,
-    cache: <CpuBackend as Backend>::KvCache,
+    model: Box<dyn DeviceModel>,
     block_size: usize,
     sampled: SampledTokens,
     faults: FaultPlan,
@@ -67,18 +121,8 @@ impl ThreadLocalActor for RankWorker {
         if args.faults.take_start_failure() {
             return Err(format!("rank {} failed to start (injected fault)", args.rank).into());
         }
-        let backend = CpuBackend {
-            batch_invariant: args.batch_invariant,
-        };
-        let loaded = crate::model::load(&args.model_path, &backend)?;
-        let shape = loaded
-            .model
-            .kv_cache_shape(args.num_kv_blocks, args.block_size);
-        let cache = backend.alloc_kv_cache(shape);
         Ok(RankState {
-            backend,
-            model: loaded.model,
-            cache,
+            model: load_model(&args)?,
             block_size: args.block_size,
             sampled: args.sampled,
             faults: args.faults,
@@ -138,10 +182,8 @@ impl ThreadLocalActor for RankWorker {
                 block_table: &row.block_table,
             })
             .collect();
-        let logits = st
-            .model
-            .forward(&st.backend, &mut st.cache, st.block_size, &steps);
-        let vocab_size = st.model.cfg.vocab_size;
+        let logits = st.model.forward(st.block_size, &steps);
+        let vocab_size = st.model.vocab_size();
         st.last_step_end = Some(Instant::now());
         // A sampler that died with this step in flight is being replaced; the restart
         // resets the scheduler, which no longer waits for these logits.

@@ -27,6 +27,7 @@ pub struct RankArgsTemplate {
     pub block_size: usize,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
+    pub device: crate::engine::Device,
 }
 
 pub enum SupervisorMsg {
@@ -62,6 +63,7 @@ async fn spawn_worker(
         block_size: rank.block_size,
         sampled: sampled.clone(),
         faults: rank.faults.clone(),
+        device: rank.device,
         batch_invariant: rank.batch_invariant,
     };
     RankWorker::spawn_linked(None, args, myself.clone(), spawner.clone())

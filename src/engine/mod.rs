@@ -14,7 +14,7 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 pub use types::{
-    EngineConfig, EngineError, EngineRequest, FinishReason, MAX_CHOICES, RequestOutput,
+    Device, EngineConfig, EngineError, EngineRequest, FinishReason, MAX_CHOICES, RequestOutput,
 };
 
 use crate::actors::fault::FaultPlan;
@@ -68,7 +68,8 @@ impl Engine {
         let mcfg = &text.config;
         let bytes_per_block =
             2 * mcfg.num_layers * cfg.block_size * mcfg.kv_dim() * std::mem::size_of::<f32>();
-        let num_kv_blocks = (cfg.kv_cache_bytes / bytes_per_block).max(1);
+        let kv_cache_bytes = kv_cache_bytes(&cfg, mcfg)?;
+        let num_kv_blocks = (kv_cache_bytes / bytes_per_block).max(1);
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
         let scheduler_cfg = SchedulerConfig {
@@ -97,6 +98,7 @@ impl Engine {
                 block_size: cfg.block_size,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
+                device: cfg.device,
             },
             max_rank_restarts: cfg.max_rank_restarts,
         };
@@ -117,6 +119,56 @@ impl Engine {
         })
     }
 }
+
+/// The KV cache's budget: as configured, or on a GPU with `kv_cache_bytes == 0`, what is
+/// left of `gpu_memory_utilization` of the free memory after the bf16 weights and a margin
+/// for activations and cuBLAS.
+fn kv_cache_bytes(
+    cfg: &EngineConfig,
+    m: &model::config::ModelConfig,
+) -> Result<usize, EngineError> {
+    match cfg.device {
+        Device::Cpu if cfg.kv_cache_bytes == 0 => Err(EngineError::Spawn(
+            "kv_cache_bytes must be positive on the CPU".into(),
+        )),
+        Device::Cpu => Ok(cfg.kv_cache_bytes),
+        Device::Cuda(_) if cfg.kv_cache_bytes > 0 => Ok(cfg.kv_cache_bytes),
+        Device::Cuda(ordinal) => {
+            let free = gpu_free_bytes(ordinal)?;
+            let (h, l) = (m.hidden_size, m.num_layers);
+            let per_layer = h * m.q_dim() * 2 + 2 * h * m.kv_dim() + 3 * h * m.intermediate_size;
+            let embeddings = m.vocab_size * h * if m.tie_word_embeddings { 1 } else { 2 };
+            let weight_bytes = 2 * (l * per_layer + embeddings);
+            let budget = (free as f64 * cfg.gpu_memory_utilization) as usize;
+            budget
+                .checked_sub(weight_bytes + (2 << 30))
+                .filter(|&b| b > 0)
+                .ok_or_else(|| {
+                    EngineError::Spawn(format!(
+                        "GPU {ordinal}: {free} bytes free, {weight_bytes} bytes of weights: no room for a KV cache"
+                    ))
+                })
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_free_bytes(ordinal: usize) -> Result<usize, EngineError> {
+    let ctx = crate::kernels::cuda::open_device(ordinal)
+        .map_err(|e| EngineError::Spawn(e.to_string()))?;
+    let (free, _) = ctx
+        .mem_get_info()
+        .map_err(|e| EngineError::Spawn(e.to_string()))?;
+    Ok(free)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_free_bytes(_ordinal: usize) -> Result<usize, EngineError> {
+    Err(EngineError::Spawn(NO_CUDA.into()))
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) const NO_CUDA: &str = "this troupe was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
 
 /// The outputs of one request, in order; dropping it before the end aborts the request.
 pub struct RequestStream {

@@ -6,13 +6,25 @@ use crate::sampling::SamplingParams;
 pub use crate::sched::FinishReason;
 use crate::structured::GrammarSpec;
 
+/// Where the rank worker runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    /// A GPU by ordinal (needs the `cuda` cargo feature).
+    Cuda(usize),
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// A GGUF file or HF model directory (resolve names with `model::resolve_model_path`).
     pub model_path: PathBuf,
     pub block_size: usize,
     /// Memory for the paged KV cache; the number of blocks follows from the model's shape.
+    /// 0 on a GPU: `gpu_memory_utilization` of the free memory, less the weights.
     pub kv_cache_bytes: usize,
+    pub device: Device,
+    /// Share of the GPU's free memory troupe may take (weights, KV cache, activations).
+    pub gpu_memory_utilization: f64,
     pub max_num_seqs: usize,
     pub max_step_tokens: usize,
     pub step_time_budget_secs: f64,
@@ -37,6 +49,8 @@ impl EngineConfig {
             model_path: model_path.into(),
             block_size: 16,
             kv_cache_bytes: 1 << 30,
+            device: Device::Cpu,
+            gpu_memory_utilization: 0.9,
             max_num_seqs: 256,
             max_step_tokens: 2048,
             step_time_budget_secs: 0.25,

@@ -7,6 +7,8 @@
 //! once per step.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod paged_kv;
 pub mod quant;
 

@@ -1,0 +1,217 @@
+// troupe's CUDA kernels for the Llama family, compiled at start-up with NVRTC.
+//
+// Activations are f32 row-major [rows, width]; weights are bf16 (raw 16-bit words, so no
+// toolkit header is needed at run time); the KV cache is f32
+// [num_blocks * block_size, num_kv_heads * head_dim] per layer, as on the CPU backend.
+
+// NVRTC has no <math.h>: −∞ by its bits.
+#define NEG_INF (__int_as_float(0xff800000))
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    u32 bits = __float_as_uint(f);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (bf16_t)((bits >> 16) | 0x40u);  // NaN stays NaN
+    }
+    // Round to nearest, ties to even.
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16_t)(bits >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; `scratch` holds 32 floats. Every thread gets the total.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int num_warps = (blockDim.x + 31) >> 5;
+    float t = lane < num_warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int num_warps = (blockDim.x + 31) >> 5;
+    float t = lane < num_warps ? scratch[lane] : NEG_INF;
+    return warp_max(t);
+}
+
+extern "C" __global__ void f32_to_bf16_kernel(bf16_t* out, const float* in, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f32_to_bf16(in[i]);
+}
+
+// out[t, :] = table[ids[t], :]
+extern "C" __global__ void embedding_kernel(float* out, const bf16_t* table, const u32* ids,
+                                            int dim) {
+    int t = blockIdx.x;
+    const bf16_t* row = table + (long long)ids[t] * dim;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) out[(long long)t * dim + d] = bf16_to_f32(row[d]);
+}
+
+extern "C" __global__ void add_bias_kernel(float* y, const float* bias, int rows, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (long long)rows * cols) y[i] += bias[i % cols];
+}
+
+// One block per row: out = x / rms(x) * w.
+extern "C" __global__ void rms_norm_kernel(float* out, const float* x, const float* w, float eps,
+                                           int dim) {
+    __shared__ float scratch[32];
+    const float* xr = x + (long long)blockIdx.x * dim;
+    float* o = out + (long long)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) ss += xr[d] * xr[d];
+    float inv = rsqrtf(block_sum(ss, scratch) / dim + eps);
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = xr[d] * inv * w[d];
+}
+
+// residual += x; out = rms_norm(residual) * w.
+extern "C" __global__ void add_rms_norm_kernel(float* residual, const float* x, const float* w,
+                                               float eps, int dim, float* out) {
+    __shared__ float scratch[32];
+    float* r = residual + (long long)blockIdx.x * dim;
+    const float* xr = x + (long long)blockIdx.x * dim;
+    float* o = out + (long long)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        float v = r[d] + xr[d];
+        r[d] = v;
+        ss += v * v;
+    }
+    float inv = rsqrtf(block_sum(ss, scratch) / dim + eps);
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = r[d] * inv * w[d];
+}
+
+extern "C" __global__ void add_kernel(float* residual, const float* x, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) residual[i] += x[i];
+}
+
+// Rotate-half RoPE. cos_sin[pos, :half] = cos, [pos, half:] = sin. One block per row.
+extern "C" __global__ void rope_kernel(float* x, const u32* positions, int num_heads,
+                                       int head_dim, const float* cos_sin) {
+    int half = head_dim / 2;
+    int row = blockIdx.x;
+    const float* table = cos_sin + (long long)positions[row] * head_dim;
+    float* xr = x + (long long)row * num_heads * head_dim;
+    for (int i = threadIdx.x; i < num_heads * half; i += blockDim.x) {
+        int h = i / half, k = i % half;
+        float* head = xr + h * head_dim;
+        float x1 = head[k], x2 = head[k + half];
+        float c = table[k], s = table[half + k];
+        head[k] = x1 * c - x2 * s;
+        head[k + half] = x2 * c + x1 * s;
+    }
+}
+
+// out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i]
+extern "C" __global__ void silu_mul_kernel(float* out, const float* gate_up, int rows, int width) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * width) return;
+    long long r = i / width, c = i % width;
+    float g = gate_up[r * 2 * width + c], u = gate_up[r * 2 * width + width + c];
+    out[i] = g / (1.0f + expf(-g)) * u;
+}
+
+extern "C" __global__ void copy_columns_kernel(float* dst, const float* src, int src_width,
+                                               int col_start, int width, int rows) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * width) return;
+    long long r = i / width, c = i % width;
+    dst[i] = src[r * src_width + col_start + c];
+}
+
+extern "C" __global__ void gather_rows_kernel(float* out, const float* x, const u32* rows,
+                                              int width, int num_rows) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)num_rows * width) return;
+    long long r = i / width, c = i % width;
+    out[i] = x[(long long)rows[r] * width + c];
+}
+
+extern "C" __global__ void kv_write_kernel(float* k_cache, float* v_cache, const float* k,
+                                           const float* v, const u32* slots, int kv_dim,
+                                           int num_tokens) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)num_tokens * kv_dim) return;
+    long long t = i / kv_dim, d = i % kv_dim;
+    long long dst = (long long)slots[t] * kv_dim + d;
+    k_cache[dst] = k[i];
+    v_cache[dst] = v[i];
+}
+
+// Causal attention over the paged cache, any mix of prefill and decode rows.
+// One block per (query row, head). Per row: `row_table` = offset of its sequence's block
+// table in `block_tables`, `row_visible` = keys it may see (its position + 1).
+// Scores live in dynamic shared memory (max_visible floats), then the block reduces the
+// softmax and each thread owns output dimensions.
+extern "C" __global__ void paged_attention_kernel(
+    float* out, const float* q, const float* k_cache, const float* v_cache,
+    const u32* block_tables, const u32* row_table, const u32* row_visible, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, float scale) {
+    extern __shared__ float smem[];
+    __shared__ float scratch[32];
+    int row = blockIdx.x, h = blockIdx.y;
+    int kvh = h / (num_heads / num_kv_heads);
+    int kv_dim = num_kv_heads * head_dim;
+    int visible = row_visible[row];
+    const u32* table = block_tables + row_table[row];
+    float* q_s = smem;                 // head_dim
+    float* scores = smem + head_dim;   // visible
+    const float* qr = q + ((long long)row * num_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = qr[d] * scale;
+    __syncthreads();
+    // Each warp scores one key at a time, lanes splitting the head dimension.
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    float local_max = NEG_INF;
+    for (int j = warp; j < visible; j += num_warps) {
+        long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+        const float* kr = k_cache + slot * kv_dim + kvh * head_dim;
+        float s = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kr[d];
+        s = warp_sum(s);
+        if (lane == 0) scores[j] = s;
+        local_max = fmaxf(local_max, s);
+    }
+    float m = block_max(local_max, scratch);
+    __syncthreads();
+    float local_sum = 0.0f;
+    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
+        float p = expf(scores[j] - m);
+        scores[j] = p;
+        local_sum += p;
+    }
+    float denom = block_sum(local_sum, scratch);
+    __syncthreads();
+    float* o = out + ((long long)row * num_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < visible; ++j) {
+            long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+            acc += scores[j] * v_cache[slot * kv_dim + kvh * head_dim + d];
+        }
+        o[d] = acc / denom;
+    }
+}

@@ -1,0 +1,556 @@
+//! The CUDA backend (`--device cuda`): the `Backend` seam on one GPU. Weights live in bf16,
+//! activations and the paged KV cache in f32; GEMMs go through cuBLAS (bf16 operands, f32
+//! accumulate and output), everything else through troupe's own kernels in `kernels-cuda/`.
+//!
+//! One stream per backend, owned by the rank worker's thread; cudarc's per-buffer event
+//! tracking is off (the stream orders everything).
+
+mod module;
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use half::bf16;
+
+use module::Kernels;
+pub use module::{LLAMA_SOURCE, compile, open_device, ptx_for};
+
+use super::{Backend, HostMatrix, KvCacheShape, SeqAttention};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    #[error("CUDA kernels failed to build: {0}")]
+    Compile(String),
+    #[error("CUDA: {0}")]
+    Runtime(String),
+}
+
+pub struct CudaMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub w: CudaSlice<bf16>,
+}
+
+pub struct CudaKvCache {
+    pub shape: KvCacheShape,
+    pub k: Vec<CudaSlice<f32>>,
+    pub v: Vec<CudaSlice<f32>>,
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    /// Activations in bf16 for the GEMMs; grown on demand.
+    scratch: Mutex<Option<CudaSlice<bf16>>>,
+}
+
+const THREADS: u32 = 256;
+
+fn grid_for(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Device failures inside a step have no caller to return to: the rank worker dies and
+/// its supervisor restarts it.
+fn check<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA {what} failed: {e:?}"))
+}
+
+impl CudaBackend {
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        let ctx = open_device(ordinal)?;
+        // SAFETY: set before any buffer exists; this backend orders its one stream itself.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| CudaError::Runtime(e.to_string()))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Runtime(e.to_string()))?;
+        let kernels = Kernels::load(&ctx)?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            blas,
+            kernels,
+            scratch: Mutex::new(None),
+        })
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> (usize, usize) {
+        self.ctx.mem_get_info().unwrap_or((0, 0))
+    }
+
+    pub fn synchronize(&self) {
+        check(self.stream.synchronize(), "synchronize");
+    }
+
+    fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
+        check(self.stream.clone_htod(data), "upload")
+    }
+
+    fn to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < n) {
+            *scratch = Some(check(
+                self.stream.alloc_zeros::<bf16>(n.next_power_of_two()),
+                "alloc",
+            ));
+        }
+        let out = scratch.as_mut().expect("allocated above");
+        let n64 = n as i64;
+        // SAFETY: `out` holds at least n elements; `x` at least n.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.f32_to_bf16)
+                    .arg(out)
+                    .arg(x)
+                    .arg(&n64)
+                    .launch(grid_for(n))
+            },
+            "f32_to_bf16",
+        );
+        scratch
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaSlice<f32>;
+    type Matrix = CudaMatrix;
+    type KvCache = CudaKvCache;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload_matrix(&self, m: HostMatrix) -> CudaMatrix {
+        let (rows, cols) = (m.rows, m.cols);
+        let host: Vec<bf16> = m
+            .data
+            .into_f32(rows * cols)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        CudaMatrix {
+            rows,
+            cols,
+            w: check(self.stream.clone_htod(&host), "weight upload"),
+        }
+    }
+
+    fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
+        check(self.stream.clone_htod(data), "upload")
+    }
+
+    fn alloc(&self, len: usize) -> CudaSlice<f32> {
+        check(self.stream.alloc_zeros::<f32>(len.max(1)), "alloc")
+    }
+
+    fn alloc_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
+        let layer = || {
+            check(
+                self.stream.alloc_zeros::<f32>(shape.layer_len()),
+                "KV cache",
+            )
+        };
+        CudaKvCache {
+            shape,
+            k: (0..shape.num_layers).map(|_| layer()).collect(),
+            v: (0..shape.num_layers).map(|_| layer()).collect(),
+        }
+    }
+
+    fn download(&self, buf: &CudaSlice<f32>, len: usize) -> Vec<f32> {
+        let mut out = vec![0f32; len];
+        check(
+            self.stream.memcpy_dtoh(&buf.slice(0..len), &mut out),
+            "download",
+        );
+        out
+    }
+
+    fn embedding(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaSlice<f32>) {
+        let ids_d = self.upload_u32(ids);
+        let dim = table.cols as i32;
+        // SAFETY: ids < table.rows (checked by the scheduler), out holds ids.len() rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.embedding)
+                    .arg(out)
+                    .arg(&table.w)
+                    .arg(&ids_d)
+                    .arg(&dim)
+                    .launch(per_row(ids.len()))
+            },
+            "embedding",
+        );
+    }
+
+    fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        num_rows: usize,
+        w: &CudaMatrix,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        let (m, n, k) = (num_rows, w.rows, w.cols);
+        let xb = self.to_bf16(x, m * k);
+        let xb = xb.as_ref().expect("scratch allocated");
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        {
+            let (w_ptr, _gw) = w.w.device_ptr(&self.stream);
+            let (x_ptr, _gx) = xb.device_ptr(&self.stream);
+            let (y_ptr, _gy) = out.device_ptr_mut(&self.stream);
+            // Row-major Y[m, n] = X[m, k] · W[n, k]ᵀ is column-major Yᵀ = W(ᵀ) · X.
+            // SAFETY: the pointers cover m·k, n·k and m·n elements.
+            check(
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *self.blas.handle(),
+                        cublasOperation_t::CUBLAS_OP_T,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        n as i32,
+                        m as i32,
+                        k as i32,
+                        &alpha as *const f32 as *const _,
+                        w_ptr as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        x_ptr as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        &beta as *const f32 as *const _,
+                        y_ptr as *mut _,
+                        cudaDataType_t::CUDA_R_32F,
+                        n as i32,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                },
+                "gemm",
+            );
+        }
+        if let Some(bias) = bias {
+            let (rows, cols) = (m as i32, n as i32);
+            // SAFETY: y holds m·n elements, bias n.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.kernels.add_bias)
+                        .arg(out)
+                        .arg(bias)
+                        .arg(&rows)
+                        .arg(&cols)
+                        .launch(grid_for(m * n))
+                },
+                "bias",
+            );
+        }
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let d = dim as i32;
+        // SAFETY: x and out hold num_rows·dim elements, weight dim.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.rms_norm)
+                    .arg(out)
+                    .arg(x)
+                    .arg(weight)
+                    .arg(&eps)
+                    .arg(&d)
+                    .launch(per_row(num_rows))
+            },
+            "rms_norm",
+        );
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let d = dim as i32;
+        // SAFETY: residual, x and out hold num_rows·dim elements.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.add_rms_norm)
+                    .arg(residual)
+                    .arg(x)
+                    .arg(weight)
+                    .arg(&eps)
+                    .arg(&d)
+                    .arg(out)
+                    .launch(per_row(num_rows))
+            },
+            "add_rms_norm",
+        );
+    }
+
+    fn add(&self, residual: &mut CudaSlice<f32>, x: &CudaSlice<f32>, len: usize) {
+        let n = len as i64;
+        // SAFETY: both hold len elements.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.add)
+                    .arg(residual)
+                    .arg(x)
+                    .arg(&n)
+                    .launch(grid_for(len))
+            },
+            "add",
+        );
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &[u32],
+        num_heads: usize,
+        head_dim: usize,
+        cos_sin: &CudaSlice<f32>,
+    ) {
+        let pos = self.upload_u32(positions);
+        let (h, hd) = (num_heads as i32, head_dim as i32);
+        // SAFETY: x holds positions.len() rows of num_heads·head_dim; cos_sin covers them.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.rope)
+                    .arg(x)
+                    .arg(&pos)
+                    .arg(&h)
+                    .arg(&hd)
+                    .arg(cos_sin)
+                    .launch(per_row(positions.len()))
+            },
+            "rope",
+        );
+    }
+
+    fn silu_mul(
+        &self,
+        gate_up: &CudaSlice<f32>,
+        num_rows: usize,
+        width: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let (r, w) = (num_rows as i32, width as i32);
+        // SAFETY: gate_up holds rows·2·width, out rows·width.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.silu_mul)
+                    .arg(out)
+                    .arg(gate_up)
+                    .arg(&r)
+                    .arg(&w)
+                    .launch(grid_for(num_rows * width))
+            },
+            "silu_mul",
+        );
+    }
+
+    fn copy_columns(
+        &self,
+        src: &CudaSlice<f32>,
+        src_width: usize,
+        col_start: usize,
+        width: usize,
+        num_rows: usize,
+        dst: &mut CudaSlice<f32>,
+    ) {
+        let (sw, cs, w, r) = (
+            src_width as i32,
+            col_start as i32,
+            width as i32,
+            num_rows as i32,
+        );
+        // SAFETY: src holds rows·src_width, dst rows·width.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.copy_columns)
+                    .arg(dst)
+                    .arg(src)
+                    .arg(&sw)
+                    .arg(&cs)
+                    .arg(&w)
+                    .arg(&r)
+                    .launch(grid_for(num_rows * width))
+            },
+            "copy_columns",
+        );
+    }
+
+    fn kv_write(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &[u32],
+    ) {
+        let slots_d = self.upload_u32(slots);
+        let (d, n) = (cache.shape.kv_dim() as i32, slots.len() as i32);
+        let (kc, vc) = (&mut cache.k[layer], &mut cache.v[layer]);
+        // SAFETY: slots are inside the pool (the block manager's), k/v hold n rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.kv_write)
+                    .arg(kc)
+                    .arg(vc)
+                    .arg(k)
+                    .arg(v)
+                    .arg(&slots_d)
+                    .arg(&d)
+                    .arg(&n)
+                    .launch(grid_for(slots.len() * cache.shape.kv_dim()))
+            },
+            "kv_write",
+        );
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        cache: &CudaKvCache,
+        layer: usize,
+        seqs: &[SeqAttention<'_>],
+        num_heads: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let shape = &cache.shape;
+        let mut tables = Vec::new();
+        let num_rows: usize = seqs.iter().map(|s| s.num_query_tokens).sum();
+        let (mut row_table, mut row_visible) = (vec![0u32; num_rows], vec![0u32; num_rows]);
+        let mut max_visible = 0usize;
+        for s in seqs {
+            let offset = tables.len() as u32;
+            tables.extend_from_slice(s.block_table);
+            for t in 0..s.num_query_tokens {
+                let visible = s.num_context_tokens - s.num_query_tokens + t + 1;
+                row_table[s.query_start + t] = offset;
+                row_visible[s.query_start + t] = visible as u32;
+                max_visible = max_visible.max(visible);
+            }
+        }
+        if tables.is_empty() {
+            tables.push(0);
+        }
+        let smem = (shape.head_dim + max_visible) * 4;
+        assert!(
+            smem <= self.kernels.attention_smem_bytes,
+            "a context of {max_visible} tokens exceeds this attention kernel's shared memory"
+        );
+        let (tables_d, rt_d, rv_d) = (
+            self.upload_u32(&tables),
+            self.upload_u32(&row_table),
+            self.upload_u32(&row_visible),
+        );
+        let (nh, nkv, hd, bs) = (
+            num_heads as i32,
+            shape.num_kv_heads as i32,
+            shape.head_dim as i32,
+            shape.block_size as i32,
+        );
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let cfg = LaunchConfig {
+            grid_dim: (num_rows.max(1) as u32, num_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: the metadata describes rows inside q/out and slots inside the cache.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.paged_attention)
+                    .arg(out)
+                    .arg(q)
+                    .arg(&cache.k[layer])
+                    .arg(&cache.v[layer])
+                    .arg(&tables_d)
+                    .arg(&rt_d)
+                    .arg(&rv_d)
+                    .arg(&nh)
+                    .arg(&nkv)
+                    .arg(&hd)
+                    .arg(&bs)
+                    .arg(&scale)
+                    .launch(cfg)
+            },
+            "paged_attention",
+        );
+    }
+
+    fn gather_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut CudaSlice<f32>,
+    ) {
+        let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let rows_d = self.upload_u32(&rows_u32);
+        let (w, n) = (width as i32, rows.len() as i32);
+        // SAFETY: every row index is inside x; out holds rows.len()·width.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.gather_rows)
+                    .arg(out)
+                    .arg(x)
+                    .arg(&rows_d)
+                    .arg(&w)
+                    .arg(&n)
+                    .launch(grid_for(rows.len() * width))
+            },
+            "gather_rows",
+        );
+    }
+}

@@ -1,0 +1,185 @@
+//! Bringing CUDA up without panicking, and the kernels of `kernels-cuda/`: compiled with
+//! NVRTC for the device's architecture on first use, and cached on disk keyed by a hash
+//! of the source, the architecture and the driver version.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use sha2::{Digest, Sha256};
+
+use super::CudaError;
+
+pub const LLAMA_SOURCE: &str = include_str!("../../../kernels-cuda/llama.cu");
+
+/// The context of GPU `ordinal`, or why there is none: libraries missing, no device, an
+/// old driver. cudarc panics when a library is missing, so presence is checked first.
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
+    // SAFETY: these only try to dlopen the libraries.
+    let (driver, nvrtc, cublas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    for (present, name) in [
+        (driver, "libcuda"),
+        (nvrtc, "libnvrtc"),
+        (cublas, "libcublas"),
+    ] {
+        if !present {
+            return Err(CudaError::Unavailable(format!(
+                "{name} was not found (set LD_LIBRARY_PATH to the CUDA 13 libraries)"
+            )));
+        }
+    }
+    cudarc::driver::result::init().map_err(|e| CudaError::Unavailable(format!("cuInit: {e}")))?;
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: writes one int.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| CudaError::Unavailable(format!("driver version: {e}")))?;
+    if version < 13000 {
+        return Err(CudaError::Unavailable(format!(
+            "the driver supports CUDA {}.{}; troupe needs 13.0 or newer",
+            version / 1000,
+            version % 1000 / 10
+        )));
+    }
+    let count = CudaContext::device_count().map_err(|e| CudaError::Unavailable(e.to_string()))?;
+    if ordinal as i32 >= count {
+        return Err(CudaError::Unavailable(format!(
+            "GPU {ordinal} requested; {count} present"
+        )));
+    }
+    CudaContext::new(ordinal).map_err(|e| CudaError::Unavailable(e.to_string()))
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("TROUPE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|d| d.join("troupe")))
+        .unwrap_or_else(|| PathBuf::from(".troupe"))
+        .join("cuda-kernels")
+}
+
+/// PTX of `source` for compute capability `cc`: from the disk cache, or NVRTC.
+pub fn ptx_for(source: &str, cc: (i32, i32)) -> Result<String, CudaError> {
+    let mut driver: std::ffi::c_int = 0;
+    // SAFETY: writes one int.
+    let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    let arch = format!("compute_{}{}", cc.0, cc.1);
+    let key = Sha256::digest(format!("{arch}\n{driver}\n{source}").as_bytes());
+    let hex: String = key.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let path = cache_dir().join(format!("{hex}.ptx"));
+    if let Ok(ptx) = std::fs::read_to_string(&path) {
+        return Ok(ptx);
+    }
+    let ptx = compile(source, &arch)?;
+    // A cache that cannot be written only costs the next start a compile.
+    if std::fs::create_dir_all(cache_dir()).is_ok() {
+        let tmp = path.with_extension("tmp");
+        if std::fs::write(&tmp, &ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(ptx)
+}
+
+/// PTX of `source` for `arch` (`compute_90`), straight from NVRTC.
+pub fn compile(source: &str, arch: &str) -> Result<String, CudaError> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable(
+            "libnvrtc.so.13 was not found (pip install nvidia-cuda-nvrtc, or the CUDA toolkit)"
+                .into(),
+        ));
+    }
+    let opts = CompileOptions {
+        options: vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".into(),
+            // Not --use_fast_math: expf and division stay IEEE, closer to the CPU backend.
+        ],
+        name: Some("llama.cu".into()),
+        ..Default::default()
+    };
+    Ok(cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map_err(|e| CudaError::Compile(compile_log(e)))?
+        .to_src())
+}
+
+fn compile_log(e: cudarc::nvrtc::CompileError) -> String {
+    match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+        other => format!("{other:?}"),
+    }
+}
+
+pub struct Kernels {
+    /// Held so the functions' module outlives them whatever cudarc does internally.
+    _module: Arc<CudaModule>,
+    pub f32_to_bf16: CudaFunction,
+    pub embedding: CudaFunction,
+    pub add_bias: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub add_rms_norm: CudaFunction,
+    pub add: CudaFunction,
+    pub rope: CudaFunction,
+    pub silu_mul: CudaFunction,
+    pub copy_columns: CudaFunction,
+    pub gather_rows: CudaFunction,
+    pub kv_write: CudaFunction,
+    pub paged_attention: CudaFunction,
+    /// Dynamic shared memory the attention kernel may use (opted in at load).
+    pub attention_smem_bytes: usize,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        let ptx = ptx_for(LLAMA_SOURCE, cc)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| CudaError::Compile(format!("loading the kernels: {e}")))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| CudaError::Compile(format!("kernel `{name}`: {e}")))
+        };
+        let paged_attention = f("paged_attention_kernel")?;
+        let optin = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+        let static_bytes = paged_attention.shared_size_bytes().unwrap_or(0);
+        let attention_smem_bytes = (optin - static_bytes).max(0);
+        paged_attention
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attention_smem_bytes,
+            )
+            .map_err(|e| CudaError::Compile(format!("attention shared memory: {e}")))?;
+        Ok(Kernels {
+            f32_to_bf16: f("f32_to_bf16_kernel")?,
+            embedding: f("embedding_kernel")?,
+            add_bias: f("add_bias_kernel")?,
+            rms_norm: f("rms_norm_kernel")?,
+            add_rms_norm: f("add_rms_norm_kernel")?,
+            add: f("add_kernel")?,
+            rope: f("rope_kernel")?,
+            silu_mul: f("silu_mul_kernel")?,
+            copy_columns: f("copy_columns_kernel")?,
+            gather_rows: f("gather_rows_kernel")?,
+            kv_write: f("kv_write_kernel")?,
+            paged_attention,
+            attention_smem_bytes: attention_smem_bytes as usize,
+            _module: module,
+        })
+    }
+}

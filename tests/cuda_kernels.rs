@@ -1,0 +1,40 @@
+//! The CUDA kernels compile with NVRTC for Hopper (no GPU needed: NVRTC is a compiler).
+//! CI installs NVRTC from pip, so a kernel that does not build fails here, not on a GPU.
+#![cfg(feature = "cuda")]
+
+use troupe::kernels::cuda::{LLAMA_SOURCE, compile};
+
+#[test]
+fn llama_kernels_compile_for_sm90_with_every_entry_point() {
+    let ptx = compile(LLAMA_SOURCE, "compute_90").unwrap_or_else(|e| panic!("{e}"));
+    for kernel in [
+        "f32_to_bf16_kernel",
+        "embedding_kernel",
+        "add_bias_kernel",
+        "rms_norm_kernel",
+        "add_rms_norm_kernel",
+        "add_kernel",
+        "rope_kernel",
+        "silu_mul_kernel",
+        "copy_columns_kernel",
+        "gather_rows_kernel",
+        "kv_write_kernel",
+        "paged_attention_kernel",
+    ] {
+        assert!(
+            ptx.contains(&format!(".entry {kernel}(")),
+            "{kernel} missing from the PTX"
+        );
+    }
+}
+
+#[test]
+fn a_broken_kernel_reports_the_compiler_log() {
+    let err = compile(
+        "extern \"C\" __global__ void k() { undeclared(); }",
+        "compute_90",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("undeclared"), "{err}");
+}
