@@ -215,3 +215,59 @@ extern "C" __global__ void paged_attention_kernel(
         o[d] = acc / denom;
     }
 }
+
+// Batch-invariant GEMM: C[m, n] = Σ_k X[m, k] · W[n, k], X f32, W bf16, C f32. Every output
+// element is one thread's FMA chain over k in a fixed order (no split-K, zero padding adds
+// exact zeros), so a row's result does not depend on how many rows share the launch —
+// cuBLAS picks kernels by M and gives no such promise. 256 threads, 64×64 tiles, 4×4 each.
+#define INV_TM 64
+#define INV_TN 64
+#define INV_TK 16
+extern "C" __global__ void matmul_invariant_kernel(float* C, const float* X, const bf16_t* W,
+                                                   int M, int N, int K) {
+    __shared__ float xs[INV_TK][INV_TM + 1];
+    __shared__ float ws[INV_TK][INV_TN + 1];
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int m0 = blockIdx.y * INV_TM, n0 = blockIdx.x * INV_TN;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += INV_TK) {
+        for (int i = threadIdx.x; i < INV_TM * INV_TK; i += blockDim.x) {
+            int r = i / INV_TK, c = i % INV_TK;
+            int gm = m0 + r, gk = k0 + c;
+            xs[c][r] = (gm < M && gk < K) ? X[(long long)gm * K + gk] : 0.0f;
+        }
+        for (int i = threadIdx.x; i < INV_TN * INV_TK; i += blockDim.x) {
+            int r = i / INV_TK, c = i % INV_TK;
+            int gn = n0 + r, gk = k0 + c;
+            ws[c][r] = (gn < N && gk < K) ? bf16_to_f32(W[(long long)gn * K + gk]) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < INV_TK; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = xs[kk][ty * 4 + i];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = ws[kk][tx * 4 + j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int gm = m0 + ty * 4 + i;
+        if (gm >= M) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int gn = n0 + tx * 4 + j;
+            if (gn < N) C[(long long)gm * N + gn] = acc[i][j];
+        }
+    }
+}

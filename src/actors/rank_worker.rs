@@ -88,7 +88,10 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
             args,
         ),
         #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => load_on(crate::kernels::cuda::CudaBackend::new(ordinal)?, args),
+        Device::Cuda(ordinal) => load_on(
+            crate::kernels::cuda::CudaBackend::new(ordinal, args.batch_invariant)?,
+            args,
+        ),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::engine::NO_CUDA.into()),
     }

@@ -42,13 +42,25 @@ pub struct CudaKvCache {
     pub v: Vec<CudaSlice<f32>>,
 }
 
+/// Per-step metadata uploads kept for reuse: every layer passes the same positions, slots
+/// and block tables, so a step uploads each once instead of once per layer.
+const UPLOAD_CACHE_ENTRIES: usize = 8;
+
+/// Host contents and their device copy, oldest first.
+type UploadCache = Vec<(Vec<u32>, Arc<CudaSlice<u32>>)>;
+
 pub struct CudaBackend {
+    /// GEMMs through `matmul_invariant_kernel` (f32 activations, fixed reduction order)
+    /// instead of cuBLAS: a row's logits do not depend on its batch.
+    pub batch_invariant: bool,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     kernels: Kernels,
     /// Activations in bf16 for the GEMMs; grown on demand.
     scratch: Mutex<Option<CudaSlice<bf16>>>,
+    /// Recent uploads, newest last; entries are never written after upload.
+    uploads: Mutex<UploadCache>,
 }
 
 const THREADS: u32 = 256;
@@ -76,7 +88,7 @@ fn check<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
 }
 
 impl CudaBackend {
-    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+    pub fn new(ordinal: usize, batch_invariant: bool) -> Result<Self, CudaError> {
         let ctx = open_device(ordinal)?;
         // SAFETY: set before any buffer exists; this backend orders its one stream itself.
         unsafe { ctx.disable_event_tracking() };
@@ -86,6 +98,8 @@ impl CudaBackend {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Runtime(e.to_string()))?;
         let kernels = Kernels::load(&ctx)?;
         Ok(CudaBackend {
+            batch_invariant,
+            uploads: Mutex::new(Vec::new()),
             ctx,
             stream,
             blas,
@@ -103,8 +117,46 @@ impl CudaBackend {
         check(self.stream.synchronize(), "synchronize");
     }
 
-    fn upload_u32(&self, data: &[u32]) -> CudaSlice<u32> {
-        check(self.stream.clone_htod(data), "upload")
+    fn upload_u32(&self, data: &[u32]) -> Arc<CudaSlice<u32>> {
+        let mut cache = self.uploads.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = cache.iter().position(|(host, _)| host.as_slice() == data) {
+            let entry = cache.remove(i);
+            let dev = entry.1.clone();
+            cache.push(entry);
+            return dev;
+        }
+        let dev = Arc::new(check(self.stream.clone_htod(data), "upload"));
+        if cache.len() >= UPLOAD_CACHE_ENTRIES {
+            cache.remove(0);
+        }
+        cache.push((data.to_vec(), dev.clone()));
+        dev
+    }
+
+    fn add_bias(
+        &self,
+        out: &mut CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        m: usize,
+        n: usize,
+    ) {
+        let Some(bias) = bias else {
+            return;
+        };
+        let (rows, cols) = (m as i32, n as i32);
+        // SAFETY: out holds m·n elements, bias n.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.add_bias)
+                    .arg(out)
+                    .arg(bias)
+                    .arg(&rows)
+                    .arg(&cols)
+                    .launch(grid_for(m * n))
+            },
+            "bias",
+        );
     }
 
     fn to_bf16(
@@ -202,7 +254,7 @@ impl Backend for CudaBackend {
                     .launch_builder(&self.kernels.embedding)
                     .arg(out)
                     .arg(&table.w)
-                    .arg(&ids_d)
+                    .arg(&*ids_d)
                     .arg(&dim)
                     .launch(per_row(ids.len()))
             },
@@ -222,6 +274,31 @@ impl Backend for CudaBackend {
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
         };
         let (m, n, k) = (num_rows, w.rows, w.cols);
+        if self.batch_invariant {
+            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x holds m·k, w n·k, out m·n elements.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.kernels.matmul_invariant)
+                        .arg(&mut *out)
+                        .arg(x)
+                        .arg(&w.w)
+                        .arg(&mi)
+                        .arg(&ni)
+                        .arg(&ki)
+                        .launch(cfg)
+                },
+                "matmul_invariant",
+            );
+            self.add_bias(out, bias, m, n);
+            return;
+        }
         let xb = self.to_bf16(x, m * k);
         let xb = xb.as_ref().expect("scratch allocated");
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -258,22 +335,7 @@ impl Backend for CudaBackend {
                 "gemm",
             );
         }
-        if let Some(bias) = bias {
-            let (rows, cols) = (m as i32, n as i32);
-            // SAFETY: y holds m·n elements, bias n.
-            check(
-                unsafe {
-                    self.stream
-                        .launch_builder(&self.kernels.add_bias)
-                        .arg(out)
-                        .arg(bias)
-                        .arg(&rows)
-                        .arg(&cols)
-                        .launch(grid_for(m * n))
-                },
-                "bias",
-            );
-        }
+        self.add_bias(out, bias, m, n);
     }
 
     fn rms_norm(
@@ -362,7 +424,7 @@ impl Backend for CudaBackend {
                 self.stream
                     .launch_builder(&self.kernels.rope)
                     .arg(x)
-                    .arg(&pos)
+                    .arg(&*pos)
                     .arg(&h)
                     .arg(&hd)
                     .arg(cos_sin)
@@ -447,7 +509,7 @@ impl Backend for CudaBackend {
                     .arg(vc)
                     .arg(k)
                     .arg(v)
-                    .arg(&slots_d)
+                    .arg(&*slots_d)
                     .arg(&d)
                     .arg(&n)
                     .launch(grid_for(slots.len() * cache.shape.kv_dim()))
@@ -514,9 +576,9 @@ impl Backend for CudaBackend {
                     .arg(q)
                     .arg(&cache.k[layer])
                     .arg(&cache.v[layer])
-                    .arg(&tables_d)
-                    .arg(&rt_d)
-                    .arg(&rv_d)
+                    .arg(&*tables_d)
+                    .arg(&*rt_d)
+                    .arg(&*rv_d)
                     .arg(&nh)
                     .arg(&nkv)
                     .arg(&hd)
@@ -545,7 +607,7 @@ impl Backend for CudaBackend {
                     .launch_builder(&self.kernels.gather_rows)
                     .arg(out)
                     .arg(x)
-                    .arg(&rows_d)
+                    .arg(&*rows_d)
                     .arg(&w)
                     .arg(&n)
                     .launch(grid_for(rows.len() * width))

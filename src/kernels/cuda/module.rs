@@ -133,6 +133,7 @@ pub struct Kernels {
     pub gather_rows: CudaFunction,
     pub kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
+    pub matmul_invariant: CudaFunction,
     /// Dynamic shared memory the attention kernel may use (opted in at load).
     pub attention_smem_bytes: usize,
 }
@@ -178,6 +179,7 @@ impl Kernels {
             gather_rows: f("gather_rows_kernel")?,
             kv_write: f("kv_write_kernel")?,
             paged_attention,
+            matmul_invariant: f("matmul_invariant_kernel")?,
             attention_smem_bytes: attention_smem_bytes as usize,
             _module: module,
         })
