@@ -2,14 +2,27 @@
 //! reference outputs of the synchronous `Generator` run one request at a time.
 #![allow(dead_code)]
 
-use troupe::engine::{EngineConfig, EngineRequest, RequestOutput};
+use troupe::engine::{Device, Engine, EngineConfig, EngineRequest, RequestOutput};
 use troupe::generate::{GenerateRequest, Generator};
 use troupe::kernels::cpu::CpuBackend;
 use troupe::sampling::{SamplingParams, splitmix64};
 
+/// The device the engine scenarios run on: the CPU, or with `TROUPE_TEST_DEVICE=cuda`
+/// (on the GPU machine, `scripts/gpu-check.sh`) GPU 0.
+pub fn test_device() -> Device {
+    match std::env::var("TROUPE_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Device::Cuda(0),
+        _ => Device::Cpu,
+    }
+}
+
 pub fn tiny_config(name: &str) -> EngineConfig {
     let mut cfg = EngineConfig::new(super::goldens().join(name));
     cfg.kv_cache_bytes = 64 << 20;
+    cfg.device = test_device();
+    // On a GPU only the invariant GEMM makes a row's tokens independent of its batch,
+    // which is what "unchanged after a restart" compares.
+    cfg.batch_invariant = cfg.device != Device::Cpu;
     cfg
 }
 
@@ -30,8 +43,27 @@ pub fn random_requests(n: usize, vocab: u32, seed: u64) -> Vec<EngineRequest> {
         .collect()
 }
 
-/// Each request alone through the synchronous reference loop.
+/// Each request alone through the synchronous reference loop on the CPU; on a GPU, each
+/// request alone through a fault-free engine on that GPU (its bf16 weights differ from the
+/// CPU's f32 ones, so the CPU is no reference there).
 pub fn reference_outputs(model: &str, requests: &[EngineRequest]) -> Vec<Vec<u32>> {
+    if test_device() != Device::Cpu {
+        let (model, requests) = (model.to_string(), requests.to_vec());
+        return std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let engine = Engine::spawn(tiny_config(&model)).await.unwrap();
+                let mut out = Vec::new();
+                for r in requests {
+                    out.push(engine.generate(r).await.unwrap().collect().await.token_ids);
+                }
+                engine.shutdown(false).await;
+                out
+            })
+        })
+        .join()
+        .unwrap();
+    }
     let loaded = super::load(&super::goldens().join(model));
     let mut generator = Generator::new(CpuBackend::default(), loaded, 16);
     requests

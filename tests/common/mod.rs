@@ -8,8 +8,15 @@ use serde_json::Value;
 use troupe::kernels::cpu::CpuBackend;
 use troupe::model::{self, LoadedModel};
 
+/// The goldens of the checkout the tests were built in, or — for a test binary carried to
+/// the GPU machine and run from the repository root there — of the current directory.
 pub fn goldens() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/goldens")
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/goldens");
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from("tests/goldens")
+    }
 }
 
 pub fn read_json(rel: &str) -> Value {
