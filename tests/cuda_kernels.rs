@@ -21,6 +21,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "kv_write_kernel",
         "paged_attention_kernel",
         "matmul_invariant_kernel",
+        "greedy_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

@@ -12,7 +12,7 @@ use ractor::{ActorProcessingErr, ActorRef};
 
 use super::fault::FaultPlan;
 use super::sampled_tokens::SampledTokens;
-use super::sampler::{RowSampling, SamplerMsg};
+use super::sampler::{RowSampling, SamplerMsg, StepLogits};
 use crate::engine::Device;
 use crate::kernels::Backend;
 use crate::kernels::cpu::CpuBackend;
@@ -42,8 +42,14 @@ pub struct RankArgs {
 
 /// One rank's model, weights and KV cache on its device: all a step needs.
 trait DeviceModel {
-    /// Logits of each sampling row, `[rows, vocab]`.
-    fn forward(&mut self, block_size: usize, steps: &[SeqStep<'_>]) -> Vec<f32>;
+    /// Runs the step; plain-greedy rows are picked on the device, the other sampling rows'
+    /// logits come back to the host.
+    fn step(
+        &mut self,
+        block_size: usize,
+        steps: &[SeqStep<'_>],
+        sampling: &[Option<RowSampling>],
+    ) -> StepLogits;
     fn vocab_size(&self) -> usize;
 }
 
@@ -54,9 +60,44 @@ struct OnBackend<B: Backend> {
 }
 
 impl<B: Backend> DeviceModel for OnBackend<B> {
-    fn forward(&mut self, block_size: usize, steps: &[SeqStep<'_>]) -> Vec<f32> {
+    fn step(
+        &mut self,
+        block_size: usize,
+        steps: &[SeqStep<'_>],
+        sampling: &[Option<RowSampling>],
+    ) -> StepLogits {
         self.model
-            .forward(&self.backend, &mut self.cache, block_size, steps)
+            .forward_on_device(&self.backend, &mut self.cache, block_size, steps);
+        let vocab = self.model.cfg.vocab_size;
+        let logits = self.model.device_logits();
+        let (mut greedy, mut host) = (Vec::new(), Vec::new());
+        for (row, s) in sampling.iter().enumerate() {
+            match s {
+                Some(s) if s.is_device_greedy() => greedy.push(row),
+                Some(_) => host.push(row),
+                None => {}
+            }
+        }
+        let mut out = StepLogits {
+            picked: vec![None; sampling.len()],
+            host_row: vec![None; sampling.len()],
+            host: Vec::new(),
+        };
+        if !greedy.is_empty() {
+            for (&row, pick) in greedy
+                .iter()
+                .zip(self.backend.greedy_rows(logits, vocab, &greedy))
+            {
+                out.picked[row] = Some(pick);
+            }
+        }
+        if !host.is_empty() {
+            out.host = self.backend.download_rows(logits, vocab, &host);
+            for (i, &row) in host.iter().enumerate() {
+                out.host_row[row] = Some(i);
+            }
+        }
+        out
     }
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
@@ -185,7 +226,7 @@ impl ThreadLocalActor for RankWorker {
                 block_table: &row.block_table,
             })
             .collect();
-        let logits = st.model.forward(st.block_size, &steps);
+        let logits = st.model.step(st.block_size, &steps, &sampling);
         let vocab_size = st.model.vocab_size();
         st.last_step_end = Some(Instant::now());
         // A sampler that died with this step in flight is being replaced; the restart

@@ -31,12 +31,40 @@ pub struct RowSampling {
     pub constraint: Option<StdArc<SeqConstraint>>,
 }
 
+impl RowSampling {
+    /// Plain greedy with nothing to report but the token's logprob: the rank worker picks
+    /// it where the logits lie, and only the pick crosses to the host.
+    pub fn is_device_greedy(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy()
+            && p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.frequency_penalty == 0.0
+            && p.presence_penalty == 0.0
+            && p.num_top_logprobs == 0
+            && !p.raw_logprobs
+            && self.banned_ids.is_empty()
+            && self.constraint.is_none()
+    }
+}
+
+/// A step's logits as they reach the sampler: picks made on the device, and the host
+/// copies of the rows still to be sampled here.
+#[derive(Debug, Default)]
+pub struct StepLogits {
+    /// Per plan row: the device's greedy pick and its logprob.
+    pub picked: Vec<Option<(u32, f32)>>,
+    /// Per plan row: its row in `host`.
+    pub host_row: Vec<Option<usize>>,
+    /// `[host rows, vocab]`.
+    pub host: Vec<f32>,
+}
+
 pub enum SamplerMsg {
     Sample {
         epoch: u64,
         step_id: u64,
-        /// `[rows, vocab]`: the logits of each row's last token.
-        logits: StdArc<Vec<f32>>,
+        logits: StdArc<StepLogits>,
         vocab_size: usize,
         sampling: StdArc<Vec<Option<RowSampling>>>,
         started: Instant,
@@ -130,7 +158,19 @@ impl Actor for SamplerActor {
                 output_ids,
                 banned_ids: &s.banned_ids,
             };
-            let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
+            if let Some((token, logprob)) = logits.picked.get(row).copied().flatten() {
+                per_row.push(Some(token));
+                tokens.push(token);
+                token_logprobs.push(logprob);
+                top_logprobs.push(Vec::new());
+                continue;
+            }
+            let Some(host_row) = logits.host_row.get(row).copied().flatten() else {
+                return Err(
+                    format!("step {step_id}: row {row} has neither a pick nor logits").into(),
+                );
+            };
+            let row_logits = &logits.host[host_row * vocab_size..(host_row + 1) * vocab_size];
             let row_logits = match &s.constraint {
                 Some(c) => {
                     st.masked.clear();

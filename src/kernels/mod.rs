@@ -181,4 +181,9 @@ pub trait Backend: Send + Sync {
     );
     /// Copies rows `rows[i]` of `x[_, width]` to row `i` of `out`.
     fn gather_rows(&self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
+    /// Greedy picks of `rows` of `[_, vocab]` logits where they lie: per row the first index
+    /// of the maximum and its log-probability (logit − log-sum-exp), as the sampler would.
+    fn greedy_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)>;
+    /// Rows of `[_, vocab]` logits, copied to the host back to back.
+    fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
 }

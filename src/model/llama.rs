@@ -120,6 +120,24 @@ impl<B: Backend> LlamaModel<B> {
         block_size: usize,
         seqs: &[SeqStep<'_>],
     ) -> Vec<f32> {
+        self.forward_on_device(backend, cache, block_size, seqs);
+        let logits = &self.ws.as_ref().expect("workspace made by the step").logits;
+        backend.download(logits, seqs.len() * self.cfg.vocab_size)
+    }
+
+    /// The logits of the last step, left on the device: `[rows, vocab]`.
+    pub fn device_logits(&self) -> &B::Buf {
+        &self.ws.as_ref().expect("a step ran").logits
+    }
+
+    /// Runs one step, leaving the logits on the device (`device_logits`).
+    pub fn forward_on_device(
+        &mut self,
+        backend: &B,
+        cache: &mut B::KvCache,
+        block_size: usize,
+        seqs: &[SeqStep<'_>],
+    ) {
         let num_tokens: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
         self.ensure_workspace(backend, num_tokens, seqs.len());
         self.positions.clear();
@@ -236,6 +254,5 @@ impl<B: Backend> LlamaModel<B> {
         );
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         backend.matmul(&ws.last, seqs.len(), head, None, &mut ws.logits);
-        backend.download(&ws.logits, seqs.len() * c.vocab_size)
     }
 }

@@ -52,7 +52,7 @@ pub(super) fn max_value(values: &[f32]) -> f32 {
 
 /// ln Σ exp(values), as max + ln Σ exp(v − max) with the sum in f64 over 8 lanes. A row
 /// whose max is ±∞ returns that max (no distribution to normalize).
-pub(super) fn log_sum_exp(values: &[f32]) -> f32 {
+pub fn log_sum_exp(values: &[f32]) -> f32 {
     let max = max_value(values);
     if !max.is_finite() {
         return max;

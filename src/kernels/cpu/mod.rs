@@ -268,6 +268,27 @@ impl Backend for CpuBackend {
         );
     }
 
+    fn greedy_rows(&self, logits: &Vec<f32>, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)> {
+        rows.iter()
+            .map(|&r| {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let token = crate::sampling::argmax(row);
+                (
+                    token,
+                    row[token as usize] - crate::sampling::log_sum_exp(row),
+                )
+            })
+            .collect()
+    }
+
+    fn download_rows(&self, logits: &Vec<f32>, vocab: usize, rows: &[usize]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(rows.len() * vocab);
+        for &r in rows {
+            out.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
+        }
+        out
+    }
+
     fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {
         for (i, &r) in rows.iter().enumerate() {
             out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);

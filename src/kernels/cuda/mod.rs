@@ -590,6 +590,53 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn greedy_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: &[usize],
+    ) -> Vec<(u32, f32)> {
+        if rows.is_empty() {
+            return Vec::new();
+        }
+        let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let rows_d = self.upload_u32(&rows_u32);
+        let mut ids = check(self.stream.alloc_zeros::<u32>(rows.len()), "alloc");
+        let mut logprobs = check(self.stream.alloc_zeros::<f32>(rows.len()), "alloc");
+        let v = vocab as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.len() as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every listed row lies inside `logits`; the outputs hold rows.len().
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.greedy)
+                    .arg(&mut ids)
+                    .arg(&mut logprobs)
+                    .arg(logits)
+                    .arg(&*rows_d)
+                    .arg(&v)
+                    .launch(cfg)
+            },
+            "greedy",
+        );
+        let ids = check(self.stream.clone_dtoh(&ids), "download");
+        let logprobs = check(self.stream.clone_dtoh(&logprobs), "download");
+        ids.into_iter().zip(logprobs).collect()
+    }
+
+    fn download_rows(&self, logits: &CudaSlice<f32>, vocab: usize, rows: &[usize]) -> Vec<f32> {
+        if rows.iter().enumerate().all(|(i, &r)| i == r) {
+            return self.download(logits, rows.len() * vocab);
+        }
+        let mut packed = self.alloc(rows.len() * vocab);
+        self.gather_rows(logits, vocab, rows, &mut packed);
+        self.download(&packed, rows.len() * vocab)
+    }
+
     fn gather_rows(
         &self,
         x: &CudaSlice<f32>,

@@ -134,6 +134,7 @@ pub struct Kernels {
     pub kv_write: CudaFunction,
     pub paged_attention: CudaFunction,
     pub matmul_invariant: CudaFunction,
+    pub greedy: CudaFunction,
     /// Dynamic shared memory the attention kernel may use (opted in at load).
     pub attention_smem_bytes: usize,
 }
@@ -180,6 +181,7 @@ impl Kernels {
             kv_write: f("kv_write_kernel")?,
             paged_attention,
             matmul_invariant: f("matmul_invariant_kernel")?,
+            greedy: f("greedy_kernel")?,
             attention_smem_bytes: attention_smem_bytes as usize,
             _module: module,
         })

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The CUDA backend's benchmarks, side by side with transformers on one H200.
+
+Part `decode`: batch-1 decode, Llama-3.1-8B shape, 512-token prompt, 256 new tokens; tok/s
+against transformers' `generate` and against the roofline = (weight bytes + KV bytes read
+per step) / device-to-device copy bandwidth measured in the same run.
+Part `offline`: the nano-vllm workload, Qwen3-0.6B shape, 256 requests, prompt ids of length
+U[100, 1024], output length U[100, 1024], ignore_eos, seed 0: output tok/s; transformers'
+continuous batching (`generate_batch`) as the peer; and the rank worker's idle share
+between steps at batch 256 with ZOS on and off (host clock: time the worker waited for its
+next step over the run).
+
+Usage (device machine): python3 scripts/gpu_bench.py target/release/troupe decode|offline
+Random bf16 weights made here by transformers; both engines read the same files.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+OUT = os.environ.get("OUT", "/tmp/gpu_bench_out")
+WORK = "/tmp/gpu_bench_models"
+
+
+def make(name):
+    path = os.path.join(WORK, name)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if name == "llama-3.1-8b":
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                          max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                          tie_word_embeddings=False, initializer_range=0.02)
+        cls = LlamaForCausalLM
+    else:
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                          num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                          head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, tie_word_embeddings=True, initializer_range=0.02)
+        cls = Qwen3ForCausalLM
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = cls(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def copy_bandwidth():
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    secs = start.elapsed_time(end) / 1000 / 10
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * (2 << 30) / secs  # bytes read + written
+
+
+def troupe(binary, model, lines, extra, log):
+    path = os.path.join(WORK, f"{log}.jsonl")
+    with open(path, "w") as f:
+        for l in lines:
+            f.write(json.dumps(l) + "\n")
+    cmd = [binary, "generate", "--model", model, "--device", "cuda", "--prompts-file", path,
+           "--ignore-eos", "--temperature", "0", "--json", "--stats", *extra]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    with open(os.path.join(OUT, f"{log}.log"), "w") as f:
+        f.write(" ".join(cmd) + "\n" + r.stderr[-20000:])
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    outs = [json.loads(l) for l in r.stdout.splitlines() if l.strip()]
+    stats = json.loads([l for l in r.stderr.splitlines() if l.startswith("{")][-1])
+    return outs, stats, wall
+
+
+def decode(binary, results):
+    path = make("llama-3.1-8b")
+    bw = copy_bandwidth()
+    prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    new = 256
+    outs, stats, wall = troupe(binary, path, [{"prompt_ids": prompt, "max_tokens": new}],
+                               ["--kv-cache-mib", "4096"], "decode-8b")
+    troupe_tok_s = stats["decode_tokens_per_s"]
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        hf_tok_s = new / (time.perf_counter() - t0)
+    cfg = model.config
+    # Mean KV bytes read per step: troupe keeps K and V in f32; bf16 for the ideal.
+    mean_ctx = 512 + new / 2
+    kv_bf16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * 2 * mean_ctx
+    roofline = bw / (weight_bytes + kv_bf16)
+    results["decode"] = dict(copy_bandwidth_bytes_s=bw, weight_bytes=weight_bytes, kv_bytes_per_step=kv_bf16,
+                             roofline_tok_s=roofline, troupe_tok_s=troupe_tok_s, troupe_wall_s=wall,
+                             transformers_tok_s=hf_tok_s, troupe_of_roofline=troupe_tok_s / roofline,
+                             transformers_of_roofline=hf_tok_s / roofline)
+
+
+def offline(binary, results):
+    path = make("qwen3-0.6b")
+    rng = random.Random(0)
+    reqs = [dict(prompt_ids=[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))],
+                 max_tokens=rng.randint(100, 1024)) for _ in range(256)]
+    total_out = sum(r["max_tokens"] for r in reqs)
+    rows = {}
+    for zos in (True, False):
+        extra = [] if zos else ["--no-zos"]
+        _, stats, wall = troupe(binary, path, reqs, extra, f"offline-{'zos' if zos else 'nozos'}")
+        rows["zos" if zos else "no_zos"] = dict(out_tok_s=total_out / wall, wall_s=wall,
+                                                idle_share=stats["worker_idle_secs"] / wall, steps=stats["steps"])
+    peer = None
+    if os.environ.get("GPU_BENCH_SKIP_PEER"):
+        results["offline"] = dict(total_out_tokens=total_out, troupe=rows, transformers_generate_batch="skipped")
+        return
+    try:
+        from transformers import GenerationConfig
+        model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        sub = reqs[:64]
+        gc = GenerationConfig(max_new_tokens=max(r["max_tokens"] for r in sub), do_sample=False,
+                              eos_token_id=-1, pad_token_id=0)
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=[r["prompt_ids"] for r in sub], generation_config=gc)
+        secs = time.perf_counter() - t0
+        n = sum(len(v.generated_tokens) for v in out.values())
+        peer = dict(requests=len(sub), out_tokens=n, out_tok_s=n / secs, wall_s=secs)
+    except Exception as e:  # the peer's API moves between versions: report, do not fail
+        peer = dict(error=str(e)[-800:])
+    results["offline"] = dict(total_out_tokens=total_out, troupe=rows, transformers_generate_batch=peer)
+
+
+def main(binary, part):
+    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(WORK, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(0)}
+    try:
+        (decode if part == "decode" else offline)(binary, results)
+    except Exception as e:
+        results[part] = {"error": str(e)[-2000:]}
+    with open(os.path.join(OUT, f"gpu_bench_{part}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
