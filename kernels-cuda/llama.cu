@@ -330,3 +330,21 @@ extern "C" __global__ void greedy_kernel(u32* out_ids, float* out_logprobs, cons
         out_logprobs[blockIdx.x] = x[pick] - (m + logf(total));
     }
 }
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// --dummy-weights made on the device: element i = mean ± half_width from (seed, i), the same
+// draw as the host's `random_weight`.
+extern "C" __global__ void random_bf16_kernel(bf16_t* out, long long n, unsigned long long seed,
+                                              float mean, float half_width) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned long long h = splitmix64(seed ^ splitmix64((unsigned long long)i));
+    float u = (float)(h >> 40) / 16777216.0f;
+    out[i] = f32_to_bf16(mean + (2.0f * u - 1.0f) * half_width);
+}

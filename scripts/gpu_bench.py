@@ -119,6 +119,23 @@ def decode(binary, results):
                              transformers_of_roofline=hf_tok_s / roofline)
 
 
+def dummy(binary, results):
+    """Batch-1 decode of the Llama-3.1-8B shape from its config.json alone (--dummy-weights:
+    random weights made on the GPU, no checkpoint written or read)."""
+    path = os.path.join(WORK, "llama-3.1-8b-config")
+    os.makedirs(path, exist_ok=True)
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                tie_word_embeddings=False).save_pretrained(path)
+    prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    t0 = time.perf_counter()
+    outs, stats, wall = troupe(binary, path, [{"prompt_ids": prompt, "max_tokens": 256}],
+                               ["--kv-cache-mib", "4096", "--dummy-weights"], "dummy-8b")
+    results["dummy"] = dict(tokens=len(outs[0]["token_ids"]), decode_tok_s=stats["decode_tokens_per_s"],
+                            wall_s=wall)
+
+
 def offline(binary, results):
     path = make("qwen3-0.6b")
     rng = random.Random(0)
@@ -156,7 +173,7 @@ def main(binary, part):
     os.makedirs(WORK, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(0)}
     try:
-        (decode if part == "decode" else offline)(binary, results)
+        {"decode": decode, "offline": offline, "dummy": dummy}[part](binary, results)
     except Exception as e:
         results[part] = {"error": str(e)[-2000:]}
     with open(os.path.join(OUT, f"gpu_bench_{part}.json"), "w") as f:

@@ -69,6 +69,10 @@ pub struct EngineFlags {
     /// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
+    /// Seeded random weights for the shape in the model directory's config.json (made on
+    /// the device on a GPU): benchmarks of models whose weights are not at hand.
+    #[arg(long)]
+    dummy_weights: bool,
     /// Share of the GPU's free memory troupe may take.
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
@@ -100,6 +104,13 @@ impl EngineFlags {
             )));
         }
         cfg.device = self.device;
+        cfg.dummy_weights = self.dummy_weights;
+        if self.dummy_weights && !model_path.join("config.json").is_file() {
+            return Err(TroupeError::InvalidInput(format!(
+                "--dummy-weights needs an HF model directory with a config.json; {} has none",
+                model_path.display()
+            )));
+        }
         cfg.gpu_memory_utilization = self.gpu_memory_utilization;
         cfg.kv_cache_bytes = match (self.kv_cache_mib, self.device) {
             (Some(mib), _) => mib << 20,

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn troupe(args: &[&str]) -> Output {
@@ -298,4 +298,62 @@ fn jsonl_sampling_fields_reach_the_sampler_and_bad_ones_are_named() {
         "1.5",
     ]);
     assert_clear_error(&out, "min_p");
+}
+
+#[test]
+fn dummy_weights_run_the_configs_shape_reproducibly_without_reading_the_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("troupe-dummy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Only the config: the checkpoint's tensors are not there to read.
+    std::fs::copy(
+        Path::new(&tiny("tiny-qwen3")).join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let run = |model: &str, dummy: bool| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model,
+            "--prompt-ids",
+            "5,6,7,8",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ];
+        if dummy {
+            args.push("--dummy-weights");
+        }
+        let out = troupe(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["token_ids"].clone()
+    };
+    let a = run(dir.to_str().unwrap(), true);
+    assert_eq!(a.as_array().unwrap().len(), 12);
+    assert_eq!(
+        a,
+        run(dir.to_str().unwrap(), true),
+        "the same seeds, the same weights"
+    );
+    assert_ne!(
+        a,
+        run(&tiny("tiny-qwen3"), false),
+        "not the checkpoint's weights"
+    );
+    let err = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama.gguf"),
+        "--dummy-weights",
+        "--prompt-ids",
+        "1",
+    ]);
+    assert_clear_error(&err, "config.json");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

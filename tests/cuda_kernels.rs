@@ -22,6 +22,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "paged_attention_kernel",
         "matmul_invariant_kernel",
         "greedy_kernel",
+        "random_bf16_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

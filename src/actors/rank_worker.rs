@@ -38,6 +38,7 @@ pub struct RankArgs {
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     pub device: Device,
+    pub dummy_weights: bool,
 }
 
 /// One rank's model, weights and KV cache on its device: all a step needs.
@@ -108,7 +109,11 @@ fn load_on<B: Backend + 'static>(
     backend: B,
     args: &RankArgs,
 ) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
-    let loaded = crate::model::load(&args.model_path, &backend)?;
+    let loaded = if args.dummy_weights {
+        crate::model::load_dummy(&args.model_path, &backend)?
+    } else {
+        crate::model::load(&args.model_path, &backend)?
+    };
     let shape = loaded
         .model
         .kv_cache_shape(args.num_kv_blocks, args.block_size);

@@ -28,6 +28,7 @@ pub struct RankArgsTemplate {
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     pub device: crate::engine::Device,
+    pub dummy_weights: bool,
 }
 
 pub enum SupervisorMsg {
@@ -64,6 +65,7 @@ async fn spawn_worker(
         sampled: sampled.clone(),
         faults: rank.faults.clone(),
         device: rank.device,
+        dummy_weights: rank.dummy_weights,
         batch_invariant: rank.batch_invariant,
     };
     RankWorker::spawn_linked(None, args, myself.clone(), spawner.clone())

@@ -99,6 +99,7 @@ impl Engine {
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
                 device: cfg.device,
+                dummy_weights: cfg.dummy_weights,
             },
             max_rank_restarts: cfg.max_rank_restarts,
         };

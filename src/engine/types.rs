@@ -25,6 +25,8 @@ pub struct EngineConfig {
     pub device: Device,
     /// Share of the GPU's free memory troupe may take (weights, KV cache, activations).
     pub gpu_memory_utilization: f64,
+    /// Seeded random weights from the model directory's `config.json` (benchmarks).
+    pub dummy_weights: bool,
     pub max_num_seqs: usize,
     pub max_step_tokens: usize,
     pub step_time_budget_secs: f64,
@@ -51,6 +53,7 @@ impl EngineConfig {
             kv_cache_bytes: 1 << 30,
             device: Device::Cpu,
             gpu_memory_utilization: 0.9,
+            dummy_weights: false,
             max_num_seqs: 256,
             max_step_tokens: 2048,
             step_time_budget_secs: 0.25,

@@ -22,6 +22,20 @@ pub enum HostData {
         ggml_type: quant::GgmlType,
         bytes: Vec<u8>,
     },
+    /// `--dummy-weights`: element i is `random_weight(seed, i, mean, half_width)`. A device
+    /// backend makes them where they live, so no host memory or disk holds the model.
+    Random {
+        seed: u64,
+        mean: f32,
+        half_width: f32,
+    },
+}
+
+/// Uniform in `mean ± half_width` from (seed, index); the CUDA kernel computes the same.
+pub fn random_weight(seed: u64, index: u64, mean: f32, half_width: f32) -> f32 {
+    let h = crate::sampling::splitmix64(seed ^ crate::sampling::splitmix64(index));
+    let u = (h >> 40) as f32 / (1u64 << 24) as f32;
+    mean + (2.0 * u - 1.0) * half_width
 }
 
 impl HostData {
@@ -33,6 +47,13 @@ impl HostData {
                 quant::dequantize(ggml_type, &bytes, &mut out);
                 out
             }
+            HostData::Random {
+                seed,
+                mean,
+                half_width,
+            } => (0..num_elements as u64)
+                .map(|i| random_weight(seed, i, mean, half_width))
+                .collect(),
         }
     }
 }
@@ -56,13 +77,34 @@ impl HostMatrix {
             parts.iter().all(|p| p.cols == cols),
             "concat_rows needs equal widths"
         );
+        // Random parts stay random (one stream for the stack), so dummy weights never
+        // materialise on the host.
+        if let HostData::Random {
+            seed,
+            mean,
+            half_width,
+        } = parts[0].data
+            && parts
+                .iter()
+                .all(|p| matches!(p.data, HostData::Random { .. }))
+        {
+            return HostMatrix {
+                rows,
+                cols,
+                data: HostData::Random {
+                    seed: crate::sampling::splitmix64(seed ^ rows as u64),
+                    mean,
+                    half_width,
+                },
+            };
+        }
         let shared_type = match &parts[0].data {
             HostData::Quantized { ggml_type, .. } => Some(*ggml_type),
-            HostData::F32(_) => None,
+            _ => None,
         };
         let same = parts.iter().all(|p| match &p.data {
             HostData::Quantized { ggml_type, .. } => Some(*ggml_type) == shared_type,
-            HostData::F32(_) => shared_type.is_none(),
+            _ => shared_type.is_none(),
         });
         let data = match shared_type {
             Some(ggml_type) if same => HostData::Quantized {
@@ -71,7 +113,7 @@ impl HostMatrix {
                     .into_iter()
                     .flat_map(|p| match p.data {
                         HostData::Quantized { bytes, .. } => bytes,
-                        HostData::F32(_) => unreachable!("all parts share the quantized type"),
+                        _ => unreachable!("all parts share the quantized type"),
                     })
                     .collect(),
             },

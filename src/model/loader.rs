@@ -129,6 +129,8 @@ impl GgufSource<'_> {
                     .collect();
             }
             HostData::Quantized { bytes, .. } => permute(bytes),
+            // A permutation of random values is random values.
+            HostData::Random { .. } => {}
         }
     }
 
@@ -253,6 +255,70 @@ impl TensorSource for SafetensorsSource {
         Ok(Some(HostTensor {
             dims: view.shape().to_vec(),
             data: HostData::F32(data),
+        }))
+    }
+}
+
+/// `--dummy-weights`: every tensor the config implies, as seeded random values (norm
+/// weights around 1, the rest around 0); nothing is read from disk.
+pub struct DummySource {
+    pub config: super::config::ModelConfig,
+}
+
+impl DummySource {
+    fn dims(&self, name: &str) -> Option<Vec<usize>> {
+        let c = &self.config;
+        let (h, q, kv, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let leaf = name.rsplit_once(".layers.").map_or(name, |(_, rest)| {
+            rest.split_once('.').map_or(rest, |(_, leaf)| leaf)
+        });
+        Some(match (name, leaf) {
+            ("model.embed_tokens.weight", _) => vec![c.vocab_size, h],
+            ("lm_head.weight", _) if !c.tie_word_embeddings => vec![c.vocab_size, h],
+            ("lm_head.weight", _) => return None,
+            ("model.norm.weight", _) => vec![h],
+            (_, "input_layernorm.weight" | "post_attention_layernorm.weight") => vec![h],
+            (_, "self_attn.q_proj.weight") => vec![q, h],
+            (_, "self_attn.k_proj.weight" | "self_attn.v_proj.weight") => vec![kv, h],
+            (_, "self_attn.o_proj.weight") => vec![h, q],
+            (_, "self_attn.q_proj.bias") if c.attention_bias => vec![q],
+            (_, "self_attn.k_proj.bias" | "self_attn.v_proj.bias") if c.attention_bias => {
+                vec![kv]
+            }
+            (_, "self_attn.q_norm.weight" | "self_attn.k_norm.weight")
+                if c.arch == super::config::Arch::Qwen3 =>
+            {
+                vec![c.head_dim]
+            }
+            (_, "mlp.gate_proj.weight" | "mlp.up_proj.weight") => vec![ff, h],
+            (_, "mlp.down_proj.weight") => vec![h, ff],
+            _ => return None,
+        })
+    }
+}
+
+impl TensorSource for DummySource {
+    fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
+        let Some(dims) = self.dims(hf_name) else {
+            return Ok(None);
+        };
+        let seed = hf_name
+            .bytes()
+            .fold(0x7e57_u64, |h, b| crate::sampling::splitmix64(h ^ b as u64));
+        let is_norm = hf_name.ends_with("norm.weight");
+        // Uniform with std 0.02 (as transformers' initializer_range) for projections.
+        let (mean, half_width) = if is_norm {
+            (1.0, 0.05)
+        } else {
+            (0.0, 0.02 * 3f32.sqrt())
+        };
+        Ok(Some(HostTensor {
+            dims,
+            data: HostData::Random {
+                seed,
+                mean,
+                half_width,
+            },
         }))
     }
 }

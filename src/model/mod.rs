@@ -162,6 +162,28 @@ fn hf_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
     Ok((ModelConfig::from_hf_json(&json)?, json))
 }
 
+/// The model of an HF directory's `config.json` with seeded random weights (no checkpoint
+/// is read): for benchmarks of shapes whose weights are not at hand.
+pub fn load_dummy<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
+    if !dir.is_dir() {
+        return Err(TroupeError::InvalidInput(format!(
+            "--dummy-weights needs an HF model directory with a config.json; {} is not one",
+            dir.display()
+        )));
+    }
+    let (cfg, json) = hf_config(dir)?;
+    let src = loader::DummySource {
+        config: cfg.clone(),
+    };
+    let weights = Weights::load(&cfg, &src, backend)?;
+    let text = hf_text(dir, &json, cfg.clone())?;
+    Ok(LoadedModel {
+        path: dir.to_path_buf(),
+        model: LlamaModel::new(cfg, weights, backend, None),
+        text,
+    })
+}
+
 fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
     let (cfg, json) = hf_config(dir)?;
     let src = SafetensorsSource::open_dir(dir)?;

@@ -76,28 +76,22 @@ impl ApiError {
 /// Parses a body; errors name the field (`temperature: invalid type ...`).
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if path == "." || path.is_empty() {
-            ApiError::bad("body", format!("invalid request body: {inner}"))
-        } else {
-            ApiError::bad(&path, format!("`{path}`: {inner}"))
-        }
-    })
+    serde_path_to_error::deserialize(de).map_err(field_error)
 }
 
 /// Deserializes `T` from an already parsed body, errors naming the field.
 pub fn parse_value<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(v).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if path == "." || path.is_empty() {
-            ApiError::bad("body", format!("invalid request body: {inner}"))
-        } else {
-            ApiError::bad(&path, format!("`{path}`: {inner}"))
-        }
-    })
+    serde_path_to_error::deserialize(v).map_err(field_error)
+}
+
+fn field_error<E: std::fmt::Display>(e: serde_path_to_error::Error<E>) -> ApiError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    if path == "." || path.is_empty() {
+        ApiError::bad("body", format!("invalid request body: {inner}"))
+    } else {
+        ApiError::bad(&path, format!("`{path}`: {inner}"))
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -254,6 +254,7 @@ mod tests {
                         crate::kernels::quant::dequantize(*ggml_type, bytes, &mut v);
                         v
                     }
+                    HostData::Random { .. } => unreachable!("the test makes no random weights"),
                 };
                 let w = CpuMatrix::from_host(HostMatrix {
                     rows: n,

@@ -200,6 +200,31 @@ impl Backend for CudaBackend {
 
     fn upload_matrix(&self, m: HostMatrix) -> CudaMatrix {
         let (rows, cols) = (m.rows, m.cols);
+        if let super::HostData::Random {
+            seed,
+            mean,
+            half_width,
+        } = m.data
+        {
+            let n = rows * cols;
+            let mut w = check(self.stream.alloc_zeros::<bf16>(n.max(1)), "weights");
+            let n64 = n as i64;
+            // SAFETY: w holds n elements.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.kernels.random_bf16)
+                        .arg(&mut w)
+                        .arg(&n64)
+                        .arg(&seed)
+                        .arg(&mean)
+                        .arg(&half_width)
+                        .launch(grid_for(n))
+                },
+                "random weights",
+            );
+            return CudaMatrix { rows, cols, w };
+        }
         let host: Vec<bf16> = m
             .data
             .into_f32(rows * cols)

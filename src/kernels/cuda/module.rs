@@ -135,6 +135,7 @@ pub struct Kernels {
     pub paged_attention: CudaFunction,
     pub matmul_invariant: CudaFunction,
     pub greedy: CudaFunction,
+    pub random_bf16: CudaFunction,
     /// Dynamic shared memory the attention kernel may use (opted in at load).
     pub attention_smem_bytes: usize,
 }
@@ -182,6 +183,7 @@ impl Kernels {
             paged_attention,
             matmul_invariant: f("matmul_invariant_kernel")?,
             greedy: f("greedy_kernel")?,
+            random_bf16: f("random_bf16_kernel")?,
             attention_smem_bytes: attention_smem_bytes as usize,
             _module: module,
         })
