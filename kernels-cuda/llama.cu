@@ -348,3 +348,90 @@ extern "C" __global__ void random_bf16_kernel(bf16_t* out, long long n, unsigned
     float u = (float)(h >> 40) / 16777216.0f;
     out[i] = f32_to_bf16(mean + (2.0f * u - 1.0f) * half_width);
 }
+
+// Split-K attention for few (row, head) pairs, as in small-batch decode: each block takes
+// `chunk` keys of one (row, head) and leaves its partial softmax (max, sum, unnormalised
+// output); `attention_combine_kernel` merges the splits. Grid (rows, heads, splits).
+extern "C" __global__ void attention_split_kernel(
+    float* part_o, float* part_ml, const float* q, const float* k_cache, const float* v_cache,
+    const u32* block_tables, const u32* row_table, const u32* row_visible, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, float scale, int chunk, int num_splits) {
+    extern __shared__ float smem[];
+    __shared__ float scratch[32];
+    int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
+    int visible = row_visible[row];
+    int start = split * chunk;
+    long long part = ((long long)row * num_heads + h) * num_splits + split;
+    if (start >= visible) {
+        if (threadIdx.x == 0) {
+            part_ml[2 * part] = NEG_INF;
+            part_ml[2 * part + 1] = 0.0f;
+        }
+        return;
+    }
+    int end = min(visible, start + chunk);
+    int kvh = h / (num_heads / num_kv_heads);
+    int kv_dim = num_kv_heads * head_dim;
+    const u32* table = block_tables + row_table[row];
+    float* q_s = smem;
+    float* scores = smem + head_dim;
+    const float* qr = q + ((long long)row * num_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = qr[d] * scale;
+    __syncthreads();
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    float local_max = NEG_INF;
+    for (int j = start + warp; j < end; j += num_warps) {
+        long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+        const float* kr = k_cache + slot * kv_dim + kvh * head_dim;
+        float s = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kr[d];
+        s = warp_sum(s);
+        if (lane == 0) scores[j - start] = s;
+        local_max = fmaxf(local_max, s);
+    }
+    float m = block_max(local_max, scratch);
+    __syncthreads();
+    float local_sum = 0.0f;
+    for (int j = threadIdx.x; j < end - start; j += blockDim.x) {
+        float p = expf(scores[j] - m);
+        scores[j] = p;
+        local_sum += p;
+    }
+    float l = block_sum(local_sum, scratch);
+    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = start; j < end; ++j) {
+            long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+            acc += scores[j - start] * v_cache[slot * kv_dim + kvh * head_dim + d];
+        }
+        part_o[part * head_dim + d] = acc;
+    }
+    if (threadIdx.x == 0) {
+        part_ml[2 * part] = m;
+        part_ml[2 * part + 1] = l;
+    }
+}
+
+extern "C" __global__ void attention_combine_kernel(float* out, const float* part_o,
+                                                    const float* part_ml, int num_heads,
+                                                    int head_dim, int num_splits) {
+    int row = blockIdx.x, h = blockIdx.y;
+    long long base = ((long long)row * num_heads + h) * num_splits;
+    float m = NEG_INF;
+    for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[2 * (base + s)]);
+    float l = 0.0f;
+    for (int s = 0; s < num_splits; ++s) {
+        float ms = part_ml[2 * (base + s)];
+        if (ms != NEG_INF) l += part_ml[2 * (base + s) + 1] * expf(ms - m);
+    }
+    float* o = out + ((long long)row * num_heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            float ms = part_ml[2 * (base + s)];
+            if (ms != NEG_INF) acc += part_o[(base + s) * head_dim + d] * expf(ms - m);
+        }
+        o[d] = acc / l;
+    }
+}

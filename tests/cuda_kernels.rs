@@ -23,6 +23,8 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "matmul_invariant_kernel",
         "greedy_kernel",
         "random_bf16_kernel",
+        "attention_split_kernel",
+        "attention_combine_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

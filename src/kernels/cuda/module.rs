@@ -136,6 +136,8 @@ pub struct Kernels {
     pub matmul_invariant: CudaFunction,
     pub greedy: CudaFunction,
     pub random_bf16: CudaFunction,
+    pub attention_split: CudaFunction,
+    pub attention_combine: CudaFunction,
     /// Dynamic shared memory the attention kernel may use (opted in at load).
     pub attention_smem_bytes: usize,
 }
@@ -184,6 +186,8 @@ impl Kernels {
             matmul_invariant: f("matmul_invariant_kernel")?,
             greedy: f("greedy_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
+            attention_split: f("attention_split_kernel")?,
+            attention_combine: f("attention_combine_kernel")?,
             attention_smem_bytes: attention_smem_bytes as usize,
             _module: module,
         })
