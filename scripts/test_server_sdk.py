@@ -74,6 +74,11 @@ def run_checks(client, base):
     checks.append(("stream ends with usage", chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == r.usage.completion_tokens))
     checks.append(("stream gives a finish reason", any(c.choices and c.choices[0].finish_reason for c in chunks)))
 
+    st = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=24, stop=["Paris"])
+    checks.append(("the matched stop string is the choice's stop_reason",
+                   st.choices[0].finish_reason == "stop" and getattr(st.choices[0], "stop_reason", None) == "Paris"
+                   and "Paris" not in st.choices[0].message.content))
+
     seeded = [client.chat.completions.create(model=model, messages=ask, temperature=0.9, seed=7, max_tokens=16)
               .choices[0].message.content for _ in range(2)]
     checks.append(("a seed reproduces a sampled reply", seeded[0] == seeded[1]))
@@ -285,6 +290,11 @@ def run_anthropic_checks(claude):
     except json.JSONDecodeError:
         checks.append(("messages output_config json_schema validates", False))
     checks.append(("messages takes tool results", any(b.type in ("text", "tool_use") for b in follow.content)))
+    stopped = claude.messages.create(model=model, max_tokens=40, messages=ask, extra_body=greedy,
+                                     stop_sequences=["Paris"])
+    checks.append(("a stop sequence is reported as Anthropic's stop_sequence",
+                   stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Paris"
+                   and "Paris" not in "".join(b.text for b in stopped.content if b.type == "text")))
     try:
         claude.messages.create(model=model, max_tokens=10, messages=ask, extra_body={"temperature": -2})
         checks.append(("bad temperature is an Anthropic 400", False))

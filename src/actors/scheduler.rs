@@ -326,6 +326,7 @@ impl SchedulerState {
                 index: r.index,
                 text,
                 finish_reason: Some(reason),
+                stop_string: r.text.matched().map(str::to_string),
                 seed: Some(r.params.seed),
                 ..Default::default()
             });

@@ -46,6 +46,8 @@ pub struct TextStream {
     num_sent_bytes: usize,
     /// Longest stop string minus one: a suffix this long may be a stop string's start.
     num_holdback_bytes: usize,
+    /// The stop string that ended the text, once one has.
+    matched: Option<String>,
 }
 
 impl TextStream {
@@ -55,12 +57,18 @@ impl TextStream {
         TextStream {
             stop,
             num_sent_bytes: 0,
+            matched: None,
             num_holdback_bytes,
         }
     }
 
     /// Given the whole text decoded so far, the new piece to send, and whether a stop
     /// string matched (the text then ends where it starts; nothing more will be sent).
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
+    }
+
     pub fn next(&mut self, text: &str, is_final: bool) -> (String, bool) {
         // A stop string can only end in the unsent text: search from just before it.
         let mut search_from = self
@@ -76,11 +84,14 @@ impl TextStream {
             .filter_map(|s| {
                 text[search_from..]
                     .find(s.as_str())
-                    .map(|i| search_from + i)
+                    .map(|i| (search_from + i, s))
             })
-            .min();
+            .min_by_key(|&(i, _)| i);
         let (end, stopped) = match stop_at {
-            Some(i) => (i, true),
+            Some((i, s)) => {
+                self.matched = Some(s.clone());
+                (i, true)
+            }
             None if is_final => (text.len(), false),
             None if text.ends_with('\u{FFFD}') => return (String::new(), false),
             None => {
@@ -124,6 +135,20 @@ mod tests {
             &["abc E", "abc EN", "abc ENDxyz", "abc ENDxyz more"],
         );
         assert_eq!((out.as_str(), stopped), ("abc ", true));
+    }
+
+    #[test]
+    fn the_earliest_stop_string_is_reported() {
+        let mut s = TextStream::new(vec!["zz".into(), "b".into(), "cd".into()]);
+        assert_eq!(s.matched(), None);
+        let (out, stopped) = run(&mut s, &["a", "acd", "acdbzz"]);
+        assert_eq!(
+            (out.as_str(), stopped, s.matched()),
+            ("a", true, Some("cd"))
+        );
+        let mut none = TextStream::new(vec!["q".into()]);
+        run(&mut none, &["abc", "abcd"]);
+        assert_eq!(none.matched(), None);
     }
 
     #[test]

@@ -127,6 +127,8 @@ pub struct RequestOutput {
     /// The seed the request ran with (set on the final output).
     pub seed: Option<u64>,
     pub finish_reason: Option<FinishReason>,
+    /// On the final output: the stop string that ended the text, if one did.
+    pub stop_string: Option<String>,
     pub error: Option<String>,
 }
 

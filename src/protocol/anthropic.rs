@@ -193,13 +193,17 @@ fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
     })
 }
 
-fn stop_reason(finish: Option<FinishReason>, num_calls: usize) -> Value {
-    match finish {
+/// `stop_reason` and `stop_sequence`.
+fn stop_reason(o: &RequestOutput, num_calls: usize) -> (Value, Value) {
+    let sequence = o.stop_string.as_ref().map_or(Value::Null, |s| json!(s));
+    let reason = match o.finish_reason {
         Some(FinishReason::Length) | Some(FinishReason::Preempted) => json!("max_tokens"),
         Some(_) if num_calls > 0 => json!("tool_use"),
+        Some(_) if !sequence.is_null() => json!("stop_sequence"),
         Some(_) => json!("end_turn"),
         None => Value::Null,
-    }
+    };
+    (reason, sequence)
 }
 
 /// A tool call's input: its arguments as an object (`{}` when they are not one).
@@ -258,9 +262,10 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
                                 "name": c.name, "input": input_of(&c.arguments)}),
             );
         }
+        let (reason, sequence) = stop_reason(&o, r.calls.len());
         return Ok(HttpResponse::Ok().json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(r.finish, r.calls.len()), "stop_sequence": null,
+            "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": num_input_tokens, "output_tokens": o.token_ids.len()},
         })));
     }
@@ -367,11 +372,11 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
                     json!({"type": "content_block_stop", "index": i}),
                 ));
             }
-            let reason = stop_reason(o.finish_reason, parsers.num_calls(0));
+            let (reason, sequence) = stop_reason(o, parsers.num_calls(0));
             events.push(SseEvent::named(
                 "message_delta",
                 json!({"type": "message_delta",
-                "delta": {"stop_reason": reason, "stop_sequence": null},
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
                 "usage": {"output_tokens": num_output_tokens}}),
             ));
             events.push(SseEvent::named(

@@ -366,7 +366,8 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
                 }
                 json!({"index": c.index, "message": message,
                        "logprobs": if want_logprobs { chat_logprobs(c, text) } else { Value::Null },
-                       "finish_reason": finish_reason(r.finish, r.calls.len())})
+                       "finish_reason": finish_reason(r.finish, r.calls.len()),
+                       "stop_reason": c.stop_string})
             })
             .collect();
         return Ok(HttpResponse::Ok().json(json!({
@@ -432,7 +433,9 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
         }
         if o.finish_reason.is_some() {
             let reason = finish_reason(o.finish_reason, parsers.num_calls(o.index));
-            events.push(chunk(json!({}), reason, Value::Null));
+            let mut last = chunk(json!({}), reason, Value::Null);
+            last.data["choices"][0]["stop_reason"] = json!(o.stop_string);
+            events.push(last);
         }
         events
     };
@@ -559,7 +562,7 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         .map(|c| {
             json!({"index": c.index, "text": c.text, "token_ids": c.token_ids,
                    "logprobs": if want_logprobs { completion_logprobs(c, text) } else { Value::Null },
-                   "finish_reason": finish_reason(c.finish_reason, 0)})
+                   "finish_reason": finish_reason(c.finish_reason, 0), "stop_reason": c.stop_string})
         })
         .collect();
     Ok(HttpResponse::Ok().json(json!({

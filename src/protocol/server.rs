@@ -141,6 +141,7 @@ impl Timed {
             if o.finish_reason.is_some() {
                 acc.finish_reason = o.finish_reason;
                 acc.seed = o.seed;
+                acc.stop_string = o.stop_string.clone();
             }
             if let Some(e) = o.error {
                 return Err(ApiError::status(503, e));
