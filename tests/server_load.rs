@@ -156,3 +156,33 @@ fn two_hundred_streaming_clients_with_disconnects_leave_nothing_behind() {
         String::from_utf8_lossy(&after.body)
     );
 }
+
+#[test]
+fn a_non_streaming_client_that_hangs_up_aborts_its_request() {
+    // The default model: slow enough on a CPU that the request is still generating when
+    // the client leaves.
+    let server = common::server::start(EngineConfig::new(common::smollm2_path()), "smollm2");
+    let body = br#"{"messages":[{"role":"user","content":"Tell me a long story."}],"max_tokens":1500,"ignore_eos":true}"#;
+    let mut s = server.connect();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let started = Instant::now();
+    while server.status().num_running == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the request never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(s);
+    // Heartbeats go out every second; the second write after the hang-up fails.
+    server
+        .wait_idle(Duration::from_secs(10))
+        .unwrap_or_else(|st| panic!("still running after the client left: {st:?}"));
+    let generated = server.status().num_decode_tokens;
+    assert!(generated < 1000, "{generated} tokens: the request ran on");
+}

@@ -12,7 +12,8 @@ use super::openai::response_format;
 use super::output_parser::OutputEvent;
 use super::reply::{ChoiceStreams, Reply, call_id};
 use super::server::{
-    ServerState, SseEvent, Timed, check_model, engine_error, read_body, respond, sse,
+    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, read_body, respond,
+    sse,
 };
 use crate::engine::{FinishReason, RequestOutput};
 
@@ -246,28 +247,35 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
     let id = format!("msg_{request_id:x}");
     let model = st.model_name.clone();
     if !req.stream {
-        let outputs = stream.collect_ok().await?;
-        let o = outputs.first().cloned().unwrap_or_default();
-        let r = Reply::parse(&o, parse_tools, parse_reasoning);
-        let mut content = Vec::new();
-        if !r.reasoning.is_empty() {
-            content.push(json!({"type": "thinking", "thinking": r.reasoning, "signature": ""}));
-        }
-        if !r.text.is_empty() {
-            content.push(json!({"type": "text", "text": r.text}));
-        }
-        for (k, c) in r.calls.iter().enumerate() {
-            content.push(
-                json!({"type": "tool_use", "id": call_id("toolu_", request_id, 0, k),
+        return Ok(json_when_done(
+            async move {
+                let outputs = stream.collect_ok().await?;
+                let o = outputs.first().cloned().unwrap_or_default();
+                let r = Reply::parse(&o, parse_tools, parse_reasoning);
+                let mut content = Vec::new();
+                if !r.reasoning.is_empty() {
+                    content.push(
+                        json!({"type": "thinking", "thinking": r.reasoning, "signature": ""}),
+                    );
+                }
+                if !r.text.is_empty() {
+                    content.push(json!({"type": "text", "text": r.text}));
+                }
+                for (k, c) in r.calls.iter().enumerate() {
+                    content.push(
+                        json!({"type": "tool_use", "id": call_id("toolu_", request_id, 0, k),
                                 "name": c.name, "input": input_of(&c.arguments)}),
-            );
-        }
-        let (reason, sequence) = stop_reason(&o, r.calls.len());
-        return Ok(HttpResponse::Ok().json(json!({
-            "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": num_input_tokens, "output_tokens": o.token_ids.len()},
-        })));
+                    );
+                }
+                let (reason, sequence) = stop_reason(&o, r.calls.len());
+                Ok(json!({
+                    "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+                    "stop_reason": reason, "stop_sequence": sequence,
+                    "usage": {"input_tokens": num_input_tokens, "output_tokens": o.token_ids.len()},
+                }))
+            },
+            Flavor::Anthropic,
+        ));
     }
     let mut parsers = ChoiceStreams::new(parse_tools, parse_reasoning);
     // The open block: its index and kind.

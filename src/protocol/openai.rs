@@ -13,7 +13,8 @@ use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoic
 use super::output_parser::OutputEvent;
 use super::reply::{ChoiceStreams, Reply, call_id};
 use super::server::{
-    ServerState, SseEvent, Timed, check_model, engine_error, now_secs, read_body, respond, sse,
+    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
+    respond, sse,
 };
 use crate::engine::{FinishReason, RequestOutput};
 use crate::model::ModelText;
@@ -346,9 +347,13 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
     let id = format!("chatcmpl-{request_id}");
     let (created, model) = (now_secs(), st.model_name.clone());
     if !req.stream {
-        let choices = stream.collect_ok().await?;
-        let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
-        let choices: Vec<Value> = choices
+        let engine = st.engine.clone();
+        return Ok(json_when_done(
+            async move {
+                let text = engine.text();
+                let choices = stream.collect_ok().await?;
+                let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
+                let choices: Vec<Value> = choices
             .iter()
             .map(|c| {
                 let r = Reply::parse(c, parse_tools, parse_reasoning);
@@ -370,10 +375,13 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
                        "stop_reason": c.stop_string})
             })
             .collect();
-        return Ok(HttpResponse::Ok().json(json!({
-            "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens),
-        })));
+                Ok(json!({
+                    "id": id, "object": "chat.completion", "created": created, "model": model,
+                    "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens),
+                }))
+            },
+            Flavor::OpenAi,
+        ));
     }
     let include_usage = req
         .stream_options
@@ -555,9 +563,13 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         };
         return Ok(sse(stream, encode, tail, true));
     }
-    let choices = stream.collect_ok().await?;
-    let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
-    let choices: Vec<Value> = choices
+    let engine = st.engine.clone();
+    Ok(json_when_done(
+        async move {
+            let text = engine.text();
+            let choices = stream.collect_ok().await?;
+            let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
+            let choices: Vec<Value> = choices
         .iter()
         .map(|c| {
             json!({"index": c.index, "text": c.text, "token_ids": c.token_ids,
@@ -565,8 +577,11 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
                    "finish_reason": finish_reason(c.finish_reason, 0), "stop_reason": c.stop_string})
         })
         .collect();
-    Ok(HttpResponse::Ok().json(json!({
-        "id": id, "object": "text_completion", "created": created, "model": model, "choices": choices,
-        "usage": usage(num_prompt_tokens, num_completion_tokens),
-    })))
+            Ok(json!({
+                "id": id, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": usage(num_prompt_tokens, num_completion_tokens),
+            }))
+        },
+        Flavor::OpenAi,
+    ))
 }

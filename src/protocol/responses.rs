@@ -12,7 +12,8 @@ use super::openai::{response_format, tool_choice};
 use super::output_parser::OutputEvent;
 use super::reply::{ChoiceStreams, Reply, call_id};
 use super::server::{
-    ServerState, SseEvent, Timed, check_model, engine_error, now_secs, read_body, respond, sse,
+    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
+    respond, sse,
 };
 use crate::engine::{FinishReason, RequestOutput};
 
@@ -287,33 +288,38 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
     };
     let msg_id = format!("msg_{request_id:x}");
     if !req.stream {
-        let outputs = stream.collect_ok().await?;
-        let o = outputs.first().cloned().unwrap_or_default();
-        let r = Reply::parse(&o, parse_tools, parse_reasoning);
-        let mut output = Vec::new();
-        if !r.reasoning.is_empty() {
-            output.push(reasoning_item(&format!("rs_{request_id:x}"), &r.reasoning));
-        }
-        if !r.text.is_empty() || r.calls.is_empty() {
-            output.push(message_item(&msg_id, &r.text, "completed"));
-        }
-        for (k, c) in r.calls.iter().enumerate() {
-            let cid = call_id("call_", request_id, 0, k);
-            output.push(call_item(
-                &format!("fc_{cid}"),
-                &cid,
-                &c.name,
-                &c.arguments,
-                "completed",
-            ));
-        }
-        let (status, incomplete) = status_of(r.finish);
-        return Ok(HttpResponse::Ok().json(shell.response(
-            status,
-            output,
-            usage(num_input_tokens, o.token_ids.len()),
-            incomplete,
-        )));
+        return Ok(json_when_done(
+            async move {
+                let outputs = stream.collect_ok().await?;
+                let o = outputs.first().cloned().unwrap_or_default();
+                let r = Reply::parse(&o, parse_tools, parse_reasoning);
+                let mut output = Vec::new();
+                if !r.reasoning.is_empty() {
+                    output.push(reasoning_item(&format!("rs_{request_id:x}"), &r.reasoning));
+                }
+                if !r.text.is_empty() || r.calls.is_empty() {
+                    output.push(message_item(&msg_id, &r.text, "completed"));
+                }
+                for (k, c) in r.calls.iter().enumerate() {
+                    let cid = call_id("call_", request_id, 0, k);
+                    output.push(call_item(
+                        &format!("fc_{cid}"),
+                        &cid,
+                        &c.name,
+                        &c.arguments,
+                        "completed",
+                    ));
+                }
+                let (status, incomplete) = status_of(r.finish);
+                Ok(shell.response(
+                    status,
+                    output,
+                    usage(num_input_tokens, o.token_ids.len()),
+                    incomplete,
+                ))
+            },
+            Flavor::OpenAi,
+        ));
     }
     let mut seq = 0u64;
     let mut ev = move |kind: &str, mut data: Value| {

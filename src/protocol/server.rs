@@ -226,6 +226,38 @@ pub fn sse(
         .streaming(body)
 }
 
+/// A whole-JSON reply whose body is sent as the generation ends, with a space every
+/// second until then (leading whitespace is valid JSON). The heartbeats are what notices a
+/// client that hung up: the failed write drops the body, and with it the request, which
+/// aborts and frees its blocks — a plain response would run the request to its end.
+/// Client mistakes were answered before this starts; an engine failure during generation
+/// arrives as the API's error object after the 200.
+pub fn json_when_done(
+    reply: impl std::future::Future<Output = Result<Value, ApiError>> + 'static,
+    flavor: Flavor,
+) -> HttpResponse {
+    let state = Some(Box::pin(reply));
+    let body = futures_util::stream::unfold(state, move |state| async move {
+        let mut reply = state?;
+        let tick = tokio::time::sleep(std::time::Duration::from_secs(1));
+        match futures_util::future::select(reply.as_mut(), Box::pin(tick)).await {
+            futures_util::future::Either::Left((done, _)) => {
+                let value = done.unwrap_or_else(|e| e.body(flavor));
+                Some((
+                    Ok::<_, actix_web::Error>(Bytes::from(value.to_string())),
+                    None,
+                ))
+            }
+            futures_util::future::Either::Right(_) => {
+                Some((Ok(Bytes::from_static(b" ")), Some(reply)))
+            }
+        }
+    });
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .streaming(body)
+}
+
 /// Runs a handler body and answers its error in the API's format; counts the request.
 pub async fn respond(
     st: &ServerState,
