@@ -230,6 +230,11 @@ def run_responses_checks(client):
     checks.append(("streamed response equals the whole one", deltas == r.output_text and len(done) == 1
                    and done[0].response.output_text == r.output_text))
     checks.append(("response events are numbered in order", [e.sequence_number for e in events] == list(range(len(events)))))
+    lp = client.responses.create(model=model, input="What is the capital of France?", temperature=0,
+                                 max_output_tokens=8, top_logprobs=3)
+    lps = lp.output[0].content[0].logprobs or []
+    checks.append(("responses returns token logprobs with top_logprobs", len(lps) == lp.usage.output_tokens
+                   and all(len(x.top_logprobs) == 3 and x.logprob <= 0 for x in lps)))
     seeded = [client.responses.create(model=model, input="Tell me a story.", temperature=1.0, max_output_tokens=16,
                                       extra_body={"seed": 11}).output_text for _ in range(2)]
     checks.append(("a seed reproduces a sampled response", seeded[0] == seeded[1]))

@@ -283,7 +283,7 @@ fn finish_reason(r: Option<FinishReason>, num_calls: usize) -> Value {
     }
 }
 
-fn chat_logprobs(o: &RequestOutput, text: &ModelText) -> Value {
+pub(super) fn chat_logprobs(o: &RequestOutput, text: &ModelText) -> Value {
     let Some(tok) = &text.tokenizer else {
         return Value::Null;
     };

@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use super::api::{self, ApiError, Content, Flavor, Sampling, conversation_request, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall};
-use super::openai::{response_format, tool_choice};
+use super::openai::{chat_logprobs, response_format, tool_choice};
 use super::output_parser::OutputEvent;
 use super::reply::{ChoiceStreams, Reply, call_id};
 use super::server::{
@@ -287,7 +287,9 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
         top_p: req.top_p,
     };
     let msg_id = format!("msg_{request_id:x}");
+    let want_logprobs = req.top_logprobs.is_some();
     if !req.stream {
+        let engine = st.engine.clone();
         return Ok(json_when_done(
             async move {
                 let outputs = stream.collect_ok().await?;
@@ -298,7 +300,12 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                     output.push(reasoning_item(&format!("rs_{request_id:x}"), &r.reasoning));
                 }
                 if !r.text.is_empty() || r.calls.is_empty() {
-                    output.push(message_item(&msg_id, &r.text, "completed"));
+                    let mut item = message_item(&msg_id, &r.text, "completed");
+                    if want_logprobs {
+                        item["content"][0]["logprobs"] =
+                            chat_logprobs(&o, engine.text())["content"].take();
+                    }
+                    output.push(item);
                 }
                 for (k, c) in r.calls.iter().enumerate() {
                     let cid = call_id("call_", request_id, 0, k);
@@ -334,8 +341,15 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
     let mut open: Option<(usize, String)> = None;
     let mut num_output_tokens = 0usize;
     let mut first = true;
+    let engine = st.engine.clone();
     let encode = move |o: &RequestOutput| {
         let mut events = Vec::new();
+        // This output's tokens' logprobs ride on its first text delta.
+        let mut logprobs = if want_logprobs && !o.token_ids.is_empty() {
+            chat_logprobs(o, engine.text())["content"].take()
+        } else {
+            json!([])
+        };
         if first {
             first = false;
             let r = shell.response("in_progress", vec![], Value::Null, Value::Null);
@@ -409,7 +423,8 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                     }
                     if let Some((i, acc)) = open.as_mut() {
                         acc.push_str(&t);
-                        events.push(ev("response.output_text.delta", json!({"item_id": items[*i]["id"], "output_index": *i, "content_index": 0, "delta": t, "logprobs": []})));
+                        let lp = std::mem::replace(&mut logprobs, json!([]));
+                        events.push(ev("response.output_text.delta", json!({"item_id": items[*i]["id"], "output_index": *i, "content_index": 0, "delta": t, "logprobs": lp})));
                     }
                 }
                 OutputEvent::CallStart { index, name } => {
