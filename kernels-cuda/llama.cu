@@ -6,6 +6,8 @@
 
 // NVRTC has no <math.h>: −∞ by its bits.
 #define NEG_INF (__int_as_float(0xff800000))
+// The KV slot of a padding row (a graph's batch is padded to its bucket): nothing is written.
+#define PAD_SLOT 0xffffffffu
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -157,63 +159,10 @@ extern "C" __global__ void kv_write_kernel(float* k_cache, float* v_cache, const
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)num_tokens * kv_dim) return;
     long long t = i / kv_dim, d = i % kv_dim;
+    if (slots[t] == PAD_SLOT) return;  // a padding row of a replayed decode graph
     long long dst = (long long)slots[t] * kv_dim + d;
     k_cache[dst] = k[i];
     v_cache[dst] = v[i];
-}
-
-// Causal attention over the paged cache, any mix of prefill and decode rows.
-// One block per (query row, head). Per row: `row_table` = offset of its sequence's block
-// table in `block_tables`, `row_visible` = keys it may see (its position + 1).
-// Scores live in dynamic shared memory (max_visible floats), then the block reduces the
-// softmax and each thread owns output dimensions.
-extern "C" __global__ void paged_attention_kernel(
-    float* out, const float* q, const float* k_cache, const float* v_cache,
-    const u32* block_tables, const u32* row_table, const u32* row_visible, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, float scale) {
-    extern __shared__ float smem[];
-    __shared__ float scratch[32];
-    int row = blockIdx.x, h = blockIdx.y;
-    int kvh = h / (num_heads / num_kv_heads);
-    int kv_dim = num_kv_heads * head_dim;
-    int visible = row_visible[row];
-    const u32* table = block_tables + row_table[row];
-    float* q_s = smem;                 // head_dim
-    float* scores = smem + head_dim;   // visible
-    const float* qr = q + ((long long)row * num_heads + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = qr[d] * scale;
-    __syncthreads();
-    // Each warp scores one key at a time, lanes splitting the head dimension.
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    float local_max = NEG_INF;
-    for (int j = warp; j < visible; j += num_warps) {
-        long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-        const float* kr = k_cache + slot * kv_dim + kvh * head_dim;
-        float s = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kr[d];
-        s = warp_sum(s);
-        if (lane == 0) scores[j] = s;
-        local_max = fmaxf(local_max, s);
-    }
-    float m = block_max(local_max, scratch);
-    __syncthreads();
-    float local_sum = 0.0f;
-    for (int j = threadIdx.x; j < visible; j += blockDim.x) {
-        float p = expf(scores[j] - m);
-        scores[j] = p;
-        local_sum += p;
-    }
-    float denom = block_sum(local_sum, scratch);
-    __syncthreads();
-    float* o = out + ((long long)row * num_heads + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < visible; ++j) {
-            long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-            acc += scores[j] * v_cache[slot * kv_dim + kvh * head_dim + d];
-        }
-        o[d] = acc / denom;
-    }
 }
 
 // Batch-invariant GEMM: C[m, n] = Σ_k X[m, k] · W[n, k], X f32, W bf16, C f32. Every output
@@ -349,64 +298,84 @@ extern "C" __global__ void random_bf16_kernel(bf16_t* out, long long n, unsigned
     out[i] = f32_to_bf16(mean + (2.0f * u - 1.0f) * half_width);
 }
 
-// Split-K attention for few (row, head) pairs, as in small-batch decode: each block takes
-// `chunk` keys of one (row, head) and leaves its partial softmax (max, sum, unnormalised
-// output); `attention_combine_kernel` merges the splits. Grid (rows, heads, splits).
+// Causal attention over the paged cache, any mix of prefill and decode rows. Per row:
+// `row_table` = offset of its sequence's block table in `block_tables`, `row_visible` = keys
+// it may see (its position + 1; 0 for a padding row). Grid (rows, heads, splits): the row's
+// keys fall in 64-key chunks at fixed positions, each split takes a contiguous run of
+// ceil(chunks / splits) of them and folds them in order with an online softmax. With one
+// split the block writes the normalised output; otherwise it leaves (max, sum, unnormalised
+// output) for `attention_combine_kernel`. A row's result depends on its own keys and the
+// split count only, so a fixed split count is batch-invariant. 128 threads, head_dim ≤ 256.
+#define ATT_CHUNK 64
 extern "C" __global__ void attention_split_kernel(
-    float* part_o, float* part_ml, const float* q, const float* k_cache, const float* v_cache,
-    const u32* block_tables, const u32* row_table, const u32* row_visible, int num_heads,
-    int num_kv_heads, int head_dim, int block_size, float scale, int chunk, int num_splits) {
-    extern __shared__ float smem[];
+    float* out, float* part_o, float* part_ml, const float* q, const float* k_cache,
+    const float* v_cache, const u32* block_tables, const u32* row_table, const u32* row_visible,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_splits) {
+    __shared__ float q_s[256];
+    __shared__ float p_s[ATT_CHUNK];
     __shared__ float scratch[32];
     int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     int visible = row_visible[row];
-    int start = split * chunk;
-    long long part = ((long long)row * num_heads + h) * num_splits + split;
-    if (start >= visible) {
-        if (threadIdx.x == 0) {
-            part_ml[2 * part] = NEG_INF;
-            part_ml[2 * part + 1] = 0.0f;
-        }
-        return;
-    }
-    int end = min(visible, start + chunk);
+    int num_chunks = (visible + ATT_CHUNK - 1) / ATT_CHUNK;
+    int per_split = (num_chunks + num_splits - 1) / num_splits;
+    int start = split * per_split * ATT_CHUNK;
+    int end = min(visible, start + per_split * ATT_CHUNK);
     int kvh = h / (num_heads / num_kv_heads);
     int kv_dim = num_kv_heads * head_dim;
     const u32* table = block_tables + row_table[row];
-    float* q_s = smem;
-    float* scores = smem + head_dim;
     const float* qr = q + ((long long)row * num_heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = qr[d] * scale;
     __syncthreads();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    float local_max = NEG_INF;
-    for (int j = start + warp; j < end; j += num_warps) {
-        long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-        const float* kr = k_cache + slot * kv_dim + kvh * head_dim;
-        float s = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kr[d];
-        s = warp_sum(s);
-        if (lane == 0) scores[j - start] = s;
-        local_max = fmaxf(local_max, s);
-    }
-    float m = block_max(local_max, scratch);
-    __syncthreads();
-    float local_sum = 0.0f;
-    for (int j = threadIdx.x; j < end - start; j += blockDim.x) {
-        float p = expf(scores[j] - m);
-        scores[j] = p;
-        local_sum += p;
-    }
-    float l = block_sum(local_sum, scratch);
-    __syncthreads();
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = start; j < end; ++j) {
+    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
+    float m = NEG_INF, l = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
+    for (int c0 = start; c0 < end; c0 += ATT_CHUNK) {
+        int c1 = min(end, c0 + ATT_CHUNK);
+        float local_max = NEG_INF;
+        for (int j = c0 + warp; j < c1; j += num_warps) {
             long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-            acc += scores[j - start] * v_cache[slot * kv_dim + kvh * head_dim + d];
+            const float* kr = k_cache + slot * kv_dim + kvh * head_dim;
+            float s = 0.0f;
+            for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kr[d];
+            s = warp_sum(s);
+            if (lane == 0) p_s[j - c0] = s;
+            local_max = fmaxf(local_max, s);
         }
-        part_o[part * head_dim + d] = acc;
+        float m_new = fmaxf(m, block_max(local_max, scratch));
+        __syncthreads();
+        float local_sum = 0.0f;
+        for (int j = threadIdx.x; j < c1 - c0; j += blockDim.x) {
+            float p = expf(p_s[j] - m_new);
+            p_s[j] = p;
+            local_sum += p;
+        }
+        float chunk_sum = block_sum(local_sum, scratch);
+        __syncthreads();
+        float alpha = expf(m - m_new);  // 0 on the first chunk: m is −∞
+        l = l * alpha + chunk_sum;
+        float s0 = 0.0f, s1 = 0.0f;
+        for (int j = c0; j < c1; ++j) {
+            long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+            const float* vr = v_cache + slot * kv_dim + kvh * head_dim;
+            float p = p_s[j - c0];
+            if (d0 < head_dim) s0 += p * vr[d0];
+            if (d1 < head_dim) s1 += p * vr[d1];
+        }
+        acc0 = acc0 * alpha + s0;
+        acc1 = acc1 * alpha + s1;
+        m = m_new;
+        __syncthreads();
     }
+    if (num_splits == 1) {
+        float* o = out + ((long long)row * num_heads + h) * head_dim;
+        float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        if (d0 < head_dim) o[d0] = acc0 * inv;
+        if (d1 < head_dim) o[d1] = acc1 * inv;
+        return;
+    }
+    long long part = ((long long)row * num_heads + h) * num_splits + split;
+    if (d0 < head_dim) part_o[part * head_dim + d0] = acc0;
+    if (d1 < head_dim) part_o[part * head_dim + d1] = acc1;
     if (threadIdx.x == 0) {
         part_ml[2 * part] = m;
         part_ml[2 * part + 1] = l;
@@ -432,6 +401,6 @@ extern "C" __global__ void attention_combine_kernel(float* out, const float* par
             float ms = part_ml[2 * (base + s)];
             if (ms != NEG_INF) acc += part_o[(base + s) * head_dim + d] * expf(ms - m);
         }
-        o[d] = acc / l;
+        o[d] = l > 0.0f ? acc / l : 0.0f;  // a padding row sees no keys
     }
 }

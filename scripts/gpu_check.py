@@ -9,6 +9,7 @@ Llama-3.2-1B shape for the timings) so troupe and transformers read the same wei
   log-probabilities (relative error) and greedy tokens;
 - CUDA vs troupe's CPU backend: greedy tokens;
 - ZOS on vs off on CUDA: identical tokens;
+- CUDA graphs on vs off (`--enforce-eager`): bitwise identical in the batch-invariant mode;
 - decode throughput at batch 1, 16, 64 against transformers' `generate` (bf16) and the
   memory-bandwidth floor (weights read once per step).
 
@@ -121,6 +122,9 @@ def check_model(binary, name, results):
     cuda_nozos, _, _ = run_troupe(binary, path, "cuda", ps, 16, ["--no-zos"], f"{name}-nozos.log")
     inv_zos, _, _ = run_troupe(binary, path, "cuda", ps, 16, lp + inv, f"{name}-inv.log")
     inv_nozos, _, _ = run_troupe(binary, path, "cuda", ps, 16, lp + inv + ["--no-zos"], f"{name}-inv-nozos.log")
+    # CUDA graphs (decode steps recorded and replayed, the default) against every step eager.
+    eager, _, _ = run_troupe(binary, path, "cuda", ps, 16, lp + ["--enforce-eager"], f"{name}-eager.log")
+    inv_eager, _, _ = run_troupe(binary, path, "cuda", ps, 16, lp + inv + ["--enforce-eager"], f"{name}-inv-eager.log")
     # The needle: prompt 0 alone, then among 15 others; bitwise the same logprobs.
     crowd = [ps[0]] + prompts(15, 40, cfg.vocab_size, 5)
     alone, _, _ = run_troupe(binary, path, "cuda", ps[:1], 16, lp + inv, f"{name}-alone.log")
@@ -143,6 +147,8 @@ def check_model(binary, name, results):
         cpu_vs_transformers=matches(cpu, hf),
         zos_identical_default=all(a["token_ids"] == b["token_ids"] for a, b in zip(cuda, cuda_nozos)),
         zos_identical_invariant=same_outputs(inv_zos, inv_nozos),
+        graphs_vs_eager_default=matches(cuda, eager),
+        graphs_identical_invariant=same_outputs(inv_zos, inv_eager),
         needle_bitwise=same_outputs(alone[:1], among[:1]),
     )
     del ref
@@ -206,7 +212,8 @@ def main(binary):
     ok = True
     keys = ["logprob_rel_err", "logprob_rel_err_invariant", "greedy_vs_transformers",
             "greedy_vs_transformers_invariant", "greedy_vs_cpu", "greedy_vs_cpu_invariant",
-            "cpu_vs_transformers", "zos_identical_default", "zos_identical_invariant", "needle_bitwise"]
+            "cpu_vs_transformers", "zos_identical_default", "zos_identical_invariant",
+            "graphs_vs_eager_default", "graphs_identical_invariant", "needle_bitwise"]
     print("\ncheck" + "".join(f"  {n:>14}" for n in ("smollm2-135m", "qwen3-0.6b")))
     for k in keys:
         cells = []
@@ -221,7 +228,8 @@ def main(binary):
             ok = False
             print(f"{name} ERROR {r['error'][-600:]}")
             continue
-        ok = ok and r["logprob_rel_err"] <= 2e-2 and r["zos_identical_invariant"] and r["needle_bitwise"]
+        ok = (ok and r["logprob_rel_err"] <= 2e-2 and r["zos_identical_invariant"] and r["needle_bitwise"]
+              and r["graphs_identical_invariant"])
     b = results["bench"]
     if "error" in b:
         print("bench ERROR", b["error"][-300:])

@@ -76,6 +76,9 @@ pub struct EngineFlags {
     /// Share of the GPU's free memory troupe may take.
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
+    /// Run every step eagerly: no CUDA graphs for decode steps.
+    #[arg(long)]
+    enforce_eager: bool,
     /// Turn zero-overhead scheduling off (wait for each step before planning the next).
     #[arg(long)]
     no_zos: bool,
@@ -105,6 +108,7 @@ impl EngineFlags {
         }
         cfg.device = self.device;
         cfg.dummy_weights = self.dummy_weights;
+        cfg.enforce_eager = self.enforce_eager;
         if self.dummy_weights && !model_path.join("config.json").is_file() {
             return Err(TroupeError::InvalidInput(format!(
                 "--dummy-weights needs an HF model directory with a config.json; {} has none",

@@ -39,6 +39,7 @@ pub struct RankArgs {
     pub batch_invariant: bool,
     pub device: Device,
     pub dummy_weights: bool,
+    pub enforce_eager: bool,
 }
 
 /// One rank's model, weights and KV cache on its device: all a step needs.
@@ -135,7 +136,11 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
         ),
         #[cfg(feature = "cuda")]
         Device::Cuda(ordinal) => load_on(
-            crate::kernels::cuda::CudaBackend::new(ordinal, args.batch_invariant)?,
+            crate::kernels::cuda::CudaBackend::new(
+                ordinal,
+                args.batch_invariant,
+                !args.enforce_eager,
+            )?,
             args,
         ),
         #[cfg(not(feature = "cuda"))]

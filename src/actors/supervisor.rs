@@ -29,6 +29,7 @@ pub struct RankArgsTemplate {
     pub batch_invariant: bool,
     pub device: crate::engine::Device,
     pub dummy_weights: bool,
+    pub enforce_eager: bool,
 }
 
 pub enum SupervisorMsg {
@@ -66,6 +67,7 @@ async fn spawn_worker(
         faults: rank.faults.clone(),
         device: rank.device,
         dummy_weights: rank.dummy_weights,
+        enforce_eager: rank.enforce_eager,
         batch_invariant: rank.batch_invariant,
     };
     RankWorker::spawn_linked(None, args, myself.clone(), spawner.clone())

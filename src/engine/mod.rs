@@ -100,6 +100,7 @@ impl Engine {
                 batch_invariant: cfg.batch_invariant,
                 device: cfg.device,
                 dummy_weights: cfg.dummy_weights,
+                enforce_eager: cfg.enforce_eager,
             },
             max_rank_restarts: cfg.max_rank_restarts,
         };

@@ -27,6 +27,8 @@ pub struct EngineConfig {
     pub gpu_memory_utilization: f64,
     /// Seeded random weights from the model directory's `config.json` (benchmarks).
     pub dummy_weights: bool,
+    /// Run every step eagerly: no CUDA graphs for decode steps (vLLM's `enforce_eager`).
+    pub enforce_eager: bool,
     pub max_num_seqs: usize,
     pub max_step_tokens: usize,
     pub step_time_budget_secs: f64,
@@ -54,6 +56,7 @@ impl EngineConfig {
             device: Device::Cpu,
             gpu_memory_utilization: 0.9,
             dummy_weights: false,
+            enforce_eager: false,
             max_num_seqs: 256,
             max_step_tokens: 2048,
             step_time_budget_secs: 0.25,

@@ -228,4 +228,19 @@ pub trait Backend: Send + Sync {
     fn greedy_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)>;
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
     fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
+
+    /// Recorded decode steps (CUDA graphs): the batch size a step of `num_rows` decode
+    /// rows runs at, padded, when the backend records such steps; else `None`.
+    fn graph_rows(&self, _num_rows: usize) -> Option<usize> {
+        None
+    }
+    /// Brackets the forward pass of a decode step padded to `graph_rows`' size. Padding
+    /// rows have KV slot `PAD_SLOT` and see no keys; nothing else reads them.
+    fn begin_graph_step(&self, _rows: usize, _max_blocks_per_seq: usize) {}
+    fn end_graph_step(&self) {}
+    /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
+    fn buffers_moved(&self) {}
 }
+
+/// The KV slot of a padding row: `kv_write` skips it.
+pub const PAD_SLOT: u32 = u32::MAX;

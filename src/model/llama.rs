@@ -88,6 +88,7 @@ impl<B: Backend> LlamaModel<B> {
         let c = &self.cfg;
         let t = num_tokens.max(self.ws.as_ref().map_or(0, |w| w.capacity_tokens));
         let r = num_logit_rows.max(self.ws.as_ref().map_or(0, |w| w.capacity_logit_rows));
+        backend.buffers_moved();
         self.ws = Some(Workspace {
             capacity_tokens: t,
             capacity_logit_rows: r,
@@ -138,8 +139,16 @@ impl<B: Backend> LlamaModel<B> {
         block_size: usize,
         seqs: &[SeqStep<'_>],
     ) {
-        let num_tokens: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
-        self.ensure_workspace(backend, num_tokens, seqs.len());
+        // A decode step may run as a recorded graph, its batch padded to the graph's size.
+        let graph_rows = if seqs.iter().all(|s| s.token_ids.len() == 1) {
+            backend.graph_rows(seqs.len())
+        } else {
+            None
+        };
+        let num_rows = graph_rows.unwrap_or(seqs.len());
+        let num_tokens: usize =
+            seqs.iter().map(|s| s.token_ids.len()).sum::<usize>() + num_rows - seqs.len();
+        self.ensure_workspace(backend, num_tokens, num_rows);
         self.positions.clear();
         self.slots.clear();
         self.ids.clear();
@@ -164,6 +173,21 @@ impl<B: Backend> LlamaModel<B> {
                 block_table: s.block_table,
             });
             last_rows.push(self.ids.len() - 1);
+        }
+        for _ in seqs.len()..num_rows {
+            attn_seqs.push(SeqAttention {
+                query_start: self.ids.len(),
+                num_query_tokens: 1,
+                num_context_tokens: 0,
+                block_table: &[],
+            });
+            last_rows.push(self.ids.len());
+            self.ids.push(0);
+            self.positions.push(0);
+            self.slots.push(crate::kernels::PAD_SLOT);
+        }
+        if let Some(rows) = graph_rows {
+            backend.begin_graph_step(rows, self.cfg.max_context_tokens.div_ceil(block_size));
         }
 
         let c = &self.cfg;
@@ -248,11 +272,14 @@ impl<B: Backend> LlamaModel<B> {
             &ws.normed,
             &w.final_norm,
             eps,
-            seqs.len(),
+            num_rows,
             c.hidden_size,
             &mut ws.last,
         );
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-        backend.matmul(&ws.last, seqs.len(), head, None, &mut ws.logits);
+        backend.matmul(&ws.last, num_rows, head, None, &mut ws.logits);
+        if graph_rows.is_some() {
+            backend.end_graph_step();
+        }
     }
 }

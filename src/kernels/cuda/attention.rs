@@ -1,18 +1,44 @@
-//! Paged attention on the GPU: one block per (row, head) over the whole visible context,
-//! or — when few (row, head) pairs would leave most SMs idle, as in small-batch decode —
-//! split-K over fixed 64-key chunks merged by a combine kernel. Chunks start at fixed
-//! positions, so either way a row's result does not depend on its batch.
+//! Paged attention on the GPU: `attention_split_kernel` over (row, head, split), each split
+//! a contiguous run of fixed 64-key chunks, merged by a combine kernel when there are
+//! several. How many splits:
+//! - batch-invariant mode: one, always, so a row's result depends on nothing but its keys;
+//! - a graph step: a count fixed by its batch size (a graph bakes in its grid), enough
+//!   (row, head, split) blocks to fill the GPU;
+//! - otherwise one per chunk when few (row, head) pairs would leave SMs idle, as in
+//!   small-batch decode, else one.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::graph::{Meta, Phase};
 use super::{CudaBackend, CudaKvCache, check};
 use crate::kernels::{Backend, SeqAttention};
 
-/// Keys per split of the split-K attention, and the (row, head) pairs below which it runs.
-const SPLIT_CHUNK: usize = 64;
+/// Keys per chunk (the kernel's `ATT_CHUNK`).
+const CHUNK: usize = 64;
+/// Below this many (row, head) pairs an eager step splits the keys.
 const SPLIT_MAX_PAIRS: usize = 1024;
+/// A graph step aims at this many (row, head, split) blocks, with at most `MAX_SPLITS`.
+const GRAPH_TARGET_BLOCKS: usize = 2048;
+const MAX_SPLITS: usize = 64;
 
 impl CudaBackend {
+    fn num_splits(&self, num_rows: usize, num_heads: usize, max_visible: usize) -> usize {
+        if self.batch_invariant {
+            return 1;
+        }
+        let pairs = num_rows * num_heads;
+        if self.phase() != Phase::Eager {
+            return GRAPH_TARGET_BLOCKS
+                .div_ceil(pairs.max(1))
+                .clamp(1, MAX_SPLITS);
+        }
+        if pairs < SPLIT_MAX_PAIRS {
+            max_visible.div_ceil(CHUNK).max(1)
+        } else {
+            1
+        }
+    }
+
     pub(super) fn attention(
         &self,
         q: &CudaSlice<f32>,
@@ -31,14 +57,18 @@ impl CudaBackend {
             let offset = tables.len() as u32;
             tables.extend_from_slice(s.block_table);
             for t in 0..s.num_query_tokens {
-                let visible = s.num_context_tokens - s.num_query_tokens + t + 1;
+                // A padding row has no context and sees nothing.
+                let visible = (s.num_context_tokens + t + 1).saturating_sub(s.num_query_tokens);
                 row_table[s.query_start + t] = offset;
                 row_visible[s.query_start + t] = visible as u32;
                 max_visible = max_visible.max(visible);
             }
         }
-        if tables.is_empty() {
-            tables.push(0);
+        let tables_d = self.upload_u32(Meta::Tables, &tables);
+        let rt_d = self.upload_u32(Meta::RowTable, &row_table);
+        let rv_d = self.upload_u32(Meta::RowVisible, &row_visible);
+        if self.replaying() {
+            return;
         }
         let (nh, nkv, hd, bs) = (
             num_heads as i32,
@@ -46,107 +76,80 @@ impl CudaBackend {
             shape.head_dim as i32,
             shape.block_size as i32,
         );
+        assert!(shape.head_dim <= 256, "attention supports head_dim ≤ 256");
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        let num_splits = max_visible.div_ceil(SPLIT_CHUNK);
-        // Few (row, head) pairs leave most SMs idle with one block per pair: split the keys.
-        // Chunks start at fixed positions, so a row's result does not depend on its batch;
-        // the invariant mode still keeps the one-block kernel, whose numbers it was checked on.
-        if !self.batch_invariant && num_rows * num_heads < SPLIT_MAX_PAIRS && num_splits > 1 {
-            let (tables_d, rt_d, rv_d) = (
-                self.upload_u32(&tables),
-                self.upload_u32(&row_table),
-                self.upload_u32(&row_visible),
-            );
-            let parts = num_rows * num_heads * num_splits;
-            let mut part_o = self.alloc(parts * shape.head_dim);
-            let mut part_ml = self.alloc(parts * 2);
-            let (chunk, splits) = (SPLIT_CHUNK as i32, num_splits as i32);
-            let cfg = LaunchConfig {
-                grid_dim: (num_rows as u32, num_heads as u32, num_splits as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: ((shape.head_dim + SPLIT_CHUNK) * 4) as u32,
-            };
-            // SAFETY: as for the one-block kernel; the partials hold rows·heads·splits.
-            check(
-                unsafe {
-                    self.stream
-                        .launch_builder(&self.kernels.attention_split)
-                        .arg(&mut part_o)
-                        .arg(&mut part_ml)
-                        .arg(q)
-                        .arg(&cache.k[layer])
-                        .arg(&cache.v[layer])
-                        .arg(&*tables_d)
-                        .arg(&*rt_d)
-                        .arg(&*rv_d)
-                        .arg(&nh)
-                        .arg(&nkv)
-                        .arg(&hd)
-                        .arg(&bs)
-                        .arg(&scale)
-                        .arg(&chunk)
-                        .arg(&splits)
-                        .launch(cfg)
-                },
-                "attention_split",
-            );
-            let cfg = LaunchConfig {
-                grid_dim: (num_rows as u32, num_heads as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: reads the partials written above, writes rows·heads·head_dim.
-            check(
-                unsafe {
-                    self.stream
-                        .launch_builder(&self.kernels.attention_combine)
-                        .arg(out)
-                        .arg(&part_o)
-                        .arg(&part_ml)
-                        .arg(&nh)
-                        .arg(&hd)
-                        .arg(&splits)
-                        .launch(cfg)
-                },
-                "attention_combine",
-            );
-            return;
+        let num_splits = self.num_splits(num_rows, num_heads, max_visible);
+        let mut parts = self
+            .attention_parts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let num_parts = num_rows * num_heads * num_splits;
+        if num_splits > 1
+            && parts
+                .as_ref()
+                .is_none_or(|(o, _)| o.len() < num_parts * shape.head_dim)
+        {
+            self.moved();
+            let n = num_parts.next_power_of_two();
+            *parts = Some((self.alloc(n * shape.head_dim), self.alloc(n * 2)));
         }
-        let smem = (shape.head_dim + max_visible) * 4;
-        assert!(
-            smem <= self.kernels.attention_smem_bytes,
-            "a context of {max_visible} tokens exceeds this attention kernel's shared memory"
-        );
-        let (tables_d, rt_d, rv_d) = (
-            self.upload_u32(&tables),
-            self.upload_u32(&row_table),
-            self.upload_u32(&row_visible),
-        );
+        if parts.is_none() {
+            *parts = Some((self.alloc(1), self.alloc(1)));
+        }
+        let (part_o, part_ml) = parts.as_mut().expect("allocated above");
+        let splits = num_splits as i32;
         let cfg = LaunchConfig {
-            grid_dim: (num_rows.max(1) as u32, num_heads as u32, 1),
+            grid_dim: (num_rows.max(1) as u32, num_heads as u32, num_splits as u32),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: smem as u32,
+            shared_mem_bytes: 0,
         };
-        // SAFETY: the metadata describes rows inside q/out and slots inside the cache.
+        // SAFETY: the metadata describes rows inside q/out and slots inside the cache; the
+        // partials hold rows·heads·splits entries when there are several splits.
         check(
             unsafe {
                 self.stream
-                    .launch_builder(&self.kernels.paged_attention)
-                    .arg(out)
+                    .launch_builder(&self.kernels.attention_split)
+                    .arg(&mut *out)
+                    .arg(&mut *part_o)
+                    .arg(&mut *part_ml)
                     .arg(q)
                     .arg(&cache.k[layer])
                     .arg(&cache.v[layer])
-                    .arg(&*tables_d)
-                    .arg(&*rt_d)
-                    .arg(&*rv_d)
+                    .arg(&tables_d.ptr)
+                    .arg(&rt_d.ptr)
+                    .arg(&rv_d.ptr)
                     .arg(&nh)
                     .arg(&nkv)
                     .arg(&hd)
                     .arg(&bs)
                     .arg(&scale)
+                    .arg(&splits)
                     .launch(cfg)
             },
-            "paged_attention",
+            "attention_split",
+        );
+        if num_splits == 1 {
+            return;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (num_rows as u32, num_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads the partials written above, writes rows·heads·head_dim.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.attention_combine)
+                    .arg(out)
+                    .arg(&*part_o)
+                    .arg(&*part_ml)
+                    .arg(&nh)
+                    .arg(&hd)
+                    .arg(&splits)
+                    .launch(cfg)
+            },
+            "attention_combine",
         );
     }
 }

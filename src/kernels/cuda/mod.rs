@@ -6,6 +6,7 @@
 //! tracking is off (the stream orders everything).
 
 mod attention;
+mod graph;
 mod module;
 
 use std::sync::{Arc, Mutex};
@@ -16,6 +17,7 @@ use cudarc::driver::{
 };
 use half::bf16;
 
+use graph::{Graphs, Meta, Phase};
 use module::Kernels;
 pub use module::{LLAMA_SOURCE, compile, open_device, ptx_for};
 
@@ -50,6 +52,16 @@ const UPLOAD_CACHE_ENTRIES: usize = 8;
 /// Host contents and their device copy, oldest first.
 type UploadCache = Vec<(Vec<u32>, Arc<CudaSlice<u32>>)>;
 
+/// A step's metadata on the device: its address, and the buffer holding it when the upload
+/// cache owns one (a graph step's lives in the graph arena).
+struct Uploaded {
+    ptr: u64,
+    _keep: Option<Arc<CudaSlice<u32>>>,
+}
+
+/// cuBLAS's workspace, given up front so that no GEMM allocates during a graph capture.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 pub struct CudaBackend {
     /// GEMMs through `matmul_invariant_kernel` (f32 activations, fixed reduction order)
     /// instead of cuBLAS: a row's logits do not depend on its batch.
@@ -62,6 +74,12 @@ pub struct CudaBackend {
     scratch: Mutex<Option<CudaSlice<bf16>>>,
     /// Recent uploads, newest last; entries are never written after upload.
     uploads: Mutex<UploadCache>,
+    /// Decode steps recorded as CUDA graphs (off with `--enforce-eager`).
+    cuda_graphs: bool,
+    graphs: Mutex<Graphs>,
+    /// Split-K attention partials (output, then max and sum); grown on demand.
+    attention_parts: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    _cublas_workspace: CudaSlice<u8>,
 }
 
 const THREADS: u32 = 256;
@@ -89,7 +107,11 @@ fn check<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
 }
 
 impl CudaBackend {
-    pub fn new(ordinal: usize, batch_invariant: bool) -> Result<Self, CudaError> {
+    pub fn new(
+        ordinal: usize,
+        batch_invariant: bool,
+        cuda_graphs: bool,
+    ) -> Result<Self, CudaError> {
         let ctx = open_device(ordinal)?;
         // SAFETY: set before any buffer exists; this backend orders its one stream itself.
         unsafe { ctx.disable_event_tracking() };
@@ -98,9 +120,33 @@ impl CudaBackend {
             .map_err(|e| CudaError::Runtime(e.to_string()))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Runtime(e.to_string()))?;
         let kernels = Kernels::load(&ctx)?;
+        let runtime = |e: cudarc::driver::DriverError| CudaError::Runtime(e.to_string());
+        let workspace = stream
+            .alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+            .map_err(runtime)?;
+        {
+            let (ptr, _guard) = workspace.device_ptr(&stream);
+            // SAFETY: the workspace outlives the handle (both live in the backend).
+            let status = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut _,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            };
+            if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(CudaError::Runtime(format!(
+                    "cublasSetWorkspace: {status:?}"
+                )));
+            }
+        }
         Ok(CudaBackend {
             batch_invariant,
             uploads: Mutex::new(Vec::new()),
+            cuda_graphs,
+            graphs: Mutex::new(Graphs::new()),
+            attention_parts: Mutex::new(None),
+            _cublas_workspace: workspace,
             ctx,
             stream,
             blas,
@@ -118,20 +164,57 @@ impl CudaBackend {
         check(self.stream.synchronize(), "synchronize");
     }
 
-    fn upload_u32(&self, data: &[u32]) -> Arc<CudaSlice<u32>> {
+    fn graphs(&self) -> std::sync::MutexGuard<'_, Graphs> {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The phase of the step being run: eager, or one of a graph step's.
+    fn phase(&self) -> Phase {
+        self.graphs().phase
+    }
+
+    /// Whether launches are skipped: a replayed step only stages its metadata.
+    fn replaying(&self) -> bool {
+        matches!(self.phase(), Phase::Replay(_))
+    }
+
+    /// A buffer that recorded graphs may use was reallocated.
+    fn moved(&self) {
+        self.graphs().invalidate();
+    }
+
+    fn upload_u32(&self, kind: Meta, data: &[u32]) -> Uploaded {
+        {
+            let mut graphs = self.graphs();
+            if graphs.phase != Phase::Eager {
+                let ptr = graphs.upload(&self.stream, kind, data);
+                return Uploaded { ptr, _keep: None };
+            }
+        }
         let mut cache = self.uploads.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = cache.iter().position(|(host, _)| host.as_slice() == data) {
+        let dev = if let Some(i) = cache.iter().position(|(host, _)| host.as_slice() == data) {
             let entry = cache.remove(i);
             let dev = entry.1.clone();
             cache.push(entry);
-            return dev;
+            dev
+        } else {
+            // An empty upload still needs an address.
+            let dev = Arc::new(if data.is_empty() {
+                check(self.stream.alloc_zeros::<u32>(1), "upload")
+            } else {
+                check(self.stream.clone_htod(data), "upload")
+            });
+            if cache.len() >= UPLOAD_CACHE_ENTRIES {
+                cache.remove(0);
+            }
+            cache.push((data.to_vec(), dev.clone()));
+            dev
+        };
+        let ptr = dev.device_ptr(&self.stream).0;
+        Uploaded {
+            ptr,
+            _keep: Some(dev),
         }
-        let dev = Arc::new(check(self.stream.clone_htod(data), "upload"));
-        if cache.len() >= UPLOAD_CACHE_ENTRIES {
-            cache.remove(0);
-        }
-        cache.push((data.to_vec(), dev.clone()));
-        dev
     }
 
     fn add_bias(
@@ -167,6 +250,7 @@ impl CudaBackend {
     ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if scratch.as_ref().is_none_or(|s| s.len() < n) {
+            self.moved();
             *scratch = Some(check(
                 self.stream.alloc_zeros::<bf16>(n.next_power_of_two()),
                 "alloc",
@@ -271,7 +355,10 @@ impl Backend for CudaBackend {
     }
 
     fn embedding(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaSlice<f32>) {
-        let ids_d = self.upload_u32(ids);
+        let ids_d = self.upload_u32(Meta::Ids, ids);
+        if self.replaying() {
+            return;
+        }
         let dim = table.cols as i32;
         // SAFETY: ids < table.rows (checked by the scheduler), out holds ids.len() rows.
         check(
@@ -280,7 +367,7 @@ impl Backend for CudaBackend {
                     .launch_builder(&self.kernels.embedding)
                     .arg(out)
                     .arg(&table.w)
-                    .arg(&*ids_d)
+                    .arg(&ids_d.ptr)
                     .arg(&dim)
                     .launch(per_row(ids.len()))
             },
@@ -296,6 +383,9 @@ impl Backend for CudaBackend {
         bias: Option<&CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
     ) {
+        if self.replaying() {
+            return;
+        }
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
         };
@@ -373,6 +463,9 @@ impl Backend for CudaBackend {
         dim: usize,
         out: &mut CudaSlice<f32>,
     ) {
+        if self.replaying() {
+            return;
+        }
         let d = dim as i32;
         // SAFETY: x and out hold num_rows·dim elements, weight dim.
         check(
@@ -400,6 +493,9 @@ impl Backend for CudaBackend {
         dim: usize,
         out: &mut CudaSlice<f32>,
     ) {
+        if self.replaying() {
+            return;
+        }
         let d = dim as i32;
         // SAFETY: residual, x and out hold num_rows·dim elements.
         check(
@@ -419,6 +515,9 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, residual: &mut CudaSlice<f32>, x: &CudaSlice<f32>, len: usize) {
+        if self.replaying() {
+            return;
+        }
         let n = len as i64;
         // SAFETY: both hold len elements.
         check(
@@ -442,7 +541,10 @@ impl Backend for CudaBackend {
         head_dim: usize,
         cos_sin: &CudaSlice<f32>,
     ) {
-        let pos = self.upload_u32(positions);
+        let pos = self.upload_u32(Meta::Positions, positions);
+        if self.replaying() {
+            return;
+        }
         let (h, hd) = (num_heads as i32, head_dim as i32);
         // SAFETY: x holds positions.len() rows of num_heads·head_dim; cos_sin covers them.
         check(
@@ -450,7 +552,7 @@ impl Backend for CudaBackend {
                 self.stream
                     .launch_builder(&self.kernels.rope)
                     .arg(x)
-                    .arg(&*pos)
+                    .arg(&pos.ptr)
                     .arg(&h)
                     .arg(&hd)
                     .arg(cos_sin)
@@ -467,6 +569,9 @@ impl Backend for CudaBackend {
         width: usize,
         out: &mut CudaSlice<f32>,
     ) {
+        if self.replaying() {
+            return;
+        }
         let (r, w) = (num_rows as i32, width as i32);
         // SAFETY: gate_up holds rows·2·width, out rows·width.
         check(
@@ -492,6 +597,9 @@ impl Backend for CudaBackend {
         num_rows: usize,
         dst: &mut CudaSlice<f32>,
     ) {
+        if self.replaying() {
+            return;
+        }
         let (sw, cs, w, r) = (
             src_width as i32,
             col_start as i32,
@@ -523,7 +631,10 @@ impl Backend for CudaBackend {
         v: &CudaSlice<f32>,
         slots: &[u32],
     ) {
-        let slots_d = self.upload_u32(slots);
+        let slots_d = self.upload_u32(Meta::Slots, slots);
+        if self.replaying() {
+            return;
+        }
         let (d, n) = (cache.shape.kv_dim() as i32, slots.len() as i32);
         let (kc, vc) = (&mut cache.k[layer], &mut cache.v[layer]);
         // SAFETY: slots are inside the pool (the block manager's), k/v hold n rows.
@@ -535,7 +646,7 @@ impl Backend for CudaBackend {
                     .arg(vc)
                     .arg(k)
                     .arg(v)
-                    .arg(&*slots_d)
+                    .arg(&slots_d.ptr)
                     .arg(&d)
                     .arg(&n)
                     .launch(grid_for(slots.len() * cache.shape.kv_dim()))
@@ -566,7 +677,7 @@ impl Backend for CudaBackend {
             return Vec::new();
         }
         let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let rows_d = self.upload_u32(&rows_u32);
+        let rows_d = self.upload_u32(Meta::Rows, &rows_u32);
         let mut ids = check(self.stream.alloc_zeros::<u32>(rows.len()), "alloc");
         let mut logprobs = check(self.stream.alloc_zeros::<f32>(rows.len()), "alloc");
         let v = vocab as i32;
@@ -583,7 +694,7 @@ impl Backend for CudaBackend {
                     .arg(&mut ids)
                     .arg(&mut logprobs)
                     .arg(logits)
-                    .arg(&*rows_d)
+                    .arg(&rows_d.ptr)
                     .arg(&v)
                     .launch(cfg)
             },
@@ -603,6 +714,27 @@ impl Backend for CudaBackend {
         self.download(&packed, rows.len() * vocab)
     }
 
+    fn graph_rows(&self, num_rows: usize) -> Option<usize> {
+        if self.cuda_graphs {
+            graph::padded_rows(num_rows)
+        } else {
+            None
+        }
+    }
+
+    fn begin_graph_step(&self, rows: usize, max_blocks_per_seq: usize) {
+        self.graphs()
+            .begin(&self.ctx, &self.stream, rows, max_blocks_per_seq);
+    }
+
+    fn end_graph_step(&self) {
+        self.graphs().end(&self.stream);
+    }
+
+    fn buffers_moved(&self) {
+        self.moved();
+    }
+
     fn gather_rows(
         &self,
         x: &CudaSlice<f32>,
@@ -611,7 +743,10 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let rows_d = self.upload_u32(&rows_u32);
+        let rows_d = self.upload_u32(Meta::Rows, &rows_u32);
+        if self.replaying() {
+            return;
+        }
         let (w, n) = (width as i32, rows.len() as i32);
         // SAFETY: every row index is inside x; out holds rows.len()·width.
         check(
@@ -620,7 +755,7 @@ impl Backend for CudaBackend {
                     .launch_builder(&self.kernels.gather_rows)
                     .arg(out)
                     .arg(x)
-                    .arg(&*rows_d)
+                    .arg(&rows_d.ptr)
                     .arg(&w)
                     .arg(&n)
                     .launch(grid_for(rows.len() * width))

@@ -132,14 +132,11 @@ pub struct Kernels {
     pub copy_columns: CudaFunction,
     pub gather_rows: CudaFunction,
     pub kv_write: CudaFunction,
-    pub paged_attention: CudaFunction,
     pub matmul_invariant: CudaFunction,
     pub greedy: CudaFunction,
     pub random_bf16: CudaFunction,
     pub attention_split: CudaFunction,
     pub attention_combine: CudaFunction,
-    /// Dynamic shared memory the attention kernel may use (opted in at load).
-    pub attention_smem_bytes: usize,
 }
 
 impl Kernels {
@@ -156,20 +153,6 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| CudaError::Compile(format!("kernel `{name}`: {e}")))
         };
-        let paged_attention = f("paged_attention_kernel")?;
-        let optin = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .map_err(|e| CudaError::Unavailable(e.to_string()))?;
-        let static_bytes = paged_attention.shared_size_bytes().unwrap_or(0);
-        let attention_smem_bytes = (optin - static_bytes).max(0);
-        paged_attention
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attention_smem_bytes,
-            )
-            .map_err(|e| CudaError::Compile(format!("attention shared memory: {e}")))?;
         Ok(Kernels {
             f32_to_bf16: f("f32_to_bf16_kernel")?,
             embedding: f("embedding_kernel")?,
@@ -182,13 +165,11 @@ impl Kernels {
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
             kv_write: f("kv_write_kernel")?,
-            paged_attention,
             matmul_invariant: f("matmul_invariant_kernel")?,
             greedy: f("greedy_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
             attention_split: f("attention_split_kernel")?,
             attention_combine: f("attention_combine_kernel")?,
-            attention_smem_bytes: attention_smem_bytes as usize,
             _module: module,
         })
     }

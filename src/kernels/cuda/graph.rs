@@ -1,0 +1,252 @@
+//! CUDA graphs for decode steps. A decode step's ~20 launches per layer cost more host and
+//! launch time than a small batch's GPU work; recorded once per batch size and replayed,
+//! the whole forward pass is one launch.
+//!
+//! A step of `n` decode rows runs padded to the next recorded size (`GRAPH_BATCH_SIZES`).
+//! The first step of a size runs eagerly (it sizes every scratch buffer), the second is
+//! captured, later ones replay. A graph bakes in every address it touches, so the step's
+//! metadata (ids, positions, KV slots, block tables, ...) lives in one fixed device arena,
+//! one region per `Meta` kind: the forward pass runs on the host as usual, its uploads
+//! land in a pinned staging buffer at those regions, its launches are skipped, and one
+//! copy of the staging buffer precedes the replay. Two staging buffers alternate, each
+//! guarded by an event, so the host writes step N+1's while step N's copy may be pending.
+//! Any reallocation of a buffer a graph uses drops every graph (`invalidate`).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice,
+};
+
+use super::check;
+
+/// Decode batch sizes that get a graph; larger decode batches run eagerly.
+pub const GRAPH_BATCH_SIZES: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
+const MAX_GRAPH_ROWS: usize = GRAPH_BATCH_SIZES[GRAPH_BATCH_SIZES.len() - 1];
+
+/// The kinds of per-step metadata a forward pass uploads; in a graph step each kind is
+/// uploaded once and has its own arena region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Meta {
+    Ids = 0,
+    Positions,
+    Slots,
+    RowTable,
+    RowVisible,
+    Rows,
+    /// Last: the only variable-length kind, `MAX_GRAPH_ROWS · (max blocks + 1)` long.
+    Tables,
+}
+const NUM_META: usize = 7;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Eager,
+    /// The first step of a size: eager launches, metadata through the arena.
+    Warmup(usize),
+    Capture(usize),
+    Replay(usize),
+}
+
+struct Staging {
+    /// Held for its allocation; written through `ptr`, because its own accessors
+    /// synchronize an event, which a stream capture forbids.
+    _host: PinnedHostSlice<u32>,
+    ptr: *mut u32,
+    len: usize,
+    /// Recorded after the copy out of the buffer: synchronized before it is written again.
+    copied: CudaEvent,
+}
+
+// SAFETY: the pointer is into `_host`, owned here; `Graphs` is reached through a mutex.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    fn host(&mut self) -> &mut [u32] {
+        // SAFETY: `ptr` and `len` describe `_host`'s allocation, alive as long as `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// A recorded graph. CUDA asks that calls on one graph be serialized, not that they come
+/// from one thread: `Graphs` is only reached through the backend's mutex.
+struct Recorded(CudaGraph);
+// SAFETY: see above; the graph's handles are plain driver handles, valid on any thread of
+// the process once the context is current (cudarc binds it before each call).
+unsafe impl Send for Recorded {}
+
+pub struct Graphs {
+    pub phase: Phase,
+    arena: Option<CudaSlice<u32>>,
+    staging: Vec<Staging>,
+    current: usize,
+    /// Per kind: the length staged this step.
+    staged: [Option<usize>; NUM_META],
+    tables_capacity: usize,
+    recorded: HashMap<usize, Recorded>,
+    warmed: HashSet<usize>,
+}
+
+/// The batch size `num_rows` decode rows run at, when a graph can take them.
+pub fn padded_rows(num_rows: usize) -> Option<usize> {
+    GRAPH_BATCH_SIZES.iter().copied().find(|&b| b >= num_rows)
+}
+
+impl Graphs {
+    pub fn new() -> Self {
+        Graphs {
+            phase: Phase::Eager,
+            arena: None,
+            staging: Vec::new(),
+            current: 0,
+            staged: [None; NUM_META],
+            tables_capacity: 0,
+            recorded: HashMap::new(),
+            warmed: HashSet::new(),
+        }
+    }
+
+    fn offset(&self, kind: Meta) -> usize {
+        kind as usize * MAX_GRAPH_ROWS
+    }
+
+    fn capacity(&self, kind: Meta) -> usize {
+        match kind {
+            Meta::Tables => self.tables_capacity,
+            _ => MAX_GRAPH_ROWS,
+        }
+    }
+
+    /// Starts a graph step of `rows` rows (a `GRAPH_BATCH_SIZES` entry).
+    pub fn begin(
+        &mut self,
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        rows: usize,
+        max_blocks_per_seq: usize,
+    ) {
+        if self.arena.is_none() {
+            self.tables_capacity = MAX_GRAPH_ROWS * (max_blocks_per_seq + 1);
+            let len = Meta::Tables as usize * MAX_GRAPH_ROWS + self.tables_capacity;
+            self.arena = Some(check(stream.alloc_zeros::<u32>(len), "graph arena"));
+            for _ in 0..2 {
+                // SAFETY: only the staged prefix is ever copied, and it is written first.
+                let mut host = check(unsafe { ctx.alloc_pinned::<u32>(len) }, "pinned staging");
+                let ptr = check(host.as_mut_ptr(), "pinned staging");
+                let copied = check(ctx.new_event(None), "event");
+                self.staging.push(Staging {
+                    _host: host,
+                    ptr,
+                    len,
+                    copied,
+                });
+            }
+        }
+        self.current ^= 1;
+        check(
+            self.staging[self.current].copied.synchronize(),
+            "staging reuse",
+        );
+        self.staged = [None; NUM_META];
+        self.phase = if self.recorded.contains_key(&rows) {
+            Phase::Replay(rows)
+        } else if self.warmed.contains(&rows) {
+            check(
+                stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                "begin capture",
+            );
+            Phase::Capture(rows)
+        } else {
+            Phase::Warmup(rows)
+        };
+    }
+
+    /// Stages `data` as this step's `kind` and returns its device address.
+    pub fn upload(&mut self, stream: &Arc<CudaStream>, kind: Meta, data: &[u32]) -> u64 {
+        let offset = self.offset(kind);
+        let arena = self.arena.as_ref().expect("a graph step has an arena");
+        let (base, _guard) = arena.device_ptr(stream);
+        let address = base + (offset * std::mem::size_of::<u32>()) as u64;
+        if self.staged[kind as usize].is_some() {
+            // Every layer passes the same positions, slots and tables.
+            return address;
+        }
+        assert!(
+            data.len() <= self.capacity(kind),
+            "{kind:?} metadata of {} entries exceeds the graph arena",
+            data.len()
+        );
+        let staging = &mut self.staging[self.current];
+        let host = staging.host();
+        host[offset..offset + data.len()].copy_from_slice(data);
+        self.staged[kind as usize] = Some(data.len());
+        if matches!(self.phase, Phase::Warmup(_)) {
+            // Eager launches follow: the data must be on the device first.
+            // SAFETY: the region lies inside the arena; the pinned source outlives the copy
+            // (its event is synchronized before it is written again).
+            check(
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        address,
+                        &host[offset..offset + data.len()],
+                        stream.cu_stream(),
+                    )
+                },
+                "metadata upload",
+            );
+            check(staging.copied.record(stream), "event");
+        }
+        address
+    }
+
+    /// Ends the graph step: records or replays it. Returns to eager mode.
+    pub fn end(&mut self, stream: &Arc<CudaStream>) {
+        let rows = match std::mem::replace(&mut self.phase, Phase::Eager) {
+            Phase::Eager => return,
+            Phase::Warmup(rows) => {
+                self.warmed.insert(rows);
+                return;
+            }
+            Phase::Capture(rows) => {
+                let graph = check(
+                    stream.end_capture(CUgraphInstantiate_flags(0)),
+                    "end capture",
+                )
+                .expect("the capture recorded the step's launches");
+                tracing::debug!(rows, "recorded a decode step as a CUDA graph");
+                self.recorded.insert(rows, Recorded(graph));
+                rows
+            }
+            Phase::Replay(rows) => rows,
+        };
+        let end = (0..NUM_META)
+            .filter_map(|k| self.staged[k].map(|len| k * MAX_GRAPH_ROWS + len))
+            .max()
+            .unwrap_or(0);
+        let arena = self.arena.as_ref().expect("a graph step has an arena");
+        let (base, _guard) = arena.device_ptr(stream);
+        let staging = &mut self.staging[self.current];
+        let host = staging.host();
+        // SAFETY: [0, end) lies in both; the event guards the source until the copy ran.
+        check(
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(base, &host[..end], stream.cu_stream())
+            },
+            "metadata upload",
+        );
+        check(staging.copied.record(stream), "event");
+        check(self.recorded[&rows].0.launch(), "graph launch");
+    }
+
+    /// A buffer a recorded graph uses moved: every graph is recorded again.
+    pub fn invalidate(&mut self) {
+        assert!(
+            !matches!(self.phase, Phase::Capture(_)),
+            "a buffer was reallocated while a CUDA graph was being captured"
+        );
+        self.recorded.clear();
+        self.warmed.clear();
+    }
+}
