@@ -64,11 +64,16 @@ extern "C" __global__ void f32_to_bf16_kernel(bf16_t* out, const float* in, long
     if (i < n) out[i] = f32_to_bf16(in[i]);
 }
 
-// out[t, :] = table[ids[t], :]
+// out[t, :] = table[id, :] with id = ids[t], or — where `picked` is given and
+// picked[t] != NOT_PICKED — the previous step's greedy pick picks[picked[t]], still on the
+// device (zero-overhead scheduling without a host round trip).
+#define NOT_PICKED 0xffffffffu
 extern "C" __global__ void embedding_kernel(float* out, const bf16_t* table, const u32* ids,
-                                            int dim) {
+                                            const u32* picked, const u32* picks, int dim) {
     int t = blockIdx.x;
-    const bf16_t* row = table + (long long)ids[t] * dim;
+    u32 id = ids[t];
+    if (picked != 0 && picked[t] != NOT_PICKED) id = picks[picked[t]];
+    const bf16_t* row = table + (long long)id * dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) out[(long long)t * dim + d] = bf16_to_f32(row[d]);
 }
 

@@ -1,7 +1,10 @@
 //! The rank worker actor: owns one rank's backend, weights and KV cache, on its own OS
 //! thread (a `ThreadLocalActorSpawner` each: device contexts are bound to one thread).
-//! It runs the steps the scheduler plans and hands logits to the sampler; rows that
-//! continue the previous step take their input token from `SampledTokens` (ZOS).
+//! It launches the steps the scheduler plans; a readback thread hands each step's picks
+//! and logits to the sampler in order, so the worker is free to launch the next step
+//! meanwhile. A row that continues the previous step (ZOS) takes its input token from the
+//! previous step's greedy picks where they lie (on the device: no host round trip), or,
+//! for rows the sampler drew on the host, from `SampledTokens`.
 
 use std::path::PathBuf;
 use std::sync::Arc as StdArc;
@@ -14,8 +17,8 @@ use super::fault::FaultPlan;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg, StepLogits};
 use crate::engine::Device;
-use crate::kernels::Backend;
 use crate::kernels::cpu::CpuBackend;
+use crate::kernels::{Backend, NOT_PICKED, Pending};
 use crate::model::llama::{LlamaModel, SeqStep};
 use crate::sched::{RowInput, StepPlan};
 
@@ -42,16 +45,35 @@ pub struct RankArgs {
     pub enforce_eager: bool,
 }
 
+/// Where the next step finds the token a row of this step drew.
+#[derive(Debug, Clone, Copy)]
+enum PrevToken {
+    /// Already on the host (a backend that picks on the host).
+    Host(u32),
+    /// Entry `i` of the backend's greedy picks, still on the device: the next step's
+    /// embedding reads it there, nobody waits for it.
+    Device(u32),
+}
+
+/// A step launched on the device.
+struct LaunchedStep {
+    /// Waits for the step's picks to land and returns what the sampler needs.
+    logits: Pending<StepLogits>,
+    /// Per plan row, for rows with a greedy pick: where the next step finds it.
+    prev: Vec<Option<PrevToken>>,
+}
+
 /// One rank's model, weights and KV cache on its device: all a step needs.
 trait DeviceModel {
-    /// Runs the step; plain-greedy rows are picked on the device, the other sampling rows'
-    /// logits come back to the host.
+    /// Launches the step: plain-greedy rows are picked on the device, the other sampling
+    /// rows' logits are copied to the host before this returns.
     fn step(
         &mut self,
         block_size: usize,
         steps: &[SeqStep<'_>],
+        picked_rows: &[u32],
         sampling: &[Option<RowSampling>],
-    ) -> StepLogits;
+    ) -> LaunchedStep;
     fn vocab_size(&self) -> usize;
 }
 
@@ -66,10 +88,16 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         &mut self,
         block_size: usize,
         steps: &[SeqStep<'_>],
+        picked_rows: &[u32],
         sampling: &[Option<RowSampling>],
-    ) -> StepLogits {
-        self.model
-            .forward_on_device(&self.backend, &mut self.cache, block_size, steps);
+    ) -> LaunchedStep {
+        self.model.forward_on_device(
+            &self.backend,
+            &mut self.cache,
+            block_size,
+            steps,
+            picked_rows,
+        );
         let vocab = self.model.cfg.vocab_size;
         let logits = self.model.device_logits();
         let (mut greedy, mut host) = (Vec::new(), Vec::new());
@@ -80,26 +108,43 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
                 None => {}
             }
         }
+        let num_rows = sampling.len();
         let mut out = StepLogits {
-            picked: vec![None; sampling.len()],
-            host_row: vec![None; sampling.len()],
+            picked: vec![None; num_rows],
+            host_row: vec![None; num_rows],
             host: Vec::new(),
         };
-        if !greedy.is_empty() {
-            for (&row, pick) in greedy
-                .iter()
-                .zip(self.backend.greedy_rows(logits, vocab, &greedy))
-            {
-                out.picked[row] = Some(pick);
-            }
-        }
+        // The host rows' copy waits for the step; the picks' copy is left in flight.
+        let picks = self.backend.greedy_rows(logits, vocab, &greedy);
         if !host.is_empty() {
             out.host = self.backend.download_rows(logits, vocab, &host);
             for (i, &row) in host.iter().enumerate() {
                 out.host_row[row] = Some(i);
             }
         }
-        out
+        let mut prev = vec![None; num_rows];
+        if self.backend.picks_stay_on_device() {
+            for (i, &row) in greedy.iter().enumerate() {
+                prev[row] = Some(PrevToken::Device(i as u32));
+            }
+            return LaunchedStep {
+                logits: Box::new(move || {
+                    for (&row, pick) in greedy.iter().zip(picks()) {
+                        out.picked[row] = Some(pick);
+                    }
+                    out
+                }),
+                prev,
+            };
+        }
+        for (&row, pick) in greedy.iter().zip(picks()) {
+            out.picked[row] = Some(pick);
+            prev[row] = Some(PrevToken::Host(pick.0));
+        }
+        LaunchedStep {
+            logits: Box::new(move || out),
+            prev,
+        }
     }
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
@@ -148,6 +193,44 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
     }
 }
 
+/// A launched step on its way to the sampler.
+struct Readback {
+    epoch: u64,
+    step_id: u64,
+    logits: Pending<StepLogits>,
+    vocab_size: usize,
+    sampling: StdArc<Vec<Option<RowSampling>>>,
+    sampler: ActorRef<SamplerMsg>,
+    started: Instant,
+    idle_secs: f64,
+}
+
+/// Waits for each launched step's picks, in launch order, and hands them to the sampler,
+/// so the worker itself goes on to launch the next step. Ends when the worker drops its
+/// sender.
+fn spawn_readback(rank: usize) -> std::io::Result<crossbeam_channel::Sender<Readback>> {
+    let (tx, rx) = crossbeam_channel::unbounded::<Readback>();
+    std::thread::Builder::new()
+        .name(format!("troupe-readback-{rank}"))
+        .spawn(move || {
+            for r in rx {
+                let logits = (r.logits)();
+                // A sampler that died with this step in flight is being replaced; the
+                // restart resets the scheduler, which no longer waits for these logits.
+                let _ = r.sampler.cast(SamplerMsg::Sample {
+                    epoch: r.epoch,
+                    step_id: r.step_id,
+                    logits: StdArc::new(logits),
+                    vocab_size: r.vocab_size,
+                    sampling: r.sampling,
+                    started: r.started,
+                    idle_secs: r.idle_secs,
+                });
+            }
+        })?;
+    Ok(tx)
+}
+
 pub struct RankState {
     model: Box<dyn DeviceModel>,
     block_size: usize,
@@ -155,6 +238,11 @@ pub struct RankState {
     faults: FaultPlan,
     /// Input ids of the current step's rows, reused across steps.
     inputs: Vec<Vec<u32>>,
+    /// Per row of the current step: its input's index among the device's picks.
+    picked_rows: Vec<u32>,
+    /// The last launched step (epoch, step id) and where its rows' tokens are.
+    prev: Option<(u64, u64, Vec<Option<PrevToken>>)>,
+    readback: crossbeam_channel::Sender<Readback>,
     /// When the last step's compute ended: the gap to the next step's start is idle time.
     last_step_end: Option<Instant>,
 }
@@ -181,6 +269,9 @@ impl ThreadLocalActor for RankWorker {
             sampled: args.sampled,
             faults: args.faults,
             inputs: Vec::new(),
+            picked_rows: Vec::new(),
+            prev: None,
+            readback: spawn_readback(args.rank)?,
             last_step_end: None,
         })
     }
@@ -202,21 +293,41 @@ impl ThreadLocalActor for RankWorker {
             return Ok(());
         }
         st.inputs.resize_with(plan.rows.len(), Vec::new);
+        st.picked_rows.clear();
         for (row, input) in plan.rows.iter().zip(st.inputs.iter_mut()) {
             input.clear();
+            let mut picked = NOT_PICKED;
             match &row.input {
                 RowInput::Tokens(ids) => input.extend_from_slice(ids),
                 RowInput::FromPrevious {
                     prev_step,
                     prev_row,
                 } => {
-                    match st.sampled.wait(epoch, *prev_step, *prev_row) {
-                        Some(token) => input.push(token),
-                        // The engine was reset while we waited: this step is void.
-                        None => return Ok(()),
+                    let known = match &st.prev {
+                        Some((e, s, prev)) if *e == epoch && s == prev_step => {
+                            prev.get(*prev_row).copied().flatten()
+                        }
+                        _ => None,
+                    };
+                    match known {
+                        Some(PrevToken::Host(token)) => input.push(token),
+                        Some(PrevToken::Device(i)) => {
+                            // A placeholder: the embedding reads the pick on the device.
+                            input.push(0);
+                            picked = i;
+                        }
+                        None => match st.sampled.wait(epoch, *prev_step, *prev_row) {
+                            Some(token) => input.push(token),
+                            // The engine was reset while we waited: this step is void.
+                            None => return Ok(()),
+                        },
                     }
                 }
             }
+            st.picked_rows.push(picked);
+        }
+        if st.picked_rows.iter().all(|&p| p == NOT_PICKED) {
+            st.picked_rows.clear();
         }
         // Timed from here: waiting on the previous step's tokens is not this step's cost.
         let started = Instant::now();
@@ -236,20 +347,23 @@ impl ThreadLocalActor for RankWorker {
                 block_table: &row.block_table,
             })
             .collect();
-        let logits = st.model.step(st.block_size, &steps, &sampling);
-        let vocab_size = st.model.vocab_size();
+        let launched = st
+            .model
+            .step(st.block_size, &steps, &st.picked_rows, &sampling);
+        st.prev = Some((epoch, plan.step_id, launched.prev));
         st.last_step_end = Some(Instant::now());
-        // A sampler that died with this step in flight is being replaced; the restart
-        // resets the scheduler, which no longer waits for these logits.
-        let _ = sampler.cast(SamplerMsg::Sample {
-            epoch,
-            step_id: plan.step_id,
-            logits: StdArc::new(logits),
-            vocab_size,
-            sampling,
-            started,
-            idle_secs,
-        });
+        st.readback
+            .send(Readback {
+                epoch,
+                step_id: plan.step_id,
+                logits: launched.logits,
+                vocab_size: st.model.vocab_size(),
+                sampling,
+                sampler,
+                started,
+                idle_secs,
+            })
+            .map_err(|_| "the readback thread ended")?;
         Ok(())
     }
 }

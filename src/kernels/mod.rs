@@ -144,8 +144,10 @@ pub trait Backend: Send + Sync {
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> Self::KvCache;
     fn download(&self, buf: &Self::Buf, len: usize) -> Vec<f32>;
 
-    /// `out[t] = table[ids[t]]`.
-    fn embedding(&self, table: &Self::Matrix, ids: &[u32], out: &mut Self::Buf);
+    /// `out[t] = table[ids[t]]`, except where `picked` (empty, or one entry per token) is
+    /// not `NOT_PICKED`: there the id is entry `picked[t]` of the last `greedy_rows` picks,
+    /// read where they lie (ZOS without a host round trip; `picks_stay_on_device`).
+    fn embedding(&self, table: &Self::Matrix, ids: &[u32], picked: &[u32], out: &mut Self::Buf);
     /// `out[num_rows, w.rows] = x[num_rows, w.cols] · wᵀ (+ bias)`.
     fn matmul(
         &self,
@@ -225,7 +227,19 @@ pub trait Backend: Send + Sync {
     fn gather_rows(&self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
     /// Greedy picks of `rows` of `[_, vocab]` logits where they lie: per row the first index
     /// of the maximum and its log-probability (logit − log-sum-exp), as the sampler would.
-    fn greedy_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)>;
+    /// The copy to the host is in flight when this returns; the picks also stay on the
+    /// device for the next step's `embedding` until the next call.
+    fn greedy_rows(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        rows: &[usize],
+    ) -> Pending<Vec<(u32, f32)>>;
+    /// Whether `embedding` can read the last picks on the device; else the caller resolves
+    /// them (`greedy_rows`' result) and passes ids.
+    fn picks_stay_on_device(&self) -> bool {
+        false
+    }
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
     fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
 
@@ -244,3 +258,7 @@ pub trait Backend: Send + Sync {
 
 /// The KV slot of a padding row: `kv_write` skips it.
 pub const PAD_SLOT: u32 = u32::MAX;
+/// A token whose id is in `ids`, not among the last greedy picks.
+pub const NOT_PICKED: u32 = u32::MAX;
+/// A device-to-host copy in flight: calling it waits until the data has landed.
+pub type Pending<T> = Box<dyn FnOnce() -> T + Send>;

@@ -5,7 +5,7 @@
 use super::config::ModelConfig;
 use super::rope::{cos_sin_table, inv_freqs};
 use super::weights::Weights;
-use crate::kernels::{Backend, KvCacheShape, SeqAttention};
+use crate::kernels::{Backend, KvCacheShape, NOT_PICKED, SeqAttention};
 
 /// One sequence's part of a step, as the caller plans it.
 #[derive(Debug, Clone)]
@@ -44,6 +44,7 @@ pub struct LlamaModel<B: Backend> {
     cos_sin: B::Buf, // (max_context_tokens, head_dim)
     ws: Option<Workspace<B>>,
     // Host-side step metadata, kept to avoid reallocating it every step.
+    picked: Vec<u32>,
     positions: Vec<u32>,
     slots: Vec<u32>,
     ids: Vec<u32>,
@@ -62,6 +63,7 @@ impl<B: Backend> LlamaModel<B> {
             cfg,
             weights,
             ws: None,
+            picked: Vec::new(),
             positions: Vec::new(),
             slots: Vec::new(),
             ids: Vec::new(),
@@ -121,7 +123,7 @@ impl<B: Backend> LlamaModel<B> {
         block_size: usize,
         seqs: &[SeqStep<'_>],
     ) -> Vec<f32> {
-        self.forward_on_device(backend, cache, block_size, seqs);
+        self.forward_on_device(backend, cache, block_size, seqs, &[]);
         let logits = &self.ws.as_ref().expect("workspace made by the step").logits;
         backend.download(logits, seqs.len() * self.cfg.vocab_size)
     }
@@ -131,13 +133,16 @@ impl<B: Backend> LlamaModel<B> {
         &self.ws.as_ref().expect("a step ran").logits
     }
 
-    /// Runs one step, leaving the logits on the device (`device_logits`).
+    /// Runs one step, leaving the logits on the device (`device_logits`). `picked_rows`
+    /// is empty or, per sequence, `NOT_PICKED` or the index of its one input token among
+    /// the backend's last greedy picks (`Backend::embedding`).
     pub fn forward_on_device(
         &mut self,
         backend: &B,
         cache: &mut B::KvCache,
         block_size: usize,
         seqs: &[SeqStep<'_>],
+        picked_rows: &[u32],
     ) {
         // A decode step may run as a recorded graph, its batch padded to the graph's size.
         let graph_rows = if seqs.iter().all(|s| s.token_ids.len() == 1) {
@@ -152,12 +157,19 @@ impl<B: Backend> LlamaModel<B> {
         self.positions.clear();
         self.slots.clear();
         self.ids.clear();
+        self.picked.clear();
+        // A graph step always passes picks, so its recorded embedding reads them.
+        let with_picks = graph_rows.is_some() || !picked_rows.is_empty();
         let mut attn_seqs = Vec::with_capacity(seqs.len());
         let mut last_rows = Vec::with_capacity(seqs.len());
-        for s in seqs {
+        for (row, s) in seqs.iter().enumerate() {
             let query_start = self.ids.len();
             for (i, &id) in s.token_ids.iter().enumerate() {
                 let pos = s.num_cached_tokens + i;
+                if with_picks {
+                    let pick = picked_rows.get(row).copied().unwrap_or(NOT_PICKED);
+                    self.picked.push(if i == 0 { pick } else { NOT_PICKED });
+                }
                 self.ids.push(id);
                 self.positions.push(pos as u32);
                 self.slots.push(crate::kernels::paged_kv::slot_of(
@@ -183,6 +195,9 @@ impl<B: Backend> LlamaModel<B> {
             });
             last_rows.push(self.ids.len());
             self.ids.push(0);
+            if with_picks {
+                self.picked.push(NOT_PICKED);
+            }
             self.positions.push(0);
             self.slots.push(crate::kernels::PAD_SLOT);
         }
@@ -194,7 +209,7 @@ impl<B: Backend> LlamaModel<B> {
         let w = &self.weights;
         let ws = self.ws.as_mut().expect("workspace ensured above");
         let (hd, eps) = (c.head_dim, c.rms_norm_eps);
-        backend.embedding(&w.embed, &self.ids, &mut ws.x);
+        backend.embedding(&w.embed, &self.ids, &self.picked, &mut ws.x);
         for (li, lw) in w.layers.iter().enumerate() {
             if li == 0 {
                 backend.rms_norm(

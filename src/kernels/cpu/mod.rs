@@ -78,7 +78,12 @@ impl Backend for CpuBackend {
         buf[..len].to_vec()
     }
 
-    fn embedding(&self, table: &CpuMatrix, ids: &[u32], out: &mut Vec<f32>) {
+    fn embedding(&self, table: &CpuMatrix, ids: &[u32], picked: &[u32], out: &mut Vec<f32>) {
+        // `picks_stay_on_device` is false: callers resolve the picks into `ids`.
+        assert!(
+            picked.iter().all(|&p| p == super::NOT_PICKED),
+            "the CPU backend keeps no picks: pass their ids"
+        );
         let d = table.cols();
         for (t, &id) in ids.iter().enumerate() {
             table.dequantize_row(id as usize, &mut out[t * d..(t + 1) * d]);
@@ -268,8 +273,14 @@ impl Backend for CpuBackend {
         );
     }
 
-    fn greedy_rows(&self, logits: &Vec<f32>, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)> {
-        rows.iter()
+    fn greedy_rows(
+        &self,
+        logits: &Vec<f32>,
+        vocab: usize,
+        rows: &[usize],
+    ) -> super::Pending<Vec<(u32, f32)>> {
+        let picks: Vec<(u32, f32)> = rows
+            .iter()
             .map(|&r| {
                 let row = &logits[r * vocab..(r + 1) * vocab];
                 let token = crate::sampling::argmax(row);
@@ -278,7 +289,8 @@ impl Backend for CpuBackend {
                     row[token as usize] - crate::sampling::log_sum_exp(row),
                 )
             })
-            .collect()
+            .collect();
+        Box::new(move || picks)
     }
 
     fn download_rows(&self, logits: &Vec<f32>, vocab: usize, rows: &[usize]) -> Vec<f32> {

@@ -36,10 +36,12 @@ pub enum Meta {
     RowTable,
     RowVisible,
     Rows,
+    /// Per token: where its id is among the last greedy picks (ZOS on the device).
+    Picked,
     /// Last: the only variable-length kind, `MAX_GRAPH_ROWS · (max blocks + 1)` long.
     Tables,
 }
-const NUM_META: usize = 7;
+const NUM_META: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use half::bf16;
 
@@ -62,6 +63,20 @@ struct Uploaded {
 /// cuBLAS's workspace, given up front so that no GEMM allocates during a graph capture.
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
+/// Greedy picks one step may make (rows): the device buffer the next step's embedding
+/// reads them from has this fixed size, so graphs never see it move.
+const MAX_PICKS: usize = 1 << 16;
+
+/// Page-locked landing place of one step's picks, back in the pool once read.
+struct PickSlot {
+    ids: PinnedHostSlice<u32>,
+    logprobs: PinnedHostSlice<f32>,
+    /// Recorded after the copies into this slot.
+    landed: CudaEvent,
+}
+
+type PickPool = Arc<Mutex<Vec<PickSlot>>>;
+
 pub struct CudaBackend {
     /// GEMMs through `matmul_invariant_kernel` (f32 activations, fixed reduction order)
     /// instead of cuBLAS: a row's logits do not depend on its batch.
@@ -80,6 +95,9 @@ pub struct CudaBackend {
     /// Split-K attention partials (output, then max and sum); grown on demand.
     attention_parts: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
     _cublas_workspace: CudaSlice<u8>,
+    /// The last greedy picks (ids, logprobs) by pick index.
+    picks: Mutex<(CudaSlice<u32>, CudaSlice<f32>)>,
+    pick_slots: PickPool,
 }
 
 const THREADS: u32 = 256;
@@ -147,6 +165,11 @@ impl CudaBackend {
             graphs: Mutex::new(Graphs::new()),
             attention_parts: Mutex::new(None),
             _cublas_workspace: workspace,
+            picks: Mutex::new((
+                stream.alloc_zeros::<u32>(MAX_PICKS).map_err(runtime)?,
+                stream.alloc_zeros::<f32>(MAX_PICKS).map_err(runtime)?,
+            )),
+            pick_slots: Arc::new(Mutex::new(Vec::new())),
             ctx,
             stream,
             blas,
@@ -354,13 +377,17 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn embedding(&self, table: &CudaMatrix, ids: &[u32], out: &mut CudaSlice<f32>) {
+    fn embedding(&self, table: &CudaMatrix, ids: &[u32], picked: &[u32], out: &mut CudaSlice<f32>) {
         let ids_d = self.upload_u32(Meta::Ids, ids);
+        let picked_d = (!picked.is_empty()).then(|| self.upload_u32(Meta::Picked, picked));
         if self.replaying() {
             return;
         }
+        let picked_ptr = picked_d.as_ref().map_or(0u64, |p| p.ptr);
+        let picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
         let dim = table.cols as i32;
-        // SAFETY: ids < table.rows (checked by the scheduler), out holds ids.len() rows.
+        // SAFETY: ids < table.rows (checked by the scheduler), picked indices < MAX_PICKS,
+        // out holds ids.len() rows.
         check(
             unsafe {
                 self.stream
@@ -368,6 +395,8 @@ impl Backend for CudaBackend {
                     .arg(out)
                     .arg(&table.w)
                     .arg(&ids_d.ptr)
+                    .arg(&picked_ptr)
+                    .arg(&picks.0)
                     .arg(&dim)
                     .launch(per_row(ids.len()))
             },
@@ -672,27 +701,32 @@ impl Backend for CudaBackend {
         logits: &CudaSlice<f32>,
         vocab: usize,
         rows: &[usize],
-    ) -> Vec<(u32, f32)> {
-        if rows.is_empty() {
-            return Vec::new();
+    ) -> crate::kernels::Pending<Vec<(u32, f32)>> {
+        let n = rows.len();
+        if n == 0 {
+            return Box::new(Vec::new);
         }
+        assert!(
+            n <= MAX_PICKS,
+            "{n} greedy rows in one step exceed {MAX_PICKS}"
+        );
         let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let rows_d = self.upload_u32(Meta::Rows, &rows_u32);
-        let mut ids = check(self.stream.alloc_zeros::<u32>(rows.len()), "alloc");
-        let mut logprobs = check(self.stream.alloc_zeros::<f32>(rows.len()), "alloc");
+        let mut picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
+        let (ids, logprobs) = &mut *picks;
         let v = vocab as i32;
         let cfg = LaunchConfig {
-            grid_dim: (rows.len() as u32, 1, 1),
+            grid_dim: (n as u32, 1, 1),
             block_dim: (1024, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: every listed row lies inside `logits`; the outputs hold rows.len().
+        // SAFETY: every listed row lies inside `logits`; the outputs hold MAX_PICKS ≥ n.
         check(
             unsafe {
                 self.stream
                     .launch_builder(&self.kernels.greedy)
-                    .arg(&mut ids)
-                    .arg(&mut logprobs)
+                    .arg(&mut *ids)
+                    .arg(&mut *logprobs)
                     .arg(logits)
                     .arg(&rows_d.ptr)
                     .arg(&v)
@@ -700,9 +734,70 @@ impl Backend for CudaBackend {
             },
             "greedy",
         );
-        let ids = check(self.stream.clone_dtoh(&ids), "download");
-        let logprobs = check(self.stream.clone_dtoh(&logprobs), "download");
-        ids.into_iter().zip(logprobs).collect()
+        let slot = self
+            .pick_slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let mut slot = slot.unwrap_or_else(|| {
+            // Plain page-locked memory (not write-combined): the host reads it.
+            // SAFETY: only the first n entries are read, after the copy into them landed.
+            let alloc = |what| unsafe {
+                check(self.ctx.alloc_pinned_with_flags::<u32>(MAX_PICKS, 0), what)
+            };
+            PickSlot {
+                ids: alloc("pinned picks"),
+                logprobs: check(
+                    unsafe { self.ctx.alloc_pinned_with_flags::<f32>(MAX_PICKS, 0) },
+                    "pinned picks",
+                ),
+                landed: check(self.ctx.new_event(None), "event"),
+            }
+        });
+        let host_ids = check(slot.ids.as_mut_ptr(), "pinned picks");
+        let host_lps = check(slot.logprobs.as_mut_ptr(), "pinned picks");
+        // SAFETY: the slot's n entries are written by the copies and read only after
+        // `landed` (recorded after them) completes; the slot is not reused before that.
+        unsafe {
+            let (ids_ptr, _g1) = ids.device_ptr(&self.stream);
+            let (lps_ptr, _g2) = logprobs.device_ptr(&self.stream);
+            check(
+                cudarc::driver::result::memcpy_dtoh_async(
+                    std::slice::from_raw_parts_mut(host_ids, n),
+                    ids_ptr,
+                    self.stream.cu_stream(),
+                ),
+                "picks download",
+            );
+            check(
+                cudarc::driver::result::memcpy_dtoh_async(
+                    std::slice::from_raw_parts_mut(host_lps, n),
+                    lps_ptr,
+                    self.stream.cu_stream(),
+                ),
+                "picks download",
+            );
+        }
+        check(slot.landed.record(&self.stream), "event");
+        let pool = self.pick_slots.clone();
+        Box::new(move || {
+            check(slot.landed.synchronize(), "picks download");
+            let out = {
+                let ids = check(slot.ids.as_slice(), "pinned picks");
+                let lps = check(slot.logprobs.as_slice(), "pinned picks");
+                ids[..n]
+                    .iter()
+                    .copied()
+                    .zip(lps[..n].iter().copied())
+                    .collect()
+            };
+            pool.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+            out
+        })
+    }
+
+    fn picks_stay_on_device(&self) -> bool {
+        true
     }
 
     fn download_rows(&self, logits: &CudaSlice<f32>, vocab: usize, rows: &[usize]) -> Vec<f32> {
