@@ -8,6 +8,8 @@
 #define NEG_INF (__int_as_float(0xff800000))
 // The KV slot of a padding row (a graph's batch is padded to its bucket): nothing is written.
 #define PAD_SLOT 0xffffffffu
+// Marks, in row_visible, a row that flash_prefill_kernel computes.
+#define FLASH_ROW 0x80000000u
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -321,6 +323,7 @@ extern "C" __global__ void attention_split_kernel(
     __shared__ float scratch[32];
     int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
     int visible = row_visible[row];
+    if (visible & FLASH_ROW) return;  // flash_prefill_kernel's row
     int num_chunks = (visible + ATT_CHUNK - 1) / ATT_CHUNK;
     int per_split = (num_chunks + num_splits - 1) / num_splits;
     int start = split * per_split * ATT_CHUNK;
@@ -408,4 +411,123 @@ extern "C" __global__ void attention_combine_kernel(float* out, const float* par
         }
         o[d] = l > 0.0f ? acc / l : 0.0f;  // a padding row sees no keys
     }
+}
+
+// Flash-style prefill attention: one block per (tile of up to FA_ROWS query rows of one
+// sequence, head). The tile's queries stay in shared memory while the sequence's keys and
+// values stream through it FA_KEYS at a time, so each key is read once per tile instead of
+// once per query row; an online softmax per row folds the chunks in order (chunks start at
+// key 0, so a row's result does not depend on its tile). Four threads per row: each scores
+// every fourth key of a chunk and owns every fourth output dimension. Shared rows are
+// padded by one float so the threads of a warp hit distinct banks.
+// tiles[4·i ..] = (first query row, rows, block-table offset, position of the first row).
+// Rows it handles are flagged in row_visible (FLASH_ROW) so the split kernel skips them.
+// 256 threads; dynamic shared memory: fa_smem_floats(HD) floats.
+#define FA_ROWS 64
+#define FA_KEYS 32
+template <int HD>
+__device__ void flash_prefill(float* out, const float* q, const float* k_cache,
+                              const float* v_cache, const u32* block_tables, const u32* tiles,
+                              int num_heads, int num_kv_heads, int block_size, float scale) {
+    extern __shared__ float fa_smem[];
+    const int QS = HD + 1, PS = FA_KEYS + 1, DIMS = HD / 4;
+    float* q_s = fa_smem;                  // [FA_ROWS][QS]
+    float* k_s = q_s + FA_ROWS * QS;       // [FA_KEYS][QS]
+    float* v_s = k_s + FA_KEYS * QS;       // [FA_KEYS][HD]
+    float* p_s = v_s + FA_KEYS * HD;       // [FA_ROWS][PS]
+    const u32* tile = tiles + 4 * blockIdx.x;
+    int first_row = tile[0], num_rows = tile[1];
+    const u32* table = block_tables + tile[2];
+    int first_pos = tile[3];
+    int h = blockIdx.y, kvh = h / (num_heads / num_kv_heads);
+    int kv_dim = num_kv_heads * HD;
+    int r = threadIdx.x >> 2, quad = threadIdx.x & 3;
+    for (int i = threadIdx.x; i < FA_ROWS * HD; i += blockDim.x) {
+        int row = i / HD, d = i % HD;
+        q_s[row * QS + d] =
+            row < num_rows ? q[((long long)(first_row + row) * num_heads + h) * HD + d] * scale : 0.0f;
+    }
+    int visible = first_pos + r + 1;  // keys row r may see
+    int num_keys = first_pos + num_rows;
+    float m = NEG_INF, l = 0.0f;
+    float acc[DIMS];
+#pragma unroll
+    for (int i = 0; i < DIMS; ++i) acc[i] = 0.0f;
+    for (int c0 = 0; c0 < num_keys; c0 += FA_KEYS) {
+        int n = min(FA_KEYS, num_keys - c0);
+        __syncthreads();  // the previous chunk's k_s / v_s are consumed
+        for (int i = threadIdx.x; i < FA_KEYS * HD; i += blockDim.x) {
+            int j = i / HD, d = i % HD;
+            float kk = 0.0f, vv = 0.0f;
+            if (j < n) {
+                int key = c0 + j;
+                long long slot = (long long)table[key / block_size] * block_size + key % block_size;
+                long long at = slot * kv_dim + kvh * HD + d;
+                kk = k_cache[at];
+                vv = v_cache[at];
+            }
+            k_s[j * QS + d] = kk;
+            v_s[j * HD + d] = vv;
+        }
+        __syncthreads();
+        float s[FA_KEYS / 4];
+        float local_max = NEG_INF;
+        const float* qr = q_s + r * QS;
+#pragma unroll
+        for (int t = 0; t < FA_KEYS / 4; ++t) {
+            int j = quad + 4 * t;
+            const float* kr = k_s + j * QS;
+            float dot = 0.0f;
+#pragma unroll 16
+            for (int d = 0; d < HD; ++d) dot += qr[d] * kr[d];
+            s[t] = (j < n && c0 + j < visible) ? dot : NEG_INF;
+            local_max = fmaxf(local_max, s[t]);
+        }
+        local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, 1));
+        local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, 2));
+        // Key 0 lies in the first chunk and every row sees it: m_new is finite.
+        float m_new = fmaxf(m, local_max);
+        float local_sum = 0.0f;
+        float* pr = p_s + r * PS;
+#pragma unroll
+        for (int t = 0; t < FA_KEYS / 4; ++t) {
+            float p = s[t] == NEG_INF ? 0.0f : expf(s[t] - m_new);
+            pr[quad + 4 * t] = p;
+            local_sum += p;
+        }
+        local_sum += __shfl_xor_sync(0xffffffffu, local_sum, 1);
+        local_sum += __shfl_xor_sync(0xffffffffu, local_sum, 2);
+        float alpha = expf(m - m_new);  // 0 on the first chunk: m is −∞
+        l = l * alpha + local_sum;
+        m = m_new;
+        __syncwarp();  // the row's four threads share pr
+#pragma unroll
+        for (int i = 0; i < DIMS; ++i) acc[i] *= alpha;
+        for (int j = 0; j < n; ++j) {
+            float p = pr[j];
+            const float* vr = v_s + j * HD + quad;
+#pragma unroll
+            for (int i = 0; i < DIMS; ++i) acc[i] += p * vr[4 * i];
+        }
+    }
+    if (r >= num_rows) return;
+    float* o = out + ((long long)(first_row + r) * num_heads + h) * HD;
+#pragma unroll
+    for (int i = 0; i < DIMS; ++i) o[quad + 4 * i] = acc[i] / l;
+}
+
+extern "C" __global__ void flash_prefill_64_kernel(float* out, const float* q, const float* k_cache,
+                                                   const float* v_cache, const u32* block_tables,
+                                                   const u32* tiles, int num_heads, int num_kv_heads,
+                                                   int block_size, float scale) {
+    flash_prefill<64>(out, q, k_cache, v_cache, block_tables, tiles, num_heads, num_kv_heads,
+                      block_size, scale);
+}
+
+extern "C" __global__ void flash_prefill_128_kernel(float* out, const float* q, const float* k_cache,
+                                                    const float* v_cache, const u32* block_tables,
+                                                    const u32* tiles, int num_heads, int num_kv_heads,
+                                                    int block_size, float scale) {
+    flash_prefill<128>(out, q, k_cache, v_cache, block_tables, tiles, num_heads, num_kv_heads,
+                       block_size, scale);
 }

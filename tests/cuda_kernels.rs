@@ -24,6 +24,8 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "random_bf16_kernel",
         "attention_split_kernel",
         "attention_combine_kernel",
+        "flash_prefill_64_kernel",
+        "flash_prefill_128_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

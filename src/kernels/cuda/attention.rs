@@ -1,4 +1,6 @@
-//! Paged attention on the GPU: `attention_split_kernel` over (row, head, split), each split
+//! Paged attention on the GPU. The query rows of prefill chunks (outside the batch-invariant
+//! mode) go to `flash_prefill_kernel`, 64 rows of a sequence per block sharing each key
+//! and value they load. The other rows go to `attention_split_kernel` over (row, head, split), each split
 //! a contiguous run of fixed 64-key chunks, merged by a combine kernel when there are
 //! several. How many splits:
 //! - batch-invariant mode: one, always, so a row's result depends on nothing but its keys;
@@ -10,6 +12,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::graph::{Meta, Phase};
+use super::module::flash_smem_bytes;
 use super::{CudaBackend, CudaKvCache, check};
 use crate::kernels::{Backend, SeqAttention};
 
@@ -20,6 +23,9 @@ const SPLIT_MAX_PAIRS: usize = 1024;
 /// A graph step aims at this many (row, head, split) blocks, with at most `MAX_SPLITS`.
 const GRAPH_TARGET_BLOCKS: usize = 2048;
 const MAX_SPLITS: usize = 64;
+/// Query rows per flash block (the kernel's `FA_ROWS`), and the row flag it owns.
+const FLASH_ROWS: usize = 64;
+const FLASH_ROW: u32 = 1 << 31;
 
 impl CudaBackend {
     fn num_splits(&self, num_rows: usize, num_heads: usize, max_visible: usize) -> usize {
@@ -53,15 +59,36 @@ impl CudaBackend {
         let num_rows: usize = seqs.iter().map(|s| s.num_query_tokens).sum();
         let (mut row_table, mut row_visible) = (vec![0u32; num_rows], vec![0u32; num_rows]);
         let mut max_visible = 0usize;
+        // The invariant mode keeps every row on the split kernel: a position's result must
+        // not depend on whether its chunk had one token or many.
+        let flash = !self.batch_invariant && matches!(shape.head_dim, 64 | 128);
+        let mut tiles: Vec<u32> = Vec::new();
+        let mut num_split_rows = 0;
         for s in seqs {
             let offset = tables.len() as u32;
             tables.extend_from_slice(s.block_table);
+            let first_pos = (s.num_context_tokens + 1).saturating_sub(s.num_query_tokens);
+            let in_flash = flash && s.num_query_tokens > 1;
             for t in 0..s.num_query_tokens {
                 // A padding row has no context and sees nothing.
                 let visible = (s.num_context_tokens + t + 1).saturating_sub(s.num_query_tokens);
                 row_table[s.query_start + t] = offset;
-                row_visible[s.query_start + t] = visible as u32;
-                max_visible = max_visible.max(visible);
+                row_visible[s.query_start + t] =
+                    visible as u32 | if in_flash { FLASH_ROW } else { 0 };
+                if !in_flash {
+                    max_visible = max_visible.max(visible);
+                    num_split_rows += 1;
+                }
+            }
+            if in_flash {
+                for t0 in (0..s.num_query_tokens).step_by(FLASH_ROWS) {
+                    tiles.extend_from_slice(&[
+                        (s.query_start + t0) as u32,
+                        FLASH_ROWS.min(s.num_query_tokens - t0) as u32,
+                        offset,
+                        (first_pos - 1 + t0) as u32,
+                    ]);
+                }
             }
         }
         let tables_d = self.upload_u32(Meta::Tables, &tables);
@@ -78,7 +105,13 @@ impl CudaBackend {
         );
         assert!(shape.head_dim <= 256, "attention supports head_dim ≤ 256");
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        let num_splits = self.num_splits(num_rows, num_heads, max_visible);
+        if !tiles.is_empty() {
+            self.flash_prefill(q, cache, layer, tables_d.ptr, &tiles, num_heads, out);
+            if num_split_rows == 0 {
+                return;
+            }
+        }
+        let num_splits = self.num_splits(num_split_rows, num_heads, max_visible);
         let mut parts = self
             .attention_parts
             .lock()
@@ -150,6 +183,56 @@ impl CudaBackend {
                     .launch(cfg)
             },
             "attention_combine",
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn flash_prefill(
+        &self,
+        q: &CudaSlice<f32>,
+        cache: &CudaKvCache,
+        layer: usize,
+        tables: u64,
+        tiles: &[u32],
+        num_heads: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let shape = &cache.shape;
+        let tiles_d = self.upload_u32(Meta::Tiles, tiles);
+        let (nh, nkv, bs) = (
+            num_heads as i32,
+            shape.num_kv_heads as i32,
+            shape.block_size as i32,
+        );
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let kernel = if shape.head_dim == 64 {
+            &self.kernels.flash_prefill_64
+        } else {
+            &self.kernels.flash_prefill_128
+        };
+        let cfg = LaunchConfig {
+            grid_dim: ((tiles.len() / 4) as u32, num_heads as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: flash_smem_bytes(shape.head_dim) as u32,
+        };
+        // SAFETY: each tile names rows inside q/out and a block table covering its keys.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(kernel)
+                    .arg(&mut *out)
+                    .arg(q)
+                    .arg(&cache.k[layer])
+                    .arg(&cache.v[layer])
+                    .arg(&tables)
+                    .arg(&tiles_d.ptr)
+                    .arg(&nh)
+                    .arg(&nkv)
+                    .arg(&bs)
+                    .arg(&scale)
+                    .launch(cfg)
+            },
+            "flash_prefill",
         );
     }
 }

@@ -38,10 +38,12 @@ pub enum Meta {
     Rows,
     /// Per token: where its id is among the last greedy picks (ZOS on the device).
     Picked,
+    /// Flash-attention tiles: prefill only, never in a graph step.
+    Tiles,
     /// Last: the only variable-length kind, `MAX_GRAPH_ROWS · (max blocks + 1)` long.
     Tables,
 }
-const NUM_META: usize = 8;
+const NUM_META: usize = 9;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {

@@ -137,6 +137,16 @@ pub struct Kernels {
     pub random_bf16: CudaFunction,
     pub attention_split: CudaFunction,
     pub attention_combine: CudaFunction,
+    /// `flash_prefill_kernel` for head_dim 64 and 128.
+    pub flash_prefill_64: CudaFunction,
+    pub flash_prefill_128: CudaFunction,
+}
+
+/// Dynamic shared memory of `flash_prefill_kernel` for `head_dim`, in bytes.
+pub fn flash_smem_bytes(head_dim: usize) -> usize {
+    const ROWS: usize = 64;
+    const KEYS: usize = 32;
+    4 * ((ROWS + KEYS) * (head_dim + 1) + KEYS * head_dim + ROWS * (KEYS + 1))
 }
 
 impl Kernels {
@@ -153,7 +163,16 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| CudaError::Compile(format!("kernel `{name}`: {e}")))
         };
+        let flash_prefill_128 = f("flash_prefill_128_kernel")?;
+        flash_prefill_128
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                flash_smem_bytes(128) as i32,
+            )
+            .map_err(|e| CudaError::Compile(format!("flash attention shared memory: {e}")))?;
         Ok(Kernels {
+            flash_prefill_64: f("flash_prefill_64_kernel")?,
+            flash_prefill_128,
             f32_to_bf16: f("f32_to_bf16_kernel")?,
             embedding: f("embedding_kernel")?,
             add_bias: f("add_bias_kernel")?,
