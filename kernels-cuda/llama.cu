@@ -1,8 +1,9 @@
 // troupe's CUDA kernels for the Llama family, compiled at start-up with NVRTC.
 //
 // Activations are f32 row-major [rows, width]; weights are bf16 (raw 16-bit words, so no
-// toolkit header is needed at run time); the KV cache is f32
-// [num_blocks * block_size, num_kv_heads * head_dim] per layer, as on the CPU backend.
+// toolkit header is needed at run time); the KV cache is
+// [num_blocks * block_size, num_kv_heads * head_dim] per layer, in f32 (as on the CPU
+// backend) or bf16.
 
 // NVRTC has no <math.h>: −∞ by its bits.
 #define NEG_INF (__int_as_float(0xff800000))
@@ -27,6 +28,13 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (bf16_t)(bits >> 16);
 }
+
+// The KV cache holds f32 (the batch-invariant mode: the CPU reference's numbers) or bf16
+// (the default: half the bytes each decode step reads).
+__device__ __forceinline__ float kv_load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const bf16_t* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void kv_store(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void kv_store(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -160,16 +168,28 @@ extern "C" __global__ void gather_rows_kernel(float* out, const float* x, const 
     out[i] = x[(long long)rows[r] * width + c];
 }
 
-extern "C" __global__ void kv_write_kernel(float* k_cache, float* v_cache, const float* k,
-                                           const float* v, const u32* slots, int kv_dim,
-                                           int num_tokens) {
+template <typename T>
+__device__ void kv_write(T* k_cache, T* v_cache, const float* k, const float* v, const u32* slots,
+                         int kv_dim, int num_tokens) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)num_tokens * kv_dim) return;
     long long t = i / kv_dim, d = i % kv_dim;
     if (slots[t] == PAD_SLOT) return;  // a padding row of a replayed decode graph
     long long dst = (long long)slots[t] * kv_dim + d;
-    k_cache[dst] = k[i];
-    v_cache[dst] = v[i];
+    kv_store(k_cache, dst, k[i]);
+    kv_store(v_cache, dst, v[i]);
+}
+
+extern "C" __global__ void kv_write_f32_kernel(float* k_cache, float* v_cache, const float* k,
+                                               const float* v, const u32* slots, int kv_dim,
+                                               int num_tokens) {
+    kv_write(k_cache, v_cache, k, v, slots, kv_dim, num_tokens);
+}
+
+extern "C" __global__ void kv_write_bf16_kernel(bf16_t* k_cache, bf16_t* v_cache, const float* k,
+                                                const float* v, const u32* slots, int kv_dim,
+                                                int num_tokens) {
+    kv_write(k_cache, v_cache, k, v, slots, kv_dim, num_tokens);
 }
 
 // Batch-invariant GEMM: C[m, n] = Σ_k X[m, k] · W[n, k], X f32, W bf16, C f32. Every output
@@ -307,23 +327,26 @@ extern "C" __global__ void random_bf16_kernel(bf16_t* out, long long n, unsigned
 
 // Causal attention over the paged cache, any mix of prefill and decode rows. Per row:
 // `row_table` = offset of its sequence's block table in `block_tables`, `row_visible` = keys
-// it may see (its position + 1; 0 for a padding row). Grid (rows, heads, splits): the row's
+// it may see (its position + 1; 0 for a padding row; FLASH_ROW set: flash_prefill_kernel's
+// row, skipped). Grid (rows, heads, splits): the row's
 // keys fall in 64-key chunks at fixed positions, each split takes a contiguous run of
 // ceil(chunks / splits) of them and folds them in order with an online softmax. With one
 // split the block writes the normalised output; otherwise it leaves (max, sum, unnormalised
 // output) for `attention_combine_kernel`. A row's result depends on its own keys and the
 // split count only, so a fixed split count is batch-invariant. 128 threads, head_dim ≤ 256.
 #define ATT_CHUNK 64
-extern "C" __global__ void attention_split_kernel(
-    float* out, float* part_o, float* part_ml, const float* q, const float* k_cache,
-    const float* v_cache, const u32* block_tables, const u32* row_table, const u32* row_visible,
+template <typename T>
+__device__ void attention_split(
+    float* out, float* part_o, float* part_ml, const float* q, const T* k_cache,
+    const T* v_cache, const u32* block_tables, const u32* row_table, const u32* row_visible,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_splits) {
     __shared__ float q_s[256];
     __shared__ float p_s[ATT_CHUNK];
     __shared__ float scratch[32];
     int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
-    int visible = row_visible[row];
-    if (visible & FLASH_ROW) return;  // flash_prefill_kernel's row
+    u32 flagged = row_visible[row];
+    if (flagged & FLASH_ROW) return;
+    int visible = flagged;
     int num_chunks = (visible + ATT_CHUNK - 1) / ATT_CHUNK;
     int per_split = (num_chunks + num_splits - 1) / num_splits;
     int start = split * per_split * ATT_CHUNK;
@@ -342,9 +365,9 @@ extern "C" __global__ void attention_split_kernel(
         float local_max = NEG_INF;
         for (int j = c0 + warp; j < c1; j += num_warps) {
             long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-            const float* kr = k_cache + slot * kv_dim + kvh * head_dim;
+            const T* kr = k_cache + slot * kv_dim + kvh * head_dim;
             float s = 0.0f;
-            for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kr[d];
+            for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kv_load(kr, d);
             s = warp_sum(s);
             if (lane == 0) p_s[j - c0] = s;
             local_max = fmaxf(local_max, s);
@@ -364,10 +387,10 @@ extern "C" __global__ void attention_split_kernel(
         float s0 = 0.0f, s1 = 0.0f;
         for (int j = c0; j < c1; ++j) {
             long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-            const float* vr = v_cache + slot * kv_dim + kvh * head_dim;
+            const T* vr = v_cache + slot * kv_dim + kvh * head_dim;
             float p = p_s[j - c0];
-            if (d0 < head_dim) s0 += p * vr[d0];
-            if (d1 < head_dim) s1 += p * vr[d1];
+            if (d0 < head_dim) s0 += p * kv_load(vr, d0);
+            if (d1 < head_dim) s1 += p * kv_load(vr, d1);
         }
         acc0 = acc0 * alpha + s0;
         acc1 = acc1 * alpha + s1;
@@ -390,10 +413,24 @@ extern "C" __global__ void attention_split_kernel(
     }
 }
 
+#define SPLIT_ENTRY(NAME, T)                                                                    \
+    extern "C" __global__ void NAME(float* out, float* part_o, float* part_ml, const float* q,  \
+                                    const T* k_cache, const T* v_cache, const u32* block_tables,  \
+                                    const u32* row_table, const u32* row_visible, int num_heads,  \
+                                    int num_kv_heads, int head_dim, int block_size, float scale,  \
+                                    int num_splits) {                                             \
+        attention_split(out, part_o, part_ml, q, k_cache, v_cache, block_tables, row_table,      \
+                        row_visible, num_heads, num_kv_heads, head_dim, block_size, scale,       \
+                        num_splits);                                                             \
+    }
+SPLIT_ENTRY(attention_split_f32_kernel, float)
+SPLIT_ENTRY(attention_split_bf16_kernel, bf16_t)
+
 extern "C" __global__ void attention_combine_kernel(float* out, const float* part_o,
-                                                    const float* part_ml, int num_heads,
-                                                    int head_dim, int num_splits) {
+                                                    const float* part_ml, const u32* row_visible,
+                                                    int num_heads, int head_dim, int num_splits) {
     int row = blockIdx.x, h = blockIdx.y;
+    if (row_visible[row] & FLASH_ROW) return;  // flash_prefill_kernel's row
     long long base = ((long long)row * num_heads + h) * num_splits;
     float m = NEG_INF;
     for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[2 * (base + s)]);
@@ -425,9 +462,9 @@ extern "C" __global__ void attention_combine_kernel(float* out, const float* par
 // 256 threads; dynamic shared memory: fa_smem_floats(HD) floats.
 #define FA_ROWS 64
 #define FA_KEYS 32
-template <int HD>
-__device__ void flash_prefill(float* out, const float* q, const float* k_cache,
-                              const float* v_cache, const u32* block_tables, const u32* tiles,
+template <int HD, typename T>
+__device__ void flash_prefill(float* out, const float* q, const T* k_cache,
+                              const T* v_cache, const u32* block_tables, const u32* tiles,
                               int num_heads, int num_kv_heads, int block_size, float scale) {
     extern __shared__ float fa_smem[];
     const int QS = HD + 1, PS = FA_KEYS + 1, DIMS = HD / 4;
@@ -463,8 +500,8 @@ __device__ void flash_prefill(float* out, const float* q, const float* k_cache,
                 int key = c0 + j;
                 long long slot = (long long)table[key / block_size] * block_size + key % block_size;
                 long long at = slot * kv_dim + kvh * HD + d;
-                kk = k_cache[at];
-                vv = v_cache[at];
+                kk = kv_load(k_cache, at);
+                vv = kv_load(v_cache, at);
             }
             k_s[j * QS + d] = kk;
             v_s[j * HD + d] = vv;
@@ -516,18 +553,15 @@ __device__ void flash_prefill(float* out, const float* q, const float* k_cache,
     for (int i = 0; i < DIMS; ++i) o[quad + 4 * i] = acc[i] / l;
 }
 
-extern "C" __global__ void flash_prefill_64_kernel(float* out, const float* q, const float* k_cache,
-                                                   const float* v_cache, const u32* block_tables,
-                                                   const u32* tiles, int num_heads, int num_kv_heads,
-                                                   int block_size, float scale) {
-    flash_prefill<64>(out, q, k_cache, v_cache, block_tables, tiles, num_heads, num_kv_heads,
-                      block_size, scale);
-}
-
-extern "C" __global__ void flash_prefill_128_kernel(float* out, const float* q, const float* k_cache,
-                                                    const float* v_cache, const u32* block_tables,
-                                                    const u32* tiles, int num_heads, int num_kv_heads,
-                                                    int block_size, float scale) {
-    flash_prefill<128>(out, q, k_cache, v_cache, block_tables, tiles, num_heads, num_kv_heads,
-                       block_size, scale);
-}
+#define FLASH_ENTRY(NAME, HD, T)                                                              \
+    extern "C" __global__ void NAME(float* out, const float* q, const T* k_cache,               \
+                                    const T* v_cache, const u32* block_tables, const u32* tiles, \
+                                    int num_heads, int num_kv_heads, int block_size,            \
+                                    float scale) {                                              \
+        flash_prefill<HD, T>(out, q, k_cache, v_cache, block_tables, tiles, num_heads,          \
+                             num_kv_heads, block_size, scale);                                  \
+    }
+FLASH_ENTRY(flash_prefill_64_f32_kernel, 64, float)
+FLASH_ENTRY(flash_prefill_128_f32_kernel, 128, float)
+FLASH_ENTRY(flash_prefill_64_bf16_kernel, 64, bf16_t)
+FLASH_ENTRY(flash_prefill_128_bf16_kernel, 128, bf16_t)

@@ -2,6 +2,7 @@
 # On the device machine: the CUDA benchmarks beside transformers (scripts/gpu_bench.py).
 #   bash scripts/gpu-bench.sh decode    # batch-1 decode, Llama-3.1-8B shape, vs roofline
 #   bash scripts/gpu-bench.sh offline   # 256-request offline throughput, Qwen3-0.6B shape
+#   bash scripts/gpu-bench.sh peer      # the same workload (64 requests) through transformers
 #   bash scripts/gpu-bench.sh dummy     # batch-1 decode, 8B shape, --dummy-weights (no checkpoint)
 # Build here first: cargo build --release --features cuda; carry target/release/troupe.
 set -euo pipefail

@@ -201,8 +201,8 @@ struct Readback {
     vocab_size: usize,
     sampling: StdArc<Vec<Option<RowSampling>>>,
     sampler: ActorRef<SamplerMsg>,
-    started: Instant,
-    idle_secs: f64,
+    /// When the worker began launching it.
+    launched: Instant,
 }
 
 /// Waits for each launched step's picks, in launch order, and hands them to the sampler,
@@ -213,8 +213,18 @@ fn spawn_readback(rank: usize) -> std::io::Result<crossbeam_channel::Sender<Read
     std::thread::Builder::new()
         .name(format!("troupe-readback-{rank}"))
         .spawn(move || {
+            // When the previous step's picks landed: steps overlap on the device, so a step
+            // began at its launch or at that moment, whichever came later, and the device
+            // idled from that moment to a later launch.
+            let mut last_done: Option<Instant> = None;
             for r in rx {
                 let logits = (r.logits)();
+                let done = Instant::now();
+                let started = last_done.map_or(r.launched, |d| d.max(r.launched));
+                let idle_secs = last_done.map_or(0.0, |d| {
+                    r.launched.saturating_duration_since(d).as_secs_f64()
+                });
+                last_done = Some(done);
                 // A sampler that died with this step in flight is being replaced; the
                 // restart resets the scheduler, which no longer waits for these logits.
                 let _ = r.sampler.cast(SamplerMsg::Sample {
@@ -223,8 +233,8 @@ fn spawn_readback(rank: usize) -> std::io::Result<crossbeam_channel::Sender<Read
                     logits: StdArc::new(logits),
                     vocab_size: r.vocab_size,
                     sampling: r.sampling,
-                    started: r.started,
-                    idle_secs: r.idle_secs,
+                    started,
+                    idle_secs,
                 });
             }
         })?;
@@ -243,8 +253,6 @@ pub struct RankState {
     /// The last launched step (epoch, step id) and where its rows' tokens are.
     prev: Option<(u64, u64, Vec<Option<PrevToken>>)>,
     readback: crossbeam_channel::Sender<Readback>,
-    /// When the last step's compute ended: the gap to the next step's start is idle time.
-    last_step_end: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -272,7 +280,6 @@ impl ThreadLocalActor for RankWorker {
             picked_rows: Vec::new(),
             prev: None,
             readback: spawn_readback(args.rank)?,
-            last_step_end: None,
         })
     }
 
@@ -330,10 +337,7 @@ impl ThreadLocalActor for RankWorker {
             st.picked_rows.clear();
         }
         // Timed from here: waiting on the previous step's tokens is not this step's cost.
-        let started = Instant::now();
-        let idle_secs = st
-            .last_step_end
-            .map_or(0.0, |end| (started - end).as_secs_f64());
+        let launched = Instant::now();
         if st.faults.take_step_panic() {
             panic!("rank worker panicked mid-step (injected fault)");
         }
@@ -347,21 +351,19 @@ impl ThreadLocalActor for RankWorker {
                 block_table: &row.block_table,
             })
             .collect();
-        let launched = st
+        let step = st
             .model
             .step(st.block_size, &steps, &st.picked_rows, &sampling);
-        st.prev = Some((epoch, plan.step_id, launched.prev));
-        st.last_step_end = Some(Instant::now());
+        st.prev = Some((epoch, plan.step_id, step.prev));
         st.readback
             .send(Readback {
                 epoch,
                 step_id: plan.step_id,
-                logits: launched.logits,
+                logits: step.logits,
                 vocab_size: st.model.vocab_size(),
                 sampling,
                 sampler,
-                started,
-                idle_secs,
+                launched,
             })
             .map_err(|_| "the readback thread ended")?;
         Ok(())

@@ -66,8 +66,13 @@ impl Engine {
         }
         let text = model::load_text(&cfg.model_path)?;
         let mcfg = &text.config;
+        // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode.
+        let kv_bytes_per_entry = match cfg.device {
+            Device::Cuda(_) if !cfg.batch_invariant => 2,
+            _ => std::mem::size_of::<f32>(),
+        };
         let bytes_per_block =
-            2 * mcfg.num_layers * cfg.block_size * mcfg.kv_dim() * std::mem::size_of::<f32>();
+            2 * mcfg.num_layers * cfg.block_size * mcfg.kv_dim() * kv_bytes_per_entry;
         let kv_cache_bytes = kv_cache_bytes(&cfg, mcfg)?;
         let num_kv_blocks = (kv_cache_bytes / bytes_per_block).max(1);
         let sampled = SampledTokens::new();

@@ -34,6 +34,7 @@ impl CudaBackend {
         }
         let pairs = num_rows * num_heads;
         if self.phase() != Phase::Eager {
+            // A graph bakes in its grid: the split count cannot follow the context.
             return GRAPH_TARGET_BLOCKS
                 .div_ceil(pairs.max(1))
                 .clamp(1, MAX_SPLITS);
@@ -131,6 +132,7 @@ impl CudaBackend {
         }
         let (part_o, part_ml) = parts.as_mut().expect("allocated above");
         let splits = num_splits as i32;
+        let (kc, vc) = cache.layer(layer, &self.stream);
         let cfg = LaunchConfig {
             grid_dim: (num_rows.max(1) as u32, num_heads as u32, num_splits as u32),
             block_dim: (128, 1, 1),
@@ -141,13 +143,13 @@ impl CudaBackend {
         check(
             unsafe {
                 self.stream
-                    .launch_builder(&self.kernels.attention_split)
+                    .launch_builder(self.kernels.attention_split.get(cache.kv_bf16))
                     .arg(&mut *out)
                     .arg(&mut *part_o)
                     .arg(&mut *part_ml)
                     .arg(q)
-                    .arg(&cache.k[layer])
-                    .arg(&cache.v[layer])
+                    .arg(&kc)
+                    .arg(&vc)
                     .arg(&tables_d.ptr)
                     .arg(&rt_d.ptr)
                     .arg(&rv_d.ptr)
@@ -177,6 +179,7 @@ impl CudaBackend {
                     .arg(out)
                     .arg(&*part_o)
                     .arg(&*part_ml)
+                    .arg(&rv_d.ptr)
                     .arg(&nh)
                     .arg(&hd)
                     .arg(&splits)
@@ -209,7 +212,9 @@ impl CudaBackend {
             &self.kernels.flash_prefill_64
         } else {
             &self.kernels.flash_prefill_128
-        };
+        }
+        .get(cache.kv_bf16);
+        let (kc, vc) = cache.layer(layer, &self.stream);
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 4) as u32, num_heads as u32, 1),
             block_dim: (256, 1, 1),
@@ -222,8 +227,8 @@ impl CudaBackend {
                     .launch_builder(kernel)
                     .arg(&mut *out)
                     .arg(q)
-                    .arg(&cache.k[layer])
-                    .arg(&cache.v[layer])
+                    .arg(&kc)
+                    .arg(&vc)
                     .arg(&tables)
                     .arg(&tiles_d.ptr)
                     .arg(&nh)

@@ -40,10 +40,22 @@ pub struct CudaMatrix {
     pub w: CudaSlice<bf16>,
 }
 
+/// Per layer, keys and values as raw bytes: f32 or bf16 entries (`kv_bf16`).
 pub struct CudaKvCache {
     pub shape: KvCacheShape,
-    pub k: Vec<CudaSlice<f32>>,
-    pub v: Vec<CudaSlice<f32>>,
+    pub kv_bf16: bool,
+    k: Vec<CudaSlice<u8>>,
+    v: Vec<CudaSlice<u8>>,
+}
+
+impl CudaKvCache {
+    /// Device addresses of a layer's keys and values.
+    fn layer(&self, layer: usize, stream: &Arc<CudaStream>) -> (u64, u64) {
+        (
+            self.k[layer].device_ptr(stream).0,
+            self.v[layer].device_ptr(stream).0,
+        )
+    }
 }
 
 /// Per-step metadata uploads kept for reuse: every layer passes the same positions, slots
@@ -206,6 +218,12 @@ impl CudaBackend {
         self.graphs().invalidate();
     }
 
+    /// The KV cache's entry type: bf16 (half the bytes a decode step reads), except in the
+    /// batch-invariant mode, which keeps f32 to match the CPU reference.
+    pub fn kv_bf16(&self) -> bool {
+        !self.batch_invariant
+    }
+
     fn upload_u32(&self, kind: Meta, data: &[u32]) -> Uploaded {
         {
             let mut graphs = self.graphs();
@@ -355,14 +373,12 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
-        let layer = || {
-            check(
-                self.stream.alloc_zeros::<f32>(shape.layer_len()),
-                "KV cache",
-            )
-        };
+        let kv_bf16 = self.kv_bf16();
+        let bytes = shape.layer_len() * if kv_bf16 { 2 } else { 4 };
+        let layer = || check(self.stream.alloc_zeros::<u8>(bytes), "KV cache");
         CudaKvCache {
             shape,
+            kv_bf16,
             k: (0..shape.num_layers).map(|_| layer()).collect(),
             v: (0..shape.num_layers).map(|_| layer()).collect(),
         }
@@ -665,14 +681,14 @@ impl Backend for CudaBackend {
             return;
         }
         let (d, n) = (cache.shape.kv_dim() as i32, slots.len() as i32);
-        let (kc, vc) = (&mut cache.k[layer], &mut cache.v[layer]);
+        let (kc, vc) = cache.layer(layer, &self.stream);
         // SAFETY: slots are inside the pool (the block manager's), k/v hold n rows.
         check(
             unsafe {
                 self.stream
-                    .launch_builder(&self.kernels.kv_write)
-                    .arg(kc)
-                    .arg(vc)
+                    .launch_builder(self.kernels.kv_write.get(cache.kv_bf16))
+                    .arg(&kc)
+                    .arg(&vc)
                     .arg(k)
                     .arg(v)
                     .arg(&slots_d.ptr)

@@ -131,15 +131,27 @@ pub struct Kernels {
     pub silu_mul: CudaFunction,
     pub copy_columns: CudaFunction,
     pub gather_rows: CudaFunction,
-    pub kv_write: CudaFunction,
+    pub kv_write: ByKvType,
     pub matmul_invariant: CudaFunction,
     pub greedy: CudaFunction,
     pub random_bf16: CudaFunction,
-    pub attention_split: CudaFunction,
+    pub attention_split: ByKvType,
     pub attention_combine: CudaFunction,
-    /// `flash_prefill_kernel` for head_dim 64 and 128.
-    pub flash_prefill_64: CudaFunction,
-    pub flash_prefill_128: CudaFunction,
+    /// `flash_prefill` for head_dim 64 and 128.
+    pub flash_prefill_64: ByKvType,
+    pub flash_prefill_128: ByKvType,
+}
+
+/// A kernel's two instances: for an f32 and for a bf16 KV cache.
+pub struct ByKvType {
+    pub f32: CudaFunction,
+    pub bf16: CudaFunction,
+}
+
+impl ByKvType {
+    pub fn get(&self, kv_bf16: bool) -> &CudaFunction {
+        if kv_bf16 { &self.bf16 } else { &self.f32 }
+    }
 }
 
 /// Dynamic shared memory of `flash_prefill_kernel` for `head_dim`, in bytes.
@@ -163,16 +175,30 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| CudaError::Compile(format!("kernel `{name}`: {e}")))
         };
-        let flash_prefill_128 = f("flash_prefill_128_kernel")?;
-        flash_prefill_128
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                flash_smem_bytes(128) as i32,
-            )
-            .map_err(|e| CudaError::Compile(format!("flash attention shared memory: {e}")))?;
+        // Both instances of a kernel; `smem_bytes` of dynamic shared memory opted in.
+        let by_kv = |name: &str, smem_bytes: usize| -> Result<ByKvType, CudaError> {
+            let load = |suffix: &str| -> Result<CudaFunction, CudaError> {
+                let func = f(&format!("{name}_{suffix}_kernel"))?;
+                if smem_bytes > 48 << 10 {
+                    func.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem_bytes as i32,
+                    )
+                    .map_err(|e| CudaError::Compile(format!("{name} shared memory: {e}")))?;
+                }
+                Ok(func)
+            };
+            Ok(ByKvType {
+                f32: load("f32")?,
+                bf16: load("bf16")?,
+            })
+        };
         Ok(Kernels {
-            flash_prefill_64: f("flash_prefill_64_kernel")?,
-            flash_prefill_128,
+            kv_write: by_kv("kv_write", 0)?,
+            attention_split: by_kv("attention_split", 0)?,
+            flash_prefill_64: by_kv("flash_prefill_64", flash_smem_bytes(64))?,
+            flash_prefill_128: by_kv("flash_prefill_128", flash_smem_bytes(128))?,
+
             f32_to_bf16: f("f32_to_bf16_kernel")?,
             embedding: f("embedding_kernel")?,
             add_bias: f("add_bias_kernel")?,
@@ -183,11 +209,9 @@ impl Kernels {
             silu_mul: f("silu_mul_kernel")?,
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
-            kv_write: f("kv_write_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
             greedy: f("greedy_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
-            attention_split: f("attention_split_kernel")?,
             attention_combine: f("attention_combine_kernel")?,
             _module: module,
         })

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the device machine: every CUDA check and benchmark in one call, most important first
+# (device time is scarce), each part's log under $OUT and a summary last.
+# Build here first, and carry target/release/troupe and gpu-bin/:
+#   cargo build --release --features cuda
+#   cargo test --release --features cuda --test engine --test fault_injection --no-run
+#   (copy the two test executables to gpu-bin/engine and gpu-bin/fault_injection)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/gpu-all}
+mkdir -p "$OUT"
+export GPU_CHECK_SKIP_BENCH=1 GPU_BENCH_ZOS_ONLY=1
+bash scripts/gpu-tests.sh >"$OUT/tests.txt" 2>&1
+bash scripts/gpu-check.sh >"$OUT/check.txt" 2>&1
+bash scripts/gpu-bench.sh offline >"$OUT/offline.txt" 2>&1
+bash scripts/gpu-bench.sh decode >"$OUT/decode.txt" 2>&1
+bash scripts/gpu-bench.sh peer >"$OUT/peer.txt" 2>&1
+echo "== engine and fault-injection tests, CUDA rank worker"
+grep -E "test result|FAILED|panicked" "$OUT/tests.txt"
+echo "== checks"
+sed -n '/^check /,$p' "$OUT/check.txt" | head -16
+for part in offline decode peer; do
+  echo "== $part"
+  python3 - "$part" <<'PY'
+import json, os, sys
+part = sys.argv[1]
+try:
+    d = json.load(open(os.path.join(os.environ["OUT"], f"gpu_bench_{part}.json")))[part]
+except Exception as e:
+    d = {"error": str(e)}
+print(json.dumps(d)[:900])
+PY
+done
