@@ -11,6 +11,7 @@ pub mod model;
 pub mod protocol;
 pub mod sampling;
 pub mod sched;
+pub mod spec;
 pub mod structured;
 pub mod sync;
 

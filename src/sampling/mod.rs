@@ -29,7 +29,7 @@ mod tests;
 
 pub use logprobs::log_sum_exp;
 pub use params::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams};
-pub use rng::{STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, splitmix64, uniform};
+pub use rng::{STREAM_ACCEPT, STREAM_DRAFT, STREAM_GUMBEL, STREAM_SAMPLE, splitmix64, uniform};
 
 use processors::Penalties;
 

@@ -9,6 +9,8 @@ pub const STREAM_SAMPLE: u64 = 0;
 pub const STREAM_DRAFT: u64 = 1;
 /// Acceptance tests of draft tokens (speculative decoding).
 pub const STREAM_ACCEPT: u64 = 2;
+/// Per-token Gumbel noise of the coupled speculative mode (`spec::gumbel_pick`).
+pub const STREAM_GUMBEL: u64 = 3;
 
 /// SplitMix64's finalizer: a strong 64-bit mix, the basis of counter-based draws.
 pub fn splitmix64(mut z: u64) -> u64 {

@@ -1,0 +1,66 @@
+//! Online calibration of draft confidences: per draft position, the acceptance rate seen
+//! so far under a Beta prior, so a drafter's confidence is what verification actually
+//! accepted at that position (given the drafts before it were accepted).
+
+/// Acceptance counts per draft position.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    /// Per position: (verified, accepted), the position reached with every earlier draft
+    /// accepted.
+    counts: Vec<(u64, u64)>,
+    /// Beta prior pseudo-counts (accepted, rejected).
+    prior: (f64, f64),
+}
+
+impl Calibration {
+    /// `prior_rate` with the weight of `prior_weight` observations.
+    pub fn new(max_positions: usize, prior_rate: f64, prior_weight: f64) -> Self {
+        Calibration {
+            counts: vec![(0, 0); max_positions],
+            prior: (prior_rate * prior_weight, (1.0 - prior_rate) * prior_weight),
+        }
+    }
+
+    /// The calibrated acceptance probability at draft `position`.
+    pub fn rate(&self, position: usize) -> f32 {
+        let (verified, accepted) = self.counts.get(position).copied().unwrap_or((0, 0));
+        let (a, b) = self.prior;
+        ((accepted as f64 + a) / (verified as f64 + a + b)) as f32
+    }
+
+    /// Positions `0..num_verified` were verified; the first `num_accepted` were accepted
+    /// (the one after them, if verified, was rejected; later ones were never reached).
+    pub fn observe(&mut self, num_verified: usize, num_accepted: usize) {
+        let reached = num_verified.min(num_accepted + 1).min(self.counts.len());
+        for (i, c) in self.counts.iter_mut().take(reached).enumerate() {
+            c.0 += 1;
+            if i < num_accepted {
+                c.1 += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_follow_observed_acceptance_from_the_prior() {
+        let mut c = Calibration::new(3, 0.5, 2.0);
+        assert_eq!(c.rate(0), 0.5);
+        // 90 of 100 first drafts accepted, and of those 90, 30 second drafts.
+        for i in 0..100 {
+            match i {
+                0..30 => c.observe(3, 2),
+                30..90 => c.observe(3, 1),
+                _ => c.observe(3, 0),
+            }
+        }
+        assert!((c.rate(0) - 91.0 / 102.0).abs() < 1e-6, "{}", c.rate(0));
+        assert!((c.rate(1) - 31.0 / 92.0).abs() < 1e-6, "{}", c.rate(1));
+        // Position 2 was reached 30 times and never accepted.
+        assert!((c.rate(2) - 1.0 / 32.0).abs() < 1e-6, "{}", c.rate(2));
+        assert_eq!(c.rate(7), 0.5, "unseen positions keep the prior");
+    }
+}

@@ -1,0 +1,39 @@
+//! Speculative decoding's pure core: drafters that propose tokens with a confidence each,
+//! exact verification of drafts against the target model's rows, and the confidence-
+//! scheduled planner (DSpark) that sizes each request's verification under a step-time
+//! model. No actor, runtime or device code: the engine feeds these logits and histories.
+//!
+//! - [`NgramDrafter`]: prompt lookup — the continuation of the latest earlier occurrence of
+//!   the sequence's last n tokens; confidence calibrated online from observed acceptance.
+//! - [`verify`]: greedy, stochastic rejection sampling (the output distribution is the
+//!   target's), and the Gumbel-coupled mode whose seeded output does not depend on how many
+//!   drafts were verified.
+//! - [`plan_verification`]: the global verify budget that maximises expected tokens per
+//!   second of step time, and per-request verify lengths.
+
+mod calibration;
+mod distribution;
+mod ngram;
+mod planner;
+pub mod verify;
+
+pub use calibration::Calibration;
+pub use distribution::{TargetDistribution, gumbel_pick};
+pub use ngram::NgramDrafter;
+pub use planner::{ConfidenceBuffer, SpecRequest, VerifyPlan, plan_verification};
+
+/// One proposed token and the drafter's confidence that the target accepts it, given that
+/// every earlier draft of the same step was accepted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Draft {
+    pub token: u32,
+    pub confidence: f32,
+}
+
+/// A source of draft tokens for one sequence.
+pub trait Drafter {
+    /// Up to `max_drafts` tokens to follow `history` (prompt and generated tokens).
+    fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft>;
+    /// What verification made of the last proposal: `num_accepted` of `num_verified`.
+    fn observe(&mut self, num_verified: usize, num_accepted: usize);
+}

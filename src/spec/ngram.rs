@@ -1,0 +1,118 @@
+//! Prompt-lookup drafting: no extra weights. The sequence's last n tokens (n from `max_n`
+//! down to `min_n`) are looked up among its earlier tokens, prompt and generated alike;
+//! the tokens that followed the latest earlier occurrence are the drafts. A longer match
+//! predicts better, so confidences are calibrated per match length and draft position.
+
+use super::{Calibration, Draft, Drafter};
+
+#[derive(Debug, Clone)]
+pub struct NgramDrafter {
+    min_n: usize,
+    max_n: usize,
+    /// Per match length `n` (index n − min_n): acceptance by draft position.
+    calibration: Vec<Calibration>,
+    /// The match length of the last proposal, for `observe`.
+    last_n: Option<usize>,
+}
+
+/// Before any observation, a draft is taken to be accepted at this rate, with the weight of
+/// this many observations.
+const PRIOR_RATE: f64 = 0.5;
+const PRIOR_WEIGHT: f64 = 4.0;
+
+impl NgramDrafter {
+    pub fn new(min_n: usize, max_n: usize, max_drafts: usize) -> Self {
+        assert!(1 <= min_n && min_n <= max_n, "need 1 ≤ min_n ≤ max_n");
+        NgramDrafter {
+            min_n,
+            max_n,
+            calibration: (min_n..=max_n)
+                .map(|_| Calibration::new(max_drafts, PRIOR_RATE, PRIOR_WEIGHT))
+                .collect(),
+            last_n: None,
+        }
+    }
+
+    /// Where the continuation of the latest earlier occurrence of the last `n` tokens
+    /// starts, if there is one with at least one token after it.
+    fn find(history: &[u32], n: usize) -> Option<usize> {
+        let len = history.len();
+        if len <= n {
+            return None;
+        }
+        let pattern = &history[len - n..];
+        // Latest first: recent text predicts the next tokens best.
+        (0..len - n)
+            .rev()
+            .find(|&start| &history[start..start + n] == pattern)
+            .map(|start| start + n)
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft> {
+        self.last_n = None;
+        for n in (self.min_n..=self.max_n).rev() {
+            let Some(from) = Self::find(history, n) else {
+                continue;
+            };
+            let to = (from + max_drafts).min(history.len());
+            let calibration = &self.calibration[n - self.min_n];
+            self.last_n = Some(n);
+            return history[from..to]
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| Draft {
+                    token,
+                    confidence: calibration.rate(i),
+                })
+                .collect();
+        }
+        Vec::new()
+    }
+
+    fn observe(&mut self, num_verified: usize, num_accepted: usize) {
+        if let Some(n) = self.last_n.take() {
+            self.calibration[n - self.min_n].observe(num_verified, num_accepted);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(drafts: &[Draft]) -> Vec<u32> {
+        drafts.iter().map(|d| d.token).collect()
+    }
+
+    #[test]
+    fn proposes_what_followed_the_latest_longest_match() {
+        let mut d = NgramDrafter::new(1, 3, 4);
+        // "5 6 7" occurred twice; the latest occurrence is followed by 8 9 10.
+        let history = [5, 6, 7, 1, 2, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7];
+        assert_eq!(tokens(&d.propose(&history, 4)), vec![8, 9, 10, 11]);
+        assert_eq!(tokens(&d.propose(&history, 2)), vec![8, 9]);
+        // The continuation stops at the end of the history.
+        assert_eq!(tokens(&d.propose(&[3, 4, 3], 5)), vec![4, 3]);
+        assert!(d.propose(&[1, 2, 3], 4).is_empty(), "no earlier occurrence");
+        assert!(d.propose(&[], 4).is_empty());
+    }
+
+    #[test]
+    fn confidence_learns_per_match_length_and_position() {
+        let mut d = NgramDrafter::new(2, 2, 3);
+        let history = [1, 2, 3, 4, 5, 1, 2];
+        let first = d.propose(&history, 3);
+        assert_eq!(tokens(&first), vec![3, 4, 5]);
+        assert!(first.iter().all(|x| x.confidence == 0.5));
+        for _ in 0..50 {
+            d.propose(&history, 3);
+            d.observe(3, 1); // the first draft always right, the second always wrong
+        }
+        let learned = d.propose(&history, 3);
+        assert!(learned[0].confidence > 0.9, "{learned:?}");
+        assert!(learned[1].confidence < 0.1, "{learned:?}");
+        assert_eq!(learned[2].confidence, 0.5, "position 2 was never reached");
+    }
+}

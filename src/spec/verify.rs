@@ -1,0 +1,113 @@
+//! Verification of one sequence's drafts against the target model's rows. `targets[i]` is
+//! the target distribution after the history and drafts `0..i` (so one more row than
+//! drafts); the first draft sits at sequence position `first_position`. Each function
+//! returns the accepted drafts followed by one token the target chose itself: the
+//! correction at the first rejection, or the bonus token after the last draft.
+//!
+//! - [`greedy`]: accept while the draft is the target's pick (argmax rows, one-hot targets).
+//! - [`rejection`]: accept draft x with probability min(1, p(x) / q(x)) (the draw from its
+//!   own stream, `STREAM_ACCEPT`), else resample from max(0, p − q); the output tokens are
+//!   distributed exactly as the target's, whatever the drafts.
+//! - [`coupled`]: the target's token at each position is the Gumbel-max pick of
+//!   (seed, position, target distribution); drafts are accepted while they equal it. The
+//!   output is then the same sequence with speculation off, on, at any verify length and in
+//!   any batch — the deterministic-varlen mode.
+
+use super::TargetDistribution;
+use super::gumbel_pick;
+use crate::sampling::{STREAM_ACCEPT, STREAM_SAMPLE, uniform};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    /// Accepted drafts, then the target's own token.
+    pub tokens: Vec<u32>,
+    pub num_accepted: usize,
+}
+
+fn check_rows(targets: usize, drafts: usize) {
+    assert_eq!(
+        targets,
+        drafts + 1,
+        "one target row per draft, and one after"
+    );
+}
+
+pub fn greedy(targets: &[TargetDistribution], drafts: &[u32]) -> Verified {
+    check_rows(targets.len(), drafts.len());
+    let mut tokens = Vec::with_capacity(targets.len());
+    for (target, &draft) in targets.iter().zip(drafts) {
+        let pick = target.sample(0.0);
+        tokens.push(pick);
+        if pick != draft {
+            return Verified {
+                num_accepted: tokens.len() - 1,
+                tokens,
+            };
+        }
+    }
+    tokens.push(targets[drafts.len()].sample(0.0));
+    Verified {
+        num_accepted: drafts.len(),
+        tokens,
+    }
+}
+
+/// `draft_dists[i]` is the distribution draft i was drawn from; `None` for a deterministic
+/// drafter (n-gram), whose q is one-hot at its draft.
+pub fn rejection(
+    targets: &[TargetDistribution],
+    drafts: &[u32],
+    draft_dists: Option<&[TargetDistribution]>,
+    seed: u64,
+    first_position: u64,
+) -> Verified {
+    check_rows(targets.len(), drafts.len());
+    let mut tokens = Vec::with_capacity(targets.len());
+    for (i, (target, &draft)) in targets.iter().zip(drafts).enumerate() {
+        let position = first_position + i as u64;
+        let q = match draft_dists {
+            Some(d) => d[i].clone(),
+            None => TargetDistribution::one_hot(draft),
+        };
+        let (p_x, q_x) = (target.prob(draft), q.prob(draft));
+        if q_x > 0.0 && uniform(seed, position, STREAM_ACCEPT) < p_x / q_x {
+            tokens.push(draft);
+            continue;
+        }
+        tokens.push(target.sample_residual(&q, uniform(seed, position, STREAM_SAMPLE)));
+        return Verified {
+            num_accepted: i,
+            tokens,
+        };
+    }
+    let position = first_position + drafts.len() as u64;
+    tokens.push(targets[drafts.len()].sample(uniform(seed, position, STREAM_SAMPLE)));
+    Verified {
+        num_accepted: drafts.len(),
+        tokens,
+    }
+}
+
+pub fn coupled(
+    targets: &[TargetDistribution],
+    drafts: &[u32],
+    seed: u64,
+    first_position: u64,
+) -> Verified {
+    check_rows(targets.len(), drafts.len());
+    let mut tokens = Vec::with_capacity(targets.len());
+    for (i, target) in targets.iter().enumerate() {
+        let pick = gumbel_pick(target, seed, first_position + i as u64);
+        tokens.push(pick);
+        if drafts.get(i) != Some(&pick) {
+            break;
+        }
+    }
+    Verified {
+        num_accepted: tokens.len() - 1,
+        tokens,
+    }
+}
+
+#[cfg(test)]
+mod tests;
