@@ -7,20 +7,20 @@
 
 mod attention;
 mod graph;
+mod matmul;
 mod module;
+mod picks;
 
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use graph::{Graphs, Meta, Phase};
 use module::Kernels;
 pub use module::{LLAMA_SOURCE, compile, open_device, ptx_for};
+use picks::{MAX_PICKS, PickPool};
 
 use super::{Backend, HostMatrix, KvCacheShape, SeqAttention};
 
@@ -74,20 +74,6 @@ struct Uploaded {
 
 /// cuBLAS's workspace, given up front so that no GEMM allocates during a graph capture.
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
-
-/// Greedy picks one step may make (rows): the device buffer the next step's embedding
-/// reads them from has this fixed size, so graphs never see it move.
-const MAX_PICKS: usize = 1 << 16;
-
-/// Page-locked landing place of one step's picks, back in the pool once read.
-struct PickSlot {
-    ids: PinnedHostSlice<u32>,
-    logprobs: PinnedHostSlice<f32>,
-    /// Recorded after the copies into this slot.
-    landed: CudaEvent,
-}
-
-type PickPool = Arc<Mutex<Vec<PickSlot>>>;
 
 pub struct CudaBackend {
     /// GEMMs through `matmul_invariant_kernel` (f32 activations, fixed reduction order)
@@ -257,62 +243,6 @@ impl CudaBackend {
             _keep: Some(dev),
         }
     }
-
-    fn add_bias(
-        &self,
-        out: &mut CudaSlice<f32>,
-        bias: Option<&CudaSlice<f32>>,
-        m: usize,
-        n: usize,
-    ) {
-        let Some(bias) = bias else {
-            return;
-        };
-        let (rows, cols) = (m as i32, n as i32);
-        // SAFETY: out holds m·n elements, bias n.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.add_bias)
-                    .arg(out)
-                    .arg(bias)
-                    .arg(&rows)
-                    .arg(&cols)
-                    .launch(grid_for(m * n))
-            },
-            "bias",
-        );
-    }
-
-    fn to_bf16(
-        &self,
-        x: &CudaSlice<f32>,
-        n: usize,
-    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if scratch.as_ref().is_none_or(|s| s.len() < n) {
-            self.moved();
-            *scratch = Some(check(
-                self.stream.alloc_zeros::<bf16>(n.next_power_of_two()),
-                "alloc",
-            ));
-        }
-        let out = scratch.as_mut().expect("allocated above");
-        let n64 = n as i64;
-        // SAFETY: `out` holds at least n elements; `x` at least n.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.f32_to_bf16)
-                    .arg(out)
-                    .arg(x)
-                    .arg(&n64)
-                    .launch(grid_for(n))
-            },
-            "f32_to_bf16",
-        );
-        scratch
-    }
 }
 
 impl Backend for CudaBackend {
@@ -431,72 +361,7 @@ impl Backend for CudaBackend {
         if self.replaying() {
             return;
         }
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-        };
-        let (m, n, k) = (num_rows, w.rows, w.cols);
-        if self.batch_invariant {
-            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-            let cfg = LaunchConfig {
-                grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: x holds m·k, w n·k, out m·n elements.
-            check(
-                unsafe {
-                    self.stream
-                        .launch_builder(&self.kernels.matmul_invariant)
-                        .arg(&mut *out)
-                        .arg(x)
-                        .arg(&w.w)
-                        .arg(&mi)
-                        .arg(&ni)
-                        .arg(&ki)
-                        .launch(cfg)
-                },
-                "matmul_invariant",
-            );
-            self.add_bias(out, bias, m, n);
-            return;
-        }
-        let xb = self.to_bf16(x, m * k);
-        let xb = xb.as_ref().expect("scratch allocated");
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        {
-            let (w_ptr, _gw) = w.w.device_ptr(&self.stream);
-            let (x_ptr, _gx) = xb.device_ptr(&self.stream);
-            let (y_ptr, _gy) = out.device_ptr_mut(&self.stream);
-            // Row-major Y[m, n] = X[m, k] · W[n, k]ᵀ is column-major Yᵀ = W(ᵀ) · X.
-            // SAFETY: the pointers cover m·k, n·k and m·n elements.
-            check(
-                unsafe {
-                    cudarc::cublas::result::gemm_ex(
-                        *self.blas.handle(),
-                        cublasOperation_t::CUBLAS_OP_T,
-                        cublasOperation_t::CUBLAS_OP_N,
-                        n as i32,
-                        m as i32,
-                        k as i32,
-                        &alpha as *const f32 as *const _,
-                        w_ptr as *const _,
-                        cudaDataType_t::CUDA_R_16BF,
-                        k as i32,
-                        x_ptr as *const _,
-                        cudaDataType_t::CUDA_R_16BF,
-                        k as i32,
-                        &beta as *const f32 as *const _,
-                        y_ptr as *mut _,
-                        cudaDataType_t::CUDA_R_32F,
-                        n as i32,
-                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                },
-                "gemm",
-            );
-        }
-        self.add_bias(out, bias, m, n);
+        self.gemm(x, num_rows, w, bias, out);
     }
 
     fn rms_norm(
@@ -718,98 +583,7 @@ impl Backend for CudaBackend {
         vocab: usize,
         rows: &[usize],
     ) -> crate::kernels::Pending<Vec<(u32, f32)>> {
-        let n = rows.len();
-        if n == 0 {
-            return Box::new(Vec::new);
-        }
-        assert!(
-            n <= MAX_PICKS,
-            "{n} greedy rows in one step exceed {MAX_PICKS}"
-        );
-        let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let rows_d = self.upload_u32(Meta::Rows, &rows_u32);
-        let mut picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
-        let (ids, logprobs) = &mut *picks;
-        let v = vocab as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: every listed row lies inside `logits`; the outputs hold MAX_PICKS ≥ n.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.greedy)
-                    .arg(&mut *ids)
-                    .arg(&mut *logprobs)
-                    .arg(logits)
-                    .arg(&rows_d.ptr)
-                    .arg(&v)
-                    .launch(cfg)
-            },
-            "greedy",
-        );
-        let slot = self
-            .pick_slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
-        let mut slot = slot.unwrap_or_else(|| {
-            // Plain page-locked memory (not write-combined): the host reads it.
-            // SAFETY: only the first n entries are read, after the copy into them landed.
-            let alloc = |what| unsafe {
-                check(self.ctx.alloc_pinned_with_flags::<u32>(MAX_PICKS, 0), what)
-            };
-            PickSlot {
-                ids: alloc("pinned picks"),
-                logprobs: check(
-                    unsafe { self.ctx.alloc_pinned_with_flags::<f32>(MAX_PICKS, 0) },
-                    "pinned picks",
-                ),
-                landed: check(self.ctx.new_event(None), "event"),
-            }
-        });
-        let host_ids = check(slot.ids.as_mut_ptr(), "pinned picks");
-        let host_lps = check(slot.logprobs.as_mut_ptr(), "pinned picks");
-        // SAFETY: the slot's n entries are written by the copies and read only after
-        // `landed` (recorded after them) completes; the slot is not reused before that.
-        unsafe {
-            let (ids_ptr, _g1) = ids.device_ptr(&self.stream);
-            let (lps_ptr, _g2) = logprobs.device_ptr(&self.stream);
-            check(
-                cudarc::driver::result::memcpy_dtoh_async(
-                    std::slice::from_raw_parts_mut(host_ids, n),
-                    ids_ptr,
-                    self.stream.cu_stream(),
-                ),
-                "picks download",
-            );
-            check(
-                cudarc::driver::result::memcpy_dtoh_async(
-                    std::slice::from_raw_parts_mut(host_lps, n),
-                    lps_ptr,
-                    self.stream.cu_stream(),
-                ),
-                "picks download",
-            );
-        }
-        check(slot.landed.record(&self.stream), "event");
-        let pool = self.pick_slots.clone();
-        Box::new(move || {
-            check(slot.landed.synchronize(), "picks download");
-            let out = {
-                let ids = check(slot.ids.as_slice(), "pinned picks");
-                let lps = check(slot.logprobs.as_slice(), "pinned picks");
-                ids[..n]
-                    .iter()
-                    .copied()
-                    .zip(lps[..n].iter().copied())
-                    .collect()
-            };
-            pool.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
-            out
-        })
+        self.greedy_picks(logits, vocab, rows)
     }
 
     fn picks_stay_on_device(&self) -> bool {

@@ -1,0 +1,141 @@
+//! GEMMs on the GPU: cuBLAS (bf16 operands converted from the f32 activations, f32
+//! accumulate and output) or, in the batch-invariant mode, troupe's fixed-tile kernel.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::{CudaBackend, CudaMatrix, check, grid_for};
+
+impl CudaBackend {
+    fn add_bias(
+        &self,
+        out: &mut CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        m: usize,
+        n: usize,
+    ) {
+        let Some(bias) = bias else {
+            return;
+        };
+        let (rows, cols) = (m as i32, n as i32);
+        // SAFETY: out holds m·n elements, bias n.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.add_bias)
+                    .arg(out)
+                    .arg(bias)
+                    .arg(&rows)
+                    .arg(&cols)
+                    .launch(grid_for(m * n))
+            },
+            "bias",
+        );
+    }
+
+    fn to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < n) {
+            self.moved();
+            *scratch = Some(check(
+                self.stream.alloc_zeros::<bf16>(n.next_power_of_two()),
+                "alloc",
+            ));
+        }
+        let out = scratch.as_mut().expect("allocated above");
+        let n64 = n as i64;
+        // SAFETY: `out` holds at least n elements; `x` at least n.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.f32_to_bf16)
+                    .arg(out)
+                    .arg(x)
+                    .arg(&n64)
+                    .launch(grid_for(n))
+            },
+            "f32_to_bf16",
+        );
+        scratch
+    }
+
+    pub(super) fn gemm(
+        &self,
+        x: &CudaSlice<f32>,
+        num_rows: usize,
+        w: &CudaMatrix,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        let (m, n, k) = (num_rows, w.rows, w.cols);
+        if self.batch_invariant {
+            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x holds m·k, w n·k, out m·n elements.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.kernels.matmul_invariant)
+                        .arg(&mut *out)
+                        .arg(x)
+                        .arg(&w.w)
+                        .arg(&mi)
+                        .arg(&ni)
+                        .arg(&ki)
+                        .launch(cfg)
+                },
+                "matmul_invariant",
+            );
+            self.add_bias(out, bias, m, n);
+            return;
+        }
+        let xb = self.to_bf16(x, m * k);
+        let xb = xb.as_ref().expect("scratch allocated");
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        {
+            let (w_ptr, _gw) = w.w.device_ptr(&self.stream);
+            let (x_ptr, _gx) = xb.device_ptr(&self.stream);
+            let (y_ptr, _gy) = out.device_ptr_mut(&self.stream);
+            // Row-major Y[m, n] = X[m, k] · W[n, k]ᵀ is column-major Yᵀ = W(ᵀ) · X.
+            // SAFETY: the pointers cover m·k, n·k and m·n elements.
+            check(
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *self.blas.handle(),
+                        cublasOperation_t::CUBLAS_OP_T,
+                        cublasOperation_t::CUBLAS_OP_N,
+                        n as i32,
+                        m as i32,
+                        k as i32,
+                        &alpha as *const f32 as *const _,
+                        w_ptr as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        x_ptr as *const _,
+                        cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        &beta as *const f32 as *const _,
+                        y_ptr as *mut _,
+                        cudaDataType_t::CUDA_R_32F,
+                        n as i32,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                },
+                "gemm",
+            );
+        }
+        self.add_bias(out, bias, m, n);
+    }
+}
