@@ -97,6 +97,23 @@ async fn rank_worker_panicking_mid_step_is_restarted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_readback_restarts_the_rank_and_requests_finish_unchanged() {
+    // Without ZOS nothing else is launched while a step's results are awaited: a readback
+    // that died silently would leave the engine waiting forever.
+    let mut cfg = tiny_config(MODEL);
+    cfg.zero_overhead_scheduling = false;
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let (streams, want) = submit_all(&engine, 64, 26).await;
+    wait_for_steps(&engine, 4).await;
+    engine.faults().fail_next_readback();
+    let got = tokio::time::timeout(Duration::from_secs(60), collect(streams))
+        .await
+        .expect("requests finish after the rank restarts");
+    assert_recovered(&engine, &got, &want).await;
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_sampler_is_restarted_and_requests_finish_unchanged() {
     let engine = Engine::spawn(tiny_config(MODEL)).await.unwrap();
     let (streams, want) = submit_all(&engine, 64, 23).await;

@@ -16,6 +16,8 @@ struct Flags {
     panic_next_step: AtomicBool,
     /// This many upcoming rank worker starts fail (a permanent failure when large).
     failing_starts: AtomicUsize,
+    /// The next step's readback (waiting for its picks to land) panics.
+    fail_next_readback: AtomicBool,
 }
 
 impl FaultPlan {
@@ -24,6 +26,12 @@ impl FaultPlan {
     }
     pub fn fail_next_starts(&self, n: usize) {
         self.inner.failing_starts.store(n, Ordering::SeqCst);
+    }
+    pub fn fail_next_readback(&self) {
+        self.inner.fail_next_readback.store(true, Ordering::SeqCst);
+    }
+    pub(crate) fn take_readback_failure(&self) -> bool {
+        self.inner.fail_next_readback.swap(false, Ordering::SeqCst)
     }
     pub(crate) fn take_step_panic(&self) -> bool {
         self.inner.panic_next_step.swap(false, Ordering::SeqCst)

@@ -23,6 +23,9 @@ use crate::model::llama::{LlamaModel, SeqStep};
 use crate::sched::{RowInput, StepPlan};
 
 pub enum RankMsg {
+    /// The readback thread could not deliver a step (a device error while waiting for
+    /// it): the worker fails, so its supervisor restarts it and the engine recomputes.
+    ReadbackFailed(String),
     /// Run one step. Step-sized: the plan and sampling parameters travel as `Arc`s.
     Step {
         epoch: u64,
@@ -207,8 +210,12 @@ struct Readback {
 
 /// Waits for each launched step's picks, in launch order, and hands them to the sampler,
 /// so the worker itself goes on to launch the next step. Ends when the worker drops its
-/// sender.
-fn spawn_readback(rank: usize) -> std::io::Result<crossbeam_channel::Sender<Readback>> {
+/// sender, or after a failed readback, which it reports to the worker.
+fn spawn_readback(
+    rank: usize,
+    worker: ActorRef<RankMsg>,
+    faults: FaultPlan,
+) -> std::io::Result<crossbeam_channel::Sender<Readback>> {
     let (tx, rx) = crossbeam_channel::unbounded::<Readback>();
     std::thread::Builder::new()
         .name(format!("troupe-readback-{rank}"))
@@ -218,7 +225,28 @@ fn spawn_readback(rank: usize) -> std::io::Result<crossbeam_channel::Sender<Read
             // idled from that moment to a later launch.
             let mut last_done: Option<Instant> = None;
             for r in rx {
-                let logits = (r.logits)();
+                let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    if faults.take_readback_failure() {
+                        panic!("waiting for a step's picks failed (injected fault)");
+                    }
+                    (r.logits)()
+                }));
+                let logits = match waited {
+                    Ok(logits) => logits,
+                    Err(panic) => {
+                        let reason = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "a readback panicked".into());
+                        // A worker already gone is being restarted anyway.
+                        let _ = worker.cast(RankMsg::ReadbackFailed(format!(
+                            "rank {rank}: step {}: {reason}",
+                            r.step_id
+                        )));
+                        return;
+                    }
+                };
                 let done = Instant::now();
                 let started = last_done.map_or(r.launched, |d| d.max(r.launched));
                 let idle_secs = last_done.map_or(0.0, |d| {
@@ -265,21 +293,23 @@ impl ThreadLocalActor for RankWorker {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<RankMsg>,
+        myself: ActorRef<RankMsg>,
         args: RankArgs,
     ) -> Result<RankState, ActorProcessingErr> {
         if args.faults.take_start_failure() {
             return Err(format!("rank {} failed to start (injected fault)", args.rank).into());
         }
+        let model = load_model(&args)?;
+        let readback = spawn_readback(args.rank, myself, args.faults.clone())?;
         Ok(RankState {
-            model: load_model(&args)?,
+            model,
             block_size: args.block_size,
             sampled: args.sampled,
             faults: args.faults,
             inputs: Vec::new(),
             picked_rows: Vec::new(),
             prev: None,
-            readback: spawn_readback(args.rank)?,
+            readback,
         })
     }
 
@@ -289,12 +319,15 @@ impl ThreadLocalActor for RankWorker {
         msg: RankMsg,
         st: &mut RankState,
     ) -> Result<(), ActorProcessingErr> {
-        let RankMsg::Step {
-            epoch,
-            plan,
-            sampling,
-            sampler,
-        } = msg;
+        let (epoch, plan, sampling, sampler) = match msg {
+            RankMsg::ReadbackFailed(reason) => return Err(reason.into()),
+            RankMsg::Step {
+                epoch,
+                plan,
+                sampling,
+                sampler,
+            } => (epoch, plan, sampling, sampler),
+        };
         if epoch != st.sampled.epoch() {
             // Planned before a reset: every sequence in it is being recomputed.
             return Ok(());
