@@ -281,7 +281,11 @@ impl Sampler {
 
 /// Weights exp(v − max) of scaled values in sorted (descending) order into `weights`, and
 /// their sum, in that order and precision: the first sampler's arithmetic, bit for bit.
-fn fill_weights(sorted: impl Iterator<Item = f32>, max_scaled: f32, weights: &mut Vec<f32>) -> f64 {
+pub(crate) fn fill_weights(
+    sorted: impl Iterator<Item = f32>,
+    max_scaled: f32,
+    weights: &mut Vec<f32>,
+) -> f64 {
     // Below −104, exp(d) < 2^-150, which rounds to an f32 0: no libm call needed.
     const ZERO_BELOW: f32 = -104.0;
     weights.clear();
@@ -303,13 +307,32 @@ fn fill_weights(sorted: impl Iterator<Item = f32>, max_scaled: f32, weights: &mu
 }
 
 /// The cuts after temperature and the draw, over sorted `weights` summing to `total`:
-/// `(num_kept, total kept weight, sorted index drawn)`. Top-p then min-p, each a prefix.
+/// `(num_kept, total kept weight, sorted index drawn)`.
 fn cut_and_draw(
     weights: &[f32],
-    mut total: f64,
+    total: f64,
     params: &SamplingParams,
     position: u64,
 ) -> (usize, f64, usize) {
+    let (num_kept, total) = kept_prefix(weights, total, params);
+    let target = uniform(params.seed, position, STREAM_SAMPLE) * total;
+    let mut cum = 0f64;
+    for (i, &w) in weights[..num_kept].iter().enumerate() {
+        cum += w as f64;
+        if cum > target {
+            return (num_kept, total, i);
+        }
+    }
+    (num_kept, total, num_kept - 1)
+}
+
+/// Top-p then min-p over sorted `weights` summing to `total`, each cut a prefix:
+/// `(num_kept, total kept weight)`. Speculative verification cuts the same way.
+pub(crate) fn kept_prefix(
+    weights: &[f32],
+    mut total: f64,
+    params: &SamplingParams,
+) -> (usize, f64) {
     let mut num_kept = weights.len();
     if params.top_p < 1.0 {
         let mut cum = 0f64;
@@ -330,13 +353,5 @@ fn cut_and_draw(
             total = weights[..num_kept].iter().map(|&w| w as f64).sum();
         }
     }
-    let target = uniform(params.seed, position, STREAM_SAMPLE) * total;
-    let mut cum = 0f64;
-    for (i, &w) in weights[..num_kept].iter().enumerate() {
-        cum += w as f64;
-        if cum > target {
-            return (num_kept, total, i);
-        }
-    }
-    (num_kept, total, num_kept - 1)
+    (num_kept, total)
 }

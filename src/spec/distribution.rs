@@ -3,7 +3,7 @@
 //! sampler's candidate order: by value descending, ties by id. Verification needs it whole:
 //! p(draft), the residual max(0, p − q), and the Gumbel-max pick.
 
-use crate::sampling::{STREAM_GUMBEL, SamplingParams, splitmix64};
+use crate::sampling::{STREAM_GUMBEL, SamplingParams, fill_weights, kept_prefix, splitmix64};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct TargetDistribution {
@@ -29,29 +29,9 @@ impl TargetDistribution {
             cands.truncate(params.top_k);
         }
         let max = cands[0].1;
-        // The sampler's weights: exp of the difference in f64, rounded to f32.
-        let weights: Vec<f32> = cands
-            .iter()
-            .map(|&(_, v)| ((v - max) as f64).exp() as f32)
-            .collect();
-        let mut num_kept = weights.len();
-        if params.top_p < 1.0 {
-            let total: f64 = weights.iter().map(|&w| w as f64).sum();
-            let mut cum = 0f64;
-            for (i, &w) in weights.iter().enumerate() {
-                cum += w as f64 / total;
-                if cum >= params.top_p as f64 {
-                    num_kept = i + 1;
-                    break;
-                }
-            }
-        }
-        if params.min_p > 0.0
-            && let Some(p) = weights[..num_kept].iter().position(|&w| w < params.min_p)
-        {
-            num_kept = p.max(1);
-        }
-        let total: f64 = weights[..num_kept].iter().map(|&w| w as f64).sum();
+        let mut weights = Vec::with_capacity(cands.len());
+        let total = fill_weights(cands.iter().map(|c| c.1), max, &mut weights);
+        let (num_kept, total) = kept_prefix(&weights, total, params);
         TargetDistribution {
             ids: cands[..num_kept].iter().map(|c| c.0).collect(),
             probs: weights[..num_kept]
