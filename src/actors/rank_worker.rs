@@ -81,6 +81,8 @@ trait DeviceModel {
 }
 
 struct OnBackend<B: Backend> {
+    /// First: fields drop in order, and the backend must close its device state (an open
+    /// graph capture) before the model's and the cache's buffers are freed.
     backend: B,
     model: LlamaModel<B>,
     cache: B::KvCache,

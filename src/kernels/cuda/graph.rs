@@ -253,4 +253,15 @@ impl Graphs {
         self.recorded.clear();
         self.warmed.clear();
     }
+
+    /// Ends a capture a panic left open. Until then every stream operation, the frees of
+    /// the rank's weights and KV cache included, would be recorded instead of run, and the
+    /// restarted rank would find the memory still taken.
+    pub fn abandon_capture(&mut self, stream: &Arc<CudaStream>) {
+        if matches!(self.phase, Phase::Capture(_)) {
+            self.phase = Phase::Eager;
+            // The partial graph is dropped; an error here has nobody left to report to.
+            let _ = stream.end_capture(CUgraphInstantiate_flags(0));
+        }
+    }
 }

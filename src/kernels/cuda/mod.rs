@@ -245,6 +245,14 @@ impl CudaBackend {
     }
 }
 
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Runs before the model's and the cache's buffers are freed (`OnBackend` declares
+        // the backend first), so their frees are not swallowed by an open capture.
+        self.graphs().abandon_capture(&self.stream);
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaSlice<f32>;
     type Matrix = CudaMatrix;
