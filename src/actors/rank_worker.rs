@@ -210,6 +210,19 @@ struct Readback {
     launched: Instant,
 }
 
+/// When a step began on the device, and how long the device idled before it. Steps
+/// overlap: one launched while the step before it still ran began when that one's picks
+/// landed; one launched later began at its launch, the device idle in between.
+fn step_window(launched: Instant, previous_done: Option<Instant>) -> (Instant, f64) {
+    match previous_done {
+        None => (launched, 0.0),
+        Some(done) => (
+            done.max(launched),
+            launched.saturating_duration_since(done).as_secs_f64(),
+        ),
+    }
+}
+
 /// Waits for each launched step's picks, in launch order, and hands them to the sampler,
 /// so the worker itself goes on to launch the next step. Ends when the worker drops its
 /// sender, or after a failed readback, which it reports to the worker.
@@ -222,9 +235,7 @@ fn spawn_readback(
     std::thread::Builder::new()
         .name(format!("troupe-readback-{rank}"))
         .spawn(move || {
-            // When the previous step's picks landed: steps overlap on the device, so a step
-            // began at its launch or at that moment, whichever came later, and the device
-            // idled from that moment to a later launch.
+            // When the previous step's picks landed.
             let mut last_done: Option<Instant> = None;
             for r in rx {
                 let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -249,12 +260,8 @@ fn spawn_readback(
                         return;
                     }
                 };
-                let done = Instant::now();
-                let started = last_done.map_or(r.launched, |d| d.max(r.launched));
-                let idle_secs = last_done.map_or(0.0, |d| {
-                    r.launched.saturating_duration_since(d).as_secs_f64()
-                });
-                last_done = Some(done);
+                let (started, idle_secs) = step_window(r.launched, last_done);
+                last_done = Some(Instant::now());
                 // A sampler that died with this step in flight is being replaced; the
                 // restart resets the scheduler, which no longer waits for these logits.
                 let _ = r.sampler.cast(SamplerMsg::Sample {
@@ -402,5 +409,24 @@ impl ThreadLocalActor for RankWorker {
             })
             .map_err(|_| "the readback thread ended")?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn overlapping_steps_are_timed_from_the_previous_steps_end() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        // Launched at 10 while the step before ran until 25: it began at 25, no idle.
+        assert_eq!(step_window(ms(10), Some(ms(25))), (ms(25), 0.0));
+        // Launched at 40 after the step before ended at 25: 15 ms idle.
+        let (start, idle) = step_window(ms(40), Some(ms(25)));
+        assert_eq!(start, ms(40));
+        assert!((idle - 0.015).abs() < 1e-9, "{idle}");
+        assert_eq!(step_window(ms(5), None), (ms(5), 0.0));
     }
 }
