@@ -10,17 +10,23 @@
 //!   drafts were verified.
 //! - [`plan_verification`]: the global verify budget that maximises expected tokens per
 //!   second of step time, and per-request verify lengths.
+//! - [`LatencyCurve`], [`CurveStore`]: decode step time by rows, measured once per backend,
+//!   device and model and kept on disk.
 
 mod calibration;
 mod distribution;
+mod latency;
 mod ngram;
 mod planner;
 pub mod verify;
 
 pub use calibration::Calibration;
 pub use distribution::{TargetDistribution, gumbel_pick};
+pub use latency::{CurveStore, LatencyCurve};
 pub use ngram::NgramDrafter;
-pub use planner::{ConfidenceBuffer, SpecRequest, VerifyPlan, plan_verification};
+pub use planner::{
+    ConfidenceBuffer, CurveCost, SpecRequest, StepCost, VerifyPlan, plan_verification,
+};
 
 /// One proposed token and the drafter's confidence that the target accepts it, given that
 /// every earlier draft of the same step was accepted.

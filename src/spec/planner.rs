@@ -15,7 +15,36 @@
 
 use std::collections::HashMap;
 
+use super::LatencyCurve;
 use crate::sched::{CostModel, StepFeatures};
+
+/// What the planner prices a step with.
+pub trait StepCost {
+    fn step_secs(&self, features: &StepFeatures) -> f64;
+}
+
+impl StepCost for CostModel {
+    fn step_secs(&self, features: &StepFeatures) -> f64 {
+        self.predict_features(features)
+    }
+}
+
+/// The measured decode curve at the step's token count (graph buckets and all), plus the
+/// fitted model's terms a short decode step does not show: attention over each row's
+/// context (c2·Σq·c) and within multi-token rows (c3·(Σq² − Σq)).
+pub struct CurveCost<'a> {
+    pub curve: &'a LatencyCurve,
+    pub model: &'a CostModel,
+}
+
+impl StepCost for CurveCost<'_> {
+    fn step_secs(&self, f: &StepFeatures) -> f64 {
+        let [_, _, c2, c3] = self.model.coefficients();
+        self.curve.secs(f.sum_q.round() as usize)
+            + c2 * f.sum_q_times_c
+            + c3 * (f.sum_q_squared - f.sum_q)
+    }
+}
 
 /// One speculating request as the planner sees it.
 #[derive(Debug, Clone)]
@@ -46,7 +75,7 @@ fn valid(c: Option<f32>) -> Option<f64> {
 pub fn plan_verification(
     requests: &[SpecRequest],
     other_rows: &[(usize, usize)],
-    cost: &CostModel,
+    cost: &impl StepCost,
 ) -> VerifyPlan {
     let mut verify_lens = vec![0usize; requests.len()];
     let mut features = StepFeatures::of_rows(other_rows);
@@ -69,7 +98,7 @@ pub fn plan_verification(
     slots.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
 
     let base_tokens = requests.len() as f64;
-    let mut best = (base_tokens / cost.predict_features(&features), 0usize);
+    let mut best = (base_tokens / cost.step_secs(&features), 0usize);
     let mut gained = 0.0;
     let mut counts = verify_lens.clone();
     for (b, &(survival, _, r)) in slots.iter().enumerate() {
@@ -83,7 +112,7 @@ pub fn plan_verification(
         features.sum_q_squared += 2.0 * q + 1.0;
         counts[r] += 1;
         gained += survival;
-        let value = (base_tokens + gained) / cost.predict_features(&features);
+        let value = (base_tokens + gained) / cost.step_secs(&features);
         if value > best.0 {
             best = (value, b + 1);
         }
@@ -100,7 +129,7 @@ pub fn plan_verification(
     VerifyPlan {
         verify_lens,
         expected_tokens,
-        predicted_secs: cost.predict_features(&chosen),
+        predicted_secs: cost.step_secs(&chosen),
     }
 }
 
@@ -234,6 +263,23 @@ mod tests {
         assert_eq!(a, b);
         assert!(a.verify_lens[0] >= a.verify_lens[1]);
         assert!(a.verify_lens[0] - a.verify_lens[1] <= 1);
+    }
+
+    #[test]
+    fn a_measured_bucket_jump_caps_the_budget() {
+        // Flat to 16 tokens (one graph bucket), then twice as slow.
+        let curve =
+            LatencyCurve::new(vec![(1, 0.010), (16, 0.010), (17, 0.020), (32, 0.021)]).unwrap();
+        let model = CostModel::with_prior([0.0, 0.0, 0.0, 0.0]);
+        let cost = CurveCost {
+            curve: &curve,
+            model: &model,
+        };
+        let requests: Vec<SpecRequest> = (0..4).map(|_| req(&[0.7; 5])).collect();
+        let plan = plan_verification(&requests, &[], &cost);
+        let total: usize = plan.verify_lens.iter().sum::<usize>() + requests.len();
+        assert_eq!(total, 16, "{plan:?}");
+        assert_eq!(plan.verify_lens, vec![3, 3, 3, 3]);
     }
 
     #[test]
