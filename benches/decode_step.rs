@@ -20,6 +20,7 @@ fn bench(c: &mut Criterion) {
         token_ids: &prompt,
         num_cached_tokens: 0,
         block_table: &table,
+        num_logit_rows: 1,
     };
     loaded
         .model
@@ -32,6 +33,7 @@ fn bench(c: &mut Criterion) {
                 token_ids: &token,
                 num_cached_tokens: context,
                 block_table: &table,
+                num_logit_rows: 1,
             };
             loaded
                 .model

@@ -116,10 +116,71 @@ fn last_logits(
             token_ids: chunk,
             num_cached_tokens: start,
             block_table: &table,
+            num_logit_rows: 1,
         };
         logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
     }
     logits
+}
+
+/// The last `num_logit_rows` logit rows of `prompt` run as one chunk in a fresh cache.
+fn trailing_logits(
+    generator: &mut Generator<CpuBackend>,
+    prompt: &[u32],
+    num_logit_rows: usize,
+) -> Vec<f32> {
+    use troupe::kernels::Backend;
+    use troupe::model::llama::SeqStep;
+    let block_size = 16;
+    let model = &mut generator.model.model;
+    let num_blocks = prompt.len().div_ceil(block_size);
+    let mut cache = generator
+        .backend
+        .alloc_kv_cache(model.kv_cache_shape(num_blocks, block_size));
+    let table: Vec<u32> = (0..num_blocks as u32).collect();
+    let step = SeqStep {
+        token_ids: prompt,
+        num_cached_tokens: 0,
+        block_table: &table,
+        num_logit_rows,
+    };
+    model.forward(&generator.backend, &mut cache, block_size, &[step])
+}
+
+/// A chunk's trailing logit rows (what a speculative verify row asks for) are each
+/// prefix's own last-token logits — bitwise, in the batch-invariant mode — and the last is
+/// transformers'.
+#[test]
+fn trailing_logit_rows_equal_each_prefixs_last_logits() {
+    let reference = common::read_json("tiny-qwen3/reference.json");
+    let loaded = common::load(&common::goldens().join("tiny-qwen3"));
+    let backend = CpuBackend {
+        batch_invariant: true,
+    };
+    let mut generator = Generator::new(backend, loaded, 16);
+    let vocab = generator.model.model.cfg.vocab_size;
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let prompt = common::ids(&case["prompt_ids"]);
+        let k = prompt.len().min(5);
+        let rows = trailing_logits(&mut generator, &prompt, k);
+        assert_eq!(rows.len(), k * vocab);
+        for j in 0..k {
+            let prefix = &prompt[..prompt.len() - (k - 1 - j)];
+            let alone = trailing_logits(&mut generator, prefix, 1);
+            let row = &rows[j * vocab..(j + 1) * vocab];
+            assert!(
+                row.iter()
+                    .zip(&alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "case {i}: row {j} of {k} differs from its prefix run alone"
+            );
+        }
+        let err = common::relative_error(
+            &rows[(k - 1) * vocab..],
+            &common::floats(&case["last_logits"]),
+        );
+        assert!(err < LOGIT_TOLERANCE, "case {i}: {err}");
+    }
 }
 
 #[test]

@@ -391,6 +391,7 @@ impl ThreadLocalActor for RankWorker {
                 token_ids: input,
                 num_cached_tokens: row.num_cached_tokens,
                 block_table: &row.block_table,
+                num_logit_rows: 1,
             })
             .collect();
         let step = st

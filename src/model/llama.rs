@@ -16,6 +16,9 @@ pub struct SeqStep<'a> {
     pub num_cached_tokens: usize,
     /// Blocks covering at least `num_cached_tokens + token_ids.len()` positions.
     pub block_table: &'a [u32],
+    /// Trailing positions of `token_ids` that return logits, oldest first (1: the last
+    /// token's; a speculative verify row: one per draft and one after).
+    pub num_logit_rows: usize,
 }
 
 /// Activation buffers, sized for the largest step seen and reused: nothing is allocated
@@ -114,8 +117,8 @@ impl<B: Backend> LlamaModel<B> {
         });
     }
 
-    /// Runs one step and returns the logits of each sequence's last token,
-    /// `[seqs.len(), vocab]` row-major.
+    /// Runs one step and returns each sequence's `num_logit_rows` logit rows, sequence
+    /// after sequence, `[Σ num_logit_rows, vocab]` row-major.
     pub fn forward(
         &mut self,
         backend: &B,
@@ -125,7 +128,8 @@ impl<B: Backend> LlamaModel<B> {
     ) -> Vec<f32> {
         self.forward_on_device(backend, cache, block_size, seqs, &[]);
         let logits = &self.ws.as_ref().expect("workspace made by the step").logits;
-        backend.download(logits, seqs.len() * self.cfg.vocab_size)
+        let num_logit_rows: usize = seqs.iter().map(|s| s.num_logit_rows).sum();
+        backend.download(logits, num_logit_rows * self.cfg.vocab_size)
     }
 
     /// The logits of the last step, left on the device: `[rows, vocab]`.
@@ -151,9 +155,12 @@ impl<B: Backend> LlamaModel<B> {
             None
         };
         let num_rows = graph_rows.unwrap_or(seqs.len());
+        let num_pad_rows = num_rows - seqs.len();
         let num_tokens: usize =
-            seqs.iter().map(|s| s.token_ids.len()).sum::<usize>() + num_rows - seqs.len();
-        self.ensure_workspace(backend, num_tokens, num_rows);
+            seqs.iter().map(|s| s.token_ids.len()).sum::<usize>() + num_pad_rows;
+        let num_logit_rows: usize =
+            seqs.iter().map(|s| s.num_logit_rows).sum::<usize>() + num_pad_rows;
+        self.ensure_workspace(backend, num_tokens, num_logit_rows);
         self.positions.clear();
         self.slots.clear();
         self.ids.clear();
@@ -184,7 +191,13 @@ impl<B: Backend> LlamaModel<B> {
                 num_context_tokens: s.num_cached_tokens + s.token_ids.len(),
                 block_table: s.block_table,
             });
-            last_rows.push(self.ids.len() - 1);
+            assert!(
+                (1..=s.token_ids.len()).contains(&s.num_logit_rows),
+                "a sequence returns 1..={} logit rows, not {}",
+                s.token_ids.len(),
+                s.num_logit_rows
+            );
+            last_rows.extend(self.ids.len() - s.num_logit_rows..self.ids.len());
         }
         for _ in seqs.len()..num_rows {
             attn_seqs.push(SeqAttention {
@@ -287,12 +300,12 @@ impl<B: Backend> LlamaModel<B> {
             &ws.normed,
             &w.final_norm,
             eps,
-            num_rows,
+            num_logit_rows,
             c.hidden_size,
             &mut ws.last,
         );
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-        backend.matmul(&ws.last, num_rows, head, None, &mut ws.logits);
+        backend.matmul(&ws.last, num_logit_rows, head, None, &mut ws.logits);
         if graph_rows.is_some() {
             backend.end_graph_step();
         }
