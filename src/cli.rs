@@ -193,9 +193,10 @@ pub struct GenerateArgs {
     /// Generate past EOS / end-of-turn tokens until --max-tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Print prefill and decode throughput to stderr as one JSON object.
-    #[arg(long)]
-    stats: bool,
+    /// Run statistics (throughput, steps, output tokens, elapsed seconds) as one JSON
+    /// object: to stderr, or with a FILE, to that file.
+    #[arg(long, num_args = 0..=1, default_missing_value = "-", value_name = "FILE")]
+    stats: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineFlags,
     /// Drop tokens below this fraction of the most likely token's probability.
@@ -365,6 +366,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     }
     let cfg = args.engine.config(&path)?;
     let runtime = engine_runtime()?;
+    let started = std::time::Instant::now();
     let (outputs, status) = runtime.block_on(async {
         let engine = Engine::spawn(cfg).await.map_err(engine_err)?;
         let outputs = engine.generate_batch(requests.clone()).await;
@@ -372,8 +374,12 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         engine.shutdown(false).await;
         Ok::<_, TroupeError>((outputs, status))
     })?;
-    if args.stats {
+    let elapsed_s = started.elapsed().as_secs_f64();
+    if let Some(dest) = &args.stats {
+        let output_tokens: usize = outputs.iter().flatten().map(|o| o.token_ids.len()).sum();
         let stats = serde_json::json!({
+            "output_tokens": output_tokens,
+            "elapsed_s": elapsed_s,
             "prefill_tokens": status.num_prefill_tokens,
             "prefill_tokens_per_s": status.num_prefill_tokens as f64 / status.prefill_secs.max(1e-9),
             "decode_tokens": status.num_decode_tokens,
@@ -383,7 +389,13 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "prefix_cache_hit_blocks": status.num_prefix_hit_blocks,
             "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,
         });
-        eprintln!("{stats}");
+        if dest.as_os_str() == "-" {
+            eprintln!("{stats}");
+        } else {
+            std::fs::write(dest, format!("{stats}\n")).map_err(|e| {
+                TroupeError::InvalidInput(format!("--stats {}: {e}", dest.display()))
+            })?;
+        }
     }
     let tok = text.tokenizer.as_deref();
     let stdout = std::io::stdout();

@@ -357,3 +357,47 @@ fn dummy_weights_run_the_configs_shape_reproducibly_without_reading_the_checkpoi
     assert_clear_error(&err, "config.json");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn stats_go_to_stderr_or_to_a_file() {
+    let model = tiny("tiny-llama");
+    let file = scratch("stats.json", b"");
+    let args = |stats: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            &model,
+            "--prompt-ids",
+            "5,6,7,8",
+            "--max-tokens",
+            "9",
+            "--ignore-eos",
+            "--json",
+            "--stats",
+        ];
+        a.extend_from_slice(stats);
+        troupe(&a)
+    };
+    let to_file = args(&[file.to_str().unwrap()]);
+    assert!(
+        to_file.status.success(),
+        "{}",
+        String::from_utf8_lossy(&to_file.stderr)
+    );
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(s["output_tokens"], 9);
+    assert!(s["steps"].as_u64().unwrap() >= 9, "{s}");
+    assert!(s["elapsed_s"].as_f64().unwrap() > 0.0, "{s}");
+    // Without a file: the same object, last on stderr; other flags may follow `--stats`.
+    let to_stderr = args(&["--no-zos"]);
+    let stderr = String::from_utf8_lossy(&to_stderr.stderr);
+    let line = stderr
+        .lines()
+        .rfind(|l| l.starts_with('{'))
+        .expect("a JSON line");
+    let s: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(s["output_tokens"], 9);
+    let unwritable = args(&["/nonexistent-dir/stats.json"]);
+    assert_clear_error(&unwritable, "--stats /nonexistent-dir/stats.json");
+}
