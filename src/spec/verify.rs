@@ -12,10 +12,16 @@
 //!   (seed, position, target distribution); drafts are accepted while they equal it. The
 //!   output is then the same sequence with speculation off, on, at any verify length and in
 //!   any batch — the deterministic-varlen mode.
+//! - [`with_sampler`]: the same coupling through the engine's own sampler: position i's
+//!   token is what `Sampler::sample_row` draws from row i with the history extended by the
+//!   accepted drafts — penalties, bans, counter-hash draw and logprobs included — so a
+//!   request's tokens and logprobs are those it gets with speculation off.
 
 use super::TargetDistribution;
 use super::gumbel_pick;
-use crate::sampling::{STREAM_ACCEPT, STREAM_SAMPLE, uniform};
+use crate::sampling::{
+    STREAM_ACCEPT, STREAM_SAMPLE, SampleContext, SampleOutput, Sampler, SamplingParams, uniform,
+};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
@@ -107,6 +113,54 @@ pub fn coupled(
         num_accepted: tokens.len() - 1,
         tokens,
     }
+}
+
+/// What a request's sampling looks at besides its logits, before this step's drafts.
+#[derive(Debug, Clone, Copy)]
+pub struct History<'a> {
+    pub prompt_ids: &'a [u32],
+    pub output_ids: &'a [u32],
+    /// Banned while fewer than `ban_below_len` tokens were generated (stop ids under
+    /// `min_tokens`).
+    pub banned_ids: &'a [u32],
+    pub ban_below_len: usize,
+}
+
+/// `rows[i]` are the target's logits after the history and drafts `0..i`; the first draft
+/// sits at `first_position`. Returns the sampler's output for each emitted token: the
+/// accepted drafts, then the sampler's own token at the first mismatch (or after the last).
+pub fn with_sampler(
+    sampler: &mut Sampler,
+    rows: &[&[f32]],
+    drafts: &[u32],
+    params: &SamplingParams,
+    first_position: u64,
+    history: History<'_>,
+) -> Vec<SampleOutput> {
+    check_rows(rows.len(), drafts.len());
+    let mut output_ids = history.output_ids.to_vec();
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, row) in rows.iter().enumerate() {
+        let banned = if output_ids.len() < history.ban_below_len {
+            history.banned_ids
+        } else {
+            &[]
+        };
+        let ctx = SampleContext {
+            position: first_position + i as u64,
+            prompt_ids: history.prompt_ids,
+            output_ids: &output_ids,
+            banned_ids: banned,
+        };
+        let drawn = sampler.sample_row(row, params, &ctx);
+        let token = drawn.token;
+        out.push(drawn);
+        if drafts.get(i) != Some(&token) {
+            break;
+        }
+        output_ids.push(token);
+    }
+    out
 }
 
 #[cfg(test)]

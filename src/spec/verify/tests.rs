@@ -1,5 +1,5 @@
 use super::*;
-use crate::sampling::{STREAM_DRAFT, SamplingParams, splitmix64};
+use crate::sampling::{STREAM_DRAFT, SampleContext, SamplingParams, splitmix64};
 
 fn sampled(temperature: f32, top_p: f32) -> SamplingParams {
     SamplingParams {
@@ -177,4 +177,80 @@ fn coupled_acceptance_against_rejection_sampling() {
         "per-draft acceptance: rejection sampling {rejection_rate:.3}, Gumbel coupling {coupled_rate:.3}"
     );
     assert!(coupled_rate > 0.5 * rejection_rate);
+}
+
+#[test]
+fn sampler_coupled_verification_emits_what_plain_decoding_emits() {
+    use crate::sampling::Sampler;
+    let vocab = 40;
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: 12,
+        top_p: 0.9,
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.4,
+        presence_penalty: 0.2,
+        seed: 17,
+        num_top_logprobs: 3,
+        ..SamplingParams::default()
+    };
+    let prompt = [3u32, 4, 5];
+    let generated = [7u32, 7, 9];
+    let banned = [1u32, 2];
+    // Rows as a model would give them; context-free here: the plain run reads the same.
+    let rows: Vec<Vec<f32>> = (0..6u64)
+        .map(|r| {
+            (0..vocab as u64)
+                .map(|v| (splitmix64(r << 16 | v) % 1000) as f32 / 200.0)
+                .collect()
+        })
+        .collect();
+    let row_refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+    let history = History {
+        prompt_ids: &prompt,
+        output_ids: &generated,
+        banned_ids: &banned,
+        ban_below_len: 5,
+    };
+    // Plain decoding, one token a step.
+    let mut sampler = Sampler::default();
+    let mut plain = Vec::new();
+    let mut out_ids = generated.to_vec();
+    for (i, row) in rows.iter().enumerate() {
+        let ctx = SampleContext {
+            position: 20 + i as u64,
+            prompt_ids: &prompt,
+            output_ids: &out_ids,
+            banned_ids: if out_ids.len() < 5 { &banned } else { &[] },
+        };
+        let o = sampler.sample_row(row, &params, &ctx);
+        out_ids.push(o.token);
+        plain.push(o);
+    }
+    for num_right in 0..=5 {
+        // The first `num_right` drafts are what plain decoding drew, then a wrong one.
+        let mut drafts: Vec<u32> = plain[..num_right].iter().map(|o| o.token).collect();
+        if num_right < 5 {
+            drafts.push((plain[num_right].token + 1) % vocab as u32);
+        }
+        let k = drafts.len();
+        let got = with_sampler(
+            &mut sampler,
+            &row_refs[..k + 1],
+            &drafts,
+            &params,
+            20,
+            history,
+        );
+        assert_eq!(
+            got.len(),
+            num_right + 1,
+            "accepted {num_right}, then one more"
+        );
+        assert_eq!(
+            got,
+            plain[..num_right + 1],
+            "tokens and logprobs as plain decoding"
+        );
+    }
 }
