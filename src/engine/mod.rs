@@ -87,6 +87,8 @@ impl Engine {
             enable_prefix_cache: cfg.enable_prefix_cache,
             max_context_tokens: mcfg.max_context_tokens,
             stop_preempted: cfg.stop_preempted,
+            // Verify rows are not wired through the rank workers and the sampler yet.
+            num_speculative_tokens: 0,
         };
         let args = SupervisorArgs {
             scheduler: SchedulerArgs {

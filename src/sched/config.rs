@@ -22,6 +22,8 @@ pub struct SchedulerConfig {
     /// A preempted sequence ends (`FinishReason::Preempted`) instead of being
     /// recomputed later: for callers that would rather retry elsewhere than wait.
     pub stop_preempted: bool,
+    /// Draft tokens a decode row may carry for verification (prompt lookup); 0: off.
+    pub num_speculative_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -36,6 +38,7 @@ impl Default for SchedulerConfig {
             enable_prefix_cache: true,
             max_context_tokens: 4096,
             stop_preempted: false,
+            num_speculative_tokens: 0,
         }
     }
 }

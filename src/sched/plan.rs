@@ -21,6 +21,9 @@ pub struct PlannedRow {
     pub state_slot: Option<u32>,
     /// This row's last token yields a sampled token (final prefill chunk, or decode).
     pub sample: bool,
+    /// The row's last inputs are this many draft tokens: it returns a logit row for each
+    /// and one after, and yields 1 ..= this + 1 tokens (the accepted drafts and one more).
+    pub num_draft_tokens: usize,
 }
 
 impl PlannedRow {

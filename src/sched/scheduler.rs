@@ -15,15 +15,16 @@
 //! One `schedule()` is O(running + admitted rows + blocks allocated), no hashing on the
 //! decode path; `on_step_done()` is O(rows + newly full blocks).
 
+use crate::spec::NgramDrafter;
 use std::collections::{HashMap, VecDeque};
 
 use self::resources::{DeferredRelease, Reserve};
 use super::block_manager::BlockManager;
 use super::cost_model::{CostModel, StepFeatures};
 use super::prefix_cache::{CachedBlock, PrefixCache, PrefixCacheStats};
-use super::sequence::{RowRef, SeqEvent, SeqRequest, SeqStatus, Sequence};
+use super::sequence::{SeqEvent, SeqRequest, SeqStatus, Sequence};
 use super::state_slots::StateSlots;
-use super::{PlannedRow, RowInput, SchedError, SchedulerConfig, SeqId, StepId, StepPlan};
+use super::{PlannedRow, SchedError, SchedulerConfig, SeqId, StepId, StepPlan};
 
 /// What the scheduler remembers of an in-flight step's row.
 #[derive(Debug, Clone)]
@@ -33,6 +34,7 @@ struct RowRecord {
     seq_idx: usize,
     num_tokens: usize,
     sample: bool,
+    num_draft_tokens: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -41,6 +43,10 @@ struct InFlightStep {
     rows: Vec<RowRecord>,
     features: StepFeatures,
 }
+
+/// Match lengths the prompt-lookup drafter tries, longest first.
+const NGRAM_MIN: usize = 1;
+const NGRAM_MAX: usize = 4;
 
 /// The pure scheduling core; see the module doc for the call contract.
 #[derive(Clone)]
@@ -185,7 +191,14 @@ impl Scheduler {
                 num_blocks_total: cfg.num_blocks,
             });
         }
-        let seq = Sequence::new(req, self.next_arrival);
+        let mut seq = Sequence::new(req, self.next_arrival);
+        if cfg.num_speculative_tokens > 0 {
+            seq.drafter = Some(NgramDrafter::new(
+                NGRAM_MIN,
+                NGRAM_MAX,
+                cfg.num_speculative_tokens,
+            ));
+        }
         self.next_arrival += 1;
         let idx = match self.free_seq_slots.pop() {
             Some(idx) => {
@@ -240,11 +253,19 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            if seq.drafter.is_some() && seq.num_in_flight_rows > 0 {
+                // A row that verifies drafts yields an unknown number of tokens: the next
+                // row of its sequence waits for them (no ZOS continuation).
+                i += 1;
+                continue;
+            }
             let num_cached = seq.num_scheduled_tokens;
             let num_remaining = seq.num_tokens() - num_cached;
             let is_decode = num_remaining == 1;
+            let mut drafts = Vec::new();
             let q = if is_decode {
-                1
+                drafts = self.drafts(idx, num_tokens_left - 1);
+                1 + drafts.len()
             } else {
                 let max_q = num_remaining.min(num_tokens_left);
                 let base = *decode_features.get_or_insert_with(|| self.decode_features());
@@ -274,7 +295,7 @@ impl Scheduler {
                 prefill_features.add_row(q, num_cached);
                 num_prefill_rows += 1;
             }
-            self.push_row(idx, step_id, q, &mut rows, &mut records);
+            self.push_row(idx, step_id, q, &drafts, &mut rows, &mut records);
             num_tokens_left -= q;
             i += 1;
         }
@@ -294,7 +315,7 @@ impl Scheduler {
             let num_cached = self.seq(idx).num_scheduled_tokens;
             prefill_features.add_row(q, num_cached);
             num_prefill_rows += 1;
-            self.push_row(idx, step_id, q, &mut rows, &mut records);
+            self.push_row(idx, step_id, q, &[], &mut rows, &mut records);
             num_tokens_left -= q;
         }
 
@@ -312,89 +333,6 @@ impl Scheduler {
             features: step_features,
         });
         Some(StepPlan { step_id, rows })
-    }
-
-    /// Takes step `step_id`'s results. See the module doc for the contract.
-    pub fn on_step_done(
-        &mut self,
-        step_id: StepId,
-        sampled: &[u32],
-        elapsed_secs: f64,
-    ) -> Vec<SeqEvent> {
-        if self.in_flight.front().is_none_or(|s| s.step_id != step_id) {
-            debug_assert!(
-                self.in_flight.iter().all(|s| s.step_id != step_id),
-                "step {step_id} completed out of plan order"
-            );
-            return Vec::new();
-        }
-        let step = self.in_flight.pop_front().expect("checked above");
-        let num_sampling_rows = step.rows.iter().filter(|r| r.sample).count();
-        assert_eq!(
-            sampled.len(),
-            num_sampling_rows,
-            "step {step_id} has {num_sampling_rows} sampling rows but {} tokens came back",
-            sampled.len()
-        );
-        self.cost_model
-            .observe_features(&step.features, elapsed_secs);
-        let mut events = std::mem::take(&mut self.pending_events);
-        let mut sampled = sampled.iter();
-        let mut any_finished = false;
-        for rec in &step.rows {
-            let token = if rec.sample {
-                sampled.next().copied()
-            } else {
-                None
-            };
-            let seq = self.seqs[rec.seq_idx]
-                .as_mut()
-                .expect("in-flight row's sequence lives");
-            seq.num_in_flight_rows -= 1;
-            match seq.status {
-                // The row ran after its sequence ended (ZOS overshoot, abort): discarded.
-                SeqStatus::Finished => {
-                    if seq.num_in_flight_rows == 0 {
-                        self.remove(rec.seq_idx);
-                    }
-                    continue;
-                }
-                SeqStatus::Running => {
-                    seq.num_computed_tokens += rec.num_tokens;
-                    self.register_computed_blocks(rec.seq_idx);
-                }
-                // Preempted after planning: its KV is dropped, but the sample is valid.
-                SeqStatus::Waiting => {}
-            }
-            let Some(token) = token else { continue };
-            let seq = self.seqs[rec.seq_idx].as_mut().expect("live");
-            let seq_id = seq.seq_id;
-            let (emitted, finish) = seq.accept_sample(token, self.cfg.max_context_tokens);
-            if emitted {
-                events.push(SeqEvent::Token { seq_id, token });
-            }
-            if let Some(reason) = finish {
-                events.push(SeqEvent::Finished { seq_id, reason });
-                self.finish(rec.seq_idx);
-                any_finished = true;
-            }
-        }
-        while self
-            .deferred
-            .front()
-            .is_some_and(|d| d.after_step <= step_id)
-        {
-            let d = self.deferred.pop_front().expect("checked above");
-            self.num_deferred_blocks -= d.blocks.len();
-            self.release_now(&d.blocks, d.slot);
-        }
-        if any_finished {
-            let seqs = &self.seqs;
-            let live = |i: &usize| seqs[*i].as_ref().is_some_and(|s| !s.is_finished());
-            self.running.retain(live);
-            self.waiting.retain(live);
-        }
-        events
     }
 
     /// The device lost its KV and state: forget in-flight steps, give every block and
@@ -552,58 +490,14 @@ impl Scheduler {
         self.running.push(idx);
         Some(q)
     }
-
-    /// Appends the row of sequence `idx` feeding its next `q` positions.
-    fn push_row(
-        &mut self,
-        idx: usize,
-        step_id: StepId,
-        q: usize,
-        rows: &mut Vec<PlannedRow>,
-        records: &mut Vec<RowRecord>,
-    ) {
-        let row_index = rows.len();
-        let seq = self.seqs[idx].as_mut().expect("live");
-        let start = seq.num_scheduled_tokens;
-        let input = if seq.num_pending_tokens > 0 {
-            // Only a decode row can start at a pending token (see sequence.rs).
-            debug_assert_eq!((q, start + 1), (1, seq.num_tokens()));
-            let from = seq.last_sample_row.expect("pending token has a source row");
-            RowInput::FromPrevious {
-                prev_step: from.step_id,
-                prev_row: from.row,
-            }
-        } else {
-            RowInput::Tokens(seq.tokens[start..start + q].to_vec())
-        };
-        let sample = start + q == seq.num_tokens();
-        rows.push(PlannedRow {
-            seq_id: seq.seq_id,
-            input,
-            num_cached_tokens: start,
-            block_table: seq.block_table.clone(),
-            state_slot: seq.state_slot,
-            sample,
-        });
-        records.push(RowRecord {
-            seq_idx: idx,
-            num_tokens: q,
-            sample,
-        });
-        seq.num_scheduled_tokens += q;
-        seq.num_in_flight_rows += 1;
-        if sample {
-            seq.num_pending_tokens += 1;
-            seq.last_sample_row = Some(RowRef {
-                step_id,
-                row: row_index,
-            });
-        }
-    }
 }
 
+mod completion;
 mod resources;
+mod rows;
 #[cfg(test)]
 mod sim;
+#[cfg(test)]
+mod spec_tests;
 #[cfg(test)]
 mod tests;

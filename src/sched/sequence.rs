@@ -13,6 +13,7 @@
 //! when it reaches `num_tokens()`; a decode row is the case of exactly one position left.
 
 use super::{SeqId, StepId};
+use crate::spec::NgramDrafter;
 
 /// A generation request handed to [`Scheduler::add`](super::Scheduler::add).
 #[derive(Debug, Clone, PartialEq)]
@@ -92,6 +93,8 @@ pub struct Sequence {
     pub num_in_flight_rows: usize,
     /// The latest sampling row planned for this sequence.
     pub last_sample_row: Option<RowRef>,
+    /// Proposes draft tokens when speculative decoding is on.
+    pub drafter: Option<NgramDrafter>,
 }
 
 impl Sequence {
@@ -114,6 +117,7 @@ impl Sequence {
             status: SeqStatus::Waiting,
             num_in_flight_rows: 0,
             last_sample_row: None,
+            drafter: None,
         }
     }
 
@@ -146,6 +150,15 @@ impl Sequence {
         max_context_tokens: usize,
     ) -> (bool, Option<FinishReason>) {
         self.num_pending_tokens -= 1;
+        self.accept_verified(token, max_context_tokens)
+    }
+
+    /// A token beyond the pending one: an accepted draft's successor in a verify row.
+    pub fn accept_verified(
+        &mut self,
+        token: u32,
+        max_context_tokens: usize,
+    ) -> (bool, Option<FinishReason>) {
         if !self.ignore_eos && self.stop_ids.contains(&token) {
             return (false, Some(FinishReason::Stop));
         }

@@ -22,12 +22,31 @@ pub(super) fn fake_next(context: &[u32]) -> u32 {
     (h >> 17) as u32 % VOCAB
 }
 
+/// A "model" a prompt-lookup drafter can predict: mostly the previous token's successor in
+/// a fixed cycle, but every context hash ≡ 0 mod 4 breaks it — so a wrong KV position or
+/// a rejected draft left in the KV still changes the output.
+pub(super) fn predictable_next(context: &[u32]) -> u32 {
+    let h = fake_next(context);
+    match context.last() {
+        Some(&last) if !h.is_multiple_of(4) => (last * 5 + 3) % VOCAB,
+        _ => h,
+    }
+}
+
 /// Output of a request run alone: generated tokens and why it ended.
 pub(super) fn reference(req: &SeqRequest, max_context_tokens: usize) -> (Vec<u32>, FinishReason) {
+    reference_with(req, max_context_tokens, fake_next)
+}
+
+pub(super) fn reference_with(
+    req: &SeqRequest,
+    max_context_tokens: usize,
+    next: fn(&[u32]) -> u32,
+) -> (Vec<u32>, FinishReason) {
     let mut context = req.prompt_ids.clone();
     let mut out = Vec::new();
     loop {
-        let t = fake_next(&context);
+        let t = next(&context);
         if !req.ignore_eos && req.stop_ids.contains(&t) {
             return (out, FinishReason::Stop);
         }
@@ -45,6 +64,11 @@ pub(super) struct Device {
     /// Per step, per row: the token that row sampled.
     sampled: HashMap<StepId, Vec<Option<u32>>>,
     pub(super) num_from_previous: usize,
+    /// The next token given the context read back from the KV.
+    pub(super) next: fn(&[u32]) -> u32,
+    /// Draft tokens verified and accepted.
+    pub(super) num_drafts: usize,
+    pub(super) num_accepted: usize,
 }
 
 impl Device {
@@ -54,6 +78,9 @@ impl Device {
             kv: vec![None; cfg.num_blocks * cfg.block_size],
             sampled: HashMap::new(),
             num_from_previous: 0,
+            next: fake_next,
+            num_drafts: 0,
+            num_accepted: 0,
         }
     }
 
@@ -61,7 +88,20 @@ impl Device {
         table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
     }
 
+    /// One token per sampling row (no drafts in the plan).
     pub(super) fn execute(&mut self, plan: &StepPlan) -> Vec<u32> {
+        self.execute_verified(plan)
+            .into_iter()
+            .map(|tokens| {
+                assert_eq!(tokens.len(), 1, "a row without drafts yields one token");
+                tokens[0]
+            })
+            .collect()
+    }
+
+    /// Per sampling row, its tokens: a draft row's accepted drafts (each the target's own
+    /// pick at its position) and the target's token after them.
+    pub(super) fn execute_verified(&mut self, plan: &StepPlan) -> Vec<Vec<u32>> {
         let mut per_row = vec![None; plan.rows.len()];
         let mut out = Vec::new();
         for (r, row) in plan.rows.iter().enumerate() {
@@ -88,9 +128,19 @@ impl Device {
                 let context: Vec<u32> = (0..end)
                     .map(|p| self.kv[self.slot(&row.block_table, p)].expect("position filled"))
                     .collect();
-                let t = fake_next(&context);
-                per_row[r] = Some(t);
-                out.push(t);
+                let k = row.num_draft_tokens;
+                let mut tokens = Vec::new();
+                for i in 0..=k {
+                    let t = (self.next)(&context[..end - k + i]);
+                    tokens.push(t);
+                    if i == k || context[end - k + i] != t {
+                        break;
+                    }
+                }
+                self.num_drafts += k;
+                self.num_accepted += tokens.len() - 1;
+                per_row[r] = tokens.last().copied();
+                out.push(tokens);
             }
         }
         self.sampled.insert(plan.step_id, per_row);
@@ -156,8 +206,9 @@ pub(super) fn drive(
         }
         match queue.pop_front() {
             Some(plan) => {
-                let sampled = dev.execute(&plan);
-                outputs.apply(s.on_step_done(plan.step_id, &sampled, fake_secs(&plan)));
+                let sampled = dev.execute_verified(&plan);
+                let rows: Vec<&[u32]> = sampled.iter().map(Vec::as_slice).collect();
+                outputs.apply(s.on_step_verified(plan.step_id, &rows, fake_secs(&plan)));
             }
             None if !s.has_unfinished() => break,
             None => panic!("deadlock at tick {tick}: nothing planned, nothing in flight"),
@@ -185,8 +236,17 @@ pub(super) fn prompt(seed: u32, len: usize) -> Vec<u32> {
 }
 
 pub(super) fn expect_reference(out: &Outputs, reqs: &[SeqRequest], cfg: &SchedulerConfig) {
+    expect_reference_with(out, reqs, cfg, fake_next);
+}
+
+pub(super) fn expect_reference_with(
+    out: &Outputs,
+    reqs: &[SeqRequest],
+    cfg: &SchedulerConfig,
+    next: fn(&[u32]) -> u32,
+) {
     for r in reqs {
-        let (tokens, reason) = reference(r, cfg.max_context_tokens);
+        let (tokens, reason) = reference_with(r, cfg.max_context_tokens, next);
         assert_eq!(
             out.0.get(&r.seq_id),
             Some(&(tokens, Some(reason))),

@@ -1,7 +1,7 @@
 //! Scheduler scenarios, driven through the fake device of `sim.rs` and compared with
 //! one-request-at-a-time reference outputs.
 
-use crate::sched::FinishReason;
+use crate::sched::{FinishReason, RowInput};
 use std::collections::VecDeque;
 
 use super::sim::*;

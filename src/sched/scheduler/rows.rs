@@ -1,0 +1,86 @@
+//! Planning one row: its input (known tokens, a ZOS continuation, or a decode token with
+//! drafts to verify) and the bookkeeping of what is in flight.
+
+use super::{RowRecord, Scheduler};
+use crate::sched::sequence::RowRef;
+use crate::sched::{PlannedRow, RowInput, StepId};
+use crate::spec::Drafter;
+
+impl Scheduler {
+    /// Up to `max_drafts` draft tokens for sequence `idx`'s next decode row: no more than
+    /// its remaining output and context allow after the row's own token.
+    pub(super) fn drafts(&mut self, idx: usize, max_drafts: usize) -> Vec<u32> {
+        let max_context_tokens = self.cfg.max_context_tokens;
+        let seq = self.seqs[idx].as_mut().expect("live");
+        if seq.num_pending_tokens > 0 {
+            return Vec::new();
+        }
+        let room = (seq.max_tokens.saturating_sub(seq.num_generated() + 1))
+            .min(max_context_tokens.saturating_sub(seq.tokens.len() + 1))
+            .min(max_drafts)
+            .min(self.cfg.num_speculative_tokens);
+        match &mut seq.drafter {
+            Some(drafter) if room > 0 => drafter
+                .propose(&seq.tokens, room)
+                .into_iter()
+                .map(|d| d.token)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Appends the row of sequence `idx` feeding its next `q` positions (the last
+    /// `drafts.len()` of them drafts to verify).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_row(
+        &mut self,
+        idx: usize,
+        step_id: StepId,
+        q: usize,
+        drafts: &[u32],
+        rows: &mut Vec<PlannedRow>,
+        records: &mut Vec<RowRecord>,
+    ) {
+        let row_index = rows.len();
+        let seq = self.seqs[idx].as_mut().expect("live");
+        let start = seq.num_scheduled_tokens;
+        let input = if seq.num_pending_tokens > 0 {
+            // Only a decode row can start at a pending token (see sequence.rs).
+            debug_assert_eq!((q, start + 1), (1, seq.num_tokens()));
+            let from = seq.last_sample_row.expect("pending token has a source row");
+            RowInput::FromPrevious {
+                prev_step: from.step_id,
+                prev_row: from.row,
+            }
+        } else {
+            let mut tokens = seq.tokens[start..start + q - drafts.len()].to_vec();
+            tokens.extend_from_slice(drafts);
+            RowInput::Tokens(tokens)
+        };
+        let sample = start + q - drafts.len() == seq.num_tokens();
+        rows.push(PlannedRow {
+            seq_id: seq.seq_id,
+            input,
+            num_cached_tokens: start,
+            block_table: seq.block_table.clone(),
+            state_slot: seq.state_slot,
+            sample,
+            num_draft_tokens: drafts.len(),
+        });
+        records.push(RowRecord {
+            seq_idx: idx,
+            num_tokens: q,
+            sample,
+            num_draft_tokens: drafts.len(),
+        });
+        seq.num_scheduled_tokens += q;
+        seq.num_in_flight_rows += 1;
+        if sample {
+            seq.num_pending_tokens += 1;
+            seq.last_sample_row = Some(RowRef {
+                step_id,
+                row: row_index,
+            });
+        }
+    }
+}

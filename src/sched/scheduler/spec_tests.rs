@@ -1,0 +1,133 @@
+//! Decode rows that carry prompt-lookup drafts, through the fake device of `sim.rs`, whose
+//! "model" reads every position back through the block table: a rejected draft left in
+//! the KV, or a position rolled back wrongly, changes the output.
+
+use super::sim::*;
+use super::*;
+use crate::sched::{FinishReason, RowInput};
+
+fn spec_cfg(num_speculative_tokens: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        num_speculative_tokens,
+        ..small_cfg()
+    }
+}
+
+/// Runs `reqs` through a scheduler; returns outputs, steps run and drafts accepted.
+fn run(cfg: &SchedulerConfig, reqs: &[SeqRequest], depth: usize) -> (Outputs, u64, usize) {
+    let mut s = Scheduler::new(cfg.clone());
+    let mut dev = Device::new(cfg);
+    dev.next = predictable_next;
+    for r in reqs {
+        s.add(r.clone()).unwrap();
+    }
+    let out = drive(&mut s, &mut dev, depth, |_, _, _| {});
+    assert_idle_and_full(&s);
+    (out, s.next_step_id, dev.num_accepted)
+}
+
+fn requests() -> Vec<SeqRequest> {
+    (1..=12u64)
+        .map(|id| SeqRequest {
+            ignore_eos: id % 3 == 0,
+            ..req(
+                id,
+                prompt(id as u32, 3 + (id as usize * 5) % 17),
+                10 + id as usize * 3,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn speculative_runs_equal_one_at_a_time_runs_with_fewer_steps() {
+    let reqs = requests();
+    for depth in [1, 2] {
+        let (plain, plain_steps, _) = run(&spec_cfg(0), &reqs, depth);
+        expect_reference_with(&plain, &reqs, &spec_cfg(0), predictable_next);
+        for k in [1, 3, 5] {
+            let cfg = spec_cfg(k);
+            let (out, steps, accepted) = run(&cfg, &reqs, depth);
+            expect_reference_with(&out, &reqs, &cfg, predictable_next);
+            assert!(
+                accepted > 0,
+                "K = {k}, depth {depth}: no draft was accepted"
+            );
+            if depth == 1 {
+                assert!(
+                    steps < plain_steps,
+                    "K = {k}: {steps} steps vs {plain_steps}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_verify_row_carries_its_drafts_and_rolls_back_what_was_rejected() {
+    let cfg = SchedulerConfig {
+        block_size: 4,
+        ..spec_cfg(3)
+    };
+    let mut s = Scheduler::new(cfg.clone());
+    // A prompt that repeats: the last token (2) was followed by 3, 1, 2 before.
+    s.add(SeqRequest {
+        ignore_eos: true,
+        ..req(1, vec![1, 2, 3, 1, 2], 20)
+    })
+    .unwrap();
+    let prefill = s.schedule().unwrap();
+    assert_eq!(prefill.rows[0].num_draft_tokens, 0);
+    s.on_step_done(prefill.step_id, &[9], 0.01);
+    // After 9 nothing matches: a plain decode row.
+    let plain = s.schedule().unwrap();
+    assert_eq!(plain.rows[0].num_draft_tokens, 0);
+    assert_eq!(plain.rows[0].input, RowInput::Tokens(vec![9]));
+    s.on_step_done(plain.step_id, &[1], 0.01);
+    // History 1 2 3 1 2 9 1: "1" was last followed by "2 9 1" (latest occurrence first).
+    let verify = s.schedule().unwrap();
+    let row = &verify.rows[0];
+    assert_eq!(row.input, RowInput::Tokens(vec![1, 2, 9, 1]));
+    assert_eq!((row.num_draft_tokens, row.num_cached_tokens), (3, 6));
+    // One draft accepted (2), then the target said 7.
+    let events = s.on_step_verified(verify.step_id, &[&[2, 7]], 0.01);
+    let tokens: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            SeqEvent::Token { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tokens, vec![2, 7]);
+    // Positions 6 (token 1) and 7 (draft 2) stay; the rejected drafts' are recomputed.
+    let next = s.schedule().unwrap();
+    assert_eq!(next.rows[0].num_cached_tokens, 8);
+    assert!(matches!(&next.rows[0].input, RowInput::Tokens(t) if t[0] == 7));
+}
+
+#[test]
+fn a_stop_inside_the_accepted_drafts_ends_the_request_there() {
+    let cfg = spec_cfg(4);
+    let mut s = Scheduler::new(cfg.clone());
+    s.add(req(1, vec![5, 6, 7, 5, 6], 20)).unwrap();
+    let prefill = s.schedule().unwrap();
+    s.on_step_done(prefill.step_id, &[7], 0.01);
+    let verify = s.schedule().unwrap();
+    assert_eq!(verify.rows[0].input, RowInput::Tokens(vec![7, 5, 6, 7]));
+    // Draft 5 accepted, then the stop token: 6 and 7 never reach the request.
+    let events = s.on_step_verified(verify.step_id, &[&[5, STOP]], 0.01);
+    assert_eq!(
+        events,
+        vec![
+            SeqEvent::Token {
+                seq_id: 1,
+                token: 5
+            },
+            SeqEvent::Finished {
+                seq_id: 1,
+                reason: FinishReason::Stop
+            }
+        ]
+    );
+    assert_idle_and_full(&s);
+}
