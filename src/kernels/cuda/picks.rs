@@ -72,16 +72,18 @@ impl CudaBackend {
         let mut slot = slot.unwrap_or_else(|| {
             // Plain page-locked memory (not write-combined): the host reads it.
             // SAFETY: only the first n entries are read, after the copy into them landed.
-            let alloc = |what| unsafe {
-                check(self.ctx.alloc_pinned_with_flags::<u32>(MAX_PICKS, 0), what)
-            };
-            PickSlot {
-                ids: alloc("pinned picks"),
-                logprobs: check(
-                    unsafe { self.ctx.alloc_pinned_with_flags::<f32>(MAX_PICKS, 0) },
-                    "pinned picks",
-                ),
-                landed: check(self.ctx.new_event(None), "event"),
+            unsafe {
+                PickSlot {
+                    ids: check(
+                        self.ctx.alloc_pinned_with_flags(MAX_PICKS, 0),
+                        "pinned picks",
+                    ),
+                    logprobs: check(
+                        self.ctx.alloc_pinned_with_flags(MAX_PICKS, 0),
+                        "pinned picks",
+                    ),
+                    landed: check(self.ctx.new_event(None), "event"),
+                }
             }
         });
         let host_ids = check(slot.ids.as_mut_ptr(), "pinned picks");
