@@ -248,65 +248,6 @@ extern "C" __global__ void matmul_invariant_kernel(float* C, const float* X, con
     }
 }
 
-// Greedy picks where the logits lie: per listed row, the first index of the maximum (as the
-// CPU sampler's argmax) and its log-probability, logit − log Σ exp. One block per row.
-extern "C" __global__ void greedy_kernel(u32* out_ids, float* out_logprobs, const float* logits,
-                                         const u32* rows, int vocab) {
-    __shared__ float s_val[32];
-    __shared__ int s_idx[32];
-    __shared__ float scratch[32];
-    const float* x = logits + (long long)rows[blockIdx.x] * vocab;
-    float best = NEG_INF;
-    int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = x[i];
-        if (v > best) {
-            best = v;
-            best_i = i;
-        }
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-        if (ov > best || (ov == best && oi < best_i)) {
-            best = ov;
-            best_i = oi;
-        }
-    }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
-    if (lane == 0) {
-        s_val[warp] = best;
-        s_idx[warp] = best_i;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        best = lane < num_warps ? s_val[lane] : NEG_INF;
-        best_i = lane < num_warps ? s_idx[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            if (ov > best || (ov == best && oi < best_i)) {
-                best = ov;
-                best_i = oi;
-            }
-        }
-        if (lane == 0) {
-            s_val[0] = best;
-            s_idx[0] = best_i;
-        }
-    }
-    __syncthreads();
-    float m = s_val[0];
-    int pick = s_idx[0];
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] - m);
-    float total = block_sum(sum, scratch);
-    if (threadIdx.x == 0) {
-        out_ids[blockIdx.x] = (u32)pick;
-        out_logprobs[blockIdx.x] = x[pick] - (m + logf(total));
-    }
-}
-
 __device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
     z += 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

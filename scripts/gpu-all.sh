@@ -3,8 +3,8 @@
 # (device time is scarce), each part's log under $OUT and a summary last.
 # Build here first, and carry target/release/troupe and gpu-bin/:
 #   cargo build --release --features cuda
-#   cargo test --release --features cuda --test engine --test fault_injection --no-run
-#   (copy the two test executables to gpu-bin/engine and gpu-bin/fault_injection)
+#   cargo test --release --features cuda --test cuda_sampling --test engine --test fault_injection --no-run
+#   (copy the test executables to gpu-bin/cuda_sampling, gpu-bin/engine, gpu-bin/fault_injection)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu-all}
@@ -15,8 +15,8 @@ bash scripts/gpu-check.sh >"$OUT/check.txt" 2>&1
 bash scripts/gpu-bench.sh offline >"$OUT/offline.txt" 2>&1
 bash scripts/gpu-bench.sh decode >"$OUT/decode.txt" 2>&1
 bash scripts/gpu-bench.sh peer >"$OUT/peer.txt" 2>&1
-echo "== engine and fault-injection tests, CUDA rank worker"
-grep -E "test result|FAILED|panicked" "$OUT/tests.txt"
+echo "== sampling kernel, engine and fault-injection tests, CUDA rank worker"
+grep -E "^== |test result|FAILED|panicked|rows differ" "$OUT/tests.txt" | head -30
 echo "== checks"
 sed -n '/^check /,$p' "$OUT/check.txt" | head -16
 for part in offline decode peer; do

@@ -2,7 +2,7 @@
 //! CI installs NVRTC from pip, so a kernel that does not build fails here, not on a GPU.
 #![cfg(feature = "cuda")]
 
-use troupe::kernels::cuda::{LLAMA_SOURCE, compile};
+use troupe::kernels::cuda::{GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile};
 
 #[test]
 fn llama_kernels_compile_for_sm90_with_every_entry_point() {
@@ -21,7 +21,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "kv_write_f32_kernel",
         "kv_write_bf16_kernel",
         "matmul_invariant_kernel",
-        "greedy_kernel",
+        "sample_kernel",
         "random_bf16_kernel",
         "attention_split_f32_kernel",
         "attention_split_bf16_kernel",
@@ -31,6 +31,20 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "flash_prefill_64_bf16_kernel",
         "flash_prefill_128_bf16_kernel",
     ] {
+        assert!(
+            ptx.contains(&format!(".entry {kernel}(")),
+            "{kernel} missing from the PTX"
+        );
+    }
+    let shaped = GQA_HEAD_DIMS
+        .iter()
+        .flat_map(|hd| {
+            GQA_GROUPS
+                .iter()
+                .map(move |g| format!("attention_gqa_{hd}_{g}_kernel"))
+        })
+        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_{m}_kernel")));
+    for kernel in shaped {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),
             "{kernel} missing from the PTX"

@@ -18,7 +18,7 @@ use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg, StepLogits};
 use crate::engine::Device;
 use crate::kernels::cpu::CpuBackend;
-use crate::kernels::{Backend, NOT_PICKED, Pending};
+use crate::kernels::{Backend, NOT_PICKED, Pending, PickRow};
 use crate::model::llama::{LlamaModel, SeqStep};
 use crate::sched::{RowInput, StepPlan};
 
@@ -68,8 +68,9 @@ struct LaunchedStep {
 
 /// One rank's model, weights and KV cache on its device: all a step needs.
 trait DeviceModel {
-    /// Launches the step: plain-greedy rows are picked on the device, the other sampling
-    /// rows' logits are copied to the host before this returns.
+    /// Launches the step: rows without processors are picked on the device (greedy ones,
+    /// and sampled ones where the backend samples), the other sampling rows' logits are
+    /// copied to the host before this returns.
     fn step(
         &mut self,
         block_size: usize,
@@ -105,10 +106,21 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         );
         let vocab = self.model.cfg.vocab_size;
         let logits = self.model.device_logits();
-        let (mut greedy, mut host) = (Vec::new(), Vec::new());
+        // Rows without processors are picked where the logits lie: greedy ones always,
+        // sampled ones where the backend samples (its copy of their logits saved).
+        let sample_here = self.backend.samples_on_device();
+        let (mut picked, mut host) = (Vec::new(), Vec::new());
+        let mut pick_rows = Vec::new();
         for (row, s) in sampling.iter().enumerate() {
             match s {
-                Some(s) if s.is_device_greedy() => greedy.push(row),
+                Some(s) if s.is_plain() && (sample_here || s.params.is_greedy()) => {
+                    picked.push(row);
+                    pick_rows.push(PickRow {
+                        row,
+                        params: &s.params,
+                        position: s.position,
+                    });
+                }
                 Some(_) => host.push(row),
                 None => {}
             }
@@ -120,7 +132,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             host: Vec::new(),
         };
         // The host rows' copy waits for the step; the picks' copy is left in flight.
-        let picks = self.backend.greedy_rows(logits, vocab, &greedy);
+        let picks = self.backend.pick_rows(logits, vocab, &pick_rows);
         if !host.is_empty() {
             out.host = self.backend.download_rows(logits, vocab, &host);
             for (i, &row) in host.iter().enumerate() {
@@ -129,12 +141,12 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         }
         let mut prev = vec![None; num_rows];
         if self.backend.picks_stay_on_device() {
-            for (i, &row) in greedy.iter().enumerate() {
+            for (i, &row) in picked.iter().enumerate() {
                 prev[row] = Some(PrevToken::Device(i as u32));
             }
             return LaunchedStep {
                 logits: Box::new(move || {
-                    for (&row, pick) in greedy.iter().zip(picks()) {
+                    for (&row, pick) in picked.iter().zip(picks()) {
                         out.picked[row] = Some(pick);
                     }
                     out
@@ -142,7 +154,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
                 prev,
             };
         }
-        for (&row, pick) in greedy.iter().zip(picks()) {
+        for (&row, pick) in picked.iter().zip(picks()) {
             out.picked[row] = Some(pick);
             prev[row] = Some(PrevToken::Host(pick.0));
         }

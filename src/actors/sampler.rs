@@ -32,12 +32,12 @@ pub struct RowSampling {
 }
 
 impl RowSampling {
-    /// Plain greedy with nothing to report but the token's logprob: the rank worker picks
-    /// it where the logits lie, and only the pick crosses to the host.
-    pub fn is_device_greedy(&self) -> bool {
+    /// No processors and nothing to report but the token's logprob: the rank worker can
+    /// pick it where the logits lie (`Backend::pick_rows`), and only the pick crosses to
+    /// the host.
+    pub fn is_plain(&self) -> bool {
         let p = &self.params;
-        p.is_greedy()
-            && p.logit_bias.is_empty()
+        p.logit_bias.is_empty()
             && p.repetition_penalty == 1.0
             && p.frequency_penalty == 0.0
             && p.presence_penalty == 0.0

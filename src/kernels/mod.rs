@@ -145,7 +145,7 @@ pub trait Backend: Send + Sync {
     fn download(&self, buf: &Self::Buf, len: usize) -> Vec<f32>;
 
     /// `out[t] = table[ids[t]]`, except where `picked` (empty, or one entry per token) is
-    /// not `NOT_PICKED`: there the id is entry `picked[t]` of the last `greedy_rows` picks,
+    /// not `NOT_PICKED`: there the id is entry `picked[t]` of the last `pick_rows` picks,
     /// read where they lie (ZOS without a host round trip; `picks_stay_on_device`).
     fn embedding(&self, table: &Self::Matrix, ids: &[u32], picked: &[u32], out: &mut Self::Buf);
     /// `out[num_rows, w.rows] = x[num_rows, w.cols] · wᵀ (+ bias)`.
@@ -225,19 +225,25 @@ pub trait Backend: Send + Sync {
     );
     /// Copies rows `rows[i]` of `x[_, width]` to row `i` of `out`.
     fn gather_rows(&self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
-    /// Greedy picks of `rows` of `[_, vocab]` logits where they lie: per row the first index
-    /// of the maximum and its log-probability (logit − log-sum-exp), as the sampler would.
-    /// The copy to the host is in flight when this returns; the picks also stay on the
-    /// device for the next step's `embedding` until the next call.
-    fn greedy_rows(
+    /// Picks a token for each of `rows` of `[_, vocab]` logits where they lie: per row the
+    /// token and its log-probability exactly as `Sampler::sample_row` would choose them for
+    /// a row without processors (greedy: the first index of the maximum). The copy to the
+    /// host is in flight when this returns; the picks also stay on the device for the next
+    /// step's `embedding` until the next call.
+    fn pick_rows(
         &self,
         logits: &Self::Buf,
         vocab: usize,
-        rows: &[usize],
+        rows: &[PickRow<'_>],
     ) -> Pending<Vec<(u32, f32)>>;
     /// Whether `embedding` can read the last picks on the device; else the caller resolves
-    /// them (`greedy_rows`' result) and passes ids.
+    /// them (`pick_rows`' result) and passes ids.
     fn picks_stay_on_device(&self) -> bool {
+        false
+    }
+    /// Whether `pick_rows` should get sampled (not only greedy) rows: true where sampling
+    /// beside the logits saves their copy to the host.
+    fn samples_on_device(&self) -> bool {
         false
     }
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
@@ -254,6 +260,16 @@ pub trait Backend: Send + Sync {
     fn end_graph_step(&self) {}
     /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
     fn buffers_moved(&self) {}
+}
+
+/// A row for `Backend::pick_rows`: its index in the logits, the request's parameters (no
+/// processors apply: no bias, bans, penalties, grammar or top logprobs) and the position
+/// that, with the seed, fixes the draw.
+#[derive(Debug, Clone, Copy)]
+pub struct PickRow<'a> {
+    pub row: usize,
+    pub params: &'a crate::sampling::SamplingParams,
+    pub position: u64,
 }
 
 /// The KV slot of a padding row: `kv_write` skips it.

@@ -273,21 +273,30 @@ impl Backend for CpuBackend {
         );
     }
 
-    fn greedy_rows(
+    fn pick_rows(
         &self,
         logits: &Vec<f32>,
         vocab: usize,
-        rows: &[usize],
+        rows: &[super::PickRow<'_>],
     ) -> super::Pending<Vec<(u32, f32)>> {
+        let mut sampler = crate::sampling::Sampler::default();
         let picks: Vec<(u32, f32)> = rows
             .iter()
-            .map(|&r| {
-                let row = &logits[r * vocab..(r + 1) * vocab];
-                let token = crate::sampling::argmax(row);
-                (
-                    token,
-                    row[token as usize] - crate::sampling::log_sum_exp(row),
-                )
+            .map(|r| {
+                let row = &logits[r.row * vocab..(r.row + 1) * vocab];
+                if r.params.is_greedy() {
+                    let token = crate::sampling::argmax(row);
+                    return (
+                        token,
+                        row[token as usize] - crate::sampling::log_sum_exp(row),
+                    );
+                }
+                let ctx = crate::sampling::SampleContext {
+                    position: r.position,
+                    ..Default::default()
+                };
+                let out = sampler.sample_row(row, r.params, &ctx);
+                (out.token, out.logprob)
             })
             .collect();
         Box::new(move || picks)

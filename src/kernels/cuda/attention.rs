@@ -1,8 +1,10 @@
 //! Paged attention on the GPU. The query rows of prefill chunks (outside the batch-invariant
 //! mode) go to `flash_prefill_kernel`, 64 rows of a sequence per block sharing each key
-//! and value they load. The other rows go to `attention_split_kernel` over (row, head, split), each split
-//! a contiguous run of fixed 64-key chunks, merged by a combine kernel when there are
-//! several. How many splits:
+//! and value they load. The other rows go, over a bf16 cache, to `attention_gqa` (one block
+//! per row, KV head and split, computing every query head of the group from one read of the
+//! keys, 16-byte loads), else to `attention_split_kernel` (one block per row, head and
+//! split). A split is a contiguous run of fixed 64-key chunks, merged by a combine kernel
+//! when there are several. How many splits (counting blocks per row as above):
 //! - batch-invariant mode: one, always, so a row's result depends on nothing but its keys;
 //! - a graph step: a count fixed by its batch size (a graph bakes in its grid), enough
 //!   (row, head, split) blocks to fill the GPU;
@@ -112,7 +114,13 @@ impl CudaBackend {
                 return;
             }
         }
-        let num_splits = self.num_splits(num_split_rows, num_heads, max_visible);
+        // Decode rows over a bf16 cache: one block per KV head computes its query heads.
+        let group = num_heads / shape.num_kv_heads;
+        let gqa = (cache.kv_bf16 && !self.batch_invariant && num_heads % shape.num_kv_heads == 0)
+            .then(|| self.kernels.gqa(shape.head_dim, group))
+            .flatten();
+        let heads_per_block = if gqa.is_some() { group } else { 1 };
+        let num_splits = self.num_splits(num_split_rows, num_heads / heads_per_block, max_visible);
         let mut parts = self
             .attention_parts
             .lock()
@@ -134,14 +142,36 @@ impl CudaBackend {
         let splits = num_splits as i32;
         let (kc, vc) = cache.layer(layer, &self.stream);
         let cfg = LaunchConfig {
-            grid_dim: (num_rows.max(1) as u32, num_heads as u32, num_splits as u32),
+            grid_dim: (
+                num_rows.max(1) as u32,
+                (num_heads / heads_per_block) as u32,
+                num_splits as u32,
+            ),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the metadata describes rows inside q/out and slots inside the cache; the
         // partials hold rows·heads·splits entries when there are several splits.
-        check(
-            unsafe {
+        let launched = match gqa {
+            Some(kernel) => unsafe {
+                self.stream
+                    .launch_builder(kernel)
+                    .arg(&mut *out)
+                    .arg(&mut *part_o)
+                    .arg(&mut *part_ml)
+                    .arg(q)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&tables_d.ptr)
+                    .arg(&rt_d.ptr)
+                    .arg(&rv_d.ptr)
+                    .arg(&nkv)
+                    .arg(&bs)
+                    .arg(&scale)
+                    .arg(&splits)
+                    .launch(cfg)
+            },
+            None => unsafe {
                 self.stream
                     .launch_builder(self.kernels.attention_split.get(cache.kv_bf16))
                     .arg(&mut *out)
@@ -161,8 +191,8 @@ impl CudaBackend {
                     .arg(&splits)
                     .launch(cfg)
             },
-            "attention_split",
-        );
+        };
+        check(launched, "attention decode");
         if num_splits == 1 {
             return;
         }

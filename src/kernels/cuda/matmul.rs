@@ -1,5 +1,7 @@
-//! GEMMs on the GPU: cuBLAS (bf16 operands converted from the f32 activations, f32
-//! accumulate and output) or, in the batch-invariant mode, troupe's fixed-tile kernel.
+//! GEMMs on the GPU: for a decode batch of a few rows troupe's GEMV (a pass over the bf16
+//! weights, f32 activations as they are); otherwise cuBLAS (bf16 operands converted from the
+//! f32 activations, f32 accumulate and output); in the batch-invariant mode troupe's
+//! fixed-tile kernel.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -96,6 +98,34 @@ impl CudaBackend {
                         .launch(cfg)
                 },
                 "matmul_invariant",
+            );
+            self.add_bias(out, bias, m, n);
+            return;
+        }
+        if let Some(kernel) = self.kernels.gemv_for(m).filter(|_| k % 8 == 0) {
+            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+            const WARPS: usize = 8;
+            const COLS_PER_WARP: usize = 2;
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(WARPS * COLS_PER_WARP) as u32, 1, 1),
+                block_dim: (32 * WARPS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x holds m·k, w n·k, out m·n elements; k is a multiple of 8, so every
+            // row starts 16-byte aligned.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(kernel)
+                        .arg(&mut *out)
+                        .arg(x)
+                        .arg(&w.w)
+                        .arg(&mi)
+                        .arg(&ni)
+                        .arg(&ki)
+                        .launch(cfg)
+                },
+                "gemv",
             );
             self.add_bias(out, bias, m, n);
             return;

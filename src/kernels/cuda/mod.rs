@@ -19,7 +19,9 @@ use half::bf16;
 
 use graph::{Graphs, Meta, Phase};
 use module::Kernels;
-pub use module::{LLAMA_SOURCE, compile, open_device, ptx_for};
+pub use module::{
+    GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile, open_device, ptx_for,
+};
 use picks::{MAX_PICKS, PickPool};
 
 use super::{Backend, HostMatrix, KvCacheShape, SeqAttention};
@@ -93,9 +95,11 @@ pub struct CudaBackend {
     /// Split-K attention partials (output, then max and sum); grown on demand.
     attention_parts: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
     _cublas_workspace: CudaSlice<u8>,
-    /// The last greedy picks (ids, logprobs) by pick index.
+    /// The last picks (ids, logprobs) by pick index.
     picks: Mutex<(CudaSlice<u32>, CudaSlice<f32>)>,
     pick_slots: PickPool,
+    /// Sampled rows' order keys and weights, a vocabulary each (`sample_kernel`).
+    sample_scratch: Mutex<Option<(CudaSlice<u32>, CudaSlice<f32>)>>,
 }
 
 const THREADS: u32 = 256;
@@ -168,6 +172,7 @@ impl CudaBackend {
                 stream.alloc_zeros::<f32>(MAX_PICKS).map_err(runtime)?,
             )),
             pick_slots: Arc::new(Mutex::new(Vec::new())),
+            sample_scratch: Mutex::new(None),
             ctx,
             stream,
             blas,
@@ -585,16 +590,20 @@ impl Backend for CudaBackend {
         self.attention(q, cache, layer, seqs, num_heads, out);
     }
 
-    fn greedy_rows(
+    fn pick_rows(
         &self,
         logits: &CudaSlice<f32>,
         vocab: usize,
-        rows: &[usize],
+        rows: &[crate::kernels::PickRow<'_>],
     ) -> crate::kernels::Pending<Vec<(u32, f32)>> {
-        self.greedy_picks(logits, vocab, rows)
+        self.device_picks(logits, vocab, rows)
     }
 
     fn picks_stay_on_device(&self) -> bool {
+        true
+    }
+
+    fn samples_on_device(&self) -> bool {
         true
     }
 

@@ -11,7 +11,19 @@ use sha2::{Digest, Sha256};
 
 use super::CudaError;
 
-pub const LLAMA_SOURCE: &str = include_str!("../../../kernels-cuda/llama.cu");
+/// `llama.cu` and the files that use its helpers, as one NVRTC program.
+pub const LLAMA_SOURCE: &str = concat!(
+    include_str!("../../../kernels-cuda/llama.cu"),
+    include_str!("../../../kernels-cuda/decode_attention.cu"),
+    include_str!("../../../kernels-cuda/gemv.cu"),
+    include_str!("../../../kernels-cuda/sample.cu"),
+);
+
+/// Head dims and query heads per KV head that `attention_gqa` is compiled for.
+pub const GQA_HEAD_DIMS: [usize; 2] = [64, 128];
+pub const GQA_GROUPS: [usize; 5] = [1, 2, 3, 4, 8];
+/// Rows `gemv` is compiled for; wider batches go to cuBLAS.
+pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 
 /// The context of GPU `ordinal`, or why there is none: libraries missing, no device, an
 /// old driver. cudarc panics when a library is missing, so presence is checked first.
@@ -133,10 +145,15 @@ pub struct Kernels {
     pub gather_rows: CudaFunction,
     pub kv_write: ByKvType,
     pub matmul_invariant: CudaFunction,
-    pub greedy: CudaFunction,
+    /// Greedy picks and the CPU sampler's draw for rows without processors.
+    pub sample: CudaFunction,
     pub random_bf16: CudaFunction,
     pub attention_split: ByKvType,
     pub attention_combine: CudaFunction,
+    /// `attention_gqa` by (head_dim, query heads per KV head); bf16 KV only.
+    pub attention_gqa: Vec<((usize, usize), CudaFunction)>,
+    /// `gemv` compiled for up to `GEMV_ROWS[i]` rows.
+    pub gemv: Vec<(usize, CudaFunction)>,
     /// `flash_prefill` for head_dim 64 and 128.
     pub flash_prefill_64: ByKvType,
     pub flash_prefill_128: ByKvType,
@@ -162,6 +179,19 @@ pub fn flash_smem_bytes(head_dim: usize) -> usize {
 }
 
 impl Kernels {
+    /// The grouped decode attention kernel for this shape, if one is compiled.
+    pub fn gqa(&self, head_dim: usize, group: usize) -> Option<&CudaFunction> {
+        self.attention_gqa
+            .iter()
+            .find(|(key, _)| *key == (head_dim, group))
+            .map(|(_, f)| f)
+    }
+
+    /// The GEMV kernel for `rows` rows (the smallest compiled for at least that many).
+    pub fn gemv_for(&self, rows: usize) -> Option<&CudaFunction> {
+        self.gemv.iter().find(|(m, _)| *m >= rows).map(|(_, f)| f)
+    }
+
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
         let cc = ctx
             .compute_capability()
@@ -210,9 +240,18 @@ impl Kernels {
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
-            greedy: f("greedy_kernel")?,
+            sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
             attention_combine: f("attention_combine_kernel")?,
+            attention_gqa: GQA_HEAD_DIMS
+                .iter()
+                .flat_map(|&hd| GQA_GROUPS.iter().map(move |&g| (hd, g)))
+                .map(|(hd, g)| Ok(((hd, g), f(&format!("attention_gqa_{hd}_{g}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
+            gemv: GEMV_ROWS
+                .iter()
+                .map(|&m| Ok((m, f(&format!("gemv_{m}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
             _module: module,
         })
     }

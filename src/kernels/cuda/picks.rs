@@ -1,6 +1,7 @@
-//! Greedy picks made where the logits lie: kept in a fixed device buffer for the next
-//! step's embedding (ZOS without a host round trip) and copied to page-locked memory
-//! without waiting, for the readback thread.
+//! Picks made where the logits lie (greedy, or drawn by `sample_kernel` with the CPU
+//! sampler's semantics): kept in a fixed device buffer for the next step's embedding (ZOS
+//! without a host round trip) and copied to page-locked memory without waiting, for the
+//! readback thread.
 
 use std::sync::{Arc, Mutex};
 
@@ -10,8 +11,12 @@ use cudarc::driver::{
 
 use super::graph::Meta;
 use super::{CudaBackend, check};
+use crate::kernels::PickRow;
 
-/// Greedy picks one step may make (rows): the device buffer the next step's embedding
+/// u32 words per row of `sample_kernel`'s metadata (the kernel's `SAMPLE_META`).
+const SAMPLE_META: usize = 11;
+
+/// Picks one step may make (rows): the device buffer the next step's embedding
 /// reads them from has this fixed size, so graphs never see it move.
 pub(super) const MAX_PICKS: usize = 1 << 16;
 
@@ -26,11 +31,11 @@ pub(super) struct PickSlot {
 pub(super) type PickPool = Arc<Mutex<Vec<PickSlot>>>;
 
 impl CudaBackend {
-    pub(super) fn greedy_picks(
+    pub(super) fn device_picks(
         &self,
         logits: &CudaSlice<f32>,
         vocab: usize,
-        rows: &[usize],
+        rows: &[PickRow<'_>],
     ) -> crate::kernels::Pending<Vec<(u32, f32)>> {
         let n = rows.len();
         if n == 0 {
@@ -38,10 +43,47 @@ impl CudaBackend {
         }
         assert!(
             n <= MAX_PICKS,
-            "{n} greedy rows in one step exceed {MAX_PICKS}"
+            "{n} picked rows in one step exceed {MAX_PICKS}"
         );
-        let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let rows_d = self.upload_u32(Meta::Rows, &rows_u32);
+        let mut meta = Vec::with_capacity(n * SAMPLE_META);
+        let mut num_sampled = 0u32;
+        for (i, r) in rows.iter().enumerate() {
+            let p = r.params;
+            let (temperature, scratch_row) = if p.is_greedy() {
+                (0.0f32, 0)
+            } else {
+                num_sampled += 1;
+                (p.temperature, num_sampled - 1)
+            };
+            meta.extend_from_slice(&[
+                r.row as u32,
+                i as u32,
+                p.top_k as u32,
+                temperature.to_bits(),
+                p.top_p.to_bits(),
+                p.min_p.to_bits(),
+                p.seed as u32,
+                (p.seed >> 32) as u32,
+                r.position as u32,
+                (r.position >> 32) as u32,
+                scratch_row,
+            ]);
+        }
+        let meta_d = self.upload_u32(Meta::Rows, &meta);
+        let mut scratch = self
+            .sample_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let needed = (num_sampled as usize).max(1) * vocab;
+        if scratch.as_ref().is_none_or(|(k, _)| k.len() < needed) {
+            // Not a graph buffer: picks run after the recorded forward pass.
+            let len = needed.next_power_of_two();
+            *scratch = Some((
+                check(self.stream.alloc_zeros::<u32>(len), "alloc"),
+                check(self.stream.alloc_zeros::<f32>(len), "alloc"),
+            ));
+        }
+        let (keys, weights) = scratch.as_mut().expect("allocated above");
         let mut picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
         let (ids, logprobs) = &mut *picks;
         let v = vocab as i32;
@@ -50,19 +92,22 @@ impl CudaBackend {
             block_dim: (1024, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: every listed row lies inside `logits`; the outputs hold MAX_PICKS ≥ n.
+        // SAFETY: every listed row lies inside `logits`; the outputs hold MAX_PICKS ≥ n;
+        // the scratch holds a vocabulary per sampled row.
         check(
             unsafe {
                 self.stream
-                    .launch_builder(&self.kernels.greedy)
+                    .launch_builder(&self.kernels.sample)
                     .arg(&mut *ids)
                     .arg(&mut *logprobs)
                     .arg(logits)
-                    .arg(&rows_d.ptr)
+                    .arg(&meta_d.ptr)
+                    .arg(&mut *keys)
+                    .arg(&mut *weights)
                     .arg(&v)
                     .launch(cfg)
             },
-            "greedy",
+            "sample",
         );
         let slot = self
             .pick_slots

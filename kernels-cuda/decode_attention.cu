@@ -1,0 +1,190 @@
+// Paged decode attention over a bf16 KV cache, grouped by KV head (appended to llama.cu's
+// source, whose helpers it uses). Compiled once per head_dim and query heads per KV head.
+//
+// One block per (row, KV head, split) computes all G query heads that share the KV head, so
+// each key and value is read once per row instead of G times. A key's head_dim values are
+// read by HD/8 lanes with one 16-byte load each, and every lane group issues the loads of
+// GQA_KEYS keys before it uses them: the kernel is bound by memory bandwidth, and what
+// keeps the bandwidth is many loads in flight. Each lane group keeps its own online softmax
+// (no block barrier inside the loop); the groups merge at the end. Splits cover contiguous
+// runs of ATT_CHUNK-key chunks exactly as attention_split's do, and leave the same partials
+// for attention_combine_kernel. 128 threads.
+#define GQA_WARPS 4
+
+__device__ __forceinline__ void bf16x8_to_f32(uint4 raw, float* out) {
+    u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(w[i] << 16);  // little-endian: element 2i is the low half
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+template <int HD, int G>
+__device__ void attention_gqa(float* out, float* part_o, float* part_ml, const float* q,
+                              const bf16_t* k_cache, const bf16_t* v_cache,
+                              const u32* block_tables, const u32* row_table,
+                              const u32* row_visible, int num_kv_heads, int block_size,
+                              float scale, int num_splits) {
+    constexpr int LANES = HD / 8;           // lanes reading one key
+    constexpr int GROUPS = 32 / LANES;      // keys a warp reads at once
+    constexpr int NG = GQA_WARPS * GROUPS;  // lane groups in the block
+    constexpr int U = G > 4 ? 2 : 4;        // keys in flight per lane group (registers)
+    __shared__ float s_m[NG][G], s_l[NG][G];
+    __shared__ float s_acc[NG][G][HD];
+    int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    u32 flagged = row_visible[row];
+    if (flagged & FLASH_ROW) return;
+    int visible = flagged;
+    int num_chunks = (visible + ATT_CHUNK - 1) / ATT_CHUNK;
+    int per_split = (num_chunks + num_splits - 1) / num_splits;
+    int start = split * per_split * ATT_CHUNK;
+    int end = min(visible, start + per_split * ATT_CHUNK);
+    int num_heads = num_kv_heads * G;
+    long long kv_dim = (long long)num_kv_heads * HD;
+    const u32* table = block_tables + row_table[row];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int group = lane / LANES, part = lane % LANES;
+    int gid = warp * GROUPS + group;
+    long long head_off = (long long)kvh * HD + part * 8;
+
+    float qv[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const float* qr = q + ((long long)row * num_heads + kvh * G + g) * HD + part * 8;
+        float4 a = *(const float4*)qr, b = *(const float4*)(qr + 4);
+        qv[g][0] = a.x * scale; qv[g][1] = a.y * scale; qv[g][2] = a.z * scale;
+        qv[g][3] = a.w * scale; qv[g][4] = b.x * scale; qv[g][5] = b.y * scale;
+        qv[g][6] = b.z * scale; qv[g][7] = b.w * scale;
+    }
+    float m[G], l[G], acc[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
+    }
+    // The loop bound is per warp so that every lane reaches the shuffles.
+    for (int base = start + warp * GROUPS * U; base < end; base += NG * U) {
+        int j0 = base + group * U;
+        uint4 kr[U], vr[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            int j = j0 + u;
+            if (j < end) {
+                long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                kr[u] = *(const uint4*)(k_cache + slot * kv_dim + head_off);
+                vr[u] = *(const uint4*)(v_cache + slot * kv_dim + head_off);
+            } else {
+                kr[u] = make_uint4(0u, 0u, 0u, 0u);
+                vr[u] = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        float p[G][U];
+        float alpha[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float s[U];
+            float mx = NEG_INF;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float kf[8];
+                bf16x8_to_f32(kr[u], kf);
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot = fmaf(qv[g][i], kf[i], dot);
+#pragma unroll
+                for (int o = LANES / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                s[u] = j0 + u < end ? dot : NEG_INF;
+                mx = fmaxf(mx, s[u]);
+            }
+            float m_new = fmaxf(m[g], mx);
+            if (m_new == NEG_INF) {  // this lane group is past the end: nothing to fold
+                alpha[g] = 1.0f;
+#pragma unroll
+                for (int u = 0; u < U; ++u) p[g][u] = 0.0f;
+                continue;
+            }
+            alpha[g] = expf(m[g] - m_new);  // 0 while m is −∞
+            float sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                p[g][u] = expf(s[u] - m_new);
+                sum += p[g][u];
+            }
+            l[g] = l[g] * alpha[g] + sum;
+            m[g] = m_new;
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] *= alpha[g];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float vf[8];
+            bf16x8_to_f32(vr[u], vf);
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[g][u], vf[i], acc[g][i]);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (part == 0) {
+            s_m[gid][g] = m[g];
+            s_l[gid][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s_acc[gid][g][part * 8 + i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
+        int g = e / HD, d = e % HD;
+        float mm = NEG_INF;
+        for (int n = 0; n < NG; ++n) mm = fmaxf(mm, s_m[n][g]);
+        float ll = 0.0f, o = 0.0f;
+        for (int n = 0; n < NG; ++n) {
+            float mn = s_m[n][g];
+            if (mn == NEG_INF) continue;
+            float w = expf(mn - mm);
+            ll += s_l[n][g] * w;
+            o += s_acc[n][g][d] * w;
+        }
+        int h = kvh * G + g;
+        if (num_splits == 1) {
+            out[((long long)row * num_heads + h) * HD + d] = ll > 0.0f ? o / ll : 0.0f;
+        } else {
+            long long pi = ((long long)row * num_heads + h) * num_splits + split;
+            part_o[pi * HD + d] = o;
+            if (d == 0) {
+                part_ml[2 * pi] = mm;
+                part_ml[2 * pi + 1] = ll;
+            }
+        }
+    }
+}
+
+#define GQA_ENTRY(HD, G)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        attention_gqa_##HD##_##G##_kernel(float* out, float* part_o, float* part_ml,           \
+                                          const float* q, const bf16_t* k_cache,              \
+                                          const bf16_t* v_cache, const u32* block_tables,     \
+                                          const u32* row_table, const u32* row_visible,       \
+                                          int num_kv_heads, int block_size, float scale,      \
+                                          int num_splits) {                                   \
+        attention_gqa<HD, G>(out, part_o, part_ml, q, k_cache, v_cache, block_tables,         \
+                             row_table, row_visible, num_kv_heads, block_size, scale,         \
+                             num_splits);                                                      \
+    }
+GQA_ENTRY(64, 1)
+GQA_ENTRY(64, 2)
+GQA_ENTRY(64, 3)
+GQA_ENTRY(64, 4)
+GQA_ENTRY(64, 8)
+GQA_ENTRY(128, 1)
+GQA_ENTRY(128, 2)
+GQA_ENTRY(128, 3)
+GQA_ENTRY(128, 4)
+GQA_ENTRY(128, 8)

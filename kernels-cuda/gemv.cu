@@ -1,0 +1,67 @@
+// y[i, n] = Σ_k x[i, k] · W[n, k] for the few rows of a small decode batch (appended to
+// llama.cu's source). Such a product is a pass over the weights, so the kernel is built to
+// stream them: each warp owns GEMV_COLS output columns, its lanes read 16 bytes (8 bf16) of
+// every column per load and hold several loads in flight; x stays f32 (read through the
+// cache, no bf16 copy of it). K must be a multiple of 8. Rows are compiled up to MAXM and
+// guarded at run time for fewer. 256 threads.
+#define GEMV_COLS 2
+#define GEMV_UNROLL 4
+
+__device__ __forceinline__ float dot8_bf16(uint4 w, float4 a, float4 b) {
+    float s = a.x * __uint_as_float(w.x << 16);
+    s = fmaf(a.y, __uint_as_float(w.x & 0xffff0000u), s);
+    s = fmaf(a.z, __uint_as_float(w.y << 16), s);
+    s = fmaf(a.w, __uint_as_float(w.y & 0xffff0000u), s);
+    s = fmaf(b.x, __uint_as_float(w.z << 16), s);
+    s = fmaf(b.y, __uint_as_float(w.z & 0xffff0000u), s);
+    s = fmaf(b.z, __uint_as_float(w.w << 16), s);
+    s = fmaf(b.w, __uint_as_float(w.w & 0xffff0000u), s);
+    return s;
+}
+
+template <int MAXM>
+__device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, int K) {
+    int lane = threadIdx.x & 31;
+    long long n0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GEMV_COLS;
+    if (n0 >= N) return;
+    float acc[MAXM][GEMV_COLS];
+#pragma unroll
+    for (int i = 0; i < MAXM; ++i)
+#pragma unroll
+        for (int c = 0; c < GEMV_COLS; ++c) acc[i][c] = 0.0f;
+    const bf16_t* wc[GEMV_COLS];
+#pragma unroll
+    for (int c = 0; c < GEMV_COLS; ++c) wc[c] = W + (n0 + c < N ? n0 + c : n0) * (long long)K;
+#pragma unroll GEMV_UNROLL
+    for (int k = lane * 8; k < K; k += 256) {
+        uint4 w[GEMV_COLS];
+#pragma unroll
+        for (int c = 0; c < GEMV_COLS; ++c) w[c] = *(const uint4*)(wc[c] + k);
+#pragma unroll
+        for (int i = 0; i < MAXM; ++i) {
+            if (i >= m) break;
+            const float* xr = x + (long long)i * K + k;
+            float4 a = *(const float4*)xr, b = *(const float4*)(xr + 4);
+#pragma unroll
+            for (int c = 0; c < GEMV_COLS; ++c) acc[i][c] += dot8_bf16(w[c], a, b);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MAXM; ++i) {
+        if (i >= m) break;
+#pragma unroll
+        for (int c = 0; c < GEMV_COLS; ++c) {
+            float v = warp_sum(acc[i][c]);
+            if (lane == 0 && n0 + c < N) y[(long long)i * N + n0 + c] = v;
+        }
+    }
+}
+
+#define GEMV_ENTRY(MAXM)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                         \
+        gemv_##MAXM##_kernel(float* y, const float* x, const bf16_t* W, int m, int N, int K) { \
+        gemv<MAXM>(y, x, W, m, N, K);                                                         \
+    }
+GEMV_ENTRY(1)
+GEMV_ENTRY(2)
+GEMV_ENTRY(4)
