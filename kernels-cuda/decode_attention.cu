@@ -2,13 +2,14 @@
 // source, whose helpers it uses). Compiled once per head_dim and query heads per KV head.
 //
 // One block per (row, KV head, split) computes all G query heads that share the KV head, so
-// each key and value is read once per row instead of G times. A key's head_dim values are
-// read by HD/8 lanes with one 16-byte load each, and every lane group issues the loads of
-// GQA_KEYS keys before it uses them: the kernel is bound by memory bandwidth, and what
-// keeps the bandwidth is many loads in flight. Each lane group keeps its own online softmax
-// (no block barrier inside the loop); the groups merge at the end. Splits cover contiguous
-// runs of ATT_CHUNK-key chunks exactly as attention_split's do, and leave the same partials
-// for attention_combine_kernel. 128 threads.
+// each key and value is read once per row instead of G times. The kernel is bound by memory
+// bandwidth, and what keeps the bandwidth is bytes in flight: the block copies each 64-key
+// chunk of keys and values into shared memory with asynchronous 16-byte copies (cp.async,
+// no registers held) while it folds the chunk before, from two stages. There a key's
+// head_dim values are read by HD/8 lanes, 16 bytes each; each lane group keeps its own
+// online softmax over its keys of every chunk, and the groups merge at the end. Splits cover
+// contiguous runs of ATT_CHUNK-key chunks exactly as attention_split's do, and leave the
+// same partials for attention_combine_kernel. 128 threads.
 #define GQA_WARPS 4
 
 __device__ __forceinline__ void bf16x8_to_f32(uint4 raw, float* out) {
@@ -20,18 +21,35 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 raw, float* out) {
     }
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(s) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Dynamic shared memory of attention_gqa<HD, G>, in bytes (the Rust side mirrors it):
+// two stages of a chunk's keys and values, reused at the end for the groups' partial sums.
+#define GQA_SMEM_BYTES(HD, G) ((512 * (HD)) > (4096 * (G)) ? (512 * (HD)) : (4096 * (G)))
+
 template <int HD, int G>
 __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const float* q,
                               const bf16_t* k_cache, const bf16_t* v_cache,
                               const u32* block_tables, const u32* row_table,
                               const u32* row_visible, int num_kv_heads, int block_size,
                               float scale, int num_splits) {
-    constexpr int LANES = HD / 8;           // lanes reading one key
-    constexpr int GROUPS = 32 / LANES;      // keys a warp reads at once
-    constexpr int NG = GQA_WARPS * GROUPS;  // lane groups in the block
-    constexpr int U = G > 4 ? 2 : 4;        // keys in flight per lane group (registers)
+    constexpr int LANES = HD / 8;             // lanes reading one key (16 bytes each)
+    constexpr int GROUPS = 32 / LANES;        // keys a warp reads at once
+    constexpr int NG = GQA_WARPS * GROUPS;    // lane groups in the block
+    constexpr int PER_GROUP = ATT_CHUNK / NG; // keys of a chunk each group folds
+    constexpr int U = G > 4 ? 2 : 4;          // keys unpacked at once (registers)
+    extern __shared__ uint4 gqa_smem[];       // [stage][K, V][ATT_CHUNK][LANES]
     __shared__ float s_m[NG][G], s_l[NG][G];
-    __shared__ float s_acc[NG][G][HD];
     int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     u32 flagged = row_visible[row];
     if (flagged & FLASH_ROW) return;
@@ -46,7 +64,26 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int group = lane / LANES, part = lane % LANES;
     int gid = warp * GROUPS + group;
-    long long head_off = (long long)kvh * HD + part * 8;
+    long long head_off = (long long)kvh * HD;
+
+    // Chunk c0's keys and values into `stage`, asynchronously; keys past the end zeroed.
+    auto issue = [&](int c0, int stage) {
+        uint4* ks = gqa_smem + (stage * 2) * ATT_CHUNK * LANES;
+        uint4* vs = ks + ATT_CHUNK * LANES;
+        for (int e = threadIdx.x; e < ATT_CHUNK * LANES; e += blockDim.x) {
+            int key = e / LANES, piece = e % LANES, j = c0 + key;
+            if (j < end) {
+                long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                long long at = slot * kv_dim + head_off + piece * 8;
+                cp_async16(ks + e, k_cache + at);
+                cp_async16(vs + e, v_cache + at);
+            } else {
+                ks[e] = make_uint4(0u, 0u, 0u, 0u);
+                vs[e] = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        cp_async_commit();
+    };
 
     float qv[G][8];
 #pragma unroll
@@ -65,71 +102,83 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
     }
-    // The loop bound is per warp so that every lane reaches the shuffles.
-    for (int base = start + warp * GROUPS * U; base < end; base += NG * U) {
-        int j0 = base + group * U;
-        uint4 kr[U], vr[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            int j = j0 + u;
-            if (j < end) {
-                long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                kr[u] = *(const uint4*)(k_cache + slot * kv_dim + head_off);
-                vr[u] = *(const uint4*)(v_cache + slot * kv_dim + head_off);
-            } else {
-                kr[u] = make_uint4(0u, 0u, 0u, 0u);
-                vr[u] = make_uint4(0u, 0u, 0u, 0u);
-            }
+    int num = end > start ? (end - start + ATT_CHUNK - 1) / ATT_CHUNK : 0;
+    if (num > 0) issue(start, 0);
+    for (int c = 0; c < num; ++c) {
+        // The next chunk streams in while this one is folded.
+        if (c + 1 < num) {
+            issue(start + (c + 1) * ATT_CHUNK, (c + 1) & 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
-        float p[G][U];
-        float alpha[G];
+        __syncthreads();
+        const uint4* ks = gqa_smem + ((c & 1) * 2) * ATT_CHUNK * LANES;
+        const uint4* vs = ks + ATT_CHUNK * LANES;
+        int c0 = start + c * ATT_CHUNK;
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float s[U];
-            float mx = NEG_INF;
+        for (int u0 = 0; u0 < PER_GROUP; u0 += U) {
+            int k0 = gid * PER_GROUP + u0;  // first key of this batch within the chunk
+            uint4 kr[U], vr[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                float kf[8];
-                bf16x8_to_f32(kr[u], kf);
-                float dot = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) dot = fmaf(qv[g][i], kf[i], dot);
-#pragma unroll
-                for (int o = LANES / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                s[u] = j0 + u < end ? dot : NEG_INF;
-                mx = fmaxf(mx, s[u]);
+                kr[u] = ks[(k0 + u) * LANES + part];
+                vr[u] = vs[(k0 + u) * LANES + part];
             }
-            float m_new = fmaxf(m[g], mx);
-            if (m_new == NEG_INF) {  // this lane group is past the end: nothing to fold
-                alpha[g] = 1.0f;
+            float p[G][U];
+            float alpha[G];
 #pragma unroll
-                for (int u = 0; u < U; ++u) p[g][u] = 0.0f;
-                continue;
+            for (int g = 0; g < G; ++g) {
+                float s[U];
+                float mx = NEG_INF;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    float kf[8];
+                    bf16x8_to_f32(kr[u], kf);
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) dot = fmaf(qv[g][i], kf[i], dot);
+#pragma unroll
+                    for (int o = LANES / 2; o > 0; o >>= 1)
+                        dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    s[u] = c0 + k0 + u < end ? dot : NEG_INF;
+                    mx = fmaxf(mx, s[u]);
+                }
+                float m_new = fmaxf(m[g], mx);
+                if (m_new == NEG_INF) {  // nothing visible yet in this group
+                    alpha[g] = 1.0f;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) p[g][u] = 0.0f;
+                    continue;
+                }
+                alpha[g] = expf(m[g] - m_new);  // 0 while m is −∞
+                float sum = 0.0f;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    p[g][u] = expf(s[u] - m_new);
+                    sum += p[g][u];
+                }
+                l[g] = l[g] * alpha[g] + sum;
+                m[g] = m_new;
             }
-            alpha[g] = expf(m[g] - m_new);  // 0 while m is −∞
-            float sum = 0.0f;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                p[g][u] = expf(s[u] - m_new);
-                sum += p[g][u];
-            }
-            l[g] = l[g] * alpha[g] + sum;
-            m[g] = m_new;
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] *= alpha[g];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vf[8];
-            bf16x8_to_f32(vr[u], vf);
 #pragma unroll
             for (int g = 0; g < G; ++g)
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[g][u], vf[i], acc[g][i]);
+                for (int i = 0; i < 8; ++i) acc[g][i] *= alpha[g];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float vf[8];
+                bf16x8_to_f32(vr[u], vf);
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[g][u], vf[i], acc[g][i]);
+            }
         }
+        __syncthreads();  // the stage is refilled two chunks on
     }
+    // The groups' partial sums, in the staging memory (every copy has landed).
+    float* s_acc = (float*)gqa_smem;  // [NG][G][HD]
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         if (part == 0) {
@@ -137,7 +186,7 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
             s_l[gid][g] = l[g];
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s_acc[gid][g][part * 8 + i] = acc[g][i];
+        for (int i = 0; i < 8; ++i) s_acc[(gid * G + g) * HD + part * 8 + i] = acc[g][i];
     }
     __syncthreads();
     for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
@@ -150,7 +199,7 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
             if (mn == NEG_INF) continue;
             float w = expf(mn - mm);
             ll += s_l[n][g] * w;
-            o += s_acc[n][g][d] * w;
+            o += s_acc[(n * G + g) * HD + d] * w;
         }
         int h = kvh * G + g;
         if (num_splits == 1) {

@@ -1,10 +1,12 @@
 // y[i, n] = Σ_k x[i, k] · W[n, k] for the few rows of a small decode batch (appended to
-// llama.cu's source). Such a product is a pass over the weights, so the kernel is built to
-// stream them: each warp owns GEMV_COLS output columns, its lanes read 16 bytes (8 bf16) of
-// every column per load and hold several loads in flight; x stays f32 (read through the
-// cache, no bf16 copy of it). K must be a multiple of 8. Rows are compiled up to MAXM and
-// guarded at run time for fewer. 256 threads.
-#define GEMV_COLS 2
+// llama.cu's source). Such a product is one pass over the weights, so the kernel is built
+// to stream them: a block owns COLS output columns and its 8 warps split K between them, so
+// that even a short, wide matrix (N = 4096, K = 14336) puts thousands of warps in flight;
+// lanes read 16 bytes (8 bf16) of a column per load and hold GEMV_UNROLL loads in flight.
+// x stays f32, read through the cache (no bf16 copy of it). K must be a multiple of 8. Rows
+// are compiled up to MAXM and guarded at run time for fewer; more rows, more columns per
+// block, so that each x load serves more weights. 256 threads.
+#define GEMV_WARPS 8
 #define GEMV_UNROLL 4
 
 __device__ __forceinline__ float dot8_bf16(uint4 w, float4 a, float4 b) {
@@ -19,49 +21,56 @@ __device__ __forceinline__ float dot8_bf16(uint4 w, float4 a, float4 b) {
     return s;
 }
 
-template <int MAXM>
+template <int MAXM, int COLS>
 __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, int K) {
-    int lane = threadIdx.x & 31;
-    long long n0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * GEMV_COLS;
-    if (n0 >= N) return;
-    float acc[MAXM][GEMV_COLS];
+    __shared__ float partial[GEMV_WARPS][MAXM][COLS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    long long n0 = (long long)blockIdx.x * COLS;
+    float acc[MAXM][COLS];
 #pragma unroll
     for (int i = 0; i < MAXM; ++i)
 #pragma unroll
-        for (int c = 0; c < GEMV_COLS; ++c) acc[i][c] = 0.0f;
-    const bf16_t* wc[GEMV_COLS];
+        for (int c = 0; c < COLS; ++c) acc[i][c] = 0.0f;
+    const bf16_t* wc[COLS];
 #pragma unroll
-    for (int c = 0; c < GEMV_COLS; ++c) wc[c] = W + (n0 + c < N ? n0 + c : n0) * (long long)K;
+    for (int c = 0; c < COLS; ++c) wc[c] = W + (n0 + c < N ? n0 + c : n0) * (long long)K;
 #pragma unroll GEMV_UNROLL
-    for (int k = lane * 8; k < K; k += 256) {
-        uint4 w[GEMV_COLS];
+    for (int k = (warp * 32 + lane) * 8; k < K; k += GEMV_WARPS * 256) {
+        uint4 w[COLS];
 #pragma unroll
-        for (int c = 0; c < GEMV_COLS; ++c) w[c] = *(const uint4*)(wc[c] + k);
+        for (int c = 0; c < COLS; ++c) w[c] = *(const uint4*)(wc[c] + k);
 #pragma unroll
         for (int i = 0; i < MAXM; ++i) {
             if (i >= m) break;
             const float* xr = x + (long long)i * K + k;
             float4 a = *(const float4*)xr, b = *(const float4*)(xr + 4);
 #pragma unroll
-            for (int c = 0; c < GEMV_COLS; ++c) acc[i][c] += dot8_bf16(w[c], a, b);
+            for (int c = 0; c < COLS; ++c) acc[i][c] += dot8_bf16(w[c], a, b);
         }
     }
 #pragma unroll
-    for (int i = 0; i < MAXM; ++i) {
-        if (i >= m) break;
+    for (int i = 0; i < MAXM; ++i)
 #pragma unroll
-        for (int c = 0; c < GEMV_COLS; ++c) {
+        for (int c = 0; c < COLS; ++c) {
             float v = warp_sum(acc[i][c]);
-            if (lane == 0 && n0 + c < N) y[(long long)i * N + n0 + c] = v;
+            if (lane == 0) partial[warp][i][c] = v;
         }
+    __syncthreads();
+    int e = threadIdx.x;
+    if (e < MAXM * COLS) {
+        int i = e / COLS, c = e % COLS;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; ++w) v += partial[w][i][c];
+        if (i < m && n0 + c < N) y[(long long)i * N + n0 + c] = v;
     }
 }
 
-#define GEMV_ENTRY(MAXM)                                                                      \
+#define GEMV_ENTRY(MAXM, COLS)                                                                \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         gemv_##MAXM##_kernel(float* y, const float* x, const bf16_t* W, int m, int N, int K) { \
-        gemv<MAXM>(y, x, W, m, N, K);                                                         \
+        gemv<MAXM, COLS>(y, x, W, m, N, K);                                                   \
     }
-GEMV_ENTRY(1)
-GEMV_ENTRY(2)
-GEMV_ENTRY(4)
+GEMV_ENTRY(1, 2)
+GEMV_ENTRY(2, 2)
+GEMV_ENTRY(4, 4)

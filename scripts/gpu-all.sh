@@ -3,20 +3,26 @@
 # (device time is scarce), each part's log under $OUT and a summary last.
 # Build here first, and carry target/release/troupe and gpu-bin/:
 #   cargo build --release --features cuda
-#   cargo test --release --features cuda --test cuda_sampling --test engine --test fault_injection --no-run
-#   (copy the test executables to gpu-bin/cuda_sampling, gpu-bin/engine, gpu-bin/fault_injection)
+#   cargo test --release --features cuda --test cuda_attention --test cuda_sampling \
+#     --test engine --test fault_injection --no-run
+#   cargo bench --features cuda --bench cuda_kernels --no-run
+#   (copy each test executable to gpu-bin/<test name>, the bench to gpu-bin/cuda_kernels_bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu-all}
 mkdir -p "$OUT"
 export GPU_CHECK_SKIP_BENCH=1 GPU_BENCH_ZOS_ONLY=1
 bash scripts/gpu-tests.sh >"$OUT/tests.txt" 2>&1
+LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu \
+  gpu-bin/cuda_kernels_bench >"$OUT/kernels.txt" 2>&1
 bash scripts/gpu-check.sh >"$OUT/check.txt" 2>&1
 bash scripts/gpu-bench.sh offline >"$OUT/offline.txt" 2>&1
 bash scripts/gpu-bench.sh decode >"$OUT/decode.txt" 2>&1
 bash scripts/gpu-bench.sh peer >"$OUT/peer.txt" 2>&1
 echo "== sampling kernel, engine and fault-injection tests, CUDA rank worker"
 grep -E "^== |test result|FAILED|panicked|rows differ" "$OUT/tests.txt" | head -30
+echo "== kernels"
+cat "$OUT/kernels.txt"
 echo "== checks"
 sed -n '/^check /,$p' "$OUT/check.txt" | head -16
 for part in offline decode peer; do

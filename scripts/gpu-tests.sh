@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# On the device machine: the sampling kernel against the CPU sampler, then the engine
-# scenarios and the fault-injection tests with CUDA rank workers. Build here and carry gpu-bin/:
-#   cargo test --release --features cuda --test cuda_sampling --test engine --test fault_injection --no-run
-#   (copy the executables it names to gpu-bin/cuda_sampling, gpu-bin/engine, gpu-bin/fault_injection)
+# On the device machine: the attention and sampling kernels against the CPU backend, then
+# the engine scenarios and the fault-injection tests with CUDA rank workers. Build here and
+# carry gpu-bin/:
+#   cargo test --release --features cuda --test cuda_attention --test cuda_sampling \
+#     --test engine --test fault_injection --no-run
+#   (copy each executable it names to gpu-bin/<test name>)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export TROUPE_TEST_DEVICE=cuda TROUPE_HOME=/tmp/troupe-home
 status=0
-echo "== cuda_sampling (the sampling kernel vs the CPU sampler)"
-gpu-bin/cuda_sampling --test-threads 1 || status=1
+for t in cuda_attention cuda_sampling; do
+  echo "== $t (kernels vs the CPU reference)"
+  gpu-bin/$t --test-threads 1 || status=1
+done
 for t in fault_injection engine; do
   echo "== $t (CUDA rank worker)"
   # The CLI scenario runs the default model on the CPU and needs the network: not here.

@@ -158,7 +158,8 @@ def offline(binary, results):
         extra = [] if zos else ["--no-zos"]
         _, stats, wall = troupe(binary, path, reqs, extra, f"offline-{'zos' if zos else 'nozos'}")
         rows["zos" if zos else "no_zos"] = dict(out_tok_s=total_out / wall, wall_s=wall,
-                                                idle_share=stats["worker_idle_secs"] / wall, steps=stats["steps"])
+                                                generate_out_tok_s=total_out / stats["generate_s"],
+                                                idle_share=stats["worker_idle_secs"] / wall, stats=stats)
     results["offline"] = dict(total_out_tokens=total_out, troupe=rows)
 
 

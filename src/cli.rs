@@ -367,9 +367,14 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let cfg = args.engine.config(&path)?;
     let runtime = engine_runtime()?;
     let started = std::time::Instant::now();
+    // From the first request submitted to the last output: the engine's work without its
+    // start (weights, kernels).
+    let mut generate_s = 0.0;
     let (outputs, status) = runtime.block_on(async {
         let engine = Engine::spawn(cfg).await.map_err(engine_err)?;
+        let submitted = std::time::Instant::now();
         let outputs = engine.generate_batch(requests.clone()).await;
+        generate_s = submitted.elapsed().as_secs_f64();
         let status = engine.status().await.map_err(engine_err)?;
         engine.shutdown(false).await;
         Ok::<_, TroupeError>((outputs, status))
@@ -380,6 +385,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         let stats = serde_json::json!({
             "output_tokens": output_tokens,
             "elapsed_s": elapsed_s,
+            "generate_s": generate_s,
             "prefill_tokens": status.num_prefill_tokens,
             "prefill_tokens_per_s": status.num_prefill_tokens as f64 / status.prefill_secs.max(1e-9),
             "decode_tokens": status.num_decode_tokens,

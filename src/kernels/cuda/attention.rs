@@ -6,24 +6,21 @@
 //! split). A split is a contiguous run of fixed 64-key chunks, merged by a combine kernel
 //! when there are several. How many splits (counting blocks per row as above):
 //! - batch-invariant mode: one, always, so a row's result depends on nothing but its keys;
-//! - a graph step: a count fixed by its batch size (a graph bakes in its grid), enough
-//!   (row, head, split) blocks to fill the GPU;
-//! - otherwise one per chunk when few (row, head) pairs would leave SMs idle, as in
-//!   small-batch decode, else one.
+//! - otherwise enough blocks to fill the GPU: in a graph step a count fixed by its batch
+//!   size (a graph bakes in its grid), eagerly also at most one per chunk.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::graph::{Meta, Phase};
-use super::module::flash_smem_bytes;
+use super::module::{flash_smem_bytes, gqa_smem_bytes};
 use super::{CudaBackend, CudaKvCache, check};
 use crate::kernels::{Backend, SeqAttention};
 
 /// Keys per chunk (the kernel's `ATT_CHUNK`).
 const CHUNK: usize = 64;
-/// Below this many (row, head) pairs an eager step splits the keys.
-const SPLIT_MAX_PAIRS: usize = 1024;
-/// A graph step aims at this many (row, head, split) blocks, with at most `MAX_SPLITS`.
-const GRAPH_TARGET_BLOCKS: usize = 2048;
+/// Splits aim at this many blocks (enough to fill the GPU), with at most `MAX_SPLITS` and,
+/// eagerly, at most one per chunk; more only adds partials to combine.
+const TARGET_BLOCKS: usize = 2048;
 const MAX_SPLITS: usize = 64;
 /// Query rows per flash block (the kernel's `FA_ROWS`), and the row flag it owns.
 const FLASH_ROWS: usize = 64;
@@ -35,17 +32,12 @@ impl CudaBackend {
             return 1;
         }
         let pairs = num_rows * num_heads;
+        let splits = TARGET_BLOCKS.div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS);
         if self.phase() != Phase::Eager {
             // A graph bakes in its grid: the split count cannot follow the context.
-            return GRAPH_TARGET_BLOCKS
-                .div_ceil(pairs.max(1))
-                .clamp(1, MAX_SPLITS);
+            return splits;
         }
-        if pairs < SPLIT_MAX_PAIRS {
-            max_visible.div_ceil(CHUNK).max(1)
-        } else {
-            1
-        }
+        splits.min(max_visible.div_ceil(CHUNK).max(1))
     }
 
     pub(super) fn attention(
@@ -148,7 +140,11 @@ impl CudaBackend {
                 num_splits as u32,
             ),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if gqa.is_some() {
+                gqa_smem_bytes(shape.head_dim, group) as u32
+            } else {
+                0
+            },
         };
         // SAFETY: the metadata describes rows inside q/out and slots inside the cache; the
         // partials hold rows·heads·splits entries when there are several splits.

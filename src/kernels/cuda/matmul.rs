@@ -102,13 +102,11 @@ impl CudaBackend {
             self.add_bias(out, bias, m, n);
             return;
         }
-        if let Some(kernel) = self.kernels.gemv_for(m).filter(|_| k % 8 == 0) {
+        if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k % 8 == 0) {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-            const WARPS: usize = 8;
-            const COLS_PER_WARP: usize = 2;
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(WARPS * COLS_PER_WARP) as u32, 1, 1),
-                block_dim: (32 * WARPS as u32, 1, 1),
+                grid_dim: (n.div_ceil(cols) as u32, 1, 1),
+                block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: x holds m·k, w n·k, out m·n elements; k is a multiple of 8, so every

@@ -22,8 +22,10 @@ pub const LLAMA_SOURCE: &str = concat!(
 /// Head dims and query heads per KV head that `attention_gqa` is compiled for.
 pub const GQA_HEAD_DIMS: [usize; 2] = [64, 128];
 pub const GQA_GROUPS: [usize; 5] = [1, 2, 3, 4, 8];
-/// Rows `gemv` is compiled for; wider batches go to cuBLAS.
+/// Rows `gemv` is compiled for (wider batches go to cuBLAS), and the output columns each of
+/// its blocks computes.
 pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
+pub const GEMV_COLS: [usize; 3] = [2, 2, 4];
 
 /// The context of GPU `ordinal`, or why there is none: libraries missing, no device, an
 /// old driver. cudarc panics when a library is missing, so presence is checked first.
@@ -152,8 +154,8 @@ pub struct Kernels {
     pub attention_combine: CudaFunction,
     /// `attention_gqa` by (head_dim, query heads per KV head); bf16 KV only.
     pub attention_gqa: Vec<((usize, usize), CudaFunction)>,
-    /// `gemv` compiled for up to `GEMV_ROWS[i]` rows.
-    pub gemv: Vec<(usize, CudaFunction)>,
+    /// `gemv` compiled for up to `GEMV_ROWS[i]` rows, `GEMV_COLS[i]` columns a block.
+    pub gemv: Vec<(usize, usize, CudaFunction)>,
     /// `flash_prefill` for head_dim 64 and 128.
     pub flash_prefill_64: ByKvType,
     pub flash_prefill_128: ByKvType,
@@ -171,11 +173,29 @@ impl ByKvType {
     }
 }
 
+/// Dynamic shared memory of `attention_gqa` (the kernel's `GQA_SMEM_BYTES`), in bytes: two
+/// stages of a 64-key chunk of bf16 keys and values, or the groups' partial sums.
+pub fn gqa_smem_bytes(head_dim: usize, group: usize) -> usize {
+    (512 * head_dim).max(4096 * group)
+}
+
 /// Dynamic shared memory of `flash_prefill_kernel` for `head_dim`, in bytes.
 pub fn flash_smem_bytes(head_dim: usize) -> usize {
     const ROWS: usize = 64;
     const KEYS: usize = 32;
     4 * ((ROWS + KEYS) * (head_dim + 1) + KEYS * head_dim + ROWS * (KEYS + 1))
+}
+
+/// Lets `func` use `smem_bytes` of dynamic shared memory (above 48 KiB it must opt in).
+fn opt_in_smem(func: &CudaFunction, smem_bytes: usize, name: &str) -> Result<(), CudaError> {
+    if smem_bytes > 48 << 10 {
+        func.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes as i32,
+        )
+        .map_err(|e| CudaError::Compile(format!("{name} shared memory: {e}")))?;
+    }
+    Ok(())
 }
 
 impl Kernels {
@@ -187,9 +207,13 @@ impl Kernels {
             .map(|(_, f)| f)
     }
 
-    /// The GEMV kernel for `rows` rows (the smallest compiled for at least that many).
-    pub fn gemv_for(&self, rows: usize) -> Option<&CudaFunction> {
-        self.gemv.iter().find(|(m, _)| *m >= rows).map(|(_, f)| f)
+    /// The GEMV kernel for `rows` rows (the smallest compiled for at least that many) and
+    /// the output columns of each of its blocks.
+    pub fn gemv_for(&self, rows: usize) -> Option<(&CudaFunction, usize)> {
+        self.gemv
+            .iter()
+            .find(|(m, _, _)| *m >= rows)
+            .map(|(_, cols, f)| (f, *cols))
     }
 
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
@@ -209,13 +233,7 @@ impl Kernels {
         let by_kv = |name: &str, smem_bytes: usize| -> Result<ByKvType, CudaError> {
             let load = |suffix: &str| -> Result<CudaFunction, CudaError> {
                 let func = f(&format!("{name}_{suffix}_kernel"))?;
-                if smem_bytes > 48 << 10 {
-                    func.set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem_bytes as i32,
-                    )
-                    .map_err(|e| CudaError::Compile(format!("{name} shared memory: {e}")))?;
-                }
+                opt_in_smem(&func, smem_bytes, name)?;
                 Ok(func)
             };
             Ok(ByKvType {
@@ -246,11 +264,16 @@ impl Kernels {
             attention_gqa: GQA_HEAD_DIMS
                 .iter()
                 .flat_map(|&hd| GQA_GROUPS.iter().map(move |&g| (hd, g)))
-                .map(|(hd, g)| Ok(((hd, g), f(&format!("attention_gqa_{hd}_{g}_kernel"))?)))
+                .map(|(hd, g)| {
+                    let func = f(&format!("attention_gqa_{hd}_{g}_kernel"))?;
+                    opt_in_smem(&func, gqa_smem_bytes(hd, g), "attention_gqa")?;
+                    Ok(((hd, g), func))
+                })
                 .collect::<Result<_, CudaError>>()?,
             gemv: GEMV_ROWS
                 .iter()
-                .map(|&m| Ok((m, f(&format!("gemv_{m}_kernel"))?)))
+                .zip(GEMV_COLS)
+                .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_{m}_kernel"))?)))
                 .collect::<Result<_, CudaError>>()?,
             _module: module,
         })

@@ -1,0 +1,121 @@
+//! The CUDA backend's attention kernels against the CPU backend (the reference, f32
+//! throughout): decode rows (grouped kernel, splits), prefill chunks (flash tiles) and both
+//! in one batch, over every head layout the kernels are compiled for. Needs a GPU: it runs
+//! on the device machine (`scripts/gpu-tests.sh`); CI compiles it.
+#![cfg(feature = "cuda")]
+
+use troupe::kernels::cpu::CpuBackend;
+use troupe::kernels::cuda::CudaBackend;
+use troupe::kernels::{Backend, KvCacheShape, SeqAttention};
+use troupe::sampling::splitmix64;
+
+fn random(seed: u64, n: usize) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| (splitmix64(seed ^ splitmix64(i)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+        .collect()
+}
+
+/// One batch: per sequence (context tokens after the step, query tokens).
+fn run<B: Backend>(
+    b: &B,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seqs: &[(usize, usize)],
+    seed: u64,
+) -> Vec<f32> {
+    let block_size = 16;
+    let blocks: Vec<usize> = seqs.iter().map(|s| s.0.div_ceil(block_size)).collect();
+    let shape = KvCacheShape {
+        num_layers: 1,
+        num_blocks: blocks.iter().sum::<usize>() + 1,
+        block_size,
+        num_kv_heads: kv_heads,
+        head_dim,
+    };
+    let mut cache = b.alloc_kv_cache(shape);
+    // Blocks handed out back to front so that tables are not the identity.
+    let mut next = shape.num_blocks as u32;
+    let tables: Vec<Vec<u32>> = blocks
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|_| {
+                    next -= 1;
+                    next
+                })
+                .collect()
+        })
+        .collect();
+    let kv_dim = kv_heads * head_dim;
+    let mut slots = Vec::new();
+    for (s, &(ctx, _)) in seqs.iter().enumerate() {
+        for p in 0..ctx {
+            slots.push(tables[s][p / block_size] * block_size as u32 + (p % block_size) as u32);
+        }
+    }
+    let k = b.upload(&random(seed, slots.len() * kv_dim));
+    let v = b.upload(&random(seed + 1, slots.len() * kv_dim));
+    b.kv_write(&mut cache, 0, &k, &v, &slots);
+    let num_rows: usize = seqs.iter().map(|s| s.1).sum();
+    let q = b.upload(&random(seed + 2, num_rows * heads * head_dim));
+    let mut views = Vec::new();
+    let mut start = 0;
+    for (s, &(ctx, rows)) in seqs.iter().enumerate() {
+        views.push(SeqAttention {
+            query_start: start,
+            num_query_tokens: rows,
+            num_context_tokens: ctx,
+            block_table: &tables[s],
+        });
+        start += rows;
+    }
+    let mut out = b.alloc(num_rows * heads * head_dim);
+    b.paged_attention(&q, &cache, 0, &views, heads, &mut out);
+    b.download(&out, num_rows * heads * head_dim)
+}
+
+#[test]
+fn cuda_attention_matches_the_cpu_backend() {
+    let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let cpu = CpuBackend {
+        batch_invariant: false,
+    };
+    let batches: [&[(usize, usize)]; 4] = [
+        // decode rows: short, across chunk boundaries, long (several splits)
+        &[(1, 1), (63, 1), (64, 1), (65, 1), (700, 1), (3000, 1)],
+        // one decode row alone: the most splits
+        &[(1500, 1)],
+        // prefill chunks (flash tiles), a continuing chunk, and decode rows together
+        &[(150, 150), (300, 37), (90, 1), (77, 1)],
+        // many decode rows (fewer splits)
+        &[(200, 1); 300],
+    ];
+    let mut failures = Vec::new();
+    for (heads, kv_heads, head_dim) in [
+        (16, 8, 128),
+        (32, 8, 128),
+        (9, 3, 64),
+        (8, 8, 64),
+        (32, 4, 128),
+        (12, 2, 128),
+    ] {
+        for (i, seqs) in batches.iter().enumerate() {
+            let seed = 1000 * i as u64 + heads as u64;
+            let want = run(&cpu, heads, kv_heads, head_dim, seqs, seed);
+            let got = run(&gpu, heads, kv_heads, head_dim, seqs, seed);
+            // bf16 keys and values on the GPU: errors of a few parts in a thousand.
+            let worst = want
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            if !(worst < 1e-2) {
+                failures.push(format!(
+                    "heads {heads}/{kv_heads} dim {head_dim} batch {i}: max abs error {worst}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
