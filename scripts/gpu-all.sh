@@ -7,25 +7,28 @@
 #     --test engine --test fault_injection --no-run
 #   cargo bench --features cuda --bench cuda_kernels --no-run
 #   (copy each test executable to gpu-bin/<test name>, the bench to gpu-bin/cuda_kernels_bench)
+# Arguments name the benchmarks to run (offline, decode, peer); none: all three.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu-all}
 mkdir -p "$OUT"
 export GPU_CHECK_SKIP_BENCH=1 GPU_BENCH_ZOS_ONLY=1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(offline decode peer)
 bash scripts/gpu-tests.sh >"$OUT/tests.txt" 2>&1
 LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu \
   gpu-bin/cuda_kernels_bench >"$OUT/kernels.txt" 2>&1
 bash scripts/gpu-check.sh >"$OUT/check.txt" 2>&1
-bash scripts/gpu-bench.sh offline >"$OUT/offline.txt" 2>&1
-bash scripts/gpu-bench.sh decode >"$OUT/decode.txt" 2>&1
-bash scripts/gpu-bench.sh peer >"$OUT/peer.txt" 2>&1
+for part in "${parts[@]}"; do
+  bash scripts/gpu-bench.sh "$part" >"$OUT/$part.txt" 2>&1
+done
 echo "== sampling kernel, engine and fault-injection tests, CUDA rank worker"
 grep -E "^== |test result|FAILED|panicked|rows differ" "$OUT/tests.txt" | head -30
 echo "== kernels"
 cat "$OUT/kernels.txt"
 echo "== checks"
 sed -n '/^check /,$p' "$OUT/check.txt" | head -16
-for part in offline decode peer; do
+for part in "${parts[@]}"; do
   echo "== $part"
   python3 - "$part" <<'PY'
 import json, os, sys
@@ -34,6 +37,6 @@ try:
     d = json.load(open(os.path.join(os.environ["OUT"], f"gpu_bench_{part}.json")))[part]
 except Exception as e:
     d = {"error": str(e)}
-print(json.dumps(d)[:900])
+print(json.dumps(d)[:1500])
 PY
 done

@@ -12,7 +12,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::graph::{Meta, Phase};
-use super::module::{flash_smem_bytes, gqa_smem_bytes};
+use super::module::gqa_smem_bytes;
 use super::{CudaBackend, CudaKvCache, check};
 use crate::kernels::{Backend, SeqAttention};
 
@@ -56,7 +56,8 @@ impl CudaBackend {
         let mut max_visible = 0usize;
         // The invariant mode keeps every row on the split kernel: a position's result must
         // not depend on whether its chunk had one token or many.
-        let flash = !self.batch_invariant && matches!(shape.head_dim, 64 | 128);
+        let flash =
+            cache.kv_bf16 && !self.batch_invariant && matches!(shape.head_dim, 64 | 128);
         let mut tiles: Vec<u32> = Vec::new();
         let mut num_split_rows = 0;
         for s in seqs {
@@ -238,13 +239,12 @@ impl CudaBackend {
             &self.kernels.flash_prefill_64
         } else {
             &self.kernels.flash_prefill_128
-        }
-        .get(cache.kv_bf16);
+        };
         let (kc, vc) = cache.layer(layer, &self.stream);
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 4) as u32, num_heads as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: flash_smem_bytes(shape.head_dim) as u32,
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
         };
         // SAFETY: each tile names rows inside q/out and a block table covering its keys.
         check(

@@ -15,6 +15,7 @@ use super::CudaError;
 pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/llama.cu"),
     include_str!("../../../kernels-cuda/decode_attention.cu"),
+    include_str!("../../../kernels-cuda/prefill_attention.cu"),
     include_str!("../../../kernels-cuda/gemv.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
 );
@@ -156,9 +157,9 @@ pub struct Kernels {
     pub attention_gqa: Vec<((usize, usize), CudaFunction)>,
     /// `gemv` compiled for up to `GEMV_ROWS[i]` rows, `GEMV_COLS[i]` columns a block.
     pub gemv: Vec<(usize, usize, CudaFunction)>,
-    /// `flash_prefill` for head_dim 64 and 128.
-    pub flash_prefill_64: ByKvType,
-    pub flash_prefill_128: ByKvType,
+    /// `flash_prefill` (tensor cores, bf16 KV) for head_dim 64 and 128.
+    pub flash_prefill_64: CudaFunction,
+    pub flash_prefill_128: CudaFunction,
 }
 
 /// A kernel's two instances: for an f32 and for a bf16 KV cache.
@@ -177,13 +178,6 @@ impl ByKvType {
 /// stages of a 64-key chunk of bf16 keys and values, or the groups' partial sums.
 pub fn gqa_smem_bytes(head_dim: usize, group: usize) -> usize {
     (512 * head_dim).max(4096 * group)
-}
-
-/// Dynamic shared memory of `flash_prefill_kernel` for `head_dim`, in bytes.
-pub fn flash_smem_bytes(head_dim: usize) -> usize {
-    const ROWS: usize = 64;
-    const KEYS: usize = 32;
-    4 * ((ROWS + KEYS) * (head_dim + 1) + KEYS * head_dim + ROWS * (KEYS + 1))
 }
 
 /// Lets `func` use `smem_bytes` of dynamic shared memory (above 48 KiB it must opt in).
@@ -244,8 +238,8 @@ impl Kernels {
         Ok(Kernels {
             kv_write: by_kv("kv_write", 0)?,
             attention_split: by_kv("attention_split", 0)?,
-            flash_prefill_64: by_kv("flash_prefill_64", flash_smem_bytes(64))?,
-            flash_prefill_128: by_kv("flash_prefill_128", flash_smem_bytes(128))?,
+            flash_prefill_64: f("flash_prefill_64_kernel")?,
+            flash_prefill_128: f("flash_prefill_128_kernel")?,
 
             f32_to_bf16: f("f32_to_bf16_kernel")?,
             embedding: f("embedding_kernel")?,
