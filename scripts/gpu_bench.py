@@ -18,6 +18,7 @@ Random bf16 weights made here by transformers; both engines read the same files.
 """
 
 import json
+import shutil
 import os
 import random
 import subprocess
@@ -184,12 +185,39 @@ def peer(binary, results):
     results["peer"] = dict(transformers_generate_batch=peer)
 
 
+def startup(binary, results):
+    """Seconds from process start to one generated token, Qwen3-0.6B shape: with the
+    kernel cache cold and warm, the driver's JIT cache off, and with --dummy-weights (no
+    checkpoint read)."""
+    path = make("qwen3-0.6b")
+    rows = {}
+    cold = os.path.join(WORK, "startup-home")
+    shutil.rmtree(cold, ignore_errors=True)
+    for label, env, extra in [
+        ("cold_kernel_cache", {"TROUPE_HOME": cold}, []),
+        ("warm", {"TROUPE_HOME": cold}, []),
+        ("warm_no_driver_jit_cache", {"TROUPE_HOME": cold, "CUDA_CACHE_DISABLE": "1"}, []),
+        ("warm_dummy_weights", {"TROUPE_HOME": cold}, ["--dummy-weights"]),
+    ]:
+        cmd = [binary, "generate", "--model", path, "--device", "cuda", "--prompt-ids", "1",
+               "--max-tokens", "1", "--stats", *extra]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+        wall = time.perf_counter() - t0
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr[-2000:])
+        stats = json.loads([l for l in r.stderr.splitlines() if l.startswith("{")][-1])
+        rows[label] = dict(wall_s=wall, generate_s=stats["generate_s"])
+    results["startup"] = rows
+
+
 def main(binary, part):
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(WORK, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(0)}
     try:
-        {"decode": decode, "offline": offline, "peer": peer, "dummy": dummy}[part](binary, results)
+        {"decode": decode, "offline": offline, "peer": peer, "dummy": dummy,
+         "startup": startup}[part](binary, results)
     except Exception as e:
         results[part] = {"error": str(e)[-2000:]}
     with open(os.path.join(OUT, f"gpu_bench_{part}.json"), "w") as f:

@@ -2,7 +2,9 @@
 //! CI installs NVRTC from pip, so a kernel that does not build fails here, not on a GPU.
 #![cfg(feature = "cuda")]
 
-use troupe::kernels::cuda::{GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile};
+use troupe::kernels::cuda::{
+    GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile, compile_cubin,
+};
 
 #[test]
 fn llama_kernels_compile_for_sm90_with_every_entry_point() {
@@ -48,6 +50,19 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
             "{kernel} missing from the PTX"
         );
     }
+}
+
+#[test]
+fn the_kernels_assemble_to_hopper_machine_code() {
+    // What the backend loads: a CUBIN (an ELF image), so the driver does not JIT at start.
+    let image = compile_cubin(LLAMA_SOURCE, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+    assert!(image.starts_with(b"\x7fELF"), "not an ELF image");
+    assert!(
+        image
+            .windows(b"sample_kernel".len())
+            .any(|w| w == b"sample_kernel"),
+        "the image lacks sample_kernel"
+    );
 }
 
 #[test]

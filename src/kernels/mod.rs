@@ -17,6 +17,9 @@ pub use paged_kv::{KvCacheShape, SeqAttention};
 /// Tensor data in host memory, as the checkpoint stores it.
 pub enum HostData {
     F32(Vec<f32>),
+    /// bf16 as the checkpoint stores it: a backend that keeps bf16 weights uploads it as
+    /// it is, with no f32 round trip on the host.
+    Bf16(Vec<half::bf16>),
     /// Whole GGML blocks, each row of the tensor a whole number of them.
     Quantized {
         ggml_type: quant::GgmlType,
@@ -42,6 +45,7 @@ impl HostData {
     pub fn into_f32(self, num_elements: usize) -> Vec<f32> {
         match self {
             HostData::F32(v) => v,
+            HostData::Bf16(v) => v.into_iter().map(half::bf16::to_f32).collect(),
             HostData::Quantized { ggml_type, bytes } => {
                 let mut out = vec![0f32; num_elements];
                 quant::dequantize(ggml_type, &bytes, &mut out);
@@ -106,6 +110,20 @@ impl HostMatrix {
             HostData::Quantized { ggml_type, .. } => Some(*ggml_type) == shared_type,
             _ => shared_type.is_none(),
         });
+        if parts.iter().all(|p| matches!(p.data, HostData::Bf16(_))) {
+            let data = parts
+                .into_iter()
+                .flat_map(|p| match p.data {
+                    HostData::Bf16(v) => v,
+                    _ => unreachable!("every part is bf16"),
+                })
+                .collect();
+            return HostMatrix {
+                rows,
+                cols,
+                data: HostData::Bf16(data),
+            };
+        }
         let data = match shared_type {
             Some(ggml_type) if same => HostData::Quantized {
                 ggml_type,

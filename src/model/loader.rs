@@ -129,6 +129,14 @@ impl GgufSource<'_> {
                     .collect();
             }
             HostData::Quantized { bytes, .. } => permute(bytes),
+            HostData::Bf16(v) => {
+                let mut bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                permute(&mut bytes);
+                *v = bytes
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                    .collect();
+            }
             // A permutation of random values is random values.
             HostData::Random { .. } => {}
         }
@@ -233,6 +241,17 @@ impl TensorSource for SafetensorsSource {
         let st = SafeTensors::deserialize(mmap).map_err(|e| bad(e.to_string()))?;
         let view = st.tensor(hf_name).map_err(|e| bad(e.to_string()))?;
         let bytes = view.data();
+        if view.dtype() == Dtype::BF16 {
+            return Ok(Some(HostTensor {
+                dims: view.shape().to_vec(),
+                data: HostData::Bf16(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| bf16::from_le_bytes([b[0], b[1]]))
+                        .collect(),
+                ),
+            }));
+        }
         let data: Vec<f32> = match view.dtype() {
             Dtype::F32 => bytes
                 .chunks_exact(4)
@@ -241,10 +260,6 @@ impl TensorSource for SafetensorsSource {
             Dtype::F16 => bytes
                 .chunks_exact(2)
                 .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             other => {
                 return Err(bad(format!(

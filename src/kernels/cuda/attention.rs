@@ -56,8 +56,7 @@ impl CudaBackend {
         let mut max_visible = 0usize;
         // The invariant mode keeps every row on the split kernel: a position's result must
         // not depend on whether its chunk had one token or many.
-        let flash =
-            cache.kv_bf16 && !self.batch_invariant && matches!(shape.head_dim, 64 | 128);
+        let flash = cache.kv_bf16 && !self.batch_invariant && matches!(shape.head_dim, 64 | 128);
         let mut tiles: Vec<u32> = Vec::new();
         let mut num_split_rows = 0;
         for s in seqs {

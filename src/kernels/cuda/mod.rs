@@ -20,7 +20,8 @@ use half::bf16;
 use graph::{Graphs, Meta, Phase};
 use module::Kernels;
 pub use module::{
-    GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile, open_device, ptx_for,
+    GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile, compile_cubin, kernel_image,
+    open_device,
 };
 use picks::{MAX_PICKS, PickPool};
 
@@ -294,12 +295,14 @@ impl Backend for CudaBackend {
             );
             return CudaMatrix { rows, cols, w };
         }
-        let host: Vec<bf16> = m
-            .data
-            .into_f32(rows * cols)
-            .into_iter()
-            .map(bf16::from_f32)
-            .collect();
+        let host: Vec<bf16> = match m.data {
+            super::HostData::Bf16(v) => v,
+            other => other
+                .into_f32(rows * cols)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect(),
+        };
         CudaMatrix {
             rows,
             cols,

@@ -1,6 +1,6 @@
 //! Bringing CUDA up without panicking, and the kernels of `kernels-cuda/`: compiled with
-//! NVRTC for the device's architecture on first use, and cached on disk keyed by a hash
-//! of the source, the architecture and the driver version.
+//! NVRTC to machine code (CUBIN) for the device's architecture on first use, and cached on
+//! disk keyed by a hash of the source, the architecture and the driver version.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -80,31 +80,31 @@ fn cache_dir() -> PathBuf {
         .join("cuda-kernels")
 }
 
-/// PTX of `source` for compute capability `cc`: from the disk cache, or NVRTC.
-pub fn ptx_for(source: &str, cc: (i32, i32)) -> Result<String, CudaError> {
+/// The device code of `source` for compute capability `cc`, as a CUBIN (machine code, so
+/// loading it costs the driver no JIT): from the disk cache, or NVRTC.
+pub fn kernel_image(source: &str, cc: (i32, i32)) -> Result<Vec<u8>, CudaError> {
     let mut driver: std::ffi::c_int = 0;
     // SAFETY: writes one int.
     let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
-    let arch = format!("compute_{}{}", cc.0, cc.1);
+    let arch = format!("sm_{}{}", cc.0, cc.1);
     let key = Sha256::digest(format!("{arch}\n{driver}\n{source}").as_bytes());
     let hex: String = key.iter().take(16).map(|b| format!("{b:02x}")).collect();
-    let path = cache_dir().join(format!("{hex}.ptx"));
-    if let Ok(ptx) = std::fs::read_to_string(&path) {
-        return Ok(ptx);
+    let path = cache_dir().join(format!("{hex}.cubin"));
+    if let Ok(image) = std::fs::read(&path) {
+        return Ok(image);
     }
-    let ptx = compile(source, &arch)?;
+    let image = compile_cubin(source, &arch)?;
     // A cache that cannot be written only costs the next start a compile.
     if std::fs::create_dir_all(cache_dir()).is_ok() {
         let tmp = path.with_extension("tmp");
-        if std::fs::write(&tmp, &ptx).is_ok() {
+        if std::fs::write(&tmp, &image).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok(ptx)
+    Ok(image)
 }
 
-/// PTX of `source` for `arch` (`compute_90`), straight from NVRTC.
-pub fn compile(source: &str, arch: &str) -> Result<String, CudaError> {
+fn nvrtc_present() -> Result<(), CudaError> {
     // SAFETY: only tries to dlopen the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(CudaError::Unavailable(
@@ -112,12 +112,57 @@ pub fn compile(source: &str, arch: &str) -> Result<String, CudaError> {
                 .into(),
         ));
     }
+    Ok(())
+}
+
+/// NVRTC's options for troupe's kernels on `arch`. Not --use_fast_math: expf and division
+/// stay IEEE, closer to the CPU backend.
+fn nvrtc_options(arch: &str) -> Vec<String> {
+    vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()]
+}
+
+/// A CUBIN of `source` for a real architecture (`sm_90`), straight from NVRTC (which
+/// assembles in-process: no GPU needed).
+pub fn compile_cubin(source: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result, sys};
+    nvrtc_present()?;
+    let nvrtc = |e: cudarc::nvrtc::result::NvrtcError| CudaError::Compile(format!("NVRTC: {e:?}"));
+    let src = std::ffi::CString::new(source)
+        .map_err(|_| CudaError::Compile("kernel source holds a NUL byte".into()))?;
+    let prog = result::create_program(&src, Some(c"llama.cu")).map_err(nvrtc)?;
+    // SAFETY: `prog` is a live program until destroyed below; buffers are sized by NVRTC.
+    unsafe {
+        let compiled = result::compile_program(prog, &nvrtc_options(arch));
+        let out = match compiled {
+            Err(_) => {
+                let log = result::get_program_log(prog).map_err(nvrtc)?;
+                let log = std::ffi::CStr::from_ptr(log.as_ptr())
+                    .to_string_lossy()
+                    .into_owned();
+                Err(CudaError::Compile(log))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(nvrtc)?;
+                let mut image = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, image.as_mut_ptr().cast())
+                    .result()
+                    .map_err(nvrtc)?;
+                Ok(image)
+            }
+        };
+        let _ = result::destroy_program(prog);
+        out
+    }
+}
+
+/// PTX of `source` for `arch` (`compute_90`), straight from NVRTC.
+pub fn compile(source: &str, arch: &str) -> Result<String, CudaError> {
+    nvrtc_present()?;
     let opts = CompileOptions {
-        options: vec![
-            format!("--gpu-architecture={arch}"),
-            "--std=c++17".into(),
-            // Not --use_fast_math: expf and division stay IEEE, closer to the CPU backend.
-        ],
+        options: nvrtc_options(arch),
         name: Some("llama.cu".into()),
         ..Default::default()
     };
@@ -214,9 +259,9 @@ impl Kernels {
         let cc = ctx
             .compute_capability()
             .map_err(|e| CudaError::Unavailable(e.to_string()))?;
-        let ptx = ptx_for(LLAMA_SOURCE, cc)?;
+        let image = kernel_image(LLAMA_SOURCE, cc)?;
         let module = ctx
-            .load_module(Ptx::from_src(ptx))
+            .load_module(Ptx::from_binary(image))
             .map_err(|e| CudaError::Compile(format!("loading the kernels: {e}")))?;
         let f = |name: &str| {
             module
