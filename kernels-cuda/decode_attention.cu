@@ -3,9 +3,9 @@
 //
 // One block per (row, KV head, split) computes all G query heads that share the KV head, so
 // each key and value is read once per row instead of G times. The kernel is bound by memory
-// bandwidth, and what keeps the bandwidth is bytes in flight: the block copies each 64-key
-// chunk of keys and values into shared memory with asynchronous 16-byte copies (cp.async,
-// no registers held) while it folds the chunk before, from two stages. There a key's
+// bandwidth, and what keeps the bandwidth is bytes in flight: the block copies keys and
+// values into shared memory with asynchronous 16-byte copies (cp.async, no registers held),
+// GQA_STAGE_KEYS keys a stage, two stages ahead of the one it folds. There a key's
 // head_dim values are read by HD/8 lanes, 16 bytes each; each lane group keeps its own
 // online softmax over its keys of every chunk, and the groups merge at the end. Splits cover
 // contiguous runs of ATT_CHUNK-key chunks exactly as attention_split's do, and leave the
@@ -34,8 +34,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Dynamic shared memory of attention_gqa<HD, G>, in bytes (the Rust side mirrors it):
-// two stages of a chunk's keys and values, reused at the end for the groups' partial sums.
-#define GQA_SMEM_BYTES(HD, G) ((512 * (HD)) > (4096 * (G)) ? (512 * (HD)) : (4096 * (G)))
+// GQA_STAGES stages of GQA_STAGE_KEYS keys and values, reused at the end for the groups'
+// partial sums.
+#define GQA_STAGES 3
+#define GQA_STAGE_KEYS 32
+#define GQA_SMEM_BYTES(HD, G) ((384 * (HD)) > (4096 * (G)) ? (384 * (HD)) : (4096 * (G)))
 
 template <int HD, int G>
 __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const float* q,
@@ -46,9 +49,10 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
     constexpr int LANES = HD / 8;             // lanes reading one key (16 bytes each)
     constexpr int GROUPS = 32 / LANES;        // keys a warp reads at once
     constexpr int NG = GQA_WARPS * GROUPS;    // lane groups in the block
-    constexpr int PER_GROUP = ATT_CHUNK / NG; // keys of a chunk each group folds
-    constexpr int U = G > 4 ? 2 : 4;          // keys unpacked at once (registers)
-    extern __shared__ uint4 gqa_smem[];       // [stage][K, V][ATT_CHUNK][LANES]
+    constexpr int SK = GQA_STAGE_KEYS;
+    constexpr int PER_GROUP = SK / NG;        // keys of a stage each group folds
+    constexpr int U = G > 4 ? 2 : (PER_GROUP < 4 ? PER_GROUP : 4);  // keys unpacked at once
+    extern __shared__ uint4 gqa_smem[];       // [stage][K, V][SK][LANES]
     __shared__ float s_m[NG][G], s_l[NG][G];
     int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     u32 flagged = row_visible[row];
@@ -66,20 +70,24 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
     int gid = warp * GROUPS + group;
     long long head_off = (long long)kvh * HD;
 
-    // Chunk c0's keys and values into `stage`, asynchronously; keys past the end zeroed.
+    // The SK keys from c0 and their values into `stage`, asynchronously (keys past the end
+    // zeroed); one commit group per call, empty past the end, so that waits count calls.
     auto issue = [&](int c0, int stage) {
-        uint4* ks = gqa_smem + (stage * 2) * ATT_CHUNK * LANES;
-        uint4* vs = ks + ATT_CHUNK * LANES;
-        for (int e = threadIdx.x; e < ATT_CHUNK * LANES; e += blockDim.x) {
-            int key = e / LANES, piece = e % LANES, j = c0 + key;
-            if (j < end) {
-                long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                long long at = slot * kv_dim + head_off + piece * 8;
-                cp_async16(ks + e, k_cache + at);
-                cp_async16(vs + e, v_cache + at);
-            } else {
-                ks[e] = make_uint4(0u, 0u, 0u, 0u);
-                vs[e] = make_uint4(0u, 0u, 0u, 0u);
+        uint4* ks = gqa_smem + (stage * 2) * SK * LANES;
+        uint4* vs = ks + SK * LANES;
+        if (c0 < end) {
+            for (int e = threadIdx.x; e < SK * LANES; e += blockDim.x) {
+                int key = e / LANES, piece = e % LANES, j = c0 + key;
+                if (j < end) {
+                    long long slot =
+                        (long long)table[j / block_size] * block_size + j % block_size;
+                    long long at = slot * kv_dim + head_off + piece * 8;
+                    cp_async16(ks + e, k_cache + at);
+                    cp_async16(vs + e, v_cache + at);
+                } else {
+                    ks[e] = make_uint4(0u, 0u, 0u, 0u);
+                    vs[e] = make_uint4(0u, 0u, 0u, 0u);
+                }
             }
         }
         cp_async_commit();
@@ -102,20 +110,17 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
     }
-    int num = end > start ? (end - start + ATT_CHUNK - 1) / ATT_CHUNK : 0;
-    if (num > 0) issue(start, 0);
+    int num = end > start ? (end - start + SK - 1) / SK : 0;
+    // GQA_STAGES − 1 stages stream in ahead of the one being folded.
+#pragma unroll
+    for (int c = 0; c < GQA_STAGES - 1; ++c) issue(start + c * SK, c);
     for (int c = 0; c < num; ++c) {
-        // The next chunk streams in while this one is folded.
-        if (c + 1 < num) {
-            issue(start + (c + 1) * ATT_CHUNK, (c + 1) & 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const uint4* ks = gqa_smem + ((c & 1) * 2) * ATT_CHUNK * LANES;
-        const uint4* vs = ks + ATT_CHUNK * LANES;
-        int c0 = start + c * ATT_CHUNK;
+        cp_async_wait<GQA_STAGES - 2>();  // stage c has landed
+        __syncthreads();                   // for every thread; stage c − 1 is consumed
+        issue(start + (c + GQA_STAGES - 1) * SK, (c + GQA_STAGES - 1) % GQA_STAGES);
+        const uint4* ks = gqa_smem + ((c % GQA_STAGES) * 2) * SK * LANES;
+        const uint4* vs = ks + SK * LANES;
+        int c0 = start + c * SK;
 #pragma unroll
         for (int u0 = 0; u0 < PER_GROUP; u0 += U) {
             int k0 = gid * PER_GROUP + u0;  // first key of this batch within the chunk
@@ -175,9 +180,11 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
                     for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[g][u], vf[i], acc[g][i]);
             }
         }
-        __syncthreads();  // the stage is refilled two chunks on
     }
-    // The groups' partial sums, in the staging memory (every copy has landed).
+    cp_async_wait<0>();
+    __syncthreads();
+    // The groups' partial sums, in the staging memory (every copy has landed, every thread
+    // is done with it).
     float* s_acc = (float*)gqa_smem;  // [NG][G][HD]
 #pragma unroll
     for (int g = 0; g < G; ++g) {

@@ -390,3 +390,87 @@ extern "C" __global__ void attention_combine_kernel(float* out, const float* par
         o[d] = l > 0.0f ? acc / l : 0.0f;  // a padding row sees no keys
     }
 }
+
+// The stacked q/k/v projection of one token into attention's inputs, in one launch: q and
+// k normalised per head when norms are given (Qwen3), rotated (rotate-half RoPE), q written
+// to q_out and k and v written straight into the cache slot (a padding row's skipped). A
+// warp per head; head_dim a multiple of 64 up to 256, so a lane's element d and its RoPE
+// partner d ± head_dim/2 lie in the same lane. The arithmetic is rms_norm_kernel's and
+// rope_kernel's. One block per token.
+template <typename T>
+__device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, const float* qkv,
+                               const float* q_norm, const float* k_norm, float eps,
+                               const u32* positions, const float* cos_sin, const u32* slots,
+                               int num_heads, int num_kv_heads, int head_dim) {
+    int t = blockIdx.x;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    int per_lane = head_dim / 32, half = head_dim / 2;
+    int width = (num_heads + 2 * num_kv_heads) * head_dim;
+    u32 slot = slots[t];
+    const float* row = qkv + (long long)t * width;
+    const float* table = cos_sin + (long long)positions[t] * head_dim;
+    for (int h = warp; h < num_heads + 2 * num_kv_heads; h += num_warps) {
+        bool is_q = h < num_heads, is_v = h >= num_heads + num_kv_heads;
+        if (!is_q && slot == PAD_SLOT) continue;
+        float e[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < per_lane) e[i] = row[h * head_dim + lane + 32 * i];
+        const float* norm = is_q ? q_norm : k_norm;
+        if (!is_v && norm != 0) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < per_lane) ss += e[i] * e[i];
+            float inv = rsqrtf(warp_sum(ss) / head_dim + eps);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < per_lane) e[i] = e[i] * inv * norm[lane + 32 * i];
+        }
+        if (!is_v) {
+            float r[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (i >= per_lane) continue;
+                int d = lane + 32 * i;
+                int k = d < half ? d : d - half;
+                float c = table[k], s = table[half + k];
+                // The partner of element i is element i ± per_lane/2 of the same lane.
+                int j = d < half ? i + per_lane / 2 : i - per_lane / 2;
+                float partner = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 8; ++x)
+                    if (x == j) partner = e[x];
+                r[i] = d < half ? e[i] * c - partner * s : e[i] * c + partner * s;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < per_lane) e[i] = r[i];
+        }
+        if (is_q) {
+            float* o = q_out + ((long long)t * num_heads + h) * head_dim;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < per_lane) o[lane + 32 * i] = e[i];
+        } else {
+            int kvh = is_v ? h - num_heads - num_kv_heads : h - num_heads;
+            T* cache = is_v ? v_cache : k_cache;
+            long long base = (long long)slot * num_kv_heads * head_dim + kvh * head_dim;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (i < per_lane) kv_store(cache, base + lane + 32 * i, e[i]);
+        }
+    }
+}
+
+#define QKV_ENTRY(NAME, T)                                                                    \
+    extern "C" __global__ void NAME(float* q_out, T* k_cache, T* v_cache, const float* qkv,    \
+                                    const float* q_norm, const float* k_norm, float eps,       \
+                                    const u32* positions, const float* cos_sin,                \
+                                    const u32* slots, int num_heads, int num_kv_heads,         \
+                                    int head_dim) {                                            \
+        qkv_rope_cache(q_out, k_cache, v_cache, qkv, q_norm, k_norm, eps, positions, cos_sin,  \
+                       slots, num_heads, num_kv_heads, head_dim);                              \
+    }
+QKV_ENTRY(qkv_rope_cache_f32_kernel, float)
+QKV_ENTRY(qkv_rope_cache_bf16_kernel, bf16_t)

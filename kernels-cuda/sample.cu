@@ -193,59 +193,74 @@ __device__ Selected select_ordered(const u32* keys, const float* w, int V, Cut c
     return out;
 }
 
-// The greedy pick of x: the first index of the maximum, and its log-probability.
+// Folds value v at index i into a running (max, first index of it, Σ exp(x − max)).
+__device__ __forceinline__ void greedy_fold(float v, int i, float& best, int& best_i,
+                                            float& sum) {
+    if (v > best) {
+        sum = sum * expf(best - v) + 1.0f;  // expf(−∞) = 0 on the first value
+        best = v;
+        best_i = i;
+    } else {
+        sum += expf(v - best);
+    }
+}
+
+// Merges another thread's running triple into this one's.
+__device__ __forceinline__ void greedy_merge(float ob, int oi, float os, float& best,
+                                             int& best_i, float& sum) {
+    float m = fmaxf(best, ob);
+    if (m == NEG_INF) return;
+    sum = (best == NEG_INF ? 0.0f : sum * expf(best - m)) + (ob == NEG_INF ? 0.0f : os * expf(ob - m));
+    if (ob > best || (ob == best && oi < best_i)) best_i = oi;
+    best = m;
+}
+
+// The greedy pick of x: the first index of the maximum, and its log-probability, in one
+// pass over the row (a running maximum rescales the running sum of exponentials).
 __device__ void greedy_row(const float* x, int vocab, u32* out_id, float* out_logprob) {
-    __shared__ float s_val[32];
+    __shared__ float s_best[32], s_sum[32];
     __shared__ int s_idx[32];
-    __shared__ float scratch[32];
-    float best = NEG_INF;
+    float best = NEG_INF, sum = 0.0f;
     int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = x[i];
-        if (v > best) {
-            best = v;
-            best_i = i;
+    if ((vocab & 3) == 0 && ((unsigned long long)x & 15) == 0) {
+        const float4* x4 = (const float4*)x;
+        for (int i = threadIdx.x; i < vocab / 4; i += blockDim.x) {
+            float4 v = x4[i];
+            greedy_fold(v.x, 4 * i, best, best_i, sum);
+            greedy_fold(v.y, 4 * i + 1, best, best_i, sum);
+            greedy_fold(v.z, 4 * i + 2, best, best_i, sum);
+            greedy_fold(v.w, 4 * i + 3, best, best_i, sum);
         }
+    } else {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) greedy_fold(x[i], i, best, best_i, sum);
     }
     for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
         int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-        if (ov > best || (ov == best && oi < best_i)) {
-            best = ov;
-            best_i = oi;
-        }
+        float os = __shfl_xor_sync(0xffffffffu, sum, o);
+        greedy_merge(ob, oi, os, best, best_i, sum);
     }
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
     if (lane == 0) {
-        s_val[warp] = best;
+        s_best[warp] = best;
         s_idx[warp] = best_i;
+        s_sum[warp] = sum;
     }
     __syncthreads();
     if (warp == 0) {
-        best = lane < num_warps ? s_val[lane] : NEG_INF;
+        best = lane < num_warps ? s_best[lane] : NEG_INF;
         best_i = lane < num_warps ? s_idx[lane] : 0x7fffffff;
+        sum = lane < num_warps ? s_sum[lane] : 0.0f;
         for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
             int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            if (ov > best || (ov == best && oi < best_i)) {
-                best = ov;
-                best_i = oi;
-            }
+            float os = __shfl_xor_sync(0xffffffffu, sum, o);
+            greedy_merge(ob, oi, os, best, best_i, sum);
         }
         if (lane == 0) {
-            s_val[0] = best;
-            s_idx[0] = best_i;
+            *out_id = (u32)best_i;
+            *out_logprob = -logf(sum);  // x[pick] − (max + log Σ exp(x − max)), x[pick] = max
         }
-    }
-    __syncthreads();
-    float m = s_val[0];
-    int pick = s_idx[0];
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] - m);
-    float total = block_sum(sum, scratch);
-    if (threadIdx.x == 0) {
-        *out_id = (u32)pick;
-        *out_logprob = x[pick] - (m + logf(total));
     }
 }
 

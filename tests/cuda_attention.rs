@@ -6,7 +6,7 @@
 
 use troupe::kernels::cpu::CpuBackend;
 use troupe::kernels::cuda::CudaBackend;
-use troupe::kernels::{Backend, KvCacheShape, SeqAttention};
+use troupe::kernels::{Backend, KvCacheShape, QkvHeads, SeqAttention};
 use troupe::sampling::splitmix64;
 
 fn random(seed: u64, n: usize) -> Vec<f32> {
@@ -118,4 +118,121 @@ fn cuda_attention_matches_the_cpu_backend() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// q/k/v from a stacked projection into attention: the CPU backend's separate ops, or the
+/// CUDA backend's fused kernel; then decode attention over what landed in the cache.
+fn qkv_then_attention<B: Backend>(b: &B, head_dim: usize, qk_norm: bool, fused: bool) -> Vec<f32> {
+    let (heads, kv_heads, tokens, block_size) = (8, 2, 40, 16);
+    let (qd, kvd) = (heads * head_dim, kv_heads * head_dim);
+    let shape = KvCacheShape {
+        num_layers: 1,
+        num_blocks: 4,
+        block_size,
+        num_kv_heads: kv_heads,
+        head_dim,
+    };
+    let mut cache = b.alloc_kv_cache(shape);
+    let qkv = b.upload(&random(7, tokens * (qd + 2 * kvd)));
+    let positions: Vec<u32> = (0..tokens as u32).collect();
+    // Slots of one sequence whose table is [3, 1, 0].
+    let table = [3u32, 1, 0];
+    let slots: Vec<u32> = positions
+        .iter()
+        .map(|&p| table[p as usize / block_size] * block_size as u32 + p % block_size as u32)
+        .collect();
+    let cos_sin = b.upload(
+        &(0..tokens * head_dim)
+            .map(|i| {
+                let (p, d) = (i / head_dim, i % head_dim);
+                let angle = p as f32 * 0.1 / (1 + d % (head_dim / 2)) as f32;
+                if d < head_dim / 2 {
+                    angle.cos()
+                } else {
+                    angle.sin()
+                }
+            })
+            .collect::<Vec<f32>>(),
+    );
+    let qn = b.upload(
+        &random(8, head_dim)
+            .iter()
+            .map(|x| 1.0 + 0.5 * x)
+            .collect::<Vec<_>>(),
+    );
+    let kn = b.upload(
+        &random(9, head_dim)
+            .iter()
+            .map(|x| 1.0 + 0.5 * x)
+            .collect::<Vec<_>>(),
+    );
+    let norms = qk_norm.then_some((&qn, &kn, 1e-6f32));
+    let mut q = b.alloc(tokens * qd);
+    let heads_layout = QkvHeads {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+    };
+    if fused {
+        assert!(b.qkv_into_cache(
+            &qkv,
+            heads_layout,
+            norms,
+            &positions,
+            &cos_sin,
+            &mut cache,
+            0,
+            &slots,
+            &mut q
+        ));
+    } else {
+        let (mut k, mut v) = (b.alloc(tokens * kvd), b.alloc(tokens * kvd));
+        b.copy_columns(&qkv, qd + 2 * kvd, 0, qd, tokens, &mut q);
+        b.copy_columns(&qkv, qd + 2 * kvd, qd, kvd, tokens, &mut k);
+        b.copy_columns(&qkv, qd + 2 * kvd, qd + kvd, kvd, tokens, &mut v);
+        if let Some((qn, kn, eps)) = norms {
+            let (mut q2, mut k2) = (b.alloc(tokens * qd), b.alloc(tokens * kvd));
+            b.rms_norm(&q, qn, eps, tokens * heads, head_dim, &mut q2);
+            b.rms_norm(&k, kn, eps, tokens * kv_heads, head_dim, &mut k2);
+            (q, k) = (q2, k2);
+        }
+        b.rope(&mut q, &positions, heads, head_dim, &cos_sin);
+        b.rope(&mut k, &positions, kv_heads, head_dim, &cos_sin);
+        b.kv_write(&mut cache, 0, &k, &v, &slots);
+    }
+    // The whole sequence as one prefill chunk: every key and value is read.
+    let views = [SeqAttention {
+        query_start: 0,
+        num_query_tokens: tokens,
+        num_context_tokens: tokens,
+        block_table: &table,
+    }];
+    let mut out = b.alloc(tokens * qd);
+    b.paged_attention(&q, &cache, 0, &views, heads, &mut out);
+    let mut all = b.download(&q, tokens * qd);
+    all.extend(b.download(&out, tokens * qd));
+    all
+}
+
+#[test]
+fn fused_qkv_into_cache_matches_the_cpu_backends_separate_ops() {
+    let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let cpu = CpuBackend {
+        batch_invariant: false,
+    };
+    for head_dim in [64, 128] {
+        for qk_norm in [false, true] {
+            let want = qkv_then_attention(&cpu, head_dim, qk_norm, false);
+            let got = qkv_then_attention(&gpu, head_dim, qk_norm, true);
+            let worst = want
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 2e-2,
+                "head_dim {head_dim}, q/k norm {qk_norm}: max abs error {worst}"
+            );
+        }
+    }
 }

@@ -22,6 +22,8 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "gather_rows_kernel",
         "kv_write_f32_kernel",
         "kv_write_bf16_kernel",
+        "qkv_rope_cache_f32_kernel",
+        "qkv_rope_cache_bf16_kernel",
         "matmul_invariant_kernel",
         "sample_kernel",
         "random_bf16_kernel",

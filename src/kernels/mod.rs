@@ -230,6 +230,26 @@ pub trait Backend: Send + Sync {
         v: &Self::Buf,
         slots: &[u32],
     );
+    /// Fused, where the backend has it: the stacked projection `qkv[num_tokens, (heads +
+    /// 2·kv_heads)·head_dim]` into q (`q_out`, rotated, normalised per head when `qk_norm`
+    /// gives the q and k norms) and into `layer` of the cache at `slots` (k normalised and
+    /// rotated, v as is) — what `copy_columns`, `rms_norm`, `rope` and `kv_write` do one
+    /// by one. Returns false, having done nothing, where the caller must run those.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_into_cache(
+        &self,
+        _qkv: &Self::Buf,
+        _heads: QkvHeads,
+        _qk_norm: Option<(&Self::Buf, &Self::Buf, f32)>,
+        _positions: &[u32],
+        _cos_sin: &Self::Buf,
+        _cache: &mut Self::KvCache,
+        _layer: usize,
+        _slots: &[u32],
+        _q_out: &mut Self::Buf,
+    ) -> bool {
+        false
+    }
     /// Causal attention of each sequence's query tokens over its paged context.
     /// `q` is `[num_tokens, num_heads * head_dim]`, `out` the same shape.
     fn paged_attention(
@@ -278,6 +298,14 @@ pub trait Backend: Send + Sync {
     fn end_graph_step(&self) {}
     /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
     fn buffers_moved(&self) {}
+}
+
+/// Attention's head layout, for `Backend::qkv_into_cache`.
+#[derive(Debug, Clone, Copy)]
+pub struct QkvHeads {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
 }
 
 /// A row for `Backend::pick_rows`: its index in the logits, the request's parameters (no

@@ -5,7 +5,7 @@
 use super::config::ModelConfig;
 use super::rope::{cos_sin_table, inv_freqs};
 use super::weights::Weights;
-use crate::kernels::{Backend, KvCacheShape, NOT_PICKED, SeqAttention};
+use crate::kernels::{Backend, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention};
 
 /// One sequence's part of a step, as the caller plans it.
 #[derive(Debug, Clone)]
@@ -253,32 +253,55 @@ impl<B: Backend> LlamaModel<B> {
                 lw.bqkv.as_ref(),
                 &mut ws.qkv,
             );
-            backend.copy_columns(&ws.qkv, qd + 2 * kvd, 0, qd, num_tokens, &mut ws.q);
-            backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd, kvd, num_tokens, &mut ws.k);
-            backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd + kvd, kvd, num_tokens, &mut ws.v);
-            if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                // Qwen3 normalizes each head; reuse `attn` as the scratch for q.
-                backend.rms_norm(&ws.q, qn, eps, num_tokens * c.num_heads, hd, &mut ws.attn);
-                std::mem::swap(&mut ws.q, &mut ws.attn);
-                backend.rms_norm(
-                    &ws.k,
-                    kn,
-                    eps,
-                    num_tokens * c.num_kv_heads,
-                    hd,
-                    &mut ws.k_normed,
-                );
-                std::mem::swap(&mut ws.k, &mut ws.k_normed);
-            }
-            backend.rope(&mut ws.q, &self.positions, c.num_heads, hd, &self.cos_sin);
-            backend.rope(
-                &mut ws.k,
+            let heads = QkvHeads {
+                num_heads: c.num_heads,
+                num_kv_heads: c.num_kv_heads,
+                head_dim: hd,
+            };
+            let qk_norm = lw
+                .q_norm
+                .as_ref()
+                .zip(lw.k_norm.as_ref())
+                .map(|(q, k)| (q, k, eps));
+            let fused = backend.qkv_into_cache(
+                &ws.qkv,
+                heads,
+                qk_norm,
                 &self.positions,
-                c.num_kv_heads,
-                hd,
                 &self.cos_sin,
+                cache,
+                li,
+                &self.slots,
+                &mut ws.q,
             );
-            backend.kv_write(cache, li, &ws.k, &ws.v, &self.slots);
+            if !fused {
+                backend.copy_columns(&ws.qkv, qd + 2 * kvd, 0, qd, num_tokens, &mut ws.q);
+                backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd, kvd, num_tokens, &mut ws.k);
+                backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd + kvd, kvd, num_tokens, &mut ws.v);
+                if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                    // Qwen3 normalizes each head; reuse `attn` as the scratch for q.
+                    backend.rms_norm(&ws.q, qn, eps, num_tokens * c.num_heads, hd, &mut ws.attn);
+                    std::mem::swap(&mut ws.q, &mut ws.attn);
+                    backend.rms_norm(
+                        &ws.k,
+                        kn,
+                        eps,
+                        num_tokens * c.num_kv_heads,
+                        hd,
+                        &mut ws.k_normed,
+                    );
+                    std::mem::swap(&mut ws.k, &mut ws.k_normed);
+                }
+                backend.rope(&mut ws.q, &self.positions, c.num_heads, hd, &self.cos_sin);
+                backend.rope(
+                    &mut ws.k,
+                    &self.positions,
+                    c.num_kv_heads,
+                    hd,
+                    &self.cos_sin,
+                );
+                backend.kv_write(cache, li, &ws.k, &ws.v, &self.slots);
+            }
             backend.paged_attention(&ws.q, cache, li, &attn_seqs, c.num_heads, &mut ws.attn);
             backend.matmul(&ws.attn, num_tokens, &lw.wo, None, &mut ws.proj);
             backend.add_rms_norm(

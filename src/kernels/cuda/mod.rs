@@ -581,6 +581,68 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn qkv_into_cache(
+        &self,
+        qkv: &CudaSlice<f32>,
+        heads: crate::kernels::QkvHeads,
+        qk_norm: Option<(&CudaSlice<f32>, &CudaSlice<f32>, f32)>,
+        positions: &[u32],
+        cos_sin: &CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        slots: &[u32],
+        q_out: &mut CudaSlice<f32>,
+    ) -> bool {
+        let hd = heads.head_dim;
+        if hd % 64 != 0 || hd > 256 {
+            return false;
+        }
+        let pos = self.upload_u32(Meta::Positions, positions);
+        let slots_d = self.upload_u32(Meta::Slots, slots);
+        if self.replaying() {
+            return true;
+        }
+        let (kc, vc) = cache.layer(layer, &self.stream);
+        let (qn, kn, eps) = match qk_norm {
+            Some((q, k, eps)) => (
+                q.device_ptr(&self.stream).0,
+                k.device_ptr(&self.stream).0,
+                eps,
+            ),
+            None => (0, 0, 0.0),
+        };
+        let (h, kvh, hdi) = (heads.num_heads as i32, heads.num_kv_heads as i32, hd as i32);
+        // SAFETY: qkv holds slots.len() rows of (heads + 2·kv_heads)·head_dim, q_out the q
+        // part; the slots are inside the pool; the norms hold head_dim each; cos_sin covers
+        // the positions.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(self.kernels.qkv_rope_cache.get(cache.kv_bf16))
+                    .arg(&mut *q_out)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(qkv)
+                    .arg(&qn)
+                    .arg(&kn)
+                    .arg(&eps)
+                    .arg(&pos.ptr)
+                    .arg(cos_sin)
+                    .arg(&slots_d.ptr)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&hdi)
+                    .launch(LaunchConfig {
+                        grid_dim: (slots.len().max(1) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+            },
+            "qkv_rope_cache",
+        );
+        true
+    }
+
     fn paged_attention(
         &self,
         q: &CudaSlice<f32>,

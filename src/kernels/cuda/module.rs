@@ -192,6 +192,7 @@ pub struct Kernels {
     pub copy_columns: CudaFunction,
     pub gather_rows: CudaFunction,
     pub kv_write: ByKvType,
+    pub qkv_rope_cache: ByKvType,
     pub matmul_invariant: CudaFunction,
     /// Greedy picks and the CPU sampler's draw for rows without processors.
     pub sample: CudaFunction,
@@ -219,15 +220,16 @@ impl ByKvType {
     }
 }
 
-/// Dynamic shared memory of `attention_gqa` (the kernel's `GQA_SMEM_BYTES`), in bytes: two
-/// stages of a 64-key chunk of bf16 keys and values, or the groups' partial sums.
+/// Dynamic shared memory of `attention_gqa` (the kernel's `GQA_SMEM_BYTES`), in bytes: three
+/// stages of 32 bf16 keys and values, or the groups' partial sums.
 pub fn gqa_smem_bytes(head_dim: usize, group: usize) -> usize {
-    (512 * head_dim).max(4096 * group)
+    (384 * head_dim).max(4096 * group)
 }
 
-/// Lets `func` use `smem_bytes` of dynamic shared memory (above 48 KiB it must opt in).
+/// Lets `func` use `smem_bytes` of dynamic shared memory: above 48 KiB, static and dynamic
+/// together, it must opt in, so any kernel with dynamic shared memory does.
 fn opt_in_smem(func: &CudaFunction, smem_bytes: usize, name: &str) -> Result<(), CudaError> {
-    if smem_bytes > 48 << 10 {
+    if smem_bytes > 0 {
         func.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem_bytes as i32,
@@ -282,6 +284,7 @@ impl Kernels {
         };
         Ok(Kernels {
             kv_write: by_kv("kv_write", 0)?,
+            qkv_rope_cache: by_kv("qkv_rope_cache", 0)?,
             attention_split: by_kv("attention_split", 0)?,
             flash_prefill_64: f("flash_prefill_64_kernel")?,
             flash_prefill_128: f("flash_prefill_128_kernel")?,
