@@ -254,7 +254,9 @@ mod tests {
                         crate::kernels::quant::dequantize(*ggml_type, bytes, &mut v);
                         v
                     }
-                    HostData::Random { .. } => unreachable!("the test makes no random weights"),
+                    HostData::Random { .. } | HostData::Bf16(_) => {
+                        unreachable!("the test makes f32 and quantized weights only")
+                    }
                 };
                 let w = CpuMatrix::from_host(HostMatrix {
                     rows: n,

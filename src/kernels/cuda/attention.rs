@@ -110,9 +110,11 @@ impl CudaBackend {
         }
         // Decode rows over a bf16 cache: one block per KV head computes its query heads.
         let group = num_heads / shape.num_kv_heads;
-        let gqa = (cache.kv_bf16 && !self.batch_invariant && num_heads % shape.num_kv_heads == 0)
-            .then(|| self.kernels.gqa(shape.head_dim, group))
-            .flatten();
+        let gqa = (cache.kv_bf16
+            && !self.batch_invariant
+            && num_heads.is_multiple_of(shape.num_kv_heads))
+        .then(|| self.kernels.gqa(shape.head_dim, group))
+        .flatten();
         let heads_per_block = if gqa.is_some() { group } else { 1 };
         let num_splits = self.num_splits(num_split_rows, num_heads / heads_per_block, max_visible);
         let mut parts = self

@@ -102,7 +102,7 @@ impl CudaBackend {
             self.add_bias(out, bias, m, n);
             return;
         }
-        if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k % 8 == 0) {
+        if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k.is_multiple_of(8)) {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
             let cfg = LaunchConfig {
                 grid_dim: (n.div_ceil(cols) as u32, 1, 1),

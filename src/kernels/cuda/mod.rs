@@ -594,7 +594,7 @@ impl Backend for CudaBackend {
         q_out: &mut CudaSlice<f32>,
     ) -> bool {
         let hd = heads.head_dim;
-        if hd % 64 != 0 || hd > 256 {
+        if !hd.is_multiple_of(64) || hd > 256 {
             return false;
         }
         let pos = self.upload_u32(Meta::Positions, positions);
