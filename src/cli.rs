@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::{Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason};
+use crate::engine::{
+    Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason, SpecConfig, SpecMethod,
+    SpecVerify,
+};
 use crate::error::{Result, TroupeError};
 use crate::generate::DEFAULT_BLOCK_SIZE;
 use crate::model::chat_template::ChatMessage;
@@ -87,6 +90,36 @@ pub struct EngineFlags {
     /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
     #[arg(long)]
     batch_invariant: bool,
+    /// Speculative decoding: `ngram` (prompt lookup); `draft` and `mtp` are not available
+    /// yet. Output is the same as without it, seeded sampling included.
+    #[arg(long, value_parser = parse_spec_method)]
+    spec: Option<SpecMethod>,
+    /// Drafts per request per step, at most (with --spec).
+    #[arg(long, default_value_t = 5)]
+    num_speculative_tokens: usize,
+    /// How many drafts a step verifies: `fixed` (all proposed); `confidence` is not
+    /// available in the engine yet.
+    #[arg(long, default_value = "fixed", value_parser = parse_spec_verify)]
+    spec_verify: SpecVerify,
+}
+
+fn parse_spec_method(s: &str) -> std::result::Result<SpecMethod, String> {
+    match s {
+        "ngram" => Ok(SpecMethod::Ngram),
+        "draft" => Ok(SpecMethod::DraftModel),
+        "mtp" => Ok(SpecMethod::Mtp),
+        other => Err(format!("unknown --spec `{other}` (ngram, draft or mtp)")),
+    }
+}
+
+fn parse_spec_verify(s: &str) -> std::result::Result<SpecVerify, String> {
+    match s {
+        "fixed" => Ok(SpecVerify::Fixed),
+        "confidence" => Ok(SpecVerify::Confidence),
+        other => Err(format!(
+            "unknown --spec-verify `{other}` (fixed or confidence)"
+        )),
+    }
 }
 
 impl EngineFlags {
@@ -124,6 +157,11 @@ impl EngineFlags {
         cfg.zero_overhead_scheduling = !self.no_zos;
         cfg.enable_prefix_cache = !self.no_prefix_cache;
         cfg.batch_invariant = self.batch_invariant;
+        cfg.speculative = self.spec.map(|method| SpecConfig {
+            method,
+            num_speculative_tokens: self.num_speculative_tokens,
+            verify: self.spec_verify,
+        });
         Ok(cfg)
     }
 }
@@ -394,6 +432,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "worker_idle_secs": status.worker_idle_secs,
             "prefix_cache_hit_blocks": status.num_prefix_hit_blocks,
             "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,
+            "spec_verify_rows": status.num_spec_verify_rows,
+            "spec_draft_tokens": status.num_spec_draft_tokens,
+            "spec_accepted_tokens": status.num_spec_accepted_tokens,
         });
         if dest.as_os_str() == "-" {
             eprintln!("{stats}");

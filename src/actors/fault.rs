@@ -18,6 +18,8 @@ struct Flags {
     failing_starts: AtomicUsize,
     /// The next step's readback (waiting for its picks to land) panics.
     fail_next_readback: AtomicBool,
+    /// The sampler panics at the next row that verifies drafts.
+    panic_next_verify: AtomicBool,
 }
 
 impl FaultPlan {
@@ -29,6 +31,12 @@ impl FaultPlan {
     }
     pub fn fail_next_readback(&self) {
         self.inner.fail_next_readback.store(true, Ordering::SeqCst);
+    }
+    pub fn panic_next_verify(&self) {
+        self.inner.panic_next_verify.store(true, Ordering::SeqCst);
+    }
+    pub(crate) fn take_verify_panic(&self) -> bool {
+        self.inner.panic_next_verify.swap(false, Ordering::SeqCst)
     }
     pub(crate) fn take_readback_failure(&self) -> bool {
         self.inner.fail_next_readback.swap(false, Ordering::SeqCst)

@@ -107,37 +107,41 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         let vocab = self.model.cfg.vocab_size;
         let logits = self.model.device_logits();
         // Rows without processors are picked where the logits lie: greedy ones always,
-        // sampled ones where the backend samples (its copy of their logits saved).
+        // sampled ones where the backend samples (its copy of their logits saved). A row
+        // verifying drafts has a logit row per draft and one more, all sent to the host.
         let sample_here = self.backend.samples_on_device();
         let (mut picked, mut host) = (Vec::new(), Vec::new());
+        let mut host_first = vec![None; sampling.len()];
         let mut pick_rows = Vec::new();
-        for (row, s) in sampling.iter().enumerate() {
+        let mut logit_row = 0;
+        for (row, (s, step)) in sampling.iter().zip(steps).enumerate() {
             match s {
                 Some(s) if s.is_plain() && (sample_here || s.params.is_greedy()) => {
                     picked.push(row);
                     pick_rows.push(PickRow {
-                        row,
+                        row: logit_row,
                         params: &s.params,
                         position: s.position,
                     });
                 }
-                Some(_) => host.push(row),
+                Some(_) => {
+                    host_first[row] = Some(host.len());
+                    host.extend(logit_row..logit_row + step.num_logit_rows);
+                }
                 None => {}
             }
+            logit_row += step.num_logit_rows;
         }
         let num_rows = sampling.len();
         let mut out = StepLogits {
             picked: vec![None; num_rows],
-            host_row: vec![None; num_rows],
+            host_row: host_first,
             host: Vec::new(),
         };
         // The host rows' copy waits for the step; the picks' copy is left in flight.
         let picks = self.backend.pick_rows(logits, vocab, &pick_rows);
         if !host.is_empty() {
             out.host = self.backend.download_rows(logits, vocab, &host);
-            for (i, &row) in host.iter().enumerate() {
-                out.host_row[row] = Some(i);
-            }
         }
         let mut prev = vec![None; num_rows];
         if self.backend.picks_stay_on_device() {
@@ -403,7 +407,7 @@ impl ThreadLocalActor for RankWorker {
                 token_ids: input,
                 num_cached_tokens: row.num_cached_tokens,
                 block_table: &row.block_table,
-                num_logit_rows: 1,
+                num_logit_rows: 1 + row.num_draft_tokens,
             })
             .collect();
         let step = st

@@ -7,9 +7,11 @@ use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
+use super::fault::FaultPlan;
 use super::sampled_tokens::SampledTokens;
 use super::scheduler::SchedulerMsg;
 use crate::sampling::{SampleContext, Sampler as RowSampler, SamplingParams};
+use crate::spec::verify::{self, History};
 use crate::structured::SeqConstraint;
 
 /// How to sample one plan row.
@@ -29,6 +31,13 @@ pub struct RowSampling {
     pub banned_ids: StdArc<[u32]>,
     /// Structured output: the grammar that masks this row.
     pub constraint: Option<StdArc<SeqConstraint>>,
+    /// Drafts this row verifies (the last of its input tokens; its logits come with one
+    /// row per draft and one after). Empty: one token, sampled as usual.
+    pub drafts: Vec<u32>,
+    /// A verify row's later positions ban these while fewer than `min_tokens` tokens were
+    /// generated (`banned_ids` holds the first position's bans).
+    pub stop_ids: StdArc<[u32]>,
+    pub min_tokens: usize,
 }
 
 impl RowSampling {
@@ -37,7 +46,8 @@ impl RowSampling {
     /// the host.
     pub fn is_plain(&self) -> bool {
         let p = &self.params;
-        p.logit_bias.is_empty()
+        self.drafts.is_empty()
+            && p.logit_bias.is_empty()
             && p.repetition_penalty == 1.0
             && p.frequency_penalty == 0.0
             && p.presence_penalty == 0.0
@@ -76,10 +86,12 @@ pub enum SamplerMsg {
 pub struct SamplerArgs {
     pub scheduler: ActorRef<SchedulerMsg>,
     pub sampled: SampledTokens,
+    pub faults: FaultPlan,
 }
 
 pub struct SamplerState {
     scheduler: ActorRef<SchedulerMsg>,
+    faults: FaultPlan,
     sampled: SampledTokens,
     sampler: RowSampler,
     /// The previous step's tokens by row, for the histories of ZOS rows.
@@ -103,6 +115,7 @@ impl Actor for SamplerActor {
     ) -> Result<SamplerState, ActorProcessingErr> {
         Ok(SamplerState {
             scheduler: args.scheduler,
+            faults: args.faults,
             sampled: args.sampled,
             sampler: RowSampler::default(),
             last_step: None,
@@ -160,9 +173,9 @@ impl Actor for SamplerActor {
             };
             if let Some((token, logprob)) = logits.picked.get(row).copied().flatten() {
                 per_row.push(Some(token));
-                tokens.push(token);
-                token_logprobs.push(logprob);
-                top_logprobs.push(Vec::new());
+                tokens.push(vec![token]);
+                token_logprobs.push(vec![logprob]);
+                top_logprobs.push(vec![Vec::new()]);
                 continue;
             }
             let Some(host_row) = logits.host_row.get(row).copied().flatten() else {
@@ -170,6 +183,44 @@ impl Actor for SamplerActor {
                     format!("step {step_id}: row {row} has neither a pick nor logits").into(),
                 );
             };
+            let host_rows = logits.host.len() / vocab_size.max(1);
+            if host_row + s.drafts.len() >= host_rows {
+                return Err(format!(
+                    "step {step_id}: row {row} verifies {} drafts but has {} logit rows",
+                    s.drafts.len(),
+                    host_rows.saturating_sub(host_row)
+                )
+                .into());
+            }
+            if !s.drafts.is_empty() {
+                if st.faults.take_verify_panic() {
+                    panic!("sampler panicked mid-verification (injected fault)");
+                }
+                // Each position's token is the one this sampler draws there with the
+                // accepted drafts as history: the output of speculation off.
+                let rows: Vec<&[f32]> = (host_row..=host_row + s.drafts.len())
+                    .map(|r| &logits.host[r * vocab_size..(r + 1) * vocab_size])
+                    .collect();
+                let history = History {
+                    prompt_ids: &s.prompt_ids,
+                    output_ids,
+                    banned_ids: &s.stop_ids,
+                    ban_below_len: s.min_tokens,
+                };
+                let outs = verify::with_sampler(
+                    &mut st.sampler,
+                    &rows,
+                    &s.drafts,
+                    &s.params,
+                    s.position,
+                    history,
+                );
+                per_row.push(outs.last().map(|o| o.token));
+                tokens.push(outs.iter().map(|o| o.token).collect());
+                token_logprobs.push(outs.iter().map(|o| o.logprob).collect());
+                top_logprobs.push(outs.into_iter().map(|o| o.top_logprobs).collect());
+                continue;
+            }
             let row_logits = &logits.host[host_row * vocab_size..(host_row + 1) * vocab_size];
             let row_logits = match &s.constraint {
                 Some(c) => {
@@ -187,9 +238,9 @@ impl Actor for SamplerActor {
                 advances.push((c.clone(), history));
             }
             per_row.push(Some(out.token));
-            tokens.push(out.token);
-            token_logprobs.push(out.logprob);
-            top_logprobs.push(out.top_logprobs);
+            tokens.push(vec![out.token]);
+            token_logprobs.push(vec![out.logprob]);
+            top_logprobs.push(vec![out.top_logprobs]);
         }
         st.sampled.publish(epoch, step_id, per_row.clone());
         st.last_step = Some((epoch, step_id, per_row));

@@ -40,6 +40,10 @@ pub struct EngineStatus {
     pub num_prefix_hit_blocks: u64,
     /// Rank worker time between steps (ZOS shrinks it).
     pub worker_idle_secs: f64,
+    /// Speculative decoding: rows that verified drafts, drafts verified, drafts accepted.
+    pub num_spec_verify_rows: u64,
+    pub num_spec_draft_tokens: u64,
+    pub num_spec_accepted_tokens: u64,
 }
 
 pub enum SchedulerMsg {
@@ -54,13 +58,14 @@ pub enum SchedulerMsg {
     Abort {
         request_id: u64,
     },
-    /// From the sampler: the tokens of the sampling rows of `step_id`, in row order.
+    /// From the sampler: the tokens of the sampling rows of `step_id`, in row order — one
+    /// per row, or a verify row's accepted drafts and the token after them.
     StepSampled {
         epoch: u64,
         step_id: u64,
-        tokens: Vec<u32>,
-        token_logprobs: Vec<f32>,
-        top_logprobs: Vec<Vec<(u32, f32)>>,
+        tokens: Vec<Vec<u32>>,
+        token_logprobs: Vec<Vec<f32>>,
+        top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
         elapsed_secs: f64,
         worker_idle_secs: f64,
     },
@@ -167,14 +172,23 @@ impl SchedulerState {
                     } else {
                         self.no_ids.clone()
                     };
+                    let drafts = match &row.input {
+                        RowInput::Tokens(ids) => ids[ids.len() - row.num_draft_tokens..].to_vec(),
+                        RowInput::FromPrevious { .. } => Vec::new(),
+                    };
                     Some(RowSampling {
                         params: r.params.clone(),
-                        position: (row.num_cached_tokens + row.num_tokens()) as u64,
+                        // The first token sampled follows the row's last known token.
+                        position: (row.num_cached_tokens + row.num_tokens() - row.num_draft_tokens)
+                            as u64,
                         prompt_ids: r.prompt_ids.clone(),
                         output_ids: r.token_ids.clone(),
                         pending_prev_row,
                         banned_ids,
                         constraint: r.constraint.clone(),
+                        drafts,
+                        stop_ids: r.stop_ids.clone(),
+                        min_tokens: r.request.min_tokens,
                     })
                 })
                 .collect();
@@ -224,9 +238,9 @@ impl SchedulerState {
     fn on_sampled(
         &mut self,
         step_id: u64,
-        tokens: Vec<u32>,
-        token_logprobs: Vec<f32>,
-        top_logprobs: Vec<Vec<(u32, f32)>>,
+        tokens: Vec<Vec<u32>>,
+        token_logprobs: Vec<Vec<f32>>,
+        top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
         secs: f64,
     ) {
         let Some(plan) = self.in_flight.pop_front() else {
@@ -234,26 +248,46 @@ impl SchedulerState {
         };
         debug_assert_eq!(plan.step_id, step_id, "steps complete in plan order");
         let num_tokens: usize = plan.rows.iter().map(|r| r.num_tokens()).sum();
-        if num_tokens == plan.rows.len() {
-            self.status.num_decode_tokens += num_tokens as u64;
+        if plan
+            .rows
+            .iter()
+            .all(|r| r.num_tokens() == 1 + r.num_draft_tokens)
+        {
+            // A decode step: the tokens it yields (a verify row's accepted drafts count).
+            let num_yielded: usize = tokens.iter().map(Vec::len).sum();
+            self.status.num_decode_tokens += num_yielded as u64;
             self.status.decode_secs += secs;
         } else {
             self.status.num_prefill_tokens += num_tokens as u64;
             self.status.prefill_secs += secs;
         }
-        let mut logprobs_of: HashMap<SeqId, (f32, Vec<(u32, f32)>)> = HashMap::new();
+        // Per sequence, its tokens' logprobs in emission order.
+        let mut logprobs_of: HashMap<SeqId, VecDeque<(f32, Vec<(u32, f32)>)>> = HashMap::new();
         let sampling_rows = plan.rows.iter().filter(|r| r.sample);
-        for ((row, lp), top) in sampling_rows.zip(token_logprobs).zip(top_logprobs) {
-            logprobs_of.insert(row.seq_id, (lp, top));
+        for ((row, lps), tops) in sampling_rows.zip(token_logprobs).zip(top_logprobs) {
+            if row.num_draft_tokens > 0 {
+                self.status.num_spec_draft_tokens += row.num_draft_tokens as u64;
+                self.status.num_spec_verify_rows += 1;
+            }
+            logprobs_of.insert(row.seq_id, lps.into_iter().zip(tops).collect());
         }
-        for event in self.core.on_step_done(step_id, &tokens, secs) {
+        for (row, t) in plan.rows.iter().filter(|r| r.sample).zip(&tokens) {
+            if row.num_draft_tokens > 0 {
+                self.status.num_spec_accepted_tokens += t.len().saturating_sub(1) as u64;
+            }
+        }
+        let per_row: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
+        for event in self.core.on_step_verified(step_id, &per_row, secs) {
             match event {
                 SeqEvent::Token { seq_id, token } => {
                     let Some(r) = self.requests.get_mut(&seq_id) else {
                         continue;
                     };
                     StdArc::make_mut(&mut r.token_ids).push(token);
-                    let (logprob, top) = logprobs_of.remove(&seq_id).unwrap_or_default();
+                    let (logprob, top) = logprobs_of
+                        .get_mut(&seq_id)
+                        .and_then(VecDeque::pop_front)
+                        .unwrap_or_default();
                     let with_top = r.params.num_top_logprobs > 0;
                     let index = r.index;
                     let (text, stopped) = self.text_delta(seq_id, false);
@@ -288,9 +322,14 @@ impl SchedulerState {
     fn start_forks(&mut self, forks: Vec<(SeqRequest, Request)>) {
         for (seq, r) in forks {
             let seq_id = seq.seq_id;
+            let constrained = r.constraint.is_some();
             self.requests.insert(seq_id, r);
-            if let Err(e) = self.core.add(seq) {
-                self.fail(seq_id, &e.to_string());
+            match self.core.add(seq) {
+                Ok(()) if constrained => {
+                    self.core.disable_drafts(seq_id);
+                }
+                Ok(()) => {}
+                Err(e) => self.fail(seq_id, &e.to_string()),
             }
         }
     }
@@ -516,8 +555,13 @@ impl Actor for SchedulerActor {
                 let (first_seq, mut first) = choices.remove(0);
                 first.pending_forks = choices;
                 let seq_id = first_seq.seq_id;
+                let constrained = first.constraint.is_some();
                 match st.core.add(first_seq) {
                     Ok(()) => {
+                        if constrained {
+                            // A grammar would have to follow every draft: plain rows only.
+                            st.core.disable_drafts(seq_id);
+                        }
                         st.requests.insert(seq_id, first);
                         let _ = reply.send(Ok(()));
                         st.kick();

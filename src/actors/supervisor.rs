@@ -132,6 +132,7 @@ impl EngineSupervisor {
         let args = SamplerArgs {
             scheduler: st.children.scheduler.clone(),
             sampled: st.sampled.clone(),
+            faults: st.rank.faults.clone(),
         };
         let (sampler, _) =
             SamplerActor::spawn_linked(None, SamplerActor, args, myself.get_cell()).await?;
@@ -161,6 +162,7 @@ impl Actor for EngineSupervisor {
         let sampler_args = SamplerArgs {
             scheduler: scheduler.clone(),
             sampled: sampled.clone(),
+            faults: args.rank.faults.clone(),
         };
         let (sampler, _) =
             SamplerActor::spawn_linked(None, SamplerActor, sampler_args, myself.get_cell()).await?;

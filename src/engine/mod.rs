@@ -15,6 +15,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 pub use types::{
     Device, EngineConfig, EngineError, EngineRequest, FinishReason, MAX_CHOICES, RequestOutput,
+    SpecConfig, SpecMethod, SpecVerify,
 };
 
 use crate::actors::fault::FaultPlan;
@@ -64,6 +65,7 @@ impl Engine {
                 cfg.block_size, cfg.max_num_seqs, cfg.max_step_tokens, cfg.max_pending_requests
             )));
         }
+        speculative_tokens(cfg.speculative)?;
         let text = model::load_text(&cfg.model_path)?;
         let mcfg = &text.config;
         // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode.
@@ -87,8 +89,7 @@ impl Engine {
             enable_prefix_cache: cfg.enable_prefix_cache,
             max_context_tokens: mcfg.max_context_tokens,
             stop_preempted: cfg.stop_preempted,
-            // Verify rows are not wired through the rank workers and the sampler yet.
-            num_speculative_tokens: 0,
+            num_speculative_tokens: speculative_tokens(cfg.speculative)?,
         };
         let args = SupervisorArgs {
             scheduler: SchedulerArgs {
@@ -127,6 +128,34 @@ impl Engine {
             grammars: StdArc::new(OnceLock::new()),
         })
     }
+}
+
+/// Drafts per row the scheduler may plan (0: speculation off), or why the configuration
+/// cannot run.
+fn speculative_tokens(spec: Option<SpecConfig>) -> Result<usize, EngineError> {
+    let Some(spec) = spec else {
+        return Ok(0);
+    };
+    let unavailable = |what: &str| {
+        Err(EngineError::Spawn(format!(
+            "{what} is not available yet: use --spec ngram --spec-verify fixed"
+        )))
+    };
+    match spec.method {
+        SpecMethod::Ngram => {}
+        SpecMethod::DraftModel => return unavailable("--spec draft (a draft model)"),
+        SpecMethod::Mtp => return unavailable("--spec mtp (the Llama family has no MTP layers;"),
+    }
+    if spec.verify == SpecVerify::Confidence {
+        return unavailable("--spec-verify confidence in the engine");
+    }
+    if !(1..=16).contains(&spec.num_speculative_tokens) {
+        return Err(EngineError::Spawn(format!(
+            "num_speculative_tokens must be in 1..=16, got {}",
+            spec.num_speculative_tokens
+        )));
+    }
+    Ok(spec.num_speculative_tokens)
 }
 
 /// The KV cache's budget: as configured, or on a GPU with `kv_cache_bytes == 0`, what is

@@ -45,6 +45,36 @@ pub struct EngineConfig {
     /// Kernels with a reduction order independent of the batch: a request's logits are
     /// bitwise the same alone or among others, in any prefill chunking.
     pub batch_invariant: bool,
+    /// Speculative decoding; `None`: off.
+    pub speculative: Option<SpecConfig>,
+}
+
+/// Who proposes draft tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecMethod {
+    /// Prompt lookup: the continuation of the latest earlier match of the last n tokens.
+    Ngram,
+    /// A smaller model with the same tokenizer (`--draft-model`).
+    DraftModel,
+    /// The model's own next-n layers.
+    Mtp,
+}
+
+/// How many drafts a step verifies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecVerify {
+    /// Every draft the drafter proposes, up to `num_speculative_tokens`.
+    Fixed,
+    /// A global budget chosen from the drafts' confidences and the step's cost (DSpark).
+    Confidence,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecConfig {
+    pub method: SpecMethod,
+    /// Drafts per request per step, at most.
+    pub num_speculative_tokens: usize,
+    pub verify: SpecVerify,
 }
 
 impl EngineConfig {
@@ -66,6 +96,7 @@ impl EngineConfig {
             max_rank_restarts: 8,
             stop_preempted: false,
             batch_invariant: false,
+            speculative: None,
         }
     }
 }

@@ -1,0 +1,213 @@
+//! Speculative decoding through the actor engine (n-gram drafter, every draft verified):
+//! output equal to plain decoding — greedy against the one-at-a-time reference, seeded
+//! sampling (tokens and logprobs) against the engine without speculation — with ZOS on
+//! and off, while drafts are actually proposed and accepted; a sampler killed in the middle
+//! of a verification changes nothing; configurations that cannot run are refused by name.
+
+mod common;
+
+use common::engine::{reference_outputs, tiny_config, tokens};
+use troupe::actors::fault::FaultPlan;
+use troupe::engine::{
+    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStatus, RequestOutput, SpecConfig,
+    SpecMethod, SpecVerify,
+};
+use troupe::sampling::{SamplingParams, splitmix64};
+
+fn ngram(k: usize) -> Option<SpecConfig> {
+    Some(SpecConfig {
+        method: SpecMethod::Ngram,
+        num_speculative_tokens: k,
+        verify: SpecVerify::Fixed,
+    })
+}
+
+/// Prompts that repeat a random phrase, so prompt lookup has something to propose; the
+/// tiny random models also fall into loops of their own, which it then follows.
+fn repetitive_requests(
+    n: usize,
+    seed: u64,
+    params: impl Fn(usize) -> SamplingParams,
+) -> Vec<EngineRequest> {
+    (0..n)
+        .map(|i| {
+            let h = |k: u64| splitmix64(seed ^ splitmix64(i as u64 * 1000 + k));
+            let phrase: Vec<u32> = (0..3 + h(0) % 6)
+                .map(|j| 3 + (h(10 + j) % 380) as u32)
+                .collect();
+            let repeats = 2 + (h(1) % 4) as usize;
+            let prompt_ids = phrase
+                .iter()
+                .copied()
+                .cycle()
+                .take(phrase.len() * repeats)
+                .collect();
+            let max_tokens = 16 + (h(2) % 33) as usize;
+            let mut r = EngineRequest::new(prompt_ids, max_tokens, params(i));
+            r.ignore_eos = true;
+            r
+        })
+        .collect()
+}
+
+async fn run(
+    cfg: EngineConfig,
+    requests: Vec<EngineRequest>,
+) -> (Vec<RequestOutput>, EngineStatus) {
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let out = outputs(&engine, requests).await;
+    let status = engine.status().await.unwrap();
+    engine.shutdown(true).await;
+    (out, status)
+}
+
+async fn outputs(engine: &EngineHandle, requests: Vec<EngineRequest>) -> Vec<RequestOutput> {
+    engine
+        .generate_batch(requests)
+        .await
+        .into_iter()
+        .map(|r| {
+            let o = r.expect("request accepted");
+            assert!(o.error.is_none(), "{:?}", o.error);
+            o
+        })
+        .collect()
+}
+
+/// Drafts went through verification and some were kept: otherwise the comparisons above
+/// would say nothing about speculation.
+fn assert_speculated(status: &EngineStatus, what: &str) {
+    assert!(
+        status.num_spec_verify_rows > 0 && status.num_spec_accepted_tokens > 0,
+        "{what}: no draft was verified and accepted: {status:?}"
+    );
+    assert!(status.num_spec_accepted_tokens <= status.num_spec_draft_tokens);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_output_with_ngram_speculation_equals_plain_decoding() {
+    for model in ["tiny-llama", "tiny-qwen3"] {
+        let requests = repetitive_requests(48, 5, |_| SamplingParams::default());
+        let want = reference_outputs(model, &requests);
+        for zos in [true, false] {
+            let mut cfg = tiny_config(model);
+            cfg.zero_overhead_scheduling = zos;
+            cfg.speculative = ngram(4);
+            let (got, status) = run(cfg, requests.clone()).await;
+            assert_eq!(tokens(&got), want, "{model}, zos={zos}");
+            assert_speculated(&status, model);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_included() {
+    // Low temperatures on half the requests: the tiny random models are flat, and only
+    // peaked rows accept drafts (the accepted path extends the history mid-row).
+    let params = |i: usize| SamplingParams {
+        temperature: if i % 2 == 0 { 0.2 } else { 0.7 },
+        top_p: 0.95,
+        top_k: if i % 4 < 2 { 0 } else { 3 },
+        repetition_penalty: if i % 3 == 0 { 1.1 } else { 1.0 },
+        ..SamplingParams::default()
+    };
+    let mut requests = repetitive_requests(32, 9, params);
+    for (i, r) in requests.iter_mut().enumerate() {
+        r.seed = Some(1000 + i as u64);
+    }
+    // A verify row's logits come from a multi-token row; outside the batch-invariant mode
+    // the CPU's kernels for those round differently in the last bits, so logprobs agree
+    // to 1e-4 there and bitwise in the invariant mode.
+    for invariant in [false, true] {
+        let mut base = tiny_config("tiny-llama");
+        base.batch_invariant = invariant;
+        let (want, _) = run(base.clone(), requests.clone()).await;
+        for k in [1, 5] {
+            let mut cfg = base.clone();
+            cfg.speculative = ngram(k);
+            let (got, status) = run(cfg, requests.clone()).await;
+            assert_eq!(tokens(&got), tokens(&want), "k={k}, invariant={invariant}");
+            for (g, w) in got.iter().zip(&want) {
+                if invariant {
+                    assert_eq!(g.token_logprobs, w.token_logprobs, "k={k}");
+                } else {
+                    let worst = g
+                        .token_logprobs
+                        .iter()
+                        .zip(&w.token_logprobs)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    assert!(worst < 1e-4, "k={k}: logprobs differ by {worst}");
+                }
+            }
+            assert_speculated(&status, "seeded");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sampler_killed_mid_verification_changes_no_output() {
+    let requests = repetitive_requests(32, 21, |_| SamplingParams::default());
+    let want = reference_outputs("tiny-llama", &requests);
+    let faults = FaultPlan::default();
+    let mut cfg = tiny_config("tiny-llama");
+    cfg.speculative = ngram(4);
+    let engine = Engine::spawn_with_faults(cfg, faults.clone())
+        .await
+        .unwrap();
+    faults.panic_next_verify();
+    let got = outputs(&engine, requests).await;
+    assert_eq!(tokens(&got), want);
+    let status = engine.status().await.unwrap();
+    assert!(
+        status.num_resets >= 2,
+        "the sampler was never restarted: {status:?}"
+    );
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configurations_that_cannot_run_are_refused_by_name() {
+    for (spec, needle) in [
+        (
+            SpecConfig {
+                method: SpecMethod::DraftModel,
+                num_speculative_tokens: 4,
+                verify: SpecVerify::Fixed,
+            },
+            "draft",
+        ),
+        (
+            SpecConfig {
+                method: SpecMethod::Mtp,
+                num_speculative_tokens: 4,
+                verify: SpecVerify::Fixed,
+            },
+            "mtp",
+        ),
+        (
+            SpecConfig {
+                method: SpecMethod::Ngram,
+                num_speculative_tokens: 4,
+                verify: SpecVerify::Confidence,
+            },
+            "confidence",
+        ),
+        (
+            SpecConfig {
+                method: SpecMethod::Ngram,
+                num_speculative_tokens: 0,
+                verify: SpecVerify::Fixed,
+            },
+            "num_speculative_tokens",
+        ),
+    ] {
+        let mut cfg = tiny_config("tiny-llama");
+        cfg.speculative = Some(spec);
+        let err = match Engine::spawn(cfg).await {
+            Ok(_) => panic!("{spec:?} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(needle), "{spec:?}: {err}");
+    }
+}
