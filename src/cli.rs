@@ -97,9 +97,9 @@ pub struct EngineFlags {
     /// Drafts per request per step, at most (with --spec).
     #[arg(long, default_value_t = 5)]
     num_speculative_tokens: usize,
-    /// How many drafts a step verifies: `fixed` (all proposed); `confidence` is not
-    /// available in the engine yet.
-    #[arg(long, default_value = "fixed", value_parser = parse_spec_verify)]
+    /// How many drafts a step verifies: `confidence` (those worth their cost, from the
+    /// drafts' calibrated confidences and the fitted step cost) or `fixed` (all proposed).
+    #[arg(long, default_value = "confidence", value_parser = parse_spec_verify)]
     spec_verify: SpecVerify,
 }
 

@@ -1,4 +1,5 @@
-//! Speculative decoding through the actor engine (n-gram drafter, every draft verified):
+//! Speculative decoding through the actor engine (n-gram drafter, every draft verified or
+//! the confidence-scheduled share of them):
 //! output equal to plain decoding — greedy against the one-at-a-time reference, seeded
 //! sampling (tokens and logprobs) against the engine without speculation — with ZOS on
 //! and off, while drafts are actually proposed and accepted; a sampler killed in the middle
@@ -14,11 +15,11 @@ use troupe::engine::{
 };
 use troupe::sampling::{SamplingParams, splitmix64};
 
-fn ngram(k: usize) -> Option<SpecConfig> {
+fn ngram(k: usize, verify: SpecVerify) -> Option<SpecConfig> {
     Some(SpecConfig {
         method: SpecMethod::Ngram,
         num_speculative_tokens: k,
-        verify: SpecVerify::Fixed,
+        verify,
     })
 }
 
@@ -89,12 +90,16 @@ async fn greedy_output_with_ngram_speculation_equals_plain_decoding() {
     for model in ["tiny-llama", "tiny-qwen3"] {
         let requests = repetitive_requests(48, 5, |_| SamplingParams::default());
         let want = reference_outputs(model, &requests);
-        for zos in [true, false] {
+        for (zos, verify) in [
+            (true, SpecVerify::Fixed),
+            (false, SpecVerify::Fixed),
+            (true, SpecVerify::Confidence),
+        ] {
             let mut cfg = tiny_config(model);
             cfg.zero_overhead_scheduling = zos;
-            cfg.speculative = ngram(4);
+            cfg.speculative = ngram(4, verify);
             let (got, status) = run(cfg, requests.clone()).await;
-            assert_eq!(tokens(&got), want, "{model}, zos={zos}");
+            assert_eq!(tokens(&got), want, "{model}, zos={zos}, {verify:?}");
             assert_speculated(&status, model);
         }
     }
@@ -122,9 +127,9 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
         let mut base = tiny_config("tiny-llama");
         base.batch_invariant = invariant;
         let (want, _) = run(base.clone(), requests.clone()).await;
-        for k in [1, 5] {
+        for (k, verify) in [(1, SpecVerify::Fixed), (5, SpecVerify::Confidence)] {
             let mut cfg = base.clone();
-            cfg.speculative = ngram(k);
+            cfg.speculative = ngram(k, verify);
             let (got, status) = run(cfg, requests.clone()).await;
             assert_eq!(tokens(&got), tokens(&want), "k={k}, invariant={invariant}");
             for (g, w) in got.iter().zip(&want) {
@@ -151,7 +156,7 @@ async fn a_sampler_killed_mid_verification_changes_no_output() {
     let want = reference_outputs("tiny-llama", &requests);
     let faults = FaultPlan::default();
     let mut cfg = tiny_config("tiny-llama");
-    cfg.speculative = ngram(4);
+    cfg.speculative = ngram(4, SpecVerify::Fixed);
     let engine = Engine::spawn_with_faults(cfg, faults.clone())
         .await
         .unwrap();
@@ -184,14 +189,6 @@ async fn configurations_that_cannot_run_are_refused_by_name() {
                 verify: SpecVerify::Fixed,
             },
             "mtp",
-        ),
-        (
-            SpecConfig {
-                method: SpecMethod::Ngram,
-                num_speculative_tokens: 4,
-                verify: SpecVerify::Confidence,
-            },
-            "confidence",
         ),
         (
             SpecConfig {

@@ -90,6 +90,9 @@ impl Engine {
             max_context_tokens: mcfg.max_context_tokens,
             stop_preempted: cfg.stop_preempted,
             num_speculative_tokens: speculative_tokens(cfg.speculative)?,
+            confidence_verify: cfg
+                .speculative
+                .is_some_and(|s| s.verify == SpecVerify::Confidence),
         };
         let args = SupervisorArgs {
             scheduler: SchedulerArgs {
@@ -138,16 +141,13 @@ fn speculative_tokens(spec: Option<SpecConfig>) -> Result<usize, EngineError> {
     };
     let unavailable = |what: &str| {
         Err(EngineError::Spawn(format!(
-            "{what} is not available yet: use --spec ngram --spec-verify fixed"
+            "{what} is not available yet: use --spec ngram"
         )))
     };
     match spec.method {
         SpecMethod::Ngram => {}
         SpecMethod::DraftModel => return unavailable("--spec draft (a draft model)"),
         SpecMethod::Mtp => return unavailable("--spec mtp (the Llama family has no MTP layers;"),
-    }
-    if spec.verify == SpecVerify::Confidence {
-        return unavailable("--spec-verify confidence in the engine");
     }
     if !(1..=16).contains(&spec.num_speculative_tokens) {
         return Err(EngineError::Spawn(format!(

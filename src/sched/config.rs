@@ -24,6 +24,9 @@ pub struct SchedulerConfig {
     pub stop_preempted: bool,
     /// Draft tokens a decode row may carry for verification (prompt lookup); 0: off.
     pub num_speculative_tokens: usize,
+    /// Verify only the drafts worth their cost this step (DSpark: survival of the drafts'
+    /// confidences against the fitted step cost); else every draft proposed.
+    pub confidence_verify: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -39,6 +42,7 @@ impl Default for SchedulerConfig {
             max_context_tokens: 4096,
             stop_preempted: false,
             num_speculative_tokens: 0,
+            confidence_verify: false,
         }
     }
 }

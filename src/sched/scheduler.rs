@@ -255,6 +255,12 @@ impl Scheduler {
         let mut num_prefill_rows = 0;
         let mut preempted_any = false;
 
+        let mut verify_drafts = if self.cfg.confidence_verify && self.cfg.num_speculative_tokens > 0
+        {
+            Some(self.confidence_drafts())
+        } else {
+            None
+        };
         let mut i = 0;
         while i < self.running.len() && num_tokens_left > 0 {
             let idx = self.running[i];
@@ -274,7 +280,14 @@ impl Scheduler {
             let is_decode = num_remaining == 1;
             let mut drafts = Vec::new();
             let q = if is_decode {
-                drafts = self.drafts(idx, num_tokens_left - 1);
+                drafts = match verify_drafts.as_mut() {
+                    Some(chosen) => {
+                        let mut d = chosen.remove(&idx).unwrap_or_default();
+                        d.truncate(num_tokens_left - 1);
+                        d
+                    }
+                    None => self.drafts(idx, num_tokens_left - 1),
+                };
                 1 + drafts.len()
             } else {
                 let max_q = num_remaining.min(num_tokens_left);

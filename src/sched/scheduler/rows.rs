@@ -4,12 +4,57 @@
 use super::{RowRecord, Scheduler};
 use crate::sched::sequence::RowRef;
 use crate::sched::{PlannedRow, RowInput, StepId};
-use crate::spec::Drafter;
+use std::collections::HashMap;
+
+use crate::spec::{Draft, Drafter, SpecRequest, plan_verification};
 
 impl Scheduler {
+    /// Confidence-scheduled verification: the drafts of every sequence whose next row is a
+    /// decode row, cut to the verify lengths that maximise expected tokens per second of
+    /// step time (`plan_verification` over the fitted cost model). Rows planned besides
+    /// them count as plain decode rows; prefill chunks are not known yet and not counted.
+    pub(super) fn confidence_drafts(&mut self) -> HashMap<usize, Vec<u32>> {
+        let mut requests = Vec::new();
+        let mut proposals = Vec::new();
+        let mut other_rows = Vec::new();
+        let running = self.running.clone();
+        for idx in running {
+            let seq = self.seq(idx);
+            let is_decode = seq.num_tokens() == seq.num_scheduled_tokens + 1;
+            if !is_decode || !seq.may_sample_more(self.cfg.max_context_tokens) {
+                continue;
+            }
+            let num_context_tokens = seq.num_tokens();
+            let drafts = self.propose(idx, self.cfg.num_speculative_tokens);
+            if drafts.is_empty() {
+                other_rows.push((1, num_context_tokens));
+                continue;
+            }
+            requests.push(SpecRequest {
+                confidences: drafts.iter().map(|d| Some(d.confidence)).collect(),
+                num_context_tokens,
+            });
+            proposals.push((idx, drafts));
+        }
+        let plan = plan_verification(&requests, &other_rows, &self.cost_model);
+        proposals
+            .into_iter()
+            .zip(plan.verify_lens)
+            .map(|((idx, drafts), len)| (idx, drafts[..len].iter().map(|d| d.token).collect()))
+            .collect()
+    }
+
     /// Up to `max_drafts` draft tokens for sequence `idx`'s next decode row: no more than
     /// its remaining output and context allow after the row's own token.
     pub(super) fn drafts(&mut self, idx: usize, max_drafts: usize) -> Vec<u32> {
+        self.propose(idx, max_drafts)
+            .into_iter()
+            .map(|d| d.token)
+            .collect()
+    }
+
+    /// The drafter's proposal for sequence `idx`, with confidences, within the room left.
+    fn propose(&mut self, idx: usize, max_drafts: usize) -> Vec<Draft> {
         let max_context_tokens = self.cfg.max_context_tokens;
         let seq = self.seqs[idx].as_mut().expect("live");
         if seq.num_pending_tokens > 0 {
@@ -20,11 +65,7 @@ impl Scheduler {
             .min(max_drafts)
             .min(self.cfg.num_speculative_tokens);
         match &mut seq.drafter {
-            Some(drafter) if room > 0 => drafter
-                .propose(&seq.tokens, room)
-                .into_iter()
-                .map(|d| d.token)
-                .collect(),
+            Some(drafter) if room > 0 => drafter.propose(&seq.tokens, room),
             _ => Vec::new(),
         }
     }

@@ -131,3 +131,47 @@ fn a_stop_inside_the_accepted_drafts_ends_the_request_there() {
     );
     assert_idle_and_full(&s);
 }
+
+/// Step seconds of the sim: 1 ms a step plus 0.1 ms a token, so that a draft unlikely to
+/// be accepted costs more than it is expected to yield.
+fn costly_tokens_secs(plan: &StepPlan) -> f64 {
+    1e-3 + plan.rows.iter().map(|r| r.num_tokens() as f64 * 1e-4).sum::<f64>()
+}
+
+/// Like `run`, with step times from `costly_tokens_secs`; returns the drafts verified too.
+fn run_costly(cfg: &SchedulerConfig, reqs: &[SeqRequest]) -> (Outputs, usize, usize) {
+    let mut s = Scheduler::new(cfg.clone());
+    let mut dev = Device::new(cfg);
+    dev.next = predictable_next;
+    for r in reqs {
+        s.add(r.clone()).unwrap();
+    }
+    let mut outputs = Outputs::default();
+    while let Some(plan) = s.schedule() {
+        let sampled = dev.execute_verified(&plan);
+        let rows: Vec<&[u32]> = sampled.iter().map(Vec::as_slice).collect();
+        outputs.apply(s.on_step_verified(plan.step_id, &rows, costly_tokens_secs(&plan)));
+    }
+    assert!(!s.has_unfinished());
+    assert_idle_and_full(&s);
+    (outputs, dev.num_drafts, dev.num_accepted)
+}
+
+#[test]
+fn confidence_scheduling_verifies_fewer_drafts_with_the_same_output() {
+    let reqs = requests();
+    let fixed = spec_cfg(5);
+    let confidence = SchedulerConfig {
+        confidence_verify: true,
+        ..spec_cfg(5)
+    };
+    let (out_fixed, drafts_fixed, _) = run_costly(&fixed, &reqs);
+    let (out_conf, drafts_conf, accepted_conf) = run_costly(&confidence, &reqs);
+    expect_reference_with(&out_fixed, &reqs, &fixed, predictable_next);
+    expect_reference_with(&out_conf, &reqs, &confidence, predictable_next);
+    assert!(accepted_conf > 0, "confidence mode accepted no draft");
+    assert!(
+        drafts_conf < drafts_fixed,
+        "confidence mode verified {drafts_conf} drafts, fixed {drafts_fixed}"
+    );
+}
