@@ -15,7 +15,7 @@
 //! One `schedule()` is O(running + admitted rows + blocks allocated), no hashing on the
 //! decode path; `on_step_done()` is O(rows + newly full blocks).
 
-use crate::spec::NgramDrafter;
+use crate::spec::{NgramCalibration, NgramDrafter};
 use std::collections::{HashMap, VecDeque};
 
 use self::resources::{DeferredRelease, Reserve};
@@ -73,6 +73,8 @@ pub struct Scheduler {
     /// Events raised while planning (a sequence stopped by preemption), handed out by
     /// `take_events` or with the next `on_step_done`.
     pending_events: Vec<SeqEvent>,
+    /// What every sequence's prompt-lookup drafter learned about acceptance.
+    ngram_calibration: NgramCalibration,
 }
 
 impl Scheduler {
@@ -98,6 +100,11 @@ impl Scheduler {
             num_preemptions: 0,
             hits: Vec::new(),
             pending_events: Vec::new(),
+            ngram_calibration: NgramDrafter::calibration(
+                NGRAM_MIN,
+                NGRAM_MAX,
+                cfg.num_speculative_tokens,
+            ),
             cfg,
         }
     }
@@ -193,10 +200,10 @@ impl Scheduler {
         }
         let mut seq = Sequence::new(req, self.next_arrival);
         if cfg.num_speculative_tokens > 0 {
-            seq.drafter = Some(NgramDrafter::new(
+            seq.drafter = Some(NgramDrafter::with_calibration(
                 NGRAM_MIN,
                 NGRAM_MAX,
-                cfg.num_speculative_tokens,
+                self.ngram_calibration.clone(),
             ));
         }
         self.next_arrival += 1;

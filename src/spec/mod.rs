@@ -23,7 +23,7 @@ pub mod verify;
 pub use calibration::Calibration;
 pub use distribution::{TargetDistribution, gumbel_pick};
 pub use latency::{CurveStore, LatencyCurve};
-pub use ngram::NgramDrafter;
+pub use ngram::{NgramCalibration, NgramDrafter};
 pub use planner::{
     ConfidenceBuffer, CurveCost, SpecRequest, StepCost, VerifyPlan, plan_verification,
 };

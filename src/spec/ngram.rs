@@ -3,14 +3,20 @@
 //! the tokens that followed the latest earlier occurrence are the drafts. A longer match
 //! predicts better, so confidences are calibrated per match length and draft position.
 
+use std::sync::{Arc, Mutex};
+
 use super::{Calibration, Draft, Drafter};
+
+/// Per match length `n` (index n − min_n): acceptance by draft position. Shared by the
+/// drafters of one engine: how often the model follows a match is a property of the model
+/// and the drafter, so every sequence starts from what the others observed.
+pub type NgramCalibration = Arc<Mutex<Vec<Calibration>>>;
 
 #[derive(Debug, Clone)]
 pub struct NgramDrafter {
     min_n: usize,
     max_n: usize,
-    /// Per match length `n` (index n − min_n): acceptance by draft position.
-    calibration: Vec<Calibration>,
+    calibration: NgramCalibration,
     /// The match length of the last proposal, for `observe`.
     last_n: Option<usize>,
 }
@@ -22,13 +28,26 @@ const PRIOR_WEIGHT: f64 = 4.0;
 
 impl NgramDrafter {
     pub fn new(min_n: usize, max_n: usize, max_drafts: usize) -> Self {
+        Self::with_calibration(min_n, max_n, Self::calibration(min_n, max_n, max_drafts))
+    }
+
+    /// A fresh calibration for drafters of these match lengths, to share.
+    pub fn calibration(min_n: usize, max_n: usize, max_drafts: usize) -> NgramCalibration {
+        Arc::new(Mutex::new(
+            (min_n..=max_n)
+                .map(|_| Calibration::new(max_drafts, PRIOR_RATE, PRIOR_WEIGHT))
+                .collect(),
+        ))
+    }
+
+    /// A drafter reading and feeding a shared `calibration` (from `calibration` with the
+    /// same match lengths).
+    pub fn with_calibration(min_n: usize, max_n: usize, calibration: NgramCalibration) -> Self {
         assert!(1 <= min_n && min_n <= max_n, "need 1 ≤ min_n ≤ max_n");
         NgramDrafter {
             min_n,
             max_n,
-            calibration: (min_n..=max_n)
-                .map(|_| Calibration::new(max_drafts, PRIOR_RATE, PRIOR_WEIGHT))
-                .collect(),
+            calibration,
             last_n: None,
         }
     }
@@ -57,7 +76,8 @@ impl Drafter for NgramDrafter {
                 continue;
             };
             let to = (from + max_drafts).min(history.len());
-            let calibration = &self.calibration[n - self.min_n];
+            let calibration = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
+            let calibration = &calibration[n - self.min_n];
             self.last_n = Some(n);
             return history[from..to]
                 .iter()
@@ -73,7 +93,8 @@ impl Drafter for NgramDrafter {
 
     fn observe(&mut self, num_verified: usize, num_accepted: usize) {
         if let Some(n) = self.last_n.take() {
-            self.calibration[n - self.min_n].observe(num_verified, num_accepted);
+            let mut calibration = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
+            calibration[n - self.min_n].observe(num_verified, num_accepted);
         }
     }
 }

@@ -135,7 +135,11 @@ fn a_stop_inside_the_accepted_drafts_ends_the_request_there() {
 /// Step seconds of the sim: 1 ms a step plus 0.1 ms a token, so that a draft unlikely to
 /// be accepted costs more than it is expected to yield.
 fn costly_tokens_secs(plan: &StepPlan) -> f64 {
-    1e-3 + plan.rows.iter().map(|r| r.num_tokens() as f64 * 1e-4).sum::<f64>()
+    1e-3 + plan
+        .rows
+        .iter()
+        .map(|r| r.num_tokens() as f64 * 1e-4)
+        .sum::<f64>()
 }
 
 /// Like `run`, with step times from `costly_tokens_secs`; returns the drafts verified too.

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Speculative decoding on the CPU backend with the default model (SmolLM2-135M-Instruct):
+# 32 chat prompts that copy or edit text and code (what prompt lookup predicts), 128 new
+# tokens each, greedy, all at once; no speculation vs n-gram drafts verified in full
+# (fixed, K = 5) vs confidence-scheduled (K = 5). Prints tok/s, steps, verify tokens a
+# step, accepted drafts per verify row, and whether the outputs equal the plain run (and,
+# in the batch-invariant mode, the plain invariant run).
+# Run: cargo build --release && bash scripts/bench_spec.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+troupe=target/release/troupe
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python3 - "$work/prompts.jsonl" <<'PY'
+import json, sys
+texts = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun all day long.",
+    "Roses are red, violets are blue, sugar is sweet, and so are you.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;",
+    "The mitochondria is the powerhouse of the cell. It produces energy for the cell.",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+]
+asks = [
+    "Repeat this text exactly, twice:\n{}",
+    "Copy the following verbatim, then copy it again:\n{}",
+    "Rewrite this, keeping every word, in a code block:\n{}",
+    "Quote this back to me exactly:\n{}",
+]
+with open(sys.argv[1], "w") as f:
+    for ask in asks:
+        for t in texts:
+            f.write(json.dumps({"prompt": ask.format(t), "chat": True}) + "\n")
+PY
+run() {
+  local label=$1
+  shift
+  "$troupe" generate --prompts-file "$work/prompts.jsonl" --max-tokens 128 --temperature 0 \
+    --json --stats "$work/$label.stats" "$@" >"$work/$label.out"
+}
+run plain
+run fixed --spec ngram --spec-verify fixed --num-speculative-tokens 5
+run confidence --spec ngram --spec-verify confidence --num-speculative-tokens 5
+# Outside the batch-invariant mode a verify row's logits (a multi-token row) round
+# differently from a one-token row's, so near-ties may flip greedy tokens; with it the
+# outputs must be identical.
+run plain-inv --batch-invariant
+run confidence-inv --batch-invariant --spec ngram --spec-verify confidence --num-speculative-tokens 5
+python3 - "$work" <<'PY'
+import json, sys, os
+work = sys.argv[1]
+print(f"{'mode':<15} {'out tok/s':>9} {'steps':>6} {'verify tok/step':>15} {'accepted/row':>12} {'same output':>11}")
+for label in ["plain", "fixed", "confidence", "plain-inv", "confidence-inv"]:
+    s = json.load(open(os.path.join(work, f"{label}.stats")))
+    rows = s["spec_verify_rows"]
+    ref = "plain-inv" if label.endswith("-inv") else "plain"
+    ids = lambda l: [json.loads(x)["token_ids"] for x in open(os.path.join(work, f"{l}.out"))]
+    same = ids(label) == ids(ref)
+    print(f"{label:<15} {s['output_tokens'] / s['generate_s']:>9.1f} {s['steps']:>6} "
+          f"{s['spec_draft_tokens'] / s['steps']:>15.2f} "
+          f"{(s['spec_accepted_tokens'] / rows if rows else 0):>12.2f} {str(same):>11}")
+PY
