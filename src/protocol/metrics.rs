@@ -206,6 +206,26 @@ fn status_registry(s: &EngineStatus) -> Registry {
         "Prefix-cache hit blocks over queried blocks since start",
         prefix_cache_hit_ratio(s),
     );
+    let mut counter = |name: &str, help: &str, value: u64| {
+        let c = Counter::<u64>::default();
+        c.inc_by(value);
+        registry.register(name, help, c);
+    };
+    counter(
+        "spec_verify_rows",
+        "Decode rows that verified draft tokens (speculative decoding)",
+        s.num_spec_verify_rows,
+    );
+    counter(
+        "spec_draft_tokens",
+        "Draft tokens verified",
+        s.num_spec_draft_tokens,
+    );
+    counter(
+        "spec_accepted_tokens",
+        "Draft tokens accepted",
+        s.num_spec_accepted_tokens,
+    );
     registry
 }
 
@@ -302,9 +322,18 @@ mod tests {
             num_total_blocks: 100,
             num_prefix_queried_blocks: 8,
             num_prefix_hit_blocks: 6,
+            num_spec_verify_rows: 4,
+            num_spec_draft_tokens: 20,
+            num_spec_accepted_tokens: 11,
             ..Default::default()
         };
         let text = m.render(&status);
+        assert_eq!(sample(&text, "troupe_spec_verify_rows_total"), Some(4.0));
+        assert_eq!(sample(&text, "troupe_spec_draft_tokens_total"), Some(20.0));
+        assert_eq!(
+            sample(&text, "troupe_spec_accepted_tokens_total"),
+            Some(11.0)
+        );
         assert_eq!(sample(&text, "troupe_num_requests_running"), Some(3.0));
         assert_eq!(sample(&text, "troupe_num_requests_waiting"), Some(2.0));
         assert_eq!(sample(&text, "troupe_kv_cache_total_blocks"), Some(100.0));
