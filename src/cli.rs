@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::{
-    Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason, SpecConfig, SpecMethod,
-    SpecVerify,
+    Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason, SpecAcceptance,
+    SpecConfig, SpecMethod, SpecVerify,
 };
 use crate::error::{Result, TroupeError};
 use crate::generate::DEFAULT_BLOCK_SIZE;
@@ -101,6 +101,21 @@ pub struct EngineFlags {
     /// drafts' calibrated confidences and the fitted step cost) or `fixed` (all proposed).
     #[arg(long, default_value = "confidence", value_parser = parse_spec_verify)]
     spec_verify: SpecVerify,
+    /// How sampled requests accept drafts: `coupled` (the tokens of plain decoding, seed
+    /// for seed) or `rejection` (rejection sampling: more accepted, the same distribution,
+    /// tokens that depend on the drafts).
+    #[arg(long, default_value = "coupled", value_parser = parse_spec_acceptance)]
+    spec_acceptance: SpecAcceptance,
+}
+
+fn parse_spec_acceptance(s: &str) -> std::result::Result<SpecAcceptance, String> {
+    match s {
+        "coupled" => Ok(SpecAcceptance::Coupled),
+        "rejection" => Ok(SpecAcceptance::Rejection),
+        other => Err(format!(
+            "unknown --spec-acceptance `{other}` (coupled or rejection)"
+        )),
+    }
 }
 
 fn parse_spec_method(s: &str) -> std::result::Result<SpecMethod, String> {
@@ -161,6 +176,7 @@ impl EngineFlags {
             method,
             num_speculative_tokens: self.num_speculative_tokens,
             verify: self.spec_verify,
+            acceptance: self.spec_acceptance,
         });
         Ok(cfg)
     }

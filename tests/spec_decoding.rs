@@ -10,8 +10,8 @@ mod common;
 use common::engine::{reference_outputs, tiny_config, tokens};
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStatus, RequestOutput, SpecConfig,
-    SpecMethod, SpecVerify,
+    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStatus, RequestOutput, SpecAcceptance,
+    SpecConfig, SpecMethod, SpecVerify,
 };
 use troupe::sampling::{SamplingParams, splitmix64};
 
@@ -20,6 +20,7 @@ fn ngram(k: usize, verify: SpecVerify) -> Option<SpecConfig> {
         method: SpecMethod::Ngram,
         num_speculative_tokens: k,
         verify,
+        acceptance: SpecAcceptance::Coupled,
     })
 }
 
@@ -110,10 +111,10 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
     // Low temperatures on half the requests: the tiny random models are flat, and only
     // peaked rows accept drafts (the accepted path extends the history mid-row).
     let params = |i: usize| SamplingParams {
-        temperature: if i % 2 == 0 { 0.2 } else { 0.7 },
+        temperature: if i.is_multiple_of(2) { 0.2 } else { 0.7 },
         top_p: 0.95,
         top_k: if i % 4 < 2 { 0 } else { 3 },
-        repetition_penalty: if i % 3 == 0 { 1.1 } else { 1.0 },
+        repetition_penalty: if i.is_multiple_of(3) { 1.1 } else { 1.0 },
         ..SamplingParams::default()
     };
     let mut requests = repetitive_requests(32, 9, params);
@@ -179,6 +180,7 @@ async fn configurations_that_cannot_run_are_refused_by_name() {
                 method: SpecMethod::DraftModel,
                 num_speculative_tokens: 4,
                 verify: SpecVerify::Fixed,
+                acceptance: SpecAcceptance::Coupled,
             },
             "draft",
         ),
@@ -187,6 +189,7 @@ async fn configurations_that_cannot_run_are_refused_by_name() {
                 method: SpecMethod::Mtp,
                 num_speculative_tokens: 4,
                 verify: SpecVerify::Fixed,
+                acceptance: SpecAcceptance::Coupled,
             },
             "mtp",
         ),
@@ -195,6 +198,7 @@ async fn configurations_that_cannot_run_are_refused_by_name() {
                 method: SpecMethod::Ngram,
                 num_speculative_tokens: 0,
                 verify: SpecVerify::Fixed,
+                acceptance: SpecAcceptance::Coupled,
             },
             "num_speculative_tokens",
         ),
@@ -207,4 +211,40 @@ async fn configurations_that_cannot_run_are_refused_by_name() {
         };
         assert!(err.contains(needle), "{spec:?}: {err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejection_acceptance_keeps_greedy_output_and_is_reproducible_when_sampling() {
+    let rejection = |k| {
+        ngram(k, SpecVerify::Fixed).map(|s| SpecConfig {
+            acceptance: SpecAcceptance::Rejection,
+            ..s
+        })
+    };
+    // Greedy targets are one-hot: rejection sampling accepts exactly the argmax drafts.
+    let greedy = repetitive_requests(24, 31, |_| SamplingParams::default());
+    let want = reference_outputs("tiny-llama", &greedy);
+    let mut cfg = tiny_config("tiny-llama");
+    cfg.speculative = rejection(4);
+    let (got, status) = run(cfg.clone(), greedy).await;
+    assert_eq!(tokens(&got), want);
+    assert_speculated(&status, "greedy, rejection");
+    // Sampled: the same seeds give the same tokens run after run (the acceptance draws
+    // are counter-hashed too), with drafts accepted.
+    let mut sampled = repetitive_requests(24, 33, |_| SamplingParams {
+        temperature: 0.3,
+        ..SamplingParams::default()
+    });
+    for (i, r) in sampled.iter_mut().enumerate() {
+        r.seed = Some(77 + i as u64);
+    }
+    let (first, status) = run(cfg.clone(), sampled.clone()).await;
+    let (second, _) = run(cfg.clone(), sampled.clone()).await;
+    assert_eq!(tokens(&first), tokens(&second));
+    assert_speculated(&status, "sampled, rejection");
+    // Its draws are its own (the acceptance stream), not plain decoding's: the tokens part
+    // from the coupled run's somewhere, which shows the rejection path ran.
+    cfg.speculative = ngram(4, SpecVerify::Fixed);
+    let (coupled, _) = run(cfg, sampled).await;
+    assert_ne!(tokens(&first), tokens(&coupled));
 }

@@ -11,6 +11,7 @@ use super::fault::FaultPlan;
 use super::sampled_tokens::SampledTokens;
 use super::scheduler::SchedulerMsg;
 use crate::sampling::{SampleContext, Sampler as RowSampler, SamplingParams};
+use crate::spec::TargetDistribution;
 use crate::spec::verify::{self, History};
 use crate::structured::SeqConstraint;
 
@@ -38,6 +39,8 @@ pub struct RowSampling {
     /// generated (`banned_ids` holds the first position's bans).
     pub stop_ids: StdArc<[u32]>,
     pub min_tokens: usize,
+    /// Accept the drafts by rejection sampling where the row allows it (`SpecAcceptance`).
+    pub rejection: bool,
 }
 
 impl RowSampling {
@@ -45,9 +48,14 @@ impl RowSampling {
     /// pick it where the logits lie (`Backend::pick_rows`), and only the pick crosses to
     /// the host.
     pub fn is_plain(&self) -> bool {
+        self.drafts.is_empty() && self.is_plain_but_drafts()
+    }
+
+    /// `is_plain`, drafts aside: the sampler's distribution at every position is the raw
+    /// logits' after temperature and the cuts.
+    pub fn is_plain_but_drafts(&self) -> bool {
         let p = &self.params;
-        self.drafts.is_empty()
-            && p.logit_bias.is_empty()
+        p.logit_bias.is_empty()
             && p.repetition_penalty == 1.0
             && p.frequency_penalty == 0.0
             && p.presence_penalty == 0.0
@@ -207,6 +215,26 @@ impl Actor for SamplerActor {
                     banned_ids: &s.stop_ids,
                     ban_below_len: s.min_tokens,
                 };
+                if s.rejection && s.is_plain_but_drafts() && output_ids.len() >= s.min_tokens {
+                    // The target's distribution at each position is the sampler's (no
+                    // processors apply); n-gram drafts are certain (q one-hot).
+                    let targets: Vec<TargetDistribution> = rows
+                        .iter()
+                        .map(|r| TargetDistribution::new(r, &s.params))
+                        .collect();
+                    let v = verify::rejection(&targets, &s.drafts, None, s.params.seed, s.position);
+                    let lps: Vec<f32> = v
+                        .tokens
+                        .iter()
+                        .zip(&targets)
+                        .map(|(&t, d)| d.prob(t).ln() as f32)
+                        .collect();
+                    per_row.push(v.tokens.last().copied());
+                    top_logprobs.push(vec![Vec::new(); v.tokens.len()]);
+                    tokens.push(v.tokens);
+                    token_logprobs.push(lps);
+                    continue;
+                }
                 let outs = verify::with_sampler(
                     &mut st.sampler,
                     &rows,

@@ -84,9 +84,14 @@ pub enum SchedulerMsg {
     Drain(RpcReplyPort<()>),
 }
 
+/// A generated token's logprob and its top alternatives.
+type TokenLogprobs = (f32, Vec<(u32, f32)>);
+
 pub struct SchedulerArgs {
     pub config: SchedulerConfig,
     pub zero_overhead_scheduling: bool,
+    /// Sampled requests' drafts are accepted by rejection sampling (`SpecAcceptance`).
+    pub rejection_acceptance: bool,
     pub sampled: SampledTokens,
     pub tokenizer: Option<StdArc<Tokenizer>>,
     pub stop_ids: Vec<u32>,
@@ -119,6 +124,7 @@ struct Request {
 pub struct SchedulerState {
     core: Scheduler,
     zos: bool,
+    rejection_acceptance: bool,
     sampled: SampledTokens,
     epoch: u64,
     worker: Option<ActorRef<RankMsg>>,
@@ -186,6 +192,7 @@ impl SchedulerState {
                         pending_prev_row,
                         banned_ids,
                         constraint: r.constraint.clone(),
+                        rejection: self.rejection_acceptance && !drafts.is_empty(),
                         drafts,
                         stop_ids: r.stop_ids.clone(),
                         min_tokens: r.request.min_tokens,
@@ -262,7 +269,7 @@ impl SchedulerState {
             self.status.prefill_secs += secs;
         }
         // Per sequence, its tokens' logprobs in emission order.
-        let mut logprobs_of: HashMap<SeqId, VecDeque<(f32, Vec<(u32, f32)>)>> = HashMap::new();
+        let mut logprobs_of: HashMap<SeqId, VecDeque<TokenLogprobs>> = HashMap::new();
         let sampling_rows = plan.rows.iter().filter(|r| r.sample);
         for ((row, lps), tops) in sampling_rows.zip(token_logprobs).zip(top_logprobs) {
             if row.num_draft_tokens > 0 {
@@ -433,6 +440,7 @@ impl Actor for SchedulerActor {
         Ok(SchedulerState {
             core: Scheduler::new(args.config),
             zos: args.zero_overhead_scheduling,
+            rejection_acceptance: args.rejection_acceptance,
             epoch: args.sampled.epoch(),
             sampled: args.sampled,
             worker: None,

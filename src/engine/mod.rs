@@ -15,7 +15,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 pub use types::{
     Device, EngineConfig, EngineError, EngineRequest, FinishReason, MAX_CHOICES, RequestOutput,
-    SpecConfig, SpecMethod, SpecVerify,
+    SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
 };
 
 use crate::actors::fault::FaultPlan;
@@ -98,6 +98,9 @@ impl Engine {
             scheduler: SchedulerArgs {
                 config: scheduler_cfg,
                 zero_overhead_scheduling: cfg.zero_overhead_scheduling,
+                rejection_acceptance: cfg
+                    .speculative
+                    .is_some_and(|s| s.acceptance == SpecAcceptance::Rejection),
                 sampled,
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),

@@ -69,12 +69,27 @@ pub enum SpecVerify {
     Confidence,
 }
 
+/// How a sampled (temperature > 0) request's drafts are accepted; greedy requests accept
+/// while the draft is the argmax either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecAcceptance {
+    /// Each position's token is what the sampler draws there with the accepted drafts as
+    /// history: output (and logprobs) of plain decoding, whatever the verify lengths.
+    Coupled,
+    /// Accept a draft with probability p(draft) (n-gram drafts are certain: q = 1), else
+    /// draw from the residual: the target's distribution, more drafts accepted, but the
+    /// tokens depend on the drafts. Rows with penalties, bias, bans or top logprobs stay
+    /// coupled.
+    Rejection,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpecConfig {
     pub method: SpecMethod,
     /// Drafts per request per step, at most.
     pub num_speculative_tokens: usize,
     pub verify: SpecVerify,
+    pub acceptance: SpecAcceptance,
 }
 
 impl EngineConfig {

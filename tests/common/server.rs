@@ -79,7 +79,7 @@ impl TestServer {
     }
 
     /// Waits until no request runs and every KV block is free; the last status otherwise.
-    pub fn wait_idle(&self, timeout: Duration) -> Result<(), EngineStatus> {
+    pub fn wait_idle(&self, timeout: Duration) -> Result<(), Box<EngineStatus>> {
         let start = std::time::Instant::now();
         loop {
             let s = self.status();
@@ -87,7 +87,7 @@ impl TestServer {
                 return Ok(());
             }
             if start.elapsed() > timeout {
-                return Err(s);
+                return Err(Box::new(s));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
