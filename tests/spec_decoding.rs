@@ -248,3 +248,45 @@ async fn rejection_acceptance_keeps_greedy_output_and_is_reproducible_when_sampl
     let (coupled, _) = run(cfg, sampled).await;
     assert_ne!(tokens(&first), tokens(&coupled));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confidence_verification_measures_the_decode_curve_once_and_keeps_it() {
+    let dir = std::env::temp_dir().join(format!("troupe-curves-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut cfg = tiny_config("tiny-llama");
+    cfg.speculative = ngram(4, SpecVerify::Confidence);
+    cfg.latency_curve_dir = Some(dir.clone());
+    let files = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&dir)
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default()
+    };
+    let points = |cfg: EngineConfig| async move {
+        let engine = Engine::spawn(cfg).await.unwrap();
+        let n = engine.status().await.unwrap().num_decode_curve_points;
+        engine.shutdown(true).await;
+        n
+    };
+    let first = points(cfg.clone()).await;
+    assert!(first > 1, "no curve measured: {first} points");
+    let stored = files();
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    let written = std::fs::read_to_string(&stored[0]).unwrap();
+    // The next start loads it: same points, the file untouched.
+    assert_eq!(points(cfg.clone()).await, first);
+    assert_eq!(std::fs::read_to_string(&stored[0]).unwrap(), written);
+    // A damaged file is measured again and rewritten.
+    std::fs::write(&stored[0], "{not json").unwrap();
+    assert_eq!(points(cfg.clone()).await, first);
+    assert!(
+        std::fs::read_to_string(&stored[0])
+            .unwrap()
+            .contains("points")
+    );
+    // Another model keeps its own curve.
+    let mut other = cfg;
+    other.model_path = common::goldens().join("tiny-qwen3");
+    assert!(points(other).await > 1);
+    assert_eq!(files().len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}

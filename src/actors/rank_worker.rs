@@ -13,6 +13,7 @@ use std::time::Instant;
 use ractor::thread_local::ThreadLocalActor;
 use ractor::{ActorProcessingErr, ActorRef};
 
+use super::decode_curve::{self, CurveJob};
 use super::fault::FaultPlan;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg, StepLogits};
@@ -46,6 +47,8 @@ pub struct RankArgs {
     pub device: Device,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
+    /// Measure (or load) the decode latency curve before the first step.
+    pub decode_curve: Option<CurveJob>,
 }
 
 /// Where the next step finds the token a row of this step drew.
@@ -79,6 +82,8 @@ trait DeviceModel {
         sampling: &[Option<RowSampling>],
     ) -> LaunchedStep;
     fn vocab_size(&self) -> usize;
+    /// The hardware, for keying measurements.
+    fn device_label(&self) -> String;
 }
 
 struct OnBackend<B: Backend> {
@@ -169,6 +174,9 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     }
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
+    }
+    fn device_label(&self) -> String {
+        self.backend.device_name()
     }
 }
 
@@ -324,7 +332,24 @@ impl ThreadLocalActor for RankWorker {
         if args.faults.take_start_failure() {
             return Err(format!("rank {} failed to start (injected fault)", args.rank).into());
         }
-        let model = load_model(&args)?;
+        let mut model = load_model(&args)?;
+        if let Some(job) = &args.decode_curve {
+            let device = model.device_label();
+            let block_size = args.block_size;
+            let curve = decode_curve::run(job, &device, args.num_kv_blocks, |rows| {
+                decode_curve::time_decode_step(rows, |steps, sampling| {
+                    let launched = model.step(block_size, steps, &[], sampling);
+                    let _ = (launched.logits)();
+                })
+            });
+            match curve {
+                Ok(curve) => {
+                    *job.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(curve);
+                }
+                // Verification then prices steps with the fitted cost model alone.
+                Err(e) => tracing::warn!("decode latency curve not measured: {e}"),
+            }
+        }
         let readback = spawn_readback(args.rank, myself, args.faults.clone())?;
         Ok(RankState {
             model,

@@ -19,6 +19,7 @@ use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepPlan,
 };
+use crate::spec::LatencyCurve;
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -40,6 +41,8 @@ pub struct EngineStatus {
     pub num_prefix_hit_blocks: u64,
     /// Rank worker time between steps (ZOS shrinks it).
     pub worker_idle_secs: f64,
+    /// Row counts of the measured decode latency curve in use (0: none).
+    pub num_decode_curve_points: usize,
     /// Speculative decoding: rows that verified drafts, drafts verified, drafts accepted.
     pub num_spec_verify_rows: u64,
     pub num_spec_draft_tokens: u64,
@@ -92,6 +95,8 @@ pub struct SchedulerArgs {
     pub zero_overhead_scheduling: bool,
     /// Sampled requests' drafts are accepted by rejection sampling (`SpecAcceptance`).
     pub rejection_acceptance: bool,
+    /// Where the rank worker leaves the decode latency curve it measured at start.
+    pub decode_curve: Option<StdArc<std::sync::Mutex<Option<LatencyCurve>>>>,
     pub sampled: SampledTokens,
     pub tokenizer: Option<StdArc<Tokenizer>>,
     pub stop_ids: Vec<u32>,
@@ -125,6 +130,7 @@ pub struct SchedulerState {
     core: Scheduler,
     zos: bool,
     rejection_acceptance: bool,
+    decode_curve: Option<StdArc<std::sync::Mutex<Option<LatencyCurve>>>>,
     sampled: SampledTokens,
     epoch: u64,
     worker: Option<ActorRef<RankMsg>>,
@@ -441,6 +447,7 @@ impl Actor for SchedulerActor {
             core: Scheduler::new(args.config),
             zos: args.zero_overhead_scheduling,
             rejection_acceptance: args.rejection_acceptance,
+            decode_curve: args.decode_curve,
             epoch: args.sampled.epoch(),
             sampled: args.sampled,
             worker: None,
@@ -601,6 +608,15 @@ impl Actor for SchedulerActor {
             SchedulerMsg::Attach { worker, sampler } => {
                 if worker.is_some() {
                     st.worker = worker;
+                    // The worker measured (or loaded) it before it attached.
+                    let curve = st
+                        .decode_curve
+                        .as_ref()
+                        .and_then(|slot| slot.lock().unwrap_or_else(|e| e.into_inner()).clone());
+                    if let Some(curve) = curve {
+                        st.status.num_decode_curve_points = curve.num_points();
+                        st.core.set_decode_curve(curve);
+                    }
                 }
                 if sampler.is_some() {
                     st.sampler = sampler;

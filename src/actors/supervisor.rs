@@ -30,6 +30,7 @@ pub struct RankArgsTemplate {
     pub device: crate::engine::Device,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
+    pub decode_curve: Option<super::decode_curve::CurveJob>,
 }
 
 pub enum SupervisorMsg {
@@ -69,6 +70,7 @@ async fn spawn_worker(
         dummy_weights: rank.dummy_weights,
         enforce_eager: rank.enforce_eager,
         batch_invariant: rank.batch_invariant,
+        decode_curve: rank.decode_curve.clone(),
     };
     RankWorker::spawn_linked(None, args, myself.clone(), spawner.clone())
         .await

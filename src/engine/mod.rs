@@ -18,6 +18,7 @@ pub use types::{
     SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
 };
 
+use crate::actors::decode_curve::CurveJob;
 use crate::actors::fault::FaultPlan;
 use crate::actors::sampled_tokens::SampledTokens;
 pub use crate::actors::scheduler::EngineStatus;
@@ -94,6 +95,27 @@ impl Engine {
                 .speculative
                 .is_some_and(|s| s.verify == SpecVerify::Confidence),
         };
+        // Confidence-scheduled verification prices steps with a measured decode curve: the
+        // rank worker measures it at start (or loads it), up to the largest batch a step
+        // may have (16 rows on the CPU, where each measured step costs real time).
+        let decode_curve = cfg
+            .speculative
+            .filter(|s| s.verify == SpecVerify::Confidence)
+            .map(|_| CurveJob {
+                store_dir: cfg
+                    .latency_curve_dir
+                    .clone()
+                    .unwrap_or_else(|| model::hub::troupe_home().join("latency-curves")),
+                model_key: format!(
+                    "{mcfg:?} block {} invariant {} eager {}",
+                    cfg.block_size, cfg.batch_invariant, cfg.enforce_eager
+                ),
+                max_rows: match cfg.device {
+                    Device::Cpu => cfg.max_num_seqs.min(16),
+                    Device::Cuda(_) => cfg.max_num_seqs,
+                },
+                result: StdArc::new(std::sync::Mutex::new(None)),
+            });
         let args = SupervisorArgs {
             scheduler: SchedulerArgs {
                 config: scheduler_cfg,
@@ -101,6 +123,7 @@ impl Engine {
                 rejection_acceptance: cfg
                     .speculative
                     .is_some_and(|s| s.acceptance == SpecAcceptance::Rejection),
+                decode_curve: decode_curve.as_ref().map(|job| job.result.clone()),
                 sampled,
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
@@ -115,6 +138,7 @@ impl Engine {
                 device: cfg.device,
                 dummy_weights: cfg.dummy_weights,
                 enforce_eager: cfg.enforce_eager,
+                decode_curve,
             },
             max_rank_restarts: cfg.max_rank_restarts,
         };

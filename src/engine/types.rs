@@ -47,6 +47,9 @@ pub struct EngineConfig {
     pub batch_invariant: bool,
     /// Speculative decoding; `None`: off.
     pub speculative: Option<SpecConfig>,
+    /// Where measured decode latency curves are kept (confidence-scheduled verification);
+    /// `None`: `$TROUPE_HOME/latency-curves`.
+    pub latency_curve_dir: Option<PathBuf>,
 }
 
 /// Who proposes draft tokens.
@@ -112,6 +115,7 @@ impl EngineConfig {
             stop_preempted: false,
             batch_invariant: false,
             speculative: None,
+            latency_curve_dir: None,
         }
     }
 }

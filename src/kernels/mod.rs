@@ -155,6 +155,11 @@ pub trait Backend: Send + Sync {
     type KvCache: Send + Sync;
 
     fn name(&self) -> &'static str;
+    /// The hardware this backend runs on, as specific as it can tell (for keying
+    /// measurements such as the decode latency curve).
+    fn device_name(&self) -> String {
+        self.name().to_string()
+    }
     fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;
     fn upload(&self, data: &[f32]) -> Self::Buf;
     /// A zeroed buffer of `len` floats.

@@ -15,7 +15,7 @@
 //! One `schedule()` is O(running + admitted rows + blocks allocated), no hashing on the
 //! decode path; `on_step_done()` is O(rows + newly full blocks).
 
-use crate::spec::{NgramCalibration, NgramDrafter};
+use crate::spec::{LatencyCurve, NgramCalibration, NgramDrafter};
 use std::collections::{HashMap, VecDeque};
 
 use self::resources::{DeferredRelease, Reserve};
@@ -75,6 +75,9 @@ pub struct Scheduler {
     pending_events: Vec<SeqEvent>,
     /// What every sequence's prompt-lookup drafter learned about acceptance.
     ngram_calibration: NgramCalibration,
+    /// Decode step seconds by rows, measured on this hardware: with the cost model's
+    /// attention terms, what confidence-scheduled verification prices steps with.
+    decode_curve: Option<LatencyCurve>,
 }
 
 impl Scheduler {
@@ -100,6 +103,7 @@ impl Scheduler {
             num_preemptions: 0,
             hits: Vec::new(),
             pending_events: Vec::new(),
+            decode_curve: None,
             ngram_calibration: NgramDrafter::calibration(
                 NGRAM_MIN,
                 NGRAM_MAX,
@@ -220,6 +224,11 @@ impl Scheduler {
         self.idx_of.insert(seq_id, idx);
         self.waiting.push_back(idx);
         Ok(())
+    }
+
+    /// Prices verification with a measured decode latency curve (see `decode_curve`).
+    pub fn set_decode_curve(&mut self, curve: LatencyCurve) {
+        self.decode_curve = Some(curve);
     }
 
     /// Stops proposing drafts for a sequence (a request whose grammar would have to follow

@@ -53,6 +53,11 @@ impl LatencyCurve {
         Self::new(points)
     }
 
+    /// Row counts measured.
+    pub fn num_points(&self) -> usize {
+        self.points.len()
+    }
+
     /// Seconds at `rows`: linear between measured points, the first point's below them,
     /// and the last segment's slope (never negative) beyond them.
     pub fn secs(&self, rows: usize) -> f64 {

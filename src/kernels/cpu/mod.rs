@@ -44,6 +44,11 @@ impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type KvCache = CpuKvCache;
 
+    fn device_name(&self) -> String {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        format!("cpu, {threads} threads, invariant {}", self.batch_invariant)
+    }
+
     fn name(&self) -> &'static str {
         "cpu"
     }

@@ -264,6 +264,17 @@ impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type KvCache = CudaKvCache;
 
+    fn device_name(&self) -> String {
+        let gpu = self
+            .ctx
+            .name()
+            .unwrap_or_else(|e| format!("unnamed GPU ({e})"));
+        let mut driver: std::ffi::c_int = 0;
+        // SAFETY: writes one int.
+        let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        format!("cuda {gpu}, driver {driver}, graphs {}", self.cuda_graphs)
+    }
+
     fn name(&self) -> &'static str {
         "cuda"
     }

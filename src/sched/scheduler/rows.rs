@@ -6,12 +6,13 @@ use crate::sched::sequence::RowRef;
 use crate::sched::{PlannedRow, RowInput, StepId};
 use std::collections::HashMap;
 
-use crate::spec::{Draft, Drafter, SpecRequest, plan_verification};
+use crate::spec::{CurveCost, Draft, Drafter, SpecRequest, plan_verification};
 
 impl Scheduler {
     /// Confidence-scheduled verification: the drafts of every sequence whose next row is a
     /// decode row, cut to the verify lengths that maximise expected tokens per second of
-    /// step time (`plan_verification` over the fitted cost model). Rows planned besides
+    /// step time (`plan_verification` over the measured decode curve with the fitted cost
+    /// model's attention terms, or the fitted model alone before a curve). Rows planned besides
     /// them count as plain decode rows; prefill chunks are not known yet and not counted.
     pub(super) fn confidence_drafts(&mut self) -> HashMap<usize, Vec<u32>> {
         let mut requests = Vec::new();
@@ -36,7 +37,17 @@ impl Scheduler {
             });
             proposals.push((idx, drafts));
         }
-        let plan = plan_verification(&requests, &other_rows, &self.cost_model);
+        let plan = match &self.decode_curve {
+            Some(curve) => plan_verification(
+                &requests,
+                &other_rows,
+                &CurveCost {
+                    curve,
+                    model: &self.cost_model,
+                },
+            ),
+            None => plan_verification(&requests, &other_rows, &self.cost_model),
+        };
         proposals
             .into_iter()
             .zip(plan.verify_lens)

@@ -1,0 +1,90 @@
+//! The decode latency curve, measured by a rank worker as it starts (before the scheduler
+//! plans anything, so every KV block is free to borrow): confidence-scheduled verification
+//! prices K more tokens a row from what this hardware does at each batch size. On a GPU the
+//! sizes are the CUDA graph buckets, so measuring also records every decode graph before
+//! the first request. Kept on disk by backend, device and model shape (`CurveStore`).
+
+use std::path::PathBuf;
+use std::sync::{Arc as StdArc, Mutex};
+use std::time::Instant;
+
+use super::sampler::RowSampling;
+use crate::model::llama::SeqStep;
+use crate::sampling::SamplingParams;
+use crate::spec::{CurveStore, LatencyCurve};
+
+/// Decode batch sizes measured (the CUDA graph buckets), up to the job's `max_rows`.
+const ROW_COUNTS: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
+/// Steps timed at each size; the median is kept. The first two at a size also warm up
+/// (and on a GPU record) its graph.
+const REPEATS: usize = 5;
+
+/// What a rank worker measures at start, and where the result goes.
+#[derive(Clone, Debug)]
+pub struct CurveJob {
+    pub store_dir: PathBuf,
+    /// The model and settings the steps run with (a change measures afresh).
+    pub model_key: String,
+    pub max_rows: usize,
+    /// The curve, for the scheduler to read when the worker attaches.
+    pub result: StdArc<Mutex<Option<LatencyCurve>>>,
+}
+
+/// One decode step of `rows` single-token sequences at position 0, each in its own block,
+/// greedy: the seconds `run_step` takes to launch it and wait for its picks.
+pub(super) fn time_decode_step(
+    rows: usize,
+    run_step: impl FnOnce(&[SeqStep<'_>], &[Option<RowSampling>]),
+) -> f64 {
+    let tables: Vec<[u32; 1]> = (0..rows as u32).map(|b| [b]).collect();
+    let ids = [0u32];
+    let steps: Vec<SeqStep<'_>> = tables
+        .iter()
+        .map(|t| SeqStep {
+            token_ids: &ids,
+            num_cached_tokens: 0,
+            block_table: t,
+            num_logit_rows: 1,
+        })
+        .collect();
+    let params = StdArc::new(SamplingParams::default());
+    let none: StdArc<[u32]> = StdArc::from(Vec::new());
+    let sampling: Vec<Option<RowSampling>> = (0..rows)
+        .map(|_| {
+            Some(RowSampling {
+                params: params.clone(),
+                position: 1,
+                prompt_ids: none.clone(),
+                output_ids: StdArc::new(Vec::new()),
+                pending_prev_row: None,
+                banned_ids: none.clone(),
+                constraint: None,
+                drafts: Vec::new(),
+                stop_ids: none.clone(),
+                min_tokens: 0,
+                rejection: false,
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    run_step(&steps, &sampling);
+    start.elapsed().as_secs_f64()
+}
+
+/// The job's curve: from the store, or measured with `time(rows)` and stored. `device` names
+/// the hardware; `num_blocks` caps the sizes (one block a row).
+pub(super) fn run(
+    job: &CurveJob,
+    device: &str,
+    num_blocks: usize,
+    time: impl FnMut(usize) -> f64,
+) -> Result<LatencyCurve, String> {
+    let rows: Vec<usize> = ROW_COUNTS
+        .iter()
+        .copied()
+        .filter(|&r| r <= job.max_rows.min(num_blocks))
+        .collect();
+    let key = CurveStore::key(device, &job.model_key, &format!("{rows:?}"));
+    CurveStore::new(&job.store_dir)
+        .load_or_measure(&key, || LatencyCurve::measure(&rows, REPEATS, time))
+}
