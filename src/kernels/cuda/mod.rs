@@ -7,9 +7,11 @@
 
 mod attention;
 mod graph;
+mod kv_cache;
 mod matmul;
 mod module;
 mod picks;
+mod weights;
 
 use std::sync::{Arc, Mutex};
 
@@ -18,12 +20,14 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig
 use half::bf16;
 
 use graph::{Graphs, Meta, Phase};
+pub use kv_cache::CudaKvCache;
 use module::Kernels;
 pub use module::{
     GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile, compile_cubin, kernel_image,
     open_device,
 };
 use picks::{MAX_PICKS, PickPool};
+pub use weights::CudaMatrix;
 
 use super::{Backend, HostMatrix, KvCacheShape, SeqAttention};
 
@@ -35,30 +39,6 @@ pub enum CudaError {
     Compile(String),
     #[error("CUDA: {0}")]
     Runtime(String),
-}
-
-pub struct CudaMatrix {
-    pub rows: usize,
-    pub cols: usize,
-    pub w: CudaSlice<bf16>,
-}
-
-/// Per layer, keys and values as raw bytes: f32 or bf16 entries (`kv_bf16`).
-pub struct CudaKvCache {
-    pub shape: KvCacheShape,
-    pub kv_bf16: bool,
-    k: Vec<CudaSlice<u8>>,
-    v: Vec<CudaSlice<u8>>,
-}
-
-impl CudaKvCache {
-    /// Device addresses of a layer's keys and values.
-    fn layer(&self, layer: usize, stream: &Arc<CudaStream>) -> (u64, u64) {
-        (
-            self.k[layer].device_ptr(stream).0,
-            self.v[layer].device_ptr(stream).0,
-        )
-    }
 }
 
 /// Per-step metadata uploads kept for reuse: every layer passes the same positions, slots
@@ -280,45 +260,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_matrix(&self, m: HostMatrix) -> CudaMatrix {
-        let (rows, cols) = (m.rows, m.cols);
-        if let super::HostData::Random {
-            seed,
-            mean,
-            half_width,
-        } = m.data
-        {
-            let n = rows * cols;
-            let mut w = check(self.stream.alloc_zeros::<bf16>(n.max(1)), "weights");
-            let n64 = n as i64;
-            // SAFETY: w holds n elements.
-            check(
-                unsafe {
-                    self.stream
-                        .launch_builder(&self.kernels.random_bf16)
-                        .arg(&mut w)
-                        .arg(&n64)
-                        .arg(&seed)
-                        .arg(&mean)
-                        .arg(&half_width)
-                        .launch(grid_for(n))
-                },
-                "random weights",
-            );
-            return CudaMatrix { rows, cols, w };
-        }
-        let host: Vec<bf16> = match m.data {
-            super::HostData::Bf16(v) => v,
-            other => other
-                .into_f32(rows * cols)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect(),
-        };
-        CudaMatrix {
-            rows,
-            cols,
-            w: check(self.stream.clone_htod(&host), "weight upload"),
-        }
+        self.upload_weights(m)
     }
 
     fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
@@ -330,15 +272,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
-        let kv_bf16 = self.kv_bf16();
-        let bytes = shape.layer_len() * if kv_bf16 { 2 } else { 4 };
-        let layer = || check(self.stream.alloc_zeros::<u8>(bytes), "KV cache");
-        CudaKvCache {
-            shape,
-            kv_bf16,
-            k: (0..shape.num_layers).map(|_| layer()).collect(),
-            v: (0..shape.num_layers).map(|_| layer()).collect(),
-        }
+        self.new_kv_cache(shape)
     }
 
     fn download(&self, buf: &CudaSlice<f32>, len: usize) -> Vec<f32> {
@@ -568,28 +502,7 @@ impl Backend for CudaBackend {
         v: &CudaSlice<f32>,
         slots: &[u32],
     ) {
-        let slots_d = self.upload_u32(Meta::Slots, slots);
-        if self.replaying() {
-            return;
-        }
-        let (d, n) = (cache.shape.kv_dim() as i32, slots.len() as i32);
-        let (kc, vc) = cache.layer(layer, &self.stream);
-        // SAFETY: slots are inside the pool (the block manager's), k/v hold n rows.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(self.kernels.kv_write.get(cache.kv_bf16))
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(k)
-                    .arg(v)
-                    .arg(&slots_d.ptr)
-                    .arg(&d)
-                    .arg(&n)
-                    .launch(grid_for(slots.len() * cache.shape.kv_dim()))
-            },
-            "kv_write",
-        );
+        self.write_kv(cache, layer, k, v, slots);
     }
 
     fn qkv_into_cache(
@@ -604,54 +517,9 @@ impl Backend for CudaBackend {
         slots: &[u32],
         q_out: &mut CudaSlice<f32>,
     ) -> bool {
-        let hd = heads.head_dim;
-        if !hd.is_multiple_of(64) || hd > 256 {
-            return false;
-        }
-        let pos = self.upload_u32(Meta::Positions, positions);
-        let slots_d = self.upload_u32(Meta::Slots, slots);
-        if self.replaying() {
-            return true;
-        }
-        let (kc, vc) = cache.layer(layer, &self.stream);
-        let (qn, kn, eps) = match qk_norm {
-            Some((q, k, eps)) => (
-                q.device_ptr(&self.stream).0,
-                k.device_ptr(&self.stream).0,
-                eps,
-            ),
-            None => (0, 0, 0.0),
-        };
-        let (h, kvh, hdi) = (heads.num_heads as i32, heads.num_kv_heads as i32, hd as i32);
-        // SAFETY: qkv holds slots.len() rows of (heads + 2·kv_heads)·head_dim, q_out the q
-        // part; the slots are inside the pool; the norms hold head_dim each; cos_sin covers
-        // the positions.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(self.kernels.qkv_rope_cache.get(cache.kv_bf16))
-                    .arg(&mut *q_out)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(qkv)
-                    .arg(&qn)
-                    .arg(&kn)
-                    .arg(&eps)
-                    .arg(&pos.ptr)
-                    .arg(cos_sin)
-                    .arg(&slots_d.ptr)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&hdi)
-                    .launch(LaunchConfig {
-                        grid_dim: (slots.len().max(1) as u32, 1, 1),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-            },
-            "qkv_rope_cache",
-        );
-        true
+        self.split_qkv_into_cache(
+            qkv, heads, qk_norm, positions, cos_sin, cache, layer, slots, q_out,
+        )
     }
 
     fn paged_attention(

@@ -1,0 +1,137 @@
+//! The paged KV cache on the GPU, and what writes into it: K and V rows at their slots, or
+//! the stacked q/k/v projection split, normalised, rotated and written in one launch.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::graph::Meta;
+use super::{CudaBackend, check, grid_for};
+use crate::kernels::KvCacheShape;
+
+/// Per layer, keys and values as raw bytes: f32 or bf16 entries (`kv_bf16`).
+pub struct CudaKvCache {
+    pub shape: KvCacheShape,
+    pub kv_bf16: bool,
+    k: Vec<CudaSlice<u8>>,
+    v: Vec<CudaSlice<u8>>,
+}
+
+impl CudaKvCache {
+    /// Device addresses of a layer's keys and values.
+    pub(super) fn layer(&self, layer: usize, stream: &Arc<CudaStream>) -> (u64, u64) {
+        (
+            self.k[layer].device_ptr(stream).0,
+            self.v[layer].device_ptr(stream).0,
+        )
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn new_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
+        let kv_bf16 = self.kv_bf16();
+        let bytes = shape.layer_len() * if kv_bf16 { 2 } else { 4 };
+        let layer = || check(self.stream.alloc_zeros::<u8>(bytes), "KV cache");
+        CudaKvCache {
+            shape,
+            kv_bf16,
+            k: (0..shape.num_layers).map(|_| layer()).collect(),
+            v: (0..shape.num_layers).map(|_| layer()).collect(),
+        }
+    }
+
+    pub(super) fn write_kv(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &[u32],
+    ) {
+        let slots_d = self.upload_u32(Meta::Slots, slots);
+        if self.replaying() {
+            return;
+        }
+        let (d, n) = (cache.shape.kv_dim() as i32, slots.len() as i32);
+        let (kc, vc) = cache.layer(layer, &self.stream);
+        // SAFETY: slots are inside the pool (the block manager's), k/v hold n rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(self.kernels.kv_write.get(cache.kv_bf16))
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(k)
+                    .arg(v)
+                    .arg(&slots_d.ptr)
+                    .arg(&d)
+                    .arg(&n)
+                    .launch(grid_for(slots.len() * cache.shape.kv_dim()))
+            },
+            "kv_write",
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn split_qkv_into_cache(
+        &self,
+        qkv: &CudaSlice<f32>,
+        heads: crate::kernels::QkvHeads,
+        qk_norm: Option<(&CudaSlice<f32>, &CudaSlice<f32>, f32)>,
+        positions: &[u32],
+        cos_sin: &CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        slots: &[u32],
+        q_out: &mut CudaSlice<f32>,
+    ) -> bool {
+        let hd = heads.head_dim;
+        if !hd.is_multiple_of(64) || hd > 256 {
+            return false;
+        }
+        let pos = self.upload_u32(Meta::Positions, positions);
+        let slots_d = self.upload_u32(Meta::Slots, slots);
+        if self.replaying() {
+            return true;
+        }
+        let (kc, vc) = cache.layer(layer, &self.stream);
+        let (qn, kn, eps) = match qk_norm {
+            Some((q, k, eps)) => (
+                q.device_ptr(&self.stream).0,
+                k.device_ptr(&self.stream).0,
+                eps,
+            ),
+            None => (0, 0, 0.0),
+        };
+        let (h, kvh, hdi) = (heads.num_heads as i32, heads.num_kv_heads as i32, hd as i32);
+        // SAFETY: qkv holds slots.len() rows of (heads + 2·kv_heads)·head_dim, q_out the q
+        // part; the slots are inside the pool; the norms hold head_dim each; cos_sin covers
+        // the positions.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(self.kernels.qkv_rope_cache.get(cache.kv_bf16))
+                    .arg(&mut *q_out)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(qkv)
+                    .arg(&qn)
+                    .arg(&kn)
+                    .arg(&eps)
+                    .arg(&pos.ptr)
+                    .arg(cos_sin)
+                    .arg(&slots_d.ptr)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&hdi)
+                    .launch(LaunchConfig {
+                        grid_dim: (slots.len().max(1) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+            },
+            "qkv_rope_cache",
+        );
+        true
+    }
+}
