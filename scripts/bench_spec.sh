@@ -59,6 +59,6 @@ for label in ["plain", "fixed", "confidence", "plain-inv", "confidence-inv"]:
     ids = lambda l: [json.loads(x)["token_ids"] for x in open(os.path.join(work, f"{l}.out"))]
     same = ids(label) == ids(ref)
     print(f"{label:<15} {s['output_tokens'] / s['generate_s']:>9.1f} {s['steps']:>6} "
-          f"{s['spec_draft_tokens'] / s['steps']:>15.2f} "
+          f"{s['spec_verified_tokens'] / s['steps']:>15.2f} "
           f"{(s['spec_accepted_tokens'] / rows if rows else 0):>12.2f} {str(same):>11}")
 PY

@@ -450,6 +450,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,
             "spec_verify_rows": status.num_spec_verify_rows,
             "spec_draft_tokens": status.num_spec_draft_tokens,
+            "spec_verified_tokens": status.num_spec_verified_tokens,
             "spec_accepted_tokens": status.num_spec_accepted_tokens,
         });
         if dest.as_os_str() == "-" {

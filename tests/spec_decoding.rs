@@ -83,7 +83,23 @@ fn assert_speculated(status: &EngineStatus, what: &str) {
         status.num_spec_verify_rows > 0 && status.num_spec_accepted_tokens > 0,
         "{what}: no draft was verified and accepted: {status:?}"
     );
-    assert!(status.num_spec_accepted_tokens <= status.num_spec_draft_tokens);
+    assert!(status.num_spec_accepted_tokens <= status.num_spec_verified_tokens);
+    assert!(status.num_spec_verified_tokens <= status.num_spec_draft_tokens);
+    // Position 0 is verified on every verify row; acceptance thins out along the drafts.
+    let (verified, accepted) = (
+        status.spec_verified_by_position,
+        status.spec_accepted_by_position,
+    );
+    assert_eq!(verified[0], status.num_spec_verify_rows);
+    assert_eq!(
+        verified.iter().sum::<u64>(),
+        status.num_spec_verified_tokens
+    );
+    assert_eq!(
+        accepted.iter().sum::<u64>(),
+        status.num_spec_accepted_tokens
+    );
+    assert!(verified.windows(2).all(|w| w[0] >= w[1]) && accepted.windows(2).all(|w| w[0] >= w[1]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -43,10 +43,16 @@ pub struct EngineStatus {
     pub worker_idle_secs: f64,
     /// Row counts of the measured decode latency curve in use (0: none).
     pub num_decode_curve_points: usize,
-    /// Speculative decoding: rows that verified drafts, drafts verified, drafts accepted.
+    /// Speculative decoding: rows that verified drafts, drafts proposed (the confidence
+    /// budget's cuts included), drafts verified, drafts accepted.
     pub num_spec_verify_rows: u64,
     pub num_spec_draft_tokens: u64,
+    pub num_spec_verified_tokens: u64,
     pub num_spec_accepted_tokens: u64,
+    /// Per draft position (0-based, up to 16 drafts): drafts verified there, and accepted
+    /// there (every earlier draft of the row accepted too).
+    pub spec_verified_by_position: [u64; MAX_SPEC_POSITIONS],
+    pub spec_accepted_by_position: [u64; MAX_SPEC_POSITIONS],
 }
 
 pub enum SchedulerMsg {
@@ -86,6 +92,9 @@ pub enum SchedulerMsg {
     /// Replies once no request is left.
     Drain(RpcReplyPort<()>),
 }
+
+/// Draft positions the status counts acceptance at (the engine allows 16 drafts a row).
+pub const MAX_SPEC_POSITIONS: usize = 16;
 
 /// A generated token's logprob and its top alternatives.
 type TokenLogprobs = (f32, Vec<(u32, f32)>);
@@ -279,14 +288,20 @@ impl SchedulerState {
         let sampling_rows = plan.rows.iter().filter(|r| r.sample);
         for ((row, lps), tops) in sampling_rows.zip(token_logprobs).zip(top_logprobs) {
             if row.num_draft_tokens > 0 {
-                self.status.num_spec_draft_tokens += row.num_draft_tokens as u64;
+                self.status.num_spec_verified_tokens += row.num_draft_tokens as u64;
                 self.status.num_spec_verify_rows += 1;
             }
             logprobs_of.insert(row.seq_id, lps.into_iter().zip(tops).collect());
         }
         for (row, t) in plan.rows.iter().filter(|r| r.sample).zip(&tokens) {
             if row.num_draft_tokens > 0 {
-                self.status.num_spec_accepted_tokens += t.len().saturating_sub(1) as u64;
+                let num_accepted = t.len().saturating_sub(1);
+                self.status.num_spec_accepted_tokens += num_accepted as u64;
+                let s = &mut self.status;
+                for i in 0..row.num_draft_tokens.min(MAX_SPEC_POSITIONS) {
+                    s.spec_verified_by_position[i] += 1;
+                    s.spec_accepted_by_position[i] += (i < num_accepted) as u64;
+                }
             }
         }
         let per_row: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
@@ -635,6 +650,7 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::Status(reply) => {
                 let mut s = st.status;
+                s.num_spec_draft_tokens = st.core.num_proposed_drafts();
                 s.num_running = st.core.num_running();
                 s.num_waiting = st.core.num_waiting();
                 s.num_free_blocks = st.core.num_free_blocks();

@@ -218,15 +218,49 @@ fn status_registry(s: &EngineStatus) -> Registry {
     );
     counter(
         "spec_draft_tokens",
-        "Draft tokens verified",
+        "Draft tokens proposed (the confidence budget's cuts included)",
         s.num_spec_draft_tokens,
+    );
+    counter(
+        "spec_verified_tokens",
+        "Draft tokens verified",
+        s.num_spec_verified_tokens,
     );
     counter(
         "spec_accepted_tokens",
         "Draft tokens accepted",
         s.num_spec_accepted_tokens,
     );
+    // Per draft position, where any row reached it.
+    let verified = Family::<PositionLabels, Counter>::default();
+    let accepted = Family::<PositionLabels, Counter>::default();
+    for (i, (&v, &a)) in s
+        .spec_verified_by_position
+        .iter()
+        .zip(&s.spec_accepted_by_position)
+        .enumerate()
+        .filter(|(_, (v, _))| **v > 0)
+    {
+        let labels = PositionLabels { position: i };
+        verified.get_or_create(&labels).inc_by(v);
+        accepted.get_or_create(&labels).inc_by(a);
+    }
+    registry.register(
+        "spec_verified_by_position",
+        "Drafts verified at each draft position (0: the first draft of a row)",
+        verified,
+    );
+    registry.register(
+        "spec_accepted_by_position",
+        "Drafts accepted at each draft position (every earlier draft of the row accepted)",
+        accepted,
+    );
     registry
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PositionLabels {
+    position: usize,
 }
 
 #[cfg(test)]
@@ -323,13 +357,38 @@ mod tests {
             num_prefix_queried_blocks: 8,
             num_prefix_hit_blocks: 6,
             num_spec_verify_rows: 4,
-            num_spec_draft_tokens: 20,
+            num_spec_draft_tokens: 26,
+            num_spec_verified_tokens: 20,
             num_spec_accepted_tokens: 11,
+            spec_verified_by_position: {
+                let mut v = [0; 16];
+                v[..5].copy_from_slice(&[4, 4, 4, 4, 4]);
+                v
+            },
+            spec_accepted_by_position: {
+                let mut a = [0; 16];
+                a[..4].copy_from_slice(&[4, 3, 3, 1]);
+                a
+            },
             ..Default::default()
         };
         let text = m.render(&status);
         assert_eq!(sample(&text, "troupe_spec_verify_rows_total"), Some(4.0));
-        assert_eq!(sample(&text, "troupe_spec_draft_tokens_total"), Some(20.0));
+        assert_eq!(sample(&text, "troupe_spec_draft_tokens_total"), Some(26.0));
+        assert_eq!(
+            sample(&text, "troupe_spec_verified_tokens_total"),
+            Some(20.0)
+        );
+        let at = |name: &str, p: usize| {
+            sample(
+                &text,
+                &format!("troupe_spec_{name}_by_position_total{{position=\"{p}\"}}"),
+            )
+        };
+        assert_eq!(at("verified", 4), Some(4.0), "{text}");
+        assert_eq!(at("accepted", 1), Some(3.0), "{text}");
+        assert_eq!(at("accepted", 4), Some(0.0), "{text}");
+        assert_eq!(at("verified", 5), None, "{text}");
         assert_eq!(
             sample(&text, "troupe_spec_accepted_tokens_total"),
             Some(11.0)

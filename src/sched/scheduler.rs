@@ -78,6 +78,8 @@ pub struct Scheduler {
     /// Decode step seconds by rows, measured on this hardware: with the cost model's
     /// attention terms, what confidence-scheduled verification prices steps with.
     decode_curve: Option<LatencyCurve>,
+    /// Draft tokens drafters proposed for planned rows (verified or cut by the budget).
+    num_proposed_drafts: u64,
 }
 
 impl Scheduler {
@@ -104,6 +106,7 @@ impl Scheduler {
             hits: Vec::new(),
             pending_events: Vec::new(),
             decode_curve: None,
+            num_proposed_drafts: 0,
             ngram_calibration: NgramDrafter::calibration(
                 NGRAM_MIN,
                 NGRAM_MAX,
@@ -226,6 +229,11 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Draft tokens proposed so far, those the confidence budget cut included.
+    pub fn num_proposed_drafts(&self) -> u64 {
+        self.num_proposed_drafts
+    }
+
     /// Prices verification with a measured decode latency curve (see `decode_curve`).
     pub fn set_decode_curve(&mut self, curve: LatencyCurve) {
         self.decode_curve = Some(curve);
@@ -298,11 +306,16 @@ impl Scheduler {
             let q = if is_decode {
                 drafts = match verify_drafts.as_mut() {
                     Some(chosen) => {
-                        let mut d = chosen.remove(&idx).unwrap_or_default();
+                        let (mut d, num_proposed) = chosen.remove(&idx).unwrap_or_default();
                         d.truncate(num_tokens_left - 1);
+                        self.num_proposed_drafts += num_proposed as u64;
                         d
                     }
-                    None => self.drafts(idx, num_tokens_left - 1),
+                    None => {
+                        let d = self.drafts(idx, num_tokens_left - 1);
+                        self.num_proposed_drafts += d.len() as u64;
+                        d
+                    }
                 };
                 1 + drafts.len()
             } else {

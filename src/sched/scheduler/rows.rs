@@ -14,7 +14,8 @@ impl Scheduler {
     /// step time (`plan_verification` over the measured decode curve with the fitted cost
     /// model's attention terms, or the fitted model alone before a curve). Rows planned besides
     /// them count as plain decode rows; prefill chunks are not known yet and not counted.
-    pub(super) fn confidence_drafts(&mut self) -> HashMap<usize, Vec<u32>> {
+    /// Per sequence: the drafts to verify, and how many were proposed.
+    pub(super) fn confidence_drafts(&mut self) -> HashMap<usize, (Vec<u32>, usize)> {
         let mut requests = Vec::new();
         let mut proposals = Vec::new();
         let mut other_rows = Vec::new();
@@ -51,7 +52,10 @@ impl Scheduler {
         proposals
             .into_iter()
             .zip(plan.verify_lens)
-            .map(|((idx, drafts), len)| (idx, drafts[..len].iter().map(|d| d.token).collect()))
+            .map(|((idx, drafts), len)| {
+                let chosen = drafts[..len].iter().map(|d| d.token).collect();
+                (idx, (chosen, drafts.len()))
+            })
             .collect()
     }
 
