@@ -3,24 +3,8 @@
 
 mod common;
 
-use common::engine::{random_requests, reference_outputs, tiny_config, tokens};
+use common::engine::{ok_outputs, random_requests, reference_outputs, tiny_config, tokens};
 use troupe::engine::{Engine, EngineHandle, FinishReason};
-
-async fn ok_outputs(
-    engine: &EngineHandle,
-    requests: Vec<troupe::engine::EngineRequest>,
-) -> Vec<troupe::engine::RequestOutput> {
-    engine
-        .generate_batch(requests)
-        .await
-        .into_iter()
-        .map(|r| {
-            let o = r.expect("request accepted");
-            assert!(o.error.is_none(), "{:?}", o.error);
-            o
-        })
-        .collect()
-}
 
 async fn assert_all_blocks_free(engine: &EngineHandle) {
     // Deferred releases land when the last in-flight step reports back.

@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::engine::{reference_outputs, tiny_config, tokens};
+use common::engine::{ok_outputs, reference_outputs, tiny_config, tokens};
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStatus, RequestOutput, SpecAcceptance,
-    SpecConfig, SpecMethod, SpecVerify,
+    Engine, EngineConfig, EngineRequest, EngineStatus, RequestOutput, SpecAcceptance, SpecConfig,
+    SpecMethod, SpecVerify,
 };
 use troupe::sampling::{SamplingParams, splitmix64};
 
@@ -57,23 +57,10 @@ async fn run(
     requests: Vec<EngineRequest>,
 ) -> (Vec<RequestOutput>, EngineStatus) {
     let engine = Engine::spawn(cfg).await.unwrap();
-    let out = outputs(&engine, requests).await;
+    let out = ok_outputs(&engine, requests).await;
     let status = engine.status().await.unwrap();
     engine.shutdown(true).await;
     (out, status)
-}
-
-async fn outputs(engine: &EngineHandle, requests: Vec<EngineRequest>) -> Vec<RequestOutput> {
-    engine
-        .generate_batch(requests)
-        .await
-        .into_iter()
-        .map(|r| {
-            let o = r.expect("request accepted");
-            assert!(o.error.is_none(), "{:?}", o.error);
-            o
-        })
-        .collect()
 }
 
 /// Drafts went through verification and some were kept: otherwise the comparisons above
@@ -178,7 +165,7 @@ async fn a_sampler_killed_mid_verification_changes_no_output() {
         .await
         .unwrap();
     faults.panic_next_verify();
-    let got = outputs(&engine, requests).await;
+    let got = ok_outputs(&engine, requests).await;
     assert_eq!(tokens(&got), want);
     let status = engine.status().await.unwrap();
     assert!(

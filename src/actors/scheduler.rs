@@ -11,6 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::rank_worker::RankMsg;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg};
+use super::status::{EngineStatus, MAX_SPEC_POSITIONS};
 use crate::engine::{
     EngineError, EngineRequest, IncrementalDecoder, MAX_CHOICES, RequestOutput, TextStream,
 };
@@ -21,39 +22,6 @@ use crate::sched::{
 };
 use crate::spec::LatencyCurve;
 use crate::structured::{CompiledGrammar, SeqConstraint};
-
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct EngineStatus {
-    pub num_running: usize,
-    pub num_waiting: usize,
-    pub num_free_blocks: usize,
-    pub num_total_blocks: usize,
-    pub num_steps: u64,
-    /// Times the device state was (re)attached: 1 after start, +1 per restart.
-    pub num_resets: u64,
-    /// Tokens and measured step seconds of steps that held a prefill chunk ...
-    pub num_prefill_tokens: u64,
-    pub prefill_secs: f64,
-    /// ... and of pure decode steps.
-    pub num_decode_tokens: u64,
-    pub decode_secs: f64,
-    pub num_prefix_queried_blocks: u64,
-    pub num_prefix_hit_blocks: u64,
-    /// Rank worker time between steps (ZOS shrinks it).
-    pub worker_idle_secs: f64,
-    /// Row counts of the measured decode latency curve in use (0: none).
-    pub num_decode_curve_points: usize,
-    /// Speculative decoding: rows that verified drafts, drafts proposed (the confidence
-    /// budget's cuts included), drafts verified, drafts accepted.
-    pub num_spec_verify_rows: u64,
-    pub num_spec_draft_tokens: u64,
-    pub num_spec_verified_tokens: u64,
-    pub num_spec_accepted_tokens: u64,
-    /// Per draft position (0-based, up to 16 drafts): drafts verified there, and accepted
-    /// there (every earlier draft of the row accepted too).
-    pub spec_verified_by_position: [u64; MAX_SPEC_POSITIONS],
-    pub spec_accepted_by_position: [u64; MAX_SPEC_POSITIONS],
-}
 
 pub enum SchedulerMsg {
     Submit {
@@ -92,9 +60,6 @@ pub enum SchedulerMsg {
     /// Replies once no request is left.
     Drain(RpcReplyPort<()>),
 }
-
-/// Draft positions the status counts acceptance at (the engine allows 16 drafts a row).
-pub const MAX_SPEC_POSITIONS: usize = 16;
 
 /// A generated token's logprob and its top alternatives.
 type TokenLogprobs = (f32, Vec<(u32, f32)>);

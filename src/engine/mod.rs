@@ -21,8 +21,8 @@ pub use types::{
 use crate::actors::decode_curve::CurveJob;
 use crate::actors::fault::FaultPlan;
 use crate::actors::sampled_tokens::SampledTokens;
-pub use crate::actors::scheduler::EngineStatus;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
+pub use crate::actors::status::EngineStatus;
 use crate::actors::supervisor::{
     Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
 };

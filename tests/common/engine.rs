@@ -87,3 +87,20 @@ pub fn reference_outputs(model: &str, requests: &[EngineRequest]) -> Vec<Vec<u32
 pub fn tokens(outputs: &[RequestOutput]) -> Vec<Vec<u32>> {
     outputs.iter().map(|o| o.token_ids.clone()).collect()
 }
+
+/// The outputs of `requests` run together on `engine`, every one without an error.
+pub async fn ok_outputs(
+    engine: &troupe::engine::EngineHandle,
+    requests: Vec<EngineRequest>,
+) -> Vec<RequestOutput> {
+    engine
+        .generate_batch(requests)
+        .await
+        .into_iter()
+        .map(|r| {
+            let o = r.expect("request accepted");
+            assert!(o.error.is_none(), "{:?}", o.error);
+            o
+        })
+        .collect()
+}
