@@ -72,6 +72,10 @@ pub struct EngineFlags {
     /// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
+    /// Ranks in the tensor-parallel group: GPUs N, N+1, ... from `--device cuda:N` (on the
+    /// CPU, ranks joined by in-process collectives). A lost GPU shrinks the group.
+    #[arg(long, visible_alias = "tp", default_value_t = 1)]
+    tensor_parallel_size: usize,
     /// Seeded random weights for the shape in the model directory's config.json (made on
     /// the device on a GPU): benchmarks of models whose weights are not at hand.
     #[arg(long)]
@@ -155,6 +159,7 @@ impl EngineFlags {
             )));
         }
         cfg.device = self.device;
+        cfg.tensor_parallel_size = self.tensor_parallel_size;
         cfg.dummy_weights = self.dummy_weights;
         cfg.enforce_eager = self.enforce_eager;
         if self.dummy_weights && !model_path.join("config.json").is_file() {
@@ -445,6 +450,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "decode_tokens": status.num_decode_tokens,
             "decode_tokens_per_s": status.num_decode_tokens as f64 / status.decode_secs.max(1e-9),
             "steps": status.num_steps,
+            "tensor_parallel_size": status.tensor_parallel_size,
+            "group_resets": status.num_resets.saturating_sub(1),
             "worker_idle_secs": status.worker_idle_secs,
             "prefix_cache_hit_blocks": status.num_prefix_hit_blocks,
             "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,

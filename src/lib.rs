@@ -8,6 +8,7 @@ pub mod error;
 pub mod generate;
 pub mod kernels;
 pub mod model;
+pub mod parallel;
 pub mod protocol;
 pub mod sampling;
 pub mod sched;

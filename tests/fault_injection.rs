@@ -76,8 +76,8 @@ async fn killed_rank_worker_is_restarted_and_requests_finish_unchanged() {
         .children()
         .await
         .unwrap()
-        .worker
-        .unwrap()
+        .workers
+        .remove(0)
         .get_cell()
         .kill();
     let got = collect(streams).await;
@@ -137,8 +137,8 @@ async fn a_rank_that_cannot_restart_fails_every_request_clearly_and_fast() {
         .children()
         .await
         .unwrap()
-        .worker
-        .unwrap()
+        .workers
+        .remove(0)
         .get_cell()
         .kill();
     let got = tokio::time::timeout(Duration::from_secs(5), collect(streams))

@@ -3,7 +3,7 @@
 //! off in normal runs, and checking them costs one relaxed load per step.
 
 use crate::sync::Arc;
-use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 #[derive(Clone, Default)]
 pub struct FaultPlan {
@@ -20,6 +20,11 @@ struct Flags {
     fail_next_readback: AtomicBool,
     /// The sampler panics at the next row that verifies drafts.
     panic_next_verify: AtomicBool,
+    /// Bit `d`: device slot `d` is gone — its rank's next step panics and no rank starts
+    /// on it again.
+    lost_devices: AtomicU64,
+    /// Bit `d`: the rank on device slot `d` has yet to die of its device's loss.
+    dying_devices: AtomicU64,
 }
 
 impl FaultPlan {
@@ -32,6 +37,16 @@ impl FaultPlan {
     pub fn fail_next_readback(&self) {
         self.inner.fail_next_readback.store(true, Ordering::SeqCst);
     }
+    /// Device slot `slot` (< 64) fails for good: the rank running on it panics at its
+    /// next step and every later start there fails, so the group must shrink.
+    pub fn lose_device(&self, slot: usize) {
+        self.inner
+            .lost_devices
+            .fetch_or(1 << slot, Ordering::SeqCst);
+        self.inner
+            .dying_devices
+            .fetch_or(1 << slot, Ordering::SeqCst);
+    }
     pub fn panic_next_verify(&self) {
         self.inner.panic_next_verify.store(true, Ordering::SeqCst);
     }
@@ -41,13 +56,19 @@ impl FaultPlan {
     pub(crate) fn take_readback_failure(&self) -> bool {
         self.inner.fail_next_readback.swap(false, Ordering::SeqCst)
     }
-    pub(crate) fn take_step_panic(&self) -> bool {
-        self.inner.panic_next_step.swap(false, Ordering::SeqCst)
+    /// Whether the rank on device slot `slot` panics in this step.
+    pub(crate) fn take_step_panic(&self, slot: usize) -> bool {
+        let bit = 1u64 << slot;
+        self.inner.dying_devices.fetch_and(!bit, Ordering::SeqCst) & bit != 0
+            || self.inner.panic_next_step.swap(false, Ordering::SeqCst)
     }
-    pub(crate) fn take_start_failure(&self) -> bool {
-        self.inner
-            .failing_starts
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok()
+    /// Whether a rank starting on device slot `slot` fails.
+    pub(crate) fn take_start_failure(&self, slot: usize) -> bool {
+        self.inner.lost_devices.load(Ordering::SeqCst) & (1 << slot) != 0
+            || self
+                .inner
+                .failing_starts
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
     }
 }

@@ -21,12 +21,16 @@ use crate::engine::Device;
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{Backend, NOT_PICKED, Pending, PickRow};
 use crate::model::llama::{LlamaModel, SeqStep};
+use crate::parallel::{GroupJoin, TpShard};
 use crate::sched::{RowInput, StepPlan};
 
 pub enum RankMsg {
     /// The readback thread could not deliver a step (a device error while waiting for
     /// it): the worker fails, so its supervisor restarts it and the engine recomputes.
     ReadbackFailed(String),
+    /// Join the tensor-parallel group (sent to every rank once all have started, so no
+    /// rank waits in a rendezvous for a peer that failed to start).
+    JoinGroup(GroupJoin),
     /// Run one step. Step-sized: the plan and sampling parameters travel as `Arc`s.
     Step {
         epoch: u64,
@@ -37,7 +41,10 @@ pub enum RankMsg {
 }
 
 pub struct RankArgs {
-    pub rank: usize,
+    /// The rank's place in its tensor-parallel group.
+    pub shard: TpShard,
+    /// The rank's device among the engine's devices (what fault injection names).
+    pub device_slot: usize,
     pub model_path: PathBuf,
     pub num_kv_blocks: usize,
     pub block_size: usize,
@@ -82,6 +89,7 @@ trait DeviceModel {
         sampling: &[Option<RowSampling>],
     ) -> LaunchedStep;
     fn vocab_size(&self) -> usize;
+    fn join_group(&mut self, join: GroupJoin) -> Result<(), String>;
     /// The hardware, for keying measurements.
     fn device_label(&self) -> String;
 }
@@ -92,6 +100,16 @@ struct OnBackend<B: Backend> {
     backend: B,
     model: LlamaModel<B>,
     cache: B::KvCache,
+    /// Only the group's leader copies logits to the host for the sampler.
+    leader: bool,
+}
+
+impl<B: Backend> Drop for OnBackend<B> {
+    fn drop(&mut self) {
+        // Leave the group before the backend waits for its stream: a collective whose
+        // peer died never finishes, and leaving it aborts it.
+        self.model.leave_group();
+    }
 }
 
 impl<B: Backend> DeviceModel for OnBackend<B> {
@@ -145,7 +163,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         };
         // The host rows' copy waits for the step; the picks' copy is left in flight.
         let picks = self.backend.pick_rows(logits, vocab, &pick_rows);
-        if !host.is_empty() {
+        if !host.is_empty() && self.leader {
             out.host = self.backend.download_rows(logits, vocab, &host);
         }
         let mut prev = vec![None; num_rows];
@@ -175,6 +193,11 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
     }
+    fn join_group(&mut self, join: GroupJoin) -> Result<(), String> {
+        let collective = self.backend.join_group(join)?;
+        self.model.set_collective(collective);
+        Ok(())
+    }
     fn device_label(&self) -> String {
         self.backend.device_name()
     }
@@ -185,9 +208,9 @@ fn load_on<B: Backend + 'static>(
     args: &RankArgs,
 ) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
     let loaded = if args.dummy_weights {
-        crate::model::load_dummy(&args.model_path, &backend)?
+        crate::model::load_dummy_shard(&args.model_path, &backend, args.shard)?
     } else {
-        crate::model::load(&args.model_path, &backend)?
+        crate::model::load_shard(&args.model_path, &backend, args.shard)?
     };
     let shape = loaded
         .model
@@ -197,6 +220,7 @@ fn load_on<B: Backend + 'static>(
         backend,
         model: loaded.model,
         cache,
+        leader: args.shard.is_leader(),
     }))
 }
 
@@ -232,6 +256,8 @@ struct Readback {
     sampler: ActorRef<SamplerMsg>,
     /// When the worker began launching it.
     launched: Instant,
+    /// Hand it to the sampler: the group's leader's steps of the current epoch only.
+    deliver: bool,
 }
 
 /// When a step began on the device, and how long the device idled before it. Steps
@@ -286,6 +312,9 @@ fn spawn_readback(
                 };
                 let (started, idle_secs) = step_window(r.launched, last_done);
                 last_done = Some(Instant::now());
+                if !r.deliver {
+                    continue;
+                }
                 // A sampler that died with this step in flight is being replaced; the
                 // restart resets the scheduler, which no longer waits for these logits.
                 let _ = r.sampler.cast(SamplerMsg::Sample {
@@ -307,6 +336,8 @@ pub struct RankState {
     block_size: usize,
     sampled: SampledTokens,
     faults: FaultPlan,
+    shard: TpShard,
+    device_slot: usize,
     /// Input ids of the current step's rows, reused across steps.
     inputs: Vec<Vec<u32>>,
     /// Per row of the current step: its input's index among the device's picks.
@@ -329,8 +360,12 @@ impl ThreadLocalActor for RankWorker {
         myself: ActorRef<RankMsg>,
         args: RankArgs,
     ) -> Result<RankState, ActorProcessingErr> {
-        if args.faults.take_start_failure() {
-            return Err(format!("rank {} failed to start (injected fault)", args.rank).into());
+        if args.faults.take_start_failure(args.device_slot) {
+            return Err(format!(
+                "rank {} (device slot {}) failed to start (injected fault)",
+                args.shard.rank, args.device_slot
+            )
+            .into());
         }
         let mut model = load_model(&args)?;
         if let Some(job) = &args.decode_curve {
@@ -350,12 +385,14 @@ impl ThreadLocalActor for RankWorker {
                 Err(e) => tracing::warn!("decode latency curve not measured: {e}"),
             }
         }
-        let readback = spawn_readback(args.rank, myself, args.faults.clone())?;
+        let readback = spawn_readback(args.shard.rank, myself, args.faults.clone())?;
         Ok(RankState {
             model,
             block_size: args.block_size,
             sampled: args.sampled,
             faults: args.faults,
+            shard: args.shard,
+            device_slot: args.device_slot,
             inputs: Vec::new(),
             picked_rows: Vec::new(),
             prev: None,
@@ -371,6 +408,11 @@ impl ThreadLocalActor for RankWorker {
     ) -> Result<(), ActorProcessingErr> {
         let (epoch, plan, sampling, sampler) = match msg {
             RankMsg::ReadbackFailed(reason) => return Err(reason.into()),
+            RankMsg::JoinGroup(join) => {
+                return st.model.join_group(join).map_err(|e| {
+                    format!("rank {} could not join its group: {e}", st.shard.rank).into()
+                });
+            }
             RankMsg::Step {
                 epoch,
                 plan,
@@ -378,8 +420,12 @@ impl ThreadLocalActor for RankWorker {
                 sampler,
             } => (epoch, plan, sampling, sampler),
         };
-        if epoch != st.sampled.epoch() {
-            // Planned before a reset: every sequence in it is being recomputed.
+        // Planned before a reset: every sequence in it is being recomputed. A lone rank
+        // skips it; a group's ranks all run it (nothing reaches the sampler), because a
+        // rank that skipped would leave its peers waiting in a collective.
+        let void = epoch != st.sampled.epoch();
+        let in_group = st.shard.size > 1;
+        if void && !in_group {
             return Ok(());
         }
         st.inputs.resize_with(plan.rows.len(), Vec::new);
@@ -409,6 +455,7 @@ impl ThreadLocalActor for RankWorker {
                         None => match st.sampled.wait(epoch, *prev_step, *prev_row) {
                             Some(token) => input.push(token),
                             // The engine was reset while we waited: this step is void.
+                            None if in_group => input.push(0),
                             None => return Ok(()),
                         },
                     }
@@ -421,8 +468,11 @@ impl ThreadLocalActor for RankWorker {
         }
         // Timed from here: waiting on the previous step's tokens is not this step's cost.
         let launched = Instant::now();
-        if st.faults.take_step_panic() {
-            panic!("rank worker panicked mid-step (injected fault)");
+        if st.faults.take_step_panic(st.device_slot) {
+            panic!(
+                "rank {} worker panicked mid-step (injected fault)",
+                st.shard.rank
+            );
         }
         let steps: Vec<SeqStep<'_>> = plan
             .rows
@@ -448,6 +498,7 @@ impl ThreadLocalActor for RankWorker {
                 sampling,
                 sampler,
                 launched,
+                deliver: st.shard.is_leader() && epoch == st.sampled.epoch(),
             })
             .map_err(|_| "the readback thread ended")?;
         Ok(())

@@ -49,7 +49,8 @@ pub enum SchedulerMsg {
     /// From the supervisor, at start and after restarts: device state is fresh, so every
     /// unfinished sequence is recomputed.
     Attach {
-        worker: Option<ActorRef<RankMsg>>,
+        /// A new group of rank workers, rank order.
+        workers: Option<Vec<ActorRef<RankMsg>>>,
         sampler: Option<ActorRef<SamplerMsg>>,
     },
     /// From the supervisor: no rank can run; fail everything now and later.
@@ -107,7 +108,8 @@ pub struct SchedulerState {
     decode_curve: Option<StdArc<std::sync::Mutex<Option<LatencyCurve>>>>,
     sampled: SampledTokens,
     epoch: u64,
-    worker: Option<ActorRef<RankMsg>>,
+    /// The rank workers every step goes to (rank order); empty before the first attach.
+    workers: Vec<ActorRef<RankMsg>>,
     sampler: Option<ActorRef<SamplerMsg>>,
     tokenizer: Option<StdArc<Tokenizer>>,
     stop_ids: StdArc<[u32]>,
@@ -126,9 +128,12 @@ impl SchedulerState {
     /// Plans and sends steps while the pipeline has room: one step in flight without ZOS,
     /// two with it (step N runs while N+1 is planned and queued behind it).
     fn kick(&mut self) {
-        let (Some(worker), Some(sampler)) = (self.worker.clone(), self.sampler.clone()) else {
+        let Some(sampler) = self.sampler.clone() else {
             return;
         };
+        if self.workers.is_empty() {
+            return;
+        }
         let depth = if self.zos { 2 } else { 1 };
         while self.failed.is_none() && self.in_flight.len() < depth {
             let plan = self.core.schedule();
@@ -182,14 +187,17 @@ impl SchedulerState {
             let plan = StdArc::new(plan);
             self.in_flight.push_back(plan.clone());
             self.status.num_steps += 1;
-            let msg = RankMsg::Step {
-                epoch: self.epoch,
-                plan,
-                sampling: StdArc::new(sampling),
-                sampler: sampler.clone(),
-            };
-            // A dead worker loses the step; the supervisor's restart resets the core.
-            let _ = worker.cast(msg);
+            let sampling = StdArc::new(sampling);
+            // Every rank runs the same plan; a dead one loses it and the supervisor's
+            // rebuild resets the core.
+            for worker in &self.workers {
+                let _ = worker.cast(RankMsg::Step {
+                    epoch: self.epoch,
+                    plan: plan.clone(),
+                    sampling: sampling.clone(),
+                    sampler: sampler.clone(),
+                });
+            }
         }
         self.answer_drains();
     }
@@ -430,7 +438,7 @@ impl Actor for SchedulerActor {
             decode_curve: args.decode_curve,
             epoch: args.sampled.epoch(),
             sampled: args.sampled,
-            worker: None,
+            workers: Vec::new(),
             sampler: None,
             tokenizer: args.tokenizer,
             stop_ids: args.stop_ids.into(),
@@ -585,9 +593,10 @@ impl Actor for SchedulerActor {
                     st.kick();
                 }
             }
-            SchedulerMsg::Attach { worker, sampler } => {
-                if worker.is_some() {
-                    st.worker = worker;
+            SchedulerMsg::Attach { workers, sampler } => {
+                if let Some(workers) = workers {
+                    st.status.tensor_parallel_size = workers.len();
+                    st.workers = workers;
                     // The worker measured (or loaded) it before it attached.
                     let curve = st
                         .decode_curve

@@ -14,6 +14,8 @@ pub struct EngineStatus {
     pub num_steps: u64,
     /// Times the device state was (re)attached: 1 after start, +1 per restart.
     pub num_resets: u64,
+    /// Ranks in the current tensor-parallel group (smaller after a device was lost).
+    pub tensor_parallel_size: usize,
     /// Tokens and measured step seconds of steps that held a prefill chunk ...
     pub num_prefill_tokens: u64,
     pub prefill_secs: f64,

@@ -1,8 +1,10 @@
 //! The engine supervisor: spawns and links the scheduler, the sampler and one rank worker
-//! per rank, and decides restarts. ractor's default would stop the supervisor when any
-//! child exits; here a dead rank worker or sampler is restarted and the scheduler told to
-//! recompute every unfinished sequence, until `max_rank_restarts` is spent or a restart
-//! itself fails — then the scheduler fails every request with the reason.
+//! per rank of the tensor-parallel group, and decides restarts. ractor's default would
+//! stop the supervisor when any child exits; here a dead sampler is restarted, and a dead
+//! rank takes its group down: the supervisor rebuilds it on the devices that still start,
+//! at the largest group size the model allows there, and the scheduler recomputes every
+//! unfinished sequence — until `max_rank_restarts` is spent or no valid group size is
+//! left; then the scheduler fails every request with the reason.
 
 use ractor::thread_local::{ThreadLocalActor, ThreadLocalActorSpawner};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
@@ -12,6 +14,9 @@ use super::rank_worker::{RankArgs, RankMsg, RankWorker};
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{SamplerActor, SamplerArgs, SamplerMsg};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg};
+use crate::engine::Device;
+use crate::model::config::ModelConfig;
+use crate::parallel::{ChannelCollective, GroupAbort, GroupJoin, TpShard, largest_valid_tp};
 
 pub struct SupervisorArgs {
     pub scheduler: SchedulerArgs,
@@ -19,15 +24,18 @@ pub struct SupervisorArgs {
     pub max_rank_restarts: usize,
 }
 
-/// What it takes to (re)start rank 0's worker.
+/// What it takes to (re)start the rank workers.
 #[derive(Clone)]
 pub struct RankArgsTemplate {
     pub model_path: std::path::PathBuf,
+    /// The full model's shape, for choosing group sizes.
+    pub model_config: ModelConfig,
+    /// The devices a group may use, one rank each (the configured group size of them).
+    pub devices: Vec<crate::engine::Device>,
     pub num_kv_blocks: usize,
     pub block_size: usize,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
-    pub device: crate::engine::Device,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub decode_curve: Option<super::decode_curve::CurveJob>,
@@ -41,41 +49,110 @@ pub enum SupervisorMsg {
 pub struct Children {
     pub scheduler: ActorRef<SchedulerMsg>,
     pub sampler: ActorRef<SamplerMsg>,
-    pub worker: Option<ActorRef<RankMsg>>,
+    /// The group's rank workers in rank order; empty while it is being rebuilt.
+    pub workers: Vec<ActorRef<RankMsg>>,
 }
 
 pub struct SupervisorState {
     children: Children,
     rank: RankArgsTemplate,
     sampled: SampledTokens,
-    spawner: ThreadLocalActorSpawner,
+    /// One OS thread per device slot, kept across rebuilds.
+    spawners: Vec<ThreadLocalActorSpawner>,
+    /// Device slots where a rank failed to start: left out of later groups.
+    lost: Vec<bool>,
+    /// Cancels the current group's collectives when one of its ranks dies.
+    abort: GroupAbort,
     num_rank_restarts: usize,
     max_rank_restarts: usize,
 }
 
-async fn spawn_worker(
+/// Starts one rank worker per device of the largest group the healthy devices allow, and
+/// once all have started, has them join the group. A device whose rank fails to start is
+/// marked lost and the group is retried without it.
+async fn spawn_group(
     myself: &ActorCell,
-    rank: &RankArgsTemplate,
-    sampled: &SampledTokens,
-    spawner: &ThreadLocalActorSpawner,
-) -> Result<ActorRef<RankMsg>, String> {
-    let args = RankArgs {
-        rank: 0,
-        model_path: rank.model_path.clone(),
-        num_kv_blocks: rank.num_kv_blocks,
-        block_size: rank.block_size,
-        sampled: sampled.clone(),
-        faults: rank.faults.clone(),
-        device: rank.device,
-        dummy_weights: rank.dummy_weights,
-        enforce_eager: rank.enforce_eager,
-        batch_invariant: rank.batch_invariant,
-        decode_curve: rank.decode_curve.clone(),
-    };
-    RankWorker::spawn_linked(None, args, myself.clone(), spawner.clone())
-        .await
-        .map(|(r, _)| r)
-        .map_err(|e| e.to_string())
+    st: &mut SupervisorState,
+) -> Result<Vec<ActorRef<RankMsg>>, String> {
+    let mut last_failure = String::new();
+    loop {
+        let healthy: Vec<usize> = (0..st.rank.devices.len())
+            .filter(|&d| !st.lost[d])
+            .collect();
+        let Some(size) = largest_valid_tp(&st.rank.model_config, healthy.len()) else {
+            return Err(format!(
+                "no tensor-parallel group fits the {} device(s) still starting{}",
+                healthy.len(),
+                if last_failure.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (last start failure: {last_failure})")
+                }
+            ));
+        };
+        let mut workers = Vec::with_capacity(size);
+        for (rank, &slot) in healthy[..size].iter().enumerate() {
+            let t = &st.rank;
+            let args = RankArgs {
+                shard: TpShard { rank, size },
+                device_slot: slot,
+                model_path: t.model_path.clone(),
+                num_kv_blocks: t.num_kv_blocks,
+                block_size: t.block_size,
+                sampled: st.sampled.clone(),
+                faults: t.faults.clone(),
+                device: t.devices[slot],
+                dummy_weights: t.dummy_weights,
+                enforce_eager: t.enforce_eager,
+                batch_invariant: t.batch_invariant,
+                // Measured by a lone rank only: a group's ranks would each need the others.
+                decode_curve: t.decode_curve.clone().filter(|_| size == 1),
+            };
+            let spawner = st.spawners[slot].clone();
+            match RankWorker::spawn_linked(None, args, myself.clone(), spawner).await {
+                Ok((worker, _)) => workers.push(worker),
+                Err(e) => {
+                    last_failure = format!("device slot {slot}: {e}");
+                    tracing::warn!("rank {rank} of {size} did not start ({last_failure})");
+                    st.lost[slot] = true;
+                    break;
+                }
+            }
+        }
+        if workers.len() < size {
+            for w in workers {
+                w.stop(Some("its group is being rebuilt".into()));
+            }
+            continue;
+        }
+        st.abort = GroupAbort::default();
+        if size > 1 {
+            let joins = group_joins(st.rank.devices[healthy[0]], size, &st.abort)?;
+            for (w, join) in workers.iter().zip(joins) {
+                w.cast(RankMsg::JoinGroup(join))
+                    .map_err(|e| format!("a rank died before joining its group: {e}"))?;
+            }
+        }
+        return Ok(workers);
+    }
+}
+
+/// What each rank of a group of `size` on `device`'s kind joins.
+fn group_joins(device: Device, size: usize, abort: &GroupAbort) -> Result<Vec<GroupJoin>, String> {
+    match device {
+        Device::Cpu => Ok(ChannelCollective::group(size)
+            .into_iter()
+            .map(GroupJoin::Channels)
+            .collect()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => crate::kernels::cuda::NcclJoin::group(size, abort)
+            .map(|joins| joins.into_iter().map(GroupJoin::Nccl).collect()),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => {
+            let _ = abort;
+            Err(crate::engine::NO_CUDA.into())
+        }
+    }
 }
 
 pub struct EngineSupervisor;
@@ -99,26 +176,32 @@ impl EngineSupervisor {
         true
     }
 
-    async fn restart_worker(
+    /// A rank died: the whole group stops (its collectives are cancelled) and is rebuilt.
+    async fn rebuild_group(
         myself: &ActorRef<SupervisorMsg>,
         st: &mut SupervisorState,
+        rank: usize,
         why: String,
     ) {
-        st.children.worker = None;
-        if !Self::spend_restart(st, "rank 0", &why) {
+        st.abort.abort();
+        for w in std::mem::take(&mut st.children.workers) {
+            w.stop(Some("a rank of its group died".into()));
+        }
+        if !Self::spend_restart(st, &format!("rank {rank}"), &why) {
             return;
         }
-        tracing::warn!("rank 0 worker died ({why}); restarting");
-        match spawn_worker(&myself.get_cell(), &st.rank, &st.sampled, &st.spawner).await {
-            Ok(worker) => {
-                st.children.worker = Some(worker.clone());
+        tracing::warn!("rank {rank} worker died ({why}); rebuilding its group");
+        match spawn_group(&myself.get_cell(), st).await {
+            Ok(workers) => {
+                st.children.workers = workers.clone();
                 let _ = st.children.scheduler.cast(SchedulerMsg::Attach {
-                    worker: Some(worker),
+                    workers: Some(workers),
                     sampler: None,
                 });
             }
             Err(e) => {
-                let reason = format!("rank 0 died ({why}) and could not be restarted: {e}");
+                let reason =
+                    format!("rank {rank} died ({why}) and the group could not be rebuilt: {e}");
                 let _ = st
                     .children
                     .scheduler
@@ -140,7 +223,7 @@ impl EngineSupervisor {
             SamplerActor::spawn_linked(None, SamplerActor, args, myself.get_cell()).await?;
         st.children.sampler = sampler.clone();
         st.children.scheduler.cast(SchedulerMsg::Attach {
-            worker: None,
+            workers: None,
             sampler: Some(sampler),
         })?;
         Ok(())
@@ -168,25 +251,30 @@ impl Actor for EngineSupervisor {
         };
         let (sampler, _) =
             SamplerActor::spawn_linked(None, SamplerActor, sampler_args, myself.get_cell()).await?;
-        // One OS thread per rank, kept across restarts of its worker.
-        let spawner = ThreadLocalActorSpawner::new();
-        let worker = spawn_worker(&myself.get_cell(), &args.rank, &sampled, &spawner).await?;
-        scheduler.cast(SchedulerMsg::Attach {
-            worker: Some(worker.clone()),
-            sampler: Some(sampler.clone()),
-        })?;
-        Ok(SupervisorState {
+        let num_devices = args.rank.devices.len();
+        let mut st = SupervisorState {
             children: Children {
-                scheduler,
-                sampler,
-                worker: Some(worker),
+                scheduler: scheduler.clone(),
+                sampler: sampler.clone(),
+                workers: Vec::new(),
             },
             rank: args.rank,
             sampled,
-            spawner,
+            spawners: (0..num_devices)
+                .map(|_| ThreadLocalActorSpawner::new())
+                .collect(),
+            lost: vec![false; num_devices],
+            abort: GroupAbort::default(),
             num_rank_restarts: 0,
             max_rank_restarts: args.max_rank_restarts,
-        })
+        };
+        let workers = spawn_group(&myself.get_cell(), &mut st).await?;
+        st.children.workers = workers.clone();
+        scheduler.cast(SchedulerMsg::Attach {
+            workers: Some(workers),
+            sampler: Some(sampler),
+        })?;
+        Ok(st)
     }
 
     async fn handle(
@@ -208,8 +296,10 @@ impl Actor for EngineSupervisor {
         _myself: ActorRef<SupervisorMsg>,
         st: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
-        // A worker blocked on tokens that will never come must wake up and exit.
+        // A worker blocked on tokens that will never come, or in a collective with a
+        // rank that already stopped, must wake up and exit.
         st.sampled.invalidate();
+        st.abort.abort();
         Ok(())
     }
 
@@ -227,15 +317,10 @@ impl Actor for EngineSupervisor {
             _ => return Ok(()),
         };
         let id = who.get_id();
-        if st
-            .children
-            .worker
-            .as_ref()
-            .is_some_and(|w| w.get_id() == id)
-        {
-            // The worker's tokens in flight are void: wake anything waiting on them.
+        if let Some(rank) = st.children.workers.iter().position(|w| w.get_id() == id) {
+            // The group's tokens in flight are void: wake anything waiting on them.
             st.sampled.invalidate();
-            Self::restart_worker(&myself, st, why).await;
+            Self::rebuild_group(&myself, st, rank, why).await;
         } else if st.children.sampler.get_id() == id {
             st.sampled.invalidate();
             // Sampler restarts spend the same budget: a fault that recurs on every

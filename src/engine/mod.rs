@@ -69,7 +69,18 @@ impl Engine {
         speculative_tokens(cfg.speculative)?;
         let text = model::load_text(&cfg.model_path)?;
         let mcfg = &text.config;
-        // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode.
+        if let Some(problem) = crate::parallel::tp_problem(mcfg, cfg.tensor_parallel_size) {
+            return Err(EngineError::Spawn(problem));
+        }
+        let devices: Vec<Device> = (0..cfg.tensor_parallel_size)
+            .map(|i| match cfg.device {
+                Device::Cpu => Device::Cpu,
+                Device::Cuda(first) => Device::Cuda(first + i),
+            })
+            .collect();
+        // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The pool
+        // is sized for a whole KV head set per rank, so a group that loses devices and
+        // shrinks to one rank still holds every block the scheduler counts on.
         let kv_bytes_per_entry = match cfg.device {
             Device::Cuda(_) if !cfg.batch_invariant => 2,
             _ => std::mem::size_of::<f32>(),
@@ -135,7 +146,8 @@ impl Engine {
                 block_size: cfg.block_size,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
-                device: cfg.device,
+                model_config: mcfg.clone(),
+                devices,
                 dummy_weights: cfg.dummy_weights,
                 enforce_eager: cfg.enforce_eager,
                 decode_curve,

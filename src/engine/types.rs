@@ -23,6 +23,9 @@ pub struct EngineConfig {
     /// 0 on a GPU: `gpu_memory_utilization` of the free memory, less the weights.
     pub kv_cache_bytes: usize,
     pub device: Device,
+    /// Ranks in the tensor-parallel group: GPUs `device`, `device + 1`, ... (CPU ranks
+    /// with in-process collectives on the CPU).
+    pub tensor_parallel_size: usize,
     /// Share of the GPU's free memory troupe may take (weights, KV cache, activations).
     pub gpu_memory_utilization: f64,
     /// Seeded random weights from the model directory's `config.json` (benchmarks).
@@ -102,6 +105,7 @@ impl EngineConfig {
             block_size: 16,
             kv_cache_bytes: 1 << 30,
             device: Device::Cpu,
+            tensor_parallel_size: 1,
             gpu_memory_utilization: 0.9,
             dummy_weights: false,
             enforce_eager: false,

@@ -14,6 +14,8 @@ pub mod quant;
 
 pub use paged_kv::{KvCacheShape, SeqAttention};
 
+use std::ops::Range;
+
 /// Tensor data in host memory, as the checkpoint stores it.
 pub enum HostData {
     F32(Vec<f32>),
@@ -72,6 +74,74 @@ pub struct HostMatrix {
 }
 
 impl HostMatrix {
+    /// The rows `rows` and columns `cols` of this matrix (a tensor-parallel rank's shard).
+    /// Quantized blocks stay packed when the columns cut between blocks, and are
+    /// dequantized when a cut falls inside one; random weights get a stream of their own.
+    pub fn sliced(self, rows: Range<usize>, cols: Range<usize>) -> HostMatrix {
+        assert!(
+            rows.end <= self.rows && cols.end <= self.cols,
+            "slice {rows:?} x {cols:?} of a {} x {} matrix",
+            self.rows,
+            self.cols
+        );
+        if rows == (0..self.rows) && cols == (0..self.cols) {
+            return self;
+        }
+        let (num_rows, num_cols) = (rows.len(), cols.len());
+        fn take<T: Copy>(
+            v: &[T],
+            width: usize,
+            rows: &Range<usize>,
+            cols: &Range<usize>,
+        ) -> Vec<T> {
+            rows.clone()
+                .flat_map(|r| {
+                    v[r * width + cols.start..r * width + cols.end]
+                        .iter()
+                        .copied()
+                })
+                .collect()
+        }
+        let data = match self.data {
+            HostData::F32(v) => HostData::F32(take(&v, self.cols, &rows, &cols)),
+            HostData::Bf16(v) => HostData::Bf16(take(&v, self.cols, &rows, &cols)),
+            HostData::Quantized { ggml_type, bytes } => {
+                let block = ggml_type.block_len();
+                if cols.start.is_multiple_of(block) && cols.end.is_multiple_of(block) {
+                    let row_bytes = bytes.len() / self.rows;
+                    let per = ggml_type.block_bytes();
+                    let byte_cols = cols.start / block * per..cols.end / block * per;
+                    HostData::Quantized {
+                        ggml_type,
+                        bytes: take(&bytes, row_bytes, &rows, &byte_cols),
+                    }
+                } else {
+                    let n = self.rows * self.cols;
+                    let all = HostData::Quantized { ggml_type, bytes }.into_f32(n);
+                    HostData::F32(take(&all, self.cols, &rows, &cols))
+                }
+            }
+            HostData::Random {
+                seed,
+                mean,
+                half_width,
+            } => HostData::Random {
+                seed: crate::sampling::splitmix64(
+                    seed ^ crate::sampling::splitmix64(
+                        (rows.start * self.cols + cols.start) as u64,
+                    ),
+                ),
+                mean,
+                half_width,
+            },
+        };
+        HostMatrix {
+            rows: num_rows,
+            cols: num_cols,
+            data,
+        }
+    }
+
     /// Stacks matrices with equal `cols` (q/k/v, gate/up) into one, so one kernel launch
     /// does the work of several. Keeps a shared quantized format; mixed formats go f32.
     pub fn concat_rows(parts: Vec<HostMatrix>) -> HostMatrix {
@@ -160,6 +230,14 @@ pub trait Backend: Send + Sync {
     fn device_name(&self) -> String {
         self.name().to_string()
     }
+    /// This rank's collective for its tensor-parallel group, from what the supervisor
+    /// handed out (a backend refuses a kind it cannot use, naming it).
+    fn join_group(
+        &self,
+        join: crate::parallel::GroupJoin,
+    ) -> Result<Box<dyn crate::parallel::Collective<Self>>, String>
+    where
+        Self: Sized;
     fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;
     fn upload(&self, data: &[f32]) -> Self::Buf;
     /// A zeroed buffer of `len` floats.
@@ -329,3 +407,73 @@ pub const PAD_SLOT: u32 = u32::MAX;
 pub const NOT_PICKED: u32 = u32::MAX;
 /// A device-to-host copy in flight: calling it waits until the data has landed.
 pub type Pending<T> = Box<dyn FnOnce() -> T + Send>;
+
+#[cfg(test)]
+mod slice_tests {
+    use super::*;
+
+    /// A Q8_0 matrix whose element (r, c) is `r * 100 + c - 50` (scale 1).
+    fn q8_matrix(rows: usize, cols: usize) -> (HostMatrix, Vec<f32>) {
+        let mut bytes = Vec::new();
+        let mut want = Vec::new();
+        for r in 0..rows {
+            for block in 0..cols / 32 {
+                bytes.extend(half::f16::from_f32(1.0).to_le_bytes());
+                for i in 0..32 {
+                    let v = (r * 3 + block * 32 + i) as i32 - 50;
+                    bytes.push(v as i8 as u8);
+                    want.push(v as f32);
+                }
+            }
+        }
+        let ggml_type = quant::GgmlType::Q8_0;
+        let m = HostMatrix {
+            rows,
+            cols,
+            data: HostData::Quantized { ggml_type, bytes },
+        };
+        (m, want)
+    }
+
+    fn values(m: HostMatrix) -> Vec<f32> {
+        let n = m.rows * m.cols;
+        m.data.into_f32(n)
+    }
+
+    fn expected(all: &[f32], width: usize, rows: Range<usize>, cols: Range<usize>) -> Vec<f32> {
+        rows.flat_map(|r| all[r * width + cols.start..r * width + cols.end].to_vec())
+            .collect()
+    }
+
+    #[test]
+    fn shards_hold_exactly_their_rows_and_columns() {
+        let all: Vec<f32> = (0..6 * 4).map(|i| i as f32).collect();
+        let m = HostMatrix {
+            rows: 6,
+            cols: 4,
+            data: HostData::F32(all.clone()),
+        };
+        let s = m.sliced(2..4, 1..3);
+        assert_eq!((s.rows, s.cols), (2, 2));
+        assert_eq!(values(s), vec![9.0, 10.0, 13.0, 14.0]);
+        let bf: Vec<half::bf16> = all.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let m = HostMatrix {
+            rows: 6,
+            cols: 4,
+            data: HostData::Bf16(bf),
+        };
+        assert_eq!(values(m.sliced(5..6, 0..4)), vec![20.0, 21.0, 22.0, 23.0]);
+    }
+
+    #[test]
+    fn quantized_shards_stay_packed_on_block_boundaries_and_dequantize_inside_them() {
+        let (m, all) = q8_matrix(3, 128);
+        let s = m.sliced(1..3, 64..128);
+        assert!(matches!(s.data, HostData::Quantized { .. }));
+        assert_eq!(values(s), expected(&all, 128, 1..3, 64..128));
+        let (m, all) = q8_matrix(3, 128);
+        let s = m.sliced(0..3, 16..48);
+        assert!(matches!(s.data, HostData::F32(_)));
+        assert_eq!(values(s), expected(&all, 128, 0..3, 16..48));
+    }
+}

@@ -56,6 +56,17 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// One rank's view in a tensor-parallel group of `size`: its share of the heads and
+    /// of the MLP's intermediate rows (`parallel::tp_problem` says whether they divide).
+    pub fn sharded(&self, size: usize) -> ModelConfig {
+        ModelConfig {
+            num_heads: self.num_heads / size,
+            num_kv_heads: self.num_kv_heads / size,
+            intermediate_size: self.intermediate_size / size,
+            ..self.clone()
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(TroupeError::InvalidInput(format!("model config: {m}")));
         if self.num_heads == 0

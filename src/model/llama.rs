@@ -6,6 +6,7 @@ use super::config::ModelConfig;
 use super::rope::{cos_sin_table, inv_freqs};
 use super::weights::Weights;
 use crate::kernels::{Backend, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention};
+use crate::parallel::Collective;
 
 /// One sequence's part of a step, as the caller plans it.
 #[derive(Debug, Clone)]
@@ -46,6 +47,8 @@ pub struct LlamaModel<B: Backend> {
     pub weights: Weights<B>,
     cos_sin: B::Buf, // (max_context_tokens, head_dim)
     ws: Option<Workspace<B>>,
+    /// The tensor-parallel group this rank belongs to; `None`: the whole model is here.
+    collective: Option<Box<dyn Collective<B>>>,
     // Host-side step metadata, kept to avoid reallocating it every step.
     picked: Vec<u32>,
     positions: Vec<u32>,
@@ -66,11 +69,23 @@ impl<B: Backend> LlamaModel<B> {
             cfg,
             weights,
             ws: None,
+            collective: None,
             picked: Vec::new(),
             positions: Vec::new(),
             slots: Vec::new(),
             ids: Vec::new(),
         }
+    }
+
+    /// Joins a tensor-parallel group: the partial outputs of the attention and MLP
+    /// projections are summed over it (the weights must be this rank's shard).
+    pub fn set_collective(&mut self, collective: Box<dyn Collective<B>>) {
+        self.collective = Some(collective);
+    }
+
+    /// Drops the group membership (aborting a collective still in flight).
+    pub fn leave_group(&mut self) {
+        self.collective = None;
     }
 
     pub fn kv_cache_shape(&self, num_blocks: usize, block_size: usize) -> KvCacheShape {
@@ -219,8 +234,16 @@ impl<B: Backend> LlamaModel<B> {
         }
 
         let c = &self.cfg;
+        let c_hidden = c.hidden_size;
         let w = &self.weights;
         let ws = self.ws.as_mut().expect("workspace ensured above");
+        let mut collective = self.collective.as_deref_mut();
+        // A rank's o and down projections see only its heads and MLP rows: partial sums.
+        let mut reduce = |buf: &mut B::Buf| {
+            if let Some(c) = collective.as_mut() {
+                c.all_reduce_sum(backend, buf, num_tokens * c_hidden);
+            }
+        };
         let (hd, eps) = (c.head_dim, c.rms_norm_eps);
         backend.embedding(&w.embed, &self.ids, &self.picked, &mut ws.x);
         for (li, lw) in w.layers.iter().enumerate() {
@@ -304,6 +327,7 @@ impl<B: Backend> LlamaModel<B> {
             }
             backend.paged_attention(&ws.q, cache, li, &attn_seqs, c.num_heads, &mut ws.attn);
             backend.matmul(&ws.attn, num_tokens, &lw.wo, None, &mut ws.proj);
+            reduce(&mut ws.proj);
             backend.add_rms_norm(
                 &mut ws.x,
                 &ws.proj,
@@ -316,6 +340,7 @@ impl<B: Backend> LlamaModel<B> {
             backend.matmul(&ws.normed, num_tokens, &lw.w_gate_up, None, &mut ws.gate_up);
             backend.silu_mul(&ws.gate_up, num_tokens, c.intermediate_size, &mut ws.act);
             backend.matmul(&ws.act, num_tokens, &lw.w_down, None, &mut ws.proj);
+            reduce(&mut ws.proj);
         }
         backend.add(&mut ws.x, &ws.proj, num_tokens * c.hidden_size);
         backend.gather_rows(&ws.x, c.hidden_size, &last_rows, &mut ws.normed);

@@ -18,12 +18,13 @@ use chat_template::ChatTemplate;
 use config::ModelConfig;
 use gguf::GgufFile;
 use llama::LlamaModel;
-use loader::{GgufSource, SafetensorsSource};
+use loader::{GgufSource, SafetensorsSource, TensorSource};
 use tokenizer::Tokenizer;
 use weights::Weights;
 
 use crate::error::{Result, TroupeError};
 use crate::kernels::Backend;
+use crate::parallel::TpShard;
 
 /// What turns text into a model's tokens and back, and when generation stops.
 pub struct ModelText {
@@ -58,14 +59,39 @@ pub fn resolve_model_path(spec: &str) -> Result<PathBuf> {
 }
 
 pub fn load<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
+    load_shard(path, backend, TpShard::WHOLE)
+}
+
+/// One tensor-parallel rank's shard of the model (`TpShard::WHOLE`: all of it).
+pub fn load_shard<B: Backend>(path: &Path, backend: &B, shard: TpShard) -> Result<LoadedModel<B>> {
     if path.is_dir() {
-        load_hf_dir(path, backend)
+        load_hf_dir(path, backend, shard)
     } else {
-        load_gguf(path, backend)
+        load_gguf(path, backend, shard)
     }
 }
 
-fn load_gguf<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
+/// The model for `shard` from its full config and weights.
+fn sharded_model<B: Backend>(
+    cfg: &ModelConfig,
+    src: &dyn TensorSource,
+    backend: &B,
+    shard: TpShard,
+    freq_factors: Option<&[f32]>,
+) -> Result<LlamaModel<B>> {
+    if let Some(problem) = crate::parallel::tp_problem(cfg, shard.size) {
+        return Err(TroupeError::InvalidInput(problem));
+    }
+    let weights = Weights::load(cfg, src, backend, shard)?;
+    Ok(LlamaModel::new(
+        cfg.sharded(shard.size),
+        weights,
+        backend,
+        freq_factors,
+    ))
+}
+
+fn load_gguf<B: Backend>(path: &Path, backend: &B, shard: TpShard) -> Result<LoadedModel<B>> {
     let gguf = GgufFile::open(path)?;
     let text = gguf_text(&gguf)?;
     let src = GgufSource {
@@ -74,16 +100,11 @@ fn load_gguf<B: Backend>(path: &Path, backend: &B) -> Result<LoadedModel<B>> {
         num_heads: text.config.num_heads,
         num_kv_heads: text.config.num_kv_heads,
     };
-    let weights = Weights::load(&text.config, &src, backend)?;
     let freq_factors = src.rope_freq_factors()?;
+    let model = sharded_model(&text.config, &src, backend, shard, freq_factors.as_deref())?;
     Ok(LoadedModel {
         path: path.to_path_buf(),
-        model: LlamaModel::new(
-            text.config.clone(),
-            weights,
-            backend,
-            freq_factors.as_deref(),
-        ),
+        model,
         text,
     })
 }
@@ -165,6 +186,15 @@ fn hf_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
 /// The model of an HF directory's `config.json` with seeded random weights (no checkpoint
 /// is read): for benchmarks of shapes whose weights are not at hand.
 pub fn load_dummy<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
+    load_dummy_shard(dir, backend, TpShard::WHOLE)
+}
+
+/// `load_dummy` for one tensor-parallel rank.
+pub fn load_dummy_shard<B: Backend>(
+    dir: &Path,
+    backend: &B,
+    shard: TpShard,
+) -> Result<LoadedModel<B>> {
     if !dir.is_dir() {
         return Err(TroupeError::InvalidInput(format!(
             "--dummy-weights needs an HF model directory with a config.json; {} is not one",
@@ -175,23 +205,23 @@ pub fn load_dummy<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>>
     let src = loader::DummySource {
         config: cfg.clone(),
     };
-    let weights = Weights::load(&cfg, &src, backend)?;
-    let text = hf_text(dir, &json, cfg.clone())?;
+    let model = sharded_model(&cfg, &src, backend, shard, None)?;
+    let text = hf_text(dir, &json, cfg)?;
     Ok(LoadedModel {
         path: dir.to_path_buf(),
-        model: LlamaModel::new(cfg, weights, backend, None),
+        model,
         text,
     })
 }
 
-fn load_hf_dir<B: Backend>(dir: &Path, backend: &B) -> Result<LoadedModel<B>> {
+fn load_hf_dir<B: Backend>(dir: &Path, backend: &B, shard: TpShard) -> Result<LoadedModel<B>> {
     let (cfg, json) = hf_config(dir)?;
     let src = SafetensorsSource::open_dir(dir)?;
-    let weights = Weights::load(&cfg, &src, backend)?;
-    let text = hf_text(dir, &json, cfg.clone())?;
+    let model = sharded_model(&cfg, &src, backend, shard, None)?;
+    let text = hf_text(dir, &json, cfg)?;
     Ok(LoadedModel {
         path: dir.to_path_buf(),
-        model: LlamaModel::new(cfg, weights, backend, None),
+        model,
         text,
     })
 }

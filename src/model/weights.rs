@@ -4,6 +4,7 @@ use super::config::{Arch, ModelConfig};
 use super::loader::{HostTensor, TensorSource};
 use crate::error::{Result, TroupeError};
 use crate::kernels::{Backend, HostMatrix};
+use crate::parallel::TpShard;
 
 pub struct LayerWeights<B: Backend> {
     pub attn_norm: B::Buf, // (hidden)
@@ -30,6 +31,16 @@ pub struct Weights<B: Backend> {
 struct Loader<'a, B: Backend> {
     src: &'a dyn TensorSource,
     backend: &'a B,
+    shard: TpShard,
+}
+
+/// How a rank slices a `[rows, cols]` weight: column-parallel layers keep a share of the
+/// output rows, row-parallel ones the matching share of the input columns.
+#[derive(Clone, Copy)]
+enum Split {
+    Whole,
+    Rows,
+    Cols,
 }
 
 impl<B: Backend> Loader<'_, B> {
@@ -63,16 +74,32 @@ impl<B: Backend> Loader<'_, B> {
             data: t.data,
         })
     }
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Matrix> {
+    /// This rank's part of the `[rows, cols]` tensor `name`.
+    fn shard_matrix(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        split: Split,
+    ) -> Result<HostMatrix> {
+        let m = self.host_matrix(name, rows, cols)?;
+        Ok(match split {
+            Split::Whole => m,
+            Split::Rows => m.sliced(self.shard.range(rows), 0..cols),
+            Split::Cols => m.sliced(0..rows, self.shard.range(cols)),
+        })
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize, split: Split) -> Result<B::Matrix> {
         Ok(self
             .backend
-            .upload_matrix(self.host_matrix(name, rows, cols)?))
+            .upload_matrix(self.shard_matrix(name, rows, cols, split)?))
     }
-    /// Several `[rows_i, cols]` tensors stacked into one matrix.
+    /// Several `[rows_i, cols]` tensors, each cut to this rank's rows, stacked into one
+    /// matrix.
     fn stacked(&self, parts: &[(String, usize)], cols: usize) -> Result<B::Matrix> {
         let hosts = parts
             .iter()
-            .map(|(name, rows)| self.host_matrix(name, *rows, cols))
+            .map(|(name, rows)| self.shard_matrix(name, *rows, cols, Split::Rows))
             .collect::<Result<Vec<_>>>()?;
         Ok(self.backend.upload_matrix(HostMatrix::concat_rows(hosts)))
     }
@@ -89,8 +116,19 @@ impl<B: Backend> Loader<'_, B> {
 }
 
 impl<B: Backend> Weights<B> {
-    pub fn load(cfg: &ModelConfig, src: &dyn TensorSource, backend: &B) -> Result<Self> {
-        let l = Loader { src, backend };
+    /// The weights of tensor-parallel rank `shard` of the model `cfg` describes (whole:
+    /// `TpShard::WHOLE`); `cfg` is the full model's.
+    pub fn load(
+        cfg: &ModelConfig,
+        src: &dyn TensorSource,
+        backend: &B,
+        shard: TpShard,
+    ) -> Result<Self> {
+        let l = Loader {
+            src,
+            backend,
+            shard,
+        };
         let (h, q, kv, ff) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -103,10 +141,10 @@ impl<B: Backend> Weights<B> {
             let bqkv = if cfg.attention_bias {
                 let mut b = Vec::with_capacity(q + 2 * kv);
                 for (n, len) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-                    b.extend(
-                        l.required(&format!("{p}.self_attn.{n}.bias"), &[len])?
-                            .into_f32(),
-                    );
+                    let all = l
+                        .required(&format!("{p}.self_attn.{n}.bias"), &[len])?
+                        .into_f32();
+                    b.extend_from_slice(&all[shard.range(len)]);
                 }
                 Some(backend.upload(&b))
             } else {
@@ -131,10 +169,10 @@ impl<B: Backend> Weights<B> {
                 bqkv,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
-                wo: l.matrix(&format!("{p}.self_attn.o_proj.weight"), h, q)?,
+                wo: l.matrix(&format!("{p}.self_attn.o_proj.weight"), h, q, Split::Cols)?,
                 ffn_norm: l.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 w_gate_up: l.stacked(&[mlp("gate_proj"), mlp("up_proj")], h)?,
-                w_down: l.matrix(&format!("{p}.mlp.down_proj.weight"), h, ff)?,
+                w_down: l.matrix(&format!("{p}.mlp.down_proj.weight"), h, ff, Split::Cols)?,
             });
         }
         let lm_head = match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
@@ -146,7 +184,7 @@ impl<B: Backend> Weights<B> {
             _ => None,
         };
         Ok(Weights {
-            embed: l.matrix("model.embed_tokens.weight", cfg.vocab_size, h)?,
+            embed: l.matrix("model.embed_tokens.weight", cfg.vocab_size, h, Split::Whole)?,
             layers,
             final_norm: l.vector("model.norm.weight", h)?,
             lm_head,

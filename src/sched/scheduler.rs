@@ -427,7 +427,8 @@ impl Scheduler {
         let mut features = StepFeatures::default();
         for &idx in &self.running {
             let seq = self.seq(idx);
-            if seq.num_tokens() - seq.num_scheduled_tokens == 1
+            // A sequence with drafts in flight has more scheduled than known tokens.
+            if seq.num_tokens().checked_sub(seq.num_scheduled_tokens) == Some(1)
                 && seq.may_sample_more(self.cfg.max_context_tokens)
             {
                 features.add_row(1, seq.num_scheduled_tokens);

@@ -44,6 +44,18 @@ impl Backend for CpuBackend {
     type Matrix = CpuMatrix;
     type KvCache = CpuKvCache;
 
+    fn join_group(
+        &self,
+        join: crate::parallel::GroupJoin,
+    ) -> Result<Box<dyn crate::parallel::Collective<Self>>, String> {
+        match join {
+            crate::parallel::GroupJoin::Channels(c) => Ok(Box::new(c)),
+            #[cfg(feature = "cuda")]
+            crate::parallel::GroupJoin::Nccl(_) => {
+                Err("a CPU rank cannot join an NCCL group".into())
+            }
+        }
+    }
     fn device_name(&self) -> String {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         format!("cpu, {threads} threads, invariant {}", self.batch_invariant)

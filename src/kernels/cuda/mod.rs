@@ -10,6 +10,7 @@ mod graph;
 mod kv_cache;
 mod matmul;
 mod module;
+mod nccl;
 mod picks;
 mod weights;
 
@@ -26,6 +27,7 @@ pub use module::{
     GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile, compile_cubin, kernel_image,
     open_device,
 };
+pub use nccl::NcclJoin;
 use picks::{MAX_PICKS, PickPool};
 pub use weights::CudaMatrix;
 
@@ -244,6 +246,17 @@ impl Backend for CudaBackend {
     type Matrix = CudaMatrix;
     type KvCache = CudaKvCache;
 
+    fn join_group(
+        &self,
+        join: crate::parallel::GroupJoin,
+    ) -> Result<Box<dyn crate::parallel::Collective<Self>>, String> {
+        match join {
+            crate::parallel::GroupJoin::Nccl(join) => Ok(Box::new(self.join_nccl(join)?)),
+            crate::parallel::GroupJoin::Channels(_) => {
+                Err("a CUDA rank joins its group through NCCL, not in-process channels".into())
+            }
+        }
+    }
     fn device_name(&self) -> String {
         let gpu = self
             .ctx

@@ -1,0 +1,139 @@
+//! The collective for CUDA ranks: NCCL's all-reduce on the backend's stream (so it orders
+//! with the kernels around it and can sit inside a recorded decode graph). Keeps NVLink
+//! SHARP off (`NCCL_NVLS_ENABLE=0`): it would create multicast objects the device
+//! machines must not have.
+//!
+//! cudarc's safe `Comm` aborts itself on drop but offers no way to abort it from another
+//! thread; here the raw communicator is shared with the group's `GroupAbort`, so the
+//! supervisor can cancel a survivor's all-reduce whose peer died, exactly once.
+
+use std::mem::MaybeUninit;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::nccl::{result, sys};
+
+use super::CudaBackend;
+use crate::parallel::{Collective, GroupAbort};
+
+/// What one rank needs to join an NCCL group.
+pub struct NcclJoin {
+    id: sys::ncclUniqueId,
+    rank: usize,
+    size: usize,
+    abort: GroupAbort,
+}
+
+// SAFETY: the unique id is 128 plain bytes.
+unsafe impl Send for NcclJoin {}
+
+impl NcclJoin {
+    /// The joins of a new group of `size` ranks, rank order; their communicators register
+    /// with `abort`.
+    pub fn group(size: usize, abort: &GroupAbort) -> Result<Vec<NcclJoin>, String> {
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(
+                "libnccl.so.2 was not found: a group of several GPUs needs NCCL on the library path (pip install nvidia-nccl-cu13)"
+                    .into(),
+            );
+        }
+        // SAFETY: setting a variable NCCL reads at initialisation, before any group exists
+        // in this process.
+        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+        let id = result::get_uniqueid().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
+        Ok((0..size)
+            .map(|rank| NcclJoin {
+                id,
+                rank,
+                size,
+                abort: abort.clone(),
+            })
+            .collect())
+    }
+}
+
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: NCCL communicators may be used and aborted from any thread; access is
+// serialised by the mutex around it.
+unsafe impl Send for RawComm {}
+
+type SharedComm = Arc<Mutex<Option<RawComm>>>;
+
+fn abort(comm: &SharedComm) {
+    if let Some(c) = comm.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        // SAFETY: taken out of the option, so aborted exactly once.
+        let _ = unsafe { result::comm_abort(c.0) };
+    }
+}
+
+pub struct NcclCollective {
+    comm: SharedComm,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        abort(&self.comm);
+    }
+}
+
+impl Collective<CudaBackend> for NcclCollective {
+    fn all_reduce_sum(&mut self, _backend: &CudaBackend, buf: &mut CudaSlice<f32>, len: usize) {
+        let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(comm) = guard.as_ref() else {
+            panic!("all-reduce: the group was aborted (a rank died)");
+        };
+        let mut view = buf.slice_mut(..len);
+        let (ptr, _record) = view.device_ptr_mut(&self.stream);
+        // SAFETY: `len` f32 on this rank's device, in place; ordered on the backend's stream.
+        let status = unsafe {
+            result::all_reduce(
+                ptr as *const _,
+                ptr as *mut _,
+                len,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                comm.0,
+                self.stream.cu_stream() as _,
+            )
+        };
+        if let Err(e) = status {
+            panic!("all-reduce: NCCL failed: {e:?}");
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Joins the NCCL group (blocks until every rank has joined).
+    pub(super) fn join_nccl(&self, join: NcclJoin) -> Result<NcclCollective, String> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+        let mut comm = MaybeUninit::uninit();
+        // SAFETY: `comm` is written by a successful init and read only then.
+        let comm = unsafe {
+            result::comm_init_rank(
+                comm.as_mut_ptr(),
+                join.size as i32,
+                join.id,
+                join.rank as i32,
+            )
+            .map_err(|e| {
+                format!(
+                    "ncclCommInitRank (rank {} of {}): {e:?}",
+                    join.rank, join.size
+                )
+            })?;
+            comm.assume_init()
+        };
+        let shared: SharedComm = Arc::new(Mutex::new(Some(RawComm(comm))));
+        let hook = shared.clone();
+        join.abort.register(Box::new(move || abort(&hook)));
+        Ok(NcclCollective {
+            comm: shared,
+            stream: self.stream.clone(),
+        })
+    }
+}
