@@ -14,7 +14,7 @@ nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nc
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${nccl_lib}:${LD_LIBRARY_PATH:-}
 export TROUPE_HOME=/tmp/troupe-home NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 echo "nccl: ${nccl_lib:-not found} $(ls "$nccl_lib" 2>/dev/null | tr '\n' ' ')"
-TROUPE_TEST_DEVICE=cuda timeout 300 gpu-bin/tensor_parallel --test-threads 1 >"$OUT/tp-tests.txt" 2>&1
+TROUPE_TEST_DEVICE=cuda timeout 240 gpu-bin/tensor_parallel --test-threads 1 >"$OUT/tp-tests.txt" 2>&1
 echo "tensor_parallel tests rc=$?"
 grep -E "^test |test result|panicked" "$OUT/tp-tests.txt" | head -20
 python3 scripts/gpu_tp.py target/release/troupe >"$OUT/tp-bench.txt" 2>&1

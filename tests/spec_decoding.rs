@@ -135,8 +135,15 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
             let mut cfg = base.clone();
             cfg.speculative = ngram(k, verify);
             let (got, status) = run(cfg, requests.clone()).await;
-            assert_eq!(tokens(&got), tokens(&want), "k={k}, invariant={invariant}");
-            for (g, w) in got.iter().zip(&want) {
+            // On a GPU outside the invariant mode a verify row's logits (a multi-row GEMM)
+            // and a decode row's (a GEMV) round differently in bf16, and a seeded draw near
+            // a boundary may flip: the identity holds bitwise in the invariant mode.
+            let comparable =
+                invariant || common::engine::test_device() == troupe::engine::Device::Cpu;
+            if comparable {
+                assert_eq!(tokens(&got), tokens(&want), "k={k}, invariant={invariant}");
+            }
+            for (g, w) in got.iter().zip(&want).filter(|_| comparable) {
                 if invariant {
                     assert_eq!(g.token_logprobs, w.token_logprobs, "k={k}");
                 } else {

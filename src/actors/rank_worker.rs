@@ -237,7 +237,9 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
             crate::kernels::cuda::CudaBackend::new(
                 ordinal,
                 args.batch_invariant,
-                !args.enforce_eager,
+                // A group's decode steps run eagerly: recorded with NCCL's all-reduce in
+                // them, the graphs hung on the H200 pair (docs/ARCHITECTURE.md, limits).
+                !args.enforce_eager && args.shard.size == 1,
             )?,
             args,
         ),
