@@ -83,12 +83,15 @@ pub enum GroupJoin {
 /// survivors' pending collectives fail instead of waiting for the dead rank forever.
 #[derive(Clone, Default)]
 pub struct GroupAbort {
-    hooks: Arc<Mutex<Vec<Box<dyn FnMut() + Send>>>>,
+    hooks: Arc<Mutex<Vec<AbortHook>>>,
 }
+
+/// One rank's way to cancel its collectives.
+pub type AbortHook = Box<dyn FnMut() + Send>;
 
 impl GroupAbort {
     /// `hook` runs at `abort` (it must tolerate running after its rank left the group).
-    pub fn register(&self, hook: Box<dyn FnMut() + Send>) {
+    pub fn register(&self, hook: AbortHook) {
         self.hooks
             .lock()
             .unwrap_or_else(|e| e.into_inner())
