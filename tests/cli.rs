@@ -401,3 +401,41 @@ fn stats_go_to_stderr_or_to_a_file() {
     let unwritable = args(&["/nonexistent-dir/stats.json"]);
     assert_clear_error(&unwritable, "--stats /nonexistent-dir/stats.json");
 }
+
+#[test]
+fn tensor_parallel_ranks_generate_the_same_tokens_and_bad_sizes_are_named() {
+    let model = tiny("tiny-llama");
+    let run = |tp: &str| {
+        troupe(&[
+            "generate",
+            "--model",
+            &model,
+            "--prompt-ids",
+            "5,6,7,8",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+            "--stats",
+            "-",
+            "--tp",
+            tp,
+        ])
+    };
+    let (one, two) = (run("1"), run("2"));
+    assert!(two.status.success(), "{}", String::from_utf8_lossy(&two.stderr));
+    let tokens = |o: &Output| {
+        let v: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().next().unwrap())
+                .unwrap();
+        v["token_ids"].clone()
+    };
+    assert_eq!(tokens(&one), tokens(&two));
+    assert!(
+        String::from_utf8_lossy(&two.stderr).contains("\"tensor_parallel_size\":2"),
+        "{}",
+        String::from_utf8_lossy(&two.stderr)
+    );
+    assert_clear_error(&run("3"), "does not divide the model's 4 attention heads");
+    assert_clear_error(&run("0"), "at least 1");
+}
