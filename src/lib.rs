@@ -4,6 +4,7 @@ pub mod actors;
 pub mod bench_serve;
 pub mod cli;
 pub mod engine;
+pub mod eplb;
 pub mod error;
 pub mod generate;
 pub mod kernels;

@@ -423,7 +423,11 @@ fn tensor_parallel_ranks_generate_the_same_tokens_and_bad_sizes_are_named() {
         ])
     };
     let (one, two) = (run("1"), run("2"));
-    assert!(two.status.success(), "{}", String::from_utf8_lossy(&two.stderr));
+    assert!(
+        two.status.success(),
+        "{}",
+        String::from_utf8_lossy(&two.stderr)
+    );
     let tokens = |o: &Output| {
         let v: serde_json::Value =
             serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().next().unwrap())
