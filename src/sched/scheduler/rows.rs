@@ -13,17 +13,38 @@ impl Scheduler {
     /// decode row, cut to the verify lengths that maximise expected tokens per second of
     /// step time (`plan_verification` over the measured decode curve with the fitted cost
     /// model's attention terms, or the fitted model alone before a curve). Rows planned besides
-    /// them count as plain decode rows; prefill chunks are not known yet and not counted.
+    /// them count as they will run: plain decode rows, and the prefill chunk each running
+    /// sequence still prefilling will get (sized the way `schedule` sizes it), so a step that
+    /// mixes prefill and decode is priced whole. Sequences still waiting for admission are
+    /// not counted: whether they fit is decided after the drafts.
     /// Per sequence: the drafts to verify, and how many were proposed.
     pub(super) fn confidence_drafts(&mut self) -> HashMap<usize, (Vec<u32>, usize)> {
         let mut requests = Vec::new();
         let mut proposals = Vec::new();
         let mut other_rows = Vec::new();
         let running = self.running.clone();
+        let decode = self.decode_features();
+        let mut num_prefill_rows = 0;
         for idx in running {
             let seq = self.seq(idx);
-            let is_decode = seq.num_tokens() == seq.num_scheduled_tokens + 1;
-            if !is_decode || !seq.may_sample_more(self.cfg.max_context_tokens) {
+            if !seq.may_sample_more(self.cfg.max_context_tokens) {
+                continue;
+            }
+            let num_cached = seq.num_scheduled_tokens;
+            let Some(num_remaining) = seq.num_tokens().checked_sub(num_cached) else {
+                continue;
+            };
+            if num_remaining > 1 {
+                let max_q = num_remaining.min(self.cfg.max_step_tokens);
+                let budget = self.cfg.step_time_budget_secs;
+                let q = self.chunk(&decode, num_cached, max_q, budget, num_prefill_rows);
+                if q > 0 {
+                    other_rows.push((q, num_cached));
+                    num_prefill_rows += 1;
+                }
+                continue;
+            }
+            if num_remaining != 1 {
                 continue;
             }
             let num_context_tokens = seq.num_tokens();

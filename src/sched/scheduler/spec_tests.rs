@@ -179,3 +179,74 @@ fn confidence_scheduling_verifies_fewer_drafts_with_the_same_output() {
         "confidence mode verified {drafts_conf} drafts, fixed {drafts_fixed}"
     );
 }
+
+/// Drafts verified for a decoding sequence in its third step, alone or beside a long
+/// prompt still prefilling; step seconds from a per-token cost that dwarfs the fixed one.
+fn drafts_in_third_step(long_prompt: Option<usize>) -> usize {
+    let cfg = SchedulerConfig {
+        confidence_verify: true,
+        num_blocks: 256,
+        max_step_tokens: 96,
+        max_context_tokens: 512,
+        ..spec_cfg(5)
+    };
+    let secs = |plan: &StepPlan| {
+        1e-4 + 1e-3 * plan.rows.iter().map(|r| r.num_tokens()).sum::<usize>() as f64
+    };
+    let mut s = Scheduler::new(cfg).with_cost_model(CostModel::with_prior([1e-4, 1e-3, 0.0, 0.0]));
+    let looped = [1, 2, 3].repeat(4);
+    s.add(SeqRequest {
+        ignore_eos: true,
+        ..req(1, looped[..11].to_vec(), 40)
+    })
+    .unwrap();
+    let first = s.schedule().unwrap();
+    s.on_step_done(first.step_id, &[3], secs(&first));
+    if let Some(len) = long_prompt {
+        s.add(req(2, prompt(9, len), 4)).unwrap();
+    }
+    // The target follows the loop: every draft of the second step is accepted.
+    let second = s.schedule().unwrap();
+    let tokens: Vec<Vec<u32>> = second
+        .rows
+        .iter()
+        .filter(|r| r.sample)
+        .map(|r| match (&r.input, r.seq_id) {
+            (RowInput::Tokens(t), 1) => {
+                let next = |tok: u32| tok % 3 + 1;
+                t.iter().map(|&tok| next(tok)).collect()
+            }
+            _ => Vec::new(),
+        })
+        .collect();
+    let rows: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
+    s.on_step_verified(second.step_id, &rows, secs(&second));
+    let third = s.schedule().unwrap();
+    if long_prompt.is_some() {
+        assert!(
+            third
+                .rows
+                .iter()
+                .any(|r| r.seq_id == 2 && r.num_tokens() > 1),
+            "the long prompt is still prefilling in the third step"
+        );
+    }
+    third
+        .rows
+        .iter()
+        .find(|r| r.seq_id == 1)
+        .expect("the decoding sequence has a row")
+        .num_draft_tokens
+}
+
+#[test]
+fn a_prefill_sharing_the_step_is_priced_into_the_verify_budget() {
+    let alone = drafts_in_third_step(None);
+    let beside = drafts_in_third_step(Some(400));
+    // Alone, each draft adds a large share of a short step; beside a prefill chunk of
+    // dozens of tokens the same drafts cost little of it, so more are worth verifying.
+    assert!(
+        beside > alone,
+        "drafts verified beside a prefill: {beside}, alone: {alone}"
+    );
+}
