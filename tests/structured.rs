@@ -178,3 +178,63 @@ async fn bad_grammars_are_refused_with_the_reason() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constrained_output_with_speculation_equals_without_and_follows_the_grammar() {
+    use troupe::engine::{SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+    // A grammar that repeats itself: prompt lookup proposes the repetition, and each draft
+    // is checked against the grammar's mask after the drafts before it.
+    let grammar = GrammarSpec::Regex(r#"\[("cat"|"dog")(, ("cat"|"dog")){11}\]"#.into());
+    let mut outputs = Vec::new();
+    for verify in [None, Some(SpecVerify::Fixed), Some(SpecVerify::Confidence)] {
+        let mut cfg = EngineConfig::new(common::smollm2_path());
+        cfg.kv_cache_bytes = 128 << 20;
+        cfg.latency_curve_dir = Some(std::env::temp_dir().join("troupe-structured-spec-curves"));
+        cfg.speculative = verify.map(|verify| SpecConfig {
+            method: SpecMethod::Ngram,
+            num_speculative_tokens: 4,
+            verify,
+            acceptance: SpecAcceptance::Coupled,
+        });
+        let engine = Engine::spawn(cfg).await.unwrap();
+        let r = chat(&engine, "List cats and dogs.", grammar.clone(), 2);
+        let got: Vec<(Vec<u32>, String)> = engine
+            .generate(r)
+            .await
+            .unwrap()
+            .collect_choices()
+            .await
+            .into_iter()
+            .map(|o| {
+                assert!(o.error.is_none(), "{:?}", o.error);
+                assert_eq!(o.finish_reason, Some(FinishReason::Stop));
+                (o.token_ids, o.text)
+            })
+            .collect();
+        let status = engine.status().await.unwrap();
+        engine.shutdown(true).await;
+        for (_, text) in &got {
+            let items: Vec<&str> = text
+                .strip_prefix('[')
+                .and_then(|t| t.strip_suffix(']'))
+                .unwrap_or_else(|| panic!("{text:?}"))
+                .split(", ")
+                .collect();
+            assert_eq!(items.len(), 12, "{text:?}");
+            assert!(
+                items.iter().all(|i| *i == "\"cat\"" || *i == "\"dog\""),
+                "{text:?}"
+            );
+        }
+        if verify.is_some() {
+            assert!(
+                status.num_spec_accepted_tokens > 0,
+                "{verify:?}: no draft was accepted under the grammar: {status:?}"
+            );
+        }
+        outputs.push(got);
+    }
+    // Seeded hot sampling: the same tokens with speculation off, fixed and confidence.
+    assert_eq!(outputs[0], outputs[1]);
+    assert_eq!(outputs[0], outputs[2]);
+}

@@ -209,11 +209,15 @@ impl Actor for SamplerActor {
                 let rows: Vec<&[f32]> = (host_row..=host_row + s.drafts.len())
                     .map(|r| &logits.host[r * vocab_size..(r + 1) * vocab_size])
                     .collect();
+                let mask = s.constraint.as_ref().map(|c| {
+                    move |history: &[u32], logits: &mut [f32]| c.mask_logits(history, logits)
+                });
                 let history = History {
                     prompt_ids: &s.prompt_ids,
                     output_ids,
                     banned_ids: &s.stop_ids,
                     ban_below_len: s.min_tokens,
+                    mask: mask.as_ref().map(|m| m as &verify::GrammarMask<'_>),
                 };
                 if s.rejection && s.is_plain_but_drafts() && output_ids.len() >= s.min_tokens {
                     // The target's distribution at each position is the sampler's (no
@@ -243,6 +247,13 @@ impl Actor for SamplerActor {
                     s.position,
                     history,
                 );
+                if let Some(c) = &s.constraint {
+                    // The matcher saw the accepted drafts; its next mask follows the
+                    // emitted tokens (rolling back anything it saw beyond them).
+                    let mut history = output_ids.to_vec();
+                    history.extend(outs.iter().map(|o| o.token));
+                    advances.push((c.clone(), history));
+                }
                 per_row.push(outs.last().map(|o| o.token));
                 tokens.push(outs.iter().map(|o| o.token).collect());
                 token_logprobs.push(outs.iter().map(|o| o.logprob).collect());

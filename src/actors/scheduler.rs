@@ -323,14 +323,9 @@ impl SchedulerState {
     fn start_forks(&mut self, forks: Vec<(SeqRequest, Request)>) {
         for (seq, r) in forks {
             let seq_id = seq.seq_id;
-            let constrained = r.constraint.is_some();
             self.requests.insert(seq_id, r);
-            match self.core.add(seq) {
-                Ok(()) if constrained => {
-                    self.core.disable_drafts(seq_id);
-                }
-                Ok(()) => {}
-                Err(e) => self.fail(seq_id, &e.to_string()),
+            if let Err(e) = self.core.add(seq) {
+                self.fail(seq_id, &e.to_string());
             }
         }
     }
@@ -558,13 +553,8 @@ impl Actor for SchedulerActor {
                 let (first_seq, mut first) = choices.remove(0);
                 first.pending_forks = choices;
                 let seq_id = first_seq.seq_id;
-                let constrained = first.constraint.is_some();
                 match st.core.add(first_seq) {
                     Ok(()) => {
-                        if constrained {
-                            // A grammar would have to follow every draft: plain rows only.
-                            st.core.disable_drafts(seq_id);
-                        }
                         st.requests.insert(seq_id, first);
                         let _ = reply.send(Ok(()));
                         st.kick();

@@ -239,16 +239,6 @@ impl Scheduler {
         self.decode_curve = Some(curve);
     }
 
-    /// Stops proposing drafts for a sequence (a request whose grammar would have to follow
-    /// every draft); its later rows are plain decode rows. False if the id is unknown.
-    pub fn disable_drafts(&mut self, seq_id: SeqId) -> bool {
-        let Some(&idx) = self.idx_of.get(&seq_id) else {
-            return false;
-        };
-        self.seqs[idx].as_mut().expect("live").drafter = None;
-        true
-    }
-
     /// Ends a sequence early. No event is emitted; its resources come back once no
     /// in-flight step reads them. False if the id is unknown or already finished.
     pub fn abort(&mut self, seq_id: SeqId) -> bool {

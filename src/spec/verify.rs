@@ -116,7 +116,7 @@ pub fn coupled(
 }
 
 /// What a request's sampling looks at besides its logits, before this step's drafts.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct History<'a> {
     pub prompt_ids: &'a [u32],
     pub output_ids: &'a [u32],
@@ -124,7 +124,14 @@ pub struct History<'a> {
     /// `min_tokens`).
     pub banned_ids: &'a [u32],
     pub ban_below_len: usize,
+    /// A grammar's mask after a history (structured output): forbidden logits to −∞. The
+    /// matcher follows each draft as it is verified and is rolled back to the accepted
+    /// history afterwards.
+    pub mask: Option<&'a GrammarMask<'a>>,
 }
+
+/// Masks logits after a history: forbidden ids to −∞.
+pub type GrammarMask<'a> = dyn Fn(&[u32], &mut [f32]) + 'a;
 
 /// `rows[i]` are the target's logits after the history and drafts `0..i`; the first draft
 /// sits at `first_position`. Returns the sampler's output for each emitted token: the
@@ -140,7 +147,17 @@ pub fn with_sampler(
     check_rows(rows.len(), drafts.len());
     let mut output_ids = history.output_ids.to_vec();
     let mut out = Vec::with_capacity(rows.len());
+    let mut masked = Vec::new();
     for (i, row) in rows.iter().enumerate() {
+        let row: &[f32] = match history.mask {
+            Some(mask) => {
+                masked.clear();
+                masked.extend_from_slice(row);
+                mask(&output_ids, &mut masked);
+                &masked
+            }
+            None => row,
+        };
         let banned = if output_ids.len() < history.ban_below_len {
             history.banned_ids
         } else {

@@ -211,6 +211,7 @@ fn sampler_coupled_verification_emits_what_plain_decoding_emits() {
         output_ids: &generated,
         banned_ids: &banned,
         ban_below_len: 5,
+        mask: None,
     };
     // Plain decoding, one token a step.
     let mut sampler = Sampler::default();
