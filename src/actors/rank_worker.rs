@@ -238,8 +238,11 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
                 ordinal,
                 args.batch_invariant,
                 // A group's decode steps run eagerly: recorded with NCCL's all-reduce in
-                // them, the graphs hung on the H200 pair (docs/ARCHITECTURE.md, limits).
-                !args.enforce_eager && args.shard.size == 1,
+                // them, the graphs hung on the H200 pair whatever NCCL's transport and
+                // registration settings (BENCHMARKS.md). TROUPE_GROUP_GRAPHS=1 records
+                // them anyway, for scripts/gpu-tp-diagnose.sh.
+                !args.enforce_eager
+                    && (args.shard.size == 1 || std::env::var_os("TROUPE_GROUP_GRAPHS").is_some()),
             )?,
             args,
         ),
