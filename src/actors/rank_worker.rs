@@ -136,6 +136,8 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         let (mut picked, mut host) = (Vec::new(), Vec::new());
         let mut host_first = vec![None; sampling.len()];
         let mut pick_rows = Vec::new();
+        // Rows verifying greedily on the device: (plan row, its first logit row, count).
+        let mut verifying = Vec::new();
         let mut logit_row = 0;
         for (row, (s, step)) in sampling.iter().zip(steps).enumerate() {
             match s {
@@ -147,6 +149,9 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
                         position: s.position,
                     });
                 }
+                Some(s) if s.verifies_on_device() => {
+                    verifying.push((row, logit_row, step.num_logit_rows));
+                }
                 Some(_) => {
                     host_first[row] = Some(host.len());
                     host.extend(logit_row..logit_row + step.num_logit_rows);
@@ -155,9 +160,20 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             }
             logit_row += step.num_logit_rows;
         }
+        // The plain rows' picks first: their indices are what the next step's embedding
+        // reads on the device.
+        for &(row, first, count) in &verifying {
+            let s = sampling[row].as_ref().expect("a verifying row samples");
+            pick_rows.extend((0..count).map(|i| PickRow {
+                row: first + i,
+                params: &s.params,
+                position: s.position + i as u64,
+            }));
+        }
         let num_rows = sampling.len();
         let mut out = StepLogits {
             picked: vec![None; num_rows],
+            verify_picks: vec![None; num_rows],
             host_row: host_first,
             host: Vec::new(),
         };
@@ -166,25 +182,33 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         if !host.is_empty() && self.leader {
             out.host = self.backend.download_rows(logits, vocab, &host);
         }
+        let plain_rows = picked.clone();
+        let deliver = move |mut out: StepLogits, all: Vec<(u32, f32)>| {
+            let (plain, mut rest) = all.split_at(picked.len());
+            for (&row, &pick) in picked.iter().zip(plain) {
+                out.picked[row] = Some(pick);
+            }
+            for &(row, _, count) in &verifying {
+                out.verify_picks[row] = Some(rest[..count].to_vec());
+                rest = &rest[count..];
+            }
+            out
+        };
         let mut prev = vec![None; num_rows];
         if self.backend.picks_stay_on_device() {
-            for (i, &row) in picked.iter().enumerate() {
+            for (i, &row) in plain_rows.iter().enumerate() {
                 prev[row] = Some(PrevToken::Device(i as u32));
             }
             return LaunchedStep {
-                logits: Box::new(move || {
-                    for (&row, pick) in picked.iter().zip(picks()) {
-                        out.picked[row] = Some(pick);
-                    }
-                    out
-                }),
+                logits: Box::new(move || deliver(out, picks())),
                 prev,
             };
         }
-        for (&row, pick) in picked.iter().zip(picks()) {
-            out.picked[row] = Some(pick);
+        let all = picks();
+        for (&row, pick) in plain_rows.iter().zip(&all) {
             prev[row] = Some(PrevToken::Host(pick.0));
         }
+        let out = deliver(out, all);
         LaunchedStep {
             logits: Box::new(move || out),
             prev,

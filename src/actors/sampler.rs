@@ -53,6 +53,17 @@ impl RowSampling {
 
     /// `is_plain`, drafts aside: the sampler's distribution at every position is the raw
     /// logits' after temperature and the cuts.
+    /// A greedy row verifying drafts with nothing to apply at any position (no processors,
+    /// no stop-id ban under `min_tokens`): the device's argmax of each of its logit rows is
+    /// the sampler's token there, so verification needs the picks, not the logits.
+    pub fn verifies_on_device(&self) -> bool {
+        !self.drafts.is_empty()
+            && self.params.is_greedy()
+            && self.is_plain_but_drafts()
+            && self.pending_prev_row.is_none()
+            && self.output_ids.len() >= self.min_tokens
+    }
+
     pub fn is_plain_but_drafts(&self) -> bool {
         let p = &self.params;
         p.logit_bias.is_empty()
@@ -72,6 +83,9 @@ impl RowSampling {
 pub struct StepLogits {
     /// Per plan row: the device's greedy pick and its logprob.
     pub picked: Vec<Option<(u32, f32)>>,
+    /// Per plan row verifying on the device: the greedy pick (and logprob) of each of its
+    /// logit rows, the draft positions' and the one after.
+    pub verify_picks: Vec<Option<Vec<(u32, f32)>>>,
     /// Per plan row: its row in `host`.
     pub host_row: Vec<Option<usize>>,
     /// `[host rows, vocab]`.
@@ -184,6 +198,25 @@ impl Actor for SamplerActor {
                 tokens.push(vec![token]);
                 token_logprobs.push(vec![logprob]);
                 top_logprobs.push(vec![Vec::new()]);
+                continue;
+            }
+            if let Some(picks) = logits.verify_picks.get(row).and_then(Option::as_ref) {
+                if st.faults.take_verify_panic() {
+                    panic!("sampler panicked mid-verification (injected fault)");
+                }
+                // Greedy: the drafts that equal the argmax there, then the argmax at the
+                // first mismatch (or after the last draft).
+                let num_accepted = s
+                    .drafts
+                    .iter()
+                    .zip(picks)
+                    .take_while(|(d, p)| **d == p.0)
+                    .count();
+                let emitted = &picks[..=num_accepted.min(picks.len() - 1)];
+                per_row.push(emitted.last().map(|p| p.0));
+                tokens.push(emitted.iter().map(|p| p.0).collect());
+                token_logprobs.push(emitted.iter().map(|p| p.1).collect());
+                top_logprobs.push(vec![Vec::new(); emitted.len()]);
                 continue;
             }
             let Some(host_row) = logits.host_row.get(row).copied().flatten() else {

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Speculative decoding on one H200: no speculation, fixed-K and confidence-scheduled
+verification with the n-gram drafter, at two concurrencies.
+
+Random bf16 weights (Qwen3-0.6B shape, made by transformers as in gpu_bench.py) cannot
+predict text, so the prompts are copy-heavy (a random phrase repeated) and the model's own
+greedy loops do the rest: prompt lookup then proposes what the model repeats. Reports
+output tok/s over the generation, accept length (tokens per verify row), verify tokens
+per step and the drafts proposed / verified / accepted, from `--stats`.
+
+Usage (device machine): python3 scripts/gpu_spec.py target/release/troupe
+"""
+
+import json
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench import OUT, WORK, make, troupe  # noqa: E402
+
+
+def requests(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randint(100, 150000) for _ in range(rng.randint(8, 16))]
+        out.append(dict(prompt_ids=phrase * 8, max_tokens=256))
+    return out
+
+
+def main(binary):
+    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(WORK, exist_ok=True)
+    path = make("qwen3-0.6b")
+    rows = []
+    for n in (32, 128):
+        reqs = requests(n, n)
+        for mode, extra in (("off", []),
+                            ("fixed", ["--spec", "ngram", "--spec-verify", "fixed"]),
+                            ("confidence", ["--spec", "ngram", "--spec-verify", "confidence"])):
+            try:
+                outs, stats, wall = troupe(binary, path, reqs, extra,
+                                           f"spec-{n}-{mode}")
+            except Exception as e:  # report and go on: device time is scarce
+                rows.append(dict(concurrency=n, mode=mode, error=str(e)[-1500:]))
+                continue
+            verify_rows = max(stats["spec_verify_rows"], 1)
+            rows.append(dict(
+                concurrency=n, mode=mode, output_tokens=stats["output_tokens"],
+                out_tok_s=stats["output_tokens"] / stats["generate_s"], wall_s=wall, steps=stats["steps"],
+                draft_tokens=stats["spec_draft_tokens"], verified_tokens=stats["spec_verified_tokens"],
+                accepted_tokens=stats["spec_accepted_tokens"],
+                accept_length=1 + stats["spec_accepted_tokens"] / verify_rows if mode != "off" else 1.0,
+                verify_tokens_per_step=stats["spec_verified_tokens"] / max(stats["steps"], 1),
+                tokens=[o["token_ids"] for o in outs]))
+    # Greedy: every mode must give the tokens speculation off gives (bf16 rounding of a
+    # verify row's GEMM may flip near-ties; report the share that agrees).
+    for r in rows:
+        base = next((b for b in rows if b["concurrency"] == r["concurrency"] and b["mode"] == "off"), None)
+        if base and "tokens" in r and "tokens" in base:
+            pairs = [(x, y) for a, b in zip(r["tokens"], base["tokens"]) for x, y in zip(a, b)]
+            r["same_as_off"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+    for r in rows:
+        r.pop("tokens", None)
+    with open(os.path.join(OUT, "gpu_spec.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("conc mode        out_tok/s  accept_len  verify_tok/step  drafts/verified/accepted  same_as_off")
+    for r in rows:
+        if "error" in r:
+            print(r["concurrency"], r["mode"], "ERROR", r["error"][-300:])
+            continue
+        print(f'{r["concurrency"]:4} {r["mode"]:10} {r["out_tok_s"]:10.0f} {r["accept_length"]:11.2f} '
+              f'{r["verify_tokens_per_step"]:16.2f}  {r["draft_tokens"]}/{r["verified_tokens"]}/{r["accepted_tokens"]}'
+              f'  {r.get("same_as_off", 1.0):.3f}')
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
