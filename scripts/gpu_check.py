@@ -88,6 +88,19 @@ def run_troupe(binary, model, device, prompt_ids, max_tokens, extra=(), log_name
     return lines, stats, wall
 
 
+def reference(ref, ps, new_tokens):
+    """transformers' first-token log-probabilities and greedy continuation of each prompt."""
+    logp_rows, hf = [], []
+    with torch.no_grad():
+        for p in ps:
+            ids = torch.tensor([p], device="cuda")
+            logp_rows.append(torch.log_softmax(ref(ids).logits[0, -1].double(), -1).cpu())
+            gen = ref.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                               min_new_tokens=new_tokens, pad_token_id=0)
+            hf.append({"token_ids": gen[0, len(p):].tolist()})
+    return logp_rows, hf
+
+
 def first_logprob_err(out, logp_rows):
     errs = []
     for o, logp in zip(out, logp_rows):
@@ -130,13 +143,7 @@ def check_model(binary, name, results):
     alone, _, _ = run_troupe(binary, path, "cuda", ps[:1], 16, lp + inv, f"{name}-alone.log")
     among, _, _ = run_troupe(binary, path, "cuda", crowd, 16, lp + inv, f"{name}-among.log")
     cpu, _, _ = run_troupe(binary, path, "cpu", ps, 16, [], f"{name}-cpu.log")
-    logp_rows, hf = [], []
-    with torch.no_grad():
-        for p in ps:
-            ids = torch.tensor([p], device="cuda")
-            logp_rows.append(torch.log_softmax(ref(ids).logits[0, -1].double(), -1).cpu())
-            gen = ref.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16, pad_token_id=0)
-            hf.append({"token_ids": gen[0, len(p):].tolist()})
+    logp_rows, hf = reference(ref, ps, 16)
     results[name] = dict(
         logprob_rel_err=first_logprob_err(cuda, logp_rows),
         logprob_rel_err_invariant=first_logprob_err(inv_zos, logp_rows),

@@ -18,7 +18,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_check import OUT, WORK, first_logprob_err, make_model, matches, prompts, run_troupe, shapes  # noqa: E402
+from gpu_check import (OUT, WORK, first_logprob_err, make_model, matches, prompts,  # noqa: E402
+                       reference, run_troupe, shapes)
 from gpu_bench import copy_bandwidth  # noqa: E402
 
 
@@ -32,13 +33,7 @@ def check(binary, name, results):
     tp2_eager, _, _ = run_troupe(binary, path, "cuda", ps, 16, lp + ["--tp", "2", "--enforce-eager"],
                                  f"tp-{name}-tp2-eager.log")
     ref = cls.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    logp_rows, hf = [], []
-    with torch.no_grad():
-        for p in ps:
-            ids = torch.tensor([p], device="cuda")
-            logp_rows.append(torch.log_softmax(ref(ids).logits[0, -1].double(), -1).cpu())
-            gen = ref.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16, pad_token_id=0)
-            hf.append({"token_ids": gen[0, len(p):].tolist()})
+    logp_rows, hf = reference(ref, ps, 16)
     del ref
     torch.cuda.empty_cache()
     results[name] = dict(

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::engine::{random_requests, reference_outputs, tiny_config, tokens};
+use common::engine::{assert_finished_unchanged, random_requests, reference_outputs, tiny_config};
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Engine, EngineHandle, RequestOutput, RequestStream};
 
@@ -46,24 +46,7 @@ async fn wait_for_steps(engine: &EngineHandle, n: u64) {
 }
 
 async fn assert_recovered(engine: &EngineHandle, got: &[RequestOutput], want: &[Vec<u32>]) {
-    assert!(
-        got.iter().all(|o| o.error.is_none()),
-        "{:?}",
-        got.iter().find_map(|o| o.error.clone())
-    );
-    assert_eq!(tokens(got), want);
-    let mut status = engine.status().await.unwrap();
-    for _ in 0..100 {
-        if status.num_free_blocks == status.num_total_blocks {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        status = engine.status().await.unwrap();
-    }
-    assert_eq!(
-        status.num_free_blocks, status.num_total_blocks,
-        "blocks leaked: {status:?}"
-    );
+    let status = assert_finished_unchanged(engine, got, want).await;
     assert!(status.num_resets >= 2, "no restart happened: {status:?}");
 }
 

@@ -9,7 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::engine::{ok_outputs, random_requests, reference_outputs, tiny_config, tokens};
+use common::engine::{
+    assert_finished_unchanged, ok_outputs, random_requests, reference_outputs, tiny_config, tokens,
+};
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Engine, EngineConfig, EngineHandle, RequestOutput};
 use troupe::kernels::Backend;
@@ -124,33 +126,6 @@ async fn collect_all(
         );
     }
     (got, want)
-}
-
-/// Every request finished without an error, with the reference's tokens, and no block
-/// is held once they are done.
-async fn assert_finished_unchanged(
-    engine: &EngineHandle,
-    got: &[RequestOutput],
-    want: &[Vec<u32>],
-) {
-    assert!(
-        got.iter().all(|o| o.error.is_none()),
-        "{:?}",
-        got.iter().find_map(|o| o.error.clone())
-    );
-    assert_eq!(tokens(got), want);
-    let mut status = engine.status().await.unwrap();
-    for _ in 0..100 {
-        if status.num_free_blocks == status.num_total_blocks {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        status = engine.status().await.unwrap();
-    }
-    assert_eq!(
-        status.num_free_blocks, status.num_total_blocks,
-        "blocks leaked: {status:?}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -155,14 +155,10 @@ impl Eplb {
         if !self.clock.tick(prefill_running) {
             return Ok(false);
         }
-        for (layer, placement) in self.placements.iter_mut().enumerate() {
-            let load: Vec<f64> = self
-                .window
-                .totals(layer)
-                .iter()
-                .map(|&t| t as f64)
-                .collect();
-            *placement = place_layer(&load, self.cfg.num_physical_experts(), self.cfg.num_ranks);
+        for layer in 0..self.cfg.num_layers {
+            let load = self.window.load(layer);
+            self.placements[layer] =
+                place_layer(&load, self.cfg.num_physical_experts(), self.cfg.num_ranks);
         }
         self.num_rebalances += 1;
         Ok(true)
@@ -173,12 +169,7 @@ impl Eplb {
     pub fn moe_lb(&self) -> Vec<f64> {
         (0..self.cfg.num_layers)
             .map(|layer| {
-                let load: Vec<f64> = self
-                    .window
-                    .totals(layer)
-                    .iter()
-                    .map(|&t| t as f64)
-                    .collect();
+                let load = self.window.load(layer);
                 moe_lb(&rank_loads(
                     &self.placements[layer],
                     &load,

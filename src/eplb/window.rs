@@ -60,4 +60,9 @@ impl LoadWindow {
     pub fn totals(&self, layer: usize) -> &[u64] {
         &self.totals[layer]
     }
+
+    /// `totals` as the loads placement weighs.
+    pub fn load(&self, layer: usize) -> Vec<f64> {
+        self.totals[layer].iter().map(|&t| t as f64).collect()
+    }
 }

@@ -104,3 +104,31 @@ pub async fn ok_outputs(
         })
         .collect()
 }
+
+/// Every request finished without an error and with `want`'s tokens, and every KV block is
+/// free again once the engine settles; returns the engine's status then.
+pub async fn assert_finished_unchanged(
+    engine: &troupe::engine::EngineHandle,
+    got: &[RequestOutput],
+    want: &[Vec<u32>],
+) -> troupe::actors::status::EngineStatus {
+    assert!(
+        got.iter().all(|o| o.error.is_none()),
+        "{:?}",
+        got.iter().find_map(|o| o.error.clone())
+    );
+    assert_eq!(tokens(got), want);
+    let mut status = engine.status().await.unwrap();
+    for _ in 0..100 {
+        if status.num_free_blocks == status.num_total_blocks {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        status = engine.status().await.unwrap();
+    }
+    assert_eq!(
+        status.num_free_blocks, status.num_total_blocks,
+        "blocks leaked: {status:?}"
+    );
+    status
+}
