@@ -261,6 +261,15 @@ impl TensorSource for SafetensorsSource {
                 .chunks_exact(2)
                 .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
+            // Index tables (DeepSeek-V4's token → expert map): small integers, exact in f32.
+            Dtype::I64 => bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f32)
+                .collect(),
+            Dtype::I32 => bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as f32)
+                .collect(),
             other => {
                 return Err(bad(format!(
                     "tensor `{hf_name}` has unsupported dtype {other:?}"

@@ -3,6 +3,7 @@
 
 pub mod chat_template;
 pub mod config;
+pub mod deepseek_v4;
 pub mod gguf;
 pub mod hub;
 pub mod llama;

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Write tiny random DeepSeek-V4 checkpoints and transformers' reference outputs for them.
+
+Each checkpoint lands in tests/goldens/<name>/: `config.json` and `model.safetensors`
+(transformers' `save_pretrained`, which writes DeepSeek's own tensor names; weights are
+bf16-representable values stored as bf16, so the files stay small while both engines
+compute in f32 on identical numbers), `reference.json` (prompts, greedy continuations)
+and `reference.safetensors` (every position's f32 logits of each prompt).
+
+The configs are shrunk so that short prompts cross every boundary that matters: a
+sliding window of a few tokens, compress rates of 2-8, an indexer top-k smaller than the
+number of compressed entries, hash-routed and score-routed MoE layers, several mHC
+streams; checkpoint B adds YaRN on the compressed branches and sigmoid scoring.
+
+Parameters transformers initialises to constants (attention sinks, compressor position
+biases, mHC bases and scales, the router's correction bias, the hash table) are drawn at
+random here: at their defaults a wrong formula would go unnoticed.
+
+Usage:
+    python3 -m pip install -r scripts/requirements-goldens.txt
+    python3 scripts/make_dsv4_goldens.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "tests" / "goldens"
+
+CONFIGS = {
+    "tiny-dsv4-a": dict(
+        vocab_size=256,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        head_dim=16,
+        q_lora_rank=16,
+        num_experts_per_tok=2,
+        n_routed_experts=4,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+            "sliding_attention",
+        ],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        hc_mult=4,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=3,
+        partial_rotary_factor=0.5,
+        scoring_func="sqrtsoftplus",
+        swiglu_limit=0.6,
+        initializer_range=0.25,
+    ),
+    "tiny-dsv4-b": dict(
+        vocab_size=200,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        head_dim=16,
+        q_lora_rank=8,
+        num_experts_per_tok=3,
+        n_routed_experts=6,
+        layer_types=[
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+            "sliding_attention",
+            "heavily_compressed_attention",
+        ],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        hc_mult=2,
+        hc_sinkhorn_iters=7,
+        sliding_window=6,
+        o_groups=1,
+        o_lora_rank=8,
+        index_n_heads=8,
+        index_head_dim=12,
+        index_topk=4,
+        partial_rotary_factor=0.5,
+        scoring_func="sigmoid",
+        routed_scaling_factor=2.5,
+        swiglu_limit=0.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        max_position_embeddings=64,
+        initializer_range=0.25,
+    ),
+}
+
+PROMPT_LENGTHS = (41, 29)
+GREEDY_PROMPT_LEN = 11
+GREEDY_NEW_TOKENS = 24
+
+
+def randomize_constants(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
+            elif name.endswith(("attn_hc.base", "ffn_hc.base", "hc_head.hc_base")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith(("attn_hc.scale", "ffn_hc.scale", "hc_head.hc_scale")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                table = torch.stack(
+                    [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok] for _ in range(cfg.vocab_size)]
+                )
+                gate.tid2eid.copy_(table)
+            else:
+                gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=gen) * 0.3)
+        # Round every float weight to bf16 so the stored file and the reference agree.
+        for p in model.parameters():
+            if p.dtype == torch.float32:
+                p.copy_(p.bfloat16().float())
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(gate.e_score_correction_bias.bfloat16().float())
+
+
+def indexer_margins(model: DeepseekV4ForCausalLM, ids: torch.Tensor) -> float:
+    """Smallest gap between the k-th and (k+1)-th visible indexer score over all queries:
+    a near-tie would make the top-k selection fragile to rounding."""
+    smallest = [float("inf")]
+
+    def hook(module, args, out):
+        scores = out[0]  # [S, T]
+        k = module_k[id(module)]
+        rate = module_rate[id(module)]
+        for t in range(scores.shape[0]):
+            visible = (t + 1) // rate
+            if visible > k:
+                top = torch.sort(scores[t, :visible], descending=True).values
+                smallest[0] = min(smallest[0], float(top[k - 1] - top[k]))
+
+    module_k, module_rate, handles = {}, {}, []
+    for layer in model.model.layers:
+        comp = layer.self_attn.compressor
+        if comp is not None and hasattr(comp, "indexer"):
+            scorer = comp.indexer.scorer
+            module_k[id(scorer)] = comp.indexer.index_topk
+            module_rate[id(scorer)] = comp.indexer.compress_rate
+            handles.append(scorer.register_forward_hook(hook))
+    with torch.no_grad():
+        model(ids.unsqueeze(0), use_cache=False)
+    for h in handles:
+        h.remove()
+    return smallest[0]
+
+
+def make(name: str, params: dict, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    cfg = DeepseekV4Config(**params)
+    cfg._attn_implementation = "eager"
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    randomize_constants(model, cfg, gen)
+
+    out = OUT / name
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    # The reference is the model read back from the file: the round trip through bf16 also
+    # rounded the rotary buffers of the in-memory model, which a reader recomputes.
+    reloaded = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1.float(), p2.float()), f"{n1} changed through the file"
+    model = reloaded
+    (out / "generation_config.json").unlink(missing_ok=True)
+
+    prompts = []
+    for n in PROMPT_LENGTHS:
+        # Draw again (deterministically) while a prompt's indexer top-k sits on a near-tie.
+        for _ in range(50):
+            ids = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
+            if indexer_margins(model, ids) > 1e-3:
+                break
+        else:
+            raise SystemExit(f"{name}: every prompt drawn has an indexer near-tie")
+        prompts.append(ids)
+    logits = {}
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            logits[f"prompt{i}"] = model(ids.unsqueeze(0), use_cache=False).logits[0].float().contiguous()
+    save_file(logits, str(out / "reference.safetensors"))
+
+    # Greedy continuation: full forwards without a cache, checked against generate() with
+    # V4's own cache layers so both of transformers' paths agree before we trust them.
+    greedy_prompt = torch.randint(2, cfg.vocab_size, (GREEDY_PROMPT_LEN,), generator=gen)
+    seq = greedy_prompt.tolist()
+    with torch.no_grad():
+        for _ in range(GREEDY_NEW_TOKENS):
+            seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+        cached = model.generate(
+            greedy_prompt.unsqueeze(0),
+            max_new_tokens=GREEDY_NEW_TOKENS,
+            min_new_tokens=GREEDY_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0].tolist()
+    assert cached == seq, f"{name}: generate() with a cache disagrees with full forwards"
+
+    reference = {
+        "source": f"transformers DeepseekV4ForCausalLM (f32, eager), scripts/make_dsv4_goldens.py, seed {seed}",
+        "prompts": [p.tolist() for p in prompts],
+        "logits": [f"prompt{i}" for i in range(len(prompts))],
+        "greedy_prompt": greedy_prompt.tolist(),
+        "greedy_tokens": seq[GREEDY_PROMPT_LEN:],
+    }
+    (out / "reference.json").write_text(json.dumps(reference, indent=1) + "\n")
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"{name}: {size / 1024:.0f} KiB, greedy {reference['greedy_tokens'][:8]}...")
+
+
+def main() -> None:
+    for seed, (name, params) in enumerate(CONFIGS.items()):
+        make(name, params, seed + 7)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+//! DeepSeek-V4's cache (seed §8.1): what stays a fixed size per sequence lives in a state
+//! slot (the sliding-window ring of shared K=V, each compressor's partial window, the
+//! CSA overlap state); what grows with the context lives in paged blocks (compressed KV
+//! entries, the indexer's compressed keys), one entry per `rate` source tokens, so a
+//! block of `block_size` source tokens holds `block_size / rate` entries of a layer.
+
+use super::config::{AttentionKind, DsV4Config};
+
+/// One compressor's storage: per slot the open window (raw kv and gate rows by position
+/// in the window) and, when windows overlap, the last closed window's first-half (Ca)
+/// rows; per block its emitted entries.
+pub struct CompressorCache {
+    pub rate: usize,
+    /// Width of a projected row: `2 · dim` when windows overlap, else `dim`.
+    pub width: usize,
+    /// Width of an emitted entry.
+    pub dim: usize,
+    pub overlap: bool,
+    entries_per_block: usize,
+    buf_kv: Vec<f32>,
+    buf_gate: Vec<f32>,
+    prev_kv: Vec<f32>,
+    prev_gate: Vec<f32>,
+    entries: Vec<f32>,
+}
+
+impl CompressorCache {
+    fn new(
+        rate: usize,
+        dim: usize,
+        overlap: bool,
+        num_slots: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Self {
+        let width = if overlap { 2 * dim } else { dim };
+        let per_slot_prev = if overlap { rate * dim } else { 0 };
+        let entries_per_block = block_size / rate;
+        CompressorCache {
+            rate,
+            width,
+            dim,
+            overlap,
+            entries_per_block,
+            buf_kv: vec![0.0; num_slots * rate * width],
+            buf_gate: vec![0.0; num_slots * rate * width],
+            prev_kv: vec![0.0; num_slots * per_slot_prev],
+            prev_gate: vec![0.0; num_slots * per_slot_prev],
+            entries: vec![0.0; num_blocks * entries_per_block * dim],
+        }
+    }
+
+    fn slot_floats(&self) -> usize {
+        2 * self.rate * self.width
+            + if self.overlap {
+                2 * self.rate * self.dim
+            } else {
+                0
+            }
+    }
+
+    fn block_floats(&self) -> usize {
+        self.entries_per_block * self.dim
+    }
+
+    /// Index of entry `w` (covering source tokens `w·rate .. (w+1)·rate`) in `entries`.
+    fn entry_offset(&self, block_table: &[u32], block_size: usize, w: usize) -> usize {
+        let first_token = w * self.rate;
+        let block = block_table[first_token / block_size] as usize;
+        (block * self.entries_per_block + (first_token % block_size) / self.rate) * self.dim
+    }
+
+    pub fn entry(&self, block_table: &[u32], block_size: usize, w: usize) -> &[f32] {
+        let at = self.entry_offset(block_table, block_size, w);
+        &self.entries[at..at + self.dim]
+    }
+
+    /// Takes the projected `kv` and `gate` rows (`width` each) of the tokens at `pos0..`
+    /// and emits one entry for every window they close: a per-channel softmax over the
+    /// window's gate logits (+ position bias; with overlap, over the previous window's Ca
+    /// half and this window's Cb half) weighting the kv rows, then `finish` (norm, RoPE).
+    #[allow(clippy::too_many_arguments)]
+    pub fn feed(
+        &mut self,
+        slot: usize,
+        pos0: usize,
+        kv: &[f32],
+        gate: &[f32],
+        position_bias: &[f32],
+        block_table: &[u32],
+        block_size: usize,
+        mut finish: impl FnMut(&mut [f32], usize),
+    ) {
+        let (rate, width, dim) = (self.rate, self.width, self.dim);
+        let n = kv.len() / width;
+        let buf = slot * rate * width;
+        let prev = slot * rate * dim;
+        let mut entry = vec![0.0f32; dim];
+        let mut logits = vec![0.0f32; 2 * rate];
+        for i in 0..n {
+            let pos = pos0 + i;
+            let s = pos % rate;
+            let row = buf + s * width;
+            self.buf_kv[row..row + width].copy_from_slice(&kv[i * width..(i + 1) * width]);
+            self.buf_gate[row..row + width].copy_from_slice(&gate[i * width..(i + 1) * width]);
+            if s != rate - 1 {
+                continue;
+            }
+            let w = pos / rate;
+            let cb = if self.overlap { dim } else { 0 };
+            for (c, out) in entry.iter_mut().enumerate() {
+                // Slot j < rate: the previous window's Ca (absent for the first window).
+                let mut slots = 0;
+                if self.overlap && w > 0 {
+                    for j in 0..rate {
+                        logits[slots] = self.prev_gate[prev + j * dim + c];
+                        slots += 1;
+                    }
+                }
+                let first_cb = slots;
+                for j in 0..rate {
+                    logits[slots] =
+                        self.buf_gate[buf + j * width + cb + c] + position_bias[j * width + cb + c];
+                    slots += 1;
+                }
+                let max = logits[..slots]
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for l in logits[..slots].iter_mut() {
+                    *l = (*l - max).exp();
+                    sum += *l;
+                }
+                let mut acc = 0.0;
+                for (j, l) in logits[..first_cb].iter().enumerate() {
+                    acc += l / sum * self.prev_kv[prev + j * dim + c];
+                }
+                for j in 0..rate {
+                    acc += logits[first_cb + j] / sum * self.buf_kv[buf + j * width + cb + c];
+                }
+                *out = acc;
+            }
+            finish(&mut entry, w * rate);
+            let at = self.entry_offset(block_table, block_size, w);
+            self.entries[at..at + dim].copy_from_slice(&entry);
+            if self.overlap {
+                for j in 0..rate {
+                    let (src, dst) = (buf + j * width, prev + j * dim);
+                    self.prev_kv[dst..dst + dim].copy_from_slice(&self.buf_kv[src..src + dim]);
+                    for c in 0..dim {
+                        self.prev_gate[dst + c] =
+                            self.buf_gate[src + c] + position_bias[j * width + c];
+                    }
+                }
+            }
+        }
+    }
+}
+
+pub struct LayerCache {
+    /// Per slot the last `window - 1` K=V rows, at `position % (window - 1)`.
+    ring: Vec<f32>,
+    pub compressor: Option<CompressorCache>,
+    pub indexer: Option<CompressorCache>,
+}
+
+pub struct DsV4Cache {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    ring_len: usize,
+    head_dim: usize,
+    pub layers: Vec<LayerCache>,
+    /// Source tokens each slot's state has taken in.
+    slot_tokens: Vec<usize>,
+}
+
+impl DsV4Cache {
+    pub fn new(cfg: &DsV4Config, num_slots: usize, num_blocks: usize, block_size: usize) -> Self {
+        let ring_len = cfg.sliding_window - 1;
+        let hd = cfg.head_dim;
+        let layers = (0..cfg.num_layers)
+            .map(|l| LayerCache {
+                ring: vec![0.0; num_slots * ring_len * hd],
+                compressor: cfg.rate(l).map(|rate| {
+                    let overlap = cfg.attention[l] == AttentionKind::CompressedSparse;
+                    CompressorCache::new(rate, hd, overlap, num_slots, num_blocks, block_size)
+                }),
+                indexer: (cfg.attention[l] == AttentionKind::CompressedSparse).then(|| {
+                    CompressorCache::new(
+                        cfg.csa_rate,
+                        cfg.index_head_dim,
+                        true,
+                        num_slots,
+                        num_blocks,
+                        block_size,
+                    )
+                }),
+            })
+            .collect();
+        DsV4Cache {
+            block_size,
+            num_blocks,
+            ring_len,
+            head_dim: hd,
+            layers,
+            slot_tokens: vec![0; num_slots],
+        }
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.slot_tokens.len()
+    }
+
+    /// Bytes of one state slot and of one block, for sizing the pools.
+    pub fn bytes_per_slot(cfg: &DsV4Config) -> usize {
+        Self::new(cfg, 1, 0, lcm_rates(cfg)).per_slot_floats() * 4
+    }
+
+    pub fn bytes_per_block(cfg: &DsV4Config, block_size: usize) -> usize {
+        let c = Self::new(cfg, 0, 1, block_size);
+        c.layers
+            .iter()
+            .flat_map(|l| l.compressor.iter().chain(l.indexer.iter()))
+            .map(|c| c.block_floats())
+            .sum::<usize>()
+            * 4
+    }
+
+    fn per_slot_floats(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| {
+                self.ring_len * self.head_dim
+                    + l.compressor
+                        .iter()
+                        .chain(l.indexer.iter())
+                        .map(|c| c.slot_floats())
+                        .sum::<usize>()
+            })
+            .sum()
+    }
+
+    pub fn slot_tokens(&self, slot: usize) -> usize {
+        self.slot_tokens[slot]
+    }
+
+    pub fn set_slot_tokens(&mut self, slot: usize, num_tokens: usize) {
+        self.slot_tokens[slot] = num_tokens;
+    }
+
+    pub fn ring_len(&self) -> usize {
+        self.ring_len
+    }
+
+    /// The K=V row of `position` (one of the last `window - 1` the slot has seen).
+    pub fn ring_row(&self, layer: usize, slot: usize, position: usize) -> &[f32] {
+        let hd = self.head_dim;
+        let at = (slot * self.ring_len + position % self.ring_len) * hd;
+        &self.layers[layer].ring[at..at + hd]
+    }
+
+    pub fn write_ring(&mut self, layer: usize, slot: usize, position: usize, row: &[f32]) {
+        if self.ring_len == 0 {
+            return;
+        }
+        let hd = self.head_dim;
+        let at = (slot * self.ring_len + position % self.ring_len) * hd;
+        self.layers[layer].ring[at..at + hd].copy_from_slice(row);
+    }
+}
+
+/// The least common multiple of the compress rates in use: the smallest valid block size.
+pub fn lcm_rates(cfg: &DsV4Config) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    (0..cfg.num_layers)
+        .filter_map(|l| cfg.rate(l))
+        .fold(1, |acc, r| acc / gcd(acc, r) * r)
+}

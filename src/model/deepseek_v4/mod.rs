@@ -1,0 +1,226 @@
+//! DeepSeek-V4 (seed §5, §8): the f32 host reference of the forward pass, over the cache
+//! layout the engine pages (state slots + blocks of compressed entries).
+//!
+//! | file | what it is |
+//! |---|---|
+//! | `config.rs` | `DsV4Config` from transformers' `DeepseekV4Config` JSON |
+//! | `weights.rs` | tensors by DeepSeek's names |
+//! | `cache.rs` | state slots (SWA ring, compressor windows, overlap) and paged compressed entries |
+//! | `attention.rs` | SWA + CSA (lightning indexer) + HCA attention with sinks, grouped output |
+//! | `mhc.rs` | manifold-constrained hyper-connections |
+//! | `moe.rs` | hash-routed and score-routed MoE with the shared expert |
+//! | `ops.rs` | linear, RMS norm, interleaved partial RoPE (YaRN), scoring, top-k |
+
+pub mod attention;
+pub mod cache;
+pub mod config;
+pub mod mhc;
+pub mod moe;
+pub mod ops;
+pub mod weights;
+
+use std::path::Path;
+
+use attention::{ChunkAt, Rope};
+use cache::DsV4Cache;
+use config::DsV4Config;
+use weights::DsV4Weights;
+
+use crate::error::{Result, TroupeError};
+use crate::model::loader::{SafetensorsSource, TensorSource};
+
+/// One sequence's share of a step.
+pub struct DsSeqStep<'a> {
+    pub token_ids: &'a [u32],
+    /// Tokens the sequence's state slot and blocks already hold.
+    pub num_cached_tokens: usize,
+    /// Blocks covering at least `num_cached_tokens + token_ids.len()` positions.
+    pub block_table: &'a [u32],
+    pub state_slot: u32,
+    /// Trailing positions of `token_ids` that return logits.
+    pub num_logit_rows: usize,
+}
+
+pub struct DsV4Model {
+    pub cfg: DsV4Config,
+    weights: DsV4Weights,
+    main_freqs: Vec<f32>,
+    compress_freqs: Vec<f32>,
+}
+
+impl DsV4Model {
+    pub fn new(cfg: DsV4Config, weights: DsV4Weights) -> Self {
+        let main_freqs = ops::inv_freqs(&cfg.main_rope, cfg.rope_head_dim);
+        let compress_freqs = ops::inv_freqs(&cfg.compress_rope, cfg.rope_head_dim);
+        DsV4Model {
+            cfg,
+            weights,
+            main_freqs,
+            compress_freqs,
+        }
+    }
+
+    /// An HF directory: `config.json` (model_type `deepseek_v4`) + safetensors.
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| TroupeError::io(&path, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
+                path: path.clone(),
+                reason: format!("invalid JSON: {e}"),
+            })?;
+        let cfg = DsV4Config::from_hf_json(&path, &json)?;
+        let src = SafetensorsSource::open_dir(dir)?;
+        Self::load(cfg, &src)
+    }
+
+    pub fn load(cfg: DsV4Config, src: &dyn TensorSource) -> Result<Self> {
+        let weights = DsV4Weights::load(&cfg, src)?;
+        Ok(Self::new(cfg, weights))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    /// Runs every sequence's tokens and returns the logits of their logit rows, in order
+    /// (`[Σ num_logit_rows, vocab]`). A sequence starting at token 0 resets its slot; any
+    /// other start must continue exactly where its slot stopped.
+    pub fn forward(&self, cache: &mut DsV4Cache, steps: &[DsSeqStep<'_>]) -> Result<Vec<f32>> {
+        let cfg = &self.cfg;
+        let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
+        for (i, s) in steps.iter().enumerate() {
+            let slot = s.state_slot as usize;
+            if slot >= cache.num_slots() {
+                return Err(TroupeError::InvalidInput(format!(
+                    "sequence {i}: state slot {slot} outside the {} slots",
+                    cache.num_slots()
+                )));
+            }
+            let held = if s.num_cached_tokens == 0 {
+                0
+            } else {
+                cache.slot_tokens(slot)
+            };
+            if held != s.num_cached_tokens {
+                return Err(TroupeError::InvalidInput(format!(
+                    "sequence {i}: starts at token {} but its state slot holds {held} tokens \
+                     (DeepSeek-V4 state cannot skip or rewind)",
+                    s.num_cached_tokens
+                )));
+            }
+            let needed = (s.num_cached_tokens + s.token_ids.len()).div_ceil(cache.block_size);
+            if s.block_table.len() < needed
+                || s.block_table
+                    .iter()
+                    .any(|&b| b as usize >= cache.num_blocks)
+            {
+                return Err(TroupeError::InvalidInput(format!(
+                    "sequence {i}: block table of {} blocks does not cover {} tokens in a pool of {}",
+                    s.block_table.len(),
+                    s.num_cached_tokens + s.token_ids.len(),
+                    cache.num_blocks
+                )));
+            }
+            if let Some(&bad) = s.token_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(TroupeError::InvalidInput(format!(
+                    "sequence {i}: token id {bad} outside the vocabulary of {}",
+                    cfg.vocab_size
+                )));
+            }
+        }
+
+        let token_ids: Vec<u32> = steps
+            .iter()
+            .flat_map(|s| s.token_ids.iter().copied())
+            .collect();
+        let tokens = token_ids.len();
+        let mut streams = vec![0.0f32; tokens * n_hc * d];
+        for (t, &id) in token_ids.iter().enumerate() {
+            let row = &self.weights.embed[id as usize * d..(id as usize + 1) * d];
+            for j in 0..n_hc {
+                streams[(t * n_hc + j) * d..(t * n_hc + j + 1) * d].copy_from_slice(row);
+            }
+        }
+        let rope = Rope {
+            main: &self.main_freqs,
+            compress: &self.compress_freqs,
+        };
+        for (l, w) in self.weights.layers.iter().enumerate() {
+            let m = mhc::mix(
+                &w.attn_hc,
+                &streams,
+                n_hc,
+                d,
+                cfg.hc_sinkhorn_iters,
+                cfg.hc_eps,
+                cfg.rms_norm_eps,
+            );
+            let mut x = m.collapsed.clone();
+            ops::rms_norm(&mut x, d, Some(&w.attn_norm), cfg.rms_norm_eps);
+            let mut attn_out = vec![0.0f32; tokens * d];
+            let mut row0 = 0;
+            for s in steps {
+                let n = s.token_ids.len();
+                let at = ChunkAt {
+                    slot: s.state_slot as usize,
+                    pos0: s.num_cached_tokens,
+                    block_table: s.block_table,
+                    token_ids: s.token_ids,
+                };
+                let y = attention::attention(
+                    cfg,
+                    l,
+                    &w.attn,
+                    cache,
+                    &at,
+                    &rope,
+                    &x[row0 * d..(row0 + n) * d],
+                );
+                attn_out[row0 * d..(row0 + n) * d].copy_from_slice(&y);
+                row0 += n;
+            }
+            mhc::merge(&m, &mut streams, &attn_out, n_hc, d);
+
+            let m = mhc::mix(
+                &w.ffn_hc,
+                &streams,
+                n_hc,
+                d,
+                cfg.hc_sinkhorn_iters,
+                cfg.hc_eps,
+                cfg.rms_norm_eps,
+            );
+            let mut x = m.collapsed.clone();
+            ops::rms_norm(&mut x, d, Some(&w.ffn_norm), cfg.rms_norm_eps);
+            let y = moe::moe(cfg, l, &w.moe, &x, &token_ids);
+            mhc::merge(&m, &mut streams, &y, n_hc, d);
+        }
+        for s in steps {
+            cache.set_slot_tokens(
+                s.state_slot as usize,
+                s.num_cached_tokens + s.token_ids.len(),
+            );
+        }
+
+        // Only the logit rows go through the head.
+        let mut picked = Vec::new();
+        let mut row0 = 0;
+        for s in steps {
+            let n = s.token_ids.len();
+            let first = row0 + n - s.num_logit_rows.min(n);
+            picked.extend_from_slice(&streams[first * n_hc * d..(row0 + n) * n_hc * d]);
+            row0 += n;
+        }
+        let mut h = mhc::head(
+            &self.weights.hc_head,
+            &picked,
+            n_hc,
+            d,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        );
+        ops::rms_norm(&mut h, d, Some(&self.weights.norm), cfg.rms_norm_eps);
+        Ok(self.weights.head.apply(&h))
+    }
+}

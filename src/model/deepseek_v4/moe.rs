@@ -1,0 +1,74 @@
+//! DeepSeek-V4's MoE block: routed experts picked by a frozen token table (hash layers)
+//! or by the top-k of biased router scores, weighted by the normalised unbiased scores
+//! times the routed scaling, plus the shared expert; SwiGLU with clipped pre-activations.
+
+use super::config::{DsV4Config, MlpKind};
+use super::ops::{score, silu, top_k};
+use super::weights::{Expert, Moe};
+
+/// `x` is `[tokens, hidden]` (the normed block input); returns `[tokens, hidden]`.
+pub fn moe(cfg: &DsV4Config, layer: usize, w: &Moe, x: &[f32], token_ids: &[u32]) -> Vec<f32> {
+    let d = cfg.hidden_size;
+    let tokens = x.len() / d;
+    let k = cfg.num_experts_per_tok;
+    let num_experts = cfg.num_routed_experts;
+    let mut scores = w.router.apply(x);
+    // Per expert: (token, weight) pairs routed to it.
+    let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); num_experts];
+    for t in 0..tokens {
+        let s = &mut scores[t * num_experts..(t + 1) * num_experts];
+        score(s, cfg.scoring);
+        let chosen: Vec<usize> = match cfg.mlp[layer] {
+            MlpKind::HashMoe => {
+                let table = w.tid2eid.as_ref().expect("hash layers carry their table");
+                let tok = token_ids[t] as usize;
+                table[tok * k..(tok + 1) * k]
+                    .iter()
+                    .map(|&e| e as usize)
+                    .collect()
+            }
+            MlpKind::Moe => match &w.score_bias {
+                Some(bias) => {
+                    let biased: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
+                    top_k(&biased, k)
+                }
+                None => top_k(s, k),
+            },
+        };
+        let total: f32 = chosen.iter().map(|&e| s[e]).sum::<f32>() + 1e-20;
+        for &e in &chosen {
+            routed[e].push((t, s[e] / total * cfg.routed_scaling_factor));
+        }
+    }
+
+    let mut out = expert(&w.shared, x, cfg.swiglu_limit);
+    let mut rows = Vec::new();
+    for (e, assigned) in routed.iter().enumerate() {
+        if assigned.is_empty() {
+            continue;
+        }
+        rows.clear();
+        for &(t, _) in assigned {
+            rows.extend_from_slice(&x[t * d..(t + 1) * d]);
+        }
+        let y = expert(&w.experts[e], &rows, cfg.swiglu_limit);
+        for (i, &(t, weight)) in assigned.iter().enumerate() {
+            out[t * d..(t + 1) * d]
+                .iter_mut()
+                .zip(&y[i * d..(i + 1) * d])
+                .for_each(|(o, v)| *o += weight * v);
+        }
+    }
+    out
+}
+
+fn expert(w: &Expert, x: &[f32], limit: f32) -> Vec<f32> {
+    let gate = w.gate.apply(x);
+    let up = w.up.apply(x);
+    let h: Vec<f32> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| silu(g.min(limit)) * u.clamp(-limit, limit))
+        .collect();
+    w.down.apply(&h)
+}

@@ -1,0 +1,281 @@
+//! DeepSeek-V4 tensors by DeepSeek's own names (what transformers' `save_pretrained` and
+//! the released checkpoints write), as f32 on the host.
+
+use super::config::{AttentionKind, DsV4Config, MlpKind};
+use super::ops::Linear;
+use crate::error::{Result, TroupeError};
+use crate::model::loader::TensorSource;
+
+pub struct Compressor {
+    pub kv: Linear,
+    pub gate: Linear,
+    /// `[rate, width]`: added to the gate logits by position inside the window.
+    pub position_bias: Vec<f32>,
+    pub norm: Vec<f32>,
+}
+
+pub struct Indexer {
+    pub compressor: Compressor,
+    pub q_b: Linear,
+    pub weights_proj: Linear,
+}
+
+pub struct Attention {
+    pub q_a: Linear,
+    pub q_a_norm: Vec<f32>,
+    pub q_b: Linear,
+    pub kv: Linear,
+    pub kv_norm: Vec<f32>,
+    /// `[groups · o_lora_rank, heads · head_dim / groups]`: group g owns rows g·r..(g+1)·r.
+    pub o_a: Linear,
+    pub o_b: Linear,
+    pub sinks: Vec<f32>,
+    pub compressor: Option<Compressor>,
+    pub indexer: Option<Indexer>,
+}
+
+/// One mHC mapping: `fn` `[(2 + n)·n, n·hidden]`, `base` `[(2 + n)·n]`, `scale` `[3]`.
+pub struct HyperConnection {
+    pub fn_: Linear,
+    pub base: Vec<f32>,
+    pub scale: Vec<f32>,
+}
+
+pub struct Expert {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+pub struct Moe {
+    pub router: Linear,
+    /// `[vocab, k]` expert ids (hash layers).
+    pub tid2eid: Option<Vec<u32>>,
+    pub score_bias: Option<Vec<f32>>,
+    pub experts: Vec<Expert>,
+    pub shared: Expert,
+}
+
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub ffn_norm: Vec<f32>,
+    pub attn_hc: HyperConnection,
+    pub ffn_hc: HyperConnection,
+    pub attn: Attention,
+    pub moe: Moe,
+}
+
+pub struct DsV4Weights {
+    pub embed: Vec<f32>,
+    pub layers: Vec<Layer>,
+    pub hc_head: HyperConnection,
+    pub norm: Vec<f32>,
+    pub head: Linear,
+}
+
+struct Reader<'a> {
+    src: &'a dyn TensorSource,
+}
+
+impl Reader<'_> {
+    fn raw(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+        let t = self.src.tensor(name)?.ok_or_else(|| TroupeError::Tensor {
+            name: name.to_string(),
+            reason: "missing from the checkpoint".into(),
+        })?;
+        if t.dims != dims {
+            return Err(TroupeError::Tensor {
+                name: name.to_string(),
+                reason: format!("shape {:?}, expected {dims:?}", t.dims),
+            });
+        }
+        Ok(t.into_f32())
+    }
+
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
+        Ok(Linear {
+            rows,
+            cols,
+            w: self.raw(&format!("{name}.weight"), &[rows, cols])?,
+        })
+    }
+
+    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        self.raw(name, &[n])
+    }
+
+    fn compressor(
+        &self,
+        p: &str,
+        cfg: &DsV4Config,
+        width: usize,
+        dim: usize,
+        rate: usize,
+    ) -> Result<Compressor> {
+        Ok(Compressor {
+            kv: self.linear(&format!("{p}.wkv"), width, cfg.hidden_size)?,
+            gate: self.linear(&format!("{p}.wgate"), width, cfg.hidden_size)?,
+            position_bias: self.raw(&format!("{p}.ape"), &[rate, width])?,
+            norm: self.vector(&format!("{p}.norm.weight"), dim)?,
+        })
+    }
+
+    fn hc(
+        &self,
+        p: &str,
+        cfg: &DsV4Config,
+        outputs: usize,
+        scales: usize,
+    ) -> Result<HyperConnection> {
+        let n = cfg.hc_mult;
+        Ok(HyperConnection {
+            fn_: Linear {
+                rows: outputs,
+                cols: n * cfg.hidden_size,
+                w: self.raw(&format!("{p}_fn"), &[outputs, n * cfg.hidden_size])?,
+            },
+            base: self.vector(&format!("{p}_base"), outputs)?,
+            scale: self.vector(&format!("{p}_scale"), scales)?,
+        })
+    }
+
+    fn expert(&self, p: &str, cfg: &DsV4Config) -> Result<Expert> {
+        let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+        Ok(Expert {
+            gate: self.linear(&format!("{p}.w1"), i, d)?,
+            up: self.linear(&format!("{p}.w3"), i, d)?,
+            down: self.linear(&format!("{p}.w2"), d, i)?,
+        })
+    }
+}
+
+impl DsV4Weights {
+    pub fn load(cfg: &DsV4Config, src: &dyn TensorSource) -> Result<Self> {
+        let r = Reader { src };
+        let d = cfg.hidden_size;
+        let n = cfg.hc_mult;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let hd = cfg.head_dim;
+            let heads = cfg.num_heads;
+            let (compressor, indexer) = match cfg.attention[l] {
+                AttentionKind::Sliding => (None, None),
+                AttentionKind::HeavilyCompressed => (
+                    Some(r.compressor(
+                        &format!("{p}.attn.compressor"),
+                        cfg,
+                        hd,
+                        hd,
+                        cfg.hca_rate,
+                    )?),
+                    None,
+                ),
+                AttentionKind::CompressedSparse => {
+                    let ihd = cfg.index_head_dim;
+                    let indexer = Indexer {
+                        compressor: r.compressor(
+                            &format!("{p}.attn.indexer.compressor"),
+                            cfg,
+                            2 * ihd,
+                            ihd,
+                            cfg.csa_rate,
+                        )?,
+                        q_b: r.linear(
+                            &format!("{p}.attn.indexer.wq_b"),
+                            cfg.index_n_heads * ihd,
+                            cfg.q_lora_rank,
+                        )?,
+                        weights_proj: r.linear(
+                            &format!("{p}.attn.indexer.weights_proj"),
+                            cfg.index_n_heads,
+                            d,
+                        )?,
+                    };
+                    (
+                        Some(r.compressor(
+                            &format!("{p}.attn.compressor"),
+                            cfg,
+                            2 * hd,
+                            hd,
+                            cfg.csa_rate,
+                        )?),
+                        Some(indexer),
+                    )
+                }
+            };
+            let attn = Attention {
+                q_a: r.linear(&format!("{p}.attn.wq_a"), cfg.q_lora_rank, d)?,
+                q_a_norm: r.vector(&format!("{p}.attn.q_norm.weight"), cfg.q_lora_rank)?,
+                q_b: r.linear(&format!("{p}.attn.wq_b"), heads * hd, cfg.q_lora_rank)?,
+                kv: r.linear(&format!("{p}.attn.wkv"), hd, d)?,
+                kv_norm: r.vector(&format!("{p}.attn.norm.weight"), hd)?,
+                o_a: r.linear(
+                    &format!("{p}.attn.wo_a"),
+                    cfg.o_groups * cfg.o_lora_rank,
+                    heads * hd / cfg.o_groups,
+                )?,
+                o_b: r.linear(&format!("{p}.attn.wo_b"), d, cfg.o_groups * cfg.o_lora_rank)?,
+                sinks: r.vector(&format!("{p}.attn.attn_sink"), heads)?,
+                compressor,
+                indexer,
+            };
+            let k = cfg.num_experts_per_tok;
+            let tid2eid = match cfg.mlp[l] {
+                MlpKind::Moe => None,
+                MlpKind::HashMoe => {
+                    let name = format!("{p}.ffn.gate.tid2eid");
+                    let table = r.raw(&name, &[cfg.vocab_size, k])?;
+                    let ids: Vec<u32> = table.iter().map(|&e| e as u32).collect();
+                    if let Some(bad) = table
+                        .iter()
+                        .find(|&&e| e < 0.0 || e as usize >= cfg.num_routed_experts)
+                    {
+                        return Err(TroupeError::Tensor {
+                            name,
+                            reason: format!(
+                                "expert id {bad} outside 0..{}",
+                                cfg.num_routed_experts
+                            ),
+                        });
+                    }
+                    Some(ids)
+                }
+            };
+            let score_bias = match cfg.mlp[l] {
+                MlpKind::HashMoe => None,
+                MlpKind::Moe => {
+                    let name = format!("{p}.ffn.gate.bias");
+                    match src.tensor(&name)? {
+                        Some(_) => Some(r.vector(&name, cfg.num_routed_experts)?),
+                        None => None,
+                    }
+                }
+            };
+            let moe = Moe {
+                router: r.linear(&format!("{p}.ffn.gate"), cfg.num_routed_experts, d)?,
+                tid2eid,
+                score_bias,
+                experts: (0..cfg.num_routed_experts)
+                    .map(|e| r.expert(&format!("{p}.ffn.experts.{e}"), cfg))
+                    .collect::<Result<_>>()?,
+                shared: r.expert(&format!("{p}.ffn.shared_experts"), cfg)?,
+            };
+            layers.push(Layer {
+                attn_norm: r.vector(&format!("{p}.attn_norm.weight"), d)?,
+                ffn_norm: r.vector(&format!("{p}.ffn_norm.weight"), d)?,
+                attn_hc: r.hc(&format!("{p}.hc_attn"), cfg, (2 + n) * n, 3)?,
+                ffn_hc: r.hc(&format!("{p}.hc_ffn"), cfg, (2 + n) * n, 3)?,
+                attn,
+                moe,
+            });
+        }
+        Ok(DsV4Weights {
+            embed: r.raw("model.embed_tokens.weight", &[cfg.vocab_size, d])?,
+            layers,
+            hc_head: r.hc("model.hc_head.hc", cfg, n, 1)?,
+            norm: r.vector("model.norm.weight", d)?,
+            head: r.linear("head", cfg.vocab_size, d)?,
+        })
+    }
+}
