@@ -21,6 +21,7 @@ fn bench(c: &mut Criterion) {
         num_cached_tokens: 0,
         block_table: &table,
         num_logit_rows: 1,
+        state_slot: None,
     };
     loaded
         .model
@@ -34,6 +35,7 @@ fn bench(c: &mut Criterion) {
                 num_cached_tokens: context,
                 block_table: &table,
                 num_logit_rows: 1,
+                state_slot: None,
             };
             loaded
                 .model

@@ -443,3 +443,49 @@ fn tensor_parallel_ranks_generate_the_same_tokens_and_bad_sizes_are_named() {
     assert_clear_error(&run("3"), "does not divide the model's 4 attention heads");
     assert_clear_error(&run("0"), "at least 1");
 }
+
+#[test]
+fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
+    let reference = common::read_json("tiny-dsv4-a/reference.json");
+    let prompt = common::ids(&reference["greedy_prompt"]);
+    let want = common::ids(&reference["greedy_tokens"]);
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let max_tokens = want.len().to_string();
+    let model = tiny("tiny-dsv4-a");
+    let args = [
+        "generate",
+        "--model",
+        &model,
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-tokens",
+        &max_tokens,
+        "--ignore-eos",
+        "--json",
+    ];
+    let out = troupe(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(common::ids(&line["token_ids"]), want);
+    // Text needs a tokenizer the tiny checkpoint does not have.
+    assert_clear_error(
+        &troupe(&["generate", "--model", &model, "--prompt", "hi"]),
+        "--prompt-ids",
+    );
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            &model,
+            "--prompt-ids",
+            "1,2",
+            "--tp",
+            "2",
+        ]),
+        "DeepSeek-V4: runs on one rank",
+    );
+}

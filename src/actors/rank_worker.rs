@@ -24,6 +24,8 @@ use crate::model::llama::{LlamaModel, SeqStep};
 use crate::parallel::{GroupJoin, TpShard};
 use crate::sched::{RowInput, StepPlan};
 
+mod deepseek_v4;
+
 pub enum RankMsg {
     /// The readback thread could not deliver a step (a device error while waiting for
     /// it): the worker fails, so its supervisor restarts it and the engine recomputes.
@@ -47,6 +49,7 @@ pub struct RankArgs {
     pub device_slot: usize,
     pub model_path: PathBuf,
     pub num_kv_blocks: usize,
+    pub num_state_slots: usize,
     pub block_size: usize,
     pub sampled: SampledTokens,
     pub faults: FaultPlan,
@@ -249,6 +252,14 @@ fn load_on<B: Backend + 'static>(
 }
 
 fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
+    if crate::model::is_deepseek_v4_dir(&args.model_path) {
+        return match args.device {
+            Device::Cpu => Ok(deepseek_v4::load(args)?),
+            Device::Cuda(_) => {
+                Err("DeepSeek-V4 runs on the CPU backend only (no CUDA kernels for it yet)".into())
+            }
+        };
+    }
     match args.device {
         Device::Cpu => load_on(
             CpuBackend {
@@ -512,6 +523,7 @@ impl ThreadLocalActor for RankWorker {
                 num_cached_tokens: row.num_cached_tokens,
                 block_table: &row.block_table,
                 num_logit_rows: 1 + row.num_draft_tokens,
+                state_slot: row.state_slot,
             })
             .collect();
         let step = st

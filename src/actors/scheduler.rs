@@ -426,6 +426,7 @@ impl Actor for SchedulerActor {
         args: SchedulerArgs,
     ) -> Result<SchedulerState, ActorProcessingErr> {
         let num_total_blocks = args.config.num_blocks;
+        let num_total_state_slots = args.config.num_state_slots.unwrap_or(0);
         Ok(SchedulerState {
             core: Scheduler::new(args.config),
             zos: args.zero_overhead_scheduling,
@@ -448,6 +449,7 @@ impl Actor for SchedulerActor {
             drains: Vec::new(),
             status: EngineStatus {
                 num_total_blocks,
+                num_total_state_slots,
                 ..Default::default()
             },
         })
@@ -618,6 +620,8 @@ impl Actor for SchedulerActor {
                 s.num_running = st.core.num_running();
                 s.num_waiting = st.core.num_waiting();
                 s.num_free_blocks = st.core.num_free_blocks();
+                s.num_free_state_slots = st.core.num_free_state_slots().unwrap_or(0);
+                s.num_preemptions = st.core.num_preemptions();
                 let prefix = st.core.prefix_cache_stats();
                 s.num_prefix_queried_blocks = prefix.num_queried_blocks;
                 s.num_prefix_hit_blocks = prefix.num_hit_blocks;

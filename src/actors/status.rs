@@ -11,6 +11,11 @@ pub struct EngineStatus {
     pub num_waiting: usize,
     pub num_free_blocks: usize,
     pub num_total_blocks: usize,
+    /// Per-sequence state slots (DeepSeek-V4; 0 and 0 for other models).
+    pub num_free_state_slots: usize,
+    pub num_total_state_slots: usize,
+    /// Sequences preempted (their blocks taken back, recomputed later).
+    pub num_preemptions: u64,
     pub num_steps: u64,
     /// Times the device state was (re)attached: 1 after start, +1 per restart.
     pub num_resets: u64,

@@ -33,6 +33,9 @@ pub struct RankArgsTemplate {
     /// The devices a group may use, one rank each (the configured group size of them).
     pub devices: Vec<crate::engine::Device>,
     pub num_kv_blocks: usize,
+    /// Per-sequence state slots (DeepSeek-V4's window ring and compressor state); 0 for
+    /// models without per-sequence state.
+    pub num_state_slots: usize,
     pub block_size: usize,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
@@ -98,6 +101,7 @@ async fn spawn_group(
                 device_slot: slot,
                 model_path: t.model_path.clone(),
                 num_kv_blocks: t.num_kv_blocks,
+                num_state_slots: t.num_state_slots,
                 block_size: t.block_size,
                 sampled: st.sampled.clone(),
                 faults: t.faults.clone(),

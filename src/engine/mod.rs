@@ -1,6 +1,7 @@
 //! The library API: `Engine::spawn` starts the actor system and returns an `EngineHandle`
 //! to submit requests to, stream their outputs, abort them and shut down.
 
+mod pools;
 mod text_stream;
 mod types;
 
@@ -69,7 +70,10 @@ impl Engine {
         speculative_tokens(cfg.speculative)?;
         let text = model::load_text(&cfg.model_path)?;
         let mcfg = &text.config;
-        if let Some(problem) = crate::parallel::tp_problem(mcfg, cfg.tensor_parallel_size) {
+        // DeepSeek-V4's limits are `pools::size_pools`' to name.
+        if text.deepseek_v4.is_none()
+            && let Some(problem) = crate::parallel::tp_problem(mcfg, cfg.tensor_parallel_size)
+        {
             return Err(EngineError::Spawn(problem));
         }
         let devices: Vec<Device> = (0..cfg.tensor_parallel_size)
@@ -78,27 +82,19 @@ impl Engine {
                 Device::Cuda(first) => Device::Cuda(first + i),
             })
             .collect();
-        // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The pool
-        // is sized for a whole KV head set per rank, so a group that loses devices and
-        // shrinks to one rank still holds every block the scheduler counts on.
-        let kv_bytes_per_entry = match cfg.device {
-            Device::Cuda(_) if !cfg.batch_invariant => 2,
-            _ => std::mem::size_of::<f32>(),
-        };
-        let bytes_per_block =
-            2 * mcfg.num_layers * cfg.block_size * mcfg.kv_dim() * kv_bytes_per_entry;
         let kv_cache_bytes = kv_cache_bytes(&cfg, mcfg)?;
-        let num_kv_blocks = (kv_cache_bytes / bytes_per_block).max(1);
+        let pools = pools::size_pools(&cfg, &text, kv_cache_bytes)?;
+        let num_kv_blocks = pools.num_blocks;
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
         let scheduler_cfg = SchedulerConfig {
-            block_size: cfg.block_size,
+            block_size: pools.block_size,
             num_blocks: num_kv_blocks,
-            num_state_slots: None,
+            num_state_slots: pools.num_state_slots,
             max_num_seqs: cfg.max_num_seqs,
             max_step_tokens: cfg.max_step_tokens,
             step_time_budget_secs: cfg.step_time_budget_secs,
-            enable_prefix_cache: cfg.enable_prefix_cache,
+            enable_prefix_cache: pools.enable_prefix_cache,
             max_context_tokens: mcfg.max_context_tokens,
             stop_preempted: cfg.stop_preempted,
             num_speculative_tokens: speculative_tokens(cfg.speculative)?,
@@ -143,7 +139,8 @@ impl Engine {
             rank: RankArgsTemplate {
                 model_path: cfg.model_path.clone(),
                 num_kv_blocks,
-                block_size: cfg.block_size,
+                num_state_slots: pools.num_state_slots.unwrap_or(0),
+                block_size: pools.block_size,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
                 model_config: mcfg.clone(),

@@ -20,6 +20,8 @@ pub struct SeqStep<'a> {
     /// Trailing positions of `token_ids` that return logits, oldest first (1: the last
     /// token's; a speculative verify row: one per draft and one after).
     pub num_logit_rows: usize,
+    /// The sequence's state slot, for models with per-sequence state (DeepSeek-V4).
+    pub state_slot: Option<u32>,
 }
 
 /// Activation buffers, sized for the largest step seen and reused: nothing is allocated

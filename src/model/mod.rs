@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use chat_template::ChatTemplate;
 use config::ModelConfig;
+use deepseek_v4::config::DsV4Config;
 use gguf::GgufFile;
 use llama::LlamaModel;
 use loader::{GgufSource, SafetensorsSource, TensorSource};
@@ -29,7 +30,11 @@ use crate::parallel::TpShard;
 
 /// What turns text into a model's tokens and back, and when generation stops.
 pub struct ModelText {
+    /// The shape every model shares (vocabulary, context, layers); for DeepSeek-V4, its
+    /// generic view (`DsV4Config::generic_config`) beside the full `deepseek_v4` config.
     pub config: ModelConfig,
+    /// Set for a DeepSeek-V4 checkpoint: the engine then runs `deepseek_v4::DsV4Model`.
+    pub deepseek_v4: Option<Arc<DsV4Config>>,
     /// `None` for checkpoints without a tokenizer: they take and return token ids.
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub chat_template: Option<ChatTemplate>,
@@ -110,10 +115,28 @@ fn load_gguf<B: Backend>(path: &Path, backend: &B, shard: TpShard) -> Result<Loa
     })
 }
 
+/// Whether `path` is an HF directory holding a DeepSeek-V4 checkpoint.
+pub fn is_deepseek_v4_dir(path: &Path) -> bool {
+    path.is_dir()
+        && read_json(&path.join("config.json"))
+            .ok()
+            .flatten()
+            .is_some_and(|json| DsV4Config::is_deepseek_v4(&json))
+}
+
 /// The text side of a model without its weights: cheap, for the request-facing half of
 /// the engine.
 pub fn load_text(path: &Path) -> Result<ModelText> {
     if path.is_dir() {
+        let config_path = path.join("config.json");
+        if let Some(json) = read_json(&config_path)?
+            && DsV4Config::is_deepseek_v4(&json)
+        {
+            let ds = DsV4Config::from_hf_json(&config_path, &json)?;
+            let mut text = hf_text(path, &json, ds.generic_config())?;
+            text.deepseek_v4 = Some(Arc::new(ds));
+            return Ok(text);
+        }
         let (config, json) = hf_config(path)?;
         hf_text(path, &json, config)
     } else {
@@ -149,6 +172,7 @@ fn gguf_text(gguf: &GgufFile) -> Result<ModelText> {
     };
     Ok(ModelText {
         config,
+        deepseek_v4: None,
         tokenizer,
         chat_template,
         stop_ids,
@@ -270,6 +294,7 @@ fn hf_text(dir: &Path, config: &serde_json::Value, cfg: ModelConfig) -> Result<M
     let stop_ids = tokenizer.as_ref().map_or(eos_ids, |t| t.stop_ids.clone());
     Ok(ModelText {
         config: cfg,
+        deepseek_v4: None,
         tokenizer,
         chat_template,
         stop_ids,

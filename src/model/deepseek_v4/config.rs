@@ -6,6 +6,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::error::{Result, TroupeError};
+use crate::model::config::{Arch, ModelConfig, RopeScaling};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKind {
@@ -84,6 +85,27 @@ pub struct DsV4Config {
 }
 
 impl DsV4Config {
+    /// What the request-facing engine reads of any model: vocabulary, context, layers.
+    /// Attention and MLP fields describe no real DeepSeek-V4 tensor.
+    pub fn generic_config(&self) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.moe_intermediate_size,
+            num_layers: self.num_layers,
+            num_heads: self.num_heads,
+            num_kv_heads: 1,
+            head_dim: self.head_dim,
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta: self.main_rope.theta,
+            rope_scaling: RopeScaling::None,
+            max_context_tokens: self.max_context_tokens,
+            attention_bias: false,
+            tie_word_embeddings: false,
+        }
+    }
+
     pub fn is_deepseek_v4(config_json: &Value) -> bool {
         config_json["model_type"].as_str() == Some("deepseek_v4")
     }

@@ -1,0 +1,91 @@
+//! A rank running DeepSeek-V4 on the host (the f32 reference pass): its cache is state
+//! slots plus paged compressed entries, and every logit row goes to the sampler.
+
+use super::{DeviceModel, LaunchedStep, RankArgs};
+use crate::actors::sampler::{RowSampling, StepLogits};
+use crate::model::deepseek_v4::cache::DsV4Cache;
+use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
+use crate::model::llama::SeqStep;
+use crate::parallel::GroupJoin;
+
+pub(super) struct DsV4OnHost {
+    model: DsV4Model,
+    cache: DsV4Cache,
+}
+
+pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
+    if args.dummy_weights {
+        return Err("--dummy-weights is not available for DeepSeek-V4 checkpoints".into());
+    }
+    let model = DsV4Model::load_dir(&args.model_path).map_err(|e| e.to_string())?;
+    let cache = DsV4Cache::new(
+        &model.cfg,
+        args.num_state_slots,
+        args.num_kv_blocks,
+        args.block_size,
+    );
+    Ok(Box::new(DsV4OnHost { model, cache }))
+}
+
+impl DeviceModel for DsV4OnHost {
+    fn step(
+        &mut self,
+        _block_size: usize,
+        steps: &[SeqStep<'_>],
+        _picked_rows: &[u32],
+        sampling: &[Option<RowSampling>],
+    ) -> LaunchedStep {
+        let ds_steps: Vec<DsSeqStep<'_>> = steps
+            .iter()
+            .map(|s| DsSeqStep {
+                token_ids: s.token_ids,
+                num_cached_tokens: s.num_cached_tokens,
+                block_table: s.block_table,
+                state_slot: s
+                    .state_slot
+                    .expect("the scheduler gives DeepSeek-V4 sequences a state slot"),
+                num_logit_rows: s.num_logit_rows,
+            })
+            .collect();
+        // A refused step is a planning bug: the worker fails and the engine recomputes.
+        let logits = self
+            .model
+            .forward(&mut self.cache, &ds_steps)
+            .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
+        let vocab = self.model.vocab_size();
+        let mut host_row = vec![None; sampling.len()];
+        let mut host = Vec::new();
+        let mut logit_row = 0;
+        for (row, (s, step)) in sampling.iter().zip(steps).enumerate() {
+            if s.is_some() {
+                host_row[row] = Some(host.len() / vocab);
+                host.extend_from_slice(
+                    &logits[logit_row * vocab..(logit_row + step.num_logit_rows) * vocab],
+                );
+            }
+            logit_row += step.num_logit_rows;
+        }
+        let out = StepLogits {
+            picked: vec![None; sampling.len()],
+            verify_picks: vec![None; sampling.len()],
+            host_row,
+            host,
+        };
+        LaunchedStep {
+            logits: Box::new(move || out),
+            prev: vec![None; sampling.len()],
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.vocab_size()
+    }
+
+    fn join_group(&mut self, _join: GroupJoin) -> Result<(), String> {
+        Err("DeepSeek-V4 runs on one rank (expert parallelism is not built yet)".into())
+    }
+
+    fn device_label(&self) -> String {
+        "cpu (DeepSeek-V4 reference)".into()
+    }
+}

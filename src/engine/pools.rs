@@ -1,0 +1,71 @@
+//! Sizing the device pools from the cache budget: KV blocks for the Llama family;
+//! blocks of compressed entries plus one state slot per sequence for DeepSeek-V4.
+
+use super::{Device, EngineConfig, EngineError};
+use crate::model::ModelText;
+use crate::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Pools {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// `None`: the model keeps no per-sequence state.
+    pub num_state_slots: Option<usize>,
+    pub enable_prefix_cache: bool,
+}
+
+pub(super) fn size_pools(
+    cfg: &EngineConfig,
+    text: &ModelText,
+    cache_bytes: usize,
+) -> Result<Pools, EngineError> {
+    let m = &text.config;
+    let Some(ds) = &text.deepseek_v4 else {
+        // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The
+        // pool is sized for a whole KV head set per rank, so a group that loses devices
+        // and shrinks to one rank still holds every block the scheduler counts on.
+        let kv_bytes_per_entry = match cfg.device {
+            Device::Cuda(_) if !cfg.batch_invariant => 2,
+            _ => std::mem::size_of::<f32>(),
+        };
+        let bytes_per_block = 2 * m.num_layers * cfg.block_size * m.kv_dim() * kv_bytes_per_entry;
+        return Ok(Pools {
+            block_size: cfg.block_size,
+            num_blocks: (cache_bytes / bytes_per_block).max(1),
+            num_state_slots: None,
+            enable_prefix_cache: cfg.enable_prefix_cache,
+        });
+    };
+    let refuse = |what: &str| Err(EngineError::Spawn(format!("DeepSeek-V4: {what}")));
+    if cfg.device != Device::Cpu {
+        return refuse("runs on the CPU backend only (its CUDA kernels are not written yet)");
+    }
+    if cfg.tensor_parallel_size != 1 {
+        return refuse("runs on one rank (expert parallelism is not built yet)");
+    }
+    if cfg.speculative.is_some() {
+        return refuse(
+            "speculative decoding is not available (the window and compressor state cannot roll back rejected drafts yet)",
+        );
+    }
+    // A block boundary must also be a window boundary of every compressor.
+    let lcm = lcm_rates(ds);
+    let block_size = cfg.block_size.div_ceil(lcm) * lcm;
+    let num_state_slots = cfg.max_num_seqs;
+    let slot_bytes = num_state_slots * DsV4Cache::bytes_per_slot(ds);
+    let Some(left) = cache_bytes.checked_sub(slot_bytes) else {
+        return refuse(&format!(
+            "{num_state_slots} state slots take {slot_bytes} bytes, more than the cache budget of {cache_bytes}"
+        ));
+    };
+    // Layers that all slide keep nothing in blocks: the pool then only counts positions.
+    let bytes_per_block = DsV4Cache::bytes_per_block(ds, block_size).max(1);
+    let blocks_for_every_seq = num_state_slots * m.max_context_tokens.div_ceil(block_size);
+    Ok(Pools {
+        block_size,
+        num_blocks: (left / bytes_per_block).clamp(1, blocks_for_every_seq.max(1)),
+        num_state_slots: Some(num_state_slots),
+        // A prefix hit would start a sequence past token 0 with an empty window ring.
+        enable_prefix_cache: false,
+    })
+}

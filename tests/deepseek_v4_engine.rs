@@ -1,0 +1,217 @@
+//! DeepSeek-V4 through the actor engine: continuous batching with chunked prefill, state
+//! slots admitted with blocks, preemption by recompute and abort, all checked against
+//! transformers' reference outputs for the tiny checkpoints.
+
+mod common;
+
+use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason};
+use troupe::model::deepseek_v4::cache::DsV4Cache;
+use troupe::model::deepseek_v4::config::DsV4Config;
+use troupe::sampling::SamplingParams;
+
+const CHECKPOINTS: [&str; 2] = ["tiny-dsv4-a", "tiny-dsv4-b"];
+
+struct Reference {
+    prompts: Vec<Vec<u32>>,
+    /// Per prompt, per position: the argmax of transformers' logits.
+    argmax: Vec<Vec<u32>>,
+    greedy_prompt: Vec<u32>,
+    greedy_tokens: Vec<u32>,
+}
+
+fn reference(name: &str) -> Reference {
+    let json = common::read_json(&format!("{name}/reference.json"));
+    let bytes = std::fs::read(common::goldens().join(name).join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let argmax = json["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|key| {
+            let t = st.tensor(key.as_str().unwrap()).unwrap();
+            let vocab = t.shape()[1];
+            let values: Vec<f32> = t
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            values
+                .chunks(vocab)
+                .map(|row| {
+                    (0..vocab)
+                        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                        .unwrap() as u32
+                })
+                .collect()
+        })
+        .collect();
+    Reference {
+        prompts: json["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(common::ids)
+            .collect(),
+        argmax,
+        greedy_prompt: common::ids(&json["greedy_prompt"]),
+        greedy_tokens: common::ids(&json["greedy_tokens"]),
+    }
+}
+
+fn ds_config(name: &str) -> DsV4Config {
+    let path = common::goldens().join(name).join("config.json");
+    DsV4Config::from_hf_json(&path, &common::read_json(&format!("{name}/config.json"))).unwrap()
+}
+
+/// An engine whose cache holds `max_num_seqs` state slots and `num_blocks` blocks of 16
+/// source tokens.
+fn engine_config(
+    name: &str,
+    max_num_seqs: usize,
+    num_blocks: usize,
+    max_step_tokens: usize,
+) -> EngineConfig {
+    let ds = ds_config(name);
+    let mut cfg = EngineConfig::new(common::goldens().join(name));
+    cfg.block_size = 16;
+    cfg.max_num_seqs = max_num_seqs;
+    cfg.max_step_tokens = max_step_tokens;
+    cfg.kv_cache_bytes = max_num_seqs * DsV4Cache::bytes_per_slot(&ds)
+        + num_blocks * DsV4Cache::bytes_per_block(&ds, 16);
+    cfg
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
+    let mut r = EngineRequest::new(prompt, max_tokens, SamplingParams::default());
+    r.ignore_eos = true;
+    r
+}
+
+async fn run_all(engine: &EngineHandle, requests: Vec<EngineRequest>) -> Vec<Vec<u32>> {
+    let mut streams = Vec::new();
+    for r in requests {
+        streams.push(engine.generate(r).await.unwrap());
+    }
+    let mut out = Vec::new();
+    for s in streams {
+        let o = s.collect().await;
+        assert!(o.error.is_none(), "{:?}", o.error);
+        out.push(o.token_ids);
+    }
+    out
+}
+
+async fn assert_everything_free(engine: &EngineHandle) {
+    for _ in 0..200 {
+        let s = engine.status().await.unwrap();
+        if s.num_running == 0
+            && s.num_free_blocks == s.num_total_blocks
+            && s.num_free_state_slots == s.num_total_state_slots
+        {
+            assert!(s.num_total_state_slots > 0);
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!(
+        "blocks or state slots still held: {:?}",
+        engine.status().await.unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_with_chunked_prefill_match_transformers() {
+    for name in CHECKPOINTS {
+        let r = reference(name);
+        // 8-token steps: every prompt past 8 tokens is prefilled in chunks beside others'
+        // decode rows.
+        let engine = Engine::spawn(engine_config(name, 6, 64, 8)).await.unwrap();
+        let mut requests = vec![greedy(r.greedy_prompt.clone(), r.greedy_tokens.len())];
+        let mut expected = vec![r.greedy_tokens.clone()];
+        for (p, prompt) in r.prompts.iter().enumerate() {
+            for len in [1, 2, 4, 5, 8, 9, 13, 17, 24, 29] {
+                requests.push(greedy(prompt[..len].to_vec(), 1));
+                expected.push(vec![r.argmax[p][len - 1]]);
+            }
+        }
+        let got = run_all(&engine, requests).await;
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, e, "{name}: request {i}");
+        }
+        assert_everything_free(&engine).await;
+        engine.shutdown(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preempted_sequences_are_recomputed_to_the_same_tokens() {
+    for name in CHECKPOINTS {
+        let r = reference(name);
+        // Six sequences of 35 tokens need 18 blocks; the pool has 8.
+        let engine = Engine::spawn(engine_config(name, 6, 8, 64)).await.unwrap();
+        let requests = (0..6)
+            .map(|_| greedy(r.greedy_prompt.clone(), r.greedy_tokens.len()))
+            .collect();
+        for (i, got) in run_all(&engine, requests).await.iter().enumerate() {
+            assert_eq!(got, &r.greedy_tokens, "{name}: request {i}");
+        }
+        let status = engine.status().await.unwrap();
+        assert!(
+            status.num_preemptions > 0,
+            "{name}: nothing was preempted: {status:?}"
+        );
+        assert_everything_free(&engine).await;
+        engine.shutdown(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborted_requests_give_back_their_blocks_and_slots() {
+    let r = reference("tiny-dsv4-a");
+    let engine = Engine::spawn(engine_config("tiny-dsv4-a", 4, 64, 64))
+        .await
+        .unwrap();
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        streams.push(
+            engine
+                .generate(greedy(r.greedy_prompt.clone(), 500))
+                .await
+                .unwrap(),
+        );
+    }
+    for s in &mut streams {
+        assert!(s.next().await.unwrap().error.is_none());
+        engine.abort(s.request_id);
+    }
+    for s in streams {
+        assert_eq!(s.collect().await.finish_reason, Some(FinishReason::Abort));
+    }
+    assert_everything_free(&engine).await;
+    // The engine still serves: a fresh request equals the reference.
+    let got = run_all(
+        &engine,
+        vec![greedy(r.greedy_prompt.clone(), r.greedy_tokens.len())],
+    )
+    .await;
+    assert_eq!(got[0], r.greedy_tokens);
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
+    let mut tp = engine_config("tiny-dsv4-a", 2, 8, 64);
+    tp.tensor_parallel_size = 2;
+    let mut cuda = engine_config("tiny-dsv4-a", 2, 8, 64);
+    cuda.device = Device::Cuda(0);
+    let mut tiny = engine_config("tiny-dsv4-a", 2, 8, 64);
+    tiny.kv_cache_bytes = 100;
+    for (cfg, want) in [
+        (tp, "DeepSeek-V4: runs on one rank"),
+        (cuda, "DeepSeek-V4: runs on the CPU backend only"),
+        (tiny, "more than the cache budget of 100"),
+    ] {
+        let err = Engine::spawn(cfg).await.err().expect("refused").to_string();
+        assert!(err.contains(want), "{err}");
+    }
+}
