@@ -21,7 +21,7 @@ fn bench(c: &mut Criterion) {
         num_cached_tokens: 0,
         block_table: &table,
         num_logit_rows: 1,
-        state_slot: None,
+        state: None,
     };
     loaded
         .model
@@ -35,7 +35,7 @@ fn bench(c: &mut Criterion) {
                 num_cached_tokens: context,
                 block_table: &table,
                 num_logit_rows: 1,
-                state_slot: None,
+                state: None,
             };
             loaded
                 .model

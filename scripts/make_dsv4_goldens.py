@@ -95,13 +95,13 @@ CONFIGS = {
         scoring_func="sigmoid",
         routed_scaling_factor=2.5,
         swiglu_limit=0.5,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-        max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16},
+        max_position_embeddings=128,
         initializer_range=0.25,
     ),
 }
 
-PROMPT_LENGTHS = (41, 29)
+PROMPT_LENGTHS = (72, 29)
 GREEDY_PROMPT_LEN = 11
 GREEDY_NEW_TOKENS = 24
 

@@ -166,7 +166,7 @@ impl<B: Backend> Generator<B> {
                     num_cached_tokens: seqs[i].num_cached_tokens,
                     block_table: &seqs[i].block_table,
                     num_logit_rows: 1,
-                    state_slot: None,
+                    state: None,
                 })
                 .collect();
             let num_step_tokens: usize = steps.iter().map(|s| s.token_ids.len()).sum();

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
-use troupe::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
+use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 
 const CHECKPOINTS: [&str; 2] = ["tiny-dsv4-a", "tiny-dsv4-b"];
@@ -90,8 +90,29 @@ fn run_chunked(
     prompt: &[u32],
     chunks: &[usize],
 ) -> Vec<f32> {
+    run_span(
+        model,
+        cache,
+        slot,
+        table,
+        prompt,
+        SlotSpan::default(),
+        chunks,
+    )
+}
+
+/// As `run_chunked`, from `span.state_start` on: the logits of those positions.
+fn run_span(
+    model: &DsV4Model,
+    cache: &mut DsV4Cache,
+    slot: u32,
+    table: &[u32],
+    prompt: &[u32],
+    span: SlotSpan,
+    chunks: &[usize],
+) -> Vec<f32> {
     let mut out = Vec::new();
-    let mut pos = 0;
+    let mut pos = span.state_start;
     let mut c = 0;
     while pos < prompt.len() {
         let n = chunks[c % chunks.len()].min(prompt.len() - pos);
@@ -100,6 +121,7 @@ fn run_chunked(
             num_cached_tokens: pos,
             block_table: table,
             state_slot: slot,
+            span,
             num_logit_rows: n,
         };
         out.extend(model.forward(cache, &[step]).unwrap());
@@ -186,6 +208,7 @@ fn greedy_continuation_equals_transformers() {
                 num_cached_tokens: fed,
                 block_table: &table,
                 state_slot: 0,
+                span: SlotSpan::default(),
                 num_logit_rows: 1,
             };
             let logits = model.forward(&mut cache, &[step]).unwrap();
@@ -218,6 +241,7 @@ fn batched_sequences_match_their_lone_runs() {
                     num_cached_tokens: sa.0,
                     block_table: &ta,
                     state_slot: 2,
+                    span: SlotSpan::default(),
                     num_logit_rows: sa.1 - sa.0,
                 },
                 DsSeqStep {
@@ -225,6 +249,7 @@ fn batched_sequences_match_their_lone_runs() {
                     num_cached_tokens: sb.0,
                     block_table: &tb,
                     state_slot: 0,
+                    span: SlotSpan::default(),
                     num_logit_rows: sb.1 - sb.0,
                 },
             ];
@@ -266,6 +291,7 @@ fn a_step_that_skips_or_rewinds_the_state_is_refused_by_name() {
                 num_cached_tokens: 0,
                 block_table: &table,
                 state_slot: 0,
+                span: SlotSpan::default(),
                 num_logit_rows: 1,
             }],
         )
@@ -278,6 +304,7 @@ fn a_step_that_skips_or_rewinds_the_state_is_refused_by_name() {
                 num_cached_tokens: 3,
                 block_table: &table,
                 state_slot: 0,
+                span: SlotSpan::default(),
                 num_logit_rows: 1,
             }],
         )
@@ -295,6 +322,7 @@ fn a_step_that_skips_or_rewinds_the_state_is_refused_by_name() {
                 num_cached_tokens: 0,
                 block_table: &table,
                 state_slot: 0,
+                span: SlotSpan::default(),
                 num_logit_rows: 1,
             }],
         )
@@ -309,10 +337,81 @@ fn a_step_that_skips_or_rewinds_the_state_is_refused_by_name() {
                 num_cached_tokens: 0,
                 block_table: &table,
                 state_slot: 4,
+                span: SlotSpan::default(),
                 num_logit_rows: 1,
             }],
         )
         .unwrap_err()
         .to_string();
     assert!(err.contains("state slot 4 outside the 1 slots"), "{err}");
+}
+
+#[test]
+fn bounded_replay_rebuilds_exactly_the_state_a_cold_run_leaves() {
+    for name in CHECKPOINTS {
+        let model = DsV4Model::load_dir(&dir(name)).unwrap();
+        let r = reference(name);
+        let prompt = &r.prompts[0];
+        let vocab = model.vocab_size();
+        let block_size = lcm_rates(&model.cfg);
+        let replay = model.cfg.num_replay_tokens();
+        let mut cache = DsV4Cache::new(&model.cfg, 2, 32, block_size);
+        let table = scattered_table(0, 1, 32);
+        // Slot 0 runs cold and writes every block; slot 1 resumes from each block
+        // boundary past the bound with only those blocks and its replay.
+        let cold = run_chunked(&model, &mut cache, 0, &table, prompt, &[prompt.len()]);
+        let hits: Vec<usize> = (replay..prompt.len())
+            .filter(|h| h % block_size == 0)
+            .collect();
+        assert!(
+            hits.len() >= 2,
+            "{name}: the prompt must reach past the replay bound ({replay})"
+        );
+        for &hit in &hits {
+            let span = SlotSpan {
+                state_start: hit - replay,
+                replay_until: hit,
+            };
+            let got = run_span(&model, &mut cache, 1, &table, prompt, span, &[5]);
+            let after = (hit - span.state_start) * vocab;
+            assert_rows_close(
+                name,
+                &format!("hit at {hit} vs cold"),
+                &got[after..],
+                &cold[hit * vocab..],
+                vocab,
+                1e-5,
+            );
+            assert_rows_close(
+                name,
+                &format!("hit at {hit} vs transformers"),
+                &got[after..],
+                &r.logits[0][hit * vocab..],
+                vocab,
+                REL_TOL,
+            );
+        }
+        // The bound is needed: replaying one window's worth rebuilds the first layer's
+        // ring only, and the logits after the hit drift.
+        let hit = hits[0];
+        let short = SlotSpan {
+            state_start: hit - lcm_rates(&model.cfg).max(model.cfg.sliding_window),
+            replay_until: hit,
+        };
+        let got = run_span(&model, &mut cache, 1, &table, prompt, short, &[5]);
+        let after = (hit - short.state_start) * vocab;
+        let worst = got[after..]
+            .chunks(vocab)
+            .zip(cold[hit * vocab..].chunks(vocab))
+            .map(|(g, c)| {
+                g.iter()
+                    .zip(c)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+            })
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst > 1e-3,
+            "{name}: a one-window replay should not match a cold run ({worst})"
+        );
+    }
 }

@@ -215,3 +215,42 @@ async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
         assert!(err.contains(want), "{err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_hits_replay_to_the_tokens_of_cold_runs() {
+    for name in CHECKPOINTS {
+        let r = reference(name);
+        let prompt = &r.prompts[0];
+        let engine = Engine::spawn(engine_config(name, 4, 64, 64)).await.unwrap();
+        // The whole prompt first, so its blocks are registered; then prefixes that hit
+        // them (48 or 64 tokens of blocks) and replay the state from before the hit.
+        let first = run_all(&engine, vec![greedy(prompt.clone(), 1)]).await;
+        assert_eq!(
+            first[0],
+            vec![r.argmax[0][prompt.len() - 1]],
+            "{name}: cold run"
+        );
+        let lens = [50, 57, 66, 71];
+        let got = run_all(
+            &engine,
+            lens.iter()
+                .map(|&l| greedy(prompt[..l].to_vec(), 1))
+                .collect(),
+        )
+        .await;
+        for (&len, g) in lens.iter().zip(&got) {
+            assert_eq!(
+                g,
+                &vec![r.argmax[0][len - 1]],
+                "{name}: prefix of {len} tokens"
+            );
+        }
+        let status = engine.status().await.unwrap();
+        assert!(
+            status.num_prefix_hit_blocks >= 2 * lens.len() as u64,
+            "{name}: {status:?}"
+        );
+        assert_everything_free(&engine).await;
+        engine.shutdown(true).await;
+    }
+}

@@ -117,7 +117,7 @@ fn last_logits(
             num_cached_tokens: start,
             block_table: &table,
             num_logit_rows: 1,
-            state_slot: None,
+            state: None,
         };
         logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
     }
@@ -144,7 +144,7 @@ fn trailing_logits(
         num_cached_tokens: 0,
         block_table: &table,
         num_logit_rows,
-        state_slot: None,
+        state: None,
     };
     model.forward(&generator.backend, &mut cache, block_size, &[step])
 }

@@ -48,7 +48,7 @@ fn sharded_last_logits(model: &str, size: usize, prompt: &[u32]) -> Vec<Vec<f32>
                     num_cached_tokens: 0,
                     block_table: &table,
                     num_logit_rows: 1,
-                    state_slot: None,
+                    state: None,
                 };
                 model.forward(&backend, &mut cache, block_size, &[step])
             })

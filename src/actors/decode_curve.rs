@@ -45,7 +45,7 @@ pub(super) fn time_decode_step(
             num_cached_tokens: 0,
             block_table: t,
             num_logit_rows: 1,
-            state_slot: None,
+            state: None,
         })
         .collect();
     let params = StdArc::new(SamplingParams::default());

@@ -20,7 +20,7 @@ use super::sampler::{RowSampling, SamplerMsg, StepLogits};
 use crate::engine::Device;
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{Backend, NOT_PICKED, Pending, PickRow};
-use crate::model::llama::{LlamaModel, SeqStep};
+use crate::model::llama::{LlamaModel, SeqStep, SlotState};
 use crate::parallel::{GroupJoin, TpShard};
 use crate::sched::{RowInput, StepPlan};
 
@@ -523,7 +523,11 @@ impl ThreadLocalActor for RankWorker {
                 num_cached_tokens: row.num_cached_tokens,
                 block_table: &row.block_table,
                 num_logit_rows: 1 + row.num_draft_tokens,
-                state_slot: row.state_slot,
+                state: row.state_slot.map(|slot| SlotState {
+                    slot,
+                    state_start: row.state_start,
+                    replay_until: row.replay_until,
+                }),
             })
             .collect();
         let step = st

@@ -91,6 +91,7 @@ impl Engine {
             block_size: pools.block_size,
             num_blocks: num_kv_blocks,
             num_state_slots: pools.num_state_slots,
+            num_replay_tokens: pools.num_replay_tokens,
             max_num_seqs: cfg.max_num_seqs,
             max_step_tokens: cfg.max_step_tokens,
             step_time_budget_secs: cfg.step_time_budget_secs,

@@ -12,6 +12,8 @@ pub(super) struct Pools {
     /// `None`: the model keeps no per-sequence state.
     pub num_state_slots: Option<usize>,
     pub enable_prefix_cache: bool,
+    /// Tokens before a prefix hit recomputed to rebuild a slot's state.
+    pub num_replay_tokens: usize,
 }
 
 pub(super) fn size_pools(
@@ -34,6 +36,7 @@ pub(super) fn size_pools(
             num_blocks: (cache_bytes / bytes_per_block).max(1),
             num_state_slots: None,
             enable_prefix_cache: cfg.enable_prefix_cache,
+            num_replay_tokens: 0,
         });
     };
     let refuse = |what: &str| Err(EngineError::Spawn(format!("DeepSeek-V4: {what}")));
@@ -65,7 +68,7 @@ pub(super) fn size_pools(
         block_size,
         num_blocks: (left / bytes_per_block).clamp(1, blocks_for_every_seq.max(1)),
         num_state_slots: Some(num_state_slots),
-        // A prefix hit would start a sequence past token 0 with an empty window ring.
-        enable_prefix_cache: false,
+        enable_prefix_cache: cfg.enable_prefix_cache,
+        num_replay_tokens: ds.num_replay_tokens(),
     })
 }

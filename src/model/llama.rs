@@ -20,8 +20,19 @@ pub struct SeqStep<'a> {
     /// Trailing positions of `token_ids` that return logits, oldest first (1: the last
     /// token's; a speculative verify row: one per draft and one after).
     pub num_logit_rows: usize,
-    /// The sequence's state slot, for models with per-sequence state (DeepSeek-V4).
-    pub state_slot: Option<u32>,
+    /// Models with per-sequence state (DeepSeek-V4): the sequence's slot.
+    pub state: Option<SlotState>,
+}
+
+/// A sequence's state slot and its history (`PlannedRow`'s fields of the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotState {
+    pub slot: u32,
+    /// The slot's history begins at this position: a row starting here starts afresh.
+    pub state_start: usize,
+    /// Positions before this are prefix-cache hits being replayed: their blocks are
+    /// written already.
+    pub replay_until: usize,
 }
 
 /// Activation buffers, sized for the largest step seen and reused: nothing is allocated

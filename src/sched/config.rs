@@ -10,6 +10,9 @@ pub struct SchedulerConfig {
     pub num_blocks: usize,
     /// Per-sequence state slots; `None` when the model needs none.
     pub num_state_slots: Option<usize>,
+    /// With state slots: tokens before a prefix-cache hit point that are recomputed to
+    /// rebuild a sequence's state (its blocks hold the rest).
+    pub num_replay_tokens: usize,
     /// Cap on running (admitted) sequences.
     pub max_num_seqs: usize,
     /// Token cap per step: prefill chunk tokens plus one per decode row.
@@ -35,6 +38,7 @@ impl Default for SchedulerConfig {
             block_size: 16,
             num_blocks: 1024,
             num_state_slots: None,
+            num_replay_tokens: 0,
             max_num_seqs: 256,
             max_step_tokens: 2048,
             step_time_budget_secs: 0.05,

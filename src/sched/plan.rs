@@ -19,6 +19,10 @@ pub struct PlannedRow {
     /// Covers `num_cached_tokens + row length` positions.
     pub block_table: Vec<u32>,
     pub state_slot: Option<u32>,
+    /// Where the slot's state begins (a row starting here starts it afresh) and where a
+    /// bounded replay of prefix-hit tokens ends (`Sequence::state_start`, `replay_until`).
+    pub state_start: usize,
+    pub replay_until: usize,
     /// This row's last token yields a sampled token (final prefill chunk, or decode).
     pub sample: bool,
     /// The row's last inputs are this many draft tokens: it returns a logit row for each

@@ -490,15 +490,21 @@ impl Scheduler {
             );
         }
         let num_cached = hits.len() * block_size;
-        let max_q = (seq.tokens.len() - num_cached).min(num_tokens_left);
+        // A model with per-sequence state resumes a hit by recomputing the tokens that
+        // rebuild its state (bounded replay); their blocks are the hits themselves.
+        let start = match self.slots {
+            Some(_) if num_cached > 0 => num_cached.saturating_sub(self.cfg.num_replay_tokens),
+            _ => num_cached,
+        };
+        let max_q = (seq.tokens.len() - start).min(num_tokens_left);
         let q = self.chunk(
             features,
-            num_cached,
+            start,
             max_q,
             self.cfg.step_time_budget_secs,
             num_prefill_rows,
         );
-        let num_new_blocks = (num_cached + q).div_ceil(block_size) - hits.len();
+        let num_new_blocks = (start + q).div_ceil(block_size).saturating_sub(hits.len());
         // Hits on evictable blocks stop being allocatable once taken.
         let num_evictable_hits = hits
             .iter()
@@ -523,8 +529,10 @@ impl Scheduler {
         let seq = self.seq_mut(idx);
         seq.block_table.extend(hits.iter().map(|h| h.block_id));
         seq.block_hashes.extend(hits.iter().map(|h| h.hash));
-        seq.num_scheduled_tokens = num_cached;
-        seq.num_computed_tokens = num_cached;
+        seq.num_scheduled_tokens = start;
+        seq.num_computed_tokens = start;
+        seq.state_start = start;
+        seq.replay_until = num_cached;
         seq.state_slot = slot;
         seq.status = SeqStatus::Running;
         self.hits = hits;

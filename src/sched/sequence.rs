@@ -88,6 +88,12 @@ pub struct Sequence {
     /// registered (or found already registered) after being computed.
     pub block_hashes: Vec<u64>,
     pub state_slot: Option<u32>,
+    /// Where the state slot's history begins: 0, or for a prefix hit on a model with
+    /// per-sequence state, the first replayed token (bounded replay).
+    pub state_start: usize,
+    /// Tokens before this are prefix-cache hits: replayed rows rebuild the slot's state
+    /// from them and leave their (shared, already written) blocks alone.
+    pub replay_until: usize,
     pub status: SeqStatus,
     /// Rows of this sequence in in-flight steps; resources are only reused at 0.
     pub num_in_flight_rows: usize,
@@ -114,6 +120,8 @@ impl Sequence {
             block_table: Vec::new(),
             block_hashes: Vec::new(),
             state_slot: None,
+            state_start: 0,
+            replay_until: 0,
             status: SeqStatus::Waiting,
             num_in_flight_rows: 0,
             last_sample_row: None,
@@ -174,6 +182,8 @@ impl Sequence {
         debug_assert!(self.block_table.is_empty() && self.state_slot.is_none());
         self.num_scheduled_tokens = 0;
         self.num_computed_tokens = 0;
+        self.state_start = 0;
+        self.replay_until = 0;
         self.block_hashes.clear();
     }
 }

@@ -3,7 +3,7 @@
 
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::actors::sampler::{RowSampling, StepLogits};
-use crate::model::deepseek_v4::cache::DsV4Cache;
+use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::parallel::GroupJoin;
@@ -37,14 +37,21 @@ impl DeviceModel for DsV4OnHost {
     ) -> LaunchedStep {
         let ds_steps: Vec<DsSeqStep<'_>> = steps
             .iter()
-            .map(|s| DsSeqStep {
-                token_ids: s.token_ids,
-                num_cached_tokens: s.num_cached_tokens,
-                block_table: s.block_table,
-                state_slot: s
-                    .state_slot
-                    .expect("the scheduler gives DeepSeek-V4 sequences a state slot"),
-                num_logit_rows: s.num_logit_rows,
+            .map(|s| {
+                let state = s
+                    .state
+                    .expect("the scheduler gives DeepSeek-V4 sequences a state slot");
+                DsSeqStep {
+                    token_ids: s.token_ids,
+                    num_cached_tokens: s.num_cached_tokens,
+                    block_table: s.block_table,
+                    state_slot: state.slot,
+                    span: SlotSpan {
+                        state_start: state.state_start,
+                        replay_until: state.replay_until,
+                    },
+                    num_logit_rows: s.num_logit_rows,
+                }
             })
             .collect();
         // A refused step is a planning bug: the worker fails and the engine recomputes.

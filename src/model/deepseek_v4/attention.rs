@@ -63,6 +63,7 @@ pub fn attention(
     }
 
     let block_size = cache.block_size;
+    let span = cache.span(at.slot);
     if let Some(comp) = &w.compressor {
         feed(cfg, comp, cache, layer, false, at, rope.compress, x);
     }
@@ -88,7 +89,7 @@ pub fn attention(
     for i in 0..n {
         let t = at.pos0 + i;
         keys.clear();
-        for p in (t + 1).saturating_sub(window)..=t {
+        for p in (t + 1).saturating_sub(window).max(span.state_start)..=t {
             keys.push(if p < at.pos0 {
                 cache.ring_row(layer, at.slot, p)
             } else {
@@ -180,6 +181,7 @@ fn feed(
     let kv = comp.kv.apply(x);
     let gate = comp.gate.apply(x);
     let block_size = cache.block_size;
+    let span = cache.span(at.slot);
     let lc = &mut cache.layers[layer];
     let target = if indexer {
         lc.indexer.as_mut()
@@ -191,6 +193,7 @@ fn feed(
     let eps = cfg.rms_norm_eps;
     target.feed(
         at.slot,
+        span,
         at.pos0,
         &kv,
         &gate,

@@ -79,10 +79,14 @@ impl CompressorCache {
     /// and emits one entry for every window they close: a per-channel softmax over the
     /// window's gate logits (+ position bias; with overlap, over the previous window's Ca
     /// half and this window's Cb half) weighting the kv rows, then `finish` (norm, RoPE).
+    /// Windows ending at or before `span.replay_until` are cached already: only the state
+    /// they leave behind is kept. A window starting at the slot's first position has no
+    /// previous half.
     #[allow(clippy::too_many_arguments)]
     pub fn feed(
         &mut self,
         slot: usize,
+        span: SlotSpan,
         pos0: usize,
         kv: &[f32],
         gate: &[f32],
@@ -108,10 +112,12 @@ impl CompressorCache {
             }
             let w = pos / rate;
             let cb = if self.overlap { dim } else { 0 };
+            let has_prev = self.overlap && w * rate > span.state_start;
+            let emit = (w + 1) * rate > span.replay_until;
             for (c, out) in entry.iter_mut().enumerate() {
                 // Slot j < rate: the previous window's Ca (absent for the first window).
                 let mut slots = 0;
-                if self.overlap && w > 0 {
+                if has_prev {
                     for j in 0..rate {
                         logits[slots] = self.prev_gate[prev + j * dim + c];
                         slots += 1;
@@ -141,9 +147,11 @@ impl CompressorCache {
                 }
                 *out = acc;
             }
-            finish(&mut entry, w * rate);
-            let at = self.entry_offset(block_table, block_size, w);
-            self.entries[at..at + dim].copy_from_slice(&entry);
+            if emit {
+                finish(&mut entry, w * rate);
+                let at = self.entry_offset(block_table, block_size, w);
+                self.entries[at..at + dim].copy_from_slice(&entry);
+            }
             if self.overlap {
                 for j in 0..rate {
                     let (src, dst) = (buf + j * width, prev + j * dim);
@@ -156,6 +164,14 @@ impl CompressorCache {
             }
         }
     }
+}
+
+/// A slot's history: it begins at `state_start`; positions before `replay_until` are
+/// prefix-cache hits being replayed (their entries are in shared blocks already).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotSpan {
+    pub state_start: usize,
+    pub replay_until: usize,
 }
 
 pub struct LayerCache {
@@ -171,7 +187,8 @@ pub struct DsV4Cache {
     ring_len: usize,
     head_dim: usize,
     pub layers: Vec<LayerCache>,
-    /// Source tokens each slot's state has taken in.
+    /// Per slot: where its history begins and how far it reaches.
+    spans: Vec<SlotSpan>,
     slot_tokens: Vec<usize>,
 }
 
@@ -204,6 +221,7 @@ impl DsV4Cache {
             ring_len,
             head_dim: hd,
             layers,
+            spans: vec![SlotSpan::default(); num_slots],
             slot_tokens: vec![0; num_slots],
         }
     }
@@ -247,6 +265,16 @@ impl DsV4Cache {
 
     pub fn set_slot_tokens(&mut self, slot: usize, num_tokens: usize) {
         self.slot_tokens[slot] = num_tokens;
+    }
+
+    pub fn span(&self, slot: usize) -> SlotSpan {
+        self.spans[slot]
+    }
+
+    /// The slot starts a new history (a new sequence, a recompute, a replay).
+    pub fn restart(&mut self, slot: usize, span: SlotSpan) {
+        self.spans[slot] = span;
+        self.slot_tokens[slot] = span.state_start;
     }
 
     pub fn ring_len(&self) -> usize {

@@ -349,6 +349,24 @@ impl DsV4Config {
             .map(|r| format!("block size {block_size} is not a multiple of compress rate {r}"))
     }
 
+    /// Tokens before a prefix-cache hit to recompute so the slot's state is exactly what
+    /// a cold run leaves there (bounded replay, seed §8.3). A replay from position `s`
+    /// sees no window keys before `s`, so layer `l`'s input is exact from `s + l·(W-1)` on;
+    /// the ring needs layer L-1's keys of the last W-1 positions, and the CSA overlap
+    /// state layer L-1's projections of the last window: L·(W-1), or (L-1)·(W-1) + m.
+    /// Rounded up to whole windows of every compressor.
+    pub fn num_replay_tokens(&self) -> usize {
+        let (l, w) = (self.num_layers, self.sliding_window - 1);
+        let csa = if self.attention.contains(&AttentionKind::CompressedSparse) {
+            self.csa_rate
+        } else {
+            0
+        };
+        let tokens = (l * w).max(l.saturating_sub(1) * w + csa);
+        let lcm = super::cache::lcm_rates(self);
+        tokens.div_ceil(lcm) * lcm
+    }
+
     pub fn rope(&self, layer: usize) -> &RopeSpec {
         match self.attention[layer] {
             AttentionKind::Sliding => &self.main_rope,

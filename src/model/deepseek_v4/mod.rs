@@ -22,7 +22,7 @@ pub mod weights;
 use std::path::Path;
 
 use attention::{ChunkAt, Rope};
-use cache::DsV4Cache;
+use cache::{DsV4Cache, SlotSpan};
 use config::DsV4Config;
 use weights::DsV4Weights;
 
@@ -37,6 +37,9 @@ pub struct DsSeqStep<'a> {
     /// Blocks covering at least `num_cached_tokens + token_ids.len()` positions.
     pub block_table: &'a [u32],
     pub state_slot: u32,
+    /// The slot's history: a step starting at `span.state_start` starts it afresh (0 for
+    /// a new sequence; a prefix hit's replay starts later).
+    pub span: SlotSpan,
     /// Trailing positions of `token_ids` that return logits.
     pub num_logit_rows: usize,
 }
@@ -97,11 +100,19 @@ impl DsV4Model {
                     cache.num_slots()
                 )));
             }
-            let held = if s.num_cached_tokens == 0 {
-                0
+            let fresh = s.num_cached_tokens == s.span.state_start;
+            let held = if fresh {
+                s.span.state_start
             } else {
                 cache.slot_tokens(slot)
             };
+            if !fresh && cache.span(slot) != s.span {
+                return Err(TroupeError::InvalidInput(format!(
+                    "sequence {i}: continues state slot {slot} with history {:?}, but the slot holds {:?}",
+                    s.span,
+                    cache.span(slot)
+                )));
+            }
             if held != s.num_cached_tokens {
                 return Err(TroupeError::InvalidInput(format!(
                     "sequence {i}: starts at token {} but its state slot holds {held} tokens \
@@ -130,6 +141,11 @@ impl DsV4Model {
             }
         }
 
+        for s in steps {
+            if s.num_cached_tokens == s.span.state_start {
+                cache.restart(s.state_slot as usize, s.span);
+            }
+        }
         let token_ids: Vec<u32> = steps
             .iter()
             .flat_map(|s| s.token_ids.iter().copied())

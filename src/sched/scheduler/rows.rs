@@ -141,6 +141,8 @@ impl Scheduler {
             num_cached_tokens: start,
             block_table: seq.block_table.clone(),
             state_slot: seq.state_slot,
+            state_start: seq.state_start,
+            replay_until: seq.replay_until,
             sample,
             num_draft_tokens: drafts.len(),
         });

@@ -143,6 +143,37 @@ fn prefix_hits_across_requests_and_salt_separates() {
 }
 
 #[test]
+fn a_prefix_hit_with_state_slots_replays_the_tokens_before_it() {
+    let cfg = SchedulerConfig {
+        num_state_slots: Some(2),
+        num_replay_tokens: 6,
+        ..small_cfg()
+    };
+    let mut s = Scheduler::new(cfg.clone());
+    let mut dev = Device::new(&cfg);
+    let a = req(1, prompt(1, 18), 3);
+    s.add(a.clone()).unwrap();
+    let mut out = drive(&mut s, &mut dev, 1, |_, _, _| {});
+    let free_before = s.num_free_blocks();
+    // Four full blocks (16 tokens) hit; the replay starts 6 tokens before them.
+    let mut b = req(2, prompt(1, 16), 3);
+    b.prompt_ids.extend([5, 6, 7]);
+    s.add(b.clone()).unwrap();
+    let plan = s.schedule().unwrap();
+    let row = &plan.rows[0];
+    assert_eq!(row.num_cached_tokens, 10);
+    assert_eq!((row.state_start, row.replay_until), (10, 16));
+    assert_eq!(row.input, RowInput::Tokens([&b.prompt_ids[10..]].concat()));
+    assert_eq!(row.block_table.len(), 5);
+    // The four hit blocks leave the evictable pool; one block is new.
+    assert_eq!(free_before - s.num_free_blocks(), 5);
+    let sampled = dev.execute(&plan);
+    out.apply(s.on_step_done(plan.step_id, &sampled, 0.01));
+    out.merge(drive(&mut s, &mut dev, 1, |_, _, _| {}));
+    expect_reference(&out, &[a, b], &cfg);
+}
+
+#[test]
 fn evicts_least_recently_released_cached_blocks_first() {
     // 6 blocks of 4; three finished requests leave 2 cached blocks each.
     let cfg = SchedulerConfig {
