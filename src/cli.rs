@@ -76,6 +76,16 @@ pub struct EngineFlags {
     /// CPU, ranks joined by in-process collectives). A lost GPU shrinks the group.
     #[arg(long, visible_alias = "tp", default_value_t = 1)]
     tensor_parallel_size: usize,
+    /// MoE models (DeepSeek-V4): plan the expert placement for an expert-parallel group of
+    /// N ranks from the routed loads (EPLB) and report its `moe_lb` in `--stats`.
+    #[arg(long)]
+    eplb_ranks: Option<usize>,
+    /// EPLB: extra expert replicas across the group (physical = logical + these).
+    #[arg(long, default_value_t = 0)]
+    eplb_redundant_experts: usize,
+    /// EPLB: steps between rebalances (the first after a quarter), and of statistics.
+    #[arg(long, default_value_t = 1000)]
+    eplb_period_steps: u64,
     /// Seeded random weights for the shape in the model directory's config.json (made on
     /// the device on a GPU): benchmarks of models whose weights are not at hand.
     #[arg(long)]
@@ -160,6 +170,12 @@ impl EngineFlags {
         }
         cfg.device = self.device;
         cfg.tensor_parallel_size = self.tensor_parallel_size;
+        cfg.eplb = self.eplb_ranks.map(|num_ranks| crate::eplb::EplbSettings {
+            num_ranks,
+            num_redundant_experts: self.eplb_redundant_experts,
+            window_steps: self.eplb_period_steps.max(1) as usize,
+            period_steps: self.eplb_period_steps,
+        });
         cfg.dummy_weights = self.dummy_weights;
         cfg.enforce_eager = self.enforce_eager;
         if self.dummy_weights && !model_path.join("config.json").is_file() {
@@ -452,6 +468,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "steps": status.num_steps,
             "tensor_parallel_size": status.tensor_parallel_size,
             "group_resets": status.num_resets.saturating_sub(1),
+            "preemptions": status.num_preemptions,
+            "moe_lb": status.moe_lb,
+            "eplb_rebalances": status.num_eplb_rebalances,
             "worker_idle_secs": status.worker_idle_secs,
             "prefix_cache_hit_blocks": status.num_prefix_hit_blocks,
             "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,

@@ -415,3 +415,52 @@ fn bounded_replay_rebuilds_exactly_the_state_a_cold_run_leaves() {
         );
     }
 }
+
+#[test]
+fn routed_expert_loads_are_counted_per_layer() {
+    for name in CHECKPOINTS {
+        let model = DsV4Model::load_dir(&dir(name)).unwrap();
+        let cfg = &model.cfg;
+        let r = reference(name);
+        let prompt = &r.prompts[1];
+        let (mut cache, _) = cache_for(&model, 1, 16);
+        let table = scattered_table(0, 1, 16);
+        let mut counts = vec![vec![0u64; cfg.num_routed_experts]; cfg.num_layers];
+        let step = DsSeqStep {
+            token_ids: prompt,
+            num_cached_tokens: 0,
+            block_table: &table,
+            state_slot: 0,
+            span: SlotSpan::default(),
+            num_logit_rows: 1,
+        };
+        model
+            .forward_counting(&mut cache, &[step], &mut counts)
+            .unwrap();
+        // Hash layers route by the checkpoint's own table, read here independently.
+        let bytes = std::fs::read(dir(name).join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (layer, got) in counts.iter().enumerate() {
+            assert_eq!(
+                got.iter().sum::<u64>(),
+                (prompt.len() * cfg.num_experts_per_tok) as u64,
+                "{name} layer {layer}"
+            );
+            let Ok(t) = st.tensor(&format!("model.layers.{layer}.ffn.gate.tid2eid")) else {
+                continue;
+            };
+            let ids: Vec<i64> = t
+                .data()
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let mut want = vec![0u64; cfg.num_routed_experts];
+            for &tok in prompt {
+                for k in 0..cfg.num_experts_per_tok {
+                    want[ids[tok as usize * cfg.num_experts_per_tok + k] as usize] += 1;
+                }
+            }
+            assert_eq!(got, &want, "{name}: hash layer {layer}");
+        }
+    }
+}

@@ -254,3 +254,64 @@ async fn prefix_cache_hits_replay_to_the_tokens_of_cold_runs() {
         engine.shutdown(true).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eplb_plans_from_the_routed_loads_and_reports_moe_lb() {
+    let r = reference("tiny-dsv4-a");
+    let mut cfg = engine_config("tiny-dsv4-a", 2, 64, 64);
+    cfg.eplb = Some(troupe::eplb::EplbSettings {
+        num_ranks: 2,
+        num_redundant_experts: 2,
+        window_steps: 8,
+        period_steps: 8,
+    });
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let status = engine.status().await.unwrap();
+    assert_eq!(
+        (status.moe_lb, status.num_eplb_rebalances),
+        (0.0, 0),
+        "nothing routed yet"
+    );
+    let got = run_all(
+        &engine,
+        vec![greedy(r.greedy_prompt.clone(), r.greedy_tokens.len())],
+    )
+    .await;
+    assert_eq!(
+        got[0], r.greedy_tokens,
+        "EPLB only plans: tokens are unchanged"
+    );
+    let status = engine.status().await.unwrap();
+    // 25 steps (one prefill, 24 decodes): rebalances after steps 2, 10, 18.
+    assert_eq!(status.num_eplb_rebalances, 3, "{status:?}");
+    assert!(status.moe_lb >= 1.0 && status.moe_lb <= 2.0, "{status:?}");
+    engine.shutdown(true).await;
+
+    // 4 experts + 1 replica do not divide over 2 ranks; a dense model has no experts.
+    let mut bad = engine_config("tiny-dsv4-a", 2, 64, 64);
+    bad.eplb = Some(troupe::eplb::EplbSettings {
+        num_ranks: 2,
+        num_redundant_experts: 1,
+        window_steps: 8,
+        period_steps: 8,
+    });
+    let err = Engine::spawn(bad).await.err().expect("refused").to_string();
+    assert!(
+        err.contains("5 physical experts (4 logical + 1 redundant) do not divide over 2 ranks"),
+        "{err}"
+    );
+    let mut dense = EngineConfig::new(common::goldens().join("tiny-llama"));
+    dense.kv_cache_bytes = 8 << 20;
+    dense.eplb = Some(troupe::eplb::EplbSettings {
+        num_ranks: 2,
+        num_redundant_experts: 0,
+        window_steps: 8,
+        period_steps: 8,
+    });
+    let err = Engine::spawn(dense)
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("this model has none"), "{err}");
+}

@@ -52,6 +52,9 @@ pub struct RankArgs {
     pub num_state_slots: usize,
     pub block_size: usize,
     pub sampled: SampledTokens,
+    /// MoE models: plan expert placement from the routed loads and report the balance.
+    pub eplb: Option<crate::eplb::EplbSettings>,
+    pub moe_balance: crate::eplb::BalanceReport,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     pub device: Device,

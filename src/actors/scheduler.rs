@@ -76,6 +76,7 @@ pub struct SchedulerArgs {
     pub tokenizer: Option<StdArc<Tokenizer>>,
     pub stop_ids: Vec<u32>,
     pub vocab_size: usize,
+    pub moe_balance: crate::eplb::BalanceReport,
 }
 
 /// One completion of a request. A request with `n` completions runs as `n` sequences,
@@ -115,6 +116,7 @@ pub struct SchedulerState {
     stop_ids: StdArc<[u32]>,
     no_ids: StdArc<[u32]>,
     vocab_size: usize,
+    moe_balance: crate::eplb::BalanceReport,
     /// Mixed into drawn seeds so two engine runs draw different ones.
     seed_entropy: u64,
     requests: HashMap<SeqId, Request>,
@@ -440,6 +442,7 @@ impl Actor for SchedulerActor {
             stop_ids: args.stop_ids.into(),
             no_ids: StdArc::from(Vec::new()),
             vocab_size: args.vocab_size,
+            moe_balance: args.moe_balance,
             seed_entropy: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
@@ -622,6 +625,7 @@ impl Actor for SchedulerActor {
                 s.num_free_blocks = st.core.num_free_blocks();
                 s.num_free_state_slots = st.core.num_free_state_slots().unwrap_or(0);
                 s.num_preemptions = st.core.num_preemptions();
+                (s.moe_lb, s.num_eplb_rebalances) = st.moe_balance.read();
                 let prefix = st.core.prefix_cache_stats();
                 s.num_prefix_queried_blocks = prefix.num_queried_blocks;
                 s.num_prefix_hit_blocks = prefix.num_hit_blocks;

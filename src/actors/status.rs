@@ -16,6 +16,10 @@ pub struct EngineStatus {
     pub num_total_state_slots: usize,
     /// Sequences preempted (their blocks taken back, recomputed later).
     pub num_preemptions: u64,
+    /// EPLB (MoE models with `eplb` set): the worst layer's slowest-rank load over the
+    /// mean under the current placement (0.0: no statistics), and rebalances so far.
+    pub moe_lb: f64,
+    pub num_eplb_rebalances: u64,
     pub num_steps: u64,
     /// Times the device state was (re)attached: 1 after start, +1 per restart.
     pub num_resets: u64,

@@ -37,6 +37,8 @@ pub struct RankArgsTemplate {
     /// models without per-sequence state.
     pub num_state_slots: usize,
     pub block_size: usize,
+    pub eplb: Option<crate::eplb::EplbSettings>,
+    pub moe_balance: crate::eplb::BalanceReport,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     pub dummy_weights: bool,
@@ -103,6 +105,8 @@ async fn spawn_group(
                 num_kv_blocks: t.num_kv_blocks,
                 num_state_slots: t.num_state_slots,
                 block_size: t.block_size,
+                eplb: t.eplb,
+                moe_balance: t.moe_balance.clone(),
                 sampled: st.sampled.clone(),
                 faults: t.faults.clone(),
                 device: t.devices[slot],

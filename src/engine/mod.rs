@@ -85,6 +85,7 @@ impl Engine {
         let kv_cache_bytes = kv_cache_bytes(&cfg, mcfg)?;
         let pools = pools::size_pools(&cfg, &text, kv_cache_bytes)?;
         let num_kv_blocks = pools.num_blocks;
+        let moe_balance = crate::eplb::BalanceReport::default();
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
         let scheduler_cfg = SchedulerConfig {
@@ -136,12 +137,15 @@ impl Engine {
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
                 vocab_size: mcfg.vocab_size,
+                moe_balance: moe_balance.clone(),
             },
             rank: RankArgsTemplate {
                 model_path: cfg.model_path.clone(),
                 num_kv_blocks,
                 num_state_slots: pools.num_state_slots.unwrap_or(0),
                 block_size: pools.block_size,
+                eplb: cfg.eplb,
+                moe_balance,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
                 model_config: mcfg.clone(),

@@ -23,6 +23,11 @@ pub(super) fn size_pools(
 ) -> Result<Pools, EngineError> {
     let m = &text.config;
     let Some(ds) = &text.deepseek_v4 else {
+        if cfg.eplb.is_some() {
+            return Err(EngineError::Spawn(
+                "EPLB places MoE experts: this model has none (DeepSeek-V4 has)".into(),
+            ));
+        }
         // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The
         // pool is sized for a whole KV head set per rank, so a group that loses devices
         // and shrinks to one rank still holds every block the scheduler counts on.
@@ -50,6 +55,12 @@ pub(super) fn size_pools(
         return refuse(
             "speculative decoding is not available (the window and compressor state cannot roll back rejected drafts yet)",
         );
+    }
+    if let Some(settings) = cfg.eplb {
+        settings
+            .for_model(ds.num_layers, ds.num_routed_experts)
+            .validate()
+            .map_err(|e| EngineError::Spawn(format!("EPLB: {e}")))?;
     }
     // A block boundary must also be a window boundary of every compressor.
     let lcm = lcm_rates(ds);

@@ -48,6 +48,11 @@ pub struct EngineConfig {
     /// Kernels with a reduction order independent of the batch: a request's logits are
     /// bitwise the same alone or among others, in any prefill chunking.
     pub batch_invariant: bool,
+    /// Expert-parallel load balancing for MoE models (DeepSeek-V4): the EP group the
+    /// placement is planned for, replicas, statistics window, rebalance period. `None`:
+    /// off. Expert-parallel execution over several ranks is not built yet, so today this
+    /// plans the map and reports `moe_lb` for the group it describes.
+    pub eplb: Option<crate::eplb::EplbSettings>,
     /// Speculative decoding; `None`: off.
     pub speculative: Option<SpecConfig>,
     /// Where measured decode latency curves are kept (confidence-scheduled verification);
@@ -118,6 +123,7 @@ impl EngineConfig {
             max_rank_restarts: 8,
             stop_preempted: false,
             batch_invariant: false,
+            eplb: None,
             speculative: None,
             latency_curve_dir: None,
         }

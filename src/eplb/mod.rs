@@ -109,6 +109,28 @@ impl RebalanceClock {
     }
 }
 
+/// What a user sets; the model supplies layers and experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EplbSettings {
+    pub num_ranks: usize,
+    pub num_redundant_experts: usize,
+    pub window_steps: usize,
+    pub period_steps: u64,
+}
+
+impl EplbSettings {
+    pub fn for_model(&self, num_layers: usize, num_logical_experts: usize) -> EplbConfig {
+        EplbConfig {
+            num_layers,
+            num_logical_experts,
+            num_redundant_experts: self.num_redundant_experts,
+            num_ranks: self.num_ranks,
+            window_steps: self.window_steps,
+            period_steps: self.period_steps,
+        }
+    }
+}
+
 /// EPLB for one model: statistics, the current placement of every layer, the clock.
 pub struct Eplb {
     cfg: EplbConfig,
@@ -177,6 +199,24 @@ impl Eplb {
                 ))
             })
             .collect()
+    }
+}
+
+/// What the engine reports of its EPLB: the worst layer's `moe_lb` under the current
+/// placement, and how many rebalances ran. Written by the rank that routes tokens, read
+/// by the status query (one lock per step and per query).
+#[derive(Debug, Clone, Default)]
+pub struct BalanceReport(std::sync::Arc<std::sync::Mutex<(f64, u64)>>);
+
+impl BalanceReport {
+    pub fn publish(&self, eplb: &Eplb) {
+        let worst = eplb.moe_lb().into_iter().fold(1.0, f64::max);
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = (worst, eplb.num_rebalances());
+    }
+
+    /// (worst layer's `moe_lb`, rebalances); (0.0, 0) before any MoE step.
+    pub fn read(&self) -> (f64, u64) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -202,6 +202,11 @@ fn status_registry(s: &EngineStatus) -> Registry {
         kv_cache_usage_ratio(s),
     );
     float_gauge(
+        "moe_lb",
+        "EPLB: the worst MoE layer's slowest-rank load over the mean (0: no statistics)",
+        s.moe_lb,
+    );
+    float_gauge(
         "prefix_cache_hit_ratio",
         "Prefix-cache hit blocks over queried blocks since start",
         prefix_cache_hit_ratio(s),

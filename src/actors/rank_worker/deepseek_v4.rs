@@ -3,6 +3,7 @@
 
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::actors::sampler::{RowSampling, StepLogits};
+use crate::eplb::{BalanceReport, Eplb};
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
@@ -11,6 +12,10 @@ use crate::parallel::GroupJoin;
 pub(super) struct DsV4OnHost {
     model: DsV4Model,
     cache: DsV4Cache,
+    eplb: Option<Eplb>,
+    moe_balance: BalanceReport,
+    /// Tokens per (layer, routed expert) of the current step.
+    expert_tokens: Vec<Vec<u64>>,
 }
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
@@ -24,7 +29,20 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         args.num_kv_blocks,
         args.block_size,
     );
-    Ok(Box::new(DsV4OnHost { model, cache }))
+    let (layers, experts) = (model.cfg.num_layers, model.cfg.num_routed_experts);
+    let eplb = match args.eplb {
+        Some(settings) => {
+            Some(Eplb::new(settings.for_model(layers, experts)).map_err(|e| format!("EPLB: {e}"))?)
+        }
+        None => None,
+    };
+    Ok(Box::new(DsV4OnHost {
+        model,
+        cache,
+        eplb,
+        moe_balance: args.moe_balance.clone(),
+        expert_tokens: vec![vec![0; experts]; layers],
+    }))
 }
 
 impl DeviceModel for DsV4OnHost {
@@ -55,10 +73,18 @@ impl DeviceModel for DsV4OnHost {
             })
             .collect();
         // A refused step is a planning bug: the worker fails and the engine recomputes.
+        self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
         let logits = self
             .model
-            .forward(&mut self.cache, &ds_steps)
+            .forward_counting(&mut self.cache, &ds_steps, &mut self.expert_tokens)
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
+        if let Some(eplb) = &mut self.eplb {
+            // Weights would move between ranks after a rebalance: never mid-prefill.
+            let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
+            eplb.on_step(&self.expert_tokens, prefill_running)
+                .unwrap_or_else(|e| panic!("EPLB: {e}"));
+            self.moe_balance.publish(eplb);
+        }
         let vocab = self.model.vocab_size();
         let mut host_row = vec![None; sampling.len()];
         let mut host = Vec::new();

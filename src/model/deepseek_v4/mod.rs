@@ -90,6 +90,18 @@ impl DsV4Model {
     /// (`[Σ num_logit_rows, vocab]`). A sequence starting at token 0 resets its slot; any
     /// other start must continue exactly where its slot stopped.
     pub fn forward(&self, cache: &mut DsV4Cache, steps: &[DsSeqStep<'_>]) -> Result<Vec<f32>> {
+        let mut expert_tokens = vec![vec![0; self.cfg.num_routed_experts]; self.cfg.num_layers];
+        self.forward_counting(cache, steps, &mut expert_tokens)
+    }
+
+    /// `forward`, adding each layer's tokens per routed expert to `expert_tokens`
+    /// (`[layers][experts]`): the load statistics EPLB places experts by.
+    pub fn forward_counting(
+        &self,
+        cache: &mut DsV4Cache,
+        steps: &[DsSeqStep<'_>],
+        expert_tokens: &mut [Vec<u64>],
+    ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         for (i, s) in steps.iter().enumerate() {
@@ -209,7 +221,7 @@ impl DsV4Model {
             );
             let mut x = m.collapsed.clone();
             ops::rms_norm(&mut x, d, Some(&w.ffn_norm), cfg.rms_norm_eps);
-            let y = moe::moe(cfg, l, &w.moe, &x, &token_ids);
+            let y = moe::moe(cfg, l, &w.moe, &x, &token_ids, &mut expert_tokens[l]);
             mhc::merge(&m, &mut streams, &y, n_hc, d);
         }
         for s in steps {

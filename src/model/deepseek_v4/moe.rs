@@ -6,8 +6,16 @@ use super::config::{DsV4Config, MlpKind};
 use super::ops::{score, silu, top_k};
 use super::weights::{Expert, Moe};
 
-/// `x` is `[tokens, hidden]` (the normed block input); returns `[tokens, hidden]`.
-pub fn moe(cfg: &DsV4Config, layer: usize, w: &Moe, x: &[f32], token_ids: &[u32]) -> Vec<f32> {
+/// `x` is `[tokens, hidden]` (the normed block input); returns `[tokens, hidden]` and adds
+/// each routed expert's tokens to `expert_tokens`.
+pub fn moe(
+    cfg: &DsV4Config,
+    layer: usize,
+    w: &Moe,
+    x: &[f32],
+    token_ids: &[u32],
+    expert_tokens: &mut [u64],
+) -> Vec<f32> {
     let d = cfg.hidden_size;
     let tokens = x.len() / d;
     let k = cfg.num_experts_per_tok;
@@ -37,6 +45,7 @@ pub fn moe(cfg: &DsV4Config, layer: usize, w: &Moe, x: &[f32], token_ids: &[u32]
         };
         let total: f32 = chosen.iter().map(|&e| s[e]).sum::<f32>() + 1e-20;
         for &e in &chosen {
+            expert_tokens[e] += 1;
             routed[e].push((t, s[e] / total * cfg.routed_scaling_factor));
         }
     }
