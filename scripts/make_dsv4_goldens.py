@@ -230,9 +230,37 @@ def make(name: str, params: dict, seed: int) -> None:
     print(f"{name}: {size / 1024:.0f} KiB, greedy {reference['greedy_tokens'][:8]}...")
 
 
+def make_quantized_fixture() -> None:
+    """FP8 and packed-FP4 weights with their scale grids, and transformers' own
+    dequantization of each (`Fp8Dequantize`, what `from_pretrained(..., dequantize=True)`
+    runs): 128x128-style FP8 blocks with f32 and E8M0 scales, MXFP4 experts with [1, 32]
+    blocks of U8 exponents."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    gen = torch.Generator().manual_seed(3)
+    dq = Fp8Dequantize(None)
+    tensors = {}
+    fp8 = (torch.randn(8, 16, generator=gen) * 3).to(torch.float8_e4m3fn)
+    tensors["fp8.weight"] = fp8
+    tensors["fp8.weight_scale_inv"] = torch.rand(2, 2, generator=gen) + 0.5
+    fp8b = (torch.randn(8, 16, generator=gen) * 3).to(torch.float8_e4m3fn)
+    tensors["fp8e8m0.weight"] = fp8b
+    tensors["fp8e8m0.weight_scale_inv"] = (2.0 ** torch.randint(-3, 3, (2, 4), generator=gen).float()).to(torch.float8_e8m0fnu)
+    tensors["fp4.weight"] = torch.randint(-128, 128, (4, 32), generator=gen, dtype=torch.int8)
+    tensors["fp4.weight_scale_inv"] = torch.randint(120, 134, (4, 2), generator=gen, dtype=torch.uint8)
+    for name in ("fp8", "fp8e8m0", "fp4"):
+        tensors[f"{name}.expected"] = dq._dequantize_one(
+            tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"], torch.float32
+        ).contiguous()
+    out = OUT / "quantized-weights.safetensors"
+    save_file(tensors, str(out))
+    print(f"{out.name}: {out.stat().st_size} bytes")
+
+
 def main() -> None:
     for seed, (name, params) in enumerate(CONFIGS.items()):
         make(name, params, seed + 7)
+    make_quantized_fixture()
 
 
 if __name__ == "__main__":

@@ -464,3 +464,35 @@ fn routed_expert_loads_are_counted_per_layer() {
         }
     }
 }
+
+#[test]
+fn fp8_and_fp4_weights_dequantize_as_transformers_does() {
+    use troupe::model::deepseek_v4::quantized;
+    use troupe::model::loader::{SafetensorsSource, TensorSource};
+    // A directory view of the fixture: `SafetensorsSource` opens `model.safetensors`.
+    let scratch = std::env::temp_dir().join(format!("troupe-quantized-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    std::fs::copy(
+        dir("quantized-weights.safetensors"),
+        scratch.join("model.safetensors"),
+    )
+    .unwrap();
+    let src = SafetensorsSource::open_dir(&scratch).unwrap();
+    for (name, rows, cols) in [("fp8", 8, 16), ("fp8e8m0", 8, 16), ("fp4", 4, 64)] {
+        let got = quantized::linear(&src, name, rows, cols).unwrap();
+        let want = src
+            .tensor(&format!("{name}.expected"))
+            .unwrap()
+            .unwrap()
+            .into_f32();
+        assert_eq!(got.w, want, "{name}");
+    }
+    let err = quantized::linear(&src, "fp4", 4, 48)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("neither [4, 48] FP8 nor [4, 24] packed FP4"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&scratch).ok();
+}

@@ -20,6 +20,22 @@ use crate::kernels::quant::GgmlType;
 pub struct HostTensor {
     pub dims: Vec<usize>,
     pub data: HostData,
+    /// The checkpoint's element type where it is not implied by `data`: FP8 and packed
+    /// FP4 weights and their E8M0 / U8 scales arrive as f32 values (exact) and the model
+    /// needs to know which they were.
+    pub stored: Stored,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    AsData,
+    /// FP8 e4m3fn, decoded.
+    F8E4M3,
+    /// Power-of-two exponents (E8M0), decoded to 2^(e-127).
+    F8E8M0,
+    /// Raw bytes as integers: `I8` / `U8` tensors (packed FP4 weights, E8M0 scale bytes).
+    I8,
+    U8,
 }
 
 impl HostTensor {
@@ -95,7 +111,11 @@ impl GgufSource<'_> {
             },
         };
         let dims = info.dims.iter().rev().map(|&d| d as usize).collect();
-        Ok(Some(HostTensor { dims, data }))
+        Ok(Some(HostTensor {
+            dims,
+            data,
+            stored: Stored::AsData,
+        }))
     }
 
     /// llama.cpp's converter permutes Llama's q/k rows so its kernels can rotate adjacent
@@ -244,6 +264,7 @@ impl TensorSource for SafetensorsSource {
         if view.dtype() == Dtype::BF16 {
             return Ok(Some(HostTensor {
                 dims: view.shape().to_vec(),
+                stored: Stored::AsData,
                 data: HostData::Bf16(
                     bytes
                         .chunks_exact(2)
@@ -270,15 +291,27 @@ impl TensorSource for SafetensorsSource {
                 .chunks_exact(4)
                 .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as f32)
                 .collect(),
+            Dtype::F8_E4M3 => bytes.iter().map(|&b| fp8_e4m3_to_f32(b)).collect(),
+            Dtype::F8_E8M0 => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
+            Dtype::I8 => bytes.iter().map(|&b| b as i8 as f32).collect(),
+            Dtype::U8 => bytes.iter().map(|&b| b as f32).collect(),
             other => {
                 return Err(bad(format!(
                     "tensor `{hf_name}` has unsupported dtype {other:?}"
                 )));
             }
         };
+        let stored = match view.dtype() {
+            Dtype::F8_E4M3 => Stored::F8E4M3,
+            Dtype::F8_E8M0 => Stored::F8E8M0,
+            Dtype::I8 => Stored::I8,
+            Dtype::U8 => Stored::U8,
+            _ => Stored::AsData,
+        };
         Ok(Some(HostTensor {
             dims: view.shape().to_vec(),
             data: HostData::F32(data),
+            stored,
         }))
     }
 }
@@ -337,6 +370,7 @@ impl TensorSource for DummySource {
             (0.0, 0.02 * 3f32.sqrt())
         };
         Ok(Some(HostTensor {
+            stored: Stored::AsData,
             dims,
             data: HostData::Random {
                 seed,
@@ -344,5 +378,29 @@ impl TensorSource for DummySource {
                 half_width,
             },
         }))
+    }
+}
+
+/// FP8 e4m3fn (no infinities; S.1111.111 is NaN): exact in f32.
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((b >> 3) & 0xF) as i32;
+    let mant = (b & 0x7) as f32;
+    if exp == 0xF && b & 0x7 == 0x7 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * mant / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
+    }
+}
+
+/// An E8M0 scale: 2^(b - 127); 0xFF is NaN.
+pub fn e8m0_to_f32(b: u8) -> f32 {
+    if b == 0xFF {
+        f32::NAN
+    } else {
+        2f32.powi(b as i32 - 127)
     }
 }

@@ -9,6 +9,7 @@
 //! | `attention.rs` | SWA + CSA (lightning indexer) + HCA attention with sinks, grouped output |
 //! | `mhc.rs` | manifold-constrained hyper-connections |
 //! | `moe.rs` | hash-routed and score-routed MoE with the shared expert |
+//! | `quantized.rs` | FP8 / packed-FP4 weights with their scale grids, dequantized |
 //! | `ops.rs` | linear, RMS norm, interleaved partial RoPE (YaRN), scoring, top-k |
 
 pub mod attention;
@@ -17,6 +18,7 @@ pub mod config;
 pub mod mhc;
 pub mod moe;
 pub mod ops;
+pub mod quantized;
 pub mod weights;
 
 use std::path::Path;

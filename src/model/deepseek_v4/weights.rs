@@ -93,11 +93,7 @@ impl Reader<'_> {
     }
 
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
-        Ok(Linear {
-            rows,
-            cols,
-            w: self.raw(&format!("{name}.weight"), &[rows, cols])?,
-        })
+        super::quantized::linear(self.src, name, rows, cols)
     }
 
     fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
