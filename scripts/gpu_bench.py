@@ -160,7 +160,10 @@ def offline(binary, results):
         _, stats, wall = troupe(binary, path, reqs, extra, f"offline-{'zos' if zos else 'nozos'}")
         rows["zos" if zos else "no_zos"] = dict(out_tok_s=total_out / wall, wall_s=wall,
                                                 generate_out_tok_s=total_out / stats["generate_s"],
-                                                idle_share=stats["worker_idle_secs"] / wall, stats=stats)
+                                                idle_share=stats["worker_idle_secs"] / wall,
+                                                # CUDA events: last work of a step to the next one's first.
+                                                device_idle_share=stats["device_idle_secs"] / stats["generate_s"],
+                                                stats=stats)
     results["offline"] = dict(total_out_tokens=total_out, troupe=rows)
 
 

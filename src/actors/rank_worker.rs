@@ -19,7 +19,7 @@ use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg, StepLogits};
 use crate::engine::Device;
 use crate::kernels::cpu::CpuBackend;
-use crate::kernels::{Backend, NOT_PICKED, Pending, PickRow};
+use crate::kernels::{Backend, DeviceMark, NOT_PICKED, Pending, PickRow};
 use crate::model::llama::{LlamaModel, SeqStep, SlotState};
 use crate::parallel::{GroupJoin, TpShard};
 use crate::sched::{RowInput, StepPlan};
@@ -78,6 +78,8 @@ enum PrevToken {
 struct LaunchedStep {
     /// Waits for the step's picks to land and returns what the sampler needs.
     logits: Pending<StepLogits>,
+    /// The step's first and last work on the device's timeline (CUDA events).
+    span: Option<(DeviceMark, DeviceMark)>,
     /// Per plan row, for rows with a greedy pick: where the next step finds it.
     prev: Vec<Option<PrevToken>>,
 }
@@ -126,6 +128,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         picked_rows: &[u32],
         sampling: &[Option<RowSampling>],
     ) -> LaunchedStep {
+        let start = self.backend.timeline_mark();
         self.model.forward_on_device(
             &self.backend,
             &mut self.cache,
@@ -200,6 +203,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             }
             out
         };
+        let span = start.zip(self.backend.timeline_mark());
         let mut prev = vec![None; num_rows];
         if self.backend.picks_stay_on_device() {
             for (i, &row) in plain_rows.iter().enumerate() {
@@ -207,6 +211,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             }
             return LaunchedStep {
                 logits: Box::new(move || deliver(out, picks())),
+                span,
                 prev,
             };
         }
@@ -217,6 +222,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         let out = deliver(out, all);
         LaunchedStep {
             logits: Box::new(move || out),
+            span,
             prev,
         }
     }
@@ -294,6 +300,7 @@ struct Readback {
     epoch: u64,
     step_id: u64,
     logits: Pending<StepLogits>,
+    span: Option<(DeviceMark, DeviceMark)>,
     vocab_size: usize,
     sampling: StdArc<Vec<Option<RowSampling>>>,
     sampler: ActorRef<SamplerMsg>,
@@ -328,8 +335,9 @@ fn spawn_readback(
     std::thread::Builder::new()
         .name(format!("troupe-readback-{rank}"))
         .spawn(move || {
-            // When the previous step's picks landed.
+            // When the previous step's picks landed, and its last work on the device.
             let mut last_done: Option<Instant> = None;
+            let mut last_end: Option<DeviceMark> = None;
             for r in rx {
                 let waited = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     if faults.take_readback_failure() {
@@ -355,6 +363,14 @@ fn spawn_readback(
                 };
                 let (started, idle_secs) = step_window(r.launched, last_done);
                 last_done = Some(Instant::now());
+                // Both events are reached: this step's picks landed after its last work.
+                let device_idle_secs = match (&last_end, &r.span) {
+                    (Some(end), Some((start, _))) => end.secs_until(start),
+                    _ => None,
+                };
+                if let Some((_, end)) = r.span {
+                    last_end = Some(end);
+                }
                 if !r.deliver {
                     continue;
                 }
@@ -368,6 +384,7 @@ fn spawn_readback(
                     sampling: r.sampling,
                     started,
                     idle_secs,
+                    device_idle_secs,
                 });
             }
         })?;
@@ -542,6 +559,7 @@ impl ThreadLocalActor for RankWorker {
                 epoch,
                 step_id: plan.step_id,
                 logits: step.logits,
+                span: step.span,
                 vocab_size: st.model.vocab_size(),
                 sampling,
                 sampler,

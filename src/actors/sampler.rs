@@ -102,6 +102,8 @@ pub enum SamplerMsg {
         started: Instant,
         /// The worker's idle time before this step (waiting for work or for ZOS tokens).
         idle_secs: f64,
+        /// The device's idle time before this step on its own timeline (CUDA events).
+        device_idle_secs: Option<f64>,
     },
 }
 
@@ -160,6 +162,7 @@ impl Actor for SamplerActor {
             sampling,
             started,
             idle_secs,
+            device_idle_secs,
         } = msg;
         let mut per_row = Vec::with_capacity(sampling.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
@@ -324,6 +327,7 @@ impl Actor for SamplerActor {
             top_logprobs,
             elapsed_secs: started.elapsed().as_secs_f64(),
             worker_idle_secs: idle_secs,
+            device_idle_secs,
         })?;
         for (c, history) in advances {
             c.advance(history);

@@ -45,6 +45,7 @@ pub enum SchedulerMsg {
         top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
         elapsed_secs: f64,
         worker_idle_secs: f64,
+        device_idle_secs: Option<f64>,
     },
     /// From the supervisor, at start and after restarts: device state is fresh, so every
     /// unfinished sequence is recomputed.
@@ -581,9 +582,11 @@ impl Actor for SchedulerActor {
                 top_logprobs,
                 elapsed_secs,
                 worker_idle_secs,
+                device_idle_secs,
             } => {
                 if epoch == st.epoch {
                     st.status.worker_idle_secs += worker_idle_secs;
+                    st.status.device_idle_secs += device_idle_secs.unwrap_or(0.0);
                     st.on_sampled(step_id, tokens, token_logprobs, top_logprobs, elapsed_secs);
                     st.kick();
                 }

@@ -35,6 +35,9 @@ pub struct EngineStatus {
     pub num_prefix_hit_blocks: u64,
     /// Rank worker time between steps (ZOS shrinks it).
     pub worker_idle_secs: f64,
+    /// The device's idle time between steps on its own timeline (CUDA events: from one
+    /// step's last work to the next one's first); 0 on the CPU.
+    pub device_idle_secs: f64,
     /// Row counts of the measured decode latency curve in use (0: none).
     pub num_decode_curve_points: usize,
     /// Speculative decoding: rows that verified drafts, drafts proposed (the confidence

@@ -364,6 +364,11 @@ pub trait Backend: Send + Sync {
     }
     /// Whether `pick_rows` should get sampled (not only greedy) rows: true where sampling
     /// beside the logits saves their copy to the host.
+    /// A point on the device's timeline after the work launched so far (a CUDA event
+    /// with timing), or `None` where the backend has no timeline of its own.
+    fn timeline_mark(&self) -> Option<DeviceMark> {
+        None
+    }
     fn samples_on_device(&self) -> bool {
         false
     }
@@ -407,6 +412,26 @@ pub const PAD_SLOT: u32 = u32::MAX;
 pub const NOT_PICKED: u32 = u32::MAX;
 /// A device-to-host copy in flight: calling it waits until the data has landed.
 pub type Pending<T> = Box<dyn FnOnce() -> T + Send>;
+
+/// A point on a device's timeline. `secs_until(later)` is the device time between the
+/// two once both are reached: between one step's last work and the next step's first,
+/// the time the device sat idle.
+pub struct DeviceMark(Box<dyn TimelineMark>);
+
+pub trait TimelineMark: Send {
+    fn secs_until(&self, later: &dyn TimelineMark) -> Option<f64>;
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl DeviceMark {
+    pub fn new(mark: impl TimelineMark + 'static) -> Self {
+        DeviceMark(Box::new(mark))
+    }
+
+    pub fn secs_until(&self, later: &DeviceMark) -> Option<f64> {
+        self.0.secs_until(later.0.as_ref())
+    }
+}
 
 #[cfg(test)]
 mod slice_tests {

@@ -106,6 +106,7 @@ impl DeviceModel for DsV4OnHost {
         };
         LaunchedStep {
             logits: Box::new(move || out),
+            span: None,
             prev: vec![None; sampling.len()],
         }
     }

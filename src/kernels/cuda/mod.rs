@@ -564,6 +564,13 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn timeline_mark(&self) -> Option<crate::kernels::DeviceMark> {
+        // Not while a graph is being captured: an event recorded then belongs to the graph.
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let event = self.stream.record_event(Some(flags)).ok()?;
+        Some(crate::kernels::DeviceMark::new(EventMark(event)))
+    }
+
     fn download_rows(&self, logits: &CudaSlice<f32>, vocab: usize, rows: &[usize]) -> Vec<f32> {
         if rows.iter().enumerate().all(|(i, &r)| i == r) {
             return self.download(logits, rows.len() * vocab);
@@ -621,5 +628,18 @@ impl Backend for CudaBackend {
             },
             "gather_rows",
         );
+    }
+}
+
+/// A timing event on the backend's stream.
+struct EventMark(cudarc::driver::CudaEvent);
+
+impl crate::kernels::TimelineMark for EventMark {
+    fn secs_until(&self, later: &dyn crate::kernels::TimelineMark) -> Option<f64> {
+        let later = later.as_any().downcast_ref::<EventMark>()?;
+        self.0.elapsed_ms(&later.0).ok().map(|ms| f64::from(ms.max(0.0)) / 1e3)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
