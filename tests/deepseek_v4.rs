@@ -496,3 +496,47 @@ fn fp8_and_fp4_weights_dequantize_as_transformers_does() {
     );
     std::fs::remove_dir_all(&scratch).ok();
 }
+
+#[test]
+fn deepseeks_own_tensor_names_load_the_same_model() {
+    // The released checkpoints' naming: no `model.` prefix, `embed.weight`, `hc_head_fn`.
+    let bytes = std::fs::read(dir("tiny-dsv4-a").join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let renamed: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let name = match name.as_str() {
+                "model.embed_tokens.weight" => "embed.weight".to_string(),
+                n => n
+                    .strip_prefix("model.")
+                    .unwrap_or(n)
+                    .replace("hc_head.hc_", "hc_head_"),
+            };
+            (name, view)
+        })
+        .collect();
+    assert!(
+        renamed
+            .iter()
+            .any(|(n, _)| n == "layers.0.attn.wq_a.weight")
+    );
+    let scratch = std::env::temp_dir().join(format!("troupe-dsv4-names-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    std::fs::copy(
+        dir("tiny-dsv4-a").join("config.json"),
+        scratch.join("config.json"),
+    )
+    .unwrap();
+    safetensors::serialize_to_file(renamed, None, &scratch.join("model.safetensors")).unwrap();
+    let original = DsV4Model::load_dir(&dir("tiny-dsv4-a")).unwrap();
+    let released = DsV4Model::load_dir(&scratch).unwrap();
+    let prompt = &reference("tiny-dsv4-a").prompts[1];
+    let table = scattered_table(0, 1, 16);
+    let run = |m: &DsV4Model| {
+        let (mut cache, _) = cache_for(m, 1, 16);
+        run_chunked(m, &mut cache, 0, &table, prompt, &[prompt.len()])
+    };
+    assert_eq!(run(&original), run(&released));
+    std::fs::remove_dir_all(&scratch).ok();
+}

@@ -637,7 +637,10 @@ struct EventMark(cudarc::driver::CudaEvent);
 impl crate::kernels::TimelineMark for EventMark {
     fn secs_until(&self, later: &dyn crate::kernels::TimelineMark) -> Option<f64> {
         let later = later.as_any().downcast_ref::<EventMark>()?;
-        self.0.elapsed_ms(&later.0).ok().map(|ms| f64::from(ms.max(0.0)) / 1e3)
+        self.0
+            .elapsed_ms(&later.0)
+            .ok()
+            .map(|ms| f64::from(ms.max(0.0)) / 1e3)
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self

@@ -145,8 +145,30 @@ impl Reader<'_> {
     }
 }
 
+/// DeepSeek's released checkpoints name tensors without transformers' `model.` prefix
+/// (`embed.weight`, `layers.N.…`, `norm.weight`, `hc_head_fn`); transformers' own save
+/// keeps the prefix. Either is read.
+struct EitherNaming<'a>(&'a dyn TensorSource);
+
+impl TensorSource for EitherNaming<'_> {
+    fn tensor(&self, name: &str) -> Result<Option<crate::model::loader::HostTensor>> {
+        if let Some(t) = self.0.tensor(name)? {
+            return Ok(Some(t));
+        }
+        let original = match name {
+            "model.embed_tokens.weight" => "embed.weight".to_string(),
+            _ => match name.strip_prefix("model.") {
+                Some(rest) => rest.replace("hc_head.hc_", "hc_head_"),
+                None => return Ok(None),
+            },
+        };
+        self.0.tensor(&original)
+    }
+}
+
 impl DsV4Weights {
     pub fn load(cfg: &DsV4Config, src: &dyn TensorSource) -> Result<Self> {
+        let src = &EitherNaming(src);
         let r = Reader { src };
         let d = cfg.hidden_size;
         let n = cfg.hc_mult;
