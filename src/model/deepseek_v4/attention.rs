@@ -3,6 +3,8 @@
 //! paged blocks (every visible one for HCA; the lightning indexer's top-k for CSA), a
 //! learned sink per head, the output's RoPE undone, and the grouped output projection.
 
+use rayon::prelude::*;
+
 use super::cache::DsV4Cache;
 use super::config::{AttentionKind, DsV4Config};
 use super::ops::{Linear, rms_norm, rope_rows, top_k};
@@ -84,56 +86,52 @@ pub fn attention(
     let scale = (hd as f32).powf(-0.5);
     let window = cfg.sliding_window;
     let mut out = vec![0.0f32; n * heads * hd];
-    let mut keys: Vec<&[f32]> = Vec::new();
-    let mut logits = Vec::new();
-    for i in 0..n {
-        let t = at.pos0 + i;
-        keys.clear();
-        for p in (t + 1).saturating_sub(window).max(span.state_start)..=t {
-            keys.push(if p < at.pos0 {
-                cache.ring_row(layer, at.slot, p)
-            } else {
-                &kv[(p - at.pos0) * hd..(p - at.pos0 + 1) * hd]
-            });
-        }
-        let lc = &cache.layers[layer];
-        if let Some(comp) = &lc.compressor {
-            match &selected {
-                Some(sel) => keys.extend(
-                    sel[i]
-                        .iter()
-                        .map(|&e| comp.entry(at.block_table, block_size, e)),
-                ),
-                None => keys.extend(
-                    (0..(t + 1) / comp.rate).map(|e| comp.entry(at.block_table, block_size, e)),
-                ),
+    let cache_ref = &*cache;
+    // Queries are independent: each fills its own output rows.
+    out.par_chunks_mut(heads * hd)
+        .enumerate()
+        .for_each(|(i, out_i)| {
+            let t = at.pos0 + i;
+            let mut keys: Vec<&[f32]> = Vec::new();
+            for p in (t + 1).saturating_sub(window).max(span.state_start)..=t {
+                keys.push(if p < at.pos0 {
+                    cache_ref.ring_row(layer, at.slot, p)
+                } else {
+                    &kv[(p - at.pos0) * hd..(p - at.pos0 + 1) * hd]
+                });
             }
-        }
-        for h in 0..heads {
-            let qh = &q[(i * heads + h) * hd..(i * heads + h + 1) * hd];
-            logits.clear();
-            logits.extend(keys.iter().map(|k| dot(qh, k) * scale));
-            let sink = w.sinks[h];
-            let max = logits.iter().copied().fold(sink, f32::max);
-            let mut sum = (sink - max).exp();
-            for l in logits.iter_mut() {
-                *l = (*l - max).exp();
-                sum += *l;
+            if let Some(comp) = &cache_ref.layers[layer].compressor {
+                match &selected {
+                    Some(sel) => keys.extend(
+                        sel[i]
+                            .iter()
+                            .map(|&e| comp.entry(at.block_table, block_size, e)),
+                    ),
+                    None => keys.extend(
+                        (0..(t + 1) / comp.rate).map(|e| comp.entry(at.block_table, block_size, e)),
+                    ),
+                }
             }
-            let oh = &mut out[(i * heads + h) * hd..(i * heads + h + 1) * hd];
-            for (k, p) in keys.iter().zip(&logits) {
-                let p = p / sum;
-                oh.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+            let mut logits = Vec::with_capacity(keys.len());
+            for h in 0..heads {
+                let qh = &q[(i * heads + h) * hd..(i * heads + h + 1) * hd];
+                logits.clear();
+                logits.extend(keys.iter().map(|k| dot(qh, k) * scale));
+                let sink = w.sinks[h];
+                let max = logits.iter().copied().fold(sink, f32::max);
+                let mut sum = (sink - max).exp();
+                for l in logits.iter_mut() {
+                    *l = (*l - max).exp();
+                    sum += *l;
+                }
+                let oh = &mut out_i[h * hd..(h + 1) * hd];
+                for (k, p) in keys.iter().zip(&logits) {
+                    let p = p / sum;
+                    oh.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+                }
             }
-        }
-        rope_rows(
-            &mut out[i * heads * hd..(i + 1) * heads * hd],
-            hd,
-            freqs,
-            t,
-            -1.0,
-        );
-    }
+            rope_rows(out_i, hd, freqs, t, -1.0);
+        });
 
     // The ring keeps the chunk's last `window - 1` rows for the next chunk.
     let keep = n.min(cache.ring_len());
@@ -230,23 +228,23 @@ fn select(
         .expect("CSA layers have an indexer cache");
     let score_scale = (ihd as f32).powf(-0.5);
     let weight_scale = (iheads as f32).powf(-0.5);
-    let mut scores = Vec::new();
-    (0..n)
-        .map(|i| {
+    q.par_chunks_mut(iheads * ihd)
+        .enumerate()
+        .map(|(i, qi)| {
             let t = at.pos0 + i;
-            let qi = &mut q[i * iheads * ihd..(i + 1) * iheads * ihd];
             rope_rows(qi, ihd, freqs, t, 1.0);
             let visible = (t + 1) / cfg.csa_rate;
-            scores.clear();
-            for e in 0..visible {
-                let k = keys.entry(at.block_table, cache.block_size, e);
-                let mut s = 0.0f32;
-                for h in 0..iheads {
-                    let d = dot(&qi[h * ihd..(h + 1) * ihd], k).max(0.0) * score_scale;
-                    s += d * head_weights[i * iheads + h] * weight_scale;
-                }
-                scores.push(s);
-            }
+            let scores: Vec<f32> = (0..visible)
+                .map(|e| {
+                    let k = keys.entry(at.block_table, cache.block_size, e);
+                    let mut s = 0.0f32;
+                    for h in 0..iheads {
+                        let d = dot(&qi[h * ihd..(h + 1) * ihd], k).max(0.0) * score_scale;
+                        s += d * head_weights[i * iheads + h] * weight_scale;
+                    }
+                    s
+                })
+                .collect();
             top_k(&scores, cfg.index_topk)
         })
         .collect()

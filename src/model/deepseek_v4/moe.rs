@@ -2,6 +2,8 @@
 //! or by the top-k of biased router scores, weighted by the normalised unbiased scores
 //! times the routed scaling, plus the shared expert; SwiGLU with clipped pre-activations.
 
+use rayon::prelude::*;
+
 use super::config::{DsV4Config, MlpKind};
 use super::ops::{score, silu, top_k};
 use super::weights::{Expert, Moe};
@@ -51,17 +53,22 @@ pub fn moe(
     }
 
     let mut out = expert(&w.shared, x, cfg.swiglu_limit);
-    let mut rows = Vec::new();
-    for (e, assigned) in routed.iter().enumerate() {
-        if assigned.is_empty() {
-            continue;
-        }
-        rows.clear();
-        for &(t, _) in assigned {
-            rows.extend_from_slice(&x[t * d..(t + 1) * d]);
-        }
-        let y = expert(&w.experts[e], &rows, cfg.swiglu_limit);
-        for (i, &(t, weight)) in assigned.iter().enumerate() {
+    // Experts run in parallel; their outputs are added in expert order, so the sum's
+    // order does not depend on the thread count.
+    let outputs: Vec<(usize, Vec<f32>)> = routed
+        .par_iter()
+        .enumerate()
+        .filter(|(_, assigned)| !assigned.is_empty())
+        .map(|(e, assigned)| {
+            let rows: Vec<f32> = assigned
+                .iter()
+                .flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied())
+                .collect();
+            (e, expert(&w.experts[e], &rows, cfg.swiglu_limit))
+        })
+        .collect();
+    for (e, y) in outputs {
+        for (i, &(t, weight)) in routed[e].iter().enumerate() {
             out[t * d..(t + 1) * d]
                 .iter_mut()
                 .zip(&y[i * d..(i + 1) * d])

@@ -28,6 +28,13 @@ pub fn matmul_t(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f
     if m == 0 || n == 0 {
         return;
     }
+    // Small products (the tiny test models, one expert's few rows, decode steps) stay on
+    // this thread: splitting them costs more than it saves.
+    let parallelism = if m >= 16 && m * n * k >= 1 << 18 && rayon::current_num_threads() > 1 {
+        gemm::Parallelism::Rayon(rayon::current_num_threads())
+    } else {
+        gemm::Parallelism::None
+    };
     // SAFETY: x is [m, k] (row stride k), w is [n, k] read transposed, out is [m, n]; the
     // asserts above bound every index gemm touches.
     unsafe {
@@ -50,7 +57,7 @@ pub fn matmul_t(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
     }
 }
