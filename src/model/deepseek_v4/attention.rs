@@ -219,7 +219,6 @@ fn select(
     q_residual: &[f32],
 ) -> Vec<Vec<usize>> {
     let (ihd, iheads) = (cfg.index_head_dim, cfg.index_n_heads);
-    let n = x.len() / cfg.hidden_size;
     let mut q = ix.q_b.apply(q_residual);
     let head_weights = ix.weights_proj.apply(x);
     let keys = cache.layers[layer]
