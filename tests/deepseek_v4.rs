@@ -540,3 +540,75 @@ fn deepseeks_own_tensor_names_load_the_same_model() {
     assert_eq!(run(&original), run(&released));
     std::fs::remove_dir_all(&scratch).ok();
 }
+
+#[test]
+fn rejected_drafts_rewind_the_state_to_what_a_plain_run_leaves() {
+    for name in CHECKPOINTS {
+        let model = DsV4Model::load_dir(&dir(name)).unwrap();
+        let vocab = model.vocab_size();
+        let r = reference(name);
+        let prompt = &r.prompts[0];
+        let (mut cache, _) = cache_for(&model, 1, 16);
+        let table = scattered_table(0, 1, 16);
+
+        // Past several windows, a verify row whose last drafts are wrong, crossing a
+        // compress boundary (so the open windows and the ring must both come back).
+        for (at, accepted) in [(29, 3), (38, 0), (45, 6)] {
+            model
+                .forward(&mut cache, &[step(&prompt[..at], 0, 1, &table)])
+                .unwrap();
+            let mut row = prompt[at..at + 7].to_vec();
+            for t in row.iter_mut().skip(accepted) {
+                *t = (*t + 17) % vocab as u32;
+            }
+            model
+                .forward(&mut cache, &[step(&row, at, row.len(), &table)])
+                .unwrap();
+            let resume = at + accepted;
+            let got = model
+                .forward(
+                    &mut cache,
+                    &[step(
+                        &prompt[resume..],
+                        resume,
+                        prompt.len() - resume,
+                        &table,
+                    )],
+                )
+                .unwrap();
+            assert_rows_close(
+                name,
+                &format!("resumed at {resume}"),
+                &got,
+                &r.logits[0][resume * vocab..],
+                vocab,
+                REL_TOL,
+            );
+        }
+        // A rewind past the last verify row's start is refused by name.
+        let err = model
+            .forward(&mut cache, &[step(&prompt[10..12], 10, 1, &table)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rewinds only into its last verify row"),
+            "{err}"
+        );
+    }
+}
+
+fn step<'a>(
+    token_ids: &'a [u32],
+    num_cached_tokens: usize,
+    num_logit_rows: usize,
+    block_table: &'a [u32],
+) -> DsSeqStep<'a> {
+    DsSeqStep {
+        token_ids,
+        num_cached_tokens,
+        block_table,
+        state_slot: 0,
+        span: SlotSpan::default(),
+        num_logit_rows,
+    }
+}

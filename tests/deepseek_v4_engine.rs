@@ -315,3 +315,47 @@ async fn eplb_plans_from_the_routed_loads_and_reports_moe_lb() {
         .to_string();
     assert!(err.contains("this model has none"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_decoding_gives_the_tokens_of_plain_decoding() {
+    use troupe::engine::{SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+    for name in CHECKPOINTS {
+        let r = reference(name);
+        // Prompts that repeat themselves give the prompt-lookup drafter matches, and the
+        // random model rejects most of them: rewinds of the window and compressor state.
+        let prompts = [
+            r.greedy_prompt.clone(),
+            r.prompts[1][..9].repeat(4),
+            [&r.prompts[0][..20], &r.prompts[0][..20]].concat(),
+        ];
+        let requests = || {
+            prompts
+                .iter()
+                .map(|p| greedy(p.clone(), 24))
+                .collect::<Vec<_>>()
+        };
+        let engine = Engine::spawn(engine_config(name, 4, 64, 64)).await.unwrap();
+        let plain = run_all(&engine, requests()).await;
+        engine.shutdown(true).await;
+        assert_eq!(plain[0], r.greedy_tokens, "{name}: plain decoding");
+        for verify in [SpecVerify::Fixed, SpecVerify::Confidence] {
+            let mut cfg = engine_config(name, 4, 64, 64);
+            cfg.speculative = Some(SpecConfig {
+                method: SpecMethod::Ngram,
+                num_speculative_tokens: 4,
+                verify,
+                acceptance: SpecAcceptance::Coupled,
+            });
+            let engine = Engine::spawn(cfg).await.unwrap();
+            let got = run_all(&engine, requests()).await;
+            assert_eq!(got, plain, "{name} {verify:?}");
+            let s = engine.status().await.unwrap();
+            assert!(
+                s.num_spec_verified_tokens > s.num_spec_accepted_tokens,
+                "{name} {verify:?}: no draft was rejected: {s:?}"
+            );
+            assert_everything_free(&engine).await;
+            engine.shutdown(true).await;
+        }
+    }
+}

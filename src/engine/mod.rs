@@ -107,9 +107,11 @@ impl Engine {
         // Confidence-scheduled verification prices steps with a measured decode curve: the
         // rank worker measures it at start (or loads it), up to the largest batch a step
         // may have (16 rows on the CPU, where each measured step costs real time).
+        // (DeepSeek-V4's host rank is priced by the fitted cost model alone: timing it
+        // needs sequences with state slots.)
         let decode_curve = cfg
             .speculative
-            .filter(|s| s.verify == SpecVerify::Confidence)
+            .filter(|s| s.verify == SpecVerify::Confidence && text.deepseek_v4.is_none())
             .map(|_| CurveJob {
                 store_dir: cfg
                     .latency_curve_dir

@@ -51,11 +51,6 @@ pub(super) fn size_pools(
     if cfg.tensor_parallel_size != 1 {
         return refuse("runs on one rank (expert parallelism is not built yet)");
     }
-    if cfg.speculative.is_some() {
-        return refuse(
-            "speculative decoding is not available (the window and compressor state cannot roll back rejected drafts yet)",
-        );
-    }
     if let Some(settings) = cfg.eplb {
         settings
             .for_model(ds.num_layers, ds.num_routed_experts)

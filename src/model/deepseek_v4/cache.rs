@@ -50,6 +50,43 @@ impl CompressorCache {
         }
     }
 
+    /// The slot's open window and overlap state, as a flat copy.
+    fn save_slot(&self, slot: usize, into: &mut Vec<f32>) {
+        let (b, p) = (
+            self.rate * self.width,
+            if self.overlap {
+                self.rate * self.dim
+            } else {
+                0
+            },
+        );
+        into.extend_from_slice(&self.buf_kv[slot * b..(slot + 1) * b]);
+        into.extend_from_slice(&self.buf_gate[slot * b..(slot + 1) * b]);
+        into.extend_from_slice(&self.prev_kv[slot * p..(slot + 1) * p]);
+        into.extend_from_slice(&self.prev_gate[slot * p..(slot + 1) * p]);
+    }
+
+    /// Puts back what `save_slot` copied (from `from`'s front); returns the rest.
+    fn load_slot<'a>(&mut self, slot: usize, from: &'a [f32]) -> &'a [f32] {
+        let (b, p) = (
+            self.rate * self.width,
+            if self.overlap {
+                self.rate * self.dim
+            } else {
+                0
+            },
+        );
+        let (kv, rest) = from.split_at(b);
+        let (gate, rest) = rest.split_at(b);
+        let (pkv, rest) = rest.split_at(p);
+        let (pgate, rest) = rest.split_at(p);
+        self.buf_kv[slot * b..(slot + 1) * b].copy_from_slice(kv);
+        self.buf_gate[slot * b..(slot + 1) * b].copy_from_slice(gate);
+        self.prev_kv[slot * p..(slot + 1) * p].copy_from_slice(pkv);
+        self.prev_gate[slot * p..(slot + 1) * p].copy_from_slice(pgate);
+        rest
+    }
+
     fn slot_floats(&self) -> usize {
         2 * self.rate * self.width
             + if self.overlap {
@@ -190,6 +227,16 @@ pub struct DsV4Cache {
     /// Per slot: where its history begins and how far it reaches.
     spans: Vec<SlotSpan>,
     slot_tokens: Vec<usize>,
+    /// Per slot: its state before its last verify row (drafts), to rewind to when drafts
+    /// are rejected.
+    snapshots: Vec<Option<SlotSnapshot>>,
+}
+
+/// A slot's state at `position` and the tokens of the verify row that followed.
+pub struct SlotSnapshot {
+    pub position: usize,
+    pub token_ids: Vec<u32>,
+    state: Vec<f32>,
 }
 
 impl DsV4Cache {
@@ -223,7 +270,53 @@ impl DsV4Cache {
             layers,
             spans: vec![SlotSpan::default(); num_slots],
             slot_tokens: vec![0; num_slots],
+            snapshots: (0..num_slots).map(|_| None).collect(),
         }
+    }
+
+    /// Keeps the slot's state before a verify row of `token_ids` at `slot_tokens`.
+    pub fn snapshot(&mut self, slot: usize, token_ids: &[u32]) {
+        let ring_floats = self.ring_len * self.head_dim;
+        let mut state = Vec::new();
+        for l in &self.layers {
+            state.extend_from_slice(&l.ring[slot * ring_floats..(slot + 1) * ring_floats]);
+            for c in l.compressor.iter().chain(l.indexer.iter()) {
+                c.save_slot(slot, &mut state);
+            }
+        }
+        self.snapshots[slot] = Some(SlotSnapshot {
+            position: self.slot_tokens[slot],
+            token_ids: token_ids.to_vec(),
+            state,
+        });
+    }
+
+    /// Puts the slot back to its last snapshot and hands out that snapshot (its verify
+    /// row's tokens are to be run again up to where they were accepted).
+    pub fn rewind(&mut self, slot: usize) -> Option<SlotSnapshot> {
+        let snap = self.snapshots[slot].take()?;
+        let ring_floats = self.ring_len * self.head_dim;
+        let mut rest: &[f32] = &snap.state;
+        for l in &mut self.layers {
+            let (ring, after) = rest.split_at(ring_floats);
+            l.ring[slot * ring_floats..(slot + 1) * ring_floats].copy_from_slice(ring);
+            rest = after;
+            for c in l.compressor.iter_mut().chain(l.indexer.iter_mut()) {
+                rest = c.load_slot(slot, rest);
+            }
+        }
+        self.slot_tokens[slot] = snap.position;
+        Some(snap)
+    }
+
+    pub fn clear_snapshot(&mut self, slot: usize) {
+        self.snapshots[slot] = None;
+    }
+
+    pub fn snapshot_span(&self, slot: usize) -> Option<(usize, usize)> {
+        self.snapshots[slot]
+            .as_ref()
+            .map(|s| (s.position, s.position + s.token_ids.len()))
     }
 
     pub fn num_slots(&self) -> usize {
@@ -275,6 +368,7 @@ impl DsV4Cache {
     pub fn restart(&mut self, slot: usize, span: SlotSpan) {
         self.spans[slot] = span;
         self.slot_tokens[slot] = span.state_start;
+        self.snapshots[slot] = None;
     }
 
     pub fn ring_len(&self) -> usize {

@@ -89,8 +89,10 @@ impl DsV4Model {
     }
 
     /// Runs every sequence's tokens and returns the logits of their logit rows, in order
-    /// (`[Σ num_logit_rows, vocab]`). A sequence starting at token 0 resets its slot; any
-    /// other start must continue exactly where its slot stopped.
+    /// (`[Σ num_logit_rows, vocab]`). A sequence starting at its span's start resets its
+    /// slot; one starting inside its last verify row (rejected drafts) rewinds to the
+    /// snapshot taken before that row and runs the accepted part again; any other start
+    /// must continue exactly where its slot stopped.
     pub fn forward(&self, cache: &mut DsV4Cache, steps: &[DsSeqStep<'_>]) -> Result<Vec<f32>> {
         let mut expert_tokens = vec![vec![0; self.cfg.num_routed_experts]; self.cfg.num_layers];
         self.forward_counting(cache, steps, &mut expert_tokens)
@@ -127,10 +129,16 @@ impl DsV4Model {
                     cache.span(slot)
                 )));
             }
-            if held != s.num_cached_tokens {
+            // Drafts of the slot's last verify row were rejected: back to before it.
+            let rewinds = !fresh
+                && s.num_cached_tokens < held
+                && cache.snapshot_span(slot).is_some_and(|(from, to)| {
+                    from <= s.num_cached_tokens && s.num_cached_tokens <= to
+                });
+            if held != s.num_cached_tokens && !rewinds {
                 return Err(TroupeError::InvalidInput(format!(
                     "sequence {i}: starts at token {} but its state slot holds {held} tokens \
-                     (DeepSeek-V4 state cannot skip or rewind)",
+                     (DeepSeek-V4 state rewinds only into its last verify row)",
                     s.num_cached_tokens
                 )));
             }
@@ -156,8 +164,30 @@ impl DsV4Model {
         }
 
         for s in steps {
+            let slot = s.state_slot as usize;
             if s.num_cached_tokens == s.span.state_start {
-                cache.restart(s.state_slot as usize, s.span);
+                cache.restart(slot, s.span);
+            } else if s.num_cached_tokens < cache.slot_tokens(slot) {
+                // The state before the verify row, then its accepted tokens again.
+                let snap = cache.rewind(slot).expect("checked above");
+                let accepted = &snap.token_ids[..s.num_cached_tokens - snap.position];
+                if !accepted.is_empty() {
+                    let replay = DsSeqStep {
+                        token_ids: accepted,
+                        num_cached_tokens: snap.position,
+                        block_table: s.block_table,
+                        state_slot: s.state_slot,
+                        span: s.span,
+                        num_logit_rows: 1,
+                    };
+                    let mut scratch = vec![vec![0; cfg.num_routed_experts]; cfg.num_layers];
+                    self.forward_counting(cache, &[replay], &mut scratch)?;
+                }
+            }
+            if s.num_logit_rows > 1 {
+                cache.snapshot(slot, s.token_ids);
+            } else {
+                cache.clear_snapshot(slot);
             }
         }
         let token_ids: Vec<u32> = steps
