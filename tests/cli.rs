@@ -489,3 +489,45 @@ fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
         "DeepSeek-V4: runs on one rank",
     );
 }
+
+#[test]
+fn deepseek_v4_dummy_weights_run_the_configs_shape_without_a_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("troupe-cli-dsv4-dummy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        common::goldens().join("tiny-dsv4-b/config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let model = dir.to_str().unwrap();
+    let args = [
+        "generate",
+        "--model",
+        model,
+        "--dummy-weights",
+        "--prompt-ids",
+        "5,6,7,8,9,10,11,12,13",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ];
+    let ids = |out: &Output| -> Vec<u32> {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        common::ids(&line["token_ids"])
+    };
+    let first = ids(&troupe(&args));
+    assert_eq!(first.len(), 12);
+    assert_eq!(first, ids(&troupe(&args)), "seeded weights repeat");
+    // Without the flag the missing checkpoint is named.
+    assert_clear_error(
+        &troupe(&["generate", "--model", model, "--prompt-ids", "5,6"]),
+        "model.safetensors",
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

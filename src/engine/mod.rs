@@ -69,6 +69,18 @@ impl Engine {
         }
         speculative_tokens(cfg.speculative)?;
         let text = model::load_text(&cfg.model_path)?;
+        // Named here, before any rank starts: a rank's failed start reads far less clearly.
+        let dir = &cfg.model_path;
+        if dir.is_dir()
+            && !cfg.dummy_weights
+            && !dir.join("model.safetensors").exists()
+            && !dir.join("model.safetensors.index.json").exists()
+        {
+            return Err(EngineError::Spawn(format!(
+                "{}: no model.safetensors or model.safetensors.index.json (--dummy-weights runs the config's shape without them)",
+                dir.display()
+            )));
+        }
         let mcfg = &text.config;
         // DeepSeek-V4's limits are `pools::size_pools`' to name.
         if text.deepseek_v4.is_none()

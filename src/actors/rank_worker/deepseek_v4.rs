@@ -19,10 +19,12 @@ pub(super) struct DsV4OnHost {
 }
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
-    if args.dummy_weights {
-        return Err("--dummy-weights is not available for DeepSeek-V4 checkpoints".into());
+    let model = if args.dummy_weights {
+        DsV4Model::load_dummy_dir(&args.model_path)
+    } else {
+        DsV4Model::load_dir(&args.model_path)
     }
-    let model = DsV4Model::load_dir(&args.model_path).map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string())?;
     let cache = DsV4Cache::new(
         &model.cfg,
         args.num_state_slots,

@@ -75,10 +75,51 @@ pub struct DsV4Weights {
 
 struct Reader<'a> {
     src: &'a dyn TensorSource,
+    /// `--dummy-weights`: every tensor made from its name and shape (the number of
+    /// routed experts, for a valid hash table); nothing is read.
+    dummy_experts: Option<usize>,
+}
+
+/// Seeded values for a tensor of `dims` named `name`: norms and scales around 1, biases,
+/// sinks and position biases 0, projections uniform with std 0.02 (transformers' init);
+/// hash tables route token t to experts 7t, 7t+1, … (mod the expert count).
+fn dummy_values(name: &str, dims: &[usize], num_experts: usize) -> Vec<f32> {
+    let n: usize = dims.iter().product();
+    if name.ends_with("tid2eid") {
+        let k = dims[1];
+        return (0..n)
+            .map(|i| ((i / k * 7 + i % k) % num_experts) as f32)
+            .collect();
+    }
+    let seed = name
+        .bytes()
+        .fold(0x5eed_u64, |h, b| crate::sampling::splitmix64(h ^ b as u64));
+    let (mean, half_width) = if name.ends_with("norm.weight") || name.ends_with("_scale") {
+        (1.0, 0.05)
+    } else if name.ends_with("_base") || name.ends_with("attn_sink") || name.ends_with(".ape") {
+        (0.0, 0.0)
+    } else {
+        (0.0, 0.02 * 3f32.sqrt())
+    };
+    (0..n as u64)
+        .map(|i| crate::kernels::random_weight(seed, i, mean, half_width))
+        .collect()
+}
+
+/// A source with nothing in it (what `--dummy-weights` reads).
+struct NoTensors;
+
+impl TensorSource for NoTensors {
+    fn tensor(&self, _name: &str) -> Result<Option<crate::model::loader::HostTensor>> {
+        Ok(None)
+    }
 }
 
 impl Reader<'_> {
     fn raw(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+        if let Some(experts) = self.dummy_experts {
+            return Ok(dummy_values(name, dims, experts));
+        }
         let t = self.src.tensor(name)?.ok_or_else(|| TroupeError::Tensor {
             name: name.to_string(),
             reason: "missing from the checkpoint".into(),
@@ -93,6 +134,10 @@ impl Reader<'_> {
     }
 
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
+        if self.dummy_experts.is_some() {
+            let w = self.raw(&format!("{name}.weight"), &[rows, cols])?;
+            return Ok(Linear { rows, cols, w });
+        }
         super::quantized::linear(self.src, name, rows, cols)
     }
 
@@ -169,7 +214,29 @@ impl TensorSource for EitherNaming<'_> {
 impl DsV4Weights {
     pub fn load(cfg: &DsV4Config, src: &dyn TensorSource) -> Result<Self> {
         let src = &EitherNaming(src);
-        let r = Reader { src };
+        Self::read(
+            cfg,
+            Reader {
+                src,
+                dummy_experts: None,
+            },
+        )
+    }
+
+    /// `--dummy-weights`: seeded random weights of the config's shape, no checkpoint.
+    pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
+        let src = &NoTensors;
+        Self::read(
+            cfg,
+            Reader {
+                src,
+                dummy_experts: Some(cfg.num_routed_experts),
+            },
+        )
+    }
+
+    fn read(cfg: &DsV4Config, r: Reader<'_>) -> Result<Self> {
+        let src = r.src;
         let d = cfg.hidden_size;
         let n = cfg.hc_mult;
         let mut layers = Vec::with_capacity(cfg.num_layers);
