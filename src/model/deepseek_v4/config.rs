@@ -106,6 +106,17 @@ impl DsV4Config {
         }
     }
 
+    /// `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| TroupeError::io(&path, e))?;
+        let json: Value = serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
+            path: path.clone(),
+            reason: format!("invalid JSON: {e}"),
+        })?;
+        Self::from_hf_json(&path, &json)
+    }
+
     pub fn is_deepseek_v4(config_json: &Value) -> bool {
         config_json["model_type"].as_str() == Some("deepseek_v4")
     }

@@ -68,28 +68,14 @@ impl DsV4Model {
     /// The model of `dir`'s `config.json` with seeded random weights (`--dummy-weights`):
     /// no checkpoint is read.
     pub fn load_dummy_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| TroupeError::io(&path, e))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
-                path: path.clone(),
-                reason: format!("invalid JSON: {e}"),
-            })?;
-        let cfg = DsV4Config::from_hf_json(&path, &json)?;
+        let cfg = DsV4Config::from_dir(dir)?;
         let weights = DsV4Weights::dummy(&cfg)?;
         Ok(Self::new(cfg, weights))
     }
 
     /// An HF directory: `config.json` (model_type `deepseek_v4`) + safetensors.
     pub fn load_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| TroupeError::io(&path, e))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
-                path: path.clone(),
-                reason: format!("invalid JSON: {e}"),
-            })?;
-        let cfg = DsV4Config::from_hf_json(&path, &json)?;
+        let cfg = DsV4Config::from_dir(dir)?;
         let src = SafetensorsSource::open_dir(dir)?;
         Self::load(cfg, &src)
     }
