@@ -73,7 +73,7 @@ pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32], batch_invaria
 /// # Safety
 /// `dst` must be valid for writes at those indices.
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32(
+pub(crate) unsafe fn gemm_f32(
     x: &[f32],
     m: usize,
     w: &[f32],

@@ -16,7 +16,6 @@ pub struct ChunkAt<'a> {
     /// Position of the chunk's first token.
     pub pos0: usize,
     pub block_table: &'a [u32],
-    pub token_ids: &'a [u32],
 }
 
 pub struct Rope<'a> {

@@ -3,6 +3,7 @@
 //! output is spread back with weights `post` and added to the streams mixed by `comb`,
 //! a matrix Sinkhorn-projected toward doubly stochastic so depth cannot blow the norm up.
 
+use super::config::DsV4Config;
 use super::ops::{rms_norm, sigmoid};
 use super::weights::HyperConnection;
 
@@ -16,15 +17,9 @@ pub struct Mix {
 }
 
 /// Mixing weights of `streams` (`[tokens, n, hidden]`) and their collapse.
-pub fn mix(
-    hc: &HyperConnection,
-    streams: &[f32],
-    n: usize,
-    hidden: usize,
-    iters: usize,
-    hc_eps: f32,
-    norm_eps: f32,
-) -> Mix {
+pub fn mix(hc: &HyperConnection, streams: &[f32], cfg: &DsV4Config) -> Mix {
+    let (n, hidden, iters) = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters);
+    let (hc_eps, norm_eps) = (cfg.hc_eps, cfg.rms_norm_eps);
     let tokens = streams.len() / (n * hidden);
     let mut flat = streams.to_vec();
     rms_norm(&mut flat, n * hidden, None, norm_eps);

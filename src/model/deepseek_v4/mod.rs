@@ -208,15 +208,7 @@ impl DsV4Model {
             compress: &self.compress_freqs,
         };
         for (l, w) in self.weights.layers.iter().enumerate() {
-            let m = mhc::mix(
-                &w.attn_hc,
-                &streams,
-                n_hc,
-                d,
-                cfg.hc_sinkhorn_iters,
-                cfg.hc_eps,
-                cfg.rms_norm_eps,
-            );
+            let m = mhc::mix(&w.attn_hc, &streams, cfg);
             let mut x = m.collapsed.clone();
             ops::rms_norm(&mut x, d, Some(&w.attn_norm), cfg.rms_norm_eps);
             let mut attn_out = vec![0.0f32; tokens * d];
@@ -227,7 +219,6 @@ impl DsV4Model {
                     slot: s.state_slot as usize,
                     pos0: s.num_cached_tokens,
                     block_table: s.block_table,
-                    token_ids: s.token_ids,
                 };
                 let y = attention::attention(
                     cfg,
@@ -243,15 +234,7 @@ impl DsV4Model {
             }
             mhc::merge(&m, &mut streams, &attn_out, n_hc, d);
 
-            let m = mhc::mix(
-                &w.ffn_hc,
-                &streams,
-                n_hc,
-                d,
-                cfg.hc_sinkhorn_iters,
-                cfg.hc_eps,
-                cfg.rms_norm_eps,
-            );
+            let m = mhc::mix(&w.ffn_hc, &streams, cfg);
             let mut x = m.collapsed.clone();
             ops::rms_norm(&mut x, d, Some(&w.ffn_norm), cfg.rms_norm_eps);
             let y = moe::moe(cfg, l, &w.moe, &x, &token_ids, &mut expert_tokens[l]);

@@ -30,36 +30,14 @@ pub fn matmul_t(x: &[f32], m: usize, w: &[f32], n: usize, k: usize, out: &mut [f
     }
     // Small products (the tiny test models, one expert's few rows, decode steps) stay on
     // this thread: splitting them costs more than it saves.
-    let parallelism = if m >= 16 && m * n * k >= 1 << 18 && rayon::current_num_threads() > 1 {
-        gemm::Parallelism::Rayon(rayon::current_num_threads())
+    let threads = if m >= 16 && m * n * k >= 1 << 18 {
+        rayon::current_num_threads()
     } else {
-        gemm::Parallelism::None
+        1
     };
-    // SAFETY: x is [m, k] (row stride k), w is [n, k] read transposed, out is [m, n]; the
-    // asserts above bound every index gemm touches.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
+    // SAFETY: x is [m, k], w is [n, k], out is [m, n] with row stride n; the asserts above
+    // bound every index.
+    unsafe { crate::kernels::cpu::matmul::gemm_f32(x, m, w, n, k, n, out.as_mut_ptr(), threads) }
 }
 
 /// RMS norm of each `dim`-wide row in place, times `weight` when given.
