@@ -229,7 +229,7 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
                                           const bf16_t* v_cache, const u32* block_tables,     \
                                           const u32* row_table, const u32* row_visible,       \
                                           int num_kv_heads, int block_size, float scale,      \
-                                          int num_splits) {                                   \
+                                          int num_splits) { pdl_enter();                      \
         attention_gqa<HD, G>(out, part_o, part_ml, q, k_cache, v_cache, block_tables,         \
                              row_table, row_visible, num_kv_heads, block_size, scale,         \
                              num_splits);                                                      \

@@ -21,11 +21,13 @@ __device__ __forceinline__ float dot8_bf16(uint4 w, float4 a, float4 b) {
     return s;
 }
 
-template <int MAXM, int COLS>
+template <int MAXM, int COLS, bool SILU>
 __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, int K) {
     __shared__ float partial[GEMV_WARPS][MAXM][COLS];
+    constexpr int OUT = SILU ? COLS / 2 : COLS;  // output columns of the block
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    long long n0 = (long long)blockIdx.x * COLS;
+    long long n0 = (long long)blockIdx.x * OUT;
+    long long width = SILU ? N / 2 : N;
     float acc[MAXM][COLS];
 #pragma unroll
     for (int i = 0; i < MAXM; ++i)
@@ -33,7 +35,10 @@ __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, in
         for (int c = 0; c < COLS; ++c) acc[i][c] = 0.0f;
     const bf16_t* wc[COLS];
 #pragma unroll
-    for (int c = 0; c < COLS; ++c) wc[c] = W + (n0 + c < N ? n0 + c : n0) * (long long)K;
+    for (int c = 0; c < COLS; ++c) {
+        long long col = n0 + c % OUT;  // past the end: a valid row, its sum unused
+        wc[c] = W + ((col < width ? col : n0) + (c < OUT ? 0 : width)) * (long long)K;
+    }
 #pragma unroll GEMV_UNROLL
     for (int k = (warp * 32 + lane) * 8; k < K; k += GEMV_WARPS * 256) {
         uint4 w[COLS];
@@ -57,19 +62,31 @@ __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, in
         }
     __syncthreads();
     int e = threadIdx.x;
-    if (e < MAXM * COLS) {
-        int i = e / COLS, c = e % COLS;
+    if (e < MAXM * OUT) {
+        int i = e / OUT, c = e % OUT;
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; ++w) v += partial[w][i][c];
-        if (i < m && n0 + c < N) y[(long long)i * N + n0 + c] = v;
+        if (SILU) {  // silu_mul_kernel's arithmetic
+            float u = 0.0f;
+#pragma unroll
+            for (int w = 0; w < GEMV_WARPS; ++w) u += partial[w][i][c + OUT];
+            v = v / (1.0f + expf(-v)) * u;
+        }
+        if (i < m && n0 + c < width) y[(long long)i * width + n0 + c] = v;
     }
 }
 
 #define GEMV_ENTRY(MAXM, COLS)                                                                \
-    extern "C" __global__ void __launch_bounds__(256)                                         \
-        gemv_##MAXM##_kernel(float* y, const float* x, const bf16_t* W, int m, int N, int K) { \
-        gemv<MAXM, COLS>(y, x, W, m, N, K);                                                   \
+    extern "C" __global__ void __launch_bounds__(256) gemv_##MAXM##_kernel(                   \
+        float* y, const float* x, const bf16_t* W, int m, int N, int K) {                     \
+        pdl_enter();                                                                          \
+        gemv<MAXM, COLS, false>(y, x, W, m, N, K);                                            \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) gemv_silu_##MAXM##_kernel(              \
+        float* y, const float* x, const bf16_t* W, int m, int N, int K) {                     \
+        pdl_enter();                                                                          \
+        gemv<MAXM, COLS, true>(y, x, W, m, N, K);                                             \
     }
 GEMV_ENTRY(1, 2)
 GEMV_ENTRY(2, 2)

@@ -36,6 +36,19 @@ __device__ __forceinline__ float kv_load(const bf16_t* p, long long i) { return 
 __device__ __forceinline__ void kv_store(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void kv_store(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 
+// Programmatic dependent launch (Hopper). In a recorded decode step the edges between
+// troupe's kernels are programmatic (graph.rs), so a kernel's blocks may be scheduled while
+// its predecessor drains: every kernel first waits here until the predecessor has finished
+// and its writes are visible, then lets its own successor be scheduled the same way. That
+// hides the launch latency between the ~10 dependent launches a layer. Elsewhere (eager
+// launches, older GPUs) both instructions are no-ops.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -70,6 +83,7 @@ __device__ float block_max(float v, float* scratch) {
 }
 
 extern "C" __global__ void f32_to_bf16_kernel(bf16_t* out, const float* in, long long n) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f32_to_bf16(in[i]);
 }
@@ -78,8 +92,10 @@ extern "C" __global__ void f32_to_bf16_kernel(bf16_t* out, const float* in, long
 // picked[t] != NOT_PICKED — the previous step's greedy pick picks[picked[t]], still on the
 // device (zero-overhead scheduling without a host round trip).
 #define NOT_PICKED 0xffffffffu
-extern "C" __global__ void embedding_kernel(float* out, const bf16_t* table, const u32* ids,
-                                            const u32* picked, const u32* picks, int dim) {
+extern "C" __global__ void __launch_bounds__(1024)
+    embedding_kernel(float* out, const bf16_t* table, const u32* ids, const u32* picked,
+                     const u32* picks, int dim) {
+    pdl_enter();
     int t = blockIdx.x;
     u32 id = ids[t];
     if (picked != 0 && picked[t] != NOT_PICKED) id = picks[picked[t]];
@@ -88,40 +104,88 @@ extern "C" __global__ void embedding_kernel(float* out, const bf16_t* table, con
 }
 
 extern "C" __global__ void add_bias_kernel(float* y, const float* bias, int rows, int cols) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < (long long)rows * cols) y[i] += bias[i % cols];
 }
 
-// One block per row: out = x / rms(x) * w.
-extern "C" __global__ void rms_norm_kernel(float* out, const float* x, const float* w, float eps,
-                                           int dim) {
+// One block per row. A batch-1 row is latency-bound, not bandwidth-bound: the host picks
+// blockDim = dim / 4 (up to 1024 threads), and each thread issues all its 16-byte loads
+// (at most RMS_VECS) before the first use, holding its part of the row in registers
+// between the sum and the write. Rows whose width is not a multiple of 4 or is wider than
+// 4 · RMS_VECS · blockDim take the strided loop. `residual`, when given, gets x added first
+// (residual += x) and the norm is of the sum.
+#define RMS_VECS 4
+__device__ void rms_norm_row(float* residual, const float* x, const float* w, float eps, int dim,
+                             float* out) {
     __shared__ float scratch[32];
-    const float* xr = x + (long long)blockIdx.x * dim;
-    float* o = out + (long long)blockIdx.x * dim;
-    float ss = 0.0f;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) ss += xr[d] * xr[d];
-    float inv = rsqrtf(block_sum(ss, scratch) / dim + eps);
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = xr[d] * inv * w[d];
-}
-
-// residual += x; out = rms_norm(residual) * w.
-extern "C" __global__ void add_rms_norm_kernel(float* residual, const float* x, const float* w,
-                                               float eps, int dim, float* out) {
-    __shared__ float scratch[32];
-    float* r = residual + (long long)blockIdx.x * dim;
-    const float* xr = x + (long long)blockIdx.x * dim;
-    float* o = out + (long long)blockIdx.x * dim;
+    long long base = (long long)blockIdx.x * dim;
+    int n4 = dim >> 2;
+    if ((dim & 3) == 0 && n4 <= RMS_VECS * (int)blockDim.x) {
+        const float4* xr = (const float4*)(x + base);
+        float4* rr = residual != 0 ? (float4*)(residual + base) : 0;
+        float4 v[RMS_VECS];
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c < n4) v[i] = xr[c];
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c >= n4) continue;
+            if (rr != 0) {
+                float4 r = rr[c];
+                v[i] = make_float4(r.x + v[i].x, r.y + v[i].y, r.z + v[i].z, r.w + v[i].w);
+                rr[c] = v[i];
+            }
+            ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+        }
+        float inv = rsqrtf(block_sum(ss, scratch) / dim + eps);
+        const float4* wr = (const float4*)w;
+        float4* o = (float4*)(out + base);
+#pragma unroll
+        for (int i = 0; i < RMS_VECS; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c >= n4) continue;
+            float4 g = wr[c];
+            o[c] = make_float4(v[i].x * inv * g.x, v[i].y * inv * g.y, v[i].z * inv * g.z,
+                               v[i].w * inv * g.w);
+        }
+        return;
+    }
+    const float* xr = residual != 0 ? residual + base : x + base;
     float ss = 0.0f;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        float v = r[d] + xr[d];
-        r[d] = v;
+        float v = xr[d];
+        if (residual != 0) {
+            v += x[base + d];
+            residual[base + d] = v;
+        }
         ss += v * v;
     }
     float inv = rsqrtf(block_sum(ss, scratch) / dim + eps);
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) o[d] = r[d] * inv * w[d];
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) out[base + d] = xr[d] * inv * w[d];
+}
+
+// out = x / rms(x) * w.
+extern "C" __global__ void __launch_bounds__(1024)
+    rms_norm_kernel(float* out, const float* x, const float* w, float eps, int dim) {
+    pdl_enter();
+    rms_norm_row(0, x, w, eps, dim, out);
+}
+
+// residual += x; out = rms_norm(residual) * w.
+extern "C" __global__ void __launch_bounds__(1024)
+    add_rms_norm_kernel(float* residual, const float* x, const float* w, float eps, int dim,
+                        float* out) {
+    pdl_enter();
+    rms_norm_row(residual, x, w, eps, dim, out);
 }
 
 extern "C" __global__ void add_kernel(float* residual, const float* x, long long n) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) residual[i] += x[i];
 }
@@ -129,6 +193,7 @@ extern "C" __global__ void add_kernel(float* residual, const float* x, long long
 // Rotate-half RoPE. cos_sin[pos, :half] = cos, [pos, half:] = sin. One block per row.
 extern "C" __global__ void rope_kernel(float* x, const u32* positions, int num_heads,
                                        int head_dim, const float* cos_sin) {
+    pdl_enter();
     int half = head_dim / 2;
     int row = blockIdx.x;
     const float* table = cos_sin + (long long)positions[row] * head_dim;
@@ -145,6 +210,7 @@ extern "C" __global__ void rope_kernel(float* x, const u32* positions, int num_h
 
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i]
 extern "C" __global__ void silu_mul_kernel(float* out, const float* gate_up, int rows, int width) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * width) return;
     long long r = i / width, c = i % width;
@@ -154,6 +220,7 @@ extern "C" __global__ void silu_mul_kernel(float* out, const float* gate_up, int
 
 extern "C" __global__ void copy_columns_kernel(float* dst, const float* src, int src_width,
                                                int col_start, int width, int rows) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * width) return;
     long long r = i / width, c = i % width;
@@ -162,6 +229,7 @@ extern "C" __global__ void copy_columns_kernel(float* dst, const float* src, int
 
 extern "C" __global__ void gather_rows_kernel(float* out, const float* x, const u32* rows,
                                               int width, int num_rows) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)num_rows * width) return;
     long long r = i / width, c = i % width;
@@ -183,12 +251,14 @@ __device__ void kv_write(T* k_cache, T* v_cache, const float* k, const float* v,
 extern "C" __global__ void kv_write_f32_kernel(float* k_cache, float* v_cache, const float* k,
                                                const float* v, const u32* slots, int kv_dim,
                                                int num_tokens) {
+    pdl_enter();
     kv_write(k_cache, v_cache, k, v, slots, kv_dim, num_tokens);
 }
 
 extern "C" __global__ void kv_write_bf16_kernel(bf16_t* k_cache, bf16_t* v_cache, const float* k,
                                                 const float* v, const u32* slots, int kv_dim,
                                                 int num_tokens) {
+    pdl_enter();
     kv_write(k_cache, v_cache, k, v, slots, kv_dim, num_tokens);
 }
 
@@ -201,6 +271,7 @@ extern "C" __global__ void kv_write_bf16_kernel(bf16_t* k_cache, bf16_t* v_cache
 #define INV_TK 16
 extern "C" __global__ void matmul_invariant_kernel(float* C, const float* X, const bf16_t* W,
                                                    int M, int N, int K) {
+    pdl_enter();
     __shared__ float xs[INV_TK][INV_TM + 1];
     __shared__ float ws[INV_TK][INV_TN + 1];
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -259,6 +330,7 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
 // draw as the host's `random_weight`.
 extern "C" __global__ void random_bf16_kernel(bf16_t* out, long long n, unsigned long long seed,
                                               float mean, float half_width) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     unsigned long long h = splitmix64(seed ^ splitmix64((unsigned long long)i));
@@ -359,7 +431,7 @@ __device__ void attention_split(
                                     const T* k_cache, const T* v_cache, const u32* block_tables,  \
                                     const u32* row_table, const u32* row_visible, int num_heads,  \
                                     int num_kv_heads, int head_dim, int block_size, float scale,  \
-                                    int num_splits) {                                             \
+                                    int num_splits) { pdl_enter();                                \
         attention_split(out, part_o, part_ml, q, k_cache, v_cache, block_tables, row_table,      \
                         row_visible, num_heads, num_kv_heads, head_dim, block_size, scale,       \
                         num_splits);                                                             \
@@ -367,25 +439,37 @@ __device__ void attention_split(
 SPLIT_ENTRY(attention_split_f32_kernel, float)
 SPLIT_ENTRY(attention_split_bf16_kernel, bf16_t)
 
+// Merges the splits' partial softmax sums of one (row, head). A thread reads each split's
+// (max, sum) and the block reduces them, rather than one thread walking the splits in
+// turn: at batch 1 that walk was a chain of dependent loads. Empty splits (most of them at
+// short contexts, where a graph's fixed split count exceeds the chunks) are skipped.
+// num_splits ≤ blockDim (the host's MAX_SPLITS ≤ 128).
 extern "C" __global__ void attention_combine_kernel(float* out, const float* part_o,
                                                     const float* part_ml, const u32* row_visible,
                                                     int num_heads, int head_dim, int num_splits) {
+    pdl_enter();
+    __shared__ float scratch[32];
+    __shared__ float weight[128];
     int row = blockIdx.x, h = blockIdx.y;
     if (row_visible[row] & FLASH_ROW) return;  // flash_prefill_kernel's row
     long long base = ((long long)row * num_heads + h) * num_splits;
-    float m = NEG_INF;
-    for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_ml[2 * (base + s)]);
-    float l = 0.0f;
-    for (int s = 0; s < num_splits; ++s) {
-        float ms = part_ml[2 * (base + s)];
-        if (ms != NEG_INF) l += part_ml[2 * (base + s) + 1] * expf(ms - m);
+    int s = threadIdx.x;
+    float ms = NEG_INF, ls = 0.0f;
+    if (s < num_splits) {
+        ms = part_ml[2 * (base + s)];
+        ls = part_ml[2 * (base + s) + 1];
     }
+    float m = block_max(ms, scratch);
+    float ws = ms != NEG_INF ? expf(ms - m) : 0.0f;
+    float l = block_sum(ls * ws, scratch);
+    if (s < num_splits) weight[s] = ws;
+    __syncthreads();
     float* o = out + ((long long)row * num_heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s < num_splits; ++s) {
-            float ms = part_ml[2 * (base + s)];
-            if (ms != NEG_INF) acc += part_o[(base + s) * head_dim + d] * expf(ms - m);
+#pragma unroll 8
+        for (int j = 0; j < num_splits; ++j) {
+            if (weight[j] != 0.0f) acc += part_o[(base + j) * head_dim + d] * weight[j];
         }
         o[d] = l > 0.0f ? acc / l : 0.0f;  // a padding row sees no keys
     }
@@ -396,7 +480,7 @@ extern "C" __global__ void attention_combine_kernel(float* out, const float* par
 // to q_out and k and v written straight into the cache slot (a padding row's skipped). A
 // warp per head; head_dim a multiple of 64 up to 256, so a lane's element d and its RoPE
 // partner d ± head_dim/2 lie in the same lane. The arithmetic is rms_norm_kernel's and
-// rope_kernel's. One block per token.
+// rope_kernel's. Blocks (token, y): each of a token's gridDim.y blocks takes its share of heads.
 template <typename T>
 __device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, const float* qkv,
                                const float* q_norm, const float* k_norm, float eps,
@@ -409,7 +493,8 @@ __device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, const float
     u32 slot = slots[t];
     const float* row = qkv + (long long)t * width;
     const float* table = cos_sin + (long long)positions[t] * head_dim;
-    for (int h = warp; h < num_heads + 2 * num_kv_heads; h += num_warps) {
+    int stride = gridDim.y * num_warps;  // the token's heads are spread over gridDim.y blocks
+    for (int h = blockIdx.y * num_warps + warp; h < num_heads + 2 * num_kv_heads; h += stride) {
         bool is_q = h < num_heads, is_v = h >= num_heads + num_kv_heads;
         if (!is_q && slot == PAD_SLOT) continue;
         float e[8];
@@ -464,11 +549,11 @@ __device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, const float
 }
 
 #define QKV_ENTRY(NAME, T)                                                                    \
-    extern "C" __global__ void NAME(float* q_out, T* k_cache, T* v_cache, const float* qkv,    \
-                                    const float* q_norm, const float* k_norm, float eps,       \
-                                    const u32* positions, const float* cos_sin,                \
-                                    const u32* slots, int num_heads, int num_kv_heads,         \
-                                    int head_dim) {                                            \
+    extern "C" __global__ void __launch_bounds__(512)                                         \
+        NAME(float* q_out, T* k_cache, T* v_cache, const float* qkv, const float* q_norm,     \
+             const float* k_norm, float eps, const u32* positions, const float* cos_sin,      \
+             const u32* slots, int num_heads, int num_kv_heads, int head_dim) {               \
+        pdl_enter();                                                                          \
         qkv_rope_cache(q_out, k_cache, v_cache, qkv, q_norm, k_norm, eps, positions, cos_sin,  \
                        slots, num_heads, num_kv_heads, head_dim);                              \
     }

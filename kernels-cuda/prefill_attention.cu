@@ -196,7 +196,7 @@ __device__ void flash_prefill_mma(float* out, const float* q, const bf16_t* k_ca
     extern "C" __global__ void __launch_bounds__(128) flash_prefill_##HD##_kernel(             \
         float* out, const float* q, const bf16_t* k_cache, const bf16_t* v_cache,              \
         const u32* block_tables, const u32* tiles, int num_heads, int num_kv_heads,            \
-        int block_size, float scale) {                                                         \
+        int block_size, float scale) { pdl_enter();                                            \
         flash_prefill_mma<HD>(out, q, k_cache, v_cache, block_tables, tiles, num_heads,        \
                               num_kv_heads, block_size, scale);                                \
     }

@@ -273,6 +273,7 @@ __device__ __forceinline__ double uniform_draw(unsigned long long seed, unsigned
 extern "C" __global__ void __launch_bounds__(1024)
     sample_kernel(u32* out_ids, float* out_logprobs, const float* logits, const u32* meta,
                   u32* keys_all, float* weights_all, int V) {
+    pdl_enter();
     __shared__ double scratch[32];
     __shared__ u32 s_max[32];
     const u32* p = meta + SAMPLE_META * blockIdx.x;

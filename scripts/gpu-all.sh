@@ -3,7 +3,7 @@
 # (device time is scarce), each part's log under $OUT and a summary last.
 # Build here first, and carry target/release/troupe and gpu-bin/:
 #   cargo build --release --features cuda
-#   cargo test --release --features cuda --test cuda_attention --test cuda_sampling \
+#   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_sampling \
 #     --test engine --test fault_injection --test spec_decoding --no-run
 #   cargo bench --features cuda --bench cuda_kernels --no-run
 #   (copy each test executable to gpu-bin/<test name>, the bench to gpu-bin/cuda_kernels_bench)

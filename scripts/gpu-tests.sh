@@ -2,7 +2,7 @@
 # On the device machine: the attention and sampling kernels against the CPU backend, then
 # the engine scenarios and the fault-injection tests with CUDA rank workers. Build here and
 # carry gpu-bin/:
-#   cargo test --release --features cuda --test cuda_attention --test cuda_sampling \
+#   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_sampling \
 #     --test engine --test fault_injection --test spec_decoding --no-run
 #   (copy each executable it names to gpu-bin/<test name>)
 set -euo pipefail
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export TROUPE_TEST_DEVICE=cuda TROUPE_HOME=/tmp/troupe-home
 status=0
-for t in cuda_attention cuda_sampling; do
+for t in cuda_attention cuda_layers cuda_sampling; do
   echo "== $t (kernels vs the CPU reference)"
   gpu-bin/$t --test-threads 1 || status=1
 done

@@ -45,7 +45,8 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
                 .iter()
                 .map(move |g| format!("attention_gqa_{hd}_{g}_kernel"))
         })
-        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_{m}_kernel")));
+        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_{m}_kernel")))
+        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_silu_{m}_kernel")));
     for kernel in shaped {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

@@ -294,6 +294,21 @@ pub trait Backend: Send + Sync {
     );
     /// Rows of `gate_up` are `[gate (width) | up (width)]`; `out[r] = silu(gate) * up`.
     fn silu_mul(&self, gate_up: &Self::Buf, num_rows: usize, width: usize, out: &mut Self::Buf);
+    /// The MLP's activation `out[num_rows, width] = silu(gate) · up` of the stacked
+    /// projection `x · wᵀ = [gate (width) | up (width)]`, `gate_up` the product's scratch:
+    /// `matmul` then `silu_mul`, unless the backend fuses them.
+    fn gate_up_silu(
+        &self,
+        x: &Self::Buf,
+        num_rows: usize,
+        w: &Self::Matrix,
+        width: usize,
+        gate_up: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        self.matmul(x, num_rows, w, None, gate_up);
+        self.silu_mul(gate_up, num_rows, width, out);
+    }
     /// `dst[r, 0..width] = src[r, col_start..col_start + width]` for `r < num_rows`.
     fn copy_columns(
         &self,

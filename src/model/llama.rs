@@ -350,8 +350,14 @@ impl<B: Backend> LlamaModel<B> {
                 c.hidden_size,
                 &mut ws.normed,
             );
-            backend.matmul(&ws.normed, num_tokens, &lw.w_gate_up, None, &mut ws.gate_up);
-            backend.silu_mul(&ws.gate_up, num_tokens, c.intermediate_size, &mut ws.act);
+            backend.gate_up_silu(
+                &ws.normed,
+                num_tokens,
+                &lw.w_gate_up,
+                c.intermediate_size,
+                &mut ws.gate_up,
+                &mut ws.act,
+            );
             backend.matmul(&ws.act, num_tokens, &lw.w_down, None, &mut ws.proj);
             reduce(&mut ws.proj);
         }

@@ -23,6 +23,7 @@ const CHUNK: usize = 64;
 /// bandwidth instead of 0.72 for Qwen3-0.6B's decode attention): every split adds a
 /// block's fixed cost and partials to combine.
 const TARGET_BLOCKS: usize = 2048;
+/// At most the combine kernel's block size (128).
 const MAX_SPLITS: usize = 64;
 /// Query rows per flash block (the kernel's `FA_ROWS`), and the row flag it owns.
 const FLASH_ROWS: usize = 64;

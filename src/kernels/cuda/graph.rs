@@ -15,12 +15,11 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{
-    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice,
-};
+use cudarc::driver::sys::CUstreamCaptureMode;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
 use super::check;
+use super::recorded::{OwnModule, Recorded};
 
 /// Decode batch sizes that get a graph; larger decode batches run eagerly.
 pub const GRAPH_BATCH_SIZES: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
@@ -74,13 +73,6 @@ impl Staging {
     }
 }
 
-/// A recorded graph. CUDA asks that calls on one graph be serialized, not that they come
-/// from one thread: `Graphs` is only reached through the backend's mutex.
-struct Recorded(CudaGraph);
-// SAFETY: see above; the graph's handles are plain driver handles, valid on any thread of
-// the process once the context is current (cudarc binds it before each call).
-unsafe impl Send for Recorded {}
-
 pub struct Graphs {
     pub phase: Phase,
     arena: Option<CudaSlice<u32>>,
@@ -91,6 +83,9 @@ pub struct Graphs {
     tables_capacity: usize,
     recorded: HashMap<usize, Recorded>,
     warmed: HashSet<usize>,
+    /// Whose kernels get programmatic edges in a recorded step (`recorded.rs`); `None`
+    /// keeps the capture's full dependencies.
+    programmatic: Option<OwnModule>,
 }
 
 /// The batch size `num_rows` decode rows run at, when a graph can take them.
@@ -99,8 +94,9 @@ pub fn padded_rows(num_rows: usize) -> Option<usize> {
 }
 
 impl Graphs {
-    pub fn new() -> Self {
+    pub fn new(programmatic: Option<OwnModule>) -> Self {
         Graphs {
+            programmatic,
             phase: Phase::Eager,
             arena: None,
             staging: Vec::new(),
@@ -215,12 +211,15 @@ impl Graphs {
             }
             Phase::Capture(rows) => {
                 let graph = check(
-                    stream.end_capture(CUgraphInstantiate_flags(0)),
+                    Recorded::end_capture(stream, self.programmatic),
                     "end capture",
-                )
-                .expect("the capture recorded the step's launches");
-                tracing::debug!(rows, "recorded a decode step as a CUDA graph");
-                self.recorded.insert(rows, Recorded(graph));
+                );
+                tracing::debug!(
+                    rows,
+                    programmatic_edges = graph.num_programmatic_edges,
+                    "recorded a decode step as a CUDA graph"
+                );
+                self.recorded.insert(rows, graph);
                 rows
             }
             Phase::Replay(rows) => rows,
@@ -241,7 +240,7 @@ impl Graphs {
             "metadata upload",
         );
         check(staging.copied.record(stream), "event");
-        check(self.recorded[&rows].0.launch(), "graph launch");
+        check(self.recorded[&rows].launch(stream), "graph launch");
     }
 
     /// A buffer a recorded graph uses moved: every graph is recorded again.
@@ -260,8 +259,7 @@ impl Graphs {
     pub fn abandon_capture(&mut self, stream: &Arc<CudaStream>) {
         if matches!(self.phase, Phase::Capture(_)) {
             self.phase = Phase::Eager;
-            // The partial graph is dropped; an error here has nobody left to report to.
-            let _ = stream.end_capture(CUgraphInstantiate_flags(0));
+            Recorded::abandon_capture(stream);
         }
     }
 }

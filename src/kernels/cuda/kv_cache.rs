@@ -104,6 +104,8 @@ impl CudaBackend {
             None => (0, 0, 0.0),
         };
         let (h, kvh, hdi) = (heads.num_heads as i32, heads.num_kv_heads as i32, hd as i32);
+        // 16 warps a block (the kernel's launch bound is 512 threads).
+        let head_blocks = (heads.num_heads + 2 * heads.num_kv_heads).div_ceil(16) as u32;
         // SAFETY: qkv holds slots.len() rows of (heads + 2·kv_heads)·head_dim, q_out the q
         // part; the slots are inside the pool; the norms hold head_dim each; cos_sin covers
         // the positions.
@@ -125,8 +127,10 @@ impl CudaBackend {
                     .arg(&kvh)
                     .arg(&hdi)
                     .launch(LaunchConfig {
-                        grid_dim: (slots.len().max(1) as u32, 1, 1),
-                        block_dim: (256, 1, 1),
+                        // A warp a head, all heads at once: a batch-1 step's one block
+                        // would otherwise walk its heads in turns of dependent loads.
+                        grid_dim: (slots.len().max(1) as u32, head_blocks, 1),
+                        block_dim: (512, 1, 1),
                         shared_mem_bytes: 0,
                     })
             },

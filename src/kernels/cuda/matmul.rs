@@ -166,4 +166,47 @@ impl CudaBackend {
         }
         self.add_bias(out, bias, m, n);
     }
+
+    /// The MLP activation straight from the GEMV (`gemv_silu`), where a small decode batch
+    /// takes the GEMV path; false, having launched nothing, otherwise.
+    pub(super) fn gemv_silu(
+        &self,
+        x: &CudaSlice<f32>,
+        num_rows: usize,
+        w: &CudaMatrix,
+        width: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> bool {
+        let k = w.cols;
+        let fused = self
+            .kernels
+            .gemv_silu_for(num_rows)
+            .filter(|_| !self.batch_invariant && k.is_multiple_of(8) && w.rows == 2 * width);
+        let Some((kernel, cols)) = fused else {
+            return false;
+        };
+        let (mi, ni, ki) = (num_rows as i32, w.rows as i32, k as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (width.div_ceil(cols / 2) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds num_rows·k, w 2·width·k, out num_rows·width elements; k is a
+        // multiple of 8, so every row starts 16-byte aligned.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(kernel)
+                    .arg(out)
+                    .arg(x)
+                    .arg(&w.w)
+                    .arg(&mi)
+                    .arg(&ni)
+                    .arg(&ki)
+                    .launch(cfg)
+            },
+            "gemv_silu",
+        );
+        true
+    }
 }

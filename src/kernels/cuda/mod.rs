@@ -12,6 +12,7 @@ mod matmul;
 mod module;
 mod nccl;
 mod picks;
+mod recorded;
 mod weights;
 
 use std::sync::{Arc, Mutex};
@@ -29,6 +30,7 @@ pub use module::{
 };
 pub use nccl::NcclJoin;
 use picks::{MAX_PICKS, PickPool};
+use recorded::OwnModule;
 pub use weights::CudaMatrix;
 
 use super::{Backend, HostMatrix, KvCacheShape, SeqAttention};
@@ -103,6 +105,21 @@ fn per_row(rows: usize) -> LaunchConfig {
     }
 }
 
+/// One block a row for the row norms (llama.cu's `rms_norm_row`): a thread for each 16 bytes
+/// of the row, so that the row is read in one round of loads.
+fn per_norm_row(rows: usize, dim: usize) -> LaunchConfig {
+    let threads = if dim.is_multiple_of(4) {
+        (dim / 4).next_multiple_of(32).clamp(32, 1024) as u32
+    } else {
+        THREADS
+    };
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Device failures inside a step have no caller to return to: the rank worker dies and
 /// its supervisor restarts it.
 fn check<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
@@ -143,11 +160,20 @@ impl CudaBackend {
                 )));
             }
         }
+        // Programmatic edges need Hopper's griddepcontrol; TROUPE_PDL=0 keeps full
+        // dependencies, to measure what they buy.
+        let pdl = ctx.compute_capability().map_err(runtime)?.0 >= 9
+            && std::env::var("TROUPE_PDL").as_deref() != Ok("0");
+        let programmatic = if pdl {
+            Some(OwnModule::of(&kernels.embedding).map_err(runtime)?)
+        } else {
+            None
+        };
         Ok(CudaBackend {
             batch_invariant,
             uploads: Mutex::new(Vec::new()),
             cuda_graphs,
-            graphs: Mutex::new(Graphs::new()),
+            graphs: Mutex::new(Graphs::new(programmatic)),
             attention_parts: Mutex::new(None),
             _cublas_workspace: workspace,
             picks: Mutex::new((
@@ -318,7 +344,11 @@ impl Backend for CudaBackend {
                     .arg(&picked_ptr)
                     .arg(&picks.0)
                     .arg(&dim)
-                    .launch(per_row(ids.len()))
+                    // Wide blocks: a batch-1 step's one row is a few rounds of loads.
+                    .launch(LaunchConfig {
+                        block_dim: (1024, 1, 1),
+                        ..per_row(ids.len())
+                    })
             },
             "embedding",
         );
@@ -361,7 +391,7 @@ impl Backend for CudaBackend {
                     .arg(weight)
                     .arg(&eps)
                     .arg(&d)
-                    .launch(per_row(num_rows))
+                    .launch(per_norm_row(num_rows, dim))
             },
             "rms_norm",
         );
@@ -392,7 +422,7 @@ impl Backend for CudaBackend {
                     .arg(&eps)
                     .arg(&d)
                     .arg(out)
-                    .launch(per_row(num_rows))
+                    .launch(per_norm_row(num_rows, dim))
             },
             "add_rms_norm",
         );
@@ -470,6 +500,24 @@ impl Backend for CudaBackend {
             },
             "silu_mul",
         );
+    }
+
+    fn gate_up_silu(
+        &self,
+        x: &CudaSlice<f32>,
+        num_rows: usize,
+        w: &CudaMatrix,
+        width: usize,
+        gate_up: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        if !self.gemv_silu(x, num_rows, w, width, out) {
+            self.gemm(x, num_rows, w, None, gate_up);
+            self.silu_mul(gate_up, num_rows, width, out);
+        }
     }
 
     fn copy_columns(

@@ -203,6 +203,8 @@ pub struct Kernels {
     pub attention_gqa: Vec<((usize, usize), CudaFunction)>,
     /// `gemv` compiled for up to `GEMV_ROWS[i]` rows, `GEMV_COLS[i]` columns a block.
     pub gemv: Vec<(usize, usize, CudaFunction)>,
+    /// The same, writing silu(gate) · up of a stacked [gate; up] projection.
+    pub gemv_silu: Vec<(usize, usize, CudaFunction)>,
     /// `flash_prefill` (tensor cores, bf16 KV) for head_dim 64 and 128.
     pub flash_prefill_64: CudaFunction,
     pub flash_prefill_128: CudaFunction,
@@ -251,7 +253,19 @@ impl Kernels {
     /// The GEMV kernel for `rows` rows (the smallest compiled for at least that many) and
     /// the output columns of each of its blocks.
     pub fn gemv_for(&self, rows: usize) -> Option<(&CudaFunction, usize)> {
-        self.gemv
+        Self::by_rows(&self.gemv, rows)
+    }
+
+    /// `gemv_for`'s fused-activation twin (`gemv_silu`).
+    pub fn gemv_silu_for(&self, rows: usize) -> Option<(&CudaFunction, usize)> {
+        Self::by_rows(&self.gemv_silu, rows)
+    }
+
+    fn by_rows(
+        kernels: &[(usize, usize, CudaFunction)],
+        rows: usize,
+    ) -> Option<(&CudaFunction, usize)> {
+        kernels
             .iter()
             .find(|(m, _, _)| *m >= rows)
             .map(|(_, cols, f)| (f, *cols))
@@ -316,6 +330,11 @@ impl Kernels {
                 .iter()
                 .zip(GEMV_COLS)
                 .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_{m}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
+            gemv_silu: GEMV_ROWS
+                .iter()
+                .zip(GEMV_COLS)
+                .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_silu_{m}_kernel"))?)))
                 .collect::<Result<_, CudaError>>()?,
             _module: module,
         })

@@ -1,0 +1,141 @@
+//! The CUDA backend's row norms and MLP activation against the CPU backend (the reference):
+//! the register-resident norms (one round of 16-byte loads a row) and their strided
+//! fallback, and the GEMV that writes silu(gate) · up straight from its sums, which must
+//! equal the GEMV followed by `silu_mul` bit for bit. Needs a GPU: it runs on the device
+//! machine (`scripts/gpu-tests.sh`); CI compiles it.
+#![cfg(feature = "cuda")]
+
+use half::bf16;
+use troupe::kernels::cpu::CpuBackend;
+use troupe::kernels::cuda::CudaBackend;
+use troupe::kernels::{Backend, HostData, HostMatrix};
+use troupe::sampling::splitmix64;
+
+fn random(seed: u64, n: usize) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| (splitmix64(seed ^ splitmix64(i)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+        .collect()
+}
+
+/// Largest |got − want| over the largest |want|.
+fn rel_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            if g.is_nan() {
+                f32::INFINITY
+            } else {
+                (g - w).abs()
+            }
+        })
+        .fold(0f32, f32::max)
+        / scale
+}
+
+fn backends() -> (CudaBackend, CpuBackend) {
+    let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    (
+        gpu,
+        CpuBackend {
+            batch_invariant: false,
+        },
+    )
+}
+
+/// (out, residual after) of `add_rms_norm`, or `rms_norm`'s out when `add` is false.
+fn norm<B: Backend>(b: &B, rows: usize, dim: usize, add: bool) -> (Vec<f32>, Vec<f32>) {
+    let x = b.upload(&random(1, rows * dim));
+    let w = b.upload(&random(2, dim));
+    let mut out = b.alloc(rows * dim);
+    if add {
+        let mut residual = b.upload(&random(3, rows * dim));
+        b.add_rms_norm(&mut residual, &x, &w, 1e-5, rows, dim, &mut out);
+        (
+            b.download(&out, rows * dim),
+            b.download(&residual, rows * dim),
+        )
+    } else {
+        b.rms_norm(&x, &w, 1e-5, rows, dim, &mut out);
+        (b.download(&out, rows * dim), Vec::new())
+    }
+}
+
+#[test]
+fn row_norms_match_the_cpu_backend() {
+    let (gpu, cpu) = backends();
+    let mut failures = Vec::new();
+    // Widths: head norms, SmolLM2, Llama-8B (one float4 a thread), not a multiple of 4,
+    // wider than the registers hold (both strided).
+    for dim in [64, 128, 576, 4096, 130, 20_000] {
+        for rows in [1, 3, 17] {
+            for add in [false, true] {
+                let (got, got_res) = norm(&gpu, rows, dim, add);
+                let (want, want_res) = norm(&cpu, rows, dim, add);
+                let err = rel_error(&got, &want).max(if add {
+                    rel_error(&got_res, &want_res)
+                } else {
+                    0.0
+                });
+                if err > 1e-5 {
+                    failures.push(format!("dim {dim}, rows {rows}, add {add}: {err:.2e}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "norms differ: {failures:?}");
+}
+
+/// `[gate; up]` weights of `width` rows each over `k` columns, bf16-exact (so that the
+/// CPU's f32 weights equal the GPU's bf16 ones).
+fn gate_up_weights(width: usize, k: usize) -> HostMatrix {
+    let data: Vec<bf16> = random(7, 2 * width * k)
+        .into_iter()
+        .map(|v| bf16::from_f32(v * 0.1))
+        .collect();
+    HostMatrix {
+        rows: 2 * width,
+        cols: k,
+        data: HostData::Bf16(data),
+    }
+}
+
+fn activation<B: Backend>(b: &B, rows: usize, width: usize, k: usize, fused: bool) -> Vec<f32> {
+    let w = b.upload_matrix(gate_up_weights(width, k));
+    let x = b.upload(&random(9 + rows as u64, rows * k));
+    let mut gate_up = b.alloc(rows * 2 * width);
+    let mut out = b.alloc(rows * width);
+    if fused {
+        b.gate_up_silu(&x, rows, &w, width, &mut gate_up, &mut out);
+    } else {
+        b.matmul(&x, rows, &w, None, &mut gate_up);
+        b.silu_mul(&gate_up, rows, width, &mut out);
+    }
+    b.download(&out, rows * width)
+}
+
+#[test]
+fn fused_mlp_activation_matches_the_cpu_backend_and_the_unfused_kernels() {
+    let (gpu, cpu) = backends();
+    let mut failures = Vec::new();
+    // An odd width (the last block's partner columns past the end), and a Llama-like one.
+    for (width, k) in [(1001, 512), (3584, 1024)] {
+        // 1–4 rows take the GEMV (fused); 5 and 9 rows cuBLAS then silu_mul.
+        for rows in [1, 2, 3, 4, 5, 9] {
+            let got = activation(&gpu, rows, width, k, true);
+            let unfused = activation(&gpu, rows, width, k, false);
+            let want = activation(&cpu, rows, width, k, true);
+            if got != unfused {
+                failures.push(format!("width {width}, rows {rows}: fused ≠ unfused"));
+            }
+            // The GEMV keeps x in f32; cuBLAS rounds it to bf16.
+            let tolerance = if rows <= 4 { 1e-4 } else { 2e-2 };
+            let err = rel_error(&got, &want);
+            if err > tolerance {
+                failures.push(format!("width {width}, rows {rows}: {err:.2e} vs the CPU"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "activations differ: {failures:?}");
+}
