@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# On the device machine: where a batch-1 decode step of the Llama-3.1-8B shape spends its
-# time. Runs the --dummy-weights decode with graphs, with and without programmatic edges
+# On the device machine: where a decode step spends its time.
+#   bash scripts/gpu-profile.sh          # batch-1 decode, Llama-3.1-8B shape
+#   bash scripts/gpu-profile.sh offline  # the offline workload (Qwen3-0.6B shape, 256
+#                                        # requests): ~1 500 launches from its middle
+# Decode mode: Runs the --dummy-weights decode with graphs, with and without programmatic edges
 # (TROUPE_PDL=0), and eagerly (the same tokens each time), then the same eagerly
 # under Nsight Compute, timing ~1 000 decode-phase launches one by one (kernel time without
 # the gaps between kernels). Prints per-kernel microseconds a step, last.
@@ -12,9 +15,19 @@ export TROUPE_HOME=/tmp/troupe-home
 FINAL=${OUT:-/tmp/out}
 OUT=$FINAL/raw  # tarred at the end: a call brings back only a few files
 mkdir -p "$OUT" /tmp/prof
+MODE=${1:-decode}
 python3 - <<'PY'
-import json, torch
-from transformers import LlamaConfig
+import json, sys, torch
+from transformers import LlamaConfig, Qwen3Config
+sys.path.insert(0, "scripts")
+from gpu_bench import offline_requests
+Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+            tie_word_embeddings=True).save_pretrained("/tmp/prof/offline")
+with open("/tmp/prof/offline.jsonl", "w") as f:
+    for r in offline_requests():
+        f.write(json.dumps(r) + "\n")
 LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False).save_pretrained("/tmp/prof/8b")
@@ -22,35 +35,43 @@ prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_s
 open("/tmp/prof/p256.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 256}) + "\n")
 open("/tmp/prof/p12.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 12}) + "\n")
 PY
-run() { target/release/troupe generate --model /tmp/prof/8b --device cuda --dummy-weights \
+MODEL=/tmp/prof/8b; LAYERS=32; SHORT=/tmp/prof/p12.jsonl; SKIP=1500; RUNS="graphs nopdl eager"
+if [ "$MODE" = offline ]; then
+  MODEL=/tmp/prof/offline; LAYERS=28; SHORT=/tmp/prof/offline.jsonl; SKIP=150000; RUNS=graphs
+fi
+run() { target/release/troupe generate --model $MODEL --device cuda --dummy-weights \
     --kv-cache-mib 4096 --ignore-eos --temperature 0 --json --stats "$@"; }
-for mode in graphs nopdl eager; do
+for mode in $RUNS; do
   extra=(); [ $mode = eager ] && extra=(--enforce-eager)
   pdl=1; [ $mode = nopdl ] && pdl=0
-  TROUPE_PDL=$pdl run --prompts-file /tmp/prof/p256.jsonl "${extra[@]}" > "$OUT/tokens-$mode.jsonl" \
+  long=/tmp/prof/p256.jsonl; [ "$MODE" = offline ] && long=/tmp/prof/offline.jsonl
+  TROUPE_PDL=$pdl run --prompts-file $long "${extra[@]}" > "$OUT/tokens-$mode.jsonl" \
     2> "$OUT/decode-$mode.log" || { tail -3 "$OUT/decode-$mode.log"; }
   grep '^{' "$OUT/decode-$mode.log" | tail -1 > "$OUT/stats-$mode.json"
 done
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
 if [ -n "$NCU" ]; then
   timeout 400 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
-    --csv --launch-skip 1500 --launch-count 1000 \
-    target/release/troupe generate --model /tmp/prof/8b --device cuda --dummy-weights \
+    --csv --launch-skip $SKIP --launch-count 1500 \
+    target/release/troupe generate --model $MODEL --device cuda --dummy-weights \
     --kv-cache-mib 4096 --ignore-eos --temperature 0 --json --enforce-eager \
-    --prompts-file /tmp/prof/p12.jsonl > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed: $?"
+    --prompts-file $SHORT > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed: $?"
 fi
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt" || true
+python3 - "$OUT" "$RUNS" "$LAYERS" <<'PY' | tee "$OUT/summary.txt" || true
 import csv, json, sys, collections, io
-out = sys.argv[1]
+out, runs, layers = sys.argv[1], sys.argv[2].split(), int(sys.argv[3])
 def tokens(mode):
-    return [json.loads(l)["token_ids"] for l in open(f"{out}/tokens-{mode}.jsonl") if l.strip()][0]
-full = tokens("nopdl")
-for mode, what in (("graphs", "graphs, programmatic edges"), ("nopdl", "graphs, full dependencies"),
-                   ("eager", "eager")):
+    return [json.loads(l)["token_ids"] for l in open(f"{out}/tokens-{mode}.jsonl") if l.strip()]
+names = {"graphs": "graphs, programmatic edges", "nopdl": "graphs, full dependencies", "eager": "eager"}
+for mode in runs:
     s = json.load(open(f"{out}/stats-{mode}.json"))
-    t = tokens(mode)
-    same = sum(a == b for a, b in zip(t, full)) / len(full)
-    print(f"{what:28s} decode {s['decode_tokens_per_s']:7.1f} tok/s  tokens = full-dependency graphs: {same:.3f}")
+    line = (f"{names[mode]:28s} decode {s['decode_tokens_per_s']:7.1f} tok/s, "
+            f"generation {s['output_tokens'] / s['generate_s']:7.1f} out tok/s")
+    if "nopdl" in runs:
+        t, full = tokens(mode), tokens("nopdl")
+        same = sum(a == b for x, y in zip(t, full) for a, b in zip(x, y)) / sum(map(len, full))
+        line += f"  tokens = full-dependency graphs: {same:.3f}"
+    print(line)
 try:
     text = open(f"{out}/ncu.csv").read()
     rows = list(csv.DictReader(io.StringIO(text[text.index('"ID"'):])))
@@ -62,8 +83,8 @@ for r in rows:
         v = float(r["Metric Value"].replace(",", ""))
         unit = r.get("Metric Unit", "ns")
         per[r["Kernel Name"].split("(")[0]].append(v / 1000 if unit in ("nsecond", "ns") else v)
-# One decode attention launch a layer, 32 layers a step.
-n_layers_steps = sum(len(v) for k, v in per.items() if k.startswith("attention_gqa")) / 32
+# One decode attention launch a layer.
+n_layers_steps = sum(len(v) for k, v in per.items() if k.startswith("attention_gqa")) / layers
 print(f"kernels timed: {sum(len(v) for v in per.values())}, decode steps ≈ {n_layers_steps:.2f}")
 print(f"{'kernel':40s} {'calls':>6s} {'mean us':>9s} {'us/step':>9s}")
 tot = 0
