@@ -27,9 +27,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate text for one prompt or a file of prompts.
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Serve an OpenAI-compatible HTTP API.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Benchmark a running server: Poisson arrivals at each rate, TTFT / TPOT / ITL.
     BenchServe(crate::bench_serve::BenchServeArgs),
 }
@@ -104,10 +104,15 @@ pub struct EngineFlags {
     /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
     #[arg(long)]
     batch_invariant: bool,
-    /// Speculative decoding: `ngram` (prompt lookup); `draft` and `mtp` are not available
-    /// yet. Output is the same as without it, seeded sampling included.
+    /// Speculative decoding: `ngram` (prompt lookup) or `draft` (a draft model, with
+    /// --draft-model); `mtp` is not available yet. Output is the same as without it,
+    /// seeded sampling included.
     #[arg(long, value_parser = parse_spec_method)]
     spec: Option<SpecMethod>,
+    /// The draft model of `--spec draft`: a smaller model with the same tokenizer (a known
+    /// name, a GGUF file or an HF directory, as for --model).
+    #[arg(long)]
+    draft_model: Option<String>,
     /// Drafts per request per step, at most (with --spec).
     #[arg(long, default_value_t = 5)]
     num_speculative_tokens: usize,
@@ -193,6 +198,11 @@ impl EngineFlags {
         cfg.zero_overhead_scheduling = !self.no_zos;
         cfg.enable_prefix_cache = !self.no_prefix_cache;
         cfg.batch_invariant = self.batch_invariant;
+        cfg.draft_model_path = self
+            .draft_model
+            .as_deref()
+            .map(model::resolve_model_path)
+            .transpose()?;
         cfg.speculative = self.spec.map(|method| SpecConfig {
             method,
             num_speculative_tokens: self.num_speculative_tokens,
@@ -366,8 +376,8 @@ pub fn main() -> i32 {
         }
     };
     let result = match cli.command {
-        Command::Generate(args) => run_generate(args),
-        Command::Serve(args) => run_serve(args),
+        Command::Generate(args) => run_generate(*args),
+        Command::Serve(args) => run_serve(*args),
         Command::BenchServe(args) => crate::bench_serve::run(args),
     };
     match result {

@@ -25,6 +25,7 @@ use crate::parallel::{GroupJoin, TpShard};
 use crate::sched::{RowInput, StepPlan};
 
 mod deepseek_v4;
+mod draft;
 
 pub enum RankMsg {
     /// The readback thread could not deliver a step (a device error while waiting for
@@ -59,6 +60,8 @@ pub struct RankArgs {
     pub batch_invariant: bool,
     pub device: Device,
     pub dummy_weights: bool,
+    /// `--spec draft`: the draft model this rank runs beside the model.
+    pub draft_model_path: Option<PathBuf>,
     pub enforce_eager: bool,
     /// Measure (or load) the decode latency curve before the first step.
     pub decode_curve: Option<CurveJob>,
@@ -110,6 +113,8 @@ struct OnBackend<B: Backend> {
     cache: B::KvCache,
     /// Only the group's leader copies logits to the host for the sampler.
     leader: bool,
+    /// `--spec draft`: fills the verify rows' placeholder drafts before each step.
+    draft: Option<draft::DraftModel<B>>,
 }
 
 impl<B: Backend> Drop for OnBackend<B> {
@@ -129,6 +134,36 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         sampling: &[Option<RowSampling>],
     ) -> LaunchedStep {
         let start = self.backend.timeline_mark();
+        // The draft model runs every step (its cache follows the model's), and its drafts
+        // replace the verify rows' placeholders.
+        let mut model_drafts = Vec::new();
+        let filled: Vec<Vec<u32>>;
+        let mut with_drafts: Vec<SeqStep<'_>>;
+        let steps = match &mut self.draft {
+            Some(draft) => {
+                let num_drafts: Vec<usize> = sampling
+                    .iter()
+                    .map(|s| s.as_ref().map_or(0, |s| s.drafts.len()))
+                    .collect();
+                model_drafts =
+                    draft.propose(&self.backend, block_size, steps, picked_rows, &num_drafts);
+                filled = steps
+                    .iter()
+                    .zip(&num_drafts)
+                    .zip(&model_drafts)
+                    .map(|((s, &k), d)| {
+                        let known = &s.token_ids[..s.token_ids.len() - k];
+                        known.iter().copied().chain(d.iter().map(|x| x.0)).collect()
+                    })
+                    .collect();
+                with_drafts = steps.to_vec();
+                for (s, tokens) in with_drafts.iter_mut().zip(&filled) {
+                    s.token_ids = tokens;
+                }
+                &with_drafts[..]
+            }
+            None => steps,
+        };
         self.model.forward_on_device(
             &self.backend,
             &mut self.cache,
@@ -185,6 +220,10 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             verify_picks: vec![None; num_rows],
             host_row: host_first,
             host: Vec::new(),
+            model_drafts: model_drafts
+                .into_iter()
+                .map(|d| (!d.is_empty()).then_some(d))
+                .collect(),
         };
         // The host rows' copy waits for the step; the picks' copy is left in flight.
         let picks = self.backend.pick_rows(logits, vocab, &pick_rows);
@@ -252,11 +291,27 @@ fn load_on<B: Backend + 'static>(
         .model
         .kv_cache_shape(args.num_kv_blocks, args.block_size);
     let cache = backend.alloc_kv_cache(shape);
+    let draft = match &args.draft_model_path {
+        Some(path) => {
+            let loaded = if args.dummy_weights {
+                crate::model::load_dummy_shard(path, &backend, args.shard)?
+            } else {
+                crate::model::load_shard(path, &backend, args.shard)?
+            };
+            let shape = loaded
+                .model
+                .kv_cache_shape(args.num_kv_blocks, args.block_size);
+            let cache = backend.alloc_kv_cache(shape);
+            Some(draft::DraftModel::new(loaded.model, cache))
+        }
+        None => None,
+    };
     Ok(Box::new(OnBackend {
         backend,
         model: loaded.model,
         cache,
         leader: args.shard.is_leader(),
+        draft,
     }))
 }
 

@@ -90,6 +90,10 @@ pub struct StepLogits {
     pub host_row: Vec<Option<usize>>,
     /// `[host rows, vocab]`.
     pub host: Vec<f32>,
+    /// Per plan row whose drafts a draft model filled in (`--spec draft`): the drafts and
+    /// the draft model's probability of each; the row's `RowSampling::drafts` were
+    /// placeholders.
+    pub model_drafts: Vec<Option<Vec<(u32, f32)>>>,
 }
 
 pub enum SamplerMsg {
@@ -167,6 +171,8 @@ impl Actor for SamplerActor {
         let mut per_row = Vec::with_capacity(sampling.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
             (Vec::new(), Vec::new(), Vec::new());
+        // Per sampled row (as `tokens`): the draft model's probabilities of its drafts.
+        let mut draft_probs: Vec<Vec<f32>> = Vec::new();
         // Constrained rows and their histories with the new token, advanced after the
         // tokens are out so the next masks are computed beside the next forward pass.
         let mut advances: Vec<(StdArc<SeqConstraint>, Vec<u32>)> = Vec::new();
@@ -175,6 +181,18 @@ impl Actor for SamplerActor {
                 per_row.push(None);
                 continue;
             };
+            // A draft model's drafts, where it filled in the row's placeholders.
+            let model_drafts = logits.model_drafts.get(row).and_then(Option::as_ref);
+            let filled: Vec<u32>;
+            let drafts: &[u32] = match model_drafts {
+                Some(d) => {
+                    filled = d.iter().map(|x| x.0).collect();
+                    &filled
+                }
+                None => &s.drafts,
+            };
+            draft_probs
+                .push(model_drafts.map_or_else(Vec::new, |d| d.iter().map(|x| x.1).collect()));
             let pending = s.pending_prev_row.and_then(|prev_row| match &st.last_step {
                 Some((e, prev_step, toks)) if *e == epoch && *prev_step + 1 == step_id => {
                     toks.get(prev_row).copied().flatten()
@@ -209,8 +227,7 @@ impl Actor for SamplerActor {
                 }
                 // Greedy: the drafts that equal the argmax there, then the argmax at the
                 // first mismatch (or after the last draft).
-                let num_accepted = s
-                    .drafts
+                let num_accepted = drafts
                     .iter()
                     .zip(picks)
                     .take_while(|(d, p)| **d == p.0)
@@ -228,21 +245,21 @@ impl Actor for SamplerActor {
                 );
             };
             let host_rows = logits.host.len() / vocab_size.max(1);
-            if host_row + s.drafts.len() >= host_rows {
+            if host_row + drafts.len() >= host_rows {
                 return Err(format!(
                     "step {step_id}: row {row} verifies {} drafts but has {} logit rows",
-                    s.drafts.len(),
+                    drafts.len(),
                     host_rows.saturating_sub(host_row)
                 )
                 .into());
             }
-            if !s.drafts.is_empty() {
+            if !drafts.is_empty() {
                 if st.faults.take_verify_panic() {
                     panic!("sampler panicked mid-verification (injected fault)");
                 }
                 // Each position's token is the one this sampler draws there with the
                 // accepted drafts as history: the output of speculation off.
-                let rows: Vec<&[f32]> = (host_row..=host_row + s.drafts.len())
+                let rows: Vec<&[f32]> = (host_row..=host_row + drafts.len())
                     .map(|r| &logits.host[r * vocab_size..(r + 1) * vocab_size])
                     .collect();
                 let mask = s.constraint.as_ref().map(|c| {
@@ -262,7 +279,7 @@ impl Actor for SamplerActor {
                         .iter()
                         .map(|r| TargetDistribution::new(r, &s.params))
                         .collect();
-                    let v = verify::rejection(&targets, &s.drafts, None, s.params.seed, s.position);
+                    let v = verify::rejection(&targets, drafts, None, s.params.seed, s.position);
                     let lps: Vec<f32> = v
                         .tokens
                         .iter()
@@ -278,7 +295,7 @@ impl Actor for SamplerActor {
                 let outs = verify::with_sampler(
                     &mut st.sampler,
                     &rows,
-                    &s.drafts,
+                    drafts,
                     &s.params,
                     s.position,
                     history,
@@ -325,6 +342,7 @@ impl Actor for SamplerActor {
             tokens,
             token_logprobs,
             top_logprobs,
+            draft_probs,
             elapsed_secs: started.elapsed().as_secs_f64(),
             worker_idle_secs: idle_secs,
             device_idle_secs,

@@ -43,6 +43,8 @@ pub enum SchedulerMsg {
         tokens: Vec<Vec<u32>>,
         token_logprobs: Vec<Vec<f32>>,
         top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
+        /// Per row of `tokens`: the draft model's probabilities of the drafts it verified.
+        draft_probs: Vec<Vec<f32>>,
         elapsed_secs: f64,
         worker_idle_secs: f64,
         device_idle_secs: Option<f64>,
@@ -239,6 +241,7 @@ impl SchedulerState {
         tokens: Vec<Vec<u32>>,
         token_logprobs: Vec<Vec<f32>>,
         top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
+        draft_probs: Vec<Vec<f32>>,
         secs: f64,
     ) {
         let Some(plan) = self.in_flight.pop_front() else {
@@ -280,6 +283,15 @@ impl SchedulerState {
                 }
             }
         }
+        let probs: Vec<(SeqId, &[f32])> = plan
+            .rows
+            .iter()
+            .filter(|r| r.sample)
+            .zip(&draft_probs)
+            .filter(|(_, p)| !p.is_empty())
+            .map(|(r, p)| (r.seq_id, p.as_slice()))
+            .collect();
+        self.core.observe_draft_probs(&probs);
         let per_row: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
         for event in self.core.on_step_verified(step_id, &per_row, secs) {
             match event {
@@ -580,6 +592,7 @@ impl Actor for SchedulerActor {
                 tokens,
                 token_logprobs,
                 top_logprobs,
+                draft_probs,
                 elapsed_secs,
                 worker_idle_secs,
                 device_idle_secs,
@@ -587,7 +600,14 @@ impl Actor for SchedulerActor {
                 if epoch == st.epoch {
                     st.status.worker_idle_secs += worker_idle_secs;
                     st.status.device_idle_secs += device_idle_secs.unwrap_or(0.0);
-                    st.on_sampled(step_id, tokens, token_logprobs, top_logprobs, elapsed_secs);
+                    st.on_sampled(
+                        step_id,
+                        tokens,
+                        token_logprobs,
+                        top_logprobs,
+                        draft_probs,
+                        elapsed_secs,
+                    );
                     st.kick();
                 }
             }

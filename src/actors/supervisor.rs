@@ -44,6 +44,7 @@ pub struct RankArgsTemplate {
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub decode_curve: Option<super::decode_curve::CurveJob>,
+    pub draft_model_path: Option<std::path::PathBuf>,
 }
 
 pub enum SupervisorMsg {
@@ -111,6 +112,7 @@ async fn spawn_group(
                 faults: t.faults.clone(),
                 device: t.devices[slot],
                 dummy_weights: t.dummy_weights,
+                draft_model_path: t.draft_model_path.clone(),
                 enforce_eager: t.enforce_eager,
                 batch_invariant: t.batch_invariant,
                 // Measured by a lone rank only: a group's ranks would each need the others.

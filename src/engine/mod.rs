@@ -94,7 +94,15 @@ impl Engine {
                 Device::Cuda(first) => Device::Cuda(first + i),
             })
             .collect();
-        let kv_cache_bytes = kv_cache_bytes(&cfg, mcfg)?;
+        let draft = draft_model(&cfg, &text)?;
+        // The draft's cache has the model's blocks: the budget is shared in proportion.
+        let kv_cache_bytes = match &draft {
+            Some(d) => {
+                let kv = |m: &model::config::ModelConfig| (m.num_layers * m.kv_dim()) as f64;
+                (kv_cache_bytes(&cfg, mcfg)? as f64 * kv(mcfg) / (kv(mcfg) + kv(d))) as usize
+            }
+            None => kv_cache_bytes(&cfg, mcfg)?,
+        };
         let pools = pools::size_pools(&cfg, &text, kv_cache_bytes)?;
         let num_kv_blocks = pools.num_blocks;
         let moe_balance = crate::eplb::BalanceReport::default();
@@ -109,12 +117,15 @@ impl Engine {
             max_step_tokens: cfg.max_step_tokens,
             step_time_budget_secs: cfg.step_time_budget_secs,
             enable_prefix_cache: pools.enable_prefix_cache,
-            max_context_tokens: mcfg.max_context_tokens,
+            max_context_tokens: draft.as_ref().map_or(mcfg.max_context_tokens, |d| {
+                d.max_context_tokens.min(mcfg.max_context_tokens)
+            }),
             stop_preempted: cfg.stop_preempted,
             num_speculative_tokens: speculative_tokens(cfg.speculative)?,
             confidence_verify: cfg
                 .speculative
                 .is_some_and(|s| s.verify == SpecVerify::Confidence),
+            model_drafts: draft.is_some(),
         };
         // Confidence-scheduled verification prices steps with a measured decode curve: the
         // rank worker measures it at start (or loads it), up to the largest batch a step
@@ -167,6 +178,11 @@ impl Engine {
                 dummy_weights: cfg.dummy_weights,
                 enforce_eager: cfg.enforce_eager,
                 decode_curve,
+                draft_model_path: draft.as_ref().map(|_| {
+                    cfg.draft_model_path
+                        .clone()
+                        .expect("checked by draft_model")
+                }),
             },
             max_rank_restarts: cfg.max_rank_restarts,
         };
@@ -201,7 +217,7 @@ fn speculative_tokens(spec: Option<SpecConfig>) -> Result<usize, EngineError> {
     };
     match spec.method {
         SpecMethod::Ngram => {}
-        SpecMethod::DraftModel => return unavailable("--spec draft (a draft model)"),
+        SpecMethod::DraftModel => {}
         SpecMethod::Mtp => return unavailable("--spec mtp (the Llama family has no MTP layers;"),
     }
     if !(1..=16).contains(&spec.num_speculative_tokens) {
@@ -211,6 +227,59 @@ fn speculative_tokens(spec: Option<SpecConfig>) -> Result<usize, EngineError> {
         )));
     }
     Ok(spec.num_speculative_tokens)
+}
+
+/// `--spec draft`'s draft model, checked against the model it drafts for: its shape, or
+/// why the pair cannot run.
+fn draft_model(
+    cfg: &EngineConfig,
+    text: &model::ModelText,
+) -> Result<Option<model::config::ModelConfig>, EngineError> {
+    let wants = cfg
+        .speculative
+        .is_some_and(|s| s.method == SpecMethod::DraftModel);
+    let path = match (&cfg.draft_model_path, wants) {
+        (None, false) => return Ok(None),
+        (Some(p), false) => {
+            return Err(EngineError::Spawn(format!(
+                "a draft model ({}) was given without --spec draft",
+                p.display()
+            )));
+        }
+        (None, true) => {
+            return Err(EngineError::Spawn(
+                "--spec draft needs --draft-model (a smaller model with the same tokenizer)".into(),
+            ));
+        }
+        (Some(p), true) => p,
+    };
+    let refuse = |why: String| Err(EngineError::Spawn(format!("--spec draft: {why}")));
+    if text.deepseek_v4.is_some() {
+        return refuse(
+            "DeepSeek-V4 models draft with --spec ngram (or their MTP layer, not built yet)".into(),
+        );
+    }
+    if cfg.tensor_parallel_size > 1 {
+        return refuse(format!(
+            "the draft model runs on one rank; tensor_parallel_size is {}",
+            cfg.tensor_parallel_size
+        ));
+    }
+    let draft = model::load_text(path)?;
+    if draft.deepseek_v4.is_some() {
+        return refuse(format!(
+            "{} is a DeepSeek-V4 model; drafts come from the Llama family",
+            path.display()
+        ));
+    }
+    let (want, got) = (text.config.vocab_size, draft.config.vocab_size);
+    if want != got {
+        return refuse(format!(
+            "{} has a vocabulary of {got} tokens, the model {want}: a draft model must share the tokenizer",
+            path.display()
+        ));
+    }
+    Ok(Some(draft.config))
 }
 
 /// The KV cache's budget: as configured, or on a GPU with `kv_cache_bytes == 0`, what is

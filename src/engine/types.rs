@@ -55,6 +55,9 @@ pub struct EngineConfig {
     pub eplb: Option<crate::eplb::EplbSettings>,
     /// Speculative decoding; `None`: off.
     pub speculative: Option<SpecConfig>,
+    /// `--spec draft`: the draft model (same tokenizer and vocabulary as the model), run
+    /// by the rank workers beside it.
+    pub draft_model_path: Option<PathBuf>,
     /// Where measured decode latency curves are kept (confidence-scheduled verification);
     /// `None`: `$TROUPE_HOME/latency-curves`.
     pub latency_curve_dir: Option<PathBuf>,
@@ -125,6 +128,7 @@ impl EngineConfig {
             batch_invariant: false,
             eplb: None,
             speculative: None,
+            draft_model_path: None,
             latency_curve_dir: None,
         }
     }

@@ -67,6 +67,9 @@ pub struct LlamaModel<B: Backend> {
     positions: Vec<u32>,
     slots: Vec<u32>,
     ids: Vec<u32>,
+    /// Decode steps may run as the backend's recorded graphs. Off for a second model on
+    /// the same backend (a draft model): the backend keys its graphs by batch size only.
+    graphs: bool,
 }
 
 impl<B: Backend> LlamaModel<B> {
@@ -87,7 +90,14 @@ impl<B: Backend> LlamaModel<B> {
             positions: Vec::new(),
             slots: Vec::new(),
             ids: Vec::new(),
+            graphs: true,
         }
+    }
+
+    /// Every step of this model runs eagerly (see `graphs`).
+    pub fn without_graphs(mut self) -> Self {
+        self.graphs = false;
+        self
     }
 
     /// Joins a tensor-parallel group: the partial outputs of the attention and MLP
@@ -177,7 +187,7 @@ impl<B: Backend> LlamaModel<B> {
         picked_rows: &[u32],
     ) {
         // A decode step may run as a recorded graph, its batch padded to the graph's size.
-        let graph_rows = if seqs.iter().all(|s| s.token_ids.len() == 1) {
+        let graph_rows = if self.graphs && seqs.iter().all(|s| s.token_ids.len() == 1) {
             backend.graph_rows(seqs.len())
         } else {
             None

@@ -15,7 +15,9 @@
 //! One `schedule()` is O(running + admitted rows + blocks allocated), no hashing on the
 //! decode path; `on_step_done()` is O(rows + newly full blocks).
 
-use crate::spec::{LatencyCurve, NgramCalibration, NgramDrafter};
+use crate::spec::{
+    LatencyCurve, ModelDraftCalibration, ModelDrafter, NgramCalibration, NgramDrafter, SeqDrafter,
+};
 use std::collections::{HashMap, VecDeque};
 
 use self::resources::{DeferredRelease, Reserve};
@@ -75,6 +77,8 @@ pub struct Scheduler {
     pending_events: Vec<SeqEvent>,
     /// What every sequence's prompt-lookup drafter learned about acceptance.
     ngram_calibration: NgramCalibration,
+    /// What every sequence's model drafter learned about its draft probabilities.
+    model_draft_calibration: ModelDraftCalibration,
     /// Decode step seconds by rows, measured on this hardware: with the cost model's
     /// attention terms, what confidence-scheduled verification prices steps with.
     decode_curve: Option<LatencyCurve>,
@@ -112,6 +116,7 @@ impl Scheduler {
                 NGRAM_MAX,
                 cfg.num_speculative_tokens,
             ),
+            model_draft_calibration: ModelDrafter::calibration(cfg.num_speculative_tokens),
             cfg,
         }
     }
@@ -207,11 +212,15 @@ impl Scheduler {
         }
         let mut seq = Sequence::new(req, self.next_arrival);
         if cfg.num_speculative_tokens > 0 {
-            seq.drafter = Some(NgramDrafter::with_calibration(
-                NGRAM_MIN,
-                NGRAM_MAX,
-                self.ngram_calibration.clone(),
-            ));
+            seq.drafter = Some(if cfg.model_drafts {
+                SeqDrafter::Model(ModelDrafter::new(self.model_draft_calibration.clone()))
+            } else {
+                SeqDrafter::Ngram(NgramDrafter::with_calibration(
+                    NGRAM_MIN,
+                    NGRAM_MAX,
+                    self.ngram_calibration.clone(),
+                ))
+            });
         }
         self.next_arrival += 1;
         let idx = match self.free_seq_slots.pop() {

@@ -13,7 +13,7 @@
 //! when it reaches `num_tokens()`; a decode row is the case of exactly one position left.
 
 use super::{SeqId, StepId};
-use crate::spec::NgramDrafter;
+use crate::spec::SeqDrafter;
 
 /// A generation request handed to [`Scheduler::add`](super::Scheduler::add).
 #[derive(Debug, Clone, PartialEq)]
@@ -100,7 +100,7 @@ pub struct Sequence {
     /// The latest sampling row planned for this sequence.
     pub last_sample_row: Option<RowRef>,
     /// Proposes draft tokens when speculative decoding is on.
-    pub drafter: Option<NgramDrafter>,
+    pub drafter: Option<SeqDrafter>,
 }
 
 impl Sequence {

@@ -5,6 +5,8 @@
 //!
 //! - [`NgramDrafter`]: prompt lookup — the continuation of the latest earlier occurrence of
 //!   the sequence's last n tokens; confidence calibrated online from observed acceptance.
+//! - [`ModelDrafter`]: a draft model run by the rank worker; the plan carries placeholders,
+//!   confidences are the draft's own probabilities (one step late), calibrated.
 //! - [`verify`]: greedy, stochastic rejection sampling (the output distribution is the
 //!   target's), and the Gumbel-coupled mode whose seeded output does not depend on how many
 //!   drafts were verified.
@@ -16,6 +18,7 @@
 mod calibration;
 mod distribution;
 mod latency;
+mod model_drafter;
 mod ngram;
 mod planner;
 pub mod verify;
@@ -23,6 +26,7 @@ pub mod verify;
 pub use calibration::Calibration;
 pub use distribution::{TargetDistribution, gumbel_pick};
 pub use latency::{CurveStore, LatencyCurve};
+pub use model_drafter::{MODEL_DRAFT, ModelDraftCalibration, ModelDrafter};
 pub use ngram::{NgramCalibration, NgramDrafter};
 pub use planner::{
     ConfidenceBuffer, CurveCost, SpecRequest, StepCost, VerifyPlan, plan_verification,
@@ -42,4 +46,34 @@ pub trait Drafter {
     fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft>;
     /// What verification made of the last proposal: `num_accepted` of `num_verified`.
     fn observe(&mut self, num_verified: usize, num_accepted: usize);
+    /// The probabilities a draft model gave the drafts it filled in for the last proposal.
+    fn observe_draft_probs(&mut self, _probs: &[f32]) {}
+}
+
+/// A sequence's drafter, as the engine configures it.
+#[derive(Debug, Clone)]
+pub enum SeqDrafter {
+    Ngram(NgramDrafter),
+    Model(ModelDrafter),
+}
+
+impl Drafter for SeqDrafter {
+    fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft> {
+        match self {
+            SeqDrafter::Ngram(d) => d.propose(history, max_drafts),
+            SeqDrafter::Model(d) => d.propose(history, max_drafts),
+        }
+    }
+    fn observe(&mut self, num_verified: usize, num_accepted: usize) {
+        match self {
+            SeqDrafter::Ngram(d) => d.observe(num_verified, num_accepted),
+            SeqDrafter::Model(d) => d.observe(num_verified, num_accepted),
+        }
+    }
+    fn observe_draft_probs(&mut self, probs: &[f32]) {
+        match self {
+            SeqDrafter::Ngram(d) => d.observe_draft_probs(probs),
+            SeqDrafter::Model(d) => d.observe_draft_probs(probs),
+        }
+    }
 }

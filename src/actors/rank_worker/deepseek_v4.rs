@@ -105,6 +105,7 @@ impl DeviceModel for DsV4OnHost {
             verify_picks: vec![None; sampling.len()],
             host_row,
             host,
+            model_drafts: Vec::new(),
         };
         LaunchedStep {
             logits: Box::new(move || out),

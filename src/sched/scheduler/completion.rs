@@ -2,12 +2,27 @@
 //! for rejected drafts), finished sequences released.
 
 use super::{Scheduler, SeqStatus};
+use crate::sched::SeqId;
 use crate::sched::{SeqEvent, StepId};
 use crate::spec::Drafter;
 
 impl Scheduler {
     /// Takes step `step_id`'s results, one token per sampling row. See the module doc for
     /// the contract.
+    /// Before `on_step_verified` of the same step: the probabilities a draft model gave
+    /// the drafts it filled in, per sequence (`--spec draft`), for its drafter's
+    /// confidences.
+    pub fn observe_draft_probs(&mut self, probs: &[(SeqId, &[f32])]) {
+        for &(seq_id, p) in probs {
+            let Some(&idx) = self.idx_of.get(&seq_id) else {
+                continue;
+            };
+            if let Some(drafter) = self.seqs[idx].as_mut().and_then(|s| s.drafter.as_mut()) {
+                drafter.observe_draft_probs(p);
+            }
+        }
+    }
+
     pub fn on_step_done(
         &mut self,
         step_id: StepId,
