@@ -3,7 +3,7 @@
 # the engine scenarios and the fault-injection tests with CUDA rank workers. Build here and
 # carry gpu-bin/:
 #   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_sampling \
-#     --test engine --test fault_injection --test spec_decoding --no-run
+#     --test engine --test fault_injection --test spec_decoding --test spec_draft_model --no-run
 #   (copy each executable it names to gpu-bin/<test name>)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ for t in cuda_attention cuda_layers cuda_sampling; do
   echo "== $t (kernels vs the CPU reference)"
   gpu-bin/$t --test-threads 1 || status=1
 done
-for t in fault_injection engine spec_decoding; do
+for t in fault_injection engine spec_decoding spec_draft_model; do
   echo "== $t (CUDA rank worker)"
   # The CLI scenario runs the default model on the CPU and needs the network: not here.
   gpu-bin/$t --test-threads 1 --skip cli_runs_64_prompts || status=1
