@@ -4,6 +4,7 @@
 
 mod common;
 
+use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason};
 use troupe::model::deepseek_v4::cache::DsV4Cache;
 use troupe::model::deepseek_v4::config::DsV4Config;
@@ -201,13 +202,16 @@ async fn aborted_requests_give_back_their_blocks_and_slots() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
     let mut tp = engine_config("tiny-dsv4-a", 2, 8, 64);
-    tp.tensor_parallel_size = 2;
+    tp.tensor_parallel_size = 3;
     let mut cuda = engine_config("tiny-dsv4-a", 2, 8, 64);
     cuda.device = Device::Cuda(0);
     let mut tiny = engine_config("tiny-dsv4-a", 2, 8, 64);
     tiny.kv_cache_bytes = 100;
     for (cfg, want) in [
-        (tp, "DeepSeek-V4: runs on one rank"),
+        (
+            tp,
+            "expert parallel size 3 does not divide the model's 4 routed experts",
+        ),
         (cuda, "DeepSeek-V4: runs on the CPU backend only"),
         (tiny, "more than the cache budget of 100"),
     ] {
@@ -358,4 +362,83 @@ async fn speculative_decoding_gives_the_tokens_of_plain_decoding() {
             engine.shutdown(true).await;
         }
     }
+}
+
+/// The greedy prompt's continuation and each prompt's next token at several lengths, with
+/// what transformers says they are.
+fn reference_batch(r: &Reference) -> (Vec<EngineRequest>, Vec<Vec<u32>>) {
+    let mut requests = vec![greedy(r.greedy_prompt.clone(), r.greedy_tokens.len())];
+    let mut expected = vec![r.greedy_tokens.clone()];
+    for (p, prompt) in r.prompts.iter().enumerate() {
+        for len in [1, 5, 9, 17, 29] {
+            requests.push(greedy(prompt[..len].to_vec(), 1));
+            expected.push(vec![r.argmax[p][len - 1]]);
+        }
+    }
+    (requests, expected)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expert_parallel_groups_give_the_tokens_of_transformers() {
+    // Group sizes dividing each model's routed experts (4 and 6); EPLB placing experts
+    // for the group moves work between ranks every 8 steps.
+    for (name, size, eplb_redundant) in [
+        ("tiny-dsv4-a", 2, None),
+        ("tiny-dsv4-a", 4, None),
+        ("tiny-dsv4-b", 3, None),
+        ("tiny-dsv4-a", 2, Some(2)),
+    ] {
+        let r = reference(name);
+        let mut cfg = engine_config(name, 6, 64, 8);
+        cfg.tensor_parallel_size = size;
+        cfg.eplb = eplb_redundant.map(|num_redundant_experts| troupe::eplb::EplbSettings {
+            num_ranks: size,
+            num_redundant_experts,
+            window_steps: 8,
+            period_steps: 8,
+        });
+        let engine = Engine::spawn(cfg).await.unwrap();
+        let (requests, expected) = reference_batch(&r);
+        let got = run_all(&engine, requests).await;
+        assert_eq!(
+            got, expected,
+            "{name}, {size} ranks, EPLB {eplb_redundant:?}"
+        );
+        let status = engine.status().await.unwrap();
+        assert_eq!(status.tensor_parallel_size, size, "{status:?}");
+        if eplb_redundant.is_some() {
+            assert!(status.num_eplb_rebalances > 0, "{status:?}");
+        }
+        assert_everything_free(&engine).await;
+        engine.shutdown(true).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_rank_shrinks_the_expert_parallel_group_and_every_request_finishes() {
+    let r = reference("tiny-dsv4-a");
+    let faults = FaultPlan::default();
+    let mut cfg = engine_config("tiny-dsv4-a", 6, 64, 8);
+    cfg.tensor_parallel_size = 4;
+    let engine = Engine::spawn_with_faults(cfg, faults.clone())
+        .await
+        .unwrap();
+    let (requests, expected) = reference_batch(&r);
+    let mut streams = Vec::new();
+    for q in requests {
+        streams.push(engine.generate(q).await.unwrap());
+    }
+    // The rank on the last device dies at its next step and that device never starts
+    // again: of the three left, two ranks divide the 4 experts.
+    faults.lose_device(3);
+    for (i, (s, want)) in streams.into_iter().zip(&expected).enumerate() {
+        let o = s.collect().await;
+        assert!(o.error.is_none(), "request {i}: {:?}", o.error);
+        assert_eq!(&o.token_ids, want, "request {i}");
+    }
+    let status = engine.status().await.unwrap();
+    assert_eq!(status.tensor_parallel_size, 2, "{status:?}");
+    assert!(status.num_resets >= 2, "{status:?}");
+    assert_everything_free(&engine).await;
+    engine.shutdown(true).await;
 }

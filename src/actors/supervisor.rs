@@ -16,6 +16,7 @@ use super::sampler::{SamplerActor, SamplerArgs, SamplerMsg};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg};
 use crate::engine::Device;
 use crate::model::config::ModelConfig;
+use crate::model::deepseek_v4::expert_parallel::largest_valid_ep;
 use crate::parallel::{ChannelCollective, GroupAbort, GroupJoin, TpShard, largest_valid_tp};
 
 pub struct SupervisorArgs {
@@ -45,6 +46,8 @@ pub struct RankArgsTemplate {
     pub enforce_eager: bool,
     pub decode_curve: Option<super::decode_curve::CurveJob>,
     pub draft_model_path: Option<std::path::PathBuf>,
+    /// DeepSeek-V4: a group is expert-parallel, sized by its routed experts.
+    pub num_routed_experts: Option<usize>,
 }
 
 pub enum SupervisorMsg {
@@ -85,7 +88,11 @@ async fn spawn_group(
         let healthy: Vec<usize> = (0..st.rank.devices.len())
             .filter(|&d| !st.lost[d])
             .collect();
-        let Some(size) = largest_valid_tp(&st.rank.model_config, healthy.len()) else {
+        let largest = match st.rank.num_routed_experts {
+            Some(experts) => largest_valid_ep(experts, healthy.len()),
+            None => largest_valid_tp(&st.rank.model_config, healthy.len()),
+        };
+        let Some(size) = largest else {
             return Err(format!(
                 "no tensor-parallel group fits the {} device(s) still starting{}",
                 healthy.len(),

@@ -178,6 +178,7 @@ impl Engine {
                 dummy_weights: cfg.dummy_weights,
                 enforce_eager: cfg.enforce_eager,
                 decode_curve,
+                num_routed_experts: text.deepseek_v4.as_ref().map(|d| d.num_routed_experts),
                 draft_model_path: draft.as_ref().map(|_| {
                     cfg.draft_model_path
                         .clone()

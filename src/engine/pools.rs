@@ -48,8 +48,12 @@ pub(super) fn size_pools(
     if cfg.device != Device::Cpu {
         return refuse("runs on the CPU backend only (its CUDA kernels are not written yet)");
     }
-    if cfg.tensor_parallel_size != 1 {
-        return refuse("runs on one rank (expert parallelism is not built yet)");
+    // Several ranks form an expert-parallel group (attention replicated on each).
+    if let Some(problem) = crate::model::deepseek_v4::expert_parallel::ep_problem(
+        ds.num_routed_experts,
+        cfg.tensor_parallel_size,
+    ) {
+        return refuse(&problem);
     }
     if let Some(settings) = cfg.eplb {
         settings

@@ -162,6 +162,11 @@ impl Eplb {
         &self.placements
     }
 
+    /// The expert-parallel group size the placements are for.
+    pub fn num_ranks(&self) -> usize {
+        self.cfg.num_ranks
+    }
+
     pub fn num_rebalances(&self) -> u64 {
         self.num_rebalances
     }

@@ -1,13 +1,18 @@
 //! A rank running DeepSeek-V4 on the host (the f32 reference pass): its cache is state
-//! slots plus paged compressed entries, and every logit row goes to the sampler.
+//! slots plus paged compressed entries, and every logit row goes to the sampler. In a
+//! group of several ranks it is one rank of an expert-parallel group
+//! (`model::deepseek_v4::expert_parallel`).
 
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::actors::sampler::{RowSampling, StepLogits};
 use crate::eplb::{BalanceReport, Eplb};
+use crate::kernels::Backend;
+use crate::kernels::cpu::CpuBackend;
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
+use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
-use crate::parallel::GroupJoin;
+use crate::parallel::{GroupJoin, TpShard};
 
 pub(super) struct DsV4OnHost {
     model: DsV4Model,
@@ -16,6 +21,9 @@ pub(super) struct DsV4OnHost {
     moe_balance: BalanceReport,
     /// Tokens per (layer, routed expert) of the current step.
     expert_tokens: Vec<Vec<u64>>,
+    shard: TpShard,
+    /// Set by `join_group` when the group has more than one rank.
+    group: Option<ExpertGroup>,
 }
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
@@ -44,6 +52,8 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         eplb,
         moe_balance: args.moe_balance.clone(),
         expert_tokens: vec![vec![0; experts]; layers],
+        shard: args.shard,
+        group: None,
     }))
 }
 
@@ -78,7 +88,12 @@ impl DeviceModel for DsV4OnHost {
         self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
         let logits = self
             .model
-            .forward_counting(&mut self.cache, &ds_steps, &mut self.expert_tokens)
+            .forward_in_group(
+                &mut self.cache,
+                &ds_steps,
+                &mut self.expert_tokens,
+                self.group.as_mut(),
+            )
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
         if let Some(eplb) = &mut self.eplb {
             // Weights would move between ranks after a rebalance: never mid-prefill.
@@ -86,6 +101,12 @@ impl DeviceModel for DsV4OnHost {
             eplb.on_step(&self.expert_tokens, prefill_running)
                 .unwrap_or_else(|e| panic!("EPLB: {e}"));
             self.moe_balance.publish(eplb);
+            if let Some(group) = &mut self.group
+                && group.shard.placements.is_some()
+            {
+                // Every rank saw the same loads: the same new placement, the same step.
+                group.shard.placements = Some(eplb.placements().to_vec());
+            }
         }
         let vocab = self.model.vocab_size();
         let mut host_row = vec![None; sampling.len()];
@@ -118,8 +139,25 @@ impl DeviceModel for DsV4OnHost {
         self.model.vocab_size()
     }
 
-    fn join_group(&mut self, _join: GroupJoin) -> Result<(), String> {
-        Err("DeepSeek-V4 runs on one rank (expert parallelism is not built yet)".into())
+    fn join_group(&mut self, join: GroupJoin) -> Result<(), String> {
+        let backend = CpuBackend {
+            batch_invariant: false,
+        };
+        let collective = backend.join_group(join)?;
+        // EPLB's placement drives ownership when it places experts for this group.
+        let placements = self
+            .eplb
+            .as_ref()
+            .filter(|e| e.num_ranks() == self.shard.size)
+            .map(|e| e.placements().to_vec());
+        self.group = Some(ExpertGroup {
+            shard: ExpertShard {
+                shard: self.shard,
+                placements,
+            },
+            collective,
+        });
+        Ok(())
     }
 
     fn device_label(&self) -> String {

@@ -15,6 +15,7 @@
 pub mod attention;
 pub mod cache;
 pub mod config;
+pub mod expert_parallel;
 pub mod mhc;
 pub mod moe;
 pub mod ops;
@@ -107,6 +108,19 @@ impl DsV4Model {
         steps: &[DsSeqStep<'_>],
         expert_tokens: &mut [Vec<u64>],
     ) -> Result<Vec<f32>> {
+        self.forward_in_group(cache, steps, expert_tokens, None)
+    }
+
+    /// `forward_counting` as one rank of an expert-parallel group (`None`: alone): this
+    /// rank's routed products only, summed over the group after each MoE layer. Every rank
+    /// of the group runs it with the same steps. (The counts are of all tokens.)
+    pub fn forward_in_group(
+        &self,
+        cache: &mut DsV4Cache,
+        steps: &[DsSeqStep<'_>],
+        expert_tokens: &mut [Vec<u64>],
+        mut group: Option<&mut expert_parallel::ExpertGroup>,
+    ) -> Result<Vec<f32>> {
         let cfg = &self.cfg;
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         for (i, s) in steps.iter().enumerate() {
@@ -182,7 +196,7 @@ impl DsV4Model {
                         num_logit_rows: 1,
                     };
                     let mut scratch = vec![vec![0; cfg.num_routed_experts]; cfg.num_layers];
-                    self.forward_counting(cache, &[replay], &mut scratch)?;
+                    self.forward_in_group(cache, &[replay], &mut scratch, group.as_deref_mut())?;
                 }
             }
             if s.num_logit_rows > 1 {
@@ -237,7 +251,11 @@ impl DsV4Model {
             let m = mhc::mix(&w.ffn_hc, &streams, cfg);
             let mut x = m.collapsed.clone();
             ops::rms_norm(&mut x, d, Some(&w.ffn_norm), cfg.rms_norm_eps);
-            let y = moe::moe(cfg, l, &w.moe, &x, &token_ids, &mut expert_tokens[l]);
+            let shard = group.as_ref().map(|g| &g.shard);
+            let mut y = moe::moe(cfg, l, &w.moe, &x, &token_ids, &mut expert_tokens[l], shard);
+            if let Some(g) = group.as_deref_mut() {
+                g.combine(&mut y);
+            }
             mhc::merge(&m, &mut streams, &y, n_hc, d);
         }
         for s in steps {

@@ -5,11 +5,13 @@
 use rayon::prelude::*;
 
 use super::config::{DsV4Config, MlpKind};
+use super::expert_parallel::ExpertShard;
 use super::ops::{score, silu, top_k};
 use super::weights::{Expert, Moe};
 
 /// `x` is `[tokens, hidden]` (the normed block input); returns `[tokens, hidden]` and adds
-/// each routed expert's tokens to `expert_tokens`.
+/// each routed expert's tokens to `expert_tokens`. In an expert-parallel group (`shard`)
+/// the output holds only this rank's products: the group sums it.
 pub fn moe(
     cfg: &DsV4Config,
     layer: usize,
@@ -17,6 +19,7 @@ pub fn moe(
     x: &[f32],
     token_ids: &[u32],
     expert_tokens: &mut [u64],
+    shard: Option<&ExpertShard>,
 ) -> Vec<f32> {
     let d = cfg.hidden_size;
     let tokens = x.len() / d;
@@ -48,11 +51,17 @@ pub fn moe(
         let total: f32 = chosen.iter().map(|&e| s[e]).sum::<f32>() + 1e-20;
         for &e in &chosen {
             expert_tokens[e] += 1;
-            routed[e].push((t, s[e] / total * cfg.routed_scaling_factor));
+            if shard.is_none_or(|sh| sh.computes(layer, num_experts, e, t)) {
+                routed[e].push((t, s[e] / total * cfg.routed_scaling_factor));
+            }
         }
     }
 
-    let mut out = expert(&w.shared, x, cfg.swiglu_limit);
+    let mut out = if shard.is_none_or(ExpertShard::computes_shared) {
+        expert(&w.shared, x, cfg.swiglu_limit)
+    } else {
+        vec![0.0; x.len()]
+    };
     // Experts run in parallel; their outputs are added in expert order, so the sum's
     // order does not depend on the thread count.
     let outputs: Vec<(usize, Vec<f32>)> = routed
