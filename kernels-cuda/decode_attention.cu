@@ -44,8 +44,8 @@ template <int HD, int G>
 __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const float* q,
                               const bf16_t* k_cache, const bf16_t* v_cache,
                               const u32* block_tables, const u32* row_table,
-                              const u32* row_visible, int num_kv_heads, int block_size,
-                              float scale, int num_splits) {
+                              const u32* row_visible, const u32* split_rows, int num_kv_heads,
+                              int block_size, float scale, int num_splits) {
     constexpr int LANES = HD / 8;             // lanes reading one key (16 bytes each)
     constexpr int GROUPS = 32 / LANES;        // keys a warp reads at once
     constexpr int NG = GQA_WARPS * GROUPS;    // lane groups in the block
@@ -54,7 +54,7 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
     constexpr int U = G > 4 ? 2 : (PER_GROUP < 4 ? PER_GROUP : 4);  // keys unpacked at once
     extern __shared__ uint4 gqa_smem[];       // [stage][K, V][SK][LANES]
     __shared__ float s_m[NG][G], s_l[NG][G];
-    int row = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    int row = SPLIT_ROW(split_rows), kvh = blockIdx.y, split = blockIdx.z;
     u32 flagged = row_visible[row];
     if (flagged & FLASH_ROW) return;
     int visible = flagged;
@@ -228,11 +228,12 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
                                           const float* q, const bf16_t* k_cache,              \
                                           const bf16_t* v_cache, const u32* block_tables,     \
                                           const u32* row_table, const u32* row_visible,       \
-                                          int num_kv_heads, int block_size, float scale,      \
-                                          int num_splits) { pdl_enter();                      \
+                                          const u32* split_rows, int num_kv_heads,            \
+                                          int block_size, float scale, int num_splits) {      \
+        pdl_enter();                                                                           \
         attention_gqa<HD, G>(out, part_o, part_ml, q, k_cache, v_cache, block_tables,         \
-                             row_table, row_visible, num_kv_heads, block_size, scale,         \
-                             num_splits);                                                      \
+                             row_table, row_visible, split_rows, num_kv_heads, block_size,    \
+                             scale, num_splits);                                               \
     }
 GQA_ENTRY(64, 1)
 GQA_ENTRY(64, 2)

@@ -11,6 +11,10 @@
 #define PAD_SLOT 0xffffffffu
 // Marks, in row_visible, a row that flash_prefill_kernel computes.
 #define FLASH_ROW 0x80000000u
+// The row a decode-attention block (x index) works on: in a step that mixes prefill chunks
+// and decode rows, only the decode rows get blocks (`split_rows` lists them), so thousands
+// of flash rows do not each launch a block that only returns; otherwise every row.
+#define SPLIT_ROW(split_rows) ((split_rows) != 0 ? (int)(split_rows)[blockIdx.x] : (int)blockIdx.x)
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -115,9 +119,11 @@ extern "C" __global__ void add_bias_kernel(float* y, const float* bias, int rows
 // between the sum and the write. Rows whose width is not a multiple of 4 or is wider than
 // 4 · RMS_VECS · blockDim take the strided loop. `residual`, when given, gets x added first
 // (residual += x) and the norm is of the sum.
+// `out_bf16`, when given, gets a bf16 copy of the output (the next GEMM's operand, so that
+// cuBLAS's input needs no conversion launch of its own).
 #define RMS_VECS 4
 __device__ void rms_norm_row(float* residual, const float* x, const float* w, float eps, int dim,
-                             float* out) {
+                             float* out, bf16_t* out_bf16) {
     __shared__ float scratch[32];
     long long base = (long long)blockIdx.x * dim;
     int n4 = dim >> 2;
@@ -150,8 +156,15 @@ __device__ void rms_norm_row(float* residual, const float* x, const float* w, fl
             int c = threadIdx.x + i * blockDim.x;
             if (c >= n4) continue;
             float4 g = wr[c];
-            o[c] = make_float4(v[i].x * inv * g.x, v[i].y * inv * g.y, v[i].z * inv * g.z,
-                               v[i].w * inv * g.w);
+            float4 r = make_float4(v[i].x * inv * g.x, v[i].y * inv * g.y, v[i].z * inv * g.z,
+                                   v[i].w * inv * g.w);
+            o[c] = r;
+            if (out_bf16 != 0) {
+                uint2 packed;
+                packed.x = (u32)f32_to_bf16(r.x) | ((u32)f32_to_bf16(r.y) << 16);
+                packed.y = (u32)f32_to_bf16(r.z) | ((u32)f32_to_bf16(r.w) << 16);
+                ((uint2*)(out_bf16 + base))[c] = packed;
+            }
         }
         return;
     }
@@ -166,22 +179,27 @@ __device__ void rms_norm_row(float* residual, const float* x, const float* w, fl
         ss += v * v;
     }
     float inv = rsqrtf(block_sum(ss, scratch) / dim + eps);
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) out[base + d] = xr[d] * inv * w[d];
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        float r = xr[d] * inv * w[d];
+        out[base + d] = r;
+        if (out_bf16 != 0) out_bf16[base + d] = f32_to_bf16(r);
+    }
 }
 
 // out = x / rms(x) * w.
 extern "C" __global__ void __launch_bounds__(1024)
-    rms_norm_kernel(float* out, const float* x, const float* w, float eps, int dim) {
+    rms_norm_kernel(float* out, const float* x, const float* w, float eps, int dim,
+                    bf16_t* out_bf16) {
     pdl_enter();
-    rms_norm_row(0, x, w, eps, dim, out);
+    rms_norm_row(0, x, w, eps, dim, out, out_bf16);
 }
 
 // residual += x; out = rms_norm(residual) * w.
 extern "C" __global__ void __launch_bounds__(1024)
     add_rms_norm_kernel(float* residual, const float* x, const float* w, float eps, int dim,
-                        float* out) {
+                        float* out, bf16_t* out_bf16) {
     pdl_enter();
-    rms_norm_row(residual, x, w, eps, dim, out);
+    rms_norm_row(residual, x, w, eps, dim, out, out_bf16);
 }
 
 extern "C" __global__ void add_kernel(float* residual, const float* x, long long n) {
@@ -209,13 +227,17 @@ extern "C" __global__ void rope_kernel(float* x, const u32* positions, int num_h
 }
 
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i]
-extern "C" __global__ void silu_mul_kernel(float* out, const float* gate_up, int rows, int width) {
+// `out_bf16`, when given, gets a bf16 copy (the down projection's cuBLAS operand).
+extern "C" __global__ void silu_mul_kernel(float* out, const float* gate_up, int rows, int width,
+                                           bf16_t* out_bf16) {
     pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * width) return;
     long long r = i / width, c = i % width;
     float g = gate_up[r * 2 * width + c], u = gate_up[r * 2 * width + width + c];
-    out[i] = g / (1.0f + expf(-g)) * u;
+    float a = g / (1.0f + expf(-g)) * u;
+    out[i] = a;
+    if (out_bf16 != 0) out_bf16[i] = f32_to_bf16(a);
 }
 
 extern "C" __global__ void copy_columns_kernel(float* dst, const float* src, int src_width,
@@ -352,11 +374,12 @@ template <typename T>
 __device__ void attention_split(
     float* out, float* part_o, float* part_ml, const float* q, const T* k_cache,
     const T* v_cache, const u32* block_tables, const u32* row_table, const u32* row_visible,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int num_splits) {
+    const u32* split_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, int num_splits) {
     __shared__ float q_s[256];
     __shared__ float p_s[ATT_CHUNK];
     __shared__ float scratch[32];
-    int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
+    int row = SPLIT_ROW(split_rows), h = blockIdx.y, split = blockIdx.z;
     u32 flagged = row_visible[row];
     if (flagged & FLASH_ROW) return;
     int visible = flagged;
@@ -429,12 +452,13 @@ __device__ void attention_split(
 #define SPLIT_ENTRY(NAME, T)                                                                    \
     extern "C" __global__ void NAME(float* out, float* part_o, float* part_ml, const float* q,  \
                                     const T* k_cache, const T* v_cache, const u32* block_tables,  \
-                                    const u32* row_table, const u32* row_visible, int num_heads,  \
-                                    int num_kv_heads, int head_dim, int block_size, float scale,  \
-                                    int num_splits) { pdl_enter();                                \
+                                    const u32* row_table, const u32* row_visible,                \
+                                    const u32* split_rows, int num_heads, int num_kv_heads,       \
+                                    int head_dim, int block_size, float scale, int num_splits) {  \
+        pdl_enter();                                                                            \
         attention_split(out, part_o, part_ml, q, k_cache, v_cache, block_tables, row_table,      \
-                        row_visible, num_heads, num_kv_heads, head_dim, block_size, scale,       \
-                        num_splits);                                                             \
+                        row_visible, split_rows, num_heads, num_kv_heads, head_dim, block_size,  \
+                        scale, num_splits);                                                      \
     }
 SPLIT_ENTRY(attention_split_f32_kernel, float)
 SPLIT_ENTRY(attention_split_bf16_kernel, bf16_t)
@@ -446,11 +470,12 @@ SPLIT_ENTRY(attention_split_bf16_kernel, bf16_t)
 // num_splits ≤ blockDim (the host's MAX_SPLITS ≤ 128).
 extern "C" __global__ void attention_combine_kernel(float* out, const float* part_o,
                                                     const float* part_ml, const u32* row_visible,
-                                                    int num_heads, int head_dim, int num_splits) {
+                                                    const u32* split_rows, int num_heads,
+                                                    int head_dim, int num_splits) {
     pdl_enter();
     __shared__ float scratch[32];
     __shared__ float weight[128];
-    int row = blockIdx.x, h = blockIdx.y;
+    int row = SPLIT_ROW(split_rows), h = blockIdx.y;
     if (row_visible[row] & FLASH_ROW) return;  // flash_prefill_kernel's row
     long long base = ((long long)row * num_heads + h) * num_splits;
     int s = threadIdx.x;

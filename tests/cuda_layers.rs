@@ -139,3 +139,57 @@ fn fused_mlp_activation_matches_the_cpu_backend_and_the_unfused_kernels() {
     }
     assert!(failures.is_empty(), "activations differ: {failures:?}");
 }
+
+#[test]
+fn a_gemm_after_a_norm_or_the_activation_reads_their_bf16_copy_bit_for_bit() {
+    // The norm and silu·mul leave a bf16 copy of their output for cuBLAS (wide batches);
+    // the GEMM must give what it gives when it converts the same values itself.
+    let (gpu, _) = backends();
+    let (rows, dim, width) = (9, 512, 1001);
+    let w_in = gpu.upload_matrix(HostMatrix {
+        rows: 2 * width,
+        cols: dim,
+        data: HostData::Bf16(
+            random(21, 2 * width * dim)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect(),
+        ),
+    });
+    let w_down = gpu.upload_matrix(HostMatrix {
+        rows: dim,
+        cols: width,
+        data: HostData::Bf16(
+            random(22, dim * width)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect(),
+        ),
+    });
+    let mut residual = gpu.upload(&random(23, rows * dim));
+    let x = gpu.upload(&random(24, rows * dim));
+    let norm_w = gpu.upload(&random(25, dim));
+    let mut normed = gpu.alloc(rows * dim);
+    gpu.add_rms_norm(&mut residual, &x, &norm_w, 1e-5, rows, dim, &mut normed);
+    let mut gate_up = gpu.alloc(rows * 2 * width);
+    gpu.matmul(&normed, rows, &w_in, None, &mut gate_up);
+    let mut act = gpu.alloc(rows * width);
+    gpu.silu_mul(&gate_up, rows, width, &mut act);
+    let mut down = gpu.alloc(rows * dim);
+    gpu.matmul(&act, rows, &w_down, None, &mut down);
+    // The same products from plain copies of the operands (no bf16 copy recorded).
+    let normed_copy = gpu.upload(&gpu.download(&normed, rows * dim));
+    let mut gate_up_copy = gpu.alloc(rows * 2 * width);
+    gpu.matmul(&normed_copy, rows, &w_in, None, &mut gate_up_copy);
+    let act_copy = gpu.upload(&gpu.download(&act, rows * width));
+    let mut down_copy = gpu.alloc(rows * dim);
+    gpu.matmul(&act_copy, rows, &w_down, None, &mut down_copy);
+    assert_eq!(
+        gpu.download(&gate_up, rows * 2 * width),
+        gpu.download(&gate_up_copy, rows * 2 * width)
+    );
+    assert_eq!(
+        gpu.download(&down, rows * dim),
+        gpu.download(&down_copy, rows * dim)
+    );
+}

@@ -61,7 +61,7 @@ impl CudaBackend {
         // not depend on whether its chunk had one token or many.
         let flash = cache.kv_bf16 && !self.batch_invariant && matches!(shape.head_dim, 64 | 128);
         let mut tiles: Vec<u32> = Vec::new();
-        let mut num_split_rows = 0;
+        let mut split_rows: Vec<u32> = Vec::new();
         for s in seqs {
             let offset = tables.len() as u32;
             tables.extend_from_slice(s.block_table);
@@ -75,7 +75,7 @@ impl CudaBackend {
                     visible as u32 | if in_flash { FLASH_ROW } else { 0 };
                 if !in_flash {
                     max_visible = max_visible.max(visible);
-                    num_split_rows += 1;
+                    split_rows.push((s.query_start + t) as u32);
                 }
             }
             if in_flash {
@@ -103,12 +103,24 @@ impl CudaBackend {
         );
         assert!(shape.head_dim <= 256, "attention supports head_dim ≤ 256");
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        if !tiles.is_empty() {
+        let num_split_rows = split_rows.len();
+        // A step with prefill tiles gives blocks to its decode rows only (they are listed);
+        // otherwise (every graph step) each row is one, and no list is passed.
+        let split_rows_d = if tiles.is_empty() {
+            None
+        } else {
             self.flash_prefill(q, cache, layer, tables_d.ptr, &tiles, num_heads, out);
             if num_split_rows == 0 {
                 return;
             }
-        }
+            Some(self.upload_u32(Meta::Rows, &split_rows))
+        };
+        let split_rows_ptr: u64 = split_rows_d.as_ref().map_or(0, |d| d.ptr);
+        let grid_rows = if tiles.is_empty() {
+            num_rows
+        } else {
+            num_split_rows
+        };
         // Decode rows over a bf16 cache: one block per KV head computes its query heads.
         let group = num_heads / shape.num_kv_heads;
         let gqa = (cache.kv_bf16
@@ -140,7 +152,7 @@ impl CudaBackend {
         let (kc, vc) = cache.layer(layer, &self.stream);
         let cfg = LaunchConfig {
             grid_dim: (
-                num_rows.max(1) as u32,
+                grid_rows.max(1) as u32,
                 (num_heads / heads_per_block) as u32,
                 num_splits as u32,
             ),
@@ -166,6 +178,7 @@ impl CudaBackend {
                     .arg(&tables_d.ptr)
                     .arg(&rt_d.ptr)
                     .arg(&rv_d.ptr)
+                    .arg(&split_rows_ptr)
                     .arg(&nkv)
                     .arg(&bs)
                     .arg(&scale)
@@ -184,6 +197,7 @@ impl CudaBackend {
                     .arg(&tables_d.ptr)
                     .arg(&rt_d.ptr)
                     .arg(&rv_d.ptr)
+                    .arg(&split_rows_ptr)
                     .arg(&nh)
                     .arg(&nkv)
                     .arg(&hd)
@@ -198,7 +212,7 @@ impl CudaBackend {
             return;
         }
         let cfg = LaunchConfig {
-            grid_dim: (num_rows as u32, num_heads as u32, 1),
+            grid_dim: (grid_rows as u32, num_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -211,6 +225,7 @@ impl CudaBackend {
                     .arg(&*part_o)
                     .arg(&*part_ml)
                     .arg(&rv_d.ptr)
+                    .arg(&split_rows_ptr)
                     .arg(&nh)
                     .arg(&hd)
                     .arg(&splits)

@@ -35,11 +35,8 @@ impl CudaBackend {
         );
     }
 
-    fn to_bf16(
-        &self,
-        x: &CudaSlice<f32>,
-        n: usize,
-    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+    /// The bf16 scratch, at least `n` long.
+    fn bf16_scratch(&self, n: usize) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if scratch.as_ref().is_none_or(|s| s.len() < n) {
             self.moved();
@@ -48,6 +45,50 @@ impl CudaBackend {
                 "alloc",
             ));
         }
+        scratch
+    }
+
+    /// Where the kernel about to write the first `n` values of `source` also writes their
+    /// bf16 copy: the scratch, recorded as holding it, so that the next GEMM of `source`
+    /// skips its conversion launch (`bf16_operand`). 0 — no copy — in the batch-invariant
+    /// mode, whose GEMMs never take bf16 operands.
+    pub(super) fn bf16_twin(&self, source: &CudaSlice<f32>, n: usize) -> u64 {
+        if self.batch_invariant {
+            return 0;
+        }
+        let scratch = self.bf16_scratch(n);
+        let (ptr, _guard) = scratch
+            .as_ref()
+            .expect("allocated above")
+            .device_ptr(&self.stream);
+        *self.twin.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((source.device_ptr(&self.stream).0, n));
+        ptr
+    }
+
+    /// `x`'s first `n` values in bf16, in the scratch: already there when the kernel that
+    /// wrote `x` left its copy (`twin`, taken from `bf16_twin` by the GEMM), else converted
+    /// now.
+    fn bf16_operand(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        twin: Option<(u64, usize)>,
+    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+        if twin == Some((x.device_ptr(&self.stream).0, n)) {
+            return self.bf16_scratch(n);
+        }
+        self.to_bf16(x, n)
+    }
+
+    fn to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+        // The scratch is overwritten: whatever copy it held is gone.
+        *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let mut scratch = self.bf16_scratch(n);
         let out = scratch.as_mut().expect("allocated above");
         let n64 = n as i64;
         // SAFETY: `out` holds at least n elements; `x` at least n.
@@ -77,6 +118,8 @@ impl CudaBackend {
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
         };
         let (m, n, k) = (num_rows, w.rows, w.cols);
+        // Every GEMM takes the recorded copy, used or not: a copy lives for one GEMM.
+        let twin = self.twin.lock().unwrap_or_else(|e| e.into_inner()).take();
         if self.batch_invariant {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
             let cfg = LaunchConfig {
@@ -128,7 +171,7 @@ impl CudaBackend {
             self.add_bias(out, bias, m, n);
             return;
         }
-        let xb = self.to_bf16(x, m * k);
+        let xb = self.bf16_operand(x, m * k, twin);
         let xb = xb.as_ref().expect("scratch allocated");
         let (alpha, beta) = (1.0f32, 0.0f32);
         {

@@ -72,6 +72,9 @@ pub struct CudaBackend {
     kernels: Kernels,
     /// Activations in bf16 for the GEMMs; grown on demand.
     scratch: Mutex<Option<CudaSlice<bf16>>>,
+    /// The f32 buffer (address, length) whose bf16 copy `scratch` holds, written by the
+    /// kernel that produced it (`matmul.rs`: `bf16_twin`).
+    twin: Mutex<Option<(u64, usize)>>,
     /// Recent uploads, newest last; entries are never written after upload.
     uploads: Mutex<UploadCache>,
     /// Decode steps recorded as CUDA graphs (off with `--enforce-eager`).
@@ -187,6 +190,7 @@ impl CudaBackend {
             blas,
             kernels,
             scratch: Mutex::new(None),
+            twin: Mutex::new(None),
         })
     }
 
@@ -391,6 +395,7 @@ impl Backend for CudaBackend {
                     .arg(weight)
                     .arg(&eps)
                     .arg(&d)
+                    .arg(&0u64)
                     .launch(per_norm_row(num_rows, dim))
             },
             "rms_norm",
@@ -411,6 +416,8 @@ impl Backend for CudaBackend {
             return;
         }
         let d = dim as i32;
+        // Its output is the next GEMM's operand: the bf16 copy saves that GEMM a launch.
+        let twin = self.bf16_twin(out, num_rows * dim);
         // SAFETY: residual, x and out hold num_rows·dim elements.
         check(
             unsafe {
@@ -421,7 +428,8 @@ impl Backend for CudaBackend {
                     .arg(weight)
                     .arg(&eps)
                     .arg(&d)
-                    .arg(out)
+                    .arg(&mut *out)
+                    .arg(&twin)
                     .launch(per_norm_row(num_rows, dim))
             },
             "add_rms_norm",
@@ -487,15 +495,17 @@ impl Backend for CudaBackend {
             return;
         }
         let (r, w) = (num_rows as i32, width as i32);
+        let twin = self.bf16_twin(out, num_rows * width);
         // SAFETY: gate_up holds rows·2·width, out rows·width.
         check(
             unsafe {
                 self.stream
                     .launch_builder(&self.kernels.silu_mul)
-                    .arg(out)
+                    .arg(&mut *out)
                     .arg(gate_up)
                     .arg(&r)
                     .arg(&w)
+                    .arg(&twin)
                     .launch(grid_for(num_rows * width))
             },
             "silu_mul",
