@@ -1,0 +1,442 @@
+//! `Backend` for the CUDA backend: each operation a launch of troupe's kernels (or cuBLAS),
+//! skipped while a recorded decode step replays; the step's metadata through `upload_u32`.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::graph::{self, Meta};
+use super::{CudaBackend, CudaKvCache, CudaMatrix, check, grid_for, per_norm_row, per_row};
+use crate::kernels::{Backend, HostMatrix, KvCacheShape, SeqAttention};
+
+impl Backend for CudaBackend {
+    type Buf = CudaSlice<f32>;
+    type Matrix = CudaMatrix;
+    type KvCache = CudaKvCache;
+
+    fn join_group(
+        &self,
+        join: crate::parallel::GroupJoin,
+    ) -> Result<Box<dyn crate::parallel::Collective<Self>>, String> {
+        match join {
+            crate::parallel::GroupJoin::Nccl(join) => Ok(Box::new(self.join_nccl(join)?)),
+            crate::parallel::GroupJoin::Channels(_) => {
+                Err("a CUDA rank joins its group through NCCL, not in-process channels".into())
+            }
+        }
+    }
+    fn device_name(&self) -> String {
+        let gpu = self
+            .ctx
+            .name()
+            .unwrap_or_else(|e| format!("unnamed GPU ({e})"));
+        let mut driver: std::ffi::c_int = 0;
+        // SAFETY: writes one int.
+        let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        format!("cuda {gpu}, driver {driver}, graphs {}", self.cuda_graphs)
+    }
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload_matrix(&self, m: HostMatrix) -> CudaMatrix {
+        self.upload_weights(m)
+    }
+
+    fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
+        check(self.stream.clone_htod(data), "upload")
+    }
+
+    fn alloc(&self, len: usize) -> CudaSlice<f32> {
+        check(self.stream.alloc_zeros::<f32>(len.max(1)), "alloc")
+    }
+
+    fn alloc_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
+        self.new_kv_cache(shape)
+    }
+
+    fn download(&self, buf: &CudaSlice<f32>, len: usize) -> Vec<f32> {
+        let mut out = vec![0f32; len];
+        check(
+            self.stream.memcpy_dtoh(&buf.slice(0..len), &mut out),
+            "download",
+        );
+        out
+    }
+
+    fn embedding(&self, table: &CudaMatrix, ids: &[u32], picked: &[u32], out: &mut CudaSlice<f32>) {
+        let ids_d = self.upload_u32(Meta::Ids, ids);
+        let picked_d = (!picked.is_empty()).then(|| self.upload_u32(Meta::Picked, picked));
+        if self.replaying() {
+            return;
+        }
+        let picked_ptr = picked_d.as_ref().map_or(0u64, |p| p.ptr);
+        let picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
+        let dim = table.cols as i32;
+        // SAFETY: ids < table.rows (checked by the scheduler), picked indices < MAX_PICKS,
+        // out holds ids.len() rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.embedding)
+                    .arg(out)
+                    .arg(&table.w)
+                    .arg(&ids_d.ptr)
+                    .arg(&picked_ptr)
+                    .arg(&picks.0)
+                    .arg(&dim)
+                    // Wide blocks: a batch-1 step's one row is a few rounds of loads.
+                    .launch(LaunchConfig {
+                        block_dim: (1024, 1, 1),
+                        ..per_row(ids.len())
+                    })
+            },
+            "embedding",
+        );
+    }
+
+    fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        num_rows: usize,
+        w: &CudaMatrix,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        self.gemm(x, num_rows, w, bias, out);
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        let d = dim as i32;
+        // SAFETY: x and out hold num_rows·dim elements, weight dim.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.rms_norm)
+                    .arg(out)
+                    .arg(x)
+                    .arg(weight)
+                    .arg(&eps)
+                    .arg(&d)
+                    .arg(&0u64)
+                    .launch(per_norm_row(num_rows, dim))
+            },
+            "rms_norm",
+        );
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        let d = dim as i32;
+        // Its output is the next GEMM's operand: the bf16 copy saves that GEMM a launch.
+        let twin = self.bf16_twin(out, num_rows * dim);
+        // SAFETY: residual, x and out hold num_rows·dim elements.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.add_rms_norm)
+                    .arg(residual)
+                    .arg(x)
+                    .arg(weight)
+                    .arg(&eps)
+                    .arg(&d)
+                    .arg(&mut *out)
+                    .arg(&twin)
+                    .launch(per_norm_row(num_rows, dim))
+            },
+            "add_rms_norm",
+        );
+    }
+
+    fn add(&self, residual: &mut CudaSlice<f32>, x: &CudaSlice<f32>, len: usize) {
+        if self.replaying() {
+            return;
+        }
+        let n = len as i64;
+        // SAFETY: both hold len elements.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.add)
+                    .arg(residual)
+                    .arg(x)
+                    .arg(&n)
+                    .launch(grid_for(len))
+            },
+            "add",
+        );
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &[u32],
+        num_heads: usize,
+        head_dim: usize,
+        cos_sin: &CudaSlice<f32>,
+    ) {
+        let pos = self.upload_u32(Meta::Positions, positions);
+        if self.replaying() {
+            return;
+        }
+        let (h, hd) = (num_heads as i32, head_dim as i32);
+        // SAFETY: x holds positions.len() rows of num_heads·head_dim; cos_sin covers them.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.rope)
+                    .arg(x)
+                    .arg(&pos.ptr)
+                    .arg(&h)
+                    .arg(&hd)
+                    .arg(cos_sin)
+                    .launch(per_row(positions.len()))
+            },
+            "rope",
+        );
+    }
+
+    fn silu_mul(
+        &self,
+        gate_up: &CudaSlice<f32>,
+        num_rows: usize,
+        width: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        let (r, w) = (num_rows as i32, width as i32);
+        let twin = self.bf16_twin(out, num_rows * width);
+        // SAFETY: gate_up holds rows·2·width, out rows·width.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.silu_mul)
+                    .arg(&mut *out)
+                    .arg(gate_up)
+                    .arg(&r)
+                    .arg(&w)
+                    .arg(&twin)
+                    .launch(grid_for(num_rows * width))
+            },
+            "silu_mul",
+        );
+    }
+
+    fn gate_up_silu(
+        &self,
+        x: &CudaSlice<f32>,
+        num_rows: usize,
+        w: &CudaMatrix,
+        width: usize,
+        gate_up: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        if !self.gemv_silu(x, num_rows, w, width, out) {
+            self.gemm(x, num_rows, w, None, gate_up);
+            self.silu_mul(gate_up, num_rows, width, out);
+        }
+    }
+
+    fn copy_columns(
+        &self,
+        src: &CudaSlice<f32>,
+        src_width: usize,
+        col_start: usize,
+        width: usize,
+        num_rows: usize,
+        dst: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        let (sw, cs, w, r) = (
+            src_width as i32,
+            col_start as i32,
+            width as i32,
+            num_rows as i32,
+        );
+        // SAFETY: src holds rows·src_width, dst rows·width.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.copy_columns)
+                    .arg(dst)
+                    .arg(src)
+                    .arg(&sw)
+                    .arg(&cs)
+                    .arg(&w)
+                    .arg(&r)
+                    .launch(grid_for(num_rows * width))
+            },
+            "copy_columns",
+        );
+    }
+
+    fn kv_write(
+        &self,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        slots: &[u32],
+    ) {
+        self.write_kv(cache, layer, k, v, slots);
+    }
+
+    fn qkv_into_cache(
+        &self,
+        qkv: &CudaSlice<f32>,
+        heads: crate::kernels::QkvHeads,
+        qk_norm: Option<(&CudaSlice<f32>, &CudaSlice<f32>, f32)>,
+        positions: &[u32],
+        cos_sin: &CudaSlice<f32>,
+        cache: &mut CudaKvCache,
+        layer: usize,
+        slots: &[u32],
+        q_out: &mut CudaSlice<f32>,
+    ) -> bool {
+        self.split_qkv_into_cache(
+            qkv, heads, qk_norm, positions, cos_sin, cache, layer, slots, q_out,
+        )
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        cache: &CudaKvCache,
+        layer: usize,
+        seqs: &[SeqAttention<'_>],
+        num_heads: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        self.attention(q, cache, layer, seqs, num_heads, out);
+    }
+
+    fn pick_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: &[crate::kernels::PickRow<'_>],
+    ) -> crate::kernels::Pending<Vec<(u32, f32)>> {
+        self.device_picks(logits, vocab, rows)
+    }
+
+    fn picks_stay_on_device(&self) -> bool {
+        true
+    }
+
+    fn samples_on_device(&self) -> bool {
+        true
+    }
+
+    fn timeline_mark(&self) -> Option<crate::kernels::DeviceMark> {
+        // Not while a graph is being captured: an event recorded then belongs to the graph.
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let event = self.stream.record_event(Some(flags)).ok()?;
+        Some(crate::kernels::DeviceMark::new(EventMark(event)))
+    }
+
+    fn download_rows(&self, logits: &CudaSlice<f32>, vocab: usize, rows: &[usize]) -> Vec<f32> {
+        if rows.iter().enumerate().all(|(i, &r)| i == r) {
+            return self.download(logits, rows.len() * vocab);
+        }
+        let mut packed = self.alloc(rows.len() * vocab);
+        self.gather_rows(logits, vocab, rows, &mut packed);
+        self.download(&packed, rows.len() * vocab)
+    }
+
+    fn graph_rows(&self, num_rows: usize) -> Option<usize> {
+        if self.cuda_graphs {
+            graph::padded_rows(num_rows)
+        } else {
+            None
+        }
+    }
+
+    fn begin_graph_step(&self, rows: usize, max_blocks_per_seq: usize) {
+        self.graphs()
+            .begin(&self.ctx, &self.stream, rows, max_blocks_per_seq);
+    }
+
+    fn end_graph_step(&self) {
+        self.graphs().end(&self.stream);
+    }
+
+    fn buffers_moved(&self) {
+        self.moved();
+    }
+
+    fn gather_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut CudaSlice<f32>,
+    ) {
+        let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let rows_d = self.upload_u32(Meta::Rows, &rows_u32);
+        if self.replaying() {
+            return;
+        }
+        let (w, n) = (width as i32, rows.len() as i32);
+        // SAFETY: every row index is inside x; out holds rows.len()·width.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.gather_rows)
+                    .arg(out)
+                    .arg(x)
+                    .arg(&rows_d.ptr)
+                    .arg(&w)
+                    .arg(&n)
+                    .launch(grid_for(rows.len() * width))
+            },
+            "gather_rows",
+        );
+    }
+}
+
+/// A timing event on the backend's stream.
+struct EventMark(cudarc::driver::CudaEvent);
+
+impl crate::kernels::TimelineMark for EventMark {
+    fn secs_until(&self, later: &dyn crate::kernels::TimelineMark) -> Option<f64> {
+        let later = later.as_any().downcast_ref::<EventMark>()?;
+        self.0
+            .elapsed_ms(&later.0)
+            .ok()
+            .map(|ms| f64::from(ms.max(0.0)) / 1e3)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
