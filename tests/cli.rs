@@ -471,6 +471,15 @@ fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
     );
     let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(common::ids(&line["token_ids"]), want);
+    // Two ranks: an expert-parallel group (2 of the 4 routed experts each).
+    let out = troupe(&[&args[..], &["--tp", "2"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(common::ids(&line["token_ids"]), want);
     // Text needs a tokenizer the tiny checkpoint does not have.
     assert_clear_error(
         &troupe(&["generate", "--model", &model, "--prompt", "hi"]),
@@ -484,9 +493,9 @@ fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
             "--prompt-ids",
             "1,2",
             "--tp",
-            "2",
+            "3",
         ]),
-        "DeepSeek-V4: runs on one rank",
+        "expert parallel size 3 does not divide the model's 4 routed experts",
     );
 }
 
