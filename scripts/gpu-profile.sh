@@ -14,33 +14,35 @@ export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x8
 export TROUPE_HOME=/tmp/troupe-home
 FINAL=${OUT:-/tmp/out}
 OUT=$FINAL/raw  # tarred at the end: a call brings back only a few files
-mkdir -p "$OUT" /tmp/prof
+mkdir -p "$OUT"
+export PROF=$(mktemp -d)  # configs and prompt files
 MODE=${1:-decode}
 python3 - <<'PY'
-import json, sys, torch
+import json, os, sys, torch
 from transformers import LlamaConfig, Qwen3Config
 sys.path.insert(0, "scripts")
+prof = os.environ["PROF"]
 from gpu_bench import offline_requests
 Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
             max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-            tie_word_embeddings=True).save_pretrained("/tmp/prof/offline")
-with open("/tmp/prof/offline.jsonl", "w") as f:
+            tie_word_embeddings=True).save_pretrained(f"{prof}/offline")
+with open(f"{prof}/offline.jsonl", "w") as f:
     for r in offline_requests():
         f.write(json.dumps(r) + "\n")
 LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False).save_pretrained("/tmp/prof/8b")
+            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False).save_pretrained(f"{prof}/8b")
 prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-open("/tmp/prof/p256.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 256}) + "\n")
-open("/tmp/prof/p12.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 12}) + "\n")
+open(f"{prof}/p256.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 256}) + "\n")
+open(f"{prof}/p12.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 12}) + "\n")
 PY
-MODEL=/tmp/prof/8b; LAYERS=32; SHORT=/tmp/prof/p12.jsonl; SKIP=1500; RUNS="graphs nopdl eager"
+MODEL=$PROF/8b; LAYERS=32; SHORT=$PROF/p12.jsonl; SKIP=1500; RUNS="graphs nopdl eager"
 KV=(--kv-cache-mib 4096)
 if [ "$MODE" = offline ]; then
   # The first ~1 500 launches: the prefill-heavy steps at the start (PROFILE_SKIP moves
   # the window); the KV cache as the benchmark sizes it.
-  MODEL=/tmp/prof/offline; LAYERS=28; SHORT=/tmp/prof/offline.jsonl; SKIP=${PROFILE_SKIP:-0}
+  MODEL=$PROF/offline; LAYERS=28; SHORT=$PROF/offline.jsonl; SKIP=${PROFILE_SKIP:-0}
   RUNS=graphs; KV=()
 fi
 run() { target/release/troupe generate --model $MODEL --device cuda --dummy-weights \
@@ -48,7 +50,7 @@ run() { target/release/troupe generate --model $MODEL --device cuda --dummy-weig
 for mode in $RUNS; do
   extra=(); [ $mode = eager ] && extra=(--enforce-eager)
   pdl=1; [ $mode = nopdl ] && pdl=0
-  long=/tmp/prof/p256.jsonl; [ "$MODE" = offline ] && long=/tmp/prof/offline.jsonl
+  long=$PROF/p256.jsonl; [ "$MODE" = offline ] && long=$PROF/offline.jsonl
   TROUPE_PDL=$pdl run --prompts-file $long "${extra[@]}" > "$OUT/tokens-$mode.jsonl" \
     2> "$OUT/decode-$mode.log" || { tail -3 "$OUT/decode-$mode.log"; }
   grep '^{' "$OUT/decode-$mode.log" | tail -1 > "$OUT/stats-$mode.json"

@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::engine::{ok_outputs, reference_outputs, tiny_config, tokens};
+use common::engine::{ok_outputs, reference_outputs, run_engine, tiny_config, tokens};
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{
-    Engine, EngineConfig, EngineRequest, EngineStatus, RequestOutput, SpecAcceptance, SpecConfig,
-    SpecMethod, SpecVerify,
+    Engine, EngineConfig, EngineRequest, EngineStatus, SpecAcceptance, SpecConfig, SpecMethod,
+    SpecVerify,
 };
 use troupe::sampling::{SamplingParams, splitmix64};
 
@@ -50,17 +50,6 @@ fn repetitive_requests(
             r
         })
         .collect()
-}
-
-async fn run(
-    cfg: EngineConfig,
-    requests: Vec<EngineRequest>,
-) -> (Vec<RequestOutput>, EngineStatus) {
-    let engine = Engine::spawn(cfg).await.unwrap();
-    let out = ok_outputs(&engine, requests).await;
-    let status = engine.status().await.unwrap();
-    engine.shutdown(true).await;
-    (out, status)
 }
 
 /// Drafts went through verification and some were kept: otherwise the comparisons above
@@ -102,7 +91,7 @@ async fn greedy_output_with_ngram_speculation_equals_plain_decoding() {
             let mut cfg = tiny_config(model);
             cfg.zero_overhead_scheduling = zos;
             cfg.speculative = ngram(4, verify);
-            let (got, status) = run(cfg, requests.clone()).await;
+            let (got, status) = run_engine(cfg, requests.clone()).await;
             assert_eq!(tokens(&got), want, "{model}, zos={zos}, {verify:?}");
             assert_speculated(&status, model);
         }
@@ -130,11 +119,11 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
     for invariant in [false, true] {
         let mut base = tiny_config("tiny-llama");
         base.batch_invariant = invariant;
-        let (want, _) = run(base.clone(), requests.clone()).await;
+        let (want, _) = run_engine(base.clone(), requests.clone()).await;
         for (k, verify) in [(1, SpecVerify::Fixed), (5, SpecVerify::Confidence)] {
             let mut cfg = base.clone();
             cfg.speculative = ngram(k, verify);
-            let (got, status) = run(cfg, requests.clone()).await;
+            let (got, status) = run_engine(cfg, requests.clone()).await;
             // On a GPU outside the invariant mode a verify row's logits (a multi-row GEMM)
             // and a decode row's (a GEMV) round differently in bf16, and a seeded draw near
             // a boundary may flip: the identity holds bitwise in the invariant mode.
@@ -236,7 +225,7 @@ async fn rejection_acceptance_keeps_greedy_output_and_is_reproducible_when_sampl
     let want = reference_outputs("tiny-llama", &greedy);
     let mut cfg = tiny_config("tiny-llama");
     cfg.speculative = rejection(4);
-    let (got, status) = run(cfg.clone(), greedy).await;
+    let (got, status) = run_engine(cfg.clone(), greedy).await;
     assert_eq!(tokens(&got), want);
     assert_speculated(&status, "greedy, rejection");
     // Sampled: the same seeds give the same tokens run after run (the acceptance draws
@@ -248,14 +237,14 @@ async fn rejection_acceptance_keeps_greedy_output_and_is_reproducible_when_sampl
     for (i, r) in sampled.iter_mut().enumerate() {
         r.seed = Some(77 + i as u64);
     }
-    let (first, status) = run(cfg.clone(), sampled.clone()).await;
-    let (second, _) = run(cfg.clone(), sampled.clone()).await;
+    let (first, status) = run_engine(cfg.clone(), sampled.clone()).await;
+    let (second, _) = run_engine(cfg.clone(), sampled.clone()).await;
     assert_eq!(tokens(&first), tokens(&second));
     assert_speculated(&status, "sampled, rejection");
     // Its draws are its own (the acceptance stream), not plain decoding's: the tokens part
     // from the coupled run's somewhere, which shows the rejection path ran.
     cfg.speculative = ngram(4, SpecVerify::Fixed);
-    let (coupled, _) = run(cfg, sampled).await;
+    let (coupled, _) = run_engine(cfg, sampled).await;
     assert_ne!(tokens(&first), tokens(&coupled));
 }
 

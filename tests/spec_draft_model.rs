@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::engine::{ok_outputs, reference_outputs, tiny_config, tokens};
+use common::engine::{ok_outputs, reference_outputs, run_engine, tiny_config, tokens};
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{
-    Engine, EngineConfig, EngineRequest, EngineStatus, RequestOutput, SpecAcceptance, SpecConfig,
-    SpecMethod, SpecVerify,
+    Engine, EngineConfig, EngineRequest, EngineStatus, SpecAcceptance, SpecConfig, SpecMethod,
+    SpecVerify,
 };
 use troupe::sampling::{SamplingParams, splitmix64};
 
@@ -42,17 +42,6 @@ fn requests(n: usize, seed: u64, params: impl Fn(usize) -> SamplingParams) -> Ve
         .collect()
 }
 
-async fn run(
-    cfg: EngineConfig,
-    requests: Vec<EngineRequest>,
-) -> (Vec<RequestOutput>, EngineStatus) {
-    let engine = Engine::spawn(cfg).await.unwrap();
-    let out = ok_outputs(&engine, requests).await;
-    let status = engine.status().await.unwrap();
-    engine.shutdown(true).await;
-    (out, status)
-}
-
 fn acceptance(status: &EngineStatus) -> f64 {
     assert!(
         status.num_spec_verify_rows > 0,
@@ -74,7 +63,7 @@ async fn greedy_output_with_a_draft_model_equals_plain_decoding() {
     ] {
         let mut cfg = draft_config("tiny-llama", draft, 4, verify);
         cfg.zero_overhead_scheduling = zos;
-        let (got, status) = run(cfg, reqs.clone()).await;
+        let (got, status) = run_engine(cfg, reqs.clone()).await;
         assert_eq!(tokens(&got), want, "draft {draft}, zos={zos}, {verify:?}");
         let rate = acceptance(&status);
         if draft == "tiny-llama" {
@@ -97,11 +86,11 @@ async fn seeded_sampling_with_a_draft_model_equals_plain_decoding() {
     let reqs = requests(24, 7, params);
     let mut base = tiny_config("tiny-llama");
     base.batch_invariant = true;
-    let (want, _) = run(base.clone(), reqs.clone()).await;
+    let (want, _) = run_engine(base.clone(), reqs.clone()).await;
     for verify in [SpecVerify::Fixed, SpecVerify::Confidence] {
         let mut cfg = draft_config("tiny-llama", "tiny-llama", 3, verify);
         cfg.batch_invariant = true;
-        let (got, status) = run(cfg, reqs.clone()).await;
+        let (got, status) = run_engine(cfg, reqs.clone()).await;
         assert_eq!(tokens(&got), tokens(&want), "{verify:?}");
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.token_logprobs, w.token_logprobs, "{verify:?}");

@@ -2,7 +2,7 @@
 //! reference outputs of the synchronous `Generator` run one request at a time.
 #![allow(dead_code)]
 
-use troupe::engine::{Device, Engine, EngineConfig, EngineRequest, RequestOutput};
+use troupe::engine::{Device, Engine, EngineConfig, EngineRequest, EngineStatus, RequestOutput};
 use troupe::generate::{GenerateRequest, Generator};
 use troupe::kernels::cpu::CpuBackend;
 use troupe::sampling::{SamplingParams, splitmix64};
@@ -131,4 +131,17 @@ pub async fn assert_finished_unchanged(
         "blocks leaked: {status:?}"
     );
     status
+}
+
+/// A fresh engine's outputs for `requests` (all accepted, none failed) and its status
+/// after them.
+pub async fn run_engine(
+    cfg: EngineConfig,
+    requests: Vec<EngineRequest>,
+) -> (Vec<RequestOutput>, EngineStatus) {
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let out = ok_outputs(&engine, requests).await;
+    let status = engine.status().await.unwrap();
+    engine.shutdown(true).await;
+    (out, status)
 }

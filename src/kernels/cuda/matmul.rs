@@ -3,7 +3,9 @@
 //! f32 activations, f32 accumulate and output); in the batch-invariant mode troupe's
 //! fixed-tile kernel.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use half::bf16;
 
 use super::{CudaBackend, CudaMatrix, check, grid_for};
@@ -146,28 +148,7 @@ impl CudaBackend {
             return;
         }
         if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k.is_multiple_of(8)) {
-            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(cols) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: x holds m·k, w n·k, out m·n elements; k is a multiple of 8, so every
-            // row starts 16-byte aligned.
-            check(
-                unsafe {
-                    self.stream
-                        .launch_builder(kernel)
-                        .arg(&mut *out)
-                        .arg(x)
-                        .arg(&w.w)
-                        .arg(&mi)
-                        .arg(&ni)
-                        .arg(&ki)
-                        .launch(cfg)
-                },
-                "gemv",
-            );
+            self.launch_gemv(kernel, n.div_ceil(cols), x, m, w, out);
             self.add_bias(out, bias, m, n);
             return;
         }
@@ -220,22 +201,37 @@ impl CudaBackend {
         width: usize,
         out: &mut CudaSlice<f32>,
     ) -> bool {
-        let k = w.cols;
         let fused = self
             .kernels
             .gemv_silu_for(num_rows)
-            .filter(|_| !self.batch_invariant && k.is_multiple_of(8) && w.rows == 2 * width);
+            .filter(|_| !self.batch_invariant && w.cols.is_multiple_of(8) && w.rows == 2 * width);
         let Some((kernel, cols)) = fused else {
             return false;
         };
-        let (mi, ni, ki) = (num_rows as i32, w.rows as i32, k as i32);
+        // Each block pairs cols / 2 gate columns with their up partners.
+        self.launch_gemv(kernel, width.div_ceil(cols / 2), x, num_rows, w, out);
+        true
+    }
+
+    /// One `gemv.cu` kernel over `x[num_rows, w.cols]` and `w`, in `num_blocks` blocks.
+    fn launch_gemv(
+        &self,
+        kernel: &CudaFunction,
+        num_blocks: usize,
+        x: &CudaSlice<f32>,
+        num_rows: usize,
+        w: &CudaMatrix,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let (mi, ni, ki) = (num_rows as i32, w.rows as i32, w.cols as i32);
         let cfg = LaunchConfig {
-            grid_dim: (width.div_ceil(cols / 2) as u32, 1, 1),
+            grid_dim: (num_blocks as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: x holds num_rows·k, w 2·width·k, out num_rows·width elements; k is a
-        // multiple of 8, so every row starts 16-byte aligned.
+        // SAFETY: x holds num_rows·w.cols elements and out what the kernel writes for those
+        // rows (num_rows·w.rows, or half of that for the activation); w.cols is a multiple
+        // of 8, so every row starts 16-byte aligned.
         check(
             unsafe {
                 self.stream
@@ -248,8 +244,7 @@ impl CudaBackend {
                     .arg(&ki)
                     .launch(cfg)
             },
-            "gemv_silu",
+            "gemv",
         );
-        true
     }
 }
