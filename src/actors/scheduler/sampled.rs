@@ -1,0 +1,110 @@
+//! A step's sampled tokens into the core, request outputs and status counters.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc as StdArc;
+
+use super::{SchedulerState, TokenLogprobs, request_id_of};
+use crate::actors::status::MAX_SPEC_POSITIONS;
+use crate::engine::RequestOutput;
+use crate::sched::{FinishReason, SeqEvent, SeqId};
+
+impl SchedulerState {
+    pub(super) fn on_sampled(
+        &mut self,
+        step_id: u64,
+        tokens: Vec<Vec<u32>>,
+        token_logprobs: Vec<Vec<f32>>,
+        top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
+        draft_probs: Vec<Vec<f32>>,
+        secs: f64,
+    ) {
+        let Some(plan) = self.in_flight.pop_front() else {
+            return;
+        };
+        debug_assert_eq!(plan.step_id, step_id, "steps complete in plan order");
+        let num_tokens: usize = plan.rows.iter().map(|r| r.num_tokens()).sum();
+        if plan
+            .rows
+            .iter()
+            .all(|r| r.num_tokens() == 1 + r.num_draft_tokens)
+        {
+            // A decode step: the tokens it yields (a verify row's accepted drafts count).
+            let num_yielded: usize = tokens.iter().map(Vec::len).sum();
+            self.status.num_decode_tokens += num_yielded as u64;
+            self.status.decode_secs += secs;
+        } else {
+            self.status.num_prefill_tokens += num_tokens as u64;
+            self.status.prefill_secs += secs;
+        }
+        // Per sequence, its tokens' logprobs in emission order.
+        let mut logprobs_of: HashMap<SeqId, VecDeque<TokenLogprobs>> = HashMap::new();
+        let sampling_rows = plan.rows.iter().filter(|r| r.sample);
+        for ((row, lps), tops) in sampling_rows.zip(token_logprobs).zip(top_logprobs) {
+            if row.num_draft_tokens > 0 {
+                self.status.num_spec_verified_tokens += row.num_draft_tokens as u64;
+                self.status.num_spec_verify_rows += 1;
+            }
+            logprobs_of.insert(row.seq_id, lps.into_iter().zip(tops).collect());
+        }
+        for (row, t) in plan.rows.iter().filter(|r| r.sample).zip(&tokens) {
+            if row.num_draft_tokens > 0 {
+                let num_accepted = t.len().saturating_sub(1);
+                self.status.num_spec_accepted_tokens += num_accepted as u64;
+                let s = &mut self.status;
+                for i in 0..row.num_draft_tokens.min(MAX_SPEC_POSITIONS) {
+                    s.spec_verified_by_position[i] += 1;
+                    s.spec_accepted_by_position[i] += (i < num_accepted) as u64;
+                }
+            }
+        }
+        let probs: Vec<(SeqId, &[f32])> = plan
+            .rows
+            .iter()
+            .filter(|r| r.sample)
+            .zip(&draft_probs)
+            .filter(|(_, p)| !p.is_empty())
+            .map(|(r, p)| (r.seq_id, p.as_slice()))
+            .collect();
+        self.core.observe_draft_probs(&probs);
+        let per_row: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
+        for event in self.core.on_step_verified(step_id, &per_row, secs) {
+            match event {
+                SeqEvent::Token { seq_id, token } => {
+                    let Some(r) = self.requests.get_mut(&seq_id) else {
+                        continue;
+                    };
+                    StdArc::make_mut(&mut r.token_ids).push(token);
+                    let (logprob, top) = logprobs_of
+                        .get_mut(&seq_id)
+                        .and_then(VecDeque::pop_front)
+                        .unwrap_or_default();
+                    let with_top = r.params.num_top_logprobs > 0;
+                    let index = r.index;
+                    let (text, stopped) = self.text_delta(seq_id, false);
+                    let out = RequestOutput {
+                        request_id: request_id_of(seq_id),
+                        index,
+                        token_ids: vec![token],
+                        text,
+                        token_logprobs: vec![logprob],
+                        top_logprobs: if with_top { vec![top] } else { Vec::new() },
+                        ..Default::default()
+                    };
+                    self.emit(seq_id, out);
+                    // Only while the request is still wanted: `emit` aborts it when the
+                    // caller has gone.
+                    if let Some(r) = self.requests.get_mut(&seq_id) {
+                        let forks = std::mem::take(&mut r.pending_forks);
+                        self.start_forks(forks);
+                    }
+                    if stopped {
+                        // The core still counts the sequence as running: end it there too.
+                        self.core.abort(seq_id);
+                        self.finish(seq_id, FinishReason::Stop);
+                    }
+                }
+                SeqEvent::Finished { seq_id, reason } => self.finish(seq_id, reason),
+            }
+        }
+    }
+}
