@@ -184,37 +184,40 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     }
 }
 
-pub(super) fn load_on<B: Backend + 'static>(
-    backend: B,
+/// The model at `path` (this rank's shard; seeded weights with `--dummy-weights`) and a KV
+/// cache of the rank's blocks laid out for it.
+fn load_with_cache<B: Backend>(
+    path: &std::path::Path,
+    backend: &B,
     args: &RankArgs,
-) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
+) -> Result<(LlamaModel<B>, B::KvCache), ActorProcessingErr> {
     let loaded = if args.dummy_weights {
-        crate::model::load_dummy_shard(&args.model_path, &backend, args.shard)?
+        crate::model::load_dummy_shard(path, backend, args.shard)?
     } else {
-        crate::model::load_shard(&args.model_path, &backend, args.shard)?
+        crate::model::load_shard(path, backend, args.shard)?
     };
     let shape = loaded
         .model
         .kv_cache_shape(args.num_kv_blocks, args.block_size);
     let cache = backend.alloc_kv_cache(shape);
+    Ok((loaded.model, cache))
+}
+
+pub(super) fn load_on<B: Backend + 'static>(
+    backend: B,
+    args: &RankArgs,
+) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
+    let (model, cache) = load_with_cache(&args.model_path, &backend, args)?;
     let draft = match &args.draft_model_path {
         Some(path) => {
-            let loaded = if args.dummy_weights {
-                crate::model::load_dummy_shard(path, &backend, args.shard)?
-            } else {
-                crate::model::load_shard(path, &backend, args.shard)?
-            };
-            let shape = loaded
-                .model
-                .kv_cache_shape(args.num_kv_blocks, args.block_size);
-            let cache = backend.alloc_kv_cache(shape);
-            Some(draft::DraftModel::new(loaded.model, cache))
+            let (draft_model, draft_cache) = load_with_cache(path, &backend, args)?;
+            Some(draft::DraftModel::new(draft_model, draft_cache))
         }
         None => None,
     };
     Ok(Box::new(OnBackend {
         backend,
-        model: loaded.model,
+        model,
         cache,
         leader: args.shard.is_leader(),
         draft,
