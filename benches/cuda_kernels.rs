@@ -73,6 +73,8 @@ fn main() {
     // Decode attention: (name, heads, kv heads, head_dim, sequences, context).
     for (name, heads, kv_heads, head_dim, seqs, ctx) in [
         ("qwen3-0.6b", 16, 8, 128, 256, 1024),
+        // The same bytes with one KV head: each block's keys lie contiguous in the cache.
+        ("qwen3-0.6b one kv head", 2, 1, 128, 2048, 1024),
         ("llama-8b", 32, 8, 128, 64, 2048),
         ("smollm2-135m", 9, 3, 64, 256, 1024),
         ("llama-8b batch 1", 32, 8, 128, 1, 512),

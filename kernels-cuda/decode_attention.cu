@@ -1,26 +1,24 @@
-// Paged decode attention over a bf16 KV cache, grouped by KV head (appended to llama.cu's
-// source, whose helpers it uses). Compiled once per head_dim and query heads per KV head.
+// Paged decode attention on tensor cores over a bf16 KV cache (appended to llama.cu's
+// source). Compiled once per head_dim; any number of query heads per KV head up to 8.
 //
-// One block per (row, KV head, split) computes all G query heads that share the KV head, so
-// each key and value is read once per row instead of G times. The kernel is bound by memory
-// bandwidth, and what keeps the bandwidth is bytes in flight: the block copies keys and
-// values into shared memory with asynchronous 16-byte copies (cp.async, no registers held),
-// GQA_STAGE_KEYS keys a stage, two stages ahead of the one it folds. There a key's
-// head_dim values are read by HD/8 lanes, 16 bytes each; each lane group keeps its own
-// online softmax over its keys of every chunk, and the groups merge at the end. Splits cover
-// contiguous runs of ATT_CHUNK-key chunks exactly as attention_split's do, and leave the
-// same partials for attention_combine_kernel. 128 threads.
-#define GQA_WARPS 4
+// A SIMT kernel spends as many instructions as the memory system had bytes
+// to give: per key and head, a 16-lane dot product, a 4-level shuffle reduction, an exp and
+// a 16-lane update of the output, so it stalls at ~0.80 of the copy bandwidth with the
+// SM's issue slots two-thirds busy. Here one mma.m16n8k16 computes the scores of 8 keys for
+// every query head of the group (the heads are the 16 rows of the A operand, rows past the
+// group zero), and the output update is another mma per 8 dimensions: per 16 keys a warp
+// issues 2·HD/16 + HD/8 mma and as many ldmatrix, against ~40 instructions per key.
+//
+// One block per (row, KV head, split); its 4 warps take 16 keys each of every 64-key stage.
+// Stages stream into shared memory by cp.async, DM_STAGES − 1 ahead of the one folded, rows
+// padded by 16 bytes so ldmatrix is free of bank conflicts. Each warp keeps an online softmax
+// per head (scores and probabilities rounded to bf16 for the mma, as the flash prefill does);
+// the warps merge at the end and leave the same partials as attention_split for
+// attention_combine_kernel. Splits cover the same ATT_CHUNK runs. The block size must be a
+// power of two (block_shift = log2). 128 threads.
 
-__device__ __forceinline__ void bf16x8_to_f32(uint4 raw, float* out) {
-    u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        out[2 * i] = __uint_as_float(w[i] << 16);  // little-endian: element 2i is the low half
-        out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
+// Asynchronous 16-byte copies from global to shared memory: no registers held while the
+// bytes are in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     u32 s;
     asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
@@ -33,27 +31,56 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Dynamic shared memory of attention_gqa<HD, G>, in bytes (the Rust side mirrors it):
-// GQA_STAGES stages of GQA_STAGE_KEYS keys and values, reused at the end for the groups'
-// partial sums.
-#define GQA_STAGES 3
-#define GQA_STAGE_KEYS 32
-#define GQA_SMEM_BYTES(HD, G) ((384 * (HD)) > (4096 * (G)) ? (384 * (HD)) : (4096 * (G)))
+// D = A·B + D on tensor cores: A 16×16 bf16 (row-major fragments), B 16×8 bf16, f32 D.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
 
-template <int HD, int G>
-__device__ void attention_gqa(float* out, float* part_o, float* part_ml, const float* q,
-                              const bf16_t* k_cache, const bf16_t* v_cache,
-                              const u32* block_tables, const u32* row_table,
-                              const u32* row_visible, const u32* split_rows, int num_kv_heads,
-                              int block_size, float scale, int num_splits) {
-    constexpr int LANES = HD / 8;             // lanes reading one key (16 bytes each)
-    constexpr int GROUPS = 32 / LANES;        // keys a warp reads at once
-    constexpr int NG = GQA_WARPS * GROUPS;    // lane groups in the block
-    constexpr int SK = GQA_STAGE_KEYS;
-    constexpr int PER_GROUP = SK / NG;        // keys of a stage each group folds
-    constexpr int U = G > 4 ? 2 : (PER_GROUP < 4 ? PER_GROUP : 4);  // keys unpacked at once
-    extern __shared__ uint4 gqa_smem[];       // [stage][K, V][SK][LANES]
-    __shared__ float s_m[NG][G], s_l[NG][G];
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#define DM_KEYS 64
+#define DM_STAGES 3
+#define DM_MAX_GROUP 8
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(s) : "l"(p));
+    return s;
+}
+
+// Four 8×8 bf16 matrices from shared memory; lane l names row l % 8 of matrix l / 8. Thread
+// (g, t) = (lane / 4, lane % 4) gets row g, columns 2t and 2t + 1 of each; `.trans` gives it
+// column g, rows 2t and 2t + 1 instead.
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+template <int HD>
+__device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, const float* q,
+                                     const bf16_t* k_cache, const bf16_t* v_cache,
+                                     const u32* block_tables, const u32* row_table,
+                                     const u32* row_visible, const u32* split_rows,
+                                     int num_kv_heads, int group, int block_shift, float scale,
+                                     int num_splits) {
+    constexpr int RS = HD + 8;       // row stride in bf16
+    constexpr int PIECES = HD / 8;   // 16-byte pieces of a key
+    constexpr int DSTEPS = HD / 16;  // k-steps of the scores
+    constexpr int DTILES = HD / 8;   // n-tiles of the output
+    extern __shared__ __align__(16) bf16_t dm_smem[];  // [stage][K, V][DM_KEYS][RS]
+    __shared__ float s_m[4][DM_MAX_GROUP], s_l[4][DM_MAX_GROUP];
     int row = SPLIT_ROW(split_rows), kvh = blockIdx.y, split = blockIdx.z;
     u32 flagged = row_visible[row];
     if (flagged & FLASH_ROW) return;
@@ -62,158 +89,152 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
     int per_split = (num_chunks + num_splits - 1) / num_splits;
     int start = split * per_split * ATT_CHUNK;
     int end = min(visible, start + per_split * ATT_CHUNK);
-    int num_heads = num_kv_heads * G;
+    int num_heads = num_kv_heads * group;
     long long kv_dim = (long long)num_kv_heads * HD;
     const u32* table = block_tables + row_table[row];
+    int block_mask = (1 << block_shift) - 1;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int group = lane / LANES, part = lane % LANES;
-    int gid = warp * GROUPS + group;
+    int g = lane >> 2, t = lane & 3;
     long long head_off = (long long)kvh * HD;
 
-    // The SK keys from c0 and their values into `stage`, asynchronously (keys past the end
-    // zeroed); one commit group per call, empty past the end, so that waits count calls.
+    // The DM_KEYS keys from c0 and their values into `stage` (keys past the end zeroed); one
+    // commit group per call, empty past the end, so that waits count calls.
     auto issue = [&](int c0, int stage) {
-        uint4* ks = gqa_smem + (stage * 2) * SK * LANES;
-        uint4* vs = ks + SK * LANES;
+        bf16_t* ks = dm_smem + stage * 2 * DM_KEYS * RS;
+        bf16_t* vs = ks + DM_KEYS * RS;
         if (c0 < end) {
-            for (int e = threadIdx.x; e < SK * LANES; e += blockDim.x) {
-                int key = e / LANES, piece = e % LANES, j = c0 + key;
+            for (int e = threadIdx.x; e < DM_KEYS * PIECES; e += blockDim.x) {
+                int key = e / PIECES, piece = e % PIECES, j = c0 + key;
+                uint4* kd = (uint4*)(ks + key * RS + piece * 8);
+                uint4* vd = (uint4*)(vs + key * RS + piece * 8);
                 if (j < end) {
                     long long slot =
-                        (long long)table[j / block_size] * block_size + j % block_size;
+                        ((long long)table[j >> block_shift] << block_shift) + (j & block_mask);
                     long long at = slot * kv_dim + head_off + piece * 8;
-                    cp_async16(ks + e, k_cache + at);
-                    cp_async16(vs + e, v_cache + at);
+                    cp_async16(kd, k_cache + at);
+                    cp_async16(vd, v_cache + at);
                 } else {
-                    ks[e] = make_uint4(0u, 0u, 0u, 0u);
-                    vs[e] = make_uint4(0u, 0u, 0u, 0u);
+                    *kd = make_uint4(0u, 0u, 0u, 0u);
+                    *vd = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
         }
         cp_async_commit();
     };
 
-    float qv[G][8];
+    // Q as A fragments (row g = head g of the group, scaled, bf16): qa[kk] holds dims
+    // 16kk + 2t, +1 and 16kk + 8 + 2t, +1; rows 8–15 are zero.
+    u32 qa[DSTEPS][2];
+    {
+        bool has = g < group;
+        const float* qr = q + ((long long)row * num_heads + kvh * group + (has ? g : 0)) * HD;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const float* qr = q + ((long long)row * num_heads + kvh * G + g) * HD + part * 8;
-        float4 a = *(const float4*)qr, b = *(const float4*)(qr + 4);
-        qv[g][0] = a.x * scale; qv[g][1] = a.y * scale; qv[g][2] = a.z * scale;
-        qv[g][3] = a.w * scale; qv[g][4] = b.x * scale; qv[g][5] = b.y * scale;
-        qv[g][6] = b.z * scale; qv[g][7] = b.w * scale;
+        for (int kk = 0; kk < DSTEPS; ++kk) {
+            int d = 16 * kk + 2 * t;
+            float2 a = *(const float2*)(qr + d), b = *(const float2*)(qr + d + 8);
+            qa[kk][0] = has ? pack_bf16(a.x * scale, a.y * scale) : 0u;
+            qa[kk][1] = has ? pack_bf16(b.x * scale, b.y * scale) : 0u;
+        }
     }
-    float m[G], l[G], acc[G][8];
+    // Head g's running maximum and this thread's share of its sum; its output at dims
+    // 8nd + 2t, +1 in o[nd][0..1] (o[nd][2..3] are the zero rows' and stay zero).
+    float m = NEG_INF, l = 0.0f;
+    float o[DTILES][4];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
+    for (int i = 0; i < DTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+    int num = end > start ? (end - start + DM_KEYS - 1) / DM_KEYS : 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
-    }
-    int num = end > start ? (end - start + SK - 1) / SK : 0;
-    // GQA_STAGES − 1 stages stream in ahead of the one being folded.
-#pragma unroll
-    for (int c = 0; c < GQA_STAGES - 1; ++c) issue(start + c * SK, c);
+    for (int c = 0; c < DM_STAGES - 1; ++c) issue(start + c * DM_KEYS, c);
     for (int c = 0; c < num; ++c) {
-        cp_async_wait<GQA_STAGES - 2>();  // stage c has landed
-        __syncthreads();                   // for every thread; stage c − 1 is consumed
-        issue(start + (c + GQA_STAGES - 1) * SK, (c + GQA_STAGES - 1) % GQA_STAGES);
-        const uint4* ks = gqa_smem + ((c % GQA_STAGES) * 2) * SK * LANES;
-        const uint4* vs = ks + SK * LANES;
-        int c0 = start + c * SK;
+        cp_async_wait<DM_STAGES - 2>();  // stage c has landed
+        __syncthreads();                  // for every thread; stage c − 1 is consumed
+        issue(start + (c + DM_STAGES - 1) * DM_KEYS, (c + DM_STAGES - 1) % DM_STAGES);
+        int k0 = start + c * DM_KEYS + warp * 16;  // this warp's first key
+        if (k0 >= end) continue;
+        const bf16_t* ks = dm_smem + (c % DM_STAGES) * 2 * DM_KEYS * RS + warp * 16 * RS;
+        const bf16_t* vs = ks + DM_KEYS * RS;
+        int mat = lane >> 3, r = lane & 7;
+
+        // Scores of the warp's 16 keys: n-tile nt holds keys 8nt + 2t, +1 of head g.
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-        for (int u0 = 0; u0 < PER_GROUP; u0 += U) {
-            int k0 = gid * PER_GROUP + u0;  // first key of this batch within the chunk
-            uint4 kr[U], vr[U];
+        for (int kk = 0; kk < DSTEPS; ++kk) {
+            u32 b[4];  // (keys 0–7, dims 16kk..+7), (keys 0–7, +8..), (keys 8–15, ..), (..)
+            ldmatrix_x4(b, ks + (8 * (mat >> 1) + r) * RS + 16 * kk + 8 * (mat & 1));
+            mma_bf16(s[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
+            mma_bf16(s[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
+        }
+        float mx = NEG_INF;
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                kr[u] = ks[(k0 + u) * LANES + part];
-                vr[u] = vs[(k0 + u) * LANES + part];
-            }
-            float p[G][U];
-            float alpha[G];
+        for (int nt = 0; nt < 2; ++nt) {
+            int j = k0 + 8 * nt + 2 * t;
+            if (j >= end) s[nt][0] = NEG_INF;
+            if (j + 1 >= end) s[nt][1] = NEG_INF;
+            mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Key k0 is visible (k0 < end), so the maximum is finite.
+        float m_new = fmaxf(m, mx);
+        float alpha = expf(m - m_new);  // 0 on the warp's first keys
+        m = m_new;
+        float p00 = expf(s[0][0] - m), p01 = expf(s[0][1] - m);
+        float p10 = expf(s[1][0] - m), p11 = expf(s[1][1] - m);
+        l = l * alpha + (p00 + p01) + (p10 + p11);
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float s[U];
-                float mx = NEG_INF;
+        for (int nd = 0; nd < DTILES; ++nd) {
+            o[nd][0] *= alpha;
+            o[nd][1] *= alpha;
+        }
+        // P as the A operand: keys 2t, +1 (n-tile 0) and 8 + 2t, +1 (n-tile 1) of head g.
+        u32 pa0 = pack_bf16(p00, p01), pa2 = pack_bf16(p10, p11);
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    float kf[8];
-                    bf16x8_to_f32(kr[u], kf);
-                    float dot = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) dot = fmaf(qv[g][i], kf[i], dot);
-#pragma unroll
-                    for (int o = LANES / 2; o > 0; o >>= 1)
-                        dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                    s[u] = c0 + k0 + u < end ? dot : NEG_INF;
-                    mx = fmaxf(mx, s[u]);
-                }
-                float m_new = fmaxf(m[g], mx);
-                if (m_new == NEG_INF) {  // nothing visible yet in this group
-                    alpha[g] = 1.0f;
-#pragma unroll
-                    for (int u = 0; u < U; ++u) p[g][u] = 0.0f;
-                    continue;
-                }
-                alpha[g] = expf(m[g] - m_new);  // 0 while m is −∞
-                float sum = 0.0f;
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    p[g][u] = expf(s[u] - m_new);
-                    sum += p[g][u];
-                }
-                l[g] = l[g] * alpha[g] + sum;
-                m[g] = m_new;
-            }
-#pragma unroll
-            for (int g = 0; g < G; ++g)
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] *= alpha[g];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float vf[8];
-                bf16x8_to_f32(vr[u], vf);
-#pragma unroll
-                for (int g = 0; g < G; ++g)
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[g][u], vf[i], acc[g][i]);
-            }
+        for (int nd = 0; nd < DTILES; nd += 2) {
+            u32 b[4];  // Vᵀ: (keys 0–7, dims 8nd..), (keys 8–15, 8nd..), (0–7, 8nd + 8..), (..)
+            ldmatrix_x4_trans(b, vs + (8 * (mat & 1) + r) * RS + 8 * (nd + (mat >> 1)));
+            mma_bf16(o[nd], pa0, 0u, pa2, 0u, b[0], b[1]);
+            mma_bf16(o[nd + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
         }
     }
     cp_async_wait<0>();
     __syncthreads();
-    // The groups' partial sums, in the staging memory (every copy has landed, every thread
-    // is done with it).
-    float* s_acc = (float*)gqa_smem;  // [NG][G][HD]
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (part == 0) {
-            s_m[gid][g] = m[g];
-            s_l[gid][g] = l[g];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    // The warps' partial results, in the staging memory (every copy has landed, every
+    // thread is done with it).
+    float* s_o = (float*)dm_smem;  // [4][DM_MAX_GROUP][HD]
+    if (g < group) {
+        if (t == 0) {
+            s_m[warp][g] = m;
+            s_l[warp][g] = l;
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s_acc[(gid * G + g) * HD + part * 8 + i] = acc[g][i];
+        for (int nd = 0; nd < DTILES; ++nd) {
+            float* dst = s_o + (warp * DM_MAX_GROUP + g) * HD + 8 * nd + 2 * t;
+            dst[0] = o[nd][0];
+            dst[1] = o[nd][1];
+        }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < G * HD; e += blockDim.x) {
-        int g = e / HD, d = e % HD;
+    for (int e = threadIdx.x; e < group * HD; e += blockDim.x) {
+        int gg = e / HD, d = e % HD;
         float mm = NEG_INF;
-        for (int n = 0; n < NG; ++n) mm = fmaxf(mm, s_m[n][g]);
-        float ll = 0.0f, o = 0.0f;
-        for (int n = 0; n < NG; ++n) {
-            float mn = s_m[n][g];
-            if (mn == NEG_INF) continue;
-            float w = expf(mn - mm);
-            ll += s_l[n][g] * w;
-            o += s_acc[(n * G + g) * HD + d] * w;
+        for (int w = 0; w < 4; ++w) mm = fmaxf(mm, s_m[w][gg]);
+        float ll = 0.0f, acc = 0.0f;
+        for (int w = 0; w < 4; ++w) {
+            float mw = s_m[w][gg];
+            if (mw == NEG_INF) continue;
+            float f = expf(mw - mm);
+            ll += s_l[w][gg] * f;
+            acc += s_o[(w * DM_MAX_GROUP + gg) * HD + d] * f;
         }
-        int h = kvh * G + g;
+        int h = kvh * group + gg;
         if (num_splits == 1) {
-            out[((long long)row * num_heads + h) * HD + d] = ll > 0.0f ? o / ll : 0.0f;
+            out[((long long)row * num_heads + h) * HD + d] = ll > 0.0f ? acc / ll : 0.0f;
         } else {
             long long pi = ((long long)row * num_heads + h) * num_splits + split;
-            part_o[pi * HD + d] = o;
+            part_o[pi * HD + d] = acc;
             if (d == 0) {
                 part_ml[2 * pi] = mm;
                 part_ml[2 * pi + 1] = ll;
@@ -222,26 +243,19 @@ __device__ void attention_gqa(float* out, float* part_o, float* part_ml, const f
     }
 }
 
-#define GQA_ENTRY(HD, G)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128)                                          \
-        attention_gqa_##HD##_##G##_kernel(float* out, float* part_o, float* part_ml,           \
-                                          const float* q, const bf16_t* k_cache,              \
-                                          const bf16_t* v_cache, const u32* block_tables,     \
-                                          const u32* row_table, const u32* row_visible,       \
-                                          const u32* split_rows, int num_kv_heads,            \
-                                          int block_size, float scale, int num_splits) {      \
+// Dynamic shared memory of attention_decode_mma<HD>, in bytes (the Rust side mirrors it).
+#define DM_SMEM_BYTES(HD) (DM_STAGES * 2 * DM_KEYS * ((HD) + 8) * 2)
+
+#define DECODE_MMA_ENTRY(HD)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_##HD##_kernel(      \
+        float* out, float* part_o, float* part_ml, const float* q, const bf16_t* k_cache,      \
+        const bf16_t* v_cache, const u32* block_tables, const u32* row_table,                 \
+        const u32* row_visible, const u32* split_rows, int num_kv_heads, int group,           \
+        int block_shift, float scale, int num_splits) {                                        \
         pdl_enter();                                                                           \
-        attention_gqa<HD, G>(out, part_o, part_ml, q, k_cache, v_cache, block_tables,         \
-                             row_table, row_visible, split_rows, num_kv_heads, block_size,    \
-                             scale, num_splits);                                               \
+        attention_decode_mma<HD>(out, part_o, part_ml, q, k_cache, v_cache, block_tables,     \
+                                 row_table, row_visible, split_rows, num_kv_heads, group,     \
+                                 block_shift, scale, num_splits);                              \
     }
-GQA_ENTRY(64, 1)
-GQA_ENTRY(64, 2)
-GQA_ENTRY(64, 3)
-GQA_ENTRY(64, 4)
-GQA_ENTRY(64, 8)
-GQA_ENTRY(128, 1)
-GQA_ENTRY(128, 2)
-GQA_ENTRY(128, 3)
-GQA_ENTRY(128, 4)
-GQA_ENTRY(128, 8)
+DECODE_MMA_ENTRY(64)
+DECODE_MMA_ENTRY(128)

@@ -1,5 +1,5 @@
 // Flash-style prefill attention on tensor cores, over a bf16 paged KV cache (appended to
-// llama.cu's source). One block per (tile of up to 64 query rows of one sequence, head);
+// llama.cu's source after decode_attention.cu, whose mma and cp.async helpers it uses). One block per (tile of up to 64 query rows of one sequence, head);
 // each of its 4 warps owns 16 query rows. Per 64-key chunk the block stages the keys
 // (row-major, by cp.async) and the values (transposed) in shared memory; a warp computes
 // S = Q·Kᵀ with mma.m16n8k16 (bf16 operands, f32 accumulators), folds S into an online
@@ -13,19 +13,6 @@
 // 128 threads.
 #define FA_ROWS 64
 #define FA_KEYS 64
-
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                         u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 template <int HD>
 __device__ void flash_prefill_mma(float* out, const float* q, const bf16_t* k_cache,

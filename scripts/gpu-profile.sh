@@ -3,6 +3,9 @@
 #   bash scripts/gpu-profile.sh          # batch-1 decode, Llama-3.1-8B shape
 #   bash scripts/gpu-profile.sh offline  # the offline workload (Qwen3-0.6B shape, 256
 #                                        # requests): ~1 500 launches from its middle
+#   bash scripts/gpu-profile.sh attention  # the decode-attention kernel of the kernel
+#                                        # benchmark (gpu-bin/cuda_kernels) under Nsight
+#                                        # Compute's memory and stall sections
 # Decode mode: Runs the --dummy-weights decode with graphs, with and without programmatic edges
 # (TROUPE_PDL=0), and eagerly (the same tokens each time), then the same eagerly
 # under Nsight Compute, timing ~1 000 decode-phase launches one by one (kernel time without
@@ -17,6 +20,19 @@ OUT=$FINAL/raw  # tarred at the end: a call brings back only a few files
 mkdir -p "$OUT"
 export PROF=$(mktemp -d)  # configs and prompt files
 MODE=${1:-decode}
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
+if [ "$MODE" = attention ]; then
+  # Launch 1 of each shape is the warm-up; the benchmark's first two shapes are Qwen3's
+  # heads over 8 interleaved KV heads and over one (contiguous keys).
+  timeout 300 "$NCU" --clock-control none -k regex:"attention_(gqa|decode_mma)" --launch-count 8 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section Occupancy --section LaunchStats gpu-bin/cuda_kernels --quick \
+    > "$OUT/attention.txt" 2> "$OUT/attention.err" || echo "ncu failed: $?"
+  grep -E "attention_(gqa|decode_mma).*CC|DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Stall|L2 Hit|Registers|Block Limit" \
+    "$OUT/attention.txt" | head -80
+  tar -C "$FINAL" -czf "$FINAL/profile.tgz" raw && rm -rf "$OUT"
+  exit 0
+fi
 python3 - <<'PY'
 import json, os, sys, torch
 from transformers import LlamaConfig, Qwen3Config
@@ -55,7 +71,6 @@ for mode in $RUNS; do
     2> "$OUT/decode-$mode.log" || { tail -3 "$OUT/decode-$mode.log"; }
   grep '^{' "$OUT/decode-$mode.log" | tail -1 > "$OUT/stats-$mode.json"
 done
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)
 if [ -n "$NCU" ]; then
   timeout 400 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
     --csv --launch-skip $SKIP --launch-count 1500 \

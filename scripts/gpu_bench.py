@@ -13,7 +13,8 @@ next step over the run).
 Part `peer`: the offline workload's first 64 requests through transformers' `generate_batch`.
 
 Usage (device machine): python3 scripts/gpu_bench.py target/release/troupe decode|offline|peer|dummy
-GPU_BENCH_ZOS_ONLY=1 skips the offline run with ZOS off.
+GPU_BENCH_ZOS_ONLY=1 skips the offline run with ZOS off; GPU_BENCH_OFFLINE_ARGS adds troupe
+flags to the offline runs (e.g. "--max-num-batched-tokens 2048").
 Random bf16 weights made here by transformers; both engines read the same files.
 """
 
@@ -156,7 +157,7 @@ def offline(binary, results):
     total_out = sum(r["max_tokens"] for r in reqs)
     rows = {}
     for zos in (True,) if os.environ.get("GPU_BENCH_ZOS_ONLY") else (True, False):
-        extra = [] if zos else ["--no-zos"]
+        extra = ([] if zos else ["--no-zos"]) + os.environ.get("GPU_BENCH_OFFLINE_ARGS", "").split()
         _, stats, wall = troupe(binary, path, reqs, extra, f"offline-{'zos' if zos else 'nozos'}")
         rows["zos" if zos else "no_zos"] = dict(out_tok_s=total_out / wall, wall_s=wall,
                                                 generate_out_tok_s=total_out / stats["generate_s"],

@@ -60,6 +60,10 @@ fn parse_device(s: &str) -> std::result::Result<Device, String> {
     }
 }
 
+/// Tokens a step computes on a GPU by default: prompt chunks this long keep the tensor
+/// cores busy and let every request of a large batch start decoding sooner.
+const GPU_MAX_STEP_TOKENS: usize = 8192;
+
 /// Engine settings `generate` and `serve` share.
 #[derive(Args)]
 pub struct EngineFlags {
@@ -96,6 +100,13 @@ pub struct EngineFlags {
     /// Run every step eagerly: no CUDA graphs for decode steps.
     #[arg(long)]
     enforce_eager: bool,
+    /// Requests in a step, at most.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Tokens a step computes, prompt chunks and decode rows together, at most (the step's
+    /// time budget may cut a prompt chunk shorter). Default: 8192 on a GPU, 2048 on the CPU.
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
     /// Turn zero-overhead scheduling off (wait for each step before planning the next).
     #[arg(long)]
     no_zos: bool,
@@ -190,6 +201,22 @@ impl EngineFlags {
             )));
         }
         cfg.gpu_memory_utilization = self.gpu_memory_utilization;
+        for (flag, value) in [
+            ("--max-num-seqs", Some(self.max_num_seqs)),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+        ] {
+            if value == Some(0) {
+                return Err(TroupeError::InvalidInput(format!(
+                    "{flag} must be positive"
+                )));
+            }
+        }
+        cfg.max_num_seqs = self.max_num_seqs;
+        cfg.max_step_tokens = match (self.max_num_batched_tokens, self.device) {
+            (Some(tokens), _) => tokens,
+            (None, Device::Cpu) => cfg.max_step_tokens,
+            (None, Device::Cuda(_)) => GPU_MAX_STEP_TOKENS,
+        };
         cfg.kv_cache_bytes = match (self.kv_cache_mib, self.device) {
             (Some(mib), _) => mib << 20,
             (None, Device::Cpu) => 1024 << 20,

@@ -384,11 +384,28 @@ fn stats_go_to_stderr_or_to_a_file() {
         "{}",
         String::from_utf8_lossy(&to_file.stderr)
     );
-    let s: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let read = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap()
+    };
+    let s = read();
     assert_eq!(s["output_tokens"], 9);
     assert!(s["steps"].as_u64().unwrap() >= 9, "{s}");
     assert!(s["elapsed_s"].as_f64().unwrap() > 0.0, "{s}");
+    // Two tokens a step: the four-token prompt takes two steps instead of one.
+    assert!(
+        args(&[file.to_str().unwrap(), "--max-num-batched-tokens", "2"])
+            .status
+            .success()
+    );
+    assert_eq!(
+        read()["steps"].as_u64(),
+        Some(s["steps"].as_u64().unwrap() + 1)
+    );
+    assert_clear_error(
+        &args(&["--max-num-batched-tokens", "0"]),
+        "--max-num-batched-tokens",
+    );
+    assert_clear_error(&args(&["--max-num-seqs", "0"]), "--max-num-seqs");
     // Without a file: the same object, last on stderr; other flags may follow `--stats`.
     let to_stderr = args(&["--no-zos"]);
     let stderr = String::from_utf8_lossy(&to_stderr.stderr);

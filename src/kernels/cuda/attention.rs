@@ -1,9 +1,9 @@
 //! Paged attention on the GPU. The query rows of prefill chunks (outside the batch-invariant
 //! mode) go to `flash_prefill_kernel`, 64 rows of a sequence per block sharing each key
-//! and value they load. The other rows go, over a bf16 cache, to `attention_gqa` (one block
-//! per row, KV head and split, computing every query head of the group from one read of the
-//! keys, 16-byte loads), else to `attention_split_kernel` (one block per row, head and
-//! split). A split is a contiguous run of fixed 64-key chunks, merged by a combine kernel
+//! and value they load. The other rows go, over a bf16 cache with up to 8 query heads per
+//! KV head and a power-of-two block size, to `attention_decode_mma` (one block per row, KV
+//! head and split, computing every query head of the group on tensor cores from one read of
+//! the keys), else to `attention_split_kernel` (one block per row, head and split). A split is a contiguous run of fixed 64-key chunks, merged by a combine kernel
 //! when there are several. How many splits (counting blocks per row as above):
 //! - batch-invariant mode: one, always, so a row's result depends on nothing but its keys;
 //! - otherwise enough blocks to fill the GPU: in a graph step a count fixed by its batch
@@ -12,7 +12,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::graph::{Meta, Phase};
-use super::module::gqa_smem_bytes;
+use super::module::decode_mma_smem_bytes;
 use super::{CudaBackend, CudaKvCache, check};
 use crate::kernels::{Backend, SeqAttention};
 
@@ -121,14 +121,16 @@ impl CudaBackend {
         } else {
             num_split_rows
         };
-        // Decode rows over a bf16 cache: one block per KV head computes its query heads.
+        // Decode rows over a bf16 cache: one block per KV head computes its query heads on
+        // tensor cores.
         let group = num_heads / shape.num_kv_heads;
-        let gqa = (cache.kv_bf16
+        let mma = (cache.kv_bf16
             && !self.batch_invariant
-            && num_heads.is_multiple_of(shape.num_kv_heads))
-        .then(|| self.kernels.gqa(shape.head_dim, group))
+            && num_heads.is_multiple_of(shape.num_kv_heads)
+            && shape.block_size.is_power_of_two())
+        .then(|| self.kernels.decode_mma(shape.head_dim, group))
         .flatten();
-        let heads_per_block = if gqa.is_some() { group } else { 1 };
+        let heads_per_block = if mma.is_some() { group } else { 1 };
         let num_splits = self.num_splits(num_split_rows, num_heads / heads_per_block, max_visible);
         let mut parts = self
             .attention_parts
@@ -157,16 +159,17 @@ impl CudaBackend {
                 num_splits as u32,
             ),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: if gqa.is_some() {
-                gqa_smem_bytes(shape.head_dim, group) as u32
+            shared_mem_bytes: if mma.is_some() {
+                decode_mma_smem_bytes(shape.head_dim) as u32
             } else {
                 0
             },
         };
         // SAFETY: the metadata describes rows inside q/out and slots inside the cache; the
         // partials hold rows·heads·splits entries when there are several splits.
-        let launched = match gqa {
+        let launched = match mma {
             Some(kernel) => unsafe {
+                let (grp, shift) = (group as i32, shape.block_size.trailing_zeros() as i32);
                 self.stream
                     .launch_builder(kernel)
                     .arg(&mut *out)
@@ -180,7 +183,8 @@ impl CudaBackend {
                     .arg(&rv_d.ptr)
                     .arg(&split_rows_ptr)
                     .arg(&nkv)
-                    .arg(&bs)
+                    .arg(&grp)
+                    .arg(&shift)
                     .arg(&scale)
                     .arg(&splits)
                     .launch(cfg)

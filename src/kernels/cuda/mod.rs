@@ -27,10 +27,7 @@ use half::bf16;
 use graph::{Graphs, Meta, Phase};
 pub use kv_cache::CudaKvCache;
 use module::Kernels;
-pub use module::{
-    GEMV_ROWS, GQA_GROUPS, GQA_HEAD_DIMS, LLAMA_SOURCE, compile, compile_cubin, kernel_image,
-    open_device,
-};
+pub use module::{GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin, kernel_image, open_device};
 pub use nccl::NcclJoin;
 use picks::{MAX_PICKS, PickPool};
 use recorded::OwnModule;

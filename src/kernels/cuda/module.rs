@@ -20,9 +20,6 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/sample.cu"),
 );
 
-/// Head dims and query heads per KV head that `attention_gqa` is compiled for.
-pub const GQA_HEAD_DIMS: [usize; 2] = [64, 128];
-pub const GQA_GROUPS: [usize; 5] = [1, 2, 3, 4, 8];
 /// Rows `gemv` is compiled for (wider batches go to cuBLAS), and the output columns each of
 /// its blocks computes.
 pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
@@ -199,8 +196,10 @@ pub struct Kernels {
     pub random_bf16: CudaFunction,
     pub attention_split: ByKvType,
     pub attention_combine: CudaFunction,
-    /// `attention_gqa` by (head_dim, query heads per KV head); bf16 KV only.
-    pub attention_gqa: Vec<((usize, usize), CudaFunction)>,
+    /// `attention_decode_mma` (tensor cores, bf16 KV, up to 8 query heads per KV head) for
+    /// head_dim 64 and 128.
+    pub attention_decode_mma_64: CudaFunction,
+    pub attention_decode_mma_128: CudaFunction,
     /// `gemv` compiled for up to `GEMV_ROWS[i]` rows, `GEMV_COLS[i]` columns a block.
     pub gemv: Vec<(usize, usize, CudaFunction)>,
     /// The same, writing silu(gate) · up of a stacked [gate; up] projection.
@@ -222,11 +221,14 @@ impl ByKvType {
     }
 }
 
-/// Dynamic shared memory of `attention_gqa` (the kernel's `GQA_SMEM_BYTES`), in bytes: three
-/// stages of 32 bf16 keys and values, or the groups' partial sums.
-pub fn gqa_smem_bytes(head_dim: usize, group: usize) -> usize {
-    (384 * head_dim).max(4096 * group)
+/// Dynamic shared memory of `attention_decode_mma` (the kernel's `DM_SMEM_BYTES`), in bytes:
+/// three stages of 64 keys and values, rows padded by 16 bytes.
+pub fn decode_mma_smem_bytes(head_dim: usize) -> usize {
+    3 * 2 * 64 * (head_dim + 8) * 2
 }
+
+/// Query heads per KV head that `attention_decode_mma` handles (its `DM_MAX_GROUP`).
+pub const DECODE_MMA_MAX_GROUP: usize = 8;
 
 /// Lets `func` use `smem_bytes` of dynamic shared memory: above 48 KiB, static and dynamic
 /// together, it must opt in, so any kernel with dynamic shared memory does.
@@ -242,12 +244,15 @@ fn opt_in_smem(func: &CudaFunction, smem_bytes: usize, name: &str) -> Result<(),
 }
 
 impl Kernels {
-    /// The grouped decode attention kernel for this shape, if one is compiled.
-    pub fn gqa(&self, head_dim: usize, group: usize) -> Option<&CudaFunction> {
-        self.attention_gqa
-            .iter()
-            .find(|(key, _)| *key == (head_dim, group))
-            .map(|(_, f)| f)
+    /// The tensor-core decode attention kernel for this head_dim and group, if there is one.
+    pub fn decode_mma(&self, head_dim: usize, group: usize) -> Option<&CudaFunction> {
+        match (head_dim, group) {
+            (_, 0) => None,
+            (_, g) if g > DECODE_MMA_MAX_GROUP => None,
+            (64, _) => Some(&self.attention_decode_mma_64),
+            (128, _) => Some(&self.attention_decode_mma_128),
+            _ => None,
+        }
     }
 
     /// The GEMV kernel for `rows` rows (the smallest compiled for at least that many) and
@@ -302,6 +307,16 @@ impl Kernels {
             attention_split: by_kv("attention_split", 0)?,
             flash_prefill_64: f("flash_prefill_64_kernel")?,
             flash_prefill_128: f("flash_prefill_128_kernel")?,
+            attention_decode_mma_64: {
+                let func = f("attention_decode_mma_64_kernel")?;
+                opt_in_smem(&func, decode_mma_smem_bytes(64), "attention_decode_mma")?;
+                func
+            },
+            attention_decode_mma_128: {
+                let func = f("attention_decode_mma_128_kernel")?;
+                opt_in_smem(&func, decode_mma_smem_bytes(128), "attention_decode_mma")?;
+                func
+            },
 
             f32_to_bf16: f("f32_to_bf16_kernel")?,
             embedding: f("embedding_kernel")?,
@@ -317,15 +332,6 @@ impl Kernels {
             sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
             attention_combine: f("attention_combine_kernel")?,
-            attention_gqa: GQA_HEAD_DIMS
-                .iter()
-                .flat_map(|&hd| GQA_GROUPS.iter().map(move |&g| (hd, g)))
-                .map(|(hd, g)| {
-                    let func = f(&format!("attention_gqa_{hd}_{g}_kernel"))?;
-                    opt_in_smem(&func, gqa_smem_bytes(hd, g), "attention_gqa")?;
-                    Ok(((hd, g), func))
-                })
-                .collect::<Result<_, CudaError>>()?,
             gemv: GEMV_ROWS
                 .iter()
                 .zip(GEMV_COLS)
