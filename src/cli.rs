@@ -14,6 +14,7 @@ use crate::generate::DEFAULT_BLOCK_SIZE;
 use crate::model::chat_template::ChatMessage;
 use crate::model::config::ModelConfig;
 use crate::model::{self, ModelText, hub};
+use crate::protocol::conversation::{Conversation, Message, Role};
 use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
 use crate::sampling::SamplingParams;
 
@@ -357,6 +358,15 @@ fn prompt_ids(
     let system = line.system.as_ref().or(args.system.as_ref());
     if !(line.chat.unwrap_or(args.chat) || system.is_some()) {
         return tok.encode_prompt(prompt);
+    }
+    if text.deepseek_v4.is_some() {
+        // DeepSeek-V4 has no Jinja template: its own encoding renders the turn.
+        let mut messages = Vec::new();
+        if let Some(sys) = system {
+            messages.push(Message::new(Role::System, sys.as_str()));
+        }
+        messages.push(Message::new(Role::User, prompt.as_str()));
+        return Conversation::from_messages(messages).to_prompt_ids(text);
     }
     let template = text.chat_template.as_ref().ok_or_else(|| {
         TroupeError::InvalidInput(format!(

@@ -60,6 +60,12 @@ const END_OF_TURN_TOKENS: &[&str] = &[
 ];
 
 impl Tokenizer {
+    /// The underlying HF tokenizer (special tokens on), for encoders that drive it.
+    #[cfg(feature = "deepseek-encoding")]
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn from_hf_dir(
         dir: &Path,
         bos: Option<&str>,

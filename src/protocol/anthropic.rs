@@ -191,6 +191,7 @@ fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
         messages,
         tools,
         tool_choice,
+        reasoning_effort: None,
     })
 }
 

@@ -216,7 +216,13 @@ pub fn conversation_request(
     text: &ModelText,
 ) -> Result<EngineRequest, ApiError> {
     conv.validate().map_err(|m| ApiError::bad("messages", m))?;
-    if let Some(g) = conv.tool_grammar() {
+    // A DeepSeek-V4 reply calls tools in DSML, which the generic call grammar would
+    // forbid; its prompt itself opens the call block when a call is required.
+    let tool_grammar = match text.deepseek_v4 {
+        Some(_) => None,
+        None => conv.tool_grammar(),
+    };
+    if let Some(g) = tool_grammar {
         if s.grammar.is_some() {
             return Err(ApiError::bad(
                 "tool_choice",

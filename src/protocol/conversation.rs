@@ -91,6 +91,9 @@ pub struct Conversation {
     pub messages: Vec<Message>,
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
+    /// The request's reasoning effort (OpenAI's `reasoning_effort`): DeepSeek-V4 prompts
+    /// open the reply in thinking mode when it is given.
+    pub reasoning_effort: Option<String>,
 }
 
 /// Marker for the `k`-th special-token string inside request text: private-use
@@ -210,6 +213,16 @@ impl Conversation {
         let tok = text.tokenizer.as_ref().ok_or_else(|| {
             TroupeError::InvalidInput("the model has no tokenizer: use token ids".into())
         })?;
+        if text.deepseek_v4.is_some() {
+            #[cfg(feature = "deepseek-encoding")]
+            return super::deepseek_v4_prompt::prompt_ids(self, tok);
+            #[cfg(not(feature = "deepseek-encoding"))]
+            return Err(TroupeError::InvalidInput(
+                "DeepSeek-V4 chat prompts need troupe built with `--features deepseek-encoding`; \
+                 without it, give token ids"
+                    .into(),
+            ));
+        }
         let template = text
             .chat_template
             .as_ref()

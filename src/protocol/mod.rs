@@ -3,6 +3,8 @@
 pub mod anthropic;
 pub mod api;
 pub mod conversation;
+#[cfg(feature = "deepseek-encoding")]
+pub mod deepseek_v4_prompt;
 pub mod jsonl;
 pub mod metrics;
 pub mod openai;

@@ -191,6 +191,7 @@ pub struct ChatRequest {
     pub tools: Option<Vec<WireTool>>,
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
+    pub reasoning_effort: Option<String>,
     /// Read in a second pass over the same body, so errors keep the field's name.
     #[serde(skip)]
     pub sampling: SamplingFields,
@@ -270,6 +271,7 @@ pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
         messages,
         tools,
         tool_choice: tool_choice(&req.tool_choice, "tool_choice")?,
+        reasoning_effort: req.reasoning_effort.clone(),
     })
 }
 

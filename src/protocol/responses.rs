@@ -183,6 +183,7 @@ fn conversation(req: &ResponsesRequest) -> Result<Conversation, ApiError> {
         messages,
         tools,
         tool_choice: tool_choice(&req.tool_choice, "tool_choice")?,
+        reasoning_effort: None,
     })
 }
 

@@ -38,6 +38,7 @@ fn conversation_with(payload: &str) -> Conversation {
         ],
         tools: vec![weather_tool(payload)],
         tool_choice: ToolChoice::Auto,
+        reasoning_effort: None,
     }
 }
 
@@ -106,6 +107,7 @@ fn tools_render_natively_or_in_the_generic_format() {
         messages: vec![Message::new(Role::User, "Weather in Paris?")],
         tools: vec![weather_tool("Current weather")],
         tool_choice: ToolChoice::Auto,
+        reasoning_effort: None,
     };
     let text = smollm2_text();
     let tok = text.tokenizer.as_ref().unwrap();
@@ -149,6 +151,7 @@ fn tool_choice_grammars_compile_and_bad_choices_are_named() {
         messages: vec![Message::new(Role::User, "hi")],
         tools: vec![weather_tool("w")],
         tool_choice: ToolChoice::Required,
+        reasoning_effort: None,
     };
     for choice in [
         ToolChoice::Required,
