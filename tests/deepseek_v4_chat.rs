@@ -171,6 +171,39 @@ mod with_encoding {
     }
 
     #[test]
+    fn chat_completions_serve_the_documented_prompt_and_refuse_a_bad_effort() {
+        let dir = checkpoint_with_tokenizer();
+        let mut cfg = troupe::engine::EngineConfig::new(&dir);
+        cfg.kv_cache_bytes = 16 << 20;
+        let server = common::server::start(cfg, "tiny-dsv4");
+        let body = |effort: &str| {
+            serde_json::json!({"model": "tiny-dsv4", "max_tokens": 3, "ignore_eos": true,
+                "reasoning_effort": effort,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]})
+            .to_string()
+        };
+        let ok = server.request("POST", "/v1/chat/completions", body("low").as_bytes());
+        // One chunk of a chunked body: the JSON between its braces.
+        let json = |b: &[u8]| -> serde_json::Value {
+            let (from, to) = (
+                b.iter().position(|&c| c == b'{'),
+                b.iter().rposition(|&c| c == b'}'),
+            );
+            serde_json::from_slice(&b[from.unwrap()..=to.unwrap()]).unwrap()
+        };
+        let reply = json(&ok.body);
+        assert_eq!(ok.status, 200, "{reply}");
+        let want = expected_ids(&format!(
+            "<｜begin▁of▁sentence｜>{SYSTEM}<｜User｜>{USER}<｜Assistant｜><think>"
+        ));
+        assert_eq!(reply["usage"]["prompt_tokens"], want.len(), "{reply}");
+        assert_eq!(reply["usage"]["completion_tokens"], 3, "{reply}");
+        let bad = server.request("POST", "/v1/chat/completions", body("extreme").as_bytes());
+        assert_eq!(bad.status, 400);
+        assert!(String::from_utf8_lossy(&bad.body).contains("reasoning_effort"));
+    }
+
+    #[test]
     fn the_cli_chat_prompt_generates_as_its_documented_ids_do() {
         let dir = checkpoint_with_tokenizer();
         let chat = generate(&dir, &["--chat", "--system", SYSTEM, "--prompt", USER]);
