@@ -131,8 +131,10 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
                 args.batch_invariant,
                 // A group's decode steps run eagerly: recorded with NCCL's all-reduce in
                 // them, the graphs hung on the H200 pair whatever NCCL's transport and
-                // registration settings (BENCHMARKS.md). TROUPE_GROUP_GRAPHS=1 records
-                // them anyway, for scripts/gpu-tp-diagnose.sh.
+                // registration settings, and still after a replay stopped issuing its
+                // all-reduces a second time; the hung ranks sit in futex waits, not in the
+                // driver (BENCHMARKS.md). TROUPE_GROUP_GRAPHS=1 records them anyway, for
+                // scripts/gpu-tp-diagnose.sh.
                 !args.enforce_eager
                     && (args.shard.size == 1 || std::env::var_os("TROUPE_GROUP_GRAPHS").is_some()),
             )?,

@@ -80,7 +80,14 @@ impl Drop for NcclCollective {
 }
 
 impl Collective<CudaBackend> for NcclCollective {
-    fn all_reduce_sum(&mut self, _backend: &CudaBackend, buf: &mut CudaSlice<f32>, len: usize) {
+    fn all_reduce_sum(&mut self, backend: &CudaBackend, buf: &mut CudaSlice<f32>, len: usize) {
+        // A replayed decode step's all-reduces are in its graph, like its kernels. Issued
+        // here as well, a replaying rank would run twice as many as a rank that runs the
+        // same step eagerly (its graph dropped after a reallocation, say), and the
+        // group's collectives would pair up wrongly and wait for each other forever.
+        if backend.replaying() {
+            return;
+        }
         let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         let Some(comm) = guard.as_ref() else {
             panic!("all-reduce: the group was aborted (a rank died)");
