@@ -21,7 +21,7 @@ python3 -m pip install --quiet --disable-pip-version-check openai anthropic json
 python3 scripts/test_server_sdk.py target/release/troupe
 # DeepSeek-V4 chat prompts through DeepSeek's own encoding crate (an optional feature).
 cargo clippy --release --all-targets --features deepseek-encoding -- -D warnings
-cargo test --release --features deepseek-encoding --test deepseek_v4_chat
+cargo test --release --features deepseek-encoding --test deepseek_v4_cli
 # The CUDA backend keeps compiling without a GPU, and its kernels compile with NVRTC (a
 # compiler only: pip ships it), so a kernel that does not build fails here.
 cargo clippy --release --all-targets --features cuda -- -D warnings

@@ -60,5 +60,6 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     max_diff / max_ref
 }
+pub mod cli;
 pub mod engine;
 pub mod server;

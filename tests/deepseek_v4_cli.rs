@@ -1,4 +1,6 @@
-//! DeepSeek-V4 chat prompts: with `--features deepseek-encoding`, a conversation reaches
+//! DeepSeek-V4 from the command line and over HTTP: token-id prompts reproduce
+//! transformers' greedy tokens, `--dummy-weights` runs a config's shape, and chat prompts:
+//! with `--features deepseek-encoding`, a conversation reaches
 //! the engine as the token ids of the prompt DeepSeek's encoding documentation spells out
 //! (`<｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜>` then `</think>` in chat
 //! mode, `<think>` in thinking mode); without the feature, a chat prompt for such a model is
@@ -7,8 +9,10 @@
 
 mod common;
 
+use common::cli::{assert_clear_error, tiny, troupe};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 const SPECIALS: [&str; 9] = [
     "<｜begin▁of▁sentence｜>",
@@ -81,13 +85,6 @@ fn expected_ids(prompt: &str) -> Vec<u32> {
         rest = &rest[c.len_utf8()..];
     }
     ids
-}
-
-fn troupe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(args)
-        .output()
-        .expect("the troupe binary runs")
 }
 
 fn generate(dir: &Path, extra: &[&str]) -> Output {
@@ -237,4 +234,101 @@ fn without_the_encoding_a_chat_prompt_names_the_feature() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--features deepseek-encoding"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
+    let reference = common::read_json("tiny-dsv4-a/reference.json");
+    let prompt = common::ids(&reference["greedy_prompt"]);
+    let want = common::ids(&reference["greedy_tokens"]);
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let max_tokens = want.len().to_string();
+    let model = tiny("tiny-dsv4-a");
+    let args = [
+        "generate",
+        "--model",
+        &model,
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-tokens",
+        &max_tokens,
+        "--ignore-eos",
+        "--json",
+    ];
+    let out = troupe(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(common::ids(&line["token_ids"]), want);
+    // Two ranks: an expert-parallel group (2 of the 4 routed experts each).
+    let out = troupe(&[&args[..], &["--tp", "2"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(common::ids(&line["token_ids"]), want);
+    // Text needs a tokenizer the tiny checkpoint does not have.
+    assert_clear_error(
+        &troupe(&["generate", "--model", &model, "--prompt", "hi"]),
+        "--prompt-ids",
+    );
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            &model,
+            "--prompt-ids",
+            "1,2",
+            "--tp",
+            "3",
+        ]),
+        "expert parallel size 3 does not divide the model's 4 routed experts",
+    );
+}
+
+#[test]
+fn deepseek_v4_dummy_weights_run_the_configs_shape_without_a_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("troupe-cli-dsv4-dummy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        common::goldens().join("tiny-dsv4-b/config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let model = dir.to_str().unwrap();
+    let args = [
+        "generate",
+        "--model",
+        model,
+        "--dummy-weights",
+        "--prompt-ids",
+        "5,6,7,8,9,10,11,12,13",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ];
+    let ids = |out: &Output| -> Vec<u32> {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        common::ids(&line["token_ids"])
+    };
+    let first = ids(&troupe(&args));
+    assert_eq!(first.len(), 12);
+    assert_eq!(first, ids(&troupe(&args)), "seeded weights repeat");
+    // Without the flag the missing checkpoint is named.
+    assert_clear_error(
+        &troupe(&["generate", "--model", model, "--prompt-ids", "5,6"]),
+        "model.safetensors",
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
