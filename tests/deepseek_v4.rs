@@ -3,67 +3,15 @@
 //! the same logits whether a prompt arrives in one piece, in chunks or token by token,
 //! alone or batched, over scattered blocks.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use safetensors::SafeTensors;
+use common::dsv4::{CHECKPOINTS, dir, reference};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 
-const CHECKPOINTS: [&str; 2] = ["tiny-dsv4-a", "tiny-dsv4-b"];
 /// f32 on both sides, summed in different orders: the largest error seen is 3.4e-6 (the
 /// issue's bar is 1e-3).
 const REL_TOL: f32 = 1e-4;
-
-struct Reference {
-    prompts: Vec<Vec<u32>>,
-    logits: Vec<Vec<f32>>,
-    greedy_prompt: Vec<u32>,
-    greedy_tokens: Vec<u32>,
-}
-
-fn dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/goldens")
-        .join(name)
-}
-
-fn reference(name: &str) -> Reference {
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir(name).join("reference.json")).unwrap())
-            .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let bytes = std::fs::read(dir(name).join("reference.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let logits = json["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|key| {
-            let t = st.tensor(key.as_str().unwrap()).unwrap();
-            t.data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect()
-        })
-        .collect();
-    Reference {
-        prompts: json["prompts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(ids)
-            .collect(),
-        logits,
-        greedy_prompt: ids(&json["greedy_prompt"]),
-        greedy_tokens: ids(&json["greedy_tokens"]),
-    }
-}
 
 /// A cache of `num_slots` slots whose blocks are handed out back to front, so no
 /// sequence's blocks are contiguous or start at block 0.

@@ -4,60 +4,13 @@
 
 mod common;
 
+use common::dsv4::{CHECKPOINTS, Reference, reference};
+
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason};
 use troupe::model::deepseek_v4::cache::DsV4Cache;
 use troupe::model::deepseek_v4::config::DsV4Config;
 use troupe::sampling::SamplingParams;
-
-const CHECKPOINTS: [&str; 2] = ["tiny-dsv4-a", "tiny-dsv4-b"];
-
-struct Reference {
-    prompts: Vec<Vec<u32>>,
-    /// Per prompt, per position: the argmax of transformers' logits.
-    argmax: Vec<Vec<u32>>,
-    greedy_prompt: Vec<u32>,
-    greedy_tokens: Vec<u32>,
-}
-
-fn reference(name: &str) -> Reference {
-    let json = common::read_json(&format!("{name}/reference.json"));
-    let bytes = std::fs::read(common::goldens().join(name).join("reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let argmax = json["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|key| {
-            let t = st.tensor(key.as_str().unwrap()).unwrap();
-            let vocab = t.shape()[1];
-            let values: Vec<f32> = t
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            values
-                .chunks(vocab)
-                .map(|row| {
-                    (0..vocab)
-                        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-                        .unwrap() as u32
-                })
-                .collect()
-        })
-        .collect();
-    Reference {
-        prompts: json["prompts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(common::ids)
-            .collect(),
-        argmax,
-        greedy_prompt: common::ids(&json["greedy_prompt"]),
-        greedy_tokens: common::ids(&json["greedy_tokens"]),
-    }
-}
 
 fn ds_config(name: &str) -> DsV4Config {
     let path = common::goldens().join(name).join("config.json");
@@ -132,7 +85,7 @@ async fn concurrent_requests_with_chunked_prefill_match_transformers() {
         for (p, prompt) in r.prompts.iter().enumerate() {
             for len in [1, 2, 4, 5, 8, 9, 13, 17, 24, 29] {
                 requests.push(greedy(prompt[..len].to_vec(), 1));
-                expected.push(vec![r.argmax[p][len - 1]]);
+                expected.push(vec![r.argmax()[p][len - 1]]);
             }
         }
         let got = run_all(&engine, requests).await;
@@ -231,7 +184,7 @@ async fn prefix_cache_hits_replay_to_the_tokens_of_cold_runs() {
         let first = run_all(&engine, vec![greedy(prompt.clone(), 1)]).await;
         assert_eq!(
             first[0],
-            vec![r.argmax[0][prompt.len() - 1]],
+            vec![r.argmax()[0][prompt.len() - 1]],
             "{name}: cold run"
         );
         let lens = [50, 57, 66, 71];
@@ -245,7 +198,7 @@ async fn prefix_cache_hits_replay_to_the_tokens_of_cold_runs() {
         for (&len, g) in lens.iter().zip(&got) {
             assert_eq!(
                 g,
-                &vec![r.argmax[0][len - 1]],
+                &vec![r.argmax()[0][len - 1]],
                 "{name}: prefix of {len} tokens"
             );
         }
@@ -372,7 +325,7 @@ fn reference_batch(r: &Reference) -> (Vec<EngineRequest>, Vec<Vec<u32>>) {
     for (p, prompt) in r.prompts.iter().enumerate() {
         for len in [1, 5, 9, 17, 29] {
             requests.push(greedy(prompt[..len].to_vec(), 1));
-            expected.push(vec![r.argmax[p][len - 1]]);
+            expected.push(vec![r.argmax()[p][len - 1]]);
         }
     }
     (requests, expected)

@@ -61,5 +61,6 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     max_diff / max_ref
 }
 pub mod cli;
+pub mod dsv4;
 pub mod engine;
 pub mod server;

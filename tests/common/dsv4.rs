@@ -1,0 +1,70 @@
+//! The tiny DeepSeek-V4 checkpoints' transformers references (`scripts/make_dsv4_goldens.py`):
+//! prompts, every position's logits, and a greedy continuation.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+pub const CHECKPOINTS: [&str; 2] = ["tiny-dsv4-a", "tiny-dsv4-b"];
+
+pub struct Reference {
+    pub prompts: Vec<Vec<u32>>,
+    /// Per prompt: [positions, vocab] logits, row-major.
+    pub logits: Vec<Vec<f32>>,
+    pub vocab_size: usize,
+    pub greedy_prompt: Vec<u32>,
+    pub greedy_tokens: Vec<u32>,
+}
+
+pub fn dir(name: &str) -> PathBuf {
+    super::goldens().join(name)
+}
+
+pub fn reference(name: &str) -> Reference {
+    let json = super::read_json(&format!("{name}/reference.json"));
+    let bytes = std::fs::read(dir(name).join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut vocab_size = 0;
+    let logits = json["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|key| {
+            let t = st.tensor(key.as_str().unwrap()).unwrap();
+            vocab_size = t.shape()[1];
+            t.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        })
+        .collect();
+    Reference {
+        prompts: json["prompts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(super::ids)
+            .collect(),
+        logits,
+        vocab_size,
+        greedy_prompt: super::ids(&json["greedy_prompt"]),
+        greedy_tokens: super::ids(&json["greedy_tokens"]),
+    }
+}
+
+impl Reference {
+    /// Per prompt, per position: the argmax of the logits.
+    pub fn argmax(&self) -> Vec<Vec<u32>> {
+        self.logits
+            .iter()
+            .map(|l| {
+                l.chunks(self.vocab_size)
+                    .map(|row| {
+                        (0..row.len())
+                            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                            .unwrap() as u32
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
