@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::cli::{assert_clear_error, tiny, troupe};
+use common::cli::{assert_clear_error, tiny, token_ids, troupe};
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -203,25 +203,17 @@ mod with_encoding {
     #[test]
     fn the_cli_chat_prompt_generates_as_its_documented_ids_do() {
         let dir = checkpoint_with_tokenizer();
-        let chat = generate(&dir, &["--chat", "--system", SYSTEM, "--prompt", USER]);
-        assert!(
-            chat.status.success(),
-            "{}",
-            String::from_utf8_lossy(&chat.stderr)
-        );
+        let chat = token_ids(&generate(
+            &dir,
+            &["--chat", "--system", SYSTEM, "--prompt", USER],
+        ));
         let ids = expected_ids(&format!(
             "<｜begin▁of▁sentence｜>{SYSTEM}<｜User｜>{USER}<｜Assistant｜></think>"
         ));
         let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-        let by_ids = generate(&dir, &["--prompt-ids", &list.join(",")]);
-        assert!(by_ids.status.success());
-        let tokens = |o: &Output| -> serde_json::Value {
-            let line: serde_json::Value =
-                serde_json::from_slice(o.stdout.split(|&b| b == b'\n').next().unwrap()).unwrap();
-            line["token_ids"].clone()
-        };
-        assert_eq!(tokens(&chat).as_array().map(Vec::len), Some(4));
-        assert_eq!(tokens(&chat), tokens(&by_ids));
+        let by_ids = token_ids(&generate(&dir, &["--prompt-ids", &list.join(",")]));
+        assert_eq!(chat.len(), 4);
+        assert_eq!(chat, by_ids);
     }
 }
 
@@ -230,10 +222,7 @@ mod with_encoding {
 fn without_the_encoding_a_chat_prompt_names_the_feature() {
     let dir = checkpoint_with_tokenizer();
     let out = generate(&dir, &["--chat", "--prompt", "What is 2+2?"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("--features deepseek-encoding"), "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_clear_error(&out, "--features deepseek-encoding");
 }
 
 #[test]
@@ -255,23 +244,12 @@ fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
         "--ignore-eos",
         "--json",
     ];
-    let out = troupe(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(common::ids(&line["token_ids"]), want);
+    assert_eq!(token_ids(&troupe(&args)), want);
     // Two ranks: an expert-parallel group (2 of the 4 routed experts each).
-    let out = troupe(&[&args[..], &["--tp", "2"]].concat());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_eq!(
+        token_ids(&troupe(&[&args[..], &["--tp", "2"]].concat())),
+        want
     );
-    let line: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(common::ids(&line["token_ids"]), want);
     // Text needs a tokenizer the tiny checkpoint does not have.
     assert_clear_error(
         &troupe(&["generate", "--model", &model, "--prompt", "hi"]),

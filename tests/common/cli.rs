@@ -27,3 +27,15 @@ pub fn assert_clear_error(out: &Output, needle: &str) {
     assert!(stderr.starts_with("error"), "stderr: {stderr}");
     assert!(stderr.contains(needle), "expected {needle:?} in: {stderr}");
 }
+
+/// The token ids of a successful run's first JSON line.
+pub fn token_ids(out: &Output) -> Vec<u32> {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first = out.stdout.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line: serde_json::Value = serde_json::from_slice(first).unwrap();
+    super::ids(&line["token_ids"])
+}
