@@ -405,6 +405,15 @@ fn validate_prompt(index: usize, prompt_ids: &[u32], cfg: &ModelConfig) -> Resul
 }
 
 pub fn main() -> i32 {
+    // Logs only when asked for: stderr carries one error line or the stats object, which
+    // scripts read.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .init();
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -495,3 +495,24 @@ fn a_draft_model_from_the_command_line_keeps_the_tokens_and_is_counted() {
         "/nonexistent/draft",
     );
 }
+
+#[test]
+fn rust_log_turns_on_the_engines_log_and_stderr_is_quiet_without_it() {
+    let model = tiny("tiny-llama");
+    let run = |log: Option<&str>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_troupe"));
+        cmd.args(["generate", "--model", &model, "--prompt-ids", "1,2,3"])
+            .args(["--max-tokens", "2", "--json"])
+            .env_remove("RUST_LOG");
+        if let Some(filter) = log {
+            cmd.env("RUST_LOG", filter);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    assert_eq!(run(None), "");
+    let logged = run(Some("troupe=debug"));
+    assert!(logged.contains("step launching"), "{logged}");
+    assert!(logged.contains("sampled tokens published"), "{logged}");
+}

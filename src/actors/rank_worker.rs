@@ -129,12 +129,10 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
             crate::kernels::cuda::CudaBackend::new(
                 ordinal,
                 args.batch_invariant,
-                // A group's decode steps run eagerly: recorded with NCCL's all-reduce in
-                // them, the graphs hung on the H200 pair whatever NCCL's transport and
-                // registration settings, and still after a replay stopped issuing its
-                // all-reduces a second time; the hung ranks sit in futex waits, not in the
-                // driver (BENCHMARKS.md). TROUPE_GROUP_GRAPHS=1 records them anyway, for
-                // scripts/gpu-tp-diagnose.sh.
+                // A group's decode steps run eagerly: with NCCL's all-reduce recorded in
+                // its graphs, a two-GPU group runs and reads back every step, then hangs
+                // while the engine shuts down (scripts/gpu-tp-trace.sh, BENCHMARKS.md).
+                // TROUPE_GROUP_GRAPHS=1 records them anyway, for that script.
                 !args.enforce_eager
                     && (args.shard.size == 1 || std::env::var_os("TROUPE_GROUP_GRAPHS").is_some()),
             )?,
@@ -221,6 +219,12 @@ fn spawn_readback(
                 if let Some((_, end)) = r.span {
                     last_end = Some(end);
                 }
+                tracing::debug!(
+                    rank,
+                    step = r.step_id,
+                    deliver = r.deliver,
+                    "step read back"
+                );
                 if !r.deliver {
                     continue;
                 }
@@ -362,12 +366,21 @@ impl ThreadLocalActor for RankWorker {
                             input.push(0);
                             picked = i;
                         }
-                        None => match st.sampled.wait(epoch, *prev_step, *prev_row) {
-                            Some(token) => input.push(token),
-                            // The engine was reset while we waited: this step is void.
-                            None if in_group => input.push(0),
-                            None => return Ok(()),
-                        },
+                        None => {
+                            tracing::debug!(
+                                rank = st.shard.rank,
+                                step = plan.step_id,
+                                prev_step,
+                                prev_row,
+                                "waiting for a sampled token"
+                            );
+                            match st.sampled.wait(epoch, *prev_step, *prev_row) {
+                                Some(token) => input.push(token),
+                                // The engine was reset while we waited: this step is void.
+                                None if in_group => input.push(0),
+                                None => return Ok(()),
+                            }
+                        }
                     }
                 }
             }
@@ -400,6 +413,13 @@ impl ThreadLocalActor for RankWorker {
                 }),
             })
             .collect();
+        tracing::debug!(
+            rank = st.shard.rank,
+            step = plan.step_id,
+            rows = steps.len(),
+            device_picks = st.picked_rows.len(),
+            "step launching"
+        );
         let step = st
             .model
             .step(st.block_size, &steps, &st.picked_rows, &sampling);

@@ -334,6 +334,11 @@ impl Actor for SamplerActor {
             token_logprobs.push(vec![out.logprob]);
             top_logprobs.push(vec![out.top_logprobs]);
         }
+        tracing::debug!(
+            step = step_id,
+            rows = per_row.len(),
+            "sampled tokens published"
+        );
         st.sampled.publish(epoch, step_id, per_row.clone());
         st.last_step = Some((epoch, step_id, per_row));
         st.scheduler.cast(SchedulerMsg::StepSampled {

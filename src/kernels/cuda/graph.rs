@@ -161,6 +161,7 @@ impl Graphs {
         } else {
             Phase::Warmup(rows)
         };
+        tracing::debug!(phase = ?self.phase, "graph step");
     }
 
     /// Stages `data` as this step's `kind` and returns its device address.
