@@ -24,11 +24,16 @@ Usage:
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+import torch.nn.functional as F
+
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4RMSNorm
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "goldens"
@@ -257,9 +262,149 @@ def make_quantized_fixture() -> None:
     print(f"{out.name}: {out.stat().st_size} bytes")
 
 
+MTP_CHAIN_DRAFTS = 3
+
+
+def add_mtp(name: str, seed: int) -> None:
+    """Give checkpoint `name` an MTP layer (`mtp.0.*`, DeepSeek's names) and write its
+    reference, `mtp_reference.{json,safetensors}`.
+
+    transformers' `DeepseekV4ForCausalLM` drops `mtp.*` on load, so the reference is
+    composed: the block is transformers' own `DeepseekV4DecoderLayer` (built as an extra
+    sliding-window, score-routed layer of the same config), and the glue around it
+    follows DeepSeek's `MTPBlock` (inference/model.py): `e = enorm(embed(next token))`,
+    `x = e_proj(e) + h_proj(hnorm(h))` on every mHC stream of the main model's last
+    streams `h`, the block, then the MTP's own hyper-head, its norm and the shared head.
+    MTP position i reads the main model's streams at i and token i + 1 (RoPE position i).
+    Drafts past the first feed the block's output streams back as `h` (vLLM's recursion)."""
+    out = OUT / name
+    main = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    params = dict(CONFIGS[name])
+    layers = params["num_hidden_layers"]
+    params.update(
+        num_hidden_layers=layers + 1,
+        layer_types=params["layer_types"] + ["sliding_attention"],
+        mlp_layer_types=params["mlp_layer_types"] + ["moe"],
+    )
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    big_cfg = DeepseekV4Config(**params)
+    big_cfg._attn_implementation = "eager"
+    big = DeepseekV4ForCausalLM(big_cfg).float().eval()
+    randomize_constants(big, big_cfg, gen)
+    big.load_state_dict(main.state_dict(), strict=False)
+    block = big.model.layers[layers]
+    # DeepSeek's names for the block's tensors: what save_pretrained writes for layer L.
+    with tempfile.TemporaryDirectory() as tmp:
+        big.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    big.float()
+    prefix = f"model.layers.{layers}."
+    mtp = {"mtp.0." + k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+
+    d, hc = big_cfg.hidden_size, big_cfg.hc_mult
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.bfloat16().float()
+
+    e_proj = bf16(torch.randn(d, d, generator=gen) * d**-0.5)
+    h_proj = bf16(torch.randn(d, d, generator=gen) * d**-0.5)
+    enorm, hnorm, norm = (DeepseekV4RMSNorm(d, eps=big_cfg.rms_norm_eps) for _ in range(3))
+    for n in (enorm, hnorm, norm):
+        n.weight.data = bf16(1.0 + 0.2 * torch.randn(d, generator=gen))
+    head = DeepseekV4HyperHead(big_cfg)
+    head.hc_fn.data = bf16(torch.randn(hc, hc * d, generator=gen) * big_cfg.initializer_range)
+    head.hc_base.data = bf16(torch.randn(hc, generator=gen) * 0.5)
+    head.hc_scale.data = bf16(0.5 + torch.rand(1, generator=gen))
+    glue = {
+        "mtp.0.e_proj.weight": e_proj,
+        "mtp.0.h_proj.weight": h_proj,
+        "mtp.0.enorm.weight": enorm.weight.data,
+        "mtp.0.hnorm.weight": hnorm.weight.data,
+        "mtp.0.norm.weight": norm.weight.data,
+        "mtp.0.hc_head_fn": head.hc_fn.data,
+        "mtp.0.hc_head_base": head.hc_base.data,
+        "mtp.0.hc_head_scale": head.hc_scale.data,
+    }
+    mtp.update({k: v.bfloat16() for k, v in glue.items()})
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors.update(mtp)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    again = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for (n1, p1), (n2, p2) in zip(main.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), f"{n1} changed when the MTP layer was added"
+
+    def streams_of(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model's last-layer streams `[1, n, hc, d]` and logits."""
+        got = []
+        handle = main.model.layers[-1].register_forward_hook(lambda m, a, o: got.append(o))
+        logits = main(ids.unsqueeze(0), use_cache=False).logits[0]
+        handle.remove()
+        return got[0], logits
+
+    def mtp_forward(h: torch.Tensor, next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP positions 0..n-1 of one sequence: `h` `[1, n, hc, d]`, `next_ids` `[n]`."""
+        e = enorm(main.model.embed_tokens(next_ids.unsqueeze(0)))
+        x = F.linear(e, e_proj).unsqueeze(2) + F.linear(hnorm(h), h_proj)
+        pos = torch.arange(next_ids.shape[0]).unsqueeze(0)
+        # The model read from the file: `big`'s rotary buffers went through bf16 above.
+        rotary = main.model.rotary_emb
+        pe = {
+            "main": rotary(e, position_ids=pos, layer_type="main"),
+            "compress": rotary(e, position_ids=pos, layer_type="compress"),
+        }
+        mask = create_sliding_window_causal_mask(
+            config=big_cfg, inputs_embeds=e, attention_mask=None, cache=None, position_ids=pos
+        )
+        y = block(x, position_embeddings=pe, position_ids=pos, attention_mask=mask, input_ids=next_ids.unsqueeze(0), cache=None)
+        return y, main.lm_head(norm(head(y)))[0]
+
+    ref = json.loads((out / "reference.json").read_text())
+    with torch.no_grad():
+        # Teacher-forced: every position of prompt 0 with the true next token.
+        ids = torch.tensor(ref["prompts"][0])
+        h, _ = streams_of(ids)
+        _, teacher = mtp_forward(h[:, :-1], ids[1:])
+        # Drafting after the greedy prompt: the main model's next token, then the MTP's
+        # own greedy drafts, each from the block's streams at the position before.
+        ids = torch.tensor(ref["greedy_prompt"])
+        h, logits = streams_of(ids)
+        first = int(logits[-1].argmax())
+        assert first == ref["greedy_tokens"][0]
+        inputs_h, next_ids = h, torch.cat([ids[1:], torch.tensor([first])])
+        drafts, chain = [], []
+        for _ in range(MTP_CHAIN_DRAFTS):
+            y, lg = mtp_forward(inputs_h, next_ids)
+            chain.append(lg[-1])
+            top = torch.topk(lg[-1], 2).values
+            assert float(top[0] - top[1]) > 1e-3, "a draft sits on a near-tie"
+            drafts.append(int(lg[-1].argmax()))
+            inputs_h = torch.cat([inputs_h, y[:, -1:]], dim=1)
+            next_ids = torch.cat([next_ids, torch.tensor([drafts[-1]])])
+    save_file(
+        {"teacher": teacher.contiguous(), "chain": torch.stack(chain).contiguous()},
+        str(out / "mtp_reference.safetensors"),
+    )
+    (out / "mtp_reference.json").write_text(
+        json.dumps(
+            {
+                "source": "transformers DeepseekV4DecoderLayer + DeepSeek's MTPBlock glue (f32, eager), "
+                f"scripts/make_dsv4_goldens.py, seed {seed}",
+                "teacher_prompt": "prompts[0]: logits of MTP positions 0..n-2",
+                "chain_prompt": "greedy_prompt, then greedy_tokens[0]",
+                "drafts": drafts,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"{name}: MTP layer of {len(mtp)} tensors, drafts {drafts}")
+
+
 def main() -> None:
     for seed, (name, params) in enumerate(CONFIGS.items()):
         make(name, params, seed + 7)
+    add_mtp("tiny-dsv4-a", 11)
     make_quantized_fixture()
 
 

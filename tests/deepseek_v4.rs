@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::dsv4::{CHECKPOINTS, dir, reference};
+use common::dsv4::{CHECKPOINTS, assert_rows_close, dir, reference};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 
@@ -77,22 +77,6 @@ fn run_span(
         c += 1;
     }
     out
-}
-
-fn assert_rows_close(name: &str, what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
-    assert_eq!(got.len(), want.len(), "{name} {what}: row count");
-    for (pos, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let err = g
-            .iter()
-            .zip(w)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
-            / scale;
-        assert!(
-            err <= tol,
-            "{name} {what}: position {pos} relative error {err:.2e} > {tol:.0e}"
-        );
-    }
 }
 
 #[test]

@@ -15,6 +15,23 @@ pub struct Reference {
     pub greedy_tokens: Vec<u32>,
 }
 
+/// Every row of `got` within `tol` of `want`'s row, relative to its largest magnitude.
+pub fn assert_rows_close(name: &str, what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
+    assert_eq!(got.len(), want.len(), "{name} {what}: row count");
+    for (pos, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let err = g
+            .iter()
+            .zip(w)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        assert!(
+            err <= tol,
+            "{name} {what}: position {pos} relative error {err:.2e} > {tol:.0e}"
+        );
+    }
+}
+
 pub fn dir(name: &str) -> PathBuf {
     super::goldens().join(name)
 }

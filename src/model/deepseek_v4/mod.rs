@@ -9,6 +9,7 @@
 //! | `attention.rs` | SWA + CSA (lightning indexer) + HCA attention with sinks, grouped output |
 //! | `mhc.rs` | manifold-constrained hyper-connections |
 //! | `moe.rs` | hash-routed and score-routed MoE with the shared expert |
+//! | `mtp.rs` | the MTP layer: DeepSeek's `MTPBlock`, drafting tokens from the last streams |
 //! | `quantized.rs` | FP8 / packed-FP4 weights with their scale grids, dequantized |
 //! | `ops.rs` | linear, RMS norm, interleaved partial RoPE (YaRN), scoring, top-k |
 
@@ -18,6 +19,7 @@ pub mod config;
 pub mod expert_parallel;
 pub mod mhc;
 pub mod moe;
+pub mod mtp;
 pub mod ops;
 pub mod quantized;
 pub mod weights;
@@ -27,7 +29,7 @@ use std::path::Path;
 use attention::{ChunkAt, Rope};
 use cache::{DsV4Cache, SlotSpan};
 use config::DsV4Config;
-use weights::DsV4Weights;
+use weights::{DsV4Weights, HyperConnection, Layer};
 
 use crate::error::{Result, TroupeError};
 use crate::model::loader::{SafetensorsSource, TensorSource};
@@ -119,8 +121,20 @@ impl DsV4Model {
         cache: &mut DsV4Cache,
         steps: &[DsSeqStep<'_>],
         expert_tokens: &mut [Vec<u64>],
-        mut group: Option<&mut expert_parallel::ExpertGroup>,
+        group: Option<&mut expert_parallel::ExpertGroup>,
     ) -> Result<Vec<f32>> {
+        Ok(self.forward_streams(cache, steps, expert_tokens, group)?.0)
+    }
+
+    /// `forward_in_group`, also handing out every position's last-layer streams
+    /// (`[Σ tokens, n_hc, hidden]`, before the hyper-head): what the MTP layer reads.
+    pub fn forward_streams(
+        &self,
+        cache: &mut DsV4Cache,
+        steps: &[DsSeqStep<'_>],
+        expert_tokens: &mut [Vec<u64>],
+        mut group: Option<&mut expert_parallel::ExpertGroup>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let cfg = &self.cfg;
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         for (i, s) in steps.iter().enumerate() {
@@ -212,51 +226,39 @@ impl DsV4Model {
         let tokens = token_ids.len();
         let mut streams = vec![0.0f32; tokens * n_hc * d];
         for (t, &id) in token_ids.iter().enumerate() {
-            let row = &self.weights.embed[id as usize * d..(id as usize + 1) * d];
+            let row = self.embedding(id);
             for j in 0..n_hc {
                 streams[(t * n_hc + j) * d..(t * n_hc + j + 1) * d].copy_from_slice(row);
             }
         }
-        let rope = Rope {
-            main: &self.main_freqs,
-            compress: &self.compress_freqs,
-        };
-        for (l, w) in self.weights.layers.iter().enumerate() {
-            let m = mhc::mix(&w.attn_hc, &streams, cfg);
-            let mut x = m.collapsed.clone();
-            ops::rms_norm(&mut x, d, Some(&w.attn_norm), cfg.rms_norm_eps);
-            let mut attn_out = vec![0.0f32; tokens * d];
-            let mut row0 = 0;
-            for s in steps {
-                let n = s.token_ids.len();
+        let rope = self.rope();
+        let chunks: Vec<(ChunkAt<'_>, usize)> = steps
+            .iter()
+            .map(|s| {
                 let at = ChunkAt {
                     slot: s.state_slot as usize,
                     pos0: s.num_cached_tokens,
                     block_table: s.block_table,
                 };
-                let y = attention::attention(
-                    cfg,
-                    l,
-                    &w.attn,
-                    cache,
-                    &at,
-                    &rope,
-                    &x[row0 * d..(row0 + n) * d],
-                );
-                attn_out[row0 * d..(row0 + n) * d].copy_from_slice(&y);
-                row0 += n;
-            }
-            mhc::merge(&m, &mut streams, &attn_out, n_hc, d);
-
-            let m = mhc::mix(&w.ffn_hc, &streams, cfg);
-            let mut x = m.collapsed.clone();
-            ops::rms_norm(&mut x, d, Some(&w.ffn_norm), cfg.rms_norm_eps);
-            let shard = group.as_ref().map(|g| &g.shard);
-            let mut y = moe::moe(cfg, l, &w.moe, &x, &token_ids, &mut expert_tokens[l], shard);
-            if let Some(g) = group.as_deref_mut() {
-                g.combine(&mut y);
-            }
-            mhc::merge(&m, &mut streams, &y, n_hc, d);
+                (at, s.token_ids.len())
+            })
+            .collect();
+        for (l, w) in self.weights.layers.iter().enumerate() {
+            let step = BlockStep {
+                cfg,
+                layer: l,
+                rope: &rope,
+                chunks: &chunks,
+                token_ids: &token_ids,
+            };
+            block(
+                &step,
+                w,
+                cache,
+                &mut streams,
+                &mut expert_tokens[l],
+                group.as_deref_mut(),
+            );
         }
         for s in steps {
             cache.set_slot_tokens(
@@ -274,15 +276,90 @@ impl DsV4Model {
             picked.extend_from_slice(&streams[first * n_hc * d..(row0 + n) * n_hc * d]);
             row0 += n;
         }
+        let logits = self.logits(&self.weights.hc_head, &self.weights.norm, &picked);
+        Ok((logits, streams))
+    }
+
+    /// The head over last-layer streams (`[rows, n_hc, hidden]`) collapsed by `hc_head`
+    /// and normed by `norm` (the model's own, or its MTP layer's): `[rows, vocab]`.
+    pub fn logits(&self, hc_head: &HyperConnection, norm: &[f32], streams: &[f32]) -> Vec<f32> {
+        let cfg = &self.cfg;
         let mut h = mhc::head(
-            &self.weights.hc_head,
-            &picked,
-            n_hc,
-            d,
+            hc_head,
+            streams,
+            cfg.hc_mult,
+            cfg.hidden_size,
             cfg.hc_eps,
             cfg.rms_norm_eps,
         );
-        ops::rms_norm(&mut h, d, Some(&self.weights.norm), cfg.rms_norm_eps);
-        Ok(self.weights.head.apply(&h))
+        ops::rms_norm(&mut h, cfg.hidden_size, Some(norm), cfg.rms_norm_eps);
+        self.weights.head.apply(&h)
     }
+
+    /// Token `id`'s embedding row.
+    pub fn embedding(&self, id: u32) -> &[f32] {
+        let d = self.cfg.hidden_size;
+        &self.weights.embed[id as usize * d..(id as usize + 1) * d]
+    }
+
+    pub fn rope(&self) -> Rope<'_> {
+        Rope {
+            main: &self.main_freqs,
+            compress: &self.compress_freqs,
+        }
+    }
+}
+
+/// Where a block runs: the layer, its RoPE tables, each sequence's chunk and the step's
+/// tokens (hash-routed layers read them).
+pub struct BlockStep<'a> {
+    pub cfg: &'a DsV4Config,
+    pub layer: usize,
+    pub rope: &'a Rope<'a>,
+    pub chunks: &'a [(ChunkAt<'a>, usize)],
+    pub token_ids: &'a [u32],
+}
+
+/// One block over the step's streams (`[tokens, n_hc, hidden]`), in place: mHC around
+/// attention, then around the MoE (summed over `group` when there is one).
+pub fn block(
+    step: &BlockStep<'_>,
+    w: &Layer,
+    cache: &mut DsV4Cache,
+    streams: &mut [f32],
+    expert_tokens: &mut [u64],
+    group: Option<&mut expert_parallel::ExpertGroup>,
+) {
+    let (cfg, l) = (step.cfg, step.layer);
+    let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
+    let tokens = step.token_ids.len();
+    let m = mhc::mix(&w.attn_hc, streams, cfg);
+    let mut x = m.collapsed.clone();
+    ops::rms_norm(&mut x, d, Some(&w.attn_norm), cfg.rms_norm_eps);
+    let mut attn_out = vec![0.0f32; tokens * d];
+    let mut row0 = 0;
+    for (at, n) in step.chunks {
+        let y = attention::attention(
+            cfg,
+            l,
+            &w.attn,
+            cache,
+            at,
+            step.rope,
+            &x[row0 * d..(row0 + n) * d],
+        );
+        attn_out[row0 * d..(row0 + n) * d].copy_from_slice(&y);
+        row0 += n;
+    }
+    mhc::merge(&m, streams, &attn_out, n_hc, d);
+
+    let m = mhc::mix(&w.ffn_hc, streams, cfg);
+    let mut x = m.collapsed.clone();
+    ops::rms_norm(&mut x, d, Some(&w.ffn_norm), cfg.rms_norm_eps);
+    let shard = group.as_ref().map(|g| &g.shard);
+    let mut y = moe::moe(cfg, l, &w.moe, &x, step.token_ids, expert_tokens, shard);
+    if let Some(g) = group {
+        g.combine(&mut y);
+    }
+    mhc::merge(&m, streams, &y, n_hc, d);
 }

@@ -65,6 +65,54 @@ pub struct Layer {
     pub moe: Moe,
 }
 
+/// DeepSeek's `MTPBlock` (`mtp.0.*`): a sliding-window, score-routed block fed with
+/// `e_proj(enorm(embedding of the next token)) + h_proj(hnorm(streams))`, and its own
+/// hyper-head and norm before the model's head.
+pub struct MtpWeights {
+    pub e_proj: Linear,
+    pub h_proj: Linear,
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    pub norm: Vec<f32>,
+    pub hc_head: HyperConnection,
+    pub block: Layer,
+}
+
+impl MtpWeights {
+    pub fn load(cfg: &DsV4Config, src: &dyn TensorSource) -> Result<Self> {
+        Self::read(
+            cfg,
+            Reader {
+                src,
+                dummy_experts: None,
+            },
+        )
+    }
+
+    pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
+        Self::read(
+            cfg,
+            Reader {
+                src: &NoTensors,
+                dummy_experts: Some(cfg.num_routed_experts),
+            },
+        )
+    }
+
+    fn read(cfg: &DsV4Config, r: Reader<'_>) -> Result<Self> {
+        let d = cfg.hidden_size;
+        Ok(MtpWeights {
+            e_proj: r.linear("mtp.0.e_proj", d, d)?,
+            h_proj: r.linear("mtp.0.h_proj", d, d)?,
+            enorm: r.vector("mtp.0.enorm.weight", d)?,
+            hnorm: r.vector("mtp.0.hnorm.weight", d)?,
+            norm: r.vector("mtp.0.norm.weight", d)?,
+            hc_head: r.hc("mtp.0.hc_head", cfg, cfg.hc_mult, 1)?,
+            block: r.layer(cfg, "mtp.0", AttentionKind::Sliding, MlpKind::Moe)?,
+        })
+    }
+}
+
 pub struct DsV4Weights {
     pub embed: Vec<f32>,
     pub layers: Vec<Layer>,
@@ -188,6 +236,124 @@ impl Reader<'_> {
             down: self.linear(&format!("{p}.w2"), d, i)?,
         })
     }
+
+    /// One block: attention of `attention`'s kind, an MLP of `mlp`'s, under prefix `p`
+    /// (`model.layers.N`, or `mtp.0` for the MTP layer's block).
+    fn layer(
+        &self,
+        cfg: &DsV4Config,
+        p: &str,
+        attention: AttentionKind,
+        mlp: MlpKind,
+    ) -> Result<Layer> {
+        let r = self;
+        let src = r.src;
+        let d = cfg.hidden_size;
+        let n = cfg.hc_mult;
+        let hd = cfg.head_dim;
+        let heads = cfg.num_heads;
+        let (compressor, indexer) = match attention {
+            AttentionKind::Sliding => (None, None),
+            AttentionKind::HeavilyCompressed => (
+                Some(r.compressor(&format!("{p}.attn.compressor"), cfg, hd, hd, cfg.hca_rate)?),
+                None,
+            ),
+            AttentionKind::CompressedSparse => {
+                let ihd = cfg.index_head_dim;
+                let indexer = Indexer {
+                    compressor: r.compressor(
+                        &format!("{p}.attn.indexer.compressor"),
+                        cfg,
+                        2 * ihd,
+                        ihd,
+                        cfg.csa_rate,
+                    )?,
+                    q_b: r.linear(
+                        &format!("{p}.attn.indexer.wq_b"),
+                        cfg.index_n_heads * ihd,
+                        cfg.q_lora_rank,
+                    )?,
+                    weights_proj: r.linear(
+                        &format!("{p}.attn.indexer.weights_proj"),
+                        cfg.index_n_heads,
+                        d,
+                    )?,
+                };
+                (
+                    Some(r.compressor(
+                        &format!("{p}.attn.compressor"),
+                        cfg,
+                        2 * hd,
+                        hd,
+                        cfg.csa_rate,
+                    )?),
+                    Some(indexer),
+                )
+            }
+        };
+        let attn = Attention {
+            q_a: r.linear(&format!("{p}.attn.wq_a"), cfg.q_lora_rank, d)?,
+            q_a_norm: r.vector(&format!("{p}.attn.q_norm.weight"), cfg.q_lora_rank)?,
+            q_b: r.linear(&format!("{p}.attn.wq_b"), heads * hd, cfg.q_lora_rank)?,
+            kv: r.linear(&format!("{p}.attn.wkv"), hd, d)?,
+            kv_norm: r.vector(&format!("{p}.attn.norm.weight"), hd)?,
+            o_a: r.linear(
+                &format!("{p}.attn.wo_a"),
+                cfg.o_groups * cfg.o_lora_rank,
+                heads * hd / cfg.o_groups,
+            )?,
+            o_b: r.linear(&format!("{p}.attn.wo_b"), d, cfg.o_groups * cfg.o_lora_rank)?,
+            sinks: r.vector(&format!("{p}.attn.attn_sink"), heads)?,
+            compressor,
+            indexer,
+        };
+        let k = cfg.num_experts_per_tok;
+        let tid2eid = match mlp {
+            MlpKind::Moe => None,
+            MlpKind::HashMoe => {
+                let name = format!("{p}.ffn.gate.tid2eid");
+                let table = r.raw(&name, &[cfg.vocab_size, k])?;
+                let ids: Vec<u32> = table.iter().map(|&e| e as u32).collect();
+                if let Some(bad) = table
+                    .iter()
+                    .find(|&&e| e < 0.0 || e as usize >= cfg.num_routed_experts)
+                {
+                    return Err(TroupeError::Tensor {
+                        name,
+                        reason: format!("expert id {bad} outside 0..{}", cfg.num_routed_experts),
+                    });
+                }
+                Some(ids)
+            }
+        };
+        let score_bias = match mlp {
+            MlpKind::HashMoe => None,
+            MlpKind::Moe => {
+                let name = format!("{p}.ffn.gate.bias");
+                match src.tensor(&name)? {
+                    Some(_) => Some(r.vector(&name, cfg.num_routed_experts)?),
+                    None => None,
+                }
+            }
+        };
+        let moe = Moe {
+            router: r.linear(&format!("{p}.ffn.gate"), cfg.num_routed_experts, d)?,
+            tid2eid,
+            score_bias,
+            experts: (0..cfg.num_routed_experts)
+                .map(|e| r.expert(&format!("{p}.ffn.experts.{e}"), cfg))
+                .collect::<Result<_>>()?,
+            shared: r.expert(&format!("{p}.ffn.shared_experts"), cfg)?,
+        };
+        Ok(Layer {
+            attn_norm: r.vector(&format!("{p}.attn_norm.weight"), d)?,
+            ffn_norm: r.vector(&format!("{p}.ffn_norm.weight"), d)?,
+            attn_hc: r.hc(&format!("{p}.hc_attn"), cfg, (2 + n) * n, 3)?,
+            ffn_hc: r.hc(&format!("{p}.hc_ffn"), cfg, (2 + n) * n, 3)?,
+            attn,
+            moe,
+        })
+    }
 }
 
 /// DeepSeek's released checkpoints name tensors without transformers' `model.` prefix
@@ -236,125 +402,17 @@ impl DsV4Weights {
     }
 
     fn read(cfg: &DsV4Config, r: Reader<'_>) -> Result<Self> {
-        let src = r.src;
-        let d = cfg.hidden_size;
-        let n = cfg.hc_mult;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
-            let hd = cfg.head_dim;
-            let heads = cfg.num_heads;
-            let (compressor, indexer) = match cfg.attention[l] {
-                AttentionKind::Sliding => (None, None),
-                AttentionKind::HeavilyCompressed => (
-                    Some(r.compressor(
-                        &format!("{p}.attn.compressor"),
-                        cfg,
-                        hd,
-                        hd,
-                        cfg.hca_rate,
-                    )?),
-                    None,
-                ),
-                AttentionKind::CompressedSparse => {
-                    let ihd = cfg.index_head_dim;
-                    let indexer = Indexer {
-                        compressor: r.compressor(
-                            &format!("{p}.attn.indexer.compressor"),
-                            cfg,
-                            2 * ihd,
-                            ihd,
-                            cfg.csa_rate,
-                        )?,
-                        q_b: r.linear(
-                            &format!("{p}.attn.indexer.wq_b"),
-                            cfg.index_n_heads * ihd,
-                            cfg.q_lora_rank,
-                        )?,
-                        weights_proj: r.linear(
-                            &format!("{p}.attn.indexer.weights_proj"),
-                            cfg.index_n_heads,
-                            d,
-                        )?,
-                    };
-                    (
-                        Some(r.compressor(
-                            &format!("{p}.attn.compressor"),
-                            cfg,
-                            2 * hd,
-                            hd,
-                            cfg.csa_rate,
-                        )?),
-                        Some(indexer),
-                    )
-                }
-            };
-            let attn = Attention {
-                q_a: r.linear(&format!("{p}.attn.wq_a"), cfg.q_lora_rank, d)?,
-                q_a_norm: r.vector(&format!("{p}.attn.q_norm.weight"), cfg.q_lora_rank)?,
-                q_b: r.linear(&format!("{p}.attn.wq_b"), heads * hd, cfg.q_lora_rank)?,
-                kv: r.linear(&format!("{p}.attn.wkv"), hd, d)?,
-                kv_norm: r.vector(&format!("{p}.attn.norm.weight"), hd)?,
-                o_a: r.linear(
-                    &format!("{p}.attn.wo_a"),
-                    cfg.o_groups * cfg.o_lora_rank,
-                    heads * hd / cfg.o_groups,
-                )?,
-                o_b: r.linear(&format!("{p}.attn.wo_b"), d, cfg.o_groups * cfg.o_lora_rank)?,
-                sinks: r.vector(&format!("{p}.attn.attn_sink"), heads)?,
-                compressor,
-                indexer,
-            };
-            let k = cfg.num_experts_per_tok;
-            let tid2eid = match cfg.mlp[l] {
-                MlpKind::Moe => None,
-                MlpKind::HashMoe => {
-                    let name = format!("{p}.ffn.gate.tid2eid");
-                    let table = r.raw(&name, &[cfg.vocab_size, k])?;
-                    let ids: Vec<u32> = table.iter().map(|&e| e as u32).collect();
-                    if let Some(bad) = table
-                        .iter()
-                        .find(|&&e| e < 0.0 || e as usize >= cfg.num_routed_experts)
-                    {
-                        return Err(TroupeError::Tensor {
-                            name,
-                            reason: format!(
-                                "expert id {bad} outside 0..{}",
-                                cfg.num_routed_experts
-                            ),
-                        });
-                    }
-                    Some(ids)
-                }
-            };
-            let score_bias = match cfg.mlp[l] {
-                MlpKind::HashMoe => None,
-                MlpKind::Moe => {
-                    let name = format!("{p}.ffn.gate.bias");
-                    match src.tensor(&name)? {
-                        Some(_) => Some(r.vector(&name, cfg.num_routed_experts)?),
-                        None => None,
-                    }
-                }
-            };
-            let moe = Moe {
-                router: r.linear(&format!("{p}.ffn.gate"), cfg.num_routed_experts, d)?,
-                tid2eid,
-                score_bias,
-                experts: (0..cfg.num_routed_experts)
-                    .map(|e| r.expert(&format!("{p}.ffn.experts.{e}"), cfg))
-                    .collect::<Result<_>>()?,
-                shared: r.expert(&format!("{p}.ffn.shared_experts"), cfg)?,
-            };
-            layers.push(Layer {
-                attn_norm: r.vector(&format!("{p}.attn_norm.weight"), d)?,
-                ffn_norm: r.vector(&format!("{p}.ffn_norm.weight"), d)?,
-                attn_hc: r.hc(&format!("{p}.hc_attn"), cfg, (2 + n) * n, 3)?,
-                ffn_hc: r.hc(&format!("{p}.hc_ffn"), cfg, (2 + n) * n, 3)?,
-                attn,
-                moe,
-            });
-        }
+        let layers = (0..cfg.num_layers)
+            .map(|l| {
+                r.layer(
+                    cfg,
+                    &format!("model.layers.{l}"),
+                    cfg.attention[l],
+                    cfg.mlp[l],
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (d, n) = (cfg.hidden_size, cfg.hc_mult);
         Ok(DsV4Weights {
             embed: r.raw("model.embed_tokens.weight", &[cfg.vocab_size, d])?,
             layers,
