@@ -116,9 +116,9 @@ pub struct EngineFlags {
     /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
     #[arg(long)]
     batch_invariant: bool,
-    /// Speculative decoding: `ngram` (prompt lookup) or `draft` (a draft model, with
-    /// --draft-model); `mtp` is not available yet. Output is the same as without it,
-    /// seeded sampling included.
+    /// Speculative decoding: `ngram` (prompt lookup), `draft` (a draft model, with
+    /// --draft-model) or `mtp` (the model's own MTP layer: DeepSeek-V4). Output is the same
+    /// as without it, seeded sampling included.
     #[arg(long, value_parser = parse_spec_method)]
     spec: Option<SpecMethod>,
     /// The draft model of `--spec draft`: a smaller model with the same tokenizer (a known

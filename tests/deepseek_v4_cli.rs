@@ -250,6 +250,15 @@ fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
         token_ids(&troupe(&[&args[..], &["--tp", "2"]].concat())),
         want
     );
+    // The checkpoint's MTP layer drafting; two ranks refuse it by name.
+    assert_eq!(
+        token_ids(&troupe(&[&args[..], &["--spec", "mtp"]].concat())),
+        want
+    );
+    assert_clear_error(
+        &troupe(&[&args[..], &["--spec", "mtp", "--tp", "2"]].concat()),
+        "the MTP layer runs on one rank",
+    );
     // Text needs a tokenizer the tiny checkpoint does not have.
     assert_clear_error(
         &troupe(&["generate", "--model", &model, "--prompt", "hi"]),

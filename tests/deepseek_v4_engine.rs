@@ -317,6 +317,66 @@ async fn speculative_decoding_gives_the_tokens_of_plain_decoding() {
     }
 }
 
+/// `--spec mtp`: the checkpoint's MTP layer drafts (tiny-dsv4-a ships one; its drafts
+/// are checked against the reference in `deepseek_v4_mtp.rs` and the rank's unit tests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtp_speculation_gives_the_tokens_of_plain_decoding() {
+    use troupe::engine::{SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+    let name = "tiny-dsv4-a";
+    let r = reference(name);
+    let requests = || {
+        let mut rs = vec![greedy(r.greedy_prompt.clone(), 24)];
+        rs.extend(r.prompts.iter().map(|p| greedy(p[..25].to_vec(), 16)));
+        let mut seeded = EngineRequest::new(
+            r.prompts[1].clone(),
+            16,
+            SamplingParams {
+                temperature: 0.8,
+                ..SamplingParams::default()
+            },
+        );
+        seeded.ignore_eos = true;
+        seeded.seed = Some(5);
+        rs.push(seeded);
+        rs
+    };
+    let engine = Engine::spawn(engine_config(name, 4, 64, 64)).await.unwrap();
+    let plain = run_all(&engine, requests()).await;
+    engine.shutdown(true).await;
+    assert_eq!(plain[0], r.greedy_tokens, "plain decoding");
+    for verify in [SpecVerify::Fixed, SpecVerify::Confidence] {
+        let mut cfg = engine_config(name, 4, 64, 64);
+        cfg.speculative = Some(SpecConfig {
+            method: SpecMethod::Mtp,
+            num_speculative_tokens: 3,
+            verify,
+            acceptance: SpecAcceptance::Coupled,
+        });
+        let engine = Engine::spawn(cfg).await.unwrap();
+        let got = run_all(&engine, requests()).await;
+        assert_eq!(got, plain, "{verify:?}");
+        let s = engine.status().await.unwrap();
+        assert!(s.num_spec_verified_tokens > 0, "{verify:?}: {s:?}");
+        assert_everything_free(&engine).await;
+        engine.shutdown(true).await;
+    }
+
+    // A checkpoint without an MTP layer is refused by name.
+    let mut cfg = engine_config("tiny-dsv4-b", 4, 64, 64);
+    cfg.speculative = Some(SpecConfig {
+        method: SpecMethod::Mtp,
+        num_speculative_tokens: 3,
+        verify: SpecVerify::Fixed,
+        acceptance: SpecAcceptance::Coupled,
+    });
+    let err = Engine::spawn(cfg)
+        .await
+        .err()
+        .expect("no MTP layer")
+        .to_string();
+    assert!(err.contains("mtp.0.") && err.contains("missing"), "{err}");
+}
+
 /// The greedy prompt's continuation and each prompt's next token at several lengths, with
 /// what transformers says they are.
 fn reference_batch(r: &Reference) -> (Vec<EngineRequest>, Vec<Vec<u32>>) {

@@ -27,6 +27,7 @@ use crate::sched::{RowInput, StepPlan};
 mod deepseek_v4;
 mod draft;
 mod llama;
+mod mtp;
 
 use llama::load_on;
 
@@ -65,6 +66,8 @@ pub struct RankArgs {
     pub dummy_weights: bool,
     /// `--spec draft`: the draft model this rank runs beside the model.
     pub draft_model_path: Option<PathBuf>,
+    /// `--spec mtp`: DeepSeek-V4's MTP layer drafts for the verify rows.
+    pub mtp: bool,
     pub enforce_eager: bool,
     /// Measure (or load) the decode latency curve before the first step.
     pub decode_curve: Option<CurveJob>,

@@ -46,6 +46,7 @@ pub struct RankArgsTemplate {
     pub enforce_eager: bool,
     pub decode_curve: Option<super::decode_curve::CurveJob>,
     pub draft_model_path: Option<std::path::PathBuf>,
+    pub mtp: bool,
     /// DeepSeek-V4: a group is expert-parallel, sized by its routed experts.
     pub num_routed_experts: Option<usize>,
 }
@@ -120,6 +121,7 @@ async fn spawn_group(
                 device: t.devices[slot],
                 dummy_weights: t.dummy_weights,
                 draft_model_path: t.draft_model_path.clone(),
+                mtp: t.mtp,
                 enforce_eager: t.enforce_eager,
                 batch_invariant: t.batch_invariant,
                 // Measured by a lone rank only: a group's ranks would each need the others.

@@ -95,6 +95,7 @@ impl Engine {
             })
             .collect();
         let draft = draft_model(&cfg, &text)?;
+        let mtp = mtp_drafts(&cfg, &text)?;
         // The draft's cache has the model's blocks: the budget is shared in proportion.
         let kv_cache_bytes = match &draft {
             Some(d) => {
@@ -125,7 +126,7 @@ impl Engine {
             confidence_verify: cfg
                 .speculative
                 .is_some_and(|s| s.verify == SpecVerify::Confidence),
-            model_drafts: draft.is_some(),
+            model_drafts: draft.is_some() || mtp,
         };
         // Confidence-scheduled verification prices steps with a measured decode curve: the
         // rank worker measures it at start (or loads it), up to the largest batch a step
@@ -184,6 +185,7 @@ impl Engine {
                         .clone()
                         .expect("checked by draft_model")
                 }),
+                mtp,
             },
             max_rank_restarts: cfg.max_rank_restarts,
         };
@@ -211,16 +213,6 @@ fn speculative_tokens(spec: Option<SpecConfig>) -> Result<usize, EngineError> {
     let Some(spec) = spec else {
         return Ok(0);
     };
-    let unavailable = |what: &str| {
-        Err(EngineError::Spawn(format!(
-            "{what} is not available yet: use --spec ngram"
-        )))
-    };
-    match spec.method {
-        SpecMethod::Ngram => {}
-        SpecMethod::DraftModel => {}
-        SpecMethod::Mtp => return unavailable("--spec mtp (the Llama family has no MTP layers;"),
-    }
     if !(1..=16).contains(&spec.num_speculative_tokens) {
         return Err(EngineError::Spawn(format!(
             "num_speculative_tokens must be in 1..=16, got {}",
@@ -228,6 +220,28 @@ fn speculative_tokens(spec: Option<SpecConfig>) -> Result<usize, EngineError> {
         )));
     }
     Ok(spec.num_speculative_tokens)
+}
+
+/// `--spec mtp`: whether the model's MTP layer drafts (only DeepSeek-V4 has one here,
+/// and it runs beside a lone rank).
+fn mtp_drafts(cfg: &EngineConfig, text: &model::ModelText) -> Result<bool, EngineError> {
+    if cfg.speculative.is_none_or(|s| s.method != SpecMethod::Mtp) {
+        return Ok(false);
+    }
+    let refuse = |why: String| Err(EngineError::Spawn(format!("--spec mtp: {why}")));
+    if text.deepseek_v4.is_none() {
+        return refuse(format!(
+            "{} has no MTP layer (the Llama family has none; DeepSeek-V4 checkpoints ship one)",
+            cfg.model_path.display()
+        ));
+    }
+    if cfg.tensor_parallel_size > 1 {
+        return refuse(format!(
+            "the MTP layer runs on one rank; tensor_parallel_size is {}",
+            cfg.tensor_parallel_size
+        ));
+    }
+    Ok(true)
 }
 
 /// `--spec draft`'s draft model, checked against the model it drafts for: its shape, or

@@ -5,7 +5,7 @@
 //!
 //! - [`NgramDrafter`]: prompt lookup — the continuation of the latest earlier occurrence of
 //!   the sequence's last n tokens; confidence calibrated online from observed acceptance.
-//! - [`ModelDrafter`]: a draft model run by the rank worker; the plan carries placeholders,
+//! - [`ModelDrafter`]: a draft model or an MTP layer run by the rank worker; the plan carries placeholders,
 //!   confidences are the draft's own probabilities (one step late), calibrated.
 //! - [`verify`]: greedy, stochastic rejection sampling (the output distribution is the
 //!   target's), and the Gumbel-coupled mode whose seeded output does not depend on how many

@@ -1,5 +1,6 @@
-//! The scheduler's side of a draft model (`--spec draft`). The draft model itself runs in
-//! the rank worker, right before the target's forward pass, so the planned row carries
+//! The scheduler's side of a draft model (`--spec draft`) or an MTP layer (`--spec mtp`,
+//! which drafts the same way). The drafting model itself runs in the rank worker, right
+//! before the target's forward pass, so the planned row carries
 //! placeholders ([`MODEL_DRAFT`]) that the worker replaces with the draft's greedy tokens.
 //! What the scheduler needs here is a confidence per position to size verification by:
 //! the draft model's own probabilities of its tokens, known one step late (they come back

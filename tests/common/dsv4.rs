@@ -16,7 +16,14 @@ pub struct Reference {
 }
 
 /// Every row of `got` within `tol` of `want`'s row, relative to its largest magnitude.
-pub fn assert_rows_close(name: &str, what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
+pub fn assert_rows_close(
+    name: &str,
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    vocab: usize,
+    tol: f32,
+) {
     assert_eq!(got.len(), want.len(), "{name} {what}: row count");
     for (pos, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));

@@ -3,6 +3,7 @@
 //! group of several ranks it is one rank of an expert-parallel group
 //! (`model::deepseek_v4::expert_parallel`).
 
+use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::actors::sampler::{RowSampling, StepLogits};
 use crate::eplb::{BalanceReport, Eplb};
@@ -10,6 +11,7 @@ use crate::kernels::Backend;
 use crate::kernels::cpu::CpuBackend;
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
+use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::parallel::{GroupJoin, TpShard};
@@ -24,6 +26,8 @@ pub(super) struct DsV4OnHost {
     shard: TpShard,
     /// Set by `join_group` when the group has more than one rank.
     group: Option<ExpertGroup>,
+    /// `--spec mtp`: fills the verify rows' placeholder drafts before each step.
+    mtp: Option<MtpDrafter>,
 }
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
@@ -39,6 +43,17 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         args.num_kv_blocks,
         args.block_size,
     );
+    let mtp = if args.mtp {
+        let layer = if args.dummy_weights {
+            MtpLayer::dummy(&model.cfg)
+        } else {
+            MtpLayer::load_dir(&model.cfg, &args.model_path)
+        }
+        .map_err(|e| format!("--spec mtp: {e}"))?;
+        Some(MtpDrafter::new(layer, &model, args.num_state_slots))
+    } else {
+        None
+    };
     let (layers, experts) = (model.cfg.num_layers, model.cfg.num_routed_experts);
     let eplb = match args.eplb {
         Some(settings) => {
@@ -54,6 +69,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         expert_tokens: vec![vec![0; experts]; layers],
         shard: args.shard,
         group: None,
+        mtp,
     }))
 }
 
@@ -65,7 +81,7 @@ impl DeviceModel for DsV4OnHost {
         _picked_rows: &[u32],
         sampling: &[Option<RowSampling>],
     ) -> LaunchedStep {
-        let ds_steps: Vec<DsSeqStep<'_>> = steps
+        let mut ds_steps: Vec<DsSeqStep<'_>> = steps
             .iter()
             .map(|s| {
                 let state = s
@@ -84,17 +100,40 @@ impl DeviceModel for DsV4OnHost {
                 }
             })
             .collect();
+        let num_drafts: Vec<usize> = sampling
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |s| s.drafts.len()))
+            .collect();
+        let model_drafts = match &mut self.mtp {
+            Some(mtp) => mtp.propose(&self.model, &ds_steps, &num_drafts),
+            None => Vec::new(),
+        };
+        let filled: Vec<Vec<u32>> = ds_steps
+            .iter()
+            .zip(&num_drafts)
+            .zip(&model_drafts)
+            .map(|((s, &k), d)| {
+                let known = &s.token_ids[..s.token_ids.len() - k];
+                known.iter().copied().chain(d.iter().map(|x| x.0)).collect()
+            })
+            .collect();
+        for (s, tokens) in ds_steps.iter_mut().zip(&filled) {
+            s.token_ids = tokens;
+        }
         // A refused step is a planning bug: the worker fails and the engine recomputes.
         self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
-        let logits = self
+        let (logits, streams) = self
             .model
-            .forward_in_group(
+            .forward_streams(
                 &mut self.cache,
                 &ds_steps,
                 &mut self.expert_tokens,
                 self.group.as_mut(),
             )
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
+        if let Some(mtp) = &mut self.mtp {
+            mtp.absorb(&self.model, &ds_steps, &num_drafts, &streams);
+        }
         if let Some(eplb) = &mut self.eplb {
             // Weights would move between ranks after a rebalance: never mid-prefill.
             let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
@@ -126,7 +165,10 @@ impl DeviceModel for DsV4OnHost {
             verify_picks: vec![None; sampling.len()],
             host_row,
             host,
-            model_drafts: Vec::new(),
+            model_drafts: model_drafts
+                .into_iter()
+                .map(|d| (!d.is_empty()).then_some(d))
+                .collect(),
         };
         LaunchedStep {
             logits: Box::new(move || out),

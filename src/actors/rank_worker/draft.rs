@@ -16,7 +16,7 @@ pub struct DraftModel<B: Backend> {
 }
 
 /// The greedy token of a logit row and its probability under the row's softmax.
-fn greedy(logits: &[f32]) -> (u32, f32) {
+pub(super) fn greedy(logits: &[f32]) -> (u32, f32) {
     let (best, max) =
         logits
             .iter()
