@@ -5,8 +5,9 @@
 # gets every thread's name, state and stack (gdb when present) before it is killed.
 #   bash scripts/gpu-tp-diagnose.sh trace   # instead: two runs with graphs, with and
 #     without ZOS, under troupe's debug log (RUST_LOG): each rank's steps, graph phases,
-#     waits for sampled tokens, read-backs — where a hung group stops (so far: after the
-#     last step is read back, in the shutdown).
+#     waits for sampled tokens, read-backs, communicator aborts — where a hung group stops.
+# (The hang this was written for: a rank aborting its communicator before destroying the
+# graphs that recorded it; BENCHMARKS.md, "Tensor parallelism on two H200s".)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/gpu-tp}
@@ -17,7 +18,7 @@ export TROUPE_HOME=/tmp/troupe-home NCCL_DEBUG=WARN
 if [ "${1:-}" = trace ]; then
   for zos in zos no-zos; do
     extra=(); [ $zos = no-zos ] && extra=(--no-zos)
-    TROUPE_GROUP_GRAPHS=1 RUST_LOG=troupe=debug timeout 20 target/release/troupe generate \
+    RUST_LOG=troupe=debug timeout 20 target/release/troupe generate \
       --model tests/goldens/tiny-llama --device cuda --tp 2 --prompt-ids 1,2,3,4,5 \
       --max-tokens 8 --ignore-eos --temperature 0 --json --kv-cache-mib 64 "${extra[@]}" \
       >"$OUT/trace-$zos.out" 2>"$OUT/trace-$zos.err"
@@ -48,7 +49,6 @@ run() {
 }
 gen=(target/release/troupe generate --model tests/goldens/tiny-llama --device cuda --tp 2 --prompt-ids 1,2,3,4,5 --max-tokens 8 --ignore-eos --temperature 0 --json --stats --kv-cache-mib 64)
 run eager 30 "${gen[@]}" --enforce-eager
-export TROUPE_GROUP_GRAPHS=1
 run graphs 25 "${gen[@]}"
 NCCL_GRAPH_REGISTER=0 run graphs-no-register 25 "${gen[@]}"
 NCCL_GRAPH_REGISTER=0 NCCL_CUMEM_ENABLE=0 run graphs-no-register-no-cumem 25 "${gen[@]}"

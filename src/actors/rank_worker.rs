@@ -132,12 +132,7 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
             crate::kernels::cuda::CudaBackend::new(
                 ordinal,
                 args.batch_invariant,
-                // A group's decode steps run eagerly: with NCCL's all-reduce recorded in
-                // its graphs, a two-GPU group runs and reads back every step, then hangs
-                // while the engine shuts down (`scripts/gpu-tp-diagnose.sh trace`,
-                // BENCHMARKS.md). TROUPE_GROUP_GRAPHS=1 records them anyway, for it.
-                !args.enforce_eager
-                    && (args.shard.size == 1 || std::env::var_os("TROUPE_GROUP_GRAPHS").is_some()),
+                !args.enforce_eager,
             )?,
             args,
         ),

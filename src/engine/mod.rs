@@ -541,6 +541,17 @@ impl EngineHandle {
         // its thread (and its weights and KV cache) can go.
         self.sampled.invalidate();
         let _ = self.supervisor.stop_and_wait(None, None).await;
+        // The ranks' communicators are aborted on threads that finish once the ranks'
+        // decode graphs are gone; a process exiting under them crashes.
+        #[cfg(feature = "cuda")]
+        if !tokio::task::spawn_blocking(|| {
+            crate::kernels::cuda::nccl::wait_for_aborts(std::time::Duration::from_secs(10))
+        })
+        .await
+        .unwrap_or(false)
+        {
+            tracing::warn!("an NCCL communicator abort did not finish within 10 s");
+        }
     }
 
     #[doc(hidden)]

@@ -106,6 +106,11 @@ impl<B: Backend> LlamaModel<B> {
         self.collective = Some(collective);
     }
 
+    /// Whether this rank's group was aborted (see [`crate::parallel::AbortProbe`]).
+    pub fn abort_probe(&self) -> Option<crate::parallel::AbortProbe> {
+        self.collective.as_ref().and_then(|c| c.abort_probe())
+    }
+
     /// Drops the group membership (aborting a collective still in flight).
     pub fn leave_group(&mut self) {
         self.collective = None;

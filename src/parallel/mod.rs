@@ -118,7 +118,19 @@ pub trait Collective<B: Backend> {
     /// same on every rank. Panics when a peer is gone: the rank then fails and its
     /// supervisor rebuilds the group.
     fn all_reduce_sum(&mut self, backend: &B, buf: &mut B::Buf, len: usize);
+
+    /// Whether the group's collectives were aborted, for a thread that waits on a step
+    /// after it was launched. `None`: an abort cannot go unnoticed (a collective that
+    /// fails by itself, as the in-process channels do).
+    fn abort_probe(&self) -> Option<AbortProbe> {
+        None
+    }
 }
+
+/// Says whether a group's collectives were aborted. A recorded decode step holds its
+/// collectives inside one graph launch: aborted, they end without reducing and the step
+/// finishes with wrong numbers that nothing else reports.
+pub type AbortProbe = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 
 #[cfg(test)]
 mod tests {

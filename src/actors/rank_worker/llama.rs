@@ -137,7 +137,15 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             out.host = self.backend.download_rows(logits, vocab, &host);
         }
         let plain_rows = picked.clone();
+        let aborted = self.model.abort_probe();
         let deliver = move |mut out: StepLogits, all: Vec<(u32, f32)>| {
+            // The step is done on the device: if the group was aborted meanwhile, its
+            // all-reduces ended without reducing (the readback thread reports the panic).
+            if aborted.as_ref().is_some_and(|a| a()) {
+                panic!(
+                    "the step finished after its group's collectives were aborted: its results are void"
+                );
+            }
             let (plain, mut rest) = all.split_at(picked.len());
             for (&row, &pick) in picked.iter().zip(plain) {
                 out.picked[row] = Some(pick);

@@ -13,7 +13,7 @@ mod graph;
 mod kv_cache;
 mod matmul;
 mod module;
-mod nccl;
+pub(crate) mod nccl;
 mod picks;
 mod recorded;
 mod weights;

@@ -61,10 +61,50 @@ unsafe impl Send for RawComm {}
 
 type SharedComm = Arc<Mutex<Option<RawComm>>>;
 
+/// Abort threads still running: a process must not exit under one (NCCL's teardown and
+/// the CUDA runtime's would race it).
+static ABORTS: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Waits up to `limit` for every communicator abort begun so far (they finish once their
+/// ranks' graphs are destroyed); whether all finished.
+pub fn wait_for_aborts(limit: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let mut aborts = ABORTS.lock().unwrap_or_else(|e| e.into_inner());
+        let (done, running): (Vec<_>, Vec<_>) = aborts.drain(..).partition(|h| h.is_finished());
+        *aborts = running;
+        drop(aborts);
+        for h in done {
+            let _ = h.join();
+        }
+        if ABORTS.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Aborts the communicator on a thread of its own. ncclCommAbort first raises the flag
+/// that ends a collective stuck on a dead peer, then waits until every CUDA graph that
+/// recorded one of the communicator's collectives is destroyed (NCCL ≥ 2.26) — which the
+/// caller, a rank that still holds its decode graphs or the supervisor, cannot wait for.
 fn abort(comm: &SharedComm) {
     if let Some(c) = comm.lock().unwrap_or_else(|e| e.into_inner()).take() {
-        // SAFETY: taken out of the option, so aborted exactly once.
-        let _ = unsafe { result::comm_abort(c.0) };
+        let spawned = std::thread::Builder::new()
+            .name("nccl-abort".into())
+            .spawn(move || {
+                let c = c;
+                // SAFETY: taken out of the option, so aborted exactly once.
+                let error = unsafe { result::comm_abort(c.0) }.err();
+                tracing::debug!(?error, "NCCL communicator aborted");
+            });
+        match spawned {
+            Ok(h) => ABORTS.lock().unwrap_or_else(|e| e.into_inner()).push(h),
+            Err(e) => tracing::warn!("NCCL communicator left unaborted: no thread for it ({e})"),
+        }
     }
 }
 
@@ -80,6 +120,13 @@ impl Drop for NcclCollective {
 }
 
 impl Collective<CudaBackend> for NcclCollective {
+    fn abort_probe(&self) -> Option<crate::parallel::AbortProbe> {
+        let comm = self.comm.clone();
+        Some(std::sync::Arc::new(move || {
+            comm.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+        }))
+    }
+
     fn all_reduce_sum(&mut self, backend: &CudaBackend, buf: &mut CudaSlice<f32>, len: usize) {
         // A replayed decode step's all-reduces are in its graph, like its kernels. Issued
         // here as well, a replaying rank would run twice as many as a rank that runs the
