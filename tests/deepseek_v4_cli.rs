@@ -58,7 +58,9 @@ fn checkpoint_with_tokenizer() -> PathBuf {
         .collect();
     let tokenizer = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+        // Characters decode as themselves; llguidance reads the vocabulary through it.
+        "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}]},
         "model": {"type": "BPE", "dropout": null, "unk_token": null,
             "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
             "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": []}
@@ -198,6 +200,55 @@ mod with_encoding {
         let bad = server.request("POST", "/v1/chat/completions", body("extreme").as_bytes());
         assert_eq!(bad.status, 400);
         assert!(String::from_utf8_lossy(&bad.body).contains("reasoning_effort"));
+    }
+
+    /// A reply held to one DSML block by a regex (the random model would never write one):
+    /// the server reports its call, as DeepSeek's own API does.
+    #[test]
+    fn a_dsml_reply_comes_back_as_a_tool_call() {
+        let dir = checkpoint_with_tokenizer();
+        let mut cfg = troupe::engine::EngineConfig::new(&dir);
+        cfg.kv_cache_bytes = 16 << 20;
+        let server = common::server::start(cfg, "tiny-dsv4");
+        let reply = "Checking.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
+            <｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n\
+            <｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n\
+            </｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        let regex: String = reply
+            .chars()
+            .map(|c| match c {
+                '\n' => "\\n".to_string(),
+                c if "\\^$.|?*+()[]{}/-".contains(c) => format!("\\{c}"),
+                c => c.to_string(),
+            })
+            .collect();
+        let body = serde_json::json!({"model": "tiny-dsv4", "max_tokens": 400,
+            "messages": [{"role": "user", "content": USER}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                    "days": {"type": "integer"}}}}}],
+            "structured_outputs": {"regex": regex}});
+        let got = server.request("POST", "/v1/chat/completions", body.to_string().as_bytes());
+        let body = String::from_utf8_lossy(&got.body);
+        let (from, to) = (body.find('{').unwrap(), body.rfind('}').unwrap());
+        let json: serde_json::Value = serde_json::from_str(&body[from..=to]).unwrap();
+        assert_eq!(got.status, 200, "{json}");
+        let message = &json["choices"][0]["message"];
+        assert_eq!(message["content"], "Checking.\n\n", "{json}");
+        let call = &message["tool_calls"][0]["function"];
+        assert_eq!(call["name"], "get_weather", "{json}");
+        let args: serde_json::Value =
+            serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, serde_json::json!({"city": "Paris", "days": 3}));
+        assert_eq!(json["choices"][0]["finish_reason"], "tool_calls", "{json}");
+
+        // The model's own DSML token (special) stays in the text it is read from.
+        let dsml = expected_ids("｜DSML｜")[0];
+        let body = serde_json::json!({"model": "tiny-dsv4", "prompt": [5, 6, 7], "max_tokens": 2,
+            "ignore_eos": true, "logit_bias": {dsml.to_string(): 100}});
+        let got = server.request("POST", "/v1/completions", body.to_string().as_bytes());
+        let body = String::from_utf8_lossy(&got.body);
+        assert!(body.contains("｜DSML｜｜DSML｜"), "{body}");
     }
 
     #[test]

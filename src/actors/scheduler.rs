@@ -80,6 +80,8 @@ pub struct SchedulerArgs {
     pub sampled: SampledTokens,
     pub tokenizer: Option<StdArc<Tokenizer>>,
     pub stop_ids: Vec<u32>,
+    /// Output text keeps special tokens (DeepSeek-V4: its tool calls and reasoning).
+    pub keep_special_tokens: bool,
     pub vocab_size: usize,
     pub moe_balance: crate::eplb::BalanceReport,
 }
@@ -120,6 +122,7 @@ pub struct SchedulerState {
     tokenizer: Option<StdArc<Tokenizer>>,
     stop_ids: StdArc<[u32]>,
     no_ids: StdArc<[u32]>,
+    keep_special_tokens: bool,
     vocab_size: usize,
     moe_balance: crate::eplb::BalanceReport,
     /// Mixed into drawn seeds so two engine runs draw different ones.
@@ -233,7 +236,14 @@ impl SchedulerState {
         let (Some(tok), Some(r)) = (&self.tokenizer, self.requests.get_mut(&seq_id)) else {
             return (String::new(), false);
         };
-        r.decoded.update(tok, &r.token_ids, is_final);
+        // Kept special tokens are text, but not the stop token that ended it.
+        let ids = match r.token_ids.split_last() {
+            Some((last, rest)) if r.decoded.keep_special_tokens && r.stop_ids.contains(last) => {
+                rest
+            }
+            _ => &r.token_ids[..],
+        };
+        r.decoded.update(tok, ids, is_final);
         r.text.next(&r.decoded.text, is_final)
     }
 
@@ -357,6 +367,7 @@ impl Actor for SchedulerActor {
             tokenizer: args.tokenizer,
             stop_ids: args.stop_ids.into(),
             no_ids: StdArc::from(Vec::new()),
+            keep_special_tokens: args.keep_special_tokens,
             vocab_size: args.vocab_size,
             moe_balance: args.moe_balance,
             seed_entropy: std::time::SystemTime::now()
@@ -460,7 +471,11 @@ impl Actor for SchedulerActor {
                             stream: stream.clone(),
                             params: StdArc::new(params),
                             prompt_ids: prompt_ids.clone(),
-                            decoded: IncrementalDecoder::default(),
+                            decoded: if st.keep_special_tokens {
+                                IncrementalDecoder::keeping_special_tokens()
+                            } else {
+                                IncrementalDecoder::default()
+                            },
                             text: TextStream::new(request.stop.clone()),
                             request: (*request).clone(),
                             token_ids: StdArc::new(Vec::new()),

@@ -162,6 +162,7 @@ impl Engine {
                 sampled,
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
+                keep_special_tokens: text.deepseek_v4.is_some(),
                 vocab_size: mcfg.vocab_size,
                 moe_balance: moe_balance.clone(),
             },

@@ -15,17 +15,30 @@ pub struct IncrementalDecoder {
     read_offset: usize,
     /// Everything decoded so far.
     pub text: String,
+    /// Special tokens stay in the text (DeepSeek-V4 writes its tool calls and reasoning
+    /// with them).
+    pub keep_special_tokens: bool,
 }
 
 impl IncrementalDecoder {
+    pub fn keeping_special_tokens() -> Self {
+        IncrementalDecoder {
+            keep_special_tokens: true,
+            ..Self::default()
+        }
+    }
+
     /// Appends what `ids` (the whole output so far) adds to `text`; with `is_final`, also
     /// a trailing partial character.
     pub fn update(&mut self, tok: &Tokenizer, ids: &[u32], is_final: bool) {
         let prefix = tok
-            .decode(&ids[self.prefix_offset..self.read_offset], true)
+            .decode(
+                &ids[self.prefix_offset..self.read_offset],
+                !self.keep_special_tokens,
+            )
             .unwrap_or_default();
         let full = tok
-            .decode(&ids[self.prefix_offset..], true)
+            .decode(&ids[self.prefix_offset..], !self.keep_special_tokens)
             .unwrap_or_default();
         if full.len() <= prefix.len() || !full.is_char_boundary(prefix.len()) {
             return;

@@ -241,7 +241,7 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
     };
     let engine_req = conversation_request(&conv, sampling, text)?;
     let num_input_tokens = engine_req.prompt_ids.len();
-    let (parse_tools, parse_reasoning) = (conv.uses_tools(), api::parses_reasoning(text));
+    let spec = api::parse_spec(text, &conv);
     let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
     let stream = Timed::new(stream, st, num_input_tokens);
     let request_id = stream.request_id();
@@ -252,7 +252,7 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
             async move {
                 let outputs = stream.collect_ok().await?;
                 let o = outputs.first().cloned().unwrap_or_default();
-                let r = Reply::parse(&o, parse_tools, parse_reasoning);
+                let r = Reply::parse(&o, spec);
                 let mut content = Vec::new();
                 if !r.reasoning.is_empty() {
                     content.push(
@@ -278,7 +278,7 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
             Flavor::Anthropic,
         ));
     }
-    let mut parsers = ChoiceStreams::new(parse_tools, parse_reasoning);
+    let mut parsers = ChoiceStreams::new(spec);
     // The open block: its index and kind.
     let mut open: Option<(usize, &'static str)> = None;
     let mut num_blocks = 0usize;

@@ -5,6 +5,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::conversation::Conversation;
+use super::output_parser::ParseSpec;
 use crate::engine::{EngineRequest, MAX_CHOICES};
 use crate::model::ModelText;
 use crate::sampling::SamplingParams;
@@ -268,8 +269,17 @@ impl Content {
     }
 }
 
+/// How replies to `conv` are read: DeepSeek-V4's DSML calls (and reasoning from the start
+/// in thinking mode), or `<tool_call>` JSON and `<think>` blocks where the template has them.
+pub fn parse_spec(text: &ModelText, conv: &Conversation) -> ParseSpec {
+    if text.deepseek_v4.is_some() {
+        return ParseSpec::deepseek_v4(conv.uses_tools(), conv.reasoning_effort.is_some());
+    }
+    ParseSpec::generic(conv.uses_tools(), parses_reasoning(text))
+}
+
 /// Whether the model's template thinks in `<think>` blocks.
-pub fn parses_reasoning(text: &ModelText) -> bool {
+fn parses_reasoning(text: &ModelText) -> bool {
     text.tokenizer
         .as_ref()
         .is_some_and(|t| t.token_to_id("<think>").is_some())

@@ -342,7 +342,7 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
     }
     let engine_req = conversation_request(&conv, sampling, text)?;
     let num_prompt_tokens = engine_req.prompt_ids.len();
-    let (parse_tools, parse_reasoning) = (conv.uses_tools(), api::parses_reasoning(text));
+    let spec = api::parse_spec(text, &conv);
     let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
     let stream = Timed::new(stream, st, num_prompt_tokens);
     let request_id = stream.request_id();
@@ -358,7 +358,7 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
                 let choices: Vec<Value> = choices
             .iter()
             .map(|c| {
-                let r = Reply::parse(c, parse_tools, parse_reasoning);
+                let r = Reply::parse(c, spec);
                 let calls: Vec<Value> = r.calls.iter().enumerate().map(|(k, call)| {
                     json!({"id": call_id("call_", request_id, c.index, k), "type": "function",
                            "function": {"name": call.name, "arguments": call.arguments}})
@@ -390,7 +390,7 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    let mut parsers = ChoiceStreams::new(parse_tools, parse_reasoning);
+    let mut parsers = ChoiceStreams::new(spec);
     let mut started = std::collections::HashSet::new();
     let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
     let counter_tail = counter.clone();

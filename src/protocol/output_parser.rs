@@ -6,11 +6,66 @@
 //! one JSON object with `name` and `parameters`. Arguments stream as they are generated
 //! when `name` comes first (it does under the tool-call grammar); otherwise a call is
 //! reported whole when it closes. Reasoning is a leading `<think>...</think>` block.
+//!
+//! DeepSeek-V4 (`ParseSpec::deepseek_v4`) writes its calls as DSML blocks (its special
+//! tokens kept in the text), reported whole when the block closes, and in thinking mode
+//! its reply starts inside the reasoning: the prompt ended with `<think>`.
 
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
+const DSML_CALLS_OPEN: &str = "<｜DSML｜tool_calls>";
+const DSML_CALLS_CLOSE: &str = "</｜DSML｜tool_calls>";
+const DSML_INVOKE: &str = "<｜DSML｜invoke name=\"";
+const DSML_INVOKE_CLOSE: &str = "</｜DSML｜invoke>";
+const DSML_PARAMETER: &str = "<｜DSML｜parameter name=\"";
+const DSML_PARAMETER_CLOSE: &str = "</｜DSML｜parameter>";
+
+/// How a reply's text is read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ParseSpec {
+    pub tools: bool,
+    pub reasoning: bool,
+    /// DeepSeek-V4's DSML tool calls instead of `<tool_call>` JSON.
+    pub dsml: bool,
+    /// The text starts inside a reasoning block (its `<think>` was in the prompt).
+    pub starts_in_reasoning: bool,
+}
+
+impl ParseSpec {
+    pub fn generic(tools: bool, reasoning: bool) -> Self {
+        ParseSpec {
+            tools,
+            reasoning,
+            dsml: false,
+            starts_in_reasoning: false,
+        }
+    }
+
+    /// DeepSeek-V4 with `tools` in the request, in thinking mode or not.
+    pub fn deepseek_v4(tools: bool, thinking: bool) -> Self {
+        ParseSpec {
+            tools,
+            reasoning: true,
+            dsml: true,
+            starts_in_reasoning: thinking,
+        }
+    }
+
+    pub fn parser(&self) -> OutputParser {
+        let mut p = OutputParser::new(self.tools, self.reasoning);
+        if self.dsml {
+            p.call_open = DSML_CALLS_OPEN;
+            p.call_close = DSML_CALLS_CLOSE;
+            p.dsml = true;
+        }
+        if self.starts_in_reasoning {
+            p.state = State::Reasoning;
+        }
+        p
+    }
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum OutputEvent {
@@ -87,6 +142,10 @@ pub struct OutputParser {
     num_calls: usize,
     /// Whitespace after a reasoning block or a call is layout, not text.
     trim_text: bool,
+    call_open: &'static str,
+    call_close: &'static str,
+    /// Calls are DSML blocks, parsed whole.
+    dsml: bool,
 }
 
 impl OutputParser {
@@ -98,6 +157,9 @@ impl OutputParser {
             buf: String::new(),
             num_calls: 0,
             trim_text: false,
+            call_open: CALL_OPEN,
+            call_close: CALL_CLOSE,
+            dsml: false,
         }
     }
 
@@ -125,8 +187,8 @@ impl OutputParser {
             }
             State::CallWhole | State::CallHead => {
                 let raw = std::mem::take(&mut self.buf);
-                if !self.emit_whole_call(&raw, &mut out) {
-                    out.push(OutputEvent::Text(format!("{CALL_OPEN}{raw}")));
+                if !self.emit_whole(&raw, &mut out) {
+                    out.push(OutputEvent::Text(format!("{}{raw}", self.call_open)));
                 }
             }
             State::CallArgs(_) | State::CallTail => {
@@ -163,7 +225,7 @@ impl OutputParser {
                 if self.parse_reasoning && t.starts_with(THINK_OPEN) {
                     self.buf = t[THINK_OPEN.len()..].to_string();
                     self.state = State::Reasoning;
-                } else if self.parse_tools && t.starts_with('{') {
+                } else if self.parse_tools && !self.dsml && t.starts_with('{') {
                     self.state = State::BareJson;
                 } else {
                     self.state = State::Text;
@@ -204,16 +266,20 @@ impl OutputParser {
                     }
                     return false;
                 }
-                if let Some(at) = self.buf.find(CALL_OPEN) {
+                if let Some(at) = self.buf.find(self.call_open) {
                     let text = self.buf[..at].to_string();
-                    self.buf.drain(..at + CALL_OPEN.len());
+                    self.buf.drain(..at + self.call_open.len());
                     if !text.trim().is_empty() {
                         out.push(OutputEvent::Text(text));
                     }
-                    self.state = State::CallHead;
+                    self.state = if self.dsml {
+                        State::CallWhole
+                    } else {
+                        State::CallHead
+                    };
                     return true;
                 }
-                let keep = held_back(&self.buf, CALL_OPEN);
+                let keep = held_back(&self.buf, self.call_open);
                 let emit: String = self.buf.drain(..self.buf.len() - keep).collect();
                 if !emit.is_empty() {
                     out.push(OutputEvent::Text(emit));
@@ -283,19 +349,39 @@ impl OutputParser {
                 false
             }
             State::CallWhole => {
-                let Some(at) = self.buf.find(CALL_CLOSE) else {
+                let Some(at) = self.buf.find(self.call_close) else {
                     return false;
                 };
                 let raw: String = self.buf[..at].to_string();
-                self.buf.drain(..at + CALL_CLOSE.len());
-                if !self.emit_whole_call(&raw, out) {
-                    out.push(OutputEvent::Text(format!("{CALL_OPEN}{raw}{CALL_CLOSE}")));
+                self.buf.drain(..at + self.call_close.len());
+                if !self.emit_whole(&raw, out) {
+                    let (open, close) = (self.call_open, self.call_close);
+                    out.push(OutputEvent::Text(format!("{open}{raw}{close}")));
                 }
                 self.state = State::Text;
                 self.trim_text = true;
                 true
             }
         }
+    }
+
+    /// A complete call block (a JSON call, or DSML's invokes) as events; false when `raw`
+    /// is not one.
+    fn emit_whole(&mut self, raw: &str, out: &mut Vec<OutputEvent>) -> bool {
+        if !self.dsml {
+            return self.emit_whole_call(raw, out);
+        }
+        let Some(calls) = parse_dsml_invokes(raw) else {
+            return false;
+        };
+        for (name, args) in calls {
+            let index = self.num_calls;
+            self.num_calls += 1;
+            out.push(OutputEvent::CallStart { index, name });
+            out.push(OutputEvent::CallArgs { index, delta: args });
+            out.push(OutputEvent::CallEnd { index });
+        }
+        true
     }
 
     /// A complete call object as events; false when `raw` is not one.
@@ -323,6 +409,41 @@ impl OutputParser {
         out.push(OutputEvent::CallEnd { index });
         true
     }
+}
+
+/// The calls of a DSML block: `<｜DSML｜invoke name="f">` holding parameters
+/// `<｜DSML｜parameter name="p" string="true|false">v</｜DSML｜parameter>` (a string as
+/// is, anything else JSON), as (name, arguments JSON); `None` when `raw` is not one.
+fn parse_dsml_invokes(raw: &str) -> Option<Vec<(String, String)>> {
+    let mut calls = Vec::new();
+    let mut rest = raw.trim();
+    while !rest.is_empty() {
+        let after = rest.strip_prefix(DSML_INVOKE)?;
+        let (name, after) = after.split_once("\">")?;
+        let (body, after) = after.split_once(DSML_INVOKE_CLOSE)?;
+        let mut args = serde_json::Map::new();
+        let mut params = body.trim();
+        while !params.is_empty() {
+            let after = params.strip_prefix(DSML_PARAMETER)?;
+            let (key, after) = after.split_once('"')?;
+            let (attrs, after) = after.split_once('>')?;
+            let (value, after) = after.split_once(DSML_PARAMETER_CLOSE)?;
+            let value = if attrs.contains("string=\"true\"") {
+                serde_json::Value::String(value.to_string())
+            } else {
+                serde_json::from_str(value.trim())
+                    .unwrap_or_else(|_| serde_json::Value::String(value.to_string()))
+            };
+            args.insert(key.to_string(), value);
+            params = after.trim_start();
+        }
+        calls.push((
+            name.to_string(),
+            serde_json::Value::Object(args).to_string(),
+        ));
+        rest = after.trim_start();
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 /// `s` is a proper prefix of `token` (more text may complete it).

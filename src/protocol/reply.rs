@@ -2,7 +2,7 @@
 //! splits generated text into reasoning, text and tool calls, fed incrementally when
 //! streaming and once with the whole text otherwise.
 
-use super::output_parser::{OutputEvent, OutputParser};
+use super::output_parser::{OutputEvent, OutputParser, ParseSpec};
 use crate::engine::{FinishReason, RequestOutput};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -51,8 +51,8 @@ impl Reply {
     }
 
     /// A finished output's reply.
-    pub fn parse(o: &RequestOutput, parse_tools: bool, parse_reasoning: bool) -> Self {
-        let mut p = OutputParser::new(parse_tools, parse_reasoning);
+    pub fn parse(o: &RequestOutput, spec: ParseSpec) -> Self {
+        let mut p = spec.parser();
         let mut events = p.push(&o.text);
         events.extend(p.finish());
         Self::from_events(events, o.finish_reason)
@@ -62,24 +62,21 @@ impl Reply {
 /// The parsers of a streamed request's choices.
 pub struct ChoiceStreams {
     parsers: Vec<OutputParser>,
-    parse_tools: bool,
-    parse_reasoning: bool,
+    spec: ParseSpec,
 }
 
 impl ChoiceStreams {
-    pub fn new(parse_tools: bool, parse_reasoning: bool) -> Self {
+    pub fn new(spec: ParseSpec) -> Self {
         ChoiceStreams {
             parsers: Vec::new(),
-            parse_tools,
-            parse_reasoning,
+            spec,
         }
     }
 
     /// The events of one output; a final one flushes its choice.
     pub fn feed(&mut self, o: &RequestOutput) -> Vec<OutputEvent> {
         while self.parsers.len() <= o.index {
-            self.parsers
-                .push(OutputParser::new(self.parse_tools, self.parse_reasoning));
+            self.parsers.push(self.spec.parser());
         }
         let p = &mut self.parsers[o.index];
         let mut events = p.push(&o.text);

@@ -275,7 +275,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
     };
     let engine_req = conversation_request(&conv, sampling, text)?;
     let num_input_tokens = engine_req.prompt_ids.len();
-    let (parse_tools, parse_reasoning) = (conv.uses_tools(), api::parses_reasoning(text));
+    let spec = api::parse_spec(text, &conv);
     let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
     let stream = Timed::new(stream, st, num_input_tokens);
     let request_id = stream.request_id();
@@ -295,7 +295,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
             async move {
                 let outputs = stream.collect_ok().await?;
                 let o = outputs.first().cloned().unwrap_or_default();
-                let r = Reply::parse(&o, parse_tools, parse_reasoning);
+                let r = Reply::parse(&o, spec);
                 let mut output = Vec::new();
                 if !r.reasoning.is_empty() {
                     output.push(reasoning_item(&format!("rs_{request_id:x}"), &r.reasoning));
@@ -336,7 +336,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
         seq += 1;
         SseEvent::named(kind, data)
     };
-    let mut parsers = ChoiceStreams::new(parse_tools, parse_reasoning);
+    let mut parsers = ChoiceStreams::new(spec);
     let mut items: Vec<Value> = Vec::new();
     // Index into `items` of the open message or call, and its text so far.
     let mut open: Option<(usize, String)> = None;

@@ -2,7 +2,11 @@ use super::*;
 
 /// Runs `text` through a parser in pieces of `chunk` chars, merging adjacent deltas.
 fn parse(text: &str, chunk: usize, tools: bool, reasoning: bool) -> (Vec<OutputEvent>, usize) {
-    let mut p = OutputParser::new(tools, reasoning);
+    parse_with(text, chunk, ParseSpec::generic(tools, reasoning))
+}
+
+fn parse_with(text: &str, chunk: usize, spec: ParseSpec) -> (Vec<OutputEvent>, usize) {
+    let mut p = spec.parser();
     let chars: Vec<char> = text.chars().collect();
     let mut raw = Vec::new();
     for piece in chars.chunks(chunk) {
@@ -118,4 +122,42 @@ fn reasoning_and_truncated_calls() {
         events,
         vec![OutputEvent::Text("<tool_call>not json".into())]
     );
+}
+
+/// What DeepSeek-V4 writes (its template's own DSML format): reasoning up to `</think>`
+/// when the prompt opened it, text, then a block of two invokes.
+const DSML_REPLY: &str = "Let me check.</think>\n\nOne moment.\n\n<｜DSML｜tool_calls>\n\
+<｜DSML｜invoke name=\"get_weather\">\n\
+<｜DSML｜parameter name=\"city\" string=\"true\">Paris, \"FR\"</｜DSML｜parameter>\n\
+<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n\
+<｜DSML｜parameter name=\"units\" string=\"false\">{\"temp\": \"C\"}</｜DSML｜parameter>\n\
+</｜DSML｜invoke>\n<｜DSML｜invoke name=\"now\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+
+#[test]
+fn deepseek_v4_dsml_calls_and_reasoning_from_the_start() {
+    let args = serde_json::json!({"city": "Paris, \"FR\"", "days": 3, "units": {"temp": "C"}});
+    let mut want = vec![
+        OutputEvent::Reasoning("Let me check.".into()),
+        OutputEvent::Text("One moment.\n\n".into()),
+    ];
+    want.extend(call(0, "get_weather", &args.to_string()));
+    want.extend(call(1, "now", "{}"));
+    for chunk in [1, 2, 7, 1000] {
+        let (got, _) = parse_with(DSML_REPLY, chunk, ParseSpec::deepseek_v4(true, true));
+        assert_eq!(got, want, "chunk {chunk}");
+    }
+    // Not in thinking mode (the prompt closed the block): all of it is text before the call.
+    let (got, _) = parse_with("Hi there.", 3, ParseSpec::deepseek_v4(true, false));
+    assert_eq!(got, vec![OutputEvent::Text("Hi there.".into())]);
+    // Without tools a DSML block is text.
+    let block = &DSML_REPLY[DSML_REPLY.find("<｜DSML｜tool_calls>").unwrap()..];
+    let (got, _) = parse_with(block, 5, ParseSpec::deepseek_v4(false, false));
+    assert_eq!(got, vec![OutputEvent::Text(block.into())]);
+}
+
+#[test]
+fn a_malformed_dsml_block_stays_text() {
+    let bad = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"x\"</｜DSML｜tool_calls>";
+    let (got, _) = parse_with(bad, 4, ParseSpec::deepseek_v4(true, false));
+    assert_eq!(got, vec![OutputEvent::Text(bad.into())]);
 }
