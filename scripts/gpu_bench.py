@@ -76,13 +76,13 @@ def copy_bandwidth():
     return 2 * (2 << 30) / secs  # bytes read + written
 
 
-def troupe(binary, model, lines, extra, log):
+def troupe(binary, model, lines, extra, log, ignore_eos=True):
     path = os.path.join(WORK, f"{log}.jsonl")
     with open(path, "w") as f:
         for l in lines:
             f.write(json.dumps(l) + "\n")
     cmd = [binary, "generate", "--model", model, "--device", "cuda", "--prompts-file", path,
-           "--ignore-eos", "--temperature", "0", "--json", "--stats", *extra]
+           *(["--ignore-eos"] if ignore_eos else []), "--temperature", "0", "--json", "--stats", *extra]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0

@@ -8,7 +8,12 @@ greedy loops do the rest: prompt lookup then proposes what the model repeats. Re
 output tok/s over the generation, accept length (tokens per verify row), verify tokens
 per step and the drafts proposed / verified / accepted, from `--stats`.
 
-Usage (device machine): python3 scripts/gpu_spec.py target/release/troupe
+With a model file (`python3 scripts/gpu_spec.py target/release/troupe MODEL.gguf`: real
+weights, carried to the device machine in pieces, see `scripts/gpu-spec-real.sh`) the
+prompts are bench_spec.sh's chat prompts asking to copy text and code, up to 128 new tokens
+each, ending at the model's EOS as on the CPU.
+
+Usage (device machine): python3 scripts/gpu_spec.py target/release/troupe [MODEL]
 """
 
 import json
@@ -29,19 +34,49 @@ def requests(n, seed):
     return out
 
 
-def main(binary):
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun all day long.",
+    "Roses are red, violets are blue, sugar is sweet, and so are you.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;",
+    "The mitochondria is the powerhouse of the cell. It produces energy for the cell.",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+]
+ASKS = [
+    "Repeat this text exactly, twice:\n{}",
+    "Copy the following verbatim, then copy it again:\n{}",
+    "Rewrite this, keeping every word, in a code block:\n{}",
+    "Quote this back to me exactly:\n{}",
+]
+
+
+# GPU_SPEC_IGNORE_EOS=1: real weights run their 128 tokens past EOS too.
+IGNORE_EOS = os.environ.get("GPU_SPEC_IGNORE_EOS") == "1"
+
+
+def chat_requests(n):
+    """bench_spec.sh's 32 copy prompts, cycled to `n`."""
+    prompts = [ask.format(t) for ask in ASKS for t in TEXTS]
+    return [dict(prompt=prompts[i % len(prompts)], chat=True, max_tokens=128) for i in range(n)]
+
+
+def main(binary, model=None):
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(WORK, exist_ok=True)
-    path = make("qwen3-0.6b")
+    path = model or make("qwen3-0.6b")
     rows = []
     for n in (32, 128):
-        reqs = requests(n, n)
+        reqs = chat_requests(n) if model else requests(n, n)
         for mode, extra in (("off", []),
                             ("fixed", ["--spec", "ngram", "--spec-verify", "fixed"]),
                             ("confidence", ["--spec", "ngram", "--spec-verify", "confidence"])):
             try:
-                outs, stats, wall = troupe(binary, path, reqs, extra,
-                                           f"spec-{n}-{mode}")
+                # Real weights stop at their own EOS, as bench_spec.sh's CPU runs do
+                # (past it, a copy prompt's continuation is no longer a copy).
+                outs, stats, wall = troupe(binary, path, reqs, extra, f"spec-{n}-{mode}",
+                                           ignore_eos=model is None or IGNORE_EOS)
             except Exception as e:  # report and go on: device time is scarce
                 rows.append(dict(concurrency=n, mode=mode, error=str(e)[-1500:]))
                 continue
@@ -76,4 +111,4 @@ def main(binary):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))

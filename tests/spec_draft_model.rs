@@ -90,6 +90,9 @@ async fn seeded_sampling_with_a_draft_model_equals_plain_decoding() {
     for verify in [SpecVerify::Fixed, SpecVerify::Confidence] {
         let mut cfg = draft_config("tiny-llama", "tiny-llama", 3, verify);
         cfg.batch_invariant = true;
+        // Under ZOS confidence scheduling stops verifying drafts this poor against sampled
+        // targets (a verify row costs its sequence the next step): without it they are.
+        cfg.zero_overhead_scheduling &= verify == SpecVerify::Fixed;
         let (got, status) = run_engine(cfg, reqs.clone()).await;
         assert_eq!(tokens(&got), tokens(&want), "{verify:?}");
         for (g, w) in got.iter().zip(&want) {

@@ -127,6 +127,7 @@ impl Engine {
                 .speculative
                 .is_some_and(|s| s.verify == SpecVerify::Confidence),
             model_drafts: draft.is_some() || mtp,
+            verify_skips_next_step: cfg.zero_overhead_scheduling,
         };
         // Confidence-scheduled verification prices steps with a measured decode curve: the
         // rank worker measures it at start (or loads it), up to the largest batch a step

@@ -30,6 +30,9 @@ pub struct SchedulerConfig {
     /// Verify only the drafts worth their cost this step (DSpark: survival of the drafts'
     /// confidences against the fitted step cost); else every draft proposed.
     pub confidence_verify: bool,
+    /// Steps are planned while the previous one runs (ZOS): a sequence whose row verifies
+    /// drafts sits out the next step, which confidence scheduling charges it.
+    pub verify_skips_next_step: bool,
     /// Drafts come from a draft model in the rank workers: planned rows carry placeholders
     /// (`spec::MODEL_DRAFT`) the worker fills in. Otherwise prompt lookup.
     pub model_drafts: bool,
@@ -50,6 +53,7 @@ impl Default for SchedulerConfig {
             stop_preempted: false,
             num_speculative_tokens: 0,
             confidence_verify: false,
+            verify_skips_next_step: false,
             model_drafts: false,
         }
     }

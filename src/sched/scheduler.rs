@@ -292,9 +292,10 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            if seq.drafter.is_some() && seq.num_in_flight_rows > 0 {
-                // A row that verifies drafts yields an unknown number of tokens: the next
-                // row of its sequence waits for them (no ZOS continuation).
+            if seq.drafter.is_some() && seq.num_in_flight_rows > 0 && self.waits_for_drafts(idx) {
+                // A row that verifies drafts yields an unknown number of tokens, and new
+                // drafts need the in-flight token: the next row of its sequence waits
+                // (no ZOS continuation).
                 i += 1;
                 continue;
             }
@@ -404,6 +405,7 @@ impl Scheduler {
                 continue;
             };
             seq.num_in_flight_rows = 0;
+            seq.num_in_flight_verify_rows = 0;
             seq.num_pending_tokens = 0;
             seq.last_sample_row = None;
             seq.block_table.clear();

@@ -101,6 +101,13 @@ pub struct Sequence {
     pub last_sample_row: Option<RowRef>,
     /// Proposes draft tokens when speculative decoding is on.
     pub drafter: Option<SeqDrafter>,
+    /// In-flight rows that verify drafts (their token counts are unknown until verified).
+    pub num_in_flight_verify_rows: usize,
+    /// Expected tokens its latest proposal's drafts were worth (Σ of their survivals);
+    /// infinite until a calibrated proposal was seen.
+    pub draft_gain: f64,
+    /// Sampling rows planned without drafts since its drafter last saw its full history.
+    pub num_plain_rows_since_draft: usize,
 }
 
 impl Sequence {
@@ -126,6 +133,9 @@ impl Sequence {
             num_in_flight_rows: 0,
             last_sample_row: None,
             drafter: None,
+            num_in_flight_verify_rows: 0,
+            draft_gain: f64::INFINITY,
+            num_plain_rows_since_draft: 0,
         }
     }
 

@@ -28,6 +28,11 @@ impl Calibration {
         ((accepted as f64 + a) / (verified as f64 + a + b)) as f32
     }
 
+    /// How many proposals were verified (their first position reached).
+    pub fn num_observed(&self) -> u64 {
+        self.counts.first().map_or(0, |c| c.0)
+    }
+
     /// Positions `0..num_verified` were verified; the first `num_accepted` were accepted
     /// (the one after them, if verified, was rejected; later ones were never reached).
     pub fn observe(&mut self, num_verified: usize, num_accepted: usize) {

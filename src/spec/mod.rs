@@ -30,6 +30,7 @@ pub use model_drafter::{MODEL_DRAFT, ModelDraftCalibration, ModelDrafter};
 pub use ngram::{NgramCalibration, NgramDrafter};
 pub use planner::{
     ConfidenceBuffer, CurveCost, SpecRequest, StepCost, VerifyPlan, plan_verification,
+    plan_verification_skipping,
 };
 
 /// One proposed token and the drafter's confidence that the target accepts it, given that
@@ -48,7 +49,16 @@ pub trait Drafter {
     fn observe(&mut self, num_verified: usize, num_accepted: usize);
     /// The probabilities a draft model gave the drafts it filled in for the last proposal.
     fn observe_draft_probs(&mut self, _probs: &[f32]) {}
+    /// Whether the last proposal's confidences rest on enough verified proposals to act
+    /// on; until then the planner lets its drafts be verified to learn from.
+    fn calibrated(&self) -> bool {
+        true
+    }
 }
+
+/// Verified proposals a calibration needs before its confidences may keep drafts from
+/// being verified at all.
+pub const MIN_CALIBRATION_OBSERVATIONS: u64 = 16;
 
 /// A sequence's drafter, as the engine configures it.
 #[derive(Debug, Clone)]
@@ -74,6 +84,12 @@ impl Drafter for SeqDrafter {
         match self {
             SeqDrafter::Ngram(d) => d.observe_draft_probs(probs),
             SeqDrafter::Model(d) => d.observe_draft_probs(probs),
+        }
+    }
+    fn calibrated(&self) -> bool {
+        match self {
+            SeqDrafter::Ngram(d) => d.calibrated(),
+            SeqDrafter::Model(d) => d.calibrated(),
         }
     }
 }

@@ -14,9 +14,10 @@ use super::{Draft, Drafter};
 /// The token a planned row carries where the rank worker's draft model fills in a draft.
 pub const MODEL_DRAFT: u32 = 0;
 
-/// Per draft position: (Σ draft probability, Σ accepted) over verified drafts. Shared by
-/// the drafters of one engine: calibration is a property of the two models.
-pub type ModelDraftCalibration = Arc<Mutex<Vec<(f64, f64)>>>;
+/// Per draft position: (Σ draft probability, Σ accepted) over verified drafts, and how many
+/// proposals were verified. Shared by the drafters of one engine: calibration is a
+/// property of the two models.
+pub type ModelDraftCalibration = Arc<Mutex<(Vec<(f64, f64)>, u64)>>;
 
 /// Pseudo-observations that start every position at calibration factor 1.
 const PRIOR_WEIGHT: f64 = 4.0;
@@ -32,7 +33,10 @@ pub struct ModelDrafter {
 
 impl ModelDrafter {
     pub fn calibration(max_drafts: usize) -> ModelDraftCalibration {
-        Arc::new(Mutex::new(vec![(PRIOR_WEIGHT, PRIOR_WEIGHT); max_drafts]))
+        Arc::new(Mutex::new((
+            vec![(PRIOR_WEIGHT, PRIOR_WEIGHT); max_drafts],
+            0,
+        )))
     }
 
     pub fn new(calibration: ModelDraftCalibration) -> Self {
@@ -50,6 +54,7 @@ impl Drafter for ModelDrafter {
             .map(|i| {
                 let prob = self.last_probs.get(i).copied().unwrap_or(PRIOR_PROB);
                 let factor = calibration
+                    .0
                     .get(i)
                     .map_or(1.0, |&(predicted, accepted)| accepted / predicted);
                 Draft {
@@ -62,9 +67,12 @@ impl Drafter for ModelDrafter {
 
     fn observe(&mut self, num_verified: usize, num_accepted: usize) {
         let mut calibration = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
+        if num_verified > 0 {
+            calibration.1 += 1;
+        }
         // Positions reached: every one up to the first rejection.
         let reached = num_verified.min(num_accepted + 1);
-        for (i, c) in calibration.iter_mut().take(reached).enumerate() {
+        for (i, c) in calibration.0.iter_mut().take(reached).enumerate() {
             c.0 += self.last_probs.get(i).copied().unwrap_or(PRIOR_PROB) as f64;
             if i < num_accepted {
                 c.1 += 1.0;
@@ -75,6 +83,11 @@ impl Drafter for ModelDrafter {
     fn observe_draft_probs(&mut self, probs: &[f32]) {
         self.last_probs.clear();
         self.last_probs.extend_from_slice(probs);
+    }
+
+    fn calibrated(&self) -> bool {
+        self.calibration.lock().unwrap_or_else(|e| e.into_inner()).1
+            >= super::MIN_CALIBRATION_OBSERVATIONS
     }
 }
 

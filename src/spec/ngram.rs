@@ -97,6 +97,13 @@ impl Drafter for NgramDrafter {
             calibration[n - self.min_n].observe(num_verified, num_accepted);
         }
     }
+
+    fn calibrated(&self) -> bool {
+        self.last_n.is_none_or(|n| {
+            let calibration = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
+            calibration[n - self.min_n].num_observed() >= super::MIN_CALIBRATION_OBSERVATIONS
+        })
+    }
 }
 
 #[cfg(test)]

@@ -53,6 +53,9 @@ pub struct SpecRequest {
     pub confidences: Vec<Option<f32>>,
     /// Tokens of context its row attends to.
     pub num_context_tokens: usize,
+    /// Its confidences rest on enough observations to keep its drafts out entirely (else
+    /// a verify row's skipped step is not charged: the drafter has to learn).
+    pub calibrated: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -77,6 +80,21 @@ pub fn plan_verification(
     other_rows: &[(usize, usize)],
     cost: &impl StepCost,
 ) -> VerifyPlan {
+    plan_verification_skipping(requests, other_rows, cost, 0.0)
+}
+
+/// `plan_verification` when a verify row costs its request `skip_tokens` expected tokens
+/// besides its step time. Under zero-overhead scheduling a sequence whose row verifies
+/// drafts sits out the next step (its token count is unknown when that step is planned),
+/// where a plain row would have been continued: verifying yields 1 + ΣS tokens over two
+/// steps against 2 without, so a request's drafts are dropped unless the survivals chosen
+/// for it add up to more than one token (`skip_tokens` = 1).
+pub fn plan_verification_skipping(
+    requests: &[SpecRequest],
+    other_rows: &[(usize, usize)],
+    cost: &impl StepCost,
+    skip_tokens: f64,
+) -> VerifyPlan {
     let mut verify_lens = vec![0usize; requests.len()];
     let mut features = StepFeatures::of_rows(other_rows);
     // (survival, position, request) for every draft the planner may choose.
@@ -98,10 +116,21 @@ pub fn plan_verification(
     slots.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
 
     let base_tokens = requests.len() as f64;
+    let charge = |r: usize| {
+        if requests[r].calibrated {
+            skip_tokens
+        } else {
+            0.0
+        }
+    };
     let mut best = (base_tokens / cost.step_secs(&features), 0usize);
     let mut gained = 0.0;
     let mut counts = verify_lens.clone();
     for (b, &(survival, _, r)) in slots.iter().enumerate() {
+        if counts[r] == 0 {
+            // Its first draft puts the request's row out of the next step.
+            gained -= charge(r);
+        }
         // Request r's row grows from q to q + 1 tokens at its context c.
         let (q, c) = (
             (1 + counts[r]) as f64,
@@ -117,10 +146,19 @@ pub fn plan_verification(
             best = (value, b + 1);
         }
     }
-    let mut expected_tokens = base_tokens;
+    let mut gained_by = vec![0.0f64; requests.len()];
+    let mut chosen_lens = vec![0usize; requests.len()];
     for &(survival, _, r) in &slots[..best.1] {
-        verify_lens[r] += 1;
-        expected_tokens += survival;
+        chosen_lens[r] += 1;
+        gained_by[r] += survival;
+    }
+    let mut expected_tokens = base_tokens;
+    for r in 0..requests.len() {
+        // A request whose chosen drafts are not worth its skipped step verifies none.
+        if chosen_lens[r] > 0 && gained_by[r] > charge(r) {
+            verify_lens[r] += chosen_lens[r];
+            expected_tokens += gained_by[r];
+        }
     }
     let mut chosen = StepFeatures::of_rows(other_rows);
     for (req, &len) in requests.iter().zip(&verify_lens) {
@@ -173,6 +211,7 @@ mod tests {
         SpecRequest {
             confidences: confidences.iter().map(|&c| Some(c)).collect(),
             num_context_tokens: 100,
+            calibrated: true,
         }
     }
 
@@ -189,6 +228,23 @@ mod tests {
             rows.push((1 + len, r.num_context_tokens));
         }
         tokens / cost.predict(&rows)
+    }
+
+    #[test]
+    fn a_verify_row_that_costs_the_next_step_must_be_worth_more_than_a_token() {
+        let requests = [req(&[0.9, 0.8, 0.7]), req(&[0.6, 0.3]), req(&[0.95])];
+        let free = plan_verification(&requests, &[], &cost());
+        assert!(free.verify_lens.iter().all(|&l| l > 0), "{free:?}");
+        // Survivals: 0.9 + 0.72 + 0.504 > 1 keeps its drafts; 0.6 + 0.18 and 0.95 do not.
+        let zos = plan_verification_skipping(&requests, &[], &cost(), 1.0);
+        assert_eq!(zos.verify_lens, vec![free.verify_lens[0], 0, 0], "{zos:?}");
+        assert!(zos.expected_tokens < free.expected_tokens);
+        assert!(zos.predicted_secs < free.predicted_secs);
+        // A drafter still learning is not held to it.
+        let mut learning = requests.to_vec();
+        learning.iter_mut().for_each(|r| r.calibrated = false);
+        let explore = plan_verification_skipping(&learning, &[], &cost(), 1.0);
+        assert_eq!(explore.verify_lens, free.verify_lens);
     }
 
     #[test]

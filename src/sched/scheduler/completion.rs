@@ -83,6 +83,9 @@ impl Scheduler {
                 .as_mut()
                 .expect("in-flight row's sequence lives");
             seq.num_in_flight_rows -= 1;
+            if rec.num_draft_tokens > 0 {
+                seq.num_in_flight_verify_rows = seq.num_in_flight_verify_rows.saturating_sub(1);
+            }
             let running = match seq.status {
                 // The row ran after its sequence ended (ZOS overshoot, abort): discarded.
                 SeqStatus::Finished => {

@@ -6,9 +6,55 @@ use crate::sched::sequence::RowRef;
 use crate::sched::{PlannedRow, RowInput, StepId};
 use std::collections::HashMap;
 
-use crate::spec::{CurveCost, Draft, Drafter, SpecRequest, plan_verification};
+use crate::spec::{CurveCost, Draft, Drafter, SpecRequest, plan_verification_skipping};
+
+/// Σ over a proposal of Π of the confidences up to each draft: its expected tokens.
+fn survival_sum(confidences: impl Iterator<Item = f32>) -> f64 {
+    let mut survival = 1.0;
+    confidences
+        .map(|c| {
+            survival *= c.clamp(0.0, 1.0) as f64;
+            survival
+        })
+        .sum()
+}
+
+/// Plain rows a confidence-scheduled sequence is continued with before it waits a step to
+/// let its drafter look at its full history again.
+const RECHECK_AFTER_PLAIN_ROWS: usize = 8;
+
+/// `waits_for_drafts`' rule: a speculating sequence with a row in flight sits out the step
+/// being planned when that row verifies drafts, under fixed-K verification, or when its
+/// last drafts were worth more than the one token a ZOS continuation gives (infinite before
+/// its drafter is calibrated) or it has not drafted for a while.
+fn sits_out(
+    verify_in_flight: bool,
+    confidence_under_zos: bool,
+    draft_gain: f64,
+    num_plain_rows: usize,
+) -> bool {
+    verify_in_flight
+        || !confidence_under_zos
+        || draft_gain > 1.0
+        || num_plain_rows >= RECHECK_AFTER_PLAIN_ROWS
+}
 
 impl Scheduler {
+    /// Whether a speculating sequence with a row in flight sits out this step (ZOS plans
+    /// it before that row's token is known): always while a verify row is in flight or
+    /// under fixed-K verification; under confidence scheduling only when its drafts were
+    /// worth more than the token the continuation gives, or to look again every
+    /// `RECHECK_AFTER_PLAIN_ROWS` plain rows.
+    pub(super) fn waits_for_drafts(&self, idx: usize) -> bool {
+        let seq = self.seq(idx);
+        sits_out(
+            seq.num_in_flight_verify_rows > 0,
+            self.cfg.confidence_verify && self.cfg.verify_skips_next_step,
+            seq.draft_gain,
+            seq.num_plain_rows_since_draft,
+        )
+    }
+
     /// Confidence-scheduled verification: the drafts of every sequence whose next row is a
     /// decode row, cut to the verify lengths that maximise expected tokens per second of
     /// step time (`plan_verification` over the measured decode curve with the fitted cost
@@ -48,7 +94,24 @@ impl Scheduler {
                 continue;
             }
             let num_context_tokens = seq.num_tokens();
+            let history_known = seq.num_pending_tokens == 0;
             let drafts = self.propose(idx, self.cfg.num_speculative_tokens);
+            let calibrated = self
+                .seq(idx)
+                .drafter
+                .as_ref()
+                .is_none_or(|d| d.calibrated());
+            if history_known {
+                // What waiting a step for the full history would buy next time (ZOS).
+                let gain = if calibrated {
+                    survival_sum(drafts.iter().map(|d| d.confidence))
+                } else {
+                    f64::INFINITY
+                };
+                let seq = self.seqs[idx].as_mut().expect("running");
+                seq.draft_gain = gain;
+                seq.num_plain_rows_since_draft = 0;
+            }
             if drafts.is_empty() {
                 other_rows.push((1, num_context_tokens));
                 continue;
@@ -56,24 +119,39 @@ impl Scheduler {
             requests.push(SpecRequest {
                 confidences: drafts.iter().map(|d| Some(d.confidence)).collect(),
                 num_context_tokens,
+                calibrated,
             });
             proposals.push((idx, drafts));
         }
+        let skip_tokens = if self.cfg.verify_skips_next_step {
+            1.0
+        } else {
+            0.0
+        };
         let plan = match &self.decode_curve {
-            Some(curve) => plan_verification(
+            Some(curve) => plan_verification_skipping(
                 &requests,
                 &other_rows,
                 &CurveCost {
                     curve,
                     model: &self.cost_model,
                 },
+                skip_tokens,
             ),
-            None => plan_verification(&requests, &other_rows, &self.cost_model),
+            None => {
+                plan_verification_skipping(&requests, &other_rows, &self.cost_model, skip_tokens)
+            }
         };
         proposals
             .into_iter()
             .zip(plan.verify_lens)
             .map(|((idx, drafts), len)| {
+                let seq = self.seqs[idx].as_mut().expect("running");
+                if seq.draft_gain.is_finite() {
+                    // What the plan took of them: waiting a step again pays only if it
+                    // would take enough.
+                    seq.draft_gain = survival_sum(drafts[..len].iter().map(|d| d.confidence));
+                }
                 let chosen = drafts[..len].iter().map(|d| d.token).collect();
                 (idx, (chosen, drafts.len()))
             })
@@ -154,6 +232,12 @@ impl Scheduler {
         });
         seq.num_scheduled_tokens += q;
         seq.num_in_flight_rows += 1;
+        if !drafts.is_empty() {
+            seq.num_in_flight_verify_rows += 1;
+            seq.num_plain_rows_since_draft = 0;
+        } else if sample {
+            seq.num_plain_rows_since_draft += 1;
+        }
         if sample {
             seq.num_pending_tokens += 1;
             seq.last_sample_row = Some(RowRef {
@@ -161,5 +245,27 @@ impl Scheduler {
                 row: row_index,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sequence_sits_out_a_zos_step_only_for_drafts_worth_it() {
+        // A verify row in flight: its token count is unknown, always wait.
+        assert!(sits_out(true, true, 0.0, 0));
+        // Fixed-K verification drafts whenever it can.
+        assert!(!sits_out(false, true, 0.5, 0) && sits_out(false, false, 0.5, 0));
+        // Confidence under ZOS: drafts worth more than the continuation's token, or a
+        // drafter still learning, wait; others are continued until a periodic look.
+        assert!(sits_out(false, true, 1.4, 0));
+        assert!(sits_out(false, true, f64::INFINITY, 0));
+        assert!(!sits_out(false, true, 1.0, RECHECK_AFTER_PLAIN_ROWS - 1));
+        assert!(sits_out(false, true, 0.0, RECHECK_AFTER_PLAIN_ROWS));
+        // 0.9, then 0.9·0.5, then a confidence above 1 counted as 1.
+        let gain = survival_sum([0.9f32, 0.5, 2.0].into_iter());
+        assert!((gain - 1.8).abs() < 1e-6, "{gain}");
     }
 }
