@@ -14,29 +14,7 @@ cd "$(dirname "$0")/.."
 troupe=target/release/troupe
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 - "$work/prompts.jsonl" <<'PY'
-import json, sys
-texts = [
-    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun all day long.",
-    "Roses are red, violets are blue, sugar is sweet, and so are you.",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
-    "for i in range(10):\n    print(i * i)\n",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
-    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;",
-    "The mitochondria is the powerhouse of the cell. It produces energy for the cell.",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-]
-asks = [
-    "Repeat this text exactly, twice:\n{}",
-    "Copy the following verbatim, then copy it again:\n{}",
-    "Rewrite this, keeping every word, in a code block:\n{}",
-    "Quote this back to me exactly:\n{}",
-]
-with open(sys.argv[1], "w") as f:
-    for ask in asks:
-        for t in texts:
-            f.write(json.dumps({"prompt": ask.format(t), "chat": True}) + "\n")
-PY
+python3 scripts/copy_prompts.py "$work/prompts.jsonl"
 run() {
   local label=$1
   shift

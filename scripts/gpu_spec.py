@@ -22,6 +22,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+import copy_prompts  # noqa: E402
 from gpu_bench import OUT, WORK, make, troupe  # noqa: E402
 
 
@@ -34,31 +35,13 @@ def requests(n, seed):
     return out
 
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun all day long.",
-    "Roses are red, violets are blue, sugar is sweet, and so are you.",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
-    "for i in range(10):\n    print(i * i)\n",
-    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
-    "SELECT name, age FROM users WHERE age > 30 ORDER BY name;",
-    "The mitochondria is the powerhouse of the cell. It produces energy for the cell.",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-]
-ASKS = [
-    "Repeat this text exactly, twice:\n{}",
-    "Copy the following verbatim, then copy it again:\n{}",
-    "Rewrite this, keeping every word, in a code block:\n{}",
-    "Quote this back to me exactly:\n{}",
-]
-
-
 # GPU_SPEC_IGNORE_EOS=1: real weights run their 128 tokens past EOS too.
 IGNORE_EOS = os.environ.get("GPU_SPEC_IGNORE_EOS") == "1"
 
 
 def chat_requests(n):
     """bench_spec.sh's 32 copy prompts, cycled to `n`."""
-    prompts = [ask.format(t) for ask in ASKS for t in TEXTS]
+    prompts = copy_prompts.prompts()
     return [dict(prompt=prompts[i % len(prompts)], chat=True, max_tokens=128) for i in range(n)]
 
 

@@ -159,6 +159,30 @@ struct Readback {
 /// When a step began on the device, and how long the device idled before it. Steps
 /// overlap: one launched while the step before it still ran began when that one's picks
 /// landed; one launched later began at its launch, the device idle in between.
+/// Per plan row: how many of its last tokens are placeholders a drafting model fills in.
+fn num_placeholders(sampling: &[Option<RowSampling>]) -> Vec<usize> {
+    sampling
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.drafts.len()))
+        .collect()
+}
+
+/// Each row's tokens with its last `num_drafts[i]` placeholders replaced by `drafts[i]`
+/// (rows without drafts keep their tokens).
+fn fill_placeholders<'a>(
+    rows: impl Iterator<Item = &'a [u32]>,
+    num_drafts: &[usize],
+    drafts: &[Vec<(u32, f32)>],
+) -> Vec<Vec<u32>> {
+    rows.zip(num_drafts)
+        .zip(drafts)
+        .map(|((tokens, &k), d)| {
+            let known = &tokens[..tokens.len() - k];
+            known.iter().copied().chain(d.iter().map(|x| x.0)).collect()
+        })
+        .collect()
+}
+
 fn step_window(launched: Instant, previous_done: Option<Instant>) -> (Instant, f64) {
     match previous_done {
         None => (launched, 0.0),

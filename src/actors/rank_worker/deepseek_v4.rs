@@ -100,23 +100,16 @@ impl DeviceModel for DsV4OnHost {
                 }
             })
             .collect();
-        let num_drafts: Vec<usize> = sampling
-            .iter()
-            .map(|s| s.as_ref().map_or(0, |s| s.drafts.len()))
-            .collect();
+        let num_drafts = super::num_placeholders(sampling);
         let model_drafts = match &mut self.mtp {
             Some(mtp) => mtp.propose(&self.model, &ds_steps, &num_drafts),
             None => Vec::new(),
         };
-        let filled: Vec<Vec<u32>> = ds_steps
-            .iter()
-            .zip(&num_drafts)
-            .zip(&model_drafts)
-            .map(|((s, &k), d)| {
-                let known = &s.token_ids[..s.token_ids.len() - k];
-                known.iter().copied().chain(d.iter().map(|x| x.0)).collect()
-            })
-            .collect();
+        let filled = super::fill_placeholders(
+            ds_steps.iter().map(|s| s.token_ids),
+            &num_drafts,
+            &model_drafts,
+        );
         for (s, tokens) in ds_steps.iter_mut().zip(&filled) {
             s.token_ids = tokens;
         }

@@ -47,21 +47,14 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         let mut with_drafts: Vec<SeqStep<'_>>;
         let steps = match &mut self.draft {
             Some(draft) => {
-                let num_drafts: Vec<usize> = sampling
-                    .iter()
-                    .map(|s| s.as_ref().map_or(0, |s| s.drafts.len()))
-                    .collect();
+                let num_drafts = super::num_placeholders(sampling);
                 model_drafts =
                     draft.propose(&self.backend, block_size, steps, picked_rows, &num_drafts);
-                filled = steps
-                    .iter()
-                    .zip(&num_drafts)
-                    .zip(&model_drafts)
-                    .map(|((s, &k), d)| {
-                        let known = &s.token_ids[..s.token_ids.len() - k];
-                        known.iter().copied().chain(d.iter().map(|x| x.0)).collect()
-                    })
-                    .collect();
+                filled = super::fill_placeholders(
+                    steps.iter().map(|s| s.token_ids),
+                    &num_drafts,
+                    &model_drafts,
+                );
                 with_drafts = steps.to_vec();
                 for (s, tokens) in with_drafts.iter_mut().zip(&filled) {
                     s.token_ids = tokens;
