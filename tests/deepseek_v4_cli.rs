@@ -35,8 +35,15 @@ fn alphabet() -> Vec<char> {
         .collect()
 }
 
-/// The tiny DeepSeek-V4 checkpoint beside a tokenizer.json (vocabulary 256 ≥ every id).
+/// The tiny DeepSeek-V4 checkpoint beside a tokenizer.json (vocabulary 256 ≥ every id),
+/// written once per process: tests run in parallel, and rewriting a checkpoint another
+/// test has mapped would pull the pages from under it (SIGBUS).
 fn checkpoint_with_tokenizer() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(write_checkpoint_with_tokenizer).clone()
+}
+
+fn write_checkpoint_with_tokenizer() -> PathBuf {
     let src = common::goldens().join("tiny-dsv4-a");
     let dir = std::env::temp_dir().join(format!("troupe-dsv4-chat-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
