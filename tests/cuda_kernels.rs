@@ -2,7 +2,7 @@
 //! CI installs NVRTC from pip, so a kernel that does not build fails here, not on a GPU.
 #![cfg(feature = "cuda")]
 
-use troupe::kernels::cuda::{GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin};
+use troupe::kernels::cuda::{DEEPSEEK_V4_SOURCE, GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin};
 
 #[test]
 fn llama_kernels_compile_for_sm90_with_every_entry_point() {
@@ -43,6 +43,34 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         .map(|m| format!("gemv_{m}_kernel"))
         .chain(GEMV_ROWS.iter().map(|m| format!("gemv_silu_{m}_kernel")));
     for kernel in shaped {
+        assert!(
+            ptx.contains(&format!(".entry {kernel}(")),
+            "{kernel} missing from the PTX"
+        );
+    }
+}
+
+#[test]
+fn deepseek_v4_kernels_compile_for_sm90_with_every_entry_point() {
+    let ptx = compile(DEEPSEEK_V4_SOURCE, "compute_90").unwrap_or_else(|e| panic!("{e}"));
+    for name in [
+        "rope",
+        "mhc_mix",
+        "mhc_merge",
+        "mhc_head",
+        "expand",
+        "swap",
+        "compress_feed",
+        "entry_finish",
+        "index_scores",
+        "topk",
+        "attention",
+        "ring_write",
+        "moe_route",
+        "swiglu",
+        "moe_combine",
+    ] {
+        let kernel = format!("dsv4_{name}_kernel");
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),
             "{kernel} missing from the PTX"

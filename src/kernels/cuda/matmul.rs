@@ -73,21 +73,17 @@ impl CudaBackend {
     /// now.
     fn bf16_operand(
         &self,
-        x: &CudaSlice<f32>,
+        x: u64,
         n: usize,
         twin: Option<(u64, usize)>,
     ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
-        if twin == Some((x.device_ptr(&self.stream).0, n)) {
+        if twin == Some((x, n)) {
             return self.bf16_scratch(n);
         }
         self.to_bf16(x, n)
     }
 
-    fn to_bf16(
-        &self,
-        x: &CudaSlice<f32>,
-        n: usize,
-    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+    fn to_bf16(&self, x: u64, n: usize) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
         // The scratch is overwritten: whatever copy it held is gone.
         *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut scratch = self.bf16_scratch(n);
@@ -99,7 +95,7 @@ impl CudaBackend {
                 self.stream
                     .launch_builder(&self.kernels.f32_to_bf16)
                     .arg(out)
-                    .arg(x)
+                    .arg(&x)
                     .arg(&n64)
                     .launch(grid_for(n))
             },
@@ -116,10 +112,27 @@ impl CudaBackend {
         bias: Option<&CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
     ) {
+        let x_ptr = x.device_ptr(&self.stream).0;
+        let out_ptr = out.device_ptr_mut(&self.stream).0;
+        // SAFETY: the caller's x holds num_rows·w.cols elements and out num_rows·w.rows.
+        unsafe { self.gemm_ptr(x_ptr, num_rows, w, out_ptr) };
+        self.add_bias(out, bias, num_rows, w.rows);
+    }
+
+    /// `out[num_rows, w.rows] = x[num_rows, w.cols] · wᵀ` on device addresses, so that a
+    /// GEMM can run on a range of rows inside a buffer (one expert's rows).
+    ///
+    /// # Safety
+    /// `x` must address num_rows·w.cols f32 values and `out` num_rows·w.rows, on this
+    /// backend's device, 16-byte aligned.
+    pub(super) unsafe fn gemm_ptr(&self, x: u64, num_rows: usize, w: &CudaMatrix, out: u64) {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
         };
         let (m, n, k) = (num_rows, w.rows, w.cols);
+        if m == 0 {
+            return;
+        }
         // Every GEMM takes the recorded copy, used or not: a copy lives for one GEMM.
         let twin = self.twin.lock().unwrap_or_else(|e| e.into_inner()).take();
         if self.batch_invariant {
@@ -129,13 +142,13 @@ impl CudaBackend {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: x holds m·k, w n·k, out m·n elements.
+            // SAFETY: x holds m·k, w n·k, out m·n elements (the caller's contract).
             check(
                 unsafe {
                     self.stream
                         .launch_builder(&self.kernels.matmul_invariant)
-                        .arg(&mut *out)
-                        .arg(x)
+                        .arg(&out)
+                        .arg(&x)
                         .arg(&w.w)
                         .arg(&mi)
                         .arg(&ni)
@@ -144,51 +157,45 @@ impl CudaBackend {
                 },
                 "matmul_invariant",
             );
-            self.add_bias(out, bias, m, n);
             return;
         }
         if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k.is_multiple_of(8)) {
             self.launch_gemv(kernel, n.div_ceil(cols), x, m, w, out);
-            self.add_bias(out, bias, m, n);
             return;
         }
         let xb = self.bf16_operand(x, m * k, twin);
         let xb = xb.as_ref().expect("scratch allocated");
         let (alpha, beta) = (1.0f32, 0.0f32);
-        {
-            let (w_ptr, _gw) = w.w.device_ptr(&self.stream);
-            let (x_ptr, _gx) = xb.device_ptr(&self.stream);
-            let (y_ptr, _gy) = out.device_ptr_mut(&self.stream);
-            // Row-major Y[m, n] = X[m, k] · W[n, k]ᵀ is column-major Yᵀ = W(ᵀ) · X.
-            // SAFETY: the pointers cover m·k, n·k and m·n elements.
-            check(
-                unsafe {
-                    cudarc::cublas::result::gemm_ex(
-                        *self.blas.handle(),
-                        cublasOperation_t::CUBLAS_OP_T,
-                        cublasOperation_t::CUBLAS_OP_N,
-                        n as i32,
-                        m as i32,
-                        k as i32,
-                        &alpha as *const f32 as *const _,
-                        w_ptr as *const _,
-                        cudaDataType_t::CUDA_R_16BF,
-                        k as i32,
-                        x_ptr as *const _,
-                        cudaDataType_t::CUDA_R_16BF,
-                        k as i32,
-                        &beta as *const f32 as *const _,
-                        y_ptr as *mut _,
-                        cudaDataType_t::CUDA_R_32F,
-                        n as i32,
-                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                    )
-                },
-                "gemm",
-            );
-        }
-        self.add_bias(out, bias, m, n);
+        let (w_ptr, _gw) = w.w.device_ptr(&self.stream);
+        let (x_ptr, _gx) = xb.device_ptr(&self.stream);
+        // Row-major Y[m, n] = X[m, k] · W[n, k]ᵀ is column-major Yᵀ = W(ᵀ) · X.
+        // SAFETY: the pointers cover m·k, n·k and m·n elements.
+        check(
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    &alpha as *const f32 as *const _,
+                    w_ptr as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    k as i32,
+                    x_ptr as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    k as i32,
+                    &beta as *const f32 as *const _,
+                    out as *mut _,
+                    cudaDataType_t::CUDA_R_32F,
+                    n as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            },
+            "gemm",
+        );
     }
 
     /// The MLP activation straight from the GEMV (`gemv_silu`), where a small decode batch
@@ -209,7 +216,18 @@ impl CudaBackend {
             return false;
         };
         // Each block pairs cols / 2 gate columns with their up partners.
-        self.launch_gemv(kernel, width.div_ceil(cols / 2), x, num_rows, w, out);
+        let (x_ptr, out_ptr) = (
+            x.device_ptr(&self.stream).0,
+            out.device_ptr_mut(&self.stream).0,
+        );
+        self.launch_gemv(
+            kernel,
+            width.div_ceil(cols / 2),
+            x_ptr,
+            num_rows,
+            w,
+            out_ptr,
+        );
         true
     }
 
@@ -218,10 +236,10 @@ impl CudaBackend {
         &self,
         kernel: &CudaFunction,
         num_blocks: usize,
-        x: &CudaSlice<f32>,
+        x: u64,
         num_rows: usize,
         w: &CudaMatrix,
-        out: &mut CudaSlice<f32>,
+        out: u64,
     ) {
         let (mi, ni, ki) = (num_rows as i32, w.rows as i32, w.cols as i32);
         let cfg = LaunchConfig {
@@ -236,8 +254,8 @@ impl CudaBackend {
             unsafe {
                 self.stream
                     .launch_builder(kernel)
-                    .arg(out)
-                    .arg(x)
+                    .arg(&out)
+                    .arg(&x)
                     .arg(&w.w)
                     .arg(&mi)
                     .arg(&ni)

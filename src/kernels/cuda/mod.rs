@@ -9,6 +9,7 @@
 
 mod attention;
 mod backend;
+mod deepseek_v4;
 mod graph;
 mod kv_cache;
 mod matmul;
@@ -18,12 +19,15 @@ mod picks;
 mod recorded;
 mod weights;
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use half::bf16;
 
+pub use deepseek_v4::{
+    AttentionKeys, DEEPSEEK_V4_SOURCE, DeviceCompressor, DsStepMeta, DsV4Kernels, SEQ_FIELDS,
+};
 use graph::{Graphs, Meta, Phase};
 pub use kv_cache::CudaKvCache;
 use module::Kernels;
@@ -86,6 +90,8 @@ pub struct CudaBackend {
     pick_slots: PickPool,
     /// Sampled rows' order keys and weights, a vocabulary each (`sample_kernel`).
     sample_scratch: Mutex<Option<(CudaSlice<u32>, CudaSlice<f32>)>>,
+    /// DeepSeek-V4's program, built when a DeepSeek-V4 model first asks for it.
+    dsv4: OnceLock<DsV4Kernels>,
 }
 
 const THREADS: u32 = 256;
@@ -183,6 +189,7 @@ impl CudaBackend {
             )),
             pick_slots: Arc::new(Mutex::new(Vec::new())),
             sample_scratch: Mutex::new(None),
+            dsv4: OnceLock::new(),
             ctx,
             stream,
             blas,

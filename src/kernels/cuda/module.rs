@@ -232,7 +232,11 @@ pub const DECODE_MMA_MAX_GROUP: usize = 8;
 
 /// Lets `func` use `smem_bytes` of dynamic shared memory: above 48 KiB, static and dynamic
 /// together, it must opt in, so any kernel with dynamic shared memory does.
-fn opt_in_smem(func: &CudaFunction, smem_bytes: usize, name: &str) -> Result<(), CudaError> {
+pub(super) fn opt_in_smem(
+    func: &CudaFunction,
+    smem_bytes: usize,
+    name: &str,
+) -> Result<(), CudaError> {
     if smem_bytes > 0 {
         func.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -1,0 +1,484 @@
+// troupe's CUDA kernels for DeepSeek-V4's own operations (the GEMMs go through the Llama
+// program's GEMV / cuBLAS paths): interleaved partial RoPE, mHC mixing with Sinkhorn
+// iterations, the compressors' window state machine, the lightning indexer and its top-k,
+// sliding-window + compressed attention with sinks, MoE routing and the clipped SwiGLU.
+// Every kernel mirrors a function of the f32 host reference (`model/deepseek_v4/`), in the
+// same order of operations where that order is cheap to keep.
+//
+// Metadata: `rows` is [T][2] = (sequence index, position); `seqs` is [S][SEQ_FIELDS] as
+// below; `block_tables` holds every sequence's table, `S_BT` its offset.
+
+#define NEG_INF (__int_as_float(0xff800000))
+typedef unsigned int u32;
+
+#define SEQ_FIELDS 8
+#define S_SLOT 0
+#define S_POS0 1
+#define S_ROW0 2
+#define S_LEN 3
+#define S_START 4
+#define S_REPLAY 5
+#define S_BT 6
+
+__device__ __forceinline__ float ds_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float ds_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float ds_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim a multiple of 32); every thread gets it.
+__device__ float ds_block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = ds_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    return ds_warp_sum(t);
+}
+
+__device__ float ds_block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = ds_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : NEG_INF;
+    return ds_warp_max(t);
+}
+
+// Where compressed entry `e` (source tokens e·rate ..) of a sequence lives, in entries.
+__device__ __forceinline__ long long ds_entry(const u32* table, int block_size, int rate, int epb,
+                                              int e) {
+    long long first = (long long)e * rate;
+    long long block = table[first / block_size];
+    return block * epb + (first % block_size) / rate;
+}
+
+// Rotates the trailing 2·half channels of each dim-wide row (rows · heads of them) in
+// consecutive pairs at the row's position; sign −1 undoes it (`ops::rope_rows`).
+extern "C" __global__ void dsv4_rope_kernel(float* x, const u32* rows, int num_rows, int heads,
+                                            int dim, int half, const float* freqs, float sign) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)num_rows * heads * half) return;
+    int p = (int)(i % half);
+    long long rh = i / half;
+    int r = (int)(rh / heads);
+    float angle = (float)rows[2 * r + 1] * freqs[p];
+    float c = cosf(angle), s = sign * sinf(angle);
+    float* pair = x + rh * dim + dim - 2 * half + 2 * p;
+    float a = pair[0], b = pair[1];
+    pair[0] = a * c - b * s;
+    pair[1] = b * c + a * s;
+}
+
+// Per token: mHC's pre, post and Sinkhorn-projected comb weights from its mixes
+// [(2 + n)·n], and the collapse Σ_j pre_j · stream_j (`mhc::mix`). One block a token.
+extern "C" __global__ void dsv4_mhc_mix_kernel(const float* mixes, const float* streams,
+                                               const float* base, const float* scale, float* post,
+                                               float* comb, float* collapsed, int n, int hidden,
+                                               int iters, float hc_eps) {
+    __shared__ float pre_s[16];
+    int t = blockIdx.x;
+    const float* m = mixes + (long long)t * (2 + n) * n;
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < n; ++j) pre_s[j] = ds_sigmoid(m[j] * scale[0] + base[j]) + hc_eps;
+        for (int j = 0; j < n; ++j) post[t * n + j] = 2.0f * ds_sigmoid(m[n + j] * scale[1] + base[n + j]);
+        float c[16 * 16];
+        for (int j = 0; j < n; ++j) {
+            float mx = NEG_INF;
+            for (int k = 0; k < n; ++k) {
+                c[j * n + k] = m[2 * n + j * n + k] * scale[2] + base[2 * n + j * n + k];
+                mx = fmaxf(mx, c[j * n + k]);
+            }
+            float sum = 0.0f;
+            for (int k = 0; k < n; ++k) {
+                c[j * n + k] = expf(c[j * n + k] - mx);
+                sum += c[j * n + k];
+            }
+            for (int k = 0; k < n; ++k) c[j * n + k] = c[j * n + k] / sum + hc_eps;
+        }
+        for (int it = 0; it < iters; ++it) {
+            if (it > 0) {
+                for (int j = 0; j < n; ++j) {
+                    float sum = 0.0f;
+                    for (int k = 0; k < n; ++k) sum += c[j * n + k];
+                    sum += hc_eps;
+                    for (int k = 0; k < n; ++k) c[j * n + k] /= sum;
+                }
+            }
+            for (int k = 0; k < n; ++k) {
+                float sum = 0.0f;
+                for (int j = 0; j < n; ++j) sum += c[j * n + k];
+                sum += hc_eps;
+                for (int j = 0; j < n; ++j) c[j * n + k] /= sum;
+            }
+        }
+        for (int i = 0; i < n * n; ++i) comb[(long long)t * n * n + i] = c[i];
+    }
+    __syncthreads();
+    for (int ch = threadIdx.x; ch < hidden; ch += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; ++j) acc += pre_s[j] * streams[((long long)t * n + j) * hidden + ch];
+        collapsed[(long long)t * hidden + ch] = acc;
+    }
+}
+
+// streams[k] ← post[k] · out + Σ_j comb[j][k] · streams[j], per token (`mhc::merge`).
+extern "C" __global__ void dsv4_mhc_merge_kernel(float* streams, const float* post,
+                                                 const float* comb, const float* out, int n,
+                                                 int hidden) {
+    int t = blockIdx.x;
+    const float* c = comb + (long long)t * n * n;
+    for (int ch = threadIdx.x; ch < hidden; ch += blockDim.x) {
+        float s[16];
+        for (int j = 0; j < n; ++j) s[j] = streams[((long long)t * n + j) * hidden + ch];
+        float o = out[(long long)t * hidden + ch];
+        for (int k = 0; k < n; ++k) {
+            float v = post[t * n + k] * o;
+            for (int j = 0; j < n; ++j) v += c[j * n + k] * s[j];
+            streams[((long long)t * n + k) * hidden + ch] = v;
+        }
+    }
+}
+
+// The head's collapse: pre weights only, from mixes [n] (`mhc::head`).
+extern "C" __global__ void dsv4_mhc_head_kernel(const float* mixes, const float* streams,
+                                                const float* base, const float* scale, float* out,
+                                                int n, int hidden, float hc_eps) {
+    int t = blockIdx.x;
+    for (int ch = threadIdx.x; ch < hidden; ch += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; ++j) {
+            float pre = ds_sigmoid(mixes[t * n + j] * scale[0] + base[j]) + hc_eps;
+            acc += pre * streams[((long long)t * n + j) * hidden + ch];
+        }
+        out[(long long)t * hidden + ch] = acc;
+    }
+}
+
+// [T, hidden] → [T, n, hidden]: every stream starts as the token's embedding.
+extern "C" __global__ void dsv4_expand_kernel(float* streams, const float* x, int tokens, int n,
+                                              int hidden) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)tokens * n * hidden) return;
+    long long t = i / ((long long)n * hidden);
+    streams[i] = x[t * hidden + i % hidden];
+}
+
+// x [a, b, width] → y [b, a, width] (the grouped output projection's per-group operands).
+extern "C" __global__ void dsv4_swap_kernel(float* y, const float* x, int a, int b, int width) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)a * b * width) return;
+    int c = (int)(i % width);
+    long long ab = i / width;
+    int ia = (int)(ab / b), ib = (int)(ab % b);
+    y[((long long)ib * a + ia) * width + c] = x[i];
+}
+
+// One thread per (sequence, entry channel c): the chunk's projected kv and gate rows go
+// into the slot's open window; each window they close emits channel c of one entry — a
+// softmax over the window's gate logits (+ position bias; with overlap, over the previous
+// window's Ca half and this window's Cb half) weighting its kv rows — unless the window is
+// a cached prefix being replayed (`CompressorCache::feed`; norm and RoPE come after, in
+// dsv4_entry_finish_kernel). A thread reads and writes only its own columns (c, dim + c).
+extern "C" __global__ void dsv4_compress_feed_kernel(
+    const float* kv, const float* gate, const float* bias, float* buf_kv, float* buf_gate,
+    float* prev_kv, float* prev_gate, float* entries, const u32* seqs, const u32* block_tables,
+    int block_size, int rate, int width, int dim, int overlap, int epb) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    const u32* sq = seqs + blockIdx.y * SEQ_FIELDS;
+    long long slot = sq[S_SLOT];
+    int pos0 = sq[S_POS0], row0 = sq[S_ROW0], len = sq[S_LEN];
+    int start = sq[S_START], replay = sq[S_REPLAY];
+    const u32* table = block_tables + sq[S_BT];
+    float* bkv = buf_kv + slot * rate * width;
+    float* bgate = buf_gate + slot * rate * width;
+    float* pkv = prev_kv + slot * rate * dim;
+    float* pgate = prev_gate + slot * rate * dim;
+    int cb = overlap ? dim : 0;
+    for (int i = 0; i < len; ++i) {
+        int pos = pos0 + i;
+        int s = pos % rate;
+        long long src = (long long)(row0 + i) * width;
+        bkv[s * width + c] = kv[src + c];
+        bgate[s * width + c] = gate[src + c];
+        if (overlap) {
+            bkv[s * width + dim + c] = kv[src + dim + c];
+            bgate[s * width + dim + c] = gate[src + dim + c];
+        }
+        if (s != rate - 1) continue;
+        int w = pos / rate;
+        bool has_prev = overlap && w * rate > start;
+        bool emit = (w + 1) * rate > replay;
+        float mx = NEG_INF;
+        if (has_prev)
+            for (int j = 0; j < rate; ++j) mx = fmaxf(mx, pgate[j * dim + c]);
+        for (int j = 0; j < rate; ++j)
+            mx = fmaxf(mx, bgate[j * width + cb + c] + bias[j * width + cb + c]);
+        float sum = 0.0f;
+        if (has_prev)
+            for (int j = 0; j < rate; ++j) sum += expf(pgate[j * dim + c] - mx);
+        for (int j = 0; j < rate; ++j)
+            sum += expf(bgate[j * width + cb + c] + bias[j * width + cb + c] - mx);
+        float acc = 0.0f;
+        if (has_prev)
+            for (int j = 0; j < rate; ++j) acc += expf(pgate[j * dim + c] - mx) / sum * pkv[j * dim + c];
+        for (int j = 0; j < rate; ++j)
+            acc += expf(bgate[j * width + cb + c] + bias[j * width + cb + c] - mx) / sum *
+                   bkv[j * width + cb + c];
+        if (emit) entries[ds_entry(table, block_size, rate, epb, w) * dim + c] = acc;
+        if (overlap) {
+            for (int j = 0; j < rate; ++j) {
+                pkv[j * dim + c] = bkv[j * width + c];
+                pgate[j * dim + c] = bgate[j * width + c] + bias[j * width + c];
+            }
+        }
+    }
+}
+
+// The entries emitted this step, [E][2] = (entry index, position of its first token):
+// RMS norm with `norm`, then RoPE at that position. One block an entry.
+extern "C" __global__ void dsv4_entry_finish_kernel(float* entries, const u32* emits, int dim,
+                                                    const float* norm, float eps,
+                                                    const float* freqs, int half) {
+    __shared__ float scratch[32];
+    float* e = entries + (long long)emits[2 * blockIdx.x] * dim;
+    float pos = (float)emits[2 * blockIdx.x + 1];
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += e[c] * e[c];
+    float inv = 1.0f / sqrtf(ds_block_sum(ss, scratch) / dim + eps);
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) e[c] = norm[c] * (e[c] * inv);
+    __syncthreads();
+    for (int p = threadIdx.x; p < half; p += blockDim.x) {
+        float angle = pos * freqs[p];
+        float cs = cosf(angle), sn = sinf(angle);
+        float* pair = e + dim - 2 * half + 2 * p;
+        float a = pair[0], b = pair[1];
+        pair[0] = a * cs - b * sn;
+        pair[1] = b * cs + a * sn;
+    }
+}
+
+// The lightning indexer's score of every visible entry for every row:
+// Σ_h w_h · relu(q_h · k) (scaled), −∞ past the row's visible entries. A warp an entry.
+extern "C" __global__ void dsv4_index_scores_kernel(
+    float* scores, const float* q, const float* head_weights, const float* keys, const u32* rows,
+    const u32* seqs, const u32* block_tables, int block_size, int rate, int epb, int heads,
+    int dim, float score_scale, float weight_scale, int max_visible) {
+    int r = blockIdx.x;
+    int lane = threadIdx.x & 31;
+    int e = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (e >= max_visible) return;
+    int visible = ((int)rows[2 * r + 1] + 1) / rate;
+    if (e >= visible) {
+        if (lane == 0) scores[(long long)r * max_visible + e] = NEG_INF;
+        return;
+    }
+    const u32* table = block_tables + seqs[rows[2 * r] * SEQ_FIELDS + S_BT];
+    const float* k = keys + ds_entry(table, block_size, rate, epb, e) * dim;
+    const float* qr = q + (long long)r * heads * dim;
+    float s = 0.0f;
+    for (int h = 0; h < heads; ++h) {
+        float d = 0.0f;
+        for (int c = lane; c < dim; c += 32) d += qr[h * dim + c] * k[c];
+        d = fmaxf(ds_warp_sum(d), 0.0f) * score_scale;
+        s += d * head_weights[r * heads + h] * weight_scale;
+    }
+    if (lane == 0) scores[(long long)r * max_visible + e] = s;
+}
+
+// The k best entries of each row, best first, ties to the lower index (`ops::top_k`);
+// −1 past the row's visible count. An entry's slot is its rank. One block a row.
+extern "C" __global__ void dsv4_topk_kernel(int* sel, const float* scores, const u32* rows,
+                                            int rate, int max_visible, int k) {
+    int r = blockIdx.x;
+    int visible = ((int)rows[2 * r + 1] + 1) / rate;
+    const float* s = scores + (long long)r * max_visible;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) sel[(long long)r * k + i] = -1;
+    __syncthreads();
+    for (int i = threadIdx.x; i < visible; i += blockDim.x) {
+        float v = s[i];
+        int rank = 0;
+        for (int j = 0; j < visible && rank < k; ++j) {
+            float o = s[j];
+            rank += (o > v) || (o == v && j < i);
+        }
+        if (rank < k) sel[(long long)r * k + rank] = i;
+    }
+}
+
+// One block per (row, head): shared-KV attention over the sliding window (ring rows
+// before the chunk, the chunk's own rows after) and the compressed entries (the
+// indexer's selection when `sel` is given, else every closed window; none when rate is
+// 0), with the head's sink in the softmax (`attention::attention`, before the output's
+// RoPE is undone). Dynamic shared memory: hd + the row's key count floats.
+extern "C" __global__ void dsv4_attention_kernel(
+    float* out, const float* q, const float* kv, const float* ring, const float* entries,
+    const int* sel, int sel_k, const u32* rows, const u32* seqs, const u32* block_tables,
+    const float* sinks, int heads, int hd, int window, int ring_len, int rate, int block_size,
+    int epb, float scale) {
+    extern __shared__ float smem[];
+    __shared__ float scratch[32];
+    int r = blockIdx.x, h = blockIdx.y;
+    int t = rows[2 * r + 1];
+    const u32* sq = seqs + rows[2 * r] * SEQ_FIELDS;
+    long long slot = sq[S_SLOT];
+    int pos0 = sq[S_POS0], row0 = sq[S_ROW0], start = sq[S_START];
+    const u32* table = block_tables + sq[S_BT];
+    int lo = t + 1 - window;
+    if (lo < start) lo = start;
+    int n_swa = t - lo + 1;
+    int n_comp = 0;
+    if (rate > 0) {
+        int visible = (t + 1) / rate;
+        n_comp = sel != 0 ? min(visible, sel_k) : visible;
+    }
+    int nk = n_swa + n_comp;
+    float* qs = smem;
+    float* logits = smem + hd;
+    const float* qh = q + ((long long)r * heads + h) * hd;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qh[c];
+    __syncthreads();
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#define DS_KEY(i)                                                                         \
+    ((i) < n_swa ? ((lo + (i)) < pos0 ? ring + (slot * ring_len + (lo + (i)) % ring_len) * hd \
+                                      : kv + (long long)(row0 + lo + (i) - pos0) * hd)       \
+                 : entries + ds_entry(table, block_size, rate, epb,                           \
+                                      sel != 0 ? sel[(long long)r * sel_k + (i) - n_swa]      \
+                                               : (i) - n_swa) * hd)
+    for (int i = warp; i < nk; i += warps) {
+        const float* k = DS_KEY(i);
+        float d = 0.0f;
+        for (int c = lane; c < hd; c += 32) d += qs[c] * k[c];
+        d = ds_warp_sum(d);
+        if (lane == 0) logits[i] = d * scale;
+    }
+    __syncthreads();
+    float sink = sinks[h];
+    float mx = sink;
+    for (int i = threadIdx.x; i < nk; i += blockDim.x) mx = fmaxf(mx, logits[i]);
+    mx = ds_block_max(mx, scratch);
+    float part = 0.0f;
+    for (int i = threadIdx.x; i < nk; i += blockDim.x) {
+        float e = expf(logits[i] - mx);
+        logits[i] = e;
+        part += e;
+    }
+    float sum = ds_block_sum(part, scratch) + expf(sink - mx);
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int i = 0; i < nk; ++i) acc += logits[i] / sum * DS_KEY(i)[c];
+        out[((long long)r * heads + h) * hd + c] = acc;
+    }
+#undef DS_KEY
+}
+
+// The ring keeps each chunk's last min(len, ring_len) K=V rows, at position % ring_len.
+extern "C" __global__ void dsv4_ring_write_kernel(float* ring, const float* kv, const u32* seqs,
+                                                  int ring_len, int hd) {
+    const u32* sq = seqs + blockIdx.y * SEQ_FIELDS;
+    long long slot = sq[S_SLOT];
+    int pos0 = sq[S_POS0], row0 = sq[S_ROW0], len = sq[S_LEN];
+    int keep = min(len, ring_len);
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)keep * hd) return;
+    int row = len - keep + (int)(i / hd);
+    int c = (int)(i % hd);
+    int p = pos0 + row;
+    ring[(slot * ring_len + p % ring_len) * hd + c] = kv[(long long)(row0 + row) * hd + c];
+}
+
+// Per token: router scores (0 sqrtsoftplus, 1 sigmoid, 2 softmax), the k experts (the
+// hash table's when given, else the top-k of score + bias, ties to the lower index) and
+// their weights, normalised and scaled (`moe::moe`). One block a token; E ≤ 1024.
+extern "C" __global__ void dsv4_moe_route_kernel(u32* chosen, float* weights, const float* logits,
+                                                 const u32* token_ids, const u32* tid2eid,
+                                                 const float* bias, int scoring, int num_experts,
+                                                 int k, float scaling) {
+    __shared__ float s[1024];
+    int t = blockIdx.x;
+    const float* l = logits + (long long)t * num_experts;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        float x = l[e];
+        if (scoring == 0) {
+            float sp = x > 20.0f ? x : log1pf(expf(x));
+            s[e] = sqrtf(sp);
+        } else if (scoring == 1) {
+            s[e] = ds_sigmoid(x);
+        } else {
+            s[e] = x;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    if (scoring == 2) {
+        float mx = NEG_INF;
+        for (int e = 0; e < num_experts; ++e) mx = fmaxf(mx, s[e]);
+        float sum = 0.0f;
+        for (int e = 0; e < num_experts; ++e) {
+            s[e] = expf(s[e] - mx);
+            sum += s[e];
+        }
+        for (int e = 0; e < num_experts; ++e) s[e] /= sum;
+    }
+    u32 picked[32];
+    for (int j = 0; j < k; ++j) {
+        if (tid2eid != 0) {
+            picked[j] = tid2eid[(long long)token_ids[t] * k + j];
+            continue;
+        }
+        int best = -1;
+        float best_v = NEG_INF;
+        for (int e = 0; e < num_experts; ++e) {
+            bool taken = false;
+            for (int i = 0; i < j; ++i) taken |= picked[i] == (u32)e;
+            if (taken) continue;
+            float v = bias != 0 ? s[e] + bias[e] : s[e];
+            if (best < 0 || v > best_v) {
+                best = e;
+                best_v = v;
+            }
+        }
+        picked[j] = (u32)best;
+    }
+    float total = 0.0f;
+    for (int j = 0; j < k; ++j) total += s[picked[j]];
+    total += 1e-20f;
+    for (int j = 0; j < k; ++j) {
+        chosen[t * k + j] = picked[j];
+        weights[t * k + j] = s[picked[j]] / total * scaling;
+    }
+}
+
+// h = silu(min(gate, limit)) · clamp(up, −limit, limit).
+extern "C" __global__ void dsv4_swiglu_kernel(float* h, const float* gate, const float* up,
+                                              long long n, float limit) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = fminf(gate[i], limit);
+    float u = fminf(fmaxf(up[i], -limit), limit);
+    h[i] = g * ds_sigmoid(g) * u;
+}
+
+// out[t] += Σ_j weight[t, slot_j] · ys[row_j] with (row_j, slot_j) = order[t, j]: each
+// token's expert outputs, in the order the host gives (by expert id, as the reference adds
+// them); slot_j is the expert's place in the router's choice (its weight).
+extern "C" __global__ void dsv4_moe_combine_kernel(float* out, const float* ys, const u32* order,
+                                                   const float* weight, int k, int hidden) {
+    int t = blockIdx.x;
+    const u32* o_t = order + (long long)t * k * 2;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float o = out[(long long)t * hidden + c];
+        for (int j = 0; j < k; ++j)
+            o += weight[t * k + o_t[2 * j + 1]] * ys[(long long)o_t[2 * j] * hidden + c];
+        out[(long long)t * hidden + c] = o;
+    }
+}

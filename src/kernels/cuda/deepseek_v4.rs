@@ -1,0 +1,705 @@
+//! DeepSeek-V4's kernels (`kernels-cuda/deepseek_v4.cu`) on the CUDA backend: a program of
+//! their own, built on first use so that a Llama rank never compiles them, and typed
+//! launchers over the step's metadata (`DsStepMeta`).
+
+// The launchers take a kernel's operands one by one: bundling them would only move the
+// argument list into struct literals at every call.
+#![allow(clippy::too_many_arguments)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{CudaBackend, CudaError, CudaMatrix, check, grid_for, per_row};
+
+pub const DEEPSEEK_V4_SOURCE: &str = include_str!("../../../kernels-cuda/deepseek_v4.cu");
+
+/// The attention kernel's dynamic shared memory opt-in: the query head and up to
+/// `MAX_ATTENTION_KEYS - head_dim` key logits.
+const ATTENTION_SMEM_BYTES: usize = 160 << 10;
+
+/// Per-sequence metadata fields, as `deepseek_v4.cu`'s `SEQ_FIELDS` lays them out.
+pub const SEQ_FIELDS: usize = 8;
+
+pub struct DsV4Kernels {
+    _module: Arc<CudaModule>,
+    rope: CudaFunction,
+    mhc_mix: CudaFunction,
+    mhc_merge: CudaFunction,
+    mhc_head: CudaFunction,
+    expand: CudaFunction,
+    swap: CudaFunction,
+    compress_feed: CudaFunction,
+    entry_finish: CudaFunction,
+    index_scores: CudaFunction,
+    topk: CudaFunction,
+    attention: CudaFunction,
+    ring_write: CudaFunction,
+    moe_route: CudaFunction,
+    swiglu: CudaFunction,
+    moe_combine: CudaFunction,
+}
+
+/// A step's metadata on the device: per row (sequence, position), per sequence its
+/// `SEQ_FIELDS`, and the block tables they point into.
+pub struct DsStepMeta {
+    pub rows: CudaSlice<u32>,
+    pub seqs: CudaSlice<u32>,
+    pub tables: CudaSlice<u32>,
+    pub num_rows: usize,
+    pub num_seqs: usize,
+    /// The longest chunk of the step.
+    pub max_len: usize,
+}
+
+/// One compressor's device state for one layer (`CompressorCache` on the host).
+pub struct DeviceCompressor {
+    pub rate: usize,
+    pub width: usize,
+    pub dim: usize,
+    pub overlap: bool,
+    pub entries_per_block: usize,
+    pub buf_kv: CudaSlice<f32>,
+    pub buf_gate: CudaSlice<f32>,
+    pub prev_kv: CudaSlice<f32>,
+    pub prev_gate: CudaSlice<f32>,
+    pub entries: CudaSlice<f32>,
+}
+
+/// Where a layer's attention reads its keys.
+pub struct AttentionKeys<'a> {
+    pub kv: &'a CudaSlice<f32>,
+    pub ring: &'a CudaSlice<f32>,
+    pub ring_len: usize,
+    pub window: usize,
+    /// The layer's compressed entries and the indexer's selection (`None`: every closed
+    /// window), with its width.
+    pub compressed: Option<(&'a DeviceCompressor, Option<(&'a CudaSlice<i32>, usize)>)>,
+    pub block_size: usize,
+}
+
+fn load(backend: &CudaBackend) -> Result<DsV4Kernels, CudaError> {
+    let cc = backend
+        .ctx
+        .compute_capability()
+        .map_err(|e| CudaError::Unavailable(e.to_string()))?;
+    let image = super::kernel_image(DEEPSEEK_V4_SOURCE, cc)?;
+    let module = backend
+        .ctx
+        .load_module(Ptx::from_binary(image))
+        .map_err(|e| CudaError::Compile(format!("loading the DeepSeek-V4 kernels: {e}")))?;
+    let f = |name: &str| {
+        module
+            .load_function(&format!("dsv4_{name}_kernel"))
+            .map_err(|e| CudaError::Compile(format!("kernel `dsv4_{name}_kernel`: {e}")))
+    };
+    let attention = f("attention")?;
+    super::module::opt_in_smem(&attention, ATTENTION_SMEM_BYTES, "dsv4_attention")?;
+    Ok(DsV4Kernels {
+        rope: f("rope")?,
+        mhc_mix: f("mhc_mix")?,
+        mhc_merge: f("mhc_merge")?,
+        mhc_head: f("mhc_head")?,
+        expand: f("expand")?,
+        swap: f("swap")?,
+        compress_feed: f("compress_feed")?,
+        entry_finish: f("entry_finish")?,
+        index_scores: f("index_scores")?,
+        topk: f("topk")?,
+        attention,
+        ring_write: f("ring_write")?,
+        moe_route: f("moe_route")?,
+        swiglu: f("swiglu")?,
+        moe_combine: f("moe_combine")?,
+        _module: module,
+    })
+}
+
+fn blocks(x: usize, y: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x.max(1) as u32, y.max(1) as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaBackend {
+    /// DeepSeek-V4's kernels, built (or read from the disk cache) on first use.
+    pub fn dsv4_kernels(&self) -> Result<&DsV4Kernels, CudaError> {
+        if let Some(k) = self.dsv4.get() {
+            return Ok(k);
+        }
+        let k = load(self)?;
+        Ok(self.dsv4.get_or_init(|| k))
+    }
+
+    fn ds(&self) -> &DsV4Kernels {
+        self.dsv4
+            .get()
+            .expect("dsv4_kernels() is called when the model is loaded")
+    }
+
+    pub fn upload_u32s(&self, data: &[u32]) -> CudaSlice<u32> {
+        if data.is_empty() {
+            return check(self.stream.alloc_zeros::<u32>(1), "alloc");
+        }
+        check(self.stream.clone_htod(data), "upload")
+    }
+
+    pub fn alloc_u32s(&self, len: usize) -> CudaSlice<u32> {
+        check(self.stream.alloc_zeros::<u32>(len.max(1)), "alloc")
+    }
+
+    pub fn alloc_i32s(&self, len: usize) -> CudaSlice<i32> {
+        check(self.stream.alloc_zeros::<i32>(len.max(1)), "alloc")
+    }
+
+    pub fn download_u32s(&self, buf: &CudaSlice<u32>, len: usize) -> Vec<u32> {
+        let mut out = vec![0u32; len];
+        if len > 0 {
+            check(
+                self.stream.memcpy_dtoh(&buf.slice(0..len), &mut out),
+                "download",
+            );
+        }
+        out
+    }
+
+    /// `out` rows `out_row0..` = `x` rows `x_row0..` (`num_rows` of them) · `wᵀ`.
+    pub fn gemm_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        x_row0: usize,
+        num_rows: usize,
+        w: &CudaMatrix,
+        out: &mut CudaSlice<f32>,
+        out_row0: usize,
+    ) {
+        assert!(
+            (x_row0 + num_rows) * w.cols <= x.len() && (out_row0 + num_rows) * w.rows <= out.len(),
+            "gemm_rows outside its buffers"
+        );
+        let x_ptr = x.device_ptr(&self.stream).0 + (x_row0 * w.cols * 4) as u64;
+        let out_ptr = out.device_ptr_mut(&self.stream).0 + (out_row0 * w.rows * 4) as u64;
+        // SAFETY: the assert bounds both ranges inside their buffers.
+        unsafe { self.gemm_ptr(x_ptr, num_rows, w, out_ptr) };
+    }
+
+    /// Interleaved partial RoPE on `heads` rows of `dim` per step row (`sign` −1 undoes it).
+    pub fn dsv4_rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        meta: &DsStepMeta,
+        heads: usize,
+        dim: usize,
+        freqs: &CudaSlice<f32>,
+        sign: f32,
+    ) {
+        let half = freqs.len();
+        let n = meta.num_rows * heads * half;
+        let (rows, h, d, hf) = (meta.num_rows as i32, heads as i32, dim as i32, half as i32);
+        // SAFETY: x holds num_rows·heads·dim values; rows num_rows pairs.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().rope)
+                    .arg(x)
+                    .arg(&meta.rows)
+                    .arg(&rows)
+                    .arg(&h)
+                    .arg(&d)
+                    .arg(&hf)
+                    .arg(freqs)
+                    .arg(&sign)
+                    .launch(grid_for(n))
+            },
+            "dsv4_rope",
+        );
+    }
+
+    pub fn dsv4_mhc_mix(
+        &self,
+        mixes: &CudaSlice<f32>,
+        streams: &CudaSlice<f32>,
+        base: &CudaSlice<f32>,
+        scale: &CudaSlice<f32>,
+        post: &mut CudaSlice<f32>,
+        comb: &mut CudaSlice<f32>,
+        collapsed: &mut CudaSlice<f32>,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+        iters: usize,
+        hc_eps: f32,
+    ) {
+        let (ni, hi, it) = (n as i32, hidden as i32, iters as i32);
+        // SAFETY: mixes [tokens, (2+n)·n], streams [tokens, n, hidden], post [tokens, n],
+        // comb [tokens, n, n], collapsed [tokens, hidden]; n ≤ 16 (checked at load).
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().mhc_mix)
+                    .arg(mixes)
+                    .arg(streams)
+                    .arg(base)
+                    .arg(scale)
+                    .arg(post)
+                    .arg(comb)
+                    .arg(collapsed)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .arg(&it)
+                    .arg(&hc_eps)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_mhc_mix",
+        );
+    }
+
+    pub fn dsv4_mhc_merge(
+        &self,
+        streams: &mut CudaSlice<f32>,
+        post: &CudaSlice<f32>,
+        comb: &CudaSlice<f32>,
+        out: &CudaSlice<f32>,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+    ) {
+        let (ni, hi) = (n as i32, hidden as i32);
+        // SAFETY: shapes as in dsv4_mhc_mix; out [tokens, hidden].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().mhc_merge)
+                    .arg(streams)
+                    .arg(post)
+                    .arg(comb)
+                    .arg(out)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_mhc_merge",
+        );
+    }
+
+    pub fn dsv4_mhc_head(
+        &self,
+        mixes: &CudaSlice<f32>,
+        streams: &CudaSlice<f32>,
+        base: &CudaSlice<f32>,
+        scale: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+        hc_eps: f32,
+    ) {
+        let (ni, hi) = (n as i32, hidden as i32);
+        // SAFETY: mixes [tokens, n], streams [tokens, n, hidden], out [tokens, hidden].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().mhc_head)
+                    .arg(mixes)
+                    .arg(streams)
+                    .arg(base)
+                    .arg(scale)
+                    .arg(out)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .arg(&hc_eps)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_mhc_head",
+        );
+    }
+
+    pub fn dsv4_expand(
+        &self,
+        streams: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+    ) {
+        let (ti, ni, hi) = (tokens as i32, n as i32, hidden as i32);
+        // SAFETY: streams [tokens, n, hidden], x [tokens, hidden].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().expand)
+                    .arg(streams)
+                    .arg(x)
+                    .arg(&ti)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .launch(grid_for(tokens * n * hidden))
+            },
+            "dsv4_expand",
+        );
+    }
+
+    /// `x [a, b, width]` → `y [b, a, width]`.
+    pub fn dsv4_swap(
+        &self,
+        y: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        a: usize,
+        b: usize,
+        width: usize,
+    ) {
+        let (ai, bi, wi) = (a as i32, b as i32, width as i32);
+        // SAFETY: both hold a·b·width values.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().swap)
+                    .arg(y)
+                    .arg(x)
+                    .arg(&ai)
+                    .arg(&bi)
+                    .arg(&wi)
+                    .launch(grid_for(a * b * width))
+            },
+            "dsv4_swap",
+        );
+    }
+
+    /// Feeds the step's projected `kv` and `gate` rows to one compressor and emits the raw
+    /// entries of the windows they close (`dsv4_entry_finish` norms and rotates them).
+    pub fn dsv4_compress_feed(
+        &self,
+        c: &mut DeviceCompressor,
+        kv: &CudaSlice<f32>,
+        gate: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        meta: &DsStepMeta,
+        block_size: usize,
+    ) {
+        let (bs, rate, width, dim) = (
+            block_size as i32,
+            c.rate as i32,
+            c.width as i32,
+            c.dim as i32,
+        );
+        let (overlap, epb) = (c.overlap as i32, c.entries_per_block as i32);
+        let cfg = blocks(c.dim.div_ceil(128), meta.num_seqs, 128);
+        // SAFETY: kv and gate hold num_rows·width values; the state buffers cover every
+        // slot and the entries every block of the tables (checked by the model).
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().compress_feed)
+                    .arg(kv)
+                    .arg(gate)
+                    .arg(bias)
+                    .arg(&mut c.buf_kv)
+                    .arg(&mut c.buf_gate)
+                    .arg(&mut c.prev_kv)
+                    .arg(&mut c.prev_gate)
+                    .arg(&mut c.entries)
+                    .arg(&meta.seqs)
+                    .arg(&meta.tables)
+                    .arg(&bs)
+                    .arg(&rate)
+                    .arg(&width)
+                    .arg(&dim)
+                    .arg(&overlap)
+                    .arg(&epb)
+                    .launch(cfg)
+            },
+            "dsv4_compress_feed",
+        );
+    }
+
+    /// RMS norm and RoPE of the `count` entries `emits` lists (entry index, position).
+    pub fn dsv4_entry_finish(
+        &self,
+        c: &mut DeviceCompressor,
+        emits: &CudaSlice<u32>,
+        count: usize,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        freqs: &CudaSlice<f32>,
+    ) {
+        if count == 0 {
+            return;
+        }
+        let (dim, half) = (c.dim as i32, freqs.len() as i32);
+        // SAFETY: emits holds count pairs of entry indices inside `entries`.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().entry_finish)
+                    .arg(&mut c.entries)
+                    .arg(emits)
+                    .arg(&dim)
+                    .arg(norm)
+                    .arg(&eps)
+                    .arg(freqs)
+                    .arg(&half)
+                    .launch(blocks(count, 1, 128))
+            },
+            "dsv4_entry_finish",
+        );
+    }
+
+    /// The lightning indexer: scores of every visible entry, then each row's top `k`.
+    pub fn dsv4_index_select(
+        &self,
+        sel: &mut CudaSlice<i32>,
+        scores: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        head_weights: &CudaSlice<f32>,
+        keys: &DeviceCompressor,
+        meta: &DsStepMeta,
+        block_size: usize,
+        heads: usize,
+        max_visible: usize,
+        k: usize,
+    ) {
+        let (bs, rate, epb) = (
+            block_size as i32,
+            keys.rate as i32,
+            keys.entries_per_block as i32,
+        );
+        let (hi, di, mv, ki) = (heads as i32, keys.dim as i32, max_visible as i32, k as i32);
+        let score_scale = (keys.dim as f32).powf(-0.5);
+        let weight_scale = (heads as f32).powf(-0.5);
+        if max_visible > 0 {
+            // SAFETY: scores holds num_rows·max_visible values, q num_rows·heads·dim,
+            // head_weights num_rows·heads.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.ds().index_scores)
+                        .arg(&mut *scores)
+                        .arg(q)
+                        .arg(head_weights)
+                        .arg(&keys.entries)
+                        .arg(&meta.rows)
+                        .arg(&meta.seqs)
+                        .arg(&meta.tables)
+                        .arg(&bs)
+                        .arg(&rate)
+                        .arg(&epb)
+                        .arg(&hi)
+                        .arg(&di)
+                        .arg(&score_scale)
+                        .arg(&weight_scale)
+                        .arg(&mv)
+                        .launch(blocks(meta.num_rows, max_visible.div_ceil(8), 256))
+                },
+                "dsv4_index_scores",
+            );
+        }
+        // SAFETY: sel holds num_rows·k values.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().topk)
+                    .arg(sel)
+                    .arg(&*scores)
+                    .arg(&meta.rows)
+                    .arg(&rate)
+                    .arg(&mv)
+                    .arg(&ki)
+                    .launch(blocks(meta.num_rows, 1, 256))
+            },
+            "dsv4_topk",
+        );
+    }
+
+    /// Attention with sinks for every (row, head); `max_keys` bounds the keys any row reads
+    /// (the window plus the compressed entries it may read): the kernel's shared memory.
+    pub fn dsv4_attention(
+        &self,
+        out: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        keys: &AttentionKeys<'_>,
+        sinks: &CudaSlice<f32>,
+        meta: &DsStepMeta,
+        heads: usize,
+        head_dim: usize,
+        max_keys: usize,
+    ) -> Result<(), CudaError> {
+        let smem = (head_dim + max_keys) * 4;
+        if smem > ATTENTION_SMEM_BYTES {
+            return Err(CudaError::Runtime(format!(
+                "DeepSeek-V4 attention over {max_keys} keys needs {smem} bytes of shared memory; \
+                 the kernel has {ATTENTION_SMEM_BYTES}"
+            )));
+        }
+        let (rate, epb, entries) = match keys.compressed {
+            Some((c, _)) => (c.rate, c.entries_per_block, Some(&c.entries)),
+            None => (0, 1, None),
+        };
+        let sel = keys.compressed.and_then(|(_, s)| s);
+        let null = 0u64;
+        let (sel_k, bs) = (sel.map_or(0, |(_, k)| k) as i32, keys.block_size as i32);
+        let (hi, hd, window, ring_len) = (
+            heads as i32,
+            head_dim as i32,
+            keys.window as i32,
+            keys.ring_len.max(1) as i32,
+        );
+        let (ri, epbi) = (rate as i32, epb as i32);
+        let scale = (head_dim as f32).powf(-0.5);
+        let cfg = LaunchConfig {
+            grid_dim: (meta.num_rows.max(1) as u32, heads as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let mut launch = self.stream.launch_builder(&self.ds().attention);
+        launch.arg(out).arg(q).arg(keys.kv).arg(keys.ring);
+        match entries {
+            Some(e) => launch.arg(e),
+            None => launch.arg(&null),
+        };
+        match sel {
+            Some((s, _)) => launch.arg(s),
+            None => launch.arg(&null),
+        };
+        launch
+            .arg(&sel_k)
+            .arg(&meta.rows)
+            .arg(&meta.seqs)
+            .arg(&meta.tables)
+            .arg(sinks)
+            .arg(&hi)
+            .arg(&hd)
+            .arg(&window)
+            .arg(&ring_len)
+            .arg(&ri)
+            .arg(&bs)
+            .arg(&epbi)
+            .arg(&scale);
+        // SAFETY: q and out hold num_rows·heads·head_dim values; every key address the
+        // kernel forms is inside the ring, the chunk's kv or the layer's entries (the
+        // model checks the tables); max_keys bounds the shared logits.
+        check(unsafe { launch.launch(cfg) }, "dsv4_attention");
+        Ok(())
+    }
+
+    pub fn dsv4_ring_write(
+        &self,
+        ring: &mut CudaSlice<f32>,
+        kv: &CudaSlice<f32>,
+        meta: &DsStepMeta,
+        ring_len: usize,
+        head_dim: usize,
+    ) {
+        if ring_len == 0 {
+            return;
+        }
+        let keep = meta.max_len.min(ring_len);
+        let (rl, hd) = (ring_len as i32, head_dim as i32);
+        // SAFETY: ring covers every slot, kv the step's rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().ring_write)
+                    .arg(ring)
+                    .arg(kv)
+                    .arg(&meta.seqs)
+                    .arg(&rl)
+                    .arg(&hd)
+                    .launch(blocks((keep * head_dim).div_ceil(256), meta.num_seqs, 256))
+            },
+            "dsv4_ring_write",
+        );
+    }
+
+    /// Router scores → each token's `k` experts and weights. `scoring`: 0 sqrtsoftplus,
+    /// 1 sigmoid, 2 softmax.
+    pub fn dsv4_moe_route(
+        &self,
+        chosen: &mut CudaSlice<u32>,
+        weights: &mut CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        token_ids: &CudaSlice<u32>,
+        tid2eid: Option<&CudaSlice<u32>>,
+        bias: Option<&CudaSlice<f32>>,
+        scoring: i32,
+        tokens: usize,
+        num_experts: usize,
+        k: usize,
+        scaling: f32,
+    ) {
+        let (ei, ki) = (num_experts as i32, k as i32);
+        let null = 0u64;
+        let mut launch = self.stream.launch_builder(&self.ds().moe_route);
+        launch.arg(chosen).arg(weights).arg(logits).arg(token_ids);
+        match tid2eid {
+            Some(t) => launch.arg(t),
+            None => launch.arg(&null),
+        };
+        match bias {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&null),
+        };
+        launch.arg(&scoring).arg(&ei).arg(&ki).arg(&scaling);
+        // SAFETY: logits [tokens, num_experts ≤ 1024], chosen and weights [tokens, k ≤ 32],
+        // token ids inside the table (checked by the model).
+        check(unsafe { launch.launch(per_row(tokens)) }, "dsv4_moe_route");
+    }
+
+    pub fn dsv4_swiglu(
+        &self,
+        h: &mut CudaSlice<f32>,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        n: usize,
+        limit: f32,
+    ) {
+        let n64 = n as i64;
+        // SAFETY: all three hold n values.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().swiglu)
+                    .arg(h)
+                    .arg(gate)
+                    .arg(up)
+                    .arg(&n64)
+                    .arg(&limit)
+                    .launch(grid_for(n))
+            },
+            "dsv4_swiglu",
+        );
+    }
+
+    pub fn dsv4_moe_combine(
+        &self,
+        out: &mut CudaSlice<f32>,
+        ys: &CudaSlice<f32>,
+        order: &CudaSlice<u32>,
+        weights: &CudaSlice<f32>,
+        tokens: usize,
+        k: usize,
+        hidden: usize,
+    ) {
+        let (ki, hi) = (k as i32, hidden as i32);
+        // SAFETY: out [tokens, hidden]; order [tokens, k, 2] indexes rows of ys and slots
+        // of weights [tokens, k].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().moe_combine)
+                    .arg(out)
+                    .arg(ys)
+                    .arg(order)
+                    .arg(weights)
+                    .arg(&ki)
+                    .arg(&hi)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_moe_combine",
+        );
+    }
+}
