@@ -3,14 +3,15 @@
 # the engine scenarios and the fault-injection tests with CUDA rank workers. Build here and
 # carry gpu-bin/:
 #   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_sampling \
-#     --test engine --test fault_injection --test spec_decoding --test spec_draft_model --no-run
+#     --test cuda_deepseek_v4 --test engine --test fault_injection --test spec_decoding \
+#     --test spec_draft_model --test deepseek_v4_engine --no-run
 #   (copy each executable it names to gpu-bin/<test name>)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export TROUPE_TEST_DEVICE=cuda TROUPE_HOME=/tmp/troupe-home
 status=0
-for t in cuda_attention cuda_layers cuda_sampling; do
+for t in cuda_attention cuda_layers cuda_sampling cuda_deepseek_v4; do
   echo "== $t (kernels vs the CPU reference)"
   gpu-bin/$t --test-threads 1 || status=1
 done
@@ -19,4 +20,8 @@ for t in fault_injection engine spec_decoding spec_draft_model; do
   # The CLI scenario runs the default model on the CPU and needs the network: not here.
   gpu-bin/$t --test-threads 1 --skip cli_runs_64_prompts || status=1
 done
+echo "== deepseek_v4_engine (CUDA rank worker)"
+# Speculation and expert-parallel groups of DeepSeek-V4 run on CPU ranks only.
+gpu-bin/deepseek_v4_engine --test-threads 1 --skip speculative --skip mtp_speculation \
+  --skip expert_parallel --skip a_lost_rank || status=1
 exit $status

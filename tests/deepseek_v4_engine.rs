@@ -1,6 +1,8 @@
 //! DeepSeek-V4 through the actor engine: continuous batching with chunked prefill, state
 //! slots admitted with blocks, preemption by recompute and abort, all checked against
-//! transformers' reference outputs for the tiny checkpoints.
+//! transformers' reference outputs for the tiny checkpoints. With `TROUPE_TEST_DEVICE=cuda`
+//! (`scripts/gpu-tests.sh`) the single-rank scenarios run on GPU 0 in the batch-invariant
+//! mode.
 
 mod common;
 
@@ -32,6 +34,8 @@ fn engine_config(
     cfg.max_step_tokens = max_step_tokens;
     cfg.kv_cache_bytes = max_num_seqs * DsV4Cache::bytes_per_slot(&ds)
         + num_blocks * DsV4Cache::bytes_per_block(&ds, 16);
+    cfg.device = common::engine::test_device();
+    cfg.batch_invariant = cfg.device != Device::Cpu;
     cfg
 }
 
@@ -154,18 +158,38 @@ async fn aborted_requests_give_back_their_blocks_and_slots() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
+    use troupe::engine::{SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
     let mut tp = engine_config("tiny-dsv4-a", 2, 8, 64);
+    tp.device = Device::Cpu;
     tp.tensor_parallel_size = 3;
-    let mut cuda = engine_config("tiny-dsv4-a", 2, 8, 64);
-    cuda.device = Device::Cuda(0);
+    let mut cuda_group = engine_config("tiny-dsv4-a", 2, 8, 64);
+    cuda_group.device = Device::Cuda(0);
+    cuda_group.tensor_parallel_size = 2;
+    let mut cuda_spec = engine_config("tiny-dsv4-a", 2, 8, 64);
+    cuda_spec.device = Device::Cuda(0);
+    cuda_spec.speculative = Some(SpecConfig {
+        method: SpecMethod::Ngram,
+        num_speculative_tokens: 2,
+        verify: SpecVerify::Fixed,
+        acceptance: SpecAcceptance::Coupled,
+    });
+    let mut cuda_budget = engine_config("tiny-dsv4-a", 2, 8, 64);
+    cuda_budget.device = Device::Cuda(0);
+    cuda_budget.kv_cache_bytes = 0;
     let mut tiny = engine_config("tiny-dsv4-a", 2, 8, 64);
+    tiny.device = Device::Cpu;
     tiny.kv_cache_bytes = 100;
     for (cfg, want) in [
         (
             tp,
             "expert parallel size 3 does not divide the model's 4 routed experts",
         ),
-        (cuda, "DeepSeek-V4: runs on the CPU backend only"),
+        (cuda_group, "DeepSeek-V4: on CUDA runs on one GPU"),
+        (
+            cuda_spec,
+            "speculative decoding rewinds state slots on the CPU backend only",
+        ),
+        (cuda_budget, "give kv_cache_bytes"),
         (tiny, "more than the cache budget of 100"),
     ] {
         let err = Engine::spawn(cfg).await.err().expect("refused").to_string();

@@ -25,6 +25,8 @@ use crate::parallel::{GroupJoin, TpShard};
 use crate::sched::{RowInput, StepPlan};
 
 mod deepseek_v4;
+#[cfg(feature = "cuda")]
+mod deepseek_v4_cuda;
 mod draft;
 mod llama;
 mod mtp;
@@ -115,9 +117,10 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
     if crate::model::is_deepseek_v4_dir(&args.model_path) {
         return match args.device {
             Device::Cpu => Ok(deepseek_v4::load(args)?),
-            Device::Cuda(_) => {
-                Err("DeepSeek-V4 runs on the CPU backend only (no CUDA kernels for it yet)".into())
-            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => Ok(deepseek_v4_cuda::load(args, ordinal)?),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(crate::engine::NO_CUDA.into()),
         };
     }
     match args.device {

@@ -102,6 +102,9 @@ impl Engine {
                 let kv = |m: &model::config::ModelConfig| (m.num_layers * m.kv_dim()) as f64;
                 (kv_cache_bytes(&cfg, mcfg)? as f64 * kv(mcfg) / (kv(mcfg) + kv(d))) as usize
             }
+            // DeepSeek-V4 on a GPU asks for a budget (`pools::size_pools` says so by name):
+            // the estimate below counts Llama-shaped weights.
+            None if text.deepseek_v4.is_some() && cfg.device != Device::Cpu => cfg.kv_cache_bytes,
             None => kv_cache_bytes(&cfg, mcfg)?,
         };
         let pools = pools::size_pools(&cfg, &text, kv_cache_bytes)?;

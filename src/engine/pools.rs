@@ -45,8 +45,25 @@ pub(super) fn size_pools(
         });
     };
     let refuse = |what: &str| Err(EngineError::Spawn(format!("DeepSeek-V4: {what}")));
-    if cfg.device != Device::Cpu {
-        return refuse("runs on the CPU backend only (its CUDA kernels are not written yet)");
+    if let Device::Cuda(_) = cfg.device {
+        // The GPU pass rewinds no state slot and dispatches experts on one device.
+        if cfg.tensor_parallel_size > 1 {
+            return refuse(
+                "on CUDA runs on one GPU (expert parallelism over NCCL is not built; \
+                 several CPU ranks form an expert-parallel group)",
+            );
+        }
+        if cfg.speculative.is_some() {
+            return refuse(
+                "speculative decoding rewinds state slots on the CPU backend only, not on CUDA",
+            );
+        }
+        if cfg.kv_cache_bytes == 0 {
+            return refuse(
+                "on CUDA the cache budget is not derived from GPU memory yet: give \
+                 kv_cache_bytes (--kv-cache-bytes)",
+            );
+        }
     }
     // Several ranks form an expert-parallel group (attention replicated on each).
     if let Some(problem) = crate::model::deepseek_v4::expert_parallel::ep_problem(

@@ -81,25 +81,7 @@ impl DeviceModel for DsV4OnHost {
         _picked_rows: &[u32],
         sampling: &[Option<RowSampling>],
     ) -> LaunchedStep {
-        let mut ds_steps: Vec<DsSeqStep<'_>> = steps
-            .iter()
-            .map(|s| {
-                let state = s
-                    .state
-                    .expect("the scheduler gives DeepSeek-V4 sequences a state slot");
-                DsSeqStep {
-                    token_ids: s.token_ids,
-                    num_cached_tokens: s.num_cached_tokens,
-                    block_table: s.block_table,
-                    state_slot: state.slot,
-                    span: SlotSpan {
-                        state_start: state.state_start,
-                        replay_until: state.replay_until,
-                    },
-                    num_logit_rows: s.num_logit_rows,
-                }
-            })
-            .collect();
+        let mut ds_steps = ds_steps(steps);
         let num_drafts = super::num_placeholders(sampling);
         let model_drafts = match &mut self.mtp {
             Some(mtp) => mtp.propose(&self.model, &ds_steps, &num_drafts),
@@ -140,34 +122,13 @@ impl DeviceModel for DsV4OnHost {
                 group.shard.placements = Some(eplb.placements().to_vec());
             }
         }
-        let vocab = self.model.vocab_size();
-        let mut host_row = vec![None; sampling.len()];
-        let mut host = Vec::new();
-        let mut logit_row = 0;
-        for (row, (s, step)) in sampling.iter().zip(steps).enumerate() {
-            if s.is_some() {
-                host_row[row] = Some(host.len() / vocab);
-                host.extend_from_slice(
-                    &logits[logit_row * vocab..(logit_row + step.num_logit_rows) * vocab],
-                );
-            }
-            logit_row += step.num_logit_rows;
-        }
-        let out = StepLogits {
-            picked: vec![None; sampling.len()],
-            verify_picks: vec![None; sampling.len()],
-            host_row,
-            host,
-            model_drafts: model_drafts
-                .into_iter()
-                .map(|d| (!d.is_empty()).then_some(d))
-                .collect(),
-        };
-        LaunchedStep {
-            logits: Box::new(move || out),
-            span: None,
-            prev: vec![None; sampling.len()],
-        }
+        launched(
+            &logits,
+            self.model.vocab_size(),
+            steps,
+            sampling,
+            model_drafts,
+        )
     }
 
     fn vocab_size(&self) -> usize {
@@ -197,5 +158,65 @@ impl DeviceModel for DsV4OnHost {
 
     fn device_label(&self) -> String {
         "cpu (DeepSeek-V4 reference)".into()
+    }
+}
+
+/// The scheduler's rows as DeepSeek-V4 steps (every sequence has a state slot).
+pub(super) fn ds_steps<'a>(steps: &[SeqStep<'a>]) -> Vec<DsSeqStep<'a>> {
+    steps
+        .iter()
+        .map(|s| {
+            let state = s
+                .state
+                .expect("the scheduler gives DeepSeek-V4 sequences a state slot");
+            DsSeqStep {
+                token_ids: s.token_ids,
+                num_cached_tokens: s.num_cached_tokens,
+                block_table: s.block_table,
+                state_slot: state.slot,
+                span: SlotSpan {
+                    state_start: state.state_start,
+                    replay_until: state.replay_until,
+                },
+                num_logit_rows: s.num_logit_rows,
+            }
+        })
+        .collect()
+}
+
+/// A step whose logits are on the host already: every sampled row's go to the sampler.
+pub(super) fn launched(
+    logits: &[f32],
+    vocab: usize,
+    steps: &[SeqStep<'_>],
+    sampling: &[Option<RowSampling>],
+    model_drafts: Vec<Vec<(u32, f32)>>,
+) -> LaunchedStep {
+    let mut host_row = vec![None; sampling.len()];
+    let mut host = Vec::new();
+    let mut logit_row = 0;
+    for (row, (s, step)) in sampling.iter().zip(steps).enumerate() {
+        if s.is_some() {
+            host_row[row] = Some(host.len() / vocab);
+            host.extend_from_slice(
+                &logits[logit_row * vocab..(logit_row + step.num_logit_rows) * vocab],
+            );
+        }
+        logit_row += step.num_logit_rows;
+    }
+    let out = StepLogits {
+        picked: vec![None; sampling.len()],
+        verify_picks: vec![None; sampling.len()],
+        host_row,
+        host,
+        model_drafts: model_drafts
+            .into_iter()
+            .map(|d| (!d.is_empty()).then_some(d))
+            .collect(),
+    };
+    LaunchedStep {
+        logits: Box::new(move || out),
+        span: None,
+        prev: vec![None; sampling.len()],
     }
 }

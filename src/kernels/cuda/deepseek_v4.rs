@@ -149,6 +149,22 @@ impl CudaBackend {
         check(self.stream.clone_htod(data), "upload")
     }
 
+    /// A copy of `len` values of `src` from `offset`.
+    pub fn copy_bf16(
+        &self,
+        src: &CudaSlice<half::bf16>,
+        offset: usize,
+        len: usize,
+    ) -> CudaSlice<half::bf16> {
+        let mut dst = check(self.stream.alloc_zeros::<half::bf16>(len.max(1)), "alloc");
+        check(
+            self.stream
+                .memcpy_dtod(&src.slice(offset..offset + len), &mut dst),
+            "copy",
+        );
+        dst
+    }
+
     pub fn alloc_u32s(&self, len: usize) -> CudaSlice<u32> {
         check(self.stream.alloc_zeros::<u32>(len.max(1)), "alloc")
     }

@@ -12,10 +12,13 @@
 //! | `mtp.rs` | the MTP layer: DeepSeek's `MTPBlock`, drafting tokens from the last streams |
 //! | `quantized.rs` | FP8 / packed-FP4 weights with their scale grids, dequantized |
 //! | `ops.rs` | linear, RMS norm, interleaved partial RoPE (YaRN), scoring, top-k |
+//! | `cuda/` | the same pass on the GPU (`--device cuda`), over a device copy of the cache |
 
 pub mod attention;
 pub mod cache;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod expert_parallel;
 pub mod mhc;
 pub mod moe;
@@ -137,60 +140,16 @@ impl DsV4Model {
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let cfg = &self.cfg;
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
-        for (i, s) in steps.iter().enumerate() {
-            let slot = s.state_slot as usize;
-            if slot >= cache.num_slots() {
-                return Err(TroupeError::InvalidInput(format!(
-                    "sequence {i}: state slot {slot} outside the {} slots",
-                    cache.num_slots()
-                )));
-            }
-            let fresh = s.num_cached_tokens == s.span.state_start;
-            let held = if fresh {
-                s.span.state_start
-            } else {
-                cache.slot_tokens(slot)
-            };
-            if !fresh && cache.span(slot) != s.span {
-                return Err(TroupeError::InvalidInput(format!(
-                    "sequence {i}: continues state slot {slot} with history {:?}, but the slot holds {:?}",
-                    s.span,
-                    cache.span(slot)
-                )));
-            }
-            // Drafts of the slot's last verify row were rejected: back to before it.
-            let rewinds = !fresh
-                && s.num_cached_tokens < held
-                && cache.snapshot_span(slot).is_some_and(|(from, to)| {
-                    from <= s.num_cached_tokens && s.num_cached_tokens <= to
-                });
-            if held != s.num_cached_tokens && !rewinds {
-                return Err(TroupeError::InvalidInput(format!(
-                    "sequence {i}: starts at token {} but its state slot holds {held} tokens \
-                     (DeepSeek-V4 state rewinds only into its last verify row)",
-                    s.num_cached_tokens
-                )));
-            }
-            let needed = (s.num_cached_tokens + s.token_ids.len()).div_ceil(cache.block_size);
-            if s.block_table.len() < needed
-                || s.block_table
-                    .iter()
-                    .any(|&b| b as usize >= cache.num_blocks)
-            {
-                return Err(TroupeError::InvalidInput(format!(
-                    "sequence {i}: block table of {} blocks does not cover {} tokens in a pool of {}",
-                    s.block_table.len(),
-                    s.num_cached_tokens + s.token_ids.len(),
-                    cache.num_blocks
-                )));
-            }
-            if let Some(&bad) = s.token_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-                return Err(TroupeError::InvalidInput(format!(
-                    "sequence {i}: token id {bad} outside the vocabulary of {}",
-                    cfg.vocab_size
-                )));
-            }
-        }
+        check_steps(
+            cfg,
+            steps,
+            (cache.num_slots(), cache.num_blocks, cache.block_size),
+            |slot| SlotView {
+                span: cache.span(slot),
+                num_tokens: cache.slot_tokens(slot),
+                snapshot: cache.snapshot_span(slot),
+            },
+        )?;
 
         for s in steps {
             let slot = s.state_slot as usize;
@@ -308,6 +267,75 @@ impl DsV4Model {
             compress: &self.compress_freqs,
         }
     }
+}
+
+/// What checking a step needs to know of a state slot.
+pub struct SlotView {
+    pub span: SlotSpan,
+    pub num_tokens: usize,
+    /// The tokens its last verify row covers, when it can rewind into it.
+    pub snapshot: Option<(usize, usize)>,
+}
+
+/// Refuses, naming the sequence, a step that does not fit the cache it runs on
+/// (`(slots, blocks, block_size)`): a slot out of range or continued with another history,
+/// a start the slot cannot resume from, a block table too short, a token outside the
+/// vocabulary.
+pub fn check_steps(
+    cfg: &DsV4Config,
+    steps: &[DsSeqStep<'_>],
+    (num_slots, num_blocks, block_size): (usize, usize, usize),
+    slot_view: impl Fn(usize) -> SlotView,
+) -> Result<()> {
+    for (i, s) in steps.iter().enumerate() {
+        let slot = s.state_slot as usize;
+        if slot >= num_slots {
+            return Err(TroupeError::InvalidInput(format!(
+                "sequence {i}: state slot {slot} outside the {num_slots} slots"
+            )));
+        }
+        let view = slot_view(slot);
+        let fresh = s.num_cached_tokens == s.span.state_start;
+        let held = if fresh {
+            s.span.state_start
+        } else {
+            view.num_tokens
+        };
+        if !fresh && view.span != s.span {
+            return Err(TroupeError::InvalidInput(format!(
+                "sequence {i}: continues state slot {slot} with history {:?}, but the slot holds {:?}",
+                s.span, view.span
+            )));
+        }
+        // Drafts of the slot's last verify row were rejected: back to before it.
+        let rewinds = !fresh
+            && s.num_cached_tokens < held
+            && view
+                .snapshot
+                .is_some_and(|(from, to)| from <= s.num_cached_tokens && s.num_cached_tokens <= to);
+        if held != s.num_cached_tokens && !rewinds {
+            return Err(TroupeError::InvalidInput(format!(
+                "sequence {i}: starts at token {} but its state slot holds {held} tokens \
+                 (DeepSeek-V4 state rewinds only into its last verify row)",
+                s.num_cached_tokens
+            )));
+        }
+        let needed = (s.num_cached_tokens + s.token_ids.len()).div_ceil(block_size);
+        if s.block_table.len() < needed || s.block_table.iter().any(|&b| b as usize >= num_blocks) {
+            return Err(TroupeError::InvalidInput(format!(
+                "sequence {i}: block table of {} blocks does not cover {} tokens in a pool of {num_blocks}",
+                s.block_table.len(),
+                s.num_cached_tokens + s.token_ids.len(),
+            )));
+        }
+        if let Some(&bad) = s.token_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(TroupeError::InvalidInput(format!(
+                "sequence {i}: token id {bad} outside the vocabulary of {}",
+                cfg.vocab_size
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Where a block runs: the layer, its RoPE tables, each sequence's chunk and the step's

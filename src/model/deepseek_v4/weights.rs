@@ -1,68 +1,70 @@
 //! DeepSeek-V4 tensors by DeepSeek's own names (what transformers' `save_pretrained` and
-//! the released checkpoints write), as f32 on the host.
+//! the released checkpoints write). Vectors stay f32 on the host; each weight matrix goes
+//! where its `LinearStore` puts it: an f32 `Linear` for the host reference, a device
+//! matrix for the CUDA pass (`--dummy-weights` makes those on the device).
 
 use super::config::{AttentionKind, DsV4Config, MlpKind};
 use super::ops::Linear;
 use crate::error::{Result, TroupeError};
 use crate::model::loader::TensorSource;
 
-pub struct Compressor {
-    pub kv: Linear,
-    pub gate: Linear,
+pub struct Compressor<L = Linear> {
+    pub kv: L,
+    pub gate: L,
     /// `[rate, width]`: added to the gate logits by position inside the window.
     pub position_bias: Vec<f32>,
     pub norm: Vec<f32>,
 }
 
-pub struct Indexer {
-    pub compressor: Compressor,
-    pub q_b: Linear,
-    pub weights_proj: Linear,
+pub struct Indexer<L = Linear> {
+    pub compressor: Compressor<L>,
+    pub q_b: L,
+    pub weights_proj: L,
 }
 
-pub struct Attention {
-    pub q_a: Linear,
+pub struct Attention<L = Linear> {
+    pub q_a: L,
     pub q_a_norm: Vec<f32>,
-    pub q_b: Linear,
-    pub kv: Linear,
+    pub q_b: L,
+    pub kv: L,
     pub kv_norm: Vec<f32>,
     /// `[groups · o_lora_rank, heads · head_dim / groups]`: group g owns rows g·r..(g+1)·r.
-    pub o_a: Linear,
-    pub o_b: Linear,
+    pub o_a: L,
+    pub o_b: L,
     pub sinks: Vec<f32>,
-    pub compressor: Option<Compressor>,
-    pub indexer: Option<Indexer>,
+    pub compressor: Option<Compressor<L>>,
+    pub indexer: Option<Indexer<L>>,
 }
 
 /// One mHC mapping: `fn` `[(2 + n)·n, n·hidden]`, `base` `[(2 + n)·n]`, `scale` `[3]`.
-pub struct HyperConnection {
-    pub fn_: Linear,
+pub struct HyperConnection<L = Linear> {
+    pub fn_: L,
     pub base: Vec<f32>,
     pub scale: Vec<f32>,
 }
 
-pub struct Expert {
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
+pub struct Expert<L = Linear> {
+    pub gate: L,
+    pub up: L,
+    pub down: L,
 }
 
-pub struct Moe {
-    pub router: Linear,
+pub struct Moe<L = Linear> {
+    pub router: L,
     /// `[vocab, k]` expert ids (hash layers).
     pub tid2eid: Option<Vec<u32>>,
     pub score_bias: Option<Vec<f32>>,
-    pub experts: Vec<Expert>,
-    pub shared: Expert,
+    pub experts: Vec<Expert<L>>,
+    pub shared: Expert<L>,
 }
 
-pub struct Layer {
+pub struct Layer<L = Linear> {
     pub attn_norm: Vec<f32>,
     pub ffn_norm: Vec<f32>,
-    pub attn_hc: HyperConnection,
-    pub ffn_hc: HyperConnection,
-    pub attn: Attention,
-    pub moe: Moe,
+    pub attn_hc: HyperConnection<L>,
+    pub ffn_hc: HyperConnection<L>,
+    pub attn: Attention<L>,
+    pub moe: Moe<L>,
 }
 
 /// DeepSeek's `MTPBlock` (`mtp.0.*`): a sliding-window, score-routed block fed with
@@ -85,6 +87,7 @@ impl MtpWeights {
             Reader {
                 src,
                 dummy_experts: None,
+                store: &OnHost,
             },
         )
     }
@@ -95,6 +98,7 @@ impl MtpWeights {
             Reader {
                 src: &NoTensors,
                 dummy_experts: Some(cfg.num_routed_experts),
+                store: &OnHost,
             },
         )
     }
@@ -113,19 +117,57 @@ impl MtpWeights {
     }
 }
 
-pub struct DsV4Weights {
+pub struct DsV4Weights<L = Linear> {
     pub embed: Vec<f32>,
-    pub layers: Vec<Layer>,
-    pub hc_head: HyperConnection,
+    pub layers: Vec<Layer<L>>,
+    pub hc_head: HyperConnection<L>,
     pub norm: Vec<f32>,
-    pub head: Linear,
+    pub head: L,
 }
 
-struct Reader<'a> {
+/// Where a weight matrix is put once read.
+pub trait LinearStore {
+    type Linear;
+    fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<Self::Linear>;
+}
+
+/// A matrix's values: read from the checkpoint (dequantized), or `--dummy-weights`'
+/// seeded values (`kernels::random_weight`), made wherever the matrix lives.
+pub enum LinearData {
+    Host(Vec<f32>),
+    Random {
+        seed: u64,
+        mean: f32,
+        half_width: f32,
+    },
+}
+
+/// The host reference's store: f32 `Linear`s.
+pub struct OnHost;
+
+impl LinearStore for OnHost {
+    type Linear = Linear;
+    fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<Linear> {
+        let w = match data {
+            LinearData::Host(w) => w,
+            LinearData::Random {
+                seed,
+                mean,
+                half_width,
+            } => (0..(rows * cols) as u64)
+                .map(|i| crate::kernels::random_weight(seed, i, mean, half_width))
+                .collect(),
+        };
+        Ok(Linear { rows, cols, w })
+    }
+}
+
+struct Reader<'a, S: LinearStore = OnHost> {
     src: &'a dyn TensorSource,
     /// `--dummy-weights`: every tensor made from its name and shape (the number of
     /// routed experts, for a valid hash table); nothing is read.
     dummy_experts: Option<usize>,
+    store: &'a S,
 }
 
 /// Seeded values for a tensor of `dims` named `name`: norms and scales around 1, biases,
@@ -139,6 +181,21 @@ fn dummy_values(name: &str, dims: &[usize], num_experts: usize) -> Vec<f32> {
             .map(|i| ((i / k * 7 + i % k) % num_experts) as f32)
             .collect();
     }
+    let LinearData::Random {
+        seed,
+        mean,
+        half_width,
+    } = dummy_spec(name)
+    else {
+        unreachable!("dummy_spec is random")
+    };
+    (0..n as u64)
+        .map(|i| crate::kernels::random_weight(seed, i, mean, half_width))
+        .collect()
+}
+
+/// The seeded values `dummy_values` gives tensor `name`, as a spec a device can expand.
+fn dummy_spec(name: &str) -> LinearData {
     let seed = name
         .bytes()
         .fold(0x5eed_u64, |h, b| crate::sampling::splitmix64(h ^ b as u64));
@@ -149,9 +206,11 @@ fn dummy_values(name: &str, dims: &[usize], num_experts: usize) -> Vec<f32> {
     } else {
         (0.0, 0.02 * 3f32.sqrt())
     };
-    (0..n as u64)
-        .map(|i| crate::kernels::random_weight(seed, i, mean, half_width))
-        .collect()
+    LinearData::Random {
+        seed,
+        mean,
+        half_width,
+    }
 }
 
 /// A source with nothing in it (what `--dummy-weights` reads).
@@ -163,7 +222,7 @@ impl TensorSource for NoTensors {
     }
 }
 
-impl Reader<'_> {
+impl<S: LinearStore> Reader<'_, S> {
     fn raw(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
         if let Some(experts) = self.dummy_experts {
             return Ok(dummy_values(name, dims, experts));
@@ -181,12 +240,23 @@ impl Reader<'_> {
         Ok(t.into_f32())
     }
 
-    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
-        if self.dummy_experts.is_some() {
-            let w = self.raw(&format!("{name}.weight"), &[rows, cols])?;
-            return Ok(Linear { rows, cols, w });
-        }
-        super::quantized::linear(self.src, name, rows, cols)
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<S::Linear> {
+        let data = if self.dummy_experts.is_some() {
+            dummy_spec(&format!("{name}.weight"))
+        } else {
+            LinearData::Host(super::quantized::linear(self.src, name, rows, cols)?.w)
+        };
+        self.store.store(rows, cols, data)
+    }
+
+    /// A matrix stored under its full name, never quantized (the mHC mappings).
+    fn plain_linear(&self, name: &str, rows: usize, cols: usize) -> Result<S::Linear> {
+        let data = if self.dummy_experts.is_some() {
+            dummy_spec(name)
+        } else {
+            LinearData::Host(self.raw(name, &[rows, cols])?)
+        };
+        self.store.store(rows, cols, data)
     }
 
     fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
@@ -200,7 +270,7 @@ impl Reader<'_> {
         width: usize,
         dim: usize,
         rate: usize,
-    ) -> Result<Compressor> {
+    ) -> Result<Compressor<S::Linear>> {
         Ok(Compressor {
             kv: self.linear(&format!("{p}.wkv"), width, cfg.hidden_size)?,
             gate: self.linear(&format!("{p}.wgate"), width, cfg.hidden_size)?,
@@ -215,20 +285,16 @@ impl Reader<'_> {
         cfg: &DsV4Config,
         outputs: usize,
         scales: usize,
-    ) -> Result<HyperConnection> {
+    ) -> Result<HyperConnection<S::Linear>> {
         let n = cfg.hc_mult;
         Ok(HyperConnection {
-            fn_: Linear {
-                rows: outputs,
-                cols: n * cfg.hidden_size,
-                w: self.raw(&format!("{p}_fn"), &[outputs, n * cfg.hidden_size])?,
-            },
+            fn_: self.plain_linear(&format!("{p}_fn"), outputs, n * cfg.hidden_size)?,
             base: self.vector(&format!("{p}_base"), outputs)?,
             scale: self.vector(&format!("{p}_scale"), scales)?,
         })
     }
 
-    fn expert(&self, p: &str, cfg: &DsV4Config) -> Result<Expert> {
+    fn expert(&self, p: &str, cfg: &DsV4Config) -> Result<Expert<S::Linear>> {
         let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
         Ok(Expert {
             gate: self.linear(&format!("{p}.w1"), i, d)?,
@@ -245,7 +311,7 @@ impl Reader<'_> {
         p: &str,
         attention: AttentionKind,
         mlp: MlpKind,
-    ) -> Result<Layer> {
+    ) -> Result<Layer<S::Linear>> {
         let r = self;
         let src = r.src;
         let d = cfg.hidden_size;
@@ -379,29 +445,46 @@ impl TensorSource for EitherNaming<'_> {
 
 impl DsV4Weights {
     pub fn load(cfg: &DsV4Config, src: &dyn TensorSource) -> Result<Self> {
+        Self::load_into(cfg, src, &OnHost)
+    }
+
+    /// `--dummy-weights`: seeded random weights of the config's shape, no checkpoint.
+    pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
+        Self::dummy_into(cfg, &OnHost)
+    }
+}
+
+impl<L> DsV4Weights<L> {
+    /// The checkpoint's weights, each matrix put by `store`.
+    pub fn load_into<S: LinearStore<Linear = L>>(
+        cfg: &DsV4Config,
+        src: &dyn TensorSource,
+        store: &S,
+    ) -> Result<Self> {
         let src = &EitherNaming(src);
         Self::read(
             cfg,
             Reader {
                 src,
                 dummy_experts: None,
+                store,
             },
         )
     }
 
-    /// `--dummy-weights`: seeded random weights of the config's shape, no checkpoint.
-    pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
-        let src = &NoTensors;
+    /// `dummy`, each matrix made by `store` (the same values wherever it lives).
+    pub fn dummy_into<S: LinearStore<Linear = L>>(cfg: &DsV4Config, store: &S) -> Result<Self> {
         Self::read(
             cfg,
             Reader {
-                src,
+                src: &NoTensors,
                 dummy_experts: Some(cfg.num_routed_experts),
+                store,
             },
         )
     }
 
-    fn read(cfg: &DsV4Config, r: Reader<'_>) -> Result<Self> {
+    fn read<S: LinearStore<Linear = L>>(cfg: &DsV4Config, r: Reader<'_, S>) -> Result<Self> {
         let layers = (0..cfg.num_layers)
             .map(|l| {
                 r.layer(
