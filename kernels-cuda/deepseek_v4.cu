@@ -315,19 +315,30 @@ extern "C" __global__ void dsv4_topk_kernel(int* sel, const float* scores, const
     }
 }
 
-// One block per (row, head): shared-KV attention over the sliding window (ring rows
-// before the chunk, the chunk's own rows after) and the compressed entries (the
-// indexer's selection when `sel` is given, else every closed window; none when rate is
-// 0), with the head's sink in the softmax (`attention::attention`, before the output's
-// RoPE is undone). Dynamic shared memory: hd + the row's key count floats.
-extern "C" __global__ void dsv4_attention_kernel(
+// Shared-KV attention with sinks over the sliding window (ring rows before the chunk, the
+// chunk's own rows after) and the compressed entries (the indexer's selection when `sel`
+// is given, else every closed window; none when rate is 0) (`attention::attention`,
+// before the output's RoPE is undone). All heads read the same keys, so one block takes
+// one row and `hg` heads (grid: rows × heads / hg): it loads each tile of ATT_KT keys into
+// shared memory once for all its heads and keeps an online softmax per head, started at
+// the head's sink. Dynamic shared memory: ATT_SMEM_FLOATS(hd).
+#define ATT_KT 16
+#define ATT_HG 16
+#define ATT_CPT 4
+#define ATT_SMEM_FLOATS(hd) ((ATT_HG + ATT_KT) * ((hd) + 1) + ATT_HG * ATT_KT + 2 * ATT_HG)
+extern "C" __global__ void __launch_bounds__(256) dsv4_attention_kernel(
     float* out, const float* q, const float* kv, const float* ring, const float* entries,
     const int* sel, int sel_k, const u32* rows, const u32* seqs, const u32* block_tables,
     const float* sinks, int heads, int hd, int window, int ring_len, int rate, int block_size,
-    int epb, float scale) {
+    int epb, float scale, int hg) {
     extern __shared__ float smem[];
-    __shared__ float scratch[32];
-    int r = blockIdx.x, h = blockIdx.y;
+    int stride = hd + 1;  // padded rows: a warp's 16 keys at one channel hit 16 banks
+    float* qs = smem;
+    float* ks = qs + ATT_HG * stride;
+    float* ps = ks + ATT_KT * stride;
+    float* m_s = ps + ATT_HG * ATT_KT;
+    float* rescale = m_s + ATT_HG;
+    int r = blockIdx.x, h0 = blockIdx.y * hg;
     int t = rows[2 * r + 1];
     const u32* sq = seqs + rows[2 * r] * SEQ_FIELDS;
     long long slot = sq[S_SLOT];
@@ -342,43 +353,89 @@ extern "C" __global__ void dsv4_attention_kernel(
         n_comp = sel != 0 ? min(visible, sel_k) : visible;
     }
     int nk = n_swa + n_comp;
-    float* qs = smem;
-    float* logits = smem + hd;
-    const float* qh = q + ((long long)r * heads + h) * hd;
-    for (int c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qh[c];
-    __syncthreads();
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#define DS_KEY(i)                                                                         \
-    ((i) < n_swa ? ((lo + (i)) < pos0 ? ring + (slot * ring_len + (lo + (i)) % ring_len) * hd \
-                                      : kv + (long long)(row0 + lo + (i) - pos0) * hd)       \
-                 : entries + ds_entry(table, block_size, rate, epb,                           \
-                                      sel != 0 ? sel[(long long)r * sel_k + (i) - n_swa]      \
-                                               : (i) - n_swa) * hd)
-    for (int i = warp; i < nk; i += warps) {
-        const float* k = DS_KEY(i);
-        float d = 0.0f;
-        for (int c = lane; c < hd; c += 32) d += qs[c] * k[c];
-        d = ds_warp_sum(d);
-        if (lane == 0) logits[i] = d * scale;
+    for (int i = threadIdx.x; i < hg * hd; i += blockDim.x) {
+        int h = i / hd, c = i % hd;
+        qs[h * stride + c] = h0 + h < heads ? q[((long long)r * heads + h0 + h) * hd + c] : 0.0f;
+    }
+    if (threadIdx.x < hg) {
+        m_s[threadIdx.x] = h0 + threadIdx.x < heads ? sinks[h0 + threadIdx.x] : 0.0f;
+    }
+    // Per head: the running sum (the sink's own term, exp(0), to start) and the output
+    // channels this thread owns (c = threadIdx.x + j·blockDim.x).
+    float l_run = 1.0f;
+    float acc[ATT_HG][ATT_CPT];
+    for (int h = 0; h < ATT_HG; ++h)
+        for (int j = 0; j < ATT_CPT; ++j) acc[h][j] = 0.0f;
+    for (int k0 = 0; k0 < nk; k0 += ATT_KT) {
+        int kt = min(ATT_KT, nk - k0);
+        __syncthreads();
+        for (int i = threadIdx.x; i < kt * hd; i += blockDim.x) {
+            int j = i / hd, c = i % hd, key = k0 + j;
+            const float* k;
+            if (key < n_swa) {
+                int p = lo + key;
+                k = p < pos0 ? ring + (slot * ring_len + p % ring_len) * hd
+                             : kv + (long long)(row0 + p - pos0) * hd;
+            } else {
+                int e = sel != 0 ? sel[(long long)r * sel_k + key - n_swa] : key - n_swa;
+                k = entries + ds_entry(table, block_size, rate, epb, e) * hd;
+            }
+            ks[j * stride + c] = k[c];
+        }
+        __syncthreads();
+        // One (head, key) logit a thread.
+        {
+            int h = threadIdx.x / ATT_KT, j = threadIdx.x % ATT_KT;
+            if (h < hg && j < kt) {
+                float d = 0.0f;
+                for (int c = 0; c < hd; ++c) d += qs[h * stride + c] * ks[j * stride + c];
+                ps[h * ATT_KT + j] = d * scale;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < hg) {
+            int h = threadIdx.x;
+            float m_old = m_s[h], m_new = m_old;
+            for (int j = 0; j < kt; ++j) m_new = fmaxf(m_new, ps[h * ATT_KT + j]);
+            float sum = 0.0f;
+            for (int j = 0; j < kt; ++j) {
+                float e = expf(ps[h * ATT_KT + j] - m_new);
+                ps[h * ATT_KT + j] = e;
+                sum += e;
+            }
+            float f = expf(m_old - m_new);
+            l_run = l_run * f + sum;
+            m_s[h] = m_new;
+            rescale[h] = f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < ATT_HG; ++h) {
+            if (h >= hg) break;
+            float f = rescale[h];
+#pragma unroll
+            for (int j = 0; j < ATT_CPT; ++j) {
+                int c = threadIdx.x + j * blockDim.x;
+                if (c >= hd) break;
+                float a = acc[h][j] * f;
+                for (int i = 0; i < kt; ++i) a += ps[h * ATT_KT + i] * ks[i * stride + c];
+                acc[h][j] = a;
+            }
+        }
     }
     __syncthreads();
-    float sink = sinks[h];
-    float mx = sink;
-    for (int i = threadIdx.x; i < nk; i += blockDim.x) mx = fmaxf(mx, logits[i]);
-    mx = ds_block_max(mx, scratch);
-    float part = 0.0f;
-    for (int i = threadIdx.x; i < nk; i += blockDim.x) {
-        float e = expf(logits[i] - mx);
-        logits[i] = e;
-        part += e;
+    if (threadIdx.x < hg) rescale[threadIdx.x] = l_run;
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < ATT_HG; ++h) {
+        if (h >= hg || h0 + h >= heads) break;
+#pragma unroll
+        for (int j = 0; j < ATT_CPT; ++j) {
+            int c = threadIdx.x + j * blockDim.x;
+            if (c >= hd) break;
+            out[((long long)r * heads + h0 + h) * hd + c] = acc[h][j] / rescale[h];
+        }
     }
-    float sum = ds_block_sum(part, scratch) + expf(sink - mx);
-    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int i = 0; i < nk; ++i) acc += logits[i] / sum * DS_KEY(i)[c];
-        out[((long long)r * heads + h) * hd + c] = acc;
-    }
-#undef DS_KEY
 }
 
 // The ring keeps each chunk's last min(len, ring_len) K=V rows, at position % ring_len.

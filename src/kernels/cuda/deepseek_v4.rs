@@ -17,9 +17,29 @@ use super::{CudaBackend, CudaError, CudaMatrix, check, grid_for, per_row};
 
 pub const DEEPSEEK_V4_SOURCE: &str = include_str!("../../../kernels-cuda/deepseek_v4.cu");
 
-/// The attention kernel's dynamic shared memory opt-in: the query head and up to
-/// `MAX_ATTENTION_KEYS - head_dim` key logits.
-const ATTENTION_SMEM_BYTES: usize = 160 << 10;
+/// The attention kernel's heads per block at most, keys per tile, and output channels per
+/// thread at most (`deepseek_v4.cu`'s ATT_HG, ATT_KT, ATT_CPT; 256 threads a block).
+const ATT_HG: usize = 16;
+const ATT_KT: usize = 16;
+const ATT_MAX_HEAD_DIM: usize = 4 * 256;
+
+/// `ATT_SMEM_FLOATS(hd)` in bytes: the block's query heads and key tile, padded rows.
+fn attention_smem_bytes(head_dim: usize) -> usize {
+    4 * ((ATT_HG + ATT_KT) * (head_dim + 1) + ATT_HG * ATT_KT + 2 * ATT_HG)
+}
+
+/// Enough for a 1024-wide head.
+const ATTENTION_SMEM_BYTES: usize = 140 << 10;
+
+/// Heads a block of the attention kernel takes: as many as keep every SM busy with two
+/// blocks (each block reads its keys once for all its heads).
+fn heads_per_block(rows: usize, heads: usize) -> usize {
+    let mut hg = ATT_HG.min(heads).max(1);
+    while hg > 1 && rows * heads.div_ceil(hg) < 264 {
+        hg /= 2;
+    }
+    hg
+}
 
 /// Per-sequence metadata fields, as `deepseek_v4.cu`'s `SEQ_FIELDS` lays them out.
 pub const SEQ_FIELDS: usize = 8;
@@ -163,6 +183,13 @@ impl CudaBackend {
             "copy",
         );
         dst
+    }
+
+    /// A buffer of `len` values left as the allocator hands it out (no memset launch): for
+    /// what a kernel writes whole before anything reads it.
+    pub fn alloc_written(&self, len: usize) -> CudaSlice<f32> {
+        // SAFETY: f32 has no invalid bit patterns; callers write before they read.
+        check(unsafe { self.stream.alloc::<f32>(len.max(1)) }, "alloc")
     }
 
     pub fn alloc_u32s(&self, len: usize) -> CudaSlice<u32> {
@@ -531,8 +558,7 @@ impl CudaBackend {
         );
     }
 
-    /// Attention with sinks for every (row, head); `max_keys` bounds the keys any row reads
-    /// (the window plus the compressed entries it may read): the kernel's shared memory.
+    /// Attention with sinks for every (row, head), one block a row and a group of heads.
     pub fn dsv4_attention(
         &self,
         out: &mut CudaSlice<f32>,
@@ -542,15 +568,13 @@ impl CudaBackend {
         meta: &DsStepMeta,
         heads: usize,
         head_dim: usize,
-        max_keys: usize,
     ) -> Result<(), CudaError> {
-        let smem = (head_dim + max_keys) * 4;
-        if smem > ATTENTION_SMEM_BYTES {
+        if head_dim > ATT_MAX_HEAD_DIM {
             return Err(CudaError::Runtime(format!(
-                "DeepSeek-V4 attention over {max_keys} keys needs {smem} bytes of shared memory; \
-                 the kernel has {ATTENTION_SMEM_BYTES}"
+                "DeepSeek-V4 attention: head_dim {head_dim} over the kernel's {ATT_MAX_HEAD_DIM}"
             )));
         }
+        let smem = attention_smem_bytes(head_dim);
         let (rate, epb, entries) = match keys.compressed {
             Some((c, _)) => (c.rate, c.entries_per_block, Some(&c.entries)),
             None => (0, 1, None),
@@ -566,8 +590,10 @@ impl CudaBackend {
         );
         let (ri, epbi) = (rate as i32, epb as i32);
         let scale = (head_dim as f32).powf(-0.5);
+        let hg = heads_per_block(meta.num_rows, heads);
+        let hgi = hg as i32;
         let cfg = LaunchConfig {
-            grid_dim: (meta.num_rows.max(1) as u32, heads as u32, 1),
+            grid_dim: (meta.num_rows.max(1) as u32, heads.div_ceil(hg) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
@@ -594,10 +620,11 @@ impl CudaBackend {
             .arg(&ri)
             .arg(&bs)
             .arg(&epbi)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&hgi);
         // SAFETY: q and out hold num_rows·heads·head_dim values; every key address the
         // kernel forms is inside the ring, the chunk's kv or the layer's entries (the
-        // model checks the tables); max_keys bounds the shared logits.
+        // model checks the tables); head_dim ≤ ATT_MAX_HEAD_DIM bounds the shared memory.
         check(unsafe { launch.launch(cfg) }, "dsv4_attention");
         Ok(())
     }

@@ -114,7 +114,7 @@ impl DsV4Cuda {
             embedded.extend_from_slice(&self.weights.embed[id as usize * d..(id as usize + 1) * d]);
         }
         let x = b.upload(&embedded);
-        let mut streams = b.alloc(tokens * n * d);
+        let mut streams = b.alloc_written(tokens * n * d);
         b.dsv4_expand(&mut streams, &x, tokens, n, d);
         for (l, w) in self.weights.layers.iter().enumerate() {
             self.block(b, cache, &step, l, w, &mut streams, &mut expert_tokens[l])?;
@@ -131,20 +131,20 @@ impl DsV4Cuda {
             row0 += len;
         }
         let rows = picked.len();
-        let mut last = b.alloc(rows * n * d);
+        let mut last = b.alloc_written(rows * n * d);
         b.gather_rows(&streams, n * d, &picked, &mut last);
-        let mut flat = b.alloc(rows * n * d);
+        let mut flat = b.alloc_written(rows * n * d);
         b.rms_norm(&last, &self.ones, cfg.rms_norm_eps, rows, n * d, &mut flat);
         let hc = &self.weights.hc_head;
-        let mut mixes = b.alloc(rows * n);
+        let mut mixes = b.alloc_written(rows * n);
         b.matmul(&flat, rows, &hc.fn_, None, &mut mixes);
-        let mut h = b.alloc(rows * d);
+        let mut h = b.alloc_written(rows * d);
         b.dsv4_mhc_head(
             &mixes, &last, &hc.base, &hc.scale, &mut h, rows, n, d, cfg.hc_eps,
         );
-        let mut hn = b.alloc(rows * d);
+        let mut hn = b.alloc_written(rows * d);
         b.rms_norm(&h, &self.weights.norm, cfg.rms_norm_eps, rows, d, &mut hn);
-        let mut logits = b.alloc(rows * cfg.vocab_size);
+        let mut logits = b.alloc_written(rows * cfg.vocab_size);
         b.matmul(&hn, rows, &self.weights.head, None, &mut logits);
         Ok(b.download(&logits, rows * cfg.vocab_size))
     }
@@ -242,12 +242,12 @@ impl DsV4Cuda {
         let cfg = &self.cfg;
         let t = step.positions.len();
         let (d, n) = (cfg.hidden_size, cfg.hc_mult);
-        let mut flat = b.alloc(t * n * d);
-        let mut mixes = b.alloc(t * (2 + n) * n);
-        let mut post = b.alloc(t * n);
-        let mut comb = b.alloc(t * n * n);
-        let mut collapsed = b.alloc(t * d);
-        let mut x = b.alloc(t * d);
+        let mut flat = b.alloc_written(t * n * d);
+        let mut mixes = b.alloc_written(t * (2 + n) * n);
+        let mut post = b.alloc_written(t * n);
+        let mut comb = b.alloc_written(t * n * n);
+        let mut collapsed = b.alloc_written(t * d);
+        let mut x = b.alloc_written(t * d);
         for half in 0..2 {
             let (hc, norm) = if half == 0 {
                 (&w.attn_hc, &w.attn_norm)
@@ -300,17 +300,17 @@ impl DsV4Cuda {
         } else {
             &self.compress_freqs
         };
-        let mut qr = b.alloc(t * cfg.q_lora_rank);
+        let mut qr = b.alloc_written(t * cfg.q_lora_rank);
         b.matmul(x, t, &a.q_a, None, &mut qr);
-        let mut qrn = b.alloc(t * cfg.q_lora_rank);
+        let mut qrn = b.alloc_written(t * cfg.q_lora_rank);
         b.rms_norm(&qr, &a.q_a_norm, eps, t, cfg.q_lora_rank, &mut qrn);
-        let mut q = b.alloc(t * heads * hd);
+        let mut q = b.alloc_written(t * heads * hd);
         b.matmul(&qrn, t, &a.q_b, None, &mut q);
-        let mut qn = b.alloc(t * heads * hd);
+        let mut qn = b.alloc_written(t * heads * hd);
         b.rms_norm(&q, &self.ones, eps, t * heads, hd, &mut qn);
-        let mut kv = b.alloc(t * hd);
+        let mut kv = b.alloc_written(t * hd);
         b.matmul(x, t, &a.kv, None, &mut kv);
-        let mut kvn = b.alloc(t * hd);
+        let mut kvn = b.alloc_written(t * hd);
         b.rms_norm(&kv, &a.kv_norm, eps, t, hd, &mut kvn);
         b.dsv4_rope(&mut qn, &step.meta, heads, hd, freqs, 1.0);
         b.dsv4_rope(&mut kvn, &step.meta, 1, hd, freqs, 1.0);
@@ -325,13 +325,13 @@ impl DsV4Cuda {
         if let (Some((iw, q_b, weights_proj)), Some(ic)) = (&a.indexer, lc.indexer.as_mut()) {
             self.feed(b, step, iw, ic, x, bs);
             let (ih, ihd) = (cfg.index_n_heads, cfg.index_head_dim);
-            let mut iq = b.alloc(t * ih * ihd);
+            let mut iq = b.alloc_written(t * ih * ihd);
             b.matmul(&qrn, t, q_b, None, &mut iq);
             b.dsv4_rope(&mut iq, &step.meta, ih, ihd, &self.compress_freqs, 1.0);
-            let mut hw = b.alloc(t * ih);
+            let mut hw = b.alloc_written(t * ih);
             b.matmul(x, t, weights_proj, None, &mut hw);
             let max_visible = (max_row_pos + 1) / cfg.csa_rate;
-            let mut scores = b.alloc(t * max_visible.max(1));
+            let mut scores = b.alloc_written(t * max_visible.max(1));
             let mut sel = b.alloc_i32s(t * cfg.index_topk);
             b.dsv4_index_select(
                 &mut sel,
@@ -347,11 +347,6 @@ impl DsV4Cuda {
             );
             selection = Some(sel);
         }
-        let max_compressed = match (&lc.compressor, &selection) {
-            (None, _) => 0,
-            (Some(c), Some(_)) => ((max_row_pos + 1) / c.rate).min(cfg.index_topk),
-            (Some(c), None) => (max_row_pos + 1) / c.rate,
-        };
         let keys = AttentionKeys {
             kv: &kvn,
             ring: &lc.ring,
@@ -363,33 +358,24 @@ impl DsV4Cuda {
                 .map(|c| (c, selection.as_ref().map(|s| (s, cfg.index_topk)))),
             block_size: bs,
         };
-        let mut out = b.alloc(t * heads * hd);
-        b.dsv4_attention(
-            &mut out,
-            &qn,
-            &keys,
-            &a.sinks,
-            &step.meta,
-            heads,
-            hd,
-            cfg.sliding_window + max_compressed,
-        )
-        .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
+        let mut out = b.alloc_written(t * heads * hd);
+        b.dsv4_attention(&mut out, &qn, &keys, &a.sinks, &step.meta, heads, hd)
+            .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
         b.dsv4_rope(&mut out, &step.meta, heads, hd, freqs, -1.0);
         b.dsv4_ring_write(&mut lc.ring, &kvn, &step.meta, cache.ring_len, hd);
 
         // The grouped output projection: each group's heads through its own rows of o_a.
         let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
         let per_group = heads * hd / groups;
-        let mut by_group = b.alloc(t * heads * hd);
+        let mut by_group = b.alloc_written(t * heads * hd);
         b.dsv4_swap(&mut by_group, &out, t, groups, per_group);
-        let mut projected = b.alloc(groups * t * rank);
+        let mut projected = b.alloc_written(groups * t * rank);
         for (g, o_a) in a.o_a.iter().enumerate() {
             b.gemm_rows(&by_group, g * t, t, o_a, &mut projected, g * t);
         }
-        let mut grouped = b.alloc(t * groups * rank);
+        let mut grouped = b.alloc_written(t * groups * rank);
         b.dsv4_swap(&mut grouped, &projected, groups, t, rank);
-        let mut y = b.alloc(t * cfg.hidden_size);
+        let mut y = b.alloc_written(t * cfg.hidden_size);
         b.matmul(&grouped, t, &a.o_b, None, &mut y);
         Ok(y)
     }
@@ -406,9 +392,9 @@ impl DsV4Cuda {
         block_size: usize,
     ) {
         let t = step.positions.len();
-        let mut kv = b.alloc(t * c.width);
+        let mut kv = b.alloc_written(t * c.width);
         b.matmul(x, t, &w.kv, None, &mut kv);
-        let mut gate = b.alloc(t * c.width);
+        let mut gate = b.alloc_written(t * c.width);
         b.matmul(x, t, &w.gate, None, &mut gate);
         b.dsv4_compress_feed(c, &kv, &gate, &w.position_bias, &step.meta, block_size);
         let (_, emits, count) = step

@@ -27,10 +27,10 @@ pub(super) fn moe(
         cfg.num_experts_per_tok,
         cfg.num_routed_experts,
     );
-    let mut logits = b.alloc(t * num_experts);
+    let mut logits = b.alloc_written(t * num_experts);
     b.matmul(x, t, &w.router, None, &mut logits);
     let mut chosen = b.alloc_u32s(t * k);
-    let mut weights = b.alloc(t * k);
+    let mut weights = b.alloc_written(t * k);
     let scoring = match cfg.scoring {
         Scoring::SqrtSoftplus => 0,
         Scoring::Sigmoid => 1,
@@ -73,18 +73,18 @@ pub(super) fn moe(
     }
     let n = source_rows.len();
     let inter = cfg.moe_intermediate_size;
-    let mut xs = b.alloc(n * d);
+    let mut xs = b.alloc_written(n * d);
     b.gather_rows(x, d, &source_rows, &mut xs);
-    let mut gate = b.alloc(n * inter);
-    let mut up = b.alloc(n * inter);
+    let mut gate = b.alloc_written(n * inter);
+    let mut up = b.alloc_written(n * inter);
     for &(e, row0, rows) in &spans {
         let ex = &w.experts[e];
         b.gemm_rows(&xs, row0, rows, &ex.gate, &mut gate, row0);
         b.gemm_rows(&xs, row0, rows, &ex.up, &mut up, row0);
     }
-    let mut h = b.alloc(n * inter);
+    let mut h = b.alloc_written(n * inter);
     b.dsv4_swiglu(&mut h, &gate, &up, n * inter, cfg.swiglu_limit);
-    let mut ys = b.alloc(n * d);
+    let mut ys = b.alloc_written(n * d);
     for &(e, row0, rows) in &spans {
         b.gemm_rows(&h, row0, rows, &w.experts[e].down, &mut ys, row0);
     }
@@ -104,13 +104,13 @@ fn expert(
     inter: usize,
     limit: f32,
 ) -> CudaSlice<f32> {
-    let mut gate = b.alloc(t * inter);
+    let mut gate = b.alloc_written(t * inter);
     b.matmul(x, t, &w.gate, None, &mut gate);
-    let mut up = b.alloc(t * inter);
+    let mut up = b.alloc_written(t * inter);
     b.matmul(x, t, &w.up, None, &mut up);
-    let mut h = b.alloc(t * inter);
+    let mut h = b.alloc_written(t * inter);
     b.dsv4_swiglu(&mut h, &gate, &up, t * inter, limit);
-    let mut y = b.alloc(t * w.down.rows);
+    let mut y = b.alloc_written(t * w.down.rows);
     b.matmul(&h, t, &w.down, None, &mut y);
     y
 }

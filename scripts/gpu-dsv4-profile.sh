@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# On the device machine: where a DeepSeek-V4 prefill (and a few decode steps) spends its
+# GPU time — a 3-layer V4-Flash shape (SWA, CSA, HCA) with --dummy-weights under Nsight
+# Compute, kernel durations summed by kernel name, largest first. Carry gpu-bin/troupe.
+#   bash scripts/gpu-dsv4-profile.sh [prompt tokens] [new tokens]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export TROUPE_HOME=/tmp/troupe-home
+PROMPT=${1:-4096}
+NEW=${2:-1}
+M=$(mktemp -d)
+python3 - "$M" <<'PY'
+import json, sys
+sys.path.insert(0, "scripts")
+from gpu_dsv4 import shape
+json.dump(dict(shape(3), model_type="deepseek_v4"), open(f"{sys.argv[1]}/config.json", "w"))
+PY
+IDS=$(python3 -c "import random; r=random.Random(0); print(','.join(str(r.randrange(2, 129280)) for _ in range($PROMPT)))")
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+# The kernels are compiled before the profiled run, so NVRTC's time is not in it.
+gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids 5,6,7 \
+  --max-tokens 1 --kv-cache-mib 4096 --max-num-seqs 1 >/dev/null
+timeout 500 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
+  gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
+  --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
+  --max-num-batched-tokens 8192 > "$M/ncu.csv" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
+[ -n "${OUT:-}" ] && gzip -c "$M/ncu.csv" > "$OUT/ncu.csv.gz"
+
+python3 - "$M/ncu.csv" <<'PY'
+import csv, sys, collections
+rows = list(csv.reader(open(sys.argv[1])))
+at = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+head = rows[at]
+k, t = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+total = collections.Counter(); count = collections.Counter()
+for r in rows[at + 1:]:
+    if len(r) != len(head):
+        continue
+    try:
+        v = float(r[t].replace(",", ""))
+    except ValueError:
+        continue
+    name = r[k].split("(")[0].split("<")[0][:60]
+    total[name] += v; count[name] += 1
+s = sum(total.values())
+print(f"{sum(count.values())} kernels, {s / 1e6:.1f} ms of GPU time")
+print("| kernel | calls | ms | share |")
+print("|---|---:|---:|---:|")
+for name, v in total.most_common(25):
+    print(f"| {name} | {count[name]} | {v / 1e6:.2f} | {v / s:.1%} |")
+PY
