@@ -56,7 +56,7 @@ __device__ float ds_block_max(float v, float* scratch) {
 // Where compressed entry `e` (source tokens e·rate ..) of a sequence lives, in entries.
 __device__ __forceinline__ long long ds_entry(const u32* table, int block_size, int rate, int epb,
                                               int e) {
-    long long first = (long long)e * rate;
+    int first = e * rate;  // positions fit in 31 bits; 32-bit division is the cheap one
     long long block = table[first / block_size];
     return block * epb + (first % block_size) / rate;
 }
@@ -268,31 +268,38 @@ extern "C" __global__ void dsv4_entry_finish_kernel(float* entries, const u32* e
 }
 
 // The lightning indexer's score of every visible entry for every row:
-// Σ_h w_h · relu(q_h · k) (scaled), −∞ past the row's visible entries. A warp an entry.
+// Σ_h w_h · relu(q_h · k) (scaled), −∞ past the row's visible entries. A block takes a row
+// and IX_ENTRIES entries (a warp each in turn), with the row's queries in shared memory.
+#define IX_ENTRIES 64
 extern "C" __global__ void dsv4_index_scores_kernel(
     float* scores, const float* q, const float* head_weights, const float* keys, const u32* rows,
     const u32* seqs, const u32* block_tables, int block_size, int rate, int epb, int heads,
     int dim, float score_scale, float weight_scale, int max_visible) {
+    extern __shared__ float qs[];
     int r = blockIdx.x;
-    int lane = threadIdx.x & 31;
-    int e = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (e >= max_visible) return;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int visible = ((int)rows[2 * r + 1] + 1) / rate;
-    if (e >= visible) {
-        if (lane == 0) scores[(long long)r * max_visible + e] = NEG_INF;
-        return;
-    }
-    const u32* table = block_tables + seqs[rows[2 * r] * SEQ_FIELDS + S_BT];
-    const float* k = keys + ds_entry(table, block_size, rate, epb, e) * dim;
+    int e0 = blockIdx.y * IX_ENTRIES;
     const float* qr = q + (long long)r * heads * dim;
-    float s = 0.0f;
-    for (int h = 0; h < heads; ++h) {
-        float d = 0.0f;
-        for (int c = lane; c < dim; c += 32) d += qr[h * dim + c] * k[c];
-        d = fmaxf(ds_warp_sum(d), 0.0f) * score_scale;
-        s += d * head_weights[r * heads + h] * weight_scale;
+    if (e0 < visible)
+        for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = qr[i];
+    __syncthreads();
+    const u32* table = block_tables + seqs[rows[2 * r] * SEQ_FIELDS + S_BT];
+    for (int e = e0 + warp; e < min(e0 + IX_ENTRIES, max_visible); e += warps) {
+        if (e >= visible) {
+            if (lane == 0) scores[(long long)r * max_visible + e] = NEG_INF;
+            continue;
+        }
+        const float* k = keys + ds_entry(table, block_size, rate, epb, e) * dim;
+        float s = 0.0f;
+        for (int h = 0; h < heads; ++h) {
+            float d = 0.0f;
+            for (int c = lane; c < dim; c += 32) d += qs[h * dim + c] * k[c];
+            d = fmaxf(ds_warp_sum(d), 0.0f) * score_scale;
+            s += d * head_weights[r * heads + h] * weight_scale;
+        }
+        if (lane == 0) scores[(long long)r * max_visible + e] = s;
     }
-    if (lane == 0) scores[(long long)r * max_visible + e] = s;
 }
 
 // The k best entries of each row, best first, ties to the lower index (`ops::top_k`);
@@ -332,6 +339,7 @@ extern "C" __global__ void __launch_bounds__(256) dsv4_attention_kernel(
     const float* sinks, int heads, int hd, int window, int ring_len, int rate, int block_size,
     int epb, float scale, int hg) {
     extern __shared__ float smem[];
+    __shared__ const float* kptr[ATT_KT];
     int stride = hd + 1;  // padded rows: a warp's 16 keys at one channel hit 16 banks
     float* qs = smem;
     float* ks = qs + ATT_HG * stride;
@@ -369,8 +377,9 @@ extern "C" __global__ void __launch_bounds__(256) dsv4_attention_kernel(
     for (int k0 = 0; k0 < nk; k0 += ATT_KT) {
         int kt = min(ATT_KT, nk - k0);
         __syncthreads();
-        for (int i = threadIdx.x; i < kt * hd; i += blockDim.x) {
-            int j = i / hd, c = i % hd, key = k0 + j;
+        // Each key's address once, then the tile copied row by row.
+        if (threadIdx.x < kt) {
+            int key = k0 + threadIdx.x;
             const float* k;
             if (key < n_swa) {
                 int p = lo + key;
@@ -380,16 +389,50 @@ extern "C" __global__ void __launch_bounds__(256) dsv4_attention_kernel(
                 int e = sel != 0 ? sel[(long long)r * sel_k + key - n_swa] : key - n_swa;
                 k = entries + ds_entry(table, block_size, rate, epb, e) * hd;
             }
-            ks[j * stride + c] = k[c];
+            kptr[threadIdx.x] = k;
         }
         __syncthreads();
-        // One (head, key) logit a thread.
+        for (int j = 0; j < kt; ++j)
+            for (int c = threadIdx.x; c < hd; c += blockDim.x) ks[j * stride + c] = kptr[j][c];
+        __syncthreads();
+        // Logits in 4 × 4 (head, key) blocks: each of the 16 blocks is summed by 16 threads
+        // (a channel slice each, lanes 0–15 of a half-warp), so that a pair of shared loads
+        // feeds 16 FMAs; the slices are added by shuffles.
         {
-            int h = threadIdx.x / ATT_KT, j = threadIdx.x % ATT_KT;
-            if (h < hg && j < kt) {
-                float d = 0.0f;
-                for (int c = 0; c < hd; ++c) d += qs[h * stride + c] * ks[j * stride + c];
-                ps[h * ATT_KT + j] = d * scale;
+            int slice = threadIdx.x & 15, grp = threadIdx.x >> 4;
+            int hb = (grp >> 2) * 4, kb = (grp & 3) * 4;
+            float d[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b) d[a][b] = 0.0f;
+            if (hb < hg && kb < kt) {
+                for (int c = slice; c < hd; c += 16) {
+                    float qv[4], kv4[4];
+#pragma unroll
+                    for (int a = 0; a < 4; ++a) qv[a] = qs[(hb + a) * stride + c];
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) kv4[b] = ks[(kb + b) * stride + c];
+#pragma unroll
+                    for (int a = 0; a < 4; ++a)
+#pragma unroll
+                        for (int b = 0; b < 4; ++b) d[a][b] += qv[a] * kv4[b];
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b)
+#pragma unroll
+                    for (int o = 8; o > 0; o >>= 1)
+                        d[a][b] += __shfl_xor_sync(0xffffffffu, d[a][b], o);
+            if (slice == 0) {
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int b = 0; b < 4; ++b)
+                        if (hb + a < hg && kb + b < kt)
+                            ps[(hb + a) * ATT_KT + kb + b] = d[a][b] * scale;
             }
         }
         __syncthreads();
@@ -414,12 +457,22 @@ extern "C" __global__ void __launch_bounds__(256) dsv4_attention_kernel(
             if (h >= hg) break;
             float f = rescale[h];
 #pragma unroll
+            for (int j = 0; j < ATT_CPT; ++j) acc[h][j] *= f;
+        }
+        // Each value loaded once for all the block's heads.
+        for (int i = 0; i < kt; ++i) {
+            float v[ATT_CPT];
+#pragma unroll
             for (int j = 0; j < ATT_CPT; ++j) {
                 int c = threadIdx.x + j * blockDim.x;
-                if (c >= hd) break;
-                float a = acc[h][j] * f;
-                for (int i = 0; i < kt; ++i) a += ps[h * ATT_KT + i] * ks[i * stride + c];
-                acc[h][j] = a;
+                v[j] = c < hd ? ks[i * stride + c] : 0.0f;
+            }
+#pragma unroll
+            for (int h = 0; h < ATT_HG; ++h) {
+                if (h >= hg) break;
+                float p = ps[h * ATT_KT + i];
+#pragma unroll
+                for (int j = 0; j < ATT_CPT; ++j) acc[h][j] += p * v[j];
             }
         }
     }

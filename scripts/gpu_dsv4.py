@@ -5,7 +5,7 @@ matrices made on the device), troupe's CUDA pass against transformers'
 other in one run, and against the physical limits measured in the same run.
 
 Usage (on the device machine): python3 scripts/gpu_dsv4.py target/release/troupe \
-    [--layers 8] [--prompt 4096] [--decode-prompt 512] [--new 64] [--batch 32] [--out DIR]
+    [--layers 9] [--prompt 4096] [--decode-prompt 512] [--new 64] [--batch 32] [--out DIR]
 Prints a table last; writes gpu_dsv4.json to --out.
 """
 
@@ -85,11 +85,11 @@ def bf16_bytes_per_token(s: dict) -> tuple[float, float]:
     return 2 * total / layers, 2 * s["vocab_size"] * d
 
 
-def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path) -> dict:
+def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int) -> dict:
     stats = tmp / "stats.json"
     cmd = [binary, "generate", "--model", str(model), "--dummy-weights", "--device", "cuda",
            "--max-tokens", str(new), "--ignore-eos", "--json", "--stats", str(stats),
-           "--kv-cache-mib", "8192", "--max-num-seqs", str(max(len(prompts), 1)),
+           "--kv-cache-mib", str(kv_mib), "--max-num-seqs", str(max(len(prompts), 1)),
            "--max-num-batched-tokens", "4096"]
     if len(prompts) == 1:
         cmd += ["--prompt-ids", ",".join(map(str, prompts[0]))]
@@ -157,11 +157,12 @@ def copy_bandwidth() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("troupe")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--kv-mib", type=int, default=4096)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -177,9 +178,9 @@ def main() -> None:
         model.mkdir()
         (model / "config.json").write_text(json.dumps(dict(s, model_type="deepseek_v4",
                                                            architectures=["DeepseekV4ForCausalLM"])))
-        rows["troupe prefill"] = troupe(args.troupe, model, [prompt], 1, tmp)
-        rows["troupe decode b1"] = troupe(args.troupe, model, [decode_prompt], args.new, tmp)
-        rows[f"troupe decode b{args.batch}"] = troupe(args.troupe, model, batch, args.new, tmp)
+        rows["troupe prefill"] = troupe(args.troupe, model, [prompt], 1, tmp, args.kv_mib)
+        rows["troupe decode b1"] = troupe(args.troupe, model, [decode_prompt], args.new, tmp, args.kv_mib)
+        rows[f"troupe decode b{args.batch}"] = troupe(args.troupe, model, batch, args.new, tmp, args.kv_mib)
     bw = copy_bandwidth()
     layer_bytes, head_bytes = bf16_bytes_per_token(s)
     roofline = bw / (args.layers * layer_bytes + head_bytes)

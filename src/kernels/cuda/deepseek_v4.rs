@@ -21,7 +21,7 @@ pub const DEEPSEEK_V4_SOURCE: &str = include_str!("../../../kernels-cuda/deepsee
 /// thread at most (`deepseek_v4.cu`'s ATT_HG, ATT_KT, ATT_CPT; 256 threads a block).
 const ATT_HG: usize = 16;
 const ATT_KT: usize = 16;
-const ATT_MAX_HEAD_DIM: usize = 4 * 256;
+pub const ATT_MAX_HEAD_DIM: usize = 4 * 256;
 
 /// `ATT_SMEM_FLOATS(hd)` in bytes: the block's query heads and key tile, padded rows.
 fn attention_smem_bytes(head_dim: usize) -> usize {
@@ -40,6 +40,12 @@ fn heads_per_block(rows: usize, heads: usize) -> usize {
     }
     hg
 }
+
+/// Entries a block of the indexer's score kernel takes (`IX_ENTRIES`).
+const IX_ENTRIES: usize = 64;
+
+/// The indexer's queries of a row in shared memory, at most (heads · dim floats).
+pub const INDEX_SMEM_BYTES: usize = 64 << 10;
 
 /// Per-sequence metadata fields, as `deepseek_v4.cu`'s `SEQ_FIELDS` lays them out.
 pub const SEQ_FIELDS: usize = 8;
@@ -117,6 +123,8 @@ fn load(backend: &CudaBackend) -> Result<DsV4Kernels, CudaError> {
             .map_err(|e| CudaError::Compile(format!("kernel `dsv4_{name}_kernel`: {e}")))
     };
     let attention = f("attention")?;
+    let index_scores = f("index_scores")?;
+    super::module::opt_in_smem(&index_scores, INDEX_SMEM_BYTES, "dsv4_index_scores")?;
     super::module::opt_in_smem(&attention, ATTENTION_SMEM_BYTES, "dsv4_attention")?;
     Ok(DsV4Kernels {
         rope: f("rope")?,
@@ -127,7 +135,7 @@ fn load(backend: &CudaBackend) -> Result<DsV4Kernels, CudaError> {
         swap: f("swap")?,
         compress_feed: f("compress_feed")?,
         entry_finish: f("entry_finish")?,
-        index_scores: f("index_scores")?,
+        index_scores,
         topk: f("topk")?,
         attention,
         ring_write: f("ring_write")?,
@@ -512,6 +520,10 @@ impl CudaBackend {
             keys.entries_per_block as i32,
         );
         let (hi, di, mv, ki) = (heads as i32, keys.dim as i32, max_visible as i32, k as i32);
+        assert!(
+            heads * keys.dim * 4 <= INDEX_SMEM_BYTES,
+            "the indexer's shape is checked when the model loads"
+        );
         let score_scale = (keys.dim as f32).powf(-0.5);
         let weight_scale = (heads as f32).powf(-0.5);
         if max_visible > 0 {
@@ -536,7 +548,10 @@ impl CudaBackend {
                         .arg(&score_scale)
                         .arg(&weight_scale)
                         .arg(&mv)
-                        .launch(blocks(meta.num_rows, max_visible.div_ceil(8), 256))
+                        .launch(LaunchConfig {
+                            shared_mem_bytes: (heads * keys.dim * 4) as u32,
+                            ..blocks(meta.num_rows, max_visible.div_ceil(IX_ENTRIES), 256)
+                        })
                 },
                 "dsv4_index_scores",
             );

@@ -26,7 +26,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig
 use half::bf16;
 
 pub use deepseek_v4::{
-    AttentionKeys, DEEPSEEK_V4_SOURCE, DeviceCompressor, DsStepMeta, DsV4Kernels, SEQ_FIELDS,
+    ATT_MAX_HEAD_DIM, AttentionKeys, DEEPSEEK_V4_SOURCE, DeviceCompressor, DsStepMeta, DsV4Kernels,
+    INDEX_SMEM_BYTES, SEQ_FIELDS,
 };
 use graph::{Graphs, Meta, Phase};
 pub use kv_cache::CudaKvCache;

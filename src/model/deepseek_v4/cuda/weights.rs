@@ -117,6 +117,16 @@ impl DeviceWeights {
             (cfg.hc_mult, 16, "hc_mult"),
             (cfg.num_routed_experts, 1024, "n_routed_experts"),
             (cfg.num_experts_per_tok, 32, "num_experts_per_tok"),
+            (
+                cfg.head_dim,
+                crate::kernels::cuda::ATT_MAX_HEAD_DIM,
+                "head_dim",
+            ),
+            (
+                cfg.index_n_heads * cfg.index_head_dim,
+                crate::kernels::cuda::INDEX_SMEM_BYTES / 4,
+                "index_n_heads × index_head_dim",
+            ),
         ];
         for (value, most, name) in limits {
             if value > most {
