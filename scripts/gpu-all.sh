@@ -4,7 +4,8 @@
 # Build here first, and carry target/release/troupe and gpu-bin/:
 #   cargo build --release --features cuda
 #   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_sampling \
-#     --test engine --test fault_injection --test spec_decoding --test spec_draft_model --no-run
+#     --test cuda_deepseek_v4 --test engine --test fault_injection --test spec_decoding \
+#     --test spec_draft_model --test deepseek_v4_engine --no-run
 #   cargo bench --features cuda --bench cuda_kernels --no-run
 #   (copy each test executable to gpu-bin/<test name>, the bench to gpu-bin/cuda_kernels_bench)
 # Arguments name the benchmarks to run (offline, decode, peer); none: all three.

@@ -95,6 +95,9 @@ pub struct DeviceCompressor {
     pub entries: CudaSlice<f32>,
 }
 
+/// The indexer's pick for each row (entry indices, −1 past the last) and its width.
+pub type Selection<'a> = (&'a CudaSlice<i32>, usize);
+
 /// Where a layer's attention reads its keys.
 pub struct AttentionKeys<'a> {
     pub kv: &'a CudaSlice<f32>,
@@ -103,7 +106,7 @@ pub struct AttentionKeys<'a> {
     pub window: usize,
     /// The layer's compressed entries and the indexer's selection (`None`: every closed
     /// window), with its width.
-    pub compressed: Option<(&'a DeviceCompressor, Option<(&'a CudaSlice<i32>, usize)>)>,
+    pub compressed: Option<(&'a DeviceCompressor, Option<Selection<'a>>)>,
     pub block_size: usize,
 }
 
