@@ -15,7 +15,7 @@ use troupe::model::deepseek_v4::config::DsV4Config;
 use troupe::model::deepseek_v4::cuda::DsV4Cuda;
 use troupe::model::deepseek_v4::cuda::cache::DeviceCache;
 use troupe::model::deepseek_v4::ops::Linear;
-use troupe::model::deepseek_v4::weights::{DsV4Weights, LinearData, LinearStore};
+use troupe::model::deepseek_v4::weights::{DsV4Weights, LinearData, LinearStore, OnHost};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use troupe::model::loader::SafetensorsSource;
 
@@ -25,21 +25,11 @@ struct Bf16OnHost;
 impl LinearStore for Bf16OnHost {
     type Linear = Linear;
     fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<Linear> {
-        let w = match data {
-            LinearData::Host(w) => w,
-            LinearData::Random {
-                seed,
-                mean,
-                half_width,
-            } => (0..(rows * cols) as u64)
-                .map(|i| troupe::kernels::random_weight(seed, i, mean, half_width))
-                .collect(),
-        };
-        let w = w
-            .into_iter()
-            .map(|v| half::bf16::from_f32(v).to_f32())
-            .collect();
-        Ok(Linear { rows, cols, w })
+        let mut linear = OnHost.store(rows, cols, data)?;
+        for v in &mut linear.w {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
+        Ok(linear)
     }
 }
 

@@ -55,12 +55,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         None
     };
     let (layers, experts) = (model.cfg.num_layers, model.cfg.num_routed_experts);
-    let eplb = match args.eplb {
-        Some(settings) => {
-            Some(Eplb::new(settings.for_model(layers, experts)).map_err(|e| format!("EPLB: {e}"))?)
-        }
-        None => None,
-    };
+    let eplb = eplb_for(args, layers, experts)?;
     Ok(Box::new(DsV4OnHost {
         model,
         cache,
@@ -219,4 +214,17 @@ pub(super) fn launched(
         span: None,
         prev: vec![None; sampling.len()],
     }
+}
+
+/// `--eplb-ranks`: the planner for this model's layers and routed experts.
+pub(super) fn eplb_for(
+    args: &RankArgs,
+    layers: usize,
+    experts: usize,
+) -> Result<Option<Eplb>, String> {
+    args.eplb
+        .map(|settings| {
+            Eplb::new(settings.for_model(layers, experts)).map_err(|e| format!("EPLB: {e}"))
+        })
+        .transpose()
 }

@@ -2,7 +2,7 @@
 //! protocol — state slots plus paged compressed entries, every logit row to the sampler —
 //! with the pass and the cache on the device.
 
-use super::deepseek_v4::{ds_steps, launched};
+use super::deepseek_v4::{ds_steps, eplb_for, launched};
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::actors::sampler::RowSampling;
 use crate::eplb::{BalanceReport, Eplb};
@@ -36,12 +36,7 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         args.block_size,
     );
     let (layers, experts) = (model.cfg.num_layers, model.cfg.num_routed_experts);
-    let eplb = match args.eplb {
-        Some(settings) => {
-            Some(Eplb::new(settings.for_model(layers, experts)).map_err(|e| format!("EPLB: {e}"))?)
-        }
-        None => None,
-    };
+    let eplb = eplb_for(args, layers, experts)?;
     Ok(Box::new(DsV4OnCuda {
         backend,
         model,
