@@ -7,7 +7,8 @@ use rayon::prelude::*;
 
 use super::cache::DsV4Cache;
 use super::config::{AttentionKind, DsV4Config};
-use super::ops::{Linear, rms_norm, rope_rows, top_k};
+use super::ops::{Linear, rms_norm, rope_rows};
+use super::torch_topk::torch_top_k;
 use super::weights::{Attention, Compressor, Indexer};
 
 /// Where one sequence's chunk sits.
@@ -206,6 +207,9 @@ fn feed(
 
 /// The lightning indexer: for each query, the compressed entries it attends to — the
 /// `index_topk` best by `Σ_h w_h · relu(q_h · k)` among those whose window has closed.
+/// Ties at the k-th place resolve as torch's `topk` over exactly those entries, which is
+/// what transformers' decode runs (its uncached forward also scores the masked future
+/// entries, so there its choice among ties depends on the sequence's length).
 #[allow(clippy::too_many_arguments)]
 fn select(
     cfg: &DsV4Config,
@@ -243,7 +247,7 @@ fn select(
                     s
                 })
                 .collect();
-            top_k(&scores, cfg.index_topk)
+            torch_top_k(&scores, cfg.index_topk, true)
         })
         .collect()
 }

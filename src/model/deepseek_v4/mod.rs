@@ -25,6 +25,7 @@ pub mod moe;
 pub mod mtp;
 pub mod ops;
 pub mod quantized;
+pub mod torch_topk;
 pub mod weights;
 
 use std::path::Path;

@@ -6,7 +6,8 @@ use rayon::prelude::*;
 
 use super::config::{DsV4Config, MlpKind};
 use super::expert_parallel::ExpertShard;
-use super::ops::{score, silu, top_k};
+use super::ops::{score, silu};
+use super::torch_topk::torch_top_k;
 use super::weights::{Expert, Moe};
 
 /// `x` is `[tokens, hidden]` (the normed block input); returns `[tokens, hidden]` and adds
@@ -43,9 +44,9 @@ pub fn moe(
             MlpKind::Moe => match &w.score_bias {
                 Some(bias) => {
                     let biased: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
-                    top_k(&biased, k)
+                    torch_top_k(&biased, k, false)
                 }
-                None => top_k(s, k),
+                None => torch_top_k(s, k, false),
             },
         };
         let total: f32 = chosen.iter().map(|&e| s[e]).sum::<f32>() + 1e-20;

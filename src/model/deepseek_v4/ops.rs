@@ -135,14 +135,6 @@ pub fn softmax(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v /= sum);
 }
 
-/// Indices of the `k` largest values, largest first; ties go to the lower index.
-pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,11 +157,5 @@ mod tests {
         for (a, b) in x.iter().zip(&orig) {
             assert!((a - b).abs() < 1e-5);
         }
-    }
-
-    #[test]
-    fn top_k_prefers_the_lower_index_on_ties() {
-        assert_eq!(top_k(&[1.0, 3.0, 3.0, 2.0], 2), vec![1, 2]);
-        assert_eq!(top_k(&[0.0, 0.0, 0.0], 2), vec![0, 1]);
     }
 }

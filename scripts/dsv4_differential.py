@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""Randomized differential cases for DeepSeek-V4: random `DeepseekV4Config`s, random weights,
+random prompts, and transformers' fp32 outputs for each, for `tests/deepseek_v4_differential.rs`.
+
+Each case is a directory: `config.json` + `model.safetensors` (transformers' `save_pretrained`,
+in bf16 or fp32), `case.json` (the knobs drawn, the prompt, the greedy continuation) and
+`logits.safetensors` (f32 logits of every position of prompt + continuation, from
+transformers' cached path fed one token at a time: see `step_by_step`).
+
+Every knob of the config is drawn: sliding window, both compress rates (above, at and below
+the window), indexer heads / head dim / top-k, mHC streams and Sinkhorn iterations, head
+dim and partial rotary, YaRN on the compressed branch, q/o LoRA ranks and o_groups, expert
+counts / top-k / scoring function / routed scaling / normalisation, the SwiGLU limit,
+hash-MoE layers. Weights are drawn at realistic scales (initializer ranges 0.02-0.4, norm
+weights around 1), and the constants transformers initialises to fixed values (sinks,
+position biases, mHC bases and scales, router biases, the hash table) are drawn too.
+
+A prompt is redrawn while one of transformers' own decisions sits on a near-tie that is
+not an exact tie (the indexer's k-th against (k+1)-th score, the router's k-th against
+(k+1)-th expert score, the greedy top-2 logits within 1e-4 of each other): those flip under
+any change of summation order. Exact ties (an indexer score of exactly 0 shared by several
+entries, which ReLU makes common with few indexer heads) are kept: they must resolve as
+torch's `topk` resolves them.
+
+Usage (transformers pinned in scripts/requirements-goldens.txt):
+    python3 scripts/dsv4_differential.py --out /tmp/dsv4-cases --cases 200 --seed 1
+    TROUPE_DSV4_CASES=/tmp/dsv4-cases cargo test --release --test deepseek_v4_differential
+    python3 scripts/dsv4_differential.py --goldens   # the small committed subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+
+transformers.logging.set_verbosity_error()
+
+from safetensors.torch import save_file
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDENS = REPO / "tests" / "goldens" / "dsv4-diff"
+# Committed cases: small enough to keep the repository light (vocab, width, prompt length).
+GOLDEN_SEEDS = range(1000, 1010)
+
+NEAR_TIE = 2e-5
+
+
+def draw_config(rng: random.Random, small: bool) -> dict:
+    """One random config; `small` keeps the tensors (and the committed files) small."""
+    heads = rng.choice([1, 2, 4, 8])
+    head_dim = rng.choice([16, 32] if small else [16, 32, 48, 64])
+    prf = rng.choice([f for f in (0.125, 0.25, 0.5, 1.0) if int(head_dim * f) % 2 == 0 and head_dim * f >= 2])
+    rope_dim = int(head_dim * prf)
+    window = rng.choice([2, 3, 4, 6, 8, 12, 16, 24, 32])
+    csa = rng.choice([2, 4, 8])
+    hca = rng.choice([r for r in (4, 8, 16, 32, 64) if r != csa] + [2 * window if 2 * window <= 64 else 64])
+    layers = rng.randint(2, 4 if small else 7)
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    layer_types = [rng.choice(kinds) for _ in range(layers)]
+    # Every case exercises compression.
+    if not any(t != "sliding_attention" for t in layer_types):
+        layer_types[rng.randrange(layers)] = rng.choice(kinds[1:])
+    n_hash = rng.randint(0, min(2, layers))
+    experts = rng.choice([2, 4, 8, 16] if not small else [2, 4, 8])
+    topk = rng.randint(1, min(4, experts))
+    o_groups = rng.choice([g for g in (1, 2, 4) if heads % g == 0])
+    index_head_dim = rng.choice([d for d in (8, 16, 24, 32) if d >= rope_dim] or [rope_dim])
+    cfg = dict(
+        vocab_size=rng.choice([64, 128] if small else [128, 256, 512]),
+        hidden_size=rng.choice([32, 48] if small else [32, 64, 96]),
+        moe_intermediate_size=rng.choice([8, 16, 32]),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        q_lora_rank=rng.choice([8, 16, 32]),
+        num_experts_per_tok=topk,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        layer_types=layer_types,
+        mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (layers - n_hash),
+        compress_rates={"compressed_sparse_attention": csa, "heavily_compressed_attention": hca},
+        hc_mult=rng.choice([1, 2, 3, 4]),
+        hc_sinkhorn_iters=rng.randint(1, 20),
+        sliding_window=window,
+        o_groups=o_groups,
+        o_lora_rank=rng.choice([4, 8, 16]),
+        index_n_heads=rng.choice([1, 2, 4, 8, 16]),
+        index_head_dim=index_head_dim,
+        index_topk=rng.randint(1, 8),
+        partial_rotary_factor=prf,
+        scoring_func=rng.choice(["sqrtsoftplus", "sigmoid"]),
+        norm_topk_prob=rng.random() < 0.8,
+        routed_scaling_factor=round(rng.uniform(0.5, 3.0), 3),
+        swiglu_limit=round(rng.choice([rng.uniform(0.3, 2.0), 10.0]), 3),
+        initializer_range=round(math.exp(rng.uniform(math.log(0.02), math.log(0.4))), 4),
+        max_position_embeddings=1024,
+        rope_theta=rng.choice([10000.0, 500.0]),
+        compress_rope_theta=rng.choice([160000.0, 1000.0]),
+    )
+    if rng.random() < 0.5:
+        cfg["rope_parameters"] = {
+            "rope_type": "yarn",
+            "factor": rng.choice([2.0, 4.0, 16.0]),
+            "original_max_position_embeddings": rng.choice([16, 32, 64]),
+        }
+    return cfg
+
+
+def randomize_constants(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, gen: torch.Generator, bf16: bool) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
+            elif name.endswith(("attn_hc.base", "ffn_hc.base", "hc_head.hc_base")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith(("attn_hc.scale", "ffn_hc.scale", "hc_head.hc_scale")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        for layer in model.model.layers:
+            gate = layer.mlp.gate
+            if hasattr(gate, "tid2eid"):
+                table = torch.stack(
+                    [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok] for _ in range(cfg.vocab_size)]
+                )
+                gate.tid2eid.copy_(table)
+            else:
+                gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=gen) * 0.3)
+        if bf16:
+            for p in model.parameters():
+                if p.dtype == torch.float32:
+                    p.copy_(p.bfloat16().float())
+            for layer in model.model.layers:
+                gate = layer.mlp.gate
+                if hasattr(gate, "e_score_correction_bias"):
+                    gate.e_score_correction_bias.copy_(gate.e_score_correction_bias.bfloat16().float())
+
+
+def near_ties(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, ids: torch.Tensor) -> float:
+    """The smallest relative gap between a kept and a dropped candidate in the indexer's and
+    the routers' top-k over the sequence, ignoring exact ties."""
+    smallest = [float("inf")]
+
+    def gap(sorted_vals: torch.Tensor, k: int) -> None:
+        a, b = float(sorted_vals[k - 1]), float(sorted_vals[k])
+        if a != b and math.isfinite(b):
+            scale = max(abs(a), abs(b), 1e-30)
+            smallest[0] = min(smallest[0], (a - b) / scale)
+
+    def indexer_hook(module, args, out):
+        k, rate = module._k, module._rate
+        for t in range(out.shape[1]):
+            visible = (t + 1) // rate
+            if visible > k:
+                gap(torch.sort(out[0, t, :visible], descending=True).values, k)
+
+    def router_hook(module, args, out):
+        hidden = args[0].reshape(-1, args[0].shape[-1])
+        logits = torch.nn.functional.linear(hidden.float(), module.weight.float())
+        if cfg.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = torch.nn.functional.softplus(logits).sqrt()
+        scores = scores + module.e_score_correction_bias
+        k = cfg.num_experts_per_tok
+        if k < scores.shape[-1]:
+            for row in scores:
+                gap(torch.sort(row, descending=True).values, k)
+
+    handles = []
+    for layer in model.model.layers:
+        comp = layer.self_attn.compressor
+        if comp is not None and hasattr(comp, "indexer"):
+            scorer = comp.indexer.scorer
+            scorer._k, scorer._rate = comp.indexer.index_topk, comp.indexer.compress_rate
+            handles.append(scorer.register_forward_hook(indexer_hook))
+        gate = layer.mlp.gate
+        if hasattr(gate, "e_score_correction_bias"):
+            handles.append(gate.register_forward_hook(router_hook))
+    with torch.no_grad():
+        model(ids.unsqueeze(0), use_cache=False)
+    for h in handles:
+        h.remove()
+    return smallest[0]
+
+
+def step_by_step(model: DeepseekV4ForCausalLM, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The prompt fed one token at a time through transformers' own V4 cache, then greedy
+    decoding: the greedy tokens and the logits of every position of prompt + continuation.
+
+    This is the reference rather than one uncached forward because the indexer's `topk`
+    breaks exact ties differently with the row's length: uncached, a query also scores
+    the masked entries of the sequence's future, so its choice among tied entries depends
+    on how long the whole sequence is. Token by token, each query scores exactly the
+    entries emitted so far, as a causal engine must."""
+    cache = DynamicCache(config=model.config)
+    rows, tokens = [], []
+    seq = prompt.tolist()
+    with torch.no_grad():
+        for i in range(len(seq) + new_tokens - 1):
+            ids = torch.tensor([[seq[i]]])
+            logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+            rows.append(logits)
+            if i >= len(seq) - 1:
+                nxt = int(logits.argmax())
+                tokens.append(nxt)
+                seq.append(nxt)
+    return tokens, torch.stack(rows).contiguous()
+
+
+def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: int) -> dict:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    params = draw_config(rng, small)
+    bf16 = rng.random() < 0.5
+    cfg = DeepseekV4Config(**params)
+    cfg._attn_implementation = "eager"
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    randomize_constants(model, cfg, gen, bf16)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model.to(torch.bfloat16 if bf16 else torch.float32).save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    # The reference is the model read back from the file (a reader recomputes the rotary).
+    model = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model.config._attn_implementation = "eager"
+
+    # Prompt lengths: log-uniform over 1..max_prompt, so short and long prompts both occur.
+    for attempt in range(40):
+        n = max(1, int(round(math.exp(rng.uniform(0, math.log(max_prompt))))))
+        prompt = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
+        tokens, logits = step_by_step(model, prompt, new_tokens)
+        seq = torch.cat([prompt, torch.tensor(tokens[:-1], dtype=prompt.dtype)])
+        with torch.no_grad():
+            uncached = model(seq.unsqueeze(0), use_cache=False).logits[0].float()
+        top2 = torch.topk(logits[n - 1 :], 2).values
+        margin = float(((top2[:, 0] - top2[:, 1]) / top2[:, 0].abs().clamp_min(1e-30)).min())
+        if margin > NEAR_TIE and near_ties(model, cfg, seq) > NEAR_TIE:
+            break
+    else:
+        raise SystemExit(f"seed {seed}: every prompt drawn sits on a near-tie")
+
+    save_file({"logits": logits}, str(out / "logits.safetensors"))
+    scale = logits.abs().amax(-1).clamp_min(1e-30)
+    uncached_diff = float(((uncached - logits).abs().amax(-1) / scale).max())
+    case = {
+        "source": f"transformers {__import__('transformers').__version__} DeepseekV4ForCausalLM (f32, eager), "
+        f"scripts/dsv4_differential.py, seed {seed}",
+        "seed": seed,
+        "weights": "bf16" if bf16 else "f32",
+        "attempts": attempt + 1,
+        # transformers' own uncached forward against this reference: above ~1e-5 only
+        # where exact indexer ties resolve differently with the row's length.
+        "uncached_max_rel_diff": uncached_diff,
+        "prompt": prompt.tolist(),
+        "greedy_tokens": tokens,
+        "knobs": params,
+    }
+    (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
+    return case
+
+
+def make_topk_ties() -> None:
+    """Rows full of exact ties and torch's CPU `topk` of each (sorted and not), for both of
+    ATen's paths (`partial_sort` when 64·k <= n, else `nth_element`)."""
+    rng = random.Random(5)
+    rows = []
+    for i in range(400):
+        n = rng.choice([1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 100, 128, 200, 513])
+        k = rng.randint(1, min(n, rng.choice([2, 8, 40])))
+        levels = rng.choice([1, 2, 3, 5, 1000])
+        values = [float(rng.randrange(levels)) * 0.5 for _ in range(n)]
+        if rng.random() < 0.3:  # masked future entries, as the indexer's scores have
+            cut = rng.randrange(n + 1)
+            values = values[:cut] + [float("-inf")] * (n - cut)
+        t = torch.tensor(values, dtype=torch.float32)
+        rows.append(
+            {
+                "values": [v if math.isfinite(v) else "-inf" for v in values],
+                "k": k,
+                "sorted": torch.topk(t, k, sorted=True).indices.tolist(),
+                "unsorted": torch.topk(t, k, sorted=False).indices.tolist(),
+            }
+        )
+    out = REPO / "tests" / "goldens" / "torch_topk_ties.json"
+    out.write_text(json.dumps({"source": f"torch {torch.__version__} CPU topk, scripts/dsv4_differential.py", "rows": rows}) + "\n")
+    print(f"{out.name}: {len(rows)} rows")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="directory for the cases (one subdirectory each)")
+    ap.add_argument("--cases", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1, help="first case's seed; case i uses seed + i")
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--goldens", action="store_true", help="write the committed subset to tests/goldens/dsv4-diff")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.goldens:
+        make_topk_ties()
+        if GOLDENS.exists():
+            shutil.rmtree(GOLDENS)
+        for seed in GOLDEN_SEEDS:
+            case = make_case(seed, GOLDENS / f"case-{seed}", True, 160, 32)
+            print(f"golden {seed}: {len(case['prompt'])} prompt tokens, {case['weights']}")
+        return
+    if args.out is None:
+        ap.error("--out or --goldens")
+    for i in range(args.cases):
+        seed = args.seed + i
+        case = make_case(seed, args.out / f"case-{seed}", False, args.max_prompt, args.new_tokens)
+        k = case["knobs"]
+        print(
+            f"case {seed}: prompt {len(case['prompt'])}, {case['weights']}, layers {k['layer_types']}, "
+            f"window {k['sliding_window']}, rates {k['compress_rates']}, topk {k['index_topk']}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

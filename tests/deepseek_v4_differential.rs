@@ -1,0 +1,254 @@
+//! DeepSeek-V4 against transformers on random checkpoints (`scripts/dsv4_differential.py`):
+//! random configs across every knob, random weights, prompts of random length. Each case is
+//! checked in one piece, in chunks of 1, 7 and 64, decoding greedily token by token, and
+//! resumed from a prefix hit with the bounded replay.
+//!
+//! CI runs the committed cases (`tests/goldens/dsv4-diff`); `TROUPE_DSV4_CASES=DIR` runs a
+//! generated directory instead (hundreds of cases: BENCHMARKS.md, correctness).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
+use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
+
+/// The bar for f32 logits, relative to a row's largest magnitude.
+const REL_TOL: f32 = 1e-3;
+
+struct Case {
+    name: String,
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+    /// transformers' logits of every position of prompt + greedy[..-1], row-major.
+    logits: Vec<f32>,
+}
+
+fn load_case(dir: &Path) -> Case {
+    let text = std::fs::read_to_string(dir.join("case.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let bytes = std::fs::read(dir.join("logits.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = st
+        .tensor("logits")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    Case {
+        name: dir.file_name().unwrap().to_string_lossy().into_owned(),
+        prompt: common::ids(&json["prompt"]),
+        greedy: common::ids(&json["greedy_tokens"]),
+        logits,
+    }
+}
+
+fn case_dirs() -> Vec<PathBuf> {
+    let root = std::env::var_os("TROUPE_DSV4_CASES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| common::goldens().join("dsv4-diff"));
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("case.json").exists())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "no cases under {}", root.display());
+    dirs
+}
+
+/// The largest error of any row, relative to that row's largest magnitude in `want`.
+fn worst_row_error(got: &[f32], want: &[f32], vocab: usize) -> (f32, usize) {
+    got.chunks(vocab)
+        .zip(want.chunks(vocab))
+        .enumerate()
+        .map(|(pos, (g, w))| {
+            let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+            let err = g
+                .iter()
+                .zip(w)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            (err / scale, pos)
+        })
+        .fold((0.0, 0), |a, b| if b.0 > a.0 { b } else { a })
+}
+
+struct Runner<'a> {
+    model: &'a DsV4Model,
+    cache: DsV4Cache,
+    table: Vec<u32>,
+    block_size: usize,
+}
+
+impl<'a> Runner<'a> {
+    fn new(model: &'a DsV4Model, tokens: usize) -> Self {
+        let block_size = 2 * lcm_rates(&model.cfg);
+        let num_blocks = tokens.div_ceil(block_size) + 1;
+        // Blocks handed out back to front: no sequence's blocks are contiguous.
+        let table = (0..num_blocks).rev().map(|b| b as u32).collect();
+        Runner {
+            model,
+            cache: DsV4Cache::new(&model.cfg, 2, num_blocks, block_size),
+            table,
+            block_size,
+        }
+    }
+
+    /// Runs `tokens[span.state_start..]` in chunks (sizes cycled) on `slot`; every
+    /// position's logits from `span.state_start` on.
+    fn run(&mut self, slot: u32, tokens: &[u32], span: SlotSpan, chunks: &[usize]) -> Vec<f32> {
+        let mut out = Vec::new();
+        let (mut pos, mut c) = (span.state_start, 0);
+        while pos < tokens.len() {
+            let n = chunks[c % chunks.len()].min(tokens.len() - pos);
+            let step = DsSeqStep {
+                token_ids: &tokens[pos..pos + n],
+                num_cached_tokens: pos,
+                block_table: &self.table,
+                state_slot: slot,
+                span,
+                num_logit_rows: n,
+            };
+            out.extend(self.model.forward(&mut self.cache, &[step]).unwrap());
+            pos += n;
+            c += 1;
+        }
+        out
+    }
+
+    /// Prefill of the prompt, then one token at a time, each the argmax of the last.
+    fn greedy(&mut self, prompt: &[u32], new_tokens: usize) -> Vec<u32> {
+        let mut seq = prompt.to_vec();
+        let mut fed = 0;
+        while seq.len() < prompt.len() + new_tokens {
+            let step = DsSeqStep {
+                token_ids: &seq[fed..],
+                num_cached_tokens: fed,
+                block_table: &self.table,
+                state_slot: 0,
+                span: SlotSpan::default(),
+                num_logit_rows: 1,
+            };
+            let logits = self.model.forward(&mut self.cache, &[step]).unwrap();
+            let next = (0..logits.len())
+                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+                .unwrap() as u32;
+            fed = seq.len();
+            seq.push(next);
+        }
+        seq.split_off(prompt.len())
+    }
+}
+
+/// Every check of one case; the first that fails, by name.
+fn check(dir: &Path) -> Result<f32, String> {
+    let case = load_case(dir);
+    let model = DsV4Model::load_dir(dir).map_err(|e| format!("{}: load: {e}", case.name))?;
+    let vocab = model.vocab_size();
+    let mut tokens = case.prompt.clone();
+    tokens.extend_from_slice(&case.greedy[..case.greedy.len() - 1]);
+    assert_eq!(case.logits.len(), tokens.len() * vocab, "{}: logits", case.name);
+    let mut runner = Runner::new(&model, tokens.len());
+    let mut worst = 0.0f32;
+    let mut compare = |what: &str, got: &[f32], want: &[f32], tol: f32| {
+        let (err, pos) = worst_row_error(got, want, vocab);
+        worst = worst.max(err);
+        if err > tol {
+            Err(format!(
+                "{} {what}: position {pos} relative error {err:.2e} > {tol:.0e}",
+                case.name
+            ))
+        } else {
+            Ok(())
+        }
+    };
+
+    let whole = runner.run(0, &tokens, SlotSpan::default(), &[tokens.len()]);
+    if std::env::var_os("DBG").is_some() {
+        for (i, (g, w)) in whole.chunks(vocab).zip(case.logits.chunks(vocab)).enumerate() {
+            eprintln!("{} pos {i}: {:.2e}", case.name, worst_row_error(g, w, vocab).0);
+        }
+    }
+    compare("one piece", &whole, &case.logits, REL_TOL)?;
+    for chunk in [1, 7, 64] {
+        let got = runner.run(0, &tokens, SlotSpan::default(), &[chunk]);
+        compare(&format!("chunks of {chunk}"), &got, &case.logits, REL_TOL)?;
+    }
+    let greedy = runner.greedy(&case.prompt, case.greedy.len());
+    if greedy != case.greedy {
+        let at = greedy.iter().zip(&case.greedy).take_while(|(a, b)| a == b).count();
+        return Err(format!(
+            "{}: greedy token {at} is {} where transformers chose {}",
+            case.name, greedy[at], case.greedy[at]
+        ));
+    }
+    // A prefix hit at each block boundary past the replay bound resumes on slot 1 with only
+    // the bounded replay, and continues as the cold run on slot 0 did.
+    let replay = model.cfg.num_replay_tokens();
+    let block_size = runner.block_size;
+    runner.run(0, &tokens, SlotSpan::default(), &[tokens.len()]);
+    for hit in (replay.max(1)..tokens.len()).filter(|h| h % block_size == 0) {
+        let span = SlotSpan {
+            state_start: hit - replay,
+            replay_until: hit,
+        };
+        let got = runner.run(1, &tokens, span, &[7]);
+        let after = (hit - span.state_start) * vocab;
+        compare(
+            &format!("prefix hit at {hit}"),
+            &got[after..],
+            &case.logits[hit * vocab..],
+            REL_TOL,
+        )?;
+    }
+    Ok(worst)
+}
+
+#[test]
+fn random_checkpoints_match_transformers() {
+    let dirs = case_dirs();
+    let mut failures = Vec::new();
+    let mut worst = 0.0f32;
+    for dir in &dirs {
+        match check(dir) {
+            Ok(err) => worst = worst.max(err),
+            Err(e) => failures.push(e),
+        }
+    }
+    eprintln!(
+        "{} cases, {} failed; largest relative error of the passing ones {worst:.2e}",
+        dirs.len(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Rows of exact ties (`tests/goldens/torch_topk_ties.json`, from torch's CPU `topk`): the
+/// same indices in the same order, through both of ATen's selection paths.
+#[test]
+fn ties_resolve_as_torch_topk_does() {
+    use troupe::model::deepseek_v4::torch_topk::torch_top_k;
+    let json = common::read_json("torch_topk_ties.json");
+    let rows = json["rows"].as_array().unwrap();
+    assert!(rows.len() >= 100);
+    let mut tied = 0;
+    for (i, row) in rows.iter().enumerate() {
+        let values: Vec<f32> = row["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().map_or(f32::NEG_INFINITY, |f| f as f32))
+            .collect();
+        let k = row["k"].as_u64().unwrap() as usize;
+        let want_sorted: Vec<usize> = common::ids(&row["sorted"]).iter().map(|&x| x as usize).collect();
+        let want_unsorted: Vec<usize> =
+            common::ids(&row["unsorted"]).iter().map(|&x| x as usize).collect();
+        assert_eq!(torch_top_k(&values, k, true), want_sorted, "row {i} (n {}, k {k}) sorted", values.len());
+        assert_eq!(torch_top_k(&values, k, false), want_unsorted, "row {i} (n {}, k {k}) unsorted", values.len());
+        // Rows whose k-th value recurs past the k-th place: where the rule matters.
+        let kth = values[want_sorted[k - 1]];
+        tied += usize::from(values.iter().filter(|&&v| v == kth).count() > want_sorted.iter().filter(|&&j| values[j] == kth).count());
+    }
+    assert!(tied >= 100, "only {tied} rows have a tie across the k-th place");
+}
