@@ -144,52 +144,62 @@ def randomize_constants(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, gen
                     gate.e_score_correction_bias.copy_(gate.e_score_correction_bias.bfloat16().float())
 
 
-def near_ties(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, ids: torch.Tensor) -> float:
-    """The smallest relative gap between a kept and a dropped candidate in the indexer's and
-    the routers' top-k over the sequence, ignoring exact ties."""
-    smallest = [float("inf")]
+class NearTies:
+    """While active, the smallest relative gap between a kept and a dropped candidate of
+    the indexer's and the routers' top-k in every forward, exact ties aside. Fed one
+    token at a time, a query's indexer scores are exactly the entries emitted so far."""
 
-    def gap(sorted_vals: torch.Tensor, k: int) -> None:
+    def __init__(self, model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config):
+        self.smallest = float("inf")
+        self.model, self.cfg, self.handles = model, cfg, []
+
+    def gap(self, sorted_vals: torch.Tensor, k: int) -> None:
+        """Relative to the row's largest magnitude: a score of -1e-9 beside exact zeros
+        is a near-tie (another summation order makes it 0), however far apart relative to
+        each other."""
         a, b = float(sorted_vals[k - 1]), float(sorted_vals[k])
         if a != b and math.isfinite(b):
-            scale = max(abs(a), abs(b), 1e-30)
-            smallest[0] = min(smallest[0], (a - b) / scale)
+            finite = sorted_vals[torch.isfinite(sorted_vals)]
+            scale = max(float(finite.abs().max()), 1e-30)
+            self.smallest = min(self.smallest, (a - b) / scale)
 
-    def indexer_hook(module, args, out):
-        k, rate = module._k, module._rate
-        for t in range(out.shape[1]):
-            visible = (t + 1) // rate
-            if visible > k:
-                gap(torch.sort(out[0, t, :visible], descending=True).values, k)
+    def __enter__(self) -> "NearTies":
+        cfg = self.cfg
 
-    def router_hook(module, args, out):
-        hidden = args[0].reshape(-1, args[0].shape[-1])
-        logits = torch.nn.functional.linear(hidden.float(), module.weight.float())
-        if cfg.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = torch.nn.functional.softplus(logits).sqrt()
-        scores = scores + module.e_score_correction_bias
-        k = cfg.num_experts_per_tok
-        if k < scores.shape[-1]:
-            for row in scores:
-                gap(torch.sort(row, descending=True).values, k)
+        def indexer_hook(module, args, out):
+            if out.numel() == 0:
+                return
+            for row in out.reshape(-1, out.shape[-1]):
+                if row.shape[0] > module._k:
+                    self.gap(torch.sort(row, descending=True).values, module._k)
 
-    handles = []
-    for layer in model.model.layers:
-        comp = layer.self_attn.compressor
-        if comp is not None and hasattr(comp, "indexer"):
-            scorer = comp.indexer.scorer
-            scorer._k, scorer._rate = comp.indexer.index_topk, comp.indexer.compress_rate
-            handles.append(scorer.register_forward_hook(indexer_hook))
-        gate = layer.mlp.gate
-        if hasattr(gate, "e_score_correction_bias"):
-            handles.append(gate.register_forward_hook(router_hook))
-    with torch.no_grad():
-        model(ids.unsqueeze(0), use_cache=False)
-    for h in handles:
-        h.remove()
-    return smallest[0]
+        def router_hook(module, args, out):
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            logits = torch.nn.functional.linear(hidden.float(), module.weight.float())
+            if cfg.scoring_func == "sigmoid":
+                scores = logits.sigmoid()
+            else:
+                scores = torch.nn.functional.softplus(logits).sqrt()
+            scores = scores + module.e_score_correction_bias
+            k = cfg.num_experts_per_tok
+            if k < scores.shape[-1]:
+                for row in scores:
+                    self.gap(torch.sort(row, descending=True).values, k)
+
+        for layer in self.model.model.layers:
+            comp = layer.self_attn.compressor
+            if comp is not None and hasattr(comp, "indexer"):
+                scorer = comp.indexer.scorer
+                scorer._k = comp.indexer.index_topk
+                self.handles.append(scorer.register_forward_hook(indexer_hook))
+            gate = layer.mlp.gate
+            if hasattr(gate, "e_score_correction_bias"):
+                self.handles.append(gate.register_forward_hook(router_hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def step_by_step(model: DeepseekV4ForCausalLM, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -239,13 +249,14 @@ def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: in
     for attempt in range(40):
         n = max(1, int(round(math.exp(rng.uniform(0, math.log(max_prompt))))))
         prompt = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
-        tokens, logits = step_by_step(model, prompt, new_tokens)
+        with NearTies(model, cfg) as ties:
+            tokens, logits = step_by_step(model, prompt, new_tokens)
         seq = torch.cat([prompt, torch.tensor(tokens[:-1], dtype=prompt.dtype)])
         with torch.no_grad():
             uncached = model(seq.unsqueeze(0), use_cache=False).logits[0].float()
         top2 = torch.topk(logits[n - 1 :], 2).values
         margin = float(((top2[:, 0] - top2[:, 1]) / top2[:, 0].abs().clamp_min(1e-30)).min())
-        if margin > NEAR_TIE and near_ties(model, cfg, seq) > NEAR_TIE:
+        if margin > NEAR_TIE and ties.smallest > NEAR_TIE:
             break
     else:
         raise SystemExit(f"seed {seed}: every prompt drawn sits on a near-tie")

@@ -3,6 +3,11 @@
 //! checked in one piece, in chunks of 1, 7 and 64, decoding greedily token by token, and
 //! resumed from a prefix hit with the bounded replay.
 //!
+//! Through the actor engine, each case's prompt runs as several concurrent requests in
+//! 7-token steps (chunked prefill beside decode rows), on a block pool too small for all of
+//! them (preemption and recompute), then once more (a prefix-cache hit with the bounded
+//! replay); with `TROUPE_TEST_DEVICE=cuda` on GPU 0 in the batch-invariant mode.
+//!
 //! CI runs the committed cases (`tests/goldens/dsv4-diff`); `TROUPE_DSV4_CASES=DIR` runs a
 //! generated directory instead (hundreds of cases: BENCHMARKS.md, correctness).
 
@@ -10,8 +15,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use std::time::Duration;
+
+use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
+use troupe::sampling::SamplingParams;
 
 /// The bar for f32 logits, relative to a row's largest magnitude.
 const REL_TOL: f32 = 1e-3;
@@ -148,15 +157,26 @@ fn check(dir: &Path) -> Result<f32, String> {
     let vocab = model.vocab_size();
     let mut tokens = case.prompt.clone();
     tokens.extend_from_slice(&case.greedy[..case.greedy.len() - 1]);
-    assert_eq!(case.logits.len(), tokens.len() * vocab, "{}: logits", case.name);
+    assert_eq!(
+        case.logits.len(),
+        tokens.len() * vocab,
+        "{}: logits",
+        case.name
+    );
     let mut runner = Runner::new(&model, tokens.len());
     let mut worst = 0.0f32;
     let mut compare = |what: &str, got: &[f32], want: &[f32], tol: f32| {
         let (err, pos) = worst_row_error(got, want, vocab);
         worst = worst.max(err);
         if err > tol {
+            let first = (0..got.len() / vocab)
+                .find(|&p| {
+                    let row = p * vocab..(p + 1) * vocab;
+                    worst_row_error(&got[row.clone()], &want[row], vocab).0 > tol
+                })
+                .unwrap_or(pos);
             Err(format!(
-                "{} {what}: position {pos} relative error {err:.2e} > {tol:.0e}",
+                "{} {what}: relative error {err:.2e} > {tol:.0e} at position {pos}, first over at {first}",
                 case.name
             ))
         } else {
@@ -165,11 +185,6 @@ fn check(dir: &Path) -> Result<f32, String> {
     };
 
     let whole = runner.run(0, &tokens, SlotSpan::default(), &[tokens.len()]);
-    if std::env::var_os("DBG").is_some() {
-        for (i, (g, w)) in whole.chunks(vocab).zip(case.logits.chunks(vocab)).enumerate() {
-            eprintln!("{} pos {i}: {:.2e}", case.name, worst_row_error(g, w, vocab).0);
-        }
-    }
     compare("one piece", &whole, &case.logits, REL_TOL)?;
     for chunk in [1, 7, 64] {
         let got = runner.run(0, &tokens, SlotSpan::default(), &[chunk]);
@@ -177,7 +192,11 @@ fn check(dir: &Path) -> Result<f32, String> {
     }
     let greedy = runner.greedy(&case.prompt, case.greedy.len());
     if greedy != case.greedy {
-        let at = greedy.iter().zip(&case.greedy).take_while(|(a, b)| a == b).count();
+        let at = greedy
+            .iter()
+            .zip(&case.greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
         return Err(format!(
             "{}: greedy token {at} is {} where transformers chose {}",
             case.name, greedy[at], case.greedy[at]
@@ -241,14 +260,115 @@ fn ties_resolve_as_torch_topk_does() {
             .map(|v| v.as_f64().map_or(f32::NEG_INFINITY, |f| f as f32))
             .collect();
         let k = row["k"].as_u64().unwrap() as usize;
-        let want_sorted: Vec<usize> = common::ids(&row["sorted"]).iter().map(|&x| x as usize).collect();
-        let want_unsorted: Vec<usize> =
-            common::ids(&row["unsorted"]).iter().map(|&x| x as usize).collect();
-        assert_eq!(torch_top_k(&values, k, true), want_sorted, "row {i} (n {}, k {k}) sorted", values.len());
-        assert_eq!(torch_top_k(&values, k, false), want_unsorted, "row {i} (n {}, k {k}) unsorted", values.len());
+        let want_sorted: Vec<usize> = common::ids(&row["sorted"])
+            .iter()
+            .map(|&x| x as usize)
+            .collect();
+        let want_unsorted: Vec<usize> = common::ids(&row["unsorted"])
+            .iter()
+            .map(|&x| x as usize)
+            .collect();
+        assert_eq!(
+            torch_top_k(&values, k, true),
+            want_sorted,
+            "row {i} (n {}, k {k}) sorted",
+            values.len()
+        );
+        assert_eq!(
+            torch_top_k(&values, k, false),
+            want_unsorted,
+            "row {i} (n {}, k {k}) unsorted",
+            values.len()
+        );
         // Rows whose k-th value recurs past the k-th place: where the rule matters.
         let kth = values[want_sorted[k - 1]];
-        tied += usize::from(values.iter().filter(|&&v| v == kth).count() > want_sorted.iter().filter(|&&j| values[j] == kth).count());
+        tied += usize::from(
+            values.iter().filter(|&&v| v == kth).count()
+                > want_sorted.iter().filter(|&&j| values[j] == kth).count(),
+        );
     }
-    assert!(tied >= 100, "only {tied} rows have a tie across the k-th place");
+    assert!(
+        tied >= 100,
+        "only {tied} rows have a tie across the k-th place"
+    );
+}
+
+/// Requests of one case that run side by side through the engine.
+const CONCURRENT: usize = 3;
+
+fn engine_for(dir: &Path, model: &DsV4Model, tokens: usize) -> EngineConfig {
+    let block_size = lcm_rates(&model.cfg);
+    // Room for two of the three sequences at their full length, plus one block: the third
+    // preempts, unless its sequences are short enough to share.
+    let num_blocks = 2 * tokens.div_ceil(block_size) + 1;
+    let mut cfg = EngineConfig::new(dir.to_path_buf());
+    cfg.block_size = block_size;
+    cfg.max_num_seqs = CONCURRENT;
+    cfg.max_step_tokens = 7;
+    cfg.kv_cache_bytes = CONCURRENT * DsV4Cache::bytes_per_slot(&model.cfg)
+        + num_blocks * DsV4Cache::bytes_per_block(&model.cfg, block_size);
+    cfg.device = common::engine::test_device();
+    cfg.batch_invariant = cfg.device != Device::Cpu;
+    cfg
+}
+
+async fn greedy_tokens(
+    engine: &EngineHandle,
+    prompt: &[u32],
+    n: usize,
+    copies: usize,
+) -> Vec<Vec<u32>> {
+    let mut streams = Vec::new();
+    for _ in 0..copies {
+        let mut r = EngineRequest::new(prompt.to_vec(), n, SamplingParams::default());
+        r.ignore_eos = true;
+        streams.push(engine.generate(r).await.unwrap());
+    }
+    let mut out = Vec::new();
+    for s in streams {
+        let o = s.collect().await;
+        assert!(o.error.is_none(), "{:?}", o.error);
+        out.push(o.token_ids);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_checkpoints_through_the_engine_match_transformers() {
+    let dirs = case_dirs();
+    let (mut preemptions, mut hit_blocks, mut failures) = (0, 0, Vec::new());
+    for dir in &dirs {
+        let case = load_case(dir);
+        let model = DsV4Model::load_dir(dir).unwrap();
+        let cfg = engine_for(dir, &model, case.prompt.len() + case.greedy.len());
+        let engine = Engine::spawn(cfg).await.unwrap();
+        let n = case.greedy.len();
+        let run = async {
+            let mut got = greedy_tokens(&engine, &case.prompt, n, CONCURRENT).await;
+            got.extend(greedy_tokens(&engine, &case.prompt, n, 1).await);
+            got
+        };
+        let got = tokio::time::timeout(Duration::from_secs(120), run)
+            .await
+            .unwrap_or_else(|_| panic!("{}: the engine did not finish in 120 s", case.name));
+        for (i, g) in got.iter().enumerate() {
+            if g != &case.greedy {
+                failures.push(format!(
+                    "{} request {i}: {g:?} where transformers gave {:?}",
+                    case.name, case.greedy
+                ));
+            }
+        }
+        let status = engine.status().await.unwrap();
+        preemptions += status.num_preemptions;
+        hit_blocks += status.num_prefix_hit_blocks;
+        engine.shutdown(true).await;
+    }
+    eprintln!(
+        "{} cases: {preemptions} preemptions, {hit_blocks} prefix-hit blocks",
+        dirs.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(preemptions > 0, "no case preempted a sequence");
+    assert!(hit_blocks > 0, "no case hit the prefix cache");
 }

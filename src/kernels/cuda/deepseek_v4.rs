@@ -559,13 +559,16 @@ impl CudaBackend {
                 "dsv4_index_scores",
             );
         }
-        // SAFETY: sel holds num_rows·k values.
+        let mut scratch = self.alloc_i32s(2 * meta.num_rows * max_visible.max(1));
+        // SAFETY: sel holds num_rows·k values, scores and scratch num_rows·max_visible and
+        // 2·num_rows·max_visible.
         check(
             unsafe {
                 self.stream
                     .launch_builder(&self.ds().topk)
                     .arg(sel)
-                    .arg(&*scores)
+                    .arg(&mut *scores)
+                    .arg(&mut scratch)
                     .arg(&meta.rows)
                     .arg(&rate)
                     .arg(&mv)

@@ -247,7 +247,10 @@ fn select(
                     s
                 })
                 .collect();
-            torch_top_k(&scores, cfg.index_topk, true)
+            // Attended in entry order, the canonical order the GPU shares.
+            let mut kept = torch_top_k(&scores, cfg.index_topk, false);
+            kept.sort_unstable();
+            kept
         })
         .collect()
 }
