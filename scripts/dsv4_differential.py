@@ -35,6 +35,7 @@ import json
 import math
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -173,7 +174,7 @@ class NearTies:
                 if row.shape[0] > module._k:
                     self.gap(torch.sort(row, descending=True).values, module._k)
 
-        def router_hook(module, args, out):
+        def router_hook(module, args, out):  # also hooked on an MTP block (`add_mtp`)
             hidden = args[0].reshape(-1, args[0].shape[-1])
             logits = torch.nn.functional.linear(hidden.float(), module.weight.float())
             if cfg.scoring_func == "sigmoid":
@@ -186,6 +187,7 @@ class NearTies:
                 for row in scores:
                     self.gap(torch.sort(row, descending=True).values, k)
 
+        self.router_hook = router_hook
         for layer in self.model.model.layers:
             comp = layer.self_attn.compressor
             if comp is not None and hasattr(comp, "indexer"):
@@ -212,7 +214,8 @@ def step_by_step(model: DeepseekV4ForCausalLM, prompt: torch.Tensor, new_tokens:
     on how long the whole sequence is. Token by token, each query scores exactly the
     entries emitted so far, as a causal engine must."""
     cache = DynamicCache(config=model.config)
-    rows, tokens = [], []
+    rows, tokens, streams = [], [], []
+    handle = model.model.layers[-1].register_forward_hook(lambda m, a, o: streams.append(o[0, -1]))
     seq = prompt.tolist()
     with torch.no_grad():
         for i in range(len(seq) + new_tokens - 1):
@@ -223,7 +226,85 @@ def step_by_step(model: DeepseekV4ForCausalLM, prompt: torch.Tensor, new_tokens:
                 nxt = int(logits.argmax())
                 tokens.append(nxt)
                 seq.append(nxt)
+    handle.remove()
+    model._last_streams = torch.stack(streams).unsqueeze(0)  # [1, n, hc, d]
     return tokens, torch.stack(rows).contiguous()
+
+
+def add_mtp(out: Path, params: dict, model: DeepseekV4ForCausalLM, seq: torch.Tensor, gen: torch.Generator, bf16: bool, ties: "NearTies") -> torch.Tensor:
+    """Gives the checkpoint a random MTP layer (`mtp.0.*`, DeepSeek's names) and returns its
+    teacher-forced logits at positions 0..n-2 of `seq`. transformers drops `mtp.*` on load, so
+    the reference is composed as in scripts/make_dsv4_goldens.py: transformers' own decoder
+    layer (an extra sliding-window, score-routed layer of the config) inside DeepSeek's
+    `MTPBlock` glue, over the main model's last streams from the step-by-step run."""
+    from safetensors.torch import load_file
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4RMSNorm
+
+    layers = params["num_hidden_layers"]
+    big_params = dict(params)
+    big_params.update(
+        num_hidden_layers=layers + 1,
+        layer_types=params["layer_types"] + ["sliding_attention"],
+        mlp_layer_types=params["mlp_layer_types"] + ["moe"],
+    )
+    big_cfg = DeepseekV4Config(**big_params)
+    big_cfg._attn_implementation = "eager"
+    big = DeepseekV4ForCausalLM(big_cfg).float().eval()
+    randomize_constants(big, big_cfg, gen, bf16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        big.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    big.float()
+    block = big.model.layers[layers]
+    prefix = f"model.layers.{layers}."
+    mtp = {"mtp.0." + k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+    d, hc = big_cfg.hidden_size, big_cfg.hc_mult
+    rnd = (lambda t: t.bfloat16().float()) if bf16 else (lambda t: t)
+    e_proj = rnd(torch.randn(d, d, generator=gen) * d**-0.5)
+    h_proj = rnd(torch.randn(d, d, generator=gen) * d**-0.5)
+    enorm, hnorm, norm = (DeepseekV4RMSNorm(d, eps=big_cfg.rms_norm_eps) for _ in range(3))
+    for n in (enorm, hnorm, norm):
+        n.weight.data = rnd(1.0 + 0.2 * torch.randn(d, generator=gen))
+    head = DeepseekV4HyperHead(big_cfg)
+    head.hc_fn.data = rnd(torch.randn(hc, hc * d, generator=gen) * big_cfg.initializer_range)
+    head.hc_base.data = rnd(torch.randn(hc, generator=gen) * 0.5)
+    head.hc_scale.data = rnd(0.5 + torch.rand(1, generator=gen))
+    glue = {
+        "mtp.0.e_proj.weight": e_proj,
+        "mtp.0.h_proj.weight": h_proj,
+        "mtp.0.enorm.weight": enorm.weight.data,
+        "mtp.0.hnorm.weight": hnorm.weight.data,
+        "mtp.0.norm.weight": norm.weight.data,
+        "mtp.0.hc_head_fn": head.hc_fn.data,
+        "mtp.0.hc_head_base": head.hc_base.data,
+        "mtp.0.hc_head_scale": head.hc_scale.data,
+    }
+    mtp.update({k: v.to(dtype) for k, v in glue.items()})
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors.update(mtp)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    gate = block.mlp.gate
+    router = ties.router_hook
+    handle = gate.register_forward_hook(router)
+    with torch.no_grad():
+        h = model._last_streams[:, : seq.shape[0] - 1]
+        next_ids = seq[1:]
+        e = enorm(model.model.embed_tokens(next_ids.unsqueeze(0)))
+        x = torch.nn.functional.linear(e, e_proj).unsqueeze(2) + torch.nn.functional.linear(hnorm(h), h_proj)
+        pos = torch.arange(next_ids.shape[0]).unsqueeze(0)
+        rotary = model.model.rotary_emb
+        pe = {
+            "main": rotary(e, position_ids=pos, layer_type="main"),
+            "compress": rotary(e, position_ids=pos, layer_type="compress"),
+        }
+        mask = create_sliding_window_causal_mask(config=big_cfg, inputs_embeds=e, attention_mask=None, cache=None, position_ids=pos)
+        y = block(x, position_embeddings=pe, position_ids=pos, attention_mask=mask, input_ids=next_ids.unsqueeze(0), cache=None)
+        logits = model.lm_head(norm(head(y)))[0].float().contiguous()
+    handle.remove()
+    return logits
 
 
 def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: int) -> dict:
@@ -261,7 +342,16 @@ def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: in
     else:
         raise SystemExit(f"seed {seed}: every prompt drawn sits on a near-tie")
 
-    save_file({"logits": logits}, str(out / "logits.safetensors"))
+    with_mtp = rng.random() < 0.5
+    tensors = {"logits": logits}
+    if with_mtp:
+        ties.smallest = float("inf")
+        tensors["mtp_logits"] = add_mtp(out, params, model, seq, gen, bf16, ties)
+        if ties.smallest <= NEAR_TIE:
+            # The MTP block's router sits on a near-tie: keep the case without its MTP.
+            del tensors["mtp_logits"]
+            with_mtp = False
+    save_file(tensors, str(out / "logits.safetensors"))
     scale = logits.abs().amax(-1).clamp_min(1e-30)
     uncached_diff = float(((uncached - logits).abs().amax(-1) / scale).max())
     case = {
@@ -276,6 +366,7 @@ def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: in
         "prompt": prompt.tolist(),
         "greedy_tokens": tokens,
         "knobs": params,
+        "mtp": with_mtp,
     }
     (out / "case.json").write_text(json.dumps(case, indent=1) + "\n")
     return case

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
+use troupe::model::deepseek_v4::mtp::MtpLayer;
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use troupe::sampling::SamplingParams;
 
@@ -31,6 +32,9 @@ struct Case {
     greedy: Vec<u32>,
     /// transformers' logits of every position of prompt + greedy[..-1], row-major.
     logits: Vec<f32>,
+    /// The MTP layer's teacher-forced logits at positions 0..n-2 of that sequence, when the
+    /// case has one.
+    mtp_logits: Option<Vec<f32>>,
 }
 
 fn load_case(dir: &Path) -> Case {
@@ -38,18 +42,26 @@ fn load_case(dir: &Path) -> Case {
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     let bytes = std::fs::read(dir.join("logits.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let logits = st
-        .tensor("logits")
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    let f32s = |key: &str| -> Option<Vec<f32>> {
+        let t = st.tensor(key).ok()?;
+        Some(
+            t.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+        )
+    };
+    let logits = f32s("logits").unwrap();
+    let mtp_logits = json["mtp"]
+        .as_bool()
+        .unwrap_or(false)
+        .then(|| f32s("mtp_logits").unwrap());
     Case {
         name: dir.file_name().unwrap().to_string_lossy().into_owned(),
         prompt: common::ids(&json["prompt"]),
         greedy: common::ids(&json["greedy_tokens"]),
         logits,
+        mtp_logits,
     }
 }
 
@@ -221,7 +233,65 @@ fn check(dir: &Path) -> Result<f32, String> {
             REL_TOL,
         )?;
     }
+    if let Some(want) = &case.mtp_logits {
+        check_mtp(dir, &model, &tokens, want, &mut compare)?;
+    }
     Ok(worst)
+}
+
+/// The MTP layer teacher-forced over the sequence, on the main model's last streams, in
+/// one piece and in chunks of 7.
+fn check_mtp(
+    dir: &Path,
+    model: &DsV4Model,
+    tokens: &[u32],
+    want: &[f32],
+    compare: &mut impl FnMut(&str, &[f32], &[f32], f32) -> Result<(), String>,
+) -> Result<(), String> {
+    let mtp = MtpLayer::load_dir(&model.cfg, dir).map_err(|e| format!("MTP load: {e}"))?;
+    let block_size = lcm_rates(&model.cfg);
+    let num_blocks = tokens.len().div_ceil(block_size);
+    let mut cache = DsV4Cache::new(&model.cfg, 1, num_blocks, block_size);
+    let table: Vec<u32> = (0..num_blocks as u32).collect();
+    let step = DsSeqStep {
+        token_ids: tokens,
+        num_cached_tokens: 0,
+        block_table: &table,
+        state_slot: 0,
+        span: SlotSpan::default(),
+        num_logit_rows: tokens.len(),
+    };
+    let mut loads = vec![vec![0; model.cfg.num_routed_experts]; model.cfg.num_layers];
+    let (_, streams) = model
+        .forward_streams(&mut cache, &[step], &mut loads, None)
+        .unwrap();
+    let width = model.cfg.hc_mult * model.cfg.hidden_size;
+    let n = tokens.len() - 1;
+    for chunk in [n.max(1), 7] {
+        let mut cache = mtp.new_cache(1);
+        MtpLayer::restart(&mut cache, 0, 0);
+        let (mut pos, mut logits) = (0, Vec::new());
+        while pos < n {
+            let len = chunk.min(n - pos);
+            let out = mtp.forward(
+                model,
+                &mut cache,
+                0,
+                pos,
+                &streams[pos * width..(pos + len) * width],
+                &tokens[pos + 1..pos + 1 + len],
+            );
+            logits.extend(mtp.logits(model, &out));
+            pos += len;
+        }
+        compare(
+            &format!("MTP teacher-forced, chunks of {chunk}"),
+            &logits,
+            want,
+            REL_TOL,
+        )?;
+    }
+    Ok(())
 }
 
 #[test]
