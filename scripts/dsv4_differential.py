@@ -307,7 +307,7 @@ def add_mtp(out: Path, params: dict, model: DeepseekV4ForCausalLM, seq: torch.Te
     return logits
 
 
-def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: int) -> dict:
+def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: int, min_prompt: int = 1) -> dict:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -328,7 +328,7 @@ def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: in
 
     # Prompt lengths: log-uniform over 1..max_prompt, so short and long prompts both occur.
     for attempt in range(40):
-        n = max(1, int(round(math.exp(rng.uniform(0, math.log(max_prompt))))))
+        n = int(round(math.exp(rng.uniform(math.log(min_prompt), math.log(max_prompt)))))
         prompt = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
         with NearTies(model, cfg) as ties:
             tokens, logits = step_by_step(model, prompt, new_tokens)
@@ -414,8 +414,12 @@ def main() -> None:
         if GOLDENS.exists():
             shutil.rmtree(GOLDENS)
         for seed in GOLDEN_SEEDS:
-            case = make_case(seed, GOLDENS / f"case-{seed}", True, 160, 32)
-            print(f"golden {seed}: {len(case['prompt'])} prompt tokens, {case['weights']}")
+            case = make_case(seed, GOLDENS / f"case-{seed}", True, 160, 32, min_prompt=16)
+            k = case["knobs"]
+            print(
+                f"golden {seed}: {len(case['prompt'])} prompt tokens, {case['weights']}, mtp {case['mtp']}, "
+                f"index heads {k['index_n_heads']} top-{k['index_topk']}, layers {k['layer_types']}"
+            )
         return
     if args.out is None:
         ap.error("--out or --goldens")

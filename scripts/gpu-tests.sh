@@ -4,7 +4,7 @@
 # carry gpu-bin/:
 #   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_sampling \
 #     --test cuda_deepseek_v4 --test engine --test fault_injection --test spec_decoding \
-#     --test spec_draft_model --test deepseek_v4_engine --no-run
+#     --test spec_draft_model --test deepseek_v4_engine --test deepseek_v4_differential --no-run
 #   (copy each executable it names to gpu-bin/<test name>)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +24,6 @@ echo "== deepseek_v4_engine (CUDA rank worker)"
 # Speculation and expert-parallel groups of DeepSeek-V4 run on CPU ranks only.
 gpu-bin/deepseek_v4_engine --test-threads 1 --skip speculative --skip mtp_speculation \
   --skip expert_parallel --skip a_lost_rank || status=1
+echo "== deepseek_v4_differential (CUDA rank worker, random checkpoints)"
+gpu-bin/deepseek_v4_differential --test-threads 1 engine || status=1
 exit $status
