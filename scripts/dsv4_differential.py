@@ -170,9 +170,20 @@ class NearTies:
         def indexer_hook(module, args, out):
             if out.numel() == 0:
                 return
+            k = module._k
             for row in out.reshape(-1, out.shape[-1]):
-                if row.shape[0] > module._k:
-                    self.gap(torch.sort(row, descending=True).values, module._k)
+                if row.shape[0] <= k:
+                    continue
+                ordered = torch.sort(row, descending=True).values
+                self.gap(ordered, k)
+                if ordered[k - 1] == ordered[k]:
+                    # An exact tie across the k-th place goes where introselect's partitions
+                    # leave it, and those compare every value of the row: two values anywhere
+                    # in it that another summation order could swap change which tied entry
+                    # is kept.
+                    distinct = torch.unique(ordered[torch.isfinite(ordered)])
+                    for i in range(1, distinct.shape[0]):
+                        self.gap(distinct.flip(0), i)
 
         def router_hook(module, args, out):  # also hooked on an MTP block (`add_mtp`)
             hidden = args[0].reshape(-1, args[0].shape[-1])

@@ -339,3 +339,76 @@ fn dummy_weights_made_on_the_device_are_the_host_dummy_model() {
         SAME_WEIGHTS_TOL,
     );
 }
+
+/// The random checkpoints of `scripts/dsv4_differential.py` (the committed ones, or
+/// `TROUPE_DSV4_CASES`) on the GPU in the batch-invariant mode against transformers'
+/// logits: in one piece, in chunks of 7 and token by token. bf16 checkpoints only: the GPU
+/// holds matrices in bf16.
+#[test]
+fn random_checkpoints_match_transformers_on_the_gpu() {
+    let root = std::env::var_os("TROUPE_DSV4_CASES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| common::goldens().join("dsv4-diff"));
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("case.json").exists())
+        .collect();
+    dirs.sort();
+    let (mut failures, mut checked) = (Vec::new(), 0);
+    for d in &dirs {
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("case.json")).unwrap()).unwrap();
+        if json["weights"] == "f32" {
+            continue;
+        }
+        checked += 1;
+        let mut tokens = common::ids(&json["prompt"]);
+        let greedy = common::ids(&json["greedy_tokens"]);
+        tokens.extend_from_slice(&greedy[..greedy.len() - 1]);
+        let bytes = std::fs::read(d.join("logits.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let want: Vec<f32> = st
+            .tensor("logits")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|x| f32::from_le_bytes(x.try_into().unwrap()))
+            .collect();
+        let b = CudaBackend::new(0, true, false).expect("a GPU");
+        let m = DsV4Cuda::load_dir(&b, d, false).unwrap();
+        let vocab = want.len() / tokens.len();
+        let bs = block_size(&m.cfg);
+        let num_blocks = tokens.len().div_ceil(bs) + 1;
+        let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
+        let dev = (b, m);
+        for chunks in [&[tokens.len()][..], &[7], &[1]] {
+            let mut cache = DeviceCache::new(&dev.0, &dev.1.cfg, 1, num_blocks, bs);
+            let got = gpu_run(
+                &dev,
+                &mut cache,
+                0,
+                &table,
+                &tokens,
+                SlotSpan::default(),
+                chunks,
+            );
+            let first = got
+                .chunks(vocab)
+                .zip(want.chunks(vocab))
+                .position(|(g, w)| {
+                    let scale = w.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    g.iter().zip(w).any(|(a, c)| (a - c).abs() > 1e-3 * scale)
+                });
+            if let Some(pos) = first {
+                failures.push(format!("{} chunks {chunks:?}: position {pos}", d.display()));
+            }
+        }
+    }
+    eprintln!(
+        "{checked} bf16 cases on the GPU, {} failures",
+        failures.len()
+    );
+    assert!(checked > 0);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -32,6 +32,8 @@ struct Case {
     greedy: Vec<u32>,
     /// transformers' logits of every position of prompt + greedy[..-1], row-major.
     logits: Vec<f32>,
+    /// The checkpoint's weights are f32 (else bf16).
+    f32_weights: bool,
     /// The MTP layer's teacher-forced logits at positions 0..n-2 of that sequence, when the
     /// case has one.
     mtp_logits: Option<Vec<f32>>,
@@ -62,6 +64,7 @@ fn load_case(dir: &Path) -> Case {
         greedy: common::ids(&json["greedy_tokens"]),
         logits,
         mtp_logits,
+        f32_weights: json["weights"] == "f32",
     }
 }
 
@@ -368,9 +371,9 @@ const CONCURRENT: usize = 3;
 
 fn engine_for(dir: &Path, model: &DsV4Model, tokens: usize) -> EngineConfig {
     let block_size = lcm_rates(&model.cfg);
-    // Room for two of the three sequences at their full length, plus one block: the third
-    // preempts, unless its sequences are short enough to share.
-    let num_blocks = 2 * tokens.div_ceil(block_size) + 1;
+    // Room for one sequence at its full length, plus one block: the others preempt, unless
+    // the sequences are short enough to share.
+    let num_blocks = tokens.div_ceil(block_size) + 1;
     let mut cfg = EngineConfig::new(dir.to_path_buf());
     cfg.block_size = block_size;
     cfg.max_num_seqs = CONCURRENT;
@@ -407,8 +410,15 @@ async fn greedy_tokens(
 async fn random_checkpoints_through_the_engine_match_transformers() {
     let dirs = case_dirs();
     let (mut preemptions, mut hit_blocks, mut failures) = (0, 0, Vec::new());
+    let mut skipped = 0;
     for dir in &dirs {
         let case = load_case(dir);
+        // The GPU keeps matrices in bf16 (an f32 checkpoint is rounded when it loads), so
+        // only bf16 checkpoints are the same model there as in transformers.
+        if case.f32_weights && common::engine::test_device() != Device::Cpu {
+            skipped += 1;
+            continue;
+        }
         let model = DsV4Model::load_dir(dir).unwrap();
         let cfg = engine_for(dir, &model, case.prompt.len() + case.greedy.len());
         let engine = Engine::spawn(cfg).await.unwrap();
