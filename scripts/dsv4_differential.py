@@ -42,6 +42,7 @@ import torch
 import transformers
 
 transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
 
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache

@@ -20,5 +20,7 @@ gpu-bin/deepseek_v4_differential --nocapture engine || status=1
 if [ -n "${CASES:-}" ]; then
   echo "== differential cases, $CASES (CUDA rank worker)"
   TROUPE_DSV4_CASES="$CASES" gpu-bin/deepseek_v4_differential --nocapture engine || status=1
+  echo "== differential cases, $CASES (the GPU pass against transformers' logits)"
+  TROUPE_DSV4_CASES="$CASES" gpu-bin/cuda_deepseek_v4 --nocapture random_checkpoints || status=1
 fi
 exit $status
