@@ -338,9 +338,13 @@ def make_case(seed: int, out: Path, small: bool, max_prompt: int, new_tokens: in
     model = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     model.config._attn_implementation = "eager"
 
-    # Prompt lengths: log-uniform over 1..max_prompt, so short and long prompts both occur.
+    # Prompt lengths: half log-uniform (short prompts and every early boundary), half
+    # uniform (long ones) over min_prompt..max_prompt.
     for attempt in range(40):
-        n = int(round(math.exp(rng.uniform(math.log(min_prompt), math.log(max_prompt)))))
+        if rng.random() < 0.5:
+            n = int(round(math.exp(rng.uniform(math.log(min_prompt), math.log(max_prompt)))))
+        else:
+            n = rng.randint(min_prompt, max_prompt)
         prompt = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
         with NearTies(model, cfg) as ties:
             tokens, logits = step_by_step(model, prompt, new_tokens)

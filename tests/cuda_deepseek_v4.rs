@@ -342,7 +342,7 @@ fn dummy_weights_made_on_the_device_are_the_host_dummy_model() {
 
 /// The random checkpoints of `scripts/dsv4_differential.py` (the committed ones, or
 /// `TROUPE_DSV4_CASES`) on the GPU in the batch-invariant mode against transformers'
-/// logits: in one piece, in chunks of 7 and token by token. bf16 checkpoints only: the GPU
+/// logits: in one piece, in chunks of 64 and 7, and token by token. bf16 checkpoints only: the GPU
 /// holds matrices in bf16.
 #[test]
 fn random_checkpoints_match_transformers_on_the_gpu() {
@@ -382,7 +382,7 @@ fn random_checkpoints_match_transformers_on_the_gpu() {
         let num_blocks = tokens.len().div_ceil(bs) + 1;
         let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
         let dev = (b, m);
-        for chunks in [&[tokens.len()][..], &[7], &[1]] {
+        for chunks in [&[tokens.len()][..], &[64], &[7], &[1]] {
             let mut cache = DeviceCache::new(&dev.0, &dev.1.cfg, 1, num_blocks, bs);
             let got = gpu_run(
                 &dev,
