@@ -15,7 +15,10 @@ use cudarc::nvrtc::Ptx;
 
 use super::{CudaBackend, CudaError, CudaMatrix, check, grid_for, per_row};
 
-pub const DEEPSEEK_V4_SOURCE: &str = include_str!("../../../kernels-cuda/deepseek_v4.cu");
+pub const DEEPSEEK_V4_SOURCE: &str = concat!(
+    include_str!("../../../kernels-cuda/torch_topk.cu"),
+    include_str!("../../../kernels-cuda/deepseek_v4.cu")
+);
 
 /// The attention kernel's heads per block at most, keys per tile, and output channels per
 /// thread at most (`deepseek_v4.cu`'s ATT_HG, ATT_KT, ATT_CPT; 256 threads a block).
