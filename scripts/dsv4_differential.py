@@ -47,6 +47,8 @@ transformers.utils.logging.disable_progress_bar()
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
 
+from make_dsv4_goldens import randomize_constants
+
 REPO = Path(__file__).resolve().parent.parent
 GOLDENS = REPO / "tests" / "goldens" / "dsv4-diff"
 # Committed cases: small enough to keep the repository light (vocab, width, prompt length).
@@ -114,36 +116,6 @@ def draw_config(rng: random.Random, small: bool) -> dict:
             "original_max_position_embeddings": rng.choice([16, 32, 64]),
         }
     return cfg
-
-
-def randomize_constants(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, gen: torch.Generator, bf16: bool) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("sinks", "position_bias")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.7)
-            elif name.endswith(("attn_hc.base", "ffn_hc.base", "hc_head.hc_base")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith(("attn_hc.scale", "ffn_hc.scale", "hc_head.hc_scale")):
-                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-        for layer in model.model.layers:
-            gate = layer.mlp.gate
-            if hasattr(gate, "tid2eid"):
-                table = torch.stack(
-                    [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok] for _ in range(cfg.vocab_size)]
-                )
-                gate.tid2eid.copy_(table)
-            else:
-                gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=gen) * 0.3)
-        if bf16:
-            for p in model.parameters():
-                if p.dtype == torch.float32:
-                    p.copy_(p.bfloat16().float())
-            for layer in model.model.layers:
-                gate = layer.mlp.gate
-                if hasattr(gate, "e_score_correction_bias"):
-                    gate.e_score_correction_bias.copy_(gate.e_score_correction_bias.bfloat16().float())
 
 
 class NearTies:

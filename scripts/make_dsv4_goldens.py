@@ -111,7 +111,9 @@ GREEDY_PROMPT_LEN = 11
 GREEDY_NEW_TOKENS = 24
 
 
-def randomize_constants(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, gen: torch.Generator) -> None:
+def randomize_constants(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, gen: torch.Generator, bf16: bool = True) -> None:
+    """Draws the parameters transformers initialises to constants; with `bf16`, rounds every
+    float weight to bf16 so a bf16 file and the f32 reference hold the same values."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("sinks", "position_bias")):
@@ -131,6 +133,8 @@ def randomize_constants(model: DeepseekV4ForCausalLM, cfg: DeepseekV4Config, gen
                 gate.tid2eid.copy_(table)
             else:
                 gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=gen) * 0.3)
+        if not bf16:
+            return
         # Round every float weight to bf16 so the stored file and the reference agree.
         for p in model.parameters():
             if p.dtype == torch.float32:

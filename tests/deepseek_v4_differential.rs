@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 
 use std::time::Duration;
 
-use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest};
+use common::engine::{ok_outputs, tokens};
+use troupe::engine::{Device, Engine, EngineConfig, EngineRequest};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::mtp::MtpLayer;
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
@@ -390,25 +391,14 @@ fn engine_for(dir: &Path, model: &DsV4Model, tokens: usize) -> EngineConfig {
     cfg
 }
 
-async fn greedy_tokens(
-    engine: &EngineHandle,
-    prompt: &[u32],
-    n: usize,
-    copies: usize,
-) -> Vec<Vec<u32>> {
-    let mut streams = Vec::new();
-    for _ in 0..copies {
-        let mut r = EngineRequest::new(prompt.to_vec(), n, SamplingParams::default());
-        r.ignore_eos = true;
-        streams.push(engine.generate(r).await.unwrap());
-    }
-    let mut out = Vec::new();
-    for s in streams {
-        let o = s.collect().await;
-        assert!(o.error.is_none(), "{:?}", o.error);
-        out.push(o.token_ids);
-    }
-    out
+fn greedy_requests(prompt: &[u32], n: usize, copies: usize) -> Vec<EngineRequest> {
+    (0..copies)
+        .map(|_| {
+            let mut r = EngineRequest::new(prompt.to_vec(), n, SamplingParams::default());
+            r.ignore_eos = true;
+            r
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -429,8 +419,11 @@ async fn random_checkpoints_through_the_engine_match_transformers() {
         let engine = Engine::spawn(cfg).await.unwrap();
         let n = case.greedy.len();
         let run = async {
-            let mut got = greedy_tokens(&engine, &case.prompt, n, CONCURRENT).await;
-            got.extend(greedy_tokens(&engine, &case.prompt, n, 1).await);
+            let mut got = Vec::new();
+            for copies in [CONCURRENT, 1] {
+                let requests = greedy_requests(&case.prompt, n, copies);
+                got.extend(tokens(&ok_outputs(&engine, requests).await));
+            }
             got
         };
         let got = tokio::time::timeout(Duration::from_secs(120), run)
