@@ -47,7 +47,7 @@ transformers.utils.logging.disable_progress_bar()
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
 
-from make_dsv4_goldens import randomize_constants
+from make_dsv4_goldens import draw_mtp_glue, randomize_constants
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDENS = REPO / "tests" / "goldens" / "dsv4-diff"
@@ -223,7 +223,6 @@ def add_mtp(out: Path, params: dict, model: DeepseekV4ForCausalLM, seq: torch.Te
     `MTPBlock` glue, over the main model's last streams from the step-by-step run."""
     from safetensors.torch import load_file
     from transformers.masking_utils import create_sliding_window_causal_mask
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4RMSNorm
 
     layers = params["num_hidden_layers"]
     big_params = dict(params)
@@ -244,27 +243,7 @@ def add_mtp(out: Path, params: dict, model: DeepseekV4ForCausalLM, seq: torch.Te
     block = big.model.layers[layers]
     prefix = f"model.layers.{layers}."
     mtp = {"mtp.0." + k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
-    d, hc = big_cfg.hidden_size, big_cfg.hc_mult
-    rnd = (lambda t: t.bfloat16().float()) if bf16 else (lambda t: t)
-    e_proj = rnd(torch.randn(d, d, generator=gen) * d**-0.5)
-    h_proj = rnd(torch.randn(d, d, generator=gen) * d**-0.5)
-    enorm, hnorm, norm = (DeepseekV4RMSNorm(d, eps=big_cfg.rms_norm_eps) for _ in range(3))
-    for n in (enorm, hnorm, norm):
-        n.weight.data = rnd(1.0 + 0.2 * torch.randn(d, generator=gen))
-    head = DeepseekV4HyperHead(big_cfg)
-    head.hc_fn.data = rnd(torch.randn(hc, hc * d, generator=gen) * big_cfg.initializer_range)
-    head.hc_base.data = rnd(torch.randn(hc, generator=gen) * 0.5)
-    head.hc_scale.data = rnd(0.5 + torch.rand(1, generator=gen))
-    glue = {
-        "mtp.0.e_proj.weight": e_proj,
-        "mtp.0.h_proj.weight": h_proj,
-        "mtp.0.enorm.weight": enorm.weight.data,
-        "mtp.0.hnorm.weight": hnorm.weight.data,
-        "mtp.0.norm.weight": norm.weight.data,
-        "mtp.0.hc_head_fn": head.hc_fn.data,
-        "mtp.0.hc_head_base": head.hc_base.data,
-        "mtp.0.hc_head_scale": head.hc_scale.data,
-    }
+    e_proj, h_proj, enorm, hnorm, norm, head, glue = draw_mtp_glue(big_cfg, gen, bf16)
     mtp.update({k: v.to(dtype) for k, v in glue.items()})
     tensors = load_file(str(out / "model.safetensors"))
     tensors.update(mtp)

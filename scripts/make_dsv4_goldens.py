@@ -266,6 +266,34 @@ def make_quantized_fixture() -> None:
     print(f"{out.name}: {out.stat().st_size} bytes")
 
 
+def draw_mtp_glue(cfg: DeepseekV4Config, gen: torch.Generator, bf16: bool = True):
+    """DeepSeek's `MTPBlock` glue around the block, drawn at random (rounded to bf16 with
+    `bf16`): `e_proj`, `h_proj`, the `enorm` / `hnorm` / `norm` RMS norms, the hyper-head,
+    and the same as tensors by DeepSeek's names."""
+    d, hc = cfg.hidden_size, cfg.hc_mult
+    rnd = (lambda t: t.bfloat16().float()) if bf16 else (lambda t: t)
+    e_proj = rnd(torch.randn(d, d, generator=gen) * d**-0.5)
+    h_proj = rnd(torch.randn(d, d, generator=gen) * d**-0.5)
+    enorm, hnorm, norm = (DeepseekV4RMSNorm(d, eps=cfg.rms_norm_eps) for _ in range(3))
+    for n in (enorm, hnorm, norm):
+        n.weight.data = rnd(1.0 + 0.2 * torch.randn(d, generator=gen))
+    head = DeepseekV4HyperHead(cfg)
+    head.hc_fn.data = rnd(torch.randn(hc, hc * d, generator=gen) * cfg.initializer_range)
+    head.hc_base.data = rnd(torch.randn(hc, generator=gen) * 0.5)
+    head.hc_scale.data = rnd(0.5 + torch.rand(1, generator=gen))
+    glue = {
+        "mtp.0.e_proj.weight": e_proj,
+        "mtp.0.h_proj.weight": h_proj,
+        "mtp.0.enorm.weight": enorm.weight.data,
+        "mtp.0.hnorm.weight": hnorm.weight.data,
+        "mtp.0.norm.weight": norm.weight.data,
+        "mtp.0.hc_head_fn": head.hc_fn.data,
+        "mtp.0.hc_head_base": head.hc_base.data,
+        "mtp.0.hc_head_scale": head.hc_scale.data,
+    }
+    return e_proj, h_proj, enorm, hnorm, norm, head, glue
+
+
 MTP_CHAIN_DRAFTS = 3
 
 
@@ -306,30 +334,7 @@ def add_mtp(name: str, seed: int) -> None:
     prefix = f"model.layers.{layers}."
     mtp = {"mtp.0." + k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
 
-    d, hc = big_cfg.hidden_size, big_cfg.hc_mult
-
-    def bf16(t: torch.Tensor) -> torch.Tensor:
-        return t.bfloat16().float()
-
-    e_proj = bf16(torch.randn(d, d, generator=gen) * d**-0.5)
-    h_proj = bf16(torch.randn(d, d, generator=gen) * d**-0.5)
-    enorm, hnorm, norm = (DeepseekV4RMSNorm(d, eps=big_cfg.rms_norm_eps) for _ in range(3))
-    for n in (enorm, hnorm, norm):
-        n.weight.data = bf16(1.0 + 0.2 * torch.randn(d, generator=gen))
-    head = DeepseekV4HyperHead(big_cfg)
-    head.hc_fn.data = bf16(torch.randn(hc, hc * d, generator=gen) * big_cfg.initializer_range)
-    head.hc_base.data = bf16(torch.randn(hc, generator=gen) * 0.5)
-    head.hc_scale.data = bf16(0.5 + torch.rand(1, generator=gen))
-    glue = {
-        "mtp.0.e_proj.weight": e_proj,
-        "mtp.0.h_proj.weight": h_proj,
-        "mtp.0.enorm.weight": enorm.weight.data,
-        "mtp.0.hnorm.weight": hnorm.weight.data,
-        "mtp.0.norm.weight": norm.weight.data,
-        "mtp.0.hc_head_fn": head.hc_fn.data,
-        "mtp.0.hc_head_base": head.hc_base.data,
-        "mtp.0.hc_head_scale": head.hc_scale.data,
-    }
+    e_proj, h_proj, enorm, hnorm, norm, head, glue = draw_mtp_glue(big_cfg, gen)
     mtp.update({k: v.bfloat16() for k, v in glue.items()})
     tensors = load_file(str(out / "model.safetensors"))
     tensors.update(mtp)
