@@ -6,6 +6,9 @@
 // argument list into struct literals at every call.
 #![allow(clippy::too_many_arguments)]
 
+mod mhc;
+mod moe;
+
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -13,11 +16,11 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::{CudaBackend, CudaError, CudaMatrix, check, grid_for, per_row};
+use super::{CudaBackend, CudaError, CudaMatrix, check, grid_for};
 
 pub const DEEPSEEK_V4_SOURCE: &str = concat!(
-    include_str!("../../../kernels-cuda/torch_topk.cu"),
-    include_str!("../../../kernels-cuda/deepseek_v4.cu")
+    include_str!("../../../../kernels-cuda/torch_topk.cu"),
+    include_str!("../../../../kernels-cuda/deepseek_v4.cu")
 );
 
 /// The attention kernel's heads per block at most, keys per tile, and output channels per
@@ -277,156 +280,6 @@ impl CudaBackend {
         );
     }
 
-    pub fn dsv4_mhc_mix(
-        &self,
-        mixes: &CudaSlice<f32>,
-        streams: &CudaSlice<f32>,
-        base: &CudaSlice<f32>,
-        scale: &CudaSlice<f32>,
-        post: &mut CudaSlice<f32>,
-        comb: &mut CudaSlice<f32>,
-        collapsed: &mut CudaSlice<f32>,
-        tokens: usize,
-        n: usize,
-        hidden: usize,
-        iters: usize,
-        hc_eps: f32,
-    ) {
-        let (ni, hi, it) = (n as i32, hidden as i32, iters as i32);
-        // SAFETY: mixes [tokens, (2+n)·n], streams [tokens, n, hidden], post [tokens, n],
-        // comb [tokens, n, n], collapsed [tokens, hidden]; n ≤ 16 (checked at load).
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().mhc_mix)
-                    .arg(mixes)
-                    .arg(streams)
-                    .arg(base)
-                    .arg(scale)
-                    .arg(post)
-                    .arg(comb)
-                    .arg(collapsed)
-                    .arg(&ni)
-                    .arg(&hi)
-                    .arg(&it)
-                    .arg(&hc_eps)
-                    .launch(per_row(tokens))
-            },
-            "dsv4_mhc_mix",
-        );
-    }
-
-    pub fn dsv4_mhc_merge(
-        &self,
-        streams: &mut CudaSlice<f32>,
-        post: &CudaSlice<f32>,
-        comb: &CudaSlice<f32>,
-        out: &CudaSlice<f32>,
-        tokens: usize,
-        n: usize,
-        hidden: usize,
-    ) {
-        let (ni, hi) = (n as i32, hidden as i32);
-        // SAFETY: shapes as in dsv4_mhc_mix; out [tokens, hidden].
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().mhc_merge)
-                    .arg(streams)
-                    .arg(post)
-                    .arg(comb)
-                    .arg(out)
-                    .arg(&ni)
-                    .arg(&hi)
-                    .launch(per_row(tokens))
-            },
-            "dsv4_mhc_merge",
-        );
-    }
-
-    pub fn dsv4_mhc_head(
-        &self,
-        mixes: &CudaSlice<f32>,
-        streams: &CudaSlice<f32>,
-        base: &CudaSlice<f32>,
-        scale: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-        tokens: usize,
-        n: usize,
-        hidden: usize,
-        hc_eps: f32,
-    ) {
-        let (ni, hi) = (n as i32, hidden as i32);
-        // SAFETY: mixes [tokens, n], streams [tokens, n, hidden], out [tokens, hidden].
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().mhc_head)
-                    .arg(mixes)
-                    .arg(streams)
-                    .arg(base)
-                    .arg(scale)
-                    .arg(out)
-                    .arg(&ni)
-                    .arg(&hi)
-                    .arg(&hc_eps)
-                    .launch(per_row(tokens))
-            },
-            "dsv4_mhc_head",
-        );
-    }
-
-    pub fn dsv4_expand(
-        &self,
-        streams: &mut CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        tokens: usize,
-        n: usize,
-        hidden: usize,
-    ) {
-        let (ti, ni, hi) = (tokens as i32, n as i32, hidden as i32);
-        // SAFETY: streams [tokens, n, hidden], x [tokens, hidden].
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().expand)
-                    .arg(streams)
-                    .arg(x)
-                    .arg(&ti)
-                    .arg(&ni)
-                    .arg(&hi)
-                    .launch(grid_for(tokens * n * hidden))
-            },
-            "dsv4_expand",
-        );
-    }
-
-    /// `x [a, b, width]` → `y [b, a, width]`.
-    pub fn dsv4_swap(
-        &self,
-        y: &mut CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        a: usize,
-        b: usize,
-        width: usize,
-    ) {
-        let (ai, bi, wi) = (a as i32, b as i32, width as i32);
-        // SAFETY: both hold a·b·width values.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().swap)
-                    .arg(y)
-                    .arg(x)
-                    .arg(&ai)
-                    .arg(&bi)
-                    .arg(&wi)
-                    .launch(grid_for(a * b * width))
-            },
-            "dsv4_swap",
-        );
-    }
-
     /// Feeds the step's projected `kv` and `gate` rows to one compressor and emits the raw
     /// entries of the windows they close (`dsv4_entry_finish` norms and rotates them).
     pub fn dsv4_compress_feed(
@@ -679,94 +532,6 @@ impl CudaBackend {
                     .launch(blocks((keep * head_dim).div_ceil(256), meta.num_seqs, 256))
             },
             "dsv4_ring_write",
-        );
-    }
-
-    /// Router scores → each token's `k` experts and weights. `scoring`: 0 sqrtsoftplus,
-    /// 1 sigmoid, 2 softmax.
-    pub fn dsv4_moe_route(
-        &self,
-        chosen: &mut CudaSlice<u32>,
-        weights: &mut CudaSlice<f32>,
-        logits: &CudaSlice<f32>,
-        token_ids: &CudaSlice<u32>,
-        tid2eid: Option<&CudaSlice<u32>>,
-        bias: Option<&CudaSlice<f32>>,
-        scoring: i32,
-        tokens: usize,
-        num_experts: usize,
-        k: usize,
-        scaling: f32,
-    ) {
-        let (ei, ki) = (num_experts as i32, k as i32);
-        let null = 0u64;
-        let mut launch = self.stream.launch_builder(&self.ds().moe_route);
-        launch.arg(chosen).arg(weights).arg(logits).arg(token_ids);
-        match tid2eid {
-            Some(t) => launch.arg(t),
-            None => launch.arg(&null),
-        };
-        match bias {
-            Some(b) => launch.arg(b),
-            None => launch.arg(&null),
-        };
-        launch.arg(&scoring).arg(&ei).arg(&ki).arg(&scaling);
-        // SAFETY: logits [tokens, num_experts ≤ 1024], chosen and weights [tokens, k ≤ 32],
-        // token ids inside the table (checked by the model).
-        check(unsafe { launch.launch(per_row(tokens)) }, "dsv4_moe_route");
-    }
-
-    pub fn dsv4_swiglu(
-        &self,
-        h: &mut CudaSlice<f32>,
-        gate: &CudaSlice<f32>,
-        up: &CudaSlice<f32>,
-        n: usize,
-        limit: f32,
-    ) {
-        let n64 = n as i64;
-        // SAFETY: all three hold n values.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().swiglu)
-                    .arg(h)
-                    .arg(gate)
-                    .arg(up)
-                    .arg(&n64)
-                    .arg(&limit)
-                    .launch(grid_for(n))
-            },
-            "dsv4_swiglu",
-        );
-    }
-
-    pub fn dsv4_moe_combine(
-        &self,
-        out: &mut CudaSlice<f32>,
-        ys: &CudaSlice<f32>,
-        order: &CudaSlice<u32>,
-        weights: &CudaSlice<f32>,
-        tokens: usize,
-        k: usize,
-        hidden: usize,
-    ) {
-        let (ki, hi) = (k as i32, hidden as i32);
-        // SAFETY: out [tokens, hidden]; order [tokens, k, 2] indexes rows of ys and slots
-        // of weights [tokens, k].
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().moe_combine)
-                    .arg(out)
-                    .arg(ys)
-                    .arg(order)
-                    .arg(weights)
-                    .arg(&ki)
-                    .arg(&hi)
-                    .launch(per_row(tokens))
-            },
-            "dsv4_moe_combine",
         );
     }
 }
