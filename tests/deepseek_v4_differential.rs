@@ -253,22 +253,7 @@ fn check_mtp(
     compare: &mut impl FnMut(&str, &[f32], &[f32], f32) -> Result<(), String>,
 ) -> Result<(), String> {
     let mtp = MtpLayer::load_dir(&model.cfg, dir).map_err(|e| format!("MTP load: {e}"))?;
-    let block_size = lcm_rates(&model.cfg);
-    let num_blocks = tokens.len().div_ceil(block_size);
-    let mut cache = DsV4Cache::new(&model.cfg, 1, num_blocks, block_size);
-    let table: Vec<u32> = (0..num_blocks as u32).collect();
-    let step = DsSeqStep {
-        token_ids: tokens,
-        num_cached_tokens: 0,
-        block_table: &table,
-        state_slot: 0,
-        span: SlotSpan::default(),
-        num_logit_rows: tokens.len(),
-    };
-    let mut loads = vec![vec![0; model.cfg.num_routed_experts]; model.cfg.num_layers];
-    let (_, streams) = model
-        .forward_streams(&mut cache, &[step], &mut loads, None)
-        .unwrap();
+    let (streams, _) = common::dsv4::main_streams(model, tokens);
     let width = model.cfg.hc_mult * model.cfg.hidden_size;
     let n = tokens.len() - 1;
     for chunk in [n.max(1), 7] {

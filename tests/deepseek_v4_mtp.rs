@@ -5,10 +5,9 @@
 
 mod common;
 
-use common::dsv4::{assert_rows_close, dir, reference};
-use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
+use common::dsv4::{assert_rows_close, dir, main_streams, reference};
+use troupe::model::deepseek_v4::DsV4Model;
 use troupe::model::deepseek_v4::mtp::MtpLayer;
-use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 
 const NAME: &str = "tiny-dsv4-a";
 /// Largest error seen: 2.0e-6 (f32 on both sides).
@@ -37,27 +36,6 @@ fn mtp_reference() -> MtpReference {
         chain: f32s("chain"),
         drafts: common::ids(&json["drafts"]),
     }
-}
-
-/// The model's last-layer streams at every position of `prompt`, and its logits there.
-fn main_streams(model: &DsV4Model, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
-    let block_size = lcm_rates(&model.cfg);
-    let num_blocks = prompt.len().div_ceil(block_size);
-    let mut cache = DsV4Cache::new(&model.cfg, 1, num_blocks, block_size);
-    let table: Vec<u32> = (0..num_blocks as u32).collect();
-    let step = DsSeqStep {
-        token_ids: prompt,
-        num_cached_tokens: 0,
-        block_table: &table,
-        state_slot: 0,
-        span: SlotSpan::default(),
-        num_logit_rows: prompt.len(),
-    };
-    let mut loads = vec![vec![0; model.cfg.num_routed_experts]; model.cfg.num_layers];
-    let (logits, streams) = model
-        .forward_streams(&mut cache, &[step], &mut loads, None)
-        .unwrap();
-    (streams, logits)
 }
 
 fn argmax(row: &[f32]) -> u32 {

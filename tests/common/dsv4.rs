@@ -4,6 +4,9 @@
 
 use std::path::PathBuf;
 
+use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
+use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
+
 pub const CHECKPOINTS: [&str; 2] = ["tiny-dsv4-a", "tiny-dsv4-b"];
 
 pub struct Reference {
@@ -91,4 +94,25 @@ impl Reference {
             })
             .collect()
     }
+}
+
+/// The model's last-layer streams at every position of `prompt`, and its logits there.
+pub fn main_streams(model: &DsV4Model, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    let block_size = lcm_rates(&model.cfg);
+    let num_blocks = prompt.len().div_ceil(block_size);
+    let mut cache = DsV4Cache::new(&model.cfg, 1, num_blocks, block_size);
+    let table: Vec<u32> = (0..num_blocks as u32).collect();
+    let step = DsSeqStep {
+        token_ids: prompt,
+        num_cached_tokens: 0,
+        block_table: &table,
+        state_slot: 0,
+        span: SlotSpan::default(),
+        num_logit_rows: prompt.len(),
+    };
+    let mut loads = vec![vec![0; model.cfg.num_routed_experts]; model.cfg.num_layers];
+    let (logits, streams) = model
+        .forward_streams(&mut cache, &[step], &mut loads, None)
+        .unwrap();
+    (streams, logits)
 }
