@@ -1,6 +1,7 @@
 //! troupe: an LLM inference engine. See docs/ARCHITECTURE.md for the map of the tree.
 
 pub mod actors;
+pub mod api;
 pub mod bench_serve;
 pub mod cli;
 pub mod engine;
@@ -9,7 +10,6 @@ pub mod error;
 pub mod generate;
 pub mod kernels;
 pub mod model;
-pub mod parallel;
 pub mod protocol;
 pub mod sampling;
 pub mod sched;

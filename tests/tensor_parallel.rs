@@ -15,9 +15,10 @@ use common::engine::{
 use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Engine, EngineConfig, EngineHandle, RequestOutput};
 use troupe::kernels::Backend;
+use troupe::kernels::collective::ChannelCollective;
 use troupe::kernels::cpu::CpuBackend;
 use troupe::model::llama::SeqStep;
-use troupe::parallel::{ChannelCollective, TpShard};
+use troupe::model::tensor_parallel::TpShard;
 
 const LOGIT_TOLERANCE: f32 = 1e-3;
 const MODEL: &str = "tiny-llama";

@@ -9,5 +9,4 @@ pub mod rank_worker;
 pub mod sampled_tokens;
 pub mod sampler;
 pub mod scheduler;
-pub mod status;
 pub mod supervisor;

@@ -17,11 +17,12 @@ use super::decode_curve::{self, CurveJob};
 use super::fault::FaultPlan;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg, StepLogits};
-use crate::engine::Device;
+use crate::kernels::Device;
+use crate::kernels::collective::GroupJoin;
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{DeviceMark, NOT_PICKED, Pending};
 use crate::model::llama::{SeqStep, SlotState};
-use crate::parallel::{GroupJoin, TpShard};
+use crate::model::tensor_parallel::TpShard;
 use crate::sched::{RowInput, StepPlan};
 
 mod deepseek_v4;
@@ -120,7 +121,7 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => Ok(deepseek_v4_cuda::load(args, ordinal)?),
             #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => Err(crate::engine::NO_CUDA.into()),
+            Device::Cuda(_) => Err(crate::kernels::NO_CUDA.into()),
         };
     }
     match args.device {
@@ -140,7 +141,7 @@ fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, ActorProcessingEr
             args,
         ),
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => Err(crate::engine::NO_CUDA.into()),
+        Device::Cuda(_) => Err(crate::kernels::NO_CUDA.into()),
     }
 }
 

@@ -11,9 +11,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::rank_worker::RankMsg;
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{RowSampling, SamplerMsg};
-use super::status::EngineStatus;
-use crate::engine::{
-    EngineError, EngineRequest, IncrementalDecoder, MAX_CHOICES, RequestOutput, TextStream,
+use crate::api::{
+    EngineError, EngineRequest, EngineStatus, IncrementalDecoder, MAX_CHOICES, RequestOutput,
+    TextStream,
 };
 use crate::model::tokenizer::Tokenizer;
 use crate::sampling::{SamplingParams, splitmix64};

@@ -14,10 +14,11 @@ use super::rank_worker::{RankArgs, RankMsg, RankWorker};
 use super::sampled_tokens::SampledTokens;
 use super::sampler::{SamplerActor, SamplerArgs, SamplerMsg};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg};
-use crate::engine::Device;
+use crate::kernels::Device;
+use crate::kernels::collective::{ChannelCollective, GroupAbort, GroupJoin};
 use crate::model::config::ModelConfig;
 use crate::model::deepseek_v4::expert_parallel::largest_valid_ep;
-use crate::parallel::{ChannelCollective, GroupAbort, GroupJoin, TpShard, largest_valid_tp};
+use crate::model::tensor_parallel::{TpShard, largest_valid_tp};
 
 pub struct SupervisorArgs {
     pub scheduler: SchedulerArgs,
@@ -32,7 +33,7 @@ pub struct RankArgsTemplate {
     /// The full model's shape, for choosing group sizes.
     pub model_config: ModelConfig,
     /// The devices a group may use, one rank each (the configured group size of them).
-    pub devices: Vec<crate::engine::Device>,
+    pub devices: Vec<Device>,
     pub num_kv_blocks: usize,
     /// Per-sequence state slots (DeepSeek-V4's window ring and compressor state); 0 for
     /// models without per-sequence state.
@@ -169,7 +170,7 @@ fn group_joins(device: Device, size: usize, abort: &GroupAbort) -> Result<Vec<Gr
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => {
             let _ = abort;
-            Err(crate::engine::NO_CUDA.into())
+            Err(crate::kernels::NO_CUDA.into())
         }
     }
 }

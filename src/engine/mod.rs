@@ -1,11 +1,8 @@
 //! The library API: `Engine::spawn` starts the actor system and returns an `EngineHandle`
 //! to submit requests to, stream their outputs, abort them and shut down.
 
+mod config;
 mod pools;
-mod text_stream;
-mod types;
-
-pub use text_stream::{IncrementalDecoder, TextStream};
 
 use std::sync::Arc as StdArc;
 use std::sync::OnceLock;
@@ -14,16 +11,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ractor::{Actor, ActorRef};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-pub use types::{
-    Device, EngineConfig, EngineError, EngineRequest, FinishReason, MAX_CHOICES, RequestOutput,
-    SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
+pub use crate::api::{
+    EngineError, EngineRequest, EngineStatus, FinishReason, IncrementalDecoder, MAX_CHOICES,
+    RequestOutput, TextStream,
 };
+pub use crate::kernels::Device;
+pub use config::{EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
 
 use crate::actors::decode_curve::CurveJob;
 use crate::actors::fault::FaultPlan;
 use crate::actors::sampled_tokens::SampledTokens;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
-pub use crate::actors::status::EngineStatus;
 use crate::actors::supervisor::{
     Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
 };
@@ -84,7 +82,8 @@ impl Engine {
         let mcfg = &text.config;
         // DeepSeek-V4's limits are `pools::size_pools`' to name.
         if text.deepseek_v4.is_none()
-            && let Some(problem) = crate::parallel::tp_problem(mcfg, cfg.tensor_parallel_size)
+            && let Some(problem) =
+                crate::model::tensor_parallel::tp_problem(mcfg, cfg.tensor_parallel_size)
         {
             return Err(EngineError::Spawn(problem));
         }
@@ -346,11 +345,8 @@ fn gpu_free_bytes(ordinal: usize) -> Result<usize, EngineError> {
 
 #[cfg(not(feature = "cuda"))]
 fn gpu_free_bytes(_ordinal: usize) -> Result<usize, EngineError> {
-    Err(EngineError::Spawn(NO_CUDA.into()))
+    Err(EngineError::Spawn(crate::kernels::NO_CUDA.into()))
 }
-
-#[cfg(not(feature = "cuda"))]
-pub(crate) const NO_CUDA: &str = "this troupe was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`";
 
 /// The outputs of one request, in order; dropping it before the end aborts the request.
 pub struct RequestStream {

@@ -6,12 +6,17 @@
 //! positions, KV slots, block tables) arrives as host slices; a device backend uploads it
 //! once per step.
 
+pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device;
 pub mod paged_kv;
 pub mod quant;
 
+pub use device::Device;
+#[cfg(not(feature = "cuda"))]
+pub(crate) use device::NO_CUDA;
 pub use paged_kv::{KvCacheShape, SeqAttention};
 
 use std::ops::Range;
@@ -234,8 +239,8 @@ pub trait Backend: Send + Sync {
     /// handed out (a backend refuses a kind it cannot use, naming it).
     fn join_group(
         &self,
-        join: crate::parallel::GroupJoin,
-    ) -> Result<Box<dyn crate::parallel::Collective<Self>>, String>
+        join: crate::kernels::collective::GroupJoin,
+    ) -> Result<Box<dyn crate::kernels::collective::Collective<Self>>, String>
     where
         Self: Sized;
     fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;

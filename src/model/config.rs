@@ -57,7 +57,7 @@ impl ModelConfig {
     }
 
     /// One rank's view in a tensor-parallel group of `size`: its share of the heads and
-    /// of the MLP's intermediate rows (`parallel::tp_problem` says whether they divide).
+    /// of the MLP's intermediate rows (`tensor_parallel::tp_problem` says whether they divide).
     pub fn sharded(&self, size: usize) -> ModelConfig {
         ModelConfig {
             num_heads: self.num_heads / size,

@@ -5,8 +5,8 @@
 use super::config::ModelConfig;
 use super::rope::{cos_sin_table, inv_freqs};
 use super::weights::Weights;
+use crate::kernels::collective::Collective;
 use crate::kernels::{Backend, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention};
-use crate::parallel::Collective;
 
 /// One sequence's part of a step, as the caller plans it.
 #[derive(Debug, Clone)]
@@ -106,8 +106,8 @@ impl<B: Backend> LlamaModel<B> {
         self.collective = Some(collective);
     }
 
-    /// Whether this rank's group was aborted (see [`crate::parallel::AbortProbe`]).
-    pub fn abort_probe(&self) -> Option<crate::parallel::AbortProbe> {
+    /// Whether this rank's group was aborted (see [`crate::kernels::collective::AbortProbe`]).
+    pub fn abort_probe(&self) -> Option<crate::kernels::collective::AbortProbe> {
         self.collective.as_ref().and_then(|c| c.abort_probe())
     }
 

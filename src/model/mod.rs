@@ -9,6 +9,7 @@ pub mod hub;
 pub mod llama;
 pub mod loader;
 pub mod rope;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod weights;
 
@@ -26,7 +27,7 @@ use weights::Weights;
 
 use crate::error::{Result, TroupeError};
 use crate::kernels::Backend;
-use crate::parallel::TpShard;
+use crate::model::tensor_parallel::TpShard;
 
 /// What turns text into a model's tokens and back, and when generation stops.
 pub struct ModelText {
@@ -85,7 +86,7 @@ fn sharded_model<B: Backend>(
     shard: TpShard,
     freq_factors: Option<&[f32]>,
 ) -> Result<LlamaModel<B>> {
-    if let Some(problem) = crate::parallel::tp_problem(cfg, shard.size) {
+    if let Some(problem) = crate::model::tensor_parallel::tp_problem(cfg, shard.size) {
         return Err(TroupeError::InvalidInput(problem));
     }
     let weights = Weights::load(cfg, src, backend, shard)?;

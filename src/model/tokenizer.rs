@@ -365,3 +365,17 @@ fn spm_tokenizer(
     tok.with_decoder(Some(DecoderSequence::new(decoders)));
     Ok(tok)
 }
+
+impl crate::structured::Vocabulary for Tokenizer {
+    fn tokenizer_json(&self) -> std::result::Result<String, String> {
+        self.to_json().map_err(|e| e.to_string())
+    }
+
+    fn encode_plain_text(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
+        self.encode_plain(text).map_err(|e| e.to_string())
+    }
+
+    fn vocab_size(&self) -> usize {
+        Tokenizer::vocab_size(self)
+    }
+}

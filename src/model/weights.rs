@@ -4,7 +4,7 @@ use super::config::{Arch, ModelConfig};
 use super::loader::{HostTensor, TensorSource};
 use crate::error::{Result, TroupeError};
 use crate::kernels::{Backend, HostMatrix};
-use crate::parallel::TpShard;
+use crate::model::tensor_parallel::TpShard;
 
 pub struct LayerWeights<B: Backend> {
     pub attn_norm: B::Buf, // (hidden)

@@ -15,7 +15,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::actors::status::EngineStatus;
+use crate::api::EngineStatus;
 
 /// The `Content-Type` of what `render` returns.
 pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;

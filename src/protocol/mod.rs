@@ -5,6 +5,7 @@ pub mod api;
 pub mod conversation;
 #[cfg(feature = "deepseek-encoding")]
 pub mod deepseek_v4_prompt;
+pub mod http;
 pub mod jsonl;
 pub mod metrics;
 pub mod openai;

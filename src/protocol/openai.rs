@@ -10,12 +10,12 @@ use super::api::{
     parse_value,
 };
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
-use super::output_parser::OutputEvent;
-use super::reply::{ChoiceStreams, Reply, call_id};
-use super::server::{
+use super::http::{
     ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
     respond, sse,
 };
+use super::output_parser::OutputEvent;
+use super::reply::{ChoiceStreams, Reply, call_id};
 use crate::engine::{FinishReason, RequestOutput};
 use crate::model::ModelText;
 use crate::structured::GrammarSpec;

@@ -8,13 +8,13 @@ use serde_json::{Value, json};
 
 use super::api::{self, ApiError, Content, Flavor, Sampling, conversation_request, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall};
-use super::openai::{chat_logprobs, response_format, tool_choice};
-use super::output_parser::OutputEvent;
-use super::reply::{ChoiceStreams, Reply, call_id};
-use super::server::{
+use super::http::{
     ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
     respond, sse,
 };
+use super::openai::{chat_logprobs, response_format, tool_choice};
+use super::output_parser::OutputEvent;
+use super::reply::{ChoiceStreams, Reply, call_id};
 use crate::engine::{FinishReason, RequestOutput};
 
 #[derive(Debug, Deserialize)]

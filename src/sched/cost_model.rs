@@ -16,6 +16,9 @@
 
 use std::collections::VecDeque;
 
+use crate::spec::StepCost;
+pub use crate::spec::StepFeatures;
+
 /// Samples kept for the fit: enough to average noise, few enough to follow drift.
 pub const WINDOW_SAMPLES: usize = 256;
 /// Below this many samples predictions use the prior coefficients.
@@ -23,52 +26,18 @@ pub const MIN_FIT_SAMPLES: usize = 8;
 /// Ridge strength per sample, in unit-RMS feature space.
 const RIDGE_PER_SAMPLE: f64 = 1e-6;
 
-/// Sums of a step's per-row features (the constant term is implicit).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StepFeatures {
-    pub sum_q: f64,
-    pub sum_q_times_c: f64,
-    pub sum_q_squared: f64,
-}
-
-impl StepFeatures {
-    pub fn of_rows(rows: &[(usize, usize)]) -> Self {
-        let mut f = Self::default();
-        for &(q, c) in rows {
-            f.add_row(q, c);
-        }
-        f
-    }
-
-    pub fn add_row(&mut self, num_new_tokens: usize, num_cached_tokens: usize) {
-        let (q, c) = (num_new_tokens as f64, num_cached_tokens as f64);
-        self.sum_q += q;
-        self.sum_q_times_c += q * c;
-        self.sum_q_squared += q * q;
-    }
-
-    fn as_array(&self) -> [f64; 4] {
-        [1.0, self.sum_q, self.sum_q_times_c, self.sum_q_squared]
-    }
-}
-
-impl std::ops::Add for StepFeatures {
-    type Output = Self;
-    fn add(self, other: Self) -> Self {
-        Self {
-            sum_q: self.sum_q + other.sum_q,
-            sum_q_times_c: self.sum_q_times_c + other.sum_q_times_c,
-            sum_q_squared: self.sum_q_squared + other.sum_q_squared,
-        }
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct CostModel {
     /// `[c0, c1, c2, c3]` in seconds, seconds/token, seconds/token², seconds/token².
     coefficients: [f64; 4],
     prior: [f64; 4],
     samples: VecDeque<([f64; 4], f64)>,
+}
+
+impl StepCost for CostModel {
+    fn step_secs(&self, features: &StepFeatures) -> f64 {
+        self.predict_features(features)
+    }
 }
 
 impl Default for CostModel {
@@ -103,8 +72,7 @@ impl CostModel {
     }
 
     pub fn predict_features(&self, features: &StepFeatures) -> f64 {
-        let x = features.as_array();
-        (0..4).map(|k| self.coefficients[k] * x[k]).sum()
+        crate::spec::LinearCost(self.coefficients).step_secs(features)
     }
 
     /// Records one measured step and refits. Non-finite or negative times are dropped.

@@ -21,6 +21,7 @@ mod latency;
 mod model_drafter;
 mod ngram;
 mod planner;
+mod step_cost;
 pub mod verify;
 
 pub use calibration::Calibration;
@@ -29,9 +30,10 @@ pub use latency::{CurveStore, LatencyCurve};
 pub use model_drafter::{MODEL_DRAFT, ModelDraftCalibration, ModelDrafter};
 pub use ngram::{NgramCalibration, NgramDrafter};
 pub use planner::{
-    ConfidenceBuffer, CurveCost, SpecRequest, StepCost, VerifyPlan, plan_verification,
+    ConfidenceBuffer, CurveCost, SpecRequest, VerifyPlan, plan_verification,
     plan_verification_skipping,
 };
+pub use step_cost::{LinearCost, StepCost, StepFeatures};
 
 /// One proposed token and the drafter's confidence that the target accepts it, given that
 /// every earlier draft of the same step was accepted.

@@ -16,30 +16,20 @@
 use std::collections::HashMap;
 
 use super::LatencyCurve;
-use crate::sched::{CostModel, StepFeatures};
-
-/// What the planner prices a step with.
-pub trait StepCost {
-    fn step_secs(&self, features: &StepFeatures) -> f64;
-}
-
-impl StepCost for CostModel {
-    fn step_secs(&self, features: &StepFeatures) -> f64 {
-        self.predict_features(features)
-    }
-}
+use super::step_cost::{LinearCost, StepCost, StepFeatures};
 
 /// The measured decode curve at the step's token count (graph buckets and all), plus the
 /// fitted model's terms a short decode step does not show: attention over each row's
 /// context (c2·Σq·c) and within multi-token rows (c3·(Σq² − Σq)).
 pub struct CurveCost<'a> {
     pub curve: &'a LatencyCurve,
-    pub model: &'a CostModel,
+    /// The fitted model's coefficients (only its attention terms are read).
+    pub model: LinearCost,
 }
 
 impl StepCost for CurveCost<'_> {
     fn step_secs(&self, f: &StepFeatures) -> f64 {
-        let [_, _, c2, c3] = self.model.coefficients();
+        let [_, _, c2, c3] = self.model.0;
         self.curve.secs(f.sum_q.round() as usize)
             + c2 * f.sum_q_times_c
             + c3 * (f.sum_q_squared - f.sum_q)
@@ -203,8 +193,8 @@ mod tests {
     use super::*;
 
     /// c0 + c1·Σq + c2·Σq·c + c3·Σq²: a fixed 10 ms plus 0.1 ms per token.
-    fn cost() -> CostModel {
-        CostModel::with_prior([0.010, 0.0001, 0.0, 0.0])
+    fn cost() -> LinearCost {
+        LinearCost([0.010, 0.0001, 0.0, 0.0])
     }
 
     fn req(confidences: &[f32]) -> SpecRequest {
@@ -216,7 +206,7 @@ mod tests {
     }
 
     /// Expected tokens per second for given verify lengths, by brute force.
-    fn value(requests: &[SpecRequest], lens: &[usize], cost: &CostModel) -> f64 {
+    fn value(requests: &[SpecRequest], lens: &[usize], cost: &LinearCost) -> f64 {
         let mut tokens = requests.len() as f64;
         let mut rows = Vec::new();
         for (r, &len) in requests.iter().zip(lens) {
@@ -254,7 +244,7 @@ mod tests {
             req(&[0.3, 0.9, 0.9, 0.9, 0.9]),
             req(&[0.99, 0.99, 0.99, 0.99, 0.99]),
         ];
-        let cost = CostModel::with_prior([0.002, 0.0005, 0.0, 0.0]);
+        let cost = LinearCost([0.002, 0.0005, 0.0, 0.0]);
         let plan = plan_verification(&requests, &[], &cost);
         let got = value(&requests, &plan.verify_lens, &cost);
         // Every combination of verify lengths (6³) does no better.
@@ -284,11 +274,7 @@ mod tests {
         let requests = [req(&[0.6, 0.6, 0.6, 0.6, 0.6])];
         let cheap = plan_verification(&requests, &[], &cost());
         // Each extra token costs as much as the whole fixed overhead.
-        let dear = plan_verification(
-            &requests,
-            &[],
-            &CostModel::with_prior([0.001, 0.001, 0.0, 0.0]),
-        );
+        let dear = plan_verification(&requests, &[], &LinearCost([0.001, 0.001, 0.0, 0.0]));
         assert!(
             dear.verify_lens[0] < cheap.verify_lens[0],
             "{dear:?} {cheap:?}"
@@ -326,10 +312,10 @@ mod tests {
         // Flat to 16 tokens (one graph bucket), then twice as slow.
         let curve =
             LatencyCurve::new(vec![(1, 0.010), (16, 0.010), (17, 0.020), (32, 0.021)]).unwrap();
-        let model = CostModel::with_prior([0.0, 0.0, 0.0, 0.0]);
+        let model = LinearCost([0.0, 0.0, 0.0, 0.0]);
         let cost = CurveCost {
             curve: &curve,
-            model: &model,
+            model,
         };
         let requests: Vec<SpecRequest> = (0..4).map(|_| req(&[0.7; 5])).collect();
         let plan = plan_verification(&requests, &[], &cost);

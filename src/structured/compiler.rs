@@ -7,9 +7,8 @@ use std::sync::{Arc, Mutex};
 use llguidance::toktrie::TokEnv;
 use llguidance::{ParserFactory, TokenParser};
 
-use super::token_env::token_env;
+use super::token_env::{Vocabulary, token_env};
 use super::{GrammarSpec, StructuredError};
-use crate::model::tokenizer::Tokenizer;
 
 /// Compiled grammars kept for reuse.
 const CACHE_CAPACITY: usize = 128;
@@ -40,7 +39,7 @@ struct Cache {
 impl GrammarCompiler {
     /// `eos_id`: the token a finished grammar allows (the sampler widens it to every
     /// stop id of the request).
-    pub fn new(tokenizer: Arc<Tokenizer>, eos_id: u32) -> Result<Self, StructuredError> {
+    pub fn new(tokenizer: Arc<dyn Vocabulary>, eos_id: u32) -> Result<Self, StructuredError> {
         let env: TokEnv = token_env(tokenizer, eos_id)?;
         let mut factory = ParserFactory::new_simple(&env)
             .map_err(|e| StructuredError::TokenTable(e.to_string()))?;

@@ -9,6 +9,7 @@ mod token_env;
 
 pub use compiler::{CompiledGrammar, GrammarCompiler};
 pub use constraint::SeqConstraint;
+pub use token_env::Vocabulary;
 
 /// What a request's output must match.
 #[derive(Debug, Clone, PartialEq)]

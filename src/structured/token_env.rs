@@ -6,10 +6,19 @@ use std::sync::Arc;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
 use super::StructuredError;
-use crate::model::tokenizer::Tokenizer;
+
+/// What a grammar needs of the model's tokenizer (the model layer implements it, so the
+/// structured-output core stays below the model).
+pub trait Vocabulary: Send + Sync {
+    /// The tokenizer in `tokenizer.json` form, where llguidance reads every token's bytes.
+    fn tokenizer_json(&self) -> Result<String, String>;
+    /// Ids of plain text (special tokens not recognised).
+    fn encode_plain_text(&self, text: &str) -> Result<Vec<u32>, String>;
+    fn vocab_size(&self) -> usize;
+}
 
 struct TroupeTokEnv {
-    tokenizer: Arc<Tokenizer>,
+    tokenizer: Arc<dyn Vocabulary>,
     trie: TokTrie,
 }
 
@@ -21,16 +30,16 @@ impl TokenizerEnv for TroupeTokEnv {
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
         // Grammar literals are text; request text never reaches here as special tokens.
         self.tokenizer
-            .encode_plain(&String::from_utf8_lossy(s))
+            .encode_plain_text(&String::from_utf8_lossy(s))
             .unwrap_or_default()
     }
 }
 
 /// The token environment for `tokenizer`; `eos_id` is the token that ends a grammar.
-pub fn token_env(tokenizer: Arc<Tokenizer>, eos_id: u32) -> Result<TokEnv, StructuredError> {
+pub fn token_env(tokenizer: Arc<dyn Vocabulary>, eos_id: u32) -> Result<TokEnv, StructuredError> {
     let json = tokenizer
-        .to_json()
-        .map_err(|e| StructuredError::TokenTable(e.to_string()))?;
+        .tokenizer_json()
+        .map_err(StructuredError::TokenTable)?;
     let value: serde_json::Value =
         serde_json::from_str(&json).map_err(|e| StructuredError::TokenTable(e.to_string()))?;
     // llguidance asserts on odd vocabularies; a panic here must become an error.

@@ -111,7 +111,7 @@ pub async fn assert_finished_unchanged(
     engine: &troupe::engine::EngineHandle,
     got: &[RequestOutput],
     want: &[Vec<u32>],
-) -> troupe::actors::status::EngineStatus {
+) -> troupe::engine::EngineStatus {
     assert!(
         got.iter().all(|o| o.error.is_none()),
         "{:?}",

@@ -8,13 +8,14 @@ use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::actors::sampler::{RowSampling, StepLogits};
 use crate::eplb::{BalanceReport, Eplb};
 use crate::kernels::Backend;
+use crate::kernels::collective::GroupJoin;
 use crate::kernels::cpu::CpuBackend;
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
 use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
-use crate::parallel::{GroupJoin, TpShard};
+use crate::model::tensor_parallel::TpShard;
 
 pub(super) struct DsV4OnHost {
     model: DsV4Model,

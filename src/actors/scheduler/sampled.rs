@@ -4,8 +4,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc as StdArc;
 
 use super::{SchedulerState, TokenLogprobs, request_id_of};
-use crate::actors::status::MAX_SPEC_POSITIONS;
-use crate::engine::RequestOutput;
+use crate::api::MAX_SPEC_POSITIONS;
+use crate::api::RequestOutput;
 use crate::sched::{FinishReason, SeqEvent, SeqId};
 
 impl SchedulerState {

@@ -46,12 +46,12 @@ impl Backend for CpuBackend {
 
     fn join_group(
         &self,
-        join: crate::parallel::GroupJoin,
-    ) -> Result<Box<dyn crate::parallel::Collective<Self>>, String> {
+        join: crate::kernels::collective::GroupJoin,
+    ) -> Result<Box<dyn crate::kernels::collective::Collective<Self>>, String> {
         match join {
-            crate::parallel::GroupJoin::Channels(c) => Ok(Box::new(c)),
+            crate::kernels::collective::GroupJoin::Channels(c) => Ok(Box::new(c)),
             #[cfg(feature = "cuda")]
-            crate::parallel::GroupJoin::Nccl(_) => {
+            crate::kernels::collective::GroupJoin::Nccl(_) => {
                 Err("a CPU rank cannot join an NCCL group".into())
             }
         }

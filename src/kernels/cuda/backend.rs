@@ -14,16 +14,16 @@ impl Backend for CudaBackend {
 
     fn join_group(
         &self,
-        join: crate::parallel::GroupJoin,
-    ) -> Result<Box<dyn crate::parallel::Collective<Self>>, String> {
+        join: crate::kernels::collective::GroupJoin,
+    ) -> Result<Box<dyn crate::kernels::collective::Collective<Self>>, String> {
         match join {
-            crate::parallel::GroupJoin::Nccl(join) => {
+            crate::kernels::collective::GroupJoin::Nccl(join) => {
                 // Recorded decode graphs hold the old communicator's collectives (aborted:
                 // replayed, they would not reduce, and its abort waits for them to go).
                 self.moved();
                 Ok(Box::new(self.join_nccl(join)?))
             }
-            crate::parallel::GroupJoin::Channels(_) => {
+            crate::kernels::collective::GroupJoin::Channels(_) => {
                 Err("a CUDA rank joins its group through NCCL, not in-process channels".into())
             }
         }

@@ -14,7 +14,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 
 use super::CudaBackend;
-use crate::parallel::{Collective, GroupAbort};
+use crate::kernels::collective::{Collective, GroupAbort};
 
 /// What one rank needs to join an NCCL group.
 pub struct NcclJoin {
@@ -120,7 +120,7 @@ impl Drop for NcclCollective {
 }
 
 impl Collective<CudaBackend> for NcclCollective {
-    fn abort_probe(&self) -> Option<crate::parallel::AbortProbe> {
+    fn abort_probe(&self) -> Option<crate::kernels::collective::AbortProbe> {
         let comm = self.comm.clone();
         Some(std::sync::Arc::new(move || {
             comm.lock().unwrap_or_else(|e| e.into_inner()).is_none()

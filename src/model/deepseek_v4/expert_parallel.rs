@@ -8,8 +8,9 @@
 //! rank sees the same routed loads and computes the same placement).
 
 use crate::eplb::LayerPlacement;
+use crate::kernels::collective::Collective;
 use crate::kernels::cpu::CpuBackend;
-use crate::parallel::{Collective, TpShard};
+use crate::model::tensor_parallel::TpShard;
 
 /// Which routed products a rank computes.
 #[derive(Debug, Clone)]

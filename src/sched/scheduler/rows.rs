@@ -134,7 +134,7 @@ impl Scheduler {
                 &other_rows,
                 &CurveCost {
                     curve,
-                    model: &self.cost_model,
+                    model: crate::spec::LinearCost(self.cost_model.coefficients()),
                 },
                 skip_tokens,
             ),

@@ -1,18 +1,8 @@
-//! What callers of the library exchange with the engine.
+//! How an engine is built: `EngineConfig` and speculative decoding's settings.
 
 use std::path::PathBuf;
 
-use crate::sampling::SamplingParams;
-pub use crate::sched::FinishReason;
-use crate::structured::GrammarSpec;
-
-/// Where the rank worker runs the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    Cpu,
-    /// A GPU by ordinal (needs the `cuda` cargo feature).
-    Cuda(usize),
-}
+use crate::kernels::Device;
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -132,87 +122,4 @@ impl EngineConfig {
             latency_curve_dir: None,
         }
     }
-}
-
-#[derive(Debug, Clone)]
-pub struct EngineRequest {
-    pub prompt_ids: Vec<u32>,
-    pub max_tokens: usize,
-    /// Stop tokens (EOS, end of turn) are not sampled before this many tokens.
-    pub min_tokens: usize,
-    pub params: SamplingParams,
-    /// The seed; `params.seed` is not read by the engine. `None`: one is drawn at
-    /// admission and reported in the final output, so the run can be reproduced.
-    pub seed: Option<u64>,
-    pub ignore_eos: bool,
-    /// Stop strings, matched on the decoded text across token boundaries; the matched
-    /// string and what follows it are not part of the output text.
-    pub stop: Vec<String>,
-    /// Token ids that end the request, besides the model's EOS / end-of-turn ids.
-    pub stop_token_ids: Vec<u32>,
-    /// Independent completions of the prompt; they share its KV blocks (the later ones
-    /// start from the first one's cached prompt blocks) and are told apart by `index`.
-    pub n: usize,
-    /// Structured output: every completion matches this grammar.
-    pub grammar: Option<GrammarSpec>,
-}
-
-/// The most completions one request may ask for.
-pub const MAX_CHOICES: usize = 64;
-
-impl EngineRequest {
-    pub fn new(prompt_ids: Vec<u32>, max_tokens: usize, params: SamplingParams) -> Self {
-        EngineRequest {
-            prompt_ids,
-            max_tokens,
-            min_tokens: 0,
-            params,
-            seed: None,
-            ignore_eos: false,
-            stop: Vec::new(),
-            stop_token_ids: Vec::new(),
-            n: 1,
-            grammar: None,
-        }
-    }
-}
-
-/// One increment of a request's output. The last one carries `finish_reason` (or `error`).
-#[derive(Debug, Clone, Default)]
-pub struct RequestOutput {
-    pub request_id: u64,
-    /// Which of the request's `n` completions this belongs to.
-    pub index: usize,
-    pub token_ids: Vec<u32>,
-    /// Text of `token_ids`, held back while it ends inside a multi-byte character.
-    pub text: String,
-    /// Per token in `token_ids`: its log-probability under the distribution it was
-    /// sampled from (or the raw model's, with `raw_logprobs`).
-    pub token_logprobs: Vec<f32>,
-    /// Per token in `token_ids`: the most likely `(id, logprob)` pairs.
-    pub top_logprobs: Vec<Vec<(u32, f32)>>,
-    /// The seed the request ran with (set on the final output).
-    pub seed: Option<u64>,
-    pub finish_reason: Option<FinishReason>,
-    /// On the final output: the stop string that ended the text, if one did.
-    pub stop_string: Option<String>,
-    pub error: Option<String>,
-}
-
-impl RequestOutput {
-    pub fn is_final(&self) -> bool {
-        self.finish_reason.is_some() || self.error.is_some()
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("request rejected: {0}")]
-    Rejected(String),
-    #[error("engine unavailable: {0}")]
-    Unavailable(String),
-    #[error("engine failed to start: {0}")]
-    Spawn(String),
-    #[error(transparent)]
-    Model(#[from] crate::error::TroupeError),
 }

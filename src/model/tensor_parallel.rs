@@ -1,7 +1,6 @@
-//! Tensor parallelism: which group sizes a model allows, which slice of each weight a
-//! rank holds, and the collective that sums the ranks' partial outputs. The sharding
-//! math here is pure; the collectives are the device seam (in-process channels for CPU
-//! ranks, NCCL for CUDA ranks in `kernels::cuda::nccl`).
+//! Tensor-parallel sharding: which group sizes a model allows and which slice of each
+//! weight a rank holds (pure arithmetic; the collectives that join the ranks are the
+//! device seam, in `kernels::collective`).
 //!
 //! Megatron's split for the Llama family: q/k/v and gate/up are column-parallel (a rank
 //! keeps whole heads and a slice of the intermediate rows), o and down are row-parallel
@@ -9,14 +8,7 @@
 //! residual stream whole again. Embedding, norms and the output head are replicated, so
 //! every rank holds the same logits and picks the same greedy tokens.
 
-pub mod channels;
-
-use std::sync::{Arc, Mutex};
-
-use crate::kernels::Backend;
 use crate::model::config::ModelConfig;
-
-pub use channels::ChannelCollective;
 
 /// One rank's place in a tensor-parallel group of `size` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,68 +61,6 @@ pub fn largest_valid_tp(cfg: &ModelConfig, num_devices: usize) -> Option<usize> 
         .rev()
         .find(|&size| tp_problem(cfg, size).is_none())
 }
-
-/// How a rank joins its group: the backend turns it into its `Collective`.
-pub enum GroupJoin {
-    /// CPU ranks: in-process channels.
-    Channels(ChannelCollective),
-    /// CUDA ranks: an NCCL communicator from the id the supervisor made for the group.
-    #[cfg(feature = "cuda")]
-    Nccl(crate::kernels::cuda::NcclJoin),
-}
-
-/// Cancels a group's collectives from outside (the supervisor, when a rank died), so the
-/// survivors' pending collectives fail instead of waiting for the dead rank forever.
-#[derive(Clone, Default)]
-pub struct GroupAbort {
-    hooks: Arc<Mutex<Vec<AbortHook>>>,
-}
-
-/// One rank's way to cancel its collectives.
-pub type AbortHook = Box<dyn FnMut() + Send>;
-
-impl GroupAbort {
-    /// `hook` runs at `abort` (it must tolerate running after its rank left the group).
-    pub fn register(&self, hook: AbortHook) {
-        self.hooks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(hook);
-    }
-
-    pub fn abort(&self) {
-        for hook in self
-            .hooks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter_mut()
-        {
-            hook();
-        }
-    }
-}
-
-/// Sums the ranks' partial results so that every rank holds the same total. Called by
-/// every rank of the group in the same order; blocking until the group has joined (or
-/// enqueued on the device stream, for a device collective).
-pub trait Collective<B: Backend> {
-    /// The first `len` elements of `buf` become their sum over the group, bitwise the
-    /// same on every rank. Panics when a peer is gone: the rank then fails and its
-    /// supervisor rebuilds the group.
-    fn all_reduce_sum(&mut self, backend: &B, buf: &mut B::Buf, len: usize);
-
-    /// Whether the group's collectives were aborted, for a thread that waits on a step
-    /// after it was launched. `None`: an abort cannot go unnoticed (a collective that
-    /// fails by itself, as the in-process channels do).
-    fn abort_probe(&self) -> Option<AbortProbe> {
-        None
-    }
-}
-
-/// Says whether a group's collectives were aborted. A recorded decode step holds its
-/// collectives inside one graph launch: aborted, they end without reducing and the step
-/// finishes with wrong numbers that nothing else reports.
-pub type AbortProbe = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,12 @@
+//! The engine's vocabulary, below the actors that produce it and the engine that hands it
+//! to callers: requests and their outputs, the streamed text, errors, the engine's status.
+
+mod error;
+mod request;
+mod status;
+mod text_stream;
+
+pub use error::EngineError;
+pub use request::{EngineRequest, FinishReason, MAX_CHOICES, RequestOutput};
+pub use status::{EngineStatus, MAX_SPEC_POSITIONS};
+pub use text_stream::{IncrementalDecoder, TextStream};

@@ -1,0 +1,273 @@
+//! HTTP plumbing every API's handlers share: the server state, body reading with a size
+//! limit, errors in the API's own JSON, SSE framing, latency metrics. Dropping a response
+//! (client gone) drops its `RequestStream`, which aborts the request and frees its blocks.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use actix_web::{HttpResponse, web};
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use serde_json::Value;
+
+use super::api::{ApiError, Flavor};
+use super::metrics::Metrics;
+use crate::engine::{EngineError, EngineHandle, RequestOutput, RequestStream};
+
+/// Request bodies above this are refused (413) while reading.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+pub struct ServerState {
+    pub engine: EngineHandle,
+    pub model_name: String,
+    pub metrics: Arc<Metrics>,
+}
+
+pub fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+pub fn error_response(e: &ApiError, flavor: Flavor) -> HttpResponse {
+    let status = actix_web::http::StatusCode::from_u16(e.status)
+        .unwrap_or(actix_web::http::StatusCode::BAD_REQUEST);
+    HttpResponse::build(status).json(e.body(flavor))
+}
+
+pub fn engine_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::Rejected(m) => ApiError::bad("request", m),
+        other => ApiError::status(503, other.to_string()),
+    }
+}
+
+/// The body, refused with 413 past `MAX_BODY_BYTES`.
+pub async fn read_body(mut payload: web::Payload) -> Result<Bytes, ApiError> {
+    let mut body = BytesMut::new();
+    while let Some(chunk) = payload.next().await {
+        let chunk =
+            chunk.map_err(|e| ApiError::bad("body", format!("cannot read the body: {e}")))?;
+        if body.len() + chunk.len() > MAX_BODY_BYTES {
+            return Err(ApiError::status(
+                413,
+                format!("the request body exceeds {MAX_BODY_BYTES} bytes"),
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
+pub fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != &st.model_name => Err(ApiError {
+            status: 404,
+            message: format!(
+                "model `{m}` does not exist; this server serves `{}`",
+                st.model_name
+            ),
+            param: Some("model".into()),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// A request's outputs with its latencies recorded as they arrive.
+pub struct Timed {
+    stream: RequestStream,
+    metrics: Arc<Metrics>,
+    started: Instant,
+    last_token: Option<Instant>,
+    num_prompt_tokens: usize,
+    num_generated_tokens: usize,
+    done: bool,
+}
+
+impl Timed {
+    pub fn new(stream: RequestStream, st: &ServerState, num_prompt_tokens: usize) -> Self {
+        Timed {
+            stream,
+            metrics: st.metrics.clone(),
+            started: Instant::now(),
+            last_token: None,
+            num_prompt_tokens,
+            num_generated_tokens: 0,
+            done: false,
+        }
+    }
+
+    pub fn request_id(&self) -> u64 {
+        self.stream.request_id
+    }
+
+    pub async fn next(&mut self) -> Option<RequestOutput> {
+        let out = self.stream.next().await;
+        let now = Instant::now();
+        match &out {
+            Some(o) if !o.token_ids.is_empty() => {
+                match self.last_token {
+                    None => self
+                        .metrics
+                        .observe_ttft_secs((now - self.started).as_secs_f64()),
+                    Some(t) => self
+                        .metrics
+                        .observe_inter_token_secs((now - t).as_secs_f64()),
+                }
+                self.last_token = Some(now);
+                self.num_generated_tokens += o.token_ids.len();
+            }
+            Some(_) => {}
+            None => self.finish(),
+        }
+        out
+    }
+
+    pub async fn collect_ok(mut self) -> Result<Vec<RequestOutput>, ApiError> {
+        let mut by_index: Vec<RequestOutput> = Vec::new();
+        while let Some(o) = self.next().await {
+            while by_index.len() <= o.index {
+                by_index.push(RequestOutput::default());
+            }
+            let acc = &mut by_index[o.index];
+            acc.index = o.index;
+            acc.request_id = o.request_id;
+            acc.token_ids.extend(&o.token_ids);
+            acc.text.push_str(&o.text);
+            acc.token_logprobs.extend(&o.token_logprobs);
+            acc.top_logprobs.extend(o.top_logprobs.iter().cloned());
+            if o.finish_reason.is_some() {
+                acc.finish_reason = o.finish_reason;
+                acc.seed = o.seed;
+                acc.stop_string = o.stop_string.clone();
+            }
+            if let Some(e) = o.error {
+                return Err(ApiError::status(503, e));
+            }
+        }
+        Ok(by_index)
+    }
+
+    fn finish(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.metrics
+                .record_tokens(self.num_prompt_tokens, self.num_generated_tokens);
+            self.metrics
+                .observe_e2e_secs(self.started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// One server-sent event: `event:` (the Anthropic and Responses APIs name theirs) and data.
+pub struct SseEvent {
+    pub event: Option<String>,
+    pub data: Value,
+}
+
+impl SseEvent {
+    pub fn data(data: Value) -> Self {
+        SseEvent { event: None, data }
+    }
+    pub fn named(event: &str, data: Value) -> Self {
+        SseEvent {
+            event: Some(event.to_string()),
+            data,
+        }
+    }
+}
+
+/// The SSE body: the encoded events of each output, the tail's after the last, then
+/// OpenAI's `[DONE]` when `done_marker`.
+pub fn sse(
+    stream: Timed,
+    encode: impl FnMut(&RequestOutput) -> Vec<SseEvent> + 'static,
+    tail: impl FnOnce() -> Vec<SseEvent> + 'static,
+    done_marker: bool,
+) -> HttpResponse {
+    struct State<E, T> {
+        stream: Option<Timed>,
+        encode: E,
+        tail: Option<T>,
+    }
+    let state = State {
+        stream: Some(stream),
+        encode,
+        tail: Some(tail),
+    };
+    let body = futures_util::stream::unfold(state, move |mut s| async move {
+        let events: Vec<SseEvent> = match s.stream.as_mut() {
+            Some(stream) => match stream.next().await {
+                Some(out) => (s.encode)(&out),
+                None => {
+                    s.stream = None;
+                    s.tail.take().map(|t| t()).unwrap_or_default()
+                }
+            },
+            None => return None,
+        };
+        let mut text = String::new();
+        for e in events {
+            if let Some(name) = e.event {
+                text.push_str(&format!("event: {name}\n"));
+            }
+            text.push_str(&format!("data: {}\n\n", e.data));
+        }
+        if s.stream.is_none() && done_marker {
+            text.push_str("data: [DONE]\n\n");
+        }
+        Some((Ok::<_, actix_web::Error>(Bytes::from(text)), s))
+    });
+    HttpResponse::Ok()
+        .content_type("text/event-stream")
+        .insert_header(("cache-control", "no-cache"))
+        .streaming(body)
+}
+
+/// A whole-JSON reply whose body is sent as the generation ends, with a space every
+/// second until then (leading whitespace is valid JSON). The heartbeats are what notices a
+/// client that hung up: the failed write drops the body, and with it the request, which
+/// aborts and frees its blocks — a plain response would run the request to its end.
+/// Client mistakes were answered before this starts; an engine failure during generation
+/// arrives as the API's error object after the 200.
+pub fn json_when_done(
+    reply: impl std::future::Future<Output = Result<Value, ApiError>> + 'static,
+    flavor: Flavor,
+) -> HttpResponse {
+    let state = Some(Box::pin(reply));
+    let body = futures_util::stream::unfold(state, move |state| async move {
+        let mut reply = state?;
+        let tick = tokio::time::sleep(std::time::Duration::from_secs(1));
+        match futures_util::future::select(reply.as_mut(), Box::pin(tick)).await {
+            futures_util::future::Either::Left((done, _)) => {
+                let value = done.unwrap_or_else(|e| e.body(flavor));
+                Some((
+                    Ok::<_, actix_web::Error>(Bytes::from(value.to_string())),
+                    None,
+                ))
+            }
+            futures_util::future::Either::Right(_) => {
+                Some((Ok(Bytes::from_static(b" ")), Some(reply)))
+            }
+        }
+    });
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .streaming(body)
+}
+
+/// Runs a handler body and answers its error in the API's format; counts the request.
+pub async fn respond(
+    st: &ServerState,
+    endpoint: &str,
+    flavor: Flavor,
+    result: Result<HttpResponse, ApiError>,
+) -> HttpResponse {
+    let response = match result {
+        Ok(r) => r,
+        Err(e) => error_response(&e, flavor),
+    };
+    st.metrics
+        .record_request(endpoint, response.status().as_u16());
+    response
+}
