@@ -11,9 +11,11 @@ pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod protocol;
+pub mod runner;
 pub mod sampling;
 pub mod sched;
 pub mod spec;
+pub mod step;
 pub mod structured;
 pub mod sync;
 

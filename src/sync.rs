@@ -1,6 +1,12 @@
 //! The one place shared-memory primitives come from: std normally, loom under
 //! `--cfg troupe_loom` so the loom suites (`tests/loom_*.rs`) can explore their
-//! interleavings. Nothing else in the crate names `std::sync` for shared state.
+//! interleavings. Nothing else in the crate names `std::sync`.
+//!
+//! `Shared` is std's `Arc` in both builds: a reference count over data nobody writes
+//! after it is shared (prompts, parameters, weights, trait objects), where there is no
+//! ordering for loom to explore and loom's `Arc` (no unsized coercion) does not fit.
+//! `OnceLock` is std's too: loom has none, and a value set once before it is read by
+//! anyone has no interleaving to explore.
 
 #[cfg(troupe_loom)]
 pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, atomic};
@@ -11,3 +17,6 @@ pub use loom::thread;
 pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, atomic};
 #[cfg(not(troupe_loom))]
 pub use std::thread;
+
+pub use std::sync::Arc as Shared;
+pub use std::sync::OnceLock;

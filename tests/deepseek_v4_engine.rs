@@ -8,10 +8,10 @@ mod common;
 
 use common::dsv4::{CHECKPOINTS, Reference, reference};
 
-use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason};
 use troupe::model::deepseek_v4::cache::DsV4Cache;
 use troupe::model::deepseek_v4::config::DsV4Config;
+use troupe::runner::fault::FaultPlan;
 use troupe::sampling::SamplingParams;
 
 fn ds_config(name: &str) -> DsV4Config {

@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::engine::{assert_finished_unchanged, random_requests, reference_outputs, tiny_config};
-use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Engine, EngineHandle, RequestOutput, RequestStream};
+use troupe::runner::fault::FaultPlan;
 
 const MODEL: &str = "tiny-llama";
 

@@ -3,7 +3,7 @@
 #![cfg(troupe_loom)]
 
 use loom::thread;
-use troupe::actors::sampled_tokens::SampledTokens;
+use troupe::runner::sampled_tokens::SampledTokens;
 
 #[test]
 fn a_waiter_gets_the_published_token() {

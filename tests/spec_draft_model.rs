@@ -8,11 +8,11 @@
 mod common;
 
 use common::engine::{ok_outputs, reference_outputs, run_engine, tiny_config, tokens};
-use troupe::actors::fault::FaultPlan;
 use troupe::engine::{
     Engine, EngineConfig, EngineRequest, EngineStatus, SpecAcceptance, SpecConfig, SpecMethod,
     SpecVerify,
 };
+use troupe::runner::fault::FaultPlan;
 use troupe::sampling::{SamplingParams, splitmix64};
 
 fn draft_config(model: &str, draft: &str, k: usize, verify: SpecVerify) -> EngineConfig {

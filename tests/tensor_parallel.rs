@@ -12,13 +12,13 @@ use std::time::Duration;
 use common::engine::{
     assert_finished_unchanged, ok_outputs, random_requests, reference_outputs, tiny_config, tokens,
 };
-use troupe::actors::fault::FaultPlan;
 use troupe::engine::{Engine, EngineConfig, EngineHandle, RequestOutput};
 use troupe::kernels::Backend;
 use troupe::kernels::collective::ChannelCollective;
 use troupe::kernels::cpu::CpuBackend;
 use troupe::model::llama::SeqStep;
 use troupe::model::tensor_parallel::TpShard;
+use troupe::runner::fault::FaultPlan;
 
 const LOGIT_TOLERANCE: f32 = 1e-3;
 const MODEL: &str = "tiny-llama";

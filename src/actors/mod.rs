@@ -3,10 +3,7 @@
 //! own OS thread. Messages are one typed enum per actor and step-sized: plans and logits
 //! travel as `Arc`s, tokens reach callers through per-request channels.
 
-pub mod decode_curve;
-pub mod fault;
 pub mod rank_worker;
-pub mod sampled_tokens;
 pub mod sampler;
 pub mod scheduler;
 pub mod supervisor;

@@ -9,18 +9,19 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::rank_worker::RankMsg;
-use super::sampled_tokens::SampledTokens;
-use super::sampler::{RowSampling, SamplerMsg};
+use super::sampler::SamplerMsg;
 use crate::api::{
     EngineError, EngineRequest, EngineStatus, IncrementalDecoder, MAX_CHOICES, RequestOutput,
     TextStream,
 };
 use crate::model::tokenizer::Tokenizer;
+use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepPlan,
 };
 use crate::spec::LatencyCurve;
+use crate::step::{RowSampling, SampledStep};
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
 mod sampled;
@@ -37,20 +38,8 @@ pub enum SchedulerMsg {
     Abort {
         request_id: u64,
     },
-    /// From the sampler: the tokens of the sampling rows of `step_id`, in row order — one
-    /// per row, or a verify row's accepted drafts and the token after them.
-    StepSampled {
-        epoch: u64,
-        step_id: u64,
-        tokens: Vec<Vec<u32>>,
-        token_logprobs: Vec<Vec<f32>>,
-        top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
-        /// Per row of `tokens`: the draft model's probabilities of the drafts it verified.
-        draft_probs: Vec<Vec<f32>>,
-        elapsed_secs: f64,
-        worker_idle_secs: f64,
-        device_idle_secs: Option<f64>,
-    },
+    /// From the sampler: the sampled rows of a step, in row order.
+    StepSampled(SampledStep),
     /// From the supervisor, at start and after restarts: device state is fresh, so every
     /// unfinished sequence is recomputed.
     Attach {
@@ -65,6 +54,25 @@ pub enum SchedulerMsg {
     Status(RpcReplyPort<EngineStatus>),
     /// Replies once no request is left.
     Drain(RpcReplyPort<()>),
+}
+
+impl From<SampledStep> for SchedulerMsg {
+    fn from(step: SampledStep) -> Self {
+        SchedulerMsg::StepSampled(step)
+    }
+}
+
+/// Lets the sampler hold the scheduler as a `DerivedActorRef<SampledStep>` (it knows the
+/// step contract, not the scheduler's messages).
+impl TryFrom<SchedulerMsg> for SampledStep {
+    type Error = ();
+
+    fn try_from(msg: SchedulerMsg) -> Result<Self, ()> {
+        match msg {
+            SchedulerMsg::StepSampled(step) => Ok(step),
+            _ => Err(()),
+        }
+    }
 }
 
 /// A generated token's logprob and its top alternatives.
@@ -504,28 +512,11 @@ impl Actor for SchedulerActor {
                 st.abort_request(request_id);
                 st.kick();
             }
-            SchedulerMsg::StepSampled {
-                epoch,
-                step_id,
-                tokens,
-                token_logprobs,
-                top_logprobs,
-                draft_probs,
-                elapsed_secs,
-                worker_idle_secs,
-                device_idle_secs,
-            } => {
-                if epoch == st.epoch {
-                    st.status.worker_idle_secs += worker_idle_secs;
-                    st.status.device_idle_secs += device_idle_secs.unwrap_or(0.0);
-                    st.on_sampled(
-                        step_id,
-                        tokens,
-                        token_logprobs,
-                        top_logprobs,
-                        draft_probs,
-                        elapsed_secs,
-                    );
+            SchedulerMsg::StepSampled(step) => {
+                if step.epoch == st.epoch {
+                    st.status.worker_idle_secs += step.worker_idle_secs;
+                    st.status.device_idle_secs += step.device_idle_secs.unwrap_or(0.0);
+                    st.on_sampled(step);
                     st.kick();
                 }
             }

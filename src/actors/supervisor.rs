@@ -9,9 +9,7 @@
 use ractor::thread_local::{ThreadLocalActor, ThreadLocalActorSpawner};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 
-use super::fault::FaultPlan;
-use super::rank_worker::{RankArgs, RankMsg, RankWorker};
-use super::sampled_tokens::SampledTokens;
+use super::rank_worker::{RankMsg, RankWorker};
 use super::sampler::{SamplerActor, SamplerArgs, SamplerMsg};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg};
 use crate::kernels::Device;
@@ -19,6 +17,9 @@ use crate::kernels::collective::{ChannelCollective, GroupAbort, GroupJoin};
 use crate::model::config::ModelConfig;
 use crate::model::deepseek_v4::expert_parallel::largest_valid_ep;
 use crate::model::tensor_parallel::{TpShard, largest_valid_tp};
+use crate::runner::RankArgs;
+use crate::runner::fault::FaultPlan;
+use crate::runner::sampled_tokens::SampledTokens;
 
 pub struct SupervisorArgs {
     pub scheduler: SchedulerArgs,
@@ -45,7 +46,7 @@ pub struct RankArgsTemplate {
     pub batch_invariant: bool,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
-    pub decode_curve: Option<super::decode_curve::CurveJob>,
+    pub decode_curve: Option<crate::runner::decode_curve::CurveJob>,
     pub draft_model_path: Option<std::path::PathBuf>,
     pub mtp: bool,
     /// DeepSeek-V4: a group is expert-parallel, sized by its routed experts.
@@ -235,7 +236,7 @@ impl EngineSupervisor {
         st: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         let args = SamplerArgs {
-            scheduler: st.children.scheduler.clone(),
+            scheduler: st.children.scheduler.get_derived(),
             sampled: st.sampled.clone(),
             faults: st.rank.faults.clone(),
         };
@@ -265,7 +266,7 @@ impl Actor for EngineSupervisor {
             SchedulerActor::spawn_linked(None, SchedulerActor, args.scheduler, myself.get_cell())
                 .await?;
         let sampler_args = SamplerArgs {
-            scheduler: scheduler.clone(),
+            scheduler: scheduler.get_derived(),
             sampled: sampled.clone(),
             faults: args.rank.faults.clone(),
         };

@@ -18,14 +18,14 @@ pub use crate::api::{
 pub use crate::kernels::Device;
 pub use config::{EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
 
-use crate::actors::decode_curve::CurveJob;
-use crate::actors::fault::FaultPlan;
-use crate::actors::sampled_tokens::SampledTokens;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{
     Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
 };
 use crate::model::{self, ModelText};
+use crate::runner::decode_curve::CurveJob;
+use crate::runner::fault::FaultPlan;
+use crate::runner::sampled_tokens::SampledTokens;
 use crate::sched::SchedulerConfig;
 use crate::structured::{CompiledGrammar, GrammarCompiler};
 

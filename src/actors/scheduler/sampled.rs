@@ -7,17 +7,11 @@ use super::{SchedulerState, TokenLogprobs, request_id_of};
 use crate::api::MAX_SPEC_POSITIONS;
 use crate::api::RequestOutput;
 use crate::sched::{FinishReason, SeqEvent, SeqId};
+use crate::step::SampledStep;
 
 impl SchedulerState {
-    pub(super) fn on_sampled(
-        &mut self,
-        step_id: u64,
-        tokens: Vec<Vec<u32>>,
-        token_logprobs: Vec<Vec<f32>>,
-        top_logprobs: Vec<Vec<Vec<(u32, f32)>>>,
-        draft_probs: Vec<Vec<f32>>,
-        secs: f64,
-    ) {
+    pub(super) fn on_sampled(&mut self, step: SampledStep) {
+        let (step_id, secs) = (step.step_id, step.elapsed_secs);
         let Some(plan) = self.in_flight.pop_front() else {
             return;
         };
@@ -29,7 +23,7 @@ impl SchedulerState {
             .all(|r| r.num_tokens() == 1 + r.num_draft_tokens)
         {
             // A decode step: the tokens it yields (a verify row's accepted drafts count).
-            let num_yielded: usize = tokens.iter().map(Vec::len).sum();
+            let num_yielded: usize = step.rows.iter().map(|r| r.tokens.len()).sum();
             self.status.num_decode_tokens += num_yielded as u64;
             self.status.decode_secs += secs;
         } else {
@@ -39,16 +33,17 @@ impl SchedulerState {
         // Per sequence, its tokens' logprobs in emission order.
         let mut logprobs_of: HashMap<SeqId, VecDeque<TokenLogprobs>> = HashMap::new();
         let sampling_rows = plan.rows.iter().filter(|r| r.sample);
-        for ((row, lps), tops) in sampling_rows.zip(token_logprobs).zip(top_logprobs) {
+        for (row, sampled) in sampling_rows.clone().zip(&step.rows) {
             if row.num_draft_tokens > 0 {
                 self.status.num_spec_verified_tokens += row.num_draft_tokens as u64;
                 self.status.num_spec_verify_rows += 1;
             }
-            logprobs_of.insert(row.seq_id, lps.into_iter().zip(tops).collect());
+            let lps = sampled.token_logprobs.iter().copied();
+            logprobs_of.insert(row.seq_id, lps.zip(sampled.top_logprobs.clone()).collect());
         }
-        for (row, t) in plan.rows.iter().filter(|r| r.sample).zip(&tokens) {
+        for (row, sampled) in sampling_rows.clone().zip(&step.rows) {
             if row.num_draft_tokens > 0 {
-                let num_accepted = t.len().saturating_sub(1);
+                let num_accepted = sampled.tokens.len().saturating_sub(1);
                 self.status.num_spec_accepted_tokens += num_accepted as u64;
                 let s = &mut self.status;
                 for i in 0..row.num_draft_tokens.min(MAX_SPEC_POSITIONS) {
@@ -57,16 +52,13 @@ impl SchedulerState {
                 }
             }
         }
-        let probs: Vec<(SeqId, &[f32])> = plan
-            .rows
-            .iter()
-            .filter(|r| r.sample)
-            .zip(&draft_probs)
-            .filter(|(_, p)| !p.is_empty())
-            .map(|(r, p)| (r.seq_id, p.as_slice()))
+        let probs: Vec<(SeqId, &[f32])> = sampling_rows
+            .zip(&step.rows)
+            .filter(|(_, s)| !s.draft_probs.is_empty())
+            .map(|(r, s)| (r.seq_id, s.draft_probs.as_slice()))
             .collect();
         self.core.observe_draft_probs(&probs);
-        let per_row: Vec<&[u32]> = tokens.iter().map(Vec::as_slice).collect();
+        let per_row: Vec<&[u32]> = step.rows.iter().map(|r| r.tokens.as_slice()).collect();
         for event in self.core.on_step_verified(step_id, &per_row, secs) {
             match event {
                 SeqEvent::Token { seq_id, token } => {

@@ -6,10 +6,10 @@ use ractor::ActorProcessingErr;
 
 use super::draft;
 use super::{DeviceModel, LaunchedStep, PrevToken, RankArgs};
-use crate::actors::sampler::{RowSampling, StepLogits};
 use crate::kernels::collective::GroupJoin;
 use crate::kernels::{Backend, PickRow};
 use crate::model::llama::{LlamaModel, SeqStep};
+use crate::step::{RowSampling, StepLogits};
 
 pub(super) struct OnBackend<B: Backend> {
     /// First: fields drop in order, and the backend must close its device state (an open

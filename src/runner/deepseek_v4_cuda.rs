@@ -4,13 +4,13 @@
 
 use super::deepseek_v4::{ds_steps, eplb_for, launched};
 use super::{DeviceModel, LaunchedStep, RankArgs};
-use crate::actors::sampler::RowSampling;
 use crate::eplb::{BalanceReport, Eplb};
 use crate::kernels::collective::GroupJoin;
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::cuda::DsV4Cuda;
 use crate::model::deepseek_v4::cuda::cache::DeviceCache;
 use crate::model::llama::SeqStep;
+use crate::step::RowSampling;
 
 pub(super) struct DsV4OnCuda {
     model: DsV4Cuda,

@@ -8,10 +8,10 @@ use std::path::PathBuf;
 use std::sync::{Arc as StdArc, Mutex};
 use std::time::Instant;
 
-use super::sampler::RowSampling;
 use crate::model::llama::SeqStep;
 use crate::sampling::SamplingParams;
 use crate::spec::{CurveStore, LatencyCurve};
+use crate::step::RowSampling;
 
 /// Decode batch sizes measured (the CUDA graph buckets), up to the job's `max_rows`.
 const ROW_COUNTS: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
@@ -88,4 +88,25 @@ pub(super) fn run(
     let key = CurveStore::key(device, &job.model_key, &format!("{rows:?}"));
     CurveStore::new(&job.store_dir)
         .load_or_measure(&key, || LatencyCurve::measure(&rows, REPEATS, time))
+}
+
+/// Measures (or loads) `job`'s curve on `model` and leaves it in `job.result`; a failure
+/// is logged, and verification then prices steps with the fitted cost model alone.
+pub fn measure(
+    job: &CurveJob,
+    model: &mut dyn super::DeviceModel,
+    block_size: usize,
+    num_blocks: usize,
+) {
+    let device = model.device_label();
+    let curve = run(job, &device, num_blocks, |rows| {
+        time_decode_step(rows, |steps, sampling| {
+            let launched = model.step(block_size, steps, &[], sampling);
+            let _ = (launched.logits)();
+        })
+    });
+    match curve {
+        Ok(curve) => *job.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(curve),
+        Err(e) => tracing::warn!("decode latency curve not measured: {e}"),
+    }
 }

@@ -5,7 +5,6 @@
 
 use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
-use crate::actors::sampler::{RowSampling, StepLogits};
 use crate::eplb::{BalanceReport, Eplb};
 use crate::kernels::Backend;
 use crate::kernels::collective::GroupJoin;
@@ -16,6 +15,7 @@ use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
+use crate::step::{RowSampling, StepLogits};
 
 pub(super) struct DsV4OnHost {
     model: DsV4Model,

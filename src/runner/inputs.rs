@@ -1,0 +1,112 @@
+//! A step's inputs on a rank: each row's tokens, or — for a row that continues the
+//! previous step under ZOS — the token that step drew, found where it lies: still on the
+//! device (the embedding reads the pick there), already on the host, or, for rows the
+//! sampler drew on the host, waited for in `SampledTokens`.
+
+use super::PrevToken;
+use super::sampled_tokens::SampledTokens;
+use crate::kernels::NOT_PICKED;
+use crate::model::llama::{SeqStep, SlotState};
+use crate::sched::{RowInput, StepPlan};
+
+/// The rank's view of the step in flight and the one before it, reused across steps.
+#[derive(Default)]
+pub struct StepInputs {
+    /// Input ids of the current step's rows.
+    inputs: Vec<Vec<u32>>,
+    /// Per row of the current step: its input's index among the device's picks (empty
+    /// when no row reads a pick).
+    picked_rows: Vec<u32>,
+    /// The last launched step (epoch, step id) and where its rows' tokens are.
+    prev: Option<(u64, u64, Vec<Option<PrevToken>>)>,
+}
+
+impl StepInputs {
+    /// Fills the rows' inputs for `plan`; `false` when the engine was reset while a row
+    /// waited for its token, so the step is void (a rank of a group runs it anyway on
+    /// zeros: a rank that skipped would leave its peers waiting in a collective).
+    pub fn resolve(
+        &mut self,
+        epoch: u64,
+        plan: &StepPlan,
+        sampled: &SampledTokens,
+        in_group: bool,
+        rank: usize,
+    ) -> bool {
+        self.inputs.resize_with(plan.rows.len(), Vec::new);
+        self.picked_rows.clear();
+        for (row, input) in plan.rows.iter().zip(self.inputs.iter_mut()) {
+            input.clear();
+            let mut picked = NOT_PICKED;
+            match &row.input {
+                RowInput::Tokens(ids) => input.extend_from_slice(ids),
+                RowInput::FromPrevious {
+                    prev_step,
+                    prev_row,
+                } => {
+                    let known = match &self.prev {
+                        Some((e, s, prev)) if *e == epoch && s == prev_step => {
+                            prev.get(*prev_row).copied().flatten()
+                        }
+                        _ => None,
+                    };
+                    match known {
+                        Some(PrevToken::Host(token)) => input.push(token),
+                        Some(PrevToken::Device(i)) => {
+                            // A placeholder: the embedding reads the pick on the device.
+                            input.push(0);
+                            picked = i;
+                        }
+                        None => {
+                            tracing::debug!(
+                                rank,
+                                step = plan.step_id,
+                                prev_step,
+                                prev_row,
+                                "waiting for a sampled token"
+                            );
+                            match sampled.wait(epoch, *prev_step, *prev_row) {
+                                Some(token) => input.push(token),
+                                None if in_group => input.push(0),
+                                None => return false,
+                            }
+                        }
+                    }
+                }
+            }
+            self.picked_rows.push(picked);
+        }
+        if self.picked_rows.iter().all(|&p| p == NOT_PICKED) {
+            self.picked_rows.clear();
+        }
+        true
+    }
+
+    /// The resolved rows as the model runs them.
+    pub fn seq_steps<'a>(&'a self, plan: &'a StepPlan) -> Vec<SeqStep<'a>> {
+        plan.rows
+            .iter()
+            .zip(&self.inputs)
+            .map(|(row, input)| SeqStep {
+                token_ids: input,
+                num_cached_tokens: row.num_cached_tokens,
+                block_table: &row.block_table,
+                num_logit_rows: 1 + row.num_draft_tokens,
+                state: row.state_slot.map(|slot| SlotState {
+                    slot,
+                    state_start: row.state_start,
+                    replay_until: row.replay_until,
+                }),
+            })
+            .collect()
+    }
+
+    pub fn picked_rows(&self) -> &[u32] {
+        &self.picked_rows
+    }
+
+    /// Records where the launched step's rows' tokens are, for the next step's ZOS rows.
+    pub fn launched(&mut self, epoch: u64, step_id: u64, prev: Vec<Option<PrevToken>>) {
+        self.prev = Some((epoch, step_id, prev));
+    }
+}

@@ -1,0 +1,157 @@
+//! The runner layer: everything that executes a model on a device, below the actors that
+//! drive it. A `DeviceModel` is one rank's model, weights and cache on its backend — the
+//! Llama family on any `Backend` (with its draft model), DeepSeek-V4 on the host or one
+//! GPU (with its MTP drafter); `StepInputs` applies a step's ZOS remap; the readback
+//! thread waits for each launched step and hands it on; the decode-latency curve is
+//! measured here as a rank starts.
+
+pub mod decode_curve;
+#[cfg(feature = "cuda")]
+mod deepseek_v4_cuda;
+pub mod fault;
+pub mod inputs;
+pub mod readback;
+pub mod sampled_tokens;
+
+mod deepseek_v4;
+mod draft;
+mod llama;
+mod mtp;
+
+use std::path::PathBuf;
+
+use crate::kernels::collective::GroupJoin;
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::{Device, DeviceMark, Pending};
+use crate::model::llama::SeqStep;
+use crate::model::tensor_parallel::TpShard;
+use crate::step::{RowSampling, StepLogits};
+
+use decode_curve::CurveJob;
+use fault::FaultPlan;
+use llama::load_on;
+use sampled_tokens::SampledTokens;
+
+/// Why a rank's model did not load (what its actor's start fails with).
+pub type LoadError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What it takes to start one rank.
+pub struct RankArgs {
+    /// The rank's place in its tensor-parallel group.
+    pub shard: TpShard,
+    /// The rank's device among the engine's devices (what fault injection names).
+    pub device_slot: usize,
+    pub model_path: PathBuf,
+    pub num_kv_blocks: usize,
+    pub num_state_slots: usize,
+    pub block_size: usize,
+    pub sampled: SampledTokens,
+    /// MoE models: plan expert placement from the routed loads and report the balance.
+    pub eplb: Option<crate::eplb::EplbSettings>,
+    pub moe_balance: crate::eplb::BalanceReport,
+    pub faults: FaultPlan,
+    pub batch_invariant: bool,
+    pub device: Device,
+    pub dummy_weights: bool,
+    /// `--spec draft`: the draft model this rank runs beside the model.
+    pub draft_model_path: Option<PathBuf>,
+    /// `--spec mtp`: DeepSeek-V4's MTP layer drafts for the verify rows.
+    pub mtp: bool,
+    pub enforce_eager: bool,
+    /// Measure (or load) the decode latency curve before the first step.
+    pub decode_curve: Option<CurveJob>,
+}
+
+/// Where the next step finds the token a row of this step drew.
+#[derive(Debug, Clone, Copy)]
+pub enum PrevToken {
+    /// Already on the host (a backend that picks on the host).
+    Host(u32),
+    /// Entry `i` of the backend's greedy picks, still on the device: the next step's
+    /// embedding reads it there, nobody waits for it.
+    Device(u32),
+}
+
+/// A step launched on the device.
+pub struct LaunchedStep {
+    /// Waits for the step's picks to land and returns what the sampler needs.
+    pub logits: Pending<StepLogits>,
+    /// The step's first and last work on the device's timeline (CUDA events).
+    pub span: Option<(DeviceMark, DeviceMark)>,
+    /// Per plan row, for rows with a greedy pick: where the next step finds it.
+    pub prev: Vec<Option<PrevToken>>,
+}
+
+/// One rank's model, weights and KV cache on its device: all a step needs.
+pub trait DeviceModel {
+    /// Launches the step: rows without processors are picked on the device (greedy ones,
+    /// and sampled ones where the backend samples), the other sampling rows' logits are
+    /// copied to the host before this returns.
+    fn step(
+        &mut self,
+        block_size: usize,
+        steps: &[SeqStep<'_>],
+        picked_rows: &[u32],
+        sampling: &[Option<RowSampling>],
+    ) -> LaunchedStep;
+    fn vocab_size(&self) -> usize;
+    fn join_group(&mut self, join: GroupJoin) -> Result<(), String>;
+    /// The hardware, for keying measurements.
+    fn device_label(&self) -> String;
+}
+
+/// The model at `args.model_path` on `args.device`, loaded.
+pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
+    if crate::model::is_deepseek_v4_dir(&args.model_path) {
+        return match args.device {
+            Device::Cpu => Ok(deepseek_v4::load(args)?),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => Ok(deepseek_v4_cuda::load(args, ordinal)?),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(crate::kernels::NO_CUDA.into()),
+        };
+    }
+    match args.device {
+        Device::Cpu => load_on(
+            CpuBackend {
+                batch_invariant: args.batch_invariant,
+            },
+            args,
+        ),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => load_on(
+            crate::kernels::cuda::CudaBackend::new(
+                ordinal,
+                args.batch_invariant,
+                !args.enforce_eager,
+            )?,
+            args,
+        ),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(crate::kernels::NO_CUDA.into()),
+    }
+}
+
+/// Per plan row: how many of its last tokens are placeholders a drafting model fills in.
+pub(crate) fn num_placeholders(sampling: &[Option<RowSampling>]) -> Vec<usize> {
+    sampling
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.drafts.len()))
+        .collect()
+}
+
+/// Each row's tokens with its last `num_drafts[i]` placeholders replaced by `drafts[i]`
+/// (rows without drafts keep their tokens).
+pub(crate) fn fill_placeholders<'a>(
+    rows: impl Iterator<Item = &'a [u32]>,
+    num_drafts: &[usize],
+    drafts: &[Vec<(u32, f32)>],
+) -> Vec<Vec<u32>> {
+    rows.zip(num_drafts)
+        .zip(drafts)
+        .map(|((tokens, &k), d)| {
+            let known = &tokens[..tokens.len() - k];
+            known.iter().copied().chain(d.iter().map(|x| x.0)).collect()
+        })
+        .collect()
+}

@@ -1,0 +1,235 @@
+//! Sampling one step: each row with its request's parameters, history and seed; a verify
+//! row's drafts verified with the same sampler (several tokens a row), or against the
+//! argmax picks the rank made on the device. The sampler actor calls it and publishes.
+
+use crate::sampling::{SampleContext, Sampler as RowSampler};
+use crate::spec::TargetDistribution;
+use crate::spec::verify::{self, History};
+use crate::structured::SeqConstraint;
+use crate::sync::Shared as Arc;
+
+use super::{RowSampling, SampledRow, StepLogits};
+
+/// The sampler's state across steps.
+#[derive(Default)]
+pub struct StepSampler {
+    sampler: RowSampler,
+    /// The previous step's tokens by row, for the histories of ZOS rows.
+    last_step: Option<(u64, u64, Vec<Option<u32>>)>,
+    history: Vec<u32>,
+    /// A constrained row's logits, masked.
+    masked: Vec<f32>,
+}
+
+/// One step's outcome.
+pub struct StepOutcome {
+    /// Per sampled row, in plan-row order.
+    pub rows: Vec<SampledRow>,
+    /// Per plan row: the last token it drew (what a ZOS row of the next step reads).
+    pub per_row: Vec<Option<u32>>,
+    /// Constrained rows and their histories with the new tokens: advanced once the tokens
+    /// are out, so the next masks are computed beside the next forward pass.
+    pub advances: Vec<(Arc<SeqConstraint>, Vec<u32>)>,
+}
+
+impl StepSampler {
+    /// Samples `step_id`'s rows; `verify_fault` is asked before each verification (the
+    /// fault-injection tests panic there).
+    pub fn sample(
+        &mut self,
+        epoch: u64,
+        step_id: u64,
+        logits: &StepLogits,
+        vocab_size: usize,
+        sampling: &[Option<RowSampling>],
+        verify_fault: &mut dyn FnMut() -> bool,
+    ) -> Result<StepOutcome, String> {
+        let mut per_row = Vec::with_capacity(sampling.len());
+        let (mut tokens, mut token_logprobs, mut top_logprobs) =
+            (Vec::new(), Vec::new(), Vec::new());
+        // Per sampled row (as `tokens`): the draft model's probabilities of its drafts.
+        let mut draft_probs: Vec<Vec<f32>> = Vec::new();
+        // Constrained rows and their histories with the new token, advanced after the
+        // tokens are out so the next masks are computed beside the next forward pass.
+        let mut advances: Vec<(Arc<SeqConstraint>, Vec<u32>)> = Vec::new();
+        for (row, s) in sampling.iter().enumerate() {
+            let Some(s) = s else {
+                per_row.push(None);
+                continue;
+            };
+            // A draft model's drafts, where it filled in the row's placeholders.
+            let model_drafts = logits.model_drafts.get(row).and_then(Option::as_ref);
+            let filled: Vec<u32>;
+            let drafts: &[u32] = match model_drafts {
+                Some(d) => {
+                    filled = d.iter().map(|x| x.0).collect();
+                    &filled
+                }
+                None => &s.drafts,
+            };
+            draft_probs
+                .push(model_drafts.map_or_else(Vec::new, |d| d.iter().map(|x| x.1).collect()));
+            let pending = s
+                .pending_prev_row
+                .and_then(|prev_row| match &self.last_step {
+                    Some((e, prev_step, toks)) if *e == epoch && *prev_step + 1 == step_id => {
+                        toks.get(prev_row).copied().flatten()
+                    }
+                    _ => None,
+                });
+            let output_ids: &[u32] = match pending {
+                Some(t) => {
+                    self.history.clear();
+                    self.history.extend_from_slice(&s.output_ids);
+                    self.history.push(t);
+                    &self.history
+                }
+                None => &s.output_ids,
+            };
+            let ctx = SampleContext {
+                position: s.position,
+                prompt_ids: &s.prompt_ids,
+                output_ids,
+                banned_ids: &s.banned_ids,
+            };
+            if let Some((token, logprob)) = logits.picked.get(row).copied().flatten() {
+                per_row.push(Some(token));
+                tokens.push(vec![token]);
+                token_logprobs.push(vec![logprob]);
+                top_logprobs.push(vec![Vec::new()]);
+                continue;
+            }
+            if let Some(picks) = logits.verify_picks.get(row).and_then(Option::as_ref) {
+                if verify_fault() {
+                    panic!("sampler panicked mid-verification (injected fault)");
+                }
+                // Greedy: the drafts that equal the argmax there, then the argmax at the
+                // first mismatch (or after the last draft).
+                let num_accepted = drafts
+                    .iter()
+                    .zip(picks)
+                    .take_while(|(d, p)| **d == p.0)
+                    .count();
+                let emitted = &picks[..=num_accepted.min(picks.len() - 1)];
+                per_row.push(emitted.last().map(|p| p.0));
+                tokens.push(emitted.iter().map(|p| p.0).collect());
+                token_logprobs.push(emitted.iter().map(|p| p.1).collect());
+                top_logprobs.push(vec![Vec::new(); emitted.len()]);
+                continue;
+            }
+            let Some(host_row) = logits.host_row.get(row).copied().flatten() else {
+                return Err(format!(
+                    "step {step_id}: row {row} has neither a pick nor logits"
+                ));
+            };
+            let host_rows = logits.host.len() / vocab_size.max(1);
+            if host_row + drafts.len() >= host_rows {
+                return Err(format!(
+                    "step {step_id}: row {row} verifies {} drafts but has {} logit rows",
+                    drafts.len(),
+                    host_rows.saturating_sub(host_row)
+                ));
+            }
+            if !drafts.is_empty() {
+                if verify_fault() {
+                    panic!("sampler panicked mid-verification (injected fault)");
+                }
+                // Each position's token is the one this sampler draws there with the
+                // accepted drafts as history: the output of speculation off.
+                let rows: Vec<&[f32]> = (host_row..=host_row + drafts.len())
+                    .map(|r| &logits.host[r * vocab_size..(r + 1) * vocab_size])
+                    .collect();
+                let mask = s.constraint.as_ref().map(|c| {
+                    move |history: &[u32], logits: &mut [f32]| c.mask_logits(history, logits)
+                });
+                let history = History {
+                    prompt_ids: &s.prompt_ids,
+                    output_ids,
+                    banned_ids: &s.stop_ids,
+                    ban_below_len: s.min_tokens,
+                    mask: mask.as_ref().map(|m| m as &verify::GrammarMask<'_>),
+                };
+                if s.rejection && s.is_plain_but_drafts() && output_ids.len() >= s.min_tokens {
+                    // The target's distribution at each position is the sampler's (no
+                    // processors apply); n-gram drafts are certain (q one-hot).
+                    let targets: Vec<TargetDistribution> = rows
+                        .iter()
+                        .map(|r| TargetDistribution::new(r, &s.params))
+                        .collect();
+                    let v = verify::rejection(&targets, drafts, None, s.params.seed, s.position);
+                    let lps: Vec<f32> = v
+                        .tokens
+                        .iter()
+                        .zip(&targets)
+                        .map(|(&t, d)| d.prob(t).ln() as f32)
+                        .collect();
+                    per_row.push(v.tokens.last().copied());
+                    top_logprobs.push(vec![Vec::new(); v.tokens.len()]);
+                    tokens.push(v.tokens);
+                    token_logprobs.push(lps);
+                    continue;
+                }
+                let outs = verify::with_sampler(
+                    &mut self.sampler,
+                    &rows,
+                    drafts,
+                    &s.params,
+                    s.position,
+                    history,
+                );
+                if let Some(c) = &s.constraint {
+                    // The matcher saw the accepted drafts; its next mask follows the
+                    // emitted tokens (rolling back anything it saw beyond them).
+                    let mut history = output_ids.to_vec();
+                    history.extend(outs.iter().map(|o| o.token));
+                    advances.push((c.clone(), history));
+                }
+                per_row.push(outs.last().map(|o| o.token));
+                tokens.push(outs.iter().map(|o| o.token).collect());
+                token_logprobs.push(outs.iter().map(|o| o.logprob).collect());
+                top_logprobs.push(outs.into_iter().map(|o| o.top_logprobs).collect());
+                continue;
+            }
+            let row_logits = &logits.host[host_row * vocab_size..(host_row + 1) * vocab_size];
+            let row_logits = match &s.constraint {
+                Some(c) => {
+                    self.masked.clear();
+                    self.masked.extend_from_slice(row_logits);
+                    c.mask_logits(output_ids, &mut self.masked);
+                    &self.masked[..]
+                }
+                None => row_logits,
+            };
+            let out = self.sampler.sample_row(row_logits, &s.params, &ctx);
+            if let Some(c) = &s.constraint {
+                let mut history = output_ids.to_vec();
+                history.push(out.token);
+                advances.push((c.clone(), history));
+            }
+            per_row.push(Some(out.token));
+            tokens.push(vec![out.token]);
+            token_logprobs.push(vec![out.logprob]);
+            top_logprobs.push(vec![out.top_logprobs]);
+        }
+        self.last_step = Some((epoch, step_id, per_row.clone()));
+        let rows = tokens
+            .into_iter()
+            .zip(token_logprobs)
+            .zip(top_logprobs)
+            .zip(draft_probs)
+            .map(
+                |(((tokens, token_logprobs), top_logprobs), draft_probs)| SampledRow {
+                    tokens,
+                    token_logprobs,
+                    top_logprobs,
+                    draft_probs,
+                },
+            )
+            .collect();
+        Ok(StepOutcome {
+            rows,
+            per_row,
+            advances,
+        })
+    }
+}
