@@ -12,6 +12,8 @@ fi
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
 cargo fmt --check
+# Layers have one direction (tests/layers.rs shows it fails on planted offences).
+bash scripts/check-layers.sh
 cargo clippy --release --all-targets -- -D warnings
 # Fetch the default model once, outside the test harness, so a network error reads as one.
 cargo run --release --quiet -- generate --prompt-ids 1 --max-tokens 1 >/dev/null

@@ -19,6 +19,8 @@
 //! sort and V exps. The processors cost O(#bias + #banned + #prompt + #output). No
 //! allocation per call after warm-up, except the returned `top_logprobs`.
 
+#[cfg(test)]
+mod distribution_tests;
 mod logprobs;
 mod params;
 mod processors;

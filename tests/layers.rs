@@ -1,0 +1,126 @@
+//! `scripts/check-layers.sh` against the real tree and against copies of it with one
+//! planted offence each: a back-import, two files importing each other, a cycle between
+//! pure cores. The script must pass the first and name the offence in each of the others.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs the script on `src`: (passed, its output). Killed after a minute: a hang fails.
+fn check(src: &Path) -> (bool, String) {
+    let out_path = std::env::temp_dir().join(format!(
+        "troupe-layers-{}-{}.out",
+        std::process::id(),
+        src.file_name().unwrap().to_string_lossy()
+    ));
+    let out = std::fs::File::create(&out_path).unwrap();
+    let mut child = Command::new("bash")
+        .arg(repo().join("scripts/check-layers.sh"))
+        .arg(src)
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("bash runs");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("check-layers.sh did not finish within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&out_path).unwrap();
+    let _ = std::fs::remove_file(&out_path);
+    (status.success(), text)
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// A copy of `src/` with `line` prepended to each of `files`.
+fn planted(name: &str, plants: &[(&str, &str)]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("troupe-layers-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    copy_tree(&repo().join("src"), &dir);
+    for (file, line) in plants {
+        let path = dir.join(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, format!("{line}\n{text}")).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn the_tree_holds_its_layers() {
+    let (ok, out) = check(&repo().join("src"));
+    assert!(ok, "{out}");
+    assert!(out.contains("layers hold"), "{out}");
+}
+
+#[test]
+fn a_kernel_importing_the_engine_is_refused() {
+    let dir = planted(
+        "back",
+        &[(
+            "kernels/quant.rs",
+            "#[allow(unused_imports)] use crate::engine::EngineHandle;",
+        )],
+    );
+    let (ok, out) = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("kernels::quant imports engine") && out.contains("may not import `engine`"),
+        "{out}"
+    );
+}
+
+#[test]
+fn two_files_importing_each_other_are_refused() {
+    let dir = planted(
+        "mutual",
+        &[
+            ("protocol/openai.rs", "use crate::protocol::anthropic::X;"),
+            ("protocol/anthropic.rs", "use crate::protocol::openai::Y;"),
+        ],
+    );
+    let (ok, out) = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("protocol::anthropic and protocol::openai import each other"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_cycle_between_pure_cores_is_refused() {
+    // sched imports spec (it plans drafts); spec importing sched closes a cycle.
+    let dir = planted(
+        "cycle",
+        &[("spec/ngram.rs", "use crate::sched::Scheduler;")],
+    );
+    let (ok, out) = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "{out}");
+    assert!(out.contains("import cycle:"), "{out}");
+    assert!(out.contains("sched") && out.contains("spec"), "{out}");
+}
