@@ -14,7 +14,7 @@ mod http;
 
 use std::path::PathBuf;
 // std's Arc even under loom: these tasks run on a real tokio runtime, never in a model.
-use std::sync::Arc;
+use crate::sync::Shared as Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;

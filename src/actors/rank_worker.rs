@@ -4,11 +4,11 @@
 //! and hands it to the readback thread, which delivers the leader's picks and logits to
 //! the sampler in order while the worker launches the next step.
 
-use std::sync::Arc as StdArc;
+use crate::sync::Shared;
 use std::time::Instant;
 
 use ractor::thread_local::ThreadLocalActor;
-use ractor::{ActorProcessingErr, ActorRef};
+use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::sampler::SamplerMsg;
 use crate::kernels::collective::GroupJoin;
@@ -20,6 +20,7 @@ use crate::runner::readback::{ReadStep, Readback, spawn_readback};
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::runner::{DeviceModel, RankArgs, load_model};
 use crate::sched::StepPlan;
+use crate::spec::LatencyCurve;
 use crate::step::RowSampling;
 
 pub enum RankMsg {
@@ -29,11 +30,13 @@ pub enum RankMsg {
     /// Join the tensor-parallel group (sent to every rank once all have started, so no
     /// rank waits in a rendezvous for a peer that failed to start).
     JoinGroup(GroupJoin),
+    /// The decode latency curve this rank measured at start, if it measured one.
+    DecodeCurve(RpcReplyPort<Option<LatencyCurve>>),
     /// Run one step. Step-sized: the plan and sampling parameters travel as `Arc`s.
     Step {
         epoch: u64,
-        plan: StdArc<StepPlan>,
-        sampling: StdArc<Vec<Option<RowSampling>>>,
+        plan: Shared<StepPlan>,
+        sampling: Shared<Vec<Option<RowSampling>>>,
         sampler: ActorRef<SamplerMsg>,
     },
 }
@@ -47,6 +50,9 @@ pub struct RankState {
     device_slot: usize,
     inputs: StepInputs,
     readback: crossbeam_channel::Sender<Readback>,
+    /// The decode latency curve measured (or loaded) at start, for the supervisor to
+    /// hand to the scheduler.
+    decode_curve: Option<LatencyCurve>,
 }
 
 #[derive(Default)]
@@ -70,9 +76,9 @@ impl ThreadLocalActor for RankWorker {
             .into());
         }
         let mut model = load_model(&args)?;
-        if let Some(job) = &args.decode_curve {
-            decode_curve::measure(job, model.as_mut(), args.block_size, args.num_kv_blocks);
-        }
+        let decode_curve = args.decode_curve.as_ref().and_then(|job| {
+            decode_curve::measure(job, model.as_mut(), args.block_size, args.num_kv_blocks)
+        });
         // A worker already gone is being restarted anyway.
         let failed = move |reason: String| {
             let _ = myself.cast(RankMsg::ReadbackFailed(reason));
@@ -87,6 +93,7 @@ impl ThreadLocalActor for RankWorker {
             device_slot: args.device_slot,
             inputs: StepInputs::default(),
             readback,
+            decode_curve,
         })
     }
 
@@ -98,6 +105,10 @@ impl ThreadLocalActor for RankWorker {
     ) -> Result<(), ActorProcessingErr> {
         let (epoch, plan, sampling, sampler) = match msg {
             RankMsg::ReadbackFailed(reason) => return Err(reason.into()),
+            RankMsg::DecodeCurve(reply) => {
+                let _ = reply.send(st.decode_curve.clone());
+                return Ok(());
+            }
             RankMsg::JoinGroup(join) => {
                 return st.model.join_group(join).map_err(|e| {
                     format!("rank {} could not join its group: {e}", st.shard.rank).into()
@@ -155,7 +166,7 @@ impl ThreadLocalActor for RankWorker {
                 let _ = sampler.cast(SamplerMsg::Sample {
                     epoch,
                     step_id,
-                    logits: StdArc::new(read.logits),
+                    logits: Shared::new(read.logits),
                     vocab_size,
                     sampling,
                     started: read.started,

@@ -2,7 +2,7 @@
 //! parameters, history and seed, publishes them to the rank's `SampledTokens` (for ZOS)
 //! and reports them to the scheduler.
 
-use std::sync::Arc as StdArc;
+use crate::sync::Shared;
 use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
@@ -15,9 +15,9 @@ pub enum SamplerMsg {
     Sample {
         epoch: u64,
         step_id: u64,
-        logits: StdArc<StepLogits>,
+        logits: Shared<StepLogits>,
         vocab_size: usize,
-        sampling: StdArc<Vec<Option<RowSampling>>>,
+        sampling: Shared<Vec<Option<RowSampling>>>,
         started: Instant,
         /// The worker's idle time before this step (waiting for work or for ZOS tokens).
         idle_secs: f64,

@@ -2,8 +2,8 @@
 //! each planned step to the rank worker, turns sampled tokens into request outputs, and
 //! resets the core when a rank or the sampler restarts.
 
+use crate::sync::Shared;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc as StdArc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::UnboundedSender;
@@ -31,7 +31,7 @@ pub enum SchedulerMsg {
         request_id: u64,
         request: Box<EngineRequest>,
         /// `request.grammar`, compiled.
-        grammar: Option<StdArc<CompiledGrammar>>,
+        grammar: Option<Shared<CompiledGrammar>>,
         stream: UnboundedSender<RequestOutput>,
         reply: RpcReplyPort<Result<(), EngineError>>,
     },
@@ -46,6 +46,8 @@ pub enum SchedulerMsg {
         /// A new group of rank workers, rank order.
         workers: Option<Vec<ActorRef<RankMsg>>>,
         sampler: Option<ActorRef<SamplerMsg>>,
+        /// The decode latency curve the new group's leader measured at start.
+        decode_curve: Option<LatencyCurve>,
     },
     /// From the supervisor: no rank can run; fail everything now and later.
     RankLost {
@@ -83,10 +85,8 @@ pub struct SchedulerArgs {
     pub zero_overhead_scheduling: bool,
     /// Sampled requests' drafts are accepted by rejection sampling (`SpecAcceptance`).
     pub rejection_acceptance: bool,
-    /// Where the rank worker leaves the decode latency curve it measured at start.
-    pub decode_curve: Option<StdArc<std::sync::Mutex<Option<LatencyCurve>>>>,
     pub sampled: SampledTokens,
-    pub tokenizer: Option<StdArc<Tokenizer>>,
+    pub tokenizer: Option<Shared<Tokenizer>>,
     pub stop_ids: Vec<u32>,
     /// Output text keeps special tokens (DeepSeek-V4: its tool calls and reasoning).
     pub keep_special_tokens: bool,
@@ -105,38 +105,37 @@ struct Request {
     request: EngineRequest,
     /// Ids that end this completion (the model's unless `ignore_eos`, plus the request's
     /// own); banned while fewer than `min_tokens` were generated.
-    stop_ids: StdArc<[u32]>,
+    stop_ids: Shared<[u32]>,
     /// `request.params` with the seed resolved, shared with every step's sampling rows.
-    params: StdArc<SamplingParams>,
-    prompt_ids: StdArc<[u32]>,
+    params: Shared<SamplingParams>,
+    prompt_ids: Shared<[u32]>,
     /// Generated so far; copied on write only while a step still holds the previous one.
-    token_ids: StdArc<Vec<u32>>,
+    token_ids: Shared<Vec<u32>>,
     decoded: IncrementalDecoder,
     text: TextStream,
     /// Structured output: the grammar state the sampler masks this completion with.
-    constraint: Option<StdArc<SeqConstraint>>,
+    constraint: Option<Shared<SeqConstraint>>,
 }
 
 pub struct SchedulerState {
     core: Scheduler,
     zos: bool,
     rejection_acceptance: bool,
-    decode_curve: Option<StdArc<std::sync::Mutex<Option<LatencyCurve>>>>,
     sampled: SampledTokens,
     epoch: u64,
     /// The rank workers every step goes to (rank order); empty before the first attach.
     workers: Vec<ActorRef<RankMsg>>,
     sampler: Option<ActorRef<SamplerMsg>>,
-    tokenizer: Option<StdArc<Tokenizer>>,
-    stop_ids: StdArc<[u32]>,
-    no_ids: StdArc<[u32]>,
+    tokenizer: Option<Shared<Tokenizer>>,
+    stop_ids: Shared<[u32]>,
+    no_ids: Shared<[u32]>,
     keep_special_tokens: bool,
     vocab_size: usize,
     moe_balance: crate::eplb::BalanceReport,
     /// Mixed into drawn seeds so two engine runs draw different ones.
     seed_entropy: u64,
     requests: HashMap<SeqId, Request>,
-    in_flight: VecDeque<StdArc<StepPlan>>,
+    in_flight: VecDeque<Shared<StepPlan>>,
     failed: Option<String>,
     drains: Vec<RpcReplyPort<()>>,
     status: EngineStatus,
@@ -202,10 +201,10 @@ impl SchedulerState {
                     })
                 })
                 .collect();
-            let plan = StdArc::new(plan);
+            let plan = Shared::new(plan);
             self.in_flight.push_back(plan.clone());
             self.status.num_steps += 1;
-            let sampling = StdArc::new(sampling);
+            let sampling = Shared::new(sampling);
             // Every rank runs the same plan; a dead one loses it and the supervisor's
             // rebuild resets the core.
             for worker in &self.workers {
@@ -367,14 +366,13 @@ impl Actor for SchedulerActor {
             core: Scheduler::new(args.config),
             zos: args.zero_overhead_scheduling,
             rejection_acceptance: args.rejection_acceptance,
-            decode_curve: args.decode_curve,
             epoch: args.sampled.epoch(),
             sampled: args.sampled,
             workers: Vec::new(),
             sampler: None,
             tokenizer: args.tokenizer,
             stop_ids: args.stop_ids.into(),
-            no_ids: StdArc::from(Vec::new()),
+            no_ids: Shared::from(Vec::new()),
             keep_special_tokens: args.keep_special_tokens,
             vocab_size: args.vocab_size,
             moe_balance: args.moe_balance,
@@ -442,13 +440,13 @@ impl Actor for SchedulerActor {
                 let seed = request
                     .seed
                     .unwrap_or_else(|| splitmix64(st.seed_entropy ^ splitmix64(request_id)));
-                let prompt_ids: StdArc<[u32]> = request.prompt_ids.clone().into();
+                let prompt_ids: Shared<[u32]> = request.prompt_ids.clone().into();
                 let model_stop_ids: &[u32] = if request.ignore_eos {
                     &[]
                 } else {
                     &st.stop_ids
                 };
-                let stop_ids: StdArc<[u32]> = model_stop_ids
+                let stop_ids: Shared<[u32]> = model_stop_ids
                     .iter()
                     .chain(&request.stop_token_ids)
                     .copied()
@@ -477,7 +475,7 @@ impl Actor for SchedulerActor {
                             index,
                             pending_forks: Vec::new(),
                             stream: stream.clone(),
-                            params: StdArc::new(params),
+                            params: Shared::new(params),
                             prompt_ids: prompt_ids.clone(),
                             decoded: if st.keep_special_tokens {
                                 IncrementalDecoder::keeping_special_tokens()
@@ -486,7 +484,7 @@ impl Actor for SchedulerActor {
                             },
                             text: TextStream::new(request.stop.clone()),
                             request: (*request).clone(),
-                            token_ids: StdArc::new(Vec::new()),
+                            token_ids: Shared::new(Vec::new()),
                             constraint: grammar
                                 .as_ref()
                                 .map(|g| SeqConstraint::start(g, eos_id, stop_ids.clone())),
@@ -520,16 +518,15 @@ impl Actor for SchedulerActor {
                     st.kick();
                 }
             }
-            SchedulerMsg::Attach { workers, sampler } => {
+            SchedulerMsg::Attach {
+                workers,
+                sampler,
+                decode_curve,
+            } => {
                 if let Some(workers) = workers {
                     st.status.tensor_parallel_size = workers.len();
                     st.workers = workers;
-                    // The worker measured (or loaded) it before it attached.
-                    let curve = st
-                        .decode_curve
-                        .as_ref()
-                        .and_then(|slot| slot.lock().unwrap_or_else(|e| e.into_inner()).clone());
-                    if let Some(curve) = curve {
+                    if let Some(curve) = decode_curve {
                         st.status.num_decode_curve_points = curve.num_points();
                         st.core.set_decode_curve(curve);
                     }

@@ -20,6 +20,11 @@ use crate::model::tensor_parallel::{TpShard, largest_valid_tp};
 use crate::runner::RankArgs;
 use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
+use crate::spec::LatencyCurve;
+
+/// How long the supervisor waits for a rank that has started to answer a call; a rank
+/// that does not is treated as having no answer, never waited on forever.
+const RANK_CALL_TIMEOUT_MS: u64 = 30_000;
 
 pub struct SupervisorArgs {
     pub scheduler: SchedulerArgs,
@@ -158,6 +163,14 @@ async fn spawn_group(
     }
 }
 
+/// The decode latency curve the group's leader measured as it started (a lone rank's).
+async fn leader_curve(workers: &[ActorRef<RankMsg>]) -> Option<LatencyCurve> {
+    let leader = workers.first()?;
+    ractor::call_t!(leader, RankMsg::DecodeCurve, RANK_CALL_TIMEOUT_MS)
+        .ok()
+        .flatten()
+}
+
 /// What each rank of a group of `size` on `device`'s kind joins.
 fn group_joins(device: Device, size: usize, abort: &GroupAbort) -> Result<Vec<GroupJoin>, String> {
     match device {
@@ -215,9 +228,11 @@ impl EngineSupervisor {
         match spawn_group(&myself.get_cell(), st).await {
             Ok(workers) => {
                 st.children.workers = workers.clone();
+                let decode_curve = leader_curve(&workers).await;
                 let _ = st.children.scheduler.cast(SchedulerMsg::Attach {
                     workers: Some(workers),
                     sampler: None,
+                    decode_curve,
                 });
             }
             Err(e) => {
@@ -246,6 +261,7 @@ impl EngineSupervisor {
         st.children.scheduler.cast(SchedulerMsg::Attach {
             workers: None,
             sampler: Some(sampler),
+            decode_curve: None,
         })?;
         Ok(())
     }
@@ -291,9 +307,11 @@ impl Actor for EngineSupervisor {
         };
         let workers = spawn_group(&myself.get_cell(), &mut st).await?;
         st.children.workers = workers.clone();
+        let decode_curve = leader_curve(&workers).await;
         scheduler.cast(SchedulerMsg::Attach {
             workers: Some(workers),
             sampler: Some(sampler),
+            decode_curve,
         })?;
         Ok(st)
     }

@@ -4,9 +4,9 @@
 mod config;
 mod pools;
 
-use std::sync::Arc as StdArc;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::OnceLock;
+use crate::sync::Shared;
+use crate::sync::atomic::{AtomicU64, Ordering};
 
 use ractor::{Actor, ActorRef};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -35,13 +35,13 @@ pub struct Engine;
 pub struct EngineHandle {
     supervisor: ActorRef<SupervisorMsg>,
     scheduler: ActorRef<SchedulerMsg>,
-    permits: StdArc<Semaphore>,
-    next_id: StdArc<AtomicU64>,
-    text: StdArc<ModelText>,
+    permits: Shared<Semaphore>,
+    next_id: Shared<AtomicU64>,
+    text: Shared<ModelText>,
     faults: FaultPlan,
     sampled: SampledTokens,
     /// Built on the first structured-output request (the vocabulary trie takes a moment).
-    grammars: StdArc<OnceLock<Result<StdArc<GrammarCompiler>, String>>>,
+    grammars: Shared<OnceLock<Result<Shared<GrammarCompiler>, String>>>,
 }
 
 impl Engine {
@@ -152,7 +152,6 @@ impl Engine {
                     Device::Cpu => cfg.max_num_seqs.min(16),
                     Device::Cuda(_) => cfg.max_num_seqs,
                 },
-                result: StdArc::new(std::sync::Mutex::new(None)),
             });
         let args = SupervisorArgs {
             scheduler: SchedulerArgs {
@@ -161,7 +160,6 @@ impl Engine {
                 rejection_acceptance: cfg
                     .speculative
                     .is_some_and(|s| s.acceptance == SpecAcceptance::Rejection),
-                decode_curve: decode_curve.as_ref().map(|job| job.result.clone()),
                 sampled,
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
@@ -201,12 +199,12 @@ impl Engine {
         Ok(EngineHandle {
             supervisor,
             scheduler: children.scheduler,
-            permits: StdArc::new(Semaphore::new(cfg.max_pending_requests.max(1))),
-            next_id: StdArc::new(AtomicU64::new(1)),
-            text: StdArc::new(text),
+            permits: Shared::new(Semaphore::new(cfg.max_pending_requests.max(1))),
+            next_id: Shared::new(AtomicU64::new(1)),
+            text: Shared::new(text),
             faults,
             sampled: handle_sampled,
-            grammars: StdArc::new(OnceLock::new()),
+            grammars: Shared::new(OnceLock::new()),
         })
     }
 }
@@ -431,7 +429,7 @@ impl EngineHandle {
     fn compile_grammar(
         &self,
         request: &EngineRequest,
-    ) -> Result<Option<StdArc<CompiledGrammar>>, EngineError> {
+    ) -> Result<Option<Shared<CompiledGrammar>>, EngineError> {
         let Some(spec) = &request.grammar else {
             return Ok(None);
         };
@@ -443,7 +441,7 @@ impl EngineHandle {
                 .ok_or_else(|| crate::structured::StructuredError::NoTokenizer.to_string())?;
             let eos_id = self.text.stop_ids.first().copied().unwrap_or(0);
             GrammarCompiler::new(tok, eos_id)
-                .map(StdArc::new)
+                .map(Shared::new)
                 .map_err(|e| e.to_string())
         });
         let compiler = compiler

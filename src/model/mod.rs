@@ -13,8 +13,8 @@ pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod weights;
 
+use crate::sync::Shared as Arc;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use chat_template::ChatTemplate;
 use config::ModelConfig;

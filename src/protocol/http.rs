@@ -2,7 +2,7 @@
 //! limit, errors in the API's own JSON, SSE framing, latency metrics. Dropping a response
 //! (client gone) drops its `RequestStream`, which aborts the request and frees its blocks.
 
-use std::sync::Arc;
+use crate::sync::Shared as Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use actix_web::{HttpResponse, web};

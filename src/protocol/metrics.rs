@@ -44,7 +44,7 @@ struct RequestLabels {
 
 /// A gauge holding an `f64`. Its storage is the gauge's own atomic (prometheus-client's
 /// `Atomic` is implemented for std's types only), hence std here and not `crate::sync`.
-type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+type FloatGauge = Gauge<f64, crate::sync::GaugeAtomicU64>;
 
 pub struct Metrics {
     /// Counters and histograms; handlers write through the clones below.

@@ -1,7 +1,7 @@
 //! `troupe serve`: the HTTP front end (actix-web) — its routes, `/health`, `/v1/models`
 //! and `/metrics`. Each API's handlers live with its codec; what they share is in `http`.
 
-use std::sync::Arc;
+use crate::sync::Shared as Arc;
 
 use actix_web::{App, HttpResponse, HttpServer, web};
 use serde_json::json;

@@ -5,13 +5,13 @@
 //! the first request. Kept on disk by backend, device and model shape (`CurveStore`).
 
 use std::path::PathBuf;
-use std::sync::{Arc as StdArc, Mutex};
 use std::time::Instant;
 
 use crate::model::llama::SeqStep;
 use crate::sampling::SamplingParams;
 use crate::spec::{CurveStore, LatencyCurve};
 use crate::step::RowSampling;
+use crate::sync::Shared;
 
 /// Decode batch sizes measured (the CUDA graph buckets), up to the job's `max_rows`.
 const ROW_COUNTS: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
@@ -26,8 +26,6 @@ pub struct CurveJob {
     /// The model and settings the steps run with (a change measures afresh).
     pub model_key: String,
     pub max_rows: usize,
-    /// The curve, for the scheduler to read when the worker attaches.
-    pub result: StdArc<Mutex<Option<LatencyCurve>>>,
 }
 
 /// One decode step of `rows` single-token sequences at position 0, each in its own block,
@@ -48,15 +46,15 @@ pub(super) fn time_decode_step(
             state: None,
         })
         .collect();
-    let params = StdArc::new(SamplingParams::default());
-    let none: StdArc<[u32]> = StdArc::from(Vec::new());
+    let params = Shared::new(SamplingParams::default());
+    let none: Shared<[u32]> = Shared::from(Vec::new());
     let sampling: Vec<Option<RowSampling>> = (0..rows)
         .map(|_| {
             Some(RowSampling {
                 params: params.clone(),
                 position: 1,
                 prompt_ids: none.clone(),
-                output_ids: StdArc::new(Vec::new()),
+                output_ids: Shared::new(Vec::new()),
                 pending_prev_row: None,
                 banned_ids: none.clone(),
                 constraint: None,
@@ -90,14 +88,14 @@ pub(super) fn run(
         .load_or_measure(&key, || LatencyCurve::measure(&rows, REPEATS, time))
 }
 
-/// Measures (or loads) `job`'s curve on `model` and leaves it in `job.result`; a failure
-/// is logged, and verification then prices steps with the fitted cost model alone.
+/// Measures (or loads) `job`'s curve on `model`; a failure is logged, and verification
+/// then prices steps with the fitted cost model alone.
 pub fn measure(
     job: &CurveJob,
     model: &mut dyn super::DeviceModel,
     block_size: usize,
     num_blocks: usize,
-) {
+) -> Option<LatencyCurve> {
     let device = model.device_label();
     let curve = run(job, &device, num_blocks, |rows| {
         time_decode_step(rows, |steps, sampling| {
@@ -106,7 +104,10 @@ pub fn measure(
         })
     });
     match curve {
-        Ok(curve) => *job.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(curve),
-        Err(e) => tracing::warn!("decode latency curve not measured: {e}"),
+        Ok(curve) => Some(curve),
+        Err(e) => {
+            tracing::warn!("decode latency curve not measured: {e}");
+            None
+        }
     }
 }

@@ -50,20 +50,20 @@ impl FaultPlan {
     pub fn panic_next_verify(&self) {
         self.inner.panic_next_verify.store(true, Ordering::SeqCst);
     }
-    pub(crate) fn take_verify_panic(&self) -> bool {
+    pub fn take_verify_panic(&self) -> bool {
         self.inner.panic_next_verify.swap(false, Ordering::SeqCst)
     }
-    pub(crate) fn take_readback_failure(&self) -> bool {
+    pub fn take_readback_failure(&self) -> bool {
         self.inner.fail_next_readback.swap(false, Ordering::SeqCst)
     }
     /// Whether the rank on device slot `slot` panics in this step.
-    pub(crate) fn take_step_panic(&self, slot: usize) -> bool {
+    pub fn take_step_panic(&self, slot: usize) -> bool {
         let bit = 1u64 << slot;
         self.inner.dying_devices.fetch_and(!bit, Ordering::SeqCst) & bit != 0
             || self.inner.panic_next_step.swap(false, Ordering::SeqCst)
     }
     /// Whether a rank starting on device slot `slot` fails.
-    pub(crate) fn take_start_failure(&self, slot: usize) -> bool {
+    pub fn take_start_failure(&self, slot: usize) -> bool {
         self.inner.lost_devices.load(Ordering::SeqCst) & (1 << slot) != 0
             || self
                 .inner

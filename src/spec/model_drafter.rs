@@ -7,7 +7,7 @@
 //! with the step's samples), scaled per position by how often drafts of that probability
 //! were actually accepted.
 
-use std::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex};
 
 use super::{Draft, Drafter};
 

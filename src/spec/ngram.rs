@@ -3,7 +3,7 @@
 //! the tokens that followed the latest earlier occurrence are the drafts. A longer match
 //! predicts better, so confidences are calibrated per match length and draft position.
 
-use std::sync::{Arc, Mutex};
+use crate::sync::{Arc, Mutex};
 
 use super::{Calibration, Draft, Drafter};
 

@@ -1,8 +1,9 @@
 //! Grammar compilation against the vocabulary, with a bounded cache: a service answering
 //! the same schema for every request compiles it once.
 
+use crate::sync::Mutex;
+use crate::sync::Shared as Arc;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
 
 use llguidance::toktrie::TokEnv;
 use llguidance::{ParserFactory, TokenParser};
@@ -85,7 +86,7 @@ impl GrammarCompiler {
         self.lock().by_key.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
+    fn lock(&self) -> crate::sync::MutexGuard<'_, Cache> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -2,7 +2,8 @@
 //! token to the mask pool, which advances the matcher and computes the next mask while the
 //! next forward pass runs.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use crate::sync::Shared as Arc;
+use crate::sync::{BusyCell, OnceLock};
 
 use llguidance::Matcher;
 use llguidance::toktrie::SimpleVob;
@@ -24,8 +25,8 @@ fn mask_pool() -> &'static rayon::ThreadPool {
 }
 
 pub struct SeqConstraint {
-    state: Mutex<State>,
-    ready: Condvar,
+    /// Busy while a pool task brings the matcher forward: wait for it, never race it.
+    state: BusyCell<State>,
     eos_id: u32,
     /// Ids that end the sequence: allowed wherever the grammar allows its end.
     stop_ids: Arc<[u32]>,
@@ -34,7 +35,7 @@ pub struct SeqConstraint {
 impl std::fmt::Debug for SeqConstraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SeqConstraint")
-            .field("num_seen", &self.lock().seen.len())
+            .field("num_seen", &self.state.with_current(|st| st.seen.len()))
             .finish()
     }
 }
@@ -45,8 +46,6 @@ struct State {
     seen: Vec<u32>,
     /// The mask for `seen`, once computed.
     mask: Option<SimpleVob>,
-    /// A pool task is bringing the state forward: wait for it instead of racing it.
-    busy: bool,
 }
 
 impl SeqConstraint {
@@ -54,13 +53,11 @@ impl SeqConstraint {
     /// beside the prompt's prefill.
     pub fn start(grammar: &CompiledGrammar, eos_id: u32, stop_ids: Arc<[u32]>) -> Arc<Self> {
         let c = Arc::new(SeqConstraint {
-            state: Mutex::new(State {
+            state: BusyCell::new(State {
                 matcher: Matcher::new(Ok(grammar.parser.clone())),
                 seen: Vec::new(),
                 mask: None,
-                busy: false,
             }),
-            ready: Condvar::new(),
             eos_id,
             stop_ids,
         });
@@ -70,28 +67,26 @@ impl SeqConstraint {
 
     /// Moves the matcher to `history` and computes its mask, on the pool.
     pub fn advance(self: &Arc<Self>, history: Vec<u32>) {
-        self.lock().busy = true;
+        self.state.mark_busy();
         let me = self.clone();
         mask_pool().spawn(move || {
-            let mut st = me.lock();
-            me.sync(&mut st, &history);
-            if st.mask.is_none() {
-                st.mask = Some(compute_mask(&mut st.matcher));
-            }
-            st.busy = false;
-            drop(st);
-            me.ready.notify_all();
+            me.state.finish(|st| {
+                me.sync(st, &history);
+                if st.mask.is_none() {
+                    st.mask = Some(compute_mask(&mut st.matcher));
+                }
+            })
         });
     }
 
     /// Sets the logits of every token the grammar forbids after `history` to −∞.
     pub fn mask_logits(&self, history: &[u32], logits: &mut [f32]) {
-        let mut st = self.lock();
-        while st.busy {
-            st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
-        self.sync(&mut st, history);
-        let st = &mut *st;
+        self.state
+            .with_idle(|st| self.mask_with(st, history, logits));
+    }
+
+    fn mask_with(&self, st: &mut State, history: &[u32], logits: &mut [f32]) {
+        self.sync(st, history);
         let mask = st.mask.get_or_insert_with(|| compute_mask(&mut st.matcher));
         let mask_len = mask.len().min(logits.len());
         let ends = mask_len > self.eos_id as usize && mask.is_allowed(self.eos_id);
@@ -148,10 +143,6 @@ impl SeqConstraint {
         st.seen.truncate(common);
         st.seen.extend_from_slice(&history[common..]);
         st.mask = None;
-    }
-
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -1,7 +1,7 @@
 //! The model's vocabulary as llguidance sees it: every token's bytes in a trie, and the
 //! tokenizer for the few strings a grammar needs tokenized.
 
-use std::sync::Arc;
+use crate::sync::Shared as Arc;
 
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 

@@ -1,7 +1,7 @@
 //! A step's sampled tokens into the core, request outputs and status counters.
 
+use crate::sync::Shared;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc as StdArc;
 
 use super::{SchedulerState, TokenLogprobs, request_id_of};
 use crate::api::MAX_SPEC_POSITIONS;
@@ -65,7 +65,7 @@ impl SchedulerState {
                     let Some(r) = self.requests.get_mut(&seq_id) else {
                         continue;
                     };
-                    StdArc::make_mut(&mut r.token_ids).push(token);
+                    Shared::make_mut(&mut r.token_ids).push(token);
                     let (logprob, top) = logprobs_of
                         .get_mut(&seq_id)
                         .and_then(VecDeque::pop_front)

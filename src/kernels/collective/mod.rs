@@ -70,4 +70,4 @@ pub trait Collective<B: Backend> {
 /// Says whether a group's collectives were aborted. A recorded decode step holds its
 /// collectives inside one graph launch: aborted, they end without reducing and the step
 /// finishes with wrong numbers that nothing else reports.
-pub type AbortProbe = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
+pub type AbortProbe = crate::sync::Shared<dyn Fn() -> bool + Send + Sync>;

@@ -1,7 +1,7 @@
 //! The few vector primitives the CPU kernels are built from, with AVX2+FMA paths chosen
 //! once at run time (the binary stays portable) and scalar fallbacks.
 
-use std::sync::OnceLock;
+use crate::sync::OnceLock;
 
 fn has_avx2_fma() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();

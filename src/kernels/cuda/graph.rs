@@ -12,8 +12,8 @@
 //! guarded by an event, so the host writes step N+1's while step N's copy may be pending.
 //! Any reallocation of a buffer a graph uses drops every graph (`invalidate`).
 
+use crate::sync::Shared as Arc;
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
 use cudarc::driver::sys::CUstreamCaptureMode;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};

@@ -1,7 +1,7 @@
 //! The paged KV cache on the GPU, and what writes into it: K and V rows at their slots, or
 //! the stacked q/k/v projection split, normalised, rotated and written in one launch.
 
-use std::sync::Arc;
+use crate::sync::Shared as Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 

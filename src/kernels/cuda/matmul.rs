@@ -38,7 +38,7 @@ impl CudaBackend {
     }
 
     /// The bf16 scratch, at least `n` long.
-    fn bf16_scratch(&self, n: usize) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+    fn bf16_scratch(&self, n: usize) -> crate::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if scratch.as_ref().is_none_or(|s| s.len() < n) {
             self.moved();
@@ -76,14 +76,14 @@ impl CudaBackend {
         x: u64,
         n: usize,
         twin: Option<(u64, usize)>,
-    ) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+    ) -> crate::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
         if twin == Some((x, n)) {
             return self.bf16_scratch(n);
         }
         self.to_bf16(x, n)
     }
 
-    fn to_bf16(&self, x: u64, n: usize) -> std::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+    fn to_bf16(&self, x: u64, n: usize) -> crate::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
         // The scratch is overwritten: whatever copy it held is gone.
         *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut scratch = self.bf16_scratch(n);

@@ -19,7 +19,8 @@ mod picks;
 mod recorded;
 mod weights;
 
-use std::sync::{Arc, Mutex, OnceLock};
+use crate::sync::Shared as Arc;
+use crate::sync::{Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
@@ -188,7 +189,7 @@ impl CudaBackend {
                 stream.alloc_zeros::<u32>(MAX_PICKS).map_err(runtime)?,
                 stream.alloc_zeros::<f32>(MAX_PICKS).map_err(runtime)?,
             )),
-            pick_slots: Arc::new(Mutex::new(Vec::new())),
+            pick_slots: PickPool::default(),
             sample_scratch: Mutex::new(None),
             dsv4: OnceLock::new(),
             ctx,
@@ -209,7 +210,7 @@ impl CudaBackend {
         check(self.stream.synchronize(), "synchronize");
     }
 
-    fn graphs(&self) -> std::sync::MutexGuard<'_, Graphs> {
+    fn graphs(&self) -> crate::sync::MutexGuard<'_, Graphs> {
         self.graphs.lock().unwrap_or_else(|e| e.into_inner())
     }
 

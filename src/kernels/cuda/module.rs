@@ -2,8 +2,8 @@
 //! NVRTC to machine code (CUBIN) for the device's architecture on first use, and cached on
 //! disk keyed by a hash of the source, the architecture and the driver version.
 
+use crate::sync::Shared as Arc;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};

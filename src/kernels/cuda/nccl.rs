@@ -7,8 +7,9 @@
 //! thread; here the raw communicator is shared with the group's `GroupAbort`, so the
 //! supervisor can cancel a survivor's all-reduce whose peer died, exactly once.
 
+use crate::sync::Mutex;
+use crate::sync::Shared as Arc;
 use std::mem::MaybeUninit;
-use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
@@ -122,7 +123,7 @@ impl Drop for NcclCollective {
 impl Collective<CudaBackend> for NcclCollective {
     fn abort_probe(&self) -> Option<crate::kernels::collective::AbortProbe> {
         let comm = self.comm.clone();
-        Some(std::sync::Arc::new(move || {
+        Some(Arc::new(move || {
             comm.lock().unwrap_or_else(|e| e.into_inner()).is_none()
         }))
     }

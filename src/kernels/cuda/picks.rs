@@ -3,8 +3,6 @@
 //! without a host round trip) and copied to page-locked memory without waiting, for the
 //! readback thread.
 
-use std::sync::{Arc, Mutex};
-
 use cudarc::driver::{
     CudaEvent, CudaSlice, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
@@ -28,7 +26,7 @@ pub(super) struct PickSlot {
     landed: CudaEvent,
 }
 
-pub(super) type PickPool = Arc<Mutex<Vec<PickSlot>>>;
+pub(super) type PickPool = crate::sync::SlotPool<PickSlot>;
 
 impl CudaBackend {
     pub(super) fn device_picks(
@@ -109,12 +107,7 @@ impl CudaBackend {
             },
             "sample",
         );
-        let slot = self
-            .pick_slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
-        let mut slot = slot.unwrap_or_else(|| {
+        let mut slot = self.pick_slots.take_or(|| {
             // Plain page-locked memory (not write-combined): the host reads it.
             // SAFETY: only the first n entries are read, after the copy into them landed.
             unsafe {
@@ -168,7 +161,7 @@ impl CudaBackend {
                     .zip(lps[..n].iter().copied())
                     .collect()
             };
-            pool.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+            pool.put(slot);
             out
         })
     }

@@ -9,7 +9,7 @@
 mod mhc;
 mod moe;
 
-use std::sync::Arc;
+use crate::sync::Shared as Arc;
 
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,

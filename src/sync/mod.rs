@@ -20,3 +20,12 @@ pub use std::thread;
 
 pub use std::sync::Arc as Shared;
 pub use std::sync::OnceLock;
+/// prometheus-client's gauges are generic over std's atomics: metric values only, never
+/// synchronised on.
+pub use std::sync::atomic::AtomicU64 as GaugeAtomicU64;
+
+mod busy;
+mod pool;
+
+pub use busy::BusyCell;
+pub use pool::SlotPool;

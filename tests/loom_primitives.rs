@@ -1,0 +1,145 @@
+//! Loom: every shared-memory primitive of the crate besides `SampledTokens` (its own
+//! suite): the grammar matcher's busy cell, a group's abort hooks, the EPLB balance
+//! report, the fault plan's one-shot flags, the drafters' shared calibration.
+//! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
+#![cfg(troupe_loom)]
+
+use loom::sync::Arc;
+use loom::sync::atomic::{AtomicUsize, Ordering};
+use loom::thread;
+use troupe::eplb::BalanceReport;
+use troupe::kernels::collective::GroupAbort;
+use troupe::runner::fault::FaultPlan;
+use troupe::spec::{Drafter, NgramDrafter};
+use troupe::sync::BusyCell;
+
+#[test]
+fn a_waiter_on_a_busy_cell_sees_the_finished_work() {
+    loom::model(|| {
+        let cell = Arc::new(BusyCell::new(0u32));
+        cell.mark_busy();
+        let worker = cell.clone();
+        let h = thread::spawn(move || worker.finish(|v| *v = 7));
+        // The owner wants the value while the work may still run: it must wait for it.
+        assert_eq!(cell.with_idle(|v| *v), 7);
+        h.join().unwrap();
+    });
+}
+
+#[test]
+fn a_busy_cell_handed_to_two_workers_in_turn_ends_with_the_second() {
+    loom::model(|| {
+        let cell = Arc::new(BusyCell::new(Vec::<u32>::new()));
+        cell.mark_busy();
+        let first = cell.clone();
+        let h = thread::spawn(move || first.finish(|v| v.push(1)));
+        cell.with_idle(|v| assert_eq!(v, &[1]));
+        h.join().unwrap();
+        cell.mark_busy();
+        let second = cell.clone();
+        let h = thread::spawn(move || second.finish(|v| v.push(2)));
+        cell.with_idle(|v| assert_eq!(v, &[1, 2]));
+        h.join().unwrap();
+    });
+}
+
+#[test]
+fn a_hook_registered_during_an_abort_runs_in_that_abort_or_the_next() {
+    loom::model(|| {
+        let abort = GroupAbort::default();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let (group, counted) = (abort.clone(), hits.clone());
+        let h = thread::spawn(move || {
+            group.register(Box::new(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }))
+        });
+        abort.abort();
+        h.join().unwrap();
+        let after_first = hits.load(Ordering::SeqCst);
+        assert!(after_first <= 1, "a hook ran twice in one abort");
+        abort.abort();
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            after_first + 1,
+            "a hook was lost"
+        );
+    });
+}
+
+#[test]
+fn the_balance_report_is_never_read_torn() {
+    loom::model(|| {
+        let report = BalanceReport::default();
+        let writer = report.clone();
+        let h = thread::spawn(move || writer.store(2.5, 3));
+        let seen = report.read();
+        assert!(seen == (0.0, 0) || seen == (2.5, 3), "{seen:?}");
+        h.join().unwrap();
+        assert_eq!(report.read(), (2.5, 3));
+    });
+}
+
+#[test]
+fn an_injected_fault_strikes_exactly_once() {
+    loom::model(|| {
+        let faults = FaultPlan::default();
+        faults.panic_next_step();
+        faults.lose_device(1);
+        let other = faults.clone();
+        let h = thread::spawn(move || (other.take_step_panic(0), other.take_step_panic(1)));
+        let mine = (faults.take_step_panic(0), faults.take_step_panic(1));
+        let theirs = h.join().unwrap();
+        // One panic for the step flag, one for the dying device, whoever takes them.
+        let struck = [mine.0, mine.1, theirs.0, theirs.1]
+            .iter()
+            .filter(|&&x| x)
+            .count();
+        assert_eq!(struck, 2, "{mine:?} {theirs:?}");
+        assert!(faults.take_start_failure(1), "a lost device stays lost");
+    });
+}
+
+#[test]
+fn drafters_sharing_a_calibration_lose_no_observation() {
+    loom::model(|| {
+        let calibration = NgramDrafter::calibration(1, 1, 2);
+        let history = [3, 4, 3];
+        let mut a = NgramDrafter::with_calibration(1, 1, calibration.clone());
+        let mut b = NgramDrafter::with_calibration(1, 1, calibration.clone());
+        assert!(!a.propose(&history, 2).is_empty());
+        assert!(!b.propose(&history, 2).is_empty());
+        let h = thread::spawn(move || a.observe(2, 1));
+        b.observe(2, 2);
+        h.join().unwrap();
+        let observed = calibration.lock().unwrap()[0].num_observed();
+        assert_eq!(observed, 2);
+    });
+}
+
+#[test]
+fn a_pool_slot_has_one_holder_and_none_is_lost() {
+    loom::model(|| {
+        let pool = troupe::sync::SlotPool::default();
+        pool.put(1u32);
+        let made = Arc::new(AtomicUsize::new(0));
+        // Bit s: slot s is held now.
+        let held = Arc::new(AtomicUsize::new(0));
+        let use_slot = |pool: &troupe::sync::SlotPool<u32>,
+                        made: &AtomicUsize,
+                        held: &AtomicUsize,
+                        base: u32| {
+            let slot = pool.take_or(|| base + made.fetch_add(1, Ordering::SeqCst) as u32);
+            let before = held.fetch_or(1 << slot, Ordering::SeqCst);
+            assert_eq!(before & (1 << slot), 0, "slot {slot} handed to two holders");
+            held.fetch_and(!(1 << slot), Ordering::SeqCst);
+            pool.put(slot);
+        };
+        let (other, made2, held2) = (pool.clone(), made.clone(), held.clone());
+        let h = thread::spawn(move || use_slot(&other, &made2, &held2, 10));
+        use_slot(&pool, &made, &held, 20);
+        h.join().unwrap();
+        // Every slot that existed came back: the first one, plus any made meanwhile.
+        assert_eq!(pool.num_free(), 1 + made.load(Ordering::SeqCst));
+    });
+}
