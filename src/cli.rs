@@ -101,6 +101,10 @@ pub struct EngineFlags {
     /// Run every step eagerly: no CUDA graphs for decode steps.
     #[arg(long)]
     enforce_eager: bool,
+    /// Pin rank threads: `auto` puts a GPU rank on its GPU's NUMA node and CPU ranks of a
+    /// group on disjoint cores (reported in --stats); `off` leaves placement to the OS.
+    #[arg(long, default_value = "auto")]
+    cpu_affinity: crate::runner::affinity::CpuAffinity,
     /// Requests in a step, at most.
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
@@ -195,6 +199,7 @@ impl EngineFlags {
         });
         cfg.dummy_weights = self.dummy_weights;
         cfg.enforce_eager = self.enforce_eager;
+        cfg.cpu_affinity = self.cpu_affinity;
         if self.dummy_weights && !model_path.join("config.json").is_file() {
             return Err(TroupeError::InvalidInput(format!(
                 "--dummy-weights needs an HF model directory with a config.json; {} has none",
@@ -535,6 +540,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "spec_draft_tokens": status.num_spec_draft_tokens,
             "spec_verified_tokens": status.num_spec_verified_tokens,
             "spec_accepted_tokens": status.num_spec_accepted_tokens,
+            "cpu_affinity": status.cpu_affinity,
         });
         if dest.as_os_str() == "-" {
             eprintln!("{stats}");

@@ -13,14 +13,14 @@ use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
 use super::sampler::SamplerMsg;
 use crate::kernels::collective::GroupJoin;
 use crate::model::tensor_parallel::TpShard;
+use crate::runner::affinity;
 use crate::runner::decode_curve;
 use crate::runner::fault::FaultPlan;
 use crate::runner::inputs::StepInputs;
 use crate::runner::readback::{ReadStep, Readback, spawn_readback};
 use crate::runner::sampled_tokens::SampledTokens;
-use crate::runner::{DeviceModel, RankArgs, load_model};
+use crate::runner::{DeviceModel, RankArgs, RankReport, load_model};
 use crate::sched::StepPlan;
-use crate::spec::LatencyCurve;
 use crate::step::RowSampling;
 
 pub enum RankMsg {
@@ -30,8 +30,8 @@ pub enum RankMsg {
     /// Join the tensor-parallel group (sent to every rank once all have started, so no
     /// rank waits in a rendezvous for a peer that failed to start).
     JoinGroup(GroupJoin),
-    /// The decode latency curve this rank measured at start, if it measured one.
-    DecodeCurve(RpcReplyPort<Option<LatencyCurve>>),
+    /// What this rank measured and how it was placed as it started.
+    Report(RpcReplyPort<RankReport>),
     /// Run one step. Step-sized: the plan and sampling parameters travel as `Arc`s.
     Step {
         epoch: u64,
@@ -50,9 +50,11 @@ pub struct RankState {
     device_slot: usize,
     inputs: StepInputs,
     readback: crossbeam_channel::Sender<Readback>,
-    /// The decode latency curve measured (or loaded) at start, for the supervisor to
-    /// hand to the scheduler.
-    decode_curve: Option<LatencyCurve>,
+    /// What it measured and how it was placed at start, for the supervisor to hand to
+    /// the scheduler.
+    report: RankReport,
+    /// A CPU rank's own threads, pinned to its cores (`--cpu-affinity auto`).
+    pool: Option<rayon::ThreadPool>,
 }
 
 #[derive(Default)]
@@ -75,9 +77,12 @@ impl ThreadLocalActor for RankWorker {
             )
             .into());
         }
+        let (cpu_cores, pool) = affinity::place_rank(args.cpu_affinity, args.device, args.shard);
         let mut model = load_model(&args)?;
         let decode_curve = args.decode_curve.as_ref().and_then(|job| {
-            decode_curve::measure(job, model.as_mut(), args.block_size, args.num_kv_blocks)
+            in_pool(pool.as_ref(), || {
+                decode_curve::measure(job, model.as_mut(), args.block_size, args.num_kv_blocks)
+            })
         });
         // A worker already gone is being restarted anyway.
         let failed = move |reason: String| {
@@ -93,7 +98,11 @@ impl ThreadLocalActor for RankWorker {
             device_slot: args.device_slot,
             inputs: StepInputs::default(),
             readback,
-            decode_curve,
+            report: RankReport {
+                decode_curve,
+                cpu_cores,
+            },
+            pool,
         })
     }
 
@@ -105,8 +114,8 @@ impl ThreadLocalActor for RankWorker {
     ) -> Result<(), ActorProcessingErr> {
         let (epoch, plan, sampling, sampler) = match msg {
             RankMsg::ReadbackFailed(reason) => return Err(reason.into()),
-            RankMsg::DecodeCurve(reply) => {
-                let _ = reply.send(st.decode_curve.clone());
+            RankMsg::Report(reply) => {
+                let _ = reply.send(st.report.clone());
                 return Ok(());
             }
             RankMsg::JoinGroup(join) => {
@@ -151,9 +160,10 @@ impl ThreadLocalActor for RankWorker {
             device_picks = st.inputs.picked_rows().len(),
             "step launching"
         );
-        let step = st
-            .model
-            .step(st.block_size, &steps, st.inputs.picked_rows(), &sampling);
+        let (model, block_size, picked) = (&mut st.model, st.block_size, st.inputs.picked_rows());
+        let step = in_pool(st.pool.as_ref(), || {
+            model.step(block_size, &steps, picked, &sampling)
+        });
         drop(steps);
         st.inputs.launched(epoch, plan.step_id, step.prev);
         let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();
@@ -185,5 +195,13 @@ impl ThreadLocalActor for RankWorker {
             })
             .map_err(|_| "the readback thread ended")?;
         Ok(())
+    }
+}
+
+/// `f` on `pool`'s threads when the rank has its own, else here.
+fn in_pool<R: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Send) -> R {
+    match pool {
+        Some(pool) => pool.install(f),
+        None => f(),
     }
 }

@@ -15,12 +15,12 @@ use crate::api::{
     TextStream,
 };
 use crate::model::tokenizer::Tokenizer;
+use crate::runner::RankReport;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepPlan,
 };
-use crate::spec::LatencyCurve;
 use crate::step::{RowSampling, SampledStep};
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
@@ -46,8 +46,9 @@ pub enum SchedulerMsg {
         /// A new group of rank workers, rank order.
         workers: Option<Vec<ActorRef<RankMsg>>>,
         sampler: Option<ActorRef<SamplerMsg>>,
-        /// The decode latency curve the new group's leader measured at start.
-        decode_curve: Option<LatencyCurve>,
+        /// What the new group's ranks measured and how they were placed, rank order
+        /// (empty when the group is unchanged).
+        reports: Vec<RankReport>,
     },
     /// From the supervisor: no rank can run; fail everything now and later.
     RankLost {
@@ -521,12 +522,15 @@ impl Actor for SchedulerActor {
             SchedulerMsg::Attach {
                 workers,
                 sampler,
-                decode_curve,
+                reports,
             } => {
                 if let Some(workers) = workers {
                     st.status.tensor_parallel_size = workers.len();
                     st.workers = workers;
-                    if let Some(curve) = decode_curve {
+                    st.status.cpu_affinity = reports.iter().map(RankReport::cores).collect();
+                    // The leader measured it as it started (a lone rank only).
+                    let curve = reports.into_iter().next().and_then(|r| r.decode_curve);
+                    if let Some(curve) = curve {
                         st.status.num_decode_curve_points = curve.num_points();
                         st.core.set_decode_curve(curve);
                     }
@@ -547,7 +551,7 @@ impl Actor for SchedulerActor {
                 st.fail_all(&reason);
             }
             SchedulerMsg::Status(reply) => {
-                let mut s = st.status;
+                let mut s = st.status.clone();
                 s.num_spec_draft_tokens = st.core.num_proposed_drafts();
                 s.num_running = st.core.num_running();
                 s.num_waiting = st.core.num_waiting();

@@ -18,9 +18,9 @@ use crate::model::config::ModelConfig;
 use crate::model::deepseek_v4::expert_parallel::largest_valid_ep;
 use crate::model::tensor_parallel::{TpShard, largest_valid_tp};
 use crate::runner::RankArgs;
+use crate::runner::RankReport;
 use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
-use crate::spec::LatencyCurve;
 
 /// How long the supervisor waits for a rank that has started to answer a call; a rank
 /// that does not is treated as having no answer, never waited on forever.
@@ -51,6 +51,7 @@ pub struct RankArgsTemplate {
     pub batch_invariant: bool,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
+    pub cpu_affinity: crate::runner::affinity::CpuAffinity,
     pub decode_curve: Option<crate::runner::decode_curve::CurveJob>,
     pub draft_model_path: Option<std::path::PathBuf>,
     pub mtp: bool,
@@ -130,6 +131,7 @@ async fn spawn_group(
                 draft_model_path: t.draft_model_path.clone(),
                 mtp: t.mtp,
                 enforce_eager: t.enforce_eager,
+                cpu_affinity: t.cpu_affinity,
                 batch_invariant: t.batch_invariant,
                 // Measured by a lone rank only: a group's ranks would each need the others.
                 decode_curve: t.decode_curve.clone().filter(|_| size == 1),
@@ -163,12 +165,14 @@ async fn spawn_group(
     }
 }
 
-/// The decode latency curve the group's leader measured as it started (a lone rank's).
-async fn leader_curve(workers: &[ActorRef<RankMsg>]) -> Option<LatencyCurve> {
-    let leader = workers.first()?;
-    ractor::call_t!(leader, RankMsg::DecodeCurve, RANK_CALL_TIMEOUT_MS)
-        .ok()
-        .flatten()
+/// What the group's ranks report as they start, in rank order (a rank that does not
+/// answer in time reports nothing).
+async fn rank_reports(workers: &[ActorRef<RankMsg>]) -> Vec<RankReport> {
+    let mut reports = Vec::with_capacity(workers.len());
+    for w in workers {
+        reports.push(ractor::call_t!(w, RankMsg::Report, RANK_CALL_TIMEOUT_MS).unwrap_or_default());
+    }
+    reports
 }
 
 /// What each rank of a group of `size` on `device`'s kind joins.
@@ -228,11 +232,11 @@ impl EngineSupervisor {
         match spawn_group(&myself.get_cell(), st).await {
             Ok(workers) => {
                 st.children.workers = workers.clone();
-                let decode_curve = leader_curve(&workers).await;
+                let reports = rank_reports(&workers).await;
                 let _ = st.children.scheduler.cast(SchedulerMsg::Attach {
                     workers: Some(workers),
                     sampler: None,
-                    decode_curve,
+                    reports,
                 });
             }
             Err(e) => {
@@ -261,7 +265,7 @@ impl EngineSupervisor {
         st.children.scheduler.cast(SchedulerMsg::Attach {
             workers: None,
             sampler: Some(sampler),
-            decode_curve: None,
+            reports: Vec::new(),
         })?;
         Ok(())
     }
@@ -307,11 +311,11 @@ impl Actor for EngineSupervisor {
         };
         let workers = spawn_group(&myself.get_cell(), &mut st).await?;
         st.children.workers = workers.clone();
-        let decode_curve = leader_curve(&workers).await;
+        let reports = rank_reports(&workers).await;
         scheduler.cast(SchedulerMsg::Attach {
             workers: Some(workers),
             sampler: Some(sampler),
-            decode_curve,
+            reports,
         })?;
         Ok(st)
     }

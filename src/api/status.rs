@@ -5,7 +5,7 @@
 /// Draft positions the status counts acceptance at (the engine allows 16 drafts a row).
 pub const MAX_SPEC_POSITIONS: usize = 16;
 
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStatus {
     pub num_running: usize,
     pub num_waiting: usize,
@@ -50,4 +50,6 @@ pub struct EngineStatus {
     /// there (every earlier draft of the row accepted too).
     pub spec_verified_by_position: [u64; MAX_SPEC_POSITIONS],
     pub spec_accepted_by_position: [u64; MAX_SPEC_POSITIONS],
+    /// Per rank, the cores its threads are pinned to (`0-15`), or `unpinned`.
+    pub cpu_affinity: Vec<String>,
 }

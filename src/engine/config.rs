@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use crate::kernels::Device;
+use crate::runner::affinity::CpuAffinity;
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -22,6 +23,8 @@ pub struct EngineConfig {
     pub dummy_weights: bool,
     /// Run every step eagerly: no CUDA graphs for decode steps (vLLM's `enforce_eager`).
     pub enforce_eager: bool,
+    /// Whether rank threads are pinned to cores (a GPU's NUMA node; CPU ranks' shares).
+    pub cpu_affinity: CpuAffinity,
     pub max_num_seqs: usize,
     pub max_step_tokens: usize,
     pub step_time_budget_secs: f64,
@@ -107,6 +110,7 @@ impl EngineConfig {
             gpu_memory_utilization: 0.9,
             dummy_weights: false,
             enforce_eager: false,
+            cpu_affinity: CpuAffinity::Auto,
             max_num_seqs: 256,
             max_step_tokens: 2048,
             step_time_budget_secs: 0.25,

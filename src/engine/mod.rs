@@ -180,6 +180,7 @@ impl Engine {
                 devices,
                 dummy_weights: cfg.dummy_weights,
                 enforce_eager: cfg.enforce_eager,
+                cpu_affinity: cfg.cpu_affinity,
                 decode_curve,
                 num_routed_experts: text.deepseek_v4.as_ref().map(|d| d.num_routed_experts),
                 draft_model_path: draft.as_ref().map(|_| {

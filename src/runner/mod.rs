@@ -5,6 +5,7 @@
 //! thread waits for each launched step and hands it on; the decode-latency curve is
 //! measured here as a rank starts.
 
+pub mod affinity;
 pub mod decode_curve;
 #[cfg(feature = "cuda")]
 mod deepseek_v4_cuda;
@@ -32,6 +33,24 @@ use fault::FaultPlan;
 use llama::load_on;
 use sampled_tokens::SampledTokens;
 
+/// What a rank reports once started: the decode latency curve it measured (a lone
+/// rank), the cores it runs on.
+#[derive(Debug, Clone, Default)]
+pub struct RankReport {
+    pub decode_curve: Option<crate::spec::LatencyCurve>,
+    /// `None`: not pinned.
+    pub cpu_cores: Option<Vec<usize>>,
+}
+
+impl RankReport {
+    /// The cores as a cpulist (`0-15`), or `unpinned`.
+    pub fn cores(&self) -> String {
+        self.cpu_cores
+            .as_deref()
+            .map_or_else(|| "unpinned".into(), affinity::format_cpulist)
+    }
+}
+
 /// Why a rank's model did not load (what its actor's start fails with).
 pub type LoadError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -58,6 +77,7 @@ pub struct RankArgs {
     /// `--spec mtp`: DeepSeek-V4's MTP layer drafts for the verify rows.
     pub mtp: bool,
     pub enforce_eager: bool,
+    pub cpu_affinity: affinity::CpuAffinity,
     /// Measure (or load) the decode latency curve before the first step.
     pub decode_curve: Option<CurveJob>,
 }
@@ -83,7 +103,7 @@ pub struct LaunchedStep {
 }
 
 /// One rank's model, weights and KV cache on its device: all a step needs.
-pub trait DeviceModel {
+pub trait DeviceModel: Send {
     /// Launches the step: rows without processors are picked on the device (greedy ones,
     /// and sampled ones where the backend samples), the other sampling rows' logits are
     /// copied to the host before this returns.

@@ -53,7 +53,7 @@ impl GroupAbort {
 /// Sums the ranks' partial results so that every rank holds the same total. Called by
 /// every rank of the group in the same order; blocking until the group has joined (or
 /// enqueued on the device stream, for a device collective).
-pub trait Collective<B: Backend> {
+pub trait Collective<B: Backend>: Send {
     /// The first `len` elements of `buf` become their sum over the group, bitwise the
     /// same on every rank. Panics when a peer is gone: the rank then fails and its
     /// supervisor rebuilds the group.

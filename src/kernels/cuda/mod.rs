@@ -33,7 +33,9 @@ pub use deepseek_v4::{
 use graph::{Graphs, Meta, Phase};
 pub use kv_cache::CudaKvCache;
 use module::Kernels;
-pub use module::{GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin, kernel_image, open_device};
+pub use module::{
+    GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin, kernel_image, open_device, pci_address,
+};
 pub use nccl::NcclJoin;
 use picks::{MAX_PICKS, PickPool};
 use recorded::OwnModule;

@@ -350,3 +350,21 @@ impl Kernels {
         })
     }
 }
+
+/// GPU `ordinal`'s PCI address as sysfs names it (`0000:3b:00.0`), or `None` when the
+/// driver cannot tell (no library, no such device).
+pub fn pci_address(ordinal: usize) -> Option<String> {
+    // SAFETY: only tries to dlopen the driver library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return None;
+    }
+    cudarc::driver::result::init().ok()?;
+    let dev = cudarc::driver::result::device::get(ordinal as std::ffi::c_int).ok()?;
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    // SAFETY: `dev` came from `device::get`.
+    let attr = |a| unsafe { cudarc::driver::result::device::get_attribute(dev, a) }.ok();
+    let domain = attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+    let bus = attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+    let device = attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+    Some(format!("{domain:04x}:{bus:02x}:{device:02x}.0"))
+}
