@@ -31,6 +31,21 @@ use crate::structured::{CompiledGrammar, GrammarCompiler};
 
 pub struct Engine;
 
+/// How long a caller waits for an actor's answer (the scheduler answers a submit or a
+/// status query between steps: milliseconds when healthy).
+const CALL_TIMEOUT_MS: u64 = 30_000;
+
+/// A failed call to `actor`, typed: a timeout names the actor that hung.
+fn call_error<M>(actor: &'static str, e: ractor::RactorErr<M>) -> EngineError {
+    match e {
+        ractor::RactorErr::Timeout => EngineError::Unresponsive {
+            actor,
+            waited_ms: CALL_TIMEOUT_MS,
+        },
+        other => EngineError::Unavailable(format!("the {actor}: {other}")),
+    }
+}
+
 #[derive(Clone)]
 pub struct EngineHandle {
     supervisor: ActorRef<SupervisorMsg>,
@@ -195,8 +210,8 @@ impl Engine {
         let (supervisor, _) = Actor::spawn(None, EngineSupervisor, args)
             .await
             .map_err(|e| EngineError::Spawn(e.to_string()))?;
-        let children = ractor::call!(supervisor, SupervisorMsg::Children)
-            .map_err(|e| EngineError::Spawn(e.to_string()))?;
+        let children = ractor::call_t!(supervisor, SupervisorMsg::Children, CALL_TIMEOUT_MS)
+            .map_err(|e| EngineError::Spawn(call_error("supervisor", e).to_string()))?;
         Ok(EngineHandle {
             supervisor,
             scheduler: children.scheduler,
@@ -465,14 +480,15 @@ impl EngineHandle {
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let num_choices = request.n.max(1);
         let (tx, rx) = mpsc::unbounded_channel();
-        let submitted = ractor::call!(self.scheduler, |reply| SchedulerMsg::Submit {
+        let submit = |reply| SchedulerMsg::Submit {
             request_id,
             request: Box::new(request),
             grammar,
             stream: tx,
-            reply
-        })
-        .map_err(|e| EngineError::Unavailable(e.to_string()))?;
+            reply,
+        };
+        let submitted = ractor::call_t!(self.scheduler, submit, CALL_TIMEOUT_MS)
+            .map_err(|e| call_error("scheduler", e))?;
         submitted?;
         Ok(RequestStream {
             request_id,
@@ -526,14 +542,16 @@ impl EngineHandle {
     }
 
     pub async fn status(&self) -> Result<EngineStatus, EngineError> {
-        ractor::call!(self.scheduler, SchedulerMsg::Status)
-            .map_err(|e| EngineError::Unavailable(e.to_string()))
+        ractor::call_t!(self.scheduler, SchedulerMsg::Status, CALL_TIMEOUT_MS)
+            .map_err(|e| call_error("scheduler", e))
     }
 
     /// Stops the engine: with `drain`, after every request in flight has finished;
     /// without, at once (requests end with an error).
     pub async fn shutdown(self, drain: bool) {
         if drain {
+            // No timeout: draining waits for the requests in flight, each bounded by its
+            // own max_tokens.
             let _ = ractor::call!(self.scheduler, SchedulerMsg::Drain);
         }
         self.permits.close();
@@ -561,7 +579,7 @@ impl EngineHandle {
 
     #[doc(hidden)]
     pub async fn children(&self) -> Result<Children, EngineError> {
-        ractor::call!(self.supervisor, SupervisorMsg::Children)
-            .map_err(|e| EngineError::Unavailable(e.to_string()))
+        ractor::call_t!(self.supervisor, SupervisorMsg::Children, CALL_TIMEOUT_MS)
+            .map_err(|e| call_error("supervisor", e))
     }
 }

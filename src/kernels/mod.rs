@@ -377,20 +377,14 @@ pub trait Backend: Send + Sync {
         vocab: usize,
         rows: &[PickRow<'_>],
     ) -> Pending<Vec<(u32, f32)>>;
-    /// Whether `embedding` can read the last picks on the device; else the caller resolves
-    /// them (`pick_rows`' result) and passes ids.
-    fn picks_stay_on_device(&self) -> bool {
-        false
+    /// What this backend can do beyond the operations every backend has.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
     }
-    /// Whether `pick_rows` should get sampled (not only greedy) rows: true where sampling
-    /// beside the logits saves their copy to the host.
     /// A point on the device's timeline after the work launched so far (a CUDA event
     /// with timing), or `None` where the backend has no timeline of its own.
     fn timeline_mark(&self) -> Option<DeviceMark> {
         None
-    }
-    fn samples_on_device(&self) -> bool {
-        false
     }
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
     fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
@@ -400,12 +394,43 @@ pub trait Backend: Send + Sync {
     fn graph_rows(&self, _num_rows: usize) -> Option<usize> {
         None
     }
-    /// Brackets the forward pass of a decode step padded to `graph_rows`' size. Padding
-    /// rows have KV slot `PAD_SLOT` and see no keys; nothing else reads them.
+    /// Brackets the forward pass of a decode step padded to `graph_rows`' size (through
+    /// `GraphStep`, which ends it). Padding rows have KV slot `PAD_SLOT` and see no keys;
+    /// nothing else reads them.
     fn begin_graph_step(&self, _rows: usize, _max_blocks_per_seq: usize) {}
     fn end_graph_step(&self) {}
     /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
     fn buffers_moved(&self) {}
+}
+
+/// A backend's capabilities beyond the common operations (all off: the CPU backend).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Capabilities {
+    /// `embedding` can read the last picks on the device; else the caller resolves them
+    /// (`pick_rows`' result) and passes ids.
+    pub picks_stay_on_device: bool,
+    /// `pick_rows` should get sampled (not only greedy) rows: sampling beside the logits
+    /// saves their copy to the host.
+    pub samples_on_device: bool,
+}
+
+/// A decode step's forward pass being recorded (or replayed) at a graph's batch size;
+/// dropping it ends the step, on every path out of the forward pass.
+pub struct GraphStep<'a, B: Backend> {
+    backend: &'a B,
+}
+
+impl<'a, B: Backend> GraphStep<'a, B> {
+    pub fn begin(backend: &'a B, rows: usize, max_blocks_per_seq: usize) -> Self {
+        backend.begin_graph_step(rows, max_blocks_per_seq);
+        GraphStep { backend }
+    }
+}
+
+impl<B: Backend> Drop for GraphStep<'_, B> {
+    fn drop(&mut self) {
+        self.backend.end_graph_step();
+    }
 }
 
 /// Attention's head layout, for `Backend::qkv_into_cache`.

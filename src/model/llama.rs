@@ -6,7 +6,7 @@ use super::config::ModelConfig;
 use super::rope::{cos_sin_table, inv_freqs};
 use super::weights::Weights;
 use crate::kernels::collective::Collective;
-use crate::kernels::{Backend, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention};
+use crate::kernels::{Backend, GraphStep, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention};
 
 /// One sequence's part of a step, as the caller plans it.
 #[derive(Debug, Clone)]
@@ -257,9 +257,8 @@ impl<B: Backend> LlamaModel<B> {
             self.positions.push(0);
             self.slots.push(crate::kernels::PAD_SLOT);
         }
-        if let Some(rows) = graph_rows {
-            backend.begin_graph_step(rows, self.cfg.max_context_tokens.div_ceil(block_size));
-        }
+        let max_blocks = self.cfg.max_context_tokens.div_ceil(block_size);
+        let _graph = graph_rows.map(|rows| GraphStep::begin(backend, rows, max_blocks));
 
         let c = &self.cfg;
         let c_hidden = c.hidden_size;
@@ -388,8 +387,5 @@ impl<B: Backend> LlamaModel<B> {
         );
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         backend.matmul(&ws.last, num_logit_rows, head, None, &mut ws.logits);
-        if graph_rows.is_some() {
-            backend.end_graph_step();
-        }
     }
 }

@@ -75,7 +75,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         // Rows without processors are picked where the logits lie: greedy ones always,
         // sampled ones where the backend samples (its copy of their logits saved). A row
         // verifying drafts has a logit row per draft and one more, all sent to the host.
-        let sample_here = self.backend.samples_on_device();
+        let sample_here = self.backend.capabilities().samples_on_device;
         let (mut picked, mut host) = (Vec::new(), Vec::new());
         let mut host_first = vec![None; sampling.len()];
         let mut pick_rows = Vec::new();
@@ -151,7 +151,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         };
         let span = start.zip(self.backend.timeline_mark());
         let mut prev = vec![None; num_rows];
-        if self.backend.picks_stay_on_device() {
+        if self.backend.capabilities().picks_stay_on_device {
             for (i, &row) in plain_rows.iter().enumerate() {
                 prev[row] = Some(PrevToken::Device(i as u32));
             }

@@ -355,12 +355,11 @@ impl Backend for CudaBackend {
         self.device_picks(logits, vocab, rows)
     }
 
-    fn picks_stay_on_device(&self) -> bool {
-        true
-    }
-
-    fn samples_on_device(&self) -> bool {
-        true
+    fn capabilities(&self) -> crate::kernels::Capabilities {
+        crate::kernels::Capabilities {
+            picks_stay_on_device: true,
+            samples_on_device: true,
+        }
     }
 
     fn timeline_mark(&self) -> Option<crate::kernels::DeviceMark> {
