@@ -105,10 +105,13 @@ async fn wait_for_steps(engine: &EngineHandle, n: u64) {
     }
 }
 
+/// Submits `n` requests, injects `fault` once `steps_first` steps have run, and collects
+/// every output.
 async fn collect_all(
     engine: &EngineHandle,
     n: usize,
     seed: u64,
+    steps_first: u64,
     fault: impl FnOnce(),
 ) -> (Vec<RequestOutput>, Vec<Vec<u32>>) {
     let requests = random_requests(n, 384, seed);
@@ -117,7 +120,7 @@ async fn collect_all(
     for r in requests {
         streams.push(engine.generate(r).await.unwrap());
     }
-    wait_for_steps(engine, 4).await;
+    wait_for_steps(engine, steps_first).await;
     fault();
     let mut got = Vec::new();
     for s in streams {
@@ -149,7 +152,7 @@ async fn a_rank_dying_mid_step_rebuilds_the_group_at_full_size() {
     let engine = Engine::spawn_with_faults(tp_config(2), faults.clone())
         .await
         .unwrap();
-    let (got, want) = collect_all(&engine, 48, 32, || faults.panic_next_step()).await;
+    let (got, want) = collect_all(&engine, 48, 32, 4, || faults.panic_next_step()).await;
     assert_finished_unchanged(&engine, &got, &want).await;
     let status = engine.status().await.unwrap();
     assert!(status.num_resets >= 2, "no rebuild happened: {status:?}");
@@ -161,7 +164,8 @@ async fn a_rank_dying_mid_step_rebuilds_the_group_at_full_size() {
 async fn a_killed_rank_actor_rebuilds_the_group() {
     let engine = Engine::spawn(tp_config(2)).await.unwrap();
     let children = engine.children().await.unwrap();
-    let (got, want) = collect_all(&engine, 48, 33, || children.workers[1].get_cell().kill()).await;
+    let (got, want) =
+        collect_all(&engine, 48, 33, 4, || children.workers[1].get_cell().kill()).await;
     assert_finished_unchanged(&engine, &got, &want).await;
     assert!(engine.status().await.unwrap().num_resets >= 2);
     engine.shutdown(true).await;
@@ -173,7 +177,7 @@ async fn losing_a_device_shrinks_the_group_and_every_request_finishes() {
     let engine = Engine::spawn_with_faults(tp_config(2), faults.clone())
         .await
         .unwrap();
-    let (got, want) = collect_all(&engine, 48, 34, || faults.lose_device(1)).await;
+    let (got, want) = collect_all(&engine, 48, 34, 4, || faults.lose_device(1)).await;
     assert_finished_unchanged(&engine, &got, &want).await;
     let status = engine.status().await.unwrap();
     assert_eq!(status.tensor_parallel_size, 1, "{status:?}");
@@ -191,7 +195,9 @@ async fn losing_every_device_fails_every_request_with_the_reason() {
     let engine = Engine::spawn_with_faults(tp_config(2), faults.clone())
         .await
         .unwrap();
-    let (got, _) = collect_all(&engine, 16, 36, || {
+    // At once: a request needs at least 8 steps, so none can finish before the loss
+    // (after a few steps, a fast group could finish some first).
+    let (got, _) = collect_all(&engine, 16, 36, 0, || {
         faults.lose_device(0);
         faults.lose_device(1);
     })
