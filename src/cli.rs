@@ -6,13 +6,12 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::{
-    Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason, SpecAcceptance,
-    SpecConfig, SpecMethod, SpecVerify,
+    Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason, RequestError,
+    RequestLimits, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
 };
 use crate::error::{Result, TroupeError};
 use crate::generate::DEFAULT_BLOCK_SIZE;
 use crate::model::chat_template::ChatMessage;
-use crate::model::config::ModelConfig;
 use crate::model::{self, ModelText, hub};
 use crate::protocol::conversation::{Conversation, Message, Role};
 use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
@@ -387,26 +386,30 @@ fn prompt_ids(
     tok.encode(&template.render(&messages, true)?)
 }
 
-/// The checks that name a prompt by its place in the input, before the engine sees it.
-fn validate_prompt(index: usize, prompt_ids: &[u32], cfg: &ModelConfig) -> Result<()> {
-    if prompt_ids.is_empty() {
-        return Err(TroupeError::EmptyPrompt { index });
-    }
-    if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        return Err(TroupeError::TokenOutOfRange {
+/// A request the engine's validation refused, named by its place in the input (checked
+/// before the engine starts, so a bad prompt costs no model load).
+fn request_err(index: usize, e: RequestError) -> TroupeError {
+    match e {
+        RequestError::EmptyPrompt => TroupeError::EmptyPrompt { index },
+        RequestError::TokenOutOfRange {
+            token_id,
+            vocab_size,
+        } => TroupeError::TokenOutOfRange {
             index,
-            token_id: bad,
-            vocab_size: cfg.vocab_size,
-        });
-    }
-    if prompt_ids.len() >= cfg.max_context_tokens {
-        return Err(TroupeError::PromptTooLong {
+            token_id,
+            vocab_size,
+        },
+        RequestError::PromptTooLong {
+            num_prompt_tokens,
+            max_context_tokens,
+        } => TroupeError::PromptTooLong {
             index,
-            num_prompt_tokens: prompt_ids.len(),
-            max_context_tokens: cfg.max_context_tokens,
-        });
+            num_prompt_tokens,
+            max_context_tokens,
+        },
+        RequestError::Sampling(m) | RequestError::LogitBias(m) => TroupeError::InvalidSampling(m),
+        other => TroupeError::InvalidInput(format!("prompt {index}: {other}")),
     }
-    Ok(())
 }
 
 pub fn main() -> i32 {
@@ -471,7 +474,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let mut requests = Vec::with_capacity(lines.len());
     for (index, line) in lines.iter().enumerate() {
         let prompt_ids = prompt_ids(&args, &text, &path, line)?;
-        validate_prompt(index, &prompt_ids, &text.config)?;
         let params = SamplingParams {
             temperature: line.temperature.unwrap_or(args.temperature),
             top_k: line.top_k.unwrap_or(args.top_k),
@@ -484,8 +486,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             logit_bias: line.logit_bias_ids()?,
             ..Default::default()
         };
-        params.validate()?;
-        params.validate_for_vocab(text.config.vocab_size)?;
         let mut request = EngineRequest::new(
             prompt_ids,
             line.max_tokens.unwrap_or(args.max_tokens),
@@ -498,6 +498,13 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         request.ignore_eos = args.ignore_eos;
         request.stop = line.stop.clone().unwrap_or_else(|| args.stop.clone());
         request.stop_token_ids = line.stop_token_ids.clone().unwrap_or_default();
+        let limits = RequestLimits {
+            vocab_size: text.config.vocab_size,
+            max_context_tokens: text.config.max_context_tokens,
+        };
+        request
+            .validate(limits)
+            .map_err(|e| request_err(index, e))?;
         requests.push(request);
     }
     let cfg = args.engine.config(&path)?;

@@ -159,7 +159,7 @@ async fn bad_grammars_are_refused_with_the_reason() {
         let kind = spec.kind();
         let r = chat(&engine, "hi", spec, 1);
         match engine.generate(r).await {
-            Err(EngineError::Rejected(m)) => assert!(m.contains(kind), "{m}"),
+            Err(EngineError::Rejected(m)) => assert!(m.to_string().contains(kind), "{m}"),
             Err(e) => panic!("wrong error: {e}"),
             Ok(_) => panic!("a bad {kind} was accepted"),
         }

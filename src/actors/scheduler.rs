@@ -11,8 +11,8 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::rank_worker::RankMsg;
 use super::sampler::SamplerMsg;
 use crate::api::{
-    EngineError, EngineRequest, EngineStatus, IncrementalDecoder, MAX_CHOICES, RequestOutput,
-    TextStream,
+    EngineError, EngineRequest, EngineStatus, IncrementalDecoder, MAX_CHOICES, RequestError,
+    RequestOutput, TextStream,
 };
 use crate::model::tokenizer::Tokenizer;
 use crate::runner::RankReport;
@@ -91,7 +91,6 @@ pub struct SchedulerArgs {
     pub stop_ids: Vec<u32>,
     /// Output text keeps special tokens (DeepSeek-V4: its tool calls and reasoning).
     pub keep_special_tokens: bool,
-    pub vocab_size: usize,
     pub moe_balance: crate::eplb::BalanceReport,
 }
 
@@ -131,7 +130,6 @@ pub struct SchedulerState {
     stop_ids: Shared<[u32]>,
     no_ids: Shared<[u32]>,
     keep_special_tokens: bool,
-    vocab_size: usize,
     moe_balance: crate::eplb::BalanceReport,
     /// Mixed into drawn seeds so two engine runs draw different ones.
     seed_entropy: u64,
@@ -375,7 +373,6 @@ impl Actor for SchedulerActor {
             stop_ids: args.stop_ids.into(),
             no_ids: Shared::from(Vec::new()),
             keep_special_tokens: args.keep_special_tokens,
-            vocab_size: args.vocab_size,
             moe_balance: args.moe_balance,
             seed_entropy: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -408,33 +405,6 @@ impl Actor for SchedulerActor {
             } => {
                 if let Some(reason) = &st.failed {
                     let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
-                    return Ok(());
-                }
-                let valid = request
-                    .params
-                    .validate()
-                    .and_then(|()| request.params.validate_for_vocab(st.vocab_size));
-                if let Err(e) = valid {
-                    let _ = reply.send(Err(EngineError::Rejected(e.to_string())));
-                    return Ok(());
-                }
-                // Checked here, not in the kernels: a bad id would crash the rank worker on
-                // every recompute and take the whole engine down with it.
-                if let Some(&bad) = request
-                    .prompt_ids
-                    .iter()
-                    .find(|&&t| t as usize >= st.vocab_size)
-                {
-                    let msg = format!(
-                        "prompt token id {bad} is outside the vocabulary (size {})",
-                        st.vocab_size
-                    );
-                    let _ = reply.send(Err(EngineError::Rejected(msg)));
-                    return Ok(());
-                }
-                if request.n == 0 || request.n > MAX_CHOICES {
-                    let msg = format!("n must be in 1..={MAX_CHOICES}, got {}", request.n);
-                    let _ = reply.send(Err(EngineError::Rejected(msg)));
                     return Ok(());
                 }
                 // Unseeded requests get a seed now, reported back, so any run can be replayed.
@@ -503,7 +473,7 @@ impl Actor for SchedulerActor {
                         st.kick();
                     }
                     Err(e) => {
-                        let _ = reply.send(Err(EngineError::Rejected(e.to_string())));
+                        let _ = reply.send(Err(RequestError::Unservable(e.to_string()).into()));
                     }
                 }
             }

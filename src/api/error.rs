@@ -1,9 +1,13 @@
-//! `EngineError`: why the engine refused or could not serve a request.
+//! `EngineError`: why the engine refused or could not serve a request; `RequestError`:
+//! what was wrong with a refused request, typed so that each front end names it its own
+//! way (the CLI by prompt index, the HTTP APIs by field).
+
+use super::MAX_CHOICES;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("request rejected: {0}")]
-    Rejected(String),
+    Rejected(#[from] RequestError),
     #[error("engine unavailable: {0}")]
     Unavailable(String),
     /// An actor did not answer a call in time: a hung actor is an error, not a hang.
@@ -13,4 +17,50 @@ pub enum EngineError {
     Spawn(String),
     #[error(transparent)]
     Model(#[from] crate::error::TroupeError),
+}
+
+/// Why a request was refused for good; checked once, by `EngineRequest::validate` (in
+/// `EngineHandle::generate`), except what only the scheduler can know.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    #[error("the prompt is empty: nothing to condition on")]
+    EmptyPrompt,
+    #[error("prompt token id {token_id} is outside the vocabulary (size {vocab_size})")]
+    TokenOutOfRange { token_id: u32, vocab_size: usize },
+    #[error(
+        "the prompt has {num_prompt_tokens} tokens but the model context is {max_context_tokens} tokens"
+    )]
+    PromptTooLong {
+        num_prompt_tokens: usize,
+        max_context_tokens: usize,
+    },
+    /// A sampling parameter out of its range (the message names it).
+    #[error("invalid sampling parameter: {0}")]
+    Sampling(String),
+    /// A logit bias on a token outside the vocabulary.
+    #[error("invalid sampling parameter: {0}")]
+    LogitBias(String),
+    #[error("n must be in 1..={MAX_CHOICES}, got {0}")]
+    Choices(usize),
+    /// The grammar does not compile against the vocabulary, or structured output is
+    /// unavailable.
+    #[error("{0}")]
+    Grammar(String),
+    /// The scheduler cannot ever serve it (the pool is too small, no state slots, ...).
+    #[error("{0}")]
+    Unservable(String),
+}
+
+impl RequestError {
+    /// The request field at fault, as the OpenAI-style APIs name it.
+    pub fn field(&self) -> &'static str {
+        match self {
+            RequestError::EmptyPrompt | RequestError::TokenOutOfRange { .. } => "prompt",
+            RequestError::PromptTooLong { .. } => "messages",
+            RequestError::Sampling(_) => "sampling",
+            RequestError::LogitBias(_) => "logit_bias",
+            RequestError::Choices(_) => "n",
+            RequestError::Grammar(_) | RequestError::Unservable(_) => "request",
+        }
+    }
 }

@@ -6,7 +6,7 @@ mod request;
 mod status;
 mod text_stream;
 
-pub use error::EngineError;
-pub use request::{EngineRequest, FinishReason, MAX_CHOICES, RequestOutput};
+pub use error::{EngineError, RequestError};
+pub use request::{EngineRequest, FinishReason, MAX_CHOICES, RequestLimits, RequestOutput};
 pub use status::{EngineStatus, MAX_SPEC_POSITIONS};
 pub use text_stream::{IncrementalDecoder, TextStream};

@@ -4,6 +4,8 @@ use crate::sampling::SamplingParams;
 pub use crate::sched::FinishReason;
 use crate::structured::GrammarSpec;
 
+use super::RequestError;
+
 #[derive(Debug, Clone)]
 pub struct EngineRequest {
     pub prompt_ids: Vec<u32>,
@@ -30,7 +32,53 @@ pub struct EngineRequest {
 /// The most completions one request may ask for.
 pub const MAX_CHOICES: usize = 64;
 
+/// What a request is checked against.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    pub vocab_size: usize,
+    pub max_context_tokens: usize,
+}
+
 impl EngineRequest {
+    /// Everything about the request that can be checked without the scheduler's state.
+    pub fn validate(&self, limits: RequestLimits) -> Result<(), RequestError> {
+        if self.prompt_ids.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        // Checked here, not in the kernels: a bad id would crash the rank worker on every
+        // recompute and take the whole engine down with it.
+        if let Some(&token_id) = self
+            .prompt_ids
+            .iter()
+            .find(|&&t| t as usize >= limits.vocab_size)
+        {
+            return Err(RequestError::TokenOutOfRange {
+                token_id,
+                vocab_size: limits.vocab_size,
+            });
+        }
+        if self.prompt_ids.len() >= limits.max_context_tokens {
+            return Err(RequestError::PromptTooLong {
+                num_prompt_tokens: self.prompt_ids.len(),
+                max_context_tokens: limits.max_context_tokens,
+            });
+        }
+        let message = |e: crate::error::TroupeError| match e {
+            crate::error::TroupeError::InvalidSampling(m) => m,
+            other => other.to_string(),
+        };
+        self.params
+            .validate()
+            .map_err(|e| RequestError::Sampling(message(e)))?;
+        self.params
+            .validate_for_vocab(limits.vocab_size)
+            .map_err(|e| RequestError::LogitBias(message(e)))?;
+        if self.n == 0 || self.n > MAX_CHOICES {
+            return Err(RequestError::Choices(self.n));
+        }
+        Ok(())
+    }
+
     pub fn new(prompt_ids: Vec<u32>, max_tokens: usize, params: SamplingParams) -> Self {
         EngineRequest {
             prompt_ids,

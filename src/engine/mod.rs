@@ -13,7 +13,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 pub use crate::api::{
     EngineError, EngineRequest, EngineStatus, FinishReason, IncrementalDecoder, MAX_CHOICES,
-    RequestOutput, TextStream,
+    RequestError, RequestLimits, RequestOutput, TextStream,
 };
 pub use crate::kernels::Device;
 pub use config::{EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
@@ -179,7 +179,6 @@ impl Engine {
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
                 keep_special_tokens: text.deepseek_v4.is_some(),
-                vocab_size: mcfg.vocab_size,
                 moe_balance: moe_balance.clone(),
             },
             rank: RankArgsTemplate {
@@ -441,6 +440,14 @@ impl EngineHandle {
         &self.text
     }
 
+    /// What requests to this engine are checked against.
+    pub fn limits(&self) -> RequestLimits {
+        RequestLimits {
+            vocab_size: self.text.config.vocab_size,
+            max_context_tokens: self.text.config.max_context_tokens,
+        }
+    }
+
     /// Compiles `request.grammar` (cached), or says why it cannot be served.
     fn compile_grammar(
         &self,
@@ -462,14 +469,15 @@ impl EngineHandle {
         });
         let compiler = compiler
             .as_ref()
-            .map_err(|e| EngineError::Rejected(e.clone()))?;
+            .map_err(|e| RequestError::Grammar(e.clone()))?;
         compiler
             .compile(spec)
             .map(Some)
-            .map_err(|e| EngineError::Rejected(e.to_string()))
+            .map_err(|e| RequestError::Grammar(e.to_string()).into())
     }
 
     pub async fn generate(&self, request: EngineRequest) -> Result<RequestStream, EngineError> {
+        request.validate(self.limits())?;
         let grammar = self.compile_grammar(&request)?;
         let permit = self
             .permits

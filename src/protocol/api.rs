@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 
 use super::conversation::Conversation;
 use super::output_parser::ParseSpec;
-use crate::engine::{EngineRequest, MAX_CHOICES};
+use crate::engine::EngineRequest;
 use crate::model::ModelText;
 use crate::sampling::SamplingParams;
 use crate::structured::GrammarSpec;
@@ -187,19 +187,9 @@ pub fn engine_request(
         num_top_logprobs: s.num_top_logprobs,
         ..Default::default()
     };
-    params
-        .validate()
-        .map_err(|e| ApiError::bad("sampling", e.to_string()))?;
-    params
-        .validate_for_vocab(text.config.vocab_size)
-        .map_err(|e| ApiError::bad("logit_bias", e.to_string()))?;
+    // The parameters' ranges, `n` and the prompt's ids are checked once, by the engine
+    // (`EngineRequest::validate`); its typed error names the field (`engine_error`).
     let n = s.n.unwrap_or(1);
-    if n == 0 || n > MAX_CHOICES {
-        return Err(ApiError::bad(
-            "n",
-            format!("n must be in 1..={MAX_CHOICES}, got {n}"),
-        ));
-    }
     let mut r = EngineRequest::new(prompt_ids, max_tokens, params);
     r.seed = s.seed;
     r.n = n;

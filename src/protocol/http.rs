@@ -37,7 +37,7 @@ pub fn error_response(e: &ApiError, flavor: Flavor) -> HttpResponse {
 
 pub fn engine_error(e: EngineError) -> ApiError {
     match e {
-        EngineError::Rejected(m) => ApiError::bad("request", m),
+        EngineError::Rejected(e) => ApiError::bad(e.field(), e.to_string()),
         other => ApiError::status(503, other.to_string()),
     }
 }

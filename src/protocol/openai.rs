@@ -497,18 +497,8 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
     check_model(st, &req.model)?;
     let text = st.engine.text();
     let prompt_ids = match &req.prompt {
-        PromptField::Ids(ids) => {
-            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= text.config.vocab_size) {
-                return Err(ApiError::bad(
-                    "prompt",
-                    format!(
-                        "token id {bad} is outside the vocabulary ({})",
-                        text.config.vocab_size
-                    ),
-                ));
-            }
-            ids.clone()
-        }
+        // Ids outside the vocabulary are refused by the engine (`EngineRequest::validate`).
+        PromptField::Ids(ids) => ids.clone(),
         PromptField::Text(t) => {
             let tok = text.tokenizer.as_ref().ok_or_else(|| {
                 ApiError::bad("prompt", "this model has no tokenizer: send token ids")
