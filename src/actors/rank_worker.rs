@@ -20,8 +20,7 @@ use crate::runner::inputs::StepInputs;
 use crate::runner::readback::{ReadStep, Readback, spawn_readback};
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::runner::{DeviceModel, RankArgs, RankReport, load_model};
-use crate::sched::StepPlan;
-use crate::step::RowSampling;
+use crate::step::Step;
 
 pub enum RankMsg {
     /// The readback thread could not deliver a step (a device error while waiting for
@@ -32,11 +31,9 @@ pub enum RankMsg {
     JoinGroup(GroupJoin),
     /// What this rank measured and how it was placed as it started.
     Report(RpcReplyPort<RankReport>),
-    /// Run one step. Step-sized: the plan and sampling parameters travel as `Arc`s.
+    /// Run one step (shared by every rank and, from the leader, the sampler).
     Step {
-        epoch: u64,
-        plan: Shared<StepPlan>,
-        sampling: Shared<Vec<Option<RowSampling>>>,
+        step: Shared<Step>,
         sampler: ActorRef<SamplerMsg>,
     },
 }
@@ -112,7 +109,7 @@ impl ThreadLocalActor for RankWorker {
         msg: RankMsg,
         st: &mut RankState,
     ) -> Result<(), ActorProcessingErr> {
-        let (epoch, plan, sampling, sampler) = match msg {
+        let (step, sampler) = match msg {
             RankMsg::ReadbackFailed(reason) => return Err(reason.into()),
             RankMsg::Report(reply) => {
                 let _ = reply.send(st.report.clone());
@@ -123,13 +120,9 @@ impl ThreadLocalActor for RankWorker {
                     format!("rank {} could not join its group: {e}", st.shard.rank).into()
                 });
             }
-            RankMsg::Step {
-                epoch,
-                plan,
-                sampling,
-                sampler,
-            } => (epoch, plan, sampling, sampler),
+            RankMsg::Step { step, sampler } => (step, sampler),
         };
+        let epoch = step.epoch;
         // Planned before a reset: every sequence in it is being recomputed. A lone rank
         // skips it; a group's ranks all run it (nothing reaches the sampler), because a
         // rank that skipped would leave its peers waiting in a collective.
@@ -140,7 +133,7 @@ impl ThreadLocalActor for RankWorker {
         }
         if !st
             .inputs
-            .resolve(epoch, &plan, &st.sampled, in_group, st.shard.rank)
+            .resolve(&step, &st.sampled, in_group, st.shard.rank)
         {
             return Ok(());
         }
@@ -152,33 +145,31 @@ impl ThreadLocalActor for RankWorker {
                 st.shard.rank
             );
         }
-        let steps = st.inputs.seq_steps(&plan);
+        let steps = st.inputs.seq_steps(&step);
         tracing::debug!(
             rank = st.shard.rank,
-            step = plan.step_id,
+            step = step.step_id,
             rows = steps.len(),
             device_picks = st.inputs.picked_rows().len(),
             "step launching"
         );
         let (model, block_size, picked) = (&mut st.model, st.block_size, st.inputs.picked_rows());
-        let step = in_pool(st.pool.as_ref(), || {
-            model.step(block_size, &steps, picked, &sampling)
+        let launched_step = in_pool(st.pool.as_ref(), || {
+            model.step(block_size, &steps, picked, &step.rows)
         });
         drop(steps);
-        st.inputs.launched(epoch, plan.step_id, step.prev);
+        let step_id = step.step_id;
+        st.inputs.launched(epoch, step_id, launched_step.prev);
         let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();
         let vocab_size = st.model.vocab_size();
-        let step_id = plan.step_id;
         let deliver: Option<Box<dyn FnOnce(ReadStep) + Send>> = deliver.then(|| {
             Box::new(move |read: ReadStep| {
                 // A sampler that died with this step in flight is being replaced; the
                 // restart resets the scheduler, which no longer waits for these logits.
                 let _ = sampler.cast(SamplerMsg::Sample {
-                    epoch,
-                    step_id,
+                    step,
                     logits: Shared::new(read.logits),
                     vocab_size,
-                    sampling,
                     started: read.started,
                     idle_secs: read.idle_secs,
                     device_idle_secs: read.device_idle_secs,
@@ -188,8 +179,8 @@ impl ThreadLocalActor for RankWorker {
         st.readback
             .send(Readback {
                 step_id,
-                logits: step.logits,
-                span: step.span,
+                logits: launched_step.logits,
+                span: launched_step.span,
                 launched,
                 deliver,
             })

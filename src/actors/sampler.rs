@@ -9,15 +9,13 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
 
 use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
-use crate::step::{RowSampling, SampledStep, StepLogits, StepSampler};
+use crate::step::{SampledStep, Step, StepLogits, StepSampler};
 
 pub enum SamplerMsg {
     Sample {
-        epoch: u64,
-        step_id: u64,
+        step: Shared<Step>,
         logits: Shared<StepLogits>,
         vocab_size: usize,
-        sampling: Shared<Vec<Option<RowSampling>>>,
         started: Instant,
         /// The worker's idle time before this step (waiting for work or for ZOS tokens).
         idle_secs: f64,
@@ -67,19 +65,18 @@ impl Actor for SamplerActor {
         st: &mut SamplerState,
     ) -> Result<(), ActorProcessingErr> {
         let SamplerMsg::Sample {
-            epoch,
-            step_id,
+            step,
             logits,
             vocab_size,
-            sampling,
             started,
             idle_secs,
             device_idle_secs,
         } = msg;
+        let (epoch, step_id) = (step.epoch, step.step_id);
         let faults = st.faults.clone();
         let out = st
             .core
-            .sample(epoch, step_id, &logits, vocab_size, &sampling, &mut || {
+            .sample(epoch, step_id, &logits, vocab_size, &step.rows, &mut || {
                 faults.take_verify_panic()
             })?;
         tracing::debug!(

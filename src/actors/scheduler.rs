@@ -19,9 +19,9 @@ use crate::runner::RankReport;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::{SamplingParams, splitmix64};
 use crate::sched::{
-    FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StepPlan,
+    FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest,
 };
-use crate::step::{RowSampling, SampledStep};
+use crate::step::{RowSampling, SampledStep, Step};
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
 mod sampled;
@@ -134,7 +134,7 @@ pub struct SchedulerState {
     /// Mixed into drawn seeds so two engine runs draw different ones.
     seed_entropy: u64,
     requests: HashMap<SeqId, Request>,
-    in_flight: VecDeque<Shared<StepPlan>>,
+    in_flight: VecDeque<Shared<Step>>,
     failed: Option<String>,
     drains: Vec<RpcReplyPort<()>>,
     status: EngineStatus,
@@ -200,17 +200,14 @@ impl SchedulerState {
                     })
                 })
                 .collect();
-            let plan = Shared::new(plan);
-            self.in_flight.push_back(plan.clone());
+            let step = Shared::new(Step::new(self.epoch, plan, sampling));
+            self.in_flight.push_back(step.clone());
             self.status.num_steps += 1;
-            let sampling = Shared::new(sampling);
-            // Every rank runs the same plan; a dead one loses it and the supervisor's
+            // Every rank runs the same step; a dead one loses it and the supervisor's
             // rebuild resets the core.
             for worker in &self.workers {
                 let _ = worker.cast(RankMsg::Step {
-                    epoch: self.epoch,
-                    plan: plan.clone(),
-                    sampling: sampling.clone(),
+                    step: step.clone(),
                     sampler: sampler.clone(),
                 });
             }

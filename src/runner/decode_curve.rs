@@ -9,8 +9,9 @@ use std::time::Instant;
 
 use crate::model::llama::SeqStep;
 use crate::sampling::SamplingParams;
+use crate::sched::{PlannedRow, RowInput};
 use crate::spec::{CurveStore, LatencyCurve};
-use crate::step::RowSampling;
+use crate::step::{RowSampling, StepRow};
 use crate::sync::Shared;
 
 /// Decode batch sizes measured (the CUDA graph buckets), up to the job's `max_rows`.
@@ -32,7 +33,7 @@ pub struct CurveJob {
 /// greedy: the seconds `run_step` takes to launch it and wait for its picks.
 pub(super) fn time_decode_step(
     rows: usize,
-    run_step: impl FnOnce(&[SeqStep<'_>], &[Option<RowSampling>]),
+    run_step: impl FnOnce(&[SeqStep<'_>], &[StepRow]),
 ) -> f64 {
     let tables: Vec<[u32; 1]> = (0..rows as u32).map(|b| [b]).collect();
     let ids = [0u32];
@@ -48,9 +49,20 @@ pub(super) fn time_decode_step(
         .collect();
     let params = Shared::new(SamplingParams::default());
     let none: Shared<[u32]> = Shared::from(Vec::new());
-    let sampling: Vec<Option<RowSampling>> = (0..rows)
-        .map(|_| {
-            Some(RowSampling {
+    let step_rows: Vec<StepRow> = (0..rows)
+        .map(|b| StepRow {
+            plan: PlannedRow {
+                seq_id: b as u64,
+                input: RowInput::Tokens(ids.to_vec()),
+                num_cached_tokens: 0,
+                block_table: vec![b as u32],
+                state_slot: None,
+                state_start: 0,
+                replay_until: 0,
+                sample: true,
+                num_draft_tokens: 0,
+            },
+            sampling: Some(RowSampling {
                 params: params.clone(),
                 position: 1,
                 prompt_ids: none.clone(),
@@ -62,11 +74,11 @@ pub(super) fn time_decode_step(
                 stop_ids: none.clone(),
                 min_tokens: 0,
                 rejection: false,
-            })
+            }),
         })
         .collect();
     let start = Instant::now();
-    run_step(&steps, &sampling);
+    run_step(&steps, &step_rows);
     start.elapsed().as_secs_f64()
 }
 

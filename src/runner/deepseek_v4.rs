@@ -15,7 +15,7 @@ use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
-use crate::step::{RowSampling, StepLogits};
+use crate::step::{StepLogits, StepRow};
 
 pub(super) struct DsV4OnHost {
     model: DsV4Model,
@@ -75,10 +75,10 @@ impl DeviceModel for DsV4OnHost {
         _block_size: usize,
         steps: &[SeqStep<'_>],
         _picked_rows: &[u32],
-        sampling: &[Option<RowSampling>],
+        rows: &[StepRow],
     ) -> LaunchedStep {
         let mut ds_steps = ds_steps(steps);
-        let num_drafts = super::num_placeholders(sampling);
+        let num_drafts = super::num_placeholders(rows);
         let model_drafts = match &mut self.mtp {
             Some(mtp) => mtp.propose(&self.model, &ds_steps, &num_drafts),
             None => Vec::new(),
@@ -118,13 +118,7 @@ impl DeviceModel for DsV4OnHost {
                 group.shard.placements = Some(eplb.placements().to_vec());
             }
         }
-        launched(
-            &logits,
-            self.model.vocab_size(),
-            steps,
-            sampling,
-            model_drafts,
-        )
+        launched(&logits, self.model.vocab_size(), steps, rows, model_drafts)
     }
 
     fn vocab_size(&self) -> usize {
@@ -185,13 +179,18 @@ pub(super) fn launched(
     logits: &[f32],
     vocab: usize,
     steps: &[SeqStep<'_>],
-    sampling: &[Option<RowSampling>],
+    rows: &[StepRow],
     model_drafts: Vec<Vec<(u32, f32)>>,
 ) -> LaunchedStep {
-    let mut host_row = vec![None; sampling.len()];
+    let mut host_row = vec![None; rows.len()];
     let mut host = Vec::new();
     let mut logit_row = 0;
-    for (row, (s, step)) in sampling.iter().zip(steps).enumerate() {
+    for (row, (s, step)) in rows
+        .iter()
+        .map(|r| r.sampling.as_ref())
+        .zip(steps)
+        .enumerate()
+    {
         if s.is_some() {
             host_row[row] = Some(host.len() / vocab);
             host.extend_from_slice(
@@ -201,8 +200,8 @@ pub(super) fn launched(
         logit_row += step.num_logit_rows;
     }
     let out = StepLogits {
-        picked: vec![None; sampling.len()],
-        verify_picks: vec![None; sampling.len()],
+        picked: vec![None; rows.len()],
+        verify_picks: vec![None; rows.len()],
         host_row,
         host,
         model_drafts: model_drafts
@@ -213,7 +212,7 @@ pub(super) fn launched(
     LaunchedStep {
         logits: Box::new(move || out),
         span: None,
-        prev: vec![None; sampling.len()],
+        prev: vec![None; rows.len()],
     }
 }
 

@@ -10,7 +10,7 @@ use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::cuda::DsV4Cuda;
 use crate::model::deepseek_v4::cuda::cache::DeviceCache;
 use crate::model::llama::SeqStep;
-use crate::step::RowSampling;
+use crate::step::StepRow;
 
 pub(super) struct DsV4OnCuda {
     model: DsV4Cuda,
@@ -53,7 +53,7 @@ impl DeviceModel for DsV4OnCuda {
         _block_size: usize,
         steps: &[SeqStep<'_>],
         _picked_rows: &[u32],
-        sampling: &[Option<RowSampling>],
+        rows: &[StepRow],
     ) -> LaunchedStep {
         let ds = ds_steps(steps);
         self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
@@ -68,13 +68,7 @@ impl DeviceModel for DsV4OnCuda {
                 .unwrap_or_else(|e| panic!("EPLB: {e}"));
             self.moe_balance.publish(eplb);
         }
-        launched(
-            &logits,
-            self.model.vocab_size(),
-            steps,
-            sampling,
-            Vec::new(),
-        )
+        launched(&logits, self.model.vocab_size(), steps, rows, Vec::new())
     }
 
     fn vocab_size(&self) -> usize {

@@ -7,7 +7,8 @@ use super::PrevToken;
 use super::sampled_tokens::SampledTokens;
 use crate::kernels::NOT_PICKED;
 use crate::model::llama::{SeqStep, SlotState};
-use crate::sched::{RowInput, StepPlan};
+use crate::sched::RowInput;
+use crate::step::Step;
 
 /// The rank's view of the step in flight and the one before it, reused across steps.
 #[derive(Default)]
@@ -22,28 +23,30 @@ pub struct StepInputs {
 }
 
 impl StepInputs {
-    /// Fills the rows' inputs for `plan`; `false` when the engine was reset while a row
-    /// waited for its token, so the step is void (a rank of a group runs it anyway on
-    /// zeros: a rank that skipped would leave its peers waiting in a collective).
+    /// Fills the rows' inputs for `step`, its remap table applied; `false` when the engine
+    /// was reset while a row waited for its token, so the step is void (a rank of a group
+    /// runs it anyway on zeros: a rank that skipped would leave its peers waiting in a
+    /// collective).
     pub fn resolve(
         &mut self,
-        epoch: u64,
-        plan: &StepPlan,
+        step: &Step,
         sampled: &SampledTokens,
         in_group: bool,
         rank: usize,
     ) -> bool {
-        self.inputs.resize_with(plan.rows.len(), Vec::new);
+        let epoch = step.epoch;
+        self.inputs.resize_with(step.rows.len(), Vec::new);
         self.picked_rows.clear();
-        for (row, input) in plan.rows.iter().zip(self.inputs.iter_mut()) {
+        for (i, (row, input)) in step.rows.iter().zip(self.inputs.iter_mut()).enumerate() {
             input.clear();
             let mut picked = NOT_PICKED;
-            match &row.input {
-                RowInput::Tokens(ids) => input.extend_from_slice(ids),
-                RowInput::FromPrevious {
-                    prev_step,
-                    prev_row,
-                } => {
+            match (step.remap.source(i), &row.plan.input) {
+                (None, RowInput::Tokens(ids)) => input.extend_from_slice(ids),
+                (None, RowInput::FromPrevious { .. }) => {
+                    unreachable!("the remap table lists every continued row")
+                }
+                (Some(remap), _) => {
+                    let (prev_step, prev_row) = (&remap.prev_step, &remap.prev_row);
                     let known = match &self.prev {
                         Some((e, s, prev)) if *e == epoch && s == prev_step => {
                             prev.get(*prev_row).copied().flatten()
@@ -60,7 +63,7 @@ impl StepInputs {
                         None => {
                             tracing::debug!(
                                 rank,
-                                step = plan.step_id,
+                                step = step.step_id,
                                 prev_step,
                                 prev_row,
                                 "waiting for a sampled token"
@@ -83,9 +86,10 @@ impl StepInputs {
     }
 
     /// The resolved rows as the model runs them.
-    pub fn seq_steps<'a>(&'a self, plan: &'a StepPlan) -> Vec<SeqStep<'a>> {
-        plan.rows
+    pub fn seq_steps<'a>(&'a self, step: &'a Step) -> Vec<SeqStep<'a>> {
+        step.rows
             .iter()
+            .map(|r| &r.plan)
             .zip(&self.inputs)
             .map(|(row, input)| SeqStep {
                 token_ids: input,

@@ -9,7 +9,7 @@ use super::{DeviceModel, LaunchedStep, PrevToken, RankArgs};
 use crate::kernels::collective::GroupJoin;
 use crate::kernels::{Backend, PickRow};
 use crate::model::llama::{LlamaModel, SeqStep};
-use crate::step::{RowSampling, StepLogits};
+use crate::step::{StepLogits, StepRow};
 
 pub(super) struct OnBackend<B: Backend> {
     /// First: fields drop in order, and the backend must close its device state (an open
@@ -37,7 +37,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         block_size: usize,
         steps: &[SeqStep<'_>],
         picked_rows: &[u32],
-        sampling: &[Option<RowSampling>],
+        rows: &[StepRow],
     ) -> LaunchedStep {
         let start = self.backend.timeline_mark();
         // The draft model runs every step (its cache follows the model's), and its drafts
@@ -47,7 +47,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         let mut with_drafts: Vec<SeqStep<'_>>;
         let steps = match &mut self.draft {
             Some(draft) => {
-                let num_drafts = super::num_placeholders(sampling);
+                let num_drafts = super::num_placeholders(rows);
                 model_drafts =
                     draft.propose(&self.backend, block_size, steps, picked_rows, &num_drafts);
                 filled = super::fill_placeholders(
@@ -77,12 +77,17 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         // verifying drafts has a logit row per draft and one more, all sent to the host.
         let sample_here = self.backend.capabilities().samples_on_device;
         let (mut picked, mut host) = (Vec::new(), Vec::new());
-        let mut host_first = vec![None; sampling.len()];
+        let mut host_first = vec![None; rows.len()];
         let mut pick_rows = Vec::new();
         // Rows verifying greedily on the device: (plan row, its first logit row, count).
         let mut verifying = Vec::new();
         let mut logit_row = 0;
-        for (row, (s, step)) in sampling.iter().zip(steps).enumerate() {
+        for (row, (s, step)) in rows
+            .iter()
+            .map(|r| r.sampling.as_ref())
+            .zip(steps)
+            .enumerate()
+        {
             match s {
                 Some(s) if s.is_plain() && (sample_here || s.params.is_greedy()) => {
                     picked.push(row);
@@ -106,14 +111,17 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         // The plain rows' picks first: their indices are what the next step's embedding
         // reads on the device.
         for &(row, first, count) in &verifying {
-            let s = sampling[row].as_ref().expect("a verifying row samples");
+            let s = rows[row]
+                .sampling
+                .as_ref()
+                .expect("a verifying row samples");
             pick_rows.extend((0..count).map(|i| PickRow {
                 row: first + i,
                 params: &s.params,
                 position: s.position + i as u64,
             }));
         }
-        let num_rows = sampling.len();
+        let num_rows = rows.len();
         let mut out = StepLogits {
             picked: vec![None; num_rows],
             verify_picks: vec![None; num_rows],

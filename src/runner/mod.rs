@@ -26,7 +26,7 @@ use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{Device, DeviceMark, Pending};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
-use crate::step::{RowSampling, StepLogits};
+use crate::step::{StepLogits, StepRow};
 
 use decode_curve::CurveJob;
 use fault::FaultPlan;
@@ -112,7 +112,7 @@ pub trait DeviceModel: Send {
         block_size: usize,
         steps: &[SeqStep<'_>],
         picked_rows: &[u32],
-        sampling: &[Option<RowSampling>],
+        rows: &[StepRow],
     ) -> LaunchedStep;
     fn vocab_size(&self) -> usize;
     fn join_group(&mut self, join: GroupJoin) -> Result<(), String>;
@@ -153,10 +153,9 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
 }
 
 /// Per plan row: how many of its last tokens are placeholders a drafting model fills in.
-pub(crate) fn num_placeholders(sampling: &[Option<RowSampling>]) -> Vec<usize> {
-    sampling
-        .iter()
-        .map(|s| s.as_ref().map_or(0, |s| s.drafts.len()))
+pub(crate) fn num_placeholders(rows: &[StepRow]) -> Vec<usize> {
+    rows.iter()
+        .map(|r| r.sampling.as_ref().map_or(0, |s| s.drafts.len()))
         .collect()
 }
 

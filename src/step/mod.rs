@@ -1,7 +1,8 @@
-//! The step contract: what one step asks of the sampler (each row's `RowSampling`), what
-//! the rank hands it (`StepLogits`) and what it reports back (`SampledStep`, one
-//! `SampledRow` per sampled row). The scheduler actor builds the rows, the rank fills the
-//! logits, the sampler (`sample::StepSampler`) turns them into tokens.
+//! The step contract: the one message a step is (`Step`: a `StepRow` per row, the plan row
+//! and its sampling together, and the ZOS `RemapTable`), what the rank hands the sampler
+//! (`StepLogits`) and what the sampler reports back (`SampledStep`, one `SampledRow` per
+//! sampled row). The scheduler actor builds the step, every rank applies it, the sampler
+//! (`sample::StepSampler`) turns its logits into tokens.
 
 mod sample;
 
@@ -10,7 +11,102 @@ use crate::sync::Shared as Arc;
 pub use sample::StepSampler;
 
 use crate::sampling::SamplingParams;
+use crate::sched::{PlannedRow, RowInput, StepPlan};
 use crate::structured::SeqConstraint;
+
+/// One step, as it travels from the scheduler to every rank and on to the sampler.
+#[derive(Debug, Clone)]
+pub struct Step {
+    /// The engine's reset count when it was planned: a step of an older epoch is void.
+    pub epoch: u64,
+    pub step_id: u64,
+    pub rows: Vec<StepRow>,
+    /// Which rows take their input token from which row of the previous step's output
+    /// (zero-overhead scheduling); empty without ZOS.
+    pub remap: RemapTable,
+}
+
+/// One row of a step: what the model computes and how its next token is drawn.
+#[derive(Debug, Clone)]
+pub struct StepRow {
+    pub plan: PlannedRow,
+    /// `None`: a row whose logits nobody samples (a prefill chunk before the prompt's end).
+    pub sampling: Option<RowSampling>,
+}
+
+/// Rows whose input is a token the previous step draws: known on the device, or to the
+/// sampler, only after this step was planned.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemapTable {
+    entries: Vec<Remap>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Remap {
+    /// This step's row.
+    pub row: usize,
+    pub prev_step: u64,
+    /// The row of `prev_step` whose drawn token is this row's input.
+    pub prev_row: usize,
+}
+
+impl RemapTable {
+    /// The table of `rows`: each row planned as a continuation of the previous step.
+    pub fn of_rows<'a>(rows: impl Iterator<Item = &'a PlannedRow>) -> Self {
+        let entries = rows
+            .enumerate()
+            .filter_map(|(row, r)| match r.input {
+                RowInput::FromPrevious {
+                    prev_step,
+                    prev_row,
+                } => Some(Remap {
+                    row,
+                    prev_step,
+                    prev_row,
+                }),
+                RowInput::Tokens(_) => None,
+            })
+            .collect();
+        RemapTable { entries }
+    }
+
+    pub fn entries(&self) -> &[Remap] {
+        &self.entries
+    }
+
+    /// Where row `row`'s input comes from, if it is remapped.
+    pub fn source(&self, row: usize) -> Option<&Remap> {
+        // Rows are in order: a binary search by row.
+        self.entries
+            .binary_search_by_key(&row, |r| r.row)
+            .ok()
+            .map(|i| &self.entries[i])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+impl Step {
+    /// A planned step with each row's sampling (`sampling[i]` for `plan.rows[i]`).
+    pub fn new(epoch: u64, plan: StepPlan, sampling: Vec<Option<RowSampling>>) -> Self {
+        debug_assert_eq!(plan.rows.len(), sampling.len());
+        let remap = RemapTable::of_rows(plan.rows.iter());
+        let rows = plan
+            .rows
+            .into_iter()
+            .zip(sampling)
+            .map(|(plan, sampling)| StepRow { plan, sampling })
+            .collect();
+        Step {
+            epoch,
+            step_id: plan.step_id,
+            rows,
+            remap,
+        }
+    }
+}
 
 /// How to sample one plan row.
 #[derive(Debug, Clone)]
@@ -118,4 +214,45 @@ pub struct SampledStep {
     pub worker_idle_secs: f64,
     /// The device's idle time before this step on its own timeline (CUDA events).
     pub device_idle_secs: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(input: RowInput) -> PlannedRow {
+        PlannedRow {
+            seq_id: 1,
+            input,
+            num_cached_tokens: 0,
+            block_table: Vec::new(),
+            state_slot: None,
+            state_start: 0,
+            replay_until: 0,
+            sample: true,
+            num_draft_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn the_remap_table_names_exactly_the_continued_rows() {
+        let rows = [
+            row(RowInput::Tokens(vec![1, 2])),
+            row(RowInput::FromPrevious {
+                prev_step: 6,
+                prev_row: 3,
+            }),
+            row(RowInput::Tokens(vec![4])),
+            row(RowInput::FromPrevious {
+                prev_step: 6,
+                prev_row: 0,
+            }),
+        ];
+        let table = RemapTable::of_rows(rows.iter());
+        let sources: Vec<Option<(u64, usize)>> = (0..5)
+            .map(|r| table.source(r).map(|m| (m.prev_step, m.prev_row)))
+            .collect();
+        assert_eq!(sources, vec![None, Some((6, 3)), None, Some((6, 0)), None]);
+        assert!(RemapTable::of_rows(rows[..1].iter()).is_empty());
+    }
 }

@@ -8,7 +8,7 @@ use crate::spec::verify::{self, History};
 use crate::structured::SeqConstraint;
 use crate::sync::Shared as Arc;
 
-use super::{RowSampling, SampledRow, StepLogits};
+use super::{SampledRow, StepLogits, StepRow};
 
 /// The sampler's state across steps.
 #[derive(Default)]
@@ -41,10 +41,10 @@ impl StepSampler {
         step_id: u64,
         logits: &StepLogits,
         vocab_size: usize,
-        sampling: &[Option<RowSampling>],
+        rows: &[StepRow],
         verify_fault: &mut dyn FnMut() -> bool,
     ) -> Result<StepOutcome, String> {
-        let mut per_row = Vec::with_capacity(sampling.len());
+        let mut per_row = Vec::with_capacity(rows.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
             (Vec::new(), Vec::new(), Vec::new());
         // Per sampled row (as `tokens`): the draft model's probabilities of its drafts.
@@ -52,7 +52,7 @@ impl StepSampler {
         // Constrained rows and their histories with the new token, advanced after the
         // tokens are out so the next masks are computed beside the next forward pass.
         let mut advances: Vec<(Arc<SeqConstraint>, Vec<u32>)> = Vec::new();
-        for (row, s) in sampling.iter().enumerate() {
+        for (row, s) in rows.iter().map(|r| r.sampling.as_ref()).enumerate() {
             let Some(s) = s else {
                 per_row.push(None);
                 continue;

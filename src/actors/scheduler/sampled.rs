@@ -12,16 +12,13 @@ use crate::step::SampledStep;
 impl SchedulerState {
     pub(super) fn on_sampled(&mut self, step: SampledStep) {
         let (step_id, secs) = (step.step_id, step.elapsed_secs);
-        let Some(plan) = self.in_flight.pop_front() else {
+        let Some(planned) = self.in_flight.pop_front() else {
             return;
         };
-        debug_assert_eq!(plan.step_id, step_id, "steps complete in plan order");
-        let num_tokens: usize = plan.rows.iter().map(|r| r.num_tokens()).sum();
-        if plan
-            .rows
-            .iter()
-            .all(|r| r.num_tokens() == 1 + r.num_draft_tokens)
-        {
+        debug_assert_eq!(planned.step_id, step_id, "steps complete in plan order");
+        let plan_rows = || planned.rows.iter().map(|r| &r.plan);
+        let num_tokens: usize = plan_rows().map(|r| r.num_tokens()).sum();
+        if plan_rows().all(|r| r.num_tokens() == 1 + r.num_draft_tokens) {
             // A decode step: the tokens it yields (a verify row's accepted drafts count).
             let num_yielded: usize = step.rows.iter().map(|r| r.tokens.len()).sum();
             self.status.num_decode_tokens += num_yielded as u64;
@@ -32,7 +29,7 @@ impl SchedulerState {
         }
         // Per sequence, its tokens' logprobs in emission order.
         let mut logprobs_of: HashMap<SeqId, VecDeque<TokenLogprobs>> = HashMap::new();
-        let sampling_rows = plan.rows.iter().filter(|r| r.sample);
+        let sampling_rows = plan_rows().filter(|r| r.sample);
         for (row, sampled) in sampling_rows.clone().zip(&step.rows) {
             if row.num_draft_tokens > 0 {
                 self.status.num_spec_verified_tokens += row.num_draft_tokens as u64;
