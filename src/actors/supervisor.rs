@@ -182,14 +182,8 @@ fn group_joins(device: Device, size: usize, abort: &GroupAbort) -> Result<Vec<Gr
             .into_iter()
             .map(GroupJoin::Channels)
             .collect()),
-        #[cfg(feature = "cuda")]
         Device::Cuda(_) => crate::kernels::cuda::NcclJoin::group(size, abort)
             .map(|joins| joins.into_iter().map(GroupJoin::Nccl).collect()),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => {
-            let _ = abort;
-            Err(crate::kernels::NO_CUDA.into())
-        }
     }
 }
 

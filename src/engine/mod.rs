@@ -346,19 +346,8 @@ fn kv_cache_bytes(
     }
 }
 
-#[cfg(feature = "cuda")]
 fn gpu_free_bytes(ordinal: usize) -> Result<usize, EngineError> {
-    let ctx = crate::kernels::cuda::open_device(ordinal)
-        .map_err(|e| EngineError::Spawn(e.to_string()))?;
-    let (free, _) = ctx
-        .mem_get_info()
-        .map_err(|e| EngineError::Spawn(e.to_string()))?;
-    Ok(free)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn gpu_free_bytes(_ordinal: usize) -> Result<usize, EngineError> {
-    Err(EngineError::Spawn(crate::kernels::NO_CUDA.into()))
+    crate::kernels::cuda::gpu_free_bytes(ordinal).map_err(EngineError::Spawn)
 }
 
 /// The outputs of one request, in order; dropping it before the end aborts the request.
@@ -569,7 +558,6 @@ impl EngineHandle {
         let _ = self.supervisor.stop_and_wait(None, None).await;
         // The ranks' communicators are aborted on threads that finish once the ranks'
         // decode graphs are gone; a process exiting under them crashes.
-        #[cfg(feature = "cuda")]
         if !tokio::task::spawn_blocking(|| {
             crate::kernels::cuda::nccl::wait_for_aborts(std::time::Duration::from_secs(10))
         })

@@ -10,6 +10,9 @@ pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_off.rs"]
+pub mod cuda;
 mod device;
 pub mod paged_kv;
 pub mod quant;

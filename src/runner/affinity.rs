@@ -107,14 +107,8 @@ fn cpu_share(allowed: &[usize], rank: usize, size: usize) -> Option<Vec<usize>> 
     Some(allowed[start..start + len].to_vec())
 }
 
-#[cfg(feature = "cuda")]
 fn pci_address(ordinal: usize) -> Option<String> {
     crate::kernels::cuda::pci_address(ordinal)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn pci_address(_ordinal: usize) -> Option<String> {
-    None
 }
 
 /// The NUMA node of the PCI device at `address`; `None` where sysfs says -1 (one node).

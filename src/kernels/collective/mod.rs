@@ -15,7 +15,6 @@ pub enum GroupJoin {
     /// CPU ranks: in-process channels.
     Channels(ChannelCollective),
     /// CUDA ranks: an NCCL communicator from the id the supervisor made for the group.
-    #[cfg(feature = "cuda")]
     Nccl(crate::kernels::cuda::NcclJoin),
 }
 

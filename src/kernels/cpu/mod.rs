@@ -50,7 +50,6 @@ impl Backend for CpuBackend {
     ) -> Result<Box<dyn crate::kernels::collective::Collective<Self>>, String> {
         match join {
             crate::kernels::collective::GroupJoin::Channels(c) => Ok(Box::new(c)),
-            #[cfg(feature = "cuda")]
             crate::kernels::collective::GroupJoin::Nccl(_) => {
                 Err("a CPU rank cannot join an NCCL group".into())
             }

@@ -34,7 +34,8 @@ use graph::{Graphs, Meta, Phase};
 pub use kv_cache::CudaKvCache;
 use module::Kernels;
 pub use module::{
-    GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin, kernel_image, open_device, pci_address,
+    GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin, gpu_free_bytes, kernel_image, open_device,
+    pci_address,
 };
 pub use nccl::NcclJoin;
 use picks::{MAX_PICKS, PickPool};

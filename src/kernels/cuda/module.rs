@@ -368,3 +368,10 @@ pub fn pci_address(ordinal: usize) -> Option<String> {
     let device = attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
     Some(format!("{domain:04x}:{bus:02x}:{device:02x}.0"))
 }
+
+/// GPU `ordinal`'s free memory in bytes.
+pub fn gpu_free_bytes(ordinal: usize) -> Result<usize, String> {
+    let ctx = open_device(ordinal).map_err(|e| e.to_string())?;
+    let (free, _) = ctx.mem_get_info().map_err(|e| e.to_string())?;
+    Ok(free)
+}
