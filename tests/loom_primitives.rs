@@ -1,13 +1,12 @@
 //! Loom: every shared-memory primitive of the crate besides `SampledTokens` (its own
-//! suite): the grammar matcher's busy cell, a group's abort hooks, the EPLB balance
-//! report, the fault plan's one-shot flags, the drafters' shared calibration.
+//! suite): the grammar matcher's busy cell, a group's abort hooks, the GPU's pick-slot
+//! pool, the fault plan's one-shot flags, the drafters' shared calibration.
 //! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
 #![cfg(troupe_loom)]
 
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
-use troupe::eplb::BalanceReport;
 use troupe::kernels::collective::GroupAbort;
 use troupe::runner::fault::FaultPlan;
 use troupe::spec::{Drafter, NgramDrafter};
@@ -64,19 +63,6 @@ fn a_hook_registered_during_an_abort_runs_in_that_abort_or_the_next() {
             after_first + 1,
             "a hook was lost"
         );
-    });
-}
-
-#[test]
-fn the_balance_report_is_never_read_torn() {
-    loom::model(|| {
-        let report = BalanceReport::default();
-        let writer = report.clone();
-        let h = thread::spawn(move || writer.store(2.5, 3));
-        let seen = report.read();
-        assert!(seen == (0.0, 0) || seen == (2.5, 3), "{seen:?}");
-        h.join().unwrap();
-        assert_eq!(report.read(), (2.5, 3));
     });
 }
 

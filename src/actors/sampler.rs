@@ -93,6 +93,7 @@ impl Actor for SamplerActor {
                 elapsed_secs: started.elapsed().as_secs_f64(),
                 worker_idle_secs: idle_secs,
                 device_idle_secs,
+                moe_balance: logits.moe_balance,
             })
             .map_err(|_| "the scheduler is gone")?;
         for (c, history) in out.advances {

@@ -91,7 +91,6 @@ pub struct SchedulerArgs {
     pub stop_ids: Vec<u32>,
     /// Output text keeps special tokens (DeepSeek-V4: its tool calls and reasoning).
     pub keep_special_tokens: bool,
-    pub moe_balance: crate::eplb::BalanceReport,
 }
 
 /// One completion of a request. A request with `n` completions runs as `n` sequences,
@@ -130,7 +129,6 @@ pub struct SchedulerState {
     stop_ids: Shared<[u32]>,
     no_ids: Shared<[u32]>,
     keep_special_tokens: bool,
-    moe_balance: crate::eplb::BalanceReport,
     /// Mixed into drawn seeds so two engine runs draw different ones.
     seed_entropy: u64,
     requests: HashMap<SeqId, Request>,
@@ -370,7 +368,6 @@ impl Actor for SchedulerActor {
             stop_ids: args.stop_ids.into(),
             no_ids: Shared::from(Vec::new()),
             keep_special_tokens: args.keep_special_tokens,
-            moe_balance: args.moe_balance,
             seed_entropy: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
@@ -482,6 +479,10 @@ impl Actor for SchedulerActor {
                 if step.epoch == st.epoch {
                     st.status.worker_idle_secs += step.worker_idle_secs;
                     st.status.device_idle_secs += step.device_idle_secs.unwrap_or(0.0);
+                    if let Some(b) = step.moe_balance {
+                        st.status.moe_lb = b.worst_moe_lb;
+                        st.status.num_eplb_rebalances = b.num_rebalances;
+                    }
                     st.on_sampled(step);
                     st.kick();
                 }
@@ -525,7 +526,6 @@ impl Actor for SchedulerActor {
                 s.num_free_blocks = st.core.num_free_blocks();
                 s.num_free_state_slots = st.core.num_free_state_slots().unwrap_or(0);
                 s.num_preemptions = st.core.num_preemptions();
-                (s.moe_lb, s.num_eplb_rebalances) = st.moe_balance.read();
                 let prefix = st.core.prefix_cache_stats();
                 s.num_prefix_queried_blocks = prefix.num_queried_blocks;
                 s.num_prefix_hit_blocks = prefix.num_hit_blocks;

@@ -123,7 +123,6 @@ impl Engine {
         };
         let pools = pools::size_pools(&cfg, &text, kv_cache_bytes)?;
         let num_kv_blocks = pools.num_blocks;
-        let moe_balance = crate::eplb::BalanceReport::default();
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
         let scheduler_cfg = SchedulerConfig {
@@ -179,7 +178,6 @@ impl Engine {
                 tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
                 keep_special_tokens: text.deepseek_v4.is_some(),
-                moe_balance: moe_balance.clone(),
             },
             rank: RankArgsTemplate {
                 model_path: cfg.model_path.clone(),
@@ -187,7 +185,6 @@ impl Engine {
                 num_state_slots: pools.num_state_slots.unwrap_or(0),
                 block_size: pools.block_size,
                 eplb: cfg.eplb,
-                moe_balance,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
                 model_config: mcfg.clone(),

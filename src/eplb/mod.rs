@@ -16,8 +16,6 @@ mod window;
 pub use placement::{LayerPlacement, place_layer, rank_loads};
 pub use window::LoadWindow;
 
-use crate::sync::{Arc, Mutex};
-
 /// The shape of the expert-parallel group and how often to rebalance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EplbConfig {
@@ -210,37 +208,20 @@ impl Eplb {
 }
 
 /// What the engine reports of its EPLB: the worst layer's `moe_lb` under the current
-/// placement, and how many rebalances ran. Written by the rank that routes tokens, read
-/// by the status query (one lock per step and per query).
-#[derive(Clone)]
-pub struct BalanceReport(Arc<Mutex<(f64, u64)>>);
-
-impl Default for BalanceReport {
-    fn default() -> Self {
-        BalanceReport(Arc::new(Mutex::new((0.0, 0))))
-    }
+/// placement, and how many rebalances ran. The rank that routes tokens reports it with
+/// each step's logits; the scheduler keeps the latest for status.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MoeBalance {
+    pub worst_moe_lb: f64,
+    pub num_rebalances: u64,
 }
 
-impl std::fmt::Debug for BalanceReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("BalanceReport").field(&self.read()).finish()
-    }
-}
-
-impl BalanceReport {
-    pub fn publish(&self, eplb: &Eplb) {
-        let worst = eplb.moe_lb().into_iter().fold(1.0, f64::max);
-        self.store(worst, eplb.num_rebalances());
-    }
-
-    /// Sets the worst layer's `moe_lb` and the rebalance count together.
-    pub fn store(&self, worst_moe_lb: f64, num_rebalances: u64) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = (worst_moe_lb, num_rebalances);
-    }
-
-    /// (worst layer's `moe_lb`, rebalances); (0.0, 0) before any MoE step.
-    pub fn read(&self) -> (f64, u64) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+impl MoeBalance {
+    pub fn of(eplb: &Eplb) -> Self {
+        MoeBalance {
+            worst_moe_lb: eplb.moe_lb().into_iter().fold(1.0, f64::max),
+            num_rebalances: eplb.num_rebalances(),
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
-use crate::eplb::{BalanceReport, Eplb};
+use crate::eplb::{Eplb, MoeBalance};
 use crate::kernels::Backend;
 use crate::kernels::collective::GroupJoin;
 use crate::kernels::cpu::CpuBackend;
@@ -21,7 +21,6 @@ pub(super) struct DsV4OnHost {
     model: DsV4Model,
     cache: DsV4Cache,
     eplb: Option<Eplb>,
-    moe_balance: BalanceReport,
     /// Tokens per (layer, routed expert) of the current step.
     expert_tokens: Vec<Vec<u64>>,
     shard: TpShard,
@@ -61,7 +60,6 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         model,
         cache,
         eplb,
-        moe_balance: args.moe_balance.clone(),
         expert_tokens: vec![vec![0; experts]; layers],
         shard: args.shard,
         group: None,
@@ -105,12 +103,13 @@ impl DeviceModel for DsV4OnHost {
         if let Some(mtp) = &mut self.mtp {
             mtp.absorb(&self.model, &ds_steps, &num_drafts, &streams);
         }
+        let mut moe_balance = None;
         if let Some(eplb) = &mut self.eplb {
             // Weights would move between ranks after a rebalance: never mid-prefill.
             let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
             eplb.on_step(&self.expert_tokens, prefill_running)
                 .unwrap_or_else(|e| panic!("EPLB: {e}"));
-            self.moe_balance.publish(eplb);
+            moe_balance = Some(MoeBalance::of(eplb));
             if let Some(group) = &mut self.group
                 && group.shard.placements.is_some()
             {
@@ -118,7 +117,14 @@ impl DeviceModel for DsV4OnHost {
                 group.shard.placements = Some(eplb.placements().to_vec());
             }
         }
-        launched(&logits, self.model.vocab_size(), steps, rows, model_drafts)
+        launched(
+            &logits,
+            self.model.vocab_size(),
+            steps,
+            rows,
+            model_drafts,
+            moe_balance,
+        )
     }
 
     fn vocab_size(&self) -> usize {
@@ -181,6 +187,7 @@ pub(super) fn launched(
     steps: &[SeqStep<'_>],
     rows: &[StepRow],
     model_drafts: Vec<Vec<(u32, f32)>>,
+    moe_balance: Option<MoeBalance>,
 ) -> LaunchedStep {
     let mut host_row = vec![None; rows.len()];
     let mut host = Vec::new();
@@ -200,6 +207,7 @@ pub(super) fn launched(
         logit_row += step.num_logit_rows;
     }
     let out = StepLogits {
+        moe_balance,
         picked: vec![None; rows.len()],
         verify_picks: vec![None; rows.len()],
         host_row,

@@ -4,7 +4,7 @@
 
 use super::deepseek_v4::{ds_steps, eplb_for, launched};
 use super::{DeviceModel, LaunchedStep, RankArgs};
-use crate::eplb::{BalanceReport, Eplb};
+use crate::eplb::{Eplb, MoeBalance};
 use crate::kernels::collective::GroupJoin;
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::cuda::DsV4Cuda;
@@ -16,7 +16,6 @@ pub(super) struct DsV4OnCuda {
     model: DsV4Cuda,
     cache: DeviceCache,
     eplb: Option<Eplb>,
-    moe_balance: BalanceReport,
     expert_tokens: Vec<Vec<u64>>,
     /// Last: the device buffers above are freed before it goes.
     backend: CudaBackend,
@@ -42,7 +41,6 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         model,
         cache,
         eplb,
-        moe_balance: args.moe_balance.clone(),
         expert_tokens: vec![vec![0; experts]; layers],
     }))
 }
@@ -62,13 +60,21 @@ impl DeviceModel for DsV4OnCuda {
             .model
             .forward(&self.backend, &mut self.cache, &ds, &mut self.expert_tokens)
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
+        let mut moe_balance = None;
         if let Some(eplb) = &mut self.eplb {
             let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
             eplb.on_step(&self.expert_tokens, prefill_running)
                 .unwrap_or_else(|e| panic!("EPLB: {e}"));
-            self.moe_balance.publish(eplb);
+            moe_balance = Some(MoeBalance::of(eplb));
         }
-        launched(&logits, self.model.vocab_size(), steps, rows, Vec::new())
+        launched(
+            &logits,
+            self.model.vocab_size(),
+            steps,
+            rows,
+            Vec::new(),
+            moe_balance,
+        )
     }
 
     fn vocab_size(&self) -> usize {

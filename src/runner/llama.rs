@@ -123,6 +123,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         }
         let num_rows = rows.len();
         let mut out = StepLogits {
+            moe_balance: None,
             picked: vec![None; num_rows],
             verify_picks: vec![None; num_rows],
             host_row: host_first,

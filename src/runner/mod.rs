@@ -67,7 +67,6 @@ pub struct RankArgs {
     pub sampled: SampledTokens,
     /// MoE models: plan expert placement from the routed loads and report the balance.
     pub eplb: Option<crate::eplb::EplbSettings>,
-    pub moe_balance: crate::eplb::BalanceReport,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     pub device: Device,

@@ -10,6 +10,7 @@ use crate::sync::Shared as Arc;
 
 pub use sample::StepSampler;
 
+use crate::eplb::MoeBalance;
 use crate::sampling::SamplingParams;
 use crate::sched::{PlannedRow, RowInput, StepPlan};
 use crate::structured::SeqConstraint;
@@ -187,6 +188,8 @@ pub struct StepLogits {
     /// the draft model's probability of each; the row's `RowSampling::drafts` were
     /// placeholders.
     pub model_drafts: Vec<Option<Vec<(u32, f32)>>>,
+    /// MoE models with EPLB: the balance after this step's routing.
+    pub moe_balance: Option<MoeBalance>,
 }
 
 /// What a sampled row yields: one token, or a verify row's accepted drafts and the token
@@ -214,6 +217,8 @@ pub struct SampledStep {
     pub worker_idle_secs: f64,
     /// The device's idle time before this step on its own timeline (CUDA events).
     pub device_idle_secs: Option<f64>,
+    /// MoE models with EPLB: the balance after this step's routing.
+    pub moe_balance: Option<MoeBalance>,
 }
 
 #[cfg(test)]
