@@ -5,10 +5,12 @@
 mod common;
 
 use common::engine::tiny_config;
+use std::time::Duration;
 use troupe::engine::{
     Engine, EngineHandle, EngineRequest, FinishReason, IncrementalDecoder, RequestOutput,
     TextStream,
 };
+
 use troupe::sampling::{SamplingParams, splitmix64};
 
 const VOCAB: u32 = 384;
@@ -342,5 +344,78 @@ async fn stop_token_ids_end_a_request_and_min_tokens_bans_them_until_then() {
         "banned before min_tokens: {:?}",
         held.token_ids
     );
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_string_ends_every_completion_and_its_sequence() {
+    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let tok = engine.text().tokenizer.clone().unwrap();
+    let mut request = EngineRequest::new(
+        tok.encode("the quick brown fox").unwrap(),
+        60,
+        SamplingParams::default(),
+    );
+    request.ignore_eos = true;
+    let free = engine
+        .generate(request.clone())
+        .await
+        .unwrap()
+        .collect()
+        .await;
+    // A stop string from the middle of the greedy text: every (greedy) completion meets it.
+    let chars: Vec<(usize, char)> = free.text.char_indices().collect();
+    let (from, to) = (chars[chars.len() / 3].0, chars[chars.len() / 3 + 3].0);
+    let stop = free.text[from..to].to_string();
+    request.stop = vec![stop.clone()];
+    request.n = 3;
+    let tokens_so_far =
+        |s: &troupe::engine::EngineStatus| s.num_prefill_tokens + s.num_decode_tokens;
+    let before = tokens_so_far(&engine.status().await.unwrap());
+    let prompt_len = request.prompt_ids.len();
+    let mut stream = tokio::time::timeout(Duration::from_secs(60), engine.generate(request))
+        .await
+        .expect("generate answers")
+        .unwrap();
+    // Read every output but keep the stream: a dropped one would abort the request anyway.
+    let mut choices = vec![troupe::engine::RequestOutput::default(); 3];
+    while let Some(o) = tokio::time::timeout(Duration::from_secs(60), stream.next())
+        .await
+        .expect("every completion ends")
+    {
+        let c = &mut choices[o.index];
+        c.token_ids.extend(o.token_ids);
+        c.text.push_str(&o.text);
+        c.finish_reason = o.finish_reason.or(c.finish_reason);
+        c.stop_string = o.stop_string.or(c.stop_string.take());
+    }
+    let cut = free.text.find(&stop).unwrap();
+    for c in &choices {
+        assert_eq!(c.finish_reason, Some(FinishReason::Stop), "{c:?}");
+        assert_eq!(c.stop_string.as_deref(), Some(stop.as_str()));
+        assert_eq!(c.text, free.text[..cut], "stop string {stop:?}");
+        // The tokens stop once the text met the stop string, a prefix of the free run's.
+        let n = c.token_ids.len();
+        assert!(n < free.token_ids.len(), "{n}");
+        assert_eq!(c.token_ids, free.token_ids[..n]);
+        assert!(tok.decode(&c.token_ids, true).unwrap().contains(&stop));
+    }
+    // The scheduler stopped each sequence: none ran on towards its 60 tokens (a step or
+    // two in flight when the stop reached it aside).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while engine.status().await.unwrap().num_running > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a stopped sequence ran on"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let computed = tokens_so_far(&engine.status().await.unwrap()) - before;
+    let kept: usize = choices.iter().map(|c| c.token_ids.len()).sum();
+    assert!(
+        computed as usize <= kept + 3 * (prompt_len + 4),
+        "{computed} tokens computed for {kept} kept"
+    );
+    drop(stream);
     engine.shutdown(true).await;
 }

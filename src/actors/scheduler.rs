@@ -11,13 +11,11 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::rank_worker::RankMsg;
 use super::sampler::SamplerMsg;
 use crate::api::{
-    EngineError, EngineRequest, EngineStatus, IncrementalDecoder, MAX_CHOICES, RequestError,
-    RequestOutput, TextStream,
+    EngineError, EngineRequest, EngineStatus, MAX_CHOICES, RequestError, RequestOutput, choice_seed,
 };
-use crate::model::tokenizer::Tokenizer;
 use crate::runner::RankReport;
 use crate::runner::sampled_tokens::SampledTokens;
-use crate::sampling::{SamplingParams, splitmix64};
+use crate::sampling::SamplingParams;
 use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest,
 };
@@ -37,6 +35,11 @@ pub enum SchedulerMsg {
     },
     Abort {
         request_id: u64,
+    },
+    /// From the request's stream: a stop string ended completion `index`'s text.
+    StopChoice {
+        request_id: u64,
+        index: usize,
     },
     /// From the sampler: the sampled rows of a step, in row order.
     StepSampled(SampledStep),
@@ -87,10 +90,7 @@ pub struct SchedulerArgs {
     /// Sampled requests' drafts are accepted by rejection sampling (`SpecAcceptance`).
     pub rejection_acceptance: bool,
     pub sampled: SampledTokens,
-    pub tokenizer: Option<Shared<Tokenizer>>,
     pub stop_ids: Vec<u32>,
-    /// Output text keeps special tokens (DeepSeek-V4: its tool calls and reasoning).
-    pub keep_special_tokens: bool,
 }
 
 /// One completion of a request. A request with `n` completions runs as `n` sequences,
@@ -110,8 +110,6 @@ struct Request {
     prompt_ids: Shared<[u32]>,
     /// Generated so far; copied on write only while a step still holds the previous one.
     token_ids: Shared<Vec<u32>>,
-    decoded: IncrementalDecoder,
-    text: TextStream,
     /// Structured output: the grammar state the sampler masks this completion with.
     constraint: Option<Shared<SeqConstraint>>,
 }
@@ -125,12 +123,8 @@ pub struct SchedulerState {
     /// The rank workers every step goes to (rank order); empty before the first attach.
     workers: Vec<ActorRef<RankMsg>>,
     sampler: Option<ActorRef<SamplerMsg>>,
-    tokenizer: Option<Shared<Tokenizer>>,
     stop_ids: Shared<[u32]>,
     no_ids: Shared<[u32]>,
-    keep_special_tokens: bool,
-    /// Mixed into drawn seeds so two engine runs draw different ones.
-    seed_entropy: u64,
     requests: HashMap<SeqId, Request>,
     in_flight: VecDeque<Shared<Step>>,
     failed: Option<String>,
@@ -232,22 +226,6 @@ impl SchedulerState {
         }
     }
 
-    /// The next piece of `seq_id`'s text and whether a stop string ended it.
-    fn text_delta(&mut self, seq_id: SeqId, is_final: bool) -> (String, bool) {
-        let (Some(tok), Some(r)) = (&self.tokenizer, self.requests.get_mut(&seq_id)) else {
-            return (String::new(), false);
-        };
-        // Kept special tokens are text, but not the stop token that ended it.
-        let ids = match r.token_ids.split_last() {
-            Some((last, rest)) if r.decoded.keep_special_tokens && r.stop_ids.contains(last) => {
-                rest
-            }
-            _ => &r.token_ids[..],
-        };
-        r.decoded.update(tok, ids, is_final);
-        r.text.next(&r.decoded.text, is_final)
-    }
-
     /// Admits completions 1..n once completion 0's prompt blocks are cached.
     fn start_forks(&mut self, forks: Vec<(SeqRequest, Request)>) {
         for (seq, r) in forks {
@@ -282,15 +260,12 @@ impl SchedulerState {
     }
 
     fn finish(&mut self, seq_id: SeqId, reason: FinishReason) {
-        let (text, _) = self.text_delta(seq_id, true);
         if let Some(mut r) = self.requests.remove(&seq_id) {
             let forks = std::mem::take(&mut r.pending_forks);
             let _ = r.stream.send(RequestOutput {
                 request_id: request_id_of(seq_id),
                 index: r.index,
-                text,
                 finish_reason: Some(reason),
-                stop_string: r.text.matched().map(str::to_string),
                 seed: Some(r.params.seed),
                 ..Default::default()
             });
@@ -364,13 +339,8 @@ impl Actor for SchedulerActor {
             sampled: args.sampled,
             workers: Vec::new(),
             sampler: None,
-            tokenizer: args.tokenizer,
             stop_ids: args.stop_ids.into(),
             no_ids: Shared::from(Vec::new()),
-            keep_special_tokens: args.keep_special_tokens,
-            seed_entropy: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
             requests: HashMap::new(),
             in_flight: VecDeque::new(),
             failed: None,
@@ -401,10 +371,8 @@ impl Actor for SchedulerActor {
                     let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
                     return Ok(());
                 }
-                // Unseeded requests get a seed now, reported back, so any run can be replayed.
-                let seed = request
-                    .seed
-                    .unwrap_or_else(|| splitmix64(st.seed_entropy ^ splitmix64(request_id)));
+                // Resolved by `EngineHandle::generate` (drawn there when the caller gave none).
+                let seed = request.seed.unwrap_or_default();
                 let prompt_ids: Shared<[u32]> = request.prompt_ids.clone().into();
                 let model_stop_ids: &[u32] = if request.ignore_eos {
                     &[]
@@ -420,12 +388,7 @@ impl Actor for SchedulerActor {
                 let mut choices: Vec<(SeqRequest, Request)> = (0..request.n)
                     .map(|index| {
                         let mut params = request.params.clone();
-                        // Completion 0 keeps the seed; the others get their own, derived.
-                        params.seed = if index == 0 {
-                            seed
-                        } else {
-                            splitmix64(seed ^ index as u64)
-                        };
+                        params.seed = choice_seed(seed, index);
                         let seq = SeqRequest {
                             seq_id: seq_id_of(request_id, index),
                             prompt_ids: request.prompt_ids.clone(),
@@ -442,12 +405,6 @@ impl Actor for SchedulerActor {
                             stream: stream.clone(),
                             params: Shared::new(params),
                             prompt_ids: prompt_ids.clone(),
-                            decoded: if st.keep_special_tokens {
-                                IncrementalDecoder::keeping_special_tokens()
-                            } else {
-                                IncrementalDecoder::default()
-                            },
-                            text: TextStream::new(request.stop.clone()),
                             request: (*request).clone(),
                             token_ids: Shared::new(Vec::new()),
                             constraint: grammar
@@ -473,6 +430,15 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::Abort { request_id } => {
                 st.abort_request(request_id);
+                st.kick();
+            }
+            SchedulerMsg::StopChoice { request_id, index } => {
+                let seq_id = seq_id_of(request_id, index);
+                if st.requests.contains_key(&seq_id) {
+                    // The core still counts the sequence as running: end it there too.
+                    st.core.abort(seq_id);
+                    st.finish(seq_id, FinishReason::Stop);
+                }
                 st.kick();
             }
             SchedulerMsg::StepSampled(step) => {

@@ -7,6 +7,8 @@ mod status;
 mod text_stream;
 
 pub use error::{EngineError, RequestError};
-pub use request::{EngineRequest, FinishReason, MAX_CHOICES, RequestLimits, RequestOutput};
+pub use request::{
+    EngineRequest, FinishReason, MAX_CHOICES, RequestLimits, RequestOutput, choice_seed,
+};
 pub use status::{EngineStatus, MAX_SPEC_POSITIONS};
-pub use text_stream::{IncrementalDecoder, TextStream};
+pub use text_stream::{ChoiceText, IncrementalDecoder, TextStream};

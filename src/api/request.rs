@@ -32,6 +32,16 @@ pub struct EngineRequest {
 /// The most completions one request may ask for.
 pub const MAX_CHOICES: usize = 64;
 
+/// The seed completion `index` of a request seeded `seed` draws with: completion 0 keeps
+/// it, the others get their own, derived.
+pub fn choice_seed(seed: u64, index: usize) -> u64 {
+    if index == 0 {
+        seed
+    } else {
+        crate::sampling::splitmix64(seed ^ index as u64)
+    }
+}
+
 /// What a request is checked against.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestLimits {

@@ -52,6 +52,62 @@ impl IncrementalDecoder {
     }
 }
 
+/// One completion's text as its tokens stream in: decoded incrementally, held back where
+/// it could still be a stop string's start, cut where one matched.
+#[derive(Debug)]
+pub struct ChoiceText {
+    decoded: IncrementalDecoder,
+    text: TextStream,
+    token_ids: Vec<u32>,
+    /// Ids that end the completion: with special tokens kept as text, the one that ended
+    /// it is still left out.
+    stop_ids: Vec<u32>,
+}
+
+impl ChoiceText {
+    pub fn new(stop: Vec<String>, stop_ids: Vec<u32>, keep_special_tokens: bool) -> Self {
+        ChoiceText {
+            decoded: if keep_special_tokens {
+                IncrementalDecoder::keeping_special_tokens()
+            } else {
+                IncrementalDecoder::default()
+            },
+            text: TextStream::new(stop),
+            token_ids: Vec::new(),
+            stop_ids,
+        }
+    }
+
+    /// Takes `tokens`, the completion's next ones: the new piece of text and whether a
+    /// stop string ended it. Without a tokenizer there is no text (and no stop string).
+    pub fn push(
+        &mut self,
+        tok: Option<&Tokenizer>,
+        tokens: &[u32],
+        is_final: bool,
+    ) -> (String, bool) {
+        self.token_ids.extend_from_slice(tokens);
+        let Some(tok) = tok else {
+            return (String::new(), false);
+        };
+        let ids = match self.token_ids.split_last() {
+            Some((last, rest))
+                if self.decoded.keep_special_tokens && self.stop_ids.contains(last) =>
+            {
+                rest
+            }
+            _ => &self.token_ids[..],
+        };
+        self.decoded.update(tok, ids, is_final);
+        self.text.next(&self.decoded.text, is_final)
+    }
+
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.text.matched()
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct TextStream {
     stop: Vec<String>,

@@ -3,13 +3,14 @@
 
 mod config;
 mod pools;
+mod request_stream;
 
 use crate::sync::OnceLock;
 use crate::sync::Shared;
 use crate::sync::atomic::{AtomicU64, Ordering};
 
 use ractor::{Actor, ActorRef};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 
 pub use crate::api::{
     EngineError, EngineRequest, EngineStatus, FinishReason, IncrementalDecoder, MAX_CHOICES,
@@ -17,15 +18,18 @@ pub use crate::api::{
 };
 pub use crate::kernels::Device;
 pub use config::{EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+pub use request_stream::RequestStream;
 
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{
     Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
 };
+use crate::api::ChoiceText;
 use crate::model::{self, ModelText};
 use crate::runner::decode_curve::CurveJob;
 use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
+use crate::sampling::splitmix64;
 use crate::sched::SchedulerConfig;
 use crate::structured::{CompiledGrammar, GrammarCompiler};
 
@@ -55,6 +59,8 @@ pub struct EngineHandle {
     text: Shared<ModelText>,
     faults: FaultPlan,
     sampled: SampledTokens,
+    /// Mixed into drawn seeds so two engine runs draw different ones.
+    seed_entropy: u64,
     /// Built on the first structured-output request (the vocabulary trie takes a moment).
     grammars: Shared<OnceLock<Result<Shared<GrammarCompiler>, String>>>,
 }
@@ -175,9 +181,7 @@ impl Engine {
                     .speculative
                     .is_some_and(|s| s.acceptance == SpecAcceptance::Rejection),
                 sampled,
-                tokenizer: text.tokenizer.clone(),
                 stop_ids: text.stop_ids.clone(),
-                keep_special_tokens: text.deepseek_v4.is_some(),
             },
             rank: RankArgsTemplate {
                 model_path: cfg.model_path.clone(),
@@ -216,6 +220,9 @@ impl Engine {
             text: Shared::new(text),
             faults,
             sampled: handle_sampled,
+            seed_entropy: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
             grammars: Shared::new(OnceLock::new()),
         })
     }
@@ -347,80 +354,6 @@ fn gpu_free_bytes(ordinal: usize) -> Result<usize, EngineError> {
     crate::kernels::cuda::gpu_free_bytes(ordinal).map_err(EngineError::Spawn)
 }
 
-/// The outputs of one request, in order; dropping it before the end aborts the request.
-pub struct RequestStream {
-    pub request_id: u64,
-    rx: mpsc::UnboundedReceiver<RequestOutput>,
-    scheduler: ActorRef<SchedulerMsg>,
-    num_choices: usize,
-    num_finished_choices: usize,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl RequestStream {
-    /// The next output; `None` after the final one.
-    pub async fn next(&mut self) -> Option<RequestOutput> {
-        if self.is_finished() {
-            return None;
-        }
-        let out = self.rx.recv().await;
-        match &out {
-            Some(o) if !o.is_final() => {}
-            Some(_) => self.num_finished_choices += 1,
-            None => self.num_finished_choices = self.num_choices,
-        }
-        out
-    }
-
-    fn is_finished(&self) -> bool {
-        self.num_finished_choices >= self.num_choices
-    }
-
-    /// Collects the whole output (of the first completion when `n > 1`).
-    pub async fn collect(self) -> RequestOutput {
-        self.collect_choices().await.swap_remove(0)
-    }
-
-    /// Collects every completion, by index: tokens, text, the finish reason or the error.
-    pub async fn collect_choices(mut self) -> Vec<RequestOutput> {
-        let mut all: Vec<RequestOutput> = (0..self.num_choices)
-            .map(|index| RequestOutput {
-                request_id: self.request_id,
-                index,
-                ..Default::default()
-            })
-            .collect();
-        while let Some(o) = self.next().await {
-            let Some(c) = all.get_mut(o.index) else {
-                continue;
-            };
-            c.token_ids.extend(o.token_ids);
-            c.text.push_str(&o.text);
-            c.token_logprobs.extend(o.token_logprobs);
-            c.top_logprobs.extend(o.top_logprobs);
-            c.seed = o.seed.or(c.seed);
-            c.finish_reason = o.finish_reason.or(c.finish_reason);
-            c.error = o.error.or(c.error.take());
-        }
-        for c in &mut all {
-            if c.finish_reason.is_none() && c.error.is_none() {
-                c.error = Some("the engine stopped before the request finished".into());
-            }
-        }
-        all
-    }
-}
-
-impl Drop for RequestStream {
-    fn drop(&mut self) {
-        if !self.is_finished() {
-            let _ = self.scheduler.cast(SchedulerMsg::Abort {
-                request_id: self.request_id,
-            });
-        }
-    }
-}
-
 impl EngineHandle {
     pub fn text(&self) -> &ModelText {
         &self.text
@@ -462,7 +395,7 @@ impl EngineHandle {
             .map_err(|e| RequestError::Grammar(e.to_string()).into())
     }
 
-    pub async fn generate(&self, request: EngineRequest) -> Result<RequestStream, EngineError> {
+    pub async fn generate(&self, mut request: EngineRequest) -> Result<RequestStream, EngineError> {
         request.validate(self.limits())?;
         let grammar = self.compile_grammar(&request)?;
         let permit = self
@@ -472,7 +405,11 @@ impl EngineHandle {
             .await
             .map_err(|_| EngineError::Unavailable("the engine is shut down".into()))?;
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let num_choices = request.n.max(1);
+        // Unseeded requests get a seed now, reported back, so any run can be replayed.
+        let seed = *request
+            .seed
+            .get_or_insert_with(|| splitmix64(self.seed_entropy ^ splitmix64(request_id)));
+        let choices = self.choice_texts(&request);
         let (tx, rx) = mpsc::unbounded_channel();
         let submit = |reply| SchedulerMsg::Submit {
             request_id,
@@ -484,14 +421,36 @@ impl EngineHandle {
         let submitted = ractor::call_t!(self.scheduler, submit, CALL_TIMEOUT_MS)
             .map_err(|e| call_error("scheduler", e))?;
         submitted?;
-        Ok(RequestStream {
+        Ok(RequestStream::new(
             request_id,
+            seed,
             rx,
-            scheduler: self.scheduler.clone(),
-            num_choices,
-            num_finished_choices: 0,
-            _permit: permit,
-        })
+            self.scheduler.clone(),
+            self.text.tokenizer.clone(),
+            choices,
+            permit,
+        ))
+    }
+
+    /// Each completion's text stream: the request's stop strings, and the ids that end it
+    /// (the model's unless `ignore_eos`, plus the request's own).
+    fn choice_texts(&self, request: &EngineRequest) -> Vec<ChoiceText> {
+        let model_stop_ids: &[u32] = if request.ignore_eos {
+            &[]
+        } else {
+            &self.text.stop_ids
+        };
+        let stop_ids: Vec<u32> = model_stop_ids
+            .iter()
+            .chain(&request.stop_token_ids)
+            .copied()
+            .collect();
+        (0..request.n.max(1))
+            .map(|_| {
+                let keep_special_tokens = self.text.deepseek_v4.is_some();
+                ChoiceText::new(request.stop.clone(), stop_ids.clone(), keep_special_tokens)
+            })
+            .collect()
     }
 
     pub fn abort(&self, request_id: u64) {

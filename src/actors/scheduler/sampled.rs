@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use super::{SchedulerState, TokenLogprobs, request_id_of};
 use crate::api::MAX_SPEC_POSITIONS;
 use crate::api::RequestOutput;
-use crate::sched::{FinishReason, SeqEvent, SeqId};
+use crate::sched::{SeqEvent, SeqId};
 use crate::step::SampledStep;
 
 impl SchedulerState {
@@ -69,12 +69,10 @@ impl SchedulerState {
                         .unwrap_or_default();
                     let with_top = r.params.num_top_logprobs > 0;
                     let index = r.index;
-                    let (text, stopped) = self.text_delta(seq_id, false);
                     let out = RequestOutput {
                         request_id: request_id_of(seq_id),
                         index,
                         token_ids: vec![token],
-                        text,
                         token_logprobs: vec![logprob],
                         top_logprobs: if with_top { vec![top] } else { Vec::new() },
                         ..Default::default()
@@ -85,11 +83,6 @@ impl SchedulerState {
                     if let Some(r) = self.requests.get_mut(&seq_id) {
                         let forks = std::mem::take(&mut r.pending_forks);
                         self.start_forks(forks);
-                    }
-                    if stopped {
-                        // The core still counts the sequence as running: end it there too.
-                        self.core.abort(seq_id);
-                        self.finish(seq_id, FinishReason::Stop);
                     }
                 }
                 SeqEvent::Finished { seq_id, reason } => self.finish(seq_id, reason),
