@@ -392,18 +392,10 @@ pub trait Backend: Send + Sync {
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
     fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
 
-    /// Recorded decode steps (CUDA graphs): the batch size a step of `num_rows` decode
-    /// rows runs at, padded, when the backend records such steps; else `None`.
-    fn graph_rows(&self, _num_rows: usize) -> Option<usize> {
+    /// Recorded decode steps (CUDA graphs), where the backend records them.
+    fn graphs(&self) -> Option<&dyn StepGraphs> {
         None
     }
-    /// Brackets the forward pass of a decode step padded to `graph_rows`' size (through
-    /// `GraphStep`, which ends it). Padding rows have KV slot `PAD_SLOT` and see no keys;
-    /// nothing else reads them.
-    fn begin_graph_step(&self, _rows: usize, _max_blocks_per_seq: usize) {}
-    fn end_graph_step(&self) {}
-    /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
-    fn buffers_moved(&self) {}
 }
 
 /// A backend's capabilities beyond the common operations (all off: the CPU backend).
@@ -417,22 +409,36 @@ pub struct Capabilities {
     pub samples_on_device: bool,
 }
 
-/// A decode step's forward pass being recorded (or replayed) at a graph's batch size;
-/// dropping it ends the step, on every path out of the forward pass.
-pub struct GraphStep<'a, B: Backend> {
-    backend: &'a B,
+/// A backend's recorded decode steps (CUDA graphs).
+pub trait StepGraphs {
+    /// The batch size a step of `num_rows` decode rows runs at, padded; `None`: no graph
+    /// for that size.
+    fn padded_rows(&self, num_rows: usize) -> Option<usize>;
+    /// Brackets the forward pass of a decode step padded to `padded_rows`' size (through
+    /// `GraphStep`, which ends it). Padding rows have KV slot `PAD_SLOT` and see no keys;
+    /// nothing else reads them.
+    fn begin_step(&self, rows: usize, max_blocks_per_seq: usize);
+    fn end_step(&self);
+    /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
+    fn buffers_moved(&self);
 }
 
-impl<'a, B: Backend> GraphStep<'a, B> {
-    pub fn begin(backend: &'a B, rows: usize, max_blocks_per_seq: usize) -> Self {
-        backend.begin_graph_step(rows, max_blocks_per_seq);
-        GraphStep { backend }
+/// A decode step's forward pass being recorded (or replayed) at a graph's batch size;
+/// dropping it ends the step, on every path out of the forward pass.
+pub struct GraphStep<'a> {
+    graphs: &'a dyn StepGraphs,
+}
+
+impl<'a> GraphStep<'a> {
+    pub fn begin(graphs: &'a dyn StepGraphs, rows: usize, max_blocks_per_seq: usize) -> Self {
+        graphs.begin_step(rows, max_blocks_per_seq);
+        GraphStep { graphs }
     }
 }
 
-impl<B: Backend> Drop for GraphStep<'_, B> {
+impl Drop for GraphStep<'_> {
     fn drop(&mut self) {
-        self.backend.end_graph_step();
+        self.graphs.end_step();
     }
 }
 

@@ -136,7 +136,9 @@ impl<B: Backend> LlamaModel<B> {
         let c = &self.cfg;
         let t = num_tokens.max(self.ws.as_ref().map_or(0, |w| w.capacity_tokens));
         let r = num_logit_rows.max(self.ws.as_ref().map_or(0, |w| w.capacity_logit_rows));
-        backend.buffers_moved();
+        if let Some(graphs) = backend.graphs() {
+            graphs.buffers_moved();
+        }
         self.ws = Some(Workspace {
             capacity_tokens: t,
             capacity_logit_rows: r,
@@ -193,7 +195,7 @@ impl<B: Backend> LlamaModel<B> {
     ) {
         // A decode step may run as a recorded graph, its batch padded to the graph's size.
         let graph_rows = if self.graphs && seqs.iter().all(|s| s.token_ids.len() == 1) {
-            backend.graph_rows(seqs.len())
+            backend.graphs().and_then(|g| g.padded_rows(seqs.len()))
         } else {
             None
         };
@@ -258,7 +260,9 @@ impl<B: Backend> LlamaModel<B> {
             self.slots.push(crate::kernels::PAD_SLOT);
         }
         let max_blocks = self.cfg.max_context_tokens.div_ceil(block_size);
-        let _graph = graph_rows.map(|rows| GraphStep::begin(backend, rows, max_blocks));
+        let _graph = graph_rows
+            .zip(backend.graphs())
+            .map(|(rows, graphs)| GraphStep::begin(graphs, rows, max_blocks));
 
         let c = &self.cfg;
         let c_hidden = c.hidden_size;

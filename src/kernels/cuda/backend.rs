@@ -378,25 +378,9 @@ impl Backend for CudaBackend {
         self.download(&packed, rows.len() * vocab)
     }
 
-    fn graph_rows(&self, num_rows: usize) -> Option<usize> {
-        if self.cuda_graphs {
-            graph::padded_rows(num_rows)
-        } else {
-            None
-        }
-    }
-
-    fn begin_graph_step(&self, rows: usize, max_blocks_per_seq: usize) {
-        self.graphs()
-            .begin(&self.ctx, &self.stream, rows, max_blocks_per_seq);
-    }
-
-    fn end_graph_step(&self) {
-        self.graphs().end(&self.stream);
-    }
-
-    fn buffers_moved(&self) {
-        self.moved();
+    fn graphs(&self) -> Option<&dyn crate::kernels::StepGraphs> {
+        self.cuda_graphs
+            .then_some(self as &dyn crate::kernels::StepGraphs)
     }
 
     fn gather_rows(
@@ -442,5 +426,24 @@ impl crate::kernels::TimelineMark for EventMark {
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+impl crate::kernels::StepGraphs for CudaBackend {
+    fn padded_rows(&self, num_rows: usize) -> Option<usize> {
+        graph::padded_rows(num_rows)
+    }
+
+    fn begin_step(&self, rows: usize, max_blocks_per_seq: usize) {
+        self.graphs()
+            .begin(&self.ctx, &self.stream, rows, max_blocks_per_seq);
+    }
+
+    fn end_step(&self) {
+        self.graphs().end(&self.stream);
+    }
+
+    fn buffers_moved(&self) {
+        self.moved();
     }
 }
