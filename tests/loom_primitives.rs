@@ -1,6 +1,7 @@
 //! Loom: every shared-memory primitive of the crate besides `SampledTokens` (its own
 //! suite): the grammar matcher's busy cell, a group's abort hooks, the GPU's pick-slot
-//! pool, the fault plan's one-shot flags, the drafters' shared calibration.
+//! pool, the fault plan's one-shot flags, the drafters' shared calibration, the engine
+//! handle's request ids.
 //! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
 #![cfg(troupe_loom)]
 
@@ -127,5 +128,19 @@ fn a_pool_slot_has_one_holder_and_none_is_lost() {
         h.join().unwrap();
         // Every slot that existed came back: the first one, plus any made meanwhile.
         assert_eq!(pool.num_free(), 1 + made.load(Ordering::SeqCst));
+    });
+}
+
+#[test]
+fn concurrent_submitters_get_distinct_request_ids() {
+    loom::model(|| {
+        let ids = troupe::api::RequestIds::default();
+        let other = ids.clone();
+        let h = thread::spawn(move || (other.next(), other.next()));
+        let mine = ids.next();
+        let (a, b) = h.join().unwrap();
+        let mut all = [mine, a, b];
+        all.sort_unstable();
+        assert_eq!(all, [1, 2, 3], "ids repeated or skipped");
     });
 }

@@ -3,6 +3,7 @@
 
 mod error;
 mod request;
+mod request_ids;
 mod status;
 mod text_stream;
 
@@ -10,5 +11,6 @@ pub use error::{EngineError, RequestError};
 pub use request::{
     EngineRequest, FinishReason, MAX_CHOICES, RequestLimits, RequestOutput, choice_seed,
 };
+pub use request_ids::RequestIds;
 pub use status::{EngineStatus, MAX_SPEC_POSITIONS};
 pub use text_stream::{ChoiceText, IncrementalDecoder, TextStream};

@@ -7,7 +7,6 @@ mod request_stream;
 
 use crate::sync::OnceLock;
 use crate::sync::Shared;
-use crate::sync::atomic::{AtomicU64, Ordering};
 
 use ractor::{Actor, ActorRef};
 use tokio::sync::{Semaphore, mpsc};
@@ -24,7 +23,7 @@ use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{
     Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
 };
-use crate::api::ChoiceText;
+use crate::api::{ChoiceText, RequestIds};
 use crate::model::{self, ModelText};
 use crate::runner::decode_curve::CurveJob;
 use crate::runner::fault::FaultPlan;
@@ -55,7 +54,7 @@ pub struct EngineHandle {
     supervisor: ActorRef<SupervisorMsg>,
     scheduler: ActorRef<SchedulerMsg>,
     permits: Shared<Semaphore>,
-    next_id: Shared<AtomicU64>,
+    request_ids: RequestIds,
     text: Shared<ModelText>,
     faults: FaultPlan,
     sampled: SampledTokens,
@@ -216,7 +215,7 @@ impl Engine {
             supervisor,
             scheduler: children.scheduler,
             permits: Shared::new(Semaphore::new(cfg.max_pending_requests.max(1))),
-            next_id: Shared::new(AtomicU64::new(1)),
+            request_ids: RequestIds::default(),
             text: Shared::new(text),
             faults,
             sampled: handle_sampled,
@@ -404,7 +403,7 @@ impl EngineHandle {
             .acquire_owned()
             .await
             .map_err(|_| EngineError::Unavailable("the engine is shut down".into()))?;
-        let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let request_id = self.request_ids.next();
         // Unseeded requests get a seed now, reported back, so any run can be replayed.
         let seed = *request
             .seed
