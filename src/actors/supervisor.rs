@@ -13,7 +13,7 @@ use super::rank_worker::{RankMsg, RankWorker};
 use super::sampler::{SamplerActor, SamplerArgs, SamplerMsg};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg};
 use crate::kernels::Device;
-use crate::kernels::collective::{ChannelCollective, GroupAbort, GroupJoin};
+use crate::kernels::collective::{ChannelCollective, GroupAbort, GroupError, GroupJoin};
 use crate::model::config::ModelConfig;
 use crate::model::deepseek_v4::expert_parallel::largest_valid_ep;
 use crate::model::tensor_parallel::{TpShard, largest_valid_tp};
@@ -153,7 +153,8 @@ async fn spawn_group(
         }
         st.abort = GroupAbort::default();
         if size > 1 {
-            let joins = group_joins(st.rank.devices[healthy[0]], size, &st.abort)?;
+            let joins = group_joins(st.rank.devices[healthy[0]], size, &st.abort)
+                .map_err(|e| e.to_string())?;
             for (w, join) in workers.iter().zip(joins) {
                 w.cast(RankMsg::JoinGroup(join))
                     .map_err(|e| format!("a rank died before joining its group: {e}"))?;
@@ -174,7 +175,11 @@ async fn rank_reports(workers: &[ActorRef<RankMsg>]) -> Vec<RankReport> {
 }
 
 /// What each rank of a group of `size` on `device`'s kind joins.
-fn group_joins(device: Device, size: usize, abort: &GroupAbort) -> Result<Vec<GroupJoin>, String> {
+fn group_joins(
+    device: Device,
+    size: usize,
+    abort: &GroupAbort,
+) -> Result<Vec<GroupJoin>, GroupError> {
     match device {
         Device::Cpu => Ok(ChannelCollective::group(size)
             .into_iter()

@@ -3,14 +3,14 @@
 //! name, so that callers need no `cfg` of their own. Nothing here can be constructed.
 
 use super::NO_CUDA;
-use super::collective::GroupAbort;
+use super::collective::{GroupAbort, GroupError};
 
 /// An NCCL group member: none exists without CUDA.
 pub enum NcclJoin {}
 
 impl NcclJoin {
-    pub fn group(_size: usize, _abort: &GroupAbort) -> Result<Vec<NcclJoin>, String> {
-        Err(NO_CUDA.into())
+    pub fn group(_size: usize, _abort: &GroupAbort) -> Result<Vec<NcclJoin>, GroupError> {
+        Err(GroupError::Unsupported(NO_CUDA))
     }
 }
 

@@ -243,7 +243,10 @@ pub trait Backend: Send + Sync {
     fn join_group(
         &self,
         join: crate::kernels::collective::GroupJoin,
-    ) -> Result<Box<dyn crate::kernels::collective::Collective<Self>>, String>
+    ) -> Result<
+        Box<dyn crate::kernels::collective::Collective<Self>>,
+        crate::kernels::collective::GroupError,
+    >
     where
         Self: Sized;
     fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;

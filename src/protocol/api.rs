@@ -206,7 +206,8 @@ pub fn conversation_request(
     mut s: Sampling,
     text: &ModelText,
 ) -> Result<EngineRequest, ApiError> {
-    conv.validate().map_err(|m| ApiError::bad("messages", m))?;
+    conv.validate()
+        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
     // A DeepSeek-V4 reply calls tools in DSML, which the generic call grammar would
     // forbid; its prompt itself opens the call block when a call is required.
     let tool_grammar = match text.deepseek_v4 {

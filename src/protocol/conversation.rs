@@ -137,6 +137,17 @@ impl Guard<'_> {
     }
 }
 
+/// What is wrong with a conversation before any template sees it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConversationError {
+    #[error("the conversation has no messages")]
+    NoMessages,
+    #[error("tool_choice `required` needs at least one tool")]
+    RequiredWithoutTools,
+    #[error("tool_choice names `{0}`, which is not among the tools")]
+    UnknownTool(String),
+}
+
 impl Conversation {
     pub fn from_messages(messages: Vec<Message>) -> Self {
         Conversation {
@@ -151,17 +162,17 @@ impl Conversation {
     }
 
     /// Checks what no template would: the named tool exists, a choice has tools.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), ConversationError> {
         if self.messages.is_empty() {
-            return Err("the conversation has no messages".into());
+            return Err(ConversationError::NoMessages);
         }
         match &self.tool_choice {
             ToolChoice::Required if self.tools.is_empty() => {
-                Err("tool_choice `required` needs at least one tool".into())
+                Err(ConversationError::RequiredWithoutTools)
             }
-            ToolChoice::Named(n) if !self.tools.iter().any(|t| &t.name == n) => Err(format!(
-                "tool_choice names `{n}`, which is not among the tools"
-            )),
+            ToolChoice::Named(n) if !self.tools.iter().any(|t| &t.name == n) => {
+                Err(ConversationError::UnknownTool(n.clone()))
+            }
             _ => Ok(()),
         }
     }

@@ -174,8 +174,8 @@ fn allowed_cores() -> Option<Vec<usize>> {
     }
 }
 
-/// Pins the calling thread to `cores`.
-pub fn pin_current_thread(cores: &[usize]) -> Result<(), String> {
+/// Pins the calling thread to `cores`; the OS's refusal otherwise.
+pub fn pin_current_thread(cores: &[usize]) -> std::io::Result<()> {
     // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET stays within CPU_SETSIZE.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -183,7 +183,7 @@ pub fn pin_current_thread(cores: &[usize]) -> Result<(), String> {
             libc::CPU_SET(c, &mut set);
         }
         if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(std::io::Error::last_os_error().to_string());
+            return Err(std::io::Error::last_os_error());
         }
     }
     Ok(())

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::model::llama::SeqStep;
 use crate::sampling::SamplingParams;
 use crate::sched::{PlannedRow, RowInput};
-use crate::spec::{CurveStore, LatencyCurve};
+use crate::spec::{CurveError, CurveStore, LatencyCurve};
 use crate::step::{RowSampling, StepRow};
 use crate::sync::Shared;
 
@@ -89,7 +89,7 @@ pub(super) fn run(
     device: &str,
     num_blocks: usize,
     time: impl FnMut(usize) -> f64,
-) -> Result<LatencyCurve, String> {
+) -> Result<LatencyCurve, CurveError> {
     let rows: Vec<usize> = ROW_COUNTS
         .iter()
         .copied()

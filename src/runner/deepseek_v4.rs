@@ -7,7 +7,7 @@ use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::eplb::{Eplb, MoeBalance};
 use crate::kernels::Backend;
-use crate::kernels::collective::GroupJoin;
+use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
@@ -131,7 +131,7 @@ impl DeviceModel for DsV4OnHost {
         self.model.vocab_size()
     }
 
-    fn join_group(&mut self, join: GroupJoin) -> Result<(), String> {
+    fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError> {
         let backend = CpuBackend {
             batch_invariant: false,
         };

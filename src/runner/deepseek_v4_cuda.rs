@@ -5,7 +5,7 @@
 use super::deepseek_v4::{ds_steps, eplb_for, launched};
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::eplb::{Eplb, MoeBalance};
-use crate::kernels::collective::GroupJoin;
+use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::cuda::DsV4Cuda;
 use crate::model::deepseek_v4::cuda::cache::DeviceCache;
@@ -81,8 +81,10 @@ impl DeviceModel for DsV4OnCuda {
         self.model.vocab_size()
     }
 
-    fn join_group(&mut self, _join: GroupJoin) -> Result<(), String> {
-        Err("DeepSeek-V4 on CUDA runs on one GPU".into())
+    fn join_group(&mut self, _join: GroupJoin) -> Result<(), GroupError> {
+        Err(GroupError::Unsupported(
+            "DeepSeek-V4 on CUDA runs on one GPU",
+        ))
     }
 
     fn device_label(&self) -> String {

@@ -6,7 +6,7 @@ use ractor::ActorProcessingErr;
 
 use super::draft;
 use super::{DeviceModel, LaunchedStep, PrevToken, RankArgs};
-use crate::kernels::collective::GroupJoin;
+use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::{Backend, PickRow};
 use crate::model::llama::{LlamaModel, SeqStep};
 use crate::step::{StepLogits, StepRow};
@@ -184,7 +184,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
     }
-    fn join_group(&mut self, join: GroupJoin) -> Result<(), String> {
+    fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError> {
         let collective = self.backend.join_group(join)?;
         self.model.set_collective(collective);
         Ok(())

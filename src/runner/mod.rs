@@ -21,7 +21,7 @@ mod mtp;
 
 use std::path::PathBuf;
 
-use crate::kernels::collective::GroupJoin;
+use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{Device, DeviceMark, Pending};
 use crate::model::llama::SeqStep;
@@ -114,7 +114,7 @@ pub trait DeviceModel: Send {
         rows: &[StepRow],
     ) -> LaunchedStep;
     fn vocab_size(&self) -> usize;
-    fn join_group(&mut self, join: GroupJoin) -> Result<(), String>;
+    fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError>;
     /// The hardware, for keying measurements.
     fn device_label(&self) -> String;
 }

@@ -12,6 +12,19 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 /// Seconds per decode step at measured row counts, rows ascending.
+/// Why a latency curve could not be made or read back.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum CurveError {
+    #[error("a latency curve needs at least one point")]
+    NoPoints,
+    #[error("bad latency point: {rows} rows, {secs} s")]
+    BadPoint { rows: usize, secs: f64 },
+    #[error("latency points repeat a row count")]
+    RepeatedRows,
+    #[error("stored latency curve: {0}")]
+    Stored(String),
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct LatencyCurve {
     points: Vec<(usize, f64)>,
@@ -19,19 +32,22 @@ pub struct LatencyCurve {
 
 impl LatencyCurve {
     /// Points must have distinct row counts ≥ 1 and finite positive seconds.
-    pub fn new(mut points: Vec<(usize, f64)>) -> Result<Self, String> {
+    pub fn new(mut points: Vec<(usize, f64)>) -> Result<Self, CurveError> {
         points.sort_by_key(|p| p.0);
         if points.is_empty() {
-            return Err("a latency curve needs at least one point".into());
+            return Err(CurveError::NoPoints);
         }
         if let Some(p) = points
             .iter()
             .find(|p| p.0 == 0 || !p.1.is_finite() || p.1 <= 0.0)
         {
-            return Err(format!("bad latency point: {} rows, {} s", p.0, p.1));
+            return Err(CurveError::BadPoint {
+                rows: p.0,
+                secs: p.1,
+            });
         }
         if points.windows(2).any(|w| w[0].0 == w[1].0) {
-            return Err("latency points repeat a row count".into());
+            return Err(CurveError::RepeatedRows);
         }
         Ok(LatencyCurve { points })
     }
@@ -41,7 +57,7 @@ impl LatencyCurve {
         row_counts: &[usize],
         repeats: usize,
         mut step: impl FnMut(usize) -> f64,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, CurveError> {
         let points = row_counts
             .iter()
             .map(|&rows| {
@@ -85,10 +101,11 @@ impl LatencyCurve {
         serde_json::json!({ "points": self.points }).to_string()
     }
 
-    fn from_json(text: &str) -> Result<Self, String> {
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    fn from_json(text: &str) -> Result<Self, CurveError> {
+        let stored = |e: serde_json::Error| CurveError::Stored(e.to_string());
+        let value: serde_json::Value = serde_json::from_str(text).map_err(stored)?;
         let points: Vec<(usize, f64)> =
-            serde_json::from_value(value["points"].clone()).map_err(|e| e.to_string())?;
+            serde_json::from_value(value["points"].clone()).map_err(stored)?;
         Self::new(points)
     }
 }
@@ -135,8 +152,8 @@ impl CurveStore {
     pub fn load_or_measure(
         &self,
         key: &str,
-        measure: impl FnOnce() -> Result<LatencyCurve, String>,
-    ) -> Result<LatencyCurve, String> {
+        measure: impl FnOnce() -> Result<LatencyCurve, CurveError>,
+    ) -> Result<LatencyCurve, CurveError> {
         if let Some(curve) = self.load(key) {
             return Ok(curve);
         }
@@ -175,21 +192,25 @@ mod tests {
         assert!(
             LatencyCurve::new(vec![])
                 .unwrap_err()
+                .to_string()
                 .contains("at least one")
         );
         assert!(
             LatencyCurve::new(vec![(0, 0.1)])
                 .unwrap_err()
+                .to_string()
                 .contains("0 rows")
         );
         assert!(
             LatencyCurve::new(vec![(1, f64::NAN)])
                 .unwrap_err()
+                .to_string()
                 .contains("NaN")
         );
         assert!(
             LatencyCurve::new(vec![(2, 0.1), (2, 0.2)])
                 .unwrap_err()
+                .to_string()
                 .contains("repeat")
         );
     }

@@ -26,7 +26,7 @@ pub mod verify;
 
 pub use calibration::Calibration;
 pub use distribution::{TargetDistribution, gumbel_pick};
-pub use latency::{CurveStore, LatencyCurve};
+pub use latency::{CurveError, CurveStore, LatencyCurve};
 pub use model_drafter::{MODEL_DRAFT, ModelDraftCalibration, ModelDrafter};
 pub use ngram::{NgramCalibration, NgramDrafter};
 pub use planner::{

@@ -8,7 +8,7 @@ mod sample;
 
 use crate::sync::Shared as Arc;
 
-pub use sample::StepSampler;
+pub use sample::{SampleError, StepSampler};
 
 use crate::eplb::MoeBalance;
 use crate::sampling::SamplingParams;

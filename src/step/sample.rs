@@ -10,6 +10,23 @@ use crate::sync::Shared as Arc;
 
 use super::{SampledRow, StepLogits, StepRow};
 
+/// A step whose logits do not match its rows: a bug upstream, which fails the sampler (its
+/// supervisor restarts it and the engine recomputes).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SampleError {
+    #[error("step {step_id}: row {row} has neither a pick nor logits")]
+    NoLogits { step_id: u64, row: usize },
+    #[error(
+        "step {step_id}: row {row} verifies {num_drafts} drafts but has {num_logit_rows} logit rows"
+    )]
+    TooFewLogitRows {
+        step_id: u64,
+        row: usize,
+        num_drafts: usize,
+        num_logit_rows: usize,
+    },
+}
+
 /// The sampler's state across steps.
 #[derive(Default)]
 pub struct StepSampler {
@@ -43,7 +60,7 @@ impl StepSampler {
         vocab_size: usize,
         rows: &[StepRow],
         verify_fault: &mut dyn FnMut() -> bool,
-    ) -> Result<StepOutcome, String> {
+    ) -> Result<StepOutcome, SampleError> {
         let mut per_row = Vec::with_capacity(rows.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
             (Vec::new(), Vec::new(), Vec::new());
@@ -118,17 +135,16 @@ impl StepSampler {
                 continue;
             }
             let Some(host_row) = logits.host_row.get(row).copied().flatten() else {
-                return Err(format!(
-                    "step {step_id}: row {row} has neither a pick nor logits"
-                ));
+                return Err(SampleError::NoLogits { step_id, row });
             };
             let host_rows = logits.host.len() / vocab_size.max(1);
             if host_row + drafts.len() >= host_rows {
-                return Err(format!(
-                    "step {step_id}: row {row} verifies {} drafts but has {} logit rows",
-                    drafts.len(),
-                    host_rows.saturating_sub(host_row)
-                ));
+                return Err(SampleError::TooFewLogitRows {
+                    step_id,
+                    row,
+                    num_drafts: drafts.len(),
+                    num_logit_rows: host_rows.saturating_sub(host_row),
+                });
             }
             if !drafts.is_empty() {
                 if verify_fault() {

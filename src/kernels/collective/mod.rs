@@ -10,6 +10,24 @@ use crate::kernels::Backend;
 
 pub use channels::ChannelCollective;
 
+/// Why a rank could not join (or a group could not be formed).
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    /// A rank offered the other kind of group (CPU ranks use channels, CUDA ranks NCCL).
+    #[error("a {rank} rank joins its group through {expected}, not {offered}")]
+    WrongKind {
+        rank: &'static str,
+        expected: &'static str,
+        offered: &'static str,
+    },
+    /// NCCL (or the CUDA driver beneath it) refused, with what was being done.
+    #[error("{what}: {reason}")]
+    Nccl { what: String, reason: String },
+    /// This build or model cannot run in a group.
+    #[error("{0}")]
+    Unsupported(&'static str),
+}
+
 /// How a rank joins its group: the backend turns it into its `Collective`.
 pub enum GroupJoin {
     /// CPU ranks: in-process channels.

@@ -47,11 +47,18 @@ impl Backend for CpuBackend {
     fn join_group(
         &self,
         join: crate::kernels::collective::GroupJoin,
-    ) -> Result<Box<dyn crate::kernels::collective::Collective<Self>>, String> {
+    ) -> Result<
+        Box<dyn crate::kernels::collective::Collective<Self>>,
+        crate::kernels::collective::GroupError,
+    > {
         match join {
             crate::kernels::collective::GroupJoin::Channels(c) => Ok(Box::new(c)),
             crate::kernels::collective::GroupJoin::Nccl(_) => {
-                Err("a CPU rank cannot join an NCCL group".into())
+                Err(crate::kernels::collective::GroupError::WrongKind {
+                    rank: "CPU",
+                    expected: "in-process channels",
+                    offered: "NCCL",
+                })
             }
         }
     }

@@ -15,7 +15,10 @@ impl Backend for CudaBackend {
     fn join_group(
         &self,
         join: crate::kernels::collective::GroupJoin,
-    ) -> Result<Box<dyn crate::kernels::collective::Collective<Self>>, String> {
+    ) -> Result<
+        Box<dyn crate::kernels::collective::Collective<Self>>,
+        crate::kernels::collective::GroupError,
+    > {
         match join {
             crate::kernels::collective::GroupJoin::Nccl(join) => {
                 // Recorded decode graphs hold the old communicator's collectives (aborted:
@@ -24,7 +27,11 @@ impl Backend for CudaBackend {
                 Ok(Box::new(self.join_nccl(join)?))
             }
             crate::kernels::collective::GroupJoin::Channels(_) => {
-                Err("a CUDA rank joins its group through NCCL, not in-process channels".into())
+                Err(crate::kernels::collective::GroupError::WrongKind {
+                    rank: "CUDA",
+                    expected: "NCCL",
+                    offered: "in-process channels",
+                })
             }
         }
     }

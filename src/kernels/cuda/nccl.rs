@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 
 use super::CudaBackend;
-use crate::kernels::collective::{Collective, GroupAbort};
+use crate::kernels::collective::{Collective, GroupAbort, GroupError};
 
 /// What one rank needs to join an NCCL group.
 pub struct NcclJoin {
@@ -31,18 +31,20 @@ unsafe impl Send for NcclJoin {}
 impl NcclJoin {
     /// The joins of a new group of `size` ranks, rank order; their communicators register
     /// with `abort`.
-    pub fn group(size: usize, abort: &GroupAbort) -> Result<Vec<NcclJoin>, String> {
+    pub fn group(size: usize, abort: &GroupAbort) -> Result<Vec<NcclJoin>, GroupError> {
         // SAFETY: only tries to dlopen the library.
         if !unsafe { sys::is_culib_present() } {
-            return Err(
-                "libnccl.so.2 was not found: a group of several GPUs needs NCCL on the library path (pip install nvidia-nccl-cu13)"
-                    .into(),
-            );
+            return Err(GroupError::Unsupported(
+                "libnccl.so.2 was not found: a group of several GPUs needs NCCL on the library path (pip install nvidia-nccl-cu13)",
+            ));
         }
         // SAFETY: setting a variable NCCL reads at initialisation, before any group exists
         // in this process.
         unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
-        let id = result::get_uniqueid().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
+        let id = result::get_uniqueid().map_err(|e| GroupError::Nccl {
+            what: "ncclGetUniqueId".into(),
+            reason: format!("{e:?}"),
+        })?;
         Ok((0..size)
             .map(|rank| NcclJoin {
                 id,
@@ -162,10 +164,11 @@ impl Collective<CudaBackend> for NcclCollective {
 
 impl CudaBackend {
     /// Joins the NCCL group (blocks until every rank has joined).
-    pub(super) fn join_nccl(&self, join: NcclJoin) -> Result<NcclCollective, String> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| format!("binding the CUDA context: {e}"))?;
+    pub(super) fn join_nccl(&self, join: NcclJoin) -> Result<NcclCollective, GroupError> {
+        self.ctx.bind_to_thread().map_err(|e| GroupError::Nccl {
+            what: "binding the CUDA context".into(),
+            reason: e.to_string(),
+        })?;
         let mut comm = MaybeUninit::uninit();
         // SAFETY: `comm` is written by a successful init and read only then.
         let comm = unsafe {
@@ -175,11 +178,9 @@ impl CudaBackend {
                 join.id,
                 join.rank as i32,
             )
-            .map_err(|e| {
-                format!(
-                    "ncclCommInitRank (rank {} of {}): {e:?}",
-                    join.rank, join.size
-                )
+            .map_err(|e| GroupError::Nccl {
+                what: format!("ncclCommInitRank (rank {} of {})", join.rank, join.size),
+                reason: format!("{e:?}"),
             })?;
             comm.assume_init()
         };

@@ -171,8 +171,13 @@ fn tool_choice_grammars_compile_and_bad_choices_are_named() {
         "non-strict auto is unconstrained"
     );
     conv.tool_choice = ToolChoice::Named("nope".into());
-    assert!(conv.validate().unwrap_err().contains("`nope`"));
+    assert!(conv.validate().unwrap_err().to_string().contains("`nope`"));
     conv.tools.clear();
     conv.tool_choice = ToolChoice::Required;
-    assert!(conv.validate().unwrap_err().contains("required"));
+    assert!(
+        conv.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("required")
+    );
 }
