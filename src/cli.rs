@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::{
-    Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason, RequestError,
-    RequestLimits, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
+    Device, Engine, EngineConfig, EngineError, EngineRequest, FinishReason, RequestLimits,
+    SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
 };
 use crate::error::{Result, TroupeError};
 use crate::generate::DEFAULT_BLOCK_SIZE;
@@ -386,32 +386,6 @@ fn prompt_ids(
     tok.encode(&template.render(&messages, true)?)
 }
 
-/// A request the engine's validation refused, named by its place in the input (checked
-/// before the engine starts, so a bad prompt costs no model load).
-fn request_err(index: usize, e: RequestError) -> TroupeError {
-    match e {
-        RequestError::EmptyPrompt => TroupeError::EmptyPrompt { index },
-        RequestError::TokenOutOfRange {
-            token_id,
-            vocab_size,
-        } => TroupeError::TokenOutOfRange {
-            index,
-            token_id,
-            vocab_size,
-        },
-        RequestError::PromptTooLong {
-            num_prompt_tokens,
-            max_context_tokens,
-        } => TroupeError::PromptTooLong {
-            index,
-            num_prompt_tokens,
-            max_context_tokens,
-        },
-        RequestError::Sampling(m) | RequestError::LogitBias(m) => TroupeError::InvalidSampling(m),
-        other => TroupeError::InvalidInput(format!("prompt {index}: {other}")),
-    }
-}
-
 pub fn main() -> i32 {
     // Logs only when asked for: stderr carries one error line or the stats object, which
     // scripts read.
@@ -502,9 +476,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             vocab_size: text.config.vocab_size,
             max_context_tokens: text.config.max_context_tokens,
         };
-        request
-            .validate(limits)
-            .map_err(|e| request_err(index, e))?;
+        request.validate(limits).map_err(|e| e.for_prompt(index))?;
         requests.push(request);
     }
     let cfg = args.engine.config(&path)?;

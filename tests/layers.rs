@@ -1,6 +1,6 @@
-//! `scripts/check-layers.sh` against the real tree and against copies of it with one
-//! planted offence each: a back-import, two files importing each other, a cycle between
-//! pure cores. The script must pass the first and name the offence in each of the others.
+//! The tree's shape: `scripts/check-layers.sh` against the real tree and against copies of
+//! it with one planted offence each (a back-import, two files importing each other, a
+//! cycle between pure cores), which it must name; and no source file over 600 lines.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -123,4 +123,49 @@ fn a_cycle_between_pure_cores_is_refused() {
     assert!(!ok, "{out}");
     assert!(out.contains("import cycle:"), "{out}");
     assert!(out.contains("sched") && out.contains("spec"), "{out}");
+}
+
+/// One noun per file, files under 600 lines: every source file of the tree (Rust, CUDA,
+/// Python, shell), tests and scripts included.
+#[test]
+fn no_source_file_is_over_600_lines() {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                // Goldens are data, written by scripts.
+                if !path.ends_with("goldens") {
+                    walk(&path, out);
+                }
+            } else if matches!(
+                path.extension().and_then(|e| e.to_str()),
+                Some("rs" | "cu" | "py" | "sh")
+            ) {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    for dir in [
+        "src",
+        "tests",
+        "benches",
+        "scripts",
+        "kernels-cuda",
+        "kernels-ascend",
+    ] {
+        let d = repo().join(dir);
+        if d.is_dir() {
+            walk(&d, &mut files);
+        }
+    }
+    assert!(files.len() > 100, "only {} files found", files.len());
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let n = std::fs::read_to_string(f).ok()?.lines().count();
+            (n > 600).then(|| format!("{} ({n} lines)", f.display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "files over 600 lines: {long:?}");
 }

@@ -52,6 +52,34 @@ pub enum RequestError {
 }
 
 impl RequestError {
+    /// The error as the CLI reports it: named by the prompt's place in the input.
+    pub fn for_prompt(self, index: usize) -> crate::error::TroupeError {
+        use crate::error::TroupeError;
+        match self {
+            RequestError::EmptyPrompt => TroupeError::EmptyPrompt { index },
+            RequestError::TokenOutOfRange {
+                token_id,
+                vocab_size,
+            } => TroupeError::TokenOutOfRange {
+                index,
+                token_id,
+                vocab_size,
+            },
+            RequestError::PromptTooLong {
+                num_prompt_tokens,
+                max_context_tokens,
+            } => TroupeError::PromptTooLong {
+                index,
+                num_prompt_tokens,
+                max_context_tokens,
+            },
+            RequestError::Sampling(m) | RequestError::LogitBias(m) => {
+                TroupeError::InvalidSampling(m)
+            }
+            other => TroupeError::InvalidInput(format!("prompt {index}: {other}")),
+        }
+    }
+
     /// The request field at fault, as the OpenAI-style APIs name it.
     pub fn field(&self) -> &'static str {
         match self {
