@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from make_goldens import OUT, REPO, f32, f32_list, write_json
+from make_goldens import OUT, REPO, logit_cases, write_json
 
 GGUF_PRE = {"llama": "llama-bpe", "qwen2": "qwen2"}
 
@@ -183,25 +183,6 @@ def gguf_hf_state_dict(path: Path, arch: str, hp: dict) -> dict:
             data = llama_unpermute(data, hp["num_key_value_heads"])
         out[name] = data
     return out
-
-
-def logit_cases(model, torch, prompts) -> list[dict]:
-    """Same computation and schema as make_tiny's `cases`."""
-    cases = []
-    for ids in prompts:
-        with torch.no_grad():
-            last = model(torch.tensor([ids])).logits[0, -1].float()
-            seq, greedy, margins = list(ids), [], []
-            for _ in range(16):
-                lg = model(torch.tensor([seq])).logits[0, -1].float()
-                t2 = torch.topk(lg, 2)
-                greedy.append(int(t2.indices[0]))
-                margins.append(f32(t2.values[0] - t2.values[1]))
-                seq.append(greedy[-1])
-        cases.append(
-            {"prompt_ids": ids, "last_logits": f32_list(last.numpy()), "greedy": greedy, "greedy_margins": margins}
-        )
-    return cases
 
 
 def max_rel_err(got, want) -> float:

@@ -285,6 +285,27 @@ def legacy_rope(d: Path, drop_params: bool):
     p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def logit_cases(model, torch, prompts) -> list[dict]:
+    """Each prompt's last logits and 16 greedy tokens with their top-2 margins: a plain
+    argmax loop over full re-forwards (no eos stopping, no cache, no generation-config
+    side effects: min_new_tokens would mask eos)."""
+    cases = []
+    for ids in prompts:
+        with torch.no_grad():
+            last = model(torch.tensor([ids])).logits[0, -1].float()
+            seq, greedy, margins = list(ids), [], []
+            for _ in range(16):
+                lg = model(torch.tensor([seq])).logits[0, -1].float()
+                t2 = torch.topk(lg, 2)
+                greedy.append(int(t2.indices[0]))
+                margins.append(f32(t2.values[0] - t2.values[1]))
+                seq.append(greedy[-1])
+        cases.append(
+            {"prompt_ids": ids, "last_logits": f32_list(last.numpy()), "greedy": greedy, "greedy_margins": margins}
+        )
+    return cases
+
+
 def make_tiny(arch: str):
     import torch
     from transformers import (
@@ -371,24 +392,11 @@ def make_tiny(arch: str):
     htok = AutoTokenizer.from_pretrained(d)
 
     rng = np.random.default_rng(100 + seed)
-    cases = []
-    for length in (5, 20, 70):
-        ids = [int(i) for i in rng.integers(len(SPECIALS), VOCAB, size=length)]
-        with torch.no_grad():
-            last = model(torch.tensor([ids])).logits[0, -1].float()
-            # Plain argmax loop over full re-forwards: no eos stopping, no cache,
-            # no generation-config side effects (min_new_tokens would mask eos).
-            seq, greedy, margins = list(ids), [], []
-            for _ in range(16):
-                lg = model(torch.tensor([seq])).logits[0, -1].float()
-                t2 = torch.topk(lg, 2)
-                greedy.append(int(t2.indices[0]))
-                margins.append(f32(t2.values[0] - t2.values[1]))
-                seq.append(greedy[-1])
-        cases.append(
-            {"prompt_ids": ids, "last_logits": f32_list(last.numpy()), "greedy": greedy, "greedy_margins": margins}
-        )
-        print(f"  tiny-{arch} len {length}: logits std {float(last.std()):.3f}, greedy {greedy}")
+    prompts = [[int(i) for i in rng.integers(len(SPECIALS), VOCAB, size=length)] for length in (5, 20, 70)]
+    cases = logit_cases(model, torch, prompts)
+    for c in cases:
+        std = np.std(c["last_logits"], ddof=1)
+        print(f"  tiny-{arch} len {len(c['prompt_ids'])}: logits std {std:.3f}, greedy {c['greedy']}")
 
     text_cases = [{"text": t, "ids": htok.encode(t, add_special_tokens=False)} for t in TEXT_CASES]
     messages = [
