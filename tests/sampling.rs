@@ -158,13 +158,13 @@ async fn an_unseeded_request_reports_the_seed_that_reproduces_it() {
     engine.shutdown(true).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stop_strings_match_across_token_boundaries_and_are_cut_off() {
-    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+/// A greedy request on "the quick brown fox" that ignores EOS, and its free run (no stop
+/// string): what the stop-string tests cut.
+async fn greedy_run(engine: &EngineHandle, max_tokens: usize) -> (EngineRequest, RequestOutput) {
     let tok = engine.text().tokenizer.clone().unwrap();
     let mut request = EngineRequest::new(
         tok.encode("the quick brown fox").unwrap(),
-        40,
+        max_tokens,
         SamplingParams::default(),
     );
     request.ignore_eos = true;
@@ -174,6 +174,14 @@ async fn stop_strings_match_across_token_boundaries_and_are_cut_off() {
         .unwrap()
         .collect()
         .await;
+    (request, free)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_match_across_token_boundaries_and_are_cut_off() {
+    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let tok = engine.text().tokenizer.clone().unwrap();
+    let (mut request, free) = greedy_run(&engine, 40).await;
     // A stop string that starts inside one token and ends inside a later one.
     let pieces: Vec<String> = free
         .token_ids
@@ -351,18 +359,7 @@ async fn stop_token_ids_end_a_request_and_min_tokens_bans_them_until_then() {
 async fn a_stop_string_ends_every_completion_and_its_sequence() {
     let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
     let tok = engine.text().tokenizer.clone().unwrap();
-    let mut request = EngineRequest::new(
-        tok.encode("the quick brown fox").unwrap(),
-        60,
-        SamplingParams::default(),
-    );
-    request.ignore_eos = true;
-    let free = engine
-        .generate(request.clone())
-        .await
-        .unwrap()
-        .collect()
-        .await;
+    let (mut request, free) = greedy_run(&engine, 60).await;
     // A stop string from the middle of the greedy text: every (greedy) completion meets it.
     let chars: Vec<(usize, char)> = free.text.char_indices().collect();
     let (from, to) = (chars[chars.len() / 3].0, chars[chars.len() / 3 + 3].0);

@@ -74,11 +74,9 @@ impl Actor for SamplerActor {
         } = msg;
         let (epoch, step_id) = (step.epoch, step.step_id);
         let faults = st.faults.clone();
-        let out = st
-            .core
-            .sample(epoch, step_id, &logits, vocab_size, &step.rows, &mut || {
-                faults.take_verify_panic()
-            })?;
+        let out = st.core.sample(&step, &logits, vocab_size, &mut || {
+            faults.take_verify_panic()
+        })?;
         tracing::debug!(
             step = step_id,
             rows = out.per_row.len(),

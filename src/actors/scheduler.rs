@@ -161,11 +161,9 @@ impl SchedulerState {
                     if !row.sample {
                         return None;
                     }
-                    let pending_prev_row = match row.input {
-                        RowInput::FromPrevious { prev_row, .. } => Some(prev_row),
-                        RowInput::Tokens(_) => None,
-                    };
-                    let num_generated = r.token_ids.len() + pending_prev_row.is_some() as usize;
+                    // A ZOS row's token from the step before is generated but not yet known.
+                    let continues = matches!(row.input, RowInput::FromPrevious { .. });
+                    let num_generated = r.token_ids.len() + continues as usize;
                     let banned_ids = if num_generated < r.request.min_tokens {
                         r.stop_ids.clone()
                     } else {
@@ -182,7 +180,6 @@ impl SchedulerState {
                             as u64,
                         prompt_ids: r.prompt_ids.clone(),
                         output_ids: r.token_ids.clone(),
-                        pending_prev_row,
                         banned_ids,
                         constraint: r.constraint.clone(),
                         rejection: self.rejection_acceptance && !drafts.is_empty(),

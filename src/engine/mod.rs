@@ -444,11 +444,10 @@ impl EngineHandle {
             .chain(&request.stop_token_ids)
             .copied()
             .collect();
+        // DeepSeek-V4 writes its tool calls and reasoning with special tokens: kept as text.
+        let keep_special_tokens = self.text.deepseek_v4.is_some();
         (0..request.n.max(1))
-            .map(|_| {
-                let keep_special_tokens = self.text.deepseek_v4.is_some();
-                ChoiceText::new(request.stop.clone(), stop_ids.clone(), keep_special_tokens)
-            })
+            .map(|_| ChoiceText::new(request.stop.clone(), stop_ids.clone(), keep_special_tokens))
             .collect()
     }
 

@@ -67,7 +67,6 @@ pub(super) fn time_decode_step(
                 position: 1,
                 prompt_ids: none.clone(),
                 output_ids: Shared::new(Vec::new()),
-                pending_prev_row: None,
                 banned_ids: none.clone(),
                 constraint: None,
                 drafts: Vec::new(),

@@ -105,11 +105,7 @@ impl DeviceModel for DsV4OnHost {
         }
         let mut moe_balance = None;
         if let Some(eplb) = &mut self.eplb {
-            // Weights would move between ranks after a rebalance: never mid-prefill.
-            let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
-            eplb.on_step(&self.expert_tokens, prefill_running)
-                .unwrap_or_else(|e| panic!("EPLB: {e}"));
-            moe_balance = Some(MoeBalance::of(eplb));
+            moe_balance = Some(eplb_step(eplb, &self.expert_tokens, steps));
             if let Some(group) = &mut self.group
                 && group.shard.placements.is_some()
             {
@@ -222,6 +218,19 @@ pub(super) fn launched(
         span: None,
         prev: vec![None; rows.len()],
     }
+}
+
+/// Feeds a step's routed loads to EPLB and returns the balance after it.
+pub(super) fn eplb_step(
+    eplb: &mut Eplb,
+    expert_tokens: &[Vec<u64>],
+    steps: &[SeqStep<'_>],
+) -> MoeBalance {
+    // Weights would move between ranks after a rebalance: never mid-prefill.
+    let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
+    eplb.on_step(expert_tokens, prefill_running)
+        .unwrap_or_else(|e| panic!("EPLB: {e}"));
+    MoeBalance::of(eplb)
 }
 
 /// `--eplb-ranks`: the planner for this model's layers and routed experts.

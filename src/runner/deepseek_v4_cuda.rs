@@ -2,9 +2,9 @@
 //! protocol — state slots plus paged compressed entries, every logit row to the sampler —
 //! with the pass and the cache on the device.
 
-use super::deepseek_v4::{ds_steps, eplb_for, launched};
+use super::deepseek_v4::{ds_steps, eplb_for, eplb_step, launched};
 use super::{DeviceModel, LaunchedStep, RankArgs};
-use crate::eplb::{Eplb, MoeBalance};
+use crate::eplb::Eplb;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::cuda::DsV4Cuda;
@@ -60,13 +60,10 @@ impl DeviceModel for DsV4OnCuda {
             .model
             .forward(&self.backend, &mut self.cache, &ds, &mut self.expert_tokens)
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
-        let mut moe_balance = None;
-        if let Some(eplb) = &mut self.eplb {
-            let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
-            eplb.on_step(&self.expert_tokens, prefill_running)
-                .unwrap_or_else(|e| panic!("EPLB: {e}"));
-            moe_balance = Some(MoeBalance::of(eplb));
-        }
+        let moe_balance = self
+            .eplb
+            .as_mut()
+            .map(|eplb| eplb_step(eplb, &self.expert_tokens, steps));
         launched(
             &logits,
             self.model.vocab_size(),

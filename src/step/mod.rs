@@ -120,8 +120,6 @@ pub struct RowSampling {
     pub prompt_ids: Arc<[u32]>,
     /// Generated tokens the scheduler knew when it planned the step.
     pub output_ids: Arc<Vec<u32>>,
-    /// ZOS: one more generated token, the one row `prev_row` of the previous step drew.
-    pub pending_prev_row: Option<usize>,
     /// Ids that may not be drawn now (stop ids while under `min_tokens`).
     pub banned_ids: Arc<[u32]>,
     /// Structured output: the grammar that masks this row.
@@ -145,19 +143,19 @@ impl RowSampling {
         self.drafts.is_empty() && self.is_plain_but_drafts()
     }
 
-    /// `is_plain`, drafts aside: the sampler's distribution at every position is the raw
-    /// logits' after temperature and the cuts.
     /// A greedy row verifying drafts with nothing to apply at any position (no processors,
     /// no stop-id ban under `min_tokens`): the device's argmax of each of its logit rows is
-    /// the sampler's token there, so verification needs the picks, not the logits.
+    /// the sampler's token there, so verification needs the picks, not the logits. (A row
+    /// with drafts never continues the previous step: its drafts follow known tokens.)
     pub fn verifies_on_device(&self) -> bool {
         !self.drafts.is_empty()
             && self.params.is_greedy()
             && self.is_plain_but_drafts()
-            && self.pending_prev_row.is_none()
             && self.output_ids.len() >= self.min_tokens
     }
 
+    /// `is_plain`, drafts aside: the sampler's distribution at every position is the raw
+    /// logits' after temperature and the cuts.
     pub fn is_plain_but_drafts(&self) -> bool {
         let p = &self.params;
         p.logit_bias.is_empty()

@@ -8,7 +8,7 @@ use crate::spec::verify::{self, History};
 use crate::structured::SeqConstraint;
 use crate::sync::Shared as Arc;
 
-use super::{SampledRow, StepLogits, StepRow};
+use super::{SampledRow, Step, StepLogits};
 
 /// A step whose logits do not match its rows: a bug upstream, which fails the sampler (its
 /// supervisor restarts it and the engine recomputes).
@@ -50,17 +50,16 @@ pub struct StepOutcome {
 }
 
 impl StepSampler {
-    /// Samples `step_id`'s rows; `verify_fault` is asked before each verification (the
+    /// Samples `step`'s rows; `verify_fault` is asked before each verification (the
     /// fault-injection tests panic there).
     pub fn sample(
         &mut self,
-        epoch: u64,
-        step_id: u64,
+        step: &Step,
         logits: &StepLogits,
         vocab_size: usize,
-        rows: &[StepRow],
         verify_fault: &mut dyn FnMut() -> bool,
     ) -> Result<StepOutcome, SampleError> {
+        let (epoch, step_id, rows) = (step.epoch, step.step_id, &step.rows);
         let mut per_row = Vec::with_capacity(rows.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
             (Vec::new(), Vec::new(), Vec::new());
@@ -86,14 +85,14 @@ impl StepSampler {
             };
             draft_probs
                 .push(model_drafts.map_or_else(Vec::new, |d| d.iter().map(|x| x.1).collect()));
-            let pending = s
-                .pending_prev_row
-                .and_then(|prev_row| match &self.last_step {
-                    Some((e, prev_step, toks)) if *e == epoch && *prev_step + 1 == step_id => {
-                        toks.get(prev_row).copied().flatten()
-                    }
-                    _ => None,
-                });
+            // ZOS: one more generated token, the one the remapped row of the previous step
+            // drew (the scheduler did not know it when it planned the row).
+            let pending = step.remap.source(row).and_then(|m| match &self.last_step {
+                Some((e, prev_step, toks)) if *e == epoch && *prev_step == m.prev_step => {
+                    toks.get(m.prev_row).copied().flatten()
+                }
+                _ => None,
+            });
             let output_ids: &[u32] = match pending {
                 Some(t) => {
                     self.history.clear();
