@@ -1,6 +1,6 @@
 // torch.topk's CPU selection, tie for tie, for DeepSeek-V4's indexer and router, and the
 // indexer's top-k kernel (prepended to `deepseek_v4.cu`'s program, whose router uses
-// `tk_select`). `src/model/deepseek_v4/torch_topk.rs` says why ties must resolve this way
+// `tk_select`). `src/kernels/cpu/torch_topk.rs` says why ties must resolve this way
 // and is the host twin of these steps.
 
 // libstdc++'s heap select (64·k <= n, then its heap sort) or introselect over (value,
@@ -100,7 +100,7 @@ __device__ void tk_select(float* v, int* x, int n, int k) {
 }
 
 // The indexer's k entries of each row, as torch.topk over the row's visible scores keeps
-// them, in ascending entry order (the host's `attention::select`); −1 past the row's
+// them, in ascending entry order (the CPU backend's `index_select`); −1 past the row's
 // visible count. One block a row. Each entry's rank (ties to the lower index) gives the
 // kept set unless the k-th value recurs past the k-th place; only then does thread 0 run
 // torch's selection, over `scratch` (2·max_visible ints a row), with `scores` as its values.

@@ -1,4 +1,4 @@
-//! DeepSeek-V4 on the GPU (`model::deepseek_v4::cuda`) against the host reference with the
+//! DeepSeek-V4's one pass on the CUDA backend against the CPU reference with the
 //! same bf16 weights, and against transformers' logits (`scripts/make_dsv4_goldens.py`):
 //! every position, in one piece, in chunks and token by token, batched over scattered
 //! blocks, replayed after a prefix hit, and with `--dummy-weights` made on the device.
@@ -9,45 +9,62 @@ mod common;
 
 use common::dsv4::{CHECKPOINTS, Reference, assert_rows_close, dir, reference};
 use troupe::error::Result;
+use troupe::kernels::cpu::{CpuBackend, CpuMatrix};
 use troupe::kernels::cuda::CudaBackend;
+use troupe::kernels::{HostData, random_weight};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
-use troupe::model::deepseek_v4::cuda::DsV4Cuda;
-use troupe::model::deepseek_v4::cuda::cache::DeviceCache;
-use troupe::model::deepseek_v4::ops::Linear;
-use troupe::model::deepseek_v4::weights::{DsV4Weights, LinearData, LinearStore, OnHost};
+use troupe::model::deepseek_v4::weights::{DsV4Weights, LinearData, LinearStore};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use troupe::model::loader::SafetensorsSource;
 
-/// The host reference with its matrices rounded to bf16, as the GPU holds them.
-struct Bf16OnHost;
+/// The CPU reference with its matrices rounded to bf16, as the GPU holds them.
+struct Bf16OnHost(CpuBackend);
 
 impl LinearStore for Bf16OnHost {
-    type Linear = Linear;
-    fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<Linear> {
-        let mut linear = OnHost.store(rows, cols, data)?;
-        for v in &mut linear.w {
-            *v = half::bf16::from_f32(*v).to_f32();
-        }
-        Ok(linear)
+    type Backend = CpuBackend;
+    fn backend(&self) -> &CpuBackend {
+        &self.0
+    }
+    fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<CpuMatrix> {
+        let values = match data {
+            LinearData::Host(w) => w,
+            LinearData::Random {
+                seed,
+                mean,
+                half_width,
+            } => (0..(rows * cols) as u64)
+                .map(|i| random_weight(seed, i, mean, half_width))
+                .collect(),
+        };
+        let rounded = values
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        Ok(CpuMatrix::from_host(troupe::kernels::HostMatrix {
+            rows,
+            cols,
+            data: HostData::F32(rounded),
+        }))
     }
 }
+
+type Gpu = DsV4Model<CudaBackend>;
 
 fn host_model(name: &str, dummy: bool) -> DsV4Model {
     let cfg = DsV4Config::from_dir(&dir(name)).unwrap();
     let weights = if dummy {
-        DsV4Weights::dummy_into(&cfg, &Bf16OnHost).unwrap()
+        DsV4Weights::dummy_into(&cfg, &Bf16OnHost(CpuBackend::default())).unwrap()
     } else {
         let src = SafetensorsSource::open_dir(&dir(name)).unwrap();
-        DsV4Weights::load_into(&cfg, &src, &Bf16OnHost).unwrap()
+        DsV4Weights::load_into(&cfg, &src, &Bf16OnHost(CpuBackend::default())).unwrap()
     };
     DsV4Model::new(cfg, weights)
 }
 
-fn gpu(name: &str, batch_invariant: bool, dummy: bool) -> (CudaBackend, DsV4Cuda) {
+fn gpu(name: &str, batch_invariant: bool, dummy: bool) -> Gpu {
     let b = CudaBackend::new(0, batch_invariant, false).expect("a GPU");
-    let m = DsV4Cuda::load_dir(&b, &dir(name), dummy).unwrap();
-    (b, m)
+    DsV4Model::load_dir_on(b, &dir(name), dummy).unwrap()
 }
 
 const NUM_BLOCKS: usize = 32;
@@ -65,8 +82,8 @@ fn table(seq: usize, num_seqs: usize) -> Vec<u32> {
 
 /// Every position's logits from `span.state_start` on, in chunks of the given sizes.
 fn gpu_run(
-    (b, m): &(CudaBackend, DsV4Cuda),
-    cache: &mut DeviceCache,
+    m: &Gpu,
+    cache: &mut DsV4Cache<CudaBackend>,
     slot: u32,
     table: &[u32],
     prompt: &[u32],
@@ -89,7 +106,7 @@ fn gpu_run(
             span,
             num_logit_rows: n,
         };
-        out.extend(m.forward(b, cache, &[step], &mut experts).unwrap());
+        out.extend(m.forward_counting(cache, &[step], &mut experts).unwrap());
         pos += n;
     }
     out
@@ -109,8 +126,8 @@ fn host_run(model: &DsV4Model, prompt: &[u32]) -> Vec<f32> {
     model.forward(&mut cache, &[step]).unwrap()
 }
 
-fn new_cache((b, m): &(CudaBackend, DsV4Cuda), num_slots: usize) -> DeviceCache {
-    DeviceCache::new(b, &m.cfg, num_slots, NUM_BLOCKS, block_size(&m.cfg))
+fn new_cache(m: &Gpu, num_slots: usize) -> DsV4Cache<CudaBackend> {
+    m.new_cache(num_slots, NUM_BLOCKS, block_size(&m.cfg))
 }
 
 /// f32 activations on both sides (the batch-invariant GEMM), the same bf16 weights:
@@ -144,7 +161,10 @@ fn every_position_matches_the_host_reference_whole_chunked_and_token_by_token() 
                     SlotSpan::default(),
                     chunks,
                 );
-                let what = format!("chunks {chunks:?}, invariant {}", dev.0.batch_invariant);
+                let what = format!(
+                    "chunks {chunks:?}, invariant {}",
+                    dev.backend.batch_invariant
+                );
                 assert_rows_close(name, &what, &got, &want, r.vocab_size, SAME_WEIGHTS_TOL);
             }
         }
@@ -174,7 +194,7 @@ fn sequences_batched_over_scattered_blocks_get_their_own_logits() {
             .collect();
         let mut cache = new_cache(&dev, 2);
         let (ta, tb) = (table(0, 2), table(1, 2));
-        let mut experts = vec![vec![0; dev.1.cfg.num_routed_experts]; dev.1.cfg.num_layers];
+        let mut experts = vec![vec![0; dev.cfg.num_routed_experts]; dev.cfg.num_layers];
         let (mut got_a, mut got_b) = (Vec::new(), Vec::new());
         let mut pos = 0;
         while pos < a.len().max(b.len()) {
@@ -194,8 +214,7 @@ fn sequences_batched_over_scattered_blocks_get_their_own_logits() {
             }
             let rows: Vec<usize> = steps.iter().map(|s| s.num_logit_rows).collect();
             let logits = dev
-                .1
-                .forward(&dev.0, &mut cache, &steps, &mut experts)
+                .forward_counting(&mut cache, &steps, &mut experts)
                 .unwrap();
             let split = if pos < a.len() { rows[0] } else { 0 };
             got_a.extend_from_slice(&logits[..split * r.vocab_size]);
@@ -213,8 +232,8 @@ fn a_prefix_hit_replayed_from_the_bound_gives_the_logits_of_a_cold_run() {
         let r = reference(name);
         let dev = gpu(name, true, false);
         let prompt = &r.prompts[0];
-        let bs = block_size(&dev.1.cfg);
-        let replay = dev.1.cfg.num_replay_tokens();
+        let bs = block_size(&dev.cfg);
+        let replay = dev.cfg.num_replay_tokens();
         let t = table(0, 1);
         let mut cache = new_cache(&dev, 2);
         let cold = gpu_run(&dev, &mut cache, 0, &t, prompt, SlotSpan::default(), &[7]);
@@ -376,14 +395,13 @@ fn random_checkpoints_match_transformers_on_the_gpu() {
             .map(|x| f32::from_le_bytes(x.try_into().unwrap()))
             .collect();
         let b = CudaBackend::new(0, true, false).expect("a GPU");
-        let m = DsV4Cuda::load_dir(&b, d, false).unwrap();
+        let dev = DsV4Model::load_dir_on(b, d, false).unwrap();
         let vocab = want.len() / tokens.len();
-        let bs = block_size(&m.cfg);
+        let bs = block_size(&dev.cfg);
         let num_blocks = tokens.len().div_ceil(bs) + 1;
         let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
-        let dev = (b, m);
         for chunks in [&[tokens.len()][..], &[64], &[7], &[1]] {
-            let mut cache = DeviceCache::new(&dev.0, &dev.1.cfg, 1, num_blocks, bs);
+            let mut cache = dev.new_cache(1, num_blocks, bs);
             let got = gpu_run(
                 &dev,
                 &mut cache,
@@ -411,4 +429,53 @@ fn random_checkpoints_match_transformers_on_the_gpu() {
     );
     assert!(checked > 0);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The one pass rewinds on the GPU as on the CPU: after a verify row whose last drafts
+/// are wrong (crossing a compress boundary, so the ring and the open windows must both
+/// come back), resuming from the accepted tokens gives transformers' logits.
+#[test]
+fn rejected_drafts_rewind_the_device_state() {
+    for name in CHECKPOINTS {
+        let r = reference(name);
+        let dev = gpu(name, true, false);
+        let vocab = r.vocab_size;
+        let prompt = &r.prompts[0];
+        let t = table(0, 1);
+        let mut cache = new_cache(&dev, 1);
+        let mut experts = vec![vec![0; dev.cfg.num_routed_experts]; dev.cfg.num_layers];
+        for (at, accepted) in [(29, 3), (38, 0)] {
+            let mut run = |s: DsSeqStep<'_>| {
+                dev.forward_counting(&mut cache, &[s], &mut experts)
+                    .unwrap()
+            };
+            run(step(&prompt[..at], 0, 1, &t));
+            let mut row = prompt[at..at + 7].to_vec();
+            for tok in row.iter_mut().skip(accepted) {
+                *tok = (*tok + 17) % vocab as u32;
+            }
+            run(step(&row, at, row.len(), &t));
+            let resume = at + accepted;
+            let got = run(step(&prompt[resume..], resume, prompt.len() - resume, &t));
+            assert_rows_close(
+                name,
+                &format!("resumed at {resume}"),
+                &got,
+                &r.logits[0][resume * vocab..],
+                vocab,
+                1e-4,
+            );
+        }
+    }
+}
+
+fn step<'a>(ids: &'a [u32], at: usize, logit_rows: usize, table: &'a [u32]) -> DsSeqStep<'a> {
+    DsSeqStep {
+        token_ids: ids,
+        num_cached_tokens: at,
+        block_table: table,
+        state_slot: 0,
+        span: SlotSpan::default(),
+        num_logit_rows: logit_rows,
+    }
 }

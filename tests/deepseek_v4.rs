@@ -417,7 +417,7 @@ fn fp8_and_fp4_weights_dequantize_as_transformers_does() {
             .unwrap()
             .unwrap()
             .into_f32();
-        assert_eq!(got.w, want, "{name}");
+        assert_eq!(got, want, "{name}");
     }
     let err = quantized::linear(&src, "fp4", 4, 48)
         .unwrap_err()

@@ -267,7 +267,7 @@ fn check_mtp(
                 &mut cache,
                 0,
                 pos,
-                &streams[pos * width..(pos + len) * width],
+                &streams[pos * width..(pos + len) * width].to_vec(),
                 &tokens[pos + 1..pos + 1 + len],
             );
             logits.extend(mtp.logits(model, &out));
@@ -311,7 +311,7 @@ fn random_checkpoints_match_transformers() {
 /// same indices in the same order, through both of ATen's selection paths.
 #[test]
 fn ties_resolve_as_torch_topk_does() {
-    use troupe::model::deepseek_v4::torch_topk::torch_top_k;
+    use troupe::kernels::cpu::torch_topk::torch_top_k;
     let json = common::read_json("torch_topk_ties.json");
     let rows = json["rows"].as_array().unwrap();
     assert!(rows.len() >= 100);

@@ -69,7 +69,7 @@ fn teacher_forced_positions_match_the_reference_in_one_piece_and_in_chunks() {
                 &mut cache,
                 1,
                 pos,
-                &streams[pos * width..(pos + len) * width],
+                &streams[pos * width..(pos + len) * width].to_vec(),
                 &prompt[pos + 1..pos + 1 + len],
             );
             logits.extend(mtp.logits(&model, &out));
@@ -104,7 +104,7 @@ fn chained_drafts_match_the_reference() {
         &mut cache,
         0,
         0,
-        &streams[..(n - 1) * width],
+        &streams[..(n - 1) * width].to_vec(),
         &prompt[1..],
     );
     // The last position with the model's token, then each draft from the block's streams.

@@ -13,6 +13,7 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_off.rs"]
 pub mod cuda;
+pub mod deepseek_v4;
 mod device;
 pub mod paged_kv;
 pub mod quant;

@@ -88,7 +88,7 @@ impl MtpDrafter {
             &mut self.cache,
             slot,
             p.pos0,
-            &p.streams[..count * self.width],
+            &p.streams[..count * self.width].to_vec(),
             &next_ids,
         );
         p.tokens.drain(..count);

@@ -2,10 +2,12 @@
 //! Multi-threaded with rayon; SIMD through `simd` and the `gemm` crate.
 
 mod attention;
+pub mod deepseek_v4;
 mod invariant_gemm;
 pub mod matmul;
 pub mod qmatrix;
 pub mod simd;
+pub mod torch_topk;
 
 use rayon::prelude::*;
 

@@ -26,10 +26,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use half::bf16;
 
-pub use deepseek_v4::{
-    ATT_MAX_HEAD_DIM, AttentionKeys, DEEPSEEK_V4_SOURCE, DeviceCompressor, DsStepMeta, DsV4Kernels,
-    INDEX_SMEM_BYTES, SEQ_FIELDS,
-};
+pub use deepseek_v4::{ATT_MAX_HEAD_DIM, DEEPSEEK_V4_SOURCE, DsV4Program, INDEX_SMEM_BYTES};
 use graph::{Graphs, Meta, Phase};
 pub use kv_cache::CudaKvCache;
 use module::Kernels;
@@ -96,7 +93,7 @@ pub struct CudaBackend {
     /// Sampled rows' order keys and weights, a vocabulary each (`sample_kernel`).
     sample_scratch: Mutex<Option<(CudaSlice<u32>, CudaSlice<f32>)>>,
     /// DeepSeek-V4's program, built when a DeepSeek-V4 model first asks for it.
-    dsv4: OnceLock<DsV4Kernels>,
+    dsv4: OnceLock<DsV4Program>,
 }
 
 const THREADS: u32 = 256;

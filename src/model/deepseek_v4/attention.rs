@@ -1,260 +1,135 @@
-//! One DeepSeek-V4 attention block over one sequence's chunk: shared-KV MQA with partial
-//! RoPE, a sliding window read from the state slot's ring, compressed entries read from
-//! paged blocks (every visible one for HCA; the lightning indexer's top-k for CSA), a
-//! learned sink per head, the output's RoPE undone, and the grouped output projection.
+//! One DeepSeek-V4 attention block over the step's rows: shared-KV MQA with partial RoPE,
+//! a sliding window read from each state slot's ring, compressed entries read from paged
+//! blocks (every visible one for HCA; the lightning indexer's top-k for CSA), a learned
+//! sink per head, the output's RoPE undone, and the grouped output projection.
 
-use rayon::prelude::*;
+use super::block::Pass;
+use super::cache::LayerCache;
+use super::config::AttentionKind;
+use super::weights::{Attention, CompressorWeights};
+use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, DsV4Kernels};
 
-use super::cache::DsV4Cache;
-use super::config::{AttentionKind, DsV4Config};
-use super::ops::{Linear, rms_norm, rope_rows};
-use super::torch_topk::torch_top_k;
-use super::weights::{Attention, Compressor, Indexer};
-
-/// Where one sequence's chunk sits.
-pub struct ChunkAt<'a> {
-    pub slot: usize,
-    /// Position of the chunk's first token.
-    pub pos0: usize,
-    pub block_table: &'a [u32],
-}
-
-pub struct Rope<'a> {
-    pub main: &'a [f32],
-    pub compress: &'a [f32],
-}
-
-/// `x` is the chunk's normed block input `[n, hidden]`; returns `[n, hidden]`.
-pub fn attention(
-    cfg: &DsV4Config,
+/// `x` is the step's normed block input `[rows, hidden]`; returns `[rows, hidden]`.
+pub fn attention<B: DsV4Kernels>(
+    p: &Pass<'_, B>,
     layer: usize,
-    w: &Attention,
-    cache: &mut DsV4Cache,
-    at: &ChunkAt<'_>,
-    rope: &Rope<'_>,
-    x: &[f32],
-) -> Vec<f32> {
-    let (hd, heads) = (cfg.head_dim, cfg.num_heads);
-    let n = x.len() / cfg.hidden_size;
+    a: &Attention<B>,
+    lc: &mut LayerCache<B>,
+    (block_size, ring_len): (usize, usize),
+    x: &B::Buf,
+) -> B::Buf {
+    let (b, cfg) = (p.b, p.cfg);
+    let t = p.plan.num_rows();
+    let meta = &p.plan.meta;
+    let (hd, heads, eps) = (cfg.head_dim, cfg.num_heads, cfg.rms_norm_eps);
     let freqs = if cfg.attention[layer] == AttentionKind::Sliding {
-        rope.main
+        &p.consts.main_freqs
     } else {
-        rope.compress
+        &p.consts.compress_freqs
     };
+    let mut qr = b.scratch(t * cfg.q_lora_rank);
+    b.matmul(x, t, &a.q_a, None, &mut qr);
+    let mut q_residual = b.scratch(t * cfg.q_lora_rank);
+    b.rms_norm(&qr, &a.q_a_norm, eps, t, cfg.q_lora_rank, &mut q_residual);
+    let mut q = b.scratch(t * heads * hd);
+    b.matmul(&q_residual, t, &a.q_b, None, &mut q);
+    let mut qn = b.scratch(t * heads * hd);
+    b.rms_norm(&q, &p.consts.ones, eps, t * heads, hd, &mut qn);
+    let mut kv = b.scratch(t * hd);
+    b.matmul(x, t, &a.kv, None, &mut kv);
+    let mut kvn = b.scratch(t * hd);
+    b.rms_norm(&kv, &a.kv_norm, eps, t, hd, &mut kvn);
+    b.dsv4_rope(&mut qn, meta, heads, hd, freqs, 1.0);
+    b.dsv4_rope(&mut kvn, meta, 1, hd, freqs, 1.0);
 
-    let mut q_residual = w.q_a.apply(x);
-    rms_norm(
-        &mut q_residual,
-        cfg.q_lora_rank,
-        Some(&w.q_a_norm),
-        cfg.rms_norm_eps,
-    );
-    let mut q = w.q_b.apply(&q_residual);
-    rms_norm(&mut q, hd, None, cfg.rms_norm_eps);
-    let mut kv = w.kv.apply(x);
-    rms_norm(&mut kv, hd, Some(&w.kv_norm), cfg.rms_norm_eps);
-    for i in 0..n {
-        rope_rows(
-            &mut q[i * heads * hd..(i + 1) * heads * hd],
-            hd,
-            freqs,
-            at.pos0 + i,
-            1.0,
+    if let (Some(cw), Some(cc)) = (&a.compressor, lc.compressor.as_mut()) {
+        feed(p, cw, cc, x, block_size);
+    }
+    let mut selection = None;
+    if let (Some(ix), Some(ic)) = (&a.indexer, lc.indexer.as_mut()) {
+        feed(p, &ix.compressor, ic, x, block_size);
+        let (ih, ihd) = (cfg.index_n_heads, cfg.index_head_dim);
+        let mut iq = b.scratch(t * ih * ihd);
+        b.matmul(&q_residual, t, &ix.q_b, None, &mut iq);
+        b.dsv4_rope(&mut iq, meta, ih, ihd, &p.consts.compress_freqs, 1.0);
+        let mut head_weights = b.scratch(t * ih);
+        b.matmul(x, t, &ix.weights_proj, None, &mut head_weights);
+        let max_row_pos = p.plan.positions.iter().copied().max().unwrap_or(0);
+        let max_visible = (max_row_pos + 1) / cfg.csa_rate;
+        let mut sel = b.alloc_ids(t * cfg.index_topk);
+        b.dsv4_index_select(
+            &mut sel,
+            &iq,
+            &head_weights,
+            ic,
+            meta,
+            block_size,
+            ih,
+            max_visible,
+            cfg.index_topk,
         );
-        rope_rows(&mut kv[i * hd..(i + 1) * hd], hd, freqs, at.pos0 + i, 1.0);
+        selection = Some(sel);
     }
-
-    let block_size = cache.block_size;
-    let span = cache.span(at.slot);
-    if let Some(comp) = &w.compressor {
-        feed(cfg, comp, cache, layer, false, at, rope.compress, x);
-    }
-    let selected = w.indexer.as_ref().map(|ix| {
-        feed(
-            cfg,
-            &ix.compressor,
-            cache,
-            layer,
-            true,
-            at,
-            rope.compress,
-            x,
-        );
-        select(cfg, ix, cache, layer, at, rope.compress, x, &q_residual)
-    });
-
-    let scale = (hd as f32).powf(-0.5);
-    let window = cfg.sliding_window;
-    let mut out = vec![0.0f32; n * heads * hd];
-    let cache_ref = &*cache;
-    // Queries are independent: each fills its own output rows.
-    out.par_chunks_mut(heads * hd)
-        .enumerate()
-        .for_each(|(i, out_i)| {
-            let t = at.pos0 + i;
-            let mut keys: Vec<&[f32]> = Vec::new();
-            for p in (t + 1).saturating_sub(window).max(span.state_start)..=t {
-                keys.push(if p < at.pos0 {
-                    cache_ref.ring_row(layer, at.slot, p)
-                } else {
-                    &kv[(p - at.pos0) * hd..(p - at.pos0 + 1) * hd]
-                });
-            }
-            if let Some(comp) = &cache_ref.layers[layer].compressor {
-                match &selected {
-                    Some(sel) => keys.extend(
-                        sel[i]
-                            .iter()
-                            .map(|&e| comp.entry(at.block_table, block_size, e)),
-                    ),
-                    None => keys.extend(
-                        (0..(t + 1) / comp.rate).map(|e| comp.entry(at.block_table, block_size, e)),
-                    ),
-                }
-            }
-            let mut logits = Vec::with_capacity(keys.len());
-            for h in 0..heads {
-                let qh = &q[(i * heads + h) * hd..(i * heads + h + 1) * hd];
-                logits.clear();
-                logits.extend(keys.iter().map(|k| dot(qh, k) * scale));
-                let sink = w.sinks[h];
-                let max = logits.iter().copied().fold(sink, f32::max);
-                let mut sum = (sink - max).exp();
-                for l in logits.iter_mut() {
-                    *l = (*l - max).exp();
-                    sum += *l;
-                }
-                let oh = &mut out_i[h * hd..(h + 1) * hd];
-                for (k, p) in keys.iter().zip(&logits) {
-                    let p = p / sum;
-                    oh.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
-                }
-            }
-            rope_rows(out_i, hd, freqs, t, -1.0);
-        });
-
-    // The ring keeps the chunk's last `window - 1` rows for the next chunk.
-    let keep = n.min(cache.ring_len());
-    for i in n - keep..n {
-        cache.write_ring(layer, at.slot, at.pos0 + i, &kv[i * hd..(i + 1) * hd]);
-    }
-
-    let grouped = grouped_projection(&w.o_a, &out, cfg.o_groups, cfg.o_lora_rank);
-    w.o_b.apply(&grouped)
-}
-
-/// Projects each of the `groups` contiguous head groups with its own block of `o_a`.
-fn grouped_projection(o_a: &Linear, x: &[f32], groups: usize, rank: usize) -> Vec<f32> {
-    let per_group = o_a.cols;
-    let n = x.len() / (groups * per_group);
-    let mut gathered = vec![0.0f32; n * per_group];
-    let mut out = vec![0.0f32; n * groups * rank];
-    let mut part = vec![0.0f32; n * rank];
-    for g in 0..groups {
-        for i in 0..n {
-            let src = (i * groups + g) * per_group;
-            gathered[i * per_group..(i + 1) * per_group].copy_from_slice(&x[src..src + per_group]);
-        }
-        let w = &o_a.w[g * rank * per_group..(g + 1) * rank * per_group];
-        super::ops::matmul_t(&gathered, n, w, rank, per_group, &mut part);
-        for i in 0..n {
-            out[(i * groups + g) * rank..(i * groups + g + 1) * rank]
-                .copy_from_slice(&part[i * rank..(i + 1) * rank]);
-        }
-    }
-    out
-}
-
-#[allow(clippy::too_many_arguments)]
-fn feed(
-    cfg: &DsV4Config,
-    comp: &Compressor,
-    cache: &mut DsV4Cache,
-    layer: usize,
-    indexer: bool,
-    at: &ChunkAt<'_>,
-    freqs: &[f32],
-    x: &[f32],
-) {
-    let kv = comp.kv.apply(x);
-    let gate = comp.gate.apply(x);
-    let block_size = cache.block_size;
-    let span = cache.span(at.slot);
-    let lc = &mut cache.layers[layer];
-    let target = if indexer {
-        lc.indexer.as_mut()
-    } else {
-        lc.compressor.as_mut()
-    };
-    let target = target.expect("a compressing layer has its compressor cache");
-    let dim = target.dim;
-    let eps = cfg.rms_norm_eps;
-    target.feed(
-        at.slot,
-        span,
-        at.pos0,
-        &kv,
-        &gate,
-        &comp.position_bias,
-        at.block_table,
+    let keys = AttentionKeys {
+        kv: &kvn,
+        ring: &lc.ring,
+        ring_len,
+        window: cfg.sliding_window,
+        compressed: lc
+            .compressor
+            .as_ref()
+            .map(|c| (c, selection.as_ref().map(|s| (s, cfg.index_topk)))),
         block_size,
-        |entry, pos| {
-            rms_norm(entry, dim, Some(&comp.norm), eps);
-            rope_rows(entry, dim, freqs, pos, 1.0);
-        },
-    );
-}
+    };
+    let mut out = b.scratch(t * heads * hd);
+    b.dsv4_attention(&mut out, &qn, &keys, &a.sinks, meta, heads, hd);
+    b.dsv4_rope(&mut out, meta, heads, hd, freqs, -1.0);
+    // The ring keeps each chunk's last `window - 1` rows for the next chunk.
+    b.dsv4_ring_write(&mut lc.ring, &kvn, meta, ring_len, hd);
 
-/// The lightning indexer: for each query, the compressed entries it attends to — the
-/// `index_topk` best by `Σ_h w_h · relu(q_h · k)` among those whose window has closed.
-/// Ties at the k-th place resolve as torch's `topk` over exactly those entries, which is
-/// what transformers' decode runs (its uncached forward also scores the masked future
-/// entries, so there its choice among ties depends on the sequence's length).
-#[allow(clippy::too_many_arguments)]
-fn select(
-    cfg: &DsV4Config,
-    ix: &Indexer,
-    cache: &DsV4Cache,
-    layer: usize,
-    at: &ChunkAt<'_>,
-    freqs: &[f32],
-    x: &[f32],
-    q_residual: &[f32],
-) -> Vec<Vec<usize>> {
-    let (ihd, iheads) = (cfg.index_head_dim, cfg.index_n_heads);
-    let mut q = ix.q_b.apply(q_residual);
-    let head_weights = ix.weights_proj.apply(x);
-    let keys = cache.layers[layer]
-        .indexer
-        .as_ref()
-        .expect("CSA layers have an indexer cache");
-    let score_scale = (ihd as f32).powf(-0.5);
-    let weight_scale = (iheads as f32).powf(-0.5);
-    q.par_chunks_mut(iheads * ihd)
+    // The grouped output projection: each group's heads through its own block of o_a.
+    let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
+    let per_group = heads * hd / groups;
+    let mut by_group = b.scratch(t * heads * hd);
+    b.dsv4_swap(&mut by_group, &out, t, groups, per_group);
+    let mut projected = b.scratch(groups * t * rank);
+    let blocks: Vec<_> = a
+        .o_a
+        .iter()
         .enumerate()
-        .map(|(i, qi)| {
-            let t = at.pos0 + i;
-            rope_rows(qi, ihd, freqs, t, 1.0);
-            let visible = (t + 1) / cfg.csa_rate;
-            let scores: Vec<f32> = (0..visible)
-                .map(|e| {
-                    let k = keys.entry(at.block_table, cache.block_size, e);
-                    let mut s = 0.0f32;
-                    for h in 0..iheads {
-                        let d = dot(&qi[h * ihd..(h + 1) * ihd], k).max(0.0) * score_scale;
-                        s += d * head_weights[i * iheads + h] * weight_scale;
-                    }
-                    s
-                })
-                .collect();
-            // Attended in entry order, the canonical order the GPU shares.
-            let mut kept = torch_top_k(&scores, cfg.index_topk, false);
-            kept.sort_unstable();
-            kept
-        })
-        .collect()
+        .map(|(g, o_a)| (o_a, g * t, t))
+        .collect();
+    b.dsv4_gemm_row_groups(&by_group, &blocks, &mut projected);
+    let mut grouped = b.scratch(t * groups * rank);
+    b.dsv4_swap(&mut grouped, &projected, groups, t, rank);
+    let mut y = b.scratch(t * cfg.hidden_size);
+    b.matmul(&grouped, t, &a.o_b, None, &mut y);
+    y
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+/// One compressor's projections of the step, fed to its windows; the entries they close
+/// normed and rotated.
+fn feed<B: DsV4Kernels>(
+    p: &Pass<'_, B>,
+    w: &CompressorWeights<B>,
+    c: &mut Compressor<B>,
+    x: &B::Buf,
+    block_size: usize,
+) {
+    let b = p.b;
+    let t = p.plan.num_rows();
+    let mut kv = b.scratch(t * c.width);
+    b.matmul(x, t, &w.kv, None, &mut kv);
+    let mut gate = b.scratch(t * c.width);
+    b.matmul(x, t, &w.gate, None, &mut gate);
+    b.dsv4_compress_feed(c, &kv, &gate, &w.position_bias, &p.plan.meta, block_size);
+    let (emits, count) = p.plan.emits(c.rate);
+    b.dsv4_entry_finish(
+        c,
+        emits,
+        count,
+        &w.norm,
+        p.cfg.rms_norm_eps,
+        &p.consts.compress_freqs,
+    );
 }

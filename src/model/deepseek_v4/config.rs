@@ -26,12 +26,7 @@ pub enum MlpKind {
     Moe,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scoring {
-    SqrtSoftplus,
-    Sigmoid,
-    Softmax,
-}
+pub use crate::kernels::deepseek_v4::Scoring;
 
 /// One rotary flavour: the sliding layers' plain RoPE ("main") or the compressed
 /// layers' ("compress", optionally YaRN-scaled, never with YaRN's magnitude factor).

@@ -8,6 +8,7 @@
 //! rank sees the same routed loads and computes the same placement).
 
 use crate::eplb::LayerPlacement;
+use crate::kernels::Backend;
 use crate::kernels::collective::Collective;
 use crate::kernels::cpu::CpuBackend;
 use crate::model::tensor_parallel::TpShard;
@@ -43,22 +44,15 @@ impl ExpertShard {
 }
 
 /// A rank's membership of an expert-parallel group.
-pub struct ExpertGroup {
+pub struct ExpertGroup<B: Backend = CpuBackend> {
     pub shard: ExpertShard,
-    pub collective: Box<dyn Collective<CpuBackend>>,
+    pub collective: Box<dyn Collective<B>>,
 }
 
-impl ExpertGroup {
-    /// Sums the ranks' partial MoE outputs in place.
-    pub fn combine(&mut self, partial: &mut Vec<f32>) {
-        let len = partial.len();
-        self.collective.all_reduce_sum(
-            &CpuBackend {
-                batch_invariant: false,
-            },
-            partial,
-            len,
-        );
+impl<B: Backend> ExpertGroup<B> {
+    /// Sums the ranks' partial MoE outputs (`len` values) in place.
+    pub fn combine(&mut self, b: &B, partial: &mut B::Buf, len: usize) {
+        self.collective.all_reduce_sum(b, partial, len);
     }
 }
 

@@ -1,41 +1,45 @@
-//! DeepSeek-V4 (seed §5, §8): the f32 host reference of the forward pass, over the cache
-//! layout the engine pages (state slots + blocks of compressed entries).
+//! DeepSeek-V4 (seed §5, §8): one forward pass over the cache layout the engine pages
+//! (state slots + blocks of compressed entries), on any backend that implements
+//! `kernels::deepseek_v4::DsV4Kernels` — the CPU's f32 reference or CUDA.
 //!
 //! | file | what it is |
 //! |---|---|
 //! | `config.rs` | `DsV4Config` from transformers' `DeepseekV4Config` JSON |
-//! | `weights.rs` | tensors by DeepSeek's names |
+//! | `weights.rs` | tensors by DeepSeek's names, placed on the backend |
 //! | `cache.rs` | state slots (SWA ring, compressor windows, overlap) and paged compressed entries |
+//! | `plan.rs` | a step's rows, sequences and closing windows, made once for all layers |
+//! | `block.rs` | one block: manifold-constrained hyper-connections around attention and MoE |
 //! | `attention.rs` | SWA + CSA (lightning indexer) + HCA attention with sinks, grouped output |
-//! | `mhc.rs` | manifold-constrained hyper-connections |
-//! | `moe.rs` | hash-routed and score-routed MoE with the shared expert |
+//! | `moe.rs` | hash-routed and score-routed MoE with the shared expert, expert-parallel |
+//! | `expert_parallel.rs` | which rank of a group computes which routed product |
 //! | `mtp.rs` | the MTP layer: DeepSeek's `MTPBlock`, drafting tokens from the last streams |
 //! | `quantized.rs` | FP8 / packed-FP4 weights with their scale grids, dequantized |
-//! | `ops.rs` | linear, RMS norm, interleaved partial RoPE (YaRN), scoring, top-k |
-//! | `cuda/` | the same pass on the GPU (`--device cuda`), over a device copy of the cache |
+//! | `rope.rs` | the partial RoPE's frequencies (YaRN) |
 
 pub mod attention;
+pub mod block;
 pub mod cache;
 pub mod config;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 pub mod expert_parallel;
-pub mod mhc;
 pub mod moe;
 pub mod mtp;
-pub mod ops;
+pub mod plan;
 pub mod quantized;
-pub mod torch_topk;
+pub mod rope;
 pub mod weights;
 
 use std::path::Path;
 
-use attention::{ChunkAt, Rope};
+use block::{Consts, Pass};
 use cache::{DsV4Cache, SlotSpan};
 use config::DsV4Config;
-use weights::{DsV4Weights, HyperConnection, Layer};
+use expert_parallel::ExpertGroup;
+use plan::Plan;
+use weights::{DsV4Weights, HyperConnection, OnBackend};
 
 use crate::error::{Result, TroupeError};
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::deepseek_v4::{DsV4Kernels, DsV4Shape};
 use crate::model::loader::{SafetensorsSource, TensorSource};
 
 /// One sequence's share of a step.
@@ -53,43 +57,76 @@ pub struct DsSeqStep<'a> {
     pub num_logit_rows: usize,
 }
 
-pub struct DsV4Model {
+/// The model on backend `B` (the CPU's f32 reference by default).
+pub struct DsV4Model<B: DsV4Kernels = CpuBackend> {
     pub cfg: DsV4Config,
-    weights: DsV4Weights,
-    main_freqs: Vec<f32>,
-    compress_freqs: Vec<f32>,
+    weights: DsV4Weights<B>,
+    consts: Consts<B>,
+    /// Last: the device buffers above go before it.
+    pub backend: B,
 }
 
-impl DsV4Model {
-    pub fn new(cfg: DsV4Config, weights: DsV4Weights) -> Self {
-        let main_freqs = ops::inv_freqs(&cfg.main_rope, cfg.rope_head_dim);
-        let compress_freqs = ops::inv_freqs(&cfg.compress_rope, cfg.rope_head_dim);
-        DsV4Model {
-            cfg,
-            weights,
-            main_freqs,
-            compress_freqs,
-        }
+impl DsV4Model<CpuBackend> {
+    pub fn new(cfg: DsV4Config, weights: DsV4Weights<CpuBackend>) -> Self {
+        Self::on(CpuBackend::default(), cfg, weights).expect("the CPU takes every shape")
     }
 
     /// The model of `dir`'s `config.json` with seeded random weights (`--dummy-weights`):
     /// no checkpoint is read.
     pub fn load_dummy_dir(dir: &Path) -> Result<Self> {
-        let cfg = DsV4Config::from_dir(dir)?;
-        let weights = DsV4Weights::dummy(&cfg)?;
-        Ok(Self::new(cfg, weights))
+        Self::load_dir_on(CpuBackend::default(), dir, true)
     }
 
     /// An HF directory: `config.json` (model_type `deepseek_v4`) + safetensors.
     pub fn load_dir(dir: &Path) -> Result<Self> {
-        let cfg = DsV4Config::from_dir(dir)?;
-        let src = SafetensorsSource::open_dir(dir)?;
-        Self::load(cfg, &src)
+        Self::load_dir_on(CpuBackend::default(), dir, false)
     }
 
     pub fn load(cfg: DsV4Config, src: &dyn TensorSource) -> Result<Self> {
-        let weights = DsV4Weights::load(&cfg, src)?;
-        Ok(Self::new(cfg, weights))
+        let b = CpuBackend::default();
+        let weights = DsV4Weights::load_into(&cfg, src, &OnBackend(&b))?;
+        Self::on(b, cfg, weights)
+    }
+}
+
+impl<B: DsV4Kernels> DsV4Model<B> {
+    /// `weights` (placed on `backend`) as a model, once the backend's kernels take its shape.
+    pub fn on(backend: B, cfg: DsV4Config, weights: DsV4Weights<B>) -> Result<Self> {
+        backend
+            .dsv4_prepare(&shape(&cfg))
+            .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
+        let consts = Consts::new(&backend, &cfg);
+        Ok(DsV4Model {
+            cfg,
+            weights,
+            consts,
+            backend,
+        })
+    }
+
+    /// An HF directory's model on `backend` (`dummy`: seeded random weights made there).
+    pub fn load_dir_on(backend: B, dir: &Path, dummy: bool) -> Result<Self> {
+        let cfg = DsV4Config::from_dir(dir)?;
+        backend
+            .dsv4_prepare(&shape(&cfg))
+            .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
+        let store = OnBackend(&backend);
+        let weights = if dummy {
+            DsV4Weights::dummy_into(&cfg, &store)?
+        } else {
+            DsV4Weights::load_into(&cfg, &SafetensorsSource::open_dir(dir)?, &store)?
+        };
+        Self::on(backend, cfg, weights)
+    }
+
+    /// A cache for this model on its backend.
+    pub fn new_cache(
+        &self,
+        num_slots: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> DsV4Cache<B> {
+        DsV4Cache::on(&self.backend, &self.cfg, num_slots, num_blocks, block_size)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -101,7 +138,7 @@ impl DsV4Model {
     /// slot; one starting inside its last verify row (rejected drafts) rewinds to the
     /// snapshot taken before that row and runs the accepted part again; any other start
     /// must continue exactly where its slot stopped.
-    pub fn forward(&self, cache: &mut DsV4Cache, steps: &[DsSeqStep<'_>]) -> Result<Vec<f32>> {
+    pub fn forward(&self, cache: &mut DsV4Cache<B>, steps: &[DsSeqStep<'_>]) -> Result<Vec<f32>> {
         let mut expert_tokens = vec![vec![0; self.cfg.num_routed_experts]; self.cfg.num_layers];
         self.forward_counting(cache, steps, &mut expert_tokens)
     }
@@ -110,7 +147,7 @@ impl DsV4Model {
     /// (`[layers][experts]`): the load statistics EPLB places experts by.
     pub fn forward_counting(
         &self,
-        cache: &mut DsV4Cache,
+        cache: &mut DsV4Cache<B>,
         steps: &[DsSeqStep<'_>],
         expert_tokens: &mut [Vec<u64>],
     ) -> Result<Vec<f32>> {
@@ -122,10 +159,10 @@ impl DsV4Model {
     /// of the group runs it with the same steps. (The counts are of all tokens.)
     pub fn forward_in_group(
         &self,
-        cache: &mut DsV4Cache,
+        cache: &mut DsV4Cache<B>,
         steps: &[DsSeqStep<'_>],
         expert_tokens: &mut [Vec<u64>],
-        group: Option<&mut expert_parallel::ExpertGroup>,
+        group: Option<&mut ExpertGroup<B>>,
     ) -> Result<Vec<f32>> {
         Ok(self.forward_streams(cache, steps, expert_tokens, group)?.0)
     }
@@ -134,12 +171,12 @@ impl DsV4Model {
     /// (`[Σ tokens, n_hc, hidden]`, before the hyper-head): what the MTP layer reads.
     pub fn forward_streams(
         &self,
-        cache: &mut DsV4Cache,
+        cache: &mut DsV4Cache<B>,
         steps: &[DsSeqStep<'_>],
         expert_tokens: &mut [Vec<u64>],
-        mut group: Option<&mut expert_parallel::ExpertGroup>,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let cfg = &self.cfg;
+        mut group: Option<&mut ExpertGroup<B>>,
+    ) -> Result<(Vec<f32>, B::Buf)> {
+        let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         check_steps(
             cfg,
@@ -158,7 +195,7 @@ impl DsV4Model {
                 cache.restart(slot, s.span);
             } else if s.num_cached_tokens < cache.slot_tokens(slot) {
                 // The state before the verify row, then its accepted tokens again.
-                let snap = cache.rewind(slot).expect("checked above");
+                let snap = cache.rewind_on(b, slot).expect("checked above");
                 let accepted = &snap.token_ids[..s.num_cached_tokens - snap.position];
                 if !accepted.is_empty() {
                     let replay = DsSeqStep {
@@ -174,45 +211,30 @@ impl DsV4Model {
                 }
             }
             if s.num_logit_rows > 1 {
-                cache.snapshot(slot, s.token_ids);
+                cache.snapshot_on(b, slot, s.token_ids);
             } else {
                 cache.clear_snapshot(slot);
             }
         }
-        let token_ids: Vec<u32> = steps
+        let plan = Plan::new(b, cfg, cache.block_size, steps);
+        let tokens = plan.num_rows();
+        let embedded: Vec<f32> = steps
             .iter()
-            .flat_map(|s| s.token_ids.iter().copied())
+            .flat_map(|s| s.token_ids.iter())
+            .flat_map(|&id| self.embedding(id).iter().copied())
             .collect();
-        let tokens = token_ids.len();
-        let mut streams = vec![0.0f32; tokens * n_hc * d];
-        for (t, &id) in token_ids.iter().enumerate() {
-            let row = self.embedding(id);
-            for j in 0..n_hc {
-                streams[(t * n_hc + j) * d..(t * n_hc + j + 1) * d].copy_from_slice(row);
-            }
-        }
-        let rope = self.rope();
-        let chunks: Vec<(ChunkAt<'_>, usize)> = steps
-            .iter()
-            .map(|s| {
-                let at = ChunkAt {
-                    slot: s.state_slot as usize,
-                    pos0: s.num_cached_tokens,
-                    block_table: s.block_table,
-                };
-                (at, s.token_ids.len())
-            })
-            .collect();
+        let mut streams = b.scratch(tokens * n_hc * d);
+        b.dsv4_expand(&mut streams, &b.upload(&embedded), tokens, n_hc, d);
+        let pass = Pass {
+            b,
+            cfg,
+            consts: &self.consts,
+            plan: &plan,
+        };
         for (l, w) in self.weights.layers.iter().enumerate() {
-            let step = BlockStep {
-                cfg,
-                layer: l,
-                rope: &rope,
-                chunks: &chunks,
-                token_ids: &token_ids,
-            };
-            block(
-                &step,
+            block::block(
+                &pass,
+                l,
                 w,
                 cache,
                 &mut streams,
@@ -231,29 +253,35 @@ impl DsV4Model {
         let mut picked = Vec::new();
         let mut row0 = 0;
         for s in steps {
-            let n = s.token_ids.len();
-            let first = row0 + n - s.num_logit_rows.min(n);
-            picked.extend_from_slice(&streams[first * n_hc * d..(row0 + n) * n_hc * d]);
-            row0 += n;
+            let len = s.token_ids.len();
+            picked.extend(row0 + len - s.num_logit_rows.min(len)..row0 + len);
+            row0 += len;
         }
-        let logits = self.logits(&self.weights.hc_head, &self.weights.norm, &picked);
+        let mut last = b.scratch(picked.len() * n_hc * d);
+        b.gather_rows(&streams, n_hc * d, &picked, &mut last);
+        let logits = self.logits(
+            &self.weights.hc_head,
+            &self.weights.norm,
+            &last,
+            picked.len(),
+        );
         Ok((logits, streams))
     }
 
-    /// The head over last-layer streams (`[rows, n_hc, hidden]`) collapsed by `hc_head`
-    /// and normed by `norm` (the model's own, or its MTP layer's): `[rows, vocab]`.
-    pub fn logits(&self, hc_head: &HyperConnection, norm: &[f32], streams: &[f32]) -> Vec<f32> {
-        let cfg = &self.cfg;
-        let mut h = mhc::head(
-            hc_head,
-            streams,
-            cfg.hc_mult,
-            cfg.hidden_size,
-            cfg.hc_eps,
-            cfg.rms_norm_eps,
-        );
-        ops::rms_norm(&mut h, cfg.hidden_size, Some(norm), cfg.rms_norm_eps);
-        self.weights.head.apply(&h)
+    /// The head over `rows` last-layer streams (`[rows, n_hc, hidden]`) collapsed by
+    /// `hc_head` and normed by `norm` (the model's own, or its MTP layer's): `[rows, vocab]`.
+    pub fn logits(
+        &self,
+        hc_head: &HyperConnection<B>,
+        norm: &B::Buf,
+        streams: &B::Buf,
+        rows: usize,
+    ) -> Vec<f32> {
+        let b = &self.backend;
+        let h = block::hyper_head(b, &self.cfg, &self.consts, hc_head, norm, streams, rows);
+        let mut logits = b.scratch(rows * self.cfg.vocab_size);
+        b.matmul(&h, rows, &self.weights.head, None, &mut logits);
+        b.download(&logits, rows * self.cfg.vocab_size)
     }
 
     /// Token `id`'s embedding row.
@@ -262,11 +290,25 @@ impl DsV4Model {
         &self.weights.embed[id as usize * d..(id as usize + 1) * d]
     }
 
-    pub fn rope(&self) -> Rope<'_> {
-        Rope {
-            main: &self.main_freqs,
-            compress: &self.compress_freqs,
+    /// What a pass's blocks share, for a layer run outside `forward` (the MTP block).
+    pub(crate) fn pass<'a>(&'a self, cfg: &'a DsV4Config, plan: &'a Plan<B>) -> Pass<'a, B> {
+        Pass {
+            b: &self.backend,
+            cfg,
+            consts: &self.consts,
+            plan,
         }
+    }
+}
+
+/// The dimensions a device's kernels may bound.
+fn shape(cfg: &DsV4Config) -> DsV4Shape {
+    DsV4Shape {
+        hc_mult: cfg.hc_mult,
+        num_routed_experts: cfg.num_routed_experts,
+        num_experts_per_tok: cfg.num_experts_per_tok,
+        head_dim: cfg.head_dim,
+        index_width: cfg.index_n_heads * cfg.index_head_dim,
     }
 }
 
@@ -337,58 +379,4 @@ pub fn check_steps(
         }
     }
     Ok(())
-}
-
-/// Where a block runs: the layer, its RoPE tables, each sequence's chunk and the step's
-/// tokens (hash-routed layers read them).
-pub struct BlockStep<'a> {
-    pub cfg: &'a DsV4Config,
-    pub layer: usize,
-    pub rope: &'a Rope<'a>,
-    pub chunks: &'a [(ChunkAt<'a>, usize)],
-    pub token_ids: &'a [u32],
-}
-
-/// One block over the step's streams (`[tokens, n_hc, hidden]`), in place: mHC around
-/// attention, then around the MoE (summed over `group` when there is one).
-pub fn block(
-    step: &BlockStep<'_>,
-    w: &Layer,
-    cache: &mut DsV4Cache,
-    streams: &mut [f32],
-    expert_tokens: &mut [u64],
-    group: Option<&mut expert_parallel::ExpertGroup>,
-) {
-    let (cfg, l) = (step.cfg, step.layer);
-    let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
-    let tokens = step.token_ids.len();
-    let m = mhc::mix(&w.attn_hc, streams, cfg);
-    let mut x = m.collapsed.clone();
-    ops::rms_norm(&mut x, d, Some(&w.attn_norm), cfg.rms_norm_eps);
-    let mut attn_out = vec![0.0f32; tokens * d];
-    let mut row0 = 0;
-    for (at, n) in step.chunks {
-        let y = attention::attention(
-            cfg,
-            l,
-            &w.attn,
-            cache,
-            at,
-            step.rope,
-            &x[row0 * d..(row0 + n) * d],
-        );
-        attn_out[row0 * d..(row0 + n) * d].copy_from_slice(&y);
-        row0 += n;
-    }
-    mhc::merge(&m, streams, &attn_out, n_hc, d);
-
-    let m = mhc::mix(&w.ffn_hc, streams, cfg);
-    let mut x = m.collapsed.clone();
-    ops::rms_norm(&mut x, d, Some(&w.ffn_norm), cfg.rms_norm_eps);
-    let shard = group.as_ref().map(|g| &g.shard);
-    let mut y = moe::moe(cfg, l, &w.moe, &x, step.token_ids, expert_tokens, shard);
-    if let Some(g) = group {
-        g.combine(&mut y);
-    }
-    mhc::merge(&m, streams, &y, n_hc, d);
 }

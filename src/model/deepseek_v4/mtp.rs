@@ -8,44 +8,46 @@
 
 use std::path::Path;
 
-use super::attention::ChunkAt;
 use super::cache::{DsV4Cache, SlotSpan};
 use super::config::{AttentionKind, DsV4Config, MlpKind};
-use super::weights::MtpWeights;
-use super::{BlockStep, DsV4Model, block, ops};
+use super::plan::Plan;
+use super::weights::{MtpWeights, OnBackend};
+use super::{DsSeqStep, DsV4Model, block};
 use crate::error::Result;
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::loader::SafetensorsSource;
 
-pub struct MtpLayer {
+pub struct MtpLayer<B: DsV4Kernels = CpuBackend> {
     /// The model's config seen as one sliding-window, score-routed layer: the shape of
     /// the MTP block and of its cache.
     cfg: DsV4Config,
-    w: MtpWeights,
+    w: MtpWeights<B>,
 }
 
-impl MtpLayer {
-    fn block_config(cfg: &DsV4Config) -> DsV4Config {
-        DsV4Config {
-            num_layers: 1,
-            attention: vec![AttentionKind::Sliding],
-            mlp: vec![MlpKind::Moe],
-            ..cfg.clone()
-        }
+fn block_config(cfg: &DsV4Config) -> DsV4Config {
+    DsV4Config {
+        num_layers: 1,
+        attention: vec![AttentionKind::Sliding],
+        mlp: vec![MlpKind::Moe],
+        ..cfg.clone()
     }
+}
 
+impl MtpLayer<CpuBackend> {
     /// The `mtp.0.*` tensors of the checkpoint in `dir` (a clear error names the first
     /// one missing: a checkpoint shipped without its MTP layer).
     pub fn load_dir(cfg: &DsV4Config, dir: &Path) -> Result<Self> {
         let src = SafetensorsSource::open_dir(dir)?;
-        let cfg = Self::block_config(cfg);
-        let w = MtpWeights::load(&cfg, &src)?;
+        let cfg = block_config(cfg);
+        let w = MtpWeights::load(&cfg, &src, &OnBackend(&CpuBackend::default()))?;
         Ok(MtpLayer { cfg, w })
     }
 
     /// Seeded random MTP weights (`--dummy-weights`).
     pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
-        let cfg = Self::block_config(cfg);
-        let w = MtpWeights::dummy(&cfg)?;
+        let cfg = block_config(cfg);
+        let w = MtpWeights::dummy(&cfg, &OnBackend(&CpuBackend::default()))?;
         Ok(MtpLayer { cfg, w })
     }
 
@@ -54,8 +56,16 @@ impl MtpLayer {
         DsV4Cache::new(&self.cfg, num_slots, 0, 1)
     }
 
+    /// Logits (`[rows, vocab]`) of MTP output streams (`[rows, n_hc, hidden]`).
+    pub fn logits(&self, model: &DsV4Model, streams: &[f32]) -> Vec<f32> {
+        let rows = streams.len() / (self.cfg.hc_mult * self.cfg.hidden_size);
+        model.logits(&self.w.hc_head, &self.w.norm, &streams.to_vec(), rows)
+    }
+}
+
+impl<B: DsV4Kernels> MtpLayer<B> {
     /// Starts `slot`'s MTP history at `position` (nothing before it is attended to).
-    pub fn restart(cache: &mut DsV4Cache, slot: usize, position: usize) {
+    pub fn restart(cache: &mut DsV4Cache<B>, slot: usize, position: usize) {
         cache.restart(
             slot,
             SlotSpan {
@@ -71,51 +81,47 @@ impl MtpLayer {
     /// streams (`[n, n_hc, hidden]`).
     pub fn forward(
         &self,
-        model: &DsV4Model,
-        cache: &mut DsV4Cache,
+        model: &DsV4Model<B>,
+        cache: &mut DsV4Cache<B>,
         slot: usize,
         pos0: usize,
-        streams: &[f32],
+        streams: &B::Buf,
         next_ids: &[u32],
-    ) -> Vec<f32> {
-        let cfg = &self.cfg;
+    ) -> B::Buf {
+        let (b, cfg) = (&model.backend, &self.cfg);
         let (d, n_hc, eps) = (cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps);
         let n = next_ids.len();
-        debug_assert_eq!(streams.len(), n * n_hc * d);
         debug_assert_eq!(cache.slot_tokens(slot), pos0);
-        let mut e: Vec<f32> = next_ids
+        let embedded: Vec<f32> = next_ids
             .iter()
             .flat_map(|&id| model.embedding(id).iter().copied())
             .collect();
-        ops::rms_norm(&mut e, d, Some(&self.w.enorm), eps);
-        let e = self.w.e_proj.apply(&e);
-        let mut h = streams.to_vec();
-        ops::rms_norm(&mut h, d, Some(&self.w.hnorm), eps);
-        let mut x = self.w.h_proj.apply(&h);
-        for (t, row) in x.chunks_exact_mut(n_hc * d).enumerate() {
-            for stream in row.chunks_exact_mut(d) {
-                stream
-                    .iter_mut()
-                    .zip(&e[t * d..(t + 1) * d])
-                    .for_each(|(a, b)| *a += b);
-            }
-        }
-        let rope = model.rope();
-        let at = ChunkAt {
-            slot,
-            pos0,
-            block_table: &[],
-        };
-        let step = BlockStep {
-            cfg,
-            layer: 0,
-            rope: &rope,
-            chunks: &[(at, n)],
+        let mut e = b.scratch(n * d);
+        b.rms_norm(&b.upload(&embedded), &self.w.enorm, eps, n, d, &mut e);
+        let mut e_proj = b.scratch(n * d);
+        b.matmul(&e, n, &self.w.e_proj, None, &mut e_proj);
+        let mut h = b.scratch(n * n_hc * d);
+        b.rms_norm(streams, &self.w.hnorm, eps, n * n_hc, d, &mut h);
+        let mut x = b.scratch(n * n_hc * d);
+        b.matmul(&h, n * n_hc, &self.w.h_proj, None, &mut x);
+        // Every stream of a position gets its token's projection.
+        let mut e_streams = b.scratch(n * n_hc * d);
+        b.dsv4_expand(&mut e_streams, &e_proj, n, n_hc, d);
+        b.add(&mut x, &e_streams, n * n_hc * d);
+
+        let step = DsSeqStep {
             token_ids: next_ids,
+            num_cached_tokens: pos0,
+            block_table: &[],
+            state_slot: slot as u32,
+            span: cache.span(slot),
+            num_logit_rows: n,
         };
+        let plan = Plan::new(b, cfg, cache.block_size, std::slice::from_ref(&step));
         let mut expert_tokens = vec![0; cfg.num_routed_experts];
-        block(
-            &step,
+        block::block(
+            &model.pass(cfg, &plan),
+            0,
             &self.w.block,
             cache,
             &mut x,
@@ -124,10 +130,5 @@ impl MtpLayer {
         );
         cache.set_slot_tokens(slot, pos0 + n);
         x
-    }
-
-    /// Logits (`[rows, vocab]`) of MTP output streams (`[rows, n_hc, hidden]`).
-    pub fn logits(&self, model: &DsV4Model, streams: &[f32]) -> Vec<f32> {
-        model.logits(&self.w.hc_head, &self.w.norm, streams)
     }
 }

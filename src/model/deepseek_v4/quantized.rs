@@ -3,7 +3,6 @@
 //! grid `X.weight_scale_inv` (or `X.scale`; f32, bf16, E8M0, or U8 exponents). The
 //! grid's shape gives the block: 128×128 for dense FP8, 1×32 for MXFP4 experts.
 
-use super::ops::Linear;
 use crate::error::{Result, TroupeError};
 use crate::model::loader::{HostTensor, Stored, TensorSource};
 
@@ -11,8 +10,8 @@ const FP4_E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
-/// The `[rows, cols]` weight `name.weight`, dequantized when it comes with scales.
-pub fn linear(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> Result<Linear> {
+/// The `[rows, cols]` weight `name.weight`'s values, dequantized when it comes with scales.
+pub fn linear(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
     let weight_name = format!("{name}.weight");
     let bad = |reason: String| TroupeError::Tensor {
         name: weight_name.clone(),
@@ -35,7 +34,7 @@ pub fn linear(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> R
         }
         Some(scale) => dequantize(weight, scale, rows, cols).map_err(bad)?,
     };
-    Ok(Linear { rows, cols, w })
+    Ok(w)
 }
 
 fn dequantize(

@@ -1,109 +1,116 @@
 //! DeepSeek-V4 tensors by DeepSeek's own names (what transformers' `save_pretrained` and
-//! the released checkpoints write). Vectors stay f32 on the host; each weight matrix goes
-//! where its `LinearStore` puts it: an f32 `Linear` for the host reference, a device
-//! matrix for the CUDA pass (`--dummy-weights` makes those on the device).
+//! the released checkpoints write), placed on the backend a `LinearStore` names: f32
+//! matrices on the CPU, bf16 on CUDA (`--dummy-weights` makes those on the device). The
+//! embedding stays on the host, which gathers each step's rows.
 
 use super::config::{AttentionKind, DsV4Config, MlpKind};
-use super::ops::Linear;
 use crate::error::{Result, TroupeError};
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::deepseek_v4::DsV4Kernels;
+use crate::kernels::{Backend, HostData, HostMatrix};
 use crate::model::loader::TensorSource;
 
-pub struct Compressor<L = Linear> {
-    pub kv: L,
-    pub gate: L,
+pub struct CompressorWeights<B: DsV4Kernels = CpuBackend> {
+    pub kv: B::Matrix,
+    pub gate: B::Matrix,
     /// `[rate, width]`: added to the gate logits by position inside the window.
-    pub position_bias: Vec<f32>,
-    pub norm: Vec<f32>,
+    pub position_bias: B::Buf,
+    pub norm: B::Buf,
 }
 
-pub struct Indexer<L = Linear> {
-    pub compressor: Compressor<L>,
-    pub q_b: L,
-    pub weights_proj: L,
+pub struct Indexer<B: DsV4Kernels = CpuBackend> {
+    pub compressor: CompressorWeights<B>,
+    pub q_b: B::Matrix,
+    pub weights_proj: B::Matrix,
 }
 
-pub struct Attention<L = Linear> {
-    pub q_a: L,
-    pub q_a_norm: Vec<f32>,
-    pub q_b: L,
-    pub kv: L,
-    pub kv_norm: Vec<f32>,
-    /// `[groups · o_lora_rank, heads · head_dim / groups]`: group g owns rows g·r..(g+1)·r.
-    pub o_a: L,
-    pub o_b: L,
-    pub sinks: Vec<f32>,
-    pub compressor: Option<Compressor<L>>,
-    pub indexer: Option<Indexer<L>>,
+pub struct Attention<B: DsV4Kernels = CpuBackend> {
+    pub q_a: B::Matrix,
+    pub q_a_norm: B::Buf,
+    pub q_b: B::Matrix,
+    pub kv: B::Matrix,
+    pub kv_norm: B::Buf,
+    /// `wo_a` (`[groups · o_lora_rank, heads · head_dim / groups]`) in its groups' blocks:
+    /// group g projects its heads with rows g·r..(g+1)·r.
+    pub o_a: Vec<B::Matrix>,
+    pub o_b: B::Matrix,
+    pub sinks: B::Buf,
+    pub compressor: Option<CompressorWeights<B>>,
+    pub indexer: Option<Indexer<B>>,
 }
 
 /// One mHC mapping: `fn` `[(2 + n)·n, n·hidden]`, `base` `[(2 + n)·n]`, `scale` `[3]`.
-pub struct HyperConnection<L = Linear> {
-    pub fn_: L,
-    pub base: Vec<f32>,
-    pub scale: Vec<f32>,
+pub struct HyperConnection<B: DsV4Kernels = CpuBackend> {
+    pub fn_: B::Matrix,
+    pub base: B::Buf,
+    pub scale: B::Buf,
 }
 
-pub struct Expert<L = Linear> {
-    pub gate: L,
-    pub up: L,
-    pub down: L,
+pub struct Expert<B: DsV4Kernels = CpuBackend> {
+    pub gate: B::Matrix,
+    pub up: B::Matrix,
+    pub down: B::Matrix,
 }
 
-pub struct Moe<L = Linear> {
-    pub router: L,
+pub struct Moe<B: DsV4Kernels = CpuBackend> {
+    pub router: B::Matrix,
     /// `[vocab, k]` expert ids (hash layers).
-    pub tid2eid: Option<Vec<u32>>,
-    pub score_bias: Option<Vec<f32>>,
-    pub experts: Vec<Expert<L>>,
-    pub shared: Expert<L>,
+    pub tid2eid: Option<B::Ids>,
+    pub score_bias: Option<B::Buf>,
+    pub experts: Vec<Expert<B>>,
+    pub shared: Expert<B>,
 }
 
-pub struct Layer<L = Linear> {
-    pub attn_norm: Vec<f32>,
-    pub ffn_norm: Vec<f32>,
-    pub attn_hc: HyperConnection<L>,
-    pub ffn_hc: HyperConnection<L>,
-    pub attn: Attention<L>,
-    pub moe: Moe<L>,
+pub struct Layer<B: DsV4Kernels = CpuBackend> {
+    pub attn_norm: B::Buf,
+    pub ffn_norm: B::Buf,
+    pub attn_hc: HyperConnection<B>,
+    pub ffn_hc: HyperConnection<B>,
+    pub attn: Attention<B>,
+    pub moe: Moe<B>,
 }
 
 /// DeepSeek's `MTPBlock` (`mtp.0.*`): a sliding-window, score-routed block fed with
 /// `e_proj(enorm(embedding of the next token)) + h_proj(hnorm(streams))`, and its own
 /// hyper-head and norm before the model's head.
-pub struct MtpWeights {
-    pub e_proj: Linear,
-    pub h_proj: Linear,
-    pub enorm: Vec<f32>,
-    pub hnorm: Vec<f32>,
-    pub norm: Vec<f32>,
-    pub hc_head: HyperConnection,
-    pub block: Layer,
+pub struct MtpWeights<B: DsV4Kernels = CpuBackend> {
+    pub e_proj: B::Matrix,
+    pub h_proj: B::Matrix,
+    pub enorm: B::Buf,
+    pub hnorm: B::Buf,
+    pub norm: B::Buf,
+    pub hc_head: HyperConnection<B>,
+    pub block: Layer<B>,
 }
 
-impl MtpWeights {
-    pub fn load(cfg: &DsV4Config, src: &dyn TensorSource) -> Result<Self> {
+impl<B: DsV4Kernels> MtpWeights<B> {
+    pub fn load<S: LinearStore<Backend = B>>(
+        cfg: &DsV4Config,
+        src: &dyn TensorSource,
+        store: &S,
+    ) -> Result<Self> {
         Self::read(
             cfg,
             Reader {
                 src,
                 dummy_experts: None,
-                store: &OnHost,
+                store,
             },
         )
     }
 
-    pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
+    pub fn dummy<S: LinearStore<Backend = B>>(cfg: &DsV4Config, store: &S) -> Result<Self> {
         Self::read(
             cfg,
             Reader {
                 src: &NoTensors,
                 dummy_experts: Some(cfg.num_routed_experts),
-                store: &OnHost,
+                store,
             },
         )
     }
 
-    fn read(cfg: &DsV4Config, r: Reader<'_>) -> Result<Self> {
+    fn read<S: LinearStore<Backend = B>>(cfg: &DsV4Config, r: Reader<'_, S>) -> Result<Self> {
         let d = cfg.hidden_size;
         Ok(MtpWeights {
             e_proj: r.linear("mtp.0.e_proj", d, d)?,
@@ -117,18 +124,41 @@ impl MtpWeights {
     }
 }
 
-pub struct DsV4Weights<L = Linear> {
+pub struct DsV4Weights<B: DsV4Kernels = CpuBackend> {
+    /// Rows gathered on the host for each step's tokens.
     pub embed: Vec<f32>,
-    pub layers: Vec<Layer<L>>,
-    pub hc_head: HyperConnection<L>,
-    pub norm: Vec<f32>,
-    pub head: L,
+    pub layers: Vec<Layer<B>>,
+    pub hc_head: HyperConnection<B>,
+    pub norm: B::Buf,
+    pub head: B::Matrix,
 }
 
-/// Where a weight matrix is put once read.
+/// Where the weights are put once read: a backend, and how a matrix reaches it.
 pub trait LinearStore {
-    type Linear;
-    fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<Self::Linear>;
+    type Backend: DsV4Kernels;
+    fn backend(&self) -> &Self::Backend;
+    fn store(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: LinearData,
+    ) -> Result<<Self::Backend as crate::kernels::Backend>::Matrix> {
+        let data = match data {
+            LinearData::Host(w) => HostData::F32(w),
+            LinearData::Random {
+                seed,
+                mean,
+                half_width,
+            } => HostData::Random {
+                seed,
+                mean,
+                half_width,
+            },
+        };
+        Ok(self
+            .backend()
+            .upload_matrix(HostMatrix { rows, cols, data }))
+    }
 }
 
 /// A matrix's values: read from the checkpoint (dequantized), or `--dummy-weights`'
@@ -142,27 +172,17 @@ pub enum LinearData {
     },
 }
 
-/// The host reference's store: f32 `Linear`s.
-pub struct OnHost;
+/// Every matrix as it is read, on backend `B`.
+pub struct OnBackend<'a, B>(pub &'a B);
 
-impl LinearStore for OnHost {
-    type Linear = Linear;
-    fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<Linear> {
-        let w = match data {
-            LinearData::Host(w) => w,
-            LinearData::Random {
-                seed,
-                mean,
-                half_width,
-            } => (0..(rows * cols) as u64)
-                .map(|i| crate::kernels::random_weight(seed, i, mean, half_width))
-                .collect(),
-        };
-        Ok(Linear { rows, cols, w })
+impl<B: DsV4Kernels> LinearStore for OnBackend<'_, B> {
+    type Backend = B;
+    fn backend(&self) -> &B {
+        self.0
     }
 }
 
-struct Reader<'a, S: LinearStore = OnHost> {
+struct Reader<'a, S: LinearStore> {
     src: &'a dyn TensorSource,
     /// `--dummy-weights`: every tensor made from its name and shape (the number of
     /// routed experts, for a valid hash table); nothing is read.
@@ -222,6 +242,9 @@ impl TensorSource for NoTensors {
     }
 }
 
+type MatrixOf<S> = <<S as LinearStore>::Backend as crate::kernels::Backend>::Matrix;
+type BufOf<S> = <<S as LinearStore>::Backend as crate::kernels::Backend>::Buf;
+
 impl<S: LinearStore> Reader<'_, S> {
     fn raw(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
         if let Some(experts) = self.dummy_experts {
@@ -240,17 +263,17 @@ impl<S: LinearStore> Reader<'_, S> {
         Ok(t.into_f32())
     }
 
-    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<S::Linear> {
+    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<MatrixOf<S>> {
         let data = if self.dummy_experts.is_some() {
             dummy_spec(&format!("{name}.weight"))
         } else {
-            LinearData::Host(super::quantized::linear(self.src, name, rows, cols)?.w)
+            LinearData::Host(super::quantized::linear(self.src, name, rows, cols)?)
         };
         self.store.store(rows, cols, data)
     }
 
     /// A matrix stored under its full name, never quantized (the mHC mappings).
-    fn plain_linear(&self, name: &str, rows: usize, cols: usize) -> Result<S::Linear> {
+    fn plain_linear(&self, name: &str, rows: usize, cols: usize) -> Result<MatrixOf<S>> {
         let data = if self.dummy_experts.is_some() {
             dummy_spec(name)
         } else {
@@ -259,8 +282,8 @@ impl<S: LinearStore> Reader<'_, S> {
         self.store.store(rows, cols, data)
     }
 
-    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
-        self.raw(name, &[n])
+    fn vector(&self, name: &str, n: usize) -> Result<BufOf<S>> {
+        Ok(self.store.backend().upload(&self.raw(name, &[n])?))
     }
 
     fn compressor(
@@ -270,11 +293,14 @@ impl<S: LinearStore> Reader<'_, S> {
         width: usize,
         dim: usize,
         rate: usize,
-    ) -> Result<Compressor<S::Linear>> {
-        Ok(Compressor {
+    ) -> Result<CompressorWeights<S::Backend>> {
+        Ok(CompressorWeights {
             kv: self.linear(&format!("{p}.wkv"), width, cfg.hidden_size)?,
             gate: self.linear(&format!("{p}.wgate"), width, cfg.hidden_size)?,
-            position_bias: self.raw(&format!("{p}.ape"), &[rate, width])?,
+            position_bias: self
+                .store
+                .backend()
+                .upload(&self.raw(&format!("{p}.ape"), &[rate, width])?),
             norm: self.vector(&format!("{p}.norm.weight"), dim)?,
         })
     }
@@ -285,7 +311,7 @@ impl<S: LinearStore> Reader<'_, S> {
         cfg: &DsV4Config,
         outputs: usize,
         scales: usize,
-    ) -> Result<HyperConnection<S::Linear>> {
+    ) -> Result<HyperConnection<S::Backend>> {
         let n = cfg.hc_mult;
         Ok(HyperConnection {
             fn_: self.plain_linear(&format!("{p}_fn"), outputs, n * cfg.hidden_size)?,
@@ -294,7 +320,7 @@ impl<S: LinearStore> Reader<'_, S> {
         })
     }
 
-    fn expert(&self, p: &str, cfg: &DsV4Config) -> Result<Expert<S::Linear>> {
+    fn expert(&self, p: &str, cfg: &DsV4Config) -> Result<Expert<S::Backend>> {
         let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
         Ok(Expert {
             gate: self.linear(&format!("{p}.w1"), i, d)?,
@@ -311,7 +337,7 @@ impl<S: LinearStore> Reader<'_, S> {
         p: &str,
         attention: AttentionKind,
         mlp: MlpKind,
-    ) -> Result<Layer<S::Linear>> {
+    ) -> Result<Layer<S::Backend>> {
         let r = self;
         let src = r.src;
         let d = cfg.hidden_size;
@@ -363,11 +389,14 @@ impl<S: LinearStore> Reader<'_, S> {
             q_b: r.linear(&format!("{p}.attn.wq_b"), heads * hd, cfg.q_lora_rank)?,
             kv: r.linear(&format!("{p}.attn.wkv"), hd, d)?,
             kv_norm: r.vector(&format!("{p}.attn.norm.weight"), hd)?,
-            o_a: r.linear(
-                &format!("{p}.attn.wo_a"),
-                cfg.o_groups * cfg.o_lora_rank,
-                heads * hd / cfg.o_groups,
-            )?,
+            o_a: r.store.backend().split_rows(
+                r.linear(
+                    &format!("{p}.attn.wo_a"),
+                    cfg.o_groups * cfg.o_lora_rank,
+                    heads * hd / cfg.o_groups,
+                )?,
+                cfg.o_groups,
+            ),
             o_b: r.linear(&format!("{p}.attn.wo_b"), d, cfg.o_groups * cfg.o_lora_rank)?,
             sinks: r.vector(&format!("{p}.attn.attn_sink"), heads)?,
             compressor,
@@ -389,7 +418,7 @@ impl<S: LinearStore> Reader<'_, S> {
                         reason: format!("expert id {bad} outside 0..{}", cfg.num_routed_experts),
                     });
                 }
-                Some(ids)
+                Some(r.store.backend().upload_ids(&ids))
             }
         };
         let score_bias = match mlp {
@@ -443,20 +472,9 @@ impl TensorSource for EitherNaming<'_> {
     }
 }
 
-impl DsV4Weights {
-    pub fn load(cfg: &DsV4Config, src: &dyn TensorSource) -> Result<Self> {
-        Self::load_into(cfg, src, &OnHost)
-    }
-
-    /// `--dummy-weights`: seeded random weights of the config's shape, no checkpoint.
-    pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
-        Self::dummy_into(cfg, &OnHost)
-    }
-}
-
-impl<L> DsV4Weights<L> {
+impl<B: DsV4Kernels> DsV4Weights<B> {
     /// The checkpoint's weights, each matrix put by `store`.
-    pub fn load_into<S: LinearStore<Linear = L>>(
+    pub fn load_into<S: LinearStore<Backend = B>>(
         cfg: &DsV4Config,
         src: &dyn TensorSource,
         store: &S,
@@ -472,8 +490,9 @@ impl<L> DsV4Weights<L> {
         )
     }
 
-    /// `dummy`, each matrix made by `store` (the same values wherever it lives).
-    pub fn dummy_into<S: LinearStore<Linear = L>>(cfg: &DsV4Config, store: &S) -> Result<Self> {
+    /// `--dummy-weights`: seeded random weights of the config's shape, no checkpoint
+    /// (the same values wherever `store` puts them).
+    pub fn dummy_into<S: LinearStore<Backend = B>>(cfg: &DsV4Config, store: &S) -> Result<Self> {
         Self::read(
             cfg,
             Reader {
@@ -484,7 +503,7 @@ impl<L> DsV4Weights<L> {
         )
     }
 
-    fn read<S: LinearStore<Linear = L>>(cfg: &DsV4Config, r: Reader<'_, S>) -> Result<Self> {
+    fn read<S: LinearStore<Backend = B>>(cfg: &DsV4Config, r: Reader<'_, S>) -> Result<Self> {
         let layers = (0..cfg.num_layers)
             .map(|l| {
                 r.layer(

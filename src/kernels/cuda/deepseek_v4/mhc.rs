@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 use super::super::{CudaBackend, check, grid_for, per_row};
 
 impl CudaBackend {
-    pub fn dsv4_mhc_mix(
+    pub(super) fn launch_mhc_mix(
         &self,
         mixes: &CudaSlice<f32>,
         streams: &CudaSlice<f32>,
@@ -45,7 +45,7 @@ impl CudaBackend {
         );
     }
 
-    pub fn dsv4_mhc_merge(
+    pub(super) fn launch_mhc_merge(
         &self,
         streams: &mut CudaSlice<f32>,
         post: &CudaSlice<f32>,
@@ -73,7 +73,7 @@ impl CudaBackend {
         );
     }
 
-    pub fn dsv4_mhc_head(
+    pub(super) fn launch_mhc_head(
         &self,
         mixes: &CudaSlice<f32>,
         streams: &CudaSlice<f32>,
@@ -105,7 +105,7 @@ impl CudaBackend {
         );
     }
 
-    pub fn dsv4_expand(
+    pub(super) fn launch_expand(
         &self,
         streams: &mut CudaSlice<f32>,
         x: &CudaSlice<f32>,
@@ -131,7 +131,7 @@ impl CudaBackend {
     }
 
     /// `x [a, b, width]` → `y [b, a, width]`.
-    pub fn dsv4_swap(
+    pub(super) fn launch_swap(
         &self,
         y: &mut CudaSlice<f32>,
         x: &CudaSlice<f32>,

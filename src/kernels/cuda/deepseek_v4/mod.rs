@@ -1,6 +1,6 @@
 //! DeepSeek-V4's kernels (`kernels-cuda/deepseek_v4.cu`) on the CUDA backend: a program of
-//! their own, built on first use so that a Llama rank never compiles them, and typed
-//! launchers over the step's metadata (`DsStepMeta`).
+//! their own, built on first use so that a Llama rank never compiles them, typed
+//! launchers over the step's metadata (`StepMeta`), and `DsV4Kernels` over them (`ops.rs`).
 
 // The launchers take a kernel's operands one by one: bundling them would only move the
 // argument list into struct literals at every call.
@@ -8,6 +8,7 @@
 
 mod mhc;
 mod moe;
+mod ops;
 
 use crate::sync::Shared as Arc;
 
@@ -17,6 +18,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{CudaBackend, CudaError, CudaMatrix, check, grid_for};
+use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, StepMeta};
+
+type Meta = StepMeta<CudaBackend>;
 
 pub const DEEPSEEK_V4_SOURCE: &str = concat!(
     include_str!("../../../../kernels-cuda/torch_topk.cu"),
@@ -53,10 +57,7 @@ const IX_ENTRIES: usize = 64;
 /// The indexer's queries of a row in shared memory, at most (heads · dim floats).
 pub const INDEX_SMEM_BYTES: usize = 64 << 10;
 
-/// Per-sequence metadata fields, as `deepseek_v4.cu`'s `SEQ_FIELDS` lays them out.
-pub const SEQ_FIELDS: usize = 8;
-
-pub struct DsV4Kernels {
+pub struct DsV4Program {
     _module: Arc<CudaModule>,
     rope: CudaFunction,
     mhc_mix: CudaFunction,
@@ -75,48 +76,7 @@ pub struct DsV4Kernels {
     moe_combine: CudaFunction,
 }
 
-/// A step's metadata on the device: per row (sequence, position), per sequence its
-/// `SEQ_FIELDS`, and the block tables they point into.
-pub struct DsStepMeta {
-    pub rows: CudaSlice<u32>,
-    pub seqs: CudaSlice<u32>,
-    pub tables: CudaSlice<u32>,
-    pub num_rows: usize,
-    pub num_seqs: usize,
-    /// The longest chunk of the step.
-    pub max_len: usize,
-}
-
-/// One compressor's device state for one layer (`CompressorCache` on the host).
-pub struct DeviceCompressor {
-    pub rate: usize,
-    pub width: usize,
-    pub dim: usize,
-    pub overlap: bool,
-    pub entries_per_block: usize,
-    pub buf_kv: CudaSlice<f32>,
-    pub buf_gate: CudaSlice<f32>,
-    pub prev_kv: CudaSlice<f32>,
-    pub prev_gate: CudaSlice<f32>,
-    pub entries: CudaSlice<f32>,
-}
-
-/// The indexer's pick for each row (entry indices, −1 past the last) and its width.
-pub type Selection<'a> = (&'a CudaSlice<i32>, usize);
-
-/// Where a layer's attention reads its keys.
-pub struct AttentionKeys<'a> {
-    pub kv: &'a CudaSlice<f32>,
-    pub ring: &'a CudaSlice<f32>,
-    pub ring_len: usize,
-    pub window: usize,
-    /// The layer's compressed entries and the indexer's selection (`None`: every closed
-    /// window), with its width.
-    pub compressed: Option<(&'a DeviceCompressor, Option<Selection<'a>>)>,
-    pub block_size: usize,
-}
-
-fn load(backend: &CudaBackend) -> Result<DsV4Kernels, CudaError> {
+fn load(backend: &CudaBackend) -> Result<DsV4Program, CudaError> {
     let cc = backend
         .ctx
         .compute_capability()
@@ -135,7 +95,7 @@ fn load(backend: &CudaBackend) -> Result<DsV4Kernels, CudaError> {
     let index_scores = f("index_scores")?;
     super::module::opt_in_smem(&index_scores, INDEX_SMEM_BYTES, "dsv4_index_scores")?;
     super::module::opt_in_smem(&attention, ATTENTION_SMEM_BYTES, "dsv4_attention")?;
-    Ok(DsV4Kernels {
+    Ok(DsV4Program {
         rope: f("rope")?,
         mhc_mix: f("mhc_mix")?,
         mhc_merge: f("mhc_merge")?,
@@ -165,7 +125,7 @@ fn blocks(x: usize, y: usize, threads: u32) -> LaunchConfig {
 
 impl CudaBackend {
     /// DeepSeek-V4's kernels, built (or read from the disk cache) on first use.
-    pub fn dsv4_kernels(&self) -> Result<&DsV4Kernels, CudaError> {
+    pub fn dsv4_kernels(&self) -> Result<&DsV4Program, CudaError> {
         if let Some(k) = self.dsv4.get() {
             return Ok(k);
         }
@@ -173,7 +133,7 @@ impl CudaBackend {
         Ok(self.dsv4.get_or_init(|| k))
     }
 
-    fn ds(&self) -> &DsV4Kernels {
+    fn ds(&self) -> &DsV4Program {
         self.dsv4
             .get()
             .expect("dsv4_kernels() is called when the model is loaded")
@@ -249,10 +209,10 @@ impl CudaBackend {
     }
 
     /// Interleaved partial RoPE on `heads` rows of `dim` per step row (`sign` −1 undoes it).
-    pub fn dsv4_rope(
+    pub(super) fn launch_rope(
         &self,
         x: &mut CudaSlice<f32>,
-        meta: &DsStepMeta,
+        meta: &Meta,
         heads: usize,
         dim: usize,
         freqs: &CudaSlice<f32>,
@@ -282,13 +242,13 @@ impl CudaBackend {
 
     /// Feeds the step's projected `kv` and `gate` rows to one compressor and emits the raw
     /// entries of the windows they close (`dsv4_entry_finish` norms and rotates them).
-    pub fn dsv4_compress_feed(
+    pub(super) fn launch_compress_feed(
         &self,
-        c: &mut DeviceCompressor,
+        c: &mut Compressor<CudaBackend>,
         kv: &CudaSlice<f32>,
         gate: &CudaSlice<f32>,
         bias: &CudaSlice<f32>,
-        meta: &DsStepMeta,
+        meta: &Meta,
         block_size: usize,
     ) {
         let (bs, rate, width, dim) = (
@@ -328,9 +288,9 @@ impl CudaBackend {
     }
 
     /// RMS norm and RoPE of the `count` entries `emits` lists (entry index, position).
-    pub fn dsv4_entry_finish(
+    pub(super) fn launch_entry_finish(
         &self,
-        c: &mut DeviceCompressor,
+        c: &mut Compressor<CudaBackend>,
         emits: &CudaSlice<u32>,
         count: usize,
         norm: &CudaSlice<f32>,
@@ -360,14 +320,14 @@ impl CudaBackend {
     }
 
     /// The lightning indexer: scores of every visible entry, then each row's top `k`.
-    pub fn dsv4_index_select(
+    pub(super) fn launch_index_select(
         &self,
-        sel: &mut CudaSlice<i32>,
+        sel: &mut CudaSlice<u32>,
         scores: &mut CudaSlice<f32>,
         q: &CudaSlice<f32>,
         head_weights: &CudaSlice<f32>,
-        keys: &DeviceCompressor,
-        meta: &DsStepMeta,
+        keys: &Compressor<CudaBackend>,
+        meta: &Meta,
         block_size: usize,
         heads: usize,
         max_visible: usize,
@@ -436,13 +396,13 @@ impl CudaBackend {
     }
 
     /// Attention with sinks for every (row, head), one block a row and a group of heads.
-    pub fn dsv4_attention(
+    pub(super) fn launch_attention(
         &self,
         out: &mut CudaSlice<f32>,
         q: &CudaSlice<f32>,
-        keys: &AttentionKeys<'_>,
+        keys: &AttentionKeys<'_, CudaBackend>,
         sinks: &CudaSlice<f32>,
-        meta: &DsStepMeta,
+        meta: &Meta,
         heads: usize,
         head_dim: usize,
     ) -> Result<(), CudaError> {
@@ -506,11 +466,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    pub fn dsv4_ring_write(
+    pub(super) fn launch_ring_write(
         &self,
         ring: &mut CudaSlice<f32>,
         kv: &CudaSlice<f32>,
-        meta: &DsStepMeta,
+        meta: &Meta,
         ring_len: usize,
         head_dim: usize,
     ) {

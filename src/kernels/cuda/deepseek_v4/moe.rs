@@ -4,11 +4,11 @@
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::super::{CudaBackend, check, grid_for, per_row};
+use crate::kernels::deepseek_v4::Scoring;
 
 impl CudaBackend {
-    /// Router scores → each token's `k` experts and weights. `scoring`: 0 sqrtsoftplus,
-    /// 1 sigmoid, 2 softmax.
-    pub fn dsv4_moe_route(
+    /// Router scores → each token's `k` experts and weights.
+    pub(super) fn launch_moe_route(
         &self,
         chosen: &mut CudaSlice<u32>,
         weights: &mut CudaSlice<f32>,
@@ -16,13 +16,19 @@ impl CudaBackend {
         token_ids: &CudaSlice<u32>,
         tid2eid: Option<&CudaSlice<u32>>,
         bias: Option<&CudaSlice<f32>>,
-        scoring: i32,
+        scoring: Scoring,
         tokens: usize,
         num_experts: usize,
         k: usize,
         scaling: f32,
     ) {
         let (ei, ki) = (num_experts as i32, k as i32);
+        // deepseek_v4.cu's codes.
+        let scoring: i32 = match scoring {
+            Scoring::SqrtSoftplus => 0,
+            Scoring::Sigmoid => 1,
+            Scoring::Softmax => 2,
+        };
         let null = 0u64;
         let mut launch = self.stream.launch_builder(&self.ds().moe_route);
         launch.arg(chosen).arg(weights).arg(logits).arg(token_ids);
@@ -40,7 +46,7 @@ impl CudaBackend {
         check(unsafe { launch.launch(per_row(tokens)) }, "dsv4_moe_route");
     }
 
-    pub fn dsv4_swiglu(
+    pub(super) fn launch_swiglu(
         &self,
         h: &mut CudaSlice<f32>,
         gate: &CudaSlice<f32>,
@@ -65,7 +71,7 @@ impl CudaBackend {
         );
     }
 
-    pub fn dsv4_moe_combine(
+    pub(super) fn launch_moe_combine(
         &self,
         out: &mut CudaSlice<f32>,
         ys: &CudaSlice<f32>,

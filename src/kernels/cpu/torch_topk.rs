@@ -9,7 +9,7 @@
 //! select, insertion sort below 17 elements, as libstdc++ writes them.
 //!
 //! The kept set depends on `n`, the length of the row: transformers' cached decode scores
-//! the entries emitted so far, which is what is passed here (see `attention::select`).
+//! the entries emitted so far, which is what is passed here (see `deepseek_v4::index_select`).
 
 type Elem = (f32, usize);
 

@@ -1,0 +1,318 @@
+//! DeepSeek-V4's own operations as one narrow trait over a backend (candle's pattern: the
+//! model writes its forward pass once, each device implements the ops). The CPU backend
+//! implements them in `cpu/deepseek_v4/` (the f32 numeric reference), CUDA in
+//! `cuda/deepseek_v4/` over `kernels-cuda/deepseek_v4.cu`; the GEMMs, norms and row
+//! gathers are `Backend`'s own.
+//!
+//! Every op works on a whole step: rows are the step's tokens, each tagged by `StepMeta`
+//! with its sequence and position, so one launch covers every sequence.
+
+// The ops take a kernel's operands one by one: bundling them would only move the argument
+// lists into struct literals at every call.
+#![allow(clippy::too_many_arguments)]
+
+use std::ops::Range;
+
+use super::Backend;
+
+/// Per-sequence metadata fields (`deepseek_v4.cu`'s `SEQ_FIELDS`): state slot, position of
+/// the chunk's first token, its first row, its length, where the slot's history starts,
+/// where its replay of cached positions ends, the offset of its block table.
+pub const SEQ_FIELDS: usize = 8;
+pub const S_SLOT: usize = 0;
+pub const S_POS0: usize = 1;
+pub const S_ROW0: usize = 2;
+pub const S_LEN: usize = 3;
+pub const S_START: usize = 4;
+pub const S_REPLAY: usize = 5;
+pub const S_TABLE: usize = 6;
+
+/// An indexer selection's filler past a row's last entry (−1 as the kernels' `int`).
+pub const NO_ENTRY: u32 = u32::MAX;
+
+/// How router logits become scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    SqrtSoftplus,
+    Sigmoid,
+    Softmax,
+}
+
+/// A step's metadata where the ops read it: per row `[sequence, position]`, per sequence
+/// its `SEQ_FIELDS`, and the block tables they point into.
+pub struct StepMeta<B: DsV4Kernels + ?Sized> {
+    pub rows: B::Ids,
+    pub seqs: B::Ids,
+    pub tables: B::Ids,
+    pub num_rows: usize,
+    pub num_seqs: usize,
+    /// The longest chunk of the step.
+    pub max_len: usize,
+}
+
+/// One compressor's state for one layer (seed §8.1): per state slot the open window (raw
+/// kv and gate rows by position in the window) and, when windows overlap, the last closed
+/// window's first-half (Ca) rows; per block the entries it emitted.
+pub struct Compressor<B: Backend + ?Sized> {
+    pub rate: usize,
+    /// Width of a projected row: `2 · dim` when windows overlap, else `dim`.
+    pub width: usize,
+    /// Width of an emitted entry.
+    pub dim: usize,
+    pub overlap: bool,
+    pub entries_per_block: usize,
+    pub buf_kv: B::Buf,
+    pub buf_gate: B::Buf,
+    pub prev_kv: B::Buf,
+    pub prev_gate: B::Buf,
+    pub entries: B::Buf,
+}
+
+impl<B: Backend + ?Sized> Compressor<B> {
+    /// Floats of one slot's window state in `buf_kv`/`buf_gate` and in `prev_*`.
+    pub fn slot_floats(&self) -> (usize, usize) {
+        let prev = if self.overlap {
+            self.rate * self.dim
+        } else {
+            0
+        };
+        (self.rate * self.width, prev)
+    }
+
+    pub fn block_floats(&self) -> usize {
+        self.entries_per_block * self.dim
+    }
+}
+
+/// The indexer's pick for each row (entry indices, `NO_ENTRY` past the last) and its width.
+pub type Selection<'a, B> = (&'a <B as DsV4Kernels>::Ids, usize);
+
+/// Where a layer's attention reads its keys.
+pub struct AttentionKeys<'a, B: DsV4Kernels + ?Sized> {
+    /// The step's own K=V rows.
+    pub kv: &'a B::Buf,
+    /// Per slot the last `ring_len` K=V rows, at `position % ring_len`.
+    pub ring: &'a B::Buf,
+    pub ring_len: usize,
+    pub window: usize,
+    /// The layer's compressed entries and the indexer's selection (`None`: every closed
+    /// window).
+    pub compressed: Option<(&'a Compressor<B>, Option<Selection<'a, B>>)>,
+    pub block_size: usize,
+}
+
+/// The dimensions a device's DeepSeek-V4 kernels may bound.
+#[derive(Debug, Clone, Copy)]
+pub struct DsV4Shape {
+    pub hc_mult: usize,
+    pub num_routed_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub head_dim: usize,
+    pub index_width: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DsV4KernelError {
+    #[error("DeepSeek-V4 on {device}: {name} = {value}, the kernels handle at most {most}")]
+    Shape {
+        device: &'static str,
+        name: &'static str,
+        value: usize,
+        most: usize,
+    },
+    #[error("DeepSeek-V4 kernels on {device}: {reason}")]
+    Unavailable {
+        device: &'static str,
+        reason: String,
+    },
+}
+
+/// DeepSeek-V4's operations beyond `Backend`'s (seed §5): mHC, its partial RoPE, the
+/// compressors, the lightning indexer, attention with sinks over window and entries, and
+/// the MoE's routing and combine.
+pub trait DsV4Kernels: Backend {
+    /// u32 indices on the device (token ids, metadata, selections, routing).
+    type Ids: Send + Sync;
+
+    /// Readies the kernels (built on first use) for a model of `shape`, or says which
+    /// dimension they cannot take.
+    fn dsv4_prepare(&self, shape: &DsV4Shape) -> Result<(), DsV4KernelError>;
+
+    fn upload_ids(&self, ids: &[u32]) -> Self::Ids;
+    fn alloc_ids(&self, len: usize) -> Self::Ids;
+    fn download_ids(&self, ids: &Self::Ids, len: usize) -> Vec<u32>;
+    /// A buffer of `len` values that the next op writes whole before anything reads it.
+    fn scratch(&self, len: usize) -> Self::Buf;
+    /// `buf[at]` on the host (a state slot's snapshot).
+    fn read_floats(&self, buf: &Self::Buf, at: Range<usize>) -> Vec<f32>;
+    fn write_floats(&self, buf: &mut Self::Buf, offset: usize, values: &[f32]);
+    /// `m`'s rows in `parts` equal matrices (the grouped output projection's blocks).
+    fn split_rows(&self, m: Self::Matrix, parts: usize) -> Vec<Self::Matrix>;
+
+    /// `x [tokens, hidden]` copied into each of `n` streams `[tokens, n, hidden]`.
+    fn dsv4_expand(
+        &self,
+        streams: &mut Self::Buf,
+        x: &Self::Buf,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+    );
+    /// mHC's mixing weights from `mixes [tokens, (2+n)·n]`: `post [tokens, n]`, `comb
+    /// [tokens, n, n]` (Sinkhorn-projected) and the `pre`-weighted collapse of the streams.
+    fn dsv4_mhc_mix(
+        &self,
+        mixes: &Self::Buf,
+        streams: &Self::Buf,
+        base: &Self::Buf,
+        scale: &Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+        collapsed: &mut Self::Buf,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+        iters: usize,
+        hc_eps: f32,
+    );
+    /// `streams[k] ← post[k] · out + Σ_j comb[j][k] · streams[j]`, per token.
+    fn dsv4_mhc_merge(
+        &self,
+        streams: &mut Self::Buf,
+        post: &Self::Buf,
+        comb: &Self::Buf,
+        out: &Self::Buf,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+    );
+    /// The final collapse (`pre` weights from `mixes [tokens, n]` only).
+    fn dsv4_mhc_head(
+        &self,
+        mixes: &Self::Buf,
+        streams: &Self::Buf,
+        base: &Self::Buf,
+        scale: &Self::Buf,
+        out: &mut Self::Buf,
+        tokens: usize,
+        n: usize,
+        hidden: usize,
+        hc_eps: f32,
+    );
+    /// `x [a, b, width]` → `y [b, a, width]`.
+    fn dsv4_swap(&self, y: &mut Self::Buf, x: &Self::Buf, a: usize, b: usize, width: usize);
+    /// `out` rows `row0 .. row0 + rows` = `x`'s same rows · `wᵀ`, for each `(w, row0, rows)`
+    /// (experts over their rows, output groups over theirs).
+    fn dsv4_gemm_row_groups(
+        &self,
+        x: &Self::Buf,
+        groups: &[(&Self::Matrix, usize, usize)],
+        out: &mut Self::Buf,
+    );
+
+    /// DeepSeek's interleaved partial RoPE on `heads` rows of `dim` per step row, at the
+    /// row's position (`sign` −1 undoes it); `freqs` holds one frequency a pair.
+    fn dsv4_rope(
+        &self,
+        x: &mut Self::Buf,
+        meta: &StepMeta<Self>,
+        heads: usize,
+        dim: usize,
+        freqs: &Self::Buf,
+        sign: f32,
+    );
+    /// Feeds the step's projected `kv` and `gate` rows to one compressor and writes the raw
+    /// entries of the windows they close (`dsv4_entry_finish` norms and rotates them).
+    fn dsv4_compress_feed(
+        &self,
+        c: &mut Compressor<Self>,
+        kv: &Self::Buf,
+        gate: &Self::Buf,
+        position_bias: &Self::Buf,
+        meta: &StepMeta<Self>,
+        block_size: usize,
+    );
+    /// RMS norm and RoPE of the `count` entries `emits` lists (entry index, position).
+    fn dsv4_entry_finish(
+        &self,
+        c: &mut Compressor<Self>,
+        emits: &Self::Ids,
+        count: usize,
+        norm: &Self::Buf,
+        eps: f32,
+        freqs: &Self::Buf,
+    );
+    /// The lightning indexer: each row's `k` best visible entries of `keys` by
+    /// `Σ_h w_h · relu(q_h · k)`, as torch's `topk` keeps them, in entry order.
+    fn dsv4_index_select(
+        &self,
+        sel: &mut Self::Ids,
+        q: &Self::Buf,
+        head_weights: &Self::Buf,
+        keys: &Compressor<Self>,
+        meta: &StepMeta<Self>,
+        block_size: usize,
+        heads: usize,
+        max_visible: usize,
+        k: usize,
+    );
+    /// Attention with a learned sink per head over each row's window and entries (its
+    /// head_dim bounded by `dsv4_prepare`).
+    fn dsv4_attention(
+        &self,
+        out: &mut Self::Buf,
+        q: &Self::Buf,
+        keys: &AttentionKeys<'_, Self>,
+        sinks: &Self::Buf,
+        meta: &StepMeta<Self>,
+        heads: usize,
+        head_dim: usize,
+    );
+    /// Each sequence's last `ring_len` K=V rows into its slot's ring.
+    fn dsv4_ring_write(
+        &self,
+        ring: &mut Self::Buf,
+        kv: &Self::Buf,
+        meta: &StepMeta<Self>,
+        ring_len: usize,
+        head_dim: usize,
+    );
+    /// Router logits → each token's `k` experts (`chosen`) and weights: a frozen table per
+    /// token id (`tid2eid`) or the top-k of the biased scores, weighted by the normalised
+    /// unbiased scores times `scaling`.
+    fn dsv4_moe_route(
+        &self,
+        chosen: &mut Self::Ids,
+        weights: &mut Self::Buf,
+        logits: &Self::Buf,
+        token_ids: &Self::Ids,
+        tid2eid: Option<&Self::Ids>,
+        bias: Option<&Self::Buf>,
+        scoring: Scoring,
+        tokens: usize,
+        num_experts: usize,
+        k: usize,
+        scaling: f32,
+    );
+    /// `h = silu(min(gate, limit)) · clamp(up, ±limit)`.
+    fn dsv4_swiglu(
+        &self,
+        h: &mut Self::Buf,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+        n: usize,
+        limit: f32,
+    );
+    /// `out[t] += Σ_j weights[t, slot_j] · ys[row_j]` over `order [tokens, k, 2]` = (row,
+    /// slot) pairs, in their order.
+    fn dsv4_moe_combine(
+        &self,
+        out: &mut Self::Buf,
+        ys: &Self::Buf,
+        order: &Self::Ids,
+        weights: &Self::Buf,
+        tokens: usize,
+        k: usize,
+        hidden: usize,
+    );
+}
