@@ -6,16 +6,22 @@
 #     --test cuda_deepseek_v4 --test engine --test fault_injection --test spec_decoding \
 #     --test spec_draft_model --test deepseek_v4_engine --test deepseek_v4_differential --no-run
 #   (copy each executable it names to gpu-bin/<test name>)
+# `gpu-tests.sh dsv4` runs only DeepSeek-V4's share (cuda_deepseek_v4, deepseek_v4_engine,
+# deepseek_v4_differential).
 set -euo pipefail
+only=${1:-all}
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export TROUPE_TEST_DEVICE=cuda TROUPE_HOME=/tmp/troupe-home
 status=0
-for t in cuda_attention cuda_layers cuda_sampling cuda_deepseek_v4; do
+kernels="cuda_attention cuda_layers cuda_sampling cuda_deepseek_v4"
+workers="fault_injection engine spec_decoding spec_draft_model"
+if [ "$only" = dsv4 ]; then kernels=cuda_deepseek_v4 workers=; fi
+for t in $kernels; do
   echo "== $t (kernels vs the CPU reference)"
   gpu-bin/$t --test-threads 1 || status=1
 done
-for t in fault_injection engine spec_decoding spec_draft_model; do
+for t in $workers; do
   echo "== $t (CUDA rank worker)"
   # The CLI scenario runs the default model on the CPU and needs the network: not here.
   gpu-bin/$t --test-threads 1 --skip cli_runs_64_prompts || status=1

@@ -76,11 +76,16 @@ pub fn moe<B: DsV4Kernels>(
     let n = source_rows.len();
     // Another rank's products read a zero row past the computed ones: adding 0 leaves
     // the sum as it is, and every token keeps its k pairs.
+    let zero_row = !elsewhere.is_empty();
     for (token, slot) in elsewhere {
         order[token].extend_from_slice(&[n as u32, slot as u32]);
     }
     let inter = cfg.moe_intermediate_size;
-    let mut ys = b.alloc((n + 1) * d);
+    let mut ys = if zero_row {
+        b.alloc((n + 1) * d)
+    } else {
+        b.scratch(n * d)
+    };
     if n > 0 {
         let mut xs = b.scratch(n * d);
         b.gather_rows(x, d, &source_rows, &mut xs);
