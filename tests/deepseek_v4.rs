@@ -6,6 +6,7 @@
 mod common;
 
 use common::dsv4::{CHECKPOINTS, assert_rows_close, dir, reference};
+use troupe::kernels::cpu::CpuBackend;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 
@@ -543,4 +544,51 @@ fn step<'a>(
         span: SlotSpan::default(),
         num_logit_rows,
     }
+}
+
+/// `--batch-invariant` on the CPU: a sequence's logits are the same bits alone and beside
+/// another sequence (the invariant GEMM reduces each row in one fixed order; otherwise a
+/// two-row step takes the GEMV and a long batch the panel GEMM).
+#[test]
+fn the_batch_invariant_mode_gives_a_row_the_same_bits_alone_or_batched() {
+    let name = CHECKPOINTS[0];
+    let invariant = CpuBackend {
+        batch_invariant: true,
+    };
+    let model = DsV4Model::load_dir_on(invariant, &dir(name), false).unwrap();
+    let r = reference(name);
+    let (a, b) = (&r.prompts[0], &r.prompts[1]);
+    let (ta, tb) = (scattered_table(0, 2, 24), scattered_table(1, 2, 24));
+    let seq = |ids, at, table, slot| DsSeqStep {
+        token_ids: ids,
+        num_cached_tokens: at,
+        block_table: table,
+        state_slot: slot,
+        span: SlotSpan::default(),
+        num_logit_rows: ids.len(),
+    };
+    // a's prompt less two tokens, then its last two alone or beside all of b.
+    let split = a.len() - 2;
+    let run = |with_b: bool| {
+        let (mut cache, _) = cache_for(&model, 2, 24);
+        model
+            .forward(&mut cache, &[seq(&a[..split], 0, &ta, 0)])
+            .unwrap();
+        let mut steps = vec![seq(&a[split..], split, &ta, 0)];
+        if with_b {
+            steps.push(seq(b, 0, &tb, 1));
+        }
+        let out = model.forward(&mut cache, &steps).unwrap();
+        out[..2 * model.vocab_size()].to_vec()
+    };
+    let (alone, batched) = (run(false), run(true));
+    let differing = alone
+        .iter()
+        .zip(&batched)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    assert_eq!(
+        differing, 0,
+        "{differing} logits moved when b joined the batch"
+    );
 }

@@ -31,12 +31,11 @@ pub(super) struct DsV4OnHost {
 }
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
-    let model = if args.dummy_weights {
-        DsV4Model::load_dummy_dir(&args.model_path)
-    } else {
-        DsV4Model::load_dir(&args.model_path)
-    }
-    .map_err(|e| e.to_string())?;
+    let backend = CpuBackend {
+        batch_invariant: args.batch_invariant,
+    };
+    let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
+        .map_err(|e| e.to_string())?;
     let cache = DsV4Cache::new(
         &model.cfg,
         args.num_state_slots,
@@ -128,10 +127,7 @@ impl DeviceModel for DsV4OnHost {
     }
 
     fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError> {
-        let backend = CpuBackend {
-            batch_invariant: false,
-        };
-        let collective = backend.join_group(join)?;
+        let collective = self.model.backend.join_group(join)?;
         // EPLB's placement drives ownership when it places experts for this group.
         let placements = self
             .eplb
