@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::dsv4::{CHECKPOINTS, Reference, assert_rows_close, dir, reference};
+use common::dsv4::{CHECKPOINTS, Reference, assert_rows_close, dir, reference, step};
 use troupe::error::Result;
 use troupe::kernels::cpu::{CpuBackend, CpuMatrix};
 use troupe::kernels::cuda::CudaBackend;
@@ -466,16 +466,5 @@ fn rejected_drafts_rewind_the_device_state() {
                 1e-4,
             );
         }
-    }
-}
-
-fn step<'a>(ids: &'a [u32], at: usize, logit_rows: usize, table: &'a [u32]) -> DsSeqStep<'a> {
-    DsSeqStep {
-        token_ids: ids,
-        num_cached_tokens: at,
-        block_table: table,
-        state_slot: 0,
-        span: SlotSpan::default(),
-        num_logit_rows: logit_rows,
     }
 }

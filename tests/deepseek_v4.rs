@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::dsv4::{CHECKPOINTS, assert_rows_close, dir, reference};
+use common::dsv4::{CHECKPOINTS, assert_rows_close, dir, reference, step};
 use troupe::kernels::cpu::CpuBackend;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
@@ -527,22 +527,6 @@ fn rejected_drafts_rewind_the_state_to_what_a_plain_run_leaves() {
             err.contains("rewinds only into its last verify row"),
             "{err}"
         );
-    }
-}
-
-fn step<'a>(
-    token_ids: &'a [u32],
-    num_cached_tokens: usize,
-    num_logit_rows: usize,
-    block_table: &'a [u32],
-) -> DsSeqStep<'a> {
-    DsSeqStep {
-        token_ids,
-        num_cached_tokens,
-        block_table,
-        state_slot: 0,
-        span: SlotSpan::default(),
-        num_logit_rows,
     }
 }
 

@@ -116,3 +116,20 @@ pub fn main_streams(model: &DsV4Model, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
         .unwrap();
     (streams, logits)
 }
+
+/// A step of the sequence in state slot 0 with a fresh history.
+pub fn step<'a>(
+    token_ids: &'a [u32],
+    num_cached_tokens: usize,
+    num_logit_rows: usize,
+    block_table: &'a [u32],
+) -> DsSeqStep<'a> {
+    DsSeqStep {
+        token_ids,
+        num_cached_tokens,
+        block_table,
+        state_slot: 0,
+        span: SlotSpan::default(),
+        num_logit_rows,
+    }
+}

@@ -6,8 +6,6 @@
 // argument list into struct literals at every call.
 #![allow(clippy::too_many_arguments)]
 
-mod mhc;
-mod moe;
 mod ops;
 
 use crate::sync::Shared as Arc;
@@ -17,7 +15,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use super::{CudaBackend, CudaError, CudaMatrix, check, grid_for};
+use super::{CudaBackend, CudaError, CudaMatrix, check};
 use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, StepMeta};
 
 type Meta = StepMeta<CudaBackend>;
@@ -115,7 +113,7 @@ fn load(backend: &CudaBackend) -> Result<DsV4Program, CudaError> {
     })
 }
 
-fn blocks(x: usize, y: usize, threads: u32) -> LaunchConfig {
+pub(super) fn blocks(x: usize, y: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (x.max(1) as u32, y.max(1) as u32, 1),
         block_dim: (threads, 1, 1),
@@ -133,7 +131,7 @@ impl CudaBackend {
         Ok(self.dsv4.get_or_init(|| k))
     }
 
-    fn ds(&self) -> &DsV4Program {
+    pub(super) fn ds(&self) -> &DsV4Program {
         self.dsv4
             .get()
             .expect("dsv4_kernels() is called when the model is loaded")
@@ -206,117 +204,6 @@ impl CudaBackend {
         let out_ptr = out.device_ptr_mut(&self.stream).0 + (out_row0 * w.rows * 4) as u64;
         // SAFETY: the assert bounds both ranges inside their buffers.
         unsafe { self.gemm_ptr(x_ptr, num_rows, w, out_ptr) };
-    }
-
-    /// Interleaved partial RoPE on `heads` rows of `dim` per step row (`sign` −1 undoes it).
-    pub(super) fn launch_rope(
-        &self,
-        x: &mut CudaSlice<f32>,
-        meta: &Meta,
-        heads: usize,
-        dim: usize,
-        freqs: &CudaSlice<f32>,
-        sign: f32,
-    ) {
-        let half = freqs.len();
-        let n = meta.num_rows * heads * half;
-        let (rows, h, d, hf) = (meta.num_rows as i32, heads as i32, dim as i32, half as i32);
-        // SAFETY: x holds num_rows·heads·dim values; rows num_rows pairs.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().rope)
-                    .arg(x)
-                    .arg(&meta.rows)
-                    .arg(&rows)
-                    .arg(&h)
-                    .arg(&d)
-                    .arg(&hf)
-                    .arg(freqs)
-                    .arg(&sign)
-                    .launch(grid_for(n))
-            },
-            "dsv4_rope",
-        );
-    }
-
-    /// Feeds the step's projected `kv` and `gate` rows to one compressor and emits the raw
-    /// entries of the windows they close (`dsv4_entry_finish` norms and rotates them).
-    pub(super) fn launch_compress_feed(
-        &self,
-        c: &mut Compressor<CudaBackend>,
-        kv: &CudaSlice<f32>,
-        gate: &CudaSlice<f32>,
-        bias: &CudaSlice<f32>,
-        meta: &Meta,
-        block_size: usize,
-    ) {
-        let (bs, rate, width, dim) = (
-            block_size as i32,
-            c.rate as i32,
-            c.width as i32,
-            c.dim as i32,
-        );
-        let (overlap, epb) = (c.overlap as i32, c.entries_per_block as i32);
-        let cfg = blocks(c.dim.div_ceil(128), meta.num_seqs, 128);
-        // SAFETY: kv and gate hold num_rows·width values; the state buffers cover every
-        // slot and the entries every block of the tables (checked by the model).
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().compress_feed)
-                    .arg(kv)
-                    .arg(gate)
-                    .arg(bias)
-                    .arg(&mut c.buf_kv)
-                    .arg(&mut c.buf_gate)
-                    .arg(&mut c.prev_kv)
-                    .arg(&mut c.prev_gate)
-                    .arg(&mut c.entries)
-                    .arg(&meta.seqs)
-                    .arg(&meta.tables)
-                    .arg(&bs)
-                    .arg(&rate)
-                    .arg(&width)
-                    .arg(&dim)
-                    .arg(&overlap)
-                    .arg(&epb)
-                    .launch(cfg)
-            },
-            "dsv4_compress_feed",
-        );
-    }
-
-    /// RMS norm and RoPE of the `count` entries `emits` lists (entry index, position).
-    pub(super) fn launch_entry_finish(
-        &self,
-        c: &mut Compressor<CudaBackend>,
-        emits: &CudaSlice<u32>,
-        count: usize,
-        norm: &CudaSlice<f32>,
-        eps: f32,
-        freqs: &CudaSlice<f32>,
-    ) {
-        if count == 0 {
-            return;
-        }
-        let (dim, half) = (c.dim as i32, freqs.len() as i32);
-        // SAFETY: emits holds count pairs of entry indices inside `entries`.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().entry_finish)
-                    .arg(&mut c.entries)
-                    .arg(emits)
-                    .arg(&dim)
-                    .arg(norm)
-                    .arg(&eps)
-                    .arg(freqs)
-                    .arg(&half)
-                    .launch(blocks(count, 1, 128))
-            },
-            "dsv4_entry_finish",
-        );
     }
 
     /// The lightning indexer: scores of every visible entry, then each row's top `k`.
@@ -464,34 +351,5 @@ impl CudaBackend {
         // model checks the tables); head_dim ≤ ATT_MAX_HEAD_DIM bounds the shared memory.
         check(unsafe { launch.launch(cfg) }, "dsv4_attention");
         Ok(())
-    }
-
-    pub(super) fn launch_ring_write(
-        &self,
-        ring: &mut CudaSlice<f32>,
-        kv: &CudaSlice<f32>,
-        meta: &Meta,
-        ring_len: usize,
-        head_dim: usize,
-    ) {
-        if ring_len == 0 {
-            return;
-        }
-        let keep = meta.max_len.min(ring_len);
-        let (rl, hd) = (ring_len as i32, head_dim as i32);
-        // SAFETY: ring covers every slot, kv the step's rows.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().ring_write)
-                    .arg(ring)
-                    .arg(kv)
-                    .arg(&meta.seqs)
-                    .arg(&rl)
-                    .arg(&hd)
-                    .launch(blocks((keep * head_dim).div_ceil(256), meta.num_seqs, 256))
-            },
-            "dsv4_ring_write",
-        );
     }
 }

@@ -1,12 +1,13 @@
-//! `DsV4Kernels` on the CUDA backend: each op one launcher (or a few) of
-//! `kernels-cuda/deepseek_v4.cu`.
+//! `DsV4Kernels` on the CUDA backend: each op a launch (or a few) of
+//! `kernels-cuda/deepseek_v4.cu`; the indexer's and attention's launchers, with their
+//! launch shapes, are in `mod.rs`.
 
 use std::ops::Range;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::super::{CudaBackend, CudaMatrix, check};
-use super::{ATT_MAX_HEAD_DIM, INDEX_SMEM_BYTES};
+use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
+use super::{ATT_MAX_HEAD_DIM, INDEX_SMEM_BYTES, blocks};
 use crate::kernels::deepseek_v4::{
     AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, Scoring, StepMeta,
 };
@@ -95,11 +96,25 @@ impl DsV4Kernels for CudaBackend {
         &self,
         streams: &mut CudaSlice<f32>,
         x: &CudaSlice<f32>,
-        t: usize,
+        tokens: usize,
         n: usize,
-        d: usize,
+        hidden: usize,
     ) {
-        self.launch_expand(streams, x, t, n, d);
+        let (ti, ni, hi) = (tokens as i32, n as i32, hidden as i32);
+        // SAFETY: streams [tokens, n, hidden], x [tokens, hidden].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().expand)
+                    .arg(streams)
+                    .arg(x)
+                    .arg(&ti)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .launch(grid_for(tokens * n * hidden))
+            },
+            "dsv4_expand",
+        );
     }
 
     fn dsv4_mhc_mix(
@@ -117,8 +132,27 @@ impl DsV4Kernels for CudaBackend {
         iters: usize,
         hc_eps: f32,
     ) {
-        self.launch_mhc_mix(
-            mixes, streams, base, scale, post, comb, collapsed, tokens, n, hidden, iters, hc_eps,
+        let (ni, hi, it) = (n as i32, hidden as i32, iters as i32);
+        // SAFETY: mixes [tokens, (2+n)·n], streams [tokens, n, hidden], post [tokens, n],
+        // comb [tokens, n, n], collapsed [tokens, hidden]; n ≤ 16 (checked at load).
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().mhc_mix)
+                    .arg(mixes)
+                    .arg(streams)
+                    .arg(base)
+                    .arg(scale)
+                    .arg(post)
+                    .arg(comb)
+                    .arg(collapsed)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .arg(&it)
+                    .arg(&hc_eps)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_mhc_mix",
         );
     }
 
@@ -132,7 +166,22 @@ impl DsV4Kernels for CudaBackend {
         n: usize,
         hidden: usize,
     ) {
-        self.launch_mhc_merge(streams, post, comb, out, tokens, n, hidden);
+        let (ni, hi) = (n as i32, hidden as i32);
+        // SAFETY: shapes as in dsv4_mhc_mix; out [tokens, hidden].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().mhc_merge)
+                    .arg(streams)
+                    .arg(post)
+                    .arg(comb)
+                    .arg(out)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_mhc_merge",
+        );
     }
 
     fn dsv4_mhc_head(
@@ -147,9 +196,27 @@ impl DsV4Kernels for CudaBackend {
         hidden: usize,
         hc_eps: f32,
     ) {
-        self.launch_mhc_head(mixes, streams, base, scale, out, tokens, n, hidden, hc_eps);
+        let (ni, hi) = (n as i32, hidden as i32);
+        // SAFETY: mixes [tokens, n], streams [tokens, n, hidden], out [tokens, hidden].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().mhc_head)
+                    .arg(mixes)
+                    .arg(streams)
+                    .arg(base)
+                    .arg(scale)
+                    .arg(out)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .arg(&hc_eps)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_mhc_head",
+        );
     }
 
+    /// `x [a, b, width]` → `y [b, a, width]`.
     fn dsv4_swap(
         &self,
         y: &mut CudaSlice<f32>,
@@ -158,7 +225,21 @@ impl DsV4Kernels for CudaBackend {
         b: usize,
         width: usize,
     ) {
-        self.launch_swap(y, x, a, b, width);
+        let (ai, bi, wi) = (a as i32, b as i32, width as i32);
+        // SAFETY: both hold a·b·width values.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().swap)
+                    .arg(y)
+                    .arg(x)
+                    .arg(&ai)
+                    .arg(&bi)
+                    .arg(&wi)
+                    .launch(grid_for(a * b * width))
+            },
+            "dsv4_swap",
+        );
     }
 
     fn dsv4_gemm_row_groups(
@@ -172,6 +253,7 @@ impl DsV4Kernels for CudaBackend {
         }
     }
 
+    /// Interleaved partial RoPE on `heads` rows of `dim` per step row (`sign` −1 undoes it).
     fn dsv4_rope(
         &self,
         x: &mut CudaSlice<f32>,
@@ -181,31 +263,105 @@ impl DsV4Kernels for CudaBackend {
         freqs: &CudaSlice<f32>,
         sign: f32,
     ) {
-        self.launch_rope(x, meta, heads, dim, freqs, sign);
+        let half = freqs.len();
+        let n = meta.num_rows * heads * half;
+        let (rows, h, d, hf) = (meta.num_rows as i32, heads as i32, dim as i32, half as i32);
+        // SAFETY: x holds num_rows·heads·dim values; rows num_rows pairs.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().rope)
+                    .arg(x)
+                    .arg(&meta.rows)
+                    .arg(&rows)
+                    .arg(&h)
+                    .arg(&d)
+                    .arg(&hf)
+                    .arg(freqs)
+                    .arg(&sign)
+                    .launch(grid_for(n))
+            },
+            "dsv4_rope",
+        );
     }
 
+    /// Feeds the step's projected `kv` and `gate` rows to one compressor and emits the raw
+    /// entries of the windows they close (`dsv4_entry_finish` norms and rotates them).
     fn dsv4_compress_feed(
         &self,
-        c: &mut Compressor<Self>,
+        c: &mut Compressor<CudaBackend>,
         kv: &CudaSlice<f32>,
         gate: &CudaSlice<f32>,
-        position_bias: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
         meta: &Meta,
         block_size: usize,
     ) {
-        self.launch_compress_feed(c, kv, gate, position_bias, meta, block_size);
+        let (bs, rate, width, dim) = (
+            block_size as i32,
+            c.rate as i32,
+            c.width as i32,
+            c.dim as i32,
+        );
+        let (overlap, epb) = (c.overlap as i32, c.entries_per_block as i32);
+        let cfg = blocks(c.dim.div_ceil(128), meta.num_seqs, 128);
+        // SAFETY: kv and gate hold num_rows·width values; the state buffers cover every
+        // slot and the entries every block of the tables (checked by the model).
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().compress_feed)
+                    .arg(kv)
+                    .arg(gate)
+                    .arg(bias)
+                    .arg(&mut c.buf_kv)
+                    .arg(&mut c.buf_gate)
+                    .arg(&mut c.prev_kv)
+                    .arg(&mut c.prev_gate)
+                    .arg(&mut c.entries)
+                    .arg(&meta.seqs)
+                    .arg(&meta.tables)
+                    .arg(&bs)
+                    .arg(&rate)
+                    .arg(&width)
+                    .arg(&dim)
+                    .arg(&overlap)
+                    .arg(&epb)
+                    .launch(cfg)
+            },
+            "dsv4_compress_feed",
+        );
     }
 
+    /// RMS norm and RoPE of the `count` entries `emits` lists (entry index, position).
     fn dsv4_entry_finish(
         &self,
-        c: &mut Compressor<Self>,
+        c: &mut Compressor<CudaBackend>,
         emits: &CudaSlice<u32>,
         count: usize,
         norm: &CudaSlice<f32>,
         eps: f32,
         freqs: &CudaSlice<f32>,
     ) {
-        self.launch_entry_finish(c, emits, count, norm, eps, freqs);
+        if count == 0 {
+            return;
+        }
+        let (dim, half) = (c.dim as i32, freqs.len() as i32);
+        // SAFETY: emits holds count pairs of entry indices inside `entries`.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().entry_finish)
+                    .arg(&mut c.entries)
+                    .arg(emits)
+                    .arg(&dim)
+                    .arg(norm)
+                    .arg(&eps)
+                    .arg(freqs)
+                    .arg(&half)
+                    .launch(blocks(count, 1, 128))
+            },
+            "dsv4_entry_finish",
+        );
     }
 
     fn dsv4_index_select(
@@ -257,9 +413,28 @@ impl DsV4Kernels for CudaBackend {
         ring_len: usize,
         head_dim: usize,
     ) {
-        self.launch_ring_write(ring, kv, meta, ring_len, head_dim);
+        if ring_len == 0 {
+            return;
+        }
+        let keep = meta.max_len.min(ring_len);
+        let (rl, hd) = (ring_len as i32, head_dim as i32);
+        // SAFETY: ring covers every slot, kv the step's rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().ring_write)
+                    .arg(ring)
+                    .arg(kv)
+                    .arg(&meta.seqs)
+                    .arg(&rl)
+                    .arg(&hd)
+                    .launch(blocks((keep * head_dim).div_ceil(256), meta.num_seqs, 256))
+            },
+            "dsv4_ring_write",
+        );
     }
 
+    /// Router scores → each token's `k` experts and weights.
     fn dsv4_moe_route(
         &self,
         chosen: &mut CudaSlice<u32>,
@@ -274,19 +449,28 @@ impl DsV4Kernels for CudaBackend {
         k: usize,
         scaling: f32,
     ) {
-        self.launch_moe_route(
-            chosen,
-            weights,
-            logits,
-            token_ids,
-            tid2eid,
-            bias,
-            scoring,
-            tokens,
-            num_experts,
-            k,
-            scaling,
-        );
+        let (ei, ki) = (num_experts as i32, k as i32);
+        // deepseek_v4.cu's codes.
+        let scoring: i32 = match scoring {
+            Scoring::SqrtSoftplus => 0,
+            Scoring::Sigmoid => 1,
+            Scoring::Softmax => 2,
+        };
+        let null = 0u64;
+        let mut launch = self.stream.launch_builder(&self.ds().moe_route);
+        launch.arg(chosen).arg(weights).arg(logits).arg(token_ids);
+        match tid2eid {
+            Some(t) => launch.arg(t),
+            None => launch.arg(&null),
+        };
+        match bias {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&null),
+        };
+        launch.arg(&scoring).arg(&ei).arg(&ki).arg(&scaling);
+        // SAFETY: logits [tokens, num_experts ≤ 1024], chosen and weights [tokens, k ≤ 32],
+        // token ids inside the table (checked by the model).
+        check(unsafe { launch.launch(per_row(tokens)) }, "dsv4_moe_route");
     }
 
     fn dsv4_swiglu(
@@ -297,7 +481,21 @@ impl DsV4Kernels for CudaBackend {
         n: usize,
         limit: f32,
     ) {
-        self.launch_swiglu(h, gate, up, n, limit);
+        let n64 = n as i64;
+        // SAFETY: all three hold n values.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().swiglu)
+                    .arg(h)
+                    .arg(gate)
+                    .arg(up)
+                    .arg(&n64)
+                    .arg(&limit)
+                    .launch(grid_for(n))
+            },
+            "dsv4_swiglu",
+        );
     }
 
     fn dsv4_moe_combine(
@@ -310,6 +508,22 @@ impl DsV4Kernels for CudaBackend {
         k: usize,
         hidden: usize,
     ) {
-        self.launch_moe_combine(out, ys, order, weights, tokens, k, hidden);
+        let (ki, hi) = (k as i32, hidden as i32);
+        // SAFETY: out [tokens, hidden]; order [tokens, k, 2] indexes rows of ys and slots
+        // of weights [tokens, k].
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().moe_combine)
+                    .arg(out)
+                    .arg(ys)
+                    .arg(order)
+                    .arg(weights)
+                    .arg(&ki)
+                    .arg(&hi)
+                    .launch(per_row(tokens))
+            },
+            "dsv4_moe_combine",
+        );
     }
 }
