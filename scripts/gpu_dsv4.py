@@ -97,11 +97,15 @@ def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Pa
         f = tmp / "prompts.jsonl"
         f.write_text("".join(json.dumps({"prompt_ids": p, "max_tokens": new}) + "\n" for p in prompts))
         cmd += ["--prompts-file", str(f)]
+    stats.unlink(missing_ok=True)
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
-        raise SystemExit(f"troupe failed ({res.returncode}): {res.stderr[-3000:]}")
+        # Stats written means the work was done and the process died on its way out.
+        after = "after writing its stats" if stats.exists() else "before writing its stats"
+        raise SystemExit(f"troupe failed ({res.returncode}) {after}, {len(prompts)} prompt(s): "
+                         f"{res.stderr[-3000:]}")
     s = json.loads(stats.read_text())
     s["wall_s"] = wall
     return s
