@@ -39,7 +39,8 @@ pub enum RankMsg {
 }
 
 pub struct RankState {
-    model: Box<dyn DeviceModel>,
+    /// `None` once `post_stop` released it.
+    model: Option<Box<dyn DeviceModel>>,
     block_size: usize,
     sampled: SampledTokens,
     faults: FaultPlan,
@@ -87,7 +88,7 @@ impl ThreadLocalActor for RankWorker {
         };
         let readback = spawn_readback(args.shard.rank, failed, args.faults.clone())?;
         Ok(RankState {
-            model,
+            model: Some(model),
             block_size: args.block_size,
             sampled: args.sampled,
             faults: args.faults,
@@ -109,6 +110,9 @@ impl ThreadLocalActor for RankWorker {
         msg: RankMsg,
         st: &mut RankState,
     ) -> Result<(), ActorProcessingErr> {
+        let Some(model) = st.model.as_mut() else {
+            return Err("the rank released its model".into());
+        };
         let (step, sampler) = match msg {
             RankMsg::ReadbackFailed(reason) => return Err(reason.into()),
             RankMsg::Report(reply) => {
@@ -116,7 +120,7 @@ impl ThreadLocalActor for RankWorker {
                 return Ok(());
             }
             RankMsg::JoinGroup(join) => {
-                return st.model.join_group(join).map_err(|e| {
+                return model.join_group(join).map_err(|e| {
                     format!("rank {} could not join its group: {e}", st.shard.rank).into()
                 });
             }
@@ -153,7 +157,7 @@ impl ThreadLocalActor for RankWorker {
             device_picks = st.inputs.picked_rows().len(),
             "step launching"
         );
-        let (model, block_size, picked) = (&mut st.model, st.block_size, st.inputs.picked_rows());
+        let (block_size, picked) = (st.block_size, st.inputs.picked_rows());
         let launched_step = in_pool(st.pool.as_ref(), || {
             model.step(block_size, &steps, picked, &step.rows)
         });
@@ -161,7 +165,7 @@ impl ThreadLocalActor for RankWorker {
         let step_id = step.step_id;
         st.inputs.launched(epoch, step_id, launched_step.prev);
         let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();
-        let vocab_size = st.model.vocab_size();
+        let vocab_size = model.vocab_size();
         let deliver: Option<Box<dyn FnOnce(ReadStep) + Send>> = deliver.then(|| {
             Box::new(move |read: ReadStep| {
                 // A sampler that died with this step in flight is being replaced; the
@@ -185,6 +189,19 @@ impl ThreadLocalActor for RankWorker {
                 deliver,
             })
             .map_err(|_| "the readback thread ended")?;
+        Ok(())
+    }
+
+    /// The model (weights, cache, device handles) goes here, before the actor reports
+    /// itself stopped: ractor drops a thread-local actor's state only after waiters are
+    /// woken, and a process exiting while a rank's thread still frees its device state
+    /// crashes inside the CUDA libraries.
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<RankMsg>,
+        st: &mut RankState,
+    ) -> Result<(), ActorProcessingErr> {
+        drop(st.model.take());
         Ok(())
     }
 }

@@ -26,6 +26,9 @@ use crate::runner::sampled_tokens::SampledTokens;
 /// that does not is treated as having no answer, never waited on forever.
 const RANK_CALL_TIMEOUT_MS: u64 = 30_000;
 
+/// How long the supervisor's stop waits for its children to release their devices.
+const CHILDREN_STOP_S: u64 = 30;
+
 pub struct SupervisorArgs {
     pub scheduler: SchedulerArgs,
     pub rank: RankArgsTemplate,
@@ -333,13 +336,21 @@ impl Actor for EngineSupervisor {
 
     async fn post_stop(
         &self,
-        _myself: ActorRef<SupervisorMsg>,
+        myself: ActorRef<SupervisorMsg>,
         st: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         // A worker blocked on tokens that will never come, or in a collective with a
         // rank that already stopped, must wake up and exit.
         st.sampled.invalidate();
         st.abort.abort();
+        // The engine's shutdown returns once the ranks have released their devices: the
+        // process may exit right after.
+        myself
+            .stop_children_and_wait(
+                Some("the engine is shutting down".into()),
+                Some(std::time::Duration::from_secs(CHILDREN_STOP_S)),
+            )
+            .await;
         Ok(())
     }
 
