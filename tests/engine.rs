@@ -247,3 +247,26 @@ async fn bad_library_input_is_refused_without_hurting_the_engine() {
     assert_eq!(status.num_resets, 1, "no rank restart: {status:?}");
     engine.shutdown(true).await;
 }
+
+/// `shutdown` returns only once every actor has stopped gracefully, each rank having
+/// released its model: a process may exit right after (the CUDA libraries crash under a
+/// rank still freeing its device state).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_after_every_rank_released_its_model() {
+    let engine = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let requests = random_requests(4, 64, 7);
+    let mut streams = Vec::new();
+    for r in requests {
+        streams.push(engine.generate(r).await.unwrap());
+    }
+    for s in streams {
+        assert!(s.collect().await.error.is_none());
+    }
+    let faults = engine.faults().clone();
+    let num_workers = engine.children().await.unwrap().workers.len();
+    assert_eq!(faults.num_models_released(), 0);
+    tokio::time::timeout(std::time::Duration::from_secs(60), engine.shutdown(false))
+        .await
+        .expect("shutdown returns");
+    assert_eq!(faults.num_models_released(), num_workers);
+}

@@ -74,9 +74,14 @@ fn an_injected_fault_strikes_exactly_once() {
         faults.panic_next_step();
         faults.lose_device(1);
         let other = faults.clone();
-        let h = thread::spawn(move || (other.take_step_panic(0), other.take_step_panic(1)));
+        let h = thread::spawn(move || {
+            other.note_model_released();
+            (other.take_step_panic(0), other.take_step_panic(1))
+        });
+        faults.note_model_released();
         let mine = (faults.take_step_panic(0), faults.take_step_panic(1));
         let theirs = h.join().unwrap();
+        assert_eq!(faults.num_models_released(), 2, "a release was lost");
         // One panic for the step flag, one for the dying device, whoever takes them.
         let struck = [mine.0, mine.1, theirs.0, theirs.1]
             .iter()

@@ -201,7 +201,9 @@ impl ThreadLocalActor for RankWorker {
         _myself: ActorRef<RankMsg>,
         st: &mut RankState,
     ) -> Result<(), ActorProcessingErr> {
-        drop(st.model.take());
+        if st.model.take().is_some() {
+            st.faults.note_model_released();
+        }
         Ok(())
     }
 }

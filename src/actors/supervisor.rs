@@ -343,8 +343,9 @@ impl Actor for EngineSupervisor {
         // rank that already stopped, must wake up and exit.
         st.sampled.invalidate();
         st.abort.abort();
-        // The engine's shutdown returns once the ranks have released their devices: the
-        // process may exit right after.
+        // Stopped, not killed (a supervisor's end kills its children, skipping their
+        // post_stop): the ranks release their devices, and the engine's shutdown returns
+        // after that, when the process may exit.
         myself
             .stop_children_and_wait(
                 Some("the engine is shutting down".into()),

@@ -1,6 +1,7 @@
 //! Fault injection for the tests that kill and break actors (tests/fault_injection.rs).
 //! Shared flags the actors consult at the points where a real fault would strike; all
-//! off in normal runs, and checking them costs one relaxed load per step.
+//! off in normal runs, and checking them costs one relaxed load per step. It also counts
+//! the ranks that released their models, which a test of shutdown reads.
 
 use crate::sync::Arc;
 use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -25,6 +26,8 @@ struct Flags {
     lost_devices: AtomicU64,
     /// Bit `d`: the rank on device slot `d` has yet to die of its device's loss.
     dying_devices: AtomicU64,
+    /// Ranks that dropped their model on a graceful stop.
+    released_models: AtomicUsize,
 }
 
 impl FaultPlan {
@@ -61,6 +64,13 @@ impl FaultPlan {
         let bit = 1u64 << slot;
         self.inner.dying_devices.fetch_and(!bit, Ordering::SeqCst) & bit != 0
             || self.inner.panic_next_step.swap(false, Ordering::SeqCst)
+    }
+    /// A rank dropped its model on a graceful stop.
+    pub fn note_model_released(&self) {
+        self.inner.released_models.fetch_add(1, Ordering::SeqCst);
+    }
+    pub fn num_models_released(&self) -> usize {
+        self.inner.released_models.load(Ordering::SeqCst)
     }
     /// Whether a rank starting on device slot `slot` fails.
     pub fn take_start_failure(&self, slot: usize) -> bool {
