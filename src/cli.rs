@@ -512,6 +512,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "moe_lb": status.moe_lb,
             "eplb_rebalances": status.num_eplb_rebalances,
             "worker_idle_secs": status.worker_idle_secs,
+            "cpu_path": crate::kernels::cpu::simd::cpu_path().name(),
             "device_idle_secs": status.device_idle_secs,
             "prefix_cache_hit_blocks": status.num_prefix_hit_blocks,
             "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,

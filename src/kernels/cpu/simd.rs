@@ -3,32 +3,67 @@
 
 use crate::sync::OnceLock;
 
-fn has_avx2_fma() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+/// The vector paths the CPU kernels take, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CpuPath {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl CpuPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuPath::Scalar => "scalar",
+            CpuPath::Avx2 => "avx2",
+            CpuPath::Avx512 => "avx512",
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+    }
+}
+
+/// The best path this CPU has, capped by `TROUPE_MAX_CPU_ISA` (`scalar`, `avx2`,
+/// `avx512`: what an older CPU would take, for benchmarks and tests on this one). An
+/// unknown value is named in a warning and ignored.
+pub fn cpu_path() -> CpuPath {
+    static PATH: OnceLock<CpuPath> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        let detected = detect();
+        let cap = match std::env::var("TROUPE_MAX_CPU_ISA").as_deref() {
+            Err(_) => CpuPath::Avx512,
+            Ok("scalar") => CpuPath::Scalar,
+            Ok("avx2") => CpuPath::Avx2,
+            Ok("avx512") => CpuPath::Avx512,
+            Ok(other) => {
+                tracing::warn!(
+                    "TROUPE_MAX_CPU_ISA={other:?} is not one of scalar, avx2, avx512: ignored"
+                );
+                CpuPath::Avx512
+            }
+        };
+        detected.min(cap)
     })
 }
 
+fn detect() -> CpuPath {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            return CpuPath::Avx512;
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return CpuPath::Avx2;
+        }
+    }
+    CpuPath::Scalar
+}
+
+/// AVX2 and FMA, on a CPU that has them (every AVX-512 CPU does).
+pub fn has_avx2_fma() -> bool {
+    cpu_path() >= CpuPath::Avx2
+}
+
 pub fn has_avx512() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            is_x86_feature_detected!("avx512f")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    cpu_path() >= CpuPath::Avx512
 }
 
 /// `Σ a[i]·b[i]`.
