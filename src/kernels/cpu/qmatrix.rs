@@ -453,6 +453,9 @@ mod tests {
         (d, nibbles, quants, [x(0), x(5)])
     }
 
+    /// A path's name, its Q4_1 and Q8_0 dots of two rows, and the second row's alone.
+    type PathDots = (&'static str, [f32; 2], [f32; 2], f32, f32);
+
     /// Each vector path this CPU has against the scalar one, and a row's bits the same
     /// whichever rows share the call (the batch-invariant matmul rests on it).
     #[test]
@@ -462,7 +465,7 @@ mod tests {
             let (d, nibbles, quants, [x0, x1]) = blocks(nb);
             let want_q4 = [0, 1].map(|i| dot_q4_1_scalar(&d, &nibbles, [&x0, &x1][i]));
             let want_q8 = [0, 1].map(|i| dot_q8_0_scalar(&d, &quants, [&x0, &x1][i]));
-            let mut paths: Vec<(&str, [f32; 2], [f32; 2], f32, f32)> = Vec::new();
+            let mut paths: Vec<PathDots> = Vec::new();
             #[cfg(target_arch = "x86_64")]
             if has_avx2_fma() {
                 // SAFETY: AVX2 and FMA are present; the slices hold whole blocks.
