@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::qmatrix::{CpuMatrix, PANEL};
-use super::simd::has_avx512;
+use super::simd::{has_avx2_fma, has_avx512};
 
 /// Activation rows per microkernel call.
 const ROWS: usize = 4;
@@ -83,6 +83,22 @@ fn microkernel(x: &[f32], rows: usize, k: usize, wt: &[f32], acc: &mut [[f32; PA
         unsafe { microkernel_avx512(x, rows, k, wt, acc) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: AVX2 and FMA are present; `x` holds `rows` rows of `k`, `wt` k rows of PANEL.
+        unsafe { microkernel_avx2(x, rows, k, wt, acc) };
+        return;
+    }
+    microkernel_scalar(x, rows, k, wt, acc);
+}
+
+fn microkernel_scalar(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    wt: &[f32],
+    acc: &mut [[f32; PANEL]; ROWS],
+) {
     for (r, acc) in acc.iter_mut().take(rows).enumerate() {
         for kk in 0..k {
             let xv = x[r * k + kk];
@@ -120,6 +136,81 @@ unsafe fn microkernel_avx512(
         for (r, a) in a.iter().enumerate().take(rows) {
             _mm512_storeu_ps(acc[r].as_mut_ptr(), a[0]);
             _mm512_storeu_ps(acc[r].as_mut_ptr().add(16), a[1]);
+        }
+    }
+}
+
+/// `microkernel_avx512` in eight lanes: each element still one fused FMA chain in kk
+/// order, so every path gives the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn microkernel_avx2(
+    x: &[f32],
+    rows: usize,
+    k: usize,
+    wt: &[f32],
+    acc: &mut [[f32; PANEL]; ROWS],
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: every load stays inside `x` (rows × k) and `wt` (k × PANEL).
+    unsafe {
+        let mut a = [[_mm256_setzero_ps(); 4]; ROWS];
+        let wp = wt.as_ptr();
+        let xp = x.as_ptr();
+        for kk in 0..k {
+            let w = [0, 8, 16, 24].map(|c| _mm256_loadu_ps(wp.add(kk * PANEL + c)));
+            for (r, a) in a.iter_mut().enumerate().take(rows) {
+                let xb = _mm256_set1_ps(*xp.add(r * k + kk));
+                for (a, w) in a.iter_mut().zip(w) {
+                    *a = _mm256_fmadd_ps(xb, w, *a);
+                }
+            }
+        }
+        for (r, a) in a.iter().enumerate().take(rows) {
+            for (j, a) in a.iter().enumerate() {
+                _mm256_storeu_ps(acc[r].as_mut_ptr().add(8 * j), *a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every path of the microkernel gives the scalar chain's bits.
+    #[test]
+    fn every_microkernel_path_gives_the_scalar_bits() {
+        let k = 37;
+        let rows = ROWS - 1;
+        let x: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
+            .collect();
+        let wt: Vec<f32> = (0..k * PANEL)
+            .map(|i| ((i * 31 % 41) as f32 - 20.0) / 17.0)
+            .collect();
+        let mut want = [[0f32; PANEL]; ROWS];
+        microkernel_scalar(&x, rows, k, &wt, &mut want);
+        let mut got = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2_fma() {
+            let mut acc = [[0f32; PANEL]; ROWS];
+            // SAFETY: AVX2 and FMA are present; the shapes match.
+            unsafe { microkernel_avx2(&x, rows, k, &wt, &mut acc) };
+            got.push(("avx2", acc));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512() {
+            let mut acc = [[0f32; PANEL]; ROWS];
+            // SAFETY: AVX-512F is present; the shapes match.
+            unsafe { microkernel_avx512(&x, rows, k, &wt, &mut acc) };
+            got.push(("avx512", acc));
+        }
+        for (path, acc) in got {
+            for r in 0..rows {
+                let bits = |a: &[f32; PANEL]| a.map(f32::to_bits);
+                assert_eq!(bits(&acc[r]), bits(&want[r]), "{path} row {r}");
+            }
         }
     }
 }
