@@ -362,38 +362,27 @@ unsafe fn dot_q8_0_avx512<const R: usize>(d: &[f32], quants: &[i8], xs: [&[f32];
     }
 }
 
-/// The AVX2 twin of `dot_q4_1_avx512`: eight lanes, a block's 32 weights in four vectors.
+/// The AVX2 twin of `dot_q4_1_avx512`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q4_1_avx2<const R: usize>(d: &[f32], nibbles: &[u8], xs: [&[f32]; R]) -> [f32; R] {
     use std::arch::x86_64::*;
     let mask = _mm_set1_epi8(0x0F);
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    // SAFETY: block b reads nibbles[16b..16b+16] and x[32b..32b+32], inside the slices.
-    unsafe {
-        for (b, &scale) in d.iter().enumerate() {
-            let raw = _mm_loadu_si128(nibbles.as_ptr().add(b * 16) as *const __m128i);
-            let lo = _mm_and_si128(raw, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-            let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-            let q = [
-                widen(lo),
-                widen(_mm_srli_si128(lo, 8)),
-                widen(hi),
-                widen(_mm_srli_si128(hi, 8)),
-            ];
-            let scale = _mm256_set1_ps(scale);
-            for (acc, x) in acc.iter_mut().zip(xs) {
-                let xp = x.as_ptr().add(b * QBLOCK);
-                let mut p = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
-                p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp.add(8)), p);
-                p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp.add(16)), p);
-                p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp.add(24)), p);
-                acc[b & 1] = _mm256_fmadd_ps(scale, p, acc[b & 1]);
-            }
-        }
-        acc.map(|a| hsum256(_mm256_add_ps(a[0], a[1])))
-    }
+    let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    // SAFETY: block b reads nibbles[16b..16b+16], inside the slice.
+    let weights = |b: usize| unsafe {
+        let raw = _mm_loadu_si128(nibbles.as_ptr().add(b * 16) as *const __m128i);
+        let lo = _mm_and_si128(raw, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        [
+            widen(lo),
+            widen(_mm_srli_si128(lo, 8)),
+            widen(hi),
+            widen(_mm_srli_si128(hi, 8)),
+        ]
+    };
+    // SAFETY: AVX2 and FMA are enabled here; `weights` covers every block of `d`.
+    unsafe { dot_blocks_avx2(d, xs, weights) }
 }
 
 /// The AVX2 twin of `dot_q8_0_avx512`.
@@ -401,17 +390,34 @@ unsafe fn dot_q4_1_avx2<const R: usize>(d: &[f32], nibbles: &[u8], xs: [&[f32]; 
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_q8_0_avx2<const R: usize>(d: &[f32], quants: &[i8], xs: [&[f32]; R]) -> [f32; R] {
     use std::arch::x86_64::*;
+    // SAFETY: block b reads quants[32b..32b+32], inside the slice.
+    let weights = |b: usize| unsafe {
+        let qp = quants.as_ptr().add(b * QBLOCK);
+        [0, 8, 16, 24].map(|o| {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                qp.add(o) as *const __m128i
+            )))
+        })
+    };
+    // SAFETY: AVX2 and FMA are enabled here; `weights` covers every block of `d`.
+    unsafe { dot_blocks_avx2(d, xs, weights) }
+}
+
+/// `Σ_b d[b] · Σ_j w[b][j] · x[b][j]` for `R` rows, block b's 32 weights from `weights(b)`
+/// (four vectors of eight), expanded once for every row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_blocks_avx2<const R: usize>(
+    d: &[f32],
+    xs: [&[f32]; R],
+    weights: impl Fn(usize) -> [std::arch::x86_64::__m256; 4],
+) -> [f32; R] {
+    use std::arch::x86_64::*;
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    // SAFETY: block b reads quants and x at [32b, 32b + 32), inside the slices.
+    // SAFETY: block b reads x[32b..32b+32], inside each row.
     unsafe {
         for (b, &scale) in d.iter().enumerate() {
-            let qp = quants.as_ptr().add(b * QBLOCK);
-            let widen = |o: usize| {
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    qp.add(o) as *const __m128i
-                )))
-            };
-            let q = [widen(0), widen(8), widen(16), widen(24)];
+            let q = weights(b);
             let scale = _mm256_set1_ps(scale);
             for (acc, x) in acc.iter_mut().zip(xs) {
                 let xp = x.as_ptr().add(b * QBLOCK);
@@ -419,6 +425,7 @@ unsafe fn dot_q8_0_avx2<const R: usize>(d: &[f32], quants: &[i8], xs: [&[f32]; R
                 p = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xp.add(8)), p);
                 p = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xp.add(16)), p);
                 p = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xp.add(24)), p);
+                // Two accumulators break the FMA dependency chain across blocks.
                 acc[b & 1] = _mm256_fmadd_ps(scale, p, acc[b & 1]);
             }
         }

@@ -92,31 +92,32 @@ impl DsV4Model<CpuBackend> {
 impl<B: DsV4Kernels> DsV4Model<B> {
     /// `weights` (placed on `backend`) as a model, once the backend's kernels take its shape.
     pub fn on(backend: B, cfg: DsV4Config, weights: DsV4Weights<B>) -> Result<Self> {
-        backend
-            .dsv4_prepare(&shape(&cfg))
-            .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
-        let consts = Consts::new(&backend, &cfg);
-        Ok(DsV4Model {
-            cfg,
-            weights,
-            consts,
-            backend,
-        })
+        prepare(&backend, &cfg)?;
+        Ok(Self::assemble(backend, cfg, weights))
     }
 
-    /// An HF directory's model on `backend` (`dummy`: seeded random weights made there).
+    /// An HF directory's model on `backend` (`dummy`: seeded random weights made there);
+    /// a shape the backend's kernels cannot take is refused before any weight is read.
     pub fn load_dir_on(backend: B, dir: &Path, dummy: bool) -> Result<Self> {
         let cfg = DsV4Config::from_dir(dir)?;
-        backend
-            .dsv4_prepare(&shape(&cfg))
-            .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
+        prepare(&backend, &cfg)?;
         let store = OnBackend(&backend);
         let weights = if dummy {
             DsV4Weights::dummy_into(&cfg, &store)?
         } else {
             DsV4Weights::load_into(&cfg, &SafetensorsSource::open_dir(dir)?, &store)?
         };
-        Self::on(backend, cfg, weights)
+        Ok(Self::assemble(backend, cfg, weights))
+    }
+
+    fn assemble(backend: B, cfg: DsV4Config, weights: DsV4Weights<B>) -> Self {
+        let consts = Consts::new(&backend, &cfg);
+        DsV4Model {
+            cfg,
+            weights,
+            consts,
+            backend,
+        }
     }
 
     /// A cache for this model on its backend.
@@ -301,15 +302,17 @@ impl<B: DsV4Kernels> DsV4Model<B> {
     }
 }
 
-/// The dimensions a device's kernels may bound.
-fn shape(cfg: &DsV4Config) -> DsV4Shape {
-    DsV4Shape {
+/// Readies `b`'s kernels for `cfg`'s shape, or names the dimension they cannot take.
+fn prepare<B: DsV4Kernels>(b: &B, cfg: &DsV4Config) -> Result<()> {
+    let shape = DsV4Shape {
         hc_mult: cfg.hc_mult,
         num_routed_experts: cfg.num_routed_experts,
         num_experts_per_tok: cfg.num_experts_per_tok,
         head_dim: cfg.head_dim,
         index_width: cfg.index_n_heads * cfg.index_head_dim,
-    }
+    };
+    b.dsv4_prepare(&shape)
+        .map_err(|e| TroupeError::InvalidInput(e.to_string()))
 }
 
 /// What checking a step needs to know of a state slot.

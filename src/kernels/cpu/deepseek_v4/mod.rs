@@ -222,9 +222,9 @@ impl DsV4Kernels for CpuBackend {
         let products: Vec<Vec<f32>> = groups
             .par_iter()
             .map(|&(w, row0, rows)| {
-                let input = x[row0 * w.cols()..(row0 + rows) * w.cols()].to_vec();
+                let input = &x[row0 * w.cols()..(row0 + rows) * w.cols()];
                 let mut y = vec![0.0f32; rows * w.rows()];
-                self.matmul(&input, rows, w, None, &mut y);
+                super::matmul::matmul(input, rows, w, &mut y, self.batch_invariant);
                 y
             })
             .collect();
