@@ -30,19 +30,40 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize) -> CpuMatrix {
     CpuMatrix::from_host(HostMatrix { rows, cols, data })
 }
 
+/// The same weights in `--exact-activations`' layout (Q4_1 / Q8_0 expanded in the dot).
+fn exact(ty: GgmlType, rows: usize, cols: usize) -> CpuMatrix {
+    let CpuMatrix::Packed { bytes, .. } = matrix(ty, rows, cols) else {
+        unreachable!("quantized test weights stay packed")
+    };
+    CpuMatrix::from_host_exact(HostMatrix {
+        rows,
+        cols,
+        data: HostData::Quantized {
+            ggml_type: ty,
+            bytes,
+        },
+    })
+}
+
 fn bench(c: &mut Criterion) {
     let (rows, cols) = (1536, 576);
     let mut group = c.benchmark_group("matmul_1536x576");
-    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_1] {
-        let w = matrix(ty, rows, cols);
-        for m in [1usize, 64] {
+    let mut cases = vec![("F32".to_string(), matrix(GgmlType::F32, rows, cols))];
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_1] {
+        cases.push((format!("{ty:?}-exact"), exact(ty, rows, cols)));
+    }
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
+        cases.push((format!("{ty:?}"), matrix(ty, rows, cols)));
+    }
+    for (name, w) in &cases {
+        for m in [1usize, 4, 64] {
             let x: Vec<f32> = (0..m * cols)
                 .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
                 .collect();
             let mut out = vec![0f32; m * rows];
             group.throughput(Throughput::Elements((2 * m * rows * cols) as u64));
-            group.bench_with_input(BenchmarkId::new(format!("{ty:?}"), m), &m, |b, &m| {
-                b.iter(|| matmul(&x, m, &w, &mut out, false))
+            group.bench_with_input(BenchmarkId::new(name, m), &m, |b, &m| {
+                b.iter(|| matmul(&x, m, w, &mut out, false))
             });
         }
     }

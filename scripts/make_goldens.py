@@ -118,6 +118,11 @@ FP16_FIELDS = {
     "Q4_K": [0, 2],  # d, dmin, scales[12], qs[128]
     "Q5_K": [0, 2],  # d, dmin, scales[12], qh[32], qs[128]
     "Q6_K": [208],  # ql[128], qh[64], scales[16], d  (d is last)
+    # Appended after the others so the blocks above keep their random draws.
+    "Q2_K": [80, 82],  # scales[16], qs[64], d, dmin
+    "Q3_K": [108],  # hmask[32], qs[64], scales[12], d
+    "IQ4_NL": [0],  # d, qs[16]
+    "IQ4_XS": [0],  # d, scales_h, scales_l[4], qs[128]
 }
 
 

@@ -119,6 +119,10 @@ pub struct EngineFlags {
     /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
     #[arg(long)]
     batch_invariant: bool,
+    /// CPU: keep activations f32 against the quantized weights (the dequantized model's
+    /// arithmetic, slower) instead of 8-bit activations and integer dot products.
+    #[arg(long)]
+    exact_activations: bool,
     /// Speculative decoding: `ngram` (prompt lookup), `draft` (a draft model, with
     /// --draft-model) or `mtp` (the model's own MTP layer: DeepSeek-V4). Output is the same
     /// as without it, seeded sampling included.
@@ -230,6 +234,7 @@ impl EngineFlags {
         cfg.zero_overhead_scheduling = !self.no_zos;
         cfg.enable_prefix_cache = !self.no_prefix_cache;
         cfg.batch_invariant = self.batch_invariant;
+        cfg.exact_activations = self.exact_activations;
         cfg.draft_model_path = self
             .draft_model
             .as_deref()

@@ -80,6 +80,7 @@ fn cuda_attention_matches_the_cpu_backend() {
     let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
     let cpu = CpuBackend {
         batch_invariant: false,
+        ..Default::default()
     };
     let batches: [&[(usize, usize)]; 4] = [
         // decode rows: short, across chunk boundaries, long (several splits)
@@ -220,6 +221,7 @@ fn fused_qkv_into_cache_matches_the_cpu_backends_separate_ops() {
     let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
     let cpu = CpuBackend {
         batch_invariant: false,
+        ..Default::default()
     };
     for head_dim in [64, 128] {
         for qk_norm in [false, true] {

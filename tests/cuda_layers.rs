@@ -40,6 +40,7 @@ fn backends() -> (CudaBackend, CpuBackend) {
         gpu,
         CpuBackend {
             batch_invariant: false,
+            ..Default::default()
         },
     )
 }

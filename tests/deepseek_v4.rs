@@ -538,6 +538,7 @@ fn the_batch_invariant_mode_gives_a_row_the_same_bits_alone_or_batched() {
     let name = CHECKPOINTS[0];
     let invariant = CpuBackend {
         batch_invariant: true,
+        ..Default::default()
     };
     let model = DsV4Model::load_dir_on(invariant, &dir(name), false).unwrap();
     let r = reference(name);

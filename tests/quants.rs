@@ -33,7 +33,8 @@ fn dequantization_matches_the_gguf_package() {
         seen.push(name.to_string());
     }
     for name in [
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+        "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
     ] {
         assert!(seen.iter().any(|s| s == name), "no golden for {name}");
     }

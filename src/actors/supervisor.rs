@@ -51,6 +51,7 @@ pub struct RankArgsTemplate {
     pub eplb: Option<crate::eplb::EplbSettings>,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
+    pub exact_activations: bool,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: crate::runner::affinity::CpuAffinity,
@@ -134,6 +135,7 @@ async fn spawn_group(
                 enforce_eager: t.enforce_eager,
                 cpu_affinity: t.cpu_affinity,
                 batch_invariant: t.batch_invariant,
+                exact_activations: t.exact_activations,
                 // Measured by a lone rank only: a group's ranks would each need the others.
                 decode_curve: t.decode_curve.clone().filter(|_| size == 1),
             };

@@ -41,6 +41,9 @@ pub struct EngineConfig {
     /// Kernels with a reduction order independent of the batch: a request's logits are
     /// bitwise the same alone or among others, in any prefill chunking.
     pub batch_invariant: bool,
+    /// CPU: f32 activations against the quantized weights (the dequantized model's
+    /// arithmetic) instead of 8-bit activations and integer dot products.
+    pub exact_activations: bool,
     /// Expert-parallel load balancing for MoE models (DeepSeek-V4): the EP group the
     /// placement is planned for, replicas, statistics window, rebalance period. `None`:
     /// off. Expert-parallel execution over several ranks is not built yet, so today this
@@ -120,6 +123,7 @@ impl EngineConfig {
             max_rank_restarts: 8,
             stop_preempted: false,
             batch_invariant: false,
+            exact_activations: false,
             eplb: None,
             speculative: None,
             draft_model_path: None,

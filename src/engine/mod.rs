@@ -86,6 +86,11 @@ impl Engine {
             )));
         }
         speculative_tokens(cfg.speculative)?;
+        if cfg.exact_activations && cfg.device != Device::Cpu {
+            return Err(EngineError::Spawn(
+                "--exact-activations is for the CPU backend (the CUDA backend never quantizes activations)".into(),
+            ));
+        }
         let text = model::load_text(&cfg.model_path)?;
         // Named here, before any rank starts: a rank's failed start reads far less clearly.
         let dir = &cfg.model_path;
@@ -164,8 +169,8 @@ impl Engine {
                     .clone()
                     .unwrap_or_else(|| model::hub::troupe_home().join("latency-curves")),
                 model_key: format!(
-                    "{mcfg:?} block {} invariant {} eager {}",
-                    cfg.block_size, cfg.batch_invariant, cfg.enforce_eager
+                    "{mcfg:?} block {} invariant {} eager {} exact {}",
+                    cfg.block_size, cfg.batch_invariant, cfg.enforce_eager, cfg.exact_activations
                 ),
                 max_rows: match cfg.device {
                     Device::Cpu => cfg.max_num_seqs.min(16),
@@ -190,6 +195,7 @@ impl Engine {
                 eplb: cfg.eplb,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
+                exact_activations: cfg.exact_activations,
                 model_config: mcfg.clone(),
                 devices,
                 dummy_weights: cfg.dummy_weights,

@@ -17,9 +17,13 @@ pub enum GgmlType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 impl GgmlType {
@@ -32,9 +36,13 @@ impl GgmlType {
             6 => Self::Q5_0,
             7 => Self::Q5_1,
             8 => Self::Q8_0,
+            10 => Self::Q2K,
+            11 => Self::Q3K,
             12 => Self::Q4K,
             13 => Self::Q5K,
             14 => Self::Q6K,
+            20 => Self::IQ4NL,
+            23 => Self::IQ4XS,
             30 => Self::BF16,
             _ => return None,
         })
@@ -50,9 +58,13 @@ impl GgmlType {
             "Q5_0" => Self::Q5_0,
             "Q5_1" => Self::Q5_1,
             "Q8_0" => Self::Q8_0,
+            "Q2_K" => Self::Q2K,
+            "Q3_K" => Self::Q3K,
             "Q4_K" => Self::Q4K,
             "Q5_K" => Self::Q5K,
             "Q6_K" => Self::Q6K,
+            "IQ4_NL" => Self::IQ4NL,
+            "IQ4_XS" => Self::IQ4XS,
             _ => return None,
         })
     }
@@ -61,8 +73,8 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
-            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4NL => 32,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::IQ4XS => QK_K,
         }
     }
 
@@ -76,9 +88,13 @@ impl GgmlType {
             Self::Q5_0 => 22,
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
+            Self::Q2K => 84,
+            Self::Q3K => 110,
             Self::Q4K => 144,
             Self::Q5K => 176,
             Self::Q6K => 210,
+            Self::IQ4NL => 18,
+            Self::IQ4XS => 136,
         }
     }
 }
@@ -103,9 +119,13 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], out: &mut [f32]) {
             GgmlType::Q5_0 => q5_0(blk, y),
             GgmlType::Q5_1 => q5_1(blk, y),
             GgmlType::Q8_0 => q8_0(blk, y),
+            GgmlType::Q2K => q2_k(blk, y),
+            GgmlType::Q3K => q3_k(blk, y),
             GgmlType::Q4K => q4_k(blk, y),
             GgmlType::Q5K => q5_k(blk, y),
             GgmlType::Q6K => q6_k(blk, y),
+            GgmlType::IQ4NL => iq4_nl(blk, y),
+            GgmlType::IQ4XS => iq4_xs(blk, y),
         }
     }
 }
@@ -231,5 +251,84 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
             y[l + 64] = d * (sc[is + 4] as i8 as f32) * q3 as f32;
             y[l + 96] = d * (sc[is + 6] as i8 as f32) * q4 as f32;
         }
+    }
+}
+
+fn q2_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (sub, y) in y.chunks_exact_mut(16).enumerate() {
+        // Sixteen elements share a scale byte: low nibble scale, high nibble min.
+        let sc = b[sub];
+        let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+        let (half, j, l0) = (sub / 8, (sub / 2) % 4, 16 * (sub % 2));
+        let q = &b[16 + 32 * half + l0..16 + 32 * half + l0 + 16];
+        for (yv, &qv) in y.iter_mut().zip(q) {
+            *yv = dl * ((qv >> (2 * j)) & 3) as f32 - ml;
+        }
+    }
+}
+
+/// The sixteen 6-bit scales of a Q3_K block (stored as 12 bytes), each minus 32.
+pub fn q3_k_scales(packed: &[u8]) -> [i8; 16] {
+    let mut out = [0i8; 16];
+    for (j, o) in out.iter_mut().enumerate() {
+        let low = if j < 8 {
+            packed[j] & 0xF
+        } else {
+            packed[j - 8] >> 4
+        };
+        let high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+        *o = (low | (high << 4)) as i8 - 32;
+    }
+    out
+}
+
+fn q3_k(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 108);
+    let (hmask, qs) = (&b[0..32], &b[32..96]);
+    let scales = q3_k_scales(&b[96..108]);
+    for (sub, y) in y.chunks_exact_mut(16).enumerate() {
+        let dl = d * scales[sub] as f32;
+        let (half, j, l0) = (sub / 8, (sub / 2) % 4, 16 * (sub % 2));
+        let bit = 1u8 << (4 * half + j);
+        for (l, yv) in (l0..l0 + 16).zip(y.iter_mut()) {
+            let low = ((qs[32 * half + l] >> (2 * j)) & 3) as i32;
+            let high = if hmask[l] & bit != 0 { 0 } else { 4 };
+            *yv = dl * (low - high) as f32;
+        }
+    }
+}
+
+/// The sixteen non-linear levels of IQ4_NL and IQ4_XS.
+pub const IQ4_LEVELS: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+fn iq4_block(d: f32, qs: &[u8], y: &mut [f32]) {
+    for j in 0..16 {
+        y[j] = d * IQ4_LEVELS[(qs[j] & 0xF) as usize] as f32;
+        y[j + 16] = d * IQ4_LEVELS[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+fn iq4_nl(b: &[u8], y: &mut [f32]) {
+    iq4_block(f16_at(b, 0), &b[2..18], y);
+}
+
+/// Sub-block `ib`'s 6-bit scale of an IQ4_XS block, minus 32.
+pub fn iq4_xs_scale(b: &[u8], ib: usize) -> i32 {
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    let low = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+    (low as i32 | ((((high >> (2 * ib)) & 3) as i32) << 4)) - 32
+}
+
+fn iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+        iq4_block(
+            d * iq4_xs_scale(b, ib) as f32,
+            &b[8 + 16 * ib..24 + 16 * ib],
+            y,
+        );
     }
 }

@@ -33,6 +33,7 @@ pub(super) struct DsV4OnHost {
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     let backend = CpuBackend {
         batch_invariant: args.batch_invariant,
+        exact_activations: args.exact_activations,
     };
     let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
         .map_err(|e| e.to_string())?;

@@ -69,6 +69,8 @@ pub struct RankArgs {
     pub eplb: Option<crate::eplb::EplbSettings>,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
+    /// CPU: see `CpuBackend::exact_activations`.
+    pub exact_activations: bool,
     pub device: Device,
     pub dummy_weights: bool,
     /// `--spec draft`: the draft model this rank runs beside the model.
@@ -134,6 +136,7 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
         Device::Cpu => load_on(
             CpuBackend {
                 batch_invariant: args.batch_invariant,
+                exact_activations: args.exact_activations,
             },
             args,
         ),

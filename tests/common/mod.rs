@@ -48,7 +48,12 @@ pub fn smollm2_path() -> PathBuf {
 }
 
 pub fn load(path: &std::path::Path) -> LoadedModel<CpuBackend> {
-    model::load(path, &CpuBackend::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    load_on(path, &CpuBackend::default())
+}
+
+/// Weights laid out as `backend` keeps them (`--exact-activations` keeps other layouts).
+pub fn load_on(path: &std::path::Path, backend: &CpuBackend) -> LoadedModel<CpuBackend> {
+    model::load(path, backend).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {

@@ -9,6 +9,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::packed::{Q8Act, row_dot};
 use super::qmatrix::{CpuMatrix, QBLOCK, block_sums};
 
 /// Above this many activation rows, a blocked GEMM beats row dots.
@@ -116,6 +117,26 @@ pub(crate) unsafe fn gemm_f32(
 
 fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
+    if let CpuMatrix::Packed {
+        ggml_type, bytes, ..
+    } = w
+    {
+        let (Some(dot4), Some(dot1)) = (row_dot::<4>(*ggml_type), row_dot::<1>(*ggml_type)) else {
+            unreachable!("a Packed matrix is only made of a type with a row dot")
+        };
+        let row_bytes = bytes.len() / n;
+        let weights = |j: usize| &bytes[j * row_bytes..(j + 1) * row_bytes];
+        let mut act = Q8Act::default();
+        act.quantize(x, m, k);
+        sweep(
+            m,
+            n,
+            out,
+            |j, rows| dot4(weights(j), rows.map(|i| act.row(i))),
+            |j, i| dot1(weights(j), [act.row(i)])[0],
+        );
+        return;
+    }
     let nb = k / QBLOCK;
     let mut sums = Vec::new();
     if w.needs_block_sums() {
@@ -133,6 +154,24 @@ fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
             &sums[i * nb..(i + 1) * nb]
         }
     };
+    sweep(
+        m,
+        n,
+        out,
+        |j, rows| w.dot_rows::<4>(j, rows.map(x_row), rows.map(sum_row)),
+        |j, i| w.dot_rows::<1>(j, [x_row(i)], [sum_row(i)])[0],
+    );
+}
+
+/// `out[i, j] = dot(j, i)` for `m` activation rows and `n` weight rows, weight rows split
+/// across threads; `dot4` serves four activation rows at once.
+fn sweep(
+    m: usize,
+    n: usize,
+    out: &mut [f32],
+    dot4: impl Fn(usize, [usize; 4]) -> [f32; 4] + Sync,
+    dot1: impl Fn(usize, usize) -> f32 + Sync,
+) {
     let out_ptr = OutPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(ROWS_PER_TASK);
     (0..tasks).into_par_iter().for_each(|task| {
@@ -145,7 +184,7 @@ fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
                 let mut i = block;
                 while i + 4 <= block_end {
                     let rows = [i, i + 1, i + 2, i + 3];
-                    let v = w.dot_rows::<4>(j, rows.map(x_row), rows.map(sum_row));
+                    let v = dot4(j, rows);
                     for (r, v) in rows.into_iter().zip(v) {
                         // SAFETY: (r, j) is written by this task only, and r < m, j < n.
                         unsafe { *out_ptr.get().add(r * n + j) = v };
@@ -153,7 +192,7 @@ fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
                     i += 4;
                 }
                 for r in i..block_end {
-                    let [v] = w.dot_rows::<1>(j, [x_row(r)], [sum_row(r)]);
+                    let v = dot1(j, r);
                     // SAFETY: as above.
                     unsafe { *out_ptr.get().add(r * n + j) = v };
                 }

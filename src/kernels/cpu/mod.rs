@@ -5,6 +5,7 @@ mod attention;
 pub mod deepseek_v4;
 mod invariant_gemm;
 pub mod matmul;
+pub mod packed;
 pub mod qmatrix;
 pub mod simd;
 pub mod torch_topk;
@@ -20,6 +21,10 @@ pub use qmatrix::CpuMatrix;
 pub struct CpuBackend {
     /// Fixed reduction order for every row whatever the batch: see `matmul::matmul`.
     pub batch_invariant: bool,
+    /// `--exact-activations`: f32 activations against Q4_1 / Q8_0 weights expanded in the
+    /// dot (other formats dequantized at load), instead of 8-bit activations and integer
+    /// dot products.
+    pub exact_activations: bool,
 }
 
 /// Below this many elements an element-wise op runs on the calling thread: waking the
@@ -66,7 +71,10 @@ impl Backend for CpuBackend {
     }
     fn device_name(&self) -> String {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        format!("cpu, {threads} threads, invariant {}", self.batch_invariant)
+        format!(
+            "cpu, {threads} threads, invariant {}, exact activations {}",
+            self.batch_invariant, self.exact_activations
+        )
     }
 
     fn name(&self) -> &'static str {
@@ -74,7 +82,11 @@ impl Backend for CpuBackend {
     }
 
     fn upload_matrix(&self, m: HostMatrix) -> CpuMatrix {
-        let matrix = CpuMatrix::from_host(m);
+        let matrix = if self.exact_activations {
+            CpuMatrix::from_host_exact(m)
+        } else {
+            CpuMatrix::from_host(m)
+        };
         if self.batch_invariant {
             matrix.into_panels()
         } else {

@@ -1,15 +1,18 @@
 //! Weight matrices in the CPU backend's layouts, and the row-dot kernels over them.
 //!
-//! Q4_1 and Q8_0 stay quantized in memory (0.75 and 1.125 bytes a weight instead of 4)
-//! and are expanded to f32 inside the dot product, so decode streams a fraction of the
-//! bytes while the arithmetic stays that of the dequantized f32 model: activations are
-//! never quantized, and results differ from a dequantize-then-f32 matmul only in the
-//! order of the additions. Q4_1 uses `Σ (d·q + m)·x = d·Σ q·x + m·Σ x`, with `Σ x` per
-//! block computed once per activation row. Other formats are dequantized at load.
-//! Blocks are repacked at load: f32 scales in their own arrays, quants contiguous.
+//! By default every GGML-quantized tensor stays as the file's blocks (`Packed`) and
+//! decode multiplies it by 8-bit activations with integer dot products (`packed`).
+//! With `--exact-activations` (`from_host_exact`), Q4_1 and Q8_0 are kept quantized
+//! (0.75 and 1.125 bytes a weight) and expanded to f32 inside the dot product, so the
+//! arithmetic stays that of the dequantized f32 model: activations are never quantized,
+//! and results differ from a dequantize-then-f32 matmul only in the order of the
+//! additions. Q4_1 uses `Σ (d·q + m)·x = d·Σ q·x + m·Σ x`, with `Σ x` per block computed
+//! once per activation row. There, other formats are dequantized at load; their blocks
+//! are repacked: f32 scales in their own arrays, quants contiguous.
 
 use half::f16;
 
+use super::packed;
 use super::simd::{has_avx2_fma, has_avx512};
 use crate::kernels::quant::GgmlType;
 use crate::kernels::{HostData, HostMatrix};
@@ -35,6 +38,13 @@ pub enum CpuMatrix {
         scales: Vec<f32>, // (rows, cols / 32)
         quants: Vec<i8>,  // (rows, cols)
     },
+    /// The file's blocks, row after row: the integer-dot path.
+    Packed {
+        ggml_type: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: Vec<u8>,
+    },
     /// Batch-invariant mode: f32, k-major panels of `PANEL` rows, the invariant GEMM's
     /// operand kept resident so no step expands weights again.
     Panels {
@@ -52,7 +62,27 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 }
 
 impl CpuMatrix {
+    /// Quantized tensors stay packed for the integer-dot path; float ones become f32.
     pub fn from_host(m: HostMatrix) -> Self {
+        match m.data {
+            HostData::Quantized { ggml_type, bytes } if packed::is_packed(ggml_type) => {
+                CpuMatrix::Packed {
+                    ggml_type,
+                    rows: m.rows,
+                    cols: m.cols,
+                    bytes,
+                }
+            }
+            data => CpuMatrix::F32 {
+                rows: m.rows,
+                cols: m.cols,
+                data: data.into_f32(m.rows * m.cols),
+            },
+        }
+    }
+
+    /// The f32-activation layouts of `--exact-activations`.
+    pub fn from_host_exact(m: HostMatrix) -> Self {
         let (rows, cols) = (m.rows, m.cols);
         match m.data {
             HostData::Quantized {
@@ -109,6 +139,7 @@ impl CpuMatrix {
             CpuMatrix::F32 { rows, .. }
             | CpuMatrix::Q4_1 { rows, .. }
             | CpuMatrix::Q8_0 { rows, .. }
+            | CpuMatrix::Packed { rows, .. }
             | CpuMatrix::Panels { rows, .. } => rows,
         }
     }
@@ -118,6 +149,7 @@ impl CpuMatrix {
             CpuMatrix::F32 { cols, .. }
             | CpuMatrix::Q4_1 { cols, .. }
             | CpuMatrix::Q8_0 { cols, .. }
+            | CpuMatrix::Packed { cols, .. }
             | CpuMatrix::Panels { cols, .. } => cols,
         }
     }
@@ -135,6 +167,32 @@ impl CpuMatrix {
             }
         }
         CpuMatrix::Panels { rows, cols, data }
+    }
+
+    /// Bytes the weights take in memory.
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            CpuMatrix::F32 { data, .. } | CpuMatrix::Panels { data, .. } => data.len() * 4,
+            CpuMatrix::Q4_1 {
+                scales,
+                mins,
+                nibbles,
+                ..
+            } => (scales.len() + mins.len()) * 4 + nibbles.len(),
+            CpuMatrix::Q8_0 { scales, quants, .. } => scales.len() * 4 + quants.len(),
+            CpuMatrix::Packed { bytes, .. } => bytes.len(),
+        }
+    }
+
+    /// What the weights run in, for the model card.
+    pub fn format(&self) -> String {
+        match self {
+            CpuMatrix::F32 { .. } => "f32".into(),
+            CpuMatrix::Panels { .. } => "f32 panels".into(),
+            CpuMatrix::Q4_1 { .. } => "Q4_1 × f32".into(),
+            CpuMatrix::Q8_0 { .. } => "Q8_0 × f32".into(),
+            CpuMatrix::Packed { ggml_type, .. } => format!("{ggml_type:?} × q8"),
+        }
     }
 
     pub fn needs_block_sums(&self) -> bool {
@@ -170,6 +228,13 @@ impl CpuMatrix {
                         out[b * QBLOCK + j] = quants[r * k + b * QBLOCK + j] as f32 * d;
                     }
                 }
+            }
+            CpuMatrix::Packed {
+                ggml_type, bytes, ..
+            } => {
+                let row_bytes = bytes.len() / self.rows();
+                let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                crate::kernels::quant::dequantize(*ggml_type, row, &mut out[..k]);
             }
             CpuMatrix::Panels { data, .. } => {
                 let (p, c) = (r / PANEL, r % PANEL);
@@ -215,6 +280,9 @@ impl CpuMatrix {
                 &quants[r * k..(r + 1) * k],
                 xs,
             ),
+            CpuMatrix::Packed { .. } => {
+                unreachable!("packed matrices take 8-bit activations: see matmul::gemv_rows")
+            }
             // One FMA chain in k order: the invariant GEMM's arithmetic, element for element.
             CpuMatrix::Panels { data, .. } => {
                 let (p, c) = (r / PANEL, r % PANEL);

@@ -9,6 +9,8 @@ pub enum CpuPath {
     Scalar,
     Avx2,
     Avx512,
+    /// AVX-512 with VNNI (and VL): one instruction for the packed kernels' 8-bit dots.
+    Avx512Vnni,
 }
 
 impl CpuPath {
@@ -17,27 +19,29 @@ impl CpuPath {
             CpuPath::Scalar => "scalar",
             CpuPath::Avx2 => "avx2",
             CpuPath::Avx512 => "avx512",
+            CpuPath::Avx512Vnni => "avx512vnni",
         }
     }
 }
 
 /// The best path this CPU has, capped by `TROUPE_MAX_CPU_ISA` (`scalar`, `avx2`,
-/// `avx512`: what an older CPU would take, for benchmarks and tests on this one). An
+/// `avx512`, `avx512vnni`: what an older CPU would take, for benchmarks and tests on this one). An
 /// unknown value is named in a warning and ignored.
 pub fn cpu_path() -> CpuPath {
     static PATH: OnceLock<CpuPath> = OnceLock::new();
     *PATH.get_or_init(|| {
         let detected = detect();
         let cap = match std::env::var("TROUPE_MAX_CPU_ISA").as_deref() {
-            Err(_) => CpuPath::Avx512,
+            Err(_) => CpuPath::Avx512Vnni,
             Ok("scalar") => CpuPath::Scalar,
             Ok("avx2") => CpuPath::Avx2,
             Ok("avx512") => CpuPath::Avx512,
+            Ok("avx512vnni") => CpuPath::Avx512Vnni,
             Ok(other) => {
                 tracing::warn!(
-                    "TROUPE_MAX_CPU_ISA={other:?} is not one of scalar, avx2, avx512: ignored"
+                    "TROUPE_MAX_CPU_ISA={other:?} is not one of scalar, avx2, avx512, avx512vnni: ignored"
                 );
-                CpuPath::Avx512
+                CpuPath::Avx512Vnni
             }
         };
         detected.min(cap)
@@ -48,16 +52,22 @@ fn detect() -> CpuPath {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
+            if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+                return CpuPath::Avx512Vnni;
+            }
             return CpuPath::Avx512;
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             return CpuPath::Avx2;
         }
     }
     CpuPath::Scalar
 }
 
-/// AVX2 and FMA, on a CPU that has them (every AVX-512 CPU does).
+/// AVX2, FMA and F16C, on a CPU that has them (every AVX-512 CPU does).
 pub fn has_avx2_fma() -> bool {
     cpu_path() >= CpuPath::Avx2
 }

@@ -1,0 +1,184 @@
+//! GGML-quantized weights kept as the file's blocks, multiplied by 8-bit-quantized
+//! activations with integer dot products, as llama.cpp does.
+//!
+//! Activations are quantized per 32 elements (`d = max|x| / 127`, round half to even),
+//! finer than llama.cpp's 256-element Q8_K for the K-quants. Per 32 weights and row the
+//! kernel forms eight 4-element integer sums (exact), converts them and accumulates
+//! `sum · scale · d` in eight f32 lanes (in registers: one chain per row); formats with a min
+//! add `min · Σx` per 16 elements in two more lanes. The scalar kernel mirrors the vector lanes
+//! operation for operation, so every path gives the same bits (tested): a result does
+//! not depend on the CPU it ran on, nor on the rows that share the call.
+
+mod formats;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use formats::BlockFormat;
+
+use super::simd::{CpuPath, cpu_path};
+use crate::kernels::quant::GgmlType;
+
+/// Elements per activation block.
+pub const ACT_BLOCK: usize = 32;
+
+/// Rows of activations quantized to 8 bits: per 32 elements a scale `d`, per 16 the sum
+/// `d · Σq` that the min terms multiply.
+#[derive(Default)]
+pub struct Q8Act {
+    cols: usize,
+    quants: Vec<i8>,
+    scales: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+/// One row of `Q8Act`.
+#[derive(Clone, Copy)]
+pub struct Q8Row<'a> {
+    pub quants: &'a [i8],
+    pub scales: &'a [f32],
+    pub sums: &'a [f32],
+}
+
+impl Q8Act {
+    /// `x` holds `rows` rows of `cols` elements; `cols` is a multiple of 32.
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+        assert_eq!(
+            cols % ACT_BLOCK,
+            0,
+            "activation width {cols} is not whole blocks"
+        );
+        self.cols = cols;
+        self.quants.resize(rows * cols, 0);
+        self.scales.resize(rows * cols / ACT_BLOCK, 0.0);
+        self.sums.resize(rows * cols / 16, 0.0);
+        let blocks = x[..rows * cols].chunks_exact(ACT_BLOCK);
+        let quants = self.quants.chunks_exact_mut(ACT_BLOCK);
+        let sums = self.sums.chunks_exact_mut(2);
+        for (((xb, qb), d_out), sum_out) in blocks.zip(quants).zip(&mut self.scales).zip(sums) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = round_half_even(v * inv) as i8;
+            }
+            *d_out = d;
+            for (h, s) in sum_out.iter_mut().enumerate() {
+                let isum: i32 = qb[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum();
+                *s = d * isum as f32;
+            }
+        }
+    }
+
+    pub fn row(&self, i: usize) -> Q8Row<'_> {
+        let k = self.cols;
+        Q8Row {
+            quants: &self.quants[i * k..(i + 1) * k],
+            scales: &self.scales[i * k / ACT_BLOCK..(i + 1) * k / ACT_BLOCK],
+            sums: &self.sums[i * k / 16..(i + 1) * k / 16],
+        }
+    }
+}
+
+/// `v` rounded to the nearest integer, ties to even, for |v| ≤ 2^22: adding and taking
+/// away 1.5 · 2^23 leaves no fraction bits, and the default rounding mode rounds the sum
+/// to even. Unlike `round_ties_even` (a libm call without SSE4.1) it vectorizes.
+#[inline(always)]
+fn round_half_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+/// `w · x` for one weight row (whole blocks of the file) and `R` activation rows.
+pub type RowDot<const R: usize> = fn(&[u8], [Q8Row<'_>; R]) -> [f32; R];
+
+/// Whether `ty` has an integer dot product here.
+pub fn is_packed(ty: GgmlType) -> bool {
+    row_dot::<1>(ty).is_some()
+}
+
+/// The row-dot kernel for `ty` on this CPU's best path.
+pub fn row_dot<const R: usize>(ty: GgmlType) -> Option<RowDot<R>> {
+    row_dot_on(ty, cpu_path())
+}
+
+fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> {
+    use formats::*;
+    fn pick<F: BlockFormat, const R: usize>(path: CpuPath) -> RowDot<R> {
+        #[cfg(target_arch = "x86_64")]
+        match path {
+            CpuPath::Avx512Vnni => return x86::dot_vnni_checked::<F, R>,
+            CpuPath::Avx2 | CpuPath::Avx512 => return x86::dot_avx2_checked::<F, R>,
+            CpuPath::Scalar => {}
+        }
+        let _ = path;
+        dot_scalar::<F, R>
+    }
+    Some(match ty {
+        GgmlType::Q4_0 => pick::<Q4_0, R>(path),
+        GgmlType::Q4_1 => pick::<Q4_1, R>(path),
+        GgmlType::Q5_0 => pick::<Q5_0, R>(path),
+        GgmlType::Q5_1 => pick::<Q5_1, R>(path),
+        GgmlType::Q8_0 => pick::<Q8_0, R>(path),
+        GgmlType::Q2K => pick::<Q2K, R>(path),
+        GgmlType::Q3K => pick::<Q3K, R>(path),
+        GgmlType::Q4K => pick::<Q4K, R>(path),
+        GgmlType::Q5K => pick::<Q5K, R>(path),
+        GgmlType::Q6K => pick::<Q6K, R>(path),
+        GgmlType::IQ4NL => pick::<IQ4NL, R>(path),
+        GgmlType::IQ4XS => pick::<IQ4XS, R>(path),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,
+    })
+}
+
+/// Panics unless `w` is whole blocks and every row covers as many elements.
+fn check_shapes<F: BlockFormat, const R: usize>(w: &[u8], xs: &[Q8Row<'_>; R]) -> usize {
+    assert_eq!(w.len() % F::BYTES, 0, "a partial {:?} block", F::TYPE);
+    let blocks = w.len() / F::BYTES;
+    let k = blocks * F::SUBS * ACT_BLOCK;
+    for x in xs {
+        assert!(
+            x.quants.len() >= k && x.scales.len() >= k / ACT_BLOCK && x.sums.len() >= k / 16,
+            "activation row shorter than the weight row"
+        );
+    }
+    blocks
+}
+
+/// The vector kernels' arithmetic in scalar code, lane for lane.
+fn dot_scalar<F: BlockFormat, const R: usize>(w: &[u8], xs: [Q8Row<'_>; R]) -> [f32; R] {
+    check_shapes::<F, R>(w, &xs);
+    let mut acc = [[0f32; 8]; R];
+    let mut min_acc = [[0f32; 2]; R];
+    let (mut scales, mut mins, mut q) = ([0f32; 16], [0f32; 16], [0i8; 32]);
+    for (b, blk) in w.chunks_exact(F::BYTES).enumerate() {
+        F::scales::<formats::SoftF16>(blk, &mut scales, &mut mins);
+        for sub in 0..F::SUBS {
+            F::quants(blk, sub, &mut q);
+            let g = b * F::SUBS + sub;
+            for (r, x) in xs.iter().enumerate() {
+                let xq = &x.quants[g * ACT_BLOCK..(g + 1) * ACT_BLOCK];
+                let d = x.scales[g];
+                for lane in 0..8 {
+                    let isum: i32 = (4 * lane..4 * lane + 4)
+                        .map(|e| q[e] as i32 * xq[e] as i32)
+                        .sum();
+                    let scale = scales[2 * sub + lane / 4] * d;
+                    acc[r][lane] = (isum as f32).mul_add(scale, acc[r][lane]);
+                }
+                if F::HAS_MIN {
+                    for h in 0..2 {
+                        let m = &mut min_acc[r][h];
+                        *m = mins[2 * sub + h].mul_add(x.sums[2 * g + h], *m);
+                    }
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let four: [f32; 4] = std::array::from_fn(|i| acc[r][i] + acc[r][i + 4]);
+        ((four[0] + four[2]) + (four[1] + four[3])) + (min_acc[r][0] + min_acc[r][1])
+    })
+}
+
+#[cfg(test)]
+mod tests;
