@@ -526,6 +526,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "spec_verified_tokens": status.num_spec_verified_tokens,
             "spec_accepted_tokens": status.num_spec_accepted_tokens,
             "cpu_affinity": status.cpu_affinity,
+            "resident_weight_bytes": status.resident_weight_bytes,
+            "checkpoint_bytes": crate::model::checkpoint_bytes(&path),
+            "weight_card": status.weight_card,
         });
         if dest.as_os_str() == "-" {
             eprintln!("{stats}");

@@ -149,6 +149,9 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
             file.to_str().unwrap(),
         ])
         .args(["--max-tokens", "16", "--top-logprobs", "5", "--json"])
+        // Concurrency is the subject here: f32 activations keep a batched decode step's
+        // arithmetic (f32 GEMM beyond 8 rows) close to a lone row's (8-bit dots).
+        .arg("--exact-activations")
         .output()
         .unwrap();
     assert!(
@@ -163,7 +166,11 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
         .collect();
     assert_eq!(lines.len(), 64);
 
-    let mut generator = Generator::new(CpuBackend::default(), common::load(&model), 16);
+    let exact = CpuBackend {
+        exact_activations: true,
+        ..Default::default()
+    };
+    let mut generator = Generator::new(exact, common::load_on(&model, &exact), 16);
     let top5 = |v: &serde_json::Value| -> Vec<Vec<u32>> {
         v.as_array()
             .unwrap()

@@ -34,7 +34,11 @@ fn sharded_last_logits(model: &str, size: usize, prompt: &[u32]) -> Vec<Vec<f32>
         .map(|(rank, member)| {
             let (path, prompt) = (path.clone(), prompt.to_vec());
             std::thread::spawn(move || {
-                let backend = CpuBackend::default();
+                // Transformers' goldens hold with f32 activations.
+                let backend = CpuBackend {
+                    exact_activations: true,
+                    ..Default::default()
+                };
                 let shard = TpShard { rank, size };
                 let mut model = troupe::model::load_shard(&path, &backend, shard)
                     .unwrap()

@@ -87,6 +87,7 @@ impl ThreadLocalActor for RankWorker {
             let _ = myself.cast(RankMsg::ReadbackFailed(reason));
         };
         let readback = spawn_readback(args.shard.rank, failed, args.faults.clone())?;
+        let weights = model.weight_footprint();
         Ok(RankState {
             model: Some(model),
             block_size: args.block_size,
@@ -97,6 +98,7 @@ impl ThreadLocalActor for RankWorker {
             inputs: StepInputs::default(),
             readback,
             report: RankReport {
+                weights,
                 decode_curve,
                 cpu_cores,
             },

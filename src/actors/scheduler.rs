@@ -459,6 +459,16 @@ impl Actor for SchedulerActor {
                     st.status.tensor_parallel_size = workers.len();
                     st.workers = workers;
                     st.status.cpu_affinity = reports.iter().map(RankReport::cores).collect();
+                    st.status.resident_weight_bytes = reports
+                        .iter()
+                        .filter_map(|r| r.weights.as_ref())
+                        .map(|w| w.resident_bytes as u64)
+                        .sum();
+                    st.status.weight_card = reports
+                        .first()
+                        .and_then(|r| r.weights.as_ref())
+                        .map(|w| w.card())
+                        .unwrap_or_default();
                     // The leader measured it as it started (a lone rank only).
                     let curve = reports.into_iter().next().and_then(|r| r.decode_curve);
                     if let Some(curve) = curve {

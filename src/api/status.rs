@@ -52,4 +52,8 @@ pub struct EngineStatus {
     pub spec_accepted_by_position: [u64; MAX_SPEC_POSITIONS],
     /// Per rank, the cores its threads are pinned to (`0-15`), or `unpinned`.
     pub cpu_affinity: Vec<String>,
+    /// The weights' bytes on the devices, all ranks together (0: not counted).
+    pub resident_weight_bytes: u64,
+    /// What each tensor group runs in (the first rank's model card).
+    pub weight_card: String,
 }

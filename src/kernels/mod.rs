@@ -26,6 +26,7 @@ pub use paged_kv::{KvCacheShape, SeqAttention};
 use std::ops::Range;
 
 /// Tensor data in host memory, as the checkpoint stores it.
+#[derive(Clone)]
 pub enum HostData {
     F32(Vec<f32>),
     /// bf16 as the checkpoint stores it: a backend that keeps bf16 weights uploads it as
@@ -36,6 +37,9 @@ pub enum HostData {
         ggml_type: quant::GgmlType,
         bytes: Vec<u8>,
     },
+    /// Row blocks of different quantized formats stacked (a Q4_K_M file's q/k in Q4_K and
+    /// v in Q6_K): a backend keeps each part in its format or dequantizes them all.
+    Stacked(Vec<HostMatrix>),
     /// `--dummy-weights`: element i is `random_weight(seed, i, mean, half_width)`. A device
     /// backend makes them where they live, so no host memory or disk holds the model.
     Random {
@@ -62,6 +66,10 @@ impl HostData {
                 quant::dequantize(ggml_type, &bytes, &mut out);
                 out
             }
+            HostData::Stacked(parts) => parts
+                .into_iter()
+                .flat_map(|p| p.data.into_f32(p.rows * p.cols))
+                .collect(),
             HostData::Random {
                 seed,
                 mean,
@@ -76,6 +84,7 @@ impl HostData {
 /// A weight matrix as loaded from a checkpoint, before it is placed on a device.
 /// Row-major `[rows, cols]`: one row per output feature. A backend keeps quantized
 /// formats it has kernels for and dequantizes the rest.
+#[derive(Clone)]
 pub struct HostMatrix {
     pub rows: usize,
     pub cols: usize,
@@ -130,6 +139,10 @@ impl HostMatrix {
                     HostData::F32(take(&all, self.cols, &rows, &cols))
                 }
             }
+            stacked @ HostData::Stacked(_) => {
+                let all = stacked.into_f32(self.rows * self.cols);
+                HostData::F32(take(&all, self.cols, &rows, &cols))
+            }
             HostData::Random {
                 seed,
                 mean,
@@ -152,7 +165,8 @@ impl HostMatrix {
     }
 
     /// Stacks matrices with equal `cols` (q/k/v, gate/up) into one, so one kernel launch
-    /// does the work of several. Keeps a shared quantized format; mixed formats go f32.
+    /// does the work of several. Keeps a shared quantized format; quantized parts of mixed
+    /// formats stay apart as `Stacked`; anything else goes f32.
     pub fn concat_rows(parts: Vec<HostMatrix>) -> HostMatrix {
         let cols = parts[0].cols;
         let rows = parts.iter().map(|p| p.rows).sum();
@@ -214,6 +228,12 @@ impl HostMatrix {
                     })
                     .collect(),
             },
+            _ if parts
+                .iter()
+                .all(|p| matches!(p.data, HostData::Quantized { .. })) =>
+            {
+                HostData::Stacked(parts)
+            }
             _ => HostData::F32(
                 parts
                     .into_iter()
@@ -251,6 +271,8 @@ pub trait Backend: Send + Sync {
     where
         Self: Sized;
     fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;
+    /// Bytes `m` takes on the device, and what its weights run in (for the model card).
+    fn matrix_footprint(&self, m: &Self::Matrix) -> (usize, String);
     fn upload(&self, data: &[f32]) -> Self::Buf;
     /// A zeroed buffer of `len` floats.
     fn alloc(&self, len: usize) -> Self::Buf;

@@ -159,6 +159,7 @@ impl GgufSource<'_> {
             }
             // A permutation of random values is random values.
             HostData::Random { .. } => {}
+            HostData::Stacked(_) => unreachable!("a checkpoint tensor is never stacked"),
         }
     }
 

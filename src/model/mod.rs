@@ -117,6 +117,22 @@ fn load_gguf<B: Backend>(path: &Path, backend: &B, shard: TpShard) -> Result<Loa
 }
 
 /// Whether `path` is an HF directory holding a DeepSeek-V4 checkpoint.
+/// Bytes of the weight files at `path`: the GGUF file, or a directory's `.safetensors`.
+pub fn checkpoint_bytes(path: &Path) -> u64 {
+    let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    if !path.is_dir() {
+        return size(path);
+    }
+    std::fs::read_dir(path)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .map(|p| size(&p))
+        .sum()
+}
+
 pub fn is_deepseek_v4_dir(path: &Path) -> bool {
     path.is_dir()
         && read_json(&path.join("config.json"))

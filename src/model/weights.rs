@@ -115,6 +115,55 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+/// What the weights take on the device, and what each tensor group runs in.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WeightFootprint {
+    pub resident_bytes: usize,
+    /// Tensor group and its formats (distinct ones, in layer order, `/`-joined).
+    pub groups: Vec<(&'static str, String)>,
+}
+
+impl WeightFootprint {
+    /// `embed Q8_0 × q8, attn_qkv Q4_K+Q6_K × q8 / Q4_K × q8, ...`: the model card.
+    pub fn card(&self) -> String {
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|(g, f)| format!("{g} {f}"))
+            .collect();
+        groups.join(", ")
+    }
+}
+
+impl<B: Backend> Weights<B> {
+    pub fn footprint(&self, backend: &B) -> WeightFootprint {
+        let mut out = WeightFootprint::default();
+        let mut group = |name: &'static str, matrices: Vec<&B::Matrix>| {
+            let mut formats: Vec<String> = Vec::new();
+            for m in matrices {
+                let (bytes, format) = backend.matrix_footprint(m);
+                out.resident_bytes += bytes;
+                if !formats.contains(&format) {
+                    formats.push(format);
+                }
+            }
+            if !formats.is_empty() {
+                out.groups.push((name, formats.join(" / ")));
+            }
+        };
+        group("embed", vec![&self.embed]);
+        group("lm_head", self.lm_head.iter().collect());
+        group("attn_qkv", self.layers.iter().map(|l| &l.wqkv).collect());
+        group("attn_out", self.layers.iter().map(|l| &l.wo).collect());
+        group(
+            "ffn_gate_up",
+            self.layers.iter().map(|l| &l.w_gate_up).collect(),
+        );
+        group("ffn_down", self.layers.iter().map(|l| &l.w_down).collect());
+        out
+    }
+}
+
 impl<B: Backend> Weights<B> {
     /// The weights of tensor-parallel rank `shard` of the model `cfg` describes (whole:
     /// `TpShard::WHOLE`); `cfg` is the full model's.

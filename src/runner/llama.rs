@@ -192,6 +192,9 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn device_label(&self) -> String {
         self.backend.device_name()
     }
+    fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
+        Some(self.model.weights.footprint(&self.backend))
+    }
 }
 
 /// The model at `path` (this rank's shard; seeded weights with `--dummy-weights`) and a KV
@@ -218,6 +221,15 @@ pub(super) fn load_on<B: Backend + 'static>(
     args: &RankArgs,
 ) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
     let (model, cache) = load_with_cache(&args.model_path, &backend, args)?;
+    if args.shard.is_leader() {
+        let footprint = model.weights.footprint(&backend);
+        tracing::info!(
+            "model card: {} MB of weights resident per rank ({} MB in the checkpoint): {}",
+            footprint.resident_bytes >> 20,
+            crate::model::checkpoint_bytes(&args.model_path) >> 20,
+            footprint.card()
+        );
+    }
     let draft = match &args.draft_model_path {
         Some(path) => {
             let (draft_model, draft_cache) = load_with_cache(path, &backend, args)?;

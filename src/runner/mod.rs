@@ -38,6 +38,8 @@ use sampled_tokens::SampledTokens;
 #[derive(Debug, Clone, Default)]
 pub struct RankReport {
     pub decode_curve: Option<crate::spec::LatencyCurve>,
+    /// The rank's weights on its device (`None`: the model does not count them).
+    pub weights: Option<crate::model::weights::WeightFootprint>,
     /// `None`: not pinned.
     pub cpu_cores: Option<Vec<usize>>,
 }
@@ -119,6 +121,10 @@ pub trait DeviceModel: Send {
     fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError>;
     /// The hardware, for keying measurements.
     fn device_label(&self) -> String;
+    /// What the weights take on the device and run in.
+    fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
+        None
+    }
 }
 
 /// The model at `args.model_path` on `args.device`, loaded.

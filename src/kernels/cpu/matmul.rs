@@ -1,16 +1,18 @@
 //! `out[m, n] = x[m, k] · wᵀ` with `w` stored `[n, k]` (one row per output feature).
 //!
-//! Decode (few rows) is bandwidth-bound: each weight row is streamed once, in its
-//! quantized form, and dotted with every activation row while it is in cache; rows are
-//! split across threads. Prefill (many rows) is compute-bound: panels of weight rows are
-//! expanded to f32 and multiplied by the `gemm` crate's packed, blocked kernels.
+//! Packed (GGML) weights always take the integer row-dot path against 8-bit
+//! activations: each weight row is streamed once, in its quantized form, and dotted with
+//! every activation row while it is in cache; rows are split across threads. With f32
+//! activations (`--exact-activations`, f32 weights), decode (few rows) takes row dots and
+//! prefill (many rows) is compute-bound: panels of weight rows are expanded to f32 and
+//! multiplied by the `gemm` crate's packed, blocked kernels.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
 use super::packed::{Q8Act, row_dot};
-use super::qmatrix::{CpuMatrix, QBLOCK, block_sums};
+use super::qmatrix::{CpuMatrix, PackedPart, QBLOCK, block_sums};
 
 /// Above this many activation rows, a blocked GEMM beats row dots.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -48,7 +50,7 @@ pub fn matmul(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32], batch_invaria
     );
     if batch_invariant {
         super::invariant_gemm::matmul_invariant(x, m, w, out);
-    } else if m <= GEMV_MAX_ROWS {
+    } else if m <= GEMV_MAX_ROWS || matches!(w, CpuMatrix::Packed { .. }) {
         gemv_rows(x, m, w, out);
     } else if let CpuMatrix::F32 { data, .. } = w {
         // SAFETY: the assert above bounds every index the strides reach.
@@ -117,25 +119,8 @@ pub(crate) unsafe fn gemm_f32(
 
 fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
     let (n, k) = (w.rows(), w.cols());
-    if let CpuMatrix::Packed {
-        ggml_type, bytes, ..
-    } = w
-    {
-        let (Some(dot4), Some(dot1)) = (row_dot::<4>(*ggml_type), row_dot::<1>(*ggml_type)) else {
-            unreachable!("a Packed matrix is only made of a type with a row dot")
-        };
-        let row_bytes = bytes.len() / n;
-        let weights = |j: usize| &bytes[j * row_bytes..(j + 1) * row_bytes];
-        let mut act = Q8Act::default();
-        act.quantize(x, m, k);
-        sweep(
-            m,
-            n,
-            out,
-            |j, rows| dot4(weights(j), rows.map(|i| act.row(i))),
-            |j, i| dot1(weights(j), [act.row(i)])[0],
-        );
-        return;
+    if let CpuMatrix::Packed { parts, .. } = w {
+        return gemv_packed(x, m, parts, n, k, out);
     }
     let nb = k / QBLOCK;
     let mut sums = Vec::new();
@@ -161,6 +146,59 @@ fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
         |j, rows| w.dot_rows::<4>(j, rows.map(x_row), rows.map(sum_row)),
         |j, i| w.dot_rows::<1>(j, [x_row(i)], [sum_row(i)])[0],
     );
+}
+
+/// Packed weights against 8-bit activations: tasks of `ROWS_PER_TASK` weight rows of
+/// one part each, every group of four activation rows swept over a task's rows (which
+/// stay in L1) by one kernel call.
+fn gemv_packed(x: &[f32], m: usize, parts: &[PackedPart], n: usize, k: usize, out: &mut [f32]) {
+    let mut act = Q8Act::default();
+    act.quantize(x, m, k);
+    let mut tasks = Vec::new();
+    for part in parts {
+        let (Some(dot4), Some(dot1)) = (row_dot::<4>(part.ggml_type), row_dot::<1>(part.ggml_type))
+        else {
+            unreachable!("a Packed part is only made of a type with a row dot")
+        };
+        for start in (0..part.rows).step_by(ROWS_PER_TASK) {
+            let rows = start..(start + ROWS_PER_TASK).min(part.rows);
+            tasks.push((part, dot4, dot1, rows));
+        }
+    }
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let act = &act;
+    tasks.par_iter().for_each(|(part, dot4, dot1, rows)| {
+        let row_bytes = part.bytes.len() / part.rows;
+        let w = &part.bytes[rows.start * row_bytes..rows.end * row_bytes];
+        let first = part.first_row + rows.start;
+        let write = |i: usize, j: usize, v: f32| {
+            debug_assert!(i < m && first + j < n);
+            // SAFETY: (i, first + j) is written by this task only, i < m, first + j < n.
+            unsafe { *out_ptr.get().add(i * n + first + j) = v };
+        };
+        let mut four = [[0f32; 4]; ROWS_PER_TASK];
+        let mut one = [[0f32; 1]; ROWS_PER_TASK];
+        let mut i = 0;
+        while i + 4 <= m {
+            dot4(
+                w,
+                [i, i + 1, i + 2, i + 3].map(|r| act.row(r)),
+                &mut four[..rows.len()],
+            );
+            for (j, v) in four[..rows.len()].iter().enumerate() {
+                for (r, &v) in v.iter().enumerate() {
+                    write(i + r, j, v);
+                }
+            }
+            i += 4;
+        }
+        for r in i..m {
+            dot1(w, [act.row(r)], &mut one[..rows.len()]);
+            for (j, v) in one[..rows.len()].iter().enumerate() {
+                write(r, j, v[0]);
+            }
+        }
+    });
 }
 
 /// `out[i, j] = dot(j, i)` for `m` activation rows and `n` weight rows, weight rows split
@@ -249,7 +287,10 @@ mod tests {
         } else {
             2
         };
+        // Q6_K keeps its one scale at the end of the block.
+        let first = if ty == GgmlType::Q6K { 208 } else { 0 };
         for (b, blk) in bytes.chunks_exact_mut(bb).enumerate() {
+            let blk = &mut blk[first..];
             for s in (0..scale_bytes).step_by(2) {
                 let v = 0.01 + 0.001 * ((b * 7 + s) % 13) as f32 - if s == 2 { 0.02 } else { 0.0 };
                 blk[s..s + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
@@ -286,37 +327,101 @@ mod tests {
                         bytes: random_blocks(ty, n * k / ty.block_len(), (m * n * k) as u64),
                     }
                 };
-                let w_f32 = match &data {
-                    HostData::F32(v) => v.clone(),
-                    HostData::Quantized { ggml_type, bytes } => {
-                        let mut v = vec![0f32; n * k];
-                        crate::kernels::quant::dequantize(*ggml_type, bytes, &mut v);
-                        v
-                    }
-                    HostData::Random { .. } | HostData::Bf16(_) => {
-                        unreachable!("the test makes f32 and quantized weights only")
-                    }
+                let w_f32 = data.clone().into_f32(n * k);
+                let want = naive(&x, m, &w_f32, n, k);
+                let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+                let float_tolerance = 1e-5 * scale * (k as f32).sqrt();
+                // 8-bit activations (packed weights, decode-sized m) move a product by at
+                // most Σ |w| · d / 2, d = the activation block's max / 127.
+                let rounding = |i: usize, j: usize| -> f32 {
+                    (0..k)
+                        .map(|t| {
+                            let b = &x[i * k + t / 32 * 32..i * k + t / 32 * 32 + 32];
+                            let d = b.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+                            w_f32[j * k + t].abs() * d / 2.0
+                        })
+                        .sum()
                 };
-                let w = CpuMatrix::from_host(HostMatrix {
+                let quantized = matches!(data, HostData::Quantized { .. });
+                let host = |data: HostData| HostMatrix {
                     rows: n,
                     cols: k,
                     data,
-                });
-                let mut out = vec![f32::NAN; m * n];
-                matmul(&x, m, &w, &mut out, false);
-                let mut invariant = vec![f32::NAN; m * n];
-                matmul(&x, m, &w, &mut invariant, true);
-                let want = naive(&x, m, &w_f32, n, k);
-                let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
-                for (a, b) in out.iter().chain(&invariant).zip(want.iter().cycle()) {
-                    assert!(
-                        (a - b).abs() < 1e-5 * scale * (k as f32).sqrt(),
-                        "{ty:?} m={m} n={n} k={k}: {a} vs {b}"
-                    );
+                };
+                let mut layouts = vec![(false, CpuMatrix::from_host(host(data.clone())))];
+                if quantized {
+                    layouts.push((true, CpuMatrix::from_host_exact(host(data))));
                 }
-                if batch_invariant_rows_equal_alone(&x, m, &w, &invariant).is_err() {
-                    panic!("{ty:?} m={m}: a row in the batch differs from the row alone");
+                for (exact, w) in layouts {
+                    let eight_bit = quantized && !exact;
+                    let mut out = vec![f32::NAN; m * n];
+                    matmul(&x, m, &w, &mut out, false);
+                    for (idx, (a, b)) in out.iter().zip(&want).enumerate() {
+                        let (i, j) = (idx / n, idx % n);
+                        let bound = float_tolerance + if eight_bit { rounding(i, j) } else { 0.0 };
+                        assert!(
+                            (a - b).abs() <= bound,
+                            "{ty:?} exact {exact} m={m} n={n} k={k}: {a} vs {b}"
+                        );
+                    }
+                    let mut invariant = vec![f32::NAN; m * n];
+                    matmul(&x, m, &w, &mut invariant, true);
+                    for (a, b) in invariant.iter().zip(&want) {
+                        assert!(
+                            (a - b).abs() < float_tolerance,
+                            "{ty:?} invariant m={m} n={n} k={k}: {a} vs {b}"
+                        );
+                    }
+                    if batch_invariant_rows_equal_alone(&x, m, &w, &invariant).is_err() {
+                        panic!("{ty:?} m={m}: a row in the batch differs from the row alone");
+                    }
                 }
+            }
+        }
+    }
+
+    /// A Q4_K_M file's stacked q/k (Q4_K) and v (Q6_K): each part stays in its format,
+    /// resident bytes are the file's, and the product is the dequantized one within the
+    /// activations' rounding.
+    #[test]
+    fn stacked_parts_of_two_formats_stay_packed() {
+        let (k, parts) = (256, [(GgmlType::Q4K, 40), (GgmlType::Q6K, 24)]);
+        let hosts: Vec<HostMatrix> = parts
+            .iter()
+            .map(|&(ty, rows)| HostMatrix {
+                rows,
+                cols: k,
+                data: HostData::Quantized {
+                    ggml_type: ty,
+                    bytes: random_blocks(ty, rows * k / ty.block_len(), rows as u64),
+                },
+            })
+            .collect();
+        let file_bytes: usize = parts
+            .iter()
+            .map(|&(ty, r)| r * k / 256 * ty.block_bytes())
+            .sum();
+        let stacked = HostMatrix::concat_rows(hosts);
+        let n = stacked.rows;
+        let w_f32 = stacked.data.clone().into_f32(n * k);
+        let w = CpuMatrix::from_host(stacked);
+        assert_eq!(w.resident_bytes(), file_bytes);
+        assert_eq!(w.format(), "Q4K+Q6K × q8");
+        for m in [1, 5] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 23) as f32 - 11.0) / 11.0)
+                .collect();
+            let mut out = vec![f32::NAN; m * n];
+            matmul(&x, m, &w, &mut out, false);
+            let want = naive(&x, m, &w_f32, n, k);
+            for (idx, (a, b)) in out.iter().zip(&want).enumerate() {
+                let j = idx % n;
+                // |x| ≤ 1 per block here, so d ≤ 1/127.
+                let bound: f32 = w_f32[j * k..(j + 1) * k]
+                    .iter()
+                    .map(|v| v.abs() / 254.0)
+                    .sum();
+                assert!((a - b).abs() <= bound + 1e-4, "m={m} row {j}: {a} vs {b}");
             }
         }
     }
@@ -344,31 +449,36 @@ mod tests {
     }
 
     #[test]
-    fn without_the_mode_a_row_alone_and_in_a_large_batch_differ() {
+    fn without_the_mode_f32_rows_alone_and_batched_differ_and_packed_ones_do_not() {
         // The invariance checks could pass vacuously if the fast paths agreed by accident.
         let (m, n, k) = (37, 64, 512);
         let x: Vec<f32> = (0..m * k)
             .map(|i| ((i * 31 % 17) as f32 - 8.0) / 7.0)
             .collect();
-        let w = CpuMatrix::from_host(HostMatrix {
+        let host = || HostMatrix {
             rows: n,
             cols: k,
             data: HostData::Quantized {
                 ggml_type: GgmlType::Q4_1,
                 bytes: random_blocks(GgmlType::Q4_1, n * k / 32, 5),
             },
-        });
-        let mut batched = vec![0f32; m * n];
-        matmul(&x, m, &w, &mut batched, false);
-        let mut alone = vec![0f32; n];
-        let differs = (0..m).any(|i| {
-            matmul(&x[i * k..(i + 1) * k], 1, &w, &mut alone, false);
-            alone
-                .iter()
-                .zip(&batched[i * n..(i + 1) * n])
-                .any(|(a, b)| a.to_bits() != b.to_bits())
-        });
-        assert!(differs);
+        };
+        let differs = |w: &CpuMatrix| {
+            let mut batched = vec![0f32; m * n];
+            matmul(&x, m, w, &mut batched, false);
+            let mut alone = vec![0f32; n];
+            (0..m).any(|i| {
+                matmul(&x[i * k..(i + 1) * k], 1, w, &mut alone, false);
+                alone
+                    .iter()
+                    .zip(&batched[i * n..(i + 1) * n])
+                    .any(|(a, b)| a.to_bits() != b.to_bits())
+            })
+        };
+        // f32 activations: a blocked GEMM for the batch, row dots alone.
+        assert!(differs(&CpuMatrix::from_host_exact(host())));
+        // 8-bit activations: every row through the same integer kernel, whatever m is.
+        assert!(!differs(&CpuMatrix::from_host(host())));
     }
 
     #[test]

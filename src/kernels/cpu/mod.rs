@@ -94,6 +94,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn matrix_footprint(&self, m: &CpuMatrix) -> (usize, String) {
+        (m.resident_bytes(), m.format())
+    }
+
     fn upload(&self, data: &[f32]) -> Vec<f32> {
         data.to_vec()
     }

@@ -1,7 +1,9 @@
 //! Weight matrices in the CPU backend's layouts, and the row-dot kernels over them.
 //!
-//! By default every GGML-quantized tensor stays as the file's blocks (`Packed`) and
-//! decode multiplies it by 8-bit activations with integer dot products (`packed`).
+//! By default every GGML-quantized tensor stays as the file's blocks (`Packed`) and is
+//! multiplied by 8-bit activations with integer dot products (`packed`), whatever the
+//! number of rows: a row's product is then the same bits alone, in a batch, or beside
+//! a prefill chunk.
 //! With `--exact-activations` (`from_host_exact`), Q4_1 and Q8_0 are kept quantized
 //! (0.75 and 1.125 bytes a weight) and expanded to f32 inside the dot product, so the
 //! arithmetic stays that of the dequantized f32 model: activations are never quantized,
@@ -38,12 +40,12 @@ pub enum CpuMatrix {
         scales: Vec<f32>, // (rows, cols / 32)
         quants: Vec<i8>,  // (rows, cols)
     },
-    /// The file's blocks, row after row: the integer-dot path.
+    /// The file's blocks, row after row, in one part per format (stacked q/k/v of a
+    /// Q4_K_M file have two): the integer-dot path.
     Packed {
-        ggml_type: GgmlType,
         rows: usize,
         cols: usize,
-        bytes: Vec<u8>,
+        parts: Vec<PackedPart>,
     },
     /// Batch-invariant mode: f32, k-major panels of `PANEL` rows, the invariant GEMM's
     /// operand kept resident so no step expands weights again.
@@ -52,6 +54,23 @@ pub enum CpuMatrix {
         cols: usize,
         data: Vec<f32>, // (rows / PANEL rounded up, cols, PANEL)
     },
+}
+
+/// Rows `first_row..first_row + rows` of a `Packed` matrix, in one format.
+pub struct PackedPart {
+    pub ggml_type: GgmlType,
+    pub first_row: usize,
+    pub rows: usize,
+    pub bytes: Vec<u8>,
+}
+
+impl PackedPart {
+    /// The blocks of the matrix's row `r` (which this part holds).
+    pub fn row(&self, r: usize) -> &[u8] {
+        let row_bytes = self.bytes.len() / self.rows;
+        let i = r - self.first_row;
+        &self.bytes[i * row_bytes..(i + 1) * row_bytes]
+    }
 }
 
 /// Output columns (weight rows) per invariant-GEMM panel: two AVX-512 registers.
@@ -64,21 +83,36 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 impl CpuMatrix {
     /// Quantized tensors stay packed for the integer-dot path; float ones become f32.
     pub fn from_host(m: HostMatrix) -> Self {
-        match m.data {
-            HostData::Quantized { ggml_type, bytes } if packed::is_packed(ggml_type) => {
-                CpuMatrix::Packed {
-                    ggml_type,
+        let packable = |d: &HostData| matches!(d, HostData::Quantized { ggml_type, .. } if packed::is_packed(*ggml_type));
+        let parts = match m.data {
+            HostData::Quantized { .. } if packable(&m.data) => vec![m],
+            HostData::Stacked(parts) if parts.iter().all(|p| packable(&p.data)) => parts,
+            data => {
+                return CpuMatrix::F32 {
                     rows: m.rows,
                     cols: m.cols,
+                    data: data.into_f32(m.rows * m.cols),
+                };
+            }
+        };
+        let (rows, cols) = (parts.iter().map(|p| p.rows).sum(), parts[0].cols);
+        let mut first_row = 0;
+        let parts = parts
+            .into_iter()
+            .map(|p| {
+                let HostData::Quantized { ggml_type, bytes } = p.data else {
+                    unreachable!("every part was checked to be quantized")
+                };
+                first_row += p.rows;
+                PackedPart {
+                    ggml_type,
+                    first_row: first_row - p.rows,
+                    rows: p.rows,
                     bytes,
                 }
-            }
-            data => CpuMatrix::F32 {
-                rows: m.rows,
-                cols: m.cols,
-                data: data.into_f32(m.rows * m.cols),
-            },
-        }
+            })
+            .collect();
+        CpuMatrix::Packed { rows, cols, parts }
     }
 
     /// The f32-activation layouts of `--exact-activations`.
@@ -169,6 +203,17 @@ impl CpuMatrix {
         CpuMatrix::Panels { rows, cols, data }
     }
 
+    /// The part of a `Packed` matrix that holds row `r`.
+    pub fn part_of(&self, r: usize) -> &PackedPart {
+        let CpuMatrix::Packed { parts, .. } = self else {
+            panic!("part_of asks a Packed matrix")
+        };
+        parts
+            .iter()
+            .find(|p| r < p.first_row + p.rows)
+            .expect("row inside the matrix")
+    }
+
     /// Bytes the weights take in memory.
     pub fn resident_bytes(&self) -> usize {
         match self {
@@ -180,7 +225,7 @@ impl CpuMatrix {
                 ..
             } => (scales.len() + mins.len()) * 4 + nibbles.len(),
             CpuMatrix::Q8_0 { scales, quants, .. } => scales.len() * 4 + quants.len(),
-            CpuMatrix::Packed { bytes, .. } => bytes.len(),
+            CpuMatrix::Packed { parts, .. } => parts.iter().map(|p| p.bytes.len()).sum(),
         }
     }
 
@@ -191,7 +236,12 @@ impl CpuMatrix {
             CpuMatrix::Panels { .. } => "f32 panels".into(),
             CpuMatrix::Q4_1 { .. } => "Q4_1 × f32".into(),
             CpuMatrix::Q8_0 { .. } => "Q8_0 × f32".into(),
-            CpuMatrix::Packed { ggml_type, .. } => format!("{ggml_type:?} × q8"),
+            CpuMatrix::Packed { parts, .. } => {
+                let mut names: Vec<String> =
+                    parts.iter().map(|p| format!("{:?}", p.ggml_type)).collect();
+                names.dedup();
+                format!("{} × q8", names.join("+"))
+            }
         }
     }
 
@@ -229,12 +279,9 @@ impl CpuMatrix {
                     }
                 }
             }
-            CpuMatrix::Packed {
-                ggml_type, bytes, ..
-            } => {
-                let row_bytes = bytes.len() / self.rows();
-                let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                crate::kernels::quant::dequantize(*ggml_type, row, &mut out[..k]);
+            CpuMatrix::Packed { .. } => {
+                let part = self.part_of(r);
+                crate::kernels::quant::dequantize(part.ggml_type, part.row(r), &mut out[..k]);
             }
             CpuMatrix::Panels { data, .. } => {
                 let (p, c) = (r / PANEL, r % PANEL);

@@ -54,6 +54,10 @@ impl Backend for CudaBackend {
         self.upload_weights(m)
     }
 
+    fn matrix_footprint(&self, m: &CudaMatrix) -> (usize, String) {
+        (m.rows * m.cols * 2, "bf16".into())
+    }
+
     fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
         check(self.stream.clone_htod(data), "upload")
     }

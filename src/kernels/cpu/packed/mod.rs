@@ -88,8 +88,10 @@ fn round_half_even(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
-/// `w · x` for one weight row (whole blocks of the file) and `R` activation rows.
-pub type RowDot<const R: usize> = fn(&[u8], [Q8Row<'_>; R]) -> [f32; R];
+/// `out[j][i] = w_j · x_i` for the `out.len()` weight rows held in `w` (whole blocks of
+/// the file, row after row) and `R` activation rows. One call serves a run of rows, so
+/// the checks and the dispatch are paid once per run, not once per row.
+pub type RowDot<const R: usize> = fn(&[u8], [Q8Row<'_>; R], &mut [[f32; R]]);
 
 /// Whether `ty` has an integer dot product here.
 pub fn is_packed(ty: GgmlType) -> bool {
@@ -130,23 +132,39 @@ fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> 
     })
 }
 
-/// Panics unless `w` is whole blocks and every row covers as many elements.
-fn check_shapes<F: BlockFormat, const R: usize>(w: &[u8], xs: &[Q8Row<'_>; R]) -> usize {
-    assert_eq!(w.len() % F::BYTES, 0, "a partial {:?} block", F::TYPE);
-    let blocks = w.len() / F::BYTES;
-    let k = blocks * F::SUBS * ACT_BLOCK;
+/// The bytes of one weight row; panics unless `w` is `rows` rows of whole blocks and
+/// every activation row covers as many elements.
+fn check_shapes<F: BlockFormat, const R: usize>(
+    w: &[u8],
+    rows: usize,
+    xs: &[Q8Row<'_>; R],
+) -> usize {
+    assert!(
+        rows > 0 && w.len().is_multiple_of(rows),
+        "{} bytes are not {rows} rows",
+        w.len()
+    );
+    let row_bytes = w.len() / rows;
+    assert_eq!(row_bytes % F::BYTES, 0, "a partial {:?} block", F::TYPE);
+    let k = row_bytes / F::BYTES * F::SUBS * ACT_BLOCK;
     for x in xs {
         assert!(
             x.quants.len() >= k && x.scales.len() >= k / ACT_BLOCK && x.sums.len() >= k / 16,
             "activation row shorter than the weight row"
         );
     }
-    blocks
+    row_bytes
 }
 
 /// The vector kernels' arithmetic in scalar code, lane for lane.
-fn dot_scalar<F: BlockFormat, const R: usize>(w: &[u8], xs: [Q8Row<'_>; R]) -> [f32; R] {
-    check_shapes::<F, R>(w, &xs);
+fn dot_scalar<F: BlockFormat, const R: usize>(w: &[u8], xs: [Q8Row<'_>; R], out: &mut [[f32; R]]) {
+    let row_bytes = check_shapes::<F, R>(w, out.len(), &xs);
+    for (row, o) in w.chunks_exact(row_bytes).zip(out) {
+        *o = dot_row_scalar::<F, R>(row, xs);
+    }
+}
+
+fn dot_row_scalar<F: BlockFormat, const R: usize>(w: &[u8], xs: [Q8Row<'_>; R]) -> [f32; R] {
     let mut acc = [[0f32; 8]; R];
     let mut min_acc = [[0f32; 2]; R];
     let (mut scales, mut mins, mut q) = ([0f32; 16], [0f32; 16], [0i8; 32]);

@@ -58,6 +58,13 @@ fn activations(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// One weight row's dot with `R` activation rows on `path`.
+fn dot_on<const R: usize>(ty: GgmlType, path: CpuPath, w: &[u8], xs: [Q8Row<'_>; R]) -> [f32; R] {
+    let mut out = [[0f32; R]; 1];
+    row_dot_on::<R>(ty, path).unwrap()(w, xs, &mut out);
+    out[0]
+}
+
 fn paths() -> Vec<CpuPath> {
     [CpuPath::Scalar, CpuPath::Avx2, CpuPath::Avx512Vnni]
         .into_iter()
@@ -81,8 +88,7 @@ fn every_format_matches_its_dequantization_within_the_activation_rounding() {
             let mut act = Q8Act::default();
             act.quantize(&x, 1, cols);
             let row = act.row(0);
-            let dot = row_dot_on::<1>(ty, CpuPath::Scalar).unwrap();
-            let got = dot(&w, [row])[0] as f64;
+            let got = dot_on::<1>(ty, CpuPath::Scalar, &w, [row])[0] as f64;
             let (mut rounded, mut exact, mut magnitude, mut bound) = (0f64, 0f64, 0f64, 0f64);
             for i in 0..cols {
                 let d = row.scales[i / ACT_BLOCK] as f64;
@@ -116,10 +122,10 @@ fn every_path_gives_the_same_bits_whatever_shares_the_call() {
         let mut act = Q8Act::default();
         act.quantize(&x, 4, cols);
         let rows = [0, 1, 2, 3].map(|i| act.row(i));
-        let want = row_dot_on::<4>(ty, CpuPath::Scalar).unwrap()(&w, rows);
+        let want = dot_on::<4>(ty, CpuPath::Scalar, &w, rows);
         for path in paths() {
-            let four = row_dot_on::<4>(ty, path).unwrap()(&w, rows);
-            let alone = row_dot_on::<1>(ty, path).unwrap()(&w, [rows[2]])[0];
+            let four = dot_on::<4>(ty, path, &w, rows);
+            let alone = dot_on::<1>(ty, path, &w, [rows[2]])[0];
             for i in 0..4 {
                 assert_eq!(
                     four[i].to_bits(),

@@ -12,42 +12,61 @@ use crate::kernels::cpu::simd::{CpuPath, cpu_path};
 pub(super) fn dot_avx2_checked<F: BlockFormat, const R: usize>(
     w: &[u8],
     xs: [Q8Row<'_>; R],
-) -> [f32; R] {
+    out: &mut [[f32; R]],
+) {
     assert!(cpu_path() >= CpuPath::Avx2);
-    // SAFETY: AVX2 and FMA are present (asserted); shapes are checked inside.
-    unsafe { dot_avx2::<F, R>(w, xs) }
+    let row_bytes = check_shapes::<F, R>(w, out.len(), &xs);
+    // SAFETY: AVX2, FMA and F16C are present (asserted); shapes are checked above.
+    unsafe { dot_avx2::<F, R>(w, row_bytes, xs, out) }
 }
 
 /// Only handed out by `row_dot` when `cpu_path()` is AVX-512 VNNI.
 pub(super) fn dot_vnni_checked<F: BlockFormat, const R: usize>(
     w: &[u8],
     xs: [Q8Row<'_>; R],
-) -> [f32; R] {
+    out: &mut [[f32; R]],
+) {
     assert!(cpu_path() >= CpuPath::Avx512Vnni);
-    // SAFETY: AVX-512 F/VL/VNNI are present (asserted); shapes are checked inside.
-    unsafe { dot_vnni::<F, R>(w, xs) }
+    let row_bytes = check_shapes::<F, R>(w, out.len(), &xs);
+    // SAFETY: AVX-512 F/VL/VNNI are present (asserted); shapes are checked above.
+    unsafe { dot_vnni::<F, R>(w, row_bytes, xs, out) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_avx2<F: BlockFormat, const R: usize>(w: &[u8], xs: [Q8Row<'_>; R]) -> [f32; R] {
-    // SAFETY: the features `dot` needs are enabled here.
-    unsafe { dot::<F, R, false>(w, xs) }
+unsafe fn dot_avx2<F: BlockFormat, const R: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    xs: [Q8Row<'_>; R],
+    out: &mut [[f32; R]],
+) {
+    for (row, o) in w.chunks_exact(row_bytes).zip(out) {
+        // SAFETY: the features `dot` needs are enabled here; the caller checked shapes.
+        *o = unsafe { dot::<F, R, false>(row, xs) };
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-unsafe fn dot_vnni<F: BlockFormat, const R: usize>(w: &[u8], xs: [Q8Row<'_>; R]) -> [f32; R] {
-    // SAFETY: the features `dot` needs are enabled here.
-    unsafe { dot::<F, R, true>(w, xs) }
+unsafe fn dot_vnni<F: BlockFormat, const R: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    xs: [Q8Row<'_>; R],
+    out: &mut [[f32; R]],
+) {
+    for (row, o) in w.chunks_exact(row_bytes).zip(out) {
+        // SAFETY: the features `dot` needs are enabled here; the caller checked shapes.
+        *o = unsafe { dot::<F, R, true>(row, xs) };
+    }
 }
 
-/// Inlined into the two entry points above, which enable its instructions.
+/// One weight row (whole blocks; activation rows at least as long, checked by the
+/// caller). Inlined into the two entry points above, which enable its instructions.
 #[inline(always)]
 unsafe fn dot<F: BlockFormat, const R: usize, const VNNI: bool>(
     w: &[u8],
     xs: [Q8Row<'_>; R],
 ) -> [f32; R] {
-    let blocks = check_shapes::<F, R>(w, &xs);
-    // SAFETY: `check_shapes` bounds every block and activation index read below.
+    let blocks = w.len() / F::BYTES;
+    // SAFETY: the caller's `check_shapes` bounds every block and activation index below.
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); R];
