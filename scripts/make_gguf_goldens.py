@@ -257,28 +257,35 @@ def make_tiny_gguf():
 
     for arch in ("llama", "qwen2"):
         write_tiny_gguf(arch, OUT / f"tiny-{arch}.gguf")
-    write_tiny_gguf("llama", OUT / "tiny-llama-q8.gguf", qtype=T.Q8_0)
-
-    # Reference for the Q8_0 file: the HF model with its weights replaced by the values the
-    # file dequantizes to (read back with GGUFReader + gguf-py's dequantize).
+    # Each legacy block format gguf-py can quantize (K-quants and IQ4 have no quantizer
+    # there, and need rows of 256: tiny-llama's are 64 wide).
+    quantized = {"tiny-llama-q8": T.Q8_0, "tiny-llama-q4_0": T.Q4_0, "tiny-llama-q4_1": T.Q4_1,
+                 "tiny-llama-q5_0": T.Q5_0, "tiny-llama-q5_1": T.Q5_1}
     d = OUT / "tiny-llama"
     hp = AutoConfig.from_pretrained(d).to_dict()
-    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    model.eval()
-    sd = gguf_hf_state_dict(OUT / "tiny-llama-q8.gguf", "llama", hp)
-    assert set(sd) == set(model.state_dict()), set(sd) ^ set(model.state_dict())
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()}, strict=True)
     ref = json.loads((d / "reference.json").read_text())
-    cases = logit_cases(model, torch, [c["prompt_ids"] for c in ref["cases"]])
-    for c, r in zip(cases, ref["cases"]):
-        print(f"  tiny-llama-q8 len {len(c['prompt_ids'])}: greedy {c['greedy']} "
-              f"(f32 {'same' if c['greedy'] == r['greedy'] else 'differs'}), "
-              f"logits vs f32 max rel diff {max_rel_err(c['last_logits'], r['last_logits']):.2e}")
-    write_json(OUT / "tiny-llama-q8.reference.json", {"cases": cases})
+    for name, qtype in quantized.items():
+        write_tiny_gguf("llama", OUT / f"{name}.gguf", qtype=qtype)
+        # Reference: the HF model with its weights replaced by the values the file
+        # dequantizes to (read back with GGUFReader + gguf-py's dequantize).
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        model.eval()
+        sd = gguf_hf_state_dict(OUT / f"{name}.gguf", "llama", hp)
+        assert set(sd) == set(model.state_dict()), set(sd) ^ set(model.state_dict())
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()}, strict=True)
+        cases = logit_cases(model, torch, [c["prompt_ids"] for c in ref["cases"]])
+        for c, r in zip(cases, ref["cases"]):
+            print(f"  {name} len {len(c['prompt_ids'])}: greedy {c['greedy']} "
+                  f"(f32 {'same' if c['greedy'] == r['greedy'] else 'differs'}), "
+                  f"logits vs f32 max rel diff {max_rel_err(c['last_logits'], r['last_logits']):.2e}")
+        write_json(OUT / f"{name}.reference.json", {"cases": cases})
+        if qtype == T.Q8_0:
+            # transformers' own GGUF reader agrees with gguf-py's on Q8_0 only; the
+            # references above come from gguf-py's dequantization for every format.
+            check_tiny_gguf("llama", f"{name}.gguf", {"cases": cases})
 
     for arch in ("llama", "qwen2"):
         check_tiny_gguf(arch, f"tiny-{arch}.gguf", json.loads((OUT / f"tiny-{arch}" / "reference.json").read_text()))
-    check_tiny_gguf("llama", "tiny-llama-q8.gguf", {"cases": cases})
 
 
 # ---------------------------------------------------------------------------

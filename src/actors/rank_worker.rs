@@ -77,6 +77,13 @@ impl ThreadLocalActor for RankWorker {
         }
         let (cpu_cores, pool) = affinity::place_rank(args.cpu_affinity, args.device, args.shard);
         let mut model = load_model(&args)?;
+        // Loading frees as much as it keeps (file copies, stacked parts): hand it back to
+        // the OS so resident memory is the weights, not the weights and their scaffolding.
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: malloc_trim only returns free heap memory to the kernel.
+        unsafe {
+            libc::malloc_trim(0);
+        }
         let decode_curve = args.decode_curve.as_ref().and_then(|job| {
             in_pool(pool.as_ref(), || {
                 decode_curve::measure(job, model.as_mut(), args.block_size, args.num_kv_blocks)

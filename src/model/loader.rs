@@ -110,6 +110,7 @@ impl GgufSource<'_> {
                 bytes: bytes.to_vec(),
             },
         };
+        self.gguf.release(info);
         let dims = info.dims.iter().rev().map(|&d| d as usize).collect();
         Ok(Some(HostTensor {
             dims,

@@ -323,6 +323,26 @@ impl GgufFile {
         // Bounds were checked in `parse`.
         &self.mmap[info.offset..info.offset + info.num_bytes]
     }
+
+    /// Drops the file pages of a tensor already copied out, so the mapping does not keep
+    /// a second copy of the weights resident while the rest loads (peak RSS ≈ the file,
+    /// not twice it). A later read faults the same bytes in again from the file.
+    pub fn release(&self, info: &TensorInfo) {
+        const PAGE: usize = 4096;
+        let start = info.offset.div_ceil(PAGE) * PAGE;
+        let end = (info.offset + info.num_bytes) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: the mapping is private and read-only, so no writes are discarded:
+            // dropped pages read back the file's bytes unchanged.
+            let _ = unsafe {
+                self.mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    end - start,
+                )
+            };
+        }
+    }
 }
 
 #[cfg(test)]
