@@ -154,3 +154,37 @@ fn activation_rounding_is_half_to_even_and_zero_rows_stay_zero() {
     let zero = act.row(1);
     assert!(zero.quants.iter().all(|&q| q == 0) && zero.scales[0] == 0.0);
 }
+
+/// A run of weight rows in one call (decode pairs them: two chains per call) gives each
+/// row the bits it gets alone, on every path.
+#[test]
+fn a_run_of_weight_rows_gives_each_row_its_lone_bits() {
+    for (ty, _) in F16_FIELDS {
+        let (blocks, rows) = (2, 5);
+        let cols = blocks * ty.block_len();
+        let w: Vec<u8> = (0..rows)
+            .flat_map(|r| random_row(ty, blocks, 40 + r))
+            .collect();
+        let x = activations(1, cols, 3);
+        let mut act = Q8Act::default();
+        act.quantize(&x, 1, cols);
+        let row_bytes = w.len() / rows as usize;
+        for path in paths() {
+            let mut out = vec![[0f32; 1]; rows as usize];
+            row_dot_on::<1>(ty, path).unwrap()(&w, [act.row(0)], &mut out);
+            for (r, got) in out.iter().enumerate() {
+                let alone = dot_on::<1>(
+                    ty,
+                    CpuPath::Scalar,
+                    &w[r * row_bytes..(r + 1) * row_bytes],
+                    [act.row(0)],
+                );
+                assert_eq!(
+                    got[0].to_bits(),
+                    alone[0].to_bits(),
+                    "{ty:?} {path:?} row {r}"
+                );
+            }
+        }
+    }
+}
