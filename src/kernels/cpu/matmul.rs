@@ -11,8 +11,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::exact_dot::block_sums;
 use super::packed::{Q8Act, row_dot};
-use super::qmatrix::{CpuMatrix, PackedPart, QBLOCK, block_sums};
+use super::qmatrix::{CpuMatrix, PackedPart, QBLOCK};
 
 /// Above this many activation rows, a blocked GEMM beats row dots.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -523,7 +524,7 @@ mod tests {
 
     #[test]
     fn simd_and_scalar_block_dots_agree() {
-        use super::super::qmatrix::{dot_q4_1, dot_q4_1_scalar, dot_q8_0, dot_q8_0_scalar};
+        use super::super::exact_dot::{dot_q4_1, dot_q4_1_scalar, dot_q8_0, dot_q8_0_scalar};
         let nb = 9;
         let d: Vec<f32> = (0..nb).map(|b| 0.01 * (b as f32 + 1.0)).collect();
         let nibbles: Vec<u8> = (0..nb * 16)

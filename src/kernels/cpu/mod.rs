@@ -3,6 +3,7 @@
 
 mod attention;
 pub mod deepseek_v4;
+pub mod exact_dot;
 mod invariant_gemm;
 pub mod matmul;
 pub mod packed;
