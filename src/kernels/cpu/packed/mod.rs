@@ -1,10 +1,13 @@
 //! GGML-quantized weights kept as the file's blocks, multiplied by 8-bit-quantized
 //! activations with integer dot products, as llama.cpp does.
 //!
-//! Activations are quantized per 32 elements (`d = max|x| / 127`, round half to even),
-//! finer than llama.cpp's 256-element Q8_K for the K-quants. Per 32 weights and row the
-//! kernel forms eight 4-element integer sums (exact), converts them and accumulates
-//! `sum · scale · d` in eight f32 lanes (in registers: one chain per row); formats with a min
+//! Activations are quantized to 8 bits with one scale per 4 elements (`d = max|x| / 127`,
+//! round half to even): the kernel's integer sums cover 4 elements each, so a scale per
+//! sum costs one vector load instead of a broadcast, and the rounding is far finer than
+//! llama.cpp's per-32 (Q8_0/Q8_1) or per-256 (Q8_K) scales — outliers no longer coarsen
+//! their neighbours. Per 32 weights and row the kernel forms eight 4-element integer
+//! sums (exact), converts them and accumulates `sum · scale · d` in eight f32 lanes (in
+//! registers: one chain per row); formats with a min
 //! add `min · Σx` per 16 elements in two more lanes. The scalar kernel mirrors the vector lanes
 //! operation for operation, so every path gives the same bits (tested): a result does
 //! not depend on the CPU it ran on, nor on the rows that share the call.
@@ -18,11 +21,13 @@ use formats::BlockFormat;
 use super::simd::{CpuPath, cpu_path};
 use crate::kernels::quant::GgmlType;
 
-/// Elements per activation block.
+/// Elements per activation block (the weights' sub-block).
 pub const ACT_BLOCK: usize = 32;
+/// Elements per activation scale: one integer sum of the kernel.
+pub const ACT_GROUP: usize = 4;
 
-/// Rows of activations quantized to 8 bits: per 32 elements a scale `d`, per 16 the sum
-/// `d · Σq` that the min terms multiply.
+/// Rows of activations quantized to 8 bits: per 4 elements a scale `d`, per 16 the sum
+/// `Σ d · q` that the min terms multiply.
 #[derive(Default)]
 pub struct Q8Act {
     cols: usize,
@@ -49,23 +54,30 @@ impl Q8Act {
         );
         self.cols = cols;
         self.quants.resize(rows * cols, 0);
-        self.scales.resize(rows * cols / ACT_BLOCK, 0.0);
+        self.scales.resize(rows * cols / ACT_GROUP, 0.0);
         self.sums.resize(rows * cols / 16, 0.0);
-        let blocks = x[..rows * cols].chunks_exact(ACT_BLOCK);
-        let quants = self.quants.chunks_exact_mut(ACT_BLOCK);
-        let sums = self.sums.chunks_exact_mut(2);
-        for (((xb, qb), d_out), sum_out) in blocks.zip(quants).zip(&mut self.scales).zip(sums) {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let groups = x[..rows * cols].chunks_exact(ACT_GROUP);
+        let quants = self.quants.chunks_exact_mut(ACT_GROUP);
+        for ((xg, qg), d_out) in groups.zip(quants).zip(&mut self.scales) {
+            let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (q, &v) in qb.iter_mut().zip(xb) {
+            for (q, &v) in qg.iter_mut().zip(xg) {
                 *q = round_half_even(v * inv) as i8;
             }
             *d_out = d;
-            for (h, s) in sum_out.iter_mut().enumerate() {
-                let isum: i32 = qb[16 * h..16 * h + 16].iter().map(|&q| q as i32).sum();
-                *s = d * isum as f32;
-            }
+        }
+        let per_sum = 16 / ACT_GROUP;
+        let groups = self.quants.chunks_exact(ACT_GROUP).zip(&self.scales);
+        for (s, half) in self
+            .sums
+            .iter_mut()
+            .zip(groups.collect::<Vec<_>>().chunks_exact(per_sum))
+        {
+            *s = half
+                .iter()
+                .map(|(q, d)| *d * q.iter().map(|&v| v as i32).sum::<i32>() as f32)
+                .sum();
         }
     }
 
@@ -73,7 +85,7 @@ impl Q8Act {
         let k = self.cols;
         Q8Row {
             quants: &self.quants[i * k..(i + 1) * k],
-            scales: &self.scales[i * k / ACT_BLOCK..(i + 1) * k / ACT_BLOCK],
+            scales: &self.scales[i * k / ACT_GROUP..(i + 1) * k / ACT_GROUP],
             sums: &self.sums[i * k / 16..(i + 1) * k / 16],
         }
     }
@@ -149,7 +161,7 @@ fn check_shapes<F: BlockFormat, const R: usize>(
     let k = row_bytes / F::BYTES * F::SUBS * ACT_BLOCK;
     for x in xs {
         assert!(
-            x.quants.len() >= k && x.scales.len() >= k / ACT_BLOCK && x.sums.len() >= k / 16,
+            x.quants.len() >= k && x.scales.len() >= k / ACT_GROUP && x.sums.len() >= k / 16,
             "activation row shorter than the weight row"
         );
     }
@@ -175,12 +187,12 @@ fn dot_row_scalar<F: BlockFormat, const R: usize>(w: &[u8], xs: [Q8Row<'_>; R]) 
             let g = b * F::SUBS + sub;
             for (r, x) in xs.iter().enumerate() {
                 let xq = &x.quants[g * ACT_BLOCK..(g + 1) * ACT_BLOCK];
-                let d = x.scales[g];
+                let d = &x.scales[g * 8..g * 8 + 8];
                 for lane in 0..8 {
                     let isum: i32 = (4 * lane..4 * lane + 4)
                         .map(|e| q[e] as i32 * xq[e] as i32)
                         .sum();
-                    let scale = scales[2 * sub + lane / 4] * d;
+                    let scale = scales[2 * sub + lane / 4] * d[lane];
                     acc[r][lane] = (isum as f32).mul_add(scale, acc[r][lane]);
                 }
                 if F::HAS_MIN {

@@ -91,7 +91,7 @@ fn every_format_matches_its_dequantization_within_the_activation_rounding() {
             let got = dot_on::<1>(ty, CpuPath::Scalar, &w, [row])[0] as f64;
             let (mut rounded, mut exact, mut magnitude, mut bound) = (0f64, 0f64, 0f64, 0f64);
             for i in 0..cols {
-                let d = row.scales[i / ACT_BLOCK] as f64;
+                let d = row.scales[i / ACT_GROUP] as f64;
                 let x_rounded = d * row.quants[i] as f64;
                 rounded += w_f32[i] as f64 * x_rounded;
                 exact += w_f32[i] as f64 * x[i] as f64;

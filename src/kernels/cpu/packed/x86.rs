@@ -102,7 +102,7 @@ unsafe fn dot<F: BlockFormat, const R: usize, const VNNI: bool>(
                     } else {
                         _mm256_madd_epi16(_mm256_maddubs_epi16(q_unsigned, xq), ones)
                     };
-                    let step = _mm256_mul_ps(scale, _mm256_set1_ps(*x.scales.get_unchecked(g)));
+                    let step = _mm256_mul_ps(scale, _mm256_loadu_ps(x.scales.as_ptr().add(g * 8)));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), step, acc[r]);
                     if F::HAS_MIN {
                         // Both halves in two lanes: one chain, not two dependent scalar FMAs.
