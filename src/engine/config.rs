@@ -44,6 +44,8 @@ pub struct EngineConfig {
     /// CPU: f32 activations against the quantized weights (the dequantized model's
     /// arithmetic) instead of 8-bit activations and integer dot products.
     pub exact_activations: bool,
+    /// `--quantization fp8`: dense layer projections stored as per-channel FP8 at load.
+    pub quantization: Option<crate::kernels::fp8::Quantization>,
     /// Expert-parallel load balancing for MoE models (DeepSeek-V4): the EP group the
     /// placement is planned for, replicas, statistics window, rebalance period. `None`:
     /// off. Expert-parallel execution over several ranks is not built yet, so today this
@@ -124,6 +126,7 @@ impl EngineConfig {
             stop_preempted: false,
             batch_invariant: false,
             exact_activations: false,
+            quantization: None,
             eplb: None,
             speculative: None,
             draft_model_path: None,

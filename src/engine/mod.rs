@@ -92,6 +92,11 @@ impl Engine {
             ));
         }
         let text = model::load_text(&cfg.model_path)?;
+        if cfg.quantization.is_some() && text.deepseek_v4.is_some() {
+            return Err(EngineError::Spawn(
+                "--quantization is for dense checkpoints: DeepSeek-V4's weights are FP8 / FP4 as shipped".into(),
+            ));
+        }
         // Named here, before any rank starts: a rank's failed start reads far less clearly.
         let dir = &cfg.model_path;
         if dir.is_dir()
@@ -169,8 +174,12 @@ impl Engine {
                     .clone()
                     .unwrap_or_else(|| model::hub::troupe_home().join("latency-curves")),
                 model_key: format!(
-                    "{mcfg:?} block {} invariant {} eager {} exact {}",
-                    cfg.block_size, cfg.batch_invariant, cfg.enforce_eager, cfg.exact_activations
+                    "{mcfg:?} block {} invariant {} eager {} exact {} quantization {:?}",
+                    cfg.block_size,
+                    cfg.batch_invariant,
+                    cfg.enforce_eager,
+                    cfg.exact_activations,
+                    cfg.quantization
                 ),
                 max_rows: match cfg.device {
                     Device::Cpu => cfg.max_num_seqs.min(16),
@@ -196,6 +205,7 @@ impl Engine {
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
                 exact_activations: cfg.exact_activations,
+                quantization: cfg.quantization,
                 model_config: mcfg.clone(),
                 devices,
                 dummy_weights: cfg.dummy_weights,

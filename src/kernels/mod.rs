@@ -15,235 +15,16 @@ pub mod cuda;
 pub mod cuda;
 pub mod deepseek_v4;
 mod device;
+pub mod fp8;
+mod host;
 pub mod paged_kv;
 pub mod quant;
 
 pub use device::Device;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use device::NO_CUDA;
+pub use host::{HostData, HostMatrix, random_weight};
 pub use paged_kv::{KvCacheShape, SeqAttention};
-
-use std::ops::Range;
-
-/// Tensor data in host memory, as the checkpoint stores it.
-#[derive(Clone)]
-pub enum HostData {
-    F32(Vec<f32>),
-    /// bf16 as the checkpoint stores it: a backend that keeps bf16 weights uploads it as
-    /// it is, with no f32 round trip on the host.
-    Bf16(Vec<half::bf16>),
-    /// Whole GGML blocks, each row of the tensor a whole number of them.
-    Quantized {
-        ggml_type: quant::GgmlType,
-        bytes: Vec<u8>,
-    },
-    /// Row blocks of different quantized formats stacked (a Q4_K_M file's q/k in Q4_K and
-    /// v in Q6_K): a backend keeps each part in its format or dequantizes them all.
-    Stacked(Vec<HostMatrix>),
-    /// `--dummy-weights`: element i is `random_weight(seed, i, mean, half_width)`. A device
-    /// backend makes them where they live, so no host memory or disk holds the model.
-    Random {
-        seed: u64,
-        mean: f32,
-        half_width: f32,
-    },
-}
-
-/// Uniform in `mean ± half_width` from (seed, index); the CUDA kernel computes the same.
-pub fn random_weight(seed: u64, index: u64, mean: f32, half_width: f32) -> f32 {
-    let h = crate::sampling::splitmix64(seed ^ crate::sampling::splitmix64(index));
-    let u = (h >> 40) as f32 / (1u64 << 24) as f32;
-    mean + (2.0 * u - 1.0) * half_width
-}
-
-impl HostData {
-    pub fn into_f32(self, num_elements: usize) -> Vec<f32> {
-        match self {
-            HostData::F32(v) => v,
-            HostData::Bf16(v) => v.into_iter().map(half::bf16::to_f32).collect(),
-            HostData::Quantized { ggml_type, bytes } => {
-                let mut out = vec![0f32; num_elements];
-                quant::dequantize(ggml_type, &bytes, &mut out);
-                out
-            }
-            HostData::Stacked(parts) => parts
-                .into_iter()
-                .flat_map(|p| p.data.into_f32(p.rows * p.cols))
-                .collect(),
-            HostData::Random {
-                seed,
-                mean,
-                half_width,
-            } => (0..num_elements as u64)
-                .map(|i| random_weight(seed, i, mean, half_width))
-                .collect(),
-        }
-    }
-}
-
-/// A weight matrix as loaded from a checkpoint, before it is placed on a device.
-/// Row-major `[rows, cols]`: one row per output feature. A backend keeps quantized
-/// formats it has kernels for and dequantizes the rest.
-#[derive(Clone)]
-pub struct HostMatrix {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: HostData,
-}
-
-impl HostMatrix {
-    /// The rows `rows` and columns `cols` of this matrix (a tensor-parallel rank's shard).
-    /// Quantized blocks stay packed when the columns cut between blocks, and are
-    /// dequantized when a cut falls inside one; random weights get a stream of their own.
-    pub fn sliced(self, rows: Range<usize>, cols: Range<usize>) -> HostMatrix {
-        assert!(
-            rows.end <= self.rows && cols.end <= self.cols,
-            "slice {rows:?} x {cols:?} of a {} x {} matrix",
-            self.rows,
-            self.cols
-        );
-        if rows == (0..self.rows) && cols == (0..self.cols) {
-            return self;
-        }
-        let (num_rows, num_cols) = (rows.len(), cols.len());
-        fn take<T: Copy>(
-            v: &[T],
-            width: usize,
-            rows: &Range<usize>,
-            cols: &Range<usize>,
-        ) -> Vec<T> {
-            rows.clone()
-                .flat_map(|r| {
-                    v[r * width + cols.start..r * width + cols.end]
-                        .iter()
-                        .copied()
-                })
-                .collect()
-        }
-        let data = match self.data {
-            HostData::F32(v) => HostData::F32(take(&v, self.cols, &rows, &cols)),
-            HostData::Bf16(v) => HostData::Bf16(take(&v, self.cols, &rows, &cols)),
-            HostData::Quantized { ggml_type, bytes } => {
-                let block = ggml_type.block_len();
-                if cols.start.is_multiple_of(block) && cols.end.is_multiple_of(block) {
-                    let row_bytes = bytes.len() / self.rows;
-                    let per = ggml_type.block_bytes();
-                    let byte_cols = cols.start / block * per..cols.end / block * per;
-                    HostData::Quantized {
-                        ggml_type,
-                        bytes: take(&bytes, row_bytes, &rows, &byte_cols),
-                    }
-                } else {
-                    let n = self.rows * self.cols;
-                    let all = HostData::Quantized { ggml_type, bytes }.into_f32(n);
-                    HostData::F32(take(&all, self.cols, &rows, &cols))
-                }
-            }
-            stacked @ HostData::Stacked(_) => {
-                let all = stacked.into_f32(self.rows * self.cols);
-                HostData::F32(take(&all, self.cols, &rows, &cols))
-            }
-            HostData::Random {
-                seed,
-                mean,
-                half_width,
-            } => HostData::Random {
-                seed: crate::sampling::splitmix64(
-                    seed ^ crate::sampling::splitmix64(
-                        (rows.start * self.cols + cols.start) as u64,
-                    ),
-                ),
-                mean,
-                half_width,
-            },
-        };
-        HostMatrix {
-            rows: num_rows,
-            cols: num_cols,
-            data,
-        }
-    }
-
-    /// Stacks matrices with equal `cols` (q/k/v, gate/up) into one, so one kernel launch
-    /// does the work of several. Keeps a shared quantized format; quantized parts of mixed
-    /// formats stay apart as `Stacked`; anything else goes f32.
-    pub fn concat_rows(parts: Vec<HostMatrix>) -> HostMatrix {
-        let cols = parts[0].cols;
-        let rows = parts.iter().map(|p| p.rows).sum();
-        assert!(
-            parts.iter().all(|p| p.cols == cols),
-            "concat_rows needs equal widths"
-        );
-        // Random parts stay random (one stream for the stack), so dummy weights never
-        // materialise on the host.
-        if let HostData::Random {
-            seed,
-            mean,
-            half_width,
-        } = parts[0].data
-            && parts
-                .iter()
-                .all(|p| matches!(p.data, HostData::Random { .. }))
-        {
-            return HostMatrix {
-                rows,
-                cols,
-                data: HostData::Random {
-                    seed: crate::sampling::splitmix64(seed ^ rows as u64),
-                    mean,
-                    half_width,
-                },
-            };
-        }
-        let shared_type = match &parts[0].data {
-            HostData::Quantized { ggml_type, .. } => Some(*ggml_type),
-            _ => None,
-        };
-        let same = parts.iter().all(|p| match &p.data {
-            HostData::Quantized { ggml_type, .. } => Some(*ggml_type) == shared_type,
-            _ => shared_type.is_none(),
-        });
-        if parts.iter().all(|p| matches!(p.data, HostData::Bf16(_))) {
-            let data = parts
-                .into_iter()
-                .flat_map(|p| match p.data {
-                    HostData::Bf16(v) => v,
-                    _ => unreachable!("every part is bf16"),
-                })
-                .collect();
-            return HostMatrix {
-                rows,
-                cols,
-                data: HostData::Bf16(data),
-            };
-        }
-        let data = match shared_type {
-            Some(ggml_type) if same => HostData::Quantized {
-                ggml_type,
-                bytes: parts
-                    .into_iter()
-                    .flat_map(|p| match p.data {
-                        HostData::Quantized { bytes, .. } => bytes,
-                        _ => unreachable!("all parts share the quantized type"),
-                    })
-                    .collect(),
-            },
-            _ if parts
-                .iter()
-                .all(|p| matches!(p.data, HostData::Quantized { .. })) =>
-            {
-                HostData::Stacked(parts)
-            }
-            _ => HostData::F32(
-                parts
-                    .into_iter()
-                    .flat_map(|p| p.data.into_f32(p.rows * p.cols))
-                    .collect(),
-            ),
-        };
-        HostMatrix { rows, cols, data }
-    }
-}
 
 pub trait Backend: Send + Sync {
     /// Activations, norms' weights and biases: a flat f32 buffer on the device.
@@ -271,6 +52,10 @@ pub trait Backend: Send + Sync {
     where
         Self: Sized;
     fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;
+    /// `--quantization`: how the loader hands this backend dense layer projections.
+    fn quantization(&self) -> Option<fp8::Quantization> {
+        None
+    }
     /// Bytes `m` takes on the device, and what its weights run in (for the model card).
     fn matrix_footprint(&self, m: &Self::Matrix) -> (usize, String);
     fn upload(&self, data: &[f32]) -> Self::Buf;
@@ -510,75 +295,5 @@ impl DeviceMark {
 
     pub fn secs_until(&self, later: &DeviceMark) -> Option<f64> {
         self.0.secs_until(later.0.as_ref())
-    }
-}
-
-#[cfg(test)]
-mod slice_tests {
-    use super::*;
-
-    /// A Q8_0 matrix whose element (r, c) is `r * 100 + c - 50` (scale 1).
-    fn q8_matrix(rows: usize, cols: usize) -> (HostMatrix, Vec<f32>) {
-        let mut bytes = Vec::new();
-        let mut want = Vec::new();
-        for r in 0..rows {
-            for block in 0..cols / 32 {
-                bytes.extend(half::f16::from_f32(1.0).to_le_bytes());
-                for i in 0..32 {
-                    let v = (r * 3 + block * 32 + i) as i32 - 50;
-                    bytes.push(v as i8 as u8);
-                    want.push(v as f32);
-                }
-            }
-        }
-        let ggml_type = quant::GgmlType::Q8_0;
-        let m = HostMatrix {
-            rows,
-            cols,
-            data: HostData::Quantized { ggml_type, bytes },
-        };
-        (m, want)
-    }
-
-    fn values(m: HostMatrix) -> Vec<f32> {
-        let n = m.rows * m.cols;
-        m.data.into_f32(n)
-    }
-
-    fn expected(all: &[f32], width: usize, rows: Range<usize>, cols: Range<usize>) -> Vec<f32> {
-        rows.flat_map(|r| all[r * width + cols.start..r * width + cols.end].to_vec())
-            .collect()
-    }
-
-    #[test]
-    fn shards_hold_exactly_their_rows_and_columns() {
-        let all: Vec<f32> = (0..6 * 4).map(|i| i as f32).collect();
-        let m = HostMatrix {
-            rows: 6,
-            cols: 4,
-            data: HostData::F32(all.clone()),
-        };
-        let s = m.sliced(2..4, 1..3);
-        assert_eq!((s.rows, s.cols), (2, 2));
-        assert_eq!(values(s), vec![9.0, 10.0, 13.0, 14.0]);
-        let bf: Vec<half::bf16> = all.iter().map(|&v| half::bf16::from_f32(v)).collect();
-        let m = HostMatrix {
-            rows: 6,
-            cols: 4,
-            data: HostData::Bf16(bf),
-        };
-        assert_eq!(values(m.sliced(5..6, 0..4)), vec![20.0, 21.0, 22.0, 23.0]);
-    }
-
-    #[test]
-    fn quantized_shards_stay_packed_on_block_boundaries_and_dequantize_inside_them() {
-        let (m, all) = q8_matrix(3, 128);
-        let s = m.sliced(1..3, 64..128);
-        assert!(matches!(s.data, HostData::Quantized { .. }));
-        assert_eq!(values(s), expected(&all, 128, 1..3, 64..128));
-        let (m, all) = q8_matrix(3, 128);
-        let s = m.sliced(0..3, 16..48);
-        assert!(matches!(s.data, HostData::F32(_)));
-        assert_eq!(values(s), expected(&all, 128, 0..3, 16..48));
     }
 }

@@ -46,6 +46,9 @@ pub struct ModelConfig {
     pub max_context_tokens: usize,
     pub attention_bias: bool,
     pub tie_word_embeddings: bool,
+    /// The block an FP8 checkpoint's `weight_scale_inv` grid covers (`quantization_config`'s
+    /// `weight_block_size`; 128×128 where it names none).
+    pub fp8_block: (usize, usize),
 }
 
 impl ModelConfig {
@@ -151,6 +154,7 @@ impl ModelConfig {
             max_context_tokens: gguf.meta_u64(&key("context_length")).unwrap_or(2048) as usize,
             attention_bias: gguf.tensor_info("blk.0.attn_q.bias").is_some(),
             tie_word_embeddings: !has_output,
+            fp8_block: FP8_BLOCK,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -230,8 +234,81 @@ impl ModelConfig {
             attention_bias: arch == Arch::Qwen2
                 || json["attention_bias"].as_bool().unwrap_or(false),
             tie_word_embeddings: json["tie_word_embeddings"].as_bool().unwrap_or(false),
+            fp8_block: fp8_block(&json["quantization_config"]).map_err(bad)?,
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+/// HF's FP8 checkpoints scale 128×128 blocks unless `weight_block_size` says otherwise.
+pub const FP8_BLOCK: (usize, usize) = (128, 128);
+
+/// The FP8 block of a checkpoint's `quantization_config`, or why troupe cannot read its
+/// weights: a method other than FP8 (GPTQ, AWQ, bitsandbytes...) is refused by name rather
+/// than loaded as if its integers were floats.
+fn fp8_block(q: &Value) -> std::result::Result<(usize, usize), String> {
+    if q.is_null() {
+        return Ok(FP8_BLOCK);
+    }
+    let method = q["quant_method"].as_str().unwrap_or("(none)");
+    match method {
+        "fp8" => {
+            if let Some(fmt) = q["fmt"].as_str().filter(|f| *f != "e4m3") {
+                return Err(format!(
+                    "quantization_config.fmt `{fmt}`: troupe reads e4m3 FP8"
+                ));
+            }
+            match q["weight_block_size"].as_array().map(|a| a.as_slice()) {
+                None => Ok(FP8_BLOCK),
+                Some([r, c]) => match (r.as_u64(), c.as_u64()) {
+                    (Some(r), Some(c)) if r > 0 && c > 0 => Ok((r as usize, c as usize)),
+                    _ => Err(format!("quantization_config.weight_block_size {q}")),
+                },
+                Some(other) => Err(format!("quantization_config.weight_block_size {other:?}")),
+            }
+        }
+        "compressed-tensors" => {
+            let groups = q["config_groups"].as_object().cloned().unwrap_or_default();
+            for (name, g) in &groups {
+                let w = &g["weights"];
+                if w["type"].as_str() != Some("float") || w["num_bits"].as_u64() != Some(8) {
+                    return Err(format!(
+                        "compressed-tensors group `{name}` stores {} {}-bit weights: troupe reads FP8 (float, 8 bits)",
+                        w["type"].as_str().unwrap_or("?"),
+                        w["num_bits"]
+                    ));
+                }
+            }
+            Ok(FP8_BLOCK)
+        }
+        other => Err(format!(
+            "quantization method `{other}` is not supported: troupe reads FP8 checkpoints (`fp8`, compressed-tensors FP8) and GGUF files"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_configs_give_their_block_and_other_methods_are_refused_by_name() {
+        let q = |v: serde_json::Value| fp8_block(&v);
+        assert_eq!(q(Value::Null), Ok(FP8_BLOCK));
+        let hf = serde_json::json!({"quant_method": "fp8", "weight_block_size": [64, 32]});
+        assert_eq!(q(hf), Ok((64, 32)));
+        let ct = serde_json::json!({"quant_method": "compressed-tensors",
+            "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}});
+        assert_eq!(q(ct), Ok(FP8_BLOCK));
+        let int4 = serde_json::json!({"quant_method": "compressed-tensors",
+            "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}});
+        assert!(q(int4).unwrap_err().contains("int 4-bit"));
+        for method in ["gptq", "awq", "bitsandbytes"] {
+            let err = q(serde_json::json!({ "quant_method": method })).unwrap_err();
+            assert!(err.contains(method), "{err}");
+        }
+        let e5m2 = serde_json::json!({"quant_method": "fp8", "fmt": "e5m2"});
+        assert!(q(e5m2).unwrap_err().contains("e5m2"));
     }
 }

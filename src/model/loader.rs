@@ -14,6 +14,7 @@ use super::config::Arch;
 use super::gguf::GgufFile;
 use crate::error::{Result, TroupeError};
 use crate::kernels::HostData;
+use crate::kernels::fp8::Fp8Matrix;
 use crate::kernels::quant::GgmlType;
 
 /// A tensor in host memory: row-major, outermost dimension first.
@@ -160,7 +161,9 @@ impl GgufSource<'_> {
             }
             // A permutation of random values is random values.
             HostData::Random { .. } => {}
-            HostData::Stacked(_) => unreachable!("a checkpoint tensor is never stacked"),
+            HostData::Stacked(_) | HostData::Fp8(_) | HostData::ToFp8 { .. } => {
+                unreachable!("a GGUF tensor is never stacked or FP8")
+            }
         }
     }
 
@@ -275,6 +278,16 @@ impl TensorSource for SafetensorsSource {
                 ),
             }));
         }
+        if view.dtype() == Dtype::F8_E4M3 {
+            // Kept as bytes: the model attaches the scale grid, and a backend with FP8
+            // kernels keeps it packed.
+            let cols = view.shape().last().copied().unwrap_or(1);
+            return Ok(Some(HostTensor {
+                dims: view.shape().to_vec(),
+                stored: Stored::F8E4M3,
+                data: HostData::Fp8(Fp8Matrix::unscaled(bytes.to_vec(), cols)),
+            }));
+        }
         let data: Vec<f32> = match view.dtype() {
             Dtype::F32 => bytes
                 .chunks_exact(4)
@@ -293,7 +306,6 @@ impl TensorSource for SafetensorsSource {
                 .chunks_exact(4)
                 .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as f32)
                 .collect(),
-            Dtype::F8_E4M3 => bytes.iter().map(|&b| fp8_e4m3_to_f32(b)).collect(),
             Dtype::F8_E8M0 => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
             Dtype::I8 => bytes.iter().map(|&b| b as i8 as f32).collect(),
             Dtype::U8 => bytes.iter().map(|&b| b as f32).collect(),
@@ -304,7 +316,6 @@ impl TensorSource for SafetensorsSource {
             }
         };
         let stored = match view.dtype() {
-            Dtype::F8_E4M3 => Stored::F8E4M3,
             Dtype::F8_E8M0 => Stored::F8E8M0,
             Dtype::I8 => Stored::I8,
             Dtype::U8 => Stored::U8,
@@ -380,21 +391,6 @@ impl TensorSource for DummySource {
                 half_width,
             },
         }))
-    }
-}
-
-/// FP8 e4m3fn (no infinities; S.1111.111 is NaN): exact in f32.
-pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = ((b >> 3) & 0xF) as i32;
-    let mant = (b & 0x7) as f32;
-    if exp == 0xF && b & 0x7 == 0x7 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        sign * mant / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
     }
 }
 

@@ -83,6 +83,7 @@ mod tests {
             max_context_tokens: 128,
             attention_bias: false,
             tie_word_embeddings: false,
+            fp8_block: crate::model::config::FP8_BLOCK,
         }
     }
 

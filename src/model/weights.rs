@@ -3,7 +3,7 @@
 use super::config::{Arch, ModelConfig};
 use super::loader::{HostTensor, TensorSource};
 use crate::error::{Result, TroupeError};
-use crate::kernels::{Backend, HostMatrix};
+use crate::kernels::{Backend, HostData, HostMatrix};
 use crate::model::tensor_parallel::TpShard;
 
 pub struct LayerWeights<B: Backend> {
@@ -32,6 +32,7 @@ struct Loader<'a, B: Backend> {
     src: &'a dyn TensorSource,
     backend: &'a B,
     shard: TpShard,
+    fp8_block: (usize, usize),
 }
 
 /// How a rank slices a `[rows, cols]` weight: column-parallel layers keep a share of the
@@ -71,8 +72,37 @@ impl<B: Backend> Loader<'_, B> {
         Ok(HostMatrix {
             rows,
             cols,
-            data: t.data,
+            data: self.scaled(name, t.data)?,
         })
+    }
+    /// An FP8 weight with its scale grid attached: `X.weight_scale_inv` (HF `fp8`, blocks)
+    /// or `X.weight_scale` (compressed-tensors: per channel or per tensor).
+    fn scaled(&self, name: &str, data: HostData) -> Result<HostData> {
+        let HostData::Fp8(m) = data else {
+            return Ok(data);
+        };
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let bad = |reason: String| TroupeError::Tensor {
+            name: name.into(),
+            reason,
+        };
+        let scale = match self.src.tensor(&format!("{base}.weight_scale_inv"))? {
+            Some(s) => s,
+            None => self
+                .src
+                .tensor(&format!("{base}.weight_scale"))?
+                .ok_or_else(|| bad("FP8 without `weight_scale_inv` or `weight_scale`".into()))?,
+        };
+        let grid = match scale.dims.as_slice() {
+            [] | [1] => (1, 1),
+            [r] => (*r, 1),
+            [r, c] => (*r, *c),
+            other => return Err(bad(format!("scale grid of shape {other:?}"))),
+        };
+        let scales = scale.into_f32();
+        Ok(HostData::Fp8(
+            m.with_scales(scales, grid, self.fp8_block).map_err(bad)?,
+        ))
     }
     /// This rank's part of the `[rows, cols]` tensor `name`.
     fn shard_matrix(
@@ -94,14 +124,22 @@ impl<B: Backend> Loader<'_, B> {
             .backend
             .upload_matrix(self.shard_matrix(name, rows, cols, split)?))
     }
-    /// Several `[rows_i, cols]` tensors, each cut to this rank's rows, stacked into one
-    /// matrix.
+    /// A layer projection: stored as `--quantization` asks where the checkpoint is dense.
+    fn projection(&self, name: &str, rows: usize, cols: usize, split: Split) -> Result<B::Matrix> {
+        let m = self.shard_matrix(name, rows, cols, split)?;
+        Ok(self
+            .backend
+            .upload_matrix(m.quantized(self.backend.quantization())))
+    }
+    /// Several `[rows_i, cols]` layer projections, each cut to this rank's rows, stacked
+    /// into one matrix (quantized as `--quantization` asks).
     fn stacked(&self, parts: &[(String, usize)], cols: usize) -> Result<B::Matrix> {
         let hosts = parts
             .iter()
             .map(|(name, rows)| self.shard_matrix(name, *rows, cols, Split::Rows))
             .collect::<Result<Vec<_>>>()?;
-        Ok(self.backend.upload_matrix(HostMatrix::concat_rows(hosts)))
+        let m = HostMatrix::concat_rows(hosts).quantized(self.backend.quantization());
+        Ok(self.backend.upload_matrix(m))
     }
     fn vector(&self, name: &str, len: usize) -> Result<B::Buf> {
         Ok(self
@@ -177,6 +215,7 @@ impl<B: Backend> Weights<B> {
             src,
             backend,
             shard,
+            fp8_block: cfg.fp8_block,
         };
         let (h, q, kv, ff) = (
             cfg.hidden_size,
@@ -218,17 +257,17 @@ impl<B: Backend> Weights<B> {
                 bqkv,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
-                wo: l.matrix(&format!("{p}.self_attn.o_proj.weight"), h, q, Split::Cols)?,
+                wo: l.projection(&format!("{p}.self_attn.o_proj.weight"), h, q, Split::Cols)?,
                 ffn_norm: l.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 w_gate_up: l.stacked(&[mlp("gate_proj"), mlp("up_proj")], h)?,
-                w_down: l.matrix(&format!("{p}.mlp.down_proj.weight"), h, ff, Split::Cols)?,
+                w_down: l.projection(&format!("{p}.mlp.down_proj.weight"), h, ff, Split::Cols)?,
             });
         }
         let lm_head = match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
             Some(t) if !cfg.tie_word_embeddings => Some(backend.upload_matrix(HostMatrix {
                 rows: cfg.vocab_size,
                 cols: h,
-                data: t.data,
+                data: l.scaled("lm_head.weight", t.data)?,
             })),
             _ => None,
         };

@@ -73,6 +73,8 @@ pub struct RankArgs {
     pub batch_invariant: bool,
     /// CPU: see `CpuBackend::exact_activations`.
     pub exact_activations: bool,
+    /// `--quantization`: see `Backend::quantization`.
+    pub quantization: Option<crate::kernels::fp8::Quantization>,
     pub device: Device,
     pub dummy_weights: bool,
     /// `--spec draft`: the draft model this rank runs beside the model.
@@ -143,6 +145,7 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
             CpuBackend {
                 batch_invariant: args.batch_invariant,
                 exact_activations: args.exact_activations,
+                quantization: args.quantization,
             },
             args,
         ),

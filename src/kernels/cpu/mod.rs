@@ -26,6 +26,9 @@ pub struct CpuBackend {
     /// dot (other formats dequantized at load), instead of 8-bit activations and integer
     /// dot products.
     pub exact_activations: bool,
+    /// `--quantization fp8`: layer projections quantized per channel at load and run
+    /// dequantized (the numeric reference of the CUDA backend's FP8 weights).
+    pub quantization: Option<crate::kernels::fp8::Quantization>,
 }
 
 /// Below this many elements an element-wise op runs on the calling thread: waking the
@@ -80,6 +83,10 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn quantization(&self) -> Option<crate::kernels::fp8::Quantization> {
+        self.quantization
     }
 
     fn upload_matrix(&self, m: HostMatrix) -> CpuMatrix {

@@ -98,6 +98,7 @@ impl DsV4Config {
             max_context_tokens: self.max_context_tokens,
             attention_bias: false,
             tie_word_embeddings: false,
+            fp8_block: crate::model::config::FP8_BLOCK,
         }
     }
 
