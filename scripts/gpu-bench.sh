@@ -4,6 +4,7 @@
 #   bash scripts/gpu-bench.sh offline   # 256-request offline throughput, Qwen3-0.6B shape
 #   bash scripts/gpu-bench.sh peer      # the same workload (64 requests) through transformers
 #   bash scripts/gpu-bench.sh dummy     # batch-1 decode, 8B shape, --dummy-weights (no checkpoint)
+#   bash scripts/gpu-bench.sh quant     # the same, bf16 against --quantization fp8, vs roofline
 # Build here first: cargo build --release --features cuda; carry target/release/troupe.
 set -euo pipefail
 cd "$(dirname "$0")/.."

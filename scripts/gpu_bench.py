@@ -10,6 +10,8 @@ continuous batching (`generate_batch`) as the peer; and the rank worker's idle s
 between steps at batch 256 with ZOS on and off (host clock: time the worker waited for its
 next step over the run).
 
+Part `quant`: batch-1 decode, Llama-3.1-8B shape with dummy weights, bf16 against
+`--quantization fp8`, each against its roofline (the highest read bandwidth of the run).
 Part `peer`: the offline workload's first 64 requests through transformers' `generate_batch`.
 
 Usage (device machine): python3 scripts/gpu_bench.py target/release/troupe decode|offline|peer|dummy
@@ -145,6 +147,58 @@ def dummy(binary, results):
                             wall_s=wall)
 
 
+def read_bandwidth():
+    """Bytes/s of a read-only pass (a sum over 4 GiB), the other half of the roofline."""
+    x = torch.ones(1 << 30, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        x.sum()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        x.sum()
+    end.record()
+    end.synchronize()
+    secs = start.elapsed_time(end) / 1000 / 10
+    del x
+    torch.cuda.empty_cache()
+    return 4 * (1 << 30) / secs
+
+
+def quant(binary, results):
+    """Batch-1 decode of the Llama-3.1-8B shape (--dummy-weights), bf16 weights against
+    `--quantization fp8`: tok/s and each against its roofline = bytes read per step (the
+    weights but the embedding table, plus the KV) / the highest read bandwidth of this run
+    (a read-only pass, a copy, or what troupe's own decode streamed)."""
+    path = os.path.join(WORK, "llama-3.1-8b-config")
+    os.makedirs(path, exist_ok=True)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      tie_word_embeddings=False)
+    cfg.save_pretrained(path)
+    prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    new = 256
+    kv = 2 * 32 * 8 * 128 * 2 * (512 + new / 2)
+    embed = 128256 * 4096 * 2
+    bws = {"read": read_bandwidth(), "copy": copy_bandwidth()}
+    rows = {}
+    for label, extra in [("bf16", []), ("fp8", ["--quantization", "fp8"])]:
+        _, stats, wall = troupe(binary, path, [{"prompt_ids": prompt, "max_tokens": new}],
+                                ["--kv-cache-mib", "4096", "--dummy-weights", *extra], f"quant-{label}")
+        step_bytes = stats["resident_weight_bytes"] - embed + kv
+        tok_s = stats["decode_tokens_per_s"]
+        rows[label] = dict(decode_tok_s=tok_s, step_bytes=step_bytes, streamed_bytes_s=tok_s * step_bytes,
+                           weight_card=stats.get("weight_card"), wall_s=wall)
+        bws[f"troupe_{label}"] = tok_s * step_bytes
+    limit = max(bws.values())
+    for r in rows.values():
+        r["roofline_tok_s"] = limit / r["step_bytes"]
+        r["of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
+    results["quant"] = dict(bandwidths_bytes_s=bws, limit_bytes_s=limit, rows=rows,
+                            fp8_over_bf16=rows["fp8"]["decode_tok_s"] / rows["bf16"]["decode_tok_s"])
+
+
 def offline_requests():
     rng = random.Random(0)
     return [dict(prompt_ids=[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))],
@@ -221,7 +275,7 @@ def main(binary, part):
     results = {"device": torch.cuda.get_device_name(0)}
     try:
         {"decode": decode, "offline": offline, "peer": peer, "dummy": dummy,
-         "startup": startup}[part](binary, results)
+         "startup": startup, "quant": quant}[part](binary, results)
     except Exception as e:
         results[part] = {"error": str(e)[-2000:]}
     with open(os.path.join(OUT, f"gpu_bench_{part}.json"), "w") as f:

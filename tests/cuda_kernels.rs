@@ -32,6 +32,9 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "flash_prefill_128_kernel",
         "attention_decode_mma_64_kernel",
         "attention_decode_mma_128_kernel",
+        "dequant_bf16_kernel",
+        "embedding_packed_kernel",
+        "quantize_fp8_rows_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),
@@ -41,7 +44,9 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
     let shaped = GEMV_ROWS
         .iter()
         .map(|m| format!("gemv_{m}_kernel"))
-        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_silu_{m}_kernel")));
+        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_silu_{m}_kernel")))
+        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_fp8_{m}_kernel")))
+        .chain(GEMV_ROWS.iter().map(|m| format!("gemv_ggml_{m}_kernel")));
     for kernel in shaped {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

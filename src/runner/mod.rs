@@ -150,14 +150,15 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
             args,
         ),
         #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => load_on(
-            crate::kernels::cuda::CudaBackend::new(
+        Device::Cuda(ordinal) => {
+            let mut backend = crate::kernels::cuda::CudaBackend::new(
                 ordinal,
                 args.batch_invariant,
                 !args.enforce_eager,
-            )?,
-            args,
-        ),
+            )?;
+            backend.quantization = args.quantization;
+            load_on(backend, args)
+        }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::kernels::NO_CUDA.into()),
     }

@@ -4,6 +4,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::graph::{self, Meta};
+use super::weights::Store;
 use super::{CudaBackend, CudaKvCache, CudaMatrix, check, grid_for, per_norm_row, per_row};
 use crate::kernels::{Backend, HostMatrix, KvCacheShape, SeqAttention};
 
@@ -54,8 +55,12 @@ impl Backend for CudaBackend {
         self.upload_weights(m)
     }
 
+    fn quantization(&self) -> Option<crate::kernels::fp8::Quantization> {
+        self.quantization
+    }
+
     fn matrix_footprint(&self, m: &CudaMatrix) -> (usize, String) {
-        (m.rows * m.cols * 2, "bf16".into())
+        m.footprint()
     }
 
     fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
@@ -88,26 +93,57 @@ impl Backend for CudaBackend {
         let picked_ptr = picked_d.as_ref().map_or(0u64, |p| p.ptr);
         let picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
         let dim = table.cols as i32;
-        // SAFETY: ids < table.rows (checked by the scheduler), picked indices < MAX_PICKS,
-        // out holds ids.len() rows.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.embedding)
-                    .arg(out)
-                    .arg(&table.w)
-                    .arg(&ids_d.ptr)
-                    .arg(&picked_ptr)
-                    .arg(&picks.0)
-                    .arg(&dim)
-                    // Wide blocks: a batch-1 step's one row is a few rounds of loads.
-                    .launch(LaunchConfig {
-                        block_dim: (1024, 1, 1),
-                        ..per_row(ids.len())
-                    })
-            },
-            "embedding",
-        );
+        let parts = match &table.store {
+            Store::Bf16(w) => {
+                // SAFETY: ids < table.rows (checked by the scheduler), picked indices <
+                // MAX_PICKS, out holds ids.len() rows.
+                check(
+                    unsafe {
+                        self.stream
+                            .launch_builder(&self.kernels.embedding)
+                            .arg(out)
+                            .arg(w)
+                            .arg(&ids_d.ptr)
+                            .arg(&picked_ptr)
+                            .arg(&picks.0)
+                            .arg(&dim)
+                            // Wide blocks: a batch-1 step's one row is a few rounds of loads.
+                            .launch(LaunchConfig {
+                                block_dim: (1024, 1, 1),
+                                ..per_row(ids.len())
+                            })
+                    },
+                    "embedding",
+                );
+                return;
+            }
+            Store::Packed(parts) => parts,
+        };
+        for p in parts {
+            let (block_rows, block_cols) = p.format.blocks();
+            let (fmt, first, rows) = (p.format.code(), p.first_row as i32, p.rows as i32);
+            // SAFETY: as above; each part writes the tokens whose rows it holds.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.kernels.embedding_packed)
+                        .arg(&mut *out)
+                        .arg(&p.bytes)
+                        .arg(&p.scales)
+                        .arg(&fmt)
+                        .arg(&block_rows)
+                        .arg(&block_cols)
+                        .arg(&first)
+                        .arg(&rows)
+                        .arg(&ids_d.ptr)
+                        .arg(&picked_ptr)
+                        .arg(&picks.0)
+                        .arg(&dim)
+                        .launch(per_row(ids.len()))
+                },
+                "embedding",
+            );
+        }
     }
 
     fn matmul(

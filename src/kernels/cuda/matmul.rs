@@ -8,6 +8,7 @@ use cudarc::driver::{
 };
 use half::bf16;
 
+use super::weights::{DevicePart, PackedFormat, Store};
 use super::{CudaBackend, CudaMatrix, check, grid_for};
 
 impl CudaBackend {
@@ -46,6 +47,23 @@ impl CudaBackend {
                 self.stream.alloc_zeros::<bf16>(n.next_power_of_two()),
                 "alloc",
             ));
+        }
+        scratch
+    }
+
+    /// The dequantized-weight scratch, at least `n` long.
+    pub(super) fn weight_scratch(
+        &self,
+        n: usize,
+    ) -> crate::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+        let mut scratch = self
+            .weight_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < n) {
+            self.moved();
+            *scratch = None;
+            *scratch = Some(check(self.stream.alloc_zeros::<bf16>(n.max(1)), "alloc"));
         }
         scratch
     }
@@ -126,15 +144,129 @@ impl CudaBackend {
     /// `x` must address num_rows·w.cols f32 values and `out` num_rows·w.rows, on this
     /// backend's device, 16-byte aligned.
     pub(super) unsafe fn gemm_ptr(&self, x: u64, num_rows: usize, w: &CudaMatrix, out: u64) {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-        };
         let (m, n, k) = (num_rows, w.rows, w.cols);
         if m == 0 {
             return;
         }
         // Every GEMM takes the recorded copy, used or not: a copy lives for one GEMM.
         let twin = self.twin.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let parts = match &w.store {
+            Store::Bf16(wb) => {
+                let w_ptr = wb.device_ptr(&self.stream).0;
+                // SAFETY: the caller's contract; w_ptr holds n·k bf16.
+                unsafe { self.gemm_bf16(x, m, n, k, w_ptr, out, twin) };
+                return;
+            }
+            Store::Packed(parts) => parts,
+        };
+        if !self.batch_invariant && self.packed_gemv(x, m, w, parts, out) {
+            return;
+        }
+        let scratch = self.weight_scratch(n * k);
+        let w_ptr = scratch
+            .as_ref()
+            .expect("allocated above")
+            .device_ptr(&self.stream)
+            .0;
+        self.dequantize_into(w, w_ptr);
+        // SAFETY: the caller's contract; the scratch holds the n·k dequantized weights.
+        unsafe { self.gemm_bf16(x, m, n, k, w_ptr, out, twin) };
+    }
+
+    /// `packed.cu`'s GEMVs, a launch per part writing its rows' columns of `out`; false,
+    /// having launched nothing, where a part's format or the batch has none.
+    fn packed_gemv(
+        &self,
+        x: u64,
+        m: usize,
+        w: &CudaMatrix,
+        parts: &[DevicePart],
+        out: u64,
+    ) -> bool {
+        let kernels: Option<Vec<_>> = parts
+            .iter()
+            .map(|p| {
+                let fp8 = matches!(p.format, PackedFormat::Fp8 { .. });
+                self.kernels
+                    .packed_gemv_for(fp8, m)
+                    .filter(|_| p.format.has_gemv(w.cols))
+            })
+            .collect();
+        let Some(kernels) = kernels else {
+            return false;
+        };
+        let (ldy, mi, ki) = (w.rows as i32, m as i32, w.cols as i32);
+        for (p, (kernel, cols)) in parts.iter().zip(kernels) {
+            let y = out + 4 * p.first_row as u64;
+            let ni = p.rows as i32;
+            let launch = |threads: u32, blocks: usize| LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x holds m·cols f32; y's rows (stride ldy) have room for the part's
+            // columns; the part's bytes and scales are its own.
+            let launched = unsafe {
+                match p.format {
+                    PackedFormat::Fp8 {
+                        block_rows,
+                        block_cols,
+                    } => {
+                        let (br, bc) = (block_rows as i32, block_cols as i32);
+                        self.stream
+                            .launch_builder(kernel)
+                            .arg(&y)
+                            .arg(&ldy)
+                            .arg(&x)
+                            .arg(&p.bytes)
+                            .arg(&p.scales)
+                            .arg(&br)
+                            .arg(&bc)
+                            .arg(&mi)
+                            .arg(&ni)
+                            .arg(&ki)
+                            .launch(launch(256, p.rows.div_ceil(cols)))
+                    }
+                    PackedFormat::Ggml(_) => {
+                        let fmt = p.format.code();
+                        self.stream
+                            .launch_builder(kernel)
+                            .arg(&y)
+                            .arg(&ldy)
+                            .arg(&x)
+                            .arg(&p.bytes)
+                            .arg(&fmt)
+                            .arg(&mi)
+                            .arg(&ni)
+                            .arg(&ki)
+                            .launch(launch(128, p.rows))
+                    }
+                }
+            };
+            check(launched, "packed gemv");
+        }
+        true
+    }
+
+    /// `out[m, n] = x[m, k] · wᵀ` for bf16 weights at `w_ptr`: the batch-invariant kernel,
+    /// the GEMV for a few rows, cuBLAS otherwise.
+    ///
+    /// # Safety
+    /// `x` addresses m·k f32, `w_ptr` n·k bf16 and `out` m·n f32 on this device.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm_bf16(
+        &self,
+        x: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+        w_ptr: u64,
+        out: u64,
+        twin: Option<(u64, usize)>,
+    ) {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
         if self.batch_invariant {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
             let cfg = LaunchConfig {
@@ -149,7 +281,7 @@ impl CudaBackend {
                         .launch_builder(&self.kernels.matmul_invariant)
                         .arg(&out)
                         .arg(&x)
-                        .arg(&w.w)
+                        .arg(&w_ptr)
                         .arg(&mi)
                         .arg(&ni)
                         .arg(&ki)
@@ -160,13 +292,12 @@ impl CudaBackend {
             return;
         }
         if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k.is_multiple_of(8)) {
-            self.launch_gemv(kernel, n.div_ceil(cols), x, m, w, out);
+            self.launch_gemv(kernel, n.div_ceil(cols), x, m, (w_ptr, n, k), out);
             return;
         }
         let xb = self.bf16_operand(x, m * k, twin);
         let xb = xb.as_ref().expect("scratch allocated");
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let (w_ptr, _gw) = w.w.device_ptr(&self.stream);
         let (x_ptr, _gx) = xb.device_ptr(&self.stream);
         // Row-major Y[m, n] = X[m, k] · W[n, k]ᵀ is column-major Yᵀ = W(ᵀ) · X.
         // SAFETY: the pointers cover m·k, n·k and m·n elements.
@@ -212,9 +343,10 @@ impl CudaBackend {
             .kernels
             .gemv_silu_for(num_rows)
             .filter(|_| !self.batch_invariant && w.cols.is_multiple_of(8) && w.rows == 2 * width);
-        let Some((kernel, cols)) = fused else {
+        let (Some((kernel, cols)), Some(wb)) = (fused, w.bf16()) else {
             return false;
         };
+        let w_ptr = wb.device_ptr(&self.stream).0;
         // Each block pairs cols / 2 gate columns with their up partners.
         let (x_ptr, out_ptr) = (
             x.device_ptr(&self.stream).0,
@@ -225,23 +357,24 @@ impl CudaBackend {
             width.div_ceil(cols / 2),
             x_ptr,
             num_rows,
-            w,
+            (w_ptr, w.rows, w.cols),
             out_ptr,
         );
         true
     }
 
-    /// One `gemv.cu` kernel over `x[num_rows, w.cols]` and `w`, in `num_blocks` blocks.
+    /// One `gemv.cu` kernel over `x[num_rows, cols]` and the bf16 `(w, rows, cols)`, in
+    /// `num_blocks` blocks.
     fn launch_gemv(
         &self,
         kernel: &CudaFunction,
         num_blocks: usize,
         x: u64,
         num_rows: usize,
-        w: &CudaMatrix,
+        (w, rows, cols): (u64, usize, usize),
         out: u64,
     ) {
-        let (mi, ni, ki) = (num_rows as i32, w.rows as i32, w.cols as i32);
+        let (mi, ni, ki) = (num_rows as i32, rows as i32, cols as i32);
         let cfg = LaunchConfig {
             grid_dim: (num_blocks as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -256,7 +389,7 @@ impl CudaBackend {
                     .launch_builder(kernel)
                     .arg(&out)
                     .arg(&x)
-                    .arg(&w.w)
+                    .arg(&w)
                     .arg(&mi)
                     .arg(&ni)
                     .arg(&ki)

@@ -37,7 +37,7 @@ pub use module::{
 pub use nccl::NcclJoin;
 use picks::{MAX_PICKS, PickPool};
 use recorded::OwnModule;
-pub use weights::CudaMatrix;
+pub use weights::{CudaMatrix, PackedFormat, Store};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -70,6 +70,8 @@ pub struct CudaBackend {
     /// GEMMs through `matmul_invariant_kernel` (f32 activations, fixed reduction order)
     /// instead of cuBLAS: a row's logits do not depend on its batch.
     pub batch_invariant: bool,
+    /// `--quantization fp8`: dense layer projections quantized per channel on the device.
+    pub quantization: Option<crate::kernels::fp8::Quantization>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -92,6 +94,8 @@ pub struct CudaBackend {
     pick_slots: PickPool,
     /// Sampled rows' order keys and weights, a vocabulary each (`sample_kernel`).
     sample_scratch: Mutex<Option<(CudaSlice<u32>, CudaSlice<f32>)>>,
+    /// Packed weights dequantized to bf16 for a wide batch's GEMM; sized at upload.
+    weight_scratch: Mutex<Option<CudaSlice<bf16>>>,
     /// DeepSeek-V4's program, built when a DeepSeek-V4 model first asks for it.
     dsv4: OnceLock<DsV4Program>,
 }
@@ -180,6 +184,7 @@ impl CudaBackend {
         };
         Ok(CudaBackend {
             batch_invariant,
+            quantization: None,
             uploads: Mutex::new(Vec::new()),
             cuda_graphs,
             graphs: Mutex::new(Graphs::new(programmatic)),
@@ -197,6 +202,7 @@ impl CudaBackend {
             blas,
             kernels,
             scratch: Mutex::new(None),
+            weight_scratch: Mutex::new(None),
             twin: Mutex::new(None),
         })
     }

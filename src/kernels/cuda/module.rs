@@ -17,6 +17,7 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/decode_attention.cu"),
     include_str!("../../../kernels-cuda/prefill_attention.cu"),
     include_str!("../../../kernels-cuda/gemv.cu"),
+    include_str!("../../../kernels-cuda/packed.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
 );
 
@@ -24,6 +25,8 @@ pub const LLAMA_SOURCE: &str = concat!(
 /// its blocks computes.
 pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 pub const GEMV_COLS: [usize; 3] = [2, 2, 4];
+/// Output columns of each block of the FP8 GEMV (`packed.cu`), for `GEMV_ROWS`.
+pub const FP8_GEMV_COLS: [usize; 3] = [4, 4, 8];
 
 /// The context of GPU `ordinal`, or why there is none: libraries missing, no device, an
 /// old driver. cudarc panics when a library is missing, so presence is checked first.
@@ -204,6 +207,13 @@ pub struct Kernels {
     pub gemv: Vec<(usize, usize, CudaFunction)>,
     /// The same, writing silu(gate) · up of a stacked [gate; up] projection.
     pub gemv_silu: Vec<(usize, usize, CudaFunction)>,
+    /// `packed.cu`'s GEMVs over GGML blocks and FP8, for up to `GEMV_ROWS[i]` rows (FP8:
+    /// `GEMV_COLS[i]` columns a block; GGML: one).
+    pub gemv_ggml: Vec<(usize, usize, CudaFunction)>,
+    pub gemv_fp8: Vec<(usize, usize, CudaFunction)>,
+    pub dequant_bf16: CudaFunction,
+    pub embedding_packed: CudaFunction,
+    pub quantize_fp8_rows: CudaFunction,
     /// `flash_prefill` (tensor cores, bf16 KV) for head_dim 64 and 128.
     pub flash_prefill_64: CudaFunction,
     pub flash_prefill_128: CudaFunction,
@@ -263,6 +273,11 @@ impl Kernels {
     /// the output columns of each of its blocks.
     pub fn gemv_for(&self, rows: usize) -> Option<(&CudaFunction, usize)> {
         Self::by_rows(&self.gemv, rows)
+    }
+
+    /// The packed GEMV (`fp8` or GGML) for `rows` rows, and the columns of each block.
+    pub fn packed_gemv_for(&self, fp8: bool, rows: usize) -> Option<(&CudaFunction, usize)> {
+        Self::by_rows(if fp8 { &self.gemv_fp8 } else { &self.gemv_ggml }, rows)
     }
 
     /// `gemv_for`'s fused-activation twin (`gemv_silu`).
@@ -346,6 +361,18 @@ impl Kernels {
                 .zip(GEMV_COLS)
                 .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_silu_{m}_kernel"))?)))
                 .collect::<Result<_, CudaError>>()?,
+            gemv_ggml: GEMV_ROWS
+                .iter()
+                .map(|&m| Ok((m, 1, f(&format!("gemv_ggml_{m}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
+            gemv_fp8: GEMV_ROWS
+                .iter()
+                .zip(FP8_GEMV_COLS)
+                .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_fp8_{m}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
+            dequant_bf16: f("dequant_bf16_kernel")?,
+            embedding_packed: f("embedding_packed_kernel")?,
+            quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,
             _module: module,
         })
     }

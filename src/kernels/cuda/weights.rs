@@ -1,58 +1,351 @@
-//! Weight matrices on the GPU: bf16, uploaded as the checkpoint stores them (or converted
-//! once on the host), or made on the device for `--dummy-weights`.
+//! Weight matrices on the GPU: bf16 (uploaded as the checkpoint stores them, converted
+//! once on the host, or made on the device for `--dummy-weights`), or packed — FP8 e4m3
+//! with its scale grid, GGML Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as the file stores
+//! them — in parts of consecutive rows (a Q4_K_M file's stacked q/k/v mixes formats).
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 use half::bf16;
 
 use super::{CudaBackend, check, grid_for};
+use crate::kernels::fp8::Fp8Matrix;
+use crate::kernels::quant::GgmlType;
 use crate::kernels::{HostData, HostMatrix};
 
 pub struct CudaMatrix {
     pub rows: usize,
     pub cols: usize,
-    pub w: CudaSlice<bf16>,
+    pub store: Store,
+}
+
+pub enum Store {
+    Bf16(CudaSlice<bf16>),
+    Packed(Vec<DevicePart>),
+}
+
+/// Rows `first_row .. first_row + rows` of a packed matrix.
+pub struct DevicePart {
+    pub first_row: usize,
+    pub rows: usize,
+    pub format: PackedFormat,
+    pub bytes: CudaSlice<u8>,
+    /// FP8's scale grid (one unused value for GGML, whose scales live in its blocks).
+    pub scales: CudaSlice<f32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedFormat {
+    Fp8 {
+        block_rows: usize,
+        block_cols: usize,
+    },
+    Ggml(GgmlType),
+}
+
+impl PackedFormat {
+    /// The kernels' `fmt` argument: 0 for FP8, else the GGML type id.
+    pub fn code(self) -> i32 {
+        match self {
+            PackedFormat::Fp8 { .. } => 0,
+            // packed.cu's GGML_* ids (ggml's own type numbers).
+            PackedFormat::Ggml(t) => match t {
+                GgmlType::Q4_0 => 2,
+                GgmlType::Q4_1 => 3,
+                GgmlType::Q8_0 => 8,
+                GgmlType::Q4K => 12,
+                GgmlType::Q6K => 14,
+                other => unreachable!("{other:?} is not kept packed on the device"),
+            },
+        }
+    }
+    pub fn blocks(self) -> (i32, i32) {
+        match self {
+            PackedFormat::Fp8 {
+                block_rows,
+                block_cols,
+            } => (block_rows as i32, block_cols as i32),
+            PackedFormat::Ggml(_) => (1, 1),
+        }
+    }
+    /// Whether `packed.cu`'s GEMV reads this format at width `cols`: 16-byte FP8 loads lie
+    /// in one scale block; GGML rows are whole groups of 32.
+    pub fn has_gemv(self, cols: usize) -> bool {
+        match self {
+            PackedFormat::Fp8 { block_cols, .. } => {
+                cols.is_multiple_of(16) && (block_cols.is_multiple_of(16) || block_cols >= cols)
+            }
+            PackedFormat::Ggml(_) => cols.is_multiple_of(32),
+        }
+    }
+    pub fn name(self, cols: usize) -> String {
+        match self {
+            PackedFormat::Fp8 {
+                block_rows: 1,
+                block_cols,
+            } if block_cols >= cols => "FP8 e4m3 per channel".into(),
+            PackedFormat::Fp8 {
+                block_rows,
+                block_cols,
+            } => format!("FP8 e4m3 {block_rows}×{block_cols}"),
+            PackedFormat::Ggml(t) => format!("{t:?}"),
+        }
+    }
+}
+
+/// GGML formats with device kernels; others are dequantized to bf16 at upload.
+fn device_ggml(t: GgmlType) -> bool {
+    matches!(
+        t,
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K
+    )
+}
+
+impl CudaMatrix {
+    /// The bf16 weights, where the matrix is stored so.
+    pub fn bf16(&self) -> Option<&CudaSlice<bf16>> {
+        match &self.store {
+            Store::Bf16(w) => Some(w),
+            Store::Packed(_) => None,
+        }
+    }
+
+    /// Bytes on the device and the format name(s), `+`-joined for mixed parts.
+    pub fn footprint(&self) -> (usize, String) {
+        match &self.store {
+            Store::Bf16(_) => (self.rows * self.cols * 2, "bf16".into()),
+            Store::Packed(parts) => {
+                let mut names: Vec<String> = Vec::new();
+                let mut bytes = 0;
+                for p in parts {
+                    bytes += p.bytes.len() + 4 * p.scales.len();
+                    let name = p.format.name(self.cols);
+                    if !names.contains(&name) {
+                        names.push(name);
+                    }
+                }
+                (bytes, names.join("+"))
+            }
+        }
+    }
 }
 
 impl CudaBackend {
     pub(super) fn upload_weights(&self, m: HostMatrix) -> CudaMatrix {
         let (rows, cols) = (m.rows, m.cols);
-        if let HostData::Random {
-            seed,
-            mean,
-            half_width,
-        } = m.data
-        {
-            let n = rows * cols;
-            let mut w = check(self.stream.alloc_zeros::<bf16>(n.max(1)), "weights");
-            let n64 = n as i64;
-            // SAFETY: w holds n elements.
+        let packable = |d: &HostData| match d {
+            HostData::Fp8(_) => true,
+            HostData::Quantized { ggml_type, .. } => device_ggml(*ggml_type),
+            _ => false,
+        };
+        let store = match m.data {
+            HostData::Random {
+                seed,
+                mean,
+                half_width,
+            } => Store::Bf16(self.random_bf16(rows * cols, seed, mean, half_width)),
+            HostData::ToFp8 { dense, .. } => {
+                Store::Packed(vec![self.quantize_fp8(*dense, rows, cols)])
+            }
+            data @ (HostData::Fp8(_) | HostData::Quantized { .. }) if packable(&data) => {
+                Store::Packed(vec![self.upload_part(0, rows, cols, data)])
+            }
+            HostData::Stacked(parts) if parts.iter().all(|p| packable(&p.data)) => {
+                let mut first_row = 0;
+                let parts = parts
+                    .into_iter()
+                    .map(|p| {
+                        first_row += p.rows;
+                        self.upload_part(first_row - p.rows, p.rows, cols, p.data)
+                    })
+                    .collect();
+                Store::Packed(parts)
+            }
+            HostData::Bf16(v) => Store::Bf16(check(self.stream.clone_htod(&v), "weight upload")),
+            other => {
+                let host: Vec<bf16> = other
+                    .into_f32(rows * cols)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect();
+                Store::Bf16(check(self.stream.clone_htod(&host), "weight upload"))
+            }
+        };
+        let matrix = CudaMatrix { rows, cols, store };
+        if matches!(matrix.store, Store::Packed(_)) {
+            // Sized now, while no graph is being recorded: a wider batch's GEMM dequantizes
+            // into it.
+            drop(self.weight_scratch(rows * cols));
+        }
+        matrix
+    }
+
+    fn upload_part(
+        &self,
+        first_row: usize,
+        rows: usize,
+        cols: usize,
+        data: HostData,
+    ) -> DevicePart {
+        let (format, bytes, scales) = match data {
+            HostData::Fp8(Fp8Matrix {
+                bytes,
+                scales,
+                block_rows,
+                block_cols,
+                ..
+            }) => (
+                PackedFormat::Fp8 {
+                    block_rows,
+                    block_cols,
+                },
+                bytes,
+                scales,
+            ),
+            HostData::Quantized { ggml_type, bytes } => {
+                (PackedFormat::Ggml(ggml_type), bytes, vec![0.0])
+            }
+            _ => unreachable!("only packed parts are uploaded as parts"),
+        };
+        debug_assert!(cols > 0);
+        DevicePart {
+            first_row,
+            rows,
+            format,
+            bytes: check(self.stream.clone_htod(&bytes), "weight upload"),
+            scales: check(self.stream.clone_htod(&scales), "weight upload"),
+        }
+    }
+
+    fn random_bf16(&self, n: usize, seed: u64, mean: f32, half_width: f32) -> CudaSlice<bf16> {
+        let mut w = check(self.stream.alloc_zeros::<bf16>(n.max(1)), "weights");
+        let n64 = n as i64;
+        // SAFETY: w holds n elements.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.random_bf16)
+                    .arg(&mut w)
+                    .arg(&n64)
+                    .arg(&seed)
+                    .arg(&mean)
+                    .arg(&half_width)
+                    .launch(grid_for(n))
+            },
+            "random weights",
+        );
+        w
+    }
+
+    /// `--quantization fp8` on the device: the dense values placed there (random ones made
+    /// there) and quantized per row by `quantize_fp8_rows`, as the CPU's
+    /// `Fp8Matrix::quantize_rows` does.
+    fn quantize_fp8(&self, dense: HostData, rows: usize, cols: usize) -> DevicePart {
+        let mut bytes = check(
+            self.stream.alloc_zeros::<u8>((rows * cols).max(1)),
+            "weights",
+        );
+        let mut scales = check(self.stream.alloc_zeros::<f32>(rows.max(1)), "weights");
+        let (f32_src, bf16_src) = match dense {
+            HostData::Random {
+                seed,
+                mean,
+                half_width,
+            } => (
+                None,
+                Some(self.random_bf16(rows * cols, seed, mean, half_width)),
+            ),
+            HostData::Bf16(v) => (None, Some(check(self.stream.clone_htod(&v), "upload"))),
+            other => (
+                Some(check(
+                    self.stream.clone_htod(&other.into_f32(rows * cols)),
+                    "upload",
+                )),
+                None,
+            ),
+        };
+        let ptr = |s: Option<u64>| s.unwrap_or(0);
+        let f32_ptr = ptr(f32_src.as_ref().map(|s| s.device_ptr(&self.stream).0));
+        let bf16_ptr = ptr(bf16_src.as_ref().map(|s| s.device_ptr(&self.stream).0));
+        let k = cols as i32;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the source holds rows·cols values, bytes rows·cols and scales rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.quantize_fp8_rows)
+                    .arg(&mut bytes)
+                    .arg(&mut scales)
+                    .arg(&f32_ptr)
+                    .arg(&bf16_ptr)
+                    .arg(&k)
+                    .launch(cfg)
+            },
+            "quantize fp8",
+        );
+        DevicePart {
+            first_row: 0,
+            rows,
+            format: PackedFormat::Fp8 {
+                block_rows: 1,
+                block_cols: cols.max(1),
+            },
+            bytes,
+            scales,
+        }
+    }
+
+    /// The packed matrix `m` dequantized to bf16 into `out` (at least rows·cols long).
+    pub(super) fn dequantize_into(&self, m: &CudaMatrix, out: u64) {
+        let Store::Packed(parts) = &m.store else {
+            return;
+        };
+        for p in parts {
+            let (block_rows, block_cols) = p.format.blocks();
+            let (fmt, first, rows, k) = (
+                p.format.code(),
+                p.first_row as i32,
+                p.rows as i32,
+                m.cols as i32,
+            );
+            let threads = match p.format {
+                PackedFormat::Fp8 { .. } => p.rows * m.cols,
+                PackedFormat::Ggml(_) => p.rows * m.cols / 32,
+            };
+            // SAFETY: out holds m.rows·m.cols bf16; the part's bytes and scales are its own.
             check(
                 unsafe {
                     self.stream
-                        .launch_builder(&self.kernels.random_bf16)
-                        .arg(&mut w)
-                        .arg(&n64)
-                        .arg(&seed)
-                        .arg(&mean)
-                        .arg(&half_width)
-                        .launch(grid_for(n))
+                        .launch_builder(&self.kernels.dequant_bf16)
+                        .arg(&out)
+                        .arg(&p.bytes)
+                        .arg(&p.scales)
+                        .arg(&fmt)
+                        .arg(&block_rows)
+                        .arg(&block_cols)
+                        .arg(&first)
+                        .arg(&rows)
+                        .arg(&k)
+                        .launch(grid_for(threads))
                 },
-                "random weights",
+                "dequantize",
             );
-            return CudaMatrix { rows, cols, w };
         }
-        let host: Vec<bf16> = match m.data {
-            HostData::Bf16(v) => v,
-            other => other
-                .into_f32(rows * cols)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect(),
-        };
-        CudaMatrix {
-            rows,
-            cols,
-            w: check(self.stream.clone_htod(&host), "weight upload"),
+    }
+
+    /// A bf16 copy of `m` (DeepSeek-V4's row splits work on bf16 matrices).
+    pub(super) fn bf16_copy(&self, m: &CudaMatrix) -> CudaSlice<bf16> {
+        let n = m.rows * m.cols;
+        let mut out = check(self.stream.alloc_zeros::<bf16>(n.max(1)), "weights");
+        match &m.store {
+            Store::Bf16(w) => check(self.stream.memcpy_dtod(w, &mut out), "copy"),
+            Store::Packed(_) => {
+                let ptr = out.device_ptr(&self.stream).0;
+                self.dequantize_into(m, ptr);
+            }
         }
+        out
     }
 }

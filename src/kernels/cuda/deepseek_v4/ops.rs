@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
+use super::super::weights::Store;
 use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
 use super::{ATT_MAX_HEAD_DIM, INDEX_SMEM_BYTES, blocks};
 use crate::kernels::deepseek_v4::{
@@ -83,11 +84,12 @@ impl DsV4Kernels for CudaBackend {
 
     fn split_rows(&self, m: CudaMatrix, parts: usize) -> Vec<CudaMatrix> {
         let rows = m.rows / parts;
+        let all = self.bf16_copy(&m);
         (0..parts)
             .map(|g| CudaMatrix {
                 rows,
                 cols: m.cols,
-                w: self.copy_bf16(&m.w, g * rows * m.cols, rows * m.cols),
+                store: Store::Bf16(self.copy_bf16(&all, g * rows * m.cols, rows * m.cols)),
             })
             .collect()
     }
