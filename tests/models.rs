@@ -270,6 +270,37 @@ fn tiny_llama_in_every_legacy_format_matches_transformers() {
     }
 }
 
+/// Every K-quant and IQ4 format in one file (scripts/make_kquant_goldens.py: ggml's own
+/// quantizer, each layer tensor in another format, stacked q/k/v and gate/up mixing them):
+/// kept packed, f32 activations give transformers' logits on gguf-py's dequantization;
+/// 8-bit activations stay within the legacy formats' bound.
+#[test]
+fn k_quants_and_iq4_match_transformers_on_their_dequantization() {
+    // Measured 3.2e-2.
+    const EIGHT_BIT_TOLERANCE: f32 = 4e-2;
+    let (model, reference) = (
+        "tiny-llama-kquants.gguf",
+        "tiny-llama-kquants.reference.json",
+    );
+    check_tiny(model, reference, 16);
+    let cases = common::read_json(reference);
+    let loaded = common::load(&common::goldens().join(model));
+    let mut generator = Generator::new(CpuBackend::default(), loaded, 16);
+    let mut worst = 0f32;
+    for case in cases["cases"].as_array().unwrap() {
+        let got = last_logits(&mut generator, &common::ids(&case["prompt_ids"]), 16);
+        worst = worst.max(common::relative_error(
+            &got,
+            &common::floats(&case["last_logits"]),
+        ));
+    }
+    eprintln!("{model}: 8-bit activations, logits relative error {worst:.2e}");
+    assert!(
+        worst > 0.0 && worst < EIGHT_BIT_TOLERANCE,
+        "{model}: {worst}"
+    );
+}
+
 /// FP8 checkpoints of generated shapes in both layouts (scripts/make_fp8_goldens.py):
 /// HF `fp8` with `weight_scale_inv` blocks that need not divide the matrices, and
 /// compressed-tensors with per-channel `weight_scale`; against transformers running the
