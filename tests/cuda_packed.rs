@@ -273,21 +273,30 @@ fn fp8_models_generate_transformers_greedy_tokens_on_the_gpu() {
     use troupe::generate::{GenerateRequest, Generator};
     let goldens = common::goldens();
     let quantize = Some(troupe::kernels::fp8::Quantization::Fp8);
-    for (model, reference, quantization) in [
+    for (model, reference, quantization, packed_as) in [
         (
             "fp8/tiny-fp8-block",
             "fp8/tiny-fp8-block/reference.json",
             None,
+            "FP8",
         ),
         (
             "fp8/tiny-fp8-channel",
             "fp8/tiny-fp8-channel/reference.json",
             None,
+            "FP8",
         ),
         (
             "tiny-llama",
             "fp8/tiny-llama-quantized.reference.json",
             quantize,
+            "FP8",
+        ),
+        (
+            "tiny-llama-kquants.gguf",
+            "tiny-llama-kquants.reference.json",
+            None,
+            "Q6K",
         ),
     ] {
         let make = || {
@@ -298,7 +307,7 @@ fn fp8_models_generate_transformers_greedy_tokens_on_the_gpu() {
         let mut loaded = troupe::model::load(&goldens.join(model), &make()).unwrap();
         loaded.text.stop_ids.clear();
         let packed = loaded.model.weights.footprint(&make()).card();
-        assert!(packed.contains("FP8"), "{model}: {packed}");
+        assert!(packed.contains(packed_as), "{model}: {packed}");
         let mut generator = Generator::new(make(), loaded, 16);
         let text = std::fs::read_to_string(goldens.join(reference)).unwrap();
         let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
