@@ -155,8 +155,7 @@ __device__ void gemv_ggml(float* y, int ldy, const float* x, const u8* W, int fm
 // An e4m3 byte held in the top 8 bits of `r`, as f32 · 2^-120: the sign stays at bit 31
 // and the 7 magnitude bits land on the f32's low exponent and top mantissa bits (an
 // arithmetic shift, the copies of the sign cleared). Subnormals come out exact as f32
-// subnormals. Integer ops only: the conversion instructions (cvt) run at a quarter of the
-// integer rate and capped the GEMV at 1.6 TB/s.
+// subnormals. Three integer ops and no conversion instruction.
 __device__ __forceinline__ float e4m3_top_raw(u32 r) {
     return __int_as_float(((int)r >> 4) & (int)0x87F00000);
 }
@@ -204,7 +203,9 @@ __device__ void gemv_fp8(float* y, int ldy, const float* x, const u8* W, const f
         wc[c] = W + col * (long long)K;
         sc[c] = scales + (col / block_rows) * grid_cols;
     }
-#pragma unroll GEMV_UNROLL
+    // Not unrolled: a block's 16-byte loads already cover 4096 weights of each column (a
+    // whole row of most projections), and unrolling took all 255 registers (12% occupancy).
+#pragma unroll 1
     for (int k = (warp * 32 + lane) * 16; k < K; k += GEMV_WARPS * 512) {
         uint4 w[COLS];
         float s[COLS];
@@ -254,11 +255,11 @@ __device__ void gemv_fp8(float* y, int ldy, const float* x, const u8* W, const f
         pdl_enter();                                                                           \
         gemv_fp8<MAXM, COLS>(y, ldy, x, W, scales, block_rows, block_cols, m, N, K);           \
     }
-// Twice gemv.cu's columns a block: a row holds half the bytes of a bf16 one, and a block
-// with too little to stream spends its time in the reduction.
+// 4 columns a block (gemv.cu has 2 at 1–2 rows): a row holds half the bytes of a bf16
+// one, and a block with too little to stream spends its time in the reduction.
 PACKED_GEMV_ENTRY(1, 4)
 PACKED_GEMV_ENTRY(2, 4)
-PACKED_GEMV_ENTRY(4, 8)
+PACKED_GEMV_ENTRY(4, 4)
 
 // The value of element (r, k) of a packed part (`fmt` 0: FP8 with its scale grid).
 __device__ __forceinline__ float fp8_value(const u8* W, const float* scales, int block_rows,
@@ -346,5 +347,86 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int k = threadIdx.x; k < K; k += blockDim.x) {
         float v = src_bf16 != 0 ? bf16_to_f32(src_bf16[r * K + k]) : src[r * K + k];
         out[r * K + k] = f32_to_e4m3(v / scale);
+    }
+}
+
+// The FP8 GEMV on tensor cores, for up to 8 rows: a warp multiplies 16 weight rows by the
+// rows of x with mma.m16n8k16 (f16 operands, f32 sums), so the weights need one
+// conversion per two (e4m3x2 → f16x2) and no FMA of their own. x goes to f16 (11 bits,
+// finer than the bf16 operands of the wider batches' GEMMs). A thread loads 16 consecutive
+// bytes of its two rows; the dot product does not care in which order k is summed, so
+// each mma's 16 "columns" are the bytes the fragment layout puts in the thread's registers,
+// and x is gathered in that same order. The MMA_WARPS warps of a block split K in 64-wide
+// steps (each inside one scale block: block_cols a multiple of 64, or all of K): 16 rows a
+// block leave few blocks, and only many warps each keep enough loads in flight (4 warps a
+// block ran at 1.6 TB/s).
+#define MMA_WARPS 32
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v16) {
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)v16));
+    return h2;
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
+    gemv_fp8_mma_kernel(float* y, int ldy, const float* x, const u8* W, const float* scales,
+                        int block_rows, int block_cols, int m, int N, int K) {
+    pdl_enter();
+    __shared__ float partial[MMA_WARPS][16][8];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int g = lane >> 2, t = lane & 3;
+    long long n0 = (long long)blockIdx.x * 16;
+    long long r0 = n0 + g < N ? n0 + g : n0, r1 = n0 + g + 8 < N ? n0 + g + 8 : n0;
+    const u8* w0 = W + r0 * K + t * 16;
+    const u8* w1 = W + r1 * K + t * 16;
+    int grid_cols = (K + block_cols - 1) / block_cols;
+    const float* s0 = scales + (r0 / block_rows) * grid_cols;
+    const float* s1 = scales + (r1 / block_rows) * grid_cols;
+    const float* xg = x + (long long)(g < m ? g : 0) * K + t * 16;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 2
+    for (int kb = warp * 64; kb < K; kb += MMA_WARPS * 64) {
+        uint4 p = *(const uint4*)(w0 + kb);
+        uint4 q = *(const uint4*)(w1 + kb);
+        float4 xv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            xv[j] = g < m ? ((const float4*)(xg + kb))[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        u32 pw[4] = {p.x, p.y, p.z, p.w}, qw[4] = {q.x, q.y, q.z, q.w};
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            u32 a0 = e4m3x2_to_f16x2(pw[s] & 0xffffu), a2 = e4m3x2_to_f16x2(pw[s] >> 16);
+            u32 a1 = e4m3x2_to_f16x2(qw[s] & 0xffffu), a3 = e4m3x2_to_f16x2(qw[s] >> 16);
+            u32 b0 = f32x2_to_f16x2(xv[s].x, xv[s].y), b1 = f32x2_to_f16x2(xv[s].z, xv[s].w);
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        }
+        float sc0 = s0[kb / block_cols], sc1 = s1[kb / block_cols];
+        acc[0] = fmaf(sc0, c[0], acc[0]);
+        acc[1] = fmaf(sc0, c[1], acc[1]);
+        acc[2] = fmaf(sc1, c[2], acc[2]);
+        acc[3] = fmaf(sc1, c[3], acc[3]);
+    }
+    // c0, c1: weight row g, x rows 2t and 2t + 1; c2, c3: weight row g + 8.
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        int row = threadIdx.x >> 3, i = threadIdx.x & 7;  // 16 rows × 8 x rows
+        float v = 0.0f;
+#pragma unroll 8
+        for (int w = 0; w < MMA_WARPS; ++w) v += partial[w][row][i];
+        if (i < m && n0 + row < N) y[(long long)i * ldy + n0 + row] = v;
     }
 }

@@ -20,10 +20,10 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 for mode in ${MODES:-fp8 bf16}; do
   if [ "$mode" = fp8 ]; then k="gemv_fp8"; extra="--quantization fp8"; else k="gemv_(1|silu_1)_kernel"; extra=""; fi
   echo "== $mode"
-  timeout 300 "$NCU" --clock-control none -k regex:"$k" --launch-skip 4 --launch-count 4 \
+  timeout 300 "$NCU" --clock-control none -k regex:"$k" --launch-skip 300 --launch-count 6 \
     --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
     --section MemoryWorkloadAnalysis \
     gpu-bin/troupe generate --model "$PROF/8b" --device cuda --dummy-weights --enforce-eager \
-    --prompt-ids 1,2,3 --max-tokens 4 --kv-cache-mib 1024 $extra > "$PROF/$mode.txt" 2>&1 || echo "ncu: $?"
+    --prompt-ids 1 --max-tokens 8 --kv-cache-mib 1024 $extra > "$PROF/$mode.txt" 2>&1 || echo "ncu: $?"
   grep -E "gemv.*\(|DRAM Throughput|Memory Throughput|Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|Compute \(SM\) Throughput|Issue Slots|L1/TEX Hit|L2 Hit|Grid Size|Warp Cycles Per Issued" "$PROF/$mode.txt" | head -70
 done

@@ -35,6 +35,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "dequant_bf16_kernel",
         "embedding_packed_kernel",
         "quantize_fp8_rows_kernel",
+        "gemv_fp8_mma_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

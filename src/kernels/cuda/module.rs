@@ -25,8 +25,10 @@ pub const LLAMA_SOURCE: &str = concat!(
 /// its blocks computes.
 pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 pub const GEMV_COLS: [usize; 3] = [2, 2, 4];
+/// Rows the tensor-core FP8 GEMV takes (one mma's n).
+pub const FP8_MMA_ROWS: usize = 8;
 /// Output columns of each block of the FP8 GEMV (`packed.cu`), for `GEMV_ROWS`.
-pub const FP8_GEMV_COLS: [usize; 3] = [4, 4, 8];
+pub const FP8_GEMV_COLS: [usize; 3] = [4, 4, 4];
 
 /// The context of GPU `ordinal`, or why there is none: libraries missing, no device, an
 /// old driver. cudarc panics when a library is missing, so presence is checked first.
@@ -211,6 +213,8 @@ pub struct Kernels {
     /// `GEMV_COLS[i]` columns a block; GGML: one).
     pub gemv_ggml: Vec<(usize, usize, CudaFunction)>,
     pub gemv_fp8: Vec<(usize, usize, CudaFunction)>,
+    /// The FP8 GEMV on tensor cores (`gemv_fp8_mma`), up to `FP8_MMA_ROWS` rows.
+    pub gemv_fp8_mma: CudaFunction,
     pub dequant_bf16: CudaFunction,
     pub embedding_packed: CudaFunction,
     pub quantize_fp8_rows: CudaFunction,
@@ -370,6 +374,7 @@ impl Kernels {
                 .zip(FP8_GEMV_COLS)
                 .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_fp8_{m}_kernel"))?)))
                 .collect::<Result<_, CudaError>>()?,
+            gemv_fp8_mma: f("gemv_fp8_mma_kernel")?,
             dequant_bf16: f("dequant_bf16_kernel")?,
             embedding_packed: f("embedding_packed_kernel")?,
             quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,

@@ -76,6 +76,16 @@ impl PackedFormat {
             PackedFormat::Ggml(_) => cols.is_multiple_of(32),
         }
     }
+    /// Whether the tensor-core FP8 GEMV reads this format at width `cols`: 64-wide steps
+    /// of K, each inside one scale block.
+    pub fn has_mma_gemv(self, cols: usize) -> bool {
+        match self {
+            PackedFormat::Fp8 { block_cols, .. } => {
+                cols.is_multiple_of(64) && (block_cols.is_multiple_of(64) || block_cols >= cols)
+            }
+            PackedFormat::Ggml(_) => false,
+        }
+    }
     pub fn name(self, cols: usize) -> String {
         match self {
             PackedFormat::Fp8 {
