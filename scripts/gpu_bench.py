@@ -12,6 +12,7 @@ next step over the run).
 
 Part `quant`: batch-1 decode, Llama-3.1-8B shape with dummy weights, bf16 against
 `--quantization fp8`, each against its roofline (the highest read bandwidth of the run).
+Part `quant_offline`: the offline workload with dummy weights, bf16 against FP8.
 Part `peer`: the offline workload's first 64 requests through transformers' `generate_batch`.
 
 Usage (device machine): python3 scripts/gpu_bench.py target/release/troupe decode|offline|peer|dummy
@@ -199,6 +200,27 @@ def quant(binary, results):
                             fp8_over_bf16=rows["fp8"]["decode_tok_s"] / rows["bf16"]["decode_tok_s"])
 
 
+def quant_offline(binary, results):
+    """The offline workload (Qwen3-0.6B shape, 256 requests) with --dummy-weights, bf16
+    against `--quantization fp8`: wider batches dequantize FP8 to bf16 for cuBLAS."""
+    path = os.path.join(WORK, "qwen3-0.6b-config")
+    os.makedirs(path, exist_ok=True)
+    Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, tie_word_embeddings=True).save_pretrained(path)
+    reqs = offline_requests()
+    total_out = sum(r["max_tokens"] for r in reqs)
+    rows = {}
+    for label, extra in [("bf16", []), ("fp8", ["--quantization", "fp8"])]:
+        _, stats, wall = troupe(binary, path, reqs, ["--dummy-weights", *extra], f"quant-offline-{label}")
+        rows[label] = dict(out_tok_s=total_out / wall, generate_out_tok_s=total_out / stats["generate_s"],
+                           wall_s=wall, weight_card=stats.get("weight_card"),
+                           resident_weight_bytes=stats.get("resident_weight_bytes"))
+    results["quant_offline"] = dict(total_out_tokens=total_out, rows=rows,
+                                    fp8_over_bf16=rows["fp8"]["generate_out_tok_s"] / rows["bf16"]["generate_out_tok_s"])
+
+
 def offline_requests():
     rng = random.Random(0)
     return [dict(prompt_ids=[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))],
@@ -275,7 +297,7 @@ def main(binary, part):
     results = {"device": torch.cuda.get_device_name(0)}
     try:
         {"decode": decode, "offline": offline, "peer": peer, "dummy": dummy,
-         "startup": startup, "quant": quant}[part](binary, results)
+         "startup": startup, "quant": quant, "quant_offline": quant_offline}[part](binary, results)
     except Exception as e:
         results[part] = {"error": str(e)[-2000:]}
     with open(os.path.join(OUT, f"gpu_bench_{part}.json"), "w") as f:
