@@ -5,34 +5,12 @@
 //! machine (`scripts/gpu-tests.sh`); CI compiles it.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use half::bf16;
 use troupe::kernels::cpu::CpuBackend;
 use troupe::kernels::cuda::CudaBackend;
 use troupe::kernels::{Backend, HostData, HostMatrix};
-use troupe::sampling::splitmix64;
-
-fn random(seed: u64, n: usize) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| (splitmix64(seed ^ splitmix64(i)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
-        .collect()
-}
-
-/// Largest |got − want| over the largest |want|.
-fn rel_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| {
-            if g.is_nan() {
-                f32::INFINITY
-            } else {
-                (g - w).abs()
-            }
-        })
-        .fold(0f32, f32::max)
-        / scale
-}
 
 fn backends() -> (CudaBackend, CpuBackend) {
     let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
@@ -47,11 +25,11 @@ fn backends() -> (CudaBackend, CpuBackend) {
 
 /// (out, residual after) of `add_rms_norm`, or `rms_norm`'s out when `add` is false.
 fn norm<B: Backend>(b: &B, rows: usize, dim: usize, add: bool) -> (Vec<f32>, Vec<f32>) {
-    let x = b.upload(&random(1, rows * dim));
-    let w = b.upload(&random(2, dim));
+    let x = b.upload(&common::uniform(1, rows * dim));
+    let w = b.upload(&common::uniform(2, dim));
     let mut out = b.alloc(rows * dim);
     if add {
-        let mut residual = b.upload(&random(3, rows * dim));
+        let mut residual = b.upload(&common::uniform(3, rows * dim));
         b.add_rms_norm(&mut residual, &x, &w, 1e-5, rows, dim, &mut out);
         (
             b.download(&out, rows * dim),
@@ -74,8 +52,8 @@ fn row_norms_match_the_cpu_backend() {
             for add in [false, true] {
                 let (got, got_res) = norm(&gpu, rows, dim, add);
                 let (want, want_res) = norm(&cpu, rows, dim, add);
-                let err = rel_error(&got, &want).max(if add {
-                    rel_error(&got_res, &want_res)
+                let err = common::relative_error(&got, &want).max(if add {
+                    common::relative_error(&got_res, &want_res)
                 } else {
                     0.0
                 });
@@ -91,7 +69,7 @@ fn row_norms_match_the_cpu_backend() {
 /// `[gate; up]` weights of `width` rows each over `k` columns, bf16-exact (so that the
 /// CPU's f32 weights equal the GPU's bf16 ones).
 fn gate_up_weights(width: usize, k: usize) -> HostMatrix {
-    let data: Vec<bf16> = random(7, 2 * width * k)
+    let data: Vec<bf16> = common::uniform(7, 2 * width * k)
         .into_iter()
         .map(|v| bf16::from_f32(v * 0.1))
         .collect();
@@ -104,7 +82,7 @@ fn gate_up_weights(width: usize, k: usize) -> HostMatrix {
 
 fn activation<B: Backend>(b: &B, rows: usize, width: usize, k: usize, fused: bool) -> Vec<f32> {
     let w = b.upload_matrix(gate_up_weights(width, k));
-    let x = b.upload(&random(9 + rows as u64, rows * k));
+    let x = b.upload(&common::uniform(9 + rows as u64, rows * k));
     let mut gate_up = b.alloc(rows * 2 * width);
     let mut out = b.alloc(rows * width);
     if fused {
@@ -132,7 +110,7 @@ fn fused_mlp_activation_matches_the_cpu_backend_and_the_unfused_kernels() {
             }
             // The GEMV keeps x in f32; cuBLAS rounds it to bf16.
             let tolerance = if rows <= 4 { 1e-4 } else { 2e-2 };
-            let err = rel_error(&got, &want);
+            let err = common::relative_error(&got, &want);
             if err > tolerance {
                 failures.push(format!("width {width}, rows {rows}: {err:.2e} vs the CPU"));
             }
@@ -151,7 +129,7 @@ fn a_gemm_after_a_norm_or_the_activation_reads_their_bf16_copy_bit_for_bit() {
         rows: 2 * width,
         cols: dim,
         data: HostData::Bf16(
-            random(21, 2 * width * dim)
+            common::uniform(21, 2 * width * dim)
                 .into_iter()
                 .map(bf16::from_f32)
                 .collect(),
@@ -161,15 +139,15 @@ fn a_gemm_after_a_norm_or_the_activation_reads_their_bf16_copy_bit_for_bit() {
         rows: dim,
         cols: width,
         data: HostData::Bf16(
-            random(22, dim * width)
+            common::uniform(22, dim * width)
                 .into_iter()
                 .map(bf16::from_f32)
                 .collect(),
         ),
     });
-    let mut residual = gpu.upload(&random(23, rows * dim));
-    let x = gpu.upload(&random(24, rows * dim));
-    let norm_w = gpu.upload(&random(25, dim));
+    let mut residual = gpu.upload(&common::uniform(23, rows * dim));
+    let x = gpu.upload(&common::uniform(24, rows * dim));
+    let norm_w = gpu.upload(&common::uniform(25, dim));
     let mut normed = gpu.alloc(rows * dim);
     gpu.add_rms_norm(&mut residual, &x, &norm_w, 1e-5, rows, dim, &mut normed);
     let mut gate_up = gpu.alloc(rows * 2 * width);

@@ -15,12 +15,6 @@ use troupe::kernels::quant::GgmlType;
 use troupe::kernels::{Backend, HostData, HostMatrix};
 use troupe::sampling::splitmix64;
 
-fn random(seed: u64, n: usize) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| (splitmix64(seed ^ splitmix64(i)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
-        .collect()
-}
-
 fn bytes(seed: u64, n: usize) -> Vec<u8> {
     (0..n as u64)
         .map(|i| splitmix64(seed ^ splitmix64(i)) as u8)
@@ -54,12 +48,12 @@ fn ggml(t: GgmlType, rows: usize, cols: usize, seed: u64) -> HostMatrix {
 }
 
 fn fp8(rows: usize, cols: usize, block: (usize, usize), seed: u64) -> HostMatrix {
-    let b: Vec<u8> = random(seed, rows * cols)
+    let b: Vec<u8> = common::uniform(seed, rows * cols)
         .into_iter()
         .map(|v| f32_to_e4m3(v * 400.0))
         .collect();
     let grid = (rows.div_ceil(block.0), cols.div_ceil(block.1));
-    let scales = random(seed + 1, grid.0 * grid.1)
+    let scales = common::uniform(seed + 1, grid.0 * grid.1)
         .into_iter()
         .map(|v| 1e-3 * (1.5 + v))
         .collect();
@@ -71,22 +65,6 @@ fn fp8(rows: usize, cols: usize, block: (usize, usize), seed: u64) -> HostMatrix
         cols,
         data: HostData::Fp8(m),
     }
-}
-
-/// Largest |got − want| over the largest |want|.
-fn rel_error(got: &[f32], want: &[f32]) -> f32 {
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| {
-            if g.is_nan() {
-                f32::INFINITY
-            } else {
-                (g - w).abs()
-            }
-        })
-        .fold(0f32, f32::max)
-        / scale
 }
 
 /// `x · wᵀ` in f64 over the dequantized weights.
@@ -128,12 +106,12 @@ fn check(b: &CudaBackend, name: &str, w: HostMatrix, gemv: (usize, f32), gemm_to
     let (rows, cols) = (w.rows, w.cols);
     let device = b.upload_matrix(w.clone());
     for m in [1, 2, 3, 4, 5, 8, 19] {
-        let x = random(100 + m as u64, m * cols);
+        let x = common::uniform(100 + m as u64, m * cols);
         let xd = b.upload(&x);
         let mut out = b.alloc(m * rows);
         b.matmul(&xd, m, &device, None, &mut out);
         let got = b.download(&out, m * rows);
-        let err = rel_error(&got, &reference(&w, &x, m));
+        let err = common::relative_error(&got, &reference(&w, &x, m));
         let tol = if m <= gemv_rows && !b.batch_invariant {
             gemv_tol
         } else {
@@ -246,7 +224,10 @@ fn embedding_rows_come_dequantized_from_a_packed_table() {
             .iter()
             .flat_map(|&id| dense[id as usize * cols..(id as usize + 1) * cols].to_vec())
             .collect();
-        assert!(rel_error(&got, &want) < 1e-6, "{name} embedding");
+        assert!(
+            common::relative_error(&got, &want) < 1e-6,
+            "{name} embedding"
+        );
     }
 }
 
@@ -258,7 +239,7 @@ fn on_device_fp8_quantization_equals_the_hosts_and_is_what_the_footprint_says() 
     // Widths off the tensor-core GEMV's multiples of 64: f32 activations, so that one byte
     // rounded differently shows.
     for (rows, cols, seed) in [(33, 16, 1), (5, 48, 2), (300, 1008, 3)] {
-        let dense = random(seed, rows * cols);
+        let dense = common::uniform(seed, rows * cols);
         let host = Fp8Matrix::quantize_rows(&dense, cols);
         let want = HostMatrix {
             rows,
@@ -277,11 +258,11 @@ fn on_device_fp8_quantization_equals_the_hosts_and_is_what_the_footprint_says() 
             (bytes, format.as_str()),
             (rows * cols + 4 * rows, "FP8 e4m3 per channel")
         );
-        let x = random(seed + 50, cols);
+        let x = common::uniform(seed + 50, cols);
         let xd = b.upload(&x);
         let mut out = b.alloc(rows);
         b.matmul(&xd, 1, &device, None, &mut out);
-        let err = rel_error(&b.download(&out, rows), &reference(&want, &x, 1));
+        let err = common::relative_error(&b.download(&out, rows), &reference(&want, &x, 1));
         assert!(err < 1e-5, "[{rows}, {cols}]: {err}");
     }
 }

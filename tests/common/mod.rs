@@ -56,14 +56,29 @@ pub fn load_on(path: &std::path::Path, backend: &CpuBackend) -> LoadedModel<CpuB
     model::load(path, backend).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// Largest |got − want| over the largest |want|; a NaN in `got` is infinitely wrong (f32's
+/// `max` would skip it).
 pub fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
-    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let max_diff = got
-        .iter()
-        .zip(want)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let max_ref = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    let max_diff = got.iter().zip(want).fold(0f32, |m, (a, b)| {
+        if a.is_nan() {
+            f32::INFINITY
+        } else {
+            m.max((a - b).abs())
+        }
+    });
     max_diff / max_ref
+}
+
+/// `n` values uniform in [-1, 1) from `seed` (inputs the GPU tests generate).
+pub fn uniform(seed: u64, n: usize) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let h = troupe::sampling::splitmix64(seed ^ troupe::sampling::splitmix64(i));
+            (h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
 }
 pub mod cli;
 pub mod dsv4;
