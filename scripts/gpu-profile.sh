@@ -10,6 +10,7 @@
 # (TROUPE_PDL=0), and eagerly (the same tokens each time), then the same eagerly
 # under Nsight Compute, timing ~1 000 decode-phase launches one by one (kernel time without
 # the gaps between kernels). Prints per-kernel microseconds a step, last.
+#   PROFILE_ARGS="--quantization fp8" bash scripts/gpu-profile.sh   # with FP8 weights
 # Build here first: cargo build --release --features cuda; carry target/release/troupe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,9 @@ if [ "$MODE" = offline ]; then
   MODEL=$PROF/offline; LAYERS=28; SHORT=$PROF/offline.jsonl; SKIP=${PROFILE_SKIP:-0}
   RUNS=graphs; KV=()
 fi
-run() { target/release/troupe generate --model $MODEL --device cuda --dummy-weights \
+# PROFILE_ARGS: more flags for every run (e.g. "--quantization fp8").
+read -ra MORE <<< "${PROFILE_ARGS:-}"
+run() { target/release/troupe generate --model $MODEL --device cuda --dummy-weights "${MORE[@]}" \
     "${KV[@]}" --ignore-eos --temperature 0 --json --stats "$@"; }
 for mode in $RUNS; do
   extra=(); [ $mode = eager ] && extra=(--enforce-eager)
@@ -74,7 +77,7 @@ done
 if [ -n "$NCU" ]; then
   timeout 400 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
     --csv --launch-skip $SKIP --launch-count 1500 \
-    target/release/troupe generate --model $MODEL --device cuda --dummy-weights \
+    target/release/troupe generate --model $MODEL --device cuda --dummy-weights "${MORE[@]}" \
     "${KV[@]}" --ignore-eos --temperature 0 --json --enforce-eager \
     --prompts-file $SHORT > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed: $?"
 fi

@@ -36,6 +36,8 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "embedding_packed_kernel",
         "quantize_fp8_rows_kernel",
         "gemv_fp8_mma_kernel",
+        "gemv_fp8_mma_staged_kernel",
+        "gemv_fp8_mma_silu_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

@@ -87,7 +87,7 @@ fn reference(w: &HostMatrix, x: &[f32], m: usize) -> Vec<f32> {
 
 /// The f32 GEMVs (up to 4 rows; GGML and FP8 of any block width).
 const GEMV: (usize, f32) = (4, 1e-4);
-/// With the tensor-core FP8 GEMV (5 to 8 rows, K a multiple of 64 inside scale blocks; f16
+/// With the tensor-core FP8 GEMV (up to 8 rows, K a multiple of 64 inside scale blocks; f16
 /// activations): up to 8 rows within its bound.
 const MMA: (usize, f32) = (8, 3e-3);
 
@@ -187,6 +187,76 @@ fn stacked_parts_of_mixed_formats_write_their_own_rows() {
         HostMatrix::concat_rows(vec![fp8(100, 256, (64, 64), 4), fp8(64, 256, (64, 64), 5)]);
     assert!(matches!(fp8_parts.data, HostData::Stacked(_)));
     check(&b, "FP8 parts", fp8_parts, MMA, 2e-2);
+}
+
+/// The tensor-core GEMV carries activations as f16 scaled by 2^-4, staged in shared memory
+/// or not: activations past f16's 65 504 stay finite and exact to its bound, and tiny ones
+/// keep their share of the sum.
+#[test]
+fn the_tensor_core_gemv_holds_large_and_tiny_activations() {
+    let b = gpu(false);
+    let rows = 48;
+    // 8 rows of 3072 overflow the shared memory x is staged in: the unstaged kernel.
+    for cols in [1024, 3072] {
+        let w = fp8(rows, cols, (1, cols), 21);
+        let device = b.upload_matrix(w.clone());
+        // 1e-4 lies below 2^-10, among f16 subnormals once scaled: a looser relative bound.
+        for (scale, seed, bound) in [(3.0e5f32, 1u64, MMA.1), (1.0e-4, 2, 2e-2), (1.0, 3, MMA.1)] {
+            for m in [1, 8] {
+                let x: Vec<f32> = common::uniform(seed + m as u64, m * cols)
+                    .iter()
+                    .map(|v| v * scale)
+                    .collect();
+                let xd = b.upload(&x);
+                let mut out = b.alloc(m * rows);
+                b.matmul(&xd, m, &device, None, &mut out);
+                let got = b.download(&out, m * rows);
+                let err = common::relative_error(&got, &reference(&w, &x, m));
+                assert!(
+                    err < bound,
+                    "activations × {scale}, {m}×{cols}: error {err}"
+                );
+            }
+        }
+    }
+}
+
+/// The MLP's fused activation over a stacked FP8 [gate; up] (per channel and 128-square
+/// blocks, one part): silu(gate) · up of the dequantized product, up to 8 rows.
+#[test]
+fn the_fused_fp8_mlp_activation_matches_silu_of_the_dequantized_product() {
+    let b = gpu(false);
+    for (seed, block) in [(31u64, (1usize, 0usize)), (32, (128, 128))] {
+        let width = 8 + (splitmix64(seed) % 200) as usize;
+        let cols = 64 * (1 + (splitmix64(seed + 1) % 40) as usize);
+        let block = if block.1 == 0 { (1, cols) } else { block };
+        let w = fp8(2 * width, cols, block, seed);
+        let device = b.upload_matrix(w.clone());
+        for m in [1, 3, 8] {
+            let x = common::uniform(seed + 10 * m as u64, m * cols);
+            let xd = b.upload(&x);
+            let mut gate_up = b.alloc(m * 2 * width);
+            let mut out = b.alloc(m * width);
+            b.gate_up_silu(&xd, m, &device, width, &mut gate_up, &mut out);
+            let got = b.download(&out, m * width);
+            let product = reference(&w, &x, m);
+            let want: Vec<f32> = (0..m * width)
+                .map(|e| {
+                    let (i, n) = (e / width, e % width);
+                    let (g, u) = (
+                        product[i * 2 * width + n],
+                        product[i * 2 * width + width + n],
+                    );
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            let err = common::relative_error(&got, &want);
+            assert!(
+                err < MMA.1,
+                "{block:?} [{width}×2, {cols}] × {m}: error {err}"
+            );
+        }
+    }
 }
 
 #[test]

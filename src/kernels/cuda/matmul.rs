@@ -8,11 +8,13 @@ use cudarc::driver::{
 };
 use half::bf16;
 
-use super::module::FP8_MMA_ROWS;
+use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES};
 use super::weights::{DevicePart, PackedFormat, Store};
 
 /// Weight rows a block of `gemv_fp8_mma` covers (one mma's m).
 const MMA_BLOCK_ROWS: usize = 16;
+/// Threads of a `gemv_fp8_mma` block (its `TC_WARPS` warps).
+const MMA_THREADS: u32 = 256;
 use super::{CudaBackend, CudaMatrix, check, grid_for};
 
 impl CudaBackend {
@@ -190,17 +192,20 @@ impl CudaBackend {
         let kernels: Option<Vec<_>> = parts
             .iter()
             .map(|p| {
-                // The f32 GEMVs first: at batch 1 the tensor-core one streamed slower
-                // (227 against 250 tok/s on the 8B shape); it takes 5 to 8 rows, which
-                // would otherwise dequantize the matrix for cuBLAS.
-                let fp8 = matches!(p.format, PackedFormat::Fp8 { .. });
-                let f32_gemv = self
-                    .kernels
-                    .packed_gemv_for(fp8, m)
-                    .filter(|_| p.format.has_gemv(w.cols));
-                f32_gemv.or_else(|| {
-                    (p.format.has_mma_gemv(w.cols) && m <= FP8_MMA_ROWS)
-                        .then_some((&self.kernels.gemv_fp8_mma, MMA_BLOCK_ROWS))
+                // Tensor cores first (up to 8 rows): their loads stay in flight while they
+                // compute, where the f32 GEMV streamed FP8 at 0.54 of the roofline.
+                let kernel = if m * w.cols * 2 <= FP8_STAGE_BYTES {
+                    &self.kernels.gemv_fp8_mma_staged
+                } else {
+                    &self.kernels.gemv_fp8_mma
+                };
+                let mma = (p.format.has_mma_gemv(w.cols) && m <= FP8_MMA_ROWS)
+                    .then_some((kernel, MMA_BLOCK_ROWS));
+                mma.or_else(|| {
+                    let fp8 = matches!(p.format, PackedFormat::Fp8 { .. });
+                    self.kernels
+                        .packed_gemv_for(fp8, m)
+                        .filter(|_| p.format.has_gemv(w.cols))
                 })
             })
             .collect();
@@ -211,10 +216,10 @@ impl CudaBackend {
         for (p, (kernel, cols)) in parts.iter().zip(kernels) {
             let y = out + 4 * p.first_row as u64;
             let ni = p.rows as i32;
-            let launch = |threads: u32, blocks: usize| LaunchConfig {
+            let launch = |threads: u32, blocks: usize, smem: usize| LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
                 block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: smem as u32,
             };
             // SAFETY: x holds m·cols f32; y's rows (stride ldy) have room for the part's
             // columns; the part's bytes and scales are its own.
@@ -237,10 +242,12 @@ impl CudaBackend {
                             .arg(&mi)
                             .arg(&ni)
                             .arg(&ki)
-                            .launch(if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma) {
-                                launch(1024, p.rows.div_ceil(MMA_BLOCK_ROWS))
+                            .launch(if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_staged) {
+                                launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), m * w.cols * 2)
+                            } else if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma) {
+                                launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), 0)
                             } else {
-                                launch(256, p.rows.div_ceil(cols))
+                                launch(256, p.rows.div_ceil(cols), 0)
                             })
                     }
                     PackedFormat::Ggml(_) => {
@@ -255,7 +262,7 @@ impl CudaBackend {
                             .arg(&mi)
                             .arg(&ni)
                             .arg(&ki)
-                            .launch(launch(128, p.rows))
+                            .launch(launch(128, p.rows, 0))
                     }
                 }
             };
@@ -359,6 +366,9 @@ impl CudaBackend {
             .kernels
             .gemv_silu_for(num_rows)
             .filter(|_| !self.batch_invariant && w.cols.is_multiple_of(8) && w.rows == 2 * width);
+        if let Store::Packed(parts) = &w.store {
+            return w.rows == 2 * width && self.fp8_gemv_silu(x, num_rows, w, parts, out);
+        }
         let (Some((kernel, cols)), Some(wb)) = (fused, w.bf16()) else {
             return false;
         };
@@ -376,6 +386,72 @@ impl CudaBackend {
             (w_ptr, w.rows, w.cols),
             out_ptr,
         );
+        true
+    }
+
+    /// `gemv_silu` for a stacked [gate; up] kept as one FP8 part: the tensor-core GEMV
+    /// pairing each gate row with its up row.
+    fn fp8_gemv_silu(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        w: &CudaMatrix,
+        parts: &[DevicePart],
+        out: &mut CudaSlice<f32>,
+    ) -> bool {
+        let [part] = parts else {
+            return false;
+        };
+        let PackedFormat::Fp8 {
+            block_rows,
+            block_cols,
+        } = part.format
+        else {
+            return false;
+        };
+        if self.batch_invariant
+            || m > FP8_MMA_ROWS
+            || !part.format.has_mma_gemv(w.cols)
+            || m * w.cols * 2 > FP8_STAGE_BYTES
+        {
+            return false;
+        }
+        let width = w.rows / 2;
+        let (x_ptr, out_ptr) = (
+            x.device_ptr(&self.stream).0,
+            out.device_ptr_mut(&self.stream).0,
+        );
+        let (ldy, br, bc, mi, ni, ki) = (
+            width as i32,
+            block_rows as i32,
+            block_cols as i32,
+            m as i32,
+            w.rows as i32,
+            w.cols as i32,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (width.div_ceil(MMA_BLOCK_ROWS / 2) as u32, 1, 1),
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: (m * w.cols * 2) as u32,
+        };
+        // SAFETY: x holds m·cols f32 and out m·width; the part's bytes and scales hold the
+        // whole [gate; up] matrix.
+        let launched = unsafe {
+            self.stream
+                .launch_builder(&self.kernels.gemv_fp8_mma_silu)
+                .arg(&out_ptr)
+                .arg(&ldy)
+                .arg(&x_ptr)
+                .arg(&part.bytes)
+                .arg(&part.scales)
+                .arg(&br)
+                .arg(&bc)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&ki)
+                .launch(cfg)
+        };
+        check(launched, "fp8 gemv silu");
         true
     }
 

@@ -18,6 +18,7 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/prefill_attention.cu"),
     include_str!("../../../kernels-cuda/gemv.cu"),
     include_str!("../../../kernels-cuda/packed.cu"),
+    include_str!("../../../kernels-cuda/fp8_mma.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
 );
 
@@ -27,6 +28,9 @@ pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 pub const GEMV_COLS: [usize; 3] = [2, 2, 4];
 /// Rows the tensor-core FP8 GEMV takes (one mma's n).
 pub const FP8_MMA_ROWS: usize = 8;
+/// Shared memory the tensor-core FP8 GEMV may stage x in as f16 (`fp8_mma.cu`'s
+/// `TC_STAGE_BYTES`): rows · cols · 2 bytes at most.
+pub const FP8_STAGE_BYTES: usize = 40960;
 /// Output columns of each block of the FP8 GEMV (`packed.cu`), for `GEMV_ROWS`.
 pub const FP8_GEMV_COLS: [usize; 3] = [4, 4, 4];
 
@@ -215,6 +219,10 @@ pub struct Kernels {
     pub gemv_fp8: Vec<(usize, usize, CudaFunction)>,
     /// The FP8 GEMV on tensor cores (`gemv_fp8_mma`), up to `FP8_MMA_ROWS` rows.
     pub gemv_fp8_mma: CudaFunction,
+    /// The same with x staged in shared memory, where it fits (`FP8_STAGE_BYTES`).
+    pub gemv_fp8_mma_staged: CudaFunction,
+    /// Its MLP twin over a stacked [gate; up] (`gemv_fp8_mma_silu`, staged): silu(gate) · up.
+    pub gemv_fp8_mma_silu: CudaFunction,
     pub dequant_bf16: CudaFunction,
     pub embedding_packed: CudaFunction,
     pub quantize_fp8_rows: CudaFunction,
@@ -375,6 +383,8 @@ impl Kernels {
                 .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_fp8_{m}_kernel"))?)))
                 .collect::<Result<_, CudaError>>()?,
             gemv_fp8_mma: f("gemv_fp8_mma_kernel")?,
+            gemv_fp8_mma_staged: f("gemv_fp8_mma_staged_kernel")?,
+            gemv_fp8_mma_silu: f("gemv_fp8_mma_silu_kernel")?,
             dequant_bf16: f("dequant_bf16_kernel")?,
             embedding_packed: f("embedding_packed_kernel")?,
             quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,
