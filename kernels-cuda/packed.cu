@@ -90,10 +90,15 @@ __device__ __forceinline__ void ggml_group(const u8* row, int fmt, int u, float*
             min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
         }
         float d1 = d * (float)scale, m1 = dmin * (float)min;
-        const u8* q = b + 16 + 32 * (s >> 1);
+        // 144-byte blocks of rows of whole blocks keep the 32 quant bytes 16-byte aligned:
+        // two vector loads, not 32 byte loads.
+        const uint4* q = (const uint4*)(b + 16 + 32 * (s >> 1));
+        uint4 lo = q[0], hi = q[1];
+        u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
         int shift = (s & 1) * 4;
 #pragma unroll
-        for (int l = 0; l < 32; ++l) w[l] = d1 * (float)((q[l] >> shift) & 15) - m1;
+        for (int l = 0; l < 32; ++l)
+            w[l] = d1 * (float)((words[l >> 2] >> (8 * (l & 3) + shift)) & 15) - m1;
         return;
     }
     // Q6_K: 128 low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, the f16 scale.

@@ -11,7 +11,8 @@ between steps at batch 256 with ZOS on and off (host clock: time the worker wait
 next step over the run).
 
 Part `quant`: batch-1 decode, Llama-3.1-8B shape with dummy weights, bf16 against
-`--quantization fp8`, each against its roofline (the highest read bandwidth of the run).
+`--quantization fp8` and a random Q4_K GGUF of the same shape (with the `gguf` package, carried
+in gpu-bin/pylib), each against its roofline (the highest read bandwidth of the run).
 Part `quant_offline`: the offline workload with dummy weights, bf16 against FP8.
 Part `peer`: the offline workload's first 64 requests through transformers' `generate_batch`.
 
@@ -184,10 +185,16 @@ def quant(binary, results):
     embed = 128256 * 4096 * 2
     bws = {"read": read_bandwidth(), "copy": copy_bandwidth()}
     rows = {}
-    for label, extra in [("bf16", []), ("fp8", ["--quantization", "fp8"])]:
-        _, stats, wall = troupe(binary, path, [{"prompt_ids": prompt, "max_tokens": new}],
-                                ["--kv-cache-mib", "4096", "--dummy-weights", *extra], f"quant-{label}")
-        step_bytes = stats["resident_weight_bytes"] - embed + kv
+    runs = [("bf16", path, ["--dummy-weights"]), ("fp8", path, ["--dummy-weights", "--quantization", "fp8"])]
+    gguf_path = random_kquant_gguf(cfg)
+    if gguf_path:
+        runs.append(("q4_k gguf", gguf_path, []))
+    for label, model, extra in runs:
+        _, stats, wall = troupe(binary, model, [{"prompt_ids": prompt, "max_tokens": new}],
+                                ["--kv-cache-mib", "4096", *extra], f"quant-{label.replace(' ', '-')}")
+        # The embedding table: one row read a step (a Q4_K table: 144 bytes a 256 weights).
+        table = embed if label != "q4_k gguf" else 128256 * 4096 // 256 * 144
+        step_bytes = stats["resident_weight_bytes"] - table + kv
         tok_s = stats["decode_tokens_per_s"]
         rows[label] = dict(decode_tok_s=tok_s, step_bytes=step_bytes, streamed_bytes_s=tok_s * step_bytes,
                            weight_card=stats.get("weight_card"), wall_s=wall)
@@ -198,6 +205,60 @@ def quant(binary, results):
         r["of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
     results["quant"] = dict(bandwidths_bytes_s=bws, limit_bytes_s=limit, rows=rows,
                             fp8_over_bf16=rows["fp8"]["decode_tok_s"] / rows["bf16"]["decode_tok_s"])
+
+
+def random_kquant_gguf(cfg):
+    """The Llama config as a GGUF of random Q4_K blocks (every layer projection and the
+    embedding table) and a Q6_K output, like a Q4_K_M file's bulk: no tokenizer (prompt ids
+    only). Block scales are fixed small f16 values, the rest random bytes. Needs the `gguf`
+    package (carried in gpu-bin/pylib when the device lacks it); None without it."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu-bin", "pylib"))
+    try:
+        import gguf
+        import numpy as np
+    except ImportError:
+        return None
+    from gguf import GGMLQuantizationType as T
+    path = os.path.join(WORK, "llama-3.1-8b-q4k.gguf")
+    if os.path.exists(path):
+        return path
+    rng = np.random.default_rng(0)
+
+    def blocks(rows, cols, t):
+        size, scale_at = {T.Q4_K: (144, (0, 2)), T.Q6_K: (210, (208,))}[t]
+        raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        for at in scale_at:  # d (and dmin): 2^-14, small enough to keep activations finite
+            raw[..., at:at + 2] = np.frombuffer(np.float16(2.0 ** -14).tobytes(), dtype=np.uint8)
+        return raw.reshape(rows, -1)
+
+    h, f, kv_dim = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * 128
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(f)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(500000.0)  # the config's (newer transformers nest it)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(128)
+    ones = np.ones(h, dtype=np.float32)
+    w.add_tensor("token_embd.weight", blocks(cfg.vocab_size, h, T.Q4_K), raw_dtype=T.Q4_K)
+    for i in range(cfg.num_hidden_layers):
+        for name, (rows, cols) in [("attn_q", (h, h)), ("attn_k", (kv_dim, h)), ("attn_v", (kv_dim, h)),
+                                   ("attn_output", (h, h)), ("ffn_gate", (f, h)), ("ffn_up", (f, h)),
+                                   ("ffn_down", (h, f))]:
+            w.add_tensor(f"blk.{i}.{name}.weight", blocks(rows, cols, T.Q4_K), raw_dtype=T.Q4_K)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", blocks(cfg.vocab_size, h, T.Q6_K), raw_dtype=T.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def quant_offline(binary, results):
