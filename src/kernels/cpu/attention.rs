@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{axpy, dot};
+use super::simd::{axpy, dot, exp_shifted};
 use crate::kernels::paged_kv::{KvCacheShape, SeqAttention};
 
 pub const MAX_BLOCK_SIZE: usize = 256;
@@ -48,72 +48,86 @@ pub fn paged_attention(
     let kv_dim = kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let threads = rayon::current_num_threads();
     seqs.par_iter().for_each(|seq| {
-        // Few (token, kv head) tasks, as in decode, would leave threads idle: then each
-        // query head gets its own task and re-reads its group's K/V (cheap at that size).
-        let heads_per_task = if seq.num_query_tokens * kv_heads >= 4 * threads {
-            group
-        } else {
-            1
-        };
-        let tasks_per_kv_head = group / heads_per_task;
-        (0..seq.num_query_tokens * kv_heads * tasks_per_kv_head)
+        // A task per (query token, kv head), its GQA group's heads served from each K/V row
+        // it loads: in decode that is few tasks (3 for SmolLM2 on 2 threads), but a task
+        // per query head re-read the group's K/V once per head, three times the traffic,
+        // and was slower. A head's arithmetic is the same either way.
+        (0..seq.num_query_tokens * kv_heads)
             .into_par_iter()
             .for_each(|task| {
-                let sub = task % tasks_per_kv_head;
-                let (t, kvh) = (
-                    task / tasks_per_kv_head / kv_heads,
-                    task / tasks_per_kv_head % kv_heads,
-                );
-                let heads = sub * heads_per_task..(sub + 1) * heads_per_task;
+                let (t, kvh) = (task / kv_heads, task % kv_heads);
+                let heads = 0..group;
                 let row = seq.query_start + t;
                 // Causal: the query at context position p sees positions 0..=p.
                 let num_visible = seq.num_context_tokens - seq.num_query_tokens + t + 1;
                 let mut max = [f32::NEG_INFINITY; MAX_GROUP];
                 let mut denom = [0f32; MAX_GROUP];
-                let mut acc = [[0f32; MAX_HEAD_DIM]; MAX_GROUP];
-                let mut scores = [[0f32; MAX_BLOCK_SIZE]; MAX_GROUP];
-                for (b, &block) in seq.block_table.iter().enumerate() {
-                    let first = b * bs;
-                    if first >= num_visible {
-                        break;
+                SCRATCH.with_borrow_mut(|scratch| {
+                    // Sized to the call, not to the limits: zeroing 48 KB of stack arrays per
+                    // task cost more than a decode step's attention at short contexts.
+                    let (acc, scores) = scratch.split(group * hd, group * bs);
+                    for (b, &block) in seq.block_table.iter().enumerate() {
+                        let first = b * bs;
+                        if first >= num_visible {
+                            break;
+                        }
+                        let n = bs.min(num_visible - first);
+                        let base = block as usize * bs * kv_dim + kvh * hd;
+                        for g in heads.clone() {
+                            let qh = kvh * group + g;
+                            let qv = &q[row * q_width + qh * hd..row * q_width + (qh + 1) * hd];
+                            let scores = &mut scores[g * bs..(g + 1) * bs];
+                            let acc = &mut acc[g * hd..(g + 1) * hd];
+                            let mut block_max = f32::NEG_INFINITY;
+                            for s in 0..n {
+                                let kv = &k_cache[base + s * kv_dim..base + s * kv_dim + hd];
+                                let sc = dot(qv, kv) * scale;
+                                scores[s] = sc;
+                                block_max = block_max.max(sc);
+                            }
+                            let new_max = max[g].max(block_max);
+                            let correction = (max[g] - new_max).exp();
+                            denom[g] *= correction;
+                            for v in acc.iter_mut() {
+                                *v *= correction;
+                            }
+                            denom[g] += exp_shifted(&mut scores[..n], new_max);
+                            for (s, &p) in scores[..n].iter().enumerate() {
+                                let vv = &v_cache[base + s * kv_dim..base + s * kv_dim + hd];
+                                axpy(acc, p, vv);
+                            }
+                            max[g] = new_max;
+                        }
                     }
-                    let n = bs.min(num_visible - first);
-                    let base = block as usize * bs * kv_dim + kvh * hd;
-                    for g in heads.clone() {
+                    for g in heads {
                         let qh = kvh * group + g;
-                        let qv = &q[row * q_width + qh * hd..row * q_width + (qh + 1) * hd];
-                        let mut block_max = f32::NEG_INFINITY;
-                        for s in 0..n {
-                            let kv = &k_cache[base + s * kv_dim..base + s * kv_dim + hd];
-                            let sc = dot(qv, kv) * scale;
-                            scores[g][s] = sc;
-                            block_max = block_max.max(sc);
+                        let inv = 1.0 / denom[g];
+                        for (d, &a) in acc[g * hd..(g + 1) * hd].iter().enumerate() {
+                            // SAFETY: (row, qh) belongs to this task alone and lies inside `out`.
+                            unsafe { *out_ptr.get().add(row * q_width + qh * hd + d) = a * inv };
                         }
-                        let new_max = max[g].max(block_max);
-                        let correction = (max[g] - new_max).exp();
-                        denom[g] *= correction;
-                        for v in &mut acc[g][..hd] {
-                            *v *= correction;
-                        }
-                        for s in 0..n {
-                            let p = (scores[g][s] - new_max).exp();
-                            denom[g] += p;
-                            let vv = &v_cache[base + s * kv_dim..base + s * kv_dim + hd];
-                            axpy(&mut acc[g][..hd], p, vv);
-                        }
-                        max[g] = new_max;
                     }
-                }
-                for g in heads {
-                    let qh = kvh * group + g;
-                    let inv = 1.0 / denom[g];
-                    for (d, &a) in acc[g][..hd].iter().enumerate() {
-                        // SAFETY: (row, qh) belongs to this task alone and lies inside `out`.
-                        unsafe { *out_ptr.get().add(row * q_width + qh * hd + d) = a * inv };
-                    }
-                }
+                });
             });
     });
+}
+
+/// A task's accumulators and scores, kept per thread.
+#[derive(Default)]
+struct Scratch(Vec<f32>);
+
+impl Scratch {
+    /// `acc` zeroed (`acc_len`), then `scores` (`scores_len`, stale values: each is written
+    /// before it is read).
+    fn split(&mut self, acc_len: usize, scores_len: usize) -> (&mut [f32], &mut [f32]) {
+        self.0.resize(acc_len + scores_len, 0.0);
+        let (acc, scores) = self.0.split_at_mut(acc_len);
+        acc.fill(0.0);
+        (acc, &mut scores[..scores_len])
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
