@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use super::exact_dot::block_sums;
 use super::packed::{Q8Act, row_dot};
 use super::qmatrix::{CpuMatrix, PackedPart, QBLOCK};
+use super::simd::{CpuPath, cpu_path};
 
 /// Above this many activation rows, a blocked GEMM beats row dots.
 pub const GEMV_MAX_ROWS: usize = 8;
@@ -157,18 +158,25 @@ fn gemv_packed(x: &[f32], m: usize, parts: &[PackedPart], n: usize, k: usize, ou
     act.quantize(x, m, k);
     let mut tasks = Vec::new();
     for part in parts {
-        let (Some(dot4), Some(dot1)) = (row_dot::<4>(part.ggml_type), row_dot::<1>(part.ggml_type))
-        else {
+        let (Some(dot8), Some(dot4), Some(dot1)) = (
+            row_dot::<8>(part.ggml_type),
+            row_dot::<4>(part.ggml_type),
+            row_dot::<1>(part.ggml_type),
+        ) else {
             unreachable!("a Packed part is only made of a type with a row dot")
         };
         for start in (0..part.rows).step_by(ROWS_PER_TASK) {
             let rows = start..(start + ROWS_PER_TASK).min(part.rows);
-            tasks.push((part, dot4, dot1, rows));
+            tasks.push((part, dot8, dot4, dot1, rows));
         }
     }
+    // Eight activation rows a weight expansion where 32 vector registers hold their
+    // sums (AVX-512); with 16 (AVX2) they would spill. A row's sums are its own either
+    // way: the same bits alone or in a group.
+    let eights = cpu_path() >= CpuPath::Avx512;
     let out_ptr = OutPtr(out.as_mut_ptr());
     let act = &act;
-    tasks.par_iter().for_each(|(part, dot4, dot1, rows)| {
+    tasks.par_iter().for_each(|(part, dot8, dot4, dot1, rows)| {
         let row_bytes = part.bytes.len() / part.rows;
         let w = &part.bytes[rows.start * row_bytes..rows.end * row_bytes];
         let first = part.first_row + rows.start;
@@ -177,9 +185,23 @@ fn gemv_packed(x: &[f32], m: usize, parts: &[PackedPart], n: usize, k: usize, ou
             // SAFETY: (i, first + j) is written by this task only, i < m, first + j < n.
             unsafe { *out_ptr.get().add(i * n + first + j) = v };
         };
+        let mut eight = [[0f32; 8]; ROWS_PER_TASK];
         let mut four = [[0f32; 4]; ROWS_PER_TASK];
         let mut one = [[0f32; 1]; ROWS_PER_TASK];
         let mut i = 0;
+        while eights && i + 8 <= m {
+            dot8(
+                w,
+                std::array::from_fn(|r| act.row(i + r)),
+                &mut eight[..rows.len()],
+            );
+            for (j, v) in eight[..rows.len()].iter().enumerate() {
+                for (r, &v) in v.iter().enumerate() {
+                    write(i + r, j, v);
+                }
+            }
+            i += 8;
+        }
         while i + 4 <= m {
             dot4(
                 w,

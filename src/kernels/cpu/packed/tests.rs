@@ -118,19 +118,28 @@ fn every_path_gives_the_same_bits_whatever_shares_the_call() {
         let blocks = 3;
         let cols = blocks * ty.block_len();
         let w = random_row(ty, blocks, 5);
-        let x = activations(4, cols, 9);
+        let x = activations(8, cols, 9);
         let mut act = Q8Act::default();
-        act.quantize(&x, 4, cols);
-        let rows = [0, 1, 2, 3].map(|i| act.row(i));
-        let want = dot_on::<4>(ty, CpuPath::Scalar, &w, rows);
+        act.quantize(&x, 8, cols);
+        let rows: [_; 8] = std::array::from_fn(|i| act.row(i));
+        let want = dot_on::<8>(ty, CpuPath::Scalar, &w, rows);
         for path in paths() {
-            let four = dot_on::<4>(ty, path, &w, rows);
+            let eight = dot_on::<8>(ty, path, &w, rows);
+            let four = dot_on::<4>(ty, path, &w, [rows[4], rows[5], rows[6], rows[7]]);
             let alone = dot_on::<1>(ty, path, &w, [rows[2]])[0];
+            for i in 0..8 {
+                assert_eq!(
+                    eight[i].to_bits(),
+                    want[i].to_bits(),
+                    "{ty:?} {path:?} row {i} of 8"
+                );
+            }
             for i in 0..4 {
                 assert_eq!(
                     four[i].to_bits(),
-                    want[i].to_bits(),
-                    "{ty:?} {path:?} row {i}"
+                    want[4 + i].to_bits(),
+                    "{ty:?} {path:?} row {} of 4",
+                    4 + i
                 );
             }
             assert_eq!(alone.to_bits(), want[2].to_bits(), "{ty:?} {path:?} alone");
