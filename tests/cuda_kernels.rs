@@ -38,6 +38,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "gemv_fp8_mma_kernel",
         "gemv_fp8_mma_staged_kernel",
         "gemv_fp8_mma_silu_kernel",
+        "gemv_q4k_mma_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

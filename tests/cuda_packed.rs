@@ -139,7 +139,8 @@ fn every_packed_format_matches_its_dequantization_at_every_batch_width() {
             seed += 1;
             let rows = 1 + (splitmix64(seed) % 300) as usize;
             let cols = t.block_len() * (1 + (splitmix64(seed + 99) % 6) as usize);
-            check(&b, &format!("{t:?}"), ggml(t, rows, cols, seed), GEMV, 2e-2);
+            let gemv = if t == GgmlType::Q4K { MMA } else { GEMV };
+            check(&b, &format!("{t:?}"), ggml(t, rows, cols, seed), gemv, 2e-2);
         }
     }
     for _ in 0..6 {
@@ -181,7 +182,9 @@ fn stacked_parts_of_mixed_formats_write_their_own_rows() {
         ggml(GgmlType::Q4K, 7, 512, 3),
     ]);
     assert!(matches!(stacked.data, HostData::Stacked(_)));
-    check(&b, "Q4_K+Q6_K", stacked, GEMV, 2e-2);
+    // Up to 4 rows the Q4_K parts take the tensor-core GEMV (f16 weights: its bound), the
+    // Q6_K one the f32 GEMV; past that Q6_K has no GEMV and the whole stack goes to cuBLAS.
+    check(&b, "Q4_K+Q6_K", stacked, (4, MMA.1), 2e-2);
     // 100 rows of 64-row blocks: the next part starts inside a block, so the parts stay apart.
     let fp8_parts =
         HostMatrix::concat_rows(vec![fp8(100, 256, (64, 64), 4), fp8(64, 256, (64, 64), 5)]);
@@ -217,6 +220,31 @@ fn the_tensor_core_gemv_holds_large_and_tiny_activations() {
                     "activations × {scale}, {m}×{cols}: error {err}"
                 );
             }
+        }
+    }
+}
+
+/// The Q4_K GEMV on tensor cores over model-sized rows: every warp several batches deep
+/// (K = 14 336), x staged for 1 to 8 rows while it fits and the fallback past that.
+#[test]
+fn the_tensor_core_q4k_gemv_matches_its_dequantization_at_model_widths() {
+    let b = gpu(false);
+    for (rows, cols, seed) in [(40, 4096, 41u64), (24, 14336, 42)] {
+        let w = ggml(GgmlType::Q4K, rows, cols, seed);
+        let device = b.upload_matrix(w.clone());
+        for m in [1, 2, 5, 8] {
+            let x = common::uniform(seed + m as u64, m * cols);
+            let xd = b.upload(&x);
+            let mut out = b.alloc(m * rows);
+            b.matmul(&xd, m, &device, None, &mut out);
+            let got = b.download(&out, m * rows);
+            let err = common::relative_error(&got, &reference(&w, &x, m));
+            // Past 40 KB of staged x (8 × 4096, 2 × 14 336 and up): dequantized for cuBLAS.
+            let tol = if m * cols * 2 <= 40960 { MMA.1 } else { 2e-2 };
+            assert!(
+                err < tol,
+                "Q4_K [{rows}, {cols}] × {m}: error {err} (bound {tol})"
+            );
         }
     }
 }

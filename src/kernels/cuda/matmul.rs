@@ -10,6 +10,7 @@ use half::bf16;
 
 use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES};
 use super::weights::{DevicePart, PackedFormat, Store};
+use crate::kernels::quant::GgmlType;
 
 /// Weight rows a block of `gemv_fp8_mma` covers (one mma's m).
 const MMA_BLOCK_ROWS: usize = 16;
@@ -194,13 +195,17 @@ impl CudaBackend {
             .map(|p| {
                 // Tensor cores first (up to 8 rows): their loads stay in flight while they
                 // compute, where the f32 GEMV streamed FP8 at 0.54 of the roofline.
-                let kernel = if m * w.cols * 2 <= FP8_STAGE_BYTES {
-                    &self.kernels.gemv_fp8_mma_staged
-                } else {
-                    &self.kernels.gemv_fp8_mma
+                let staged = m * w.cols * 2 <= FP8_STAGE_BYTES;
+                let kernel = match p.format {
+                    PackedFormat::Fp8 { .. } if staged => Some(&self.kernels.gemv_fp8_mma_staged),
+                    PackedFormat::Fp8 { .. } => Some(&self.kernels.gemv_fp8_mma),
+                    // Staged only: a Q4_K step needs x from four places.
+                    PackedFormat::Ggml(GgmlType::Q4K) if staged => Some(&self.kernels.gemv_q4k_mma),
+                    PackedFormat::Ggml(_) => None,
                 };
-                let mma = (p.format.has_mma_gemv(w.cols) && m <= FP8_MMA_ROWS)
-                    .then_some((kernel, MMA_BLOCK_ROWS));
+                let mma = kernel
+                    .filter(|_| p.format.has_mma_gemv(w.cols) && m <= FP8_MMA_ROWS)
+                    .map(|k| (k, MMA_BLOCK_ROWS));
                 mma.or_else(|| {
                     let fp8 = matches!(p.format, PackedFormat::Fp8 { .. });
                     self.kernels
@@ -249,6 +254,22 @@ impl CudaBackend {
                             } else {
                                 launch(256, p.rows.div_ceil(cols), 0)
                             })
+                    }
+                    PackedFormat::Ggml(_) if std::ptr::eq(kernel, &self.kernels.gemv_q4k_mma) => {
+                        self.stream
+                            .launch_builder(kernel)
+                            .arg(&y)
+                            .arg(&ldy)
+                            .arg(&x)
+                            .arg(&p.bytes)
+                            .arg(&mi)
+                            .arg(&ni)
+                            .arg(&ki)
+                            .launch(launch(
+                                MMA_THREADS,
+                                p.rows.div_ceil(MMA_BLOCK_ROWS),
+                                m * w.cols * 2,
+                            ))
                     }
                     PackedFormat::Ggml(_) => {
                         let fmt = p.format.code();

@@ -19,6 +19,7 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/gemv.cu"),
     include_str!("../../../kernels-cuda/packed.cu"),
     include_str!("../../../kernels-cuda/fp8_mma.cu"),
+    include_str!("../../../kernels-cuda/q4k_mma.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
 );
 
@@ -221,6 +222,8 @@ pub struct Kernels {
     pub gemv_fp8_mma: CudaFunction,
     /// The same with x staged in shared memory, where it fits (`FP8_STAGE_BYTES`).
     pub gemv_fp8_mma_staged: CudaFunction,
+    /// The Q4_K GEMV on tensor cores (`gemv_q4k_mma`), x staged: up to `FP8_MMA_ROWS` rows.
+    pub gemv_q4k_mma: CudaFunction,
     /// Its MLP twin over a stacked [gate; up] (`gemv_fp8_mma_silu`, staged): silu(gate) · up.
     pub gemv_fp8_mma_silu: CudaFunction,
     pub dequant_bf16: CudaFunction,
@@ -385,6 +388,7 @@ impl Kernels {
             gemv_fp8_mma: f("gemv_fp8_mma_kernel")?,
             gemv_fp8_mma_staged: f("gemv_fp8_mma_staged_kernel")?,
             gemv_fp8_mma_silu: f("gemv_fp8_mma_silu_kernel")?,
+            gemv_q4k_mma: f("gemv_q4k_mma_kernel")?,
             dequant_bf16: f("dequant_bf16_kernel")?,
             embedding_packed: f("embedding_packed_kernel")?,
             quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,

@@ -76,14 +76,14 @@ impl PackedFormat {
             PackedFormat::Ggml(_) => cols.is_multiple_of(32),
         }
     }
-    /// Whether the tensor-core FP8 GEMV reads this format at width `cols`: 64-wide steps
-    /// of K, each inside one scale block.
+    /// Whether a tensor-core GEMV reads this format at width `cols`: FP8 in 64-wide steps
+    /// of K, each inside one scale block; Q4_K in whole blocks.
     pub fn has_mma_gemv(self, cols: usize) -> bool {
         match self {
             PackedFormat::Fp8 { block_cols, .. } => {
                 cols.is_multiple_of(64) && (block_cols.is_multiple_of(64) || block_cols >= cols)
             }
-            PackedFormat::Ggml(_) => false,
+            PackedFormat::Ggml(t) => t == GgmlType::Q4K && cols.is_multiple_of(256),
         }
     }
     pub fn name(self, cols: usize) -> String {

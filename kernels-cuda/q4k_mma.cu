@@ -1,0 +1,147 @@
+// The Q4_K GEMV on tensor cores, for up to 8 rows of x staged in shared memory (appended
+// after fp8_mma.cu, whose staging and fragments it shares). Q4_K rows are 144-byte blocks
+// of 256 weights: f16 d and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes
+// of nibbles (byte j of 32-byte chunk c: element 64c + j in its low nibble, 64c + 32 + j in
+// its high one). A warp takes 16 rows; a thread 16 bytes of nibbles of row g and of row
+// g + 8 a step (32 weights each: 16 of the low sub-block, 16 of the high one) and turns
+// them into f16 weights w = n · d·scale − dmin·min in registers (magic-number nibble
+// conversion, exact, then one rounding for the scale), so each step is eight mmas with no
+// scale left to apply after them. f16 weights round at 2^-11, finer than the bf16 the
+// wide batches' GEMMs dequantize to.
+
+// f16x2 arithmetic on raw registers (NVRTC builds without cuda_fp16.h here).
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Sub-block s's scale · d and min · dmin from a block's first 16 bytes.
+__device__ __forceinline__ void q4k_scale_min(uint4 hdr, int s, u32& scale2, u32& neg_min2) {
+    u32 words[3] = {hdr.y, hdr.z, hdr.w};
+    auto byte = [&](int i) { return (int)((words[i >> 2] >> (8 * (i & 3))) & 0xffu); };
+    int sc, mn;
+    if (s < 4) {
+        sc = byte(s) & 63;
+        mn = byte(s + 4) & 63;
+    } else {
+        sc = (byte(s + 4) & 0xF) | ((byte(s - 4) >> 6) << 4);
+        mn = (byte(s + 4) >> 4) | ((byte(s) >> 6) << 4);
+    }
+    float d = f16_bits_to_f32((unsigned short)(hdr.x & 0xffffu));
+    float dmin = f16_bits_to_f32((unsigned short)(hdr.x >> 16));
+    float a = d * (float)sc, b = -dmin * (float)mn;
+    scale2 = f32x2_to_f16x2(a, a);
+    neg_min2 = f32x2_to_f16x2(b, b);
+}
+
+// One word of nibbles (bytes 0..3) as four f16x2 weights: low nibbles of bytes (0, 2) and
+// (1, 3) with the low sub-block's scale and min, high nibbles likewise with the high one's.
+// 0x6400 | n is the f16 1024 + n, 0x6400 | 16n is 1024 + 16n: both exact, and subtracting
+// (or scaling by 1/16 and subtracting 64) leaves n exactly.
+__device__ __forceinline__ void q4k_word(u32 q, u32 sl, u32 ml, u32 sh, u32 mh, u32 out[4]) {
+    const u32 EX = 0x64006400u, K1024 = 0x64006400u, SIXTEENTH = 0x2C002C00u,
+              MINUS64 = 0xD400D400u;
+    u32 q8 = q >> 8;
+    u32 l02 = hsub2((q & 0x000f000fu) | EX, K1024), l13 = hsub2((q8 & 0x000f000fu) | EX, K1024);
+    u32 h02 = hfma2((q & 0x00f000f0u) | EX, SIXTEENTH, MINUS64);
+    u32 h13 = hfma2((q8 & 0x00f000f0u) | EX, SIXTEENTH, MINUS64);
+    out[0] = hfma2(l02, sl, ml);
+    out[1] = hfma2(l13, sl, ml);
+    out[2] = hfma2(h02, sh, mh);
+    out[3] = hfma2(h13, sh, mh);
+}
+
+#define Q4K_DEPTH 4
+// x was staged times 2^-4 (TC_X_SCALE); the weights are their own values.
+#define Q4K_UNSCALE 16.0f
+
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
+    gemv_q4k_mma_kernel(float* y, int ldy, const float* x, const u8* W, int m, int N, int K) {
+    constexpr int STEP_K = 128;  // a warp's 16 rows × 4 threads × 32 weights
+    __shared__ float partial[TC_WARPS][16][8];
+    extern __shared__ uint2 xs[];  // x[i][k / 4] as x_fragment: (x1, x3) then (x0, x2)
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int g = lane >> 2, t = lane & 3;
+    long long n0 = (long long)blockIdx.x * 16;
+    long long r0 = n0 + g < N ? n0 + g : n0, r1 = n0 + g + 8 < N ? n0 + g + 8 : n0;
+    long long row_bytes = (long long)(K / 256) * 144;
+    const u8* w0 = W + r0 * row_bytes;
+    const u8* w1 = W + r1 * row_bytes;
+    int steps = K / STEP_K, c = t >> 1, half = t & 1;
+    bool has_x = g < m;
+    // Step st: block st / 2, chunk 2 · (st % 2) + t / 2, half t % 2 of it.
+    auto qs_at = [&](int st) { return (st >> 1) * 144 + 16 + 32 * (2 * (st & 1) + c) + 16 * half; };
+    uint4 h0[Q4K_DEPTH], h1[Q4K_DEPTH], p0[Q4K_DEPTH], p1[Q4K_DEPTH];
+    auto load = [&](int st0) {
+#pragma unroll
+        for (int d = 0; d < Q4K_DEPTH; ++d) {
+            int st = st0 + d * TC_WARPS;
+            if (st < steps) {
+                h0[d] = *(const uint4*)(w0 + (st >> 1) * 144);
+                h1[d] = *(const uint4*)(w1 + (st >> 1) * 144);
+                p0[d] = *(const uint4*)(w0 + qs_at(st));
+                p1[d] = *(const uint4*)(w1 + qs_at(st));
+            }
+        }
+    };
+    load(warp);  // weights do not depend on the previous kernel
+    pdl_enter();
+    for (int e = threadIdx.x; e < m * K / 4; e += TC_WARPS * 32) xs[e] = x_fragment(((const float4*)x)[e]);
+    __syncthreads();
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int st0 = warp; st0 < steps; st0 += TC_WARPS * Q4K_DEPTH) {
+        if (st0 != warp) load(st0);
+#pragma unroll
+        for (int d = 0; d < Q4K_DEPTH; ++d) {
+            int st = st0 + d * TC_WARPS;
+            if (st >= steps) break;
+            int chunk = 2 * (st & 1) + c;
+            u32 s0l, m0l, s0h, m0h, s1l, m1l, s1h, m1h;
+            q4k_scale_min(h0[d], 2 * chunk, s0l, m0l);
+            q4k_scale_min(h0[d], 2 * chunk + 1, s0h, m0h);
+            q4k_scale_min(h1[d], 2 * chunk, s1l, m1l);
+            q4k_scale_min(h1[d], 2 * chunk + 1, s1h, m1h);
+            u32 a[4] = {p0[d].x, p0[d].y, p0[d].z, p0[d].w}, b[4] = {p1[d].x, p1[d].y, p1[d].z, p1[d].w};
+            // Quad (4 consecutive k) of word w's low nibbles; the high ones are 8 quads on.
+            long long quad = (long long)(st >> 1) * 64 + 16 * chunk + 4 * half;
+            const uint2* xr = xs + (long long)(has_x ? g : 0) * (K / 4) + quad;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                u32 ra[4], rb[4];
+                q4k_word(a[w], s0l, m0l, s0h, m0h, ra);
+                q4k_word(b[w], s1l, m1l, s1h, m1h, rb);
+#pragma unroll
+                for (int hi = 0; hi < 2; ++hi) {
+                    uint2 xf = has_x ? xr[w + 8 * hi] : make_uint2(0u, 0u);
+                    // Logical columns 2t, 2t+1: bytes 0 and 2; 2t+8, 2t+9: bytes 1 and 3.
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                        : "r"(ra[2 * hi]), "r"(rb[2 * hi]), "r"(ra[2 * hi + 1]), "r"(rb[2 * hi + 1]),
+                          "r"(xf.y), "r"(xf.x));
+                }
+            }
+        }
+    }
+    // acc0, acc1: weight row g, x rows 2t and 2t + 1; acc2, acc3: weight row g + 8.
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        int row = threadIdx.x >> 3, i = threadIdx.x & 7;  // 16 rows × 8 x rows
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) v += partial[w][row][i];
+        long long n = n0 + row;
+        if (i < m && n < N) y[(long long)i * ldy + n] = v * Q4K_UNSCALE;
+    }
+}
