@@ -198,7 +198,7 @@ unsafe fn exp_shifted_avx2(v: &mut [f32], shift: f32) -> f32 {
                 8.333_452e-3,
                 4.166_579_6e-2,
                 1.666_666_5e-1,
-                5.000_000_1e-1,
+                0.5,
             ] {
                 p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
             }
