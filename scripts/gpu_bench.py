@@ -203,6 +203,20 @@ def quant(binary, results):
     for r in rows.values():
         r["roofline_tok_s"] = limit / r["step_bytes"]
         r["of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
+    # Logprob error of FP8 against bf16: the same dummy weights (FP8 quantizes bf16's), the
+    # prompt's next-token log-probabilities, over bf16's top 20 that FP8's top 20 also holds.
+    # (The Q4_K GGUF has weights of its own: no such comparison.)
+    top = {}
+    for label, model, extra in runs[:2]:
+        outs, _, _ = troupe(binary, model, [{"prompt_ids": prompt, "max_tokens": 1, "top_logprobs": 20}],
+                            ["--kv-cache-mib", "4096", *extra], f"quant-logprobs-{label}")
+        top[label] = {int(i): lp for i, lp in outs[0]["top_logprobs"][0]}
+    shared = [i for i in top["bf16"] if i in top["fp8"]]
+    diffs = [abs(top["fp8"][i] - top["bf16"][i]) for i in shared]
+    rows["fp8"]["logprob_error_vs_bf16"] = dict(
+        shared_of_top20=len(shared), max_abs=max(diffs, default=None),
+        mean_abs=sum(diffs) / len(diffs) if diffs else None,
+        same_argmax=max(top["bf16"], key=top["bf16"].get) == max(top["fp8"], key=top["fp8"].get))
     results["quant"] = dict(bandwidths_bytes_s=bws, limit_bytes_s=limit, rows=rows,
                             fp8_over_bf16=rows["fp8"]["decode_tok_s"] / rows["bf16"]["decode_tok_s"])
 
