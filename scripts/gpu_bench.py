@@ -221,6 +221,32 @@ def quant(binary, results):
                             fp8_over_bf16=rows["fp8"]["decode_tok_s"] / rows["bf16"]["decode_tok_s"])
 
 
+def quant_prefill(binary, results):
+    """Prefill of 4 x 4 096-token prompts, Llama-3.1-8B shape (--dummy-weights): bf16
+    weights into cuBLAS against `--quantization fp8` (cuBLASLt on FP8 tensor cores, e4m3
+    activations a scale per token) and the same FP8 weights dequantized to bf16 for cuBLAS
+    (TROUPE_FP8_GEMM=0, the path before)."""
+    path = os.path.join(WORK, "llama-3.1-8b-config")
+    os.makedirs(path, exist_ok=True)
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                tie_word_embeddings=False).save_pretrained(path)
+    gen = torch.Generator().manual_seed(1)
+    reqs = [dict(prompt_ids=torch.randint(100, 128000, (4096,), generator=gen).tolist(), max_tokens=1)
+            for _ in range(4)]
+    rows = {}
+    for label, extra, env in [("bf16", [], {}), ("fp8", ["--quantization", "fp8"], {}),
+                              ("fp8 dequantized", ["--quantization", "fp8"], {"TROUPE_FP8_GEMM": "0"})]:
+        os.environ.pop("TROUPE_FP8_GEMM", None)
+        os.environ.update(env)
+        _, stats, wall = troupe(binary, path, reqs, ["--dummy-weights", "--kv-cache-mib", "8192", *extra],
+                                f"quant-prefill-{label.replace(' ', '-')}")
+        rows[label] = dict(prefill_tok_s=stats["prefill_tokens_per_s"], wall_s=wall)
+    os.environ.pop("TROUPE_FP8_GEMM", None)
+    results["quant_prefill"] = dict(rows=rows, fp8_over_bf16=rows["fp8"]["prefill_tok_s"] / rows["bf16"]["prefill_tok_s"])
+
+
 def random_kquant_gguf(cfg):
     """The Llama config as a GGUF of random Q4_K blocks (every layer projection and the
     embedding table) and a Q6_K output, like a Q4_K_M file's bulk: no tokenizer (prompt ids
@@ -277,7 +303,8 @@ def random_kquant_gguf(cfg):
 
 def quant_offline(binary, results):
     """The offline workload (Qwen3-0.6B shape, 256 requests) with --dummy-weights, bf16
-    against `--quantization fp8`: wider batches dequantize FP8 to bf16 for cuBLAS."""
+    against `--quantization fp8`: batches past 8 rows on cuBLASLt's FP8 GEMM, and (TROUPE_FP8_GEMM=0)
+    dequantized to bf16 for cuBLAS instead."""
     path = os.path.join(WORK, "qwen3-0.6b-config")
     os.makedirs(path, exist_ok=True)
     Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -287,11 +314,16 @@ def quant_offline(binary, results):
     reqs = offline_requests()
     total_out = sum(r["max_tokens"] for r in reqs)
     rows = {}
-    for label, extra in [("bf16", []), ("fp8", ["--quantization", "fp8"])]:
-        _, stats, wall = troupe(binary, path, reqs, ["--dummy-weights", *extra], f"quant-offline-{label}")
+    for label, extra, env in [("bf16", [], {}), ("fp8", ["--quantization", "fp8"], {}),
+                              ("fp8 dequantized", ["--quantization", "fp8"], {"TROUPE_FP8_GEMM": "0"})]:
+        os.environ.pop("TROUPE_FP8_GEMM", None)
+        os.environ.update(env)
+        _, stats, wall = troupe(binary, path, reqs, ["--dummy-weights", *extra],
+                                f"quant-offline-{label.replace(' ', '-')}")
         rows[label] = dict(out_tok_s=total_out / wall, generate_out_tok_s=total_out / stats["generate_s"],
                            wall_s=wall, weight_card=stats.get("weight_card"),
                            resident_weight_bytes=stats.get("resident_weight_bytes"))
+    os.environ.pop("TROUPE_FP8_GEMM", None)
     results["quant_offline"] = dict(total_out_tokens=total_out, rows=rows,
                                     fp8_over_bf16=rows["fp8"]["generate_out_tok_s"] / rows["bf16"]["generate_out_tok_s"])
 
@@ -372,7 +404,8 @@ def main(binary, part):
     results = {"device": torch.cuda.get_device_name(0)}
     try:
         {"decode": decode, "offline": offline, "peer": peer, "dummy": dummy,
-         "startup": startup, "quant": quant, "quant_offline": quant_offline}[part](binary, results)
+         "startup": startup, "quant": quant, "quant_offline": quant_offline,
+         "quant_prefill": quant_prefill}[part](binary, results)
     except Exception as e:
         results[part] = {"error": str(e)[-2000:]}
     with open(os.path.join(OUT, f"gpu_bench_{part}.json"), "w") as f:

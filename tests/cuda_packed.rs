@@ -10,7 +10,7 @@
 mod common;
 
 use troupe::kernels::cuda::CudaBackend;
-use troupe::kernels::fp8::{Fp8Matrix, f32_to_e4m3};
+use troupe::kernels::fp8::{Fp8Matrix, e4m3_to_f32, f32_to_e4m3};
 use troupe::kernels::quant::GgmlType;
 use troupe::kernels::{Backend, HostData, HostMatrix};
 use troupe::sampling::splitmix64;
@@ -95,6 +95,41 @@ fn mma_eligible(cols: usize, block_cols: usize) -> bool {
     cols.is_multiple_of(64) && (block_cols.is_multiple_of(64) || block_cols >= cols)
 }
 
+/// The activation groups cuBLASLt's FP8 GEMM quantizes `w`'s input in, where it takes
+/// `w` (`fp8_gemm.rs`): 0 — a scale per token — for per-channel weights, 128 for 128-square
+/// blocks; None where the batch is dequantized for cuBLAS instead.
+fn fp8_gemm_group(w: &HostMatrix) -> Option<usize> {
+    let HostData::Fp8(f) = &w.data else {
+        return None;
+    };
+    let fits = w.rows.is_multiple_of(4) && w.cols.is_multiple_of(16);
+    match (f.block_rows, f.block_cols) {
+        (1, c) if c >= w.cols && fits => Some(0),
+        (128, 128) if fits && w.cols.is_multiple_of(512) => Some(128),
+        _ => None,
+    }
+}
+
+/// `x` as the FP8 GEMM sees it: each token's `group` columns (all of them for 0) scaled so
+/// that the largest is 448, rounded to e4m3 (the host's torch-checked rounding), scaled back.
+fn fp8_activations(x: &[f32], cols: usize, group: usize) -> Vec<f32> {
+    let group = if group == 0 { cols } else { group };
+    x.chunks(group)
+        .flat_map(|g| {
+            let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+            g.iter()
+                .map(move |&v| e4m3_to_f32(f32_to_e4m3(v / scale)) * scale)
+        })
+        .collect()
+}
+
+/// FP8 activations cost a dot product up to ~2^-5 of its terms' magnitude: bound against
+/// the unquantized product.
+const FP8_GEMM_TOL: f32 = 6e-2;
+/// The FP8 GEMM against the same e4m3 activations on the host.
+const FP8_SUM_TOL: f32 = 1e-3;
+
 fn gpu(invariant: bool) -> CudaBackend {
     CudaBackend::new(0, invariant, false).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -105,15 +140,29 @@ fn check(b: &CudaBackend, name: &str, w: HostMatrix, gemv: (usize, f32), gemm_to
     let (gemv_rows, gemv_tol) = gemv;
     let (rows, cols) = (w.rows, w.cols);
     let device = b.upload_matrix(w.clone());
-    for m in [1, 2, 3, 4, 5, 8, 19] {
+    for m in [1, 2, 3, 4, 5, 8, 19, 130] {
         let x = common::uniform(100 + m as u64, m * cols);
         let xd = b.upload(&x);
         let mut out = b.alloc(m * rows);
         b.matmul(&xd, m, &device, None, &mut out);
         let got = b.download(&out, m * rows);
+        let fp8_group = fp8_gemm_group(&w).filter(|_| m > gemv_rows && !b.batch_invariant);
+        if let Some(group) = fp8_group {
+            // cuBLASLt on e4m3 activations: against the same rounding, within what Hopper's
+            // FP8 accumulation loses (a first run: 1.4e-4), 30× below the rounding's own
+            // error; and within FP8's bound of the unquantized product.
+            let quantized = reference(&w, &fp8_activations(&x, cols, group), m);
+            let err = common::relative_error(&got, &quantized);
+            assert!(
+                err < FP8_SUM_TOL,
+                "{name} [{rows}, {cols}] × {m} rows, FP8 GEMM: {err}"
+            );
+        }
         let err = common::relative_error(&got, &reference(&w, &x, m));
         let tol = if m <= gemv_rows && !b.batch_invariant {
             gemv_tol
+        } else if fp8_group.is_some() {
+            FP8_GEMM_TOL
         } else {
             gemm_tol
         };
@@ -170,6 +219,63 @@ fn every_packed_format_matches_its_dequantization_at_every_batch_width() {
             },
             2e-2,
         );
+    }
+}
+
+/// Batches past the GEMV's 8 rows on FP8 tensor cores (cuBLASLt), for both scale layouts
+/// it takes, on generated shapes: token counts off cuBLASLt's multiple of 4 included, and a
+/// stack of per-channel parts (q, k, v) each writing its own columns of the output.
+#[test]
+fn wide_fp8_batches_run_on_fp8_tensor_cores_for_both_scale_layouts() {
+    let b = gpu(false);
+    for seed in 60..68u64 {
+        let r = splitmix64(seed) as usize;
+        let rows = 4 * (1 + r % 150);
+        let (block, cols) = if seed % 2 == 0 {
+            ((1, 0), 16 * (1 + (r >> 12) % 120))
+        } else {
+            ((128, 128), 512 * (1 + (r >> 12) % 4))
+        };
+        let block = if block.1 == 0 { (1, cols) } else { block };
+        let w = fp8(rows, cols, block, seed);
+        assert!(fp8_gemm_group(&w).is_some());
+        let gemv = if mma_eligible(cols, block.1) {
+            MMA
+        } else {
+            GEMV
+        };
+        check(&b, &format!("FP8 GEMM {block:?}"), w, gemv, 0.0);
+    }
+    // Per-channel and block parts do not merge: each part quantizes x its own way.
+    let stacked = HostMatrix::concat_rows(vec![
+        fp8(64, 512, (1, 512), 71),
+        fp8(128, 512, (128, 128), 72),
+        fp8(16, 512, (1, 512), 73),
+    ]);
+    let HostData::Stacked(parts) = &stacked.data else {
+        panic!("per-channel and block parts stay apart");
+    };
+    let device = b.upload_matrix(stacked.clone());
+    let (cols, rows) = (512, stacked.rows);
+    for m in [9, 30] {
+        let x = common::uniform(80 + m as u64, m * cols);
+        let xd = b.upload(&x);
+        let mut out = b.alloc(m * rows);
+        b.matmul(&xd, m, &device, None, &mut out);
+        let got = b.download(&out, m * rows);
+        let mut want = vec![0f32; m * rows];
+        let mut first = 0;
+        for part in parts {
+            let group = fp8_gemm_group(part).expect("each part takes the FP8 GEMM");
+            let y = reference(part, &fp8_activations(&x, cols, group), m);
+            for i in 0..m {
+                want[i * rows + first..i * rows + first + part.rows]
+                    .copy_from_slice(&y[i * part.rows..(i + 1) * part.rows]);
+            }
+            first += part.rows;
+        }
+        let err = common::relative_error(&got, &want);
+        assert!(err < FP8_SUM_TOL, "stacked FP8 parts × {m}: {err}");
     }
 }
 

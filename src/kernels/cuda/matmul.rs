@@ -166,7 +166,9 @@ impl CudaBackend {
             }
             Store::Packed(parts) => parts,
         };
-        if !self.batch_invariant && self.packed_gemv(x, m, w, parts, out) {
+        if !self.batch_invariant
+            && (self.packed_gemv(x, m, w, parts, out) || self.fp8_gemm(x, m, w, parts, out))
+        {
             return;
         }
         let scratch = self.weight_scratch(n * k);

@@ -10,6 +10,7 @@
 mod attention;
 mod backend;
 mod deepseek_v4;
+mod fp8_gemm;
 mod graph;
 mod kv_cache;
 mod matmul;
@@ -88,7 +89,7 @@ pub struct CudaBackend {
     graphs: Mutex<Graphs>,
     /// Split-K attention partials (output, then max and sum); grown on demand.
     attention_parts: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
-    _cublas_workspace: CudaSlice<u8>,
+    cublas_workspace_buf: CudaSlice<u8>,
     /// The last picks (ids, logprobs) by pick index.
     picks: Mutex<(CudaSlice<u32>, CudaSlice<f32>)>,
     pick_slots: PickPool,
@@ -98,6 +99,11 @@ pub struct CudaBackend {
     weight_scratch: Mutex<Option<CudaSlice<bf16>>>,
     /// DeepSeek-V4's program, built when a DeepSeek-V4 model first asks for it.
     dsv4: OnceLock<DsV4Program>,
+    /// cuBLASLt for FP8 GEMMs, opened by the first one; off with TROUPE_FP8_GEMM=0, which
+    /// dequantizes FP8 weights for cuBLAS as before, to measure what it buys.
+    fp8_gemm: bool,
+    fp8_lt: OnceLock<fp8_gemm::Fp8Lt>,
+    fp8_acts: Mutex<Option<fp8_gemm::Fp8Activations>>,
 }
 
 const THREADS: u32 = 256;
@@ -189,7 +195,7 @@ impl CudaBackend {
             cuda_graphs,
             graphs: Mutex::new(Graphs::new(programmatic)),
             attention_parts: Mutex::new(None),
-            _cublas_workspace: workspace,
+            cublas_workspace_buf: workspace,
             picks: Mutex::new((
                 stream.alloc_zeros::<u32>(MAX_PICKS).map_err(runtime)?,
                 stream.alloc_zeros::<f32>(MAX_PICKS).map_err(runtime)?,
@@ -197,6 +203,9 @@ impl CudaBackend {
             pick_slots: PickPool::default(),
             sample_scratch: Mutex::new(None),
             dsv4: OnceLock::new(),
+            fp8_gemm: std::env::var("TROUPE_FP8_GEMM").as_deref() != Ok("0"),
+            fp8_lt: OnceLock::new(),
+            fp8_acts: Mutex::new(None),
             ctx,
             stream,
             blas,
@@ -205,6 +214,14 @@ impl CudaBackend {
             weight_scratch: Mutex::new(None),
             twin: Mutex::new(None),
         })
+    }
+
+    /// cuBLAS's workspace (address, bytes), shared with cuBLASLt: both run on the one stream.
+    fn cublas_workspace(&self) -> (u64, usize) {
+        (
+            self.cublas_workspace_buf.device_ptr(&self.stream).0,
+            CUBLAS_WORKSPACE_BYTES,
+        )
     }
 
     /// Free and total device memory in bytes.

@@ -18,6 +18,7 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/prefill_attention.cu"),
     include_str!("../../../kernels-cuda/gemv.cu"),
     include_str!("../../../kernels-cuda/packed.cu"),
+    include_str!("../../../kernels-cuda/fp8_act.cu"),
     include_str!("../../../kernels-cuda/fp8_mma.cu"),
     include_str!("../../../kernels-cuda/q4k_mma.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
@@ -39,17 +40,19 @@ pub const FP8_GEMV_COLS: [usize; 3] = [4, 4, 4];
 /// old driver. cudarc panics when a library is missing, so presence is checked first.
 pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
     // SAFETY: these only try to dlopen the libraries.
-    let (driver, nvrtc, cublas) = unsafe {
+    let (driver, nvrtc, cublas, cublaslt) = unsafe {
         (
             cudarc::driver::sys::is_culib_present(),
             cudarc::nvrtc::sys::is_culib_present(),
             cudarc::cublas::sys::is_culib_present(),
+            cudarc::cublaslt::sys::is_culib_present(),
         )
     };
     for (present, name) in [
         (driver, "libcuda"),
         (nvrtc, "libnvrtc"),
         (cublas, "libcublas"),
+        (cublaslt, "libcublasLt"),
     ] {
         if !present {
             return Err(CudaError::Unavailable(format!(
@@ -229,6 +232,8 @@ pub struct Kernels {
     pub dequant_bf16: CudaFunction,
     pub embedding_packed: CudaFunction,
     pub quantize_fp8_rows: CudaFunction,
+    /// Activations to e4m3 for cuBLASLt's FP8 GEMM (`fp8_act.cu`).
+    pub quantize_fp8_act: CudaFunction,
     /// `flash_prefill` (tensor cores, bf16 KV) for head_dim 64 and 128.
     pub flash_prefill_64: CudaFunction,
     pub flash_prefill_128: CudaFunction,
@@ -392,6 +397,7 @@ impl Kernels {
             dequant_bf16: f("dequant_bf16_kernel")?,
             embedding_packed: f("embedding_packed_kernel")?,
             quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,
+            quantize_fp8_act: f("quantize_fp8_act_kernel")?,
             _module: module,
         })
     }
