@@ -69,7 +69,7 @@ fn bench(c: &mut Criterion) {
             }
         }
         for (name, w) in &cases {
-            for m in [1usize, 4, 64] {
+            for m in [1usize, 4, 64, 256] {
                 let x: Vec<f32> = (0..m * cols)
                     .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
                     .collect();

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{axpy, dot, exp_shifted};
+use super::simd::{accumulate_rows, dot, exp_shifted, scale};
 use crate::kernels::paged_kv::{KvCacheShape, SeqAttention};
 
 pub const MAX_BLOCK_SIZE: usize = 256;
@@ -46,7 +46,7 @@ pub fn paged_attention(
     );
     let q_width = num_heads * hd;
     let kv_dim = kv_heads * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let score_scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = OutPtr(out.as_mut_ptr());
     seqs.par_iter().for_each(|seq| {
         // A task per (query token, kv head), its GQA group's heads served from each K/V row
@@ -82,21 +82,16 @@ pub fn paged_attention(
                             let mut block_max = f32::NEG_INFINITY;
                             for s in 0..n {
                                 let kv = &k_cache[base + s * kv_dim..base + s * kv_dim + hd];
-                                let sc = dot(qv, kv) * scale;
+                                let sc = dot(qv, kv) * score_scale;
                                 scores[s] = sc;
                                 block_max = block_max.max(sc);
                             }
                             let new_max = max[g].max(block_max);
                             let correction = (max[g] - new_max).exp();
                             denom[g] *= correction;
-                            for v in acc.iter_mut() {
-                                *v *= correction;
-                            }
+                            scale(acc, correction);
                             denom[g] += exp_shifted(&mut scores[..n], new_max);
-                            for (s, &p) in scores[..n].iter().enumerate() {
-                                let vv = &v_cache[base + s * kv_dim..base + s * kv_dim + hd];
-                                axpy(acc, p, vv);
-                            }
+                            accumulate_rows(acc, &scores[..n], &v_cache[base..], kv_dim);
                             max[g] = new_max;
                         }
                     }

@@ -148,14 +148,86 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
-/// `y[i] += w·x[i]`. Plain multiply-add, not `mul_add`: without FMA enabled at compile
-/// time `mul_add` becomes a libm call per element.
-#[inline]
-pub fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
-    debug_assert_eq!(y.len(), x.len());
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y += w * x;
+/// `acc[d] += Σ_s w[s] · rows[s · stride + d]`, `s` in order, each step a multiply then an
+/// add (not fused: the bits of the plain loop, on every path). Attention's weighted sum of
+/// V rows: the vector path keeps 64 accumulators in registers across the rows instead of
+/// loading and storing them for every row.
+pub fn accumulate_rows(acc: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
+    if let Some(last) = w.len().checked_sub(1) {
+        assert!(rows.len() >= last * stride + acc.len(), "rows too short");
     }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 (checked above); `rows` covers every read (asserted).
+        return unsafe { accumulate_rows_avx2(acc, w, rows, stride) };
+    }
+    accumulate_rows_scalar(acc, w, rows, stride);
+}
+
+fn accumulate_rows_scalar(acc: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
+    for (s, &p) in w.iter().enumerate() {
+        for (d, a) in acc.iter_mut().enumerate() {
+            *a += p * rows[s * stride + d];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate_rows_avx2(acc: &mut [f32], w: &[f32], rows: &[f32], stride: usize) {
+    use std::arch::x86_64::*;
+    const LANES: usize = 8;
+    const REGS: usize = 8;
+    let hd = acc.len();
+    let mut d = 0;
+    // SAFETY: the caller checked that rows[s · stride + d] exists for every s < w.len(),
+    // d < acc.len(); loads and stores stay below those bounds.
+    unsafe {
+        while d < hd {
+            let width = (hd - d) / LANES;
+            if width == 0 {
+                break;
+            }
+            let regs = width.min(REGS);
+            let mut a = [_mm256_setzero_ps(); REGS];
+            for (r, a) in a.iter_mut().enumerate().take(regs) {
+                *a = _mm256_loadu_ps(acc.as_ptr().add(d + r * LANES));
+            }
+            for (s, &p) in w.iter().enumerate() {
+                let p = _mm256_set1_ps(p);
+                let row = rows.as_ptr().add(s * stride + d);
+                for (r, a) in a.iter_mut().enumerate().take(regs) {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(p, _mm256_loadu_ps(row.add(r * LANES))));
+                }
+            }
+            for (r, a) in a.iter().enumerate().take(regs) {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(d + r * LANES), *a);
+            }
+            d += regs * LANES;
+        }
+    }
+    for (s, &p) in w.iter().enumerate() {
+        for (dd, a) in acc.iter_mut().enumerate().skip(d) {
+            *a += p * rows[s * stride + dd];
+        }
+    }
+}
+
+/// `v[i] *= c`, vectorized where the CPU allows (the product's bits are the same).
+pub fn scale(v: &mut [f32], c: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 (checked above).
+        return unsafe { scale_avx2(v, c) };
+    }
+    v.iter_mut().for_each(|x| *x *= c);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scale_avx2(v: &mut [f32], c: f32) {
+    // Vectorized by LLVM under the enabled features.
+    v.iter_mut().for_each(|x| *x *= c);
 }
 
 /// `v[i] = exp(v[i] - shift)` for `v[i] ≤ shift` (softmax weights), and their sum. The
@@ -267,6 +339,29 @@ mod tests {
                 (sum as f64 - want_sum).abs() <= want_sum * 1e-6 + 1e-37,
                 "n={n}"
             );
+        }
+    }
+
+    #[test]
+    fn accumulate_rows_keeps_the_plain_loops_bits_at_every_width() {
+        for (hd, n, stride) in [
+            (64usize, 17usize, 192usize),
+            (128, 3, 128),
+            (72, 5, 80),
+            (5, 4, 9),
+            (0, 2, 3),
+        ] {
+            let rows: Vec<f32> = (0..n * stride)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
+                .collect();
+            let w: Vec<f32> = (0..n).map(|i| 1.0 / (i as f32 + 1.3)).collect();
+            let start: Vec<f32> = (0..hd).map(|i| i as f32 * 0.01 - 0.3).collect();
+            let mut got = start.clone();
+            accumulate_rows(&mut got, &w, &rows, stride);
+            let mut want = start;
+            accumulate_rows_scalar(&mut want, &w, &rows, stride);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "hd {hd}, {n} rows");
         }
     }
 
