@@ -175,7 +175,9 @@ def indexer_margins(model: DeepseekV4ForCausalLM, ids: torch.Tensor) -> float:
     return smallest[0]
 
 
-def make(name: str, params: dict, seed: int) -> None:
+def make(name: str, params: dict, seed: int, pack=None) -> None:
+    """`pack`, where given, turns the saved f32 tensors (DeepSeek's names) into
+    (the dequantized values the reference runs on, the tensors the checkpoint stores)."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     cfg = DeepseekV4Config(**params)
@@ -185,12 +187,21 @@ def make(name: str, params: dict, seed: int) -> None:
 
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    stored = None
+    if pack is None:
+        model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
+        dequantized, stored = pack(load_file(str(out / "model.safetensors")))
+        save_file(dequantized, str(out / "model.safetensors"), metadata={"format": "pt"})
     # The reference is the model read back from the file: the round trip through bf16 also
     # rounded the rotary buffers of the in-memory model, which a reader recomputes.
     reloaded = DeepseekV4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), reloaded.state_dict().items()):
-        assert n1 == n2 and torch.equal(p1.float(), p2.float()), f"{n1} changed through the file"
+    if pack is None:
+        for (n1, p1), (n2, p2) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+            assert n1 == n2 and torch.equal(p1.float(), p2.float()), f"{n1} changed through the file"
+    else:
+        save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
     model = reloaded
     (out / "generation_config.json").unlink(missing_ok=True)
 

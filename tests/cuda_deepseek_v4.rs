@@ -29,6 +29,9 @@ impl LinearStore for Bf16OnHost {
     fn store(&self, rows: usize, cols: usize, data: LinearData) -> Result<CpuMatrix> {
         let values = match data {
             LinearData::Host(w) => w,
+            // Packed FP8 / MXFP4: their exact values (the invariant GEMM dequantizes them to
+            // bf16 too).
+            LinearData::Stored(d) => d.into_f32(rows * cols),
             LinearData::Random {
                 seed,
                 mean,
@@ -65,6 +68,15 @@ fn host_model(name: &str, dummy: bool) -> DsV4Model {
 fn gpu(name: &str, batch_invariant: bool, dummy: bool) -> Gpu {
     let b = CudaBackend::new(0, batch_invariant, false).expect("a GPU");
     DsV4Model::load_dir_on(b, &dir(name), dummy).unwrap()
+}
+
+/// The packed checkpoint stays packed on the GPU: MXFP4 routed experts, FP8 projections.
+#[test]
+fn a_released_format_checkpoint_keeps_its_experts_mxfp4_and_projections_fp8() {
+    let card = gpu("tiny-dsv4-packed", false, false).footprint().card();
+    assert!(card.contains("routed_experts MXFP4"), "{card}");
+    assert!(card.contains("attn FP8"), "{card}");
+    assert!(card.contains("shared_experts FP8"), "{card}");
 }
 
 const NUM_BLOCKS: usize = 32;

@@ -10,6 +10,7 @@
 mod common;
 
 use troupe::kernels::cuda::CudaBackend;
+use troupe::kernels::fp4::Mxfp4Matrix;
 use troupe::kernels::fp8::{Fp8Matrix, e4m3_to_f32, f32_to_e4m3};
 use troupe::kernels::quant::GgmlType;
 use troupe::kernels::{Backend, HostData, HostMatrix};
@@ -64,6 +65,19 @@ fn fp8(rows: usize, cols: usize, block: (usize, usize), seed: u64) -> HostMatrix
         rows,
         cols,
         data: HostData::Fp8(m),
+    }
+}
+
+/// Random MXFP4: any E2M1 codes, exponents around 2^-6.
+fn mxfp4(rows: usize, cols: usize, seed: u64) -> HostMatrix {
+    let scales: Vec<f32> = bytes(seed + 1, rows * cols / 32)
+        .into_iter()
+        .map(|b| 2f32.powi(-8 + (b % 5) as i32))
+        .collect();
+    HostMatrix {
+        rows,
+        cols,
+        data: HostData::Mxfp4(Mxfp4Matrix::new(bytes(seed, rows * cols / 2), &scales, cols).unwrap()),
     }
 }
 
@@ -276,6 +290,23 @@ fn wide_fp8_batches_run_on_fp8_tensor_cores_for_both_scale_layouts() {
         }
         let err = common::relative_error(&got, &want);
         assert!(err < FP8_SUM_TOL, "stacked FP8 parts × {m}: {err}");
+    }
+}
+
+/// DeepSeek-V4's MXFP4 experts kept packed (17 bytes a group of 32 on the device): the
+/// GGML-style GEMV up to 4 rows, dequantized for cuBLAS past that, on generated shapes.
+#[test]
+fn mxfp4_matrices_match_their_dequantization_and_stay_packed() {
+    let b = gpu(false);
+    for seed in 90..96u64 {
+        let r = splitmix64(seed) as usize;
+        let (rows, cols) = (1 + r % 300, 32 * (1 + (r >> 16) % 40));
+        let w = mxfp4(rows, cols, seed);
+        let device = b.upload_matrix(w.clone());
+        let (bytes, format) = b.matrix_footprint(&device);
+        assert_eq!(format, "MXFP4");
+        assert!(bytes <= rows * cols * 17 / 32 + 4, "{bytes} bytes for [{rows}, {cols}]");
+        check(&b, "MXFP4", w, GEMV, 2e-2);
     }
 }
 

@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::fp4::Mxfp4Matrix;
 use super::fp8::{Fp8Matrix, Quantization};
 use super::quant;
 
@@ -20,6 +21,8 @@ pub enum HostData {
     },
     /// FP8 e4m3 with its scale grid (HF block scales, per-channel, per-tensor).
     Fp8(Fp8Matrix),
+    /// MXFP4: E2M1 pairs and an E8M0 exponent per 32 values (DeepSeek-V4's routed experts).
+    Mxfp4(Mxfp4Matrix),
     /// Dense values (`cols` wide) that the backend stores as per-channel FP8
     /// (`--quantization fp8`): a device backend quantizes them where they land, so dummy
     /// weights never materialise on the host either.
@@ -57,6 +60,7 @@ impl HostData {
                 out
             }
             HostData::Fp8(m) => m.to_f32(),
+            HostData::Mxfp4(m) => m.to_f32(),
             HostData::ToFp8 { cols, dense } => {
                 Fp8Matrix::quantize_rows(&dense.into_f32(num_elements), cols).to_f32()
             }
@@ -165,8 +169,9 @@ impl HostMatrix {
                     dense: Box::new(inner.sliced(rows.clone(), cols.clone()).data),
                 }
             }
-            stacked @ HostData::Stacked(_) => {
-                let all = stacked.into_f32(self.rows * self.cols);
+            // Experts are never sharded by columns: a slice of MXFP4 goes dense.
+            data @ (HostData::Stacked(_) | HostData::Mxfp4(_)) => {
+                let all = data.into_f32(self.rows * self.cols);
                 HostData::F32(take(&all, self.cols, &rows, &cols))
             }
             HostData::Random {

@@ -161,8 +161,11 @@ impl GgufSource<'_> {
             }
             // A permutation of random values is random values.
             HostData::Random { .. } => {}
-            HostData::Stacked(_) | HostData::Fp8(_) | HostData::ToFp8 { .. } => {
-                unreachable!("a GGUF tensor is never stacked or FP8")
+            HostData::Stacked(_)
+            | HostData::Fp8(_)
+            | HostData::Mxfp4(_)
+            | HostData::ToFp8 { .. } => {
+                unreachable!("a GGUF tensor is never stacked, FP8 or MXFP4")
             }
         }
     }

@@ -125,6 +125,10 @@ impl DeviceModel for DsV4OnHost {
         )
     }
 
+    fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
+        Some(self.model.footprint())
+    }
+
     fn vocab_size(&self) -> usize {
         self.model.vocab_size()
     }

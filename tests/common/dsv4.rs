@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 
-pub const CHECKPOINTS: [&str; 2] = ["tiny-dsv4-a", "tiny-dsv4-b"];
+pub const CHECKPOINTS: [&str; 3] = ["tiny-dsv4-a", "tiny-dsv4-b", "tiny-dsv4-packed"];
 
 pub struct Reference {
     pub prompts: Vec<Vec<u32>>,

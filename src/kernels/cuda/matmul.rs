@@ -203,7 +203,7 @@ impl CudaBackend {
                     PackedFormat::Fp8 { .. } => Some(&self.kernels.gemv_fp8_mma),
                     // Staged only: a Q4_K step needs x from four places.
                     PackedFormat::Ggml(GgmlType::Q4K) if staged => Some(&self.kernels.gemv_q4k_mma),
-                    PackedFormat::Ggml(_) => None,
+                    PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => None,
                 };
                 let mma = kernel
                     .filter(|_| p.format.has_mma_gemv(w.cols) && m <= FP8_MMA_ROWS)
@@ -273,7 +273,7 @@ impl CudaBackend {
                                 m * w.cols * 2,
                             ))
                     }
-                    PackedFormat::Ggml(_) => {
+                    PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => {
                         let fmt = p.format.code();
                         self.stream
                             .launch_builder(kernel)

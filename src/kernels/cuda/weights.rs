@@ -7,6 +7,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 use half::bf16;
 
 use super::{CudaBackend, check, grid_for};
+use crate::kernels::fp4::{MXFP4_GROUP, Mxfp4Matrix};
 use crate::kernels::fp8::Fp8Matrix;
 use crate::kernels::quant::GgmlType;
 use crate::kernels::{HostData, HostMatrix};
@@ -39,6 +40,9 @@ pub enum PackedFormat {
         block_cols: usize,
     },
     Ggml(GgmlType),
+    /// MXFP4 in 17-byte blocks (`packed.cu`'s TROUPE_MXFP4): an E8M0 exponent, 16 bytes of
+    /// E2M1 pairs.
+    Mxfp4,
 }
 
 impl PackedFormat {
@@ -55,6 +59,7 @@ impl PackedFormat {
                 GgmlType::Q6K => 14,
                 other => unreachable!("{other:?} is not kept packed on the device"),
             },
+            PackedFormat::Mxfp4 => 100,
         }
     }
     pub fn blocks(self) -> (i32, i32) {
@@ -63,7 +68,7 @@ impl PackedFormat {
                 block_rows,
                 block_cols,
             } => (block_rows as i32, block_cols as i32),
-            PackedFormat::Ggml(_) => (1, 1),
+            PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => (1, 1),
         }
     }
     /// Whether `packed.cu`'s GEMV reads this format at width `cols`: 16-byte FP8 loads lie
@@ -73,7 +78,7 @@ impl PackedFormat {
             PackedFormat::Fp8 { block_cols, .. } => {
                 cols.is_multiple_of(16) && (block_cols.is_multiple_of(16) || block_cols >= cols)
             }
-            PackedFormat::Ggml(_) => cols.is_multiple_of(32),
+            PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => cols.is_multiple_of(32),
         }
     }
     /// Whether a tensor-core GEMV reads this format at width `cols`: FP8 in 64-wide steps
@@ -84,6 +89,7 @@ impl PackedFormat {
                 cols.is_multiple_of(64) && (block_cols.is_multiple_of(64) || block_cols >= cols)
             }
             PackedFormat::Ggml(t) => t == GgmlType::Q4K && cols.is_multiple_of(256),
+            PackedFormat::Mxfp4 => false,
         }
     }
     pub fn name(self, cols: usize) -> String {
@@ -97,8 +103,19 @@ impl PackedFormat {
                 block_cols,
             } => format!("FP8 e4m3 {block_rows}×{block_cols}"),
             PackedFormat::Ggml(t) => format!("{t:?}"),
+            PackedFormat::Mxfp4 => "MXFP4".into(),
         }
     }
+}
+
+/// `m` as 17-byte blocks: each group's exponent, then its 16 bytes of pairs.
+fn mxfp4_blocks(m: &Mxfp4Matrix) -> Vec<u8> {
+    let half = MXFP4_GROUP / 2;
+    m.exponents
+        .iter()
+        .zip(m.bytes.chunks_exact(half))
+        .flat_map(|(&e, pairs)| std::iter::once(e).chain(pairs.iter().copied()))
+        .collect()
 }
 
 /// GGML formats with device kernels; others are dequantized to bf16 at upload.
@@ -142,7 +159,7 @@ impl CudaBackend {
     pub(super) fn upload_weights(&self, m: HostMatrix) -> CudaMatrix {
         let (rows, cols) = (m.rows, m.cols);
         let packable = |d: &HostData| match d {
-            HostData::Fp8(_) => true,
+            HostData::Fp8(_) | HostData::Mxfp4(_) => true,
             HostData::Quantized { ggml_type, .. } => device_ggml(*ggml_type),
             _ => false,
         };
@@ -155,7 +172,9 @@ impl CudaBackend {
             HostData::ToFp8 { dense, .. } => {
                 Store::Packed(vec![self.quantize_fp8(*dense, rows, cols)])
             }
-            data @ (HostData::Fp8(_) | HostData::Quantized { .. }) if packable(&data) => {
+            data @ (HostData::Fp8(_) | HostData::Mxfp4(_) | HostData::Quantized { .. })
+                if packable(&data) =>
+            {
                 Store::Packed(vec![self.upload_part(0, rows, cols, data)])
             }
             HostData::Stacked(parts) if parts.iter().all(|p| packable(&p.data)) => {
@@ -213,6 +232,7 @@ impl CudaBackend {
             HostData::Quantized { ggml_type, bytes } => {
                 (PackedFormat::Ggml(ggml_type), bytes, vec![0.0])
             }
+            HostData::Mxfp4(m) => (PackedFormat::Mxfp4, mxfp4_blocks(&m), vec![0.0]),
             _ => unreachable!("only packed parts are uploaded as parts"),
         };
         debug_assert!(cols > 0);
@@ -322,7 +342,7 @@ impl CudaBackend {
             );
             let threads = match p.format {
                 PackedFormat::Fp8 { .. } => p.rows * m.cols,
-                PackedFormat::Ggml(_) => p.rows * m.cols / 32,
+                PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => p.rows * m.cols / 32,
             };
             // SAFETY: out holds m.rows·m.cols bf16; the part's bytes and scales are its own.
             check(

@@ -21,6 +21,7 @@ pub mod block;
 pub mod cache;
 pub mod config;
 pub mod expert_parallel;
+mod footprint;
 pub mod moe;
 pub mod mtp;
 pub mod plan;
@@ -128,6 +129,11 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         block_size: usize,
     ) -> DsV4Cache<B> {
         DsV4Cache::on(&self.backend, &self.cfg, num_slots, num_blocks, block_size)
+    }
+
+    /// What the weights take on the device and the format of each tensor group.
+    pub fn footprint(&self) -> crate::model::weights::WeightFootprint {
+        self.weights.footprint(&self.backend)
     }
 
     pub fn vocab_size(&self) -> usize {

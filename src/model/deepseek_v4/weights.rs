@@ -145,6 +145,7 @@ pub trait LinearStore {
     ) -> Result<<Self::Backend as crate::kernels::Backend>::Matrix> {
         let data = match data {
             LinearData::Host(w) => HostData::F32(w),
+            LinearData::Stored(data) => data,
             LinearData::Random {
                 seed,
                 mean,
@@ -165,6 +166,8 @@ pub trait LinearStore {
 /// seeded values (`kernels::random_weight`), made wherever the matrix lives.
 pub enum LinearData {
     Host(Vec<f32>),
+    /// As the checkpoint stores it: FP8 or MXFP4 kept packed, or values.
+    Stored(HostData),
     Random {
         seed: u64,
         mean: f32,
@@ -267,7 +270,7 @@ impl<S: LinearStore> Reader<'_, S> {
         let data = if self.dummy_experts.is_some() {
             dummy_spec(&format!("{name}.weight"))
         } else {
-            LinearData::Host(super::quantized::linear(self.src, name, rows, cols)?)
+            LinearData::Stored(super::quantized::linear_data(self.src, name, rows, cols)?)
         };
         self.store.store(rows, cols, data)
     }
