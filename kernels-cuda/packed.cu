@@ -10,6 +10,10 @@ typedef unsigned char u8;
 #define GGML_Q8_0 8
 #define GGML_Q4_K 12
 #define GGML_Q6_K 14
+// DeepSeek-V4's MXFP4 as troupe blocks it on upload: an E8M0 exponent, then 16 bytes of
+// E2M1 pairs (value 2l in the low nibble of byte l, 2l + 1 in its high one). Not GGUF's
+// MXFP4 (type 39), whose nibbles split the block in halves.
+#define TROUPE_MXFP4 100
 
 __device__ __forceinline__ float f16_bits_to_f32(unsigned short h) {
     float f;
@@ -45,6 +49,7 @@ __device__ __forceinline__ int ggml_block_bytes(int fmt) {
         case GGML_Q4_1: return 20;
         case GGML_Q8_0: return 34;
         case GGML_Q4_K: return 144;
+        case TROUPE_MXFP4: return 17;
         default: return 210;  // GGML_Q6_K
     }
 }
@@ -53,7 +58,26 @@ __device__ __forceinline__ int ggml_block_len(int fmt) {
 }
 
 // The 32 values of group `u` (elements 32u .. 32u + 31) of a GGML row.
+// E2M1 codes 0..7 (the sign is bit 3).
+__constant__ float E2M1_MAGNITUDE[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+__device__ __forceinline__ float e2m1(u32 code, float scale) {
+    float v = E2M1_MAGNITUDE[code & 7] * scale;
+    return (code & 8) ? -v : v;
+}
+
 __device__ __forceinline__ void ggml_group(const u8* row, int fmt, int u, float* w) {
+    if (fmt == TROUPE_MXFP4) {
+        const u8* b = row + (long long)u * 17;
+        // 2^(e - 127) by its bits; e = 0 (2^-127, a subnormal) by the multiply.
+        float scale = b[0] != 0 ? __int_as_float((int)b[0] << 23) : ldexpf(1.0f, -127);
+#pragma unroll
+        for (int l = 0; l < 16; ++l) {
+            w[2 * l] = e2m1(b[1 + l] & 15, scale);
+            w[2 * l + 1] = e2m1(b[1 + l] >> 4, scale);
+        }
+        return;
+    }
     if (fmt == GGML_Q8_0 || fmt == GGML_Q4_0 || fmt == GGML_Q4_1) {
         const u8* b = row + (long long)u * ggml_block_bytes(fmt);
         float d = f16_at(b);
@@ -297,6 +321,22 @@ extern "C" __global__ void dequant_bf16_kernel(bf16_t* out, const u8* W, const f
     bf16_t* o = out + (first_row + r) * K + u * 32;
 #pragma unroll
     for (int l = 0; l < 32; ++l) o[l] = f32_to_bf16(w[l]);
+}
+
+// `--dummy-weights`' MXFP4 (fp4.rs's `Mxfp4Matrix::random`) as 17-byte blocks: a thread a
+// group, its exponent then its 16 bytes of codes (byte i of the codes from splitmix64).
+extern "C" __global__ void random_mxfp4_kernel(u8* blocks, long long groups, unsigned long long seed,
+                                               int exponent) {
+    pdl_enter();
+    long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    u8* b = blocks + g * 17;
+    b[0] = (u8)exponent;
+    for (int h = 0; h < 2; ++h) {
+        unsigned long long word = splitmix64(seed ^ splitmix64((unsigned long long)(g * 2 + h)));
+#pragma unroll
+        for (int l = 0; l < 8; ++l) b[1 + h * 8 + l] = (u8)(word >> (8 * l));
+    }
 }
 
 // embedding_kernel over a packed part holding table rows first_row .. first_row + rows:

@@ -64,9 +64,10 @@ def shape(layers: int) -> dict:
     return dict(FLASH, num_hidden_layers=layers, layer_types=kinds, mlp_layer_types=mlps)
 
 
-def bf16_bytes_per_token(s: dict) -> tuple[float, float]:
+def bf16_bytes_per_token(s: dict, routed_bytes_per_weight: float = 2.0) -> tuple[float, float]:
     """Bytes of weights a batch-1 decode step reads per layer (dense parts, the routed
-    experts a token picks and the shared one), and once per token (the head)."""
+    experts a token picks and the shared one), and once per token (the head): bf16 dense,
+    routed experts at `routed_bytes_per_weight` (17/32 for troupe's MXFP4 blocks)."""
     d, hd, h = s["hidden_size"], s["head_dim"], s["num_attention_heads"]
     q, o, g = s["q_lora_rank"], s["o_lora_rank"], s["o_groups"]
     ih, ihd = s["index_n_heads"], s["index_head_dim"]
@@ -80,9 +81,10 @@ def bf16_bytes_per_token(s: dict) -> tuple[float, float]:
             p += 2 * d * 2 * hd + 2 * d * 2 * ihd + q * ih * ihd + d * ih
         elif kind == "heavily_compressed_attention":
             p += 2 * d * hd
-        p += (s["num_experts_per_tok"] + s["n_shared_experts"]) * 3 * d * s["moe_intermediate_size"]
-        total += p
-    return 2 * total / layers, 2 * s["vocab_size"] * d
+        p += s["n_shared_experts"] * 3 * d * s["moe_intermediate_size"]
+        routed = s["num_experts_per_tok"] * 3 * d * s["moe_intermediate_size"]
+        total += 2 * p + routed_bytes_per_weight * routed
+    return total / layers, 2 * s["vocab_size"] * d
 
 
 def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int) -> dict:
@@ -186,7 +188,8 @@ def main() -> None:
         rows["troupe decode b1"] = troupe(args.troupe, model, [decode_prompt], args.new, tmp, args.kv_mib)
         rows[f"troupe decode b{args.batch}"] = troupe(args.troupe, model, batch, args.new, tmp, args.kv_mib)
     bw = copy_bandwidth()
-    layer_bytes, head_bytes = bf16_bytes_per_token(s)
+    # --dummy-weights keeps routed experts in MXFP4 (17 bytes a 32 weights), the rest bf16.
+    layer_bytes, head_bytes = bf16_bytes_per_token(s, 17 / 32)
     roofline = bw / (args.layers * layer_bytes + head_bytes)
     print(f"troupe: {json.dumps({k: (v['prefill_tokens_per_s'], v['decode_tokens_per_s']) for k, v in rows.items()})}",
           flush=True)
@@ -195,7 +198,9 @@ def main() -> None:
                   troupe=rows, transformers=peer_row)
     Path(args.out, "gpu_dsv4.json").write_text(json.dumps(result, indent=1))
     L = args.layers
-    print(f"V4-Flash shape, {L} layers, dummy bf16 weights; copy bandwidth {bw / 1e12:.2f} TB/s")
+    b1_stats = rows["troupe decode b1"]
+    print(f"V4-Flash shape, {L} layers, dummy weights ({b1_stats.get('weight_card')}), "
+          f"{b1_stats.get('resident_weight_bytes', 0) / 2**30:.1f} GiB resident; copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"batch-1 decode roofline {roofline:.1f} tok/s ({layer_bytes / 1e6:.0f} MB/layer + head {head_bytes / 1e6:.0f} MB)")
     print("| run | tok/s | layer-tok/s (× layers) | vs transformers |")
     print("|---|---:|---:|---:|")

@@ -24,6 +24,16 @@ pub fn e8m0_of(scale: f32) -> Option<u8> {
     ((0..255).contains(&e) && e8m0_scale(e as u8) == scale).then_some(e as u8)
 }
 
+/// `--dummy-weights`' MXFP4 exponent: 2^-7 puts random E2M1 codes (RMS 2.9) at an RMS of
+/// 0.023, near the 0.02 of the dense dummy weights.
+pub const DUMMY_EXPONENT: u8 = 120;
+
+/// Byte `i` of dummy packed codes from `seed`; the CUDA kernel computes the same.
+pub fn random_byte(seed: u64, i: u64) -> u8 {
+    let h = crate::sampling::splitmix64(seed ^ crate::sampling::splitmix64(i / 8));
+    (h >> (8 * (i % 8))) as u8
+}
+
 /// A `[rows, cols]` MXFP4 matrix in host memory.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mxfp4Matrix {
@@ -57,6 +67,16 @@ impl Mxfp4Matrix {
             exponents,
             cols,
         })
+    }
+
+    /// `--dummy-weights`' matrix of `seed`: random codes, every group at `DUMMY_EXPONENT`.
+    pub fn random(rows: usize, cols: usize, seed: u64) -> Self {
+        assert!(cols.is_multiple_of(MXFP4_GROUP), "{cols} columns");
+        Mxfp4Matrix {
+            bytes: (0..(rows * cols / 2) as u64).map(|i| random_byte(seed, i)).collect(),
+            exponents: vec![DUMMY_EXPONENT; rows * cols / MXFP4_GROUP],
+            cols,
+        }
     }
 
     pub fn rows(&self) -> usize {

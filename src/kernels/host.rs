@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::fp4::Mxfp4Matrix;
+use super::fp4::{self, Mxfp4Matrix};
 use super::fp8::{Fp8Matrix, Quantization};
 use super::quant;
 
@@ -33,6 +33,9 @@ pub enum HostData {
     /// Row blocks of different quantized formats stacked (a Q4_K_M file's q/k in Q4_K and
     /// v in Q6_K): a backend keeps each part in its format or dequantizes them all.
     Stacked(Vec<HostMatrix>),
+    /// `--dummy-weights` for MXFP4 experts: `Mxfp4Matrix::random(rows, cols, seed)`, made
+    /// where it lives by a device backend.
+    RandomMxfp4 { seed: u64 },
     /// `--dummy-weights`: element i is `random_weight(seed, i, mean, half_width)`. A device
     /// backend makes them where they live, so no host memory or disk holds the model.
     Random {
@@ -61,6 +64,11 @@ impl HostData {
             }
             HostData::Fp8(m) => m.to_f32(),
             HostData::Mxfp4(m) => m.to_f32(),
+            HostData::RandomMxfp4 { seed } => {
+                let cols = fp4::MXFP4_GROUP;
+                // Rows of one group: the values depend only on the byte index.
+                Mxfp4Matrix::random(num_elements / cols, cols, seed).to_f32()
+            }
             HostData::ToFp8 { cols, dense } => {
                 Fp8Matrix::quantize_rows(&dense.into_f32(num_elements), cols).to_f32()
             }
@@ -170,7 +178,7 @@ impl HostMatrix {
                 }
             }
             // Experts are never sharded by columns: a slice of MXFP4 goes dense.
-            data @ (HostData::Stacked(_) | HostData::Mxfp4(_)) => {
+            data @ (HostData::Stacked(_) | HostData::Mxfp4(_) | HostData::RandomMxfp4 { .. }) => {
                 let all = data.into_f32(self.rows * self.cols);
                 HostData::F32(take(&all, self.cols, &rows, &cols))
             }

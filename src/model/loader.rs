@@ -160,7 +160,7 @@ impl GgufSource<'_> {
                     .collect();
             }
             // A permutation of random values is random values.
-            HostData::Random { .. } => {}
+            HostData::Random { .. } | HostData::RandomMxfp4 { .. } => {}
             HostData::Stacked(_)
             | HostData::Fp8(_)
             | HostData::Mxfp4(_)

@@ -232,6 +232,7 @@ pub struct Kernels {
     pub dequant_bf16: CudaFunction,
     pub embedding_packed: CudaFunction,
     pub quantize_fp8_rows: CudaFunction,
+    pub random_mxfp4: CudaFunction,
     /// Activations to e4m3 for cuBLASLt's FP8 GEMM (`fp8_act.cu`).
     pub quantize_fp8_act: CudaFunction,
     /// `flash_prefill` (tensor cores, bf16 KV) for head_dim 64 and 128.
@@ -397,6 +398,7 @@ impl Kernels {
             dequant_bf16: f("dequant_bf16_kernel")?,
             embedding_packed: f("embedding_packed_kernel")?,
             quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,
+            random_mxfp4: f("random_mxfp4_kernel")?,
             quantize_fp8_act: f("quantize_fp8_act_kernel")?,
             _module: module,
         })

@@ -169,6 +169,7 @@ impl CudaBackend {
                 mean,
                 half_width,
             } => Store::Bf16(self.random_bf16(rows * cols, seed, mean, half_width)),
+            HostData::RandomMxfp4 { seed } => Store::Packed(vec![self.random_mxfp4(rows, cols, seed)]),
             HostData::ToFp8 { dense, .. } => {
                 Store::Packed(vec![self.quantize_fp8(*dense, rows, cols)])
             }
@@ -242,6 +243,32 @@ impl CudaBackend {
             format,
             bytes: check(self.stream.clone_htod(&bytes), "weight upload"),
             scales: check(self.stream.clone_htod(&scales), "weight upload"),
+        }
+    }
+
+    fn random_mxfp4(&self, rows: usize, cols: usize, seed: u64) -> DevicePart {
+        let groups = rows * cols / MXFP4_GROUP;
+        let mut bytes = check(self.stream.alloc_zeros::<u8>((groups * 17).max(1)), "weights");
+        let (n, exponent) = (groups as i64, crate::kernels::fp4::DUMMY_EXPONENT as i32);
+        // SAFETY: bytes holds groups · 17 bytes.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.random_mxfp4)
+                    .arg(&mut bytes)
+                    .arg(&n)
+                    .arg(&seed)
+                    .arg(&exponent)
+                    .launch(grid_for(groups))
+            },
+            "random mxfp4",
+        );
+        DevicePart {
+            first_row: 0,
+            rows,
+            format: PackedFormat::Mxfp4,
+            bytes,
+            scales: check(self.stream.clone_htod(&[0f32]), "weight upload"),
         }
     }
 

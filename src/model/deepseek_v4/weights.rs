@@ -7,6 +7,7 @@ use super::config::{AttentionKind, DsV4Config, MlpKind};
 use crate::error::{Result, TroupeError};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::DsV4Kernels;
+use crate::kernels::fp4::MXFP4_GROUP;
 use crate::kernels::{Backend, HostData, HostMatrix};
 use crate::model::loader::TensorSource;
 
@@ -268,7 +269,16 @@ impl<S: LinearStore> Reader<'_, S> {
 
     fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<MatrixOf<S>> {
         let data = if self.dummy_experts.is_some() {
-            dummy_spec(&format!("{name}.weight"))
+            let spec = dummy_spec(&format!("{name}.weight"));
+            match spec {
+                // Routed experts packed as the released checkpoints ship them.
+                LinearData::Random { seed, .. }
+                    if name.contains(".ffn.experts.") && cols.is_multiple_of(MXFP4_GROUP) =>
+                {
+                    LinearData::Stored(HostData::RandomMxfp4 { seed })
+                }
+                spec => spec,
+            }
         } else {
             LinearData::Stored(super::quantized::linear_data(self.src, name, rows, cols)?)
         };
