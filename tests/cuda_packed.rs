@@ -77,7 +77,9 @@ fn mxfp4(rows: usize, cols: usize, seed: u64) -> HostMatrix {
     HostMatrix {
         rows,
         cols,
-        data: HostData::Mxfp4(Mxfp4Matrix::new(bytes(seed, rows * cols / 2), &scales, cols).unwrap()),
+        data: HostData::Mxfp4(
+            Mxfp4Matrix::new(bytes(seed, rows * cols / 2), &scales, cols).unwrap(),
+        ),
     }
 }
 
@@ -305,7 +307,10 @@ fn mxfp4_matrices_match_their_dequantization_and_stay_packed() {
         let device = b.upload_matrix(w.clone());
         let (bytes, format) = b.matrix_footprint(&device);
         assert_eq!(format, "MXFP4");
-        assert!(bytes <= rows * cols * 17 / 32 + 4, "{bytes} bytes for [{rows}, {cols}]");
+        assert!(
+            bytes <= rows * cols * 17 / 32 + 4,
+            "{bytes} bytes for [{rows}, {cols}]"
+        );
         check(&b, "MXFP4", w, GEMV, 2e-2);
     }
 }

@@ -48,7 +48,9 @@ impl Mxfp4Matrix {
     /// The matrix of packed `bytes` and per-32 `scales` (each a power of two), or why not.
     pub fn new(bytes: Vec<u8>, scales: &[f32], cols: usize) -> Result<Self, String> {
         if cols == 0 || !cols.is_multiple_of(MXFP4_GROUP) {
-            return Err(format!("{cols} columns are not whole groups of {MXFP4_GROUP}"));
+            return Err(format!(
+                "{cols} columns are not whole groups of {MXFP4_GROUP}"
+            ));
         }
         let rows = bytes.len() * 2 / cols;
         if rows * cols != bytes.len() * 2 || scales.len() != rows * cols / MXFP4_GROUP {
@@ -73,7 +75,9 @@ impl Mxfp4Matrix {
     pub fn random(rows: usize, cols: usize, seed: u64) -> Self {
         assert!(cols.is_multiple_of(MXFP4_GROUP), "{cols} columns");
         Mxfp4Matrix {
-            bytes: (0..(rows * cols / 2) as u64).map(|i| random_byte(seed, i)).collect(),
+            bytes: (0..(rows * cols / 2) as u64)
+                .map(|i| random_byte(seed, i))
+                .collect(),
             exponents: vec![DUMMY_EXPONENT; rows * cols / MXFP4_GROUP],
             cols,
         }
@@ -90,9 +94,12 @@ impl Mxfp4Matrix {
             .zip(&self.exponents)
             .flat_map(|(group, &e)| {
                 let scale = e8m0_scale(e);
-                group
-                    .iter()
-                    .flat_map(move |&b| [E2M1[(b & 0xF) as usize] * scale, E2M1[(b >> 4) as usize] * scale])
+                group.iter().flat_map(move |&b| {
+                    [
+                        E2M1[(b & 0xF) as usize] * scale,
+                        E2M1[(b >> 4) as usize] * scale,
+                    ]
+                })
             })
             .collect()
     }

@@ -35,7 +35,9 @@ pub enum HostData {
     Stacked(Vec<HostMatrix>),
     /// `--dummy-weights` for MXFP4 experts: `Mxfp4Matrix::random(rows, cols, seed)`, made
     /// where it lives by a device backend.
-    RandomMxfp4 { seed: u64 },
+    RandomMxfp4 {
+        seed: u64,
+    },
     /// `--dummy-weights`: element i is `random_weight(seed, i, mean, half_width)`. A device
     /// backend makes them where they live, so no host memory or disk holds the model.
     Random {
@@ -70,7 +72,15 @@ impl HostData {
                 Mxfp4Matrix::random(num_elements / cols, cols, seed).to_f32()
             }
             HostData::ToFp8 { cols, dense } => {
-                Fp8Matrix::quantize_rows(&dense.into_f32(num_elements), cols).to_f32()
+                let random = matches!(*dense, HostData::Random { .. });
+                let mut values = dense.into_f32(num_elements);
+                if random {
+                    // A device makes dummy weights in bf16 before quantizing them.
+                    values
+                        .iter_mut()
+                        .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+                }
+                Fp8Matrix::quantize_rows(&values, cols).to_f32()
             }
             HostData::Stacked(parts) => parts
                 .into_iter()

@@ -169,7 +169,9 @@ impl CudaBackend {
                 mean,
                 half_width,
             } => Store::Bf16(self.random_bf16(rows * cols, seed, mean, half_width)),
-            HostData::RandomMxfp4 { seed } => Store::Packed(vec![self.random_mxfp4(rows, cols, seed)]),
+            HostData::RandomMxfp4 { seed } => {
+                Store::Packed(vec![self.random_mxfp4(rows, cols, seed)])
+            }
             HostData::ToFp8 { dense, .. } => {
                 Store::Packed(vec![self.quantize_fp8(*dense, rows, cols)])
             }
@@ -248,7 +250,10 @@ impl CudaBackend {
 
     fn random_mxfp4(&self, rows: usize, cols: usize, seed: u64) -> DevicePart {
         let groups = rows * cols / MXFP4_GROUP;
-        let mut bytes = check(self.stream.alloc_zeros::<u8>((groups * 17).max(1)), "weights");
+        let mut bytes = check(
+            self.stream.alloc_zeros::<u8>((groups * 17).max(1)),
+            "weights",
+        );
         let (n, exponent) = (groups as i64, crate::kernels::fp4::DUMMY_EXPONENT as i32);
         // SAFETY: bytes holds groups · 17 bytes.
         check(

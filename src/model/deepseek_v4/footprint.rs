@@ -24,7 +24,10 @@ impl<B: DsV4Kernels> DsV4Weights<B> {
         };
         group(
             "attn",
-            self.layers.iter().flat_map(|l| attention(&l.attn)).collect(),
+            self.layers
+                .iter()
+                .flat_map(|l| attention(&l.attn))
+                .collect(),
         );
         group(
             "routed_experts",
@@ -35,7 +38,10 @@ impl<B: DsV4Kernels> DsV4Weights<B> {
         );
         group(
             "shared_experts",
-            self.layers.iter().flat_map(|l| expert(&l.moe.shared)).collect(),
+            self.layers
+                .iter()
+                .flat_map(|l| expert(&l.moe.shared))
+                .collect(),
         );
         group(
             "router",
@@ -62,7 +68,11 @@ fn expert<B: DsV4Kernels>(e: &Expert<B>) -> [&B::Matrix; 3] {
 fn attention<B: DsV4Kernels>(a: &Attention<B>) -> Vec<&B::Matrix> {
     let mut m = vec![&a.q_a, &a.q_b, &a.kv, &a.o_b];
     m.extend(a.o_a.iter());
-    for c in a.compressor.iter().chain(a.indexer.iter().map(|i| &i.compressor)) {
+    for c in a
+        .compressor
+        .iter()
+        .chain(a.indexer.iter().map(|i| &i.compressor))
+    {
         m.extend([&c.kv, &c.gate]);
     }
     for i in a.indexer.iter() {

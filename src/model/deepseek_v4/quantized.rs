@@ -29,7 +29,12 @@ pub fn linear_data(
 }
 
 /// FP8 or MXFP4 `name.weight` kept as stored, or `None` for any other layout.
-fn packed(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> Result<Option<HostData>> {
+fn packed(
+    src: &dyn TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<HostData>> {
     let weight_name = format!("{name}.weight");
     let (Some(weight), Some(scale)) = (src.tensor(&weight_name)?, scale_of(src, name)?) else {
         return Ok(None);
@@ -53,14 +58,22 @@ fn packed(src: &dyn TensorSource, name: &str, rows: usize, cols: usize) -> Resul
                 && cols.is_multiple_of(grid.1) =>
         {
             let block = (rows / grid.0, cols / grid.1);
-            m.with_scales(scales, grid, block).map(|m| Some(HostData::Fp8(m))).map_err(bad)
+            m.with_scales(scales, grid, block)
+                .map(|m| Some(HostData::Fp8(m)))
+                .map_err(bad)
         }
         (Stored::I8 | Stored::U8, data)
             if weight.dims == [rows, cols / 2] && grid == (rows, cols / MXFP4_GROUP) =>
         {
-            let bytes: Vec<u8> = data.into_f32(rows * cols / 2).into_iter().map(|v| v as i32 as u8).collect();
+            let bytes: Vec<u8> = data
+                .into_f32(rows * cols / 2)
+                .into_iter()
+                .map(|v| v as i32 as u8)
+                .collect();
             // Scales that are not powers of two are not MXFP4: dequantized instead.
-            Ok(Mxfp4Matrix::new(bytes, &scales, cols).ok().map(HostData::Mxfp4))
+            Ok(Mxfp4Matrix::new(bytes, &scales, cols)
+                .ok()
+                .map(HostData::Mxfp4))
         }
         _ => Ok(None),
     }
@@ -79,7 +92,13 @@ fn scale_values(scale: HostTensor) -> Vec<f32> {
     scale
         .into_f32()
         .into_iter()
-        .map(|s| if exponents { 2f32.powi(s as i32 - 127) } else { s })
+        .map(|s| {
+            if exponents {
+                2f32.powi(s as i32 - 127)
+            } else {
+                s
+            }
+        })
         .collect()
 }
 

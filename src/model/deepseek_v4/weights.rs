@@ -237,6 +237,20 @@ fn dummy_spec(name: &str) -> LinearData {
     }
 }
 
+/// The projections DeepSeek-V4's released checkpoints store in FP8 and troupe keeps so
+/// (`wo_a` is split by group into bf16 copies, so it stays dense).
+fn shipped_in_fp8(name: &str) -> bool {
+    [
+        ".attn.wq_a",
+        ".attn.wq_b",
+        ".attn.wkv",
+        ".attn.wo_b",
+        ".ffn.shared_experts.",
+    ]
+    .iter()
+    .any(|p| name.contains(p))
+}
+
 /// A source with nothing in it (what `--dummy-weights` reads).
 struct NoTensors;
 
@@ -277,6 +291,20 @@ impl<S: LinearStore> Reader<'_, S> {
                 {
                     LinearData::Stored(HostData::RandomMxfp4 { seed })
                 }
+                // Projections in FP8 as shipped (per channel here: a block grid of random
+                // weights would say nothing more).
+                LinearData::Random {
+                    seed,
+                    mean,
+                    half_width,
+                } if shipped_in_fp8(name) => LinearData::Stored(HostData::ToFp8 {
+                    cols,
+                    dense: Box::new(HostData::Random {
+                        seed,
+                        mean,
+                        half_width,
+                    }),
+                }),
                 spec => spec,
             }
         } else {
