@@ -318,9 +318,17 @@ extern "C" __global__ void dequant_bf16_kernel(bf16_t* out, const u8* W, const f
     const u8* row = W + r * (K / ggml_block_len(fmt)) * ggml_block_bytes(fmt);
     float w[32];
     ggml_group(row, fmt, u, w);
-    bf16_t* o = out + (first_row + r) * K + u * 32;
+    // Four 16-byte stores, not 32 two-byte ones: a thread's group is 64 contiguous bytes,
+    // and byte-sized stores at a 64-byte stride across the warp waste most of each sector.
+    uint4* o = (uint4*)(out + (first_row + r) * K + u * 32);
 #pragma unroll
-    for (int l = 0; l < 32; ++l) o[l] = f32_to_bf16(w[l]);
+    for (int v = 0; v < 4; ++v) {
+        u32 p[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            p[j] = (u32)f32_to_bf16(w[8 * v + 2 * j]) | ((u32)f32_to_bf16(w[8 * v + 2 * j + 1]) << 16);
+        o[v] = make_uint4(p[0], p[1], p[2], p[3]);
+    }
 }
 
 // `--dummy-weights`' MXFP4 (fp4.rs's `Mxfp4Matrix::random`) as 17-byte blocks: a thread a
