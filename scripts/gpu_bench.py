@@ -135,12 +135,7 @@ def decode(binary, results):
 def dummy(binary, results):
     """Batch-1 decode of the Llama-3.1-8B shape from its config.json alone (--dummy-weights:
     random weights made on the GPU, no checkpoint written or read)."""
-    path = os.path.join(WORK, "llama-3.1-8b-config")
-    os.makedirs(path, exist_ok=True)
-    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-                tie_word_embeddings=False).save_pretrained(path)
+    path, _ = llama_8b_config()
     prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     t0 = time.perf_counter()
     outs, stats, wall = troupe(binary, path, [{"prompt_ids": prompt, "max_tokens": 256}],
@@ -167,11 +162,8 @@ def read_bandwidth():
     return 4 * (1 << 30) / secs
 
 
-def quant(binary, results):
-    """Batch-1 decode of the Llama-3.1-8B shape (--dummy-weights), bf16 weights against
-    `--quantization fp8`: tok/s and each against its roofline = bytes read per step (the
-    weights but the embedding table, plus the KV) / the highest read bandwidth of this run
-    (a read-only pass, a copy, or what troupe's own decode streamed)."""
+def llama_8b_config():
+    """The Llama-3.1-8B shape's config in a folder of its own (for --dummy-weights)."""
     path = os.path.join(WORK, "llama-3.1-8b-config")
     os.makedirs(path, exist_ok=True)
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -179,6 +171,15 @@ def quant(binary, results):
                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                       tie_word_embeddings=False)
     cfg.save_pretrained(path)
+    return path, cfg
+
+
+def quant(binary, results):
+    """Batch-1 decode of the Llama-3.1-8B shape (--dummy-weights), bf16 weights against
+    `--quantization fp8`: tok/s and each against its roofline = bytes read per step (the
+    weights but the embedding table, plus the KV) / the highest read bandwidth of this run
+    (a read-only pass, a copy, or what troupe's own decode streamed)."""
+    path, cfg = llama_8b_config()
     prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     new = 256
     kv = 2 * 32 * 8 * 128 * 2 * (512 + new / 2)
@@ -226,12 +227,7 @@ def quant_prefill(binary, results):
     weights into cuBLAS against `--quantization fp8` (cuBLASLt on FP8 tensor cores, e4m3
     activations a scale per token) and the same FP8 weights dequantized to bf16 for cuBLAS
     (TROUPE_FP8_GEMM=0, the path before)."""
-    path = os.path.join(WORK, "llama-3.1-8b-config")
-    os.makedirs(path, exist_ok=True)
-    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-                tie_word_embeddings=False).save_pretrained(path)
+    path, _ = llama_8b_config()
     gen = torch.Generator().manual_seed(1)
     reqs = [dict(prompt_ids=torch.randint(100, 128000, (4096,), generator=gen).tolist(), max_tokens=1)
             for _ in range(4)]

@@ -173,22 +173,32 @@ impl WeightFootprint {
     }
 }
 
+impl WeightFootprint {
+    /// Adds tensor group `name` of `matrices`: their bytes, and their distinct formats.
+    pub fn add_group<B: Backend>(
+        &mut self,
+        backend: &B,
+        name: &'static str,
+        matrices: Vec<&B::Matrix>,
+    ) {
+        let mut formats: Vec<String> = Vec::new();
+        for m in matrices {
+            let (bytes, format) = backend.matrix_footprint(m);
+            self.resident_bytes += bytes;
+            if !formats.contains(&format) {
+                formats.push(format);
+            }
+        }
+        if !formats.is_empty() {
+            self.groups.push((name, formats.join(" / ")));
+        }
+    }
+}
+
 impl<B: Backend> Weights<B> {
     pub fn footprint(&self, backend: &B) -> WeightFootprint {
         let mut out = WeightFootprint::default();
-        let mut group = |name: &'static str, matrices: Vec<&B::Matrix>| {
-            let mut formats: Vec<String> = Vec::new();
-            for m in matrices {
-                let (bytes, format) = backend.matrix_footprint(m);
-                out.resident_bytes += bytes;
-                if !formats.contains(&format) {
-                    formats.push(format);
-                }
-            }
-            if !formats.is_empty() {
-                out.groups.push((name, formats.join(" / ")));
-            }
-        };
+        let mut group = |name, matrices| out.add_group(backend, name, matrices);
         group("embed", vec![&self.embed]);
         group("lm_head", self.lm_head.iter().collect());
         group("attn_qkv", self.layers.iter().map(|l| &l.wqkv).collect());

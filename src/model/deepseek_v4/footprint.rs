@@ -9,19 +9,7 @@ use crate::model::weights::WeightFootprint;
 impl<B: DsV4Kernels> DsV4Weights<B> {
     pub fn footprint(&self, backend: &B) -> WeightFootprint {
         let mut out = WeightFootprint::default();
-        let mut group = |name: &'static str, matrices: Vec<&B::Matrix>| {
-            let mut formats: Vec<String> = Vec::new();
-            for m in matrices {
-                let (bytes, format) = backend.matrix_footprint(m);
-                out.resident_bytes += bytes;
-                if !formats.contains(&format) {
-                    formats.push(format);
-                }
-            }
-            if !formats.is_empty() {
-                out.groups.push((name, formats.join(" / ")));
-            }
-        };
+        let mut group = |name, matrices| out.add_group(backend, name, matrices);
         group(
             "attn",
             self.layers

@@ -5,7 +5,7 @@
 
 use crate::error::{Result, TroupeError};
 use crate::kernels::HostData;
-use crate::kernels::fp4::{MXFP4_GROUP, Mxfp4Matrix};
+use crate::kernels::fp4::{MXFP4_GROUP, Mxfp4Matrix, e8m0_scale};
 use crate::model::loader::{HostTensor, Stored, TensorSource};
 
 const FP4_E2M1: [f32; 16] = [
@@ -92,13 +92,7 @@ fn scale_values(scale: HostTensor) -> Vec<f32> {
     scale
         .into_f32()
         .into_iter()
-        .map(|s| {
-            if exponents {
-                2f32.powi(s as i32 - 127)
-            } else {
-                s
-            }
-        })
+        .map(|s| if exponents { e8m0_scale(s as u8) } else { s })
         .collect()
 }
 
@@ -175,18 +169,7 @@ fn dequantize(
             "[{rows}, {cols}] does not divide into a {grid_rows}×{grid_cols} scale grid"
         ));
     }
-    let exponents = scale.stored == Stored::U8;
-    let scales: Vec<f32> = scale
-        .into_f32()
-        .into_iter()
-        .map(|s| {
-            if exponents {
-                2f32.powi(s as i32 - 127)
-            } else {
-                s
-            }
-        })
-        .collect();
+    let scales = scale_values(scale);
     let (block_rows, block_cols) = (rows / grid_rows, cols / grid_cols);
     for (i, row) in w.chunks_exact_mut(cols).enumerate() {
         for (j, v) in row.iter_mut().enumerate() {
