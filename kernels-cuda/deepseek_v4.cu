@@ -551,17 +551,3 @@ extern "C" __global__ void dsv4_swiglu_kernel(float* h, const float* gate, const
     h[i] = g * ds_sigmoid(g) * u;
 }
 
-// out[t] += Σ_j weight[t, slot_j] · ys[row_j] with (row_j, slot_j) = order[t, j]: each
-// token's expert outputs, in the order the host gives (by expert id, as the reference adds
-// them); slot_j is the expert's place in the router's choice (its weight).
-extern "C" __global__ void dsv4_moe_combine_kernel(float* out, const float* ys, const u32* order,
-                                                   const float* weight, int k, int hidden) {
-    int t = blockIdx.x;
-    const u32* o_t = order + (long long)t * k * 2;
-    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-        float o = out[(long long)t * hidden + c];
-        for (int j = 0; j < k; ++j)
-            o += weight[t * k + o_t[2 * j + 1]] * ys[(long long)o_t[2 * j] * hidden + c];
-        out[(long long)t * hidden + c] = o;
-    }
-}

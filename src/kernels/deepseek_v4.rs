@@ -101,6 +101,18 @@ pub struct AttentionKeys<'a, B: DsV4Kernels + ?Sized> {
     pub block_size: usize,
 }
 
+/// Which rank of an expert-parallel group computes each routed (expert, token) product:
+/// `table` holds per expert its replica count then `replicas` ranks, and a token goes to
+/// replica `token % count` (`ExpertShard::owner_table`).
+pub struct ExpertOwners<'a, B: DsV4Kernels + ?Sized> {
+    pub table: &'a B::Ids,
+    pub replicas: usize,
+    pub rank: usize,
+}
+
+/// A layer's routed experts, each `[gate, up, down]`.
+pub type ExpertMatrices<'a, B> = [[&'a <B as Backend>::Matrix; 3]];
+
 /// The dimensions a device's DeepSeek-V4 kernels may bound.
 #[derive(Debug, Clone, Copy)]
 pub struct DsV4Shape {
@@ -133,6 +145,9 @@ pub enum DsV4KernelError {
 pub trait DsV4Kernels: Backend {
     /// u32 indices on the device (token ids, metadata, selections, routing).
     type Ids: Send + Sync;
+    /// A layer's routed experts as one launch reads them (CUDA: tables of their weights'
+    /// device addresses), made once at load.
+    type ExpertTable: Send + Sync;
 
     /// Readies the kernels (built on first use) for a model of `shape`, or says which
     /// dimension they cannot take.
@@ -294,6 +309,30 @@ pub trait DsV4Kernels: Backend {
         k: usize,
         scaling: f32,
     );
+    /// `experts` as `dsv4_routed_experts` takes them, or why the kernels cannot.
+    fn dsv4_expert_table(
+        &self,
+        experts: &ExpertMatrices<'_, Self>,
+    ) -> Result<Self::ExpertTable, DsV4KernelError>;
+    /// Every (token, slot) pair's routed product on `x [tokens, hidden]`, on the device
+    /// from `chosen` to `ys` (no read-back): `ys[token·k + slot] = down(swiglu(gate·x,
+    /// up·x))` of expert `chosen[token·k + slot]` (`swiglu` as `dsv4_swiglu`), a zero row
+    /// where `owners` gives the pair to another rank. Adds each pair to `counts[counts_at +
+    /// expert]`, the per-expert load EPLB places experts by.
+    fn dsv4_routed_experts(
+        &self,
+        ys: &mut Self::Buf,
+        x: &Self::Buf,
+        chosen: &Self::Ids,
+        experts: &ExpertMatrices<'_, Self>,
+        table: &Self::ExpertTable,
+        owners: Option<&ExpertOwners<'_, Self>>,
+        counts: &mut Self::Ids,
+        counts_at: usize,
+        tokens: usize,
+        k: usize,
+        limit: f32,
+    );
     /// `h = silu(min(gate, limit)) · clamp(up, ±limit)`.
     fn dsv4_swiglu(
         &self,
@@ -303,13 +342,13 @@ pub trait DsV4Kernels: Backend {
         n: usize,
         limit: f32,
     );
-    /// `out[t] += Σ_j weights[t, slot_j] · ys[row_j]` over `order [tokens, k, 2]` = (row,
-    /// slot) pairs, in their order.
+    /// `out[t] += Σ_slot weights[t, slot] · ys[t·k + slot]`, the slots taken in increasing
+    /// expert id (`chosen [tokens, k]`).
     fn dsv4_moe_combine(
         &self,
         out: &mut Self::Buf,
         ys: &Self::Buf,
-        order: &Self::Ids,
+        chosen: &Self::Ids,
         weights: &Self::Buf,
         tokens: usize,
         k: usize,

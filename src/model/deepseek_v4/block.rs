@@ -44,14 +44,15 @@ impl<B: DsV4Kernels> Consts<B> {
 }
 
 /// Block `layer` (of `cache`'s layers) over `streams`; its MoE adds its tokens per routed
-/// expert to `expert_tokens` and is summed over `group` when there is one.
+/// expert to `counts` (`[layers, experts]` on the device) and is summed over `group` when
+/// there is one.
 pub fn block<B: DsV4Kernels>(
     p: &Pass<'_, B>,
     layer: usize,
     w: &Layer<B>,
     cache: &mut DsV4Cache<B>,
     streams: &mut B::Buf,
-    expert_tokens: &mut [u64],
+    counts: &mut B::Ids,
     group: Option<&mut ExpertGroup<B>>,
 ) {
     let (b, cfg) = (p.b, p.cfg);
@@ -68,7 +69,7 @@ pub fn block<B: DsV4Kernels>(
 
     mix.mix(p, &w.ffn_hc, streams);
     b.rms_norm(&mix.collapsed, &w.ffn_norm, cfg.rms_norm_eps, t, d, &mut x);
-    let y = moe::moe(p, layer, &w.moe, &x, expert_tokens, group);
+    let y = moe::moe(p, layer, &w.moe, &x, counts, group);
     b.dsv4_mhc_merge(streams, &mix.post, &mix.comb, &y, t, n, d);
 }
 

@@ -37,6 +37,29 @@ impl ExpertShard {
         rank == self.shard.rank
     }
 
+    /// `computes` at `layer` as the table the kernels read (`ExpertOwners`): per expert its
+    /// replica count, then each replica's rank, padded to the widest (returned second).
+    pub fn owner_table(&self, layer: usize, num_experts: usize) -> (Vec<u32>, usize) {
+        let ranks: Vec<Vec<u32>> = (0..num_experts)
+            .map(|e| match &self.placements {
+                Some(p) => p[layer]
+                    .slots_of(e)
+                    .into_iter()
+                    .map(|slot| p[layer].rank_of_slot(slot) as u32)
+                    .collect(),
+                None => vec![(e * self.shard.size / num_experts) as u32],
+            })
+            .collect();
+        let replicas = ranks.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let mut table = Vec::with_capacity(num_experts * (1 + replicas));
+        for r in &ranks {
+            table.push(r.len() as u32);
+            table.extend(r);
+            table.resize(table.len() + replicas - r.len(), 0);
+        }
+        (table, replicas)
+    }
+
     /// The shared expert runs on the leader only (it is summed like the routed ones).
     pub fn computes_shared(&self) -> bool {
         self.shard.is_leader()
@@ -100,6 +123,17 @@ mod tests {
                 }
             }
             assert_eq!(shards.iter().filter(|s| s.computes_shared()).count(), 1);
+            // The kernels' table says what `computes` says.
+            for s in &shards {
+                let (table, replicas) = s.owner_table(0, 6);
+                for expert in 0..6 {
+                    let entry = &table[expert * (1 + replicas)..(expert + 1) * (1 + replicas)];
+                    for token in 0..10 {
+                        let rank = entry[1 + token % entry[0] as usize] as usize;
+                        assert_eq!(rank == s.shard.rank, s.computes(0, 6, expert, token));
+                    }
+                }
+            }
         }
         // The hot expert 0 has replicas on both ranks: its tokens are split between them.
         let p = place_layer(&loads, 8, 2);

@@ -238,6 +238,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             consts: &self.consts,
             plan: &plan,
         };
+        let experts = cfg.num_routed_experts;
+        let mut counts = b.alloc_ids(cfg.num_layers * experts);
         for (l, w) in self.weights.layers.iter().enumerate() {
             block::block(
                 &pass,
@@ -245,7 +247,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
                 w,
                 cache,
                 &mut streams,
-                &mut expert_tokens[l],
+                &mut counts,
                 group.as_deref_mut(),
             );
         }
@@ -272,6 +274,14 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             &last,
             picked.len(),
         );
+        // Read after the logits: by then the device is done, so this waits on nothing.
+        let counts = b.download_ids(&counts, cfg.num_layers * experts);
+        for (layer, row) in expert_tokens.iter_mut().zip(counts.chunks_exact(experts)) {
+            layer
+                .iter_mut()
+                .zip(row)
+                .for_each(|(n, &c)| *n += u64::from(c));
+        }
         Ok((logits, streams))
     }
 

@@ -1,23 +1,24 @@
-//! DeepSeek-V4's MoE block: the router's choice is made on the device and read back, the
-//! host groups the (token, expert) rows by expert, each active expert runs its GEMMs on
-//! its contiguous rows, and each token adds its experts' outputs in expert order after the
-//! shared expert's. SwiGLU with clipped pre-activations. In an expert-parallel group each
-//! rank computes only its products and the group sums the output.
+//! DeepSeek-V4's MoE block: the router's choice is made on the device and stays there —
+//! the backend's grouped expert kernels read it (`dsv4_routed_experts`), each (token, slot)
+//! pair gets its expert's product, and each token adds its experts' outputs in expert
+//! order after the shared expert's. SwiGLU with clipped pre-activations. In an
+//! expert-parallel group each rank computes only its products and the group sums the
+//! output.
 
 use super::block::Pass;
 use super::config::MlpKind;
 use super::expert_parallel::ExpertGroup;
 use super::weights::{Expert, Moe};
-use crate::kernels::deepseek_v4::DsV4Kernels;
+use crate::kernels::deepseek_v4::{DsV4Kernels, ExpertOwners};
 
 /// `x` is `[rows, hidden]` (the normed block input); returns `[rows, hidden]` and adds
-/// each routed expert's tokens to `expert_tokens`.
+/// each routed pair to `counts[layer · experts + expert]`.
 pub fn moe<B: DsV4Kernels>(
     p: &Pass<'_, B>,
     layer: usize,
     w: &Moe<B>,
     x: &B::Buf,
-    expert_tokens: &mut [u64],
+    counts: &mut B::Ids,
     group: Option<&mut ExpertGroup<B>>,
 ) -> B::Buf {
     let (b, cfg) = (p.b, p.cfg);
@@ -45,72 +46,45 @@ pub fn moe<B: DsV4Kernels>(
         k,
         cfg.routed_scaling_factor,
     );
-    let chosen = b.download_ids(&chosen, t * k);
 
-    // Rows grouped by expert; per token, its (row, router slot) pairs in expert order.
     let shard = group.as_ref().map(|g| &g.shard);
-    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); num_experts];
-    let mut elsewhere = Vec::new();
-    for (i, &e) in chosen.iter().enumerate() {
-        let (token, slot, e) = (i / k, i % k, e as usize);
-        expert_tokens[e] += 1;
-        if shard.is_none_or(|sh| sh.computes(layer, num_experts, e, token)) {
-            by_expert[e].push((token, slot));
-        } else {
-            elsewhere.push((token, slot));
-        }
-    }
-    let mut source_rows = Vec::with_capacity(t * k);
-    let mut order: Vec<Vec<u32>> = vec![Vec::with_capacity(2 * k); t];
-    let mut spans = Vec::new();
-    for (e, rows) in by_expert.iter().enumerate() {
-        if rows.is_empty() {
-            continue;
-        }
-        spans.push((e, source_rows.len(), rows.len()));
-        for &(token, slot) in rows {
-            order[token].extend_from_slice(&[source_rows.len() as u32, slot as u32]);
-            source_rows.push(token);
-        }
-    }
-    let n = source_rows.len();
-    // Another rank's products read a zero row past the computed ones: adding 0 leaves
-    // the sum as it is, and every token keeps its k pairs.
-    let zero_row = !elsewhere.is_empty();
-    for (token, slot) in elsewhere {
-        order[token].extend_from_slice(&[n as u32, slot as u32]);
-    }
-    let inter = cfg.moe_intermediate_size;
-    let mut ys = if zero_row {
-        b.alloc((n + 1) * d)
-    } else {
-        b.scratch(n * d)
-    };
-    if n > 0 {
-        let mut xs = b.scratch(n * d);
-        b.gather_rows(x, d, &source_rows, &mut xs);
-        let groups = |m: fn(&Expert<B>) -> &B::Matrix| -> Vec<(&B::Matrix, usize, usize)> {
-            spans
-                .iter()
-                .map(|&(e, row0, rows)| (m(&w.experts[e]), row0, rows))
-                .collect()
-        };
-        let mut gate = b.scratch(n * inter);
-        b.dsv4_gemm_row_groups(&xs, &groups(|e| &e.gate), &mut gate);
-        let mut up = b.scratch(n * inter);
-        b.dsv4_gemm_row_groups(&xs, &groups(|e| &e.up), &mut up);
-        let mut h = b.scratch(n * inter);
-        b.dsv4_swiglu(&mut h, &gate, &up, n * inter, cfg.swiglu_limit);
-        b.dsv4_gemm_row_groups(&h, &groups(|e| &e.down), &mut ys);
-    }
+    let owner_table = shard.map(|sh| sh.owner_table(layer, num_experts));
+    let table_ids = owner_table.as_ref().map(|(ids, _)| b.upload_ids(ids));
+    let owners = owner_table
+        .as_ref()
+        .zip(table_ids.as_ref())
+        .map(|((_, replicas), table)| ExpertOwners {
+            table,
+            replicas: *replicas,
+            rank: shard.expect("a table comes from a shard").shard.rank,
+        });
+    let experts: Vec<[&B::Matrix; 3]> = w
+        .experts
+        .iter()
+        .map(|e| [&e.gate, &e.up, &e.down])
+        .collect();
+    let mut ys = b.scratch(t * k * d);
+    b.dsv4_routed_experts(
+        &mut ys,
+        x,
+        &chosen,
+        &experts,
+        &w.table,
+        owners.as_ref(),
+        counts,
+        layer * num_experts,
+        t,
+        k,
+        cfg.swiglu_limit,
+    );
 
+    let inter = cfg.moe_intermediate_size;
     let mut out = if shard.is_none_or(|sh| sh.computes_shared()) {
         expert(b, &w.shared, x, (t, inter, d), cfg.swiglu_limit)
     } else {
         b.alloc(t * d)
     };
-    let order: Vec<u32> = order.into_iter().flatten().collect();
-    b.dsv4_moe_combine(&mut out, &ys, &b.upload_ids(&order), &weights, t, k, d);
+    b.dsv4_moe_combine(&mut out, &ys, &chosen, &weights, t, k, d);
     if let Some(g) = group {
         g.combine(b, &mut out, t * d);
     }

@@ -118,14 +118,14 @@ impl<B: DsV4Kernels> MtpLayer<B> {
             num_logit_rows: n,
         };
         let plan = Plan::new(b, cfg, cache.block_size, std::slice::from_ref(&step));
-        let mut expert_tokens = vec![0; cfg.num_routed_experts];
+        let mut counts = b.alloc_ids(cfg.num_routed_experts);
         block::block(
             &model.pass(cfg, &plan),
             0,
             &self.w.block,
             cache,
             &mut x,
-            &mut expert_tokens,
+            &mut counts,
             None,
         );
         cache.set_slot_tokens(slot, pos0 + n);

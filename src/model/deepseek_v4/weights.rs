@@ -59,6 +59,8 @@ pub struct Moe<B: DsV4Kernels = CpuBackend> {
     pub tid2eid: Option<B::Ids>,
     pub score_bias: Option<B::Buf>,
     pub experts: Vec<Expert<B>>,
+    /// `experts` as the grouped kernels read them.
+    pub table: B::ExpertTable,
     pub shared: Expert<B>,
 }
 
@@ -472,13 +474,21 @@ impl<S: LinearStore> Reader<'_, S> {
                 }
             }
         };
+        let experts: Vec<Expert<S::Backend>> = (0..cfg.num_routed_experts)
+            .map(|e| r.expert(&format!("{p}.ffn.experts.{e}"), cfg))
+            .collect::<Result<_>>()?;
+        let mats: Vec<_> = experts.iter().map(|e| [&e.gate, &e.up, &e.down]).collect();
+        let table = r
+            .store
+            .backend()
+            .dsv4_expert_table(&mats)
+            .map_err(|e| TroupeError::InvalidInput(format!("{p}.ffn.experts: {e}")))?;
         let moe = Moe {
             router: r.linear(&format!("{p}.ffn.gate"), cfg.num_routed_experts, d)?,
             tid2eid,
             score_bias,
-            experts: (0..cfg.num_routed_experts)
-                .map(|e| r.expert(&format!("{p}.ffn.experts.{e}"), cfg))
-                .collect::<Result<_>>()?,
+            experts,
+            table,
             shared: r.expert(&format!("{p}.ffn.shared_experts"), cfg)?,
         };
         Ok(Layer {

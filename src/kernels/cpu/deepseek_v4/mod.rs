@@ -21,7 +21,8 @@ use super::CpuBackend;
 use super::qmatrix::CpuMatrix;
 use crate::kernels::Backend;
 use crate::kernels::deepseek_v4::{
-    AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, Scoring, StepMeta,
+    AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, ExpertMatrices,
+    ExpertOwners, Scoring, StepMeta,
 };
 
 /// RMS norm of each `dim`-wide row in place, times `weight` when given (DeepSeek's order:
@@ -97,6 +98,7 @@ fn entry_index(table: &[u32], block_size: usize, rate: usize, per_block: usize, 
 
 impl DsV4Kernels for CpuBackend {
     type Ids = Vec<u32>;
+    type ExpertTable = ();
 
     fn dsv4_prepare(&self, _shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         Ok(())
@@ -347,21 +349,46 @@ impl DsV4Kernels for CpuBackend {
         &self,
         out: &mut Vec<f32>,
         ys: &Vec<f32>,
-        order: &Vec<u32>,
+        chosen: &Vec<u32>,
         weights: &Vec<f32>,
         tokens: usize,
         k: usize,
         hidden: usize,
     ) {
-        for t in 0..tokens {
-            let o = &mut out[t * hidden..(t + 1) * hidden];
-            for pair in order[t * k * 2..(t + 1) * k * 2].chunks_exact(2) {
-                let (row, slot) = (pair[0] as usize, pair[1] as usize);
-                let w = weights[t * k + slot];
-                o.iter_mut()
-                    .zip(&ys[row * hidden..(row + 1) * hidden])
-                    .for_each(|(o, v)| *o += w * v);
-            }
-        }
+        moe::combine(out, ys, chosen, weights, (tokens, k, hidden));
+    }
+
+    fn dsv4_expert_table(
+        &self,
+        _experts: &ExpertMatrices<'_, Self>,
+    ) -> Result<(), DsV4KernelError> {
+        Ok(())
+    }
+
+    fn dsv4_routed_experts(
+        &self,
+        ys: &mut Vec<f32>,
+        x: &Vec<f32>,
+        chosen: &Vec<u32>,
+        experts: &ExpertMatrices<'_, Self>,
+        _table: &(),
+        owners: Option<&ExpertOwners<'_, Self>>,
+        counts: &mut Vec<u32>,
+        counts_at: usize,
+        tokens: usize,
+        k: usize,
+        limit: f32,
+    ) {
+        let counts = &mut counts[counts_at..counts_at + experts.len()];
+        moe::routed_experts(
+            self,
+            ys,
+            x,
+            chosen,
+            experts,
+            owners,
+            counts,
+            (tokens, k, limit),
+        );
     }
 }

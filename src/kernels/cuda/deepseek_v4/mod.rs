@@ -6,7 +6,10 @@
 // argument list into struct literals at every call.
 #![allow(clippy::too_many_arguments)]
 
+mod moe;
 mod ops;
+
+pub use moe::CudaExperts;
 
 use crate::sync::Shared as Arc;
 
@@ -22,7 +25,8 @@ type Meta = StepMeta<CudaBackend>;
 
 pub const DEEPSEEK_V4_SOURCE: &str = concat!(
     include_str!("../../../../kernels-cuda/torch_topk.cu"),
-    include_str!("../../../../kernels-cuda/deepseek_v4.cu")
+    include_str!("../../../../kernels-cuda/deepseek_v4.cu"),
+    include_str!("../../../../kernels-cuda/moe.cu")
 );
 
 /// The attention kernel's heads per block at most, keys per tile, and output channels per
@@ -72,6 +76,7 @@ pub struct DsV4Program {
     moe_route: CudaFunction,
     swiglu: CudaFunction,
     moe_combine: CudaFunction,
+    moe: moe::MoeFunctions,
 }
 
 fn load(backend: &CudaBackend) -> Result<DsV4Program, CudaError> {
@@ -109,6 +114,7 @@ fn load(backend: &CudaBackend) -> Result<DsV4Program, CudaError> {
         moe_route: f("moe_route")?,
         swiglu: f("swiglu")?,
         moe_combine: f("moe_combine")?,
+        moe: moe::MoeFunctions::load(f)?,
         _module: module,
     })
 }

@@ -10,13 +10,15 @@ use super::super::weights::Store;
 use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
 use super::{ATT_MAX_HEAD_DIM, INDEX_SMEM_BYTES, blocks};
 use crate::kernels::deepseek_v4::{
-    AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, Scoring, StepMeta,
+    AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, ExpertMatrices,
+    ExpertOwners, Scoring, StepMeta,
 };
 
 type Meta = StepMeta<CudaBackend>;
 
 impl DsV4Kernels for CudaBackend {
     type Ids = CudaSlice<u32>;
+    type ExpertTable = super::CudaExperts;
 
     fn dsv4_prepare(&self, shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         let limits = [
@@ -500,26 +502,58 @@ impl DsV4Kernels for CudaBackend {
         );
     }
 
+    fn dsv4_expert_table(
+        &self,
+        experts: &ExpertMatrices<'_, Self>,
+    ) -> Result<super::CudaExperts, DsV4KernelError> {
+        self.expert_table(experts)
+    }
+
+    fn dsv4_routed_experts(
+        &self,
+        ys: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        chosen: &CudaSlice<u32>,
+        _experts: &ExpertMatrices<'_, Self>,
+        table: &super::CudaExperts,
+        owners: Option<&ExpertOwners<'_, Self>>,
+        counts: &mut CudaSlice<u32>,
+        counts_at: usize,
+        tokens: usize,
+        k: usize,
+        limit: f32,
+    ) {
+        self.routed_experts(
+            ys,
+            x,
+            chosen,
+            table,
+            owners,
+            counts,
+            counts_at,
+            (tokens, k, limit),
+        );
+    }
+
     fn dsv4_moe_combine(
         &self,
         out: &mut CudaSlice<f32>,
         ys: &CudaSlice<f32>,
-        order: &CudaSlice<u32>,
+        chosen: &CudaSlice<u32>,
         weights: &CudaSlice<f32>,
         tokens: usize,
         k: usize,
         hidden: usize,
     ) {
         let (ki, hi) = (k as i32, hidden as i32);
-        // SAFETY: out [tokens, hidden]; order [tokens, k, 2] indexes rows of ys and slots
-        // of weights [tokens, k].
+        // SAFETY: out [tokens, hidden]; chosen and weights [tokens, k]; ys [tokens·k, hidden].
         check(
             unsafe {
                 self.stream
                     .launch_builder(&self.ds().moe_combine)
                     .arg(out)
                     .arg(ys)
-                    .arg(order)
+                    .arg(chosen)
                     .arg(weights)
                     .arg(&ki)
                     .arg(&hi)

@@ -1,0 +1,244 @@
+//! DeepSeek-V4's routed experts on the device (`kernels-cuda/moe.cu`): the router's
+//! choice is grouped by expert into tiles without a read-back, and each tile runs against
+//! its expert's weights as stored, found through a table of device addresses made at load.
+
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, PushKernelArg};
+
+use super::super::weights::{PackedFormat, Store};
+use super::super::{CudaBackend, CudaMatrix, check};
+use super::blocks;
+use crate::kernels::deepseek_v4::{DsV4KernelError, ExpertMatrices, ExpertOwners};
+
+/// `moe.cu`'s weight formats.
+const MOE_BF16: usize = 0;
+const MOE_MXFP4: usize = 1;
+
+/// Rows of a tile for few pairs an expert, and for many (`moe.cu`'s `few`/`many` shapes),
+/// and the output features of each block.
+const FEW_ROWS: usize = 16;
+const MANY_ROWS: usize = 64;
+const FEW_FEATURES: usize = 16;
+const MANY_FEATURES: usize = 128;
+
+/// A layer's routed experts as the grouped kernels read them.
+pub struct CudaExperts {
+    gate: CudaSlice<u64>,
+    up: CudaSlice<u64>,
+    down: CudaSlice<u64>,
+    /// `moe.cu`'s format of gate and up, and of down.
+    formats: [usize; 2],
+    num_experts: usize,
+    inter: usize,
+    hidden: usize,
+}
+
+/// The grouped kernels of one format: `[up, down]` for few rows, then for many.
+pub struct MoeFunctions {
+    pub align: CudaFunction,
+    pub gemm: [[CudaFunction; 4]; 2],
+}
+
+impl MoeFunctions {
+    pub fn load(
+        f: impl Fn(&str) -> Result<CudaFunction, super::CudaError>,
+    ) -> Result<Self, super::CudaError> {
+        let set = |fmt: &str| -> Result<[CudaFunction; 4], super::CudaError> {
+            Ok([
+                f(&format!("moe_up_{fmt}_few"))?,
+                f(&format!("moe_down_{fmt}_few"))?,
+                f(&format!("moe_up_{fmt}_many"))?,
+                f(&format!("moe_down_{fmt}_many"))?,
+            ])
+        };
+        Ok(MoeFunctions {
+            align: f("moe_align")?,
+            gemm: [set("bf16")?, set("mxfp4")?],
+        })
+    }
+}
+
+fn format_of(m: &CudaMatrix) -> Option<usize> {
+    match &m.store {
+        Store::Bf16(_) => Some(MOE_BF16),
+        Store::Packed(parts) => match parts.as_slice() {
+            [p] if p.format == PackedFormat::Mxfp4 => Some(MOE_MXFP4),
+            _ => None,
+        },
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn expert_table(
+        &self,
+        experts: &ExpertMatrices<'_, CudaBackend>,
+    ) -> Result<CudaExperts, DsV4KernelError> {
+        let refuse = |reason: String| DsV4KernelError::Unavailable {
+            device: "CUDA",
+            reason,
+        };
+        let first = experts
+            .first()
+            .ok_or_else(|| refuse("a MoE layer without routed experts".into()))?;
+        let (inter, hidden) = (first[0].rows, first[0].cols);
+        // Gate and up go through one kernel (one format); down through its own.
+        let up_format = format_of(first[0]);
+        let down_format = format_of(first[2]);
+        for (e, mats) in experts.iter().enumerate() {
+            let wanted = [
+                (up_format, inter, hidden),
+                (up_format, inter, hidden),
+                (down_format, hidden, inter),
+            ];
+            for (m, (format, rows, cols)) in mats.iter().zip(wanted) {
+                if format.is_none() || format_of(m) != format || (m.rows, m.cols) != (rows, cols) {
+                    return Err(refuse(format!(
+                        "routed expert {e}'s weights are not bf16 or MXFP4 of expert 0's \
+                         formats and shapes"
+                    )));
+                }
+            }
+        }
+        // The kernels read activations and bf16 weights 8 values at a time (MXFP4 comes
+        // in 32-column blocks already).
+        if !inter.is_multiple_of(8) || !hidden.is_multiple_of(8) {
+            return Err(refuse(format!(
+                "routed experts of {inter} × {hidden}: both sides must be multiples of 8"
+            )));
+        }
+        let table = |pick: usize| -> Vec<u64> {
+            experts
+                .iter()
+                .map(|mats| match &mats[pick].store {
+                    Store::Bf16(w) => w.device_ptr(&self.stream).0,
+                    Store::Packed(parts) => parts[0].bytes.device_ptr(&self.stream).0,
+                })
+                .collect()
+        };
+        let upload = |v: Vec<u64>| check(self.stream.clone_htod(&v), "upload");
+        Ok(CudaExperts {
+            gate: upload(table(0)),
+            up: upload(table(1)),
+            down: upload(table(2)),
+            formats: [
+                up_format.unwrap_or(MOE_BF16),
+                down_format.unwrap_or(MOE_BF16),
+            ],
+            num_experts: experts.len(),
+            inter,
+            hidden,
+        })
+    }
+
+    /// `dsv4_routed_experts`: align, then gate·up with SwiGLU into `h`, then down into `ys`.
+    pub(super) fn routed_experts(
+        &self,
+        ys: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        chosen: &CudaSlice<u32>,
+        t: &CudaExperts,
+        owners: Option<&ExpertOwners<'_, CudaBackend>>,
+        counts: &mut CudaSlice<u32>,
+        counts_at: usize,
+        (tokens, k, limit): (usize, usize, f32),
+    ) {
+        let pairs = tokens * k;
+        if pairs == 0 {
+            return;
+        }
+        let e = t.num_experts;
+        // The invariant mode always takes the few-row shape (f32-accurate activations, the
+        // same sums whatever the batch); else many rows once experts average 16 pairs.
+        let many = !self.batch_invariant && pairs >= 16 * e;
+        let (bm, bn) = if many {
+            (MANY_ROWS, MANY_FEATURES)
+        } else {
+            (FEW_ROWS, FEW_FEATURES)
+        };
+        let max_tiles = pairs.div_ceil(bm) + pairs.min(e);
+        let mut tile_expert = self.alloc_i32s(max_tiles);
+        let mut sorted = self.alloc_i32s(max_tiles * bm);
+        let mut num_tiles = self.alloc_i32s(1);
+        let ds = self.ds();
+        if owners.is_some() {
+            check(self.stream.memset_zeros(ys), "memset");
+        }
+        let null = 0u64;
+        let (pi, ki, ei, bmi) = (pairs as i32, k as i32, e as i32, bm as i32);
+        let (replicas, rank) = owners.map_or((0, 0), |o| (o.replicas as i32, o.rank as i32));
+        let mut counts_view = counts.slice_mut(counts_at..counts_at + e);
+        // SAFETY: chosen holds `pairs` expert ids below e; owners (when given) e·(1 +
+        // replicas) entries; counts e from counts_at; tile_expert and sorted are sized for
+        // the most tiles `pairs` can make.
+        let mut launch = self.stream.launch_builder(&ds.moe.align);
+        launch.arg(chosen).arg(&pi).arg(&ki).arg(&ei);
+        match owners {
+            Some(o) => launch.arg(o.table),
+            None => launch.arg(&null),
+        };
+        launch
+            .arg(&replicas)
+            .arg(&rank)
+            .arg(&mut counts_view)
+            .arg(&bmi)
+            .arg(&mut tile_expert)
+            .arg(&mut sorted)
+            .arg(&mut num_tiles);
+        check(
+            unsafe { launch.launch(blocks(1, 1, 1024)) },
+            "dsv4_moe_align",
+        );
+
+        let shape = if many { 2 } else { 0 };
+        let up = &ds.moe.gemm[t.formats[0]][shape];
+        let down = &ds.moe.gemm[t.formats[1]][shape + 1];
+        let mut h = self.alloc_written(pairs * t.inter);
+        let (inter, hidden) = (t.inter as i32, t.hidden as i32);
+        let gemm = |f: &CudaFunction,
+                    out: &mut CudaSlice<f32>,
+                    input: &CudaSlice<f32>,
+                    x_div: i32,
+                    w: (&CudaSlice<u64>, &CudaSlice<u64>),
+                    (n, kk): (i32, i32),
+                    name: &str| {
+            // SAFETY: input holds rows of kk values (pairs / x_div of them), out pairs rows
+            // of n; the tables address e matrices of n × kk in the kernel's format.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(out)
+                        .arg(input)
+                        .arg(&x_div)
+                        .arg(&sorted)
+                        .arg(&tile_expert)
+                        .arg(&num_tiles)
+                        .arg(w.0)
+                        .arg(w.1)
+                        .arg(&n)
+                        .arg(&kk)
+                        .arg(&limit)
+                        .launch(blocks((n as usize).div_ceil(bn), max_tiles, 128))
+                },
+                name,
+            );
+        };
+        gemm(
+            up,
+            &mut h,
+            x,
+            ki,
+            (&t.gate, &t.up),
+            (inter, hidden),
+            "dsv4_moe_up",
+        );
+        gemm(
+            down,
+            ys,
+            &h,
+            1,
+            (&t.down, &t.down),
+            (hidden, inter),
+            "dsv4_moe_down",
+        );
+    }
+}

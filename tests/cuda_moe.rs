@@ -1,0 +1,342 @@
+//! DeepSeek-V4's routed experts on the GPU (`kernels-cuda/moe.cu`: routing grouped on the
+//! device, grouped tensor-core GEMMs over MXFP4 or bf16 weights) against f32 products on
+//! the host of the same weights' exact values: generated shapes and routings, one token to
+//! past the switch to many-row tiles, both modes, the per-expert counts, expert-parallel
+//! owners, and the invariant mode's rows equal bit for bit whatever the batch. Needs a GPU:
+//! it runs on the device machine (`scripts/gpu-tests.sh`); CI compiles it.
+#![cfg(feature = "cuda")]
+
+use half::bf16;
+use troupe::kernels::cuda::CudaBackend;
+use troupe::kernels::deepseek_v4::{DsV4Kernels, DsV4Shape, ExpertOwners};
+use troupe::kernels::fp4::Mxfp4Matrix;
+use troupe::kernels::{Backend, HostData, HostMatrix};
+use troupe::sampling::splitmix64;
+
+const LIMIT: f32 = 7.0;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = splitmix64(self.0);
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// A `[rows, cols]` matrix as the device takes it and its exact values on the host.
+fn matrix(rng: &mut Rng, rows: usize, cols: usize, mxfp4: bool) -> (HostMatrix, Vec<f32>) {
+    if mxfp4 {
+        let m = Mxfp4Matrix {
+            bytes: (0..rows * cols / 2).map(|_| rng.next() as u8).collect(),
+            // Scales 2^-10 .. 2^-3: the values a trained expert's blocks carry.
+            exponents: (0..rows * cols / 32)
+                .map(|_| 117 + rng.below(8) as u8)
+                .collect(),
+            cols,
+        };
+        let values = m.to_f32();
+        let data = HostData::Mxfp4(m);
+        (HostMatrix { rows, cols, data }, values)
+    } else {
+        let scale = (cols as f32).powf(-0.5);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|_| bf16::from_f32(rng.uniform() * scale).to_f32())
+            .collect();
+        let data = HostData::F32(values.clone());
+        (HostMatrix { rows, cols, data }, values)
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn dot(w: &[f32], x: &[f32]) -> f32 {
+    w.iter().zip(x).map(|(a, b)| a * b).sum()
+}
+
+struct Case {
+    experts: usize,
+    k: usize,
+    hidden: usize,
+    inter: usize,
+    mxfp4: bool,
+}
+
+struct Run {
+    ys: Vec<f32>,
+    counts: Vec<u32>,
+}
+
+/// The experts of `case` on `b`, and host products of `tokens` generated rows.
+struct Setup {
+    host: Vec<[Vec<f32>; 3]>,
+    device: Vec<[troupe::kernels::cuda::CudaMatrix; 3]>,
+}
+
+fn setup(b: &CudaBackend, case: &Case, rng: &mut Rng) -> Setup {
+    let (d, i) = (case.hidden, case.inter);
+    let mut host = Vec::new();
+    let mut device = Vec::new();
+    for _ in 0..case.experts {
+        let (g, gv) = matrix(rng, i, d, case.mxfp4);
+        let (u, uv) = matrix(rng, i, d, case.mxfp4);
+        // MXFP4 needs 32-column blocks: down stays bf16 otherwise (as the loader keeps it).
+        let (w, wv) = matrix(rng, d, i, case.mxfp4 && i.is_multiple_of(32));
+        host.push([gv, uv, wv]);
+        device.push([b.upload_matrix(g), b.upload_matrix(u), b.upload_matrix(w)]);
+    }
+    Setup { host, device }
+}
+
+fn run(
+    b: &CudaBackend,
+    s: &Setup,
+    case: &Case,
+    x: &[f32],
+    chosen: &[u32],
+    owners: Option<(&[u32], usize, usize)>,
+) -> Run {
+    let tokens = x.len() / case.hidden;
+    let mats: Vec<[&troupe::kernels::cuda::CudaMatrix; 3]> =
+        s.device.iter().map(|[g, u, w]| [g, u, w]).collect();
+    let table = b.dsv4_expert_table(&mats).expect("a table");
+    let ids = b.upload_ids(chosen);
+    let mut counts = b.alloc_ids(case.experts + 3);
+    let mut ys = b.scratch(tokens * case.k * case.hidden);
+    let owner_ids = owners.map(|(t, _, _)| b.upload_ids(t));
+    let owners = owners
+        .zip(owner_ids.as_ref())
+        .map(|((_, replicas, rank), table)| ExpertOwners {
+            table,
+            replicas,
+            rank,
+        });
+    // Counts land past an offset, as a layer's do in the model's `[layers, experts]`.
+    b.dsv4_routed_experts(
+        &mut ys,
+        &b.upload(x),
+        &ids,
+        &mats,
+        &table,
+        owners.as_ref(),
+        &mut counts,
+        3,
+        tokens,
+        case.k,
+        LIMIT,
+    );
+    Run {
+        ys: b.download(&ys, tokens * case.k * case.hidden),
+        counts: b.download_ids(&counts, case.experts + 3),
+    }
+}
+
+/// The pair's product on the host in f32.
+fn reference(s: &Setup, case: &Case, x: &[f32], e: usize) -> Vec<f32> {
+    let (d, i) = (case.hidden, case.inter);
+    let [g, u, w] = &s.host[e];
+    let h: Vec<f32> = (0..i)
+        .map(|r| {
+            let gv = dot(&g[r * d..(r + 1) * d], x).min(LIMIT);
+            let uv = dot(&u[r * d..(r + 1) * d], x).clamp(-LIMIT, LIMIT);
+            silu(gv) * uv
+        })
+        .collect();
+    (0..d).map(|r| dot(&w[r * i..(r + 1) * i], &h)).collect()
+}
+
+fn routing(rng: &mut Rng, case: &Case, tokens: usize) -> Vec<u32> {
+    let mut chosen = Vec::with_capacity(tokens * case.k);
+    for _ in 0..tokens {
+        let mut picked: Vec<u32> = Vec::new();
+        while picked.len() < case.k {
+            let e = rng.below(case.experts) as u32;
+            if !picked.contains(&e) {
+                picked.push(e);
+            }
+        }
+        chosen.extend(picked);
+    }
+    chosen
+}
+
+fn backend(invariant: bool, case: &Case) -> CudaBackend {
+    let b = CudaBackend::new(0, invariant, false).expect("a GPU");
+    b.dsv4_prepare(&DsV4Shape {
+        hc_mult: 1,
+        num_routed_experts: case.experts,
+        num_experts_per_tok: case.k,
+        head_dim: 64,
+        index_width: 64,
+    })
+    .expect("the kernels");
+    b
+}
+
+/// Relative to the row's largest value: bf16 activations (default mode past 16 pairs an
+/// expert) round each product at 2^-9; f32-accurate ones only sum in a different order.
+fn check(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    for (c, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * scale,
+            "{what}: column {c}: {a} vs {b} (row max {scale})"
+        );
+    }
+}
+
+fn cases(rng: &mut Rng) -> Vec<Case> {
+    let mut out = Vec::new();
+    for n in 0..6 {
+        let mxfp4 = n % 2 == 0;
+        let unit = if mxfp4 { 32 } else { 8 };
+        // Hidden (gate and up's columns) must suit the format; inter decides down's.
+        let experts = [4, 8, 16, 64, 40, 128][n];
+        out.push(Case {
+            experts,
+            k: 1 + rng.below(6.min(experts)),
+            // Past a 512-column chunk now and then, with a partial one after it.
+            hidden: unit * (1 + rng.below(if n == 3 { 40 } else { 12 })),
+            inter: 8 * (1 + rng.below(48)),
+            mxfp4,
+        });
+    }
+    out
+}
+
+#[test]
+fn grouped_experts_match_host_products_on_generated_shapes_and_routings() {
+    let mut rng = Rng(0x05ee_d0e4);
+    for case in cases(&mut rng) {
+        for invariant in [false, true] {
+            let b = backend(invariant, &case);
+            let s = setup(&b, &case, &mut rng);
+            // One token, a decode batch, and enough pairs for many-row tiles.
+            let many = (16 * case.experts).div_ceil(case.k) + 3;
+            for tokens in [1, 1 + rng.below(40), many] {
+                let x: Vec<f32> = (0..tokens * case.hidden).map(|_| rng.uniform()).collect();
+                let chosen = routing(&mut rng, &case, tokens);
+                let out = run(&b, &s, &case, &x, &chosen, None);
+                let bf16_acts = !invariant && tokens * case.k >= 16 * case.experts;
+                let tol = if bf16_acts { 2e-2 } else { 1e-4 };
+                let d = case.hidden;
+                // Every pair of a small batch; a sample of the large one.
+                for pair in (0..tokens * case.k).step_by(1 + tokens / 40) {
+                    let want = reference(
+                        &s,
+                        &case,
+                        &x[pair / case.k * d..][..d],
+                        chosen[pair] as usize,
+                    );
+                    let what = format!(
+                        "{} experts k {} {}×{} {}, {tokens} tokens, invariant {invariant}, pair {pair}",
+                        case.experts,
+                        case.k,
+                        case.inter,
+                        case.hidden,
+                        if case.mxfp4 { "MXFP4" } else { "bf16" }
+                    );
+                    check(&out.ys[pair * d..(pair + 1) * d], &want, tol, &what);
+                }
+                let mut counts = vec![0u32; case.experts + 3];
+                chosen.iter().for_each(|&e| counts[3 + e as usize] += 1);
+                assert_eq!(out.counts, counts, "{tokens} tokens");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_invariant_mode_gives_a_token_the_same_bits_alone_and_in_any_batch() {
+    let mut rng = Rng(0x1a7);
+    for mxfp4 in [true, false] {
+        let case = Case {
+            experts: 16,
+            k: 4,
+            hidden: 256,
+            inter: 128,
+            mxfp4,
+        };
+        let b = backend(true, &case);
+        let s = setup(&b, &case, &mut rng);
+        let d = case.hidden;
+        let alone_x: Vec<f32> = (0..d).map(|_| rng.uniform()).collect();
+        let alone_chosen = routing(&mut rng, &case, 1);
+        let alone = run(&b, &s, &case, &alone_x, &alone_chosen, None);
+        for tokens in [2, 9, 100] {
+            // The token sits at a generated place among others sharing its experts.
+            let at = rng.below(tokens);
+            let mut x: Vec<f32> = (0..tokens * d).map(|_| rng.uniform()).collect();
+            x[at * d..(at + 1) * d].copy_from_slice(&alone_x);
+            let mut chosen = routing(&mut rng, &case, tokens);
+            chosen[at * case.k..(at + 1) * case.k].copy_from_slice(&alone_chosen);
+            let out = run(&b, &s, &case, &x, &chosen, None);
+            let rows = &out.ys[at * case.k * d..(at + 1) * case.k * d];
+            assert!(
+                rows.iter()
+                    .zip(&alone.ys)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "MXFP4 {mxfp4}: token {at} of {tokens} differs from the same token alone"
+            );
+        }
+    }
+}
+
+#[test]
+fn pairs_another_rank_owns_are_zero_rows_and_still_counted() {
+    let mut rng = Rng(0xe9);
+    let case = Case {
+        experts: 8,
+        k: 3,
+        hidden: 64,
+        inter: 32,
+        mxfp4: true,
+    };
+    let b = backend(false, &case);
+    let s = setup(&b, &case, &mut rng);
+    // Two ranks; experts 0 and 5 replicated on both (a token goes to replica token % 2).
+    let replicas = 2;
+    let mut table = Vec::new();
+    for e in 0..case.experts {
+        match e {
+            0 | 5 => table.extend([2, 0, 1]),
+            _ => table.extend([1, (e * 2 / case.experts) as u32, 0]),
+        }
+    }
+    let tokens = 30;
+    let d = case.hidden;
+    let x: Vec<f32> = (0..tokens * d).map(|_| rng.uniform()).collect();
+    let chosen = routing(&mut rng, &case, tokens);
+    let out = run(&b, &s, &case, &x, &chosen, Some((&table, replicas, 1)));
+    let mut owned = 0;
+    for (pair, &e) in chosen.iter().enumerate() {
+        let (e, token) = (e as usize, pair / case.k);
+        let entry = &table[e * 3..e * 3 + 3];
+        let mine = entry[1 + token % entry[0] as usize] == 1;
+        let got = &out.ys[pair * d..(pair + 1) * d];
+        if mine {
+            owned += 1;
+            check(
+                got,
+                &reference(&s, &case, &x[token * d..][..d], e),
+                1e-4,
+                "owned pair",
+            );
+        } else {
+            assert!(got.iter().all(|&v| v == 0.0), "pair {pair} of another rank");
+        }
+    }
+    assert!(owned > 0 && owned < tokens * case.k, "{owned} owned");
+    assert_eq!(
+        out.counts[3..].iter().sum::<u32>() as usize,
+        tokens * case.k
+    );
+}
