@@ -2,7 +2,7 @@
 # On the device machine: the attention and sampling kernels against the CPU backend, then
 # the engine scenarios and the fault-injection tests with CUDA rank workers. Build here and
 # carry gpu-bin/:
-#   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_packed --test cuda_sampling \
+#   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_packed --test cuda_sampling --test cuda_tile_gemm \
 #     --test cuda_deepseek_v4 --test engine --test fault_injection --test spec_decoding \
 #     --test spec_draft_model --test deepseek_v4_engine --test deepseek_v4_differential --no-run
 #   (copy each executable it names to gpu-bin/<test name>)
@@ -14,9 +14,9 @@ cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export TROUPE_TEST_DEVICE=cuda TROUPE_HOME=/tmp/troupe-home
 status=0
-kernels="cuda_attention cuda_layers cuda_packed cuda_sampling cuda_deepseek_v4"
+kernels="cuda_attention cuda_layers cuda_packed cuda_sampling cuda_tile_gemm cuda_deepseek_v4"
 workers="fault_injection engine spec_decoding spec_draft_model"
-if [ "$only" = dsv4 ]; then kernels=cuda_deepseek_v4 workers=; fi
+if [ "$only" = dsv4 ]; then kernels="cuda_tile_gemm cuda_deepseek_v4" workers=; fi
 for t in $kernels; do
   echo "== $t (kernels vs the CPU reference)"
   gpu-bin/$t --test-threads 1 || status=1

@@ -15,6 +15,8 @@ Part `quant`: batch-1 decode, Llama-3.1-8B shape with dummy weights, bf16 agains
 in gpu-bin/pylib), each against its roofline (the highest read bandwidth of the run).
 Part `quant_offline`: the offline workload with dummy weights, bf16 against FP8.
 Part `peer`: the offline workload's first 64 requests through transformers' `generate_batch`.
+Part `invariant`: `--batch-invariant` against the default mode, batch 1/16/64 decode, dummy
+weights, Qwen3-0.6B and Llama-3.1-8B shapes.
 
 Usage (device machine): python3 scripts/gpu_bench.py target/release/troupe decode|offline|peer|dummy
 GPU_BENCH_ZOS_ONLY=1 skips the offline run with ZOS off; GPU_BENCH_OFFLINE_ARGS adds troupe
@@ -324,6 +326,31 @@ def quant_offline(binary, results):
                                     fp8_over_bf16=rows["fp8"]["generate_out_tok_s"] / rows["bf16"]["generate_out_tok_s"])
 
 
+def invariant(binary, results):
+    """`--batch-invariant` against the default mode: decode at batch 1, 16 and 64 (128-token
+    prompts, 128 new tokens), dummy weights, Llama-3.1-8B and Qwen3-0.6B shapes."""
+    qwen = os.path.join(WORK, "qwen3-0.6b-config")
+    os.makedirs(qwen, exist_ok=True)
+    Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True).save_pretrained(qwen)
+    rows = {}
+    for name, path in (("qwen3-0.6b", qwen), ("llama-3.1-8b", llama_8b_config()[0])):
+        for batch in (1, 16, 64):
+            rng = random.Random(batch)
+            lines = [dict(prompt_ids=[rng.randint(100, 100000) for _ in range(128)], max_tokens=128)
+                     for _ in range(batch)]
+            row = {}
+            for mode, extra in (("default", []), ("invariant", ["--batch-invariant"])):
+                _, stats, _ = troupe(binary, path, lines, ["--dummy-weights", "--kv-cache-mib", "8192", *extra],
+                                     f"invariant-{name}-b{batch}-{mode}")
+                row[mode] = stats["decode_tokens_per_s"]
+            row["invariant_slower_by"] = row["default"] / row["invariant"] - 1
+            rows[f"{name} b{batch}"] = row
+            print(f"{name} b{batch}: {row}", flush=True)
+    results["invariant"] = rows
+
+
 def offline_requests():
     rng = random.Random(0)
     return [dict(prompt_ids=[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))],
@@ -401,7 +428,7 @@ def main(binary, part):
     try:
         {"decode": decode, "offline": offline, "peer": peer, "dummy": dummy,
          "startup": startup, "quant": quant, "quant_offline": quant_offline,
-         "quant_prefill": quant_prefill}[part](binary, results)
+         "quant_prefill": quant_prefill, "invariant": invariant}[part](binary, results)
     except Exception as e:
         results[part] = {"error": str(e)[-2000:]}
     with open(os.path.join(OUT, f"gpu_bench_{part}.json"), "w") as f:

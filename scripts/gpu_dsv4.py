@@ -64,10 +64,12 @@ def shape(layers: int) -> dict:
     return dict(FLASH, num_hidden_layers=layers, layer_types=kinds, mlp_layer_types=mlps)
 
 
-def bf16_bytes_per_token(s: dict, routed_bytes_per_weight: float = 2.0) -> tuple[float, float]:
+def bytes_per_token(s: dict, routed_bytes_per_weight: float = 2.0, fp8: bool = False) -> tuple[float, float]:
     """Bytes of weights a batch-1 decode step reads per layer (dense parts, the routed
-    experts a token picks and the shared one), and once per token (the head): bf16 dense,
-    routed experts at `routed_bytes_per_weight` (17/32 for troupe's MXFP4 blocks)."""
+    experts a token picks and the shared one), and once per token (the head): routed
+    experts at `routed_bytes_per_weight` (17/32 for troupe's MXFP4 blocks), the projections
+    DeepSeek ships in FP8 (wq_a, wq_b, wkv, wo_b, the shared expert) at 1 byte when `fp8`
+    (as --dummy-weights keeps them), the rest bf16."""
     d, hd, h = s["hidden_size"], s["head_dim"], s["num_attention_heads"]
     q, o, g = s["q_lora_rank"], s["o_lora_rank"], s["o_groups"]
     ih, ihd = s["index_n_heads"], s["index_head_dim"]
@@ -75,24 +77,25 @@ def bf16_bytes_per_token(s: dict, routed_bytes_per_weight: float = 2.0) -> tuple
     layers = s["num_hidden_layers"]
     total = 0
     for kind in s["layer_types"]:
-        p = d * q + q * h * hd + d * hd + g * o * (h * hd // g) + d * g * o
-        p += 2 * (2 + n) * n * n * d + d * s["n_routed_experts"]
+        shipped_fp8 = d * q + q * h * hd + d * hd + d * g * o
+        shipped_fp8 += s["n_shared_experts"] * 3 * d * s["moe_intermediate_size"]
+        p = g * o * (h * hd // g) + 2 * (2 + n) * n * n * d + d * s["n_routed_experts"]
         if kind == "compressed_sparse_attention":
             p += 2 * d * 2 * hd + 2 * d * 2 * ihd + q * ih * ihd + d * ih
         elif kind == "heavily_compressed_attention":
             p += 2 * d * hd
-        p += s["n_shared_experts"] * 3 * d * s["moe_intermediate_size"]
         routed = s["num_experts_per_tok"] * 3 * d * s["moe_intermediate_size"]
-        total += 2 * p + routed_bytes_per_weight * routed
+        total += 2 * p + (1 if fp8 else 2) * shipped_fp8 + routed_bytes_per_weight * routed
     return total / layers, 2 * s["vocab_size"] * d
 
 
-def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int) -> dict:
+def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int,
+           extra: tuple = ()) -> dict:
     stats = tmp / "stats.json"
     cmd = [binary, "generate", "--model", str(model), "--dummy-weights", "--device", "cuda",
            "--max-tokens", str(new), "--ignore-eos", "--json", "--stats", str(stats),
            "--kv-cache-mib", str(kv_mib), "--max-num-seqs", str(max(len(prompts), 1)),
-           "--max-num-batched-tokens", "4096"]
+           "--max-num-batched-tokens", "4096", *extra]
     if len(prompts) == 1:
         cmd += ["--prompt-ids", ",".join(map(str, prompts[0]))]
     else:
@@ -170,6 +173,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--kv-mib", type=int, default=4096)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--invariant", action="store_true", help="also decode with --batch-invariant")
+    ap.add_argument("--batches", default="", help="more decode batch sizes, comma-separated")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -187,9 +192,22 @@ def main() -> None:
         rows["troupe prefill"] = troupe(args.troupe, model, [prompt], 1, tmp, args.kv_mib)
         rows["troupe decode b1"] = troupe(args.troupe, model, [decode_prompt], args.new, tmp, args.kv_mib)
         rows[f"troupe decode b{args.batch}"] = troupe(args.troupe, model, batch, args.new, tmp, args.kv_mib)
+        for b in [int(x) for x in args.batches.split(",") if x]:
+            rows[f"troupe decode b{b}"] = troupe(args.troupe, model, [ids(args.decode_prompt) for _ in range(b)],
+                                                 args.new, tmp, args.kv_mib)
+        if args.invariant:
+            for b in (1, 16, 64):
+                rows[f"troupe decode b{b} invariant"] = troupe(
+                    args.troupe, model, [ids(args.decode_prompt) for _ in range(b)], args.new, tmp,
+                    args.kv_mib, ("--batch-invariant",))
+                if f"troupe decode b{b}" not in rows:
+                    rows[f"troupe decode b{b}"] = troupe(
+                        args.troupe, model, [ids(args.decode_prompt) for _ in range(b)], args.new, tmp,
+                        args.kv_mib)
     bw = copy_bandwidth()
-    # --dummy-weights keeps routed experts in MXFP4 (17 bytes a 32 weights), the rest bf16.
-    layer_bytes, head_bytes = bf16_bytes_per_token(s, 17 / 32)
+    # --dummy-weights keeps routed experts in MXFP4 (17 bytes a 32 weights), the shipped
+    # FP8 projections in FP8, the rest bf16.
+    layer_bytes, head_bytes = bytes_per_token(s, 17 / 32, fp8=True)
     roofline = bw / (args.layers * layer_bytes + head_bytes)
     print(f"troupe: {json.dumps({k: (v['prefill_tokens_per_s'], v['decode_tokens_per_s']) for k, v in rows.items()})}",
           flush=True)
@@ -216,6 +234,9 @@ def main() -> None:
     if peer_row:
         print(f"| transformers prefill | {peer_row['prefill_tokens_per_s']:.1f} | {peer_row['prefill_tokens_per_s'] * L:.0f} | |")
         print(f"| transformers decode batch 1 | {peer_row['decode_tokens_per_s']:.1f} | {peer_row['decode_tokens_per_s'] * L:.0f} | |")
+    for name, st in rows.items():
+        if name.startswith("troupe decode b") and name not in ("troupe decode b1", f"troupe decode b{args.batch}"):
+            print(f"| {name} | {st['decode_tokens_per_s']:.1f} | {st['decode_tokens_per_s'] * L:.0f} | - |")
     print(f"troupe batch-1 decode = {b1 / roofline:.3f} of the roofline")
 
 

@@ -39,6 +39,8 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "gemv_fp8_mma_staged_kernel",
         "gemv_fp8_mma_silu_kernel",
         "gemv_q4k_mma_kernel",
+        "matmul_invariant_mma_few_kernel",
+        "matmul_invariant_mma_wide_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),
@@ -78,6 +80,15 @@ fn deepseek_v4_kernels_compile_for_sm90_with_every_entry_point() {
         "moe_route",
         "swiglu",
         "moe_combine",
+        "moe_align",
+        "moe_up_bf16_few",
+        "moe_down_bf16_few",
+        "moe_up_bf16_many",
+        "moe_down_bf16_many",
+        "moe_up_mxfp4_few",
+        "moe_down_mxfp4_few",
+        "moe_up_mxfp4_many",
+        "moe_down_mxfp4_many",
     ] {
         let kernel = format!("dsv4_{name}_kernel");
         assert!(

@@ -315,16 +315,30 @@ impl CudaBackend {
         };
         if self.batch_invariant {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-            let cfg = LaunchConfig {
-                grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
+            // The tensor-core kernel where its 8-value loads fit K: 16-row tiles for a few
+            // rows, 64-row ones past that, the same sums in both (`invariant_mma.cu`).
+            let (kernel, cfg) = if k.is_multiple_of(8) {
+                let wide = m > 16;
+                let rows = if wide { 64 } else { 16 };
+                let cfg = LaunchConfig {
+                    grid_dim: ((n as u32).div_ceil(16), (m as u32).div_ceil(rows), 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (&self.kernels.matmul_invariant_mma[usize::from(wide)], cfg)
+            } else {
+                let cfg = LaunchConfig {
+                    grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (&self.kernels.matmul_invariant, cfg)
             };
             // SAFETY: x holds m·k, w n·k, out m·n elements (the caller's contract).
             check(
                 unsafe {
                     self.stream
-                        .launch_builder(&self.kernels.matmul_invariant)
+                        .launch_builder(kernel)
                         .arg(&out)
                         .arg(&x)
                         .arg(&w_ptr)

@@ -26,6 +26,7 @@ type Meta = StepMeta<CudaBackend>;
 pub const DEEPSEEK_V4_SOURCE: &str = concat!(
     include_str!("../../../../kernels-cuda/torch_topk.cu"),
     include_str!("../../../../kernels-cuda/deepseek_v4.cu"),
+    include_str!("../../../../kernels-cuda/mma_tile.cu"),
     include_str!("../../../../kernels-cuda/moe.cu")
 );
 

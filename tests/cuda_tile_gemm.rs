@@ -1,9 +1,11 @@
-//! DeepSeek-V4's routed experts on the GPU (`kernels-cuda/moe.cu`: routing grouped on the
-//! device, grouped tensor-core GEMMs over MXFP4 or bf16 weights) against f32 products on
-//! the host of the same weights' exact values: generated shapes and routings, one token to
-//! past the switch to many-row tiles, both modes, the per-expert counts, expert-parallel
-//! owners, and the invariant mode's rows equal bit for bit whatever the batch. Needs a GPU:
-//! it runs on the device machine (`scripts/gpu-tests.sh`); CI compiles it.
+//! The tensor-core tile GEMM (`kernels-cuda/mma_tile.cu`) on the GPU against f32 products
+//! on the host of the same weights' exact values. DeepSeek-V4's routed experts (`moe.cu`:
+//! routing grouped on the device, MXFP4 or bf16 weights): generated shapes and routings,
+//! one token to past the switch to many-row tiles, both modes, the per-expert counts,
+//! expert-parallel owners, and the invariant mode's rows equal bit for bit whatever the
+//! batch. The batch-invariant dense GEMM (`invariant_mma.cu`): generated shapes, and a
+//! row's bits the same alone and in batches on either side of its tile switch. Needs a
+//! GPU: it runs on the device machine (`scripts/gpu-tests.sh`); CI compiles it.
 #![cfg(feature = "cuda")]
 
 use half::bf16;
@@ -339,4 +341,45 @@ fn pairs_another_rank_owns_are_zero_rows_and_still_counted() {
         out.counts[3..].iter().sum::<u32>() as usize,
         tokens * case.k
     );
+}
+
+#[test]
+fn the_invariant_dense_gemm_is_exact_to_f32_and_gives_a_row_the_same_bits_in_any_batch() {
+    let mut rng = Rng(0xde75e);
+    let b = CudaBackend::new(0, true, false).expect("a GPU");
+    for _ in 0..6 {
+        let (n, k) = (1 + rng.below(300), 8 * (1 + rng.below(200)));
+        let (w, values) = matrix(&mut rng, n, k, false);
+        let w = b.upload_matrix(w);
+        let alone: Vec<f32> = (0..k).map(|_| rng.uniform()).collect();
+        let mut first = None;
+        // Few-row tiles, then 64-row ones (past 16 rows).
+        for m in [1, 1 + rng.below(16), 17 + rng.below(200)] {
+            let mut x: Vec<f32> = (0..m * k).map(|_| rng.uniform()).collect();
+            let at = rng.below(m);
+            x[at * k..(at + 1) * k].copy_from_slice(&alone);
+            let mut out = b.alloc(m * n);
+            b.matmul(&b.upload(&x), m, &w, None, &mut out);
+            let got = b.download(&out, m * n);
+            for r in (0..m).step_by(1 + m / 20) {
+                let want: Vec<f32> = (0..n)
+                    .map(|c| dot(&values[c * k..(c + 1) * k], &x[r * k..(r + 1) * k]))
+                    .collect();
+                check(
+                    &got[r * n..(r + 1) * n],
+                    &want,
+                    1e-4,
+                    &format!("{m}×{k} · {n}ᵀ row {r}"),
+                );
+            }
+            let row: Vec<u32> = got[at * n..(at + 1) * n]
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            match &first {
+                None => first = Some(row),
+                Some(f) => assert_eq!(&row, f, "{n}×{k}: the row at {at} of {m} differs"),
+            }
+        }
+    }
 }
