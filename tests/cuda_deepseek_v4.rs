@@ -7,14 +7,18 @@
 
 mod common;
 
-use common::dsv4::{CHECKPOINTS, Reference, assert_rows_close, dir, reference, step};
+use common::dsv4::{
+    CHECKPOINTS, Reference, assert_rows_close, dir, mtp_reference, reference, step,
+};
 use troupe::error::Result;
 use troupe::kernels::cpu::{CpuBackend, CpuMatrix};
 use troupe::kernels::cuda::CudaBackend;
-use troupe::kernels::{HostData, random_weight};
+use troupe::kernels::deepseek_v4::DsV4Kernels;
+use troupe::kernels::{Backend, HostData, random_weight};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
 use troupe::model::deepseek_v4::weights::{DsV4Weights, LinearData, LinearStore};
+use troupe::model::deepseek_v4::mtp::MtpLayer;
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use troupe::model::loader::SafetensorsSource;
 
@@ -479,4 +483,52 @@ fn rejected_drafts_rewind_the_device_state() {
             );
         }
     }
+}
+
+/// `--spec mtp` on a CUDA rank: the MTP layer on the GPU, fed the model's own last-layer
+/// streams from the GPU, chains the reference's drafts (transformers' decoder layer with
+/// DeepSeek's `MTPBlock` glue), logits within the invariant mode's bound.
+#[test]
+fn the_mtp_layer_on_the_gpu_chains_the_reference_drafts() {
+    let name = "tiny-dsv4-a";
+    let dev = gpu(name, true, false);
+    let b = &dev.backend;
+    let mtp = MtpLayer::load_into(&dev.cfg, Some(&dir(name)), b).unwrap();
+    let (r, want) = (reference(name), mtp_reference(name));
+    let prompt = &r.greedy_prompt;
+    let (n, vocab) = (prompt.len(), dev.vocab_size());
+    let mut cache = new_cache(&dev, 1);
+    let blocks = table(0, 1);
+    let step = DsSeqStep {
+        token_ids: prompt,
+        num_cached_tokens: 0,
+        block_table: &blocks,
+        state_slot: 0,
+        span: SlotSpan::default(),
+        num_logit_rows: n,
+    };
+    let mut loads = vec![vec![0; dev.cfg.num_routed_experts]; dev.cfg.num_layers];
+    let (logits, streams) = dev
+        .forward_streams(&mut cache, &[step], &mut loads, None)
+        .unwrap();
+    let first = argmax(&logits[(n - 1) * vocab..]) as u32;
+    assert_eq!(first, r.greedy_tokens[0]);
+
+    let width = dev.cfg.hc_mult * dev.cfg.hidden_size;
+    let mut mtp_cache = mtp.new_cache_on(b, 1);
+    MtpLayer::restart(&mut mtp_cache, 0, 0);
+    let before = b.upload(&b.read_floats(&streams, 0..(n - 1) * width));
+    mtp.forward(&dev, &mut mtp_cache, 0, 0, &before, &prompt[1..]);
+    let mut h = b.upload(&b.read_floats(&streams, (n - 1) * width..n * width));
+    let (mut next, mut drafts, mut chain) = (first, Vec::new(), Vec::new());
+    for i in 0..want.drafts.len() {
+        let out = mtp.forward(&dev, &mut mtp_cache, 0, n - 1 + i, &h, &[next]);
+        let l = mtp.logits_on(&dev, &out, 1);
+        next = argmax(&l) as u32;
+        drafts.push(next);
+        chain.extend(l);
+        h = out;
+    }
+    assert_rows_close(name, "MTP chain on the GPU", &chain, &want.chain, vocab, 1e-4);
+    assert_eq!(drafts, want.drafts);
 }

@@ -165,14 +165,14 @@ async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
     let mut cuda_group = engine_config("tiny-dsv4-a", 2, 8, 64);
     cuda_group.device = Device::Cuda(0);
     cuda_group.tensor_parallel_size = 2;
-    let mut cuda_spec = engine_config("tiny-dsv4-a", 2, 8, 64);
-    cuda_spec.device = Device::Cuda(0);
-    cuda_spec.speculative = Some(SpecConfig {
-        method: SpecMethod::Ngram,
+    let mut draft = engine_config("tiny-dsv4-a", 2, 8, 64);
+    draft.speculative = Some(SpecConfig {
+        method: SpecMethod::DraftModel,
         num_speculative_tokens: 2,
         verify: SpecVerify::Fixed,
         acceptance: SpecAcceptance::Coupled,
     });
+    draft.draft_model_path = Some(common::goldens().join("tiny-llama"));
     let mut cuda_budget = engine_config("tiny-dsv4-a", 2, 8, 64);
     cuda_budget.device = Device::Cuda(0);
     cuda_budget.kv_cache_bytes = 0;
@@ -185,10 +185,7 @@ async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
             "expert parallel size 3 does not divide the model's 4 routed experts",
         ),
         (cuda_group, "DeepSeek-V4: on CUDA runs on one GPU"),
-        (
-            cuda_spec,
-            "speculative decoding rewinds state slots on the CPU backend only",
-        ),
+        (draft, "DeepSeek-V4 models draft with --spec ngram or --spec mtp"),
         (cuda_budget, "give kv_cache_bytes"),
         (tiny, "more than the cache budget of 100"),
     ] {

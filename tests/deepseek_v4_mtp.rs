@@ -5,38 +5,13 @@
 
 mod common;
 
-use common::dsv4::{assert_rows_close, dir, main_streams, reference};
+use common::dsv4::{assert_rows_close, dir, main_streams, mtp_reference, reference};
 use troupe::model::deepseek_v4::DsV4Model;
 use troupe::model::deepseek_v4::mtp::MtpLayer;
 
 const NAME: &str = "tiny-dsv4-a";
 /// Largest error seen: 2.0e-6 (f32 on both sides).
 const REL_TOL: f32 = 1e-4;
-
-struct MtpReference {
-    teacher: Vec<f32>,
-    chain: Vec<f32>,
-    drafts: Vec<u32>,
-}
-
-fn mtp_reference() -> MtpReference {
-    let json = common::read_json(&format!("{NAME}/mtp_reference.json"));
-    let bytes = std::fs::read(dir(NAME).join("mtp_reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let f32s = |key: &str| -> Vec<f32> {
-        st.tensor(key)
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect()
-    };
-    MtpReference {
-        teacher: f32s("teacher"),
-        chain: f32s("chain"),
-        drafts: common::ids(&json["drafts"]),
-    }
-}
 
 fn argmax(row: &[f32]) -> u32 {
     (0..row.len())
@@ -53,7 +28,7 @@ fn load() -> (DsV4Model, MtpLayer) {
 #[test]
 fn teacher_forced_positions_match_the_reference_in_one_piece_and_in_chunks() {
     let (model, mtp) = load();
-    let want = mtp_reference().teacher;
+    let want = mtp_reference(NAME).teacher;
     let prompt = &reference(NAME).prompts[0];
     let (streams, _) = main_streams(&model, prompt);
     let width = model.cfg.hc_mult * model.cfg.hidden_size;
@@ -86,7 +61,7 @@ fn teacher_forced_positions_match_the_reference_in_one_piece_and_in_chunks() {
 #[test]
 fn chained_drafts_match_the_reference() {
     let (model, mtp) = load();
-    let want = mtp_reference();
+    let want = mtp_reference(NAME);
     let r = reference(NAME);
     let prompt = &r.greedy_prompt;
     let (streams, logits) = main_streams(&model, prompt);

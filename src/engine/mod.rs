@@ -307,7 +307,7 @@ fn draft_model(
     let refuse = |why: String| Err(EngineError::Spawn(format!("--spec draft: {why}")));
     if text.deepseek_v4.is_some() {
         return refuse(
-            "DeepSeek-V4 models draft with --spec ngram (or their MTP layer, not built yet)".into(),
+            "DeepSeek-V4 models draft with --spec ngram or --spec mtp (their own MTP layer)".into(),
         );
     }
     if cfg.tensor_parallel_size > 1 {

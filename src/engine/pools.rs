@@ -46,16 +46,11 @@ pub(super) fn size_pools(
     };
     let refuse = |what: &str| Err(EngineError::Spawn(format!("DeepSeek-V4: {what}")));
     if let Device::Cuda(_) = cfg.device {
-        // The GPU pass rewinds no state slot and dispatches experts on one device.
+        // The GPU pass dispatches experts on one device.
         if cfg.tensor_parallel_size > 1 {
             return refuse(
                 "on CUDA runs on one GPU (expert parallelism over NCCL is not built; \
                  several CPU ranks form an expert-parallel group)",
-            );
-        }
-        if cfg.speculative.is_some() {
-            return refuse(
-                "speculative decoding rewinds state slots on the CPU backend only, not on CUDA",
             );
         }
         if cfg.kv_cache_bytes == 0 {

@@ -3,12 +3,14 @@
 //! and its cache on the CUDA backend.
 
 use super::deepseek_v4::{ds_steps, eplb_for, eplb_step, launched};
+use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::eplb::Eplb;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::DsV4Model;
 use crate::model::deepseek_v4::cache::DsV4Cache;
+use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::llama::SeqStep;
 use crate::step::StepRow;
 
@@ -16,17 +18,28 @@ pub(super) struct DsV4OnCuda {
     cache: DsV4Cache<CudaBackend>,
     eplb: Option<Eplb>,
     expert_tokens: Vec<Vec<u64>>,
+    /// `--spec mtp`: the MTP layer on the same GPU, filling the verify rows' drafts.
+    mtp: Option<MtpDrafter<CudaBackend>>,
     /// Last: it holds the backend, which the cache's buffers go before.
     model: DsV4Model<CudaBackend>,
 }
 
 pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceModel>, String> {
-    // Graphs would need the routing without a read-back: every step runs eagerly.
+    // Every step runs eagerly: its plan and buffers are made per step, where a graph needs
+    // them at fixed addresses.
     let backend =
         CudaBackend::new(ordinal, args.batch_invariant, false).map_err(|e| e.to_string())?;
     let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
         .map_err(|e| e.to_string())?;
     let cache = model.new_cache(args.num_state_slots, args.num_kv_blocks, args.block_size);
+    let mtp = if args.mtp {
+        let dir = (!args.dummy_weights).then_some(args.model_path.as_path());
+        let layer = MtpLayer::load_into(&model.cfg, dir, &model.backend)
+            .map_err(|e| format!("--spec mtp: {e}"))?;
+        Some(MtpDrafter::new(layer, &model, args.num_state_slots))
+    } else {
+        None
+    };
     let (layers, experts) = (model.cfg.num_layers, model.cfg.num_routed_experts);
     let eplb = eplb_for(args, layers, experts)?;
     Ok(Box::new(DsV4OnCuda {
@@ -34,6 +47,7 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         cache,
         eplb,
         expert_tokens: vec![vec![0; experts]; layers],
+        mtp,
     }))
 }
 
@@ -45,13 +59,26 @@ impl DeviceModel for DsV4OnCuda {
         _picked_rows: &[u32],
         rows: &[StepRow],
     ) -> LaunchedStep {
-        let ds = ds_steps(steps);
+        let mut ds = ds_steps(steps);
+        let num_drafts = super::num_placeholders(rows);
+        let model_drafts = match &mut self.mtp {
+            Some(mtp) => mtp.propose(&self.model, &ds, &num_drafts),
+            None => Vec::new(),
+        };
+        let filled =
+            super::fill_placeholders(ds.iter().map(|s| s.token_ids), &num_drafts, &model_drafts);
+        for (s, tokens) in ds.iter_mut().zip(&filled) {
+            s.token_ids = tokens;
+        }
         self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
         // A refused step is a planning bug: the worker fails and the engine recomputes.
-        let logits = self
+        let (logits, streams) = self
             .model
-            .forward_counting(&mut self.cache, &ds, &mut self.expert_tokens)
+            .forward_streams(&mut self.cache, &ds, &mut self.expert_tokens, None)
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
+        if let Some(mtp) = &mut self.mtp {
+            mtp.absorb(&self.model, &ds, &num_drafts, &streams);
+        }
         let moe_balance = self
             .eplb
             .as_mut()
@@ -61,7 +88,7 @@ impl DeviceModel for DsV4OnCuda {
             self.model.vocab_size(),
             steps,
             rows,
-            Vec::new(),
+            model_drafts,
             moe_balance,
         )
     }

@@ -9,14 +9,17 @@
 //! rewound afterwards. After the step, every row's positions whose next token is known
 //! are run, so a prefill chunk leaves one pending position behind.
 
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::deepseek_v4::cache::DsV4Cache;
 use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 
 use super::draft::greedy;
 
-/// One slot's positions `pos0 ..` with their streams and tokens, not yet run through the
-/// MTP layer; its MTP cache holds the positions before `pos0`.
+/// One slot's positions `pos0 ..` with their streams (on the host: a few positions a slot,
+/// uploaded when they run) and tokens, not yet run through the MTP layer; its MTP cache
+/// holds the positions before `pos0`.
 #[derive(Default)]
 struct Pending {
     pos0: usize,
@@ -24,21 +27,21 @@ struct Pending {
     tokens: Vec<u32>,
 }
 
-pub(super) struct MtpDrafter {
-    layer: MtpLayer,
-    cache: DsV4Cache,
+pub(super) struct MtpDrafter<B: DsV4Kernels = CpuBackend> {
+    layer: MtpLayer<B>,
+    cache: DsV4Cache<B>,
     slots: Vec<Pending>,
     /// `[n_hc · hidden]`: the floats of one position's streams.
     width: usize,
 }
 
-impl MtpDrafter {
-    pub fn new(layer: MtpLayer, model: &DsV4Model, num_slots: usize) -> Self {
+impl<B: DsV4Kernels> MtpDrafter<B> {
+    pub fn new(layer: MtpLayer<B>, model: &DsV4Model<B>, num_slots: usize) -> Self {
         MtpDrafter {
-            cache: layer.new_cache(num_slots),
+            cache: layer.new_cache_on(&model.backend, num_slots),
+            width: layer.stream_width(),
             layer,
             slots: (0..num_slots).map(|_| Pending::default()).collect(),
-            width: model.cfg.hc_mult * model.cfg.hidden_size,
         }
     }
 
@@ -74,11 +77,11 @@ impl MtpDrafter {
     /// after them and then `next`; returns the block's output streams.
     fn run_pending(
         &mut self,
-        model: &DsV4Model,
+        model: &DsV4Model<B>,
         slot: usize,
         count: usize,
         next: Option<u32>,
-    ) -> Vec<f32> {
+    ) -> B::Buf {
         let p = &mut self.slots[slot];
         let mut next_ids: Vec<u32> = p.tokens[1..(count + 1).min(p.tokens.len())].to_vec();
         next_ids.extend(next);
@@ -88,7 +91,7 @@ impl MtpDrafter {
             &mut self.cache,
             slot,
             p.pos0,
-            &p.streams[..count * self.width].to_vec(),
+            &model.backend.upload(&p.streams[..count * self.width]),
             &next_ids,
         );
         p.tokens.drain(..count);
@@ -103,7 +106,7 @@ impl MtpDrafter {
     /// every step: it also follows each slot's history.
     pub fn propose(
         &mut self,
-        model: &DsV4Model,
+        model: &DsV4Model<B>,
         steps: &[DsSeqStep<'_>],
         num_drafts: &[usize],
     ) -> Vec<Vec<(u32, f32)>> {
@@ -123,11 +126,13 @@ impl MtpDrafter {
                     return vec![(0, 0.0); k];
                 }
                 let out = self.run_pending(model, slot, pending, Some(s.token_ids[0]));
-                let mut h = out[(pending - 1) * self.width..].to_vec();
-                let mut drafts = vec![greedy(&self.layer.logits(model, &h))];
+                let b = &model.backend;
+                let last = (pending - 1) * self.width..pending * self.width;
+                let mut h = b.upload(&b.read_floats(&out, last));
+                let mut drafts = vec![greedy(&self.layer.logits_on(model, &h, 1))];
                 if k > 1 {
                     let position = s.num_cached_tokens;
-                    self.cache.snapshot(slot, &[]);
+                    self.cache.snapshot_on(b, slot, &[]);
                     for j in 1..k {
                         let prev = drafts[j - 1].0;
                         h = self.layer.forward(
@@ -138,9 +143,9 @@ impl MtpDrafter {
                             &h,
                             &[prev],
                         );
-                        drafts.push(greedy(&self.layer.logits(model, &h)));
+                        drafts.push(greedy(&self.layer.logits_on(model, &h, 1)));
                     }
-                    self.cache.rewind(slot);
+                    self.cache.rewind_on(b, slot);
                 }
                 drafts
             })
@@ -153,10 +158,10 @@ impl MtpDrafter {
     /// drafts) run through the MTP layer.
     pub fn absorb(
         &mut self,
-        model: &DsV4Model,
+        model: &DsV4Model<B>,
         steps: &[DsSeqStep<'_>],
         num_drafts: &[usize],
-        streams: &[f32],
+        streams: &B::Buf,
     ) {
         let mut row0 = 0;
         for (s, &k) in steps.iter().zip(num_drafts) {
@@ -165,8 +170,9 @@ impl MtpDrafter {
             let p = &mut self.slots[slot];
             debug_assert_eq!(p.pos0 + p.tokens.len(), s.num_cached_tokens);
             p.tokens.extend_from_slice(s.token_ids);
+            let rows = row0 * self.width..(row0 + n) * self.width;
             p.streams
-                .extend_from_slice(&streams[row0 * self.width..(row0 + n) * self.width]);
+                .extend(model.backend.read_floats(streams, rows));
             row0 += n;
             let known_end = s.num_cached_tokens + n - k;
             let count = (known_end - 1).saturating_sub(p.pos0);

@@ -133,3 +133,31 @@ pub fn step<'a>(
         num_logit_rows,
     }
 }
+
+/// `scripts/make_dsv4_goldens.py`'s MTP reference of checkpoint `name`: teacher-forced
+/// logits of every position, the chained drafts' logits and tokens.
+pub struct MtpReference {
+    pub teacher: Vec<f32>,
+    pub chain: Vec<f32>,
+    pub drafts: Vec<u32>,
+}
+
+pub fn mtp_reference(name: &str) -> MtpReference {
+    let json = super::read_json(&format!("{name}/mtp_reference.json"));
+    let bytes = std::fs::read(dir(name).join("mtp_reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |key: &str| -> Vec<f32> {
+        st.tensor(key)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    MtpReference {
+        teacher: f32s("teacher"),
+        chain: f32s("chain"),
+        drafts: super::ids(&json["drafts"]),
+    }
+}
+

@@ -38,32 +38,53 @@ impl MtpLayer<CpuBackend> {
     /// The `mtp.0.*` tensors of the checkpoint in `dir` (a clear error names the first
     /// one missing: a checkpoint shipped without its MTP layer).
     pub fn load_dir(cfg: &DsV4Config, dir: &Path) -> Result<Self> {
-        let src = SafetensorsSource::open_dir(dir)?;
-        let cfg = block_config(cfg);
-        let w = MtpWeights::load(&cfg, &src, &OnBackend(&CpuBackend::default()))?;
-        Ok(MtpLayer { cfg, w })
+        Self::load_into(cfg, Some(dir), &CpuBackend::default())
     }
 
     /// Seeded random MTP weights (`--dummy-weights`).
     pub fn dummy(cfg: &DsV4Config) -> Result<Self> {
-        let cfg = block_config(cfg);
-        let w = MtpWeights::dummy(&cfg, &OnBackend(&CpuBackend::default()))?;
-        Ok(MtpLayer { cfg, w })
+        Self::load_into(cfg, None, &CpuBackend::default())
     }
 
     /// The MTP block's cache: a window ring per state slot, nothing paged.
     pub fn new_cache(&self, num_slots: usize) -> DsV4Cache {
-        DsV4Cache::new(&self.cfg, num_slots, 0, 1)
+        self.new_cache_on(&CpuBackend::default(), num_slots)
     }
 
     /// Logits (`[rows, vocab]`) of MTP output streams (`[rows, n_hc, hidden]`).
     pub fn logits(&self, model: &DsV4Model, streams: &[f32]) -> Vec<f32> {
         let rows = streams.len() / (self.cfg.hc_mult * self.cfg.hidden_size);
-        model.logits(&self.w.hc_head, &self.w.norm, &streams.to_vec(), rows)
+        self.logits_on(model, &streams.to_vec(), rows)
     }
 }
 
 impl<B: DsV4Kernels> MtpLayer<B> {
+    /// The MTP layer of a model whose config is `cfg` on `b`, from the checkpoint in `dir`
+    /// (`None`: seeded random weights, `--dummy-weights`).
+    pub fn load_into(cfg: &DsV4Config, dir: Option<&Path>, b: &B) -> Result<Self> {
+        let cfg = block_config(cfg);
+        let w = match dir {
+            Some(dir) => MtpWeights::load(&cfg, &SafetensorsSource::open_dir(dir)?, &OnBackend(b))?,
+            None => MtpWeights::dummy(&cfg, &OnBackend(b))?,
+        };
+        Ok(MtpLayer { cfg, w })
+    }
+
+    /// The MTP block's cache on `b`: a window ring per state slot, nothing paged.
+    pub fn new_cache_on(&self, b: &B, num_slots: usize) -> DsV4Cache<B> {
+        DsV4Cache::on(b, &self.cfg, num_slots, 0, 1)
+    }
+
+    /// Logits (`[rows, vocab]`) of `rows` MTP output streams (`[rows, n_hc, hidden]`).
+    pub fn logits_on(&self, model: &DsV4Model<B>, streams: &B::Buf, rows: usize) -> Vec<f32> {
+        model.logits(&self.w.hc_head, &self.w.norm, streams, rows)
+    }
+
+    /// The floats of one position's streams (`n_hc · hidden`).
+    pub fn stream_width(&self) -> usize {
+        self.cfg.hc_mult * self.cfg.hidden_size
+    }
+
     /// Starts `slot`'s MTP history at `position` (nothing before it is attended to).
     pub fn restart(cache: &mut DsV4Cache<B>, slot: usize, position: usize) {
         cache.restart(
