@@ -104,6 +104,12 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
     __shared__ __align__(16) u16 xs[PARTS][BM * LDS];
     __shared__ int rows[BM];
     __shared__ float red[KSPLIT > 1 ? KSPLIT - 1 : 1][KSPLIT > 1 ? MATS * MT * NT * 4 : 1][32];
+    // MXFP4 with few rows: a chunk's weights (16 blocks of 17 bytes a feature, 16-byte
+    // aligned runs when K is a multiple of 512) come in through shared memory by 16-byte
+    // loads; a lane's own 17-byte-strided byte loads kept the L1 busy at 0.3 TB/s.
+    constexpr bool STAGE = FMT == TILE_MXFP4 && MT == 1 && KC == 512;
+    constexpr int WV = 17, W_TOTAL = STAGE ? MATS * BN * WV : 1, W_PER = (W_TOTAL + 127) / 128;
+    __shared__ uint4 ws[W_TOTAL];
     int tile = blockIdx.y;
     bool dense = sorted == nullptr;
     if (!dense && tile >= *num_tiles) return;
@@ -115,14 +121,18 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
         rows[threadIdx.x] = dense ? (r < M ? r : -1) : sorted[r];
     }
     long long rb = tile_row_bytes(FMT, K);
+    bool staged = STAGE && K % 512 == 0;
+    const u8* wbase[2] = {dense ? (const u8*)w1 : (const u8*)w1[e], SWIGLU ? (const u8*)w2[e] : nullptr};
     const u8* wrow[MATS][NT];
     int n0 = blockIdx.x * BN + nw * 8 * NT;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         int f = n0 + 8 * j + g;
         f = f < N ? f : 0;  // past the end: a valid row, its outputs unused
-        wrow[0][j] = (dense ? (const u8*)w1 : (const u8*)w1[e]) + f * rb;
-        if (SWIGLU) wrow[MATS - 1][j] = (const u8*)w2[e] + f * rb;
+#pragma unroll
+        for (int m = 0; m < MATS; ++m)
+            wrow[m][j] = staged ? (const u8*)&ws[(m * BN + nw * 8 * NT + 8 * j + g) * WV]
+                                : wbase[m] + f * rb;
     }
     float acc[MATS][MT][NT][4];
 #pragma unroll
@@ -135,17 +145,39 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
                 for (int c = 0; c < 4; ++c) acc[s][m][j][c] = 0.0f;
     __syncthreads();
     for (int k0 = 0; k0 < K; k0 += KC) {
+        uint4 wv[W_PER];
+        if (STAGE && staged) {
+#pragma unroll
+            for (int u = 0; u < W_PER; ++u) {
+                int i = threadIdx.x + u * 128;
+                if (i >= W_TOTAL) break;
+                int m = i / (BN * WV), f = i / WV % BN, v = i % WV;
+                int feat = blockIdx.x * BN + f;
+                feat = feat < N ? feat : 0;
+                wv[u] = ((const uint4*)(wbase[m] + feat * rb + (k0 / 32) * 17))[v];
+            }
+        }
         __syncthreads();  // the last chunk is consumed
         for (int i = threadIdx.x * 4; i < BM * KC; i += 128 * 4) {
             int r = i / KC, c = i % KC, kk = k0 + c, p = rows[r];
+            // A row without a pair is left as it is: its products land in no output.
+            if (p < 0) continue;
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (p >= 0 && kk < K) v = *(const float4*)(x + (long long)(p / x_div) * K + kk);
+            if (kk < K) v = *(const float4*)(x + (long long)(p / x_div) * K + kk);
             u32 h0 = tile_bf16x2(v.x, v.y), h1 = tile_bf16x2(v.z, v.w);
             *(uint2*)&xs[0][r * LDS + c] = make_uint2(h0, h1);
             if (HILO) {
                 u32 l0 = tile_bf16x2(v.x - tile_bf16_lo(h0), v.y - tile_bf16_hi(h0));
                 u32 l1 = tile_bf16x2(v.z - tile_bf16_lo(h1), v.w - tile_bf16_hi(h1));
                 *(uint2*)&xs[PARTS - 1][r * LDS + c] = make_uint2(l0, l1);
+            }
+        }
+        if (STAGE && staged) {
+#pragma unroll
+            for (int u = 0; u < W_PER; ++u) {
+                int i = threadIdx.x + u * 128;
+                if (i >= W_TOTAL) break;
+                ws[i] = wv[u];
             }
         }
         __syncthreads();
@@ -162,7 +194,9 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
                         int kb = kb0 + i * 32 * KSPLIT;
-                        tile_load_b<FMT>(wrow[s][j], kb < kend ? k0 + kb : K, K, q, b[i][s][j]);
+                        // Staged rows start at the chunk; direct ones at column 0.
+                        int k = staged ? (kb < kend ? kb : KC) : (kb < kend ? k0 + kb : K);
+                        tile_load_b<FMT>(wrow[s][j], k, staged ? KC : K, q, b[i][s][j]);
                     }
 #pragma unroll
             for (int i = 0; i < PF; ++i) {

@@ -17,8 +17,8 @@ use troupe::kernels::deepseek_v4::DsV4Kernels;
 use troupe::kernels::{Backend, HostData, random_weight};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
-use troupe::model::deepseek_v4::weights::{DsV4Weights, LinearData, LinearStore};
 use troupe::model::deepseek_v4::mtp::MtpLayer;
+use troupe::model::deepseek_v4::weights::{DsV4Weights, LinearData, LinearStore};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use troupe::model::loader::SafetensorsSource;
 
@@ -529,6 +529,13 @@ fn the_mtp_layer_on_the_gpu_chains_the_reference_drafts() {
         chain.extend(l);
         h = out;
     }
-    assert_rows_close(name, "MTP chain on the GPU", &chain, &want.chain, vocab, 1e-4);
+    assert_rows_close(
+        name,
+        "MTP chain on the GPU",
+        &chain,
+        &want.chain,
+        vocab,
+        1e-4,
+    );
     assert_eq!(drafts, want.drafts);
 }

@@ -211,6 +211,14 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
             mxfp4,
         });
     }
+    // Both sides multiples of 512: MXFP4 weights staged through shared memory.
+    out.push(Case {
+        experts: 32,
+        k: 4,
+        hidden: 1024,
+        inter: 512,
+        mxfp4: true,
+    });
     out
 }
 

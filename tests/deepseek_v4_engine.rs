@@ -185,7 +185,10 @@ async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
             "expert parallel size 3 does not divide the model's 4 routed experts",
         ),
         (cuda_group, "DeepSeek-V4: on CUDA runs on one GPU"),
-        (draft, "DeepSeek-V4 models draft with --spec ngram or --spec mtp"),
+        (
+            draft,
+            "DeepSeek-V4 models draft with --spec ngram or --spec mtp",
+        ),
         (cuda_budget, "give kv_cache_bytes"),
         (tiny, "more than the cache budget of 100"),
     ] {

@@ -171,8 +171,7 @@ impl<B: DsV4Kernels> MtpDrafter<B> {
             debug_assert_eq!(p.pos0 + p.tokens.len(), s.num_cached_tokens);
             p.tokens.extend_from_slice(s.token_ids);
             let rows = row0 * self.width..(row0 + n) * self.width;
-            p.streams
-                .extend(model.backend.read_floats(streams, rows));
+            p.streams.extend(model.backend.read_floats(streams, rows));
             row0 += n;
             let known_end = s.num_cached_tokens + n - k;
             let count = (known_end - 1).saturating_sub(p.pos0);

@@ -160,4 +160,3 @@ pub fn mtp_reference(name: &str) -> MtpReference {
         drafts: super::ids(&json["drafts"]),
     }
 }
-

@@ -182,7 +182,7 @@ impl DsV4Kernels for CudaBackend {
                     .arg(out)
                     .arg(&ni)
                     .arg(&hi)
-                    .launch(per_row(tokens))
+                    .launch(blocks(hidden.div_ceil(256), tokens, 256))
             },
             "dsv4_mhc_merge",
         );
