@@ -90,7 +90,7 @@ __device__ __forceinline__ long long tile_row_bytes(int fmt, int K) {
 // mma work). SWIGLU: w1 = gate, w2 = up, out = silu(min(g, limit)) · clamp(u, ±limit).
 // Grouped: a tile's rows are `sorted[tile·BM ..]` (−1: none), its weights `w1[e]` (and
 // `w2[e]`) for e = `tile_expert[tile]`. Dense (`sorted` null): rows tile·BM .. below M,
-// `w1` the weights themselves.
+// `w1` the weights themselves, grid x the row tiles and y the feature blocks.
 template <int MT, int NT, int KSPLIT, int FMT, bool SWIGLU, bool HILO>
 __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sorted,
                           const int* tile_expert, const int* num_tiles, const u64* w1,
@@ -110,8 +110,10 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
     constexpr bool STAGE = FMT == TILE_MXFP4 && MT == 1 && KC == 512;
     constexpr int WV = 17, W_TOTAL = STAGE ? MATS * BN * WV : 1, W_PER = (W_TOTAL + 127) / 128;
     __shared__ uint4 ws[W_TOTAL];
-    int tile = blockIdx.y;
     bool dense = sorted == nullptr;
+    // Dense launches put the row tiles on x, so the tiles reading the same weights run
+    // together and share them through L2.
+    int tile = dense ? blockIdx.x : blockIdx.y, nblk = dense ? blockIdx.y : blockIdx.x;
     if (!dense && tile >= *num_tiles) return;
     int e = dense ? 0 : tile_expert[tile];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -124,7 +126,7 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
     bool staged = STAGE && K % 512 == 0;
     const u8* wbase[2] = {dense ? (const u8*)w1 : (const u8*)w1[e], SWIGLU ? (const u8*)w2[e] : nullptr};
     const u8* wrow[MATS][NT];
-    int n0 = blockIdx.x * BN + nw * 8 * NT;
+    int n0 = nblk * BN + nw * 8 * NT;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         int f = n0 + 8 * j + g;
@@ -152,7 +154,7 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
                 int i = threadIdx.x + u * 128;
                 if (i >= W_TOTAL) break;
                 int m = i / (BN * WV), f = i / WV % BN, v = i % WV;
-                int feat = blockIdx.x * BN + f;
+                int feat = nblk * BN + f;
                 feat = feat < N ? feat : 0;
                 wv[u] = ((const uint4*)(wbase[m] + feat * rb + (k0 / 32) * 17))[v];
             }

@@ -39,8 +39,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "gemv_fp8_mma_staged_kernel",
         "gemv_fp8_mma_silu_kernel",
         "gemv_q4k_mma_kernel",
-        "matmul_invariant_mma_few_kernel",
-        "matmul_invariant_mma_wide_kernel",
+        "matmul_invariant_mma_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

@@ -4,7 +4,7 @@
 //! one token to past the switch to many-row tiles, both modes, the per-expert counts,
 //! expert-parallel owners, and the invariant mode's rows equal bit for bit whatever the
 //! batch. The batch-invariant dense GEMM (`invariant_mma.cu`): generated shapes, and a
-//! row's bits the same alone and in batches on either side of its tile switch. Needs a
+//! row's bits the same alone and in batches of one and of several row tiles. Needs a
 //! GPU: it runs on the device machine (`scripts/gpu-tests.sh`); CI compiles it.
 #![cfg(feature = "cuda")]
 
@@ -361,7 +361,7 @@ fn the_invariant_dense_gemm_is_exact_to_f32_and_gives_a_row_the_same_bits_in_any
         let w = b.upload_matrix(w);
         let alone: Vec<f32> = (0..k).map(|_| rng.uniform()).collect();
         let mut first = None;
-        // Few-row tiles, then 64-row ones (past 16 rows).
+        // One row tile, then several.
         for m in [1, 1 + rng.below(16), 17 + rng.below(200)] {
             let mut x: Vec<f32> = (0..m * k).map(|_| rng.uniform()).collect();
             let at = rng.below(m);

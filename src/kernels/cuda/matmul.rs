@@ -315,17 +315,14 @@ impl CudaBackend {
         };
         if self.batch_invariant {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
-            // The tensor-core kernel where its 8-value loads fit K: 16-row tiles for a few
-            // rows, 64-row ones past that, the same sums in both (`invariant_mma.cu`).
+            // The tensor-core kernel where its 8-value loads fit K (`invariant_mma.cu`).
             let (kernel, cfg) = if k.is_multiple_of(8) {
-                let wide = m > 16;
-                let rows = if wide { 64 } else { 16 };
                 let cfg = LaunchConfig {
-                    grid_dim: ((n as u32).div_ceil(16), (m as u32).div_ceil(rows), 1),
+                    grid_dim: ((m as u32).div_ceil(16), (n as u32).div_ceil(16), 1),
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                (&self.kernels.matmul_invariant_mma[usize::from(wide)], cfg)
+                (&self.kernels.matmul_invariant_mma, cfg)
             } else {
                 let cfg = LaunchConfig {
                     grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),

@@ -206,8 +206,8 @@ pub struct Kernels {
     pub kv_write: ByKvType,
     pub qkv_rope_cache: ByKvType,
     pub matmul_invariant: CudaFunction,
-    /// The tensor-core invariant GEMM (`invariant_mma.cu`) in 16- and 64-row tiles.
-    pub matmul_invariant_mma: [CudaFunction; 2],
+    /// The tensor-core invariant GEMM (`invariant_mma.cu`).
+    pub matmul_invariant_mma: CudaFunction,
     /// Greedy picks and the CPU sampler's draw for rows without processors.
     pub sample: CudaFunction,
     pub random_bf16: CudaFunction,
@@ -373,10 +373,7 @@ impl Kernels {
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
-            matmul_invariant_mma: [
-                f("matmul_invariant_mma_few_kernel")?,
-                f("matmul_invariant_mma_wide_kernel")?,
-            ],
+            matmul_invariant_mma: f("matmul_invariant_mma_kernel")?,
             sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
             attention_combine: f("attention_combine_kernel")?,
