@@ -217,7 +217,7 @@ pub trait DsV4Kernels: Backend {
     /// `x [a, b, width]` → `y [b, a, width]`.
     fn dsv4_swap(&self, y: &mut Self::Buf, x: &Self::Buf, a: usize, b: usize, width: usize);
     /// `out` rows `row0 .. row0 + rows` = `x`'s same rows · `wᵀ`, for each `(w, row0, rows)`
-    /// (experts over their rows, output groups over theirs).
+    /// (the grouped output projection's groups over their rows).
     fn dsv4_gemm_row_groups(
         &self,
         x: &Self::Buf,

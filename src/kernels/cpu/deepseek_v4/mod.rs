@@ -219,8 +219,8 @@ impl DsV4Kernels for CpuBackend {
         groups: &[(&CpuMatrix, usize, usize)],
         out: &mut Vec<f32>,
     ) {
-        // Groups run in parallel (a step's experts each take a few rows); each writes its
-        // own rows of `out`, so the result does not depend on the thread count.
+        // Groups run in parallel; each writes its own rows of `out`, so the result does not
+        // depend on the thread count.
         let products: Vec<Vec<f32>> = groups
             .par_iter()
             .map(|&(w, row0, rows)| {
