@@ -11,11 +11,13 @@ typedef unsigned int u32;
 #define TILE_BF16 0
 #define TILE_MXFP4 1
 
-__device__ __forceinline__ void tile_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                        u32 b1) {
+// D = A·B + D on tensor cores: A 16×16 bf16 (row-major fragments), B 16×8 bf16, f32 D.
+// (Also the attention kernels' mma, which follow this file in the Llama program.)
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
@@ -215,8 +217,8 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
 #pragma unroll
                             for (int j = 0; j < NT; ++j) {
                                 const u32* w = b[i][s][j];
-                                tile_mma(acc[s][m][j], ra.x, rb8.x, ra.y, rb8.y, w[0], w[1]);
-                                tile_mma(acc[s][m][j], ra.z, rb8.z, ra.w, rb8.w, w[2], w[3]);
+                                mma_bf16(acc[s][m][j], ra.x, rb8.x, ra.y, rb8.y, w[0], w[1]);
+                                mma_bf16(acc[s][m][j], ra.z, rb8.z, ra.w, rb8.w, w[2], w[3]);
                             }
                     }
             }

@@ -14,6 +14,7 @@ use super::CudaError;
 /// `llama.cu` and the files that use its helpers, as one NVRTC program.
 pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/llama.cu"),
+    include_str!("../../../kernels-cuda/mma_tile.cu"),
     include_str!("../../../kernels-cuda/decode_attention.cu"),
     include_str!("../../../kernels-cuda/prefill_attention.cu"),
     include_str!("../../../kernels-cuda/gemv.cu"),
@@ -21,7 +22,6 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/fp8_act.cu"),
     include_str!("../../../kernels-cuda/fp8_mma.cu"),
     include_str!("../../../kernels-cuda/q4k_mma.cu"),
-    include_str!("../../../kernels-cuda/mma_tile.cu"),
     include_str!("../../../kernels-cuda/invariant_mma.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
 );
