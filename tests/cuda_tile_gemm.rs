@@ -8,29 +8,16 @@
 //! GPU: it runs on the device machine (`scripts/gpu-tests.sh`); CI compiles it.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::Rng;
 use half::bf16;
 use troupe::kernels::cuda::CudaBackend;
 use troupe::kernels::deepseek_v4::{DsV4Kernels, DsV4Shape, ExpertOwners};
 use troupe::kernels::fp4::Mxfp4Matrix;
 use troupe::kernels::{Backend, HostData, HostMatrix};
-use troupe::sampling::splitmix64;
 
 const LIMIT: f32 = 7.0;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = splitmix64(self.0);
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
 
 /// A `[rows, cols]` matrix as the device takes it and its exact values on the host.
 fn matrix(rng: &mut Rng, rows: usize, cols: usize, mxfp4: bool) -> (HostMatrix, Vec<f32>) {

@@ -9,24 +9,9 @@ mod common;
 
 use std::time::Duration;
 
+use common::Rng;
 use serde_json::{Value, json};
 use troupe::engine::EngineConfig;
-use troupe::sampling::splitmix64;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = splitmix64(self.0);
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-}
 
 const ROUTES: &[&str] = &[
     "/v1/chat/completions",

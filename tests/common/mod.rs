@@ -84,3 +84,23 @@ pub mod cli;
 pub mod dsv4;
 pub mod engine;
 pub mod server;
+
+/// A seeded generator for generated test inputs (splitmix64).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = troupe::sampling::splitmix64(self.0);
+        self.0
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    pub fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len())]
+    }
+    /// Uniform in [−1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
