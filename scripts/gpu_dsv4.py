@@ -64,12 +64,12 @@ def shape(layers: int) -> dict:
     return dict(FLASH, num_hidden_layers=layers, layer_types=kinds, mlp_layer_types=mlps)
 
 
-def bytes_per_token(s: dict, routed_bytes_per_weight: float = 2.0, fp8: bool = False) -> tuple[float, float]:
+def bytes_per_token(s: dict) -> tuple[float, float]:
     """Bytes of weights a batch-1 decode step reads per layer (dense parts, the routed
-    experts a token picks and the shared one), and once per token (the head): routed
-    experts at `routed_bytes_per_weight` (17/32 for troupe's MXFP4 blocks), the projections
-    DeepSeek ships in FP8 (wq_a, wq_b, wkv, wo_b, the shared expert) at 1 byte when `fp8`
-    (as --dummy-weights keeps them), the rest bf16."""
+    experts a token picks and the shared one), and once per token (the head), as
+    --dummy-weights keeps them: routed experts in troupe's MXFP4 blocks (17 bytes a 32),
+    the projections DeepSeek ships in FP8 (wq_a, wq_b, wkv, wo_b, the shared expert) at
+    1 byte, the rest bf16."""
     d, hd, h = s["hidden_size"], s["head_dim"], s["num_attention_heads"]
     q, o, g = s["q_lora_rank"], s["o_lora_rank"], s["o_groups"]
     ih, ihd = s["index_n_heads"], s["index_head_dim"]
@@ -85,7 +85,7 @@ def bytes_per_token(s: dict, routed_bytes_per_weight: float = 2.0, fp8: bool = F
         elif kind == "heavily_compressed_attention":
             p += 2 * d * hd
         routed = s["num_experts_per_tok"] * 3 * d * s["moe_intermediate_size"]
-        total += 2 * p + (1 if fp8 else 2) * shipped_fp8 + routed_bytes_per_weight * routed
+        total += 2 * p + shipped_fp8 + 17 / 32 * routed
     return total / layers, 2 * s["vocab_size"] * d
 
 
@@ -205,9 +205,7 @@ def main() -> None:
                         args.troupe, model, [ids(args.decode_prompt) for _ in range(b)], args.new, tmp,
                         args.kv_mib)
     bw = copy_bandwidth()
-    # --dummy-weights keeps routed experts in MXFP4 (17 bytes a 32 weights), the shipped
-    # FP8 projections in FP8, the rest bf16.
-    layer_bytes, head_bytes = bytes_per_token(s, 17 / 32, fp8=True)
+    layer_bytes, head_bytes = bytes_per_token(s)
     roofline = bw / (args.layers * layer_bytes + head_bytes)
     print(f"troupe: {json.dumps({k: (v['prefill_tokens_per_s'], v['decode_tokens_per_s']) for k, v in rows.items()})}",
           flush=True)
