@@ -254,12 +254,14 @@ extern "C" __global__ void dsv4_compress_feed_kernel(
     }
 }
 
-// The entries emitted this step, [E][2] = (entry index, position of its first token):
+// The entries emitted this step, [E][2] = (entry index, position of its first token),
+// NO_ENTRY entries skipped:
 // RMS norm with `norm`, then RoPE at that position. One block an entry.
 extern "C" __global__ void dsv4_entry_finish_kernel(float* entries, const u32* emits, int dim,
                                                     const float* norm, float eps,
                                                     const float* freqs, int half) {
     __shared__ float scratch[32];
+    if (emits[2 * blockIdx.x] == 0xffffffffu) return;  // NO_ENTRY: a recorded step's padding
     float* e = entries + (long long)emits[2 * blockIdx.x] * dim;
     float pos = (float)emits[2 * blockIdx.x + 1];
     float ss = 0.0f;

@@ -2,7 +2,7 @@
 # On the device machine: the tensor-core tile GEMM's tests (grouped experts, invariant dense
 # GEMM), DeepSeek-V4's GPU tests, then V4-Flash decode/prefill (`gpu_dsv4.py`, no peer) and
 # the invariant-vs-default decode table (`gpu_bench.py invariant`). Carry gpu-bin/ with
-# cuda_tile_gemm, cuda_deepseek_v4, cuda_packed, deepseek_v4_engine and a stripped troupe (`--features cuda`).
+# cuda_dsv4_recorded, cuda_tile_gemm, cuda_deepseek_v4, cuda_packed, deepseek_v4_engine and a stripped troupe (`--features cuda`).
 #   OUT=... bash scripts/gpu-moe.sh [tests|dsv4|invariant|all] [gpu_dsv4.py args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ out=${OUT:-/tmp/gpu-moe}
 mkdir -p "$out"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in cuda_tile_gemm cuda_deepseek_v4 cuda_packed; do
+  for t in cuda_dsv4_recorded cuda_tile_gemm cuda_deepseek_v4 cuda_packed; do
     echo "== $t"
     timeout 300 gpu-bin/$t --test-threads 1 2>&1 | grep -E "^test |test result|panicked|assert" || status=1
   done

@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--invariant", action="store_true", help="also decode with --batch-invariant")
     ap.add_argument("--batches", default="", help="more decode batch sizes, comma-separated")
+    ap.add_argument("--eager", action="store_true",
+                    help="also decode every batch size with --enforce-eager (no recorded steps)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -195,6 +197,11 @@ def main() -> None:
         for b in [int(x) for x in args.batches.split(",") if x]:
             rows[f"troupe decode b{b}"] = troupe(args.troupe, model, [ids(args.decode_prompt) for _ in range(b)],
                                                  args.new, tmp, args.kv_mib)
+        if args.eager:
+            for name in [k for k in rows if k.startswith("troupe decode b")]:
+                b = int(name.removeprefix("troupe decode b"))
+                rows[f"{name} eager"] = troupe(args.troupe, model, [ids(args.decode_prompt) for _ in range(b)],
+                                               args.new, tmp, args.kv_mib, ("--enforce-eager",))
         if args.invariant:
             for b in (1, 16, 64):
                 rows[f"troupe decode b{b} invariant"] = troupe(

@@ -27,7 +27,9 @@ pub const S_START: usize = 4;
 pub const S_REPLAY: usize = 5;
 pub const S_TABLE: usize = 6;
 
-/// An indexer selection's filler past a row's last entry (−1 as the kernels' `int`).
+/// An indexer selection's filler past a row's last entry (−1 as the kernels' `int`), and
+/// an emitted-entry list's padding (`dsv4_entry_finish` skips it: a recorded step's list
+/// has a fixed length whatever the step closes).
 pub const NO_ENTRY: u32 = u32::MAX;
 
 /// How router logits become scores.
@@ -156,6 +158,10 @@ pub trait DsV4Kernels: Backend {
     fn upload_ids(&self, ids: &[u32]) -> Self::Ids;
     fn alloc_ids(&self, len: usize) -> Self::Ids;
     fn download_ids(&self, ids: &Self::Ids, len: usize) -> Vec<u32>;
+    /// `ids[..data.len()] = data` (`ids` holds at least that many).
+    fn write_ids(&self, ids: &mut Self::Ids, data: &[u32]);
+    /// Every value of `ids` set to 0, in the step's order on the device.
+    fn zero_ids(&self, ids: &mut Self::Ids);
     /// A buffer of `len` values that the next op writes whole before anything reads it.
     fn scratch(&self, len: usize) -> Self::Buf;
     /// `buf[at]` on the host (a state slot's snapshot).

@@ -208,6 +208,11 @@ pub trait Backend: Send + Sync {
     fn graphs(&self) -> Option<&dyn StepGraphs> {
         None
     }
+    /// Whole steps recorded once and replayed (CUDA graphs), where the backend records
+    /// them.
+    fn recorder(&self) -> Option<&dyn StepRecorder> {
+        None
+    }
 }
 
 /// A backend's capabilities beyond the common operations (all off: the CPU backend).
@@ -233,6 +238,19 @@ pub trait StepGraphs {
     fn end_step(&self);
     /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
     fn buffers_moved(&self);
+}
+
+/// Steps whose launches are recorded once and replayed whole: unlike `StepGraphs`, the
+/// host does not run a replayed step's code at all, so everything it reads must already
+/// be on the device at fixed addresses, and it must not copy to or from the host, wait,
+/// or depend on host values that change between steps of one key.
+pub trait StepRecorder {
+    /// Runs `body` as the step recorded under `key`: eagerly the first time (lazy
+    /// initialization and buffer growth happen then), recorded the second, and replayed
+    /// from then on without calling `body`.
+    fn run_recorded(&self, key: u64, body: &mut dyn FnMut());
+    /// Drops every recorded step: a buffer the caller's steps read moved.
+    fn forget_recorded(&self);
 }
 
 /// A decode step's forward pass being recorded (or replayed) at a graph's batch size;

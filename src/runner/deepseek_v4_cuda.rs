@@ -25,10 +25,10 @@ pub(super) struct DsV4OnCuda {
 }
 
 pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceModel>, String> {
-    // Every step runs eagerly: its plan and buffers are made per step, where a graph needs
-    // them at fixed addresses.
-    let backend =
-        CudaBackend::new(ordinal, args.batch_invariant, false).map_err(|e| e.to_string())?;
+    // Decode steps run as recorded graphs (`model::deepseek_v4::recorded`) unless
+    // `--enforce-eager`.
+    let backend = CudaBackend::new(ordinal, args.batch_invariant, !args.enforce_eager)
+        .map_err(|e| e.to_string())?;
     let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
         .map_err(|e| e.to_string())?;
     let cache = model.new_cache(args.num_state_slots, args.num_kv_blocks, args.block_size);

@@ -3,6 +3,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::captured;
 use super::graph::{self, Meta};
 use super::weights::Store;
 use super::{CudaBackend, CudaKvCache, CudaMatrix, check, grid_for, per_norm_row, per_row};
@@ -430,6 +431,11 @@ impl Backend for CudaBackend {
             .then_some(self as &dyn crate::kernels::StepGraphs)
     }
 
+    fn recorder(&self) -> Option<&dyn crate::kernels::StepRecorder> {
+        self.cuda_graphs
+            .then_some(self as &dyn crate::kernels::StepRecorder)
+    }
+
     fn gather_rows(
         &self,
         x: &CudaSlice<f32>,
@@ -492,5 +498,31 @@ impl crate::kernels::StepGraphs for CudaBackend {
 
     fn buffers_moved(&self) {
         self.moved();
+    }
+}
+
+impl crate::kernels::StepRecorder for CudaBackend {
+    fn run_recorded(&self, key: u64, body: &mut dyn FnMut()) {
+        // The lock is not held while `body` runs: its ops may grow buffers (`moved`).
+        let next = self.captured().next(key);
+        match next {
+            captured::Next::Replay => self.captured().replay(&self.stream, key),
+            captured::Next::Eager => body(),
+            captured::Next::Capture => {
+                self.captured().begin_capture(&self.stream, key);
+                body();
+                // No programmatic edges: the driver refuses them (CUDA_ERROR_NOT_SUPPORTED at
+                // the end of the capture, seen on the H200) in a graph that holds the step's
+                // allocations as memory nodes.
+                self.captured().end_capture(&self.stream, None);
+                self.captured().replay(&self.stream, key);
+            }
+        }
+        // The bf16 copy the host last recorded is not what a recorded step left there.
+        *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn forget_recorded(&self) {
+        self.captured().forget();
     }
 }

@@ -9,6 +9,7 @@
 
 mod attention;
 mod backend;
+mod captured;
 mod deepseek_v4;
 mod fp8_gemm;
 mod graph;
@@ -87,6 +88,8 @@ pub struct CudaBackend {
     /// Decode steps recorded as CUDA graphs (off with `--enforce-eager`).
     cuda_graphs: bool,
     graphs: Mutex<Graphs>,
+    /// Whole steps recorded as CUDA graphs (`StepRecorder`; off with `--enforce-eager`).
+    captured: Mutex<captured::CapturedSteps>,
     /// Split-K attention partials (output, then max and sum); grown on demand.
     attention_parts: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
     cublas_workspace_buf: CudaSlice<u8>,
@@ -194,6 +197,7 @@ impl CudaBackend {
             uploads: Mutex::new(Vec::new()),
             cuda_graphs,
             graphs: Mutex::new(Graphs::new(programmatic)),
+            captured: Mutex::new(captured::CapturedSteps::default()),
             attention_parts: Mutex::new(None),
             cublas_workspace_buf: workspace,
             picks: Mutex::new((
@@ -250,6 +254,16 @@ impl CudaBackend {
     /// A buffer that recorded graphs may use was reallocated.
     fn moved(&self) {
         self.graphs().invalidate();
+        self.captured().forget();
+    }
+
+    /// How many whole steps ran as a replay of a recorded graph (`StepRecorder`).
+    pub fn replayed_steps(&self) -> u64 {
+        self.captured().replays
+    }
+
+    fn captured(&self) -> crate::sync::MutexGuard<'_, captured::CapturedSteps> {
+        self.captured.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The KV cache's entry type: bf16 (half the bytes a decode step reads), except in the
@@ -298,5 +312,6 @@ impl Drop for CudaBackend {
         // Runs before the model's and the cache's buffers are freed (`OnBackend` declares
         // the backend first), so their frees are not swallowed by an open capture.
         self.graphs().abandon_capture(&self.stream);
+        self.captured().abandon_capture(&self.stream);
     }
 }

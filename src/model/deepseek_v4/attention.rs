@@ -54,8 +54,6 @@ pub fn attention<B: DsV4Kernels>(
         b.dsv4_rope(&mut iq, meta, ih, ihd, &p.consts.compress_freqs, 1.0);
         let mut head_weights = b.scratch(t * ih);
         b.matmul(x, t, &ix.weights_proj, None, &mut head_weights);
-        let max_row_pos = p.plan.positions.iter().copied().max().unwrap_or(0);
-        let max_visible = (max_row_pos + 1) / cfg.csa_rate;
         let mut sel = b.alloc_ids(t * cfg.index_topk);
         b.dsv4_index_select(
             &mut sel,
@@ -65,7 +63,7 @@ pub fn attention<B: DsV4Kernels>(
             meta,
             block_size,
             ih,
-            max_visible,
+            p.plan.index_span,
             cfg.index_topk,
         );
         selection = Some(sel);

@@ -72,6 +72,8 @@ pub struct DsV4Cache<B: DsV4Kernels = CpuBackend> {
     /// Per slot: its state before its last verify row (drafts), to rewind to when drafts
     /// are rejected.
     snapshots: Vec<Option<SlotSnapshot>>,
+    /// Recorded decode steps' buffers, made by the first such step.
+    pub(super) decode: Option<Box<super::recorded::DecodeArena<B>>>,
 }
 
 /// A slot's state at `position` and the tokens of the verify row that followed.
@@ -174,6 +176,7 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
             spans: vec![SlotSpan::default(); num_slots],
             slot_tokens: vec![0; num_slots],
             snapshots: (0..num_slots).map(|_| None).collect(),
+            decode: None,
         }
     }
 

@@ -8,6 +8,7 @@
 //! | `weights.rs` | tensors by DeepSeek's names, placed on the backend |
 //! | `cache.rs` | state slots (SWA ring, compressor windows, overlap) and paged compressed entries |
 //! | `plan.rs` | a step's rows, sequences and closing windows, made once for all layers |
+//! | `recorded.rs` | decode steps over fixed-address buffers, recorded once and replayed |
 //! | `block.rs` | one block: manifold-constrained hyper-connections around attention and MoE |
 //! | `attention.rs` | SWA + CSA (lightning indexer) + HCA attention with sinks, grouped output |
 //! | `moe.rs` | hash-routed and score-routed MoE with the shared expert, expert-parallel |
@@ -26,6 +27,7 @@ pub mod moe;
 pub mod mtp;
 pub mod plan;
 pub mod quantized;
+mod recorded;
 pub mod rope;
 pub mod weights;
 
@@ -185,43 +187,18 @@ impl<B: DsV4Kernels> DsV4Model<B> {
     ) -> Result<(Vec<f32>, B::Buf)> {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
-        check_steps(
-            cfg,
-            steps,
-            (cache.num_slots(), cache.num_blocks, cache.block_size),
-            |slot| SlotView {
-                span: cache.span(slot),
-                num_tokens: cache.slot_tokens(slot),
-                snapshot: cache.snapshot_span(slot),
-            },
-        )?;
-
-        for s in steps {
-            let slot = s.state_slot as usize;
-            if s.num_cached_tokens == s.span.state_start {
-                cache.restart(slot, s.span);
-            } else if s.num_cached_tokens < cache.slot_tokens(slot) {
-                // The state before the verify row, then its accepted tokens again.
-                let snap = cache.rewind_on(b, slot).expect("checked above");
-                let accepted = &snap.token_ids[..s.num_cached_tokens - snap.position];
-                if !accepted.is_empty() {
-                    let replay = DsSeqStep {
-                        token_ids: accepted,
-                        num_cached_tokens: snap.position,
-                        block_table: s.block_table,
-                        state_slot: s.state_slot,
-                        span: s.span,
-                        num_logit_rows: 1,
-                    };
-                    let mut scratch = vec![vec![0; cfg.num_routed_experts]; cfg.num_layers];
-                    self.forward_in_group(cache, &[replay], &mut scratch, group.as_deref_mut())?;
-                }
+        self.settle_slots(cache, steps, group.as_deref_mut())?;
+        if group.is_none()
+            && let Some(recorder) = self.recorder_for(steps)
+        {
+            let (logits, streams) = self.forward_recorded(recorder, cache, steps, expert_tokens);
+            for s in steps {
+                cache.set_slot_tokens(
+                    s.state_slot as usize,
+                    s.num_cached_tokens + s.token_ids.len(),
+                );
             }
-            if s.num_logit_rows > 1 {
-                cache.snapshot_on(b, slot, s.token_ids);
-            } else {
-                cache.clear_snapshot(slot);
-            }
+            return Ok((logits, streams));
         }
         let plan = Plan::new(b, cfg, cache.block_size, steps);
         let tokens = plan.num_rows();
@@ -285,6 +262,57 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         Ok((logits, streams))
     }
 
+    /// Checks `steps` against `cache` and readies each one's state slot: restarted for a
+    /// fresh history, rewound and replayed where drafts were rejected, snapshotted before
+    /// a verify row.
+    fn settle_slots(
+        &self,
+        cache: &mut DsV4Cache<B>,
+        steps: &[DsSeqStep<'_>],
+        mut group: Option<&mut ExpertGroup<B>>,
+    ) -> Result<()> {
+        let (b, cfg) = (&self.backend, &self.cfg);
+        check_steps(
+            cfg,
+            steps,
+            (cache.num_slots(), cache.num_blocks, cache.block_size),
+            |slot| SlotView {
+                span: cache.span(slot),
+                num_tokens: cache.slot_tokens(slot),
+                snapshot: cache.snapshot_span(slot),
+            },
+        )?;
+
+        for s in steps {
+            let slot = s.state_slot as usize;
+            if s.num_cached_tokens == s.span.state_start {
+                cache.restart(slot, s.span);
+            } else if s.num_cached_tokens < cache.slot_tokens(slot) {
+                // The state before the verify row, then its accepted tokens again.
+                let snap = cache.rewind_on(b, slot).expect("checked above");
+                let accepted = &snap.token_ids[..s.num_cached_tokens - snap.position];
+                if !accepted.is_empty() {
+                    let replay = DsSeqStep {
+                        token_ids: accepted,
+                        num_cached_tokens: snap.position,
+                        block_table: s.block_table,
+                        state_slot: s.state_slot,
+                        span: s.span,
+                        num_logit_rows: 1,
+                    };
+                    let mut scratch = vec![vec![0; cfg.num_routed_experts]; cfg.num_layers];
+                    self.forward_in_group(cache, &[replay], &mut scratch, group.as_deref_mut())?;
+                }
+            }
+            if s.num_logit_rows > 1 {
+                cache.snapshot_on(b, slot, s.token_ids);
+            } else {
+                cache.clear_snapshot(slot);
+            }
+        }
+        Ok(())
+    }
+
     /// The head over `rows` last-layer streams (`[rows, n_hc, hidden]`) collapsed by
     /// `hc_head` and normed by `norm` (the model's own, or its MTP layer's): `[rows, vocab]`.
     pub fn logits(
@@ -294,11 +322,23 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         streams: &B::Buf,
         rows: usize,
     ) -> Vec<f32> {
+        let mut logits = self.backend.scratch(rows * self.cfg.vocab_size);
+        self.logits_into(hc_head, norm, streams, rows, &mut logits);
+        self.backend.download(&logits, rows * self.cfg.vocab_size)
+    }
+
+    /// `logits`, left on the device in `out`.
+    fn logits_into(
+        &self,
+        hc_head: &HyperConnection<B>,
+        norm: &B::Buf,
+        streams: &B::Buf,
+        rows: usize,
+        out: &mut B::Buf,
+    ) {
         let b = &self.backend;
         let h = block::hyper_head(b, &self.cfg, &self.consts, hc_head, norm, streams, rows);
-        let mut logits = b.scratch(rows * self.cfg.vocab_size);
-        b.matmul(&h, rows, &self.weights.head, None, &mut logits);
-        b.download(&logits, rows * self.cfg.vocab_size)
+        b.matmul(&h, rows, &self.weights.head, None, out);
     }
 
     /// Token `id`'s embedding row.

@@ -5,7 +5,8 @@
 use super::DsSeqStep;
 use super::config::{AttentionKind, DsV4Config};
 use crate::kernels::deepseek_v4::{
-    DsV4Kernels, S_LEN, S_POS0, S_REPLAY, S_ROW0, S_SLOT, S_START, S_TABLE, SEQ_FIELDS, StepMeta,
+    DsV4Kernels, NO_ENTRY, S_LEN, S_POS0, S_REPLAY, S_ROW0, S_SLOT, S_START, S_TABLE, SEQ_FIELDS,
+    StepMeta,
 };
 
 pub struct Plan<B: DsV4Kernels> {
@@ -16,55 +17,143 @@ pub struct Plan<B: DsV4Kernels> {
     pub emits: Vec<(usize, B::Ids, usize)>,
     /// Per row: its position.
     pub positions: Vec<usize>,
+    /// How many compressed entries the lightning indexer scores per row: the most any row
+    /// sees, or more.
+    pub index_span: usize,
+    /// The rows its buffers hold (`with_capacity`'s plans; 0 for a step's own).
+    rows_capacity: usize,
 }
 
-impl<B: DsV4Kernels> Plan<B> {
-    pub fn new(b: &B, cfg: &DsV4Config, block_size: usize, steps: &[DsSeqStep<'_>]) -> Self {
-        let mut rows = Vec::new();
-        let mut seqs = Vec::new();
-        let mut tables = Vec::new();
-        let mut token_ids = Vec::new();
-        let mut positions = Vec::new();
-        let mut max_len = 0;
+/// A plan's lists on the host.
+struct Lists {
+    rows: Vec<u32>,
+    seqs: Vec<u32>,
+    tables: Vec<u32>,
+    token_ids: Vec<u32>,
+    positions: Vec<usize>,
+    max_len: usize,
+    emits: Vec<(usize, Vec<u32>)>,
+}
+
+impl Lists {
+    fn new(cfg: &DsV4Config, block_size: usize, steps: &[DsSeqStep<'_>]) -> Self {
+        let mut l = Lists {
+            rows: Vec::new(),
+            seqs: Vec::new(),
+            tables: Vec::new(),
+            token_ids: Vec::new(),
+            positions: Vec::new(),
+            max_len: 0,
+            emits: Vec::new(),
+        };
         for (i, s) in steps.iter().enumerate() {
             let len = s.token_ids.len();
             let mut fields = [0u32; SEQ_FIELDS];
             fields[S_SLOT] = s.state_slot;
             fields[S_POS0] = s.num_cached_tokens as u32;
-            fields[S_ROW0] = positions.len() as u32;
+            fields[S_ROW0] = l.positions.len() as u32;
             fields[S_LEN] = len as u32;
             fields[S_START] = s.span.state_start as u32;
             fields[S_REPLAY] = s.span.replay_until as u32;
-            fields[S_TABLE] = tables.len() as u32;
-            seqs.extend_from_slice(&fields);
-            tables.extend_from_slice(s.block_table);
+            fields[S_TABLE] = l.tables.len() as u32;
+            l.seqs.extend_from_slice(&fields);
+            l.tables.extend_from_slice(s.block_table);
             for p in s.num_cached_tokens..s.num_cached_tokens + len {
-                rows.extend_from_slice(&[i as u32, p as u32]);
-                positions.push(p);
+                l.rows.extend_from_slice(&[i as u32, p as u32]);
+                l.positions.push(p);
             }
-            token_ids.extend_from_slice(s.token_ids);
-            max_len = max_len.max(len);
+            l.token_ids.extend_from_slice(s.token_ids);
+            l.max_len = l.max_len.max(len);
         }
-        let emits = compress_rates(cfg)
+        l.emits = compress_rates(cfg)
             .into_iter()
-            .map(|rate| {
-                let list = closed_entries(steps, rate, block_size);
-                (rate, b.upload_ids(&list), list.len() / 2)
-            })
+            .map(|rate| (rate, closed_entries(steps, rate, block_size)))
             .collect();
+        l
+    }
+
+    fn index_span(&self, cfg: &DsV4Config) -> usize {
+        let max_pos = self.positions.iter().copied().max().unwrap_or(0);
+        (max_pos + 1).checked_div(cfg.csa_rate).unwrap_or(0)
+    }
+}
+
+impl<B: DsV4Kernels> Plan<B> {
+    pub fn new(b: &B, cfg: &DsV4Config, block_size: usize, steps: &[DsSeqStep<'_>]) -> Self {
+        let l = Lists::new(cfg, block_size, steps);
+        let index_span = l.index_span(cfg);
         Plan {
             meta: StepMeta {
-                rows: b.upload_ids(&rows),
-                seqs: b.upload_ids(&seqs),
-                tables: b.upload_ids(&tables),
-                num_rows: positions.len(),
+                rows: b.upload_ids(&l.rows),
+                seqs: b.upload_ids(&l.seqs),
+                tables: b.upload_ids(&l.tables),
+                num_rows: l.positions.len(),
                 num_seqs: steps.len(),
-                max_len,
+                max_len: l.max_len,
             },
-            token_ids: b.upload_ids(&token_ids),
-            emits,
-            positions,
+            token_ids: b.upload_ids(&l.token_ids),
+            emits: l
+                .emits
+                .into_iter()
+                .map(|(rate, list)| {
+                    let count = list.len() / 2;
+                    (rate, b.upload_ids(&list), count)
+                })
+                .collect(),
+            positions: l.positions,
+            index_span,
+            rows_capacity: 0,
         }
+    }
+
+    /// A plan of `rows` one-token rows at fixed addresses (a recorded step's), its block
+    /// tables up to `tables` entries; `refill` writes each step's.
+    pub fn with_capacity(b: &B, cfg: &DsV4Config, rows: usize, tables: usize) -> Self {
+        Plan {
+            meta: StepMeta {
+                rows: b.alloc_ids(2 * rows),
+                seqs: b.alloc_ids(SEQ_FIELDS * rows),
+                tables: b.alloc_ids(tables),
+                num_rows: rows,
+                num_seqs: rows,
+                max_len: 1,
+            },
+            token_ids: b.alloc_ids(rows),
+            emits: compress_rates(cfg)
+                .into_iter()
+                .map(|rate| (rate, b.alloc_ids(2 * rows), rows))
+                .collect(),
+            positions: Vec::new(),
+            index_span: 0,
+            rows_capacity: rows,
+        }
+    }
+
+    /// This plan (`with_capacity`'s) rewritten in place for `steps`, one token each, at
+    /// most as many as it has rows: each emitted-entry list padded with `NO_ENTRY` to a row each
+    /// (a row closes at most one window of a rate), and the indexer's span rounded up to a
+    /// power of two, so that steps differ only in what the buffers hold.
+    pub fn refill(&mut self, b: &B, cfg: &DsV4Config, block_size: usize, steps: &[DsSeqStep<'_>]) {
+        let l = Lists::new(cfg, block_size, steps);
+        let rows = steps.len();
+        assert!(
+            l.positions.len() == rows && rows <= self.rows_capacity && l.max_len == 1,
+            "a recorded plan takes at most {} one-token rows",
+            self.rows_capacity
+        );
+        self.meta.num_rows = rows;
+        self.meta.num_seqs = rows;
+        b.write_ids(&mut self.meta.rows, &l.rows);
+        b.write_ids(&mut self.meta.seqs, &l.seqs);
+        b.write_ids(&mut self.meta.tables, &l.tables);
+        b.write_ids(&mut self.token_ids, &l.token_ids);
+        self.index_span = l.index_span(cfg).next_power_of_two().max(64);
+        for ((_, ids, count), (_, mut list)) in self.emits.iter_mut().zip(l.emits) {
+            list.resize(2 * rows, NO_ENTRY);
+            b.write_ids(ids, &list);
+            *count = rows;
+        }
+        self.positions = l.positions;
     }
 
     pub fn num_rows(&self) -> usize {

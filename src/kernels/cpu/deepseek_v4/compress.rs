@@ -8,7 +8,8 @@
 use super::{entry_index, rms_norm_rows, rope_rows};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{
-    Compressor, S_LEN, S_POS0, S_REPLAY, S_ROW0, S_SLOT, S_START, S_TABLE, SEQ_FIELDS, StepMeta,
+    Compressor, NO_ENTRY, S_LEN, S_POS0, S_REPLAY, S_ROW0, S_SLOT, S_START, S_TABLE, SEQ_FIELDS,
+    StepMeta,
 };
 
 pub(super) fn feed(
@@ -106,6 +107,9 @@ pub(super) fn finish(
 ) {
     let dim = c.dim;
     for pair in emits.chunks_exact(2) {
+        if pair[0] == NO_ENTRY {
+            continue;
+        }
         let at = pair[0] as usize * dim;
         let entry = &mut c.entries[at..at + dim];
         rms_norm_rows(entry, dim, Some(norm), eps);

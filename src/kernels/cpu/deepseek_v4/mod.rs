@@ -112,6 +112,14 @@ impl DsV4Kernels for CpuBackend {
         vec![0; len]
     }
 
+    fn write_ids(&self, ids: &mut Vec<u32>, data: &[u32]) {
+        ids[..data.len()].copy_from_slice(data);
+    }
+
+    fn zero_ids(&self, ids: &mut Vec<u32>) {
+        ids.fill(0);
+    }
+
     fn download_ids(&self, ids: &Vec<u32>, len: usize) -> Vec<u32> {
         ids[..len].to_vec()
     }

@@ -58,6 +58,17 @@ impl DsV4Kernels for CudaBackend {
         self.alloc_u32s(len)
     }
 
+    fn write_ids(&self, ids: &mut CudaSlice<u32>, data: &[u32]) {
+        if !data.is_empty() {
+            let mut dst = ids.slice_mut(0..data.len());
+            check(self.stream.memcpy_htod(data, &mut dst), "upload");
+        }
+    }
+
+    fn zero_ids(&self, ids: &mut CudaSlice<u32>) {
+        check(self.stream.memset_zeros(ids), "memset");
+    }
+
     fn download_ids(&self, ids: &CudaSlice<u32>, len: usize) -> Vec<u32> {
         self.download_u32s(ids, len)
     }

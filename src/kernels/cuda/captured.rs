@@ -1,0 +1,87 @@
+//! Whole steps recorded as CUDA graphs (`StepRecorder`): the caller keeps every input at
+//! fixed addresses and keys a step by what shapes its launches, and a replay is one graph
+//! launch with no host code of the step run at all. Buffers the step allocates and frees
+//! become the graph's own memory nodes (cudarc allocates stream-ordered), at addresses the
+//! graph keeps from launch to launch.
+//!
+//! A key's first step runs eagerly: kernels are built, cuBLAS picks its algorithms and
+//! the backend's grow-on-demand buffers reach their size then, none of which may happen
+//! inside a capture. The second is captured, later ones replay.
+
+use std::collections::{HashMap, HashSet};
+
+use cudarc::driver::CudaStream;
+use cudarc::driver::sys::CUstreamCaptureMode;
+
+use super::check;
+use super::recorded::{OwnModule, Recorded};
+
+#[derive(Default)]
+pub struct CapturedSteps {
+    recorded: HashMap<u64, Recorded>,
+    warmed: HashSet<u64>,
+    /// The key being captured, while a capture is open.
+    capturing: Option<u64>,
+    /// Steps run by a replay (the step recorded included).
+    pub replays: u64,
+}
+
+/// What to do with a step of some key.
+pub enum Next {
+    Eager,
+    Capture,
+    Replay,
+}
+
+impl CapturedSteps {
+    pub fn next(&mut self, key: u64) -> Next {
+        if self.recorded.contains_key(&key) {
+            Next::Replay
+        } else if self.warmed.insert(key) {
+            Next::Eager
+        } else {
+            Next::Capture
+        }
+    }
+
+    pub fn begin_capture(&mut self, stream: &CudaStream, key: u64) {
+        check(
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            "begin capture",
+        );
+        self.capturing = Some(key);
+    }
+
+    pub fn end_capture(&mut self, stream: &CudaStream, own: Option<OwnModule>) {
+        let key = self.capturing.take().expect("a capture is open");
+        let graph = check(Recorded::end_capture(stream, own), "end capture");
+        tracing::debug!(
+            key,
+            programmatic_edges = graph.num_programmatic_edges,
+            "recorded a whole step as a CUDA graph"
+        );
+        self.recorded.insert(key, graph);
+    }
+
+    pub fn replay(&mut self, stream: &CudaStream, key: u64) {
+        self.replays += 1;
+        check(self.recorded[&key].launch(stream), "graph launch");
+    }
+
+    /// A buffer the recorded steps use moved: every key starts over.
+    pub fn forget(&mut self) {
+        assert!(
+            self.capturing.is_none(),
+            "a buffer was reallocated while a step was being captured"
+        );
+        self.recorded.clear();
+        self.warmed.clear();
+    }
+
+    /// Ends a capture a panic left open (see `Graphs::abandon_capture`).
+    pub fn abandon_capture(&mut self, stream: &CudaStream) {
+        if self.capturing.take().is_some() {
+            Recorded::abandon_capture(stream);
+        }
+    }
+}

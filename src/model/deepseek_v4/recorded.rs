@@ -1,0 +1,137 @@
+//! Decode steps as recorded graphs (the backend's `StepRecorder`): a step of one token a
+//! sequence runs over buffers the cache keeps at fixed addresses — the plan's lists, the
+//! embedded tokens, the streams, the logits and the expert counts — so that, recorded
+//! once per (rows, indexer span), every later step of that shape is one replay. Only the
+//! host's work outside the blocks remains per step: the embedding rows and the plan's
+//! lists written in, the logits and counts read out.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use super::block::{self, Pass};
+use super::cache::DsV4Cache;
+use super::plan::Plan;
+use super::{DsSeqStep, DsV4Model};
+use crate::kernels::StepRecorder;
+use crate::kernels::deepseek_v4::DsV4Kernels;
+
+/// The most rows a recorded step takes; wider decode steps run eagerly.
+pub const MAX_RECORDED_ROWS: usize = 256;
+
+/// The fixed-address buffers of a cache's recorded steps.
+pub struct DecodeArena<B: DsV4Kernels> {
+    rows_capacity: usize,
+    tables_capacity: usize,
+    plan: Plan<B>,
+    /// `[rows, hidden]`: the step's embedded tokens.
+    embedded: B::Buf,
+    /// `[rows, n_hc, hidden]`
+    streams: B::Buf,
+    /// `[rows, vocab]`
+    logits: B::Buf,
+    /// `[layers, experts]`: the step's tokens per routed expert.
+    counts: B::Ids,
+}
+
+impl<B: DsV4Kernels> DecodeArena<B> {
+    fn new(m: &DsV4Model<B>, rows_capacity: usize, tables_capacity: usize) -> Self {
+        let (b, cfg) = (&m.backend, &m.cfg);
+        let rows = rows_capacity;
+        DecodeArena {
+            rows_capacity,
+            tables_capacity,
+            plan: Plan::with_capacity(b, cfg, rows, tables_capacity),
+            embedded: b.alloc(rows * cfg.hidden_size),
+            streams: b.alloc(rows * cfg.hc_mult * cfg.hidden_size),
+            logits: b.alloc(rows * cfg.vocab_size),
+            counts: b.alloc_ids(cfg.num_layers * cfg.num_routed_experts),
+        }
+    }
+
+    fn fits(&self, rows: usize, tables: usize) -> bool {
+        rows <= self.rows_capacity && tables <= self.tables_capacity
+    }
+}
+
+impl<B: DsV4Kernels> DsV4Model<B> {
+    /// The recorder a step of `steps` may run through: decode rows only (one token, one
+    /// logit row each), few enough, on a backend that records.
+    pub(super) fn recorder_for(&self, steps: &[DsSeqStep<'_>]) -> Option<&dyn StepRecorder> {
+        let decode = steps
+            .iter()
+            .all(|s| s.token_ids.len() == 1 && s.num_logit_rows == 1);
+        let rows = steps.len();
+        (decode && (1..=MAX_RECORDED_ROWS).contains(&rows))
+            .then(|| self.backend.recorder())
+            .flatten()
+    }
+
+    /// `forward_streams`' blocks and head for decode `steps` (whose slots are settled)
+    /// through `recorder`: the logits, and the streams copied out of the arena.
+    pub(super) fn forward_recorded(
+        &self,
+        recorder: &dyn StepRecorder,
+        cache: &mut DsV4Cache<B>,
+        steps: &[DsSeqStep<'_>],
+        expert_tokens: &mut [Vec<u64>],
+    ) -> (Vec<f32>, B::Buf) {
+        let (b, cfg) = (&self.backend, &self.cfg);
+        let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
+        let rows = steps.len();
+        let tables: usize = steps.iter().map(|s| s.block_table.len()).sum();
+        let mut arena = match cache.decode.take() {
+            Some(a) if a.fits(rows, tables) => a,
+            old => {
+                let rows_capacity = cache.num_slots().clamp(rows, MAX_RECORDED_ROWS);
+                let tables_capacity = old
+                    .map_or(0, |a| a.tables_capacity)
+                    .max(tables.next_power_of_two())
+                    .max(rows_capacity * 16);
+                // Steps recorded over the old arena would write into freed buffers.
+                recorder.forget_recorded();
+                Box::new(DecodeArena::new(self, rows_capacity, tables_capacity))
+            }
+        };
+        arena.plan.refill(b, cfg, cache.block_size, steps);
+        let embedded: Vec<f32> = steps
+            .iter()
+            .flat_map(|s| self.embedding(s.token_ids[0]).iter().copied())
+            .collect();
+        b.write_floats(&mut arena.embedded, 0, &embedded);
+
+        let mut key = DefaultHasher::new();
+        (&raw const *arena as usize, rows, arena.plan.index_span).hash(&mut key);
+        let a = &mut *arena;
+        let mut body = || {
+            b.zero_ids(&mut a.counts);
+            b.dsv4_expand(&mut a.streams, &a.embedded, rows, n_hc, d);
+            let pass = Pass {
+                b,
+                cfg,
+                consts: &self.consts,
+                plan: &a.plan,
+            };
+            for (l, w) in self.weights.layers.iter().enumerate() {
+                block::block(&pass, l, w, cache, &mut a.streams, &mut a.counts, None);
+            }
+            let (head, norm) = (&self.weights.hc_head, &self.weights.norm);
+            self.logits_into(head, norm, &a.streams, rows, &mut a.logits);
+        };
+        recorder.run_recorded(key.finish(), &mut body);
+
+        let logits = b.download(&arena.logits, rows * cfg.vocab_size);
+        let experts = cfg.num_routed_experts;
+        let counts = b.download_ids(&arena.counts, cfg.num_layers * experts);
+        for (layer, row) in expert_tokens.iter_mut().zip(counts.chunks_exact(experts)) {
+            layer
+                .iter_mut()
+                .zip(row)
+                .for_each(|(n, &c)| *n += u64::from(c));
+        }
+        // The arena's streams are the next step's: the caller gets its own copy.
+        let all: Vec<usize> = (0..rows).collect();
+        let mut streams = b.scratch(rows * n_hc * d);
+        b.gather_rows(&arena.streams, n_hc * d, &all, &mut streams);
+        cache.decode = Some(arena);
+        (logits, streams)
+    }
+}
