@@ -79,58 +79,82 @@ extern "C" __global__ void dsv4_rope_kernel(float* x, const u32* rows, int num_r
 }
 
 // Per token: mHC's pre, post and Sinkhorn-projected comb weights from its mixes
-// [(2 + n)·n], and the collapse Σ_j pre_j · stream_j (`mhc::mix`). One block a token; a
-// thread per comb entry, each row's and column's sums taken in the serial order (a
-// thread alone running the iterations took 60 µs a token).
+// [(2 + n)·n], and the collapse Σ_j pre_j · stream_j (`mhc::mix`). Blocks split the
+// token's channels (grid.y is the token); the first also runs the Sinkhorn iterations, a
+// thread per comb entry with each row's and column's sums taken in the serial order —
+// exchanged by shuffles inside one warp when n·n ≤ 32 (no barrier an iteration), else
+// through shared memory. (A thread alone running the iterations took 60 µs a token; one
+// block a token running them and the whole collapse, 22 µs.)
 extern "C" __global__ void dsv4_mhc_mix_kernel(const float* mixes, const float* streams,
                                                const float* base, const float* scale, float* post,
                                                float* comb, float* collapsed, int n, int hidden,
                                                int iters, float hc_eps) {
     __shared__ float pre_s[16];
     __shared__ float c[16 * 16];
-    int t = blockIdx.x, i = threadIdx.x, nn = n * n;
+    int t = blockIdx.y, i = threadIdx.x, nn = n * n;
     int row = i / n, col = i % n;
     const float* m = mixes + (long long)t * (2 + n) * n;
-    if (i < n) {
-        pre_s[i] = ds_sigmoid(m[i] * scale[0] + base[i]) + hc_eps;
-        post[t * n + i] = 2.0f * ds_sigmoid(m[n + i] * scale[1] + base[n + i]);
-    }
-    if (i < nn) {
-        const float* logit = m + 2 * n + row * n;
-        const float* b = base + 2 * n + row * n;
-        float mx = NEG_INF;
-        for (int k = 0; k < n; ++k) mx = fmaxf(mx, logit[k] * scale[2] + b[k]);
-        float sum = 0.0f;
-        for (int k = 0; k < n; ++k) sum += expf(logit[k] * scale[2] + b[k] - mx);
-        c[i] = expf(logit[col] * scale[2] + b[col] - mx) / sum + hc_eps;
+    if (i < n) pre_s[i] = ds_sigmoid(m[i] * scale[0] + base[i]) + hc_eps;
+    if (blockIdx.x == 0) {
+        if (i < n) post[t * n + i] = 2.0f * ds_sigmoid(m[n + i] * scale[1] + base[n + i]);
+        float v = 0.0f;
+        if (i < nn) {
+            const float* logit = m + 2 * n + row * n;
+            const float* b = base + 2 * n + row * n;
+            float mx = NEG_INF;
+            for (int k = 0; k < n; ++k) mx = fmaxf(mx, logit[k] * scale[2] + b[k]);
+            float sum = 0.0f;
+            for (int k = 0; k < n; ++k) sum += expf(logit[k] * scale[2] + b[k] - mx);
+            v = expf(logit[col] * scale[2] + b[col] - mx) / sum + hc_eps;
+        }
+        if (nn <= 32) {
+            if (i < 32) {
+                for (int it = 0; it < iters; ++it) {
+                    float sum = 0.0f;
+                    if (it > 0) {
+                        for (int k = 0; k < n; ++k)
+                            sum += __shfl_sync(0xffffffffu, v, (row * n + k) & 31);
+                        v /= sum + hc_eps;
+                    }
+                    sum = 0.0f;
+                    for (int j = 0; j < n; ++j)
+                        sum += __shfl_sync(0xffffffffu, v, (j * n + col) & 31);
+                    v /= sum + hc_eps;
+                }
+                if (i < nn) comb[(long long)t * nn + i] = v;
+            }
+        } else {
+            if (i < nn) c[i] = v;
+            __syncthreads();
+            for (int it = 0; it < iters; ++it) {
+                float sum = 0.0f;
+                if (it > 0) {
+                    if (i < nn) {
+                        for (int k = 0; k < n; ++k) sum += c[row * n + k];
+                        sum += hc_eps;
+                    }
+                    __syncthreads();
+                    if (i < nn) c[i] /= sum;
+                    __syncthreads();
+                }
+                sum = 0.0f;
+                if (i < nn) {
+                    for (int j = 0; j < n; ++j) sum += c[j * n + col];
+                    sum += hc_eps;
+                }
+                __syncthreads();
+                if (i < nn) c[i] /= sum;
+                __syncthreads();
+            }
+            if (i < nn) comb[(long long)t * nn + i] = c[i];
+        }
     }
     __syncthreads();
-    for (int it = 0; it < iters; ++it) {
-        float sum = 0.0f;
-        if (it > 0) {
-            if (i < nn) {
-                for (int k = 0; k < n; ++k) sum += c[row * n + k];
-                sum += hc_eps;
-            }
-            __syncthreads();
-            if (i < nn) c[i] /= sum;
-            __syncthreads();
-        }
-        sum = 0.0f;
-        if (i < nn) {
-            for (int j = 0; j < n; ++j) sum += c[j * n + col];
-            sum += hc_eps;
-        }
-        __syncthreads();
-        if (i < nn) c[i] /= sum;
-        __syncthreads();
-    }
-    if (i < nn) comb[(long long)t * nn + i] = c[i];
-    for (int ch = threadIdx.x; ch < hidden; ch += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; ++j) acc += pre_s[j] * streams[((long long)t * n + j) * hidden + ch];
-        collapsed[(long long)t * hidden + ch] = acc;
-    }
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= hidden) return;
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) acc += pre_s[j] * streams[((long long)t * n + j) * hidden + ch];
+    collapsed[(long long)t * hidden + ch] = acc;
 }
 
 // streams[k] ← post[k] · out + Σ_j comb[j][k] · streams[j], per token (`mhc::merge`).
@@ -162,15 +186,15 @@ extern "C" __global__ void dsv4_mhc_merge_kernel(float* streams, const float* po
 extern "C" __global__ void dsv4_mhc_head_kernel(const float* mixes, const float* streams,
                                                 const float* base, const float* scale, float* out,
                                                 int n, int hidden, float hc_eps) {
-    int t = blockIdx.x;
-    for (int ch = threadIdx.x; ch < hidden; ch += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < n; ++j) {
-            float pre = ds_sigmoid(mixes[t * n + j] * scale[0] + base[j]) + hc_eps;
-            acc += pre * streams[((long long)t * n + j) * hidden + ch];
-        }
-        out[(long long)t * hidden + ch] = acc;
+    // Blocks split the token's channels (grid.y is the token).
+    int t = blockIdx.y, ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= hidden) return;
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) {
+        float pre = ds_sigmoid(mixes[t * n + j] * scale[0] + base[j]) + hc_eps;
+        acc += pre * streams[((long long)t * n + j) * hidden + ch];
     }
+    out[(long long)t * hidden + ch] = acc;
 }
 
 // [T, hidden] → [T, n, hidden]: every stream starts as the token's embedding.
@@ -311,175 +335,6 @@ extern "C" __global__ void dsv4_index_scores_kernel(
             s += d * head_weights[r * heads + h] * weight_scale;
         }
         if (lane == 0) scores[(long long)r * max_visible + e] = s;
-    }
-}
-
-// Shared-KV attention with sinks over the sliding window (ring rows before the chunk, the
-// chunk's own rows after) and the compressed entries (the indexer's selection when `sel`
-// is given, else every closed window; none when rate is 0) (`attention::attention`,
-// before the output's RoPE is undone). All heads read the same keys, so one block takes
-// one row and `hg` heads (grid: rows × heads / hg): it loads each tile of ATT_KT keys into
-// shared memory once for all its heads and keeps an online softmax per head, started at
-// the head's sink. Dynamic shared memory: ATT_SMEM_FLOATS(hd).
-#define ATT_KT 16
-#define ATT_HG 16
-#define ATT_CPT 4
-#define ATT_SMEM_FLOATS(hd) ((ATT_HG + ATT_KT) * ((hd) + 1) + ATT_HG * ATT_KT + 2 * ATT_HG)
-extern "C" __global__ void __launch_bounds__(256) dsv4_attention_kernel(
-    float* out, const float* q, const float* kv, const float* ring, const float* entries,
-    const int* sel, int sel_k, const u32* rows, const u32* seqs, const u32* block_tables,
-    const float* sinks, int heads, int hd, int window, int ring_len, int rate, int block_size,
-    int epb, float scale, int hg) {
-    extern __shared__ float smem[];
-    __shared__ const float* kptr[ATT_KT];
-    int stride = hd + 1;  // padded rows: a warp's 16 keys at one channel hit 16 banks
-    float* qs = smem;
-    float* ks = qs + ATT_HG * stride;
-    float* ps = ks + ATT_KT * stride;
-    float* m_s = ps + ATT_HG * ATT_KT;
-    float* rescale = m_s + ATT_HG;
-    int r = blockIdx.x, h0 = blockIdx.y * hg;
-    int t = rows[2 * r + 1];
-    const u32* sq = seqs + rows[2 * r] * SEQ_FIELDS;
-    long long slot = sq[S_SLOT];
-    int pos0 = sq[S_POS0], row0 = sq[S_ROW0], start = sq[S_START];
-    const u32* table = block_tables + sq[S_BT];
-    int lo = t + 1 - window;
-    if (lo < start) lo = start;
-    int n_swa = t - lo + 1;
-    int n_comp = 0;
-    if (rate > 0) {
-        int visible = (t + 1) / rate;
-        n_comp = sel != 0 ? min(visible, sel_k) : visible;
-    }
-    int nk = n_swa + n_comp;
-    for (int i = threadIdx.x; i < hg * hd; i += blockDim.x) {
-        int h = i / hd, c = i % hd;
-        qs[h * stride + c] = h0 + h < heads ? q[((long long)r * heads + h0 + h) * hd + c] : 0.0f;
-    }
-    if (threadIdx.x < hg) {
-        m_s[threadIdx.x] = h0 + threadIdx.x < heads ? sinks[h0 + threadIdx.x] : 0.0f;
-    }
-    // Per head: the running sum (the sink's own term, exp(0), to start) and the output
-    // channels this thread owns (c = threadIdx.x + j·blockDim.x).
-    float l_run = 1.0f;
-    float acc[ATT_HG][ATT_CPT];
-    for (int h = 0; h < ATT_HG; ++h)
-        for (int j = 0; j < ATT_CPT; ++j) acc[h][j] = 0.0f;
-    for (int k0 = 0; k0 < nk; k0 += ATT_KT) {
-        int kt = min(ATT_KT, nk - k0);
-        __syncthreads();
-        // Each key's address once, then the tile copied row by row.
-        if (threadIdx.x < kt) {
-            int key = k0 + threadIdx.x;
-            const float* k;
-            if (key < n_swa) {
-                int p = lo + key;
-                k = p < pos0 ? ring + (slot * ring_len + p % ring_len) * hd
-                             : kv + (long long)(row0 + p - pos0) * hd;
-            } else {
-                int e = sel != 0 ? sel[(long long)r * sel_k + key - n_swa] : key - n_swa;
-                k = entries + ds_entry(table, block_size, rate, epb, e) * hd;
-            }
-            kptr[threadIdx.x] = k;
-        }
-        __syncthreads();
-        for (int j = 0; j < kt; ++j)
-            for (int c = threadIdx.x; c < hd; c += blockDim.x) ks[j * stride + c] = kptr[j][c];
-        __syncthreads();
-        // Logits in 4 × 4 (head, key) blocks: each of the 16 blocks is summed by 16 threads
-        // (a channel slice each, lanes 0–15 of a half-warp), so that a pair of shared loads
-        // feeds 16 FMAs; the slices are added by shuffles.
-        {
-            int slice = threadIdx.x & 15, grp = threadIdx.x >> 4;
-            int hb = (grp >> 2) * 4, kb = (grp & 3) * 4;
-            float d[4][4];
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int b = 0; b < 4; ++b) d[a][b] = 0.0f;
-            if (hb < hg && kb < kt) {
-                for (int c = slice; c < hd; c += 16) {
-                    float qv[4], kv4[4];
-#pragma unroll
-                    for (int a = 0; a < 4; ++a) qv[a] = qs[(hb + a) * stride + c];
-#pragma unroll
-                    for (int b = 0; b < 4; ++b) kv4[b] = ks[(kb + b) * stride + c];
-#pragma unroll
-                    for (int a = 0; a < 4; ++a)
-#pragma unroll
-                        for (int b = 0; b < 4; ++b) d[a][b] += qv[a] * kv4[b];
-                }
-            }
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int b = 0; b < 4; ++b)
-#pragma unroll
-                    for (int o = 8; o > 0; o >>= 1)
-                        d[a][b] += __shfl_xor_sync(0xffffffffu, d[a][b], o);
-            if (slice == 0) {
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int b = 0; b < 4; ++b)
-                        if (hb + a < hg && kb + b < kt)
-                            ps[(hb + a) * ATT_KT + kb + b] = d[a][b] * scale;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < hg) {
-            int h = threadIdx.x;
-            float m_old = m_s[h], m_new = m_old;
-            for (int j = 0; j < kt; ++j) m_new = fmaxf(m_new, ps[h * ATT_KT + j]);
-            float sum = 0.0f;
-            for (int j = 0; j < kt; ++j) {
-                float e = expf(ps[h * ATT_KT + j] - m_new);
-                ps[h * ATT_KT + j] = e;
-                sum += e;
-            }
-            float f = expf(m_old - m_new);
-            l_run = l_run * f + sum;
-            m_s[h] = m_new;
-            rescale[h] = f;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int h = 0; h < ATT_HG; ++h) {
-            if (h >= hg) break;
-            float f = rescale[h];
-#pragma unroll
-            for (int j = 0; j < ATT_CPT; ++j) acc[h][j] *= f;
-        }
-        // Each value loaded once for all the block's heads.
-        for (int i = 0; i < kt; ++i) {
-            float v[ATT_CPT];
-#pragma unroll
-            for (int j = 0; j < ATT_CPT; ++j) {
-                int c = threadIdx.x + j * blockDim.x;
-                v[j] = c < hd ? ks[i * stride + c] : 0.0f;
-            }
-#pragma unroll
-            for (int h = 0; h < ATT_HG; ++h) {
-                if (h >= hg) break;
-                float p = ps[h * ATT_KT + i];
-#pragma unroll
-                for (int j = 0; j < ATT_CPT; ++j) acc[h][j] += p * v[j];
-            }
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < hg) rescale[threadIdx.x] = l_run;
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < ATT_HG; ++h) {
-        if (h >= hg || h0 + h >= heads) break;
-#pragma unroll
-        for (int j = 0; j < ATT_CPT; ++j) {
-            int c = threadIdx.x + j * blockDim.x;
-            if (c >= hd) break;
-            out[((long long)r * heads + h0 + h) * hd + c] = acc[h][j] / rescale[h];
-        }
     }
 }
 

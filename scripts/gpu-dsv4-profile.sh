@@ -24,7 +24,8 @@ gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids 
   --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
   --max-num-batched-tokens 8192 --stats "$M/stats.json" >/dev/null
 python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(f\"unprofiled: prefill {s['prefill_tokens']} tokens at {s['prefill_tokens_per_s']:.0f} tok/s = {s['prefill_tokens'] / s['prefill_tokens_per_s'] * 1e3:.1f} ms\")" "$M/stats.json"
-timeout 500 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
+timeout 500 "$NCU" --clock-control none --csv --page raw \
+  --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size \
   gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
   --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
   --max-num-batched-tokens 8192 > "$M/ncu.csv" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }

@@ -121,11 +121,10 @@ fn recorded_decode_steps_equal_eager_steps_bit_for_bit() {
                 seqs[i].cached = seqs[i].tokens.len();
             }
             // A finished sequence's slot takes a new one, a few times.
-            for i in 0..seqs.len() {
-                if seqs[i].cached >= seqs[i].target && started < 2 * SLOTS {
-                    let slot = seqs[i].slot as usize;
+            for seq in &mut seqs {
+                if seq.cached >= seq.target && started < 2 * SLOTS {
                     let target = 10 + rng.below(40);
-                    seqs[i] = new_seq(&mut rng, slot, target);
+                    *seq = new_seq(&mut rng, seq.slot as usize, target);
                     started += 1;
                 }
             }

@@ -75,6 +75,7 @@ fn deepseek_v4_kernels_compile_for_sm90_with_every_entry_point() {
         "index_scores",
         "topk",
         "attention",
+        "attention_merge",
         "ring_write",
         "moe_route",
         "swiglu",
@@ -88,6 +89,8 @@ fn deepseek_v4_kernels_compile_for_sm90_with_every_entry_point() {
         "moe_down_mxfp4_few",
         "moe_up_mxfp4_many",
         "moe_down_mxfp4_many",
+        "moe_gemv_up_mxfp4",
+        "moe_gemv_down_mxfp4",
     ] {
         let kernel = format!("dsv4_{name}_kernel");
         assert!(

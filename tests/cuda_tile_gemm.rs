@@ -198,7 +198,9 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
             mxfp4,
         });
     }
-    // Both sides multiples of 512: MXFP4 weights staged through shared memory.
+    // Both sides multiples of 512: MXFP4 weights staged through shared memory, and for a
+    // decode-sized batch (pairs no more than experts) the GEMV a pair, whose rows take
+    // K / 512 lanes each (any count up to 16).
     out.push(Case {
         experts: 32,
         k: 4,
@@ -206,6 +208,19 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
         inter: 512,
         mxfp4: true,
     });
+    // Eight experts keep the host's matrices small (at most 8 × 8192 × 512 × 3 values); k at
+    // most experts / 4 keeps one token on the GEMV.
+    let gemv = |rng: &mut Rng, hidden: usize| Case {
+        experts: 8,
+        k: 1 + rng.below(2),
+        hidden,
+        inter: 512 * (1 + rng.below(if hidden > 4096 { 1 } else { 2 })),
+        mxfp4: true,
+    };
+    let hidden = 512 * (1 + rng.below(16));
+    out.push(gemv(rng, hidden));
+    // 6 lanes a row: 5 rows a warp, an odd count, of which the up pass uses 4.
+    out.push(gemv(rng, 3072));
     out
 }
 

@@ -26,6 +26,7 @@ type Meta = StepMeta<CudaBackend>;
 pub const DEEPSEEK_V4_SOURCE: &str = concat!(
     include_str!("../../../../kernels-cuda/torch_topk.cu"),
     include_str!("../../../../kernels-cuda/deepseek_v4.cu"),
+    include_str!("../../../../kernels-cuda/dsv4_attention.cu"),
     include_str!("../../../../kernels-cuda/mma_tile.cu"),
     include_str!("../../../../kernels-cuda/moe.cu")
 );
@@ -44,14 +45,27 @@ fn attention_smem_bytes(head_dim: usize) -> usize {
 /// Enough for a 1024-wide head.
 const ATTENTION_SMEM_BYTES: usize = 140 << 10;
 
-/// Heads a block of the attention kernel takes: as many as keep every SM busy with two
-/// blocks (each block reads its keys once for all its heads).
-fn heads_per_block(rows: usize, heads: usize) -> usize {
+/// Blocks that keep every SM busy with two.
+const ATT_BUSY_BLOCKS: usize = 264;
+/// The most ways a row's keys are split.
+const ATT_MAX_SPLITS: usize = 32;
+
+/// Heads a block of the attention kernel takes, and the splits of each row's keys: every
+/// head of a group in one block while there are enough blocks (each block reads its keys
+/// once for all its heads); short of that, fewer heads a block; and for a few rows (under
+/// half the blocks at full groups) the keys split across blocks instead (flash-decoding,
+/// the partial sums merged in split order), except in the batch-invariant mode, which
+/// keeps a row's keys in one block.
+fn attention_grid(rows: usize, heads: usize, invariant: bool) -> (usize, usize) {
     let mut hg = ATT_HG.min(heads).max(1);
-    while hg > 1 && rows * heads.div_ceil(hg) < 264 {
+    let groups = rows * heads.div_ceil(hg);
+    if !invariant && 2 * groups < ATT_BUSY_BLOCKS {
+        return (hg, ATT_BUSY_BLOCKS.div_ceil(groups).min(ATT_MAX_SPLITS));
+    }
+    while hg > 1 && rows * heads.div_ceil(hg) < ATT_BUSY_BLOCKS {
         hg /= 2;
     }
-    hg
+    (hg, 1)
 }
 
 /// Entries a block of the indexer's score kernel takes (`IX_ENTRIES`).
@@ -73,6 +87,7 @@ pub struct DsV4Program {
     index_scores: CudaFunction,
     topk: CudaFunction,
     attention: CudaFunction,
+    attention_merge: CudaFunction,
     ring_write: CudaFunction,
     moe_route: CudaFunction,
     swiglu: CudaFunction,
@@ -111,6 +126,7 @@ fn load(backend: &CudaBackend) -> Result<DsV4Program, CudaError> {
         index_scores,
         topk: f("topk")?,
         attention,
+        attention_merge: f("attention_merge")?,
         ring_write: f("ring_write")?,
         moe_route: f("moe_route")?,
         swiglu: f("swiglu")?,
@@ -321,15 +337,25 @@ impl CudaBackend {
         );
         let (ri, epbi) = (rate as i32, epb as i32);
         let scale = (head_dim as f32).powf(-0.5);
-        let hg = heads_per_block(meta.num_rows, heads);
-        let hgi = hg as i32;
+        let (hg, splits) = attention_grid(meta.num_rows, heads, self.batch_invariant);
+        let (hgi, si) = (hg as i32, splits as i32);
+        let parts = meta.num_rows * heads * splits;
+        let mut part = self.alloc_written(if splits > 1 {
+            parts * (head_dim + 2)
+        } else {
+            1
+        });
         let cfg = LaunchConfig {
-            grid_dim: (meta.num_rows.max(1) as u32, heads.div_ceil(hg) as u32, 1),
+            grid_dim: (
+                meta.num_rows.max(1) as u32,
+                heads.div_ceil(hg) as u32,
+                splits as u32,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let mut launch = self.stream.launch_builder(&self.ds().attention);
-        launch.arg(out).arg(q).arg(keys.kv).arg(keys.ring);
+        launch.arg(&mut *out).arg(q).arg(keys.kv).arg(keys.ring);
         match entries {
             Some(e) => launch.arg(e),
             None => launch.arg(&null),
@@ -352,11 +378,30 @@ impl CudaBackend {
             .arg(&bs)
             .arg(&epbi)
             .arg(&scale)
-            .arg(&hgi);
+            .arg(&hgi)
+            .arg(&si)
+            .arg(&mut part);
         // SAFETY: q and out hold num_rows·heads·head_dim values; every key address the
         // kernel forms is inside the ring, the chunk's kv or the layer's entries (the
         // model checks the tables); head_dim ≤ ATT_MAX_HEAD_DIM bounds the shared memory.
         check(unsafe { launch.launch(cfg) }, "dsv4_attention");
+        if splits > 1 {
+            let hd = head_dim as i32;
+            // SAFETY: part holds the splits' sums (parts · head_dim), then their (max, total)
+            // pairs; out num_rows · heads rows of head_dim.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.ds().attention_merge)
+                        .arg(&mut *out)
+                        .arg(&part)
+                        .arg(&si)
+                        .arg(&hd)
+                        .launch(blocks(meta.num_rows * heads, 1, 256))
+                },
+                "dsv4_attention_merge",
+            );
+        }
         Ok(())
     }
 }

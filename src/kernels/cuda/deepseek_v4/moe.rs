@@ -20,6 +20,13 @@ const MANY_ROWS: usize = 64;
 const FEW_FEATURES: usize = 16;
 const MANY_FEATURES: usize = 128;
 
+/// `moe.cu`'s GEMV path: values a lane's run covers, the widest input row, warps a block.
+const GEMV_RUN: usize = 512;
+const GEMV_MAX_K: usize = 8192;
+const GEMV_WARPS: usize = 8;
+/// The GEMV path while pairs · this ≤ experts (V4-Flash: batches up to 10).
+const GEMV_PAIRS_PER_EXPERT: usize = 4;
+
 /// A layer's routed experts as the grouped kernels read them.
 pub struct CudaExperts {
     gate: CudaSlice<u64>,
@@ -36,6 +43,8 @@ pub struct CudaExperts {
 pub struct MoeFunctions {
     pub align: CudaFunction,
     pub gemm: [[CudaFunction; 4]; 2],
+    /// MXFP4 experts for decode-sized steps: `[up, down]`.
+    pub gemv: [CudaFunction; 2],
 }
 
 impl MoeFunctions {
@@ -53,6 +62,7 @@ impl MoeFunctions {
         Ok(MoeFunctions {
             align: f("moe_align")?,
             gemm: [set("bf16")?, set("mxfp4")?],
+            gemv: [f("moe_gemv_up_mxfp4")?, f("moe_gemv_down_mxfp4")?],
         })
     }
 }
@@ -146,6 +156,27 @@ impl CudaBackend {
             return;
         }
         let e = t.num_experts;
+        // Decode-sized steps stream each pair's weights through the GEMV, which needs no
+        // grouping: while pairs are a fraction of the experts, few share one, so reading
+        // an expert once per pair costs little, and the tiles' barriers cost more.
+        let gemv = !self.batch_invariant
+            && owners.is_none()
+            && t.formats == [MOE_MXFP4, MOE_MXFP4]
+            && GEMV_PAIRS_PER_EXPERT * pairs <= e
+            && [t.inter, t.hidden]
+                .iter()
+                .all(|&k| k.is_multiple_of(GEMV_RUN) && k <= GEMV_MAX_K);
+        if gemv {
+            self.routed_experts_gemv(
+                ys,
+                x,
+                chosen,
+                t,
+                &mut counts.slice_mut(counts_at..counts_at + e),
+                (tokens, k, limit),
+            );
+            return;
+        }
         // The invariant mode always takes the few-row shape (f32-accurate activations, the
         // same sums whatever the batch); else many rows once experts average 16 pairs.
         let many = !self.batch_invariant && pairs >= 16 * e;
@@ -239,6 +270,78 @@ impl CudaBackend {
             (&t.down, &t.down),
             (hidden, inter),
             "dsv4_moe_down",
+        );
+    }
+
+    /// `routed_experts` as a GEMV a pair (`moe.cu`'s `moe_gemv_mxfp4`): gate·up with
+    /// SwiGLU into `h`, then down into `ys`; the up pass counts the pairs.
+    fn routed_experts_gemv(
+        &self,
+        ys: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        chosen: &CudaSlice<u32>,
+        t: &CudaExperts,
+        counts: &mut cudarc::driver::CudaViewMut<'_, u32>,
+        (tokens, k, limit): (usize, usize, f32),
+    ) {
+        let pairs = tokens * k;
+        let ds = self.ds();
+        let mut h = self.alloc_written(pairs * t.inter);
+        let null = 0u64;
+        // Rows a warp: 32 / (K / 512); the up pass's come in gate/up pairs.
+        let features_per_block = |kk: usize, swiglu: bool| {
+            let rows = 32 / (kk / GEMV_RUN);
+            GEMV_WARPS * if swiglu { rows / 2 } else { rows }
+        };
+        let (inter, hidden, ki) = (t.inter as i32, t.hidden as i32, k as i32);
+        let one = 1i32;
+        // SAFETY: x holds `tokens` rows of hidden values, h and ys `pairs` rows of inter and
+        // hidden; chosen `pairs` expert ids below the tables' length; the tables address
+        // MXFP4 matrices of inter × hidden (gate, up) and hidden × inter (down), K a multiple
+        // of 512 and at most 8192 (checked by the caller); counts holds the experts.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&ds.moe.gemv[0])
+                    .arg(&mut h)
+                    .arg(x)
+                    .arg(&ki)
+                    .arg(chosen)
+                    .arg(&t.gate)
+                    .arg(&t.up)
+                    .arg(&mut *counts)
+                    .arg(&inter)
+                    .arg(&hidden)
+                    .arg(&limit)
+                    .launch(blocks(
+                        t.inter.div_ceil(features_per_block(t.hidden, true)),
+                        pairs,
+                        (32 * GEMV_WARPS) as u32,
+                    ))
+            },
+            "dsv4_moe_gemv_up",
+        );
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&ds.moe.gemv[1])
+                    .arg(ys)
+                    .arg(&h)
+                    .arg(&one)
+                    .arg(chosen)
+                    .arg(&t.down)
+                    .arg(&t.down)
+                    .arg(&null)
+                    .arg(&hidden)
+                    .arg(&inter)
+                    .arg(&limit)
+                    .launch(blocks(
+                        t.hidden.div_ceil(features_per_block(t.inter, false)),
+                        pairs,
+                        (32 * GEMV_WARPS) as u32,
+                    ))
+            },
+            "dsv4_moe_gemv_down",
         );
     }
 }

@@ -165,7 +165,7 @@ impl DsV4Kernels for CudaBackend {
                     .arg(&hi)
                     .arg(&it)
                     .arg(&hc_eps)
-                    .launch(per_row(tokens))
+                    .launch(blocks(hidden.div_ceil(256), tokens, 256))
             },
             "dsv4_mhc_mix",
         );
@@ -225,7 +225,7 @@ impl DsV4Kernels for CudaBackend {
                     .arg(&ni)
                     .arg(&hi)
                     .arg(&hc_eps)
-                    .launch(per_row(tokens))
+                    .launch(blocks(hidden.div_ceil(256), tokens, 256))
             },
             "dsv4_mhc_head",
         );
@@ -568,7 +568,7 @@ impl DsV4Kernels for CudaBackend {
                     .arg(weights)
                     .arg(&ki)
                     .arg(&hi)
-                    .launch(per_row(tokens))
+                    .launch(blocks(hidden.div_ceil(256), tokens, 256))
             },
             "dsv4_moe_combine",
         );
