@@ -36,6 +36,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         exact_activations: args.exact_activations,
         // Refused at spawn: DeepSeek-V4 checkpoints carry their own FP8 / FP4.
         quantization: None,
+        records_steps: false,
     };
     let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
         .map_err(|e| e.to_string())?;

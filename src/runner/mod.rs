@@ -146,6 +146,7 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
                 batch_invariant: args.batch_invariant,
                 exact_activations: args.exact_activations,
                 quantization: args.quantization,
+                records_steps: false,
             },
             args,
         ),

@@ -4,8 +4,11 @@
 
 use std::path::PathBuf;
 
+use troupe::kernels::deepseek_v4::DsV4Kernels;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
+
+use super::Rng;
 
 pub const CHECKPOINTS: [&str; 3] = ["tiny-dsv4-a", "tiny-dsv4-b", "tiny-dsv4-packed"];
 
@@ -159,4 +162,137 @@ pub fn mtp_reference(name: &str) -> MtpReference {
         chain: f32s("chain"),
         drafts: super::ids(&json["drafts"]),
     }
+}
+
+struct ScheduledSeq {
+    slot: u32,
+    tokens: Vec<u32>,
+    cached: usize,
+    target: usize,
+}
+
+const SCHEDULE_SLOTS: usize = 4;
+/// Past 4 · 64 positions the CSA indexer sees more than 64 entries: a recorded step's
+/// second span.
+const SCHEDULE_LONGEST: usize = 300;
+
+/// Runs one generated schedule through `eager` and `recorded` (the same weights; the
+/// second's backend takes decode steps through its `StepRecorder`) and asserts every
+/// step's logits and expert counts equal bit for bit: random prompts prefilled alone,
+/// decode steps over random subsets of the live sequences (their rows, closing windows
+/// and block tables changing from step to step), finished slots taken by new sequences,
+/// one sequence long enough that the indexer's span outgrows its first size. Returns how
+/// many steps were decode steps.
+pub fn assert_recorded_steps_match<B: DsV4Kernels>(
+    name: &str,
+    eager: &DsV4Model<B>,
+    recorded: &DsV4Model<B>,
+    seed: u64,
+) -> usize {
+    let cfg = &eager.cfg;
+    let vocab = cfg.vocab_size;
+    let block_size = 2 * lcm_rates(cfg);
+    let per_seq = SCHEDULE_LONGEST.div_ceil(block_size) + 1;
+    let num_blocks = SCHEDULE_SLOTS * per_seq;
+    let tables: Vec<Vec<u32>> = (0..SCHEDULE_SLOTS)
+        .map(|s| {
+            (0..per_seq)
+                .map(|i| (num_blocks - 1 - (i * SCHEDULE_SLOTS + s)) as u32)
+                .collect()
+        })
+        .collect();
+    let mut caches = [eager, recorded].map(|m| m.new_cache(SCHEDULE_SLOTS, num_blocks, block_size));
+    let mut rng = Rng(seed);
+    let new_seq = |rng: &mut Rng, slot: usize, target: usize| ScheduledSeq {
+        slot: slot as u32,
+        tokens: (0..1 + rng.below(20))
+            .map(|_| rng.below(vocab) as u32)
+            .collect(),
+        cached: 0,
+        target,
+    };
+    let mut seqs: Vec<ScheduledSeq> = (0..SCHEDULE_SLOTS)
+        .map(|s| {
+            let target = if s == 0 {
+                SCHEDULE_LONGEST
+            } else {
+                20 + rng.below(100)
+            };
+            new_seq(&mut rng, s, target)
+        })
+        .collect();
+    let mut started = SCHEDULE_SLOTS;
+    let mut decode_steps = 0;
+    for step in 0.. {
+        // Fresh sequences prefill alone, so that the decode steps are decode only.
+        let fresh: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].cached == 0).collect();
+        let chosen: Vec<usize> = if !fresh.is_empty() {
+            fresh
+        } else {
+            let live: Vec<usize> = (0..seqs.len())
+                .filter(|&i| seqs[i].cached < seqs[i].target)
+                .collect();
+            if live.is_empty() {
+                break;
+            }
+            let some: Vec<usize> = live.iter().copied().filter(|_| rng.below(4) != 0).collect();
+            if some.is_empty() { vec![live[0]] } else { some }
+        };
+        let decode = chosen.iter().all(|&i| seqs[i].cached > 0);
+        for &i in &chosen {
+            if seqs[i].cached > 0 {
+                let t = rng.below(vocab) as u32;
+                seqs[i].tokens.push(t);
+            }
+        }
+        let ds: Vec<DsSeqStep<'_>> = chosen
+            .iter()
+            .map(|&i| {
+                let s = &seqs[i];
+                DsSeqStep {
+                    token_ids: &s.tokens[s.cached..],
+                    num_cached_tokens: s.cached,
+                    block_table: &tables[s.slot as usize],
+                    state_slot: s.slot,
+                    span: SlotSpan::default(),
+                    num_logit_rows: 1,
+                }
+            })
+            .collect();
+        let [ce, cr] = &mut caches;
+        let mut counts = [(); 2].map(|_| vec![vec![0u64; cfg.num_routed_experts]; cfg.num_layers]);
+        let want = eager.forward_counting(ce, &ds, &mut counts[0]).unwrap();
+        let got = recorded.forward_counting(cr, &ds, &mut counts[1]).unwrap();
+        if let Some(i) = (0..want.len()).find(|&i| want[i].to_bits() != got[i].to_bits()) {
+            panic!(
+                "{name} step {step} ({} rows, decode {decode}): logit {i} is {} recorded, {} eager",
+                ds.len(),
+                got[i],
+                want[i]
+            );
+        }
+        assert_eq!(counts[0], counts[1], "{name} step {step}: expert counts");
+        decode_steps += usize::from(decode);
+        for &i in &chosen {
+            seqs[i].cached = seqs[i].tokens.len();
+        }
+        // A finished sequence's slot takes a new one, a few times.
+        for seq in &mut seqs {
+            if seq.cached >= seq.target && started < 2 * SCHEDULE_SLOTS {
+                let target = 10 + rng.below(40);
+                *seq = new_seq(&mut rng, seq.slot as usize, target);
+                started += 1;
+            }
+        }
+    }
+    let [ce, cr] = &caches;
+    assert!(
+        !ce.holds_decode_arena(),
+        "{name}: the eager model took the recorded path"
+    );
+    assert!(
+        cr.holds_decode_arena(),
+        "{name}: no step took the recorded path"
+    );
+    decode_steps
 }

@@ -29,6 +29,10 @@ pub struct CpuBackend {
     /// `--quantization fp8`: layer projections quantized per channel at load and run
     /// dequantized (the numeric reference of the CUDA backend's FP8 weights).
     pub quantization: Option<crate::kernels::fp8::Quantization>,
+    /// Steps a model would record on a GPU take that path here too, run eagerly (the CPU
+    /// records nothing): the fixed-address decode step (`model::deepseek_v4::recorded`)
+    /// checked against the ordinary one on any machine.
+    pub records_steps: bool,
 }
 
 /// Below this many elements an element-wise op runs on the calling thread: waking the
@@ -364,6 +368,19 @@ impl Backend for CpuBackend {
             out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
         }
     }
+
+    fn recorder(&self) -> Option<&dyn crate::kernels::StepRecorder> {
+        self.records_steps
+            .then_some(self as &dyn crate::kernels::StepRecorder)
+    }
+}
+
+impl crate::kernels::StepRecorder for CpuBackend {
+    fn run_recorded(&self, _key: u64, body: &mut dyn FnMut()) {
+        body();
+    }
+
+    fn forget_recorded(&self) {}
 }
 
 #[cfg(test)]

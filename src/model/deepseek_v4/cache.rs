@@ -234,6 +234,11 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
             .map(|s| (s.position, s.position + s.token_ids.len()))
     }
 
+    /// Whether a recorded decode step has run over this cache (its arena exists).
+    pub fn holds_decode_arena(&self) -> bool {
+        self.decode.is_some()
+    }
+
     pub fn num_slots(&self) -> usize {
         self.slot_tokens.len()
     }
