@@ -2,7 +2,7 @@
 //! choice is grouped by expert into tiles without a read-back, and each tile runs against
 //! its expert's weights as stored, found through a table of device addresses made at load.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::super::weights::{PackedFormat, Store};
 use super::super::{CudaBackend, CudaMatrix, check};
@@ -287,60 +287,69 @@ impl CudaBackend {
         let pairs = tokens * k;
         let ds = self.ds();
         let mut h = self.alloc_written(pairs * t.inter);
-        let null = 0u64;
         // Rows a warp: 32 / (K / 512); the up pass's come in gate/up pairs.
         let features_per_block = |kk: usize, swiglu: bool| {
             let rows = 32 / (kk / GEMV_RUN);
             GEMV_WARPS * if swiglu { rows / 2 } else { rows }
         };
-        let (inter, hidden, ki) = (t.inter as i32, t.hidden as i32, k as i32);
-        let one = 1i32;
-        // SAFETY: x holds `tokens` rows of hidden values, h and ys `pairs` rows of inter and
-        // hidden; chosen `pairs` expert ids below the tables' length; the tables address
-        // MXFP4 matrices of inter × hidden (gate, up) and hidden × inter (down), K a multiple
-        // of 512 and at most 8192 (checked by the caller); counts holds the experts.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&ds.moe.gemv[0])
-                    .arg(&mut h)
-                    .arg(x)
-                    .arg(&ki)
-                    .arg(chosen)
-                    .arg(&t.gate)
-                    .arg(&t.up)
-                    .arg(&mut *counts)
-                    .arg(&inter)
-                    .arg(&hidden)
-                    .arg(&limit)
-                    .launch(blocks(
-                        t.inter.div_ceil(features_per_block(t.hidden, true)),
-                        pairs,
-                        (32 * GEMV_WARPS) as u32,
-                    ))
-            },
+        let (counts_ptr, _guard) = counts.device_ptr_mut(&self.stream);
+        let gemv = |f: &CudaFunction,
+                    out: &mut CudaSlice<f32>,
+                    input: &CudaSlice<f32>,
+                    x_div: i32,
+                    w: (&CudaSlice<u64>, &CudaSlice<u64>),
+                    counts: u64,
+                    (n, kk, swiglu): (usize, usize, bool),
+                    name: &str| {
+            let (ni, ki) = (n as i32, kk as i32);
+            // SAFETY: input holds rows of kk values (pairs / x_div of them), out pairs rows of
+            // n; chosen `pairs` expert ids below the tables' length; the tables address MXFP4
+            // matrices of n × kk, kk a multiple of 512 and at most 8192 (checked by the
+            // caller); counts is null or holds the experts.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(f)
+                        .arg(out)
+                        .arg(input)
+                        .arg(&x_div)
+                        .arg(chosen)
+                        .arg(w.0)
+                        .arg(w.1)
+                        .arg(&counts)
+                        .arg(&ni)
+                        .arg(&ki)
+                        .arg(&limit)
+                        .launch(blocks(
+                            n.div_ceil(features_per_block(kk, swiglu)),
+                            pairs,
+                            (32 * GEMV_WARPS) as u32,
+                        ))
+                },
+                name,
+            );
+        };
+        let up = (t.inter, t.hidden, true);
+        let (gate_up, down) = ((&t.gate, &t.up), (&t.down, &t.down));
+        gemv(
+            &ds.moe.gemv[0],
+            &mut h,
+            x,
+            k as i32,
+            gate_up,
+            counts_ptr,
+            up,
             "dsv4_moe_gemv_up",
         );
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&ds.moe.gemv[1])
-                    .arg(ys)
-                    .arg(&h)
-                    .arg(&one)
-                    .arg(chosen)
-                    .arg(&t.down)
-                    .arg(&t.down)
-                    .arg(&null)
-                    .arg(&hidden)
-                    .arg(&inter)
-                    .arg(&limit)
-                    .launch(blocks(
-                        t.hidden.div_ceil(features_per_block(t.inter, false)),
-                        pairs,
-                        (32 * GEMV_WARPS) as u32,
-                    ))
-            },
+        let down_shape = (t.hidden, t.inter, false);
+        gemv(
+            &ds.moe.gemv[1],
+            ys,
+            &h,
+            1,
+            down,
+            0,
+            down_shape,
             "dsv4_moe_gemv_down",
         );
     }
