@@ -511,10 +511,7 @@ impl crate::kernels::StepRecorder for CudaBackend {
             captured::Next::Capture => {
                 self.captured().begin_capture(&self.stream, key);
                 body();
-                // No programmatic edges: the driver refuses them (CUDA_ERROR_NOT_SUPPORTED at
-                // the end of the capture, seen on the H200) in a graph that holds the step's
-                // allocations as memory nodes.
-                self.captured().end_capture(&self.stream, None);
+                self.captured().end_capture(&self.stream);
                 self.captured().replay(&self.stream, key);
             }
         }

@@ -14,7 +14,7 @@ use cudarc::driver::CudaStream;
 use cudarc::driver::sys::CUstreamCaptureMode;
 
 use super::check;
-use super::recorded::{OwnModule, Recorded};
+use super::recorded::Recorded;
 
 #[derive(Default)]
 pub struct CapturedSteps {
@@ -52,14 +52,13 @@ impl CapturedSteps {
         self.capturing = Some(key);
     }
 
-    pub fn end_capture(&mut self, stream: &CudaStream, own: Option<OwnModule>) {
+    /// Ends the capture and keeps the graph, with full dependencies: the driver refuses
+    /// programmatic edges (CUDA_ERROR_NOT_SUPPORTED, seen on the H200) in a graph that
+    /// holds the step's allocations as memory nodes.
+    pub fn end_capture(&mut self, stream: &CudaStream) {
         let key = self.capturing.take().expect("a capture is open");
-        let graph = check(Recorded::end_capture(stream, own), "end capture");
-        tracing::debug!(
-            key,
-            programmatic_edges = graph.num_programmatic_edges,
-            "recorded a whole step as a CUDA graph"
-        );
+        let graph = check(Recorded::end_capture(stream, None), "end capture");
+        tracing::debug!(key, "recorded a whole step as a CUDA graph");
         self.recorded.insert(key, graph);
     }
 

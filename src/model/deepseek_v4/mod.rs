@@ -185,38 +185,52 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         expert_tokens: &mut [Vec<u64>],
         mut group: Option<&mut ExpertGroup<B>>,
     ) -> Result<(Vec<f32>, B::Buf)> {
+        self.settle_slots(cache, steps, group.as_deref_mut())?;
+        let recorder = group.is_none().then(|| self.recorder_for(steps)).flatten();
+        let (logits, streams, counts) = match recorder {
+            Some(recorder) => self.forward_recorded(recorder, cache, steps),
+            None => self.forward_eager(cache, steps, group),
+        };
+        for s in steps {
+            cache.set_slot_tokens(
+                s.state_slot as usize,
+                s.num_cached_tokens + s.token_ids.len(),
+            );
+        }
+        let experts = self.cfg.num_routed_experts;
+        for (layer, row) in expert_tokens.iter_mut().zip(counts.chunks_exact(experts)) {
+            layer
+                .iter_mut()
+                .zip(row)
+                .for_each(|(n, &c)| *n += u64::from(c));
+        }
+        Ok((logits, streams))
+    }
+
+    /// `forward_streams`' blocks and head for any steps (slots settled), each op launched
+    /// as the pass reaches it: the logits, the streams and the tokens per routed expert
+    /// (`[layers, experts]`).
+    fn forward_eager(
+        &self,
+        cache: &mut DsV4Cache<B>,
+        steps: &[DsSeqStep<'_>],
+        mut group: Option<&mut ExpertGroup<B>>,
+    ) -> (Vec<f32>, B::Buf, Vec<u32>) {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
-        self.settle_slots(cache, steps, group.as_deref_mut())?;
-        if group.is_none()
-            && let Some(recorder) = self.recorder_for(steps)
-        {
-            let (logits, streams) = self.forward_recorded(recorder, cache, steps, expert_tokens);
-            for s in steps {
-                cache.set_slot_tokens(
-                    s.state_slot as usize,
-                    s.num_cached_tokens + s.token_ids.len(),
-                );
-            }
-            return Ok((logits, streams));
-        }
         let plan = Plan::new(b, cfg, cache.block_size, steps);
         let tokens = plan.num_rows();
-        let embedded: Vec<f32> = steps
-            .iter()
-            .flat_map(|s| s.token_ids.iter())
-            .flat_map(|&id| self.embedding(id).iter().copied())
-            .collect();
+        let ids = steps.iter().flat_map(|s| s.token_ids.iter().copied());
         let mut streams = b.scratch(tokens * n_hc * d);
-        b.dsv4_expand(&mut streams, &b.upload(&embedded), tokens, n_hc, d);
+        b.dsv4_expand(&mut streams, &b.upload(&self.embed(ids)), tokens, n_hc, d);
         let pass = Pass {
             b,
             cfg,
             consts: &self.consts,
             plan: &plan,
         };
-        let experts = cfg.num_routed_experts;
-        let mut counts = b.alloc_ids(cfg.num_layers * experts);
+        let num_counts = cfg.num_layers * cfg.num_routed_experts;
+        let mut counts = b.alloc_ids(num_counts);
         for (l, w) in self.weights.layers.iter().enumerate() {
             block::block(
                 &pass,
@@ -226,12 +240,6 @@ impl<B: DsV4Kernels> DsV4Model<B> {
                 &mut streams,
                 &mut counts,
                 group.as_deref_mut(),
-            );
-        }
-        for s in steps {
-            cache.set_slot_tokens(
-                s.state_slot as usize,
-                s.num_cached_tokens + s.token_ids.len(),
             );
         }
 
@@ -252,14 +260,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             picked.len(),
         );
         // Read after the logits: by then the device is done, so this waits on nothing.
-        let counts = b.download_ids(&counts, cfg.num_layers * experts);
-        for (layer, row) in expert_tokens.iter_mut().zip(counts.chunks_exact(experts)) {
-            layer
-                .iter_mut()
-                .zip(row)
-                .for_each(|(n, &c)| *n += u64::from(c));
-        }
-        Ok((logits, streams))
+        let counts = b.download_ids(&counts, num_counts);
+        (logits, streams, counts)
     }
 
     /// Checks `steps` against `cache` and readies each one's state slot: restarted for a
@@ -339,6 +341,12 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         let b = &self.backend;
         let h = block::hyper_head(b, &self.cfg, &self.consts, hc_head, norm, streams, rows);
         b.matmul(&h, rows, &self.weights.head, None, out);
+    }
+
+    /// The embedding rows of `ids`, one after another.
+    fn embed(&self, ids: impl Iterator<Item = u32>) -> Vec<f32> {
+        ids.flat_map(|id| self.embedding(id).iter().copied())
+            .collect()
     }
 
     /// Token `id`'s embedding row.

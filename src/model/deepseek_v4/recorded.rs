@@ -65,15 +65,14 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             .flatten()
     }
 
-    /// `forward_streams`' blocks and head for decode `steps` (whose slots are settled)
-    /// through `recorder`: the logits, and the streams copied out of the arena.
+    /// `forward_eager` for decode `steps` (slots settled) through `recorder`, over the
+    /// cache's arena: the logits, the streams copied out of it, the tokens per expert.
     pub(super) fn forward_recorded(
         &self,
         recorder: &dyn StepRecorder,
         cache: &mut DsV4Cache<B>,
         steps: &[DsSeqStep<'_>],
-        expert_tokens: &mut [Vec<u64>],
-    ) -> (Vec<f32>, B::Buf) {
+    ) -> (Vec<f32>, B::Buf, Vec<u32>) {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         let rows = steps.len();
@@ -92,10 +91,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             }
         };
         arena.plan.refill(b, cfg, cache.block_size, steps);
-        let embedded: Vec<f32> = steps
-            .iter()
-            .flat_map(|s| self.embedding(s.token_ids[0]).iter().copied())
-            .collect();
+        let embedded = self.embed(steps.iter().map(|s| s.token_ids[0]));
         b.write_floats(&mut arena.embedded, 0, &embedded);
 
         let mut key = DefaultHasher::new();
@@ -119,19 +115,12 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         recorder.run_recorded(key.finish(), &mut body);
 
         let logits = b.download(&arena.logits, rows * cfg.vocab_size);
-        let experts = cfg.num_routed_experts;
-        let counts = b.download_ids(&arena.counts, cfg.num_layers * experts);
-        for (layer, row) in expert_tokens.iter_mut().zip(counts.chunks_exact(experts)) {
-            layer
-                .iter_mut()
-                .zip(row)
-                .for_each(|(n, &c)| *n += u64::from(c));
-        }
+        let counts = b.download_ids(&arena.counts, cfg.num_layers * cfg.num_routed_experts);
         // The arena's streams are the next step's: the caller gets its own copy.
         let all: Vec<usize> = (0..rows).collect();
         let mut streams = b.scratch(rows * n_hc * d);
         b.gather_rows(&arena.streams, n_hc * d, &all, &mut streams);
         cache.decode = Some(arena);
-        (logits, streams)
+        (logits, streams, counts)
     }
 }

@@ -24,8 +24,8 @@ const MANY_FEATURES: usize = 128;
 const GEMV_RUN: usize = 512;
 const GEMV_MAX_K: usize = 8192;
 const GEMV_WARPS: usize = 8;
-/// The GEMV path while pairs · this ≤ experts (V4-Flash: batches up to 10).
-const GEMV_PAIRS_PER_EXPERT: usize = 4;
+/// The GEMV path while experts number at least this many a pair (V4-Flash: batches up to 10).
+const GEMV_EXPERTS_PER_PAIR: usize = 4;
 
 /// A layer's routed experts as the grouped kernels read them.
 pub struct CudaExperts {
@@ -162,7 +162,7 @@ impl CudaBackend {
         let gemv = !self.batch_invariant
             && owners.is_none()
             && t.formats == [MOE_MXFP4, MOE_MXFP4]
-            && GEMV_PAIRS_PER_EXPERT * pairs <= e
+            && GEMV_EXPERTS_PER_PAIR * pairs <= e
             && [t.inter, t.hidden]
                 .iter()
                 .all(|&k| k.is_multiple_of(GEMV_RUN) && k <= GEMV_MAX_K);
