@@ -1,11 +1,14 @@
 //! A rank running DeepSeek-V4 on one GPU: the host rank's protocol — state slots plus
-//! paged compressed entries, every logit row to the sampler — with the model's one pass
-//! and its cache on the CUDA backend.
+//! paged compressed entries — with the model's one pass and its cache on the CUDA backend,
+//! and the Llama ranks' picks: plain rows picked beside the logits, their tokens read there
+//! by the next step's embedding (ZOS with no host round trip).
 
-use super::deepseek_v4::{ds_steps, eplb_for, eplb_step, launched};
+use super::deepseek_v4::{ds_steps, eplb_for, eplb_step};
+use super::launch::StepOutcome;
 use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::eplb::Eplb;
+use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::DsV4Model;
@@ -56,9 +59,10 @@ impl DeviceModel for DsV4OnCuda {
         &mut self,
         _block_size: usize,
         steps: &[SeqStep<'_>],
-        _picked_rows: &[u32],
+        picked_rows: &[u32],
         rows: &[StepRow],
     ) -> LaunchedStep {
+        let start = self.model.backend.timeline_mark();
         let mut ds = ds_steps(steps);
         let num_drafts = super::num_placeholders(rows);
         let model_drafts = match &mut self.mtp {
@@ -70,11 +74,15 @@ impl DeviceModel for DsV4OnCuda {
         for (s, tokens) in ds.iter_mut().zip(&filled) {
             s.token_ids = tokens;
         }
-        self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
+        // Counted only for EPLB: reading the counts waits for the step.
+        let counted = self.eplb.is_some().then(|| {
+            self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
+            &mut self.expert_tokens[..]
+        });
         // A refused step is a planning bug: the worker fails and the engine recomputes.
         let (logits, streams) = self
             .model
-            .forward_streams(&mut self.cache, &ds, &mut self.expert_tokens, None)
+            .forward_on_device(&mut self.cache, &ds, picked_rows, counted, None)
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
         if let Some(mtp) = &mut self.mtp {
             mtp.absorb(&self.model, &ds, &num_drafts, &streams);
@@ -83,14 +91,19 @@ impl DeviceModel for DsV4OnCuda {
             .eplb
             .as_mut()
             .map(|eplb| eplb_step(eplb, &self.expert_tokens, steps));
-        launched(
-            &logits,
-            self.model.vocab_size(),
-            steps,
-            rows,
+        StepOutcome {
+            backend: &self.model.backend,
+            logits: &logits,
+            vocab: self.model.vocab_size(),
             model_drafts,
             moe_balance,
-        )
+            leader: true,
+            // The MTP layer drafts from the host's copy of each row's token.
+            picks_stay: self.mtp.is_none(),
+            aborted: None,
+            start,
+        }
+        .launch(steps, rows)
     }
 
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {

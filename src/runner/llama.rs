@@ -5,11 +5,12 @@
 use ractor::ActorProcessingErr;
 
 use super::draft;
-use super::{DeviceModel, LaunchedStep, PrevToken, RankArgs};
+use super::launch::StepOutcome;
+use super::{DeviceModel, LaunchedStep, RankArgs};
+use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
-use crate::kernels::{Backend, PickRow};
 use crate::model::llama::{LlamaModel, SeqStep};
-use crate::step::{StepLogits, StepRow};
+use crate::step::StepRow;
 
 pub(super) struct OnBackend<B: Backend> {
     /// First: fields drop in order, and the backend must close its device state (an open
@@ -70,116 +71,18 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             steps,
             picked_rows,
         );
-        let vocab = self.model.cfg.vocab_size;
-        let logits = self.model.device_logits();
-        // Rows without processors are picked where the logits lie: greedy ones always,
-        // sampled ones where the backend samples (its copy of their logits saved). A row
-        // verifying drafts has a logit row per draft and one more, all sent to the host.
-        let sample_here = self.backend.capabilities().samples_on_device;
-        let (mut picked, mut host) = (Vec::new(), Vec::new());
-        let mut host_first = vec![None; rows.len()];
-        let mut pick_rows = Vec::new();
-        // Rows verifying greedily on the device: (plan row, its first logit row, count).
-        let mut verifying = Vec::new();
-        let mut logit_row = 0;
-        for (row, (s, step)) in rows
-            .iter()
-            .map(|r| r.sampling.as_ref())
-            .zip(steps)
-            .enumerate()
-        {
-            match s {
-                Some(s) if s.is_plain() && (sample_here || s.params.is_greedy()) => {
-                    picked.push(row);
-                    pick_rows.push(PickRow {
-                        row: logit_row,
-                        params: &s.params,
-                        position: s.position,
-                    });
-                }
-                Some(s) if s.verifies_on_device() => {
-                    verifying.push((row, logit_row, step.num_logit_rows));
-                }
-                Some(_) => {
-                    host_first[row] = Some(host.len());
-                    host.extend(logit_row..logit_row + step.num_logit_rows);
-                }
-                None => {}
-            }
-            logit_row += step.num_logit_rows;
-        }
-        // The plain rows' picks first: their indices are what the next step's embedding
-        // reads on the device.
-        for &(row, first, count) in &verifying {
-            let s = rows[row]
-                .sampling
-                .as_ref()
-                .expect("a verifying row samples");
-            pick_rows.extend((0..count).map(|i| PickRow {
-                row: first + i,
-                params: &s.params,
-                position: s.position + i as u64,
-            }));
-        }
-        let num_rows = rows.len();
-        let mut out = StepLogits {
+        StepOutcome {
+            backend: &self.backend,
+            logits: self.model.device_logits(),
+            vocab: self.model.cfg.vocab_size,
+            model_drafts,
             moe_balance: None,
-            picked: vec![None; num_rows],
-            verify_picks: vec![None; num_rows],
-            host_row: host_first,
-            host: Vec::new(),
-            model_drafts: model_drafts
-                .into_iter()
-                .map(|d| (!d.is_empty()).then_some(d))
-                .collect(),
-        };
-        // The host rows' copy waits for the step; the picks' copy is left in flight.
-        let picks = self.backend.pick_rows(logits, vocab, &pick_rows);
-        if !host.is_empty() && self.leader {
-            out.host = self.backend.download_rows(logits, vocab, &host);
+            leader: self.leader,
+            picks_stay: true,
+            aborted: self.model.abort_probe(),
+            start,
         }
-        let plain_rows = picked.clone();
-        let aborted = self.model.abort_probe();
-        let deliver = move |mut out: StepLogits, all: Vec<(u32, f32)>| {
-            // The step is done on the device: if the group was aborted meanwhile, its
-            // all-reduces ended without reducing (the readback thread reports the panic).
-            if aborted.as_ref().is_some_and(|a| a()) {
-                panic!(
-                    "the step finished after its group's collectives were aborted: its results are void"
-                );
-            }
-            let (plain, mut rest) = all.split_at(picked.len());
-            for (&row, &pick) in picked.iter().zip(plain) {
-                out.picked[row] = Some(pick);
-            }
-            for &(row, _, count) in &verifying {
-                out.verify_picks[row] = Some(rest[..count].to_vec());
-                rest = &rest[count..];
-            }
-            out
-        };
-        let span = start.zip(self.backend.timeline_mark());
-        let mut prev = vec![None; num_rows];
-        if self.backend.capabilities().picks_stay_on_device {
-            for (i, &row) in plain_rows.iter().enumerate() {
-                prev[row] = Some(PrevToken::Device(i as u32));
-            }
-            return LaunchedStep {
-                logits: Box::new(move || deliver(out, picks())),
-                span,
-                prev,
-            };
-        }
-        let all = picks();
-        for (&row, pick) in plain_rows.iter().zip(&all) {
-            prev[row] = Some(PrevToken::Host(pick.0));
-        }
-        let out = deliver(out, all);
-        LaunchedStep {
-            logits: Box::new(move || out),
-            span,
-            prev,
-        }
+        .launch(steps, rows)
     }
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size

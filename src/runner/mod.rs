@@ -16,6 +16,7 @@ pub mod sampled_tokens;
 
 mod deepseek_v4;
 mod draft;
+mod launch;
 mod llama;
 mod mtp;
 

@@ -43,6 +43,7 @@ use weights::{DsV4Weights, HyperConnection, OnBackend};
 use crate::error::{Result, TroupeError};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{DsV4Kernels, DsV4Shape};
+use crate::kernels::{HostData, HostMatrix};
 use crate::model::loader::{SafetensorsSource, TensorSource};
 
 /// One sequence's share of a step.
@@ -65,6 +66,9 @@ pub struct DsV4Model<B: DsV4Kernels = CpuBackend> {
     pub cfg: DsV4Config,
     weights: DsV4Weights<B>,
     consts: Consts<B>,
+    /// The embedding on the device, where the backend keeps its picks there: a decode
+    /// step's ids are read where the last step picked them (ZOS with no host round trip).
+    embed_table: Option<B::Matrix>,
     /// Last: the device buffers above go before it.
     pub backend: B,
 }
@@ -113,12 +117,30 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         Ok(Self::assemble(backend, cfg, weights))
     }
 
-    fn assemble(backend: B, cfg: DsV4Config, weights: DsV4Weights<B>) -> Self {
+    fn assemble(backend: B, cfg: DsV4Config, mut weights: DsV4Weights<B>) -> Self {
         let consts = Consts::new(&backend, &cfg);
+        let embed_table = backend.capabilities().picks_stay_on_device.then(|| {
+            // bf16, as checkpoints ship it; the host's rows (the MTP layer's input) are
+            // rounded alike so that both places embed a token the same.
+            let table: Vec<half::bf16> = weights
+                .embed
+                .iter()
+                .map(|&x| half::bf16::from_f32(x))
+                .collect();
+            for (x, t) in weights.embed.iter_mut().zip(&table) {
+                *x = t.to_f32();
+            }
+            backend.upload_matrix(HostMatrix {
+                rows: cfg.vocab_size,
+                cols: cfg.hidden_size,
+                data: HostData::Bf16(table),
+            })
+        });
         DsV4Model {
             cfg,
             weights,
             consts,
+            embed_table,
             backend,
         }
     }
@@ -183,13 +205,34 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         cache: &mut DsV4Cache<B>,
         steps: &[DsSeqStep<'_>],
         expert_tokens: &mut [Vec<u64>],
-        mut group: Option<&mut ExpertGroup<B>>,
+        group: Option<&mut ExpertGroup<B>>,
     ) -> Result<(Vec<f32>, B::Buf)> {
+        let (logits, streams) =
+            self.forward_on_device(cache, steps, &[], Some(expert_tokens), group)?;
+        let rows: usize = steps.iter().map(|s| s.num_logit_rows).sum();
+        let logits = self.backend.download(&logits, rows * self.cfg.vocab_size);
+        Ok((logits, streams))
+    }
+
+    /// `forward_streams` with the logits left on the device (`[Σ num_logit_rows, vocab]`)
+    /// for picks made where they lie. `picked_rows` is empty or, per step, `NOT_PICKED` or
+    /// the index of its first token among the backend's last picks (`Backend::embedding`;
+    /// only where the embedding table is on the device). The tokens per routed expert are
+    /// added to `expert_tokens` when asked for: reading them waits for the step.
+    pub fn forward_on_device(
+        &self,
+        cache: &mut DsV4Cache<B>,
+        steps: &[DsSeqStep<'_>],
+        picked_rows: &[u32],
+        expert_tokens: Option<&mut [Vec<u64>]>,
+        mut group: Option<&mut ExpertGroup<B>>,
+    ) -> Result<(B::Buf, B::Buf)> {
         self.settle_slots(cache, steps, group.as_deref_mut())?;
         let recorder = group.is_none().then(|| self.recorder_for(steps)).flatten();
+        let counted = expert_tokens.is_some();
         let (logits, streams, counts) = match recorder {
-            Some(recorder) => self.forward_recorded(recorder, cache, steps),
-            None => self.forward_eager(cache, steps, group),
+            Some(recorder) => self.forward_recorded(recorder, cache, steps, picked_rows, counted),
+            None => self.forward_eager(cache, steps, picked_rows, counted, group),
         };
         for s in steps {
             cache.set_slot_tokens(
@@ -198,31 +241,36 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             );
         }
         let experts = self.cfg.num_routed_experts;
-        for (layer, row) in expert_tokens.iter_mut().zip(counts.chunks_exact(experts)) {
-            layer
-                .iter_mut()
-                .zip(row)
-                .for_each(|(n, &c)| *n += u64::from(c));
+        if let (Some(expert_tokens), Some(counts)) = (expert_tokens, counts) {
+            for (layer, row) in expert_tokens.iter_mut().zip(counts.chunks_exact(experts)) {
+                layer
+                    .iter_mut()
+                    .zip(row)
+                    .for_each(|(n, &c)| *n += u64::from(c));
+            }
         }
         Ok((logits, streams))
     }
 
-    /// `forward_streams`' blocks and head for any steps (slots settled), each op launched
-    /// as the pass reaches it: the logits, the streams and the tokens per routed expert
-    /// (`[layers, experts]`).
+    /// `forward_on_device`'s blocks and head for any steps (slots settled), each op
+    /// launched as the pass reaches it: the logits, the streams and, when `counted`, the
+    /// tokens per routed expert (`[layers, experts]`).
     fn forward_eager(
         &self,
         cache: &mut DsV4Cache<B>,
         steps: &[DsSeqStep<'_>],
+        picked_rows: &[u32],
+        counted: bool,
         mut group: Option<&mut ExpertGroup<B>>,
-    ) -> (Vec<f32>, B::Buf, Vec<u32>) {
+    ) -> (B::Buf, B::Buf, Option<Vec<u32>>) {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         let plan = Plan::new(b, cfg, cache.block_size, steps);
         let tokens = plan.num_rows();
-        let ids = steps.iter().flat_map(|s| s.token_ids.iter().copied());
+        let mut embedded = b.scratch(tokens * d);
+        self.embed_into(steps, picked_rows, &mut embedded);
         let mut streams = b.scratch(tokens * n_hc * d);
-        b.dsv4_expand(&mut streams, &b.upload(&self.embed(ids)), tokens, n_hc, d);
+        b.dsv4_expand(&mut streams, &embedded, tokens, n_hc, d);
         let pass = Pass {
             b,
             cfg,
@@ -253,14 +301,10 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         }
         let mut last = b.scratch(picked.len() * n_hc * d);
         b.gather_rows(&streams, n_hc * d, &picked, &mut last);
-        let logits = self.logits(
-            &self.weights.hc_head,
-            &self.weights.norm,
-            &last,
-            picked.len(),
-        );
-        // Read after the logits: by then the device is done, so this waits on nothing.
-        let counts = b.download_ids(&counts, num_counts);
+        let mut logits = b.scratch(picked.len() * cfg.vocab_size);
+        let (head, norm) = (&self.weights.hc_head, &self.weights.norm);
+        self.logits_into(head, norm, &last, picked.len(), &mut logits);
+        let counts = counted.then(|| b.download_ids(&counts, num_counts));
         (logits, streams, counts)
     }
 
@@ -343,10 +387,33 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         b.matmul(&h, rows, &self.weights.head, None, out);
     }
 
-    /// The embedding rows of `ids`, one after another.
-    fn embed(&self, ids: impl Iterator<Item = u32>) -> Vec<f32> {
-        ids.flat_map(|id| self.embedding(id).iter().copied())
-            .collect()
+    /// The embedding rows of `steps`' tokens, one after another, into `out`: gathered on
+    /// the device where the table is there, a step's first token read among the last
+    /// picks where `picked_rows` says so (see `forward_on_device`).
+    fn embed_into(&self, steps: &[DsSeqStep<'_>], picked_rows: &[u32], out: &mut B::Buf) {
+        let ids: Vec<u32> = steps
+            .iter()
+            .flat_map(|s| s.token_ids.iter().copied())
+            .collect();
+        let Some(table) = &self.embed_table else {
+            assert!(
+                picked_rows.is_empty(),
+                "picks read on the device need the embedding table there"
+            );
+            let rows = ids
+                .iter()
+                .flat_map(|&id| self.embedding(id).iter().copied());
+            self.backend.write_floats(out, 0, &rows.collect::<Vec<_>>());
+            return;
+        };
+        let mut picked = Vec::new();
+        if !picked_rows.is_empty() {
+            for (s, &pick) in steps.iter().zip(picked_rows) {
+                picked.push(pick);
+                picked.extend((1..s.token_ids.len()).map(|_| crate::kernels::NOT_PICKED));
+            }
+        }
+        self.backend.embedding(table, &ids, &picked, out);
     }
 
     /// Token `id`'s embedding row.

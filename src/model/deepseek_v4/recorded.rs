@@ -2,8 +2,9 @@
 //! sequence runs over buffers the cache keeps at fixed addresses — the plan's lists, the
 //! embedded tokens, the streams, the logits and the expert counts — so that, recorded
 //! once per (rows, indexer span), every later step of that shape is one replay. Only the
-//! host's work outside the blocks remains per step: the embedding rows and the plan's
-//! lists written in, the logits and counts read out.
+//! host's work outside the blocks remains per step: the plan's lists written in, the
+//! embedding gathered (on the device, from the last picks where they lie), the logits
+//! copied out for the picks.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
@@ -66,13 +67,16 @@ impl<B: DsV4Kernels> DsV4Model<B> {
     }
 
     /// `forward_eager` for decode `steps` (slots settled) through `recorder`, over the
-    /// cache's arena: the logits, the streams copied out of it, the tokens per expert.
+    /// cache's arena: copies of the logits and the streams, and, when `counted`, the
+    /// tokens per expert.
     pub(super) fn forward_recorded(
         &self,
         recorder: &dyn StepRecorder,
         cache: &mut DsV4Cache<B>,
         steps: &[DsSeqStep<'_>],
-    ) -> (Vec<f32>, B::Buf, Vec<u32>) {
+        picked_rows: &[u32],
+        counted: bool,
+    ) -> (B::Buf, B::Buf, Option<Vec<u32>>) {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         let rows = steps.len();
@@ -91,8 +95,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             }
         };
         arena.plan.refill(b, cfg, cache.block_size, steps);
-        let embedded = self.embed(steps.iter().map(|s| s.token_ids[0]));
-        b.write_floats(&mut arena.embedded, 0, &embedded);
+        // Outside the recording: the ids (or the picks they are read from) change.
+        self.embed_into(steps, picked_rows, &mut arena.embedded);
 
         let mut key = DefaultHasher::new();
         (&raw const *arena as usize, rows, arena.plan.index_span).hash(&mut key);
@@ -114,12 +118,14 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         };
         recorder.run_recorded(key.finish(), &mut body);
 
-        let logits = b.download(&arena.logits, rows * cfg.vocab_size);
-        let counts = b.download_ids(&arena.counts, cfg.num_layers * cfg.num_routed_experts);
-        // The arena's streams are the next step's: the caller gets its own copy.
+        // The arena's buffers are the next step's: the caller gets its own copies.
         let all: Vec<usize> = (0..rows).collect();
+        let mut logits = b.scratch(rows * cfg.vocab_size);
+        b.gather_rows(&arena.logits, cfg.vocab_size, &all, &mut logits);
         let mut streams = b.scratch(rows * n_hc * d);
         b.gather_rows(&arena.streams, n_hc * d, &all, &mut streams);
+        let counts =
+            counted.then(|| b.download_ids(&arena.counts, cfg.num_layers * cfg.num_routed_experts));
         cache.decode = Some(arena);
         (logits, streams, counts)
     }
