@@ -197,6 +197,22 @@ extern "C" __global__ void dsv4_mhc_head_kernel(const float* mixes, const float*
     out[(long long)t * hidden + ch] = acc;
 }
 
+// A step's ids where rows continue from the last step's picks still on the device (ZOS):
+// ids[t] = picks[picked[t]] unless picked[t] is NOT_PICKED (all ones).
+extern "C" __global__ void dsv4_take_picks_kernel(u32* ids, const u32* picked, const u32* picks,
+                                                  int tokens) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < tokens && picked[t] != 0xffffffffu) ids[t] = picks[picked[t]];
+}
+
+// out[t] = table[ids[t]]: the f32 embedding, rows chosen by ids on the device.
+extern "C" __global__ void __launch_bounds__(1024)
+    dsv4_embed_kernel(float* out, const float* table, const u32* ids, int dim) {
+    int t = blockIdx.x;
+    const float* row = table + (long long)ids[t] * dim;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) out[(long long)t * dim + d] = row[d];
+}
+
 // [T, hidden] → [T, n, hidden]: every stream starts as the token's embedding.
 extern "C" __global__ void dsv4_expand_kernel(float* streams, const float* x, int tokens, int n,
                                               int hidden) {

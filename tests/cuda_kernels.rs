@@ -39,7 +39,9 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "gemv_fp8_mma_staged_kernel",
         "gemv_fp8_mma_silu_kernel",
         "gemv_q4k_mma_kernel",
-        "matmul_invariant_mma_kernel",
+        "matmul_invariant_mv1_kernel",
+        "matmul_invariant_mv2_kernel",
+        "matmul_invariant_mv4_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),
@@ -91,6 +93,8 @@ fn deepseek_v4_kernels_compile_for_sm90_with_every_entry_point() {
         "moe_down_mxfp4_many",
         "moe_gemv_up_mxfp4",
         "moe_gemv_down_mxfp4",
+        "take_picks",
+        "embed",
     ] {
         let kernel = format!("dsv4_{name}_kernel");
         assert!(

@@ -170,6 +170,19 @@ pub trait DsV4Kernels: Backend {
     /// `m`'s rows in `parts` equal matrices (the grouped output projection's blocks).
     fn split_rows(&self, m: Self::Matrix, parts: usize) -> Vec<Self::Matrix>;
 
+    /// `ids[t]` replaced by entry `picked[t]` of the last `pick_rows` picks where that is
+    /// not `NOT_PICKED` (one entry per token): rows continuing the last step read its
+    /// tokens where they were picked (only where the backend's `picks_stay_on_device`).
+    fn dsv4_take_picks(&self, ids: &mut Self::Ids, picked: &[u32]);
+    /// `out[t] = table[ids[t]]` for the first `tokens` ids, `table` f32 rows `dim` wide.
+    fn dsv4_embed(
+        &self,
+        table: &Self::Buf,
+        dim: usize,
+        ids: &Self::Ids,
+        tokens: usize,
+        out: &mut Self::Buf,
+    );
     /// `x [tokens, hidden]` copied into each of `n` streams `[tokens, n, hidden]`.
     fn dsv4_expand(
         &self,

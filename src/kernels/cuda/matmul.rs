@@ -317,12 +317,24 @@ impl CudaBackend {
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
             // The tensor-core kernel where its 8-value loads fit K (`invariant_mma.cu`).
             let (kernel, cfg) = if k.is_multiple_of(8) {
+                // Eight-row tiles a block: as many as the rows fill (a row's sums do not
+                // depend on which).
+                let tiles_log2 = match m {
+                    ..=8 => 0,
+                    ..=16 => 1,
+                    _ => 2,
+                };
+                let rows_per_block = 8u32 << tiles_log2;
                 let cfg = LaunchConfig {
-                    grid_dim: ((m as u32).div_ceil(16), (n as u32).div_ceil(16), 1),
-                    block_dim: (128, 1, 1),
+                    grid_dim: (
+                        (n as u32).div_ceil(16),
+                        (m as u32).div_ceil(rows_per_block),
+                        1,
+                    ),
+                    block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                (&self.kernels.matmul_invariant_mma, cfg)
+                (&self.kernels.matmul_invariant_mv[tiles_log2], cfg)
             } else {
                 let cfg = LaunchConfig {
                     grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),

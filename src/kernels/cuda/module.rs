@@ -206,8 +206,9 @@ pub struct Kernels {
     pub kv_write: ByKvType,
     pub qkv_rope_cache: ByKvType,
     pub matmul_invariant: CudaFunction,
-    /// The tensor-core invariant GEMM (`invariant_mma.cu`).
-    pub matmul_invariant_mma: CudaFunction,
+    /// The tensor-core invariant GEMM (`invariant_mma.cu`) for 1, 2 and 4 eight-row
+    /// tiles a block.
+    pub matmul_invariant_mv: [CudaFunction; 3],
     /// Greedy picks and the CPU sampler's draw for rows without processors.
     pub sample: CudaFunction,
     pub random_bf16: CudaFunction,
@@ -373,7 +374,11 @@ impl Kernels {
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
-            matmul_invariant_mma: f("matmul_invariant_mma_kernel")?,
+            matmul_invariant_mv: [
+                f("matmul_invariant_mv1_kernel")?,
+                f("matmul_invariant_mv2_kernel")?,
+                f("matmul_invariant_mv4_kernel")?,
+            ],
             sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
             attention_combine: f("attention_combine_kernel")?,

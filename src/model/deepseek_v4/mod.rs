@@ -8,6 +8,7 @@
 //! | `weights.rs` | tensors by DeepSeek's names, placed on the backend |
 //! | `cache.rs` | state slots (SWA ring, compressor windows, overlap) and paged compressed entries |
 //! | `plan.rs` | a step's rows, sequences and closing windows, made once for all layers |
+//! | `embedding.rs` | a step's tokens embedded, from the host's table or, read from the last picks, the device's |
 //! | `recorded.rs` | decode steps over fixed-address buffers, recorded once and replayed |
 //! | `block.rs` | one block: manifold-constrained hyper-connections around attention and MoE |
 //! | `attention.rs` | SWA + CSA (lightning indexer) + HCA attention with sinks, grouped output |
@@ -21,6 +22,7 @@ pub mod attention;
 pub mod block;
 pub mod cache;
 pub mod config;
+mod embedding;
 pub mod expert_parallel;
 mod footprint;
 pub mod moe;
@@ -43,10 +45,10 @@ use weights::{DsV4Weights, HyperConnection, OnBackend};
 use crate::error::{Result, TroupeError};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{DsV4Kernels, DsV4Shape};
-use crate::kernels::{HostData, HostMatrix};
 use crate::model::loader::{SafetensorsSource, TensorSource};
 
 /// One sequence's share of a step.
+#[derive(Clone, Copy)]
 pub struct DsSeqStep<'a> {
     pub token_ids: &'a [u32],
     /// Tokens the sequence's state slot and blocks already hold.
@@ -66,9 +68,10 @@ pub struct DsV4Model<B: DsV4Kernels = CpuBackend> {
     pub cfg: DsV4Config,
     weights: DsV4Weights<B>,
     consts: Consts<B>,
-    /// The embedding on the device, where the backend keeps its picks there: a decode
-    /// step's ids are read where the last step picked them (ZOS with no host round trip).
-    embed_table: Option<B::Matrix>,
+    /// The embedding on the device (`[vocab, hidden]` f32), where the backend keeps its
+    /// picks there: a decode step's ids are read where the last step picked them (ZOS
+    /// with no host round trip).
+    embed_table: Option<B::Buf>,
     /// Last: the device buffers above go before it.
     pub backend: B,
 }
@@ -117,25 +120,13 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         Ok(Self::assemble(backend, cfg, weights))
     }
 
-    fn assemble(backend: B, cfg: DsV4Config, mut weights: DsV4Weights<B>) -> Self {
+    fn assemble(backend: B, cfg: DsV4Config, weights: DsV4Weights<B>) -> Self {
         let consts = Consts::new(&backend, &cfg);
-        let embed_table = backend.capabilities().picks_stay_on_device.then(|| {
-            // bf16, as checkpoints ship it; the host's rows (the MTP layer's input) are
-            // rounded alike so that both places embed a token the same.
-            let table: Vec<half::bf16> = weights
-                .embed
-                .iter()
-                .map(|&x| half::bf16::from_f32(x))
-                .collect();
-            for (x, t) in weights.embed.iter_mut().zip(&table) {
-                *x = t.to_f32();
-            }
-            backend.upload_matrix(HostMatrix {
-                rows: cfg.vocab_size,
-                cols: cfg.hidden_size,
-                data: HostData::Bf16(table),
-            })
-        });
+        // f32, exactly the host's rows (an f32 checkpoint's or the dummy model's too).
+        let embed_table = backend
+            .capabilities()
+            .picks_stay_on_device
+            .then(|| backend.upload(&weights.embed));
         DsV4Model {
             cfg,
             weights,
@@ -227,6 +218,22 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         expert_tokens: Option<&mut [Vec<u64>]>,
         mut group: Option<&mut ExpertGroup<B>>,
     ) -> Result<(B::Buf, B::Buf)> {
+        let read_back = self.read_back_verify_picks(steps, picked_rows);
+        let fixed: Vec<DsSeqStep<'_>>;
+        let (steps, picked_rows) = match &read_back {
+            Some((tokens, picked)) => {
+                fixed = steps
+                    .iter()
+                    .zip(tokens)
+                    .map(|(s, t)| DsSeqStep {
+                        token_ids: t.as_deref().unwrap_or(s.token_ids),
+                        ..*s
+                    })
+                    .collect();
+                (&fixed[..], &picked[..])
+            }
+            None => (steps, picked_rows),
+        };
         self.settle_slots(cache, steps, group.as_deref_mut())?;
         let recorder = group.is_none().then(|| self.recorder_for(steps)).flatten();
         let counted = expert_tokens.is_some();
@@ -265,10 +272,10 @@ impl<B: DsV4Kernels> DsV4Model<B> {
     ) -> (B::Buf, B::Buf, Option<Vec<u32>>) {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
-        let plan = Plan::new(b, cfg, cache.block_size, steps);
+        let mut plan = Plan::new(b, cfg, cache.block_size, steps);
         let tokens = plan.num_rows();
         let mut embedded = b.scratch(tokens * d);
-        self.embed_into(steps, picked_rows, &mut embedded);
+        self.embed_into(steps, &mut plan, picked_rows, &mut embedded);
         let mut streams = b.scratch(tokens * n_hc * d);
         b.dsv4_expand(&mut streams, &embedded, tokens, n_hc, d);
         let pass = Pass {
@@ -385,35 +392,6 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         let b = &self.backend;
         let h = block::hyper_head(b, &self.cfg, &self.consts, hc_head, norm, streams, rows);
         b.matmul(&h, rows, &self.weights.head, None, out);
-    }
-
-    /// The embedding rows of `steps`' tokens, one after another, into `out`: gathered on
-    /// the device where the table is there, a step's first token read among the last
-    /// picks where `picked_rows` says so (see `forward_on_device`).
-    fn embed_into(&self, steps: &[DsSeqStep<'_>], picked_rows: &[u32], out: &mut B::Buf) {
-        let ids: Vec<u32> = steps
-            .iter()
-            .flat_map(|s| s.token_ids.iter().copied())
-            .collect();
-        let Some(table) = &self.embed_table else {
-            assert!(
-                picked_rows.is_empty(),
-                "picks read on the device need the embedding table there"
-            );
-            let rows = ids
-                .iter()
-                .flat_map(|&id| self.embedding(id).iter().copied());
-            self.backend.write_floats(out, 0, &rows.collect::<Vec<_>>());
-            return;
-        };
-        let mut picked = Vec::new();
-        if !picked_rows.is_empty() {
-            for (s, &pick) in steps.iter().zip(picked_rows) {
-                picked.push(pick);
-                picked.extend((1..s.token_ids.len()).map(|_| crate::kernels::NOT_PICKED));
-            }
-        }
-        self.backend.embedding(table, &ids, &picked, out);
     }
 
     /// Token `id`'s embedding row.

@@ -96,7 +96,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         };
         arena.plan.refill(b, cfg, cache.block_size, steps);
         // Outside the recording: the ids (or the picks they are read from) change.
-        self.embed_into(steps, picked_rows, &mut arena.embedded);
+        let a = &mut *arena;
+        self.embed_into(steps, &mut a.plan, picked_rows, &mut a.embedded);
 
         let mut key = DefaultHasher::new();
         (&raw const *arena as usize, rows, arena.plan.index_span).hash(&mut key);

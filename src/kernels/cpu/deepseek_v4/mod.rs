@@ -155,6 +155,27 @@ impl DsV4Kernels for CpuBackend {
             .collect()
     }
 
+    fn dsv4_take_picks(&self, _ids: &mut Vec<u32>, picked: &[u32]) {
+        assert!(
+            picked.iter().all(|&p| p == crate::kernels::NOT_PICKED),
+            "the CPU backend's picks are on the host"
+        );
+    }
+
+    fn dsv4_embed(
+        &self,
+        table: &Vec<f32>,
+        dim: usize,
+        ids: &Vec<u32>,
+        tokens: usize,
+        out: &mut Vec<f32>,
+    ) {
+        for (t, &id) in ids[..tokens].iter().enumerate() {
+            let id = id as usize;
+            out[t * dim..(t + 1) * dim].copy_from_slice(&table[id * dim..(id + 1) * dim]);
+        }
+    }
+
     fn dsv4_expand(&self, streams: &mut Vec<f32>, x: &Vec<f32>, tokens: usize, n: usize, d: usize) {
         for t in 0..tokens {
             for j in 0..n {

@@ -81,6 +81,8 @@ pub struct DsV4Program {
     mhc_merge: CudaFunction,
     mhc_head: CudaFunction,
     expand: CudaFunction,
+    take_picks: CudaFunction,
+    embed: CudaFunction,
     swap: CudaFunction,
     compress_feed: CudaFunction,
     entry_finish: CudaFunction,
@@ -120,6 +122,8 @@ fn load(backend: &CudaBackend) -> Result<DsV4Program, CudaError> {
         mhc_merge: f("mhc_merge")?,
         mhc_head: f("mhc_head")?,
         expand: f("expand")?,
+        take_picks: f("take_picks")?,
+        embed: f("embed")?,
         swap: f("swap")?,
         compress_feed: f("compress_feed")?,
         entry_finish: f("entry_finish")?,
@@ -152,6 +156,55 @@ impl CudaBackend {
         }
         let k = load(self)?;
         Ok(self.dsv4.get_or_init(|| k))
+    }
+
+    /// `DsV4Kernels::dsv4_take_picks`: the last picks, still on the device, into `ids`.
+    fn take_picks(&self, ids: &mut CudaSlice<u32>, picked: &[u32]) {
+        let picked_d = self.upload_u32(super::graph::Meta::Picked, picked);
+        let picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
+        let n = picked.len() as i32;
+        // SAFETY: ids holds picked.len() entries, picked indices < MAX_PICKS.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().take_picks)
+                    .arg(ids)
+                    .arg(&picked_d.ptr)
+                    .arg(&picks.0)
+                    .arg(&n)
+                    .launch(super::grid_for(picked.len()))
+            },
+            "dsv4_take_picks",
+        );
+    }
+
+    /// `DsV4Kernels::dsv4_embed`: rows of the f32 `table` chosen by `ids` on the device.
+    fn embed_rows(
+        &self,
+        table: &CudaSlice<f32>,
+        dim: usize,
+        ids: &CudaSlice<u32>,
+        tokens: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let dim = dim as i32;
+        // SAFETY: ids holds `tokens` rows of the table; out holds tokens · dim.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().embed)
+                    .arg(out)
+                    .arg(table)
+                    .arg(ids)
+                    .arg(&dim)
+                    .launch(LaunchConfig {
+                        grid_dim: (tokens.max(1) as u32, 1, 1),
+                        block_dim: (1024, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+            },
+            "dsv4_embed",
+        );
     }
 
     pub(super) fn ds(&self) -> &DsV4Program {

@@ -107,6 +107,21 @@ impl DsV4Kernels for CudaBackend {
             .collect()
     }
 
+    fn dsv4_take_picks(&self, ids: &mut CudaSlice<u32>, picked: &[u32]) {
+        self.take_picks(ids, picked);
+    }
+
+    fn dsv4_embed(
+        &self,
+        table: &CudaSlice<f32>,
+        dim: usize,
+        ids: &CudaSlice<u32>,
+        tokens: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        self.embed_rows(table, dim, ids, tokens, out);
+    }
+
     fn dsv4_expand(
         &self,
         streams: &mut CudaSlice<f32>,
