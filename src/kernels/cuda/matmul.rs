@@ -319,10 +319,12 @@ impl CudaBackend {
             let (kernel, cfg) = if k.is_multiple_of(8) {
                 // Eight-row tiles a block: as many as the rows fill (a row's sums do not
                 // depend on which).
-                let tiles_log2 = match m {
-                    ..=8 => 0,
-                    ..=16 => 1,
-                    _ => 2,
+                let tiles_log2 = if m <= 8 {
+                    0
+                } else if m <= 16 {
+                    1
+                } else {
+                    2
                 };
                 let rows_per_block = 8u32 << tiles_log2;
                 let cfg = LaunchConfig {
