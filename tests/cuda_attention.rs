@@ -77,7 +77,9 @@ fn run<B: Backend>(
 
 #[test]
 fn cuda_attention_matches_the_cpu_backend() {
-    let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    // The invariant mode: its own split count over an f32 cache.
+    let gpus = [false, true]
+        .map(|invariant| CudaBackend::new(0, invariant, false).unwrap_or_else(|e| panic!("{e}")));
     let cpu = CpuBackend {
         batch_invariant: false,
         ..Default::default()
@@ -104,18 +106,22 @@ fn cuda_attention_matches_the_cpu_backend() {
         for (i, seqs) in batches.iter().enumerate() {
             let seed = 1000 * i as u64 + heads as u64;
             let want = run(&cpu, heads, kv_heads, head_dim, seqs, seed);
-            let got = run(&gpu, heads, kv_heads, head_dim, seqs, seed);
-            // bf16 keys and values on the GPU: errors of a few parts in a thousand.
-            let worst = want
-                .iter()
-                .zip(&got)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            // f32::max skips NaN: a NaN output is a failure of its own.
-            if got.iter().any(|x| x.is_nan()) || worst >= 1e-2 {
-                failures.push(format!(
-                    "heads {heads}/{kv_heads} dim {head_dim} batch {i}: max abs error {worst}"
-                ));
+            for gpu in &gpus {
+                let got = run(gpu, heads, kv_heads, head_dim, seqs, seed);
+                // bf16 keys and values on the GPU: errors of a few parts in a thousand.
+                let worst = want
+                    .iter()
+                    .zip(&got)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                // f32::max skips NaN: a NaN output is a failure of its own.
+                if got.iter().any(|x| x.is_nan()) || worst >= 1e-2 {
+                    failures.push(format!(
+                        "heads {heads}/{kv_heads} dim {head_dim} batch {i} invariant {}: \
+                     max abs error {worst}",
+                        gpu.batch_invariant
+                    ));
+                }
             }
         }
     }

@@ -5,7 +5,8 @@
 //! head and split, computing every query head of the group on tensor cores from one read of
 //! the keys), else to `attention_split_kernel` (one block per row, head and split). A split is a contiguous run of fixed 64-key chunks, merged by a combine kernel
 //! when there are several. How many splits (counting blocks per row as above):
-//! - batch-invariant mode: one, always, so a row's result depends on nothing but its keys;
+//! - batch-invariant mode: `INVARIANT_SPLITS`, always, so a row's result depends on nothing
+//!   but its keys (its chunks shared out by that fixed count, merged in split order);
 //! - otherwise enough blocks to fill the GPU: in a graph step a count fixed by its batch
 //!   size (a graph bakes in its grid), eagerly also at most one per chunk.
 
@@ -25,6 +26,11 @@ const CHUNK: usize = 64;
 const TARGET_BLOCKS: usize = 2048;
 /// At most the combine kernel's block size (128).
 const MAX_SPLITS: usize = 64;
+/// The invariant mode's fixed split count. With one split, a batch-1 step had 32 blocks
+/// (one a head) each walking ~600 keys: 281 µs a layer on the H200, twice the layer's GEMMs
+/// (Llama-3.1-8B shape, `gpu-profile.sh` with `--batch-invariant`). Sixteen fill the GPU at
+/// batch 1 and keep the mostly-empty splits of a wide batch's short rows cheap to skip.
+const INVARIANT_SPLITS: usize = 16;
 /// Query rows per flash block (the kernel's `FA_ROWS`), and the row flag it owns.
 const FLASH_ROWS: usize = 64;
 const FLASH_ROW: u32 = 1 << 31;
@@ -32,7 +38,7 @@ const FLASH_ROW: u32 = 1 << 31;
 impl CudaBackend {
     fn num_splits(&self, num_rows: usize, num_heads: usize, max_visible: usize) -> usize {
         if self.batch_invariant {
-            return 1;
+            return INVARIANT_SPLITS;
         }
         let pairs = num_rows * num_heads;
         let splits = TARGET_BLOCKS.div_ceil(pairs.max(1)).clamp(1, MAX_SPLITS);
