@@ -2,7 +2,7 @@
 // Σ_k X[m, k] · W[n, k], X f32, W bf16, C f32, K a multiple of 8. The weights are the
 // mma's A operand (16 features a warp) and the rows its B (8 a tile, up to NT tiles a
 // block), so a decode batch streams the weights straight from global memory into
-// fragments — no shared staging, no barrier inside the loop — with INV_UNROLL 32-column
+// fragments — no shared staging, no barrier inside the loop — with 4 32-column
 // chunks of loads in flight per warp. A block's 8 warps split K by chunks (warp w takes
 // chunks w, w + 8, …, each in order) and their sums are added in warp order: a row's
 // arithmetic is the same whatever M is, which tile it lands in and in which of a tile's
@@ -10,7 +10,6 @@
 // f32-accurate: bf16 plus its bf16 remainder, two mmas (SGLang's fixed split, with the
 // bf16 weights exact in the mma). Grid: (16-feature blocks, NT·8-row groups); 256 threads.
 #define INV_WARPS 8
-#define INV_UNROLL 4
 
 // 16 bytes of weights, issued where written: ptxas otherwise sinks each load to its first
 // use, leaving one chunk in flight.
@@ -22,16 +21,25 @@ __device__ __forceinline__ uint4 inv_load16(const bf16_t* p) {
     return v;
 }
 
-template <int NT>
+// FG 16-feature groups a warp (each with the 8-warp split above, so a feature's sums are
+// the same whichever FG): a wider batch reads its activations once for FG groups, where a
+// 16-feature block re-read them N/16 times (at M = 64, 8× the weights' bytes). U chunks of
+// loads in flight; U · FG = 4 keeps the weights' registers and bytes in flight the same.
+template <int NT, int FG, int U>
 __device__ void invariant_mv(float* C, const float* X, const bf16_t* W, int M, int N, int K) {
     __shared__ float red[INV_WARPS][16][NT * 8];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int g = lane >> 2, tq = lane & 3;
-    int n0 = blockIdx.x * 16, m0 = blockIdx.y * NT * 8;
-    // Features past N read row n0 (valid); their sums are not stored.
-    long long f0 = n0 + g < N ? n0 + g : n0, f1 = n0 + g + 8 < N ? n0 + g + 8 : n0;
-    const bf16_t* w0 = W + f0 * K + 8 * tq;
-    const bf16_t* w1 = W + f1 * K + 8 * tq;
+    int nb = blockIdx.x * 16 * FG, m0 = blockIdx.y * NT * 8;
+    const bf16_t* w0[FG];
+    const bf16_t* w1[FG];
+#pragma unroll
+    for (int j = 0; j < FG; ++j) {
+        // Features past N read row 0 (valid); their sums are not stored.
+        long long f0 = nb + 16 * j + g, f1 = f0 + 8;
+        w0[j] = W + (f0 < N ? f0 : 0) * K + 8 * tq;
+        w1[j] = W + (f1 < N ? f1 : 0) * K + 8 * tq;
+    }
     const float* xr[NT];
     bool live[NT];
 #pragma unroll
@@ -40,21 +48,26 @@ __device__ void invariant_mv(float* C, const float* X, const bf16_t* W, int M, i
         live[t] = r < M;
         xr[t] = X + (long long)(live[t] ? r : 0) * K + 8 * tq;
     }
-    float acc[NT][4];
+    float acc[FG][NT][4];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    for (int j = 0; j < FG; ++j)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[j][t][0] = acc[j][t][1] = acc[j][t][2] = acc[j][t][3] = 0.0f;
     int chunks = (K + 31) / 32;
-    for (int c0 = warp; c0 < chunks; c0 += INV_WARPS * INV_UNROLL) {
-        uint4 a[INV_UNROLL][2];
+    for (int c0 = warp; c0 < chunks; c0 += INV_WARPS * U) {
+        uint4 a[U][FG][2];
 #pragma unroll
-        for (int u = 0; u < INV_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             int k = (c0 + u * INV_WARPS) * 32;
             bool in = c0 + u * INV_WARPS < chunks && k + 8 * tq < K;
-            a[u][0] = in ? inv_load16(w0 + k) : make_uint4(0, 0, 0, 0);
-            a[u][1] = in ? inv_load16(w1 + k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int j = 0; j < FG; ++j) {
+                a[u][j][0] = in ? inv_load16(w0[j] + k) : make_uint4(0, 0, 0, 0);
+                a[u][j][1] = in ? inv_load16(w1[j] + k) : make_uint4(0, 0, 0, 0);
+            }
         }
 #pragma unroll
-        for (int u = 0; u < INV_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             int k = (c0 + u * INV_WARPS) * 32;
             bool in = c0 + u * INV_WARPS < chunks && k + 8 * tq < K;
 #pragma unroll
@@ -72,37 +85,48 @@ __device__ void invariant_mv(float* C, const float* X, const bf16_t* W, int M, i
                 u32 l1 = tile_bf16x2(p.z - tile_bf16_lo(h1), p.w - tile_bf16_hi(h1));
                 u32 l2 = tile_bf16x2(q.x - tile_bf16_lo(h2), q.y - tile_bf16_hi(h2));
                 u32 l3 = tile_bf16x2(q.z - tile_bf16_lo(h3), q.w - tile_bf16_hi(h3));
-                const uint4 &r0 = a[u][0], &r1 = a[u][1];
-                mma_bf16(acc[t], r0.x, r1.x, r0.y, r1.y, h0, h1);
-                mma_bf16(acc[t], r0.x, r1.x, r0.y, r1.y, l0, l1);
-                mma_bf16(acc[t], r0.z, r1.z, r0.w, r1.w, h2, h3);
-                mma_bf16(acc[t], r0.z, r1.z, r0.w, r1.w, l2, l3);
+#pragma unroll
+                for (int j = 0; j < FG; ++j) {
+                    const uint4 &r0 = a[u][j][0], &r1 = a[u][j][1];
+                    mma_bf16(acc[j][t], r0.x, r1.x, r0.y, r1.y, h0, h1);
+                    mma_bf16(acc[j][t], r0.x, r1.x, r0.y, r1.y, l0, l1);
+                    mma_bf16(acc[j][t], r0.z, r1.z, r0.w, r1.w, h2, h3);
+                    mma_bf16(acc[j][t], r0.z, r1.z, r0.w, r1.w, l2, l3);
+                }
             }
         }
     }
+    // A group at a time through the same shared tile: its warps' sums added in warp order.
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        red[warp][g][8 * t + 2 * tq] = acc[t][0];
-        red[warp][g][8 * t + 2 * tq + 1] = acc[t][1];
-        red[warp][g + 8][8 * t + 2 * tq] = acc[t][2];
-        red[warp][g + 8][8 * t + 2 * tq + 1] = acc[t][3];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < 16 * NT * 8; e += blockDim.x) {
-        int f = e % 16, r = e / 16;
-        float v = 0.0f;
+    for (int j = 0; j < FG; ++j) {
+        if (j > 0) __syncthreads();
 #pragma unroll
-        for (int w = 0; w < INV_WARPS; ++w) v += red[w][f][r];
-        if (n0 + f < N && m0 + r < M) C[(long long)(m0 + r) * N + n0 + f] = v;
+        for (int t = 0; t < NT; ++t) {
+            red[warp][g][8 * t + 2 * tq] = acc[j][t][0];
+            red[warp][g][8 * t + 2 * tq + 1] = acc[j][t][1];
+            red[warp][g + 8][8 * t + 2 * tq] = acc[j][t][2];
+            red[warp][g + 8][8 * t + 2 * tq + 1] = acc[j][t][3];
+        }
+        __syncthreads();
+        int n0 = nb + 16 * j;
+        for (int e = threadIdx.x; e < 16 * NT * 8; e += blockDim.x) {
+            int f = e % 16, r = e / 16;
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < INV_WARPS; ++w) v += red[w][f][r];
+            if (n0 + f < N && m0 + r < M) C[(long long)(m0 + r) * N + n0 + f] = v;
+        }
     }
 }
 
-#define INVARIANT_MV(NT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) matmul_invariant_mv##NT##_kernel(       \
+// Named by rows a block (NT · 8) and features a block (FG · 16).
+#define INVARIANT_MV(NAME, NT, FG, U)                                                         \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                   \
         float* C, const float* X, const bf16_t* W, int M, int N, int K) {                     \
         pdl_enter();                                                                          \
-        invariant_mv<NT>(C, X, W, M, N, K);                                                   \
+        invariant_mv<NT, FG, U>(C, X, W, M, N, K);                                            \
     }
-INVARIANT_MV(1)
-INVARIANT_MV(2)
-INVARIANT_MV(4)
+INVARIANT_MV(matmul_invariant_mv1_kernel, 1, 1, 4)
+INVARIANT_MV(matmul_invariant_mv2_kernel, 2, 1, 4)
+INVARIANT_MV(matmul_invariant_mv4_kernel, 4, 1, 4)
+INVARIANT_MV(matmul_invariant_wide_kernel, 4, 4, 1)

@@ -42,6 +42,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "matmul_invariant_mv1_kernel",
         "matmul_invariant_mv2_kernel",
         "matmul_invariant_mv4_kernel",
+        "matmul_invariant_wide_kernel",
     ] {
         assert!(
             ptx.contains(&format!(".entry {kernel}(")),

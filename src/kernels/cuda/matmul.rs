@@ -318,25 +318,29 @@ impl CudaBackend {
             // The tensor-core kernel where its 8-value loads fit K (`invariant_mma.cu`).
             let (kernel, cfg) = if k.is_multiple_of(8) {
                 // Eight-row tiles a block: as many as the rows fill (a row's sums do not
-                // depend on which).
-                let tiles_log2 = if m <= 8 {
+                // depend on which); past 32 rows, 64 features a block, so the activations
+                // are read N/64 times rather than N/16 (a feature's sums are the same).
+                let variant = if m <= 8 {
                     0
                 } else if m <= 16 {
                     1
-                } else {
+                } else if m <= 32 {
                     2
+                } else {
+                    3
                 };
-                let rows_per_block = 8u32 << tiles_log2;
+                let rows_per_block = 8u32 << variant.min(2);
+                let features_per_block = if variant == 3 { 64 } else { 16 };
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        (n as u32).div_ceil(16),
+                        (n as u32).div_ceil(features_per_block),
                         (m as u32).div_ceil(rows_per_block),
                         1,
                     ),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                (&self.kernels.matmul_invariant_mv[tiles_log2], cfg)
+                (&self.kernels.matmul_invariant_mv[variant], cfg)
             } else {
                 let cfg = LaunchConfig {
                     grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),

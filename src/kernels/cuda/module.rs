@@ -206,9 +206,9 @@ pub struct Kernels {
     pub kv_write: ByKvType,
     pub qkv_rope_cache: ByKvType,
     pub matmul_invariant: CudaFunction,
-    /// The tensor-core invariant GEMM (`invariant_mma.cu`) for 1, 2 and 4 eight-row
-    /// tiles a block.
-    pub matmul_invariant_mv: [CudaFunction; 3],
+    /// The tensor-core invariant GEMM (`invariant_mma.cu`): 1, 2 and 4 eight-row tiles a
+    /// block over 16 features, then 4 tiles over 64 features.
+    pub matmul_invariant_mv: [CudaFunction; 4],
     /// Greedy picks and the CPU sampler's draw for rows without processors.
     pub sample: CudaFunction,
     pub random_bf16: CudaFunction,
@@ -378,6 +378,7 @@ impl Kernels {
                 f("matmul_invariant_mv1_kernel")?,
                 f("matmul_invariant_mv2_kernel")?,
                 f("matmul_invariant_mv4_kernel")?,
+                f("matmul_invariant_wide_kernel")?,
             ],
             sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
