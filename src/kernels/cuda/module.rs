@@ -14,6 +14,7 @@ use super::CudaError;
 /// `llama.cu` and the files that use its helpers, as one NVRTC program.
 pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/llama.cu"),
+    include_str!("../../../kernels-cuda/split_attention.cu"),
     include_str!("../../../kernels-cuda/mma_tile.cu"),
     include_str!("../../../kernels-cuda/decode_attention.cu"),
     include_str!("../../../kernels-cuda/prefill_attention.cu"),
