@@ -76,10 +76,8 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
     u32 flagged = row_visible[row];
     if (flagged & FLASH_ROW) return;
     int visible = flagged;
-    int num_chunks = (visible + ATT_CHUNK - 1) / ATT_CHUNK;
-    int per_split = (num_chunks + num_splits - 1) / num_splits;
-    int start = split * per_split * ATT_CHUNK;
-    int end = min(visible, start + per_split * ATT_CHUNK);
+    int2 keys = split_keys(visible, split, num_splits);
+    int start = keys.x, end = keys.y;
     int num_heads = num_kv_heads * group;
     long long kv_dim = (long long)num_kv_heads * HD;
     const u32* table = block_tables + row_table[row];

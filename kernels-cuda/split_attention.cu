@@ -12,6 +12,16 @@
 // output) for `attention_combine_kernel`. A row's result depends on its own keys and the
 // split count only, so a fixed split count is batch-invariant. 128 threads, head_dim ≤ 256.
 #define ATT_CHUNK 64
+
+// Keys [start, end) of split `split`: a contiguous run of ceil(chunks / splits) whole
+// chunks, the same runs in every kernel that splits a row, so the combine reads them alike.
+__device__ __forceinline__ int2 split_keys(int visible, int split, int num_splits) {
+    int num_chunks = (visible + ATT_CHUNK - 1) / ATT_CHUNK;
+    int per_split = (num_chunks + num_splits - 1) / num_splits;
+    int start = split * per_split * ATT_CHUNK;
+    return make_int2(start, min(visible, start + per_split * ATT_CHUNK));
+}
+
 template <typename T>
 __device__ void attention_split(
     float* out, float* part_o, float* part_ml, const float* q, const T* k_cache,
@@ -25,10 +35,8 @@ __device__ void attention_split(
     u32 flagged = row_visible[row];
     if (flagged & FLASH_ROW) return;
     int visible = flagged;
-    int num_chunks = (visible + ATT_CHUNK - 1) / ATT_CHUNK;
-    int per_split = (num_chunks + num_splits - 1) / num_splits;
-    int start = split * per_split * ATT_CHUNK;
-    int end = min(visible, start + per_split * ATT_CHUNK);
+    int2 keys = split_keys(visible, split, num_splits);
+    int start = keys.x, end = keys.y;
     int kvh = h / (num_heads / num_kv_heads);
     int kv_dim = num_kv_heads * head_dim;
     const u32* table = block_tables + row_table[row];
