@@ -8,7 +8,7 @@
 // arithmetic is the same whatever M is, which tile it lands in and in which of a tile's
 // columns (an mma's output column depends on its own column of B only). Activations are
 // f32-accurate: bf16 plus its bf16 remainder, two mmas (SGLang's fixed split, with the
-// bf16 weights exact in the mma). Grid: (16-feature blocks, NT·8-row groups); 256 threads.
+// bf16 weights exact in the mma). Grid: (16·FG-feature blocks, NT·8-row groups); 256 threads.
 #define INV_WARPS 8
 
 // 16 bytes of weights, issued where written: ptxas otherwise sinks each load to its first

@@ -323,17 +323,15 @@ impl CudaBackend {
                 // where that still leaves a block an SM (Qwen3-0.6B's 2 048-wide q at 64
                 // rows lost 8 % on 64 blocks).
                 let wide_blocks = n.div_ceil(64) * m.div_ceil(32);
-                let variant = if m <= 8 {
-                    0
+                let (variant, rows_per_block, features_per_block) = if m <= 8 {
+                    (0, 8, 16)
                 } else if m <= 16 {
-                    1
+                    (1, 16, 16)
                 } else if m <= 32 || wide_blocks < 128 {
-                    2
+                    (2, 32, 16)
                 } else {
-                    3
+                    (3, 32, 64)
                 };
-                let rows_per_block = 8u32 << variant.min(2);
-                let features_per_block = if variant == 3 { 64 } else { 16 };
                 let cfg = LaunchConfig {
                     grid_dim: (
                         (n as u32).div_ceil(features_per_block),
