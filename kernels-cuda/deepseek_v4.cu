@@ -321,37 +321,106 @@ extern "C" __global__ void dsv4_entry_finish_kernel(float* entries, const u32* e
 
 // The lightning indexer's score of every visible entry for every row:
 // Σ_h w_h · relu(q_h · k) (scaled), −∞ past the row's visible entries. A block takes a row
-// and IX_ENTRIES entries (a warp each in turn), with the row's queries in shared memory.
-#define IX_ENTRIES 64
-extern "C" __global__ void dsv4_index_scores_kernel(
+// and IX_ENTRIES entries, the row's queries and the entries' keys in shared memory: a lane
+// an entry, a warp every 8th head, so no product waits on a reduction (a warp an entry
+// summing each head's dot by shuffles took 160 µs for one V4-Flash row), and the warps'
+// partial sums added in warp order. V: 4 floats a load where dim allows (keys' rows padded
+// by 4 floats so a quarter-warp's loads hit distinct banks), else one (rows of odd stride).
+#define IX_ENTRIES 32
+#define IX_WARPS 8
+#define IX_HEADS 8
+
+template <int V>
+__device__ void ds_index_scores(float* scores, const float* q, const float* head_weights,
+                                const float* keys, const u32* rows, const u32* seqs,
+                                const u32* block_tables, int block_size, int rate, int epb,
+                                int heads, int dim, float score_scale, float weight_scale,
+                                int max_visible) {
+    extern __shared__ __align__(16) float ix_smem[];
+    __shared__ float part[IX_WARPS][IX_ENTRIES];
+    int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int visible = ((int)rows[2 * r + 1] + 1) / rate;
+    int e0 = blockIdx.y * IX_ENTRIES;
+    int count = min(IX_ENTRIES, max_visible - e0);
+    if (e0 >= visible) {
+        if (threadIdx.x < count) scores[(long long)r * max_visible + e0 + threadIdx.x] = NEG_INF;
+        return;
+    }
+    int stride = V == 4 ? dim + 4 : (dim | 1);
+    float* qs = ix_smem;
+    float* ks = ix_smem + heads * dim;
+    const float* qr = q + (long long)r * heads * dim;
+    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = qr[i];
+    const u32* table = block_tables + seqs[rows[2 * r] * SEQ_FIELDS + S_BT];
+    int live = min(count, visible - e0);
+    for (int i = threadIdx.x; i < live * dim; i += blockDim.x) {
+        int j = i / dim, c = i % dim;
+        ks[j * stride + c] = keys[ds_entry(table, block_size, rate, epb, e0 + j) * dim + c];
+    }
+    __syncthreads();
+    float s = 0.0f;
+    if (lane < live) {
+        const float* k = ks + lane * stride;
+        for (int h0 = warp; h0 < heads; h0 += IX_WARPS * IX_HEADS) {
+            float d[IX_HEADS];
+#pragma unroll
+            for (int j = 0; j < IX_HEADS; ++j) d[j] = 0.0f;
+            for (int c = 0; c < dim; c += V) {
+                float kv[V];
+                if (V == 4) {
+                    float4 v = *(const float4*)&k[c];
+                    kv[0] = v.x, kv[V > 1 ? 1 : 0] = v.y, kv[V > 2 ? 2 : 0] = v.z,
+                    kv[V > 3 ? 3 : 0] = v.w;
+                } else {
+                    kv[0] = k[c];
+                }
+#pragma unroll
+                for (int j = 0; j < IX_HEADS; ++j) {
+                    int h = h0 + IX_WARPS * j;
+                    if (h >= heads) break;
+                    const float* qh = qs + h * dim + c;
+                    if (V == 4) {
+                        float4 qv = *(const float4*)qh;
+                        d[j] = fmaf(qv.x, kv[0], d[j]);
+                        d[j] = fmaf(qv.y, kv[V > 1 ? 1 : 0], d[j]);
+                        d[j] = fmaf(qv.z, kv[V > 2 ? 2 : 0], d[j]);
+                        d[j] = fmaf(qv.w, kv[V > 3 ? 3 : 0], d[j]);
+                    } else {
+                        d[j] = fmaf(qh[0], kv[0], d[j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < IX_HEADS; ++j) {
+                int h = h0 + IX_WARPS * j;
+                if (h >= heads) break;
+                s += fmaxf(d[j], 0.0f) * score_scale * head_weights[r * heads + h] * weight_scale;
+            }
+        }
+    }
+    part[warp][lane] = s;
+    __syncthreads();
+    if (threadIdx.x >= count) return;
+    int e = e0 + threadIdx.x;
+    float total = NEG_INF;
+    if (e < visible) {
+        total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < IX_WARPS; ++w) total += part[w][threadIdx.x];
+    }
+    scores[(long long)r * max_visible + e] = total;
+}
+
+extern "C" __global__ void __launch_bounds__(256) dsv4_index_scores_kernel(
     float* scores, const float* q, const float* head_weights, const float* keys, const u32* rows,
     const u32* seqs, const u32* block_tables, int block_size, int rate, int epb, int heads,
     int dim, float score_scale, float weight_scale, int max_visible) {
-    extern __shared__ float qs[];
-    int r = blockIdx.x;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    int visible = ((int)rows[2 * r + 1] + 1) / rate;
-    int e0 = blockIdx.y * IX_ENTRIES;
-    const float* qr = q + (long long)r * heads * dim;
-    if (e0 < visible)
-        for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = qr[i];
-    __syncthreads();
-    const u32* table = block_tables + seqs[rows[2 * r] * SEQ_FIELDS + S_BT];
-    for (int e = e0 + warp; e < min(e0 + IX_ENTRIES, max_visible); e += warps) {
-        if (e >= visible) {
-            if (lane == 0) scores[(long long)r * max_visible + e] = NEG_INF;
-            continue;
-        }
-        const float* k = keys + ds_entry(table, block_size, rate, epb, e) * dim;
-        float s = 0.0f;
-        for (int h = 0; h < heads; ++h) {
-            float d = 0.0f;
-            for (int c = lane; c < dim; c += 32) d += qs[h * dim + c] * k[c];
-            d = fmaxf(ds_warp_sum(d), 0.0f) * score_scale;
-            s += d * head_weights[r * heads + h] * weight_scale;
-        }
-        if (lane == 0) scores[(long long)r * max_visible + e] = s;
-    }
+    if (dim % 4 == 0)
+        ds_index_scores<4>(scores, q, head_weights, keys, rows, seqs, block_tables, block_size,
+                           rate, epb, heads, dim, score_scale, weight_scale, max_visible);
+    else
+        ds_index_scores<1>(scores, q, head_weights, keys, rows, seqs, block_tables, block_size,
+                           rate, epb, heads, dim, score_scale, weight_scale, max_visible);
 }
 
 // The ring keeps each chunk's last min(len, ring_len) K=V rows, at position % ring_len.

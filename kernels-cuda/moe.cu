@@ -104,10 +104,14 @@ MOE_ENTRIES(mxfp4, TILE_MXFP4)
 // with no barrier between loads and products. A lane takes a run of 16 blocks (272 bytes:
 // 17 aligned 16-byte loads, all in flight at once, covering 512 values); the K / 512 lanes
 // of a row add their runs by shuffles, in lane order. The pair's input row is in shared
-// memory as f32. Block: 8 warps of 32 / runs rows each (gate and up rows alternate when
-// SWIGLU); grid: (feature blocks, pairs). The up pass also adds each pair to `counts`.
+// memory as f32, each run of 512 values 4 floats (16 banks' worth of a float4) past the
+// last: the lanes of a quarter-warp read the same column of different runs, and unpadded
+// those are one bank (an 8-way conflict on every load: 114 µs for V4-Flash's up pass).
+// Block: 8 warps of 32 / runs rows each (gate and up rows alternate when SWIGLU); grid:
+// (feature blocks, pairs). The up pass also adds each pair to `counts`.
 #define MOE_GEMV_MAX_K 8192
 #define MOE_GEMV_RUN 512
+#define MOE_GEMV_PAD 4
 
 // Four bytes of `w` from byte `at` (a constant once unrolled: a funnel shift).
 __device__ __forceinline__ u32 moe_bytes_at(const u32* w, int at) {
@@ -129,13 +133,13 @@ template <bool SWIGLU>
 __device__ void moe_gemv_mxfp4(float* out, const float* x, int x_div, const u32* chosen,
                                const u64* w1, const u64* w2, u32* counts, int N, int K,
                                float limit) {
-    __shared__ __align__(16) float xs[MOE_GEMV_MAX_K];
+    __shared__ __align__(16) float xs[MOE_GEMV_MAX_K + MOE_GEMV_MAX_K / MOE_GEMV_RUN * MOE_GEMV_PAD];
     int p = blockIdx.y;
     int e = chosen[p];
     if (counts != nullptr && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&counts[e], 1u);
     const float* xr = x + (long long)(p / x_div) * K;
     for (int i = threadIdx.x * 4; i < K; i += blockDim.x * 4)
-        *(float4*)&xs[i] = *(const float4*)&xr[i];
+        *(float4*)&xs[i + i / MOE_GEMV_RUN * MOE_GEMV_PAD] = *(const float4*)&xr[i];
     __syncthreads();
     int runs = K / MOE_GEMV_RUN, rpw = 32 / runs;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -159,7 +163,7 @@ __device__ void moe_gemv_mxfp4(float* out, const float* x, int x_div, const u32*
 #pragma unroll
         for (int i = 0; i < 68; ++i) all ^= w[i];
         if (all == 0x9e3779b9u && N < 0) acc = 1.0f;  // never: N > 0
-        const float* xk = xs + s * MOE_GEMV_RUN;
+        const float* xk = xs + s * (MOE_GEMV_RUN + MOE_GEMV_PAD);
 #pragma unroll
         for (int b = 0; b < 16; ++b) {
             u32 ex = moe_bytes_at(w, 17 * b) & 0xffu;

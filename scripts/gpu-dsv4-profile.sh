@@ -3,6 +3,8 @@
 # GPU time — a 3-layer V4-Flash shape (SWA, CSA, HCA) with --dummy-weights under Nsight
 # Compute, kernel durations summed by kernel name, largest first. Carry gpu-bin/troupe.
 #   bash scripts/gpu-dsv4-profile.sh [prompt tokens] [new tokens]
+# With DECODE_STEPS=N: profiled twice (1 and 1 + N new tokens) and the difference shown per
+# decode step, so the prefill's kernels drop out. LAYERS=N changes the depth (default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -10,11 +12,11 @@ export TROUPE_HOME=/tmp/troupe-home
 PROMPT=${1:-4096}
 NEW=${2:-1}
 M=$(mktemp -d)
-python3 - "$M" <<'PY'
+python3 - "$M" "${LAYERS:-3}" <<'PY'
 import json, sys
 sys.path.insert(0, "scripts")
 from gpu_dsv4 import shape
-json.dump(dict(shape(3), model_type="deepseek_v4"), open(f"{sys.argv[1]}/config.json", "w"))
+json.dump(dict(shape(int(sys.argv[2])), model_type="deepseek_v4"), open(f"{sys.argv[1]}/config.json", "w"))
 PY
 IDS=$(python3 -c "import random; r=random.Random(0); print(','.join(str(r.randrange(2, 129280)) for _ in range($PROMPT)))")
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -24,35 +26,54 @@ gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids 
   --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
   --max-num-batched-tokens 8192 --stats "$M/stats.json" >/dev/null
 python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(f\"unprofiled: prefill {s['prefill_tokens']} tokens at {s['prefill_tokens_per_s']:.0f} tok/s = {s['prefill_tokens'] / s['prefill_tokens_per_s'] * 1e3:.1f} ms\")" "$M/stats.json"
-timeout 500 "$NCU" --clock-control none --csv --page raw \
-  --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size \
-  gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
-  --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
-  --max-num-batched-tokens 8192 > "$M/ncu.csv" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
+profile() {
+  timeout 400 "$NCU" --clock-control none --csv --page raw \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size \
+    gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
+    --max-tokens "$1" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
+    --max-num-batched-tokens 8192 > "$2" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
+}
+if [ -n "${DECODE_STEPS:-}" ]; then
+  profile 1 "$M/base.csv"
+  profile $((1 + DECODE_STEPS)) "$M/ncu.csv"
+else
+  profile "$NEW" "$M/ncu.csv"
+fi
 [ -n "${OUT:-}" ] && gzip -c "$M/ncu.csv" > "$OUT/ncu.csv.gz"
 
-python3 - "$M/ncu.csv" <<'PY'
+python3 - "$M/ncu.csv" "${DECODE_STEPS:-}" "$M/base.csv" <<'PY'
 import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-at = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
-head = rows[at]
-k, t = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
-total = collections.Counter(); count = collections.Counter()
-for r in rows[at + 1:]:
-    if len(r) != len(head):
-        continue
-    try:
-        v = float(r[t].replace(",", ""))
-    except ValueError:
-        continue
-    name = r[k].split("(")[0].split("<")[0][:60]
-    if name == "random_bf16_kernel":  # --dummy-weights being made
-        continue
-    total[name] += v; count[name] += 1
+def sums(path):
+    rows = list(csv.reader(open(path)))
+    at = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    head = rows[at]
+    k, t = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+    total = collections.Counter(); count = collections.Counter()
+    for r in rows[at + 1:]:
+        if len(r) != len(head):
+            continue
+        try:
+            v = float(r[t].replace(",", ""))
+        except ValueError:
+            continue
+        name = r[k].split("(")[0].split("<")[0][:60]
+        if name == "random_bf16_kernel":  # --dummy-weights being made
+            continue
+        total[name] += v; count[name] += 1
+    return total, count
+total, count = sums(sys.argv[1])
+steps = 1
+if sys.argv[2]:
+    steps = int(sys.argv[2])
+    base, base_count = sums(sys.argv[3])
+    total.subtract(base); count.subtract(base_count)
+    total = collections.Counter({k: v / steps for k, v in total.items() if count[k] > 0})
+    count = collections.Counter({k: c / steps for k, c in count.items() if c > 0})
+    print(f"per decode step (the difference of {steps} steps)")
 s = sum(total.values())
-print(f"{sum(count.values())} kernels, {s / 1e6:.1f} ms of GPU time")
-print("| kernel | calls | ms | share |")
+print(f"{sum(count.values()):.0f} kernels, {s / 1e3:.1f} us of GPU time")
+print("| kernel | calls | us | share |")
 print("|---|---:|---:|---:|")
-for name, v in total.most_common(25):
-    print(f"| {name} | {count[name]} | {v / 1e6:.2f} | {v / s:.1%} |")
+for name, v in total.most_common(30):
+    print(f"| {name} | {count[name]:.0f} | {v / 1e3:.1f} | {v / s:.1%} |")
 PY

@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--batches", default="", help="more decode batch sizes, comma-separated")
     ap.add_argument("--eager", action="store_true",
                     help="also decode every batch size with --enforce-eager (no recorded steps)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="also decode batch 1 and --batch with --spec mtp (confidence and fixed verification)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -211,6 +213,13 @@ def main() -> None:
                     rows[f"troupe decode b{b}"] = troupe(
                         args.troupe, model, [ids(args.decode_prompt) for _ in range(b)], args.new, tmp,
                         args.kv_mib)
+        if args.mtp:
+            for b in (1, args.batch):
+                for verify in ("confidence", "fixed"):
+                    rows[f"troupe decode b{b} mtp {verify}"] = troupe(
+                        args.troupe, model, [ids(args.decode_prompt) for _ in range(b)], args.new, tmp,
+                        args.kv_mib, ("--spec", "mtp", "--num-speculative-tokens", "1",
+                                      "--spec-verify", verify))
     bw = copy_bandwidth()
     layer_bytes, head_bytes = bytes_per_token(s)
     roofline = bw / (args.layers * layer_bytes + head_bytes)
@@ -241,7 +250,11 @@ def main() -> None:
         print(f"| transformers decode batch 1 | {peer_row['decode_tokens_per_s']:.1f} | {peer_row['decode_tokens_per_s'] * L:.0f} | |")
     for name, st in rows.items():
         if name.startswith("troupe decode b") and name not in ("troupe decode b1", f"troupe decode b{args.batch}"):
-            print(f"| {name} | {st['decode_tokens_per_s']:.1f} | {st['decode_tokens_per_s'] * L:.0f} | - |")
+            accepted = ""
+            if st.get("spec_draft_tokens"):
+                accepted = (f" (drafts {st['spec_draft_tokens']}, accepted {st['spec_accepted_tokens']}, "
+                            f"verify rows {st['spec_verify_rows']})")
+            print(f"| {name}{accepted} | {st['decode_tokens_per_s']:.1f} | {st['decode_tokens_per_s'] * L:.0f} | - |")
     print(f"troupe batch-1 decode = {b1 / roofline:.3f} of the roofline")
 
 

@@ -165,6 +165,7 @@ fn backend(invariant: bool, case: &Case) -> CudaBackend {
         num_experts_per_tok: case.k,
         head_dim: 64,
         index_width: 64,
+        index_head_dim: 64,
     })
     .expect("the kernels");
     b

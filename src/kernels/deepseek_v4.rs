@@ -123,6 +123,7 @@ pub struct DsV4Shape {
     pub num_experts_per_tok: usize,
     pub head_dim: usize,
     pub index_width: usize,
+    pub index_head_dim: usize,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -419,6 +419,7 @@ fn prepare<B: DsV4Kernels>(b: &B, cfg: &DsV4Config) -> Result<()> {
         num_experts_per_tok: cfg.num_experts_per_tok,
         head_dim: cfg.head_dim,
         index_width: cfg.index_n_heads * cfg.index_head_dim,
+        index_head_dim: cfg.index_head_dim,
     };
     b.dsv4_prepare(&shape)
         .map_err(|e| TroupeError::InvalidInput(e.to_string()))

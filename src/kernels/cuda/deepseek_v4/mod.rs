@@ -69,10 +69,19 @@ fn attention_grid(rows: usize, heads: usize, invariant: bool) -> (usize, usize) 
 }
 
 /// Entries a block of the indexer's score kernel takes (`IX_ENTRIES`).
-const IX_ENTRIES: usize = 64;
+const IX_ENTRIES: usize = 32;
 
 /// The indexer's queries of a row in shared memory, at most (heads · dim floats).
 pub const INDEX_SMEM_BYTES: usize = 64 << 10;
+/// The indexer's key width, at most: a block's keys share the queries' shared memory.
+pub const INDEX_MAX_HEAD_DIM: usize = 512;
+
+/// Shared memory of an indexer score block: the queries, then `IX_ENTRIES` key rows
+/// (padded as `dsv4_index_scores_kernel` lays them out).
+fn index_smem_bytes(heads: usize, dim: usize) -> usize {
+    let stride = if dim.is_multiple_of(4) { dim + 4 } else { dim | 1 };
+    4 * (heads * dim + IX_ENTRIES * stride)
+}
 
 pub struct DsV4Program {
     _module: Arc<CudaModule>,
@@ -114,7 +123,11 @@ fn load(backend: &CudaBackend) -> Result<DsV4Program, CudaError> {
     };
     let attention = f("attention")?;
     let index_scores = f("index_scores")?;
-    super::module::opt_in_smem(&index_scores, INDEX_SMEM_BYTES, "dsv4_index_scores")?;
+    super::module::opt_in_smem(
+        &index_scores,
+        INDEX_SMEM_BYTES + index_smem_bytes(0, INDEX_MAX_HEAD_DIM),
+        "dsv4_index_scores",
+    )?;
     super::module::opt_in_smem(&attention, ATTENTION_SMEM_BYTES, "dsv4_attention")?;
     Ok(DsV4Program {
         rope: f("rope")?,
@@ -303,7 +316,7 @@ impl CudaBackend {
         );
         let (hi, di, mv, ki) = (heads as i32, keys.dim as i32, max_visible as i32, k as i32);
         assert!(
-            heads * keys.dim * 4 <= INDEX_SMEM_BYTES,
+            heads * keys.dim * 4 <= INDEX_SMEM_BYTES && keys.dim <= INDEX_MAX_HEAD_DIM,
             "the indexer's shape is checked when the model loads"
         );
         let score_scale = (keys.dim as f32).powf(-0.5);
@@ -331,7 +344,7 @@ impl CudaBackend {
                         .arg(&weight_scale)
                         .arg(&mv)
                         .launch(LaunchConfig {
-                            shared_mem_bytes: (heads * keys.dim * 4) as u32,
+                            shared_mem_bytes: index_smem_bytes(heads, keys.dim) as u32,
                             ..blocks(meta.num_rows, max_visible.div_ceil(IX_ENTRIES), 256)
                         })
                 },

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::super::weights::Store;
 use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
-use super::{ATT_MAX_HEAD_DIM, INDEX_SMEM_BYTES, blocks};
+use super::{ATT_MAX_HEAD_DIM, INDEX_MAX_HEAD_DIM, INDEX_SMEM_BYTES, blocks};
 use crate::kernels::deepseek_v4::{
     AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, ExpertMatrices,
     ExpertOwners, Scoring, StepMeta,
@@ -31,6 +31,7 @@ impl DsV4Kernels for CudaBackend {
                 INDEX_SMEM_BYTES / 4,
                 "index_n_heads × index_head_dim",
             ),
+            (shape.index_head_dim, INDEX_MAX_HEAD_DIM, "index_head_dim"),
         ];
         for (value, most, name) in limits {
             if value > most {
