@@ -102,8 +102,10 @@ extern "C" __global__ void dsv4_mhc_mix_kernel(const float* mixes, const float* 
             const float* logit = m + 2 * n + row * n;
             const float* b = base + 2 * n + row * n;
             float mx = NEG_INF;
+#pragma unroll 4
             for (int k = 0; k < n; ++k) mx = fmaxf(mx, logit[k] * scale[2] + b[k]);
             float sum = 0.0f;
+#pragma unroll 4
             for (int k = 0; k < n; ++k) sum += expf(logit[k] * scale[2] + b[k] - mx);
             v = expf(logit[col] * scale[2] + b[col] - mx) / sum + hc_eps;
         }
@@ -112,11 +114,13 @@ extern "C" __global__ void dsv4_mhc_mix_kernel(const float* mixes, const float* 
                 for (int it = 0; it < iters; ++it) {
                     float sum = 0.0f;
                     if (it > 0) {
+#pragma unroll 4
                         for (int k = 0; k < n; ++k)
                             sum += __shfl_sync(0xffffffffu, v, (row * n + k) & 31);
                         v /= sum + hc_eps;
                     }
                     sum = 0.0f;
+#pragma unroll 4
                     for (int j = 0; j < n; ++j)
                         sum += __shfl_sync(0xffffffffu, v, (j * n + col) & 31);
                     v /= sum + hc_eps;
@@ -153,6 +157,7 @@ extern "C" __global__ void dsv4_mhc_mix_kernel(const float* mixes, const float* 
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= hidden) return;
     float acc = 0.0f;
+#pragma unroll 4
     for (int j = 0; j < n; ++j) acc += pre_s[j] * streams[((long long)t * n + j) * hidden + ch];
     collapsed[(long long)t * hidden + ch] = acc;
 }
@@ -349,13 +354,28 @@ __device__ void ds_index_scores(float* scores, const float* q, const float* head
     int stride = V == 4 ? dim + 4 : (dim | 1);
     float* qs = ix_smem;
     float* ks = ix_smem + heads * dim;
+    // The loads unrolled so that they are all in flight: a loop of one load a trip waits
+    // out the memory latency each time (most of this kernel's time, measured).
     const float* qr = q + (long long)r * heads * dim;
-    for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = qr[i];
+    if (V == 4) {
+#pragma unroll 8
+        for (int i = threadIdx.x; i < heads * dim / 4; i += blockDim.x)
+            ((float4*)qs)[i] = ((const float4*)qr)[i];
+    } else {
+#pragma unroll 8
+        for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = qr[i];
+    }
     const u32* table = block_tables + seqs[rows[2 * r] * SEQ_FIELDS + S_BT];
     int live = min(count, visible - e0);
-    for (int i = threadIdx.x; i < live * dim; i += blockDim.x) {
-        int j = i / dim, c = i % dim;
-        ks[j * stride + c] = keys[ds_entry(table, block_size, rate, epb, e0 + j) * dim + c];
+    // A warp a key row at a time, its lanes along the row.
+#pragma unroll 4
+    for (int j = warp; j < live; j += IX_WARPS) {
+        const float* k = keys + ds_entry(table, block_size, rate, epb, e0 + j) * dim;
+        if (V == 4) {
+            for (int c = 4 * lane; c < dim; c += 128) *(float4*)&ks[j * stride + c] = *(const float4*)&k[c];
+        } else {
+            for (int c = lane; c < dim; c += 32) ks[j * stride + c] = k[c];
+        }
     }
     __syncthreads();
     float s = 0.0f;

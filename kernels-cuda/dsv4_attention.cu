@@ -190,20 +190,34 @@ extern "C" __global__ void __launch_bounds__(256, 2) dsv4_attention_kernel(
     }
 }
 
-// The splits of dsv4_attention_kernel merged, in split order: one block a (row, head).
+// The splits of dsv4_attention_kernel merged, in split order: one block a (row, head). Each
+// split's factor is computed once (shared memory), and the channel loop's loads unrolled.
+#define ATT_MAX_MERGE 64
 extern "C" __global__ void dsv4_attention_merge_kernel(float* out, const float* part, int splits,
                                                        int hd) {
+    __shared__ float factor[ATT_MAX_MERGE];
+    __shared__ float inv_l;
     long long rh = blockIdx.x, n_parts = (long long)gridDim.x * splits;
     const float* ml = part + n_parts * hd + rh * splits * 2;
-    float m = NEG_INF;
-    for (int z = 0; z < splits; ++z) m = fmaxf(m, ml[2 * z]);
-    float l = 0.0f;
-    for (int z = 0; z < splits; ++z)
-        if (ml[2 * z] != NEG_INF) l += ml[2 * z + 1] * expf(ml[2 * z] - m);
+    if (threadIdx.x < 32) {
+        float m = NEG_INF;
+        for (int z = threadIdx.x; z < splits; z += 32) m = fmaxf(m, ml[2 * z]);
+        m = ds_warp_max(m);
+        for (int z = threadIdx.x; z < splits; z += 32)
+            factor[z] = ml[2 * z] != NEG_INF ? expf(ml[2 * z] - m) : 0.0f;
+        __syncwarp();
+        if (threadIdx.x == 0) {
+            float l = 0.0f;
+            for (int z = 0; z < splits; ++z) l += ml[2 * z + 1] * factor[z];
+            inv_l = 1.0f / l;
+        }
+    }
+    __syncthreads();
+    const float* pr = part + rh * splits * hd;
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float o = 0.0f;
-        for (int z = 0; z < splits; ++z)
-            if (ml[2 * z] != NEG_INF) o += part[(rh * splits + z) * hd + c] * expf(ml[2 * z] - m);
-        out[rh * hd + c] = o / l;
+#pragma unroll 8
+        for (int z = 0; z < splits; ++z) o += pr[(long long)z * hd + c] * factor[z];
+        out[rh * hd + c] = o * inv_l;
     }
 }

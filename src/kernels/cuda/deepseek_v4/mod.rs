@@ -79,7 +79,11 @@ pub const INDEX_MAX_HEAD_DIM: usize = 512;
 /// Shared memory of an indexer score block: the queries, then `IX_ENTRIES` key rows
 /// (padded as `dsv4_index_scores_kernel` lays them out).
 fn index_smem_bytes(heads: usize, dim: usize) -> usize {
-    let stride = if dim.is_multiple_of(4) { dim + 4 } else { dim | 1 };
+    let stride = if dim.is_multiple_of(4) {
+        dim + 4
+    } else {
+        dim | 1
+    };
     4 * (heads * dim + IX_ENTRIES * stride)
 }
 
