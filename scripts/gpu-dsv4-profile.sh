@@ -5,6 +5,8 @@
 #   bash scripts/gpu-dsv4-profile.sh [prompt tokens] [new tokens]
 # With DECODE_STEPS=N: profiled twice (1 and 1 + N new tokens) and the difference shown per
 # decode step, so the prefill's kernels drop out. LAYERS=N changes the depth (default 3).
+# With KERNEL=name: instead, Nsight Compute's full sections (throughput, occupancy, warp
+# stall reasons) for that kernel's last launches of a run of NEW tokens.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -33,6 +35,15 @@ profile() {
     --max-tokens "$1" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
     --max-num-batched-tokens 8192 > "$2" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
 }
+if [ -n "${KERNEL:-}" ]; then
+  timeout 400 "$NCU" --set full -k "regex:^${KERNEL}" --launch-skip "${SKIP:-12}" -c 2 \
+    gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
+    --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
+    --max-num-batched-tokens 8192 2> "$M/ncu.err" \
+    | grep -E "^  [a-z_]+|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles|Issued|Eligible|Block Limit|Local" \
+    | head -80 || tail -5 "$M/ncu.err"
+  exit 0
+fi
 if [ -n "${DECODE_STEPS:-}" ]; then
   profile 1 "$M/base.csv"
   profile $((1 + DECODE_STEPS)) "$M/ncu.csv"
