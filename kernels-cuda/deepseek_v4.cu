@@ -329,18 +329,15 @@ extern "C" __global__ void dsv4_entry_finish_kernel(float* entries, const u32* e
 // and IX_ENTRIES entries, the row's queries and the entries' keys in shared memory: a lane
 // an entry, a warp every 8th head, so no product waits on a reduction (a warp an entry
 // summing each head's dot by shuffles took 160 µs for one V4-Flash row), and the warps'
-// partial sums added in warp order. V: 4 floats a load where dim allows (keys' rows padded
-// by 4 floats so a quarter-warp's loads hit distinct banks), else one (rows of odd stride).
+// partial sums added in warp order. dim is a multiple of 4 (checked at load): 4 floats a
+// load, keys' rows padded by 4 floats so a quarter-warp's loads hit distinct banks.
 #define IX_ENTRIES 32
 #define IX_WARPS 8
 #define IX_HEADS 8
-
-template <int V>
-__device__ void ds_index_scores(float* scores, const float* q, const float* head_weights,
-                                const float* keys, const u32* rows, const u32* seqs,
-                                const u32* block_tables, int block_size, int rate, int epb,
-                                int heads, int dim, float score_scale, float weight_scale,
-                                int max_visible) {
+extern "C" __global__ void __launch_bounds__(256) dsv4_index_scores_kernel(
+    float* scores, const float* q, const float* head_weights, const float* keys, const u32* rows,
+    const u32* seqs, const u32* block_tables, int block_size, int rate, int epb, int heads,
+    int dim, float score_scale, float weight_scale, int max_visible) {
     extern __shared__ __align__(16) float ix_smem[];
     __shared__ float part[IX_WARPS][IX_ENTRIES];
     int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -351,31 +348,22 @@ __device__ void ds_index_scores(float* scores, const float* q, const float* head
         if (threadIdx.x < count) scores[(long long)r * max_visible + e0 + threadIdx.x] = NEG_INF;
         return;
     }
-    int stride = V == 4 ? dim + 4 : (dim | 1);
+    int stride = dim + 4;
     float* qs = ix_smem;
     float* ks = ix_smem + heads * dim;
     // The loads unrolled so that they are all in flight: a loop of one load a trip waits
-    // out the memory latency each time (most of this kernel's time, measured).
-    const float* qr = q + (long long)r * heads * dim;
-    if (V == 4) {
+    // out the memory latency each time (half this kernel's time, measured).
+    const float4* qr = (const float4*)(q + (long long)r * heads * dim);
 #pragma unroll 8
-        for (int i = threadIdx.x; i < heads * dim / 4; i += blockDim.x)
-            ((float4*)qs)[i] = ((const float4*)qr)[i];
-    } else {
-#pragma unroll 8
-        for (int i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = qr[i];
-    }
+    for (int i = threadIdx.x; i < heads * dim / 4; i += blockDim.x) ((float4*)qs)[i] = qr[i];
     const u32* table = block_tables + seqs[rows[2 * r] * SEQ_FIELDS + S_BT];
     int live = min(count, visible - e0);
     // A warp a key row at a time, its lanes along the row.
 #pragma unroll 4
     for (int j = warp; j < live; j += IX_WARPS) {
         const float* k = keys + ds_entry(table, block_size, rate, epb, e0 + j) * dim;
-        if (V == 4) {
-            for (int c = 4 * lane; c < dim; c += 128) *(float4*)&ks[j * stride + c] = *(const float4*)&k[c];
-        } else {
-            for (int c = lane; c < dim; c += 32) ks[j * stride + c] = k[c];
-        }
+        for (int c = 4 * lane; c < dim; c += 128)
+            *(float4*)&ks[j * stride + c] = *(const float4*)&k[c];
     }
     __syncthreads();
     float s = 0.0f;
@@ -385,29 +373,17 @@ __device__ void ds_index_scores(float* scores, const float* q, const float* head
             float d[IX_HEADS];
 #pragma unroll
             for (int j = 0; j < IX_HEADS; ++j) d[j] = 0.0f;
-            for (int c = 0; c < dim; c += V) {
-                float kv[V];
-                if (V == 4) {
-                    float4 v = *(const float4*)&k[c];
-                    kv[0] = v.x, kv[V > 1 ? 1 : 0] = v.y, kv[V > 2 ? 2 : 0] = v.z,
-                    kv[V > 3 ? 3 : 0] = v.w;
-                } else {
-                    kv[0] = k[c];
-                }
+            for (int c = 0; c < dim; c += 4) {
+                float4 kv = *(const float4*)&k[c];
 #pragma unroll
                 for (int j = 0; j < IX_HEADS; ++j) {
                     int h = h0 + IX_WARPS * j;
                     if (h >= heads) break;
-                    const float* qh = qs + h * dim + c;
-                    if (V == 4) {
-                        float4 qv = *(const float4*)qh;
-                        d[j] = fmaf(qv.x, kv[0], d[j]);
-                        d[j] = fmaf(qv.y, kv[V > 1 ? 1 : 0], d[j]);
-                        d[j] = fmaf(qv.z, kv[V > 2 ? 2 : 0], d[j]);
-                        d[j] = fmaf(qv.w, kv[V > 3 ? 3 : 0], d[j]);
-                    } else {
-                        d[j] = fmaf(qh[0], kv[0], d[j]);
-                    }
+                    float4 qv = *(const float4*)&qs[h * dim + c];
+                    d[j] = fmaf(qv.x, kv.x, d[j]);
+                    d[j] = fmaf(qv.y, kv.y, d[j]);
+                    d[j] = fmaf(qv.z, kv.z, d[j]);
+                    d[j] = fmaf(qv.w, kv.w, d[j]);
                 }
             }
 #pragma unroll
@@ -429,18 +405,6 @@ __device__ void ds_index_scores(float* scores, const float* q, const float* head
         for (int w = 0; w < IX_WARPS; ++w) total += part[w][threadIdx.x];
     }
     scores[(long long)r * max_visible + e] = total;
-}
-
-extern "C" __global__ void __launch_bounds__(256) dsv4_index_scores_kernel(
-    float* scores, const float* q, const float* head_weights, const float* keys, const u32* rows,
-    const u32* seqs, const u32* block_tables, int block_size, int rate, int epb, int heads,
-    int dim, float score_scale, float weight_scale, int max_visible) {
-    if (dim % 4 == 0)
-        ds_index_scores<4>(scores, q, head_weights, keys, rows, seqs, block_tables, block_size,
-                           rate, epb, heads, dim, score_scale, weight_scale, max_visible);
-    else
-        ds_index_scores<1>(scores, q, head_weights, keys, rows, seqs, block_tables, block_size,
-                           rate, epb, heads, dim, score_scale, weight_scale, max_visible);
 }
 
 // The ring keeps each chunk's last min(len, ring_len) K=V rows, at position % ring_len.

@@ -135,6 +135,13 @@ pub enum DsV4KernelError {
         value: usize,
         most: usize,
     },
+    #[error("DeepSeek-V4 on {device}: {name} = {value}, the kernels need a multiple of {of}")]
+    NotMultiple {
+        device: &'static str,
+        name: &'static str,
+        value: usize,
+        of: usize,
+    },
     #[error("DeepSeek-V4 kernels on {device}: {reason}")]
     Unavailable {
         device: &'static str,

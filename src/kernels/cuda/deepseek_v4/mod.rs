@@ -77,14 +77,9 @@ pub const INDEX_SMEM_BYTES: usize = 64 << 10;
 pub const INDEX_MAX_HEAD_DIM: usize = 512;
 
 /// Shared memory of an indexer score block: the queries, then `IX_ENTRIES` key rows
-/// (padded as `dsv4_index_scores_kernel` lays them out).
+/// padded by 4 floats (as `dsv4_index_scores_kernel` lays them out; dim a multiple of 4).
 fn index_smem_bytes(heads: usize, dim: usize) -> usize {
-    let stride = if dim.is_multiple_of(4) {
-        dim + 4
-    } else {
-        dim | 1
-    };
-    4 * (heads * dim + IX_ENTRIES * stride)
+    4 * (heads * dim + IX_ENTRIES * (dim + 4))
 }
 
 pub struct DsV4Program {
@@ -320,7 +315,9 @@ impl CudaBackend {
         );
         let (hi, di, mv, ki) = (heads as i32, keys.dim as i32, max_visible as i32, k as i32);
         assert!(
-            heads * keys.dim * 4 <= INDEX_SMEM_BYTES && keys.dim <= INDEX_MAX_HEAD_DIM,
+            heads * keys.dim * 4 <= INDEX_SMEM_BYTES
+                && keys.dim <= INDEX_MAX_HEAD_DIM
+                && keys.dim.is_multiple_of(4),
             "the indexer's shape is checked when the model loads"
         );
         let score_scale = (keys.dim as f32).powf(-0.5);

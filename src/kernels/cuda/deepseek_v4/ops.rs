@@ -43,6 +43,15 @@ impl DsV4Kernels for CudaBackend {
                 });
             }
         }
+        // The indexer's score kernel reads 4 floats at a time.
+        if !shape.index_head_dim.is_multiple_of(4) {
+            return Err(DsV4KernelError::NotMultiple {
+                device: "CUDA",
+                name: "index_head_dim",
+                value: shape.index_head_dim,
+                of: 4,
+            });
+        }
         self.dsv4_kernels()
             .map(|_| ())
             .map_err(|e| DsV4KernelError::Unavailable {
