@@ -6,7 +6,8 @@
 # With DECODE_STEPS=N: profiled twice (1 and 1 + N new tokens) and the difference shown per
 # decode step, so the prefill's kernels drop out. LAYERS=N changes the depth (default 3).
 # With KERNEL=name: instead, Nsight Compute's full sections (throughput, occupancy, warp
-# stall reasons) for that kernel's last launches of a run of NEW tokens.
+# stall reasons) for that kernel's launches after the first SKIP (default 12) of a run of NEW
+# tokens. EXTRA="--batch-invariant ..." is passed to every troupe run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -26,20 +27,20 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 # run unprofiled gives the wall time the kernel times are compared with.
 gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
   --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
-  --max-num-batched-tokens 8192 --stats "$M/stats.json" >/dev/null
+  --max-num-batched-tokens 8192 ${EXTRA:-} --stats "$M/stats.json" >/dev/null
 python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(f\"unprofiled: prefill {s['prefill_tokens']} tokens at {s['prefill_tokens_per_s']:.0f} tok/s = {s['prefill_tokens'] / s['prefill_tokens_per_s'] * 1e3:.1f} ms\")" "$M/stats.json"
 profile() {
   timeout 400 "$NCU" --clock-control none --csv --page raw \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size \
     gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
     --max-tokens "$1" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
-    --max-num-batched-tokens 8192 > "$2" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
+    --max-num-batched-tokens 8192 ${EXTRA:-} > "$2" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
 }
 if [ -n "${KERNEL:-}" ]; then
   timeout 400 "$NCU" --set full -k "regex:^${KERNEL}" --launch-skip "${SKIP:-12}" -c 2 \
     gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
     --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
-    --max-num-batched-tokens 8192 2> "$M/ncu.err" \
+    --max-num-batched-tokens 8192 ${EXTRA:-} 2> "$M/ncu.err" \
     | grep -E "^  [a-z_]+|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles|Issued|Eligible|Block Limit|Local" \
     | head -80 || tail -5 "$M/ncu.err"
   exit 0
