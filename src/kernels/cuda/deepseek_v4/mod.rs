@@ -19,7 +19,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::{CudaBackend, CudaError, CudaMatrix, check};
-use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, StepMeta};
+use crate::kernels::deepseek_v4::{
+    AttentionKeys, Compressor, DsV4KernelError, DsV4Shape, StepMeta,
+};
 
 type Meta = StepMeta<CudaBackend>;
 
@@ -80,6 +82,42 @@ pub const INDEX_MAX_HEAD_DIM: usize = 512;
 /// padded by 4 floats (as `dsv4_index_scores_kernel` lays them out; dim a multiple of 4).
 fn index_smem_bytes(heads: usize, dim: usize) -> usize {
     4 * (heads * dim + IX_ENTRIES * (dim + 4))
+}
+
+/// The shapes the kernels take, or the dimension they cannot (`DsV4Kernels::dsv4_prepare`).
+fn check_shape(shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
+    let limits = [
+        (shape.hc_mult, 16, "hc_mult"),
+        (shape.num_routed_experts, 1024, "n_routed_experts"),
+        (shape.num_experts_per_tok, 32, "num_experts_per_tok"),
+        (shape.head_dim, ATT_MAX_HEAD_DIM, "head_dim"),
+        (
+            shape.index_width,
+            INDEX_SMEM_BYTES / 4,
+            "index_n_heads × index_head_dim",
+        ),
+        (shape.index_head_dim, INDEX_MAX_HEAD_DIM, "index_head_dim"),
+    ];
+    for (value, most, name) in limits {
+        if value > most {
+            return Err(DsV4KernelError::Shape {
+                device: "CUDA",
+                name,
+                value,
+                most,
+            });
+        }
+    }
+    // The indexer's score kernel reads 4 floats at a time.
+    if !shape.index_head_dim.is_multiple_of(4) {
+        return Err(DsV4KernelError::NotMultiple {
+            device: "CUDA",
+            name: "index_head_dim",
+            value: shape.index_head_dim,
+            of: 4,
+        });
+    }
+    Ok(())
 }
 
 pub struct DsV4Program {

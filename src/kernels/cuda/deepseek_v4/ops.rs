@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::super::weights::Store;
 use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
-use super::{ATT_MAX_HEAD_DIM, INDEX_MAX_HEAD_DIM, INDEX_SMEM_BYTES, blocks};
+use super::blocks;
 use crate::kernels::deepseek_v4::{
     AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, ExpertMatrices,
     ExpertOwners, Scoring, StepMeta,
@@ -21,37 +21,7 @@ impl DsV4Kernels for CudaBackend {
     type ExpertTable = super::CudaExperts;
 
     fn dsv4_prepare(&self, shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
-        let limits = [
-            (shape.hc_mult, 16, "hc_mult"),
-            (shape.num_routed_experts, 1024, "n_routed_experts"),
-            (shape.num_experts_per_tok, 32, "num_experts_per_tok"),
-            (shape.head_dim, ATT_MAX_HEAD_DIM, "head_dim"),
-            (
-                shape.index_width,
-                INDEX_SMEM_BYTES / 4,
-                "index_n_heads × index_head_dim",
-            ),
-            (shape.index_head_dim, INDEX_MAX_HEAD_DIM, "index_head_dim"),
-        ];
-        for (value, most, name) in limits {
-            if value > most {
-                return Err(DsV4KernelError::Shape {
-                    device: "CUDA",
-                    name,
-                    value,
-                    most,
-                });
-            }
-        }
-        // The indexer's score kernel reads 4 floats at a time.
-        if !shape.index_head_dim.is_multiple_of(4) {
-            return Err(DsV4KernelError::NotMultiple {
-                device: "CUDA",
-                name: "index_head_dim",
-                value: shape.index_head_dim,
-                of: 4,
-            });
-        }
+        super::check_shape(shape)?;
         self.dsv4_kernels()
             .map(|_| ())
             .map_err(|e| DsV4KernelError::Unavailable {
