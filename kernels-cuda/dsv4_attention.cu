@@ -192,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) dsv4_attention_kernel(
 
 // The splits of dsv4_attention_kernel merged, in split order: one block a (row, head). Each
 // split's factor is computed once (shared memory), and the channel loop's loads unrolled.
+// At most ATT_MAX_MERGE splits: the host takes at most ATT_MAX_SPLITS (32).
 #define ATT_MAX_MERGE 64
 extern "C" __global__ void dsv4_attention_merge_kernel(float* out, const float* part, int splits,
                                                        int hd) {

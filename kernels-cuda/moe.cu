@@ -104,9 +104,9 @@ MOE_ENTRIES(mxfp4, TILE_MXFP4)
 // with no barrier between loads and products. A lane takes a run of 16 blocks (272 bytes:
 // 17 aligned 16-byte loads, all in flight at once, covering 512 values); the K / 512 lanes
 // of a row add their runs by shuffles, in lane order. The pair's input row is in shared
-// memory as f32, each run of 512 values 4 floats (16 banks' worth of a float4) past the
-// last: the lanes of a quarter-warp read the same column of different runs, and unpadded
-// those are one bank (an 8-way conflict on every load: 114 µs for V4-Flash's up pass).
+// memory as f32, each run of 512 values 4 floats (a float4's 4 banks) past the last: the
+// lanes of a quarter-warp read the same column of different runs, and unpadded those are
+// one bank (an 8-way conflict on every load: 114 µs for V4-Flash's up pass).
 // Block: 8 warps of 32 / runs rows each (gate and up rows alternate when SWIGLU); grid:
 // (feature blocks, pairs). The up pass also adds each pair to `counts`.
 #define MOE_GEMV_MAX_K 8192

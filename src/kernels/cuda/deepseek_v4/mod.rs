@@ -49,7 +49,7 @@ const ATTENTION_SMEM_BYTES: usize = 140 << 10;
 
 /// Blocks that keep every SM busy with two.
 const ATT_BUSY_BLOCKS: usize = 264;
-/// The most ways a row's keys are split.
+/// The most ways a row's keys are split (the merge kernel takes up to `ATT_MAX_MERGE`, 64).
 const ATT_MAX_SPLITS: usize = 32;
 
 /// Heads a block of the attention kernel takes, and the splits of each row's keys: every
