@@ -2,7 +2,14 @@
 //! CI installs NVRTC from pip, so a kernel that does not build fails here, not on a GPU.
 #![cfg(feature = "cuda")]
 
-use troupe::kernels::cuda::{DEEPSEEK_V4_SOURCE, GEMV_ROWS, LLAMA_SOURCE, compile, compile_cubin};
+mod common;
+
+use common::Rng;
+use troupe::kernels::cuda::{
+    DEEPSEEK_V4_SOURCE, GEMV_ROWS, INDEX_MAX_HEAD_DIM, INDEX_SMEM_BYTES, LLAMA_SOURCE,
+    check_dsv4_shape, compile, compile_cubin,
+};
+use troupe::kernels::deepseek_v4::DsV4Shape;
 
 #[test]
 fn llama_kernels_compile_for_sm90_with_every_entry_point() {
@@ -127,4 +134,37 @@ fn a_broken_kernel_reports_the_compiler_log() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("undeclared"), "{err}");
+}
+
+/// The indexer's score kernel reads keys 4 floats at a time and keeps a row's queries and a
+/// block's keys in shared memory: generated index shapes load exactly when they fit, and a
+/// refusal names the dimension (the check runs when a DeepSeek-V4 model loads on CUDA).
+#[test]
+fn deepseek_v4_index_shapes_load_exactly_when_the_indexer_kernel_takes_them() {
+    let mut rng = Rng(0x1d5);
+    for _ in 0..2000 {
+        let (heads, dim) = (1 + rng.below(128), 1 + rng.below(2 * INDEX_MAX_HEAD_DIM));
+        let shape = DsV4Shape {
+            hc_mult: 4,
+            num_routed_experts: 256,
+            num_experts_per_tok: 6,
+            head_dim: 512,
+            index_width: heads * dim,
+            index_head_dim: dim,
+        };
+        let fits = heads * dim * 4 <= INDEX_SMEM_BYTES
+            && dim <= INDEX_MAX_HEAD_DIM
+            && dim.is_multiple_of(4);
+        match check_dsv4_shape(&shape) {
+            Ok(()) => assert!(fits, "{heads} heads of {dim} loaded"),
+            Err(e) => {
+                assert!(!fits, "{heads} heads of {dim} refused: {e}");
+                let e = e.to_string();
+                assert!(
+                    e.contains("index_head_dim") || e.contains("index_n_heads"),
+                    "{e}"
+                );
+            }
+        }
+    }
 }

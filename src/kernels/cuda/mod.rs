@@ -28,7 +28,10 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use half::bf16;
 
-pub use deepseek_v4::{ATT_MAX_HEAD_DIM, DEEPSEEK_V4_SOURCE, DsV4Program, INDEX_SMEM_BYTES};
+pub use deepseek_v4::{
+    ATT_MAX_HEAD_DIM, DEEPSEEK_V4_SOURCE, DsV4Program, INDEX_MAX_HEAD_DIM, INDEX_SMEM_BYTES,
+    check_shape as check_dsv4_shape,
+};
 use graph::{Graphs, Meta, Phase};
 pub use kv_cache::CudaKvCache;
 use module::Kernels;

@@ -85,7 +85,7 @@ fn index_smem_bytes(heads: usize, dim: usize) -> usize {
 }
 
 /// The shapes the kernels take, or the dimension they cannot (`DsV4Kernels::dsv4_prepare`).
-fn check_shape(shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
+pub fn check_shape(shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
     let limits = [
         (shape.hc_mult, 16, "hc_mult"),
         (shape.num_routed_experts, 1024, "n_routed_experts"),
