@@ -87,6 +87,12 @@ __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, in
         float* y, const float* x, const bf16_t* W, int m, int N, int K) {                     \
         pdl_enter();                                                                          \
         gemv<MAXM, COLS, true>(y, x, W, m, N, K);                                             \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) gemv_groups_##MAXM##_kernel(            \
+        float* y, const float* x, const bf16_t* W, int m, int N, int K) {                     \
+        pdl_enter();                                                                          \
+        long long g = blockIdx.y; /* group g: its m rows of x, its N rows of W */             \
+        gemv<MAXM, COLS, false>(y + g * m * N, x + g * m * K, W + g * N * K, m, N, K);        \
     }
 GEMV_ENTRY(1, 2)
 GEMV_ENTRY(2, 2)

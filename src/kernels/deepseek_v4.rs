@@ -158,6 +158,10 @@ pub trait DsV4Kernels: Backend {
     /// A layer's routed experts as one launch reads them (CUDA: tables of their weights'
     /// device addresses), made once at load.
     type ExpertTable: Send + Sync;
+    /// A matrix in equal row blocks, each projecting its own rows of the input (the grouped
+    /// output projection), as the backend keeps it; the matrices holding it (whose bytes
+    /// are the weights') through `AsRef`.
+    type RowGroups: Send + Sync + AsRef<[Self::Matrix]>;
 
     /// Readies the kernels (built on first use) for a model of `shape`, or says which
     /// dimension they cannot take.
@@ -175,8 +179,8 @@ pub trait DsV4Kernels: Backend {
     /// `buf[at]` on the host (a state slot's snapshot).
     fn read_floats(&self, buf: &Self::Buf, at: Range<usize>) -> Vec<f32>;
     fn write_floats(&self, buf: &mut Self::Buf, offset: usize, values: &[f32]);
-    /// `m`'s rows in `parts` equal matrices (the grouped output projection's blocks).
-    fn split_rows(&self, m: Self::Matrix, parts: usize) -> Vec<Self::Matrix>;
+    /// `m`'s rows in `parts` equal blocks (the grouped output projection's).
+    fn row_groups(&self, m: Self::Matrix, parts: usize) -> Self::RowGroups;
 
     /// `ids[t]` replaced by entry `picked[t]` of the last `pick_rows` picks where that is
     /// not `NOT_PICKED` (one entry per token): rows continuing the last step read its
@@ -243,12 +247,13 @@ pub trait DsV4Kernels: Backend {
     );
     /// `x [a, b, width]` → `y [b, a, width]`.
     fn dsv4_swap(&self, y: &mut Self::Buf, x: &Self::Buf, a: usize, b: usize, width: usize);
-    /// `out` rows `row0 .. row0 + rows` = `x`'s same rows · `wᵀ`, for each `(w, row0, rows)`
-    /// (the grouped output projection's groups over their rows).
+    /// `out [parts, rows, block rows]`: block g of `w` times rows g·rows .. (g + 1)·rows
+    /// of `x [parts · rows, cols]` (the grouped output projection's groups over their rows).
     fn dsv4_gemm_row_groups(
         &self,
         x: &Self::Buf,
-        groups: &[(&Self::Matrix, usize, usize)],
+        w: &Self::RowGroups,
+        rows: usize,
         out: &mut Self::Buf,
     );
 

@@ -223,6 +223,9 @@ pub struct Kernels {
     pub gemv: Vec<(usize, usize, CudaFunction)>,
     /// The same, writing silu(gate) · up of a stacked [gate; up] projection.
     pub gemv_silu: Vec<(usize, usize, CudaFunction)>,
+    /// The same over equal row blocks of one matrix, each with its own rows of x (grid y:
+    /// the block), as DeepSeek-V4's grouped output projection takes them.
+    pub gemv_groups: Vec<(usize, usize, CudaFunction)>,
     /// `packed.cu`'s GEMVs over GGML blocks and FP8, for up to `GEMV_ROWS[i]` rows (FP8:
     /// `GEMV_COLS[i]` columns a block; GGML: one).
     pub gemv_ggml: Vec<(usize, usize, CudaFunction)>,
@@ -305,6 +308,11 @@ impl Kernels {
     /// The packed GEMV (`fp8` or GGML) for `rows` rows, and the columns of each block.
     pub fn packed_gemv_for(&self, fp8: bool, rows: usize) -> Option<(&CudaFunction, usize)> {
         Self::by_rows(if fp8 { &self.gemv_fp8 } else { &self.gemv_ggml }, rows)
+    }
+
+    /// `gemv_for`'s twin over row blocks (`gemv_groups`).
+    pub fn gemv_groups_for(&self, rows: usize) -> Option<(&CudaFunction, usize)> {
+        Self::by_rows(&self.gemv_groups, rows)
     }
 
     /// `gemv_for`'s fused-activation twin (`gemv_silu`).
@@ -393,6 +401,11 @@ impl Kernels {
                 .iter()
                 .zip(GEMV_COLS)
                 .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_silu_{m}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
+            gemv_groups: GEMV_ROWS
+                .iter()
+                .zip(GEMV_COLS)
+                .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_groups_{m}_kernel"))?)))
                 .collect::<Result<_, CudaError>>()?,
             gemv_ggml: GEMV_ROWS
                 .iter()

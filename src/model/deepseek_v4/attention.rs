@@ -91,13 +91,7 @@ pub fn attention<B: DsV4Kernels>(
     let mut by_group = b.scratch(t * heads * hd);
     b.dsv4_swap(&mut by_group, &out, t, groups, per_group);
     let mut projected = b.scratch(groups * t * rank);
-    let blocks: Vec<_> = a
-        .o_a
-        .iter()
-        .enumerate()
-        .map(|(g, o_a)| (o_a, g * t, t))
-        .collect();
-    b.dsv4_gemm_row_groups(&by_group, &blocks, &mut projected);
+    b.dsv4_gemm_row_groups(&by_group, &a.o_a, t, &mut projected);
     let mut grouped = b.scratch(t * groups * rank);
     b.dsv4_swap(&mut grouped, &projected, groups, t, rank);
     let mut y = b.scratch(t * cfg.hidden_size);

@@ -55,7 +55,7 @@ fn expert<B: DsV4Kernels>(e: &Expert<B>) -> [&B::Matrix; 3] {
 /// An attention block's projections, its compressor's and its indexer's.
 fn attention<B: DsV4Kernels>(a: &Attention<B>) -> Vec<&B::Matrix> {
     let mut m = vec![&a.q_a, &a.q_b, &a.kv, &a.o_b];
-    m.extend(a.o_a.iter());
+    m.extend(a.o_a.as_ref());
     for c in a
         .compressor
         .iter()

@@ -33,7 +33,7 @@ pub struct Attention<B: DsV4Kernels = CpuBackend> {
     pub kv_norm: B::Buf,
     /// `wo_a` (`[groups · o_lora_rank, heads · head_dim / groups]`) in its groups' blocks:
     /// group g projects its heads with rows g·r..(g+1)·r.
-    pub o_a: Vec<B::Matrix>,
+    pub o_a: B::RowGroups,
     pub o_b: B::Matrix,
     pub sinks: B::Buf,
     pub compressor: Option<CompressorWeights<B>>,
@@ -432,7 +432,7 @@ impl<S: LinearStore> Reader<'_, S> {
             q_b: r.linear(&format!("{p}.attn.wq_b"), heads * hd, cfg.q_lora_rank)?,
             kv: r.linear(&format!("{p}.attn.wkv"), hd, d)?,
             kv_norm: r.vector(&format!("{p}.attn.norm.weight"), hd)?,
-            o_a: r.store.backend().split_rows(
+            o_a: r.store.backend().row_groups(
                 r.linear(
                     &format!("{p}.attn.wo_a"),
                     cfg.o_groups * cfg.o_lora_rank,

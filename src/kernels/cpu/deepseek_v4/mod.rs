@@ -99,6 +99,7 @@ fn entry_index(table: &[u32], block_size: usize, rate: usize, per_block: usize, 
 impl DsV4Kernels for CpuBackend {
     type Ids = Vec<u32>;
     type ExpertTable = ();
+    type RowGroups = Vec<CpuMatrix>;
 
     fn dsv4_prepare(&self, _shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         Ok(())
@@ -136,7 +137,7 @@ impl DsV4Kernels for CpuBackend {
         buf[offset..offset + values.len()].copy_from_slice(values);
     }
 
-    fn split_rows(&self, m: CpuMatrix, parts: usize) -> Vec<CpuMatrix> {
+    fn row_groups(&self, m: CpuMatrix, parts: usize) -> Vec<CpuMatrix> {
         let (rows, cols) = (m.rows() / parts, m.cols());
         let mut row = vec![0.0f32; cols];
         (0..parts)
@@ -245,22 +246,24 @@ impl DsV4Kernels for CpuBackend {
     fn dsv4_gemm_row_groups(
         &self,
         x: &Vec<f32>,
-        groups: &[(&CpuMatrix, usize, usize)],
+        w: &Vec<CpuMatrix>,
+        rows: usize,
         out: &mut Vec<f32>,
     ) {
         // Groups run in parallel; each writes its own rows of `out`, so the result does not
         // depend on the thread count.
-        let products: Vec<Vec<f32>> = groups
+        let products: Vec<Vec<f32>> = w
             .par_iter()
-            .map(|&(w, row0, rows)| {
-                let input = &x[row0 * w.cols()..(row0 + rows) * w.cols()];
+            .enumerate()
+            .map(|(g, w)| {
+                let input = &x[g * rows * w.cols()..(g + 1) * rows * w.cols()];
                 let mut y = vec![0.0f32; rows * w.rows()];
                 super::matmul::matmul(input, rows, w, &mut y, self.batch_invariant);
                 y
             })
             .collect();
-        for (&(w, row0, rows), y) in groups.iter().zip(products) {
-            out[row0 * w.rows()..(row0 + rows) * w.rows()].copy_from_slice(&y);
+        for (g, (w, y)) in w.iter().zip(products).enumerate() {
+            out[g * rows * w.rows()..(g + 1) * rows * w.rows()].copy_from_slice(&y);
         }
     }
 

@@ -13,9 +13,7 @@ pub use moe::CudaExperts;
 
 use crate::sync::Shared as Arc;
 
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use super::{CudaBackend, CudaError, CudaMatrix, check};
@@ -118,6 +116,19 @@ pub fn check_shape(shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         });
     }
     Ok(())
+}
+
+/// DeepSeek-V4's grouped output projection (`wo_a`) as one bf16 matrix of `parts` equal
+/// row blocks: one launch covers every block (`dsv4_gemm_row_groups`).
+pub struct CudaRowGroups {
+    stacked: [CudaMatrix; 1],
+    parts: usize,
+}
+
+impl AsRef<[CudaMatrix]> for CudaRowGroups {
+    fn as_ref(&self) -> &[CudaMatrix] {
+        &self.stacked
+    }
 }
 
 pub struct DsV4Program {
@@ -270,22 +281,6 @@ impl CudaBackend {
         check(self.stream.clone_htod(data), "upload")
     }
 
-    /// A copy of `len` values of `src` from `offset`.
-    pub fn copy_bf16(
-        &self,
-        src: &CudaSlice<half::bf16>,
-        offset: usize,
-        len: usize,
-    ) -> CudaSlice<half::bf16> {
-        let mut dst = check(self.stream.alloc_zeros::<half::bf16>(len.max(1)), "alloc");
-        check(
-            self.stream
-                .memcpy_dtod(&src.slice(offset..offset + len), &mut dst),
-            "copy",
-        );
-        dst
-    }
-
     /// A buffer of `len` values left as the allocator hands it out (no memset launch): for
     /// what a kernel writes whole before anything reads it.
     pub fn alloc_written(&self, len: usize) -> CudaSlice<f32> {
@@ -310,26 +305,6 @@ impl CudaBackend {
             );
         }
         out
-    }
-
-    /// `out` rows `out_row0..` = `x` rows `x_row0..` (`num_rows` of them) · `wᵀ`.
-    pub fn gemm_rows(
-        &self,
-        x: &CudaSlice<f32>,
-        x_row0: usize,
-        num_rows: usize,
-        w: &CudaMatrix,
-        out: &mut CudaSlice<f32>,
-        out_row0: usize,
-    ) {
-        assert!(
-            (x_row0 + num_rows) * w.cols <= x.len() && (out_row0 + num_rows) * w.rows <= out.len(),
-            "gemm_rows outside its buffers"
-        );
-        let x_ptr = x.device_ptr(&self.stream).0 + (x_row0 * w.cols * 4) as u64;
-        let out_ptr = out.device_ptr_mut(&self.stream).0 + (out_row0 * w.rows * 4) as u64;
-        // SAFETY: the assert bounds both ranges inside their buffers.
-        unsafe { self.gemm_ptr(x_ptr, num_rows, w, out_ptr) };
     }
 
     /// The lightning indexer: scores of every visible entry, then each row's top `k`.

@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::super::weights::Store;
 use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
@@ -19,6 +19,7 @@ type Meta = StepMeta<CudaBackend>;
 impl DsV4Kernels for CudaBackend {
     type Ids = CudaSlice<u32>;
     type ExpertTable = super::CudaExperts;
+    type RowGroups = super::CudaRowGroups;
 
     fn dsv4_prepare(&self, shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         super::check_shape(shape)?;
@@ -75,16 +76,20 @@ impl DsV4Kernels for CudaBackend {
         }
     }
 
-    fn split_rows(&self, m: CudaMatrix, parts: usize) -> Vec<CudaMatrix> {
-        let rows = m.rows / parts;
-        let all = self.bf16_copy(&m);
-        (0..parts)
-            .map(|g| CudaMatrix {
+    fn row_groups(&self, m: CudaMatrix, parts: usize) -> super::CudaRowGroups {
+        let CudaMatrix { rows, cols, store } = m;
+        let all = match store {
+            Store::Bf16(w) => w,
+            store => self.bf16_copy(&CudaMatrix { rows, cols, store }),
+        };
+        super::CudaRowGroups {
+            stacked: [CudaMatrix {
                 rows,
-                cols: m.cols,
-                store: Store::Bf16(self.copy_bf16(&all, g * rows * m.cols, rows * m.cols)),
-            })
-            .collect()
+                cols,
+                store: Store::Bf16(all),
+            }],
+            parts,
+        }
     }
 
     fn dsv4_take_picks(&self, ids: &mut CudaSlice<u32>, picked: &[u32]) {
@@ -255,12 +260,24 @@ impl DsV4Kernels for CudaBackend {
     fn dsv4_gemm_row_groups(
         &self,
         x: &CudaSlice<f32>,
-        groups: &[(&CudaMatrix, usize, usize)],
+        w: &super::CudaRowGroups,
+        rows: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        for &(w, row0, rows) in groups {
-            self.gemm_rows(x, row0, rows, w, out, row0);
-        }
+        let [m] = &w.stacked;
+        let Store::Bf16(all) = &m.store else {
+            unreachable!("row groups are kept in bf16 (row_groups)")
+        };
+        let (parts, n, k) = (w.parts, m.rows / w.parts, m.cols);
+        assert!(
+            parts * rows * k <= x.len() && parts * rows * n <= out.len(),
+            "dsv4_gemm_row_groups outside its buffers"
+        );
+        let x_ptr = x.device_ptr(&self.stream).0;
+        let w_ptr = all.device_ptr(&self.stream).0;
+        let out_ptr = out.device_ptr_mut(&self.stream).0;
+        // SAFETY: the assert bounds x and out; all holds parts·n·k bf16 values.
+        unsafe { self.gemm_row_groups_bf16(x_ptr, rows, parts, n, k, w_ptr, out_ptr) };
     }
 
     /// Interleaved partial RoPE on `heads` rows of `dim` per step row (`sign` −1 undoes it).
