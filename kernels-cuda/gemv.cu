@@ -8,6 +8,11 @@
 // block, so that each x load serves more weights. 256 threads.
 #define GEMV_WARPS 8
 #define GEMV_UNROLL 4
+// A narrow matrix (too few output columns for a block an SM at COLS a block: DeepSeek-V4's
+// 24-row mHC projections over K = 16 384, its router and indexer weights) takes one
+// column a block of 16 warps, so that the whole matrix is in flight at once (12 blocks of
+// 8 warps read the mHC projection at 0.14 TB/s).
+#define GEMV_NARROW_WARPS 16
 
 __device__ __forceinline__ float dot8_bf16(uint4 w, float4 a, float4 b) {
     float s = a.x * __uint_as_float(w.x << 16);
@@ -21,9 +26,9 @@ __device__ __forceinline__ float dot8_bf16(uint4 w, float4 a, float4 b) {
     return s;
 }
 
-template <int MAXM, int COLS, bool SILU>
+template <int MAXM, int COLS, bool SILU, int WARPS = GEMV_WARPS>
 __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, int K) {
-    __shared__ float partial[GEMV_WARPS][MAXM][COLS];
+    __shared__ float partial[WARPS][MAXM][COLS];
     constexpr int OUT = SILU ? COLS / 2 : COLS;  // output columns of the block
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     long long n0 = (long long)blockIdx.x * OUT;
@@ -40,7 +45,7 @@ __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, in
         wc[c] = W + ((col < width ? col : n0) + (c < OUT ? 0 : width)) * (long long)K;
     }
 #pragma unroll GEMV_UNROLL
-    for (int k = (warp * 32 + lane) * 8; k < K; k += GEMV_WARPS * 256) {
+    for (int k = (warp * 32 + lane) * 8; k < K; k += WARPS * 256) {
         uint4 w[COLS];
 #pragma unroll
         for (int c = 0; c < COLS; ++c) w[c] = *(const uint4*)(wc[c] + k);
@@ -66,11 +71,11 @@ __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, in
         int i = e / OUT, c = e % OUT;
         float v = 0.0f;
 #pragma unroll
-        for (int w = 0; w < GEMV_WARPS; ++w) v += partial[w][i][c];
+        for (int w = 0; w < WARPS; ++w) v += partial[w][i][c];
         if (SILU) {  // silu_mul_kernel's arithmetic
             float u = 0.0f;
 #pragma unroll
-            for (int w = 0; w < GEMV_WARPS; ++w) u += partial[w][i][c + OUT];
+            for (int w = 0; w < WARPS; ++w) u += partial[w][i][c + OUT];
             v = v / (1.0f + expf(-v)) * u;
         }
         if (i < m && n0 + c < width) y[(long long)i * width + n0 + c] = v;
@@ -93,6 +98,12 @@ __device__ void gemv(float* y, const float* x, const bf16_t* W, int m, int N, in
         pdl_enter();                                                                          \
         long long g = blockIdx.y; /* group g: its m rows of x, its N rows of W */             \
         gemv<MAXM, COLS, false>(y + g * m * N, x + g * m * K, W + g * N * K, m, N, K);        \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_NARROW_WARPS * 32)                      \
+        gemv_narrow_##MAXM##_kernel(float* y, const float* x, const bf16_t* W, int m, int N,  \
+                                    int K) {                                                  \
+        pdl_enter();                                                                          \
+        gemv<MAXM, 1, false, GEMV_NARROW_WARPS>(y, x, W, m, N, K);                            \
     }
 GEMV_ENTRY(1, 2)
 GEMV_ENTRY(2, 2)

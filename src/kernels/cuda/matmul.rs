@@ -8,7 +8,7 @@ use cudarc::driver::{
 };
 use half::bf16;
 
-use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES};
+use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES, GEMV_NARROW_THREADS};
 use super::weights::{DevicePart, PackedFormat, Store};
 use crate::kernels::quant::GgmlType;
 
@@ -368,6 +368,20 @@ impl CudaBackend {
             return;
         }
         if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k.is_multiple_of(8)) {
+            if n.div_ceil(cols) < self.kernels.num_sms
+                && let Some((narrow, _)) = self.kernels.gemv_narrow_for(m)
+            {
+                self.launch_gemv_threads(
+                    narrow,
+                    (n, 1),
+                    GEMV_NARROW_THREADS,
+                    x,
+                    m,
+                    (w_ptr, n, k),
+                    out,
+                );
+                return;
+            }
             self.launch_gemv(kernel, (n.div_ceil(cols), 1), x, m, (w_ptr, n, k), out);
             return;
         }
@@ -545,11 +559,26 @@ impl CudaBackend {
     }
 
     /// One `gemv.cu` kernel over `x[num_rows, cols]` and the bf16 `(w, rows, cols)`, in
-    /// `num_blocks` blocks (times `groups` for `gemv_groups`).
+    /// `num_blocks` blocks (times `groups` for `gemv_groups`) of 256 threads.
     fn launch_gemv(
         &self,
         kernel: &CudaFunction,
+        blocks: (usize, usize),
+        x: u64,
+        num_rows: usize,
+        w: (u64, usize, usize),
+        out: u64,
+    ) {
+        self.launch_gemv_threads(kernel, blocks, 256, x, num_rows, w, out);
+    }
+
+    /// `launch_gemv` with `threads` a block.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemv_threads(
+        &self,
+        kernel: &CudaFunction,
         (num_blocks, groups): (usize, usize),
+        threads: usize,
         x: u64,
         num_rows: usize,
         (w, rows, cols): (u64, usize, usize),
@@ -558,7 +587,7 @@ impl CudaBackend {
         let (mi, ni, ki) = (num_rows as i32, rows as i32, cols as i32);
         let cfg = LaunchConfig {
             grid_dim: (num_blocks as u32, groups as u32, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: x holds num_rows·w.cols elements and out what the kernel writes for those

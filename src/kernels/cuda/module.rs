@@ -31,6 +31,8 @@ pub const LLAMA_SOURCE: &str = concat!(
 /// its blocks computes.
 pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 pub const GEMV_COLS: [usize; 3] = [2, 2, 4];
+/// Threads of a `gemv_narrow` block (`GEMV_NARROW_WARPS` warps).
+pub const GEMV_NARROW_THREADS: usize = 512;
 /// Rows the tensor-core FP8 GEMV takes (one mma's n).
 pub const FP8_MMA_ROWS: usize = 8;
 /// Shared memory the tensor-core FP8 GEMV may stage x in as f16 (`fp8_mma.cu`'s
@@ -226,6 +228,10 @@ pub struct Kernels {
     /// The same over equal row blocks of one matrix, each with its own rows of x (grid y:
     /// the block), as DeepSeek-V4's grouped output projection takes them.
     pub gemv_groups: Vec<(usize, usize, CudaFunction)>,
+    /// `gemv` for narrow matrices: a column a block of `GEMV_NARROW_THREADS`.
+    pub gemv_narrow: Vec<(usize, usize, CudaFunction)>,
+    /// The device's multiprocessors: a GEMV with fewer blocks takes `gemv_narrow`.
+    pub num_sms: usize,
     /// `packed.cu`'s GEMVs over GGML blocks and FP8, for up to `GEMV_ROWS[i]` rows (FP8:
     /// `GEMV_COLS[i]` columns a block; GGML: one).
     pub gemv_ggml: Vec<(usize, usize, CudaFunction)>,
@@ -308,6 +314,11 @@ impl Kernels {
     /// The packed GEMV (`fp8` or GGML) for `rows` rows, and the columns of each block.
     pub fn packed_gemv_for(&self, fp8: bool, rows: usize) -> Option<(&CudaFunction, usize)> {
         Self::by_rows(if fp8 { &self.gemv_fp8 } else { &self.gemv_ggml }, rows)
+    }
+
+    /// `gemv_for`'s twin for narrow matrices (`gemv_narrow`: one column a block).
+    pub fn gemv_narrow_for(&self, rows: usize) -> Option<(&CudaFunction, usize)> {
+        Self::by_rows(&self.gemv_narrow, rows)
     }
 
     /// `gemv_for`'s twin over row blocks (`gemv_groups`).
@@ -407,6 +418,15 @@ impl Kernels {
                 .zip(GEMV_COLS)
                 .map(|(&m, cols)| Ok((m, cols, f(&format!("gemv_groups_{m}_kernel"))?)))
                 .collect::<Result<_, CudaError>>()?,
+            gemv_narrow: GEMV_ROWS
+                .iter()
+                .map(|&m| Ok((m, 1, f(&format!("gemv_narrow_{m}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
+            num_sms: ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                )
+                .map_err(|e| CudaError::Unavailable(e.to_string()))? as usize,
             gemv_ggml: GEMV_ROWS
                 .iter()
                 .map(|&m| Ok((m, 1, f(&format!("gemv_ggml_{m}_kernel"))?)))
