@@ -3,12 +3,10 @@
 //! f32 activations, f32 accumulate and output); in the batch-invariant mode troupe's
 //! fixed-tile kernel.
 
-use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES, GEMV_NARROW_THREADS};
+use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES};
 use super::weights::{DevicePart, PackedFormat, Store};
 use crate::kernels::quant::GgmlType;
 
@@ -300,7 +298,7 @@ impl CudaBackend {
     /// # Safety
     /// `x` addresses m·k f32, `w_ptr` n·k bf16 and `out` m·n f32 on this device.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm_bf16(
+    pub(super) unsafe fn gemm_bf16(
         &self,
         x: u64,
         m: usize,
@@ -367,22 +365,7 @@ impl CudaBackend {
             );
             return;
         }
-        if let Some((kernel, cols)) = self.kernels.gemv_for(m).filter(|_| k.is_multiple_of(8)) {
-            if n.div_ceil(cols) < self.kernels.num_sms
-                && let Some((narrow, _)) = self.kernels.gemv_narrow_for(m)
-            {
-                self.launch_gemv_threads(
-                    narrow,
-                    (n, 1),
-                    GEMV_NARROW_THREADS,
-                    x,
-                    m,
-                    (w_ptr, n, k),
-                    out,
-                );
-                return;
-            }
-            self.launch_gemv(kernel, (n.div_ceil(cols), 1), x, m, (w_ptr, n, k), out);
+        if self.gemv_bf16(x, m, n, k, w_ptr, out) {
             return;
         }
         let xb = self.bf16_operand(x, m * k, twin);
@@ -520,92 +503,5 @@ impl CudaBackend {
         };
         check(launched, "fp8 gemv silu");
         true
-    }
-
-    /// `out [groups, m, n]`: row block g (n rows) of the bf16 `[groups · n, k]` matrix at
-    /// `w_ptr` times rows g·m .. (g + 1)·m of `x [groups · m, k]`. One grouped GEMV launch
-    /// for a decode batch's few rows (a launch a block of DeepSeek-V4's `wo_a` read 8.4 MB
-    /// in 5 µs: 1.7 TB/s, mostly ramp); otherwise `gemm_bf16` a block.
-    ///
-    /// # Safety
-    /// `x` addresses groups·m·k f32, `w_ptr` groups·n·k bf16 and `out` groups·m·n f32.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn gemm_row_groups_bf16(
-        &self,
-        x: u64,
-        m: usize,
-        groups: usize,
-        n: usize,
-        k: usize,
-        w_ptr: u64,
-        out: u64,
-    ) {
-        let grouped = (!self.batch_invariant && k.is_multiple_of(8))
-            .then(|| self.kernels.gemv_groups_for(m))
-            .flatten();
-        if let Some((kernel, cols)) = grouped {
-            self.launch_gemv(kernel, (n.div_ceil(cols), groups), x, m, (w_ptr, n, k), out);
-            return;
-        }
-        for g in 0..groups {
-            let (x_g, w_g, out_g) = (
-                x + (g * m * k * 4) as u64,
-                w_ptr + (g * n * k * 2) as u64,
-                out + (g * m * n * 4) as u64,
-            );
-            // SAFETY: block g's ranges lie inside the caller's (the contract above).
-            unsafe { self.gemm_bf16(x_g, m, n, k, w_g, out_g, None) };
-        }
-    }
-
-    /// One `gemv.cu` kernel over `x[num_rows, cols]` and the bf16 `(w, rows, cols)`, in
-    /// `num_blocks` blocks (times `groups` for `gemv_groups`) of 256 threads.
-    fn launch_gemv(
-        &self,
-        kernel: &CudaFunction,
-        blocks: (usize, usize),
-        x: u64,
-        num_rows: usize,
-        w: (u64, usize, usize),
-        out: u64,
-    ) {
-        self.launch_gemv_threads(kernel, blocks, 256, x, num_rows, w, out);
-    }
-
-    /// `launch_gemv` with `threads` a block.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_gemv_threads(
-        &self,
-        kernel: &CudaFunction,
-        (num_blocks, groups): (usize, usize),
-        threads: usize,
-        x: u64,
-        num_rows: usize,
-        (w, rows, cols): (u64, usize, usize),
-        out: u64,
-    ) {
-        let (mi, ni, ki) = (num_rows as i32, rows as i32, cols as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (num_blocks as u32, groups as u32, 1),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: x holds num_rows·w.cols elements and out what the kernel writes for those
-        // rows (num_rows·w.rows, or half of that for the activation); w.cols is a multiple
-        // of 8, so every row starts 16-byte aligned.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(kernel)
-                    .arg(&out)
-                    .arg(&x)
-                    .arg(&w)
-                    .arg(&mi)
-                    .arg(&ni)
-                    .arg(&ki)
-                    .launch(cfg)
-            },
-            "gemv",
-        );
     }
 }

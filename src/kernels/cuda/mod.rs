@@ -12,6 +12,7 @@ mod backend;
 mod captured;
 mod deepseek_v4;
 mod fp8_gemm;
+mod gemv;
 mod graph;
 mod kv_cache;
 mod matmul;

@@ -8,6 +8,9 @@
 
 mod moe;
 mod ops;
+mod row_groups;
+
+pub use row_groups::CudaRowGroups;
 
 pub use moe::CudaExperts;
 
@@ -16,7 +19,7 @@ use crate::sync::Shared as Arc;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
-use super::{CudaBackend, CudaError, CudaMatrix, check};
+use super::{CudaBackend, CudaError, check};
 use crate::kernels::deepseek_v4::{
     AttentionKeys, Compressor, DsV4KernelError, DsV4Shape, StepMeta,
 };
@@ -116,19 +119,6 @@ pub fn check_shape(shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         });
     }
     Ok(())
-}
-
-/// DeepSeek-V4's grouped output projection (`wo_a`) as one bf16 matrix of `parts` equal
-/// row blocks: one launch covers every block (`dsv4_gemm_row_groups`).
-pub struct CudaRowGroups {
-    stacked: [CudaMatrix; 1],
-    parts: usize,
-}
-
-impl AsRef<[CudaMatrix]> for CudaRowGroups {
-    fn as_ref(&self) -> &[CudaMatrix] {
-        &self.stacked
-    }
 }
 
 pub struct DsV4Program {

@@ -4,9 +4,8 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::super::weights::Store;
 use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
 use super::blocks;
 use crate::kernels::deepseek_v4::{
@@ -77,19 +76,7 @@ impl DsV4Kernels for CudaBackend {
     }
 
     fn row_groups(&self, m: CudaMatrix, parts: usize) -> super::CudaRowGroups {
-        let CudaMatrix { rows, cols, store } = m;
-        let all = match store {
-            Store::Bf16(w) => w,
-            store => self.bf16_copy(&CudaMatrix { rows, cols, store }),
-        };
-        super::CudaRowGroups {
-            stacked: [CudaMatrix {
-                rows,
-                cols,
-                store: Store::Bf16(all),
-            }],
-            parts,
-        }
+        super::CudaRowGroups::new(self, m, parts)
     }
 
     fn dsv4_take_picks(&self, ids: &mut CudaSlice<u32>, picked: &[u32]) {
@@ -264,20 +251,7 @@ impl DsV4Kernels for CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        let [m] = &w.stacked;
-        let Store::Bf16(all) = &m.store else {
-            unreachable!("row groups are kept in bf16 (row_groups)")
-        };
-        let (parts, n, k) = (w.parts, m.rows / w.parts, m.cols);
-        assert!(
-            parts * rows * k <= x.len() && parts * rows * n <= out.len(),
-            "dsv4_gemm_row_groups outside its buffers"
-        );
-        let x_ptr = x.device_ptr(&self.stream).0;
-        let w_ptr = all.device_ptr(&self.stream).0;
-        let out_ptr = out.device_ptr_mut(&self.stream).0;
-        // SAFETY: the assert bounds x and out; all holds parts·n·k bf16 values.
-        unsafe { self.gemm_row_groups_bf16(x_ptr, rows, parts, n, k, w_ptr, out_ptr) };
+        w.gemm(self, x, rows, out);
     }
 
     /// Interleaved partial RoPE on `heads` rows of `dim` per step row (`sign` −1 undoes it).
