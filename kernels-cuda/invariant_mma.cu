@@ -9,6 +9,10 @@
 // columns (an mma's output column depends on its own column of B only). Activations are
 // f32-accurate: bf16 plus its bf16 remainder, two mmas (SGLang's fixed split, with the
 // bf16 weights exact in the mma). Grid: (16·FG-feature blocks, NT·8-row groups); 256 threads.
+// FP8 weights (e4m3 with f32 block scales) are read as they are stored and made bf16 in
+// registers exactly as `dequant_bf16_kernel` makes them, so a row's sums equal those of the
+// dequantized copy — without writing and re-reading that copy each GEMM (5 bytes a weight
+// where the packed bytes are 1).
 #define INV_WARPS 8
 
 // 16 bytes of weights, issued where written: ptxas otherwise sinks each load to its first
@@ -25,20 +29,50 @@ __device__ __forceinline__ uint4 inv_load16(const bf16_t* p) {
 // the same whichever FG): a wider batch reads its activations once for FG groups, where a
 // 16-feature block re-read them N/16 times (at M = 64, 8× the weights' bytes). U chunks of
 // loads in flight; U · FG = 4 keeps the weights' registers and bytes in flight the same.
-template <int NT, int FG, int U>
-__device__ void invariant_mv(float* C, const float* X, const bf16_t* W, int M, int N, int K) {
+__device__ __forceinline__ uint2 inv_load8(const u8* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// Where the weights are and how a lane's 8 columns become bf16x2 words.
+struct InvBf16 {
+    static constexpr bool FP8 = false;
+    const bf16_t* w;
+};
+struct InvFp8 {
+    static constexpr bool FP8 = true;
+    const u8* w;
+    const float* scales;
+    int block_rows, block_cols;
+};
+
+// Eight e4m3 bytes times their block's scale as four bf16x2 words (dequant_bf16_kernel's
+// rounding: f32 product, then nearest-even bf16).
+__device__ __forceinline__ uint4 inv_fp8_words(uint2 b, float s) {
+    u32 o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 word = i < 2 ? b.x : b.y;
+        float2 v = e4m3x2_to_f32((unsigned short)(word >> (16 * (i & 1))));
+        o[i] = tile_bf16x2(v.x * s, v.y * s);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <int NT, int FG, int U, typename WT>
+__device__ void invariant_mv(float* C, int ldc, const float* X, WT W, int M, int N, int K) {
+    constexpr bool FP8 = WT::FP8;
     __shared__ float red[INV_WARPS][16][NT * 8];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int g = lane >> 2, tq = lane & 3;
     int nb = blockIdx.x * 16 * FG, m0 = blockIdx.y * NT * 8;
-    const bf16_t* w0[FG];
-    const bf16_t* w1[FG];
+    // Features past N read row 0 (valid); their sums are not stored.
+    long long f0[FG], f1[FG];
 #pragma unroll
     for (int j = 0; j < FG; ++j) {
-        // Features past N read row 0 (valid); their sums are not stored.
-        long long f0 = nb + 16 * j + g, f1 = f0 + 8;
-        w0[j] = W + (f0 < N ? f0 : 0) * K + 8 * tq;
-        w1[j] = W + (f1 < N ? f1 : 0) * K + 8 * tq;
+        f0[j] = nb + 16 * j + g < N ? nb + 16 * j + g : 0;
+        f1[j] = nb + 16 * j + g + 8 < N ? nb + 16 * j + g + 8 : 0;
     }
     const float* xr[NT];
     bool live[NT];
@@ -56,15 +90,36 @@ __device__ void invariant_mv(float* C, const float* X, const bf16_t* W, int M, i
     int chunks = (K + 31) / 32;
     for (int c0 = warp; c0 < chunks; c0 += INV_WARPS * U) {
         uint4 a[U][FG][2];
+        uint2 b[FP8 ? U : 1][FG][2];
+        float sc[FP8 ? U : 1][FG][2];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            int k = (c0 + u * INV_WARPS) * 32;
-            bool in = c0 + u * INV_WARPS < chunks && k + 8 * tq < K;
+            int k = (c0 + u * INV_WARPS) * 32 + 8 * tq;
+            bool in = c0 + u * INV_WARPS < chunks && k < K;
 #pragma unroll
             for (int j = 0; j < FG; ++j) {
-                a[u][j][0] = in ? inv_load16(w0[j] + k) : make_uint4(0, 0, 0, 0);
-                a[u][j][1] = in ? inv_load16(w1[j] + k) : make_uint4(0, 0, 0, 0);
+                if constexpr (FP8) {
+                    const InvFp8& w = W;
+                    int grid_cols = (K + w.block_cols - 1) / w.block_cols;
+                    b[u][j][0] = in ? inv_load8(w.w + f0[j] * K + k) : make_uint2(0, 0);
+                    b[u][j][1] = in ? inv_load8(w.w + f1[j] * K + k) : make_uint2(0, 0);
+                    int kc = (in ? k : 0) / w.block_cols;
+                    sc[u][j][0] = w.scales[(f0[j] / w.block_rows) * grid_cols + kc];
+                    sc[u][j][1] = w.scales[(f1[j] / w.block_rows) * grid_cols + kc];
+                } else {
+                    a[u][j][0] = in ? inv_load16(W.w + f0[j] * K + k) : make_uint4(0, 0, 0, 0);
+                    a[u][j][1] = in ? inv_load16(W.w + f1[j] * K + k) : make_uint4(0, 0, 0, 0);
+                }
             }
+        }
+        if constexpr (FP8) {
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int j = 0; j < FG; ++j) {
+                    a[u][j][0] = inv_fp8_words(b[u][j][0], sc[u][j][0]);
+                    a[u][j][1] = inv_fp8_words(b[u][j][1], sc[u][j][1]);
+                }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -114,7 +169,7 @@ __device__ void invariant_mv(float* C, const float* X, const bf16_t* W, int M, i
             float v = 0.0f;
 #pragma unroll
             for (int w = 0; w < INV_WARPS; ++w) v += red[w][f][r];
-            if (n0 + f < N && m0 + r < M) C[(long long)(m0 + r) * N + n0 + f] = v;
+            if (n0 + f < N && m0 + r < M) C[(long long)(m0 + r) * ldc + n0 + f] = v;
         }
     }
 }
@@ -124,9 +179,23 @@ __device__ void invariant_mv(float* C, const float* X, const bf16_t* W, int M, i
     extern "C" __global__ void __launch_bounds__(256) NAME(                                   \
         float* C, const float* X, const bf16_t* W, int M, int N, int K) {                     \
         pdl_enter();                                                                          \
-        invariant_mv<NT, FG, U>(C, X, W, M, N, K);                                            \
+        invariant_mv<NT, FG, U>(C, N, X, InvBf16{W}, M, N, K);                                \
     }
 INVARIANT_MV(matmul_invariant_mv1_kernel, 1, 1, 4)
 INVARIANT_MV(matmul_invariant_mv2_kernel, 2, 1, 4)
 INVARIANT_MV(matmul_invariant_mv4_kernel, 4, 1, 4)
 INVARIANT_MV(matmul_invariant_wide_kernel, 4, 4, 1)
+
+// The FP8 twins, on a part of a matrix (its N rows, columns of C at stride ldc). The same
+// chunks a warp as the bf16 kernels, so a row's sums do not depend on the variant either.
+#define INVARIANT_MV_FP8(NAME, NT, FG, U)                                                     \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                   \
+        float* C, int ldc, const float* X, const u8* W, const float* scales, int block_rows,  \
+        int block_cols, int M, int N, int K) {                                                \
+        pdl_enter();                                                                          \
+        invariant_mv<NT, FG, U>(C, ldc, X, InvFp8{W, scales, block_rows, block_cols}, M, N, K); \
+    }
+INVARIANT_MV_FP8(matmul_invariant_fp8_mv1_kernel, 1, 1, 4)
+INVARIANT_MV_FP8(matmul_invariant_fp8_mv2_kernel, 2, 1, 4)
+INVARIANT_MV_FP8(matmul_invariant_fp8_mv4_kernel, 4, 1, 4)
+INVARIANT_MV_FP8(matmul_invariant_fp8_wide_kernel, 4, 4, 1)

@@ -3,9 +3,10 @@
 //! routing grouped on the device, MXFP4 or bf16 weights): generated shapes and routings,
 //! one token to past the switch to many-row tiles, both modes, the per-expert counts,
 //! expert-parallel owners, and the invariant mode's rows equal bit for bit whatever the
-//! batch. The batch-invariant dense GEMM (`invariant_mma.cu`): generated shapes, and a
-//! row's bits the same alone and in batches of one and of several row tiles. Needs a
-//! GPU: it runs on the device machine (`scripts/gpu-tests.sh`); CI compiles it.
+//! batch. The batch-invariant dense GEMM (`invariant_mma.cu`), bf16 and FP8 weights:
+//! generated shapes and FP8 blocks, and a row's bits the same alone and in batches of one
+//! and of several row tiles. Needs a GPU: it runs on the device machine
+//! (`scripts/gpu-tests.sh`); CI compiles it.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -15,6 +16,7 @@ use half::bf16;
 use troupe::kernels::cuda::CudaBackend;
 use troupe::kernels::deepseek_v4::{DsV4Kernels, DsV4Shape, ExpertOwners};
 use troupe::kernels::fp4::Mxfp4Matrix;
+use troupe::kernels::fp8::{Fp8Matrix, e4m3_to_f32, f32_to_e4m3};
 use troupe::kernels::{Backend, HostData, HostMatrix};
 
 const LIMIT: f32 = 7.0;
@@ -361,36 +363,88 @@ fn the_invariant_dense_gemm_is_exact_to_f32_and_gives_a_row_the_same_bits_in_any
     for _ in 0..6 {
         let (n, k) = (1 + rng.below(300), 8 * (1 + rng.below(200)));
         let (w, values) = matrix(&mut rng, n, k, false);
-        let w = b.upload_matrix(w);
-        let alone: Vec<f32> = (0..k).map(|_| rng.uniform()).collect();
-        let mut first = None;
-        // One row tile, then several.
-        for m in [1, 1 + rng.below(16), 17 + rng.below(200)] {
-            let mut x: Vec<f32> = (0..m * k).map(|_| rng.uniform()).collect();
-            let at = rng.below(m);
-            x[at * k..(at + 1) * k].copy_from_slice(&alone);
-            let mut out = b.alloc(m * n);
-            b.matmul(&b.upload(&x), m, &w, None, &mut out);
-            let got = b.download(&out, m * n);
-            for r in (0..m).step_by(1 + m / 20) {
-                let want: Vec<f32> = (0..n)
-                    .map(|c| dot(&values[c * k..(c + 1) * k], &x[r * k..(r + 1) * k]))
-                    .collect();
-                check(
-                    &got[r * n..(r + 1) * n],
-                    &want,
-                    1e-4,
-                    &format!("{m}×{k} · {n}ᵀ row {r}"),
-                );
-            }
-            let row: Vec<u32> = got[at * n..(at + 1) * n]
-                .iter()
-                .map(|v| v.to_bits())
+        invariant_rows(&b, &mut rng, w, &values);
+    }
+}
+
+/// FP8 weights (DeepSeek-V4's dense projections) read as stored: the sums of their bf16
+/// dequantized values, whatever the block shape (a lane's 8 columns inside one block or
+/// not), and a row's bits the same in any batch.
+#[test]
+fn the_invariant_gemm_on_fp8_weights_sums_their_dequantized_values_the_same_in_any_batch() {
+    let mut rng = Rng(0xf8f8);
+    let b = CudaBackend::new(0, true, false).expect("a GPU");
+    for case in 0..8 {
+        let (n, k) = (1 + rng.below(400), 8 * (1 + rng.below(300)));
+        let block = match case % 4 {
+            0 => (128, 128),
+            1 => (1, k),
+            2 => (1 + rng.below(40), 8 * (1 + rng.below(20))),
+            _ => (1 + rng.below(40), 1 + rng.below(60)),
+        };
+        let grid = (n.div_ceil(block.0), k.div_ceil(block.1));
+        let bytes: Vec<u8> = (0..n * k)
+            .map(|_| f32_to_e4m3((rng.uniform() - 0.5) * 800.0))
+            .collect();
+        let scales: Vec<f32> = (0..grid.0 * grid.1)
+            .map(|_| 1e-3 * (0.5 + rng.uniform()))
+            .collect();
+        let values: Vec<f32> = (0..n * k)
+            .map(|i| {
+                let (r, c) = (i / k, i % k);
+                let s = scales[(r / block.0) * grid.1 + c / block.1];
+                bf16::from_f32(e4m3_to_f32(bytes[i]) * s).to_f32()
+            })
+            .collect();
+        let m = Fp8Matrix::unscaled(bytes, k)
+            .with_scales(scales, grid, block)
+            .expect("scales fit the grid");
+        let data = HostData::Fp8(m);
+        invariant_rows(
+            &b,
+            &mut rng,
+            HostMatrix {
+                rows: n,
+                cols: k,
+                data,
+            },
+            &values,
+        );
+    }
+}
+
+/// `w` (exact values `values`) on the invariant backend `b`: one row tile, then several;
+/// sampled rows within 1e-4 of the f32 sums, and one row's bits the same in each batch.
+fn invariant_rows(b: &CudaBackend, rng: &mut Rng, w: HostMatrix, values: &[f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let w = b.upload_matrix(w);
+    let alone: Vec<f32> = (0..k).map(|_| rng.uniform()).collect();
+    let mut first = None;
+    for m in [1, 1 + rng.below(16), 17 + rng.below(200)] {
+        let mut x: Vec<f32> = (0..m * k).map(|_| rng.uniform()).collect();
+        let at = rng.below(m);
+        x[at * k..(at + 1) * k].copy_from_slice(&alone);
+        let mut out = b.alloc(m * n);
+        b.matmul(&b.upload(&x), m, &w, None, &mut out);
+        let got = b.download(&out, m * n);
+        for r in (0..m).step_by(1 + m / 20) {
+            let want: Vec<f32> = (0..n)
+                .map(|c| dot(&values[c * k..(c + 1) * k], &x[r * k..(r + 1) * k]))
                 .collect();
-            match &first {
-                None => first = Some(row),
-                Some(f) => assert_eq!(&row, f, "{n}×{k}: the row at {at} of {m} differs"),
-            }
+            check(
+                &got[r * n..(r + 1) * n],
+                &want,
+                1e-4,
+                &format!("{m}×{k} · {n}ᵀ row {r}"),
+            );
+        }
+        let row: Vec<u32> = got[at * n..(at + 1) * n]
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        match &first {
+            None => first = Some(row),
+            Some(f) => assert_eq!(&row, f, "{n}×{k}: the row at {at} of {m} differs"),
         }
     }
 }

@@ -212,6 +212,8 @@ pub struct Kernels {
     /// The tensor-core invariant GEMM (`invariant_mma.cu`): 1, 2 and 4 eight-row tiles a
     /// block over 16 features, then 4 tiles over 64 features.
     pub matmul_invariant_mv: [CudaFunction; 4],
+    /// The same four reading e4m3 weights with their block scales (`invariant_mma.cu`).
+    pub matmul_invariant_fp8_mv: [CudaFunction; 4],
     /// Greedy picks and the CPU sampler's draw for rows without processors.
     pub sample: CudaFunction,
     pub random_bf16: CudaFunction,
@@ -399,6 +401,12 @@ impl Kernels {
                 f("matmul_invariant_mv2_kernel")?,
                 f("matmul_invariant_mv4_kernel")?,
                 f("matmul_invariant_wide_kernel")?,
+            ],
+            matmul_invariant_fp8_mv: [
+                f("matmul_invariant_fp8_mv1_kernel")?,
+                f("matmul_invariant_fp8_mv2_kernel")?,
+                f("matmul_invariant_fp8_mv4_kernel")?,
+                f("matmul_invariant_fp8_wide_kernel")?,
             ],
             sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
