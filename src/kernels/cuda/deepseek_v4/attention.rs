@@ -118,13 +118,18 @@ impl CudaBackend {
         let scale = (head_dim as f32).powf(-0.5);
         let mma = !self.batch_invariant && mma_fits(head_dim);
         let (hg, splits) = if mma {
-            (
-                AM_HEADS,
-                mma_splits(
-                    meta.num_rows * heads.div_ceil(AM_HEADS),
-                    self.kernels.num_sms,
-                ),
-            )
+            // Splits past the most keys a row can have would be empty: the window alone, or
+            // with the indexer's picks (not bounded otherwise: HCA's entries grow with the
+            // position, and a captured step's grid must not change with it).
+            let max_keys = match (rate, sel) {
+                (0, _) => Some(keys.window),
+                (_, Some((_, k))) => Some(keys.window + k),
+                (_, None) => None,
+            };
+            let blocks = meta.num_rows * heads.div_ceil(AM_HEADS);
+            let splits = mma_splits(blocks, self.kernels.num_sms);
+            let most = max_keys.map_or(splits, |k| k.div_ceil(AM_KT).max(1));
+            (AM_HEADS, splits.min(most))
         } else {
             attention_grid(meta.num_rows, heads, self.batch_invariant)
         };
