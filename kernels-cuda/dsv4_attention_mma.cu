@@ -154,9 +154,9 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
         __syncthreads();
         // Online softmax: 8 threads a head, 8 keys each, reduced by shuffles in the group.
         {
-            int h = threadIdx.x >> 3, part = threadIdx.x & 7;
-            float4 v0 = *(const float4*)(ss + h * AM_SS + 8 * part);
-            float4 v1 = *(const float4*)(ss + h * AM_SS + 8 * part + 4);
+            int h = threadIdx.x >> 3, seg = threadIdx.x & 7;
+            float4 v0 = *(const float4*)(ss + h * AM_SS + 8 * seg);
+            float4 v1 = *(const float4*)(ss + h * AM_SS + 8 * seg + 4);
             float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w}, mx = NEG_INF;
 #pragma unroll
             for (int j = 0; j < 8; ++j) mx = fmaxf(mx, v[j]);
@@ -172,10 +172,10 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
                 pw[j / 2] = tile_bf16x2(e0, e1);
                 sum += tile_bf16_lo(pw[j / 2]) + tile_bf16_hi(pw[j / 2]);
             }
-            *(uint4*)(ps + h * (AM_KT + AM_PAD) + 8 * part) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+            *(uint4*)(ps + h * (AM_KT + AM_PAD) + 8 * seg) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
 #pragma unroll
             for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (part == 0) {
+            if (seg == 0) {
                 float f = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
                 l_s[h] = l_s[h] * f + sum;
                 m_s[h] = m_new;
@@ -221,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
     float* part_ml = part + n_parts * hd;
     long long at_a = ((long long)r * heads + h0 + ha) * splits + z;
     long long at_b = ((long long)r * heads + h0 + hb) * splits + z;
-    float ia = splits > 1 ? 1.0f : 1.0f / l_s[ha], ib = splits > 1 ? 1.0f : 1.0f / l_s[hb];
+    float la = splits > 1 ? 1.0f : l_s[ha], lb = splits > 1 ? 1.0f : l_s[hb];
     float* oa = splits > 1 ? part + at_a * hd : out + ((long long)r * heads + h0 + ha) * hd;
     float* ob = splits > 1 ? part + at_b * hd : out + ((long long)r * heads + h0 + hb) * hd;
     if (splits > 1 && quarter == 0 && tq == 0) {
@@ -239,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
         int n = quarter + 4 * i;
         if (n >= tiles_n) break;
         int c = 8 * n + 2 * tq;
-        if (ha < nh) *(float2*)(oa + c) = make_float2(acc[i][0] * ia, acc[i][1] * ia);
-        if (hb < nh) *(float2*)(ob + c) = make_float2(acc[i][2] * ib, acc[i][3] * ib);
+        if (ha < nh) *(float2*)(oa + c) = make_float2(acc[i][0] / la, acc[i][1] / la);
+        if (hb < nh) *(float2*)(ob + c) = make_float2(acc[i][2] / lb, acc[i][3] / lb);
     }
 }
