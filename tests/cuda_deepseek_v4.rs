@@ -149,6 +149,9 @@ fn new_cache(m: &Gpu, num_slots: usize) -> DsV4Cache<CudaBackend> {
 /// f32 activations on both sides (the batch-invariant GEMM), the same bf16 weights:
 /// only the order of sums differs.
 const SAME_WEIGHTS_TOL: f32 = 1e-4;
+/// The default mode's decode rows: f32 activations into the GEMVs, but attention on the
+/// tensor cores with bf16 queries, keys and probabilities (2^-9 a product).
+const BF16_ATTENTION_TOL: f32 = 2e-2;
 
 #[test]
 fn every_position_matches_the_host_reference_whole_chunked_and_token_by_token() {
@@ -156,7 +159,6 @@ fn every_position_matches_the_host_reference_whole_chunked_and_token_by_token() 
         let r = reference(name);
         let host = host_model(name, false);
         let invariant = gpu(name, true, false);
-        // The default mode's GEMV takes a decode row's f32 activations as they are.
         let default = gpu(name, false, false);
         for prompt in &r.prompts {
             let want = host_run(&host, prompt);
@@ -181,7 +183,25 @@ fn every_position_matches_the_host_reference_whole_chunked_and_token_by_token() 
                     "chunks {chunks:?}, invariant {}",
                     dev.backend.batch_invariant
                 );
-                assert_rows_close(name, &what, &got, &want, r.vocab_size, SAME_WEIGHTS_TOL);
+                let tol = if dev.backend.batch_invariant {
+                    SAME_WEIGHTS_TOL
+                } else {
+                    let worst = got
+                        .chunks(r.vocab_size)
+                        .zip(want.chunks(r.vocab_size))
+                        .map(|(g, w)| {
+                            let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                            let e = g
+                                .iter()
+                                .zip(w)
+                                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                            e / scale
+                        })
+                        .fold(0.0f32, f32::max);
+                    eprintln!("{name} {what}: worst relative error {worst:.2e}");
+                    BF16_ATTENTION_TOL
+                };
+                assert_rows_close(name, &what, &got, &want, r.vocab_size, tol);
             }
         }
     }
