@@ -237,64 +237,122 @@ extern "C" __global__ void dsv4_swap_kernel(float* y, const float* x, int a, int
     y[((long long)ib * a + ia) * width + c] = x[i];
 }
 
-// One thread per (sequence, entry channel c): the chunk's projected kv and gate rows go
-// into the slot's open window; each window they close emits channel c of one entry — a
-// softmax over the window's gate logits (+ position bias; with overlap, over the previous
-// window's Ca half and this window's Cb half) weighting its kv rows — unless the window is
-// a cached prefix being replayed (`CompressorCache::feed`; norm and RoPE come after, in
-// dsv4_entry_finish_kernel). A thread reads and writes only its own columns (c, dim + c).
+// A compressor fed a chunk [pos0, end) of a sequence (`CompressorCache::feed`): every
+// window the chunk closes emits one entry — a softmax over the window's gate logits
+// (+ position bias; with overlap, over the previous window's Ca half and this window's Cb
+// half) weighting its kv rows — unless the window is a cached prefix being replayed (norm
+// and RoPE come after, in dsv4_entry_finish_kernel); then the slot keeps the open window's
+// rows and the last closed window's Ca half. The windows are independent, so the emits run
+// a thread per (window, channel) (a thread a channel walking 4 096 rows in order took
+// 6.7 ms a layer) and the state is written after, by dsv4_compress_keep_kernel. A row at
+// position p is the chunk's own (p ≥ pos0), the slot's open window's (buf: the window open
+// at pos0), or the Ca half kept from the window closed before the chunk (prev, gate with
+// its bias).
+struct DsCompressRows {
+    const float *kv, *gate, *bias, *bkv, *bgate, *pkv, *pgate;
+    int pos0, row0, open0, rate, width, dim;
+    __device__ float kv_at(int p, int col) const {
+        return p >= pos0 ? kv[(long long)(row0 + p - pos0) * width + col] : bkv[(p % rate) * width + col];
+    }
+    // The gate logit plus its position's bias (`pgate` holds that sum already).
+    __device__ float gate_at(int p, int col) const {
+        float g = p >= pos0 ? gate[(long long)(row0 + p - pos0) * width + col] : bgate[(p % rate) * width + col];
+        return g + bias[(p % rate) * width + col];
+    }
+    // Column c of the Ca half of the window before the one at w0 (positions w0 − rate + j).
+    __device__ float prev_kv_at(int w0, int j, int c) const {
+        int p = w0 - rate + j;
+        return p >= open0 ? kv_at(p, c) : pkv[j * dim + c];
+    }
+    __device__ float prev_gate_at(int w0, int j, int c) const {
+        int p = w0 - rate + j;
+        return p >= open0 ? gate_at(p, c) : pgate[j * dim + c];
+    }
+};
+
+__device__ __forceinline__ DsCompressRows ds_compress_rows(const u32* sq, const float* kv, const float* gate,
+                                                          const float* bias, const float* buf_kv,
+                                                          const float* buf_gate, const float* prev_kv,
+                                                          const float* prev_gate, int rate, int width,
+                                                          int dim) {
+    long long slot = sq[S_SLOT];
+    int pos0 = sq[S_POS0];
+    return DsCompressRows{kv, gate, bias, buf_kv + slot * rate * width, buf_gate + slot * rate * width,
+                          prev_kv + slot * rate * dim, prev_gate + slot * rate * dim, pos0, (int)sq[S_ROW0],
+                          pos0 / rate * rate, rate, width, dim};
+}
+
+// Grid: (channel blocks, sequences, windows a chunk closes at most); a thread a (window,
+// channel c), in the order of operations of the walk it replaces.
 extern "C" __global__ void dsv4_compress_feed_kernel(
-    const float* kv, const float* gate, const float* bias, float* buf_kv, float* buf_gate,
-    float* prev_kv, float* prev_gate, float* entries, const u32* seqs, const u32* block_tables,
+    const float* kv, const float* gate, const float* bias, const float* buf_kv, const float* buf_gate,
+    const float* prev_kv, const float* prev_gate, float* entries, const u32* seqs, const u32* block_tables,
     int block_size, int rate, int width, int dim, int overlap, int epb) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= dim) return;
     const u32* sq = seqs + blockIdx.y * SEQ_FIELDS;
-    long long slot = sq[S_SLOT];
-    int pos0 = sq[S_POS0], row0 = sq[S_ROW0], len = sq[S_LEN];
+    int pos0 = sq[S_POS0], end = pos0 + (int)sq[S_LEN];
     int start = sq[S_START], replay = sq[S_REPLAY];
+    int w = pos0 / rate + blockIdx.z;
+    // Closed by the chunk (its last row before end), and not a replayed prefix's.
+    if ((w + 1) * rate > end || (w + 1) * rate <= replay) return;
+    DsCompressRows r = ds_compress_rows(sq, kv, gate, bias, buf_kv, buf_gate, prev_kv, prev_gate, rate, width, dim);
+    int w0 = w * rate, cb = overlap ? dim : 0;
+    bool has_prev = overlap && w0 > start;
+    float mx = NEG_INF;
+    if (has_prev)
+        for (int j = 0; j < rate; ++j) mx = fmaxf(mx, r.prev_gate_at(w0, j, c));
+    for (int j = 0; j < rate; ++j) mx = fmaxf(mx, r.gate_at(w0 + j, cb + c));
+    float sum = 0.0f;
+    if (has_prev)
+        for (int j = 0; j < rate; ++j) sum += expf(r.prev_gate_at(w0, j, c) - mx);
+    for (int j = 0; j < rate; ++j) sum += expf(r.gate_at(w0 + j, cb + c) - mx);
+    float acc = 0.0f;
+    if (has_prev)
+        for (int j = 0; j < rate; ++j) acc += expf(r.prev_gate_at(w0, j, c) - mx) / sum * r.prev_kv_at(w0, j, c);
+    for (int j = 0; j < rate; ++j) acc += expf(r.gate_at(w0 + j, cb + c) - mx) / sum * r.kv_at(w0 + j, cb + c);
     const u32* table = block_tables + sq[S_BT];
+    entries[ds_entry(table, block_size, rate, epb, w) * dim + c] = acc;
+}
+
+// After the emits: the slot's state as the chunk leaves it — per window slot s the last
+// row at a position ≡ s (mod rate) (the open window's rows, and the closed one's where the
+// chunk wrote no later row, as the walk left them), and with overlap the Ca half of the
+// last window the chunk closed (read before the rows it may take from buf are replaced).
+// A thread a (sequence, channel c), writing only its columns (c, dim + c).
+extern "C" __global__ void dsv4_compress_keep_kernel(
+    const float* kv, const float* gate, const float* bias, float* buf_kv, float* buf_gate,
+    float* prev_kv, float* prev_gate, const u32* seqs, int rate, int width, int dim, int overlap) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    const u32* sq = seqs + blockIdx.y * SEQ_FIELDS;
+    int len = sq[S_LEN];
+    if (len == 0) return;
+    DsCompressRows r = ds_compress_rows(sq, kv, gate, bias, buf_kv, buf_gate, prev_kv, prev_gate, rate, width, dim);
+    int pos0 = r.pos0, end = pos0 + len;
+    long long slot = sq[S_SLOT];
     float* bkv = buf_kv + slot * rate * width;
     float* bgate = buf_gate + slot * rate * width;
-    float* pkv = prev_kv + slot * rate * dim;
-    float* pgate = prev_gate + slot * rate * dim;
-    int cb = overlap ? dim : 0;
-    for (int i = 0; i < len; ++i) {
-        int pos = pos0 + i;
-        int s = pos % rate;
-        long long src = (long long)(row0 + i) * width;
+    int wl = end / rate - 1;
+    if (overlap && wl >= 0 && (wl + 1) * rate > pos0) {
+        float* pkv = prev_kv + slot * rate * dim;
+        float* pgate = prev_gate + slot * rate * dim;
+        for (int j = 0; j < rate; ++j) {
+            float v = r.kv_at(wl * rate + j, c), g = r.gate_at(wl * rate + j, c);
+            pkv[j * dim + c] = v;
+            pgate[j * dim + c] = g;
+        }
+    }
+    for (int s = 0; s < rate; ++s) {
+        if (end - 1 < s) continue;
+        int p = s + (end - 1 - s) / rate * rate;
+        if (p < pos0) continue;
+        long long src = (long long)(r.row0 + p - pos0) * width;
         bkv[s * width + c] = kv[src + c];
         bgate[s * width + c] = gate[src + c];
         if (overlap) {
             bkv[s * width + dim + c] = kv[src + dim + c];
             bgate[s * width + dim + c] = gate[src + dim + c];
-        }
-        if (s != rate - 1) continue;
-        int w = pos / rate;
-        bool has_prev = overlap && w * rate > start;
-        bool emit = (w + 1) * rate > replay;
-        float mx = NEG_INF;
-        if (has_prev)
-            for (int j = 0; j < rate; ++j) mx = fmaxf(mx, pgate[j * dim + c]);
-        for (int j = 0; j < rate; ++j)
-            mx = fmaxf(mx, bgate[j * width + cb + c] + bias[j * width + cb + c]);
-        float sum = 0.0f;
-        if (has_prev)
-            for (int j = 0; j < rate; ++j) sum += expf(pgate[j * dim + c] - mx);
-        for (int j = 0; j < rate; ++j)
-            sum += expf(bgate[j * width + cb + c] + bias[j * width + cb + c] - mx);
-        float acc = 0.0f;
-        if (has_prev)
-            for (int j = 0; j < rate; ++j) acc += expf(pgate[j * dim + c] - mx) / sum * pkv[j * dim + c];
-        for (int j = 0; j < rate; ++j)
-            acc += expf(bgate[j * width + cb + c] + bias[j * width + cb + c] - mx) / sum *
-                   bkv[j * width + cb + c];
-        if (emit) entries[ds_entry(table, block_size, rate, epb, w) * dim + c] = acc;
-        if (overlap) {
-            for (int j = 0; j < rate; ++j) {
-                pkv[j * dim + c] = bkv[j * width + c];
-                pgate[j * dim + c] = bgate[j * width + c] + bias[j * width + c];
-            }
         }
     }
 }

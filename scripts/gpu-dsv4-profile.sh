@@ -69,7 +69,7 @@ def sums(path):
         except ValueError:
             continue
         name = r[k].split("(")[0].split("<")[0][:60]
-        if name == "random_bf16_kernel":  # --dummy-weights being made
+        if name in ("random_bf16_kernel", "random_mxfp4_kernel"):  # --dummy-weights being made
             continue
         total[name] += v; count[name] += 1
     return total, count

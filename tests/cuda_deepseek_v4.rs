@@ -149,9 +149,45 @@ fn new_cache(m: &Gpu, num_slots: usize) -> DsV4Cache<CudaBackend> {
 /// f32 activations on both sides (the batch-invariant GEMM), the same bf16 weights:
 /// only the order of sums differs.
 const SAME_WEIGHTS_TOL: f32 = 1e-4;
-/// The default mode's decode rows: f32 activations into the GEMVs, but attention on the
-/// tensor cores with bf16 queries, keys and probabilities (2^-9 a product).
-const BF16_ATTENTION_TOL: f32 = 2e-2;
+
+/// The default mode against an f32 reference: bf16 operands (attention on the tensor
+/// cores, and past a few rows the GEMMs) move the logits by about 1 %, and now and then flip
+/// a router's or the indexer's choice, moving a position by more (0.1 measured for a decode
+/// row of these tiny random models): the typical (median) position is close and the argmax
+/// mostly the same.
+fn assert_tracks(name: &str, what: &str, got: &[f32], want: &[f32], vocab: usize) {
+    let mut errors: Vec<f32> = got
+        .chunks(vocab)
+        .zip(want.chunks(vocab))
+        .map(|(g, w)| {
+            let scale = w.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            g.iter()
+                .zip(w)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale
+        })
+        .collect();
+    let agree = got
+        .chunks(vocab)
+        .zip(want.chunks(vocab))
+        .filter(|(g, w)| argmax(g) == argmax(w))
+        .count();
+    errors.sort_by(f32::total_cmp);
+    let (median, worst) = (errors[errors.len() / 2], errors[errors.len() - 1]);
+    let positions = errors.len();
+    eprintln!(
+        "{name} {what}: median error {median:.2e}, worst {worst:.2e}, argmax agrees at \
+         {agree}/{positions}"
+    );
+    assert!(
+        median <= 5e-2,
+        "{name} {what}: median relative error {median:.2e}"
+    );
+    assert!(
+        agree * 20 >= positions * 17,
+        "{name} {what}: argmax agrees at {agree}/{positions}"
+    );
+}
 
 #[test]
 fn every_position_matches_the_host_reference_whole_chunked_and_token_by_token() {
@@ -183,25 +219,11 @@ fn every_position_matches_the_host_reference_whole_chunked_and_token_by_token() 
                     "chunks {chunks:?}, invariant {}",
                     dev.backend.batch_invariant
                 );
-                let tol = if dev.backend.batch_invariant {
-                    SAME_WEIGHTS_TOL
+                if dev.backend.batch_invariant {
+                    assert_rows_close(name, &what, &got, &want, r.vocab_size, SAME_WEIGHTS_TOL);
                 } else {
-                    let worst = got
-                        .chunks(r.vocab_size)
-                        .zip(want.chunks(r.vocab_size))
-                        .map(|(g, w)| {
-                            let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                            let e = g
-                                .iter()
-                                .zip(w)
-                                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-                            e / scale
-                        })
-                        .fold(0.0f32, f32::max);
-                    eprintln!("{name} {what}: worst relative error {worst:.2e}");
-                    BF16_ATTENTION_TOL
-                };
-                assert_rows_close(name, &what, &got, &want, r.vocab_size, tol);
+                    assert_tracks(name, &what, &got, &want, r.vocab_size);
+                }
             }
         }
     }
@@ -309,10 +331,8 @@ fn argmax(row: &[f32]) -> usize {
 
 /// Against transformers' logits (the checkpoints are bf16, so the GPU holds their weights
 /// exactly). The batch-invariant mode keeps f32 activations: every position within 1e-4
-/// (2e-6 measured). The default mode's prefill gives cuBLAS bf16 operands, which moves the
-/// logits by about 1 % and now and then flips a router's or the indexer's choice, moving a
-/// position by more: there the typical (median) position is close and the argmax mostly
-/// the same (67–69 of 72 measured).
+/// (2e-6 measured). The default mode's prefill takes bf16 operands (`assert_tracks`; the
+/// argmax the same at 67–69 of 72 measured).
 #[test]
 fn prefill_in_either_mode_tracks_transformers_logits() {
     for name in CHECKPOINTS {
@@ -330,39 +350,12 @@ fn prefill_in_either_mode_tracks_transformers_logits() {
                     SlotSpan::default(),
                     &[16],
                 );
-                let v = r.vocab_size;
-                let mut errors: Vec<f32> = got
-                    .chunks(v)
-                    .zip(r.logits[p].chunks(v))
-                    .map(|(g, w)| {
-                        let scale = w.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                        g.iter()
-                            .zip(w)
-                            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
-                            / scale
-                    })
-                    .collect();
-                let agree = got
-                    .chunks(v)
-                    .zip(r.logits[p].chunks(v))
-                    .filter(|(g, w)| argmax(g) == argmax(w))
-                    .count();
-                errors.sort_by(f32::total_cmp);
-                let (median, worst) = (errors[errors.len() / 2], errors[errors.len() - 1]);
-                let positions = prompt.len();
-                eprintln!(
-                    "{name} invariant={invariant} prompt {p}: median error {median:.2e}, \
-                     worst {worst:.2e}, argmax agrees at {agree}/{positions}"
-                );
+                let what = format!("invariant={invariant} prompt {p}");
                 if invariant {
-                    assert!(worst <= 1e-4, "{name}: relative error {worst:.2e}");
-                    continue;
+                    assert_rows_close(name, &what, &got, &r.logits[p], r.vocab_size, 1e-4);
+                } else {
+                    assert_tracks(name, &what, &got, &r.logits[p], r.vocab_size);
                 }
-                assert!(median <= 5e-2, "{name}: median relative error {median:.2e}");
-                assert!(
-                    agree * 20 >= positions * 17,
-                    "{name}: argmax agrees at {agree}/{positions}"
-                );
             }
         }
     }

@@ -304,7 +304,9 @@ impl DsV4Kernels for CudaBackend {
             c.dim as i32,
         );
         let (overlap, epb) = (c.overlap as i32, c.entries_per_block as i32);
-        let cfg = blocks(c.dim.div_ceil(128), meta.num_seqs, 128);
+        // A thread a (window the chunk closes, channel): at most max_len / rate + 1 windows.
+        let mut cfg = blocks(c.dim.div_ceil(128), meta.num_seqs, 128);
+        cfg.grid_dim.2 = (meta.max_len / c.rate + 1) as u32;
         // SAFETY: kv and gate hold num_rows·width values; the state buffers cover every
         // slot and the entries every block of the tables (checked by the model).
         check(
@@ -314,10 +316,10 @@ impl DsV4Kernels for CudaBackend {
                     .arg(kv)
                     .arg(gate)
                     .arg(bias)
-                    .arg(&mut c.buf_kv)
-                    .arg(&mut c.buf_gate)
-                    .arg(&mut c.prev_kv)
-                    .arg(&mut c.prev_gate)
+                    .arg(&c.buf_kv)
+                    .arg(&c.buf_gate)
+                    .arg(&c.prev_kv)
+                    .arg(&c.prev_gate)
                     .arg(&mut c.entries)
                     .arg(&meta.seqs)
                     .arg(&meta.tables)
@@ -330,6 +332,27 @@ impl DsV4Kernels for CudaBackend {
                     .launch(cfg)
             },
             "dsv4_compress_feed",
+        );
+        // SAFETY: as above; after the emits, which read the state this rewrites.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().compress_keep)
+                    .arg(kv)
+                    .arg(gate)
+                    .arg(bias)
+                    .arg(&mut c.buf_kv)
+                    .arg(&mut c.buf_gate)
+                    .arg(&mut c.prev_kv)
+                    .arg(&mut c.prev_gate)
+                    .arg(&meta.seqs)
+                    .arg(&rate)
+                    .arg(&width)
+                    .arg(&dim)
+                    .arg(&overlap)
+                    .launch(blocks(c.dim.div_ceil(128), meta.num_seqs, 128))
+            },
+            "dsv4_compress_keep",
         );
     }
 
