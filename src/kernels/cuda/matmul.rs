@@ -3,7 +3,9 @@
 //! f32 activations, f32 accumulate and output); in the batch-invariant mode troupe's
 //! fixed-tile kernel.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaEvent, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use half::bf16;
 
 use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES};
@@ -216,30 +218,59 @@ impl CudaBackend {
             };
             let (_, cfg) = invariant_mv_launch_for(variant, m, p.rows);
             let y = out + 4 * p.first_row as u64;
-            let (ldc, mi, ni, ki) = (w.rows as i32, m as i32, p.rows as i32, w.cols as i32);
-            let (br, bc) = (block_rows as i32, block_cols as i32);
-            // SAFETY: x holds m·cols f32; y's rows (stride ldc) have room for the part's
+            // SAFETY: x holds m·cols f32; y's rows (stride w.rows) have room for the part's
             // columns; the part's bytes and scales are its own.
-            check(
-                unsafe {
-                    self.stream
-                        .launch_builder(kernel)
-                        .arg(&y)
-                        .arg(&ldc)
-                        .arg(&x)
-                        .arg(&p.bytes)
-                        .arg(&p.scales)
-                        .arg(&br)
-                        .arg(&bc)
-                        .arg(&mi)
-                        .arg(&ni)
-                        .arg(&ki)
-                        .launch(cfg)
-                },
-                "matmul_invariant_fp8",
-            );
+            let launched = unsafe {
+                self.launch_fp8_part(
+                    kernel,
+                    cfg,
+                    (y, w.rows),
+                    x,
+                    p,
+                    (block_rows, block_cols),
+                    (m, w.cols),
+                )
+            };
+            check(launched, "matmul_invariant_fp8");
         }
         true
+    }
+
+    /// One FP8 part through `kernel` (a GEMV or the invariant GEMM: the same arguments),
+    /// writing its rows' columns of `y` (row stride `ldy`).
+    ///
+    /// # Safety
+    /// `x` addresses m·k f32 and `y` m rows of `ldy` f32 from the part's first column, on
+    /// this device; `cfg` suits `kernel`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_fp8_part(
+        &self,
+        kernel: &CudaFunction,
+        cfg: LaunchConfig,
+        (y, ldy): (u64, usize),
+        x: u64,
+        p: &DevicePart,
+        (block_rows, block_cols): (usize, usize),
+        (m, k): (usize, usize),
+    ) -> Result<Option<(CudaEvent, CudaEvent)>, cudarc::driver::DriverError> {
+        let (ldy, mi, ni, ki) = (ldy as i32, m as i32, p.rows as i32, k as i32);
+        let (br, bc) = (block_rows as i32, block_cols as i32);
+        // SAFETY: the caller's contract; the part's bytes and scales are its own.
+        unsafe {
+            self.stream
+                .launch_builder(kernel)
+                .arg(&y)
+                .arg(&ldy)
+                .arg(&x)
+                .arg(&p.bytes)
+                .arg(&p.scales)
+                .arg(&br)
+                .arg(&bc)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&ki)
+                .launch(cfg)
+        }
     }
 
     /// `packed.cu`'s GEMVs, a launch per part writing its rows' columns of `out`; false,
@@ -296,26 +327,15 @@ impl CudaBackend {
                         block_rows,
                         block_cols,
                     } => {
-                        let (br, bc) = (block_rows as i32, block_cols as i32);
-                        self.stream
-                            .launch_builder(kernel)
-                            .arg(&y)
-                            .arg(&ldy)
-                            .arg(&x)
-                            .arg(&p.bytes)
-                            .arg(&p.scales)
-                            .arg(&br)
-                            .arg(&bc)
-                            .arg(&mi)
-                            .arg(&ni)
-                            .arg(&ki)
-                            .launch(if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_staged) {
-                                launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), m * w.cols * 2)
-                            } else if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma) {
-                                launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), 0)
-                            } else {
-                                launch(256, p.rows.div_ceil(cols), 0)
-                            })
+                        let cfg = if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_staged) {
+                            launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), m * w.cols * 2)
+                        } else if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma) {
+                            launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), 0)
+                        } else {
+                            launch(256, p.rows.div_ceil(cols), 0)
+                        };
+                        let block = (block_rows, block_cols);
+                        self.launch_fp8_part(kernel, cfg, (y, w.rows), x, p, block, (m, w.cols))
                     }
                     PackedFormat::Ggml(_) if std::ptr::eq(kernel, &self.kernels.gemv_q4k_mma) => {
                         self.stream
