@@ -2,6 +2,43 @@
 // uses): shared-KV attention with sinks over the window and the compressed entries, and the
 // merge of its splits.
 
+// A row's keys (both attention kernels): the window's positions lo ..= t (ring rows before
+// the chunk, the chunk's own after), then n_comp compressed entries (the indexer's
+// selection when `sel` is given, else every closed window; none when rate is 0).
+struct DsAttKeys {
+    const float *kv, *ring, *entries;
+    const int* sel;
+    const u32* table;
+    long long slot, sel_at;
+    int pos0, row0, lo, n_swa, n_comp, hd, ring_len, rate, block_size, epb;
+    __device__ const float* key(int i) const {
+        if (i < n_swa) {
+            int p = lo + i;
+            return p < pos0 ? ring + (slot * ring_len + p % ring_len) * hd : kv + (long long)(row0 + p - pos0) * hd;
+        }
+        int e = sel != 0 ? sel[sel_at + i - n_swa] : i - n_swa;
+        return entries + ds_entry(table, block_size, rate, epb, e) * hd;
+    }
+};
+
+__device__ __forceinline__ DsAttKeys ds_att_keys(int r, const u32* rows, const u32* seqs, const u32* block_tables,
+                                                 const float* kv, const float* ring, const float* entries,
+                                                 const int* sel, int sel_k, int hd, int window, int ring_len,
+                                                 int rate, int block_size, int epb) {
+    int t = rows[2 * r + 1];
+    const u32* sq = seqs + rows[2 * r] * SEQ_FIELDS;
+    int start = sq[S_START];
+    int lo = t + 1 - window;
+    if (lo < start) lo = start;
+    int n_comp = 0;
+    if (rate > 0) {
+        int visible = (t + 1) / rate;
+        n_comp = sel != 0 ? min(visible, sel_k) : visible;
+    }
+    return DsAttKeys{kv, ring, entries, sel, block_tables + sq[S_BT], (long long)sq[S_SLOT], (long long)r * sel_k,
+                     (int)sq[S_POS0], (int)sq[S_ROW0], lo, t - lo + 1, n_comp, hd, ring_len, rate, block_size, epb};
+}
+
 // Shared-KV attention with sinks over the sliding window (ring rows before the chunk, the
 // chunk's own rows after) and the compressed entries (the indexer's selection when `sel`
 // is given, else every closed window; none when rate is 0) (`attention::attention`,
@@ -28,20 +65,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) dsv4_attention_kernel(
     float* m_s = ps + ATT_HG * ATT_KT;
     float* rescale = m_s + ATT_HG;
     int r = blockIdx.x, h0 = blockIdx.y * hg;
-    int t = rows[2 * r + 1];
-    const u32* sq = seqs + rows[2 * r] * SEQ_FIELDS;
-    long long slot = sq[S_SLOT];
-    int pos0 = sq[S_POS0], row0 = sq[S_ROW0], start = sq[S_START];
-    const u32* table = block_tables + sq[S_BT];
-    int lo = t + 1 - window;
-    if (lo < start) lo = start;
-    int n_swa = t - lo + 1;
-    int n_comp = 0;
-    if (rate > 0) {
-        int visible = (t + 1) / rate;
-        n_comp = sel != 0 ? min(visible, sel_k) : visible;
-    }
-    int nk = n_swa + n_comp;
+    DsAttKeys keys = ds_att_keys(r, rows, seqs, block_tables, kv, ring, entries, sel, sel_k, hd, window, ring_len,
+                                 rate, block_size, epb);
+    int nk = keys.n_swa + keys.n_comp;
     for (int i = threadIdx.x; i < hg * hd; i += blockDim.x) {
         int h = i / hd, c = i % hd;
         qs[h * stride + c] = h0 + h < heads ? q[((long long)r * heads + h0 + h) * hd + c] : 0.0f;
@@ -65,19 +91,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) dsv4_attention_kernel(
         int kt = min(ATT_KT, k_hi - k0);
         __syncthreads();
         // Each key's address once, then the tile copied row by row.
-        if (threadIdx.x < kt) {
-            int key = k0 + threadIdx.x;
-            const float* k;
-            if (key < n_swa) {
-                int p = lo + key;
-                k = p < pos0 ? ring + (slot * ring_len + p % ring_len) * hd
-                             : kv + (long long)(row0 + p - pos0) * hd;
-            } else {
-                int e = sel != 0 ? sel[(long long)r * sel_k + key - n_swa] : key - n_swa;
-                k = entries + ds_entry(table, block_size, rate, epb, e) * hd;
-            }
-            kptr[threadIdx.x] = k;
-        }
+        if (threadIdx.x < kt) kptr[threadIdx.x] = keys.key(k0 + threadIdx.x);
         __syncthreads();
         for (int j = 0; j < kt; ++j)
             for (int c = threadIdx.x; c < hd; c += blockDim.x) ks[j * stride + c] = kptr[j][c];

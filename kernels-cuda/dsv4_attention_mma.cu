@@ -6,8 +6,7 @@
 // (`dsv4_attention_kernel`) spends ~4 shared loads and shuffles per FMA; here one
 // m16n8k16 does 2 048 multiply-adds. A block takes one row and up to AM_HEADS heads, its
 // 16 warps 4 head tiles × 4 (key quarters for S, channel quarters for O). Each tile of
-// AM_KT keys is gathered (window ring, the chunk's rows, compressed entries as the SIMT
-// kernel finds them), rounded to bf16 into shared memory beside the row's bf16 queries
+// AM_KT keys is gathered (window ring, the chunk's rows, compressed entries: `DsAttKeys`), rounded to bf16 into shared memory beside the row's bf16 queries
 // (rows padded by 16 bytes: ldmatrix without bank conflicts); the scores go through shared
 // memory for an online softmax per head that starts at the head's sink, the probabilities
 // back as bf16 (as flash attention rounds them). Operands in bf16 as the default mode's
@@ -65,20 +64,9 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
     int g = lane >> 2, tq = lane & 3;
     int r = blockIdx.x, h0 = blockIdx.y * AM_HEADS;
     int nh = min(AM_HEADS, heads - h0);
-    int t = rows[2 * r + 1];
-    const u32* sq = seqs + rows[2 * r] * SEQ_FIELDS;
-    long long slot = sq[S_SLOT];
-    int pos0 = sq[S_POS0], row0 = sq[S_ROW0], start = sq[S_START];
-    const u32* table = block_tables + sq[S_BT];
-    int lo = t + 1 - window;
-    if (lo < start) lo = start;
-    int n_swa = t - lo + 1;
-    int n_comp = 0;
-    if (rate > 0) {
-        int visible = (t + 1) / rate;
-        n_comp = sel != 0 ? min(visible, sel_k) : visible;
-    }
-    int nk = n_swa + n_comp;
+    DsAttKeys keys = ds_att_keys(r, rows, seqs, block_tables, kv, ring, entries, sel, sel_k, hd, window, ring_len,
+                                 rate, block_size, epb);
+    int nk = keys.n_swa + keys.n_comp;
     int per = (nk + splits - 1) / splits;
     per = (per + AM_KT - 1) / AM_KT * AM_KT;
     int z = blockIdx.z, k_lo = z * per, k_hi = min(nk, k_lo + per);
@@ -107,19 +95,7 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
     for (int k0 = k_lo; k0 < k_hi; k0 += AM_KT) {
         int kt = min(AM_KT, k_hi - k0);
         __syncthreads();  // the previous tile's readers are done with ks, ps and kptr
-        if (threadIdx.x < kt) {
-            int key = k0 + threadIdx.x;
-            const float* k;
-            if (key < n_swa) {
-                int p = lo + key;
-                k = p < pos0 ? ring + (slot * ring_len + p % ring_len) * hd
-                             : kv + (long long)(row0 + p - pos0) * hd;
-            } else {
-                int e = sel != 0 ? sel[(long long)r * sel_k + key - n_swa] : key - n_swa;
-                k = entries + ds_entry(table, block_size, rate, epb, e) * hd;
-            }
-            kptr[threadIdx.x] = k;
-        }
+        if (threadIdx.x < kt) kptr[threadIdx.x] = keys.key(k0 + threadIdx.x);
         __syncthreads();
         for (int i = threadIdx.x; i < AM_KT * q4; i += blockDim.x) {
             int j = i / q4, c = 4 * (i % q4);
