@@ -14,6 +14,7 @@ mod deepseek_v4;
 mod fp8_gemm;
 mod gemv;
 mod graph;
+mod invariant;
 mod kv_cache;
 mod matmul;
 mod module;
