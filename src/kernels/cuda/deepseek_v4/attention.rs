@@ -55,7 +55,7 @@ const AM_THREADS: u32 = 512;
 
 /// `AM_SMEM_BYTES(hd)`: bf16 queries and key tile (rows padded by 8), f32 scores, bf16
 /// probabilities, and three floats a head.
-fn mma_smem_bytes(head_dim: usize) -> usize {
+const fn mma_smem_bytes(head_dim: usize) -> usize {
     2 * (AM_HEADS + AM_KT) * (head_dim + 8)
         + 4 * AM_HEADS * (AM_KT + 8)
         + 2 * AM_HEADS * (AM_KT + 8)
@@ -63,10 +63,7 @@ fn mma_smem_bytes(head_dim: usize) -> usize {
 }
 
 /// What `dsv4_attention_mma_kernel` opts in to: its widest head.
-pub(super) const MMA_SMEM_BYTES: usize = 2 * (AM_HEADS + AM_KT) * (AM_MAX_HD + 8)
-    + 4 * AM_HEADS * (AM_KT + 8)
-    + 2 * AM_HEADS * (AM_KT + 8)
-    + 12 * AM_HEADS;
+pub(super) const MMA_SMEM_BYTES: usize = mma_smem_bytes(AM_MAX_HD);
 
 /// Whether the tensor-core kernel takes this head width (whole 16-channel mma steps).
 fn mma_fits(head_dim: usize) -> bool {
