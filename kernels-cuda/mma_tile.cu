@@ -51,6 +51,30 @@ __device__ __forceinline__ void tile_e2m1x4(u32 codes, u32 scale2, u32& w01, u32
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w23) : "r"(b), "r"(scale2), "r"(0x80008000u));
 }
 
+// An MXFP4 block's bytes this lane needs, as loaded (`tile_raw_b`) and then decoded
+// (`tile_decode_b`): the exponent, and the 4 code bytes of quad position q — tile_load_b in
+// two halves, so that a block's loads can be issued a step before its products (the
+// one-step form keeps the few-row kernels' registers as they were).
+struct TileRaw {
+    u32 e, codes;
+};
+__device__ __forceinline__ TileRaw tile_raw_b(const u8* row, int k, int K, int q) {
+    if (k >= K) return TileRaw{0x100u, 0};  // past K: zero weights
+    const u8* b = row + (long long)(k / 32) * 17;
+    return TileRaw{b[0], (u32)b[1 + 4 * q] | ((u32)b[2 + 4 * q] << 8) | ((u32)b[3 + 4 * q] << 16) |
+                             ((u32)b[4 + 4 * q] << 24)};
+}
+__device__ __forceinline__ void tile_decode_b(TileRaw r, u32* w) {
+    if (r.e == 0x100u) {
+        w[0] = w[1] = w[2] = w[3] = 0;
+        return;
+    }
+    u32 s = r.e != 0 ? r.e << 7 : 0x40u;  // 2^(e−127) as bf16; e = 0 is a subnormal
+    s |= s << 16;
+    tile_e2m1x4(r.codes & 0xffffu, s, w[0], w[1]);
+    tile_e2m1x4(r.codes >> 16, s, w[2], w[3]);
+}
+
 // The B fragments of one weight row (feature) for the 32 columns from `k`: this lane's
 // quad position q takes the row's columns 8q .. 8q + 7 of the block, as (step 0: b0, b1,
 // step 1: b0, b1). The mma's k order inside the block is thus a permutation of the
@@ -186,22 +210,47 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
         }
         __syncthreads();
         int kend = min(KC, K - k0);
+        // Many rows, MXFP4 read directly: the next block's bytes are loaded while this one's
+        // products run (its loads, byte-wise at a 17-byte stride, would otherwise each wait
+        // out a round trip before the mma they feed).
+        constexpr bool AHEAD = FMT == TILE_MXFP4 && PF == 1 && MT > 1;
+        TileRaw next[AHEAD ? MATS : 1][AHEAD ? NT : 1];
+        if (AHEAD && !staged) {
+#pragma unroll
+            for (int s = 0; s < MATS; ++s)
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    int kb = kw * 32;
+                    next[s][j] = tile_raw_b(wrow[s][j], kb < kend ? k0 + kb : K, K, q);
+                }
+        }
         // PF of this warp's 32-column blocks are loaded before their products: with few rows
         // the weights are the whole cost, and these loads are what is in flight.
 #pragma unroll 1
         for (int kb0 = kw * 32; kb0 < kend; kb0 += 32 * KSPLIT * PF) {
             u32 b[PF][MATS][NT][4];
-#pragma unroll
-            for (int i = 0; i < PF; ++i)
+            if (AHEAD && !staged) {
 #pragma unroll
                 for (int s = 0; s < MATS; ++s)
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
-                        int kb = kb0 + i * 32 * KSPLIT;
-                        // Staged rows start at the chunk; direct ones at column 0.
-                        int k = staged ? (kb < kend ? kb : KC) : (kb < kend ? k0 + kb : K);
-                        tile_load_b<FMT>(wrow[s][j], k, staged ? KC : K, q, b[i][s][j]);
+                        tile_decode_b(next[s][j], b[0][s][j]);
+                        int kb = kb0 + 32 * KSPLIT;
+                        next[s][j] = tile_raw_b(wrow[s][j], kb < kend ? k0 + kb : K, K, q);
                     }
+            } else {
+#pragma unroll
+                for (int i = 0; i < PF; ++i)
+#pragma unroll
+                    for (int s = 0; s < MATS; ++s)
+#pragma unroll
+                        for (int j = 0; j < NT; ++j) {
+                            int kb = kb0 + i * 32 * KSPLIT;
+                            // Staged rows start at the chunk; direct ones at column 0.
+                            int k = staged ? (kb < kend ? kb : KC) : (kb < kend ? k0 + kb : K);
+                            tile_load_b<FMT>(wrow[s][j], k, staged ? KC : K, q, b[i][s][j]);
+                        }
+            }
 #pragma unroll
             for (int i = 0; i < PF; ++i) {
                 int kb = kb0 + i * 32 * KSPLIT;
