@@ -211,6 +211,22 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
         inter: 512,
         mxfp4: true,
     });
+    // The pipelined many-row kernel (K a multiple of 128): both passes, then down alone
+    // with a partial feature block (hidden 32 past a multiple of 128).
+    out.push(Case {
+        experts: 16,
+        k: 1 + rng.below(4),
+        hidden: 128 * (1 + rng.below(12)),
+        inter: 128 * (1 + rng.below(8)),
+        mxfp4: true,
+    });
+    out.push(Case {
+        experts: 16,
+        k: 1 + rng.below(4),
+        hidden: 128 * rng.below(12) + 32,
+        inter: 128 * (1 + rng.below(8)),
+        mxfp4: true,
+    });
     // Eight experts keep the host's matrices small (at most 8 × 8192 × 512 × 3 values); k at
     // most experts / 4 keeps one token on the GEMV.
     let gemv = |rng: &mut Rng, hidden: usize| Case {

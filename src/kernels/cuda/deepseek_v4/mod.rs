@@ -34,7 +34,8 @@ pub const DEEPSEEK_V4_SOURCE: &str = concat!(
     include_str!("../../../../kernels-cuda/dsv4_attention.cu"),
     include_str!("../../../../kernels-cuda/mma_tile.cu"),
     include_str!("../../../../kernels-cuda/dsv4_attention_mma.cu"),
-    include_str!("../../../../kernels-cuda/moe.cu")
+    include_str!("../../../../kernels-cuda/moe.cu"),
+    include_str!("../../../../kernels-cuda/moe_pipe.cu")
 );
 
 /// Entries a block of the indexer's score kernel takes (`IX_ENTRIES`).

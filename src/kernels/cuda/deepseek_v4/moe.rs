@@ -2,7 +2,9 @@
 //! choice is grouped by expert into tiles without a read-back, and each tile runs against
 //! its expert's weights as stored, found through a table of device addresses made at load.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use super::super::weights::{PackedFormat, Store};
 use super::super::{CudaBackend, CudaMatrix, check};
@@ -45,6 +47,17 @@ pub struct MoeFunctions {
     pub gemm: [[CudaFunction; 4]; 2],
     /// MXFP4 experts for decode-sized steps: `[up, down]`.
     pub gemv: [CudaFunction; 2],
+    /// MXFP4 experts, many rows a tile, K a multiple of `PIPE_K`: `[up, down]`
+    /// (`moe_pipe.cu`).
+    pub pipe: [CudaFunction; 2],
+}
+
+/// `moe_pipe.cu`'s K chunk (MP_KC), threads, and shared bytes for one and two matrices
+/// (MP_SMEM_BYTES): two stages of 64 f32 rows of MP_KC + 4 and 128 features' 68 bytes each.
+const PIPE_K: usize = 128;
+const PIPE_THREADS: u32 = 256;
+const fn pipe_smem_bytes(mats: usize) -> usize {
+    2 * (64 * (PIPE_K + 4) * 4 + mats * 128 * 68)
 }
 
 impl MoeFunctions {
@@ -63,6 +76,13 @@ impl MoeFunctions {
             align: f("moe_align")?,
             gemm: [set("bf16")?, set("mxfp4")?],
             gemv: [f("moe_gemv_up_mxfp4")?, f("moe_gemv_down_mxfp4")?],
+            pipe: {
+                let (up, down) = (f("moe_up_mxfp4_pipe")?, f("moe_down_mxfp4_pipe")?);
+                let opt_in = super::super::module::opt_in_smem;
+                opt_in(&up, pipe_smem_bytes(2), "dsv4_moe_up_mxfp4_pipe")?;
+                opt_in(&down, pipe_smem_bytes(1), "dsv4_moe_down_mxfp4_pipe")?;
+                [up, down]
+            },
         })
     }
 }
@@ -220,11 +240,19 @@ impl CudaBackend {
         );
 
         let shape = if many { 2 } else { 0 };
-        let up = &ds.moe.gemm[t.formats[0]][shape];
-        let down = &ds.moe.gemm[t.formats[1]][shape + 1];
+        // Many rows of MXFP4 experts take the pipelined kernel where K suits its chunks.
+        let pass = |pass: usize, kk: usize| {
+            if many && t.formats[pass] == MOE_MXFP4 && kk.is_multiple_of(PIPE_K) {
+                (&ds.moe.pipe[pass], PIPE_THREADS, pipe_smem_bytes(2 - pass))
+            } else {
+                (&ds.moe.gemm[t.formats[pass]][shape + pass], 128, 0)
+            }
+        };
+        let up = pass(0, t.hidden);
+        let down = pass(1, t.inter);
         let mut h = self.alloc_written(pairs * t.inter);
         let (inter, hidden) = (t.inter as i32, t.hidden as i32);
-        let gemm = |f: &CudaFunction,
+        let gemm = |(f, threads, smem): (&CudaFunction, u32, usize),
                     out: &mut CudaSlice<f32>,
                     input: &CudaSlice<f32>,
                     x_div: i32,
@@ -248,7 +276,10 @@ impl CudaBackend {
                         .arg(&n)
                         .arg(&kk)
                         .arg(&limit)
-                        .launch(blocks((n as usize).div_ceil(bn), max_tiles, 128))
+                        .launch(LaunchConfig {
+                            shared_mem_bytes: smem as u32,
+                            ..blocks((n as usize).div_ceil(bn), max_tiles, threads)
+                        })
                 },
                 name,
             );
