@@ -250,9 +250,15 @@ fn grouped_experts_match_host_products_on_generated_shapes_and_routings() {
         for invariant in [false, true] {
             let b = backend(invariant, &case);
             let s = setup(&b, &case, &mut rng);
-            // One token, a decode batch, and enough pairs for many-row tiles.
+            // One token, a decode batch, enough pairs for many-row tiles, and (few experts)
+            // enough to fill whole 64-row tiles and start more.
             let many = (16 * case.experts).div_ceil(case.k) + 3;
-            for tokens in [1, 1 + rng.below(40), many] {
+            let full = (80 * case.experts).div_ceil(case.k);
+            let mut batches = vec![1, 1 + rng.below(40), many];
+            if case.experts <= 16 {
+                batches.push(full);
+            }
+            for tokens in batches {
                 let x: Vec<f32> = (0..tokens * case.hidden).map(|_| rng.uniform()).collect();
                 let chosen = routing(&mut rng, &case, tokens);
                 let out = run(&b, &s, &case, &x, &chosen, None);

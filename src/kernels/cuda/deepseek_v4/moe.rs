@@ -242,7 +242,7 @@ impl CudaBackend {
         let shape = if many { 2 } else { 0 };
         // Many rows of MXFP4 experts take the pipelined kernel where K suits its chunks.
         let pass = |pass: usize, kk: usize| {
-            if many && t.formats[pass] == MOE_MXFP4 && kk.is_multiple_of(PIPE_K) {
+            if many && t.formats[pass] == MOE_MXFP4 && kk > 0 && kk.is_multiple_of(PIPE_K) {
                 (&ds.moe.pipe[pass], PIPE_THREADS, pipe_smem_bytes(2 - pass))
             } else {
                 (&ds.moe.gemm[t.formats[pass]][shape + pass], 128, 0)
