@@ -107,6 +107,12 @@ __device__ __forceinline__ long long tile_row_bytes(int fmt, int K) {
     return fmt == TILE_BF16 ? 2ll * K : (long long)(K / 32) * 17;
 }
 
+// The clipped SwiGLU of a gate and an up sum: silu(min(g, limit)) · clamp(u, ±limit).
+__device__ __forceinline__ float tile_swiglu(float g, float u, float limit) {
+    float gv = fminf(g, limit);
+    return gv * (1.0f / (1.0f + expf(-gv))) * fminf(fmaxf(u, -limit), limit);
+}
+
 // One tile of BM = 16·MT rows against BN output features of its expert. Four warps: along
 // N (KSPLIT 1) or splitting each 32-column block of K four ways (KSPLIT 4, for few rows:
 // more blocks, the same weights read once). The split's partial sums are added in warp
@@ -313,11 +319,7 @@ __device__ void tile_gemm(float* out, const float* x, int x_div, const int* sort
                     int f = n0 + 8 * j + 2 * q + c;
                     if (f >= N) continue;
                     float v = acc[0][m][j][2 * half + c];
-                    if (SWIGLU) {
-                        float gv = fminf(v, limit);
-                        float u = fminf(fmaxf(acc[MATS - 1][m][j][2 * half + c], -limit), limit);
-                        v = gv * (1.0f / (1.0f + expf(-gv))) * u;
-                    }
+                    if (SWIGLU) v = tile_swiglu(v, acc[MATS - 1][m][j][2 * half + c], limit);
                     out[(long long)p * N + f] = v;
                 }
         }

@@ -137,11 +137,7 @@ __device__ void moe_pipe(float* out, const float* x, int x_div, const int* sorte
                     int f = nblk * MP_BN + 32 * wn + 8 * j + 2 * q + cc;
                     if (f >= N) continue;
                     float v = acc[0][m][j][2 * h + cc];
-                    if (SWIGLU) {
-                        float gv = fminf(v, limit);
-                        float u = fminf(fmaxf(acc[MATS - 1][m][j][2 * h + cc], -limit), limit);
-                        v = gv * (1.0f / (1.0f + expf(-gv))) * u;
-                    }
+                    if (SWIGLU) v = tile_swiglu(v, acc[MATS - 1][m][j][2 * h + cc], limit);
                     out[(long long)p * N + f] = v;
                 }
         }
