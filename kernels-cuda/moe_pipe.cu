@@ -110,8 +110,12 @@ __device__ void moe_pipe(float* out, const float* x, int x_div, const int* sorte
                     u32 ex = blk[0];
                     u32 scale = ex != 0 ? ex << 7 : 0x40u;  // 2^(e−127) as bf16; 0: subnormal
                     scale |= scale << 16;
-                    u32 codes = (u32)blk[1 + 4 * q] | ((u32)blk[2 + 4 * q] << 8) |
-                                ((u32)blk[3 + 4 * q] << 16) | ((u32)blk[4 + 4 * q] << 24);
+                    // The 4 code bytes from the aligned words around them (a row's 68 bytes
+                    // start 4-aligned): 2 shared loads, not 4; the second only when they
+                    // straddle (never past the row: at offset 64 they are word-aligned).
+                    int o = 17 * b + 1 + 4 * q, sh = 8 * (o & 3);
+                    const u32* wd = (const u32*)(wc + (s * MP_BN + 32 * wn + 8 * j + g) * MP_WROW + (o & ~3));
+                    u32 codes = sh ? __funnelshift_r(wd[0], wd[1], sh) : wd[0];
                     u32 w[4];
                     tile_e2m1x4(codes & 0xffffu, scale, w[0], w[1]);
                     tile_e2m1x4(codes >> 16, scale, w[2], w[3]);
