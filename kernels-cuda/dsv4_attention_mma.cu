@@ -19,6 +19,8 @@
 #define AM_WARPS 16
 #define AM_MAX_HD 512
 #define AM_PAD 8
+// Key loads in flight a thread while the output's accumulators are live (registers).
+#define AM_KBATCH 8
 #define AM_SS (AM_KT + 8)
 #define AM_SMEM_BYTES(hd) \
     (2 * (AM_HEADS + AM_KT) * ((hd) + AM_PAD) + 4 * AM_HEADS * AM_SS + 2 * AM_HEADS * (AM_KT + AM_PAD) + 12 * AM_HEADS)
@@ -42,6 +44,36 @@ __device__ __forceinline__ void am_ldmatrix_trans(u32* r, const unsigned short* 
 // Four floats as bf16 at `dst` (8-byte aligned).
 __device__ __forceinline__ void am_store4(unsigned short* dst, float4 v) {
     *(uint2*)dst = make_uint2(tile_bf16x2(v.x, v.y), tile_bf16x2(v.z, v.w));
+}
+
+// Rows of f32 (q4 float4 wide) into shared memory as bf16, B float4 loads a thread issued
+// before the first is stored: a loop that stores between its loads waits out a memory
+// round trip an iteration, and at batch 1 (one tile a block) those trips were most of the
+// kernel's ~30 µs. A thread's (row, column) advances by the block's width without a
+// division. `src(row, column)` gives the row's four floats (zero past the rows).
+template <int B, class Src>
+__device__ __forceinline__ void am_stage_rows(unsigned short* dst, int stride, int n_rows, int q4, Src src) {
+    int total = n_rows * q4, drow = blockDim.x / q4, dcol = blockDim.x % q4;
+    int row = threadIdx.x / q4, col = threadIdx.x % q4;
+    for (int i0 = threadIdx.x; i0 < total; i0 += B * blockDim.x) {
+        float4 v[B];
+        int r0 = row, c0 = col;
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            v[u] = i0 + u * (int)blockDim.x < total ? src(row, 4 * col) : make_float4(0.f, 0.f, 0.f, 0.f);
+            row += drow;
+            col += dcol;
+            if (col >= q4) col -= q4, ++row;
+        }
+        row = r0, col = c0;
+#pragma unroll
+        for (int u = 0; u < B; ++u) {
+            if (i0 + u * (int)blockDim.x < total) am_store4(dst + row * stride + 4 * col, v[u]);
+            row += drow;
+            col += dcol;
+            if (col >= q4) col -= q4, ++row;
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mma_kernel(
@@ -73,12 +105,10 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
 
     // The row's queries as bf16; heads past the row's are zero (their sums are not stored).
     int q4 = hd / 4;
-    for (int i = threadIdx.x; i < AM_HEADS * q4; i += blockDim.x) {
-        int h = i / q4, c = 4 * (i % q4);
-        float4 v = h < nh ? *(const float4*)(q + ((long long)r * heads + h0 + h) * hd + c)
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
-        am_store4(qs + h * stride + c, v);
-    }
+    const float* q_row = q + ((long long)r * heads + h0) * hd;
+    am_stage_rows<8>(qs, stride, AM_HEADS, q4, [&](int h, int c) {
+        return h < nh ? *(const float4*)(q_row + h * hd + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    });
     if (threadIdx.x < AM_HEADS) {
         int h = threadIdx.x;
         // The sink's own term, exp(0), in the first split.
@@ -97,11 +127,9 @@ extern "C" __global__ void __launch_bounds__(AM_WARPS * 32, 1) dsv4_attention_mm
         __syncthreads();  // the previous tile's readers are done with ks, ps and kptr
         if (threadIdx.x < kt) kptr[threadIdx.x] = keys.key(k0 + threadIdx.x);
         __syncthreads();
-        for (int i = threadIdx.x; i < AM_KT * q4; i += blockDim.x) {
-            int j = i / q4, c = 4 * (i % q4);
-            float4 v = j < kt ? *(const float4*)(kptr[j] + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-            am_store4(ks + j * stride + c, v);
-        }
+        am_stage_rows<AM_KBATCH>(ks, stride, AM_KT, q4, [&](int j, int c) {
+            return j < kt ? *(const float4*)(kptr[j] + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        });
         __syncthreads();
         // S: this warp's 16 heads × 16 keys (two 8-key tiles), over hd in steps of 16.
         {

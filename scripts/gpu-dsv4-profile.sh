@@ -41,7 +41,7 @@ if [ -n "${KERNEL:-}" ]; then
     gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
     --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
     --max-num-batched-tokens 8192 ${EXTRA:-} 2> "$M/ncu.err" \
-    | grep -E "^  [a-z_]+|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles|Issued|Eligible|Block Limit|Local" \
+    | grep -E "^  [a-z_]+|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|stalled|Warp Cycles|Issued|Eligible|Block Limit|Local" \
     | head -80 || tail -5 "$M/ncu.err"
   exit 0
 fi

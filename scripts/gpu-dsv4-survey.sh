@@ -5,7 +5,8 @@
 # than their work. 3-layer V4-Flash shape, --dummy-weights. Carry gpu-bin/ as for
 # gpu-moe.sh. PARTS picks and orders the parts (default: every one), each under its own
 # time bound so that one slow part does not take the call's output with it.
-#   OUT=DIR [PARTS="tests prefill decode invariant kernels"] bash scripts/gpu-dsv4-survey.sh
+#   OUT=DIR [PARTS="tests prefill decode invariant kernels"] [KERNELS="name[:skip] ..."] \
+#     bash scripts/gpu-dsv4-survey.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0
@@ -24,9 +25,11 @@ for part in ${PARTS:-tests prefill decode invariant kernels}; do
       EXTRA=--batch-invariant DECODE_STEPS=6 OUT= timeout 200 bash scripts/gpu-dsv4-profile.sh 512 2>&1 \
         | tail -34 || status=1 ;;
     kernels)
-      for k in dsv4_attention_mma_kernel dsv4_mhc_mix_kernel; do
+      # KERNELS: names, each with an optional :SKIP (launches to pass first; default 12).
+      for ks in ${KERNELS:-dsv4_attention_mma_kernel dsv4_mhc_mix_kernel}; do
+        k=${ks%%:*}; skip=12; [ "$k" != "$ks" ] && skip=${ks#*:}
         echo "== $k, full sections"
-        KERNEL=$k timeout 150 bash scripts/gpu-dsv4-profile.sh 512 8 2>&1 | head -60 || status=1
+        KERNEL=$k SKIP=$skip timeout 150 bash scripts/gpu-dsv4-profile.sh 512 8 2>&1 | head -60 || status=1
       done ;;
     *) echo "unknown part $part (tests, prefill, decode, invariant, kernels)"; status=2 ;;
   esac
