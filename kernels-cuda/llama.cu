@@ -130,11 +130,14 @@ __device__ void rms_norm_row(float* residual, const float* x, const float* w, fl
     if ((dim & 3) == 0 && n4 <= RMS_VECS * (int)blockDim.x) {
         const float4* xr = (const float4*)(x + base);
         float4* rr = residual != 0 ? (float4*)(residual + base) : 0;
-        float4 v[RMS_VECS];
+        const float4* wr = (const float4*)w;
+        // The weights load with x: after the sum, a load between stores to `out` (which
+        // may alias them, for all the compiler knows) waits a round trip each.
+        float4 v[RMS_VECS], g[RMS_VECS];
 #pragma unroll
         for (int i = 0; i < RMS_VECS; ++i) {
             int c = threadIdx.x + i * blockDim.x;
-            if (c < n4) v[i] = xr[c];
+            if (c < n4) v[i] = xr[c], g[i] = wr[c];
         }
         float ss = 0.0f;
 #pragma unroll
@@ -149,15 +152,13 @@ __device__ void rms_norm_row(float* residual, const float* x, const float* w, fl
             ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
         }
         float inv = rsqrtf(block_sum(ss, scratch) / dim + eps);
-        const float4* wr = (const float4*)w;
         float4* o = (float4*)(out + base);
 #pragma unroll
         for (int i = 0; i < RMS_VECS; ++i) {
             int c = threadIdx.x + i * blockDim.x;
             if (c >= n4) continue;
-            float4 g = wr[c];
-            float4 r = make_float4(v[i].x * inv * g.x, v[i].y * inv * g.y, v[i].z * inv * g.z,
-                                   v[i].w * inv * g.w);
+            float4 r = make_float4(v[i].x * inv * g[i].x, v[i].y * inv * g[i].y, v[i].z * inv * g[i].z,
+                                   v[i].w * inv * g[i].w);
             o[c] = r;
             if (out_bf16 != 0) {
                 uint2 packed;
