@@ -64,11 +64,15 @@ __device__ __forceinline__ void tc_step(uint4 p, uint4 q, const uint2 xf[4], flo
 
 // SILU: the stacked [gate; up] of an MLP (N = 2 · width) in, silu(gate) · up out — a
 // block's 16 rows are 8 gate rows and their up partners, so one thread holds both sums.
-template <bool SILU, bool STAGED>
+// ROWS (staged, not SILU): each warp takes its own 16 rows over the whole K — for short K
+// and many rows (DeepSeek-V4's q_b: K 1 024, 32 768 rows), where 16 rows a block left each
+// block two steps a warp and its fixed costs (staging x, the exchange between warps)
+// most of its time; x is staged once for 128 rows and no warp waits for another.
+template <bool SILU, bool STAGED, bool ROWS = false>
 __device__ void gemv_fp8_mma(float* y, int ldy, const float* x, const u8* W, const float* scales,
                              int block_rows, int block_cols, int m, int N, int K) {
     constexpr int DEPTH = STAGED ? 8 : 4;
-    constexpr int STEP = TC_WARPS * 64;
+    constexpr int STEP = ROWS ? 64 : TC_WARPS * 64;
     __shared__ float partial[TC_WARPS][16][8];
     extern __shared__ uint2 xs[];  // staged: x[i][k / 4] as x_fragment
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -79,9 +83,10 @@ __device__ void gemv_fp8_mma(float* y, int ldy, const float* x, const u8* W, con
         r0 = n < width ? n : 0;
         r1 = width + r0;
     } else {
-        long long n0 = (long long)blockIdx.x * 16;
-        r0 = n0 + g < N ? n0 + g : n0;
-        r1 = n0 + g + 8 < N ? n0 + g + 8 : n0;
+        long long n0 = (long long)blockIdx.x * (ROWS ? 16 * TC_WARPS : 16) + (ROWS ? 16 * warp : 0);
+        // Rows past N read the last row (their sums are not stored).
+        r0 = min(n0 + g, (long long)N - 1);
+        r1 = min(n0 + g + 8, (long long)N - 1);
     }
     const u8* w0 = W + r0 * K + t * 16;
     const u8* w1 = W + r1 * K + t * 16;
@@ -100,7 +105,8 @@ __device__ void gemv_fp8_mma(float* y, int ldy, const float* x, const u8* W, con
                 q[d] = *(const uint4*)(w1 + kb0 + d * STEP);
             }
     };
-    if (STAGED) load_weights(warp * 64);
+    const int k_first = ROWS ? 0 : warp * 64;
+    if (STAGED) load_weights(k_first);
     pdl_enter();
     if (STAGED) {
         // TC_XBATCH loads a thread out before the first store: a loop storing between its
@@ -121,9 +127,9 @@ __device__ void gemv_fp8_mma(float* y, int ldy, const float* x, const u8* W, con
         }
         __syncthreads();
     }
-    for (int kb0 = warp * 64; kb0 < K; kb0 += STEP * DEPTH) {
+    for (int kb0 = k_first; kb0 < K; kb0 += STEP * DEPTH) {
         float4 xv[STAGED ? 1 : DEPTH][4];
-        if (!STAGED || kb0 != warp * 64) load_weights(kb0);
+        if (!STAGED || kb0 != k_first) load_weights(kb0);
         if (!STAGED)
 #pragma unroll
             for (int d = 0; d < DEPTH; ++d)
@@ -162,6 +168,14 @@ __device__ void gemv_fp8_mma(float* y, int ldy, const float* x, const u8* W, con
         }
     }
     // c0, c1: weight row g, x rows 2t and 2t + 1; c2, c3: weight row g + 8.
+    if (ROWS) {
+        long long n = (long long)blockIdx.x * 16 * TC_WARPS + 16 * warp + g;
+        if (n < N && 2 * t < m) y[(long long)(2 * t) * ldy + n] = acc[0];
+        if (n < N && 2 * t + 1 < m) y[(long long)(2 * t + 1) * ldy + n] = acc[1];
+        if (n + 8 < N && 2 * t < m) y[(long long)(2 * t) * ldy + n + 8] = acc[2];
+        if (n + 8 < N && 2 * t + 1 < m) y[(long long)(2 * t + 1) * ldy + n + 8] = acc[3];
+        return;
+    }
     partial[warp][g][2 * t] = acc[0];
     partial[warp][g][2 * t + 1] = acc[1];
     partial[warp][g + 8][2 * t] = acc[2];
@@ -191,12 +205,13 @@ __device__ void gemv_fp8_mma(float* y, int ldy, const float* x, const u8* W, con
     }
 }
 
-#define TC_ENTRY(NAME, SILU, STAGED)                                                           \
+#define TC_ENTRY(NAME, SILU, STAGED, ROWS)                                                     \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)                             \
         NAME(float* y, int ldy, const float* x, const u8* W, const float* scales,              \
              int block_rows, int block_cols, int m, int N, int K) {                            \
-        gemv_fp8_mma<SILU, STAGED>(y, ldy, x, W, scales, block_rows, block_cols, m, N, K);     \
+        gemv_fp8_mma<SILU, STAGED, ROWS>(y, ldy, x, W, scales, block_rows, block_cols, m, N, K);\
     }
-TC_ENTRY(gemv_fp8_mma_kernel, false, false)
-TC_ENTRY(gemv_fp8_mma_staged_kernel, false, true)
-TC_ENTRY(gemv_fp8_mma_silu_kernel, true, true)
+TC_ENTRY(gemv_fp8_mma_kernel, false, false, false)
+TC_ENTRY(gemv_fp8_mma_staged_kernel, false, true, false)
+TC_ENTRY(gemv_fp8_mma_rows_kernel, false, true, true)
+TC_ENTRY(gemv_fp8_mma_silu_kernel, true, true, false)

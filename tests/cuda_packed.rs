@@ -152,6 +152,32 @@ fn gpu(invariant: bool) -> CudaBackend {
 
 /// Every batch width through `w` on `b`: up to `gemv.0` rows (the GEMVs) within `gemv.1`,
 /// wider ones (bf16 weights and activations into cuBLAS) within `gemm_tol`.
+/// Short K and many rows: the tensor-core GEMV whose warps each take 16 rows over all of K
+/// (`gemv_fp8_mma_rows`, from 16 384 rows at K ≤ 4 096), a generated row count past that
+/// (a last block partly empty) and K, both scale layouts.
+#[test]
+fn the_fp8_gemv_over_many_rows_of_short_k_matches_its_dequantization() {
+    let b = gpu(false);
+    for seed in 0..3u64 {
+        let rows = 16384 + (splitmix64(seed + 40) % 300) as usize;
+        let cols = 64 * (1 + (splitmix64(seed + 41) % 16) as usize);
+        let block = if seed % 2 == 0 { (128, 128) } else { (1, cols) };
+        let w = fp8(rows, cols, block, seed + 50);
+        let device = b.upload_matrix(w.clone());
+        for m in [1, 3, 8] {
+            let x = common::uniform(200 + m as u64, m * cols);
+            let mut out = b.alloc(m * rows);
+            b.matmul(&b.upload(&x), m, &device, None, &mut out);
+            let err = common::relative_error(&b.download(&out, m * rows), &reference(&w, &x, m));
+            assert!(
+                err < MMA.1,
+                "FP8 {block:?} [{rows}, {cols}] × {m} rows: error {err} (bound {})",
+                MMA.1
+            );
+        }
+    }
+}
+
 fn check(b: &CudaBackend, name: &str, w: HostMatrix, gemv: (usize, f32), gemm_tol: f32) {
     let (gemv_rows, gemv_tol) = gemv;
     let (rows, cols) = (w.rows, w.cols);

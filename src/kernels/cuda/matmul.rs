@@ -16,6 +16,12 @@ use crate::kernels::quant::GgmlType;
 const MMA_BLOCK_ROWS: usize = 16;
 /// Threads of a `gemv_fp8_mma` block (its `TC_WARPS` warps).
 const MMA_THREADS: u32 = 256;
+/// Weight rows a block of `gemv_fp8_mma_rows` covers (16 a warp).
+const MMA_ROWS_BLOCK_ROWS: usize = 128;
+/// Where `gemv_fp8_mma_rows` takes over: K this short at most (a warp's 16 rows whole,
+/// K / 64 steps), and rows enough for a block an SM.
+const MMA_ROWS_MAX_K: usize = 4096;
+const MMA_ROWS_MIN_ROWS: usize = 16384;
 use super::{CudaBackend, CudaMatrix, check, grid_for};
 
 impl CudaBackend {
@@ -238,7 +244,11 @@ impl CudaBackend {
                 // Tensor cores first (up to 8 rows): their loads stay in flight while they
                 // compute, where the f32 GEMV streamed FP8 at 0.54 of the roofline.
                 let staged = m * w.cols * 2 <= FP8_STAGE_BYTES;
+                let rows = w.cols <= MMA_ROWS_MAX_K && p.rows >= MMA_ROWS_MIN_ROWS;
                 let kernel = match p.format {
+                    PackedFormat::Fp8 { .. } if staged && rows => {
+                        Some(&self.kernels.gemv_fp8_mma_rows)
+                    }
                     PackedFormat::Fp8 { .. } if staged => Some(&self.kernels.gemv_fp8_mma_staged),
                     PackedFormat::Fp8 { .. } => Some(&self.kernels.gemv_fp8_mma),
                     // Staged only: a Q4_K step needs x from four places.
@@ -276,7 +286,13 @@ impl CudaBackend {
                         block_rows,
                         block_cols,
                     } => {
-                        let cfg = if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_staged) {
+                        let cfg = if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_rows) {
+                            launch(
+                                MMA_THREADS,
+                                p.rows.div_ceil(MMA_ROWS_BLOCK_ROWS),
+                                m * w.cols * 2,
+                            )
+                        } else if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_staged) {
                             launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), m * w.cols * 2)
                         } else if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma) {
                             launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), 0)

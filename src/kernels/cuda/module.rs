@@ -242,6 +242,8 @@ pub struct Kernels {
     pub gemv_fp8_mma: CudaFunction,
     /// The same with x staged in shared memory, where it fits (`FP8_STAGE_BYTES`).
     pub gemv_fp8_mma_staged: CudaFunction,
+    /// The staged one with a warp's own 16 rows over all of K (short K, many rows).
+    pub gemv_fp8_mma_rows: CudaFunction,
     /// The Q4_K GEMV on tensor cores (`gemv_q4k_mma`), x staged: up to `FP8_MMA_ROWS` rows.
     pub gemv_q4k_mma: CudaFunction,
     /// Its MLP twin over a stacked [gate; up] (`gemv_fp8_mma_silu`, staged): silu(gate) · up.
@@ -446,6 +448,7 @@ impl Kernels {
                 .collect::<Result<_, CudaError>>()?,
             gemv_fp8_mma: f("gemv_fp8_mma_kernel")?,
             gemv_fp8_mma_staged: f("gemv_fp8_mma_staged_kernel")?,
+            gemv_fp8_mma_rows: f("gemv_fp8_mma_rows_kernel")?,
             gemv_fp8_mma_silu: f("gemv_fp8_mma_silu_kernel")?,
             gemv_q4k_mma: f("gemv_q4k_mma_kernel")?,
             dequant_bf16: f("dequant_bf16_kernel")?,
