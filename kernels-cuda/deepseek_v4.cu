@@ -361,10 +361,16 @@ extern "C" __global__ void dsv4_compress_keep_kernel(
     if (overlap && wl >= 0 && (wl + 1) * rate > pos0) {
         float* pkv = prev_kv + slot * rate * dim;
         float* pgate = prev_gate + slot * rate * dim;
-        for (int j = 0; j < rate; ++j) {
-            float v = r.kv_at(wl * rate + j, c), g = r.gate_at(wl * rate + j, c);
-            pkv[j * dim + c] = v;
-            pgate[j * dim + c] = g;
+        // Eight rows' loads out before their stores (a round trip a row otherwise: 15 µs
+        // at rate 128).
+        for (int j0 = 0; j0 < rate; j0 += 8) {
+            float v[8], g[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (j0 + u < rate) v[u] = r.kv_at(wl * rate + j0 + u, c), g[u] = r.gate_at(wl * rate + j0 + u, c);
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (j0 + u < rate) pkv[(j0 + u) * dim + c] = v[u], pgate[(j0 + u) * dim + c] = g[u];
         }
     }
     for (int s = 0; s < rate; ++s) {
