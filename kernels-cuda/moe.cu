@@ -166,11 +166,9 @@ __device__ void moe_gemv_mxfp4(float* out, const float* x, int x_div, const u32*
         const float* xk = xs + s * (MOE_GEMV_RUN + MOE_GEMV_PAD);
 #pragma unroll
         for (int b = 0; b < 16; ++b) {
-            // The block's scale 2^(e−127) multiplies its sum, not each weight: a power of
-            // two, so the same result as scaling the weights (the tile kernels' way), with
-            // two fewer instructions every four weights.
             u32 ex = moe_bytes_at(w, 17 * b) & 0xffu;
-            float scale = __int_as_float(ex != 0 ? ex << 23 : 0x00400000u);
+            u32 s2 = ex != 0 ? ex << 7 : 0x40u;  // 2^(e−127) as bf16 (tile_load_b's)
+            s2 |= s2 << 16;
             float part = 0.0f;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -178,8 +176,8 @@ __device__ void moe_gemv_mxfp4(float* out, const float* x, int x_div, const u32*
                 float4 xa = *(const float4*)&xk[32 * b + 8 * i];
                 float4 xb = *(const float4*)&xk[32 * b + 8 * i + 4];
                 u32 w01, w23, w45, w67;
-                tile_e2m1x4_raw(codes & 0xffffu, w01, w23);
-                tile_e2m1x4_raw(codes >> 16, w45, w67);
+                tile_e2m1x4(codes & 0xffffu, s2, w01, w23);
+                tile_e2m1x4(codes >> 16, s2, w45, w67);
                 part = fmaf(tile_bf16_lo(w01), xa.x, part);
                 part = fmaf(tile_bf16_hi(w01), xa.y, part);
                 part = fmaf(tile_bf16_lo(w23), xa.z, part);
@@ -189,7 +187,7 @@ __device__ void moe_gemv_mxfp4(float* out, const float* x, int x_div, const u32*
                 part = fmaf(tile_bf16_lo(w67), xb.z, part);
                 part = fmaf(tile_bf16_hi(w67), xb.w, part);
             }
-            acc = fmaf(part, scale, acc);
+            acc += part;
         }
     }
     float total = acc;
