@@ -9,97 +9,12 @@
 
 mod common;
 
+use common::packed::{fp8, ggml, mxfp4, reference};
 use troupe::kernels::cuda::CudaBackend;
-use troupe::kernels::fp4::Mxfp4Matrix;
 use troupe::kernels::fp8::{Fp8Matrix, e4m3_to_f32, f32_to_e4m3};
 use troupe::kernels::quant::GgmlType;
 use troupe::kernels::{Backend, HostData, HostMatrix};
 use troupe::sampling::splitmix64;
-
-fn bytes(seed: u64, n: usize) -> Vec<u8> {
-    (0..n as u64)
-        .map(|i| splitmix64(seed ^ splitmix64(i)) as u8)
-        .collect()
-}
-
-/// Random blocks of `t` with sane f16 scales (random bytes there could be NaN).
-fn ggml(t: GgmlType, rows: usize, cols: usize, seed: u64) -> HostMatrix {
-    let (len, size) = (t.block_len(), t.block_bytes());
-    let mut b = bytes(seed, rows * cols / len * size);
-    let scale_at: &[usize] = match t {
-        GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q4K => &[0, 2],
-        GgmlType::Q6K => &[208],
-        other => panic!("{other:?}"),
-    };
-    for (i, block) in b.chunks_exact_mut(size).enumerate() {
-        for (j, &at) in scale_at.iter().enumerate() {
-            let v = 0.01 + 0.02 * ((i * 7 + j * 3) % 11) as f32;
-            block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-        }
-    }
-    HostMatrix {
-        rows,
-        cols,
-        data: HostData::Quantized {
-            ggml_type: t,
-            bytes: b,
-        },
-    }
-}
-
-fn fp8(rows: usize, cols: usize, block: (usize, usize), seed: u64) -> HostMatrix {
-    let b: Vec<u8> = common::uniform(seed, rows * cols)
-        .into_iter()
-        .map(|v| f32_to_e4m3(v * 400.0))
-        .collect();
-    let grid = (rows.div_ceil(block.0), cols.div_ceil(block.1));
-    let scales = common::uniform(seed + 1, grid.0 * grid.1)
-        .into_iter()
-        .map(|v| 1e-3 * (1.5 + v))
-        .collect();
-    let m = Fp8Matrix::unscaled(b, cols)
-        .with_scales(scales, grid, block)
-        .unwrap();
-    HostMatrix {
-        rows,
-        cols,
-        data: HostData::Fp8(m),
-    }
-}
-
-/// Random MXFP4: any E2M1 codes, exponents around 2^-6.
-fn mxfp4(rows: usize, cols: usize, seed: u64) -> HostMatrix {
-    let scales: Vec<f32> = bytes(seed + 1, rows * cols / 32)
-        .into_iter()
-        .map(|b| 2f32.powi(-8 + (b % 5) as i32))
-        .collect();
-    HostMatrix {
-        rows,
-        cols,
-        data: HostData::Mxfp4(
-            Mxfp4Matrix::new(bytes(seed, rows * cols / 2), &scales, cols).unwrap(),
-        ),
-    }
-}
-
-/// `x · wᵀ` in f64 over the dequantized weights.
-fn reference(w: &HostMatrix, x: &[f32], m: usize) -> Vec<f32> {
-    let dense = w.data.clone().into_f32(w.rows * w.cols);
-    let mut out = vec![0f32; m * w.rows];
-    for i in 0..m {
-        for n in 0..w.rows {
-            let row = &dense[n * w.cols..(n + 1) * w.cols];
-            let xr = &x[i * w.cols..(i + 1) * w.cols];
-            out[i * w.rows + n] = row
-                .iter()
-                .zip(xr)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum::<f64>() as f32;
-        }
-    }
-    out
-}
 
 /// The f32 GEMVs (up to 4 rows; GGML and FP8 of any block width).
 const GEMV: (usize, f32) = (4, 1e-4);
@@ -150,8 +65,6 @@ fn gpu(invariant: bool) -> CudaBackend {
     CudaBackend::new(0, invariant, false).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Every batch width through `w` on `b`: up to `gemv.0` rows (the GEMVs) within `gemv.1`,
-/// wider ones (bf16 weights and activations into cuBLAS) within `gemm_tol`.
 /// Short K and many rows: the tensor-core GEMV whose warps each take 16 rows over all of K
 /// (`gemv_fp8_mma_rows`, from 16 384 rows at K ≤ 4 096), a generated row count past that
 /// (a last block partly empty) and K, both scale layouts.
@@ -178,6 +91,8 @@ fn the_fp8_gemv_over_many_rows_of_short_k_matches_its_dequantization() {
     }
 }
 
+/// Every batch width through `w` on `b`: up to `gemv.0` rows (the GEMVs) within `gemv.1`,
+/// wider ones (bf16 weights and activations into cuBLAS) within `gemm_tol`.
 fn check(b: &CudaBackend, name: &str, w: HostMatrix, gemv: (usize, f32), gemm_tol: f32) {
     let (gemv_rows, gemv_tol) = gemv;
     let (rows, cols) = (w.rows, w.cols);

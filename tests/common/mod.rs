@@ -83,6 +83,7 @@ pub fn uniform(seed: u64, n: usize) -> Vec<f32> {
 pub mod cli;
 pub mod dsv4;
 pub mod engine;
+pub mod packed;
 pub mod server;
 
 /// A seeded generator for generated test inputs (splitmix64).
