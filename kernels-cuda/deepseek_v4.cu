@@ -81,70 +81,46 @@ extern "C" __global__ void dsv4_rope_kernel(float* x, const u32* rows, int num_r
 // Per token: mHC's pre, post and Sinkhorn-projected comb weights from its mixes
 // [(2 + n)·n], and the collapse Σ_j pre_j · stream_j (`mhc::mix`). Blocks split the
 // token's channels (grid.y is the token); the first also runs the Sinkhorn iterations, a
-// thread per comb entry. Inside one warp (n·n ≤ 32) a row's and a column's sums are
-// butterflies of shuffles where n is a power of two (log2 n exchanges, no barrier an
-// iteration), else taken in the serial order; larger n go through shared memory. The
-// mixes, base and scales are read into shared memory in one round and the streams' loads
-// are issued first, so that no global round trip waits inside the chain. (A thread alone
-// running the iterations took 60 µs a token; one block a token running them and the whole
-// collapse, 22 µs; a thread an entry with serial shuffles and loads from global, 13 µs.)
+// thread per comb entry with each row's and column's sums taken in the serial order —
+// exchanged by shuffles inside one warp when n·n ≤ 32 (no barrier an iteration), else
+// through shared memory. (A thread alone running the iterations took 60 µs a token; one
+// block a token running them and the whole collapse, 22 µs.)
 extern "C" __global__ void dsv4_mhc_mix_kernel(const float* mixes, const float* streams,
                                                const float* base, const float* scale, float* post,
                                                float* comb, float* collapsed, int n, int hidden,
                                                int iters, float hc_eps) {
     __shared__ float pre_s[16];
     __shared__ float c[16 * 16];
-    __shared__ float mix_s[(2 + 16) * 16], base_s[(2 + 16) * 16], scale_s[3];
-    int t = blockIdx.y, i = threadIdx.x, nn = n * n, nm = (2 + n) * n;
+    int t = blockIdx.y, i = threadIdx.x, nn = n * n;
     int row = i / n, col = i % n;
-    int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    float st[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-        st[j] = j < n && ch < hidden ? streams[((long long)t * n + j) * hidden + ch] : 0.0f;
-    const float* m = mixes + (long long)t * nm;
-    for (int k = i; k < nm; k += blockDim.x) {
-        mix_s[k] = m[k];
-        base_s[k] = base[k];
-    }
-    if (i < 3) scale_s[i] = scale[i];
-    __syncthreads();
-    if (i < n) pre_s[i] = ds_sigmoid(mix_s[i] * scale_s[0] + base_s[i]) + hc_eps;
+    const float* m = mixes + (long long)t * (2 + n) * n;
+    if (i < n) pre_s[i] = ds_sigmoid(m[i] * scale[0] + base[i]) + hc_eps;
     if (blockIdx.x == 0) {
-        if (i < n) post[t * n + i] = 2.0f * ds_sigmoid(mix_s[n + i] * scale_s[1] + base_s[n + i]);
+        if (i < n) post[t * n + i] = 2.0f * ds_sigmoid(m[n + i] * scale[1] + base[n + i]);
         float v = 0.0f;
         if (i < nn) {
-            const float* logit = mix_s + 2 * n + row * n;
-            const float* b = base_s + 2 * n + row * n;
+            const float* logit = m + 2 * n + row * n;
+            const float* b = base + 2 * n + row * n;
             float mx = NEG_INF;
-            for (int k = 0; k < n; ++k) mx = fmaxf(mx, logit[k] * scale_s[2] + b[k]);
+#pragma unroll 4
+            for (int k = 0; k < n; ++k) mx = fmaxf(mx, logit[k] * scale[2] + b[k]);
             float sum = 0.0f;
-            for (int k = 0; k < n; ++k) sum += expf(logit[k] * scale_s[2] + b[k] - mx);
-            v = expf(logit[col] * scale_s[2] + b[col] - mx) / sum + hc_eps;
+#pragma unroll 4
+            for (int k = 0; k < n; ++k) sum += expf(logit[k] * scale[2] + b[k] - mx);
+            v = expf(logit[col] * scale[2] + b[col] - mx) / sum + hc_eps;
         }
         if (nn <= 32) {
-            if (i < 32 && (n & (n - 1)) == 0) {
-                // Lanes past n·n hold 0 and exchange only among themselves.
-                for (int it = 0; it < iters; ++it) {
-                    if (it > 0) {
-                        float sum = v;
-                        for (int o = 1; o < n; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                        v /= sum + hc_eps;
-                    }
-                    float sum = v;
-                    for (int o = n; o < nn; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                    v /= sum + hc_eps;
-                }
-                if (i < nn) comb[(long long)t * nn + i] = v;
-            } else if (i < 32) {
+            if (i < 32) {
                 for (int it = 0; it < iters; ++it) {
                     float sum = 0.0f;
                     if (it > 0) {
+#pragma unroll 4
                         for (int k = 0; k < n; ++k)
                             sum += __shfl_sync(0xffffffffu, v, (row * n + k) & 31);
                         v /= sum + hc_eps;
                     }
                     sum = 0.0f;
+#pragma unroll 4
                     for (int j = 0; j < n; ++j)
                         sum += __shfl_sync(0xffffffffu, v, (j * n + col) & 31);
                     v /= sum + hc_eps;
@@ -178,11 +154,11 @@ extern "C" __global__ void dsv4_mhc_mix_kernel(const float* mixes, const float* 
         }
     }
     __syncthreads();
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= hidden) return;
     float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-        if (j < n) acc += pre_s[j] * st[j];
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) acc += pre_s[j] * streams[((long long)t * n + j) * hidden + ch];
     collapsed[(long long)t * hidden + ch] = acc;
 }
 
@@ -361,16 +337,10 @@ extern "C" __global__ void dsv4_compress_keep_kernel(
     if (overlap && wl >= 0 && (wl + 1) * rate > pos0) {
         float* pkv = prev_kv + slot * rate * dim;
         float* pgate = prev_gate + slot * rate * dim;
-        // Eight rows' loads out before their stores (a round trip a row otherwise: 15 µs
-        // at rate 128).
-        for (int j0 = 0; j0 < rate; j0 += 8) {
-            float v[8], g[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (j0 + u < rate) v[u] = r.kv_at(wl * rate + j0 + u, c), g[u] = r.gate_at(wl * rate + j0 + u, c);
-#pragma unroll
-            for (int u = 0; u < 8; ++u)
-                if (j0 + u < rate) pkv[(j0 + u) * dim + c] = v[u], pgate[(j0 + u) * dim + c] = g[u];
+        for (int j = 0; j < rate; ++j) {
+            float v = r.kv_at(wl * rate + j, c), g = r.gate_at(wl * rate + j, c);
+            pkv[j * dim + c] = v;
+            pgate[j * dim + c] = g;
         }
     }
     for (int s = 0; s < rate; ++s) {

@@ -14,7 +14,6 @@
 // while the previous kernel drains. Otherwise each thread loads its x with its weights.
 #define TC_WARPS 8
 #define TC_STAGE_BYTES 40960
-#define TC_XBATCH 4
 
 __device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
     u32 r;
@@ -109,22 +108,8 @@ __device__ void gemv_fp8_mma(float* y, int ldy, const float* x, const u8* W, con
     if (STAGED) load_weights(k_first);
     pdl_enter();
     if (STAGED) {
-        // TC_XBATCH loads a thread out before the first store: a loop storing between its
-        // loads waits a memory round trip an iteration (8 of them for a K of 8 192).
-        int total = m * K / 4;
-        for (int e0 = threadIdx.x; e0 < total; e0 += TC_XBATCH * TC_WARPS * 32) {
-            float4 v[TC_XBATCH];
-#pragma unroll
-            for (int u = 0; u < TC_XBATCH; ++u) {
-                int e = e0 + u * TC_WARPS * 32;
-                v[u] = e < total ? ((const float4*)x)[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int u = 0; u < TC_XBATCH; ++u) {
-                int e = e0 + u * TC_WARPS * 32;
-                if (e < total) xs[e] = x_fragment(v[u]);
-            }
-        }
+        for (int e = threadIdx.x; e < m * K / 4; e += TC_WARPS * 32)
+            xs[e] = x_fragment(((const float4*)x)[e]);
         __syncthreads();
     }
     for (int kb0 = k_first; kb0 < K; kb0 += STEP * DEPTH) {

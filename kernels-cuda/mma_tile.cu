@@ -32,25 +32,20 @@ __device__ __forceinline__ u32 tile_bf16x2(float lo, float hi) {
 __device__ __forceinline__ float tile_bf16_lo(u32 v) { return __int_as_float(v << 16); }
 __device__ __forceinline__ float tile_bf16_hi(u32 v) { return __int_as_float(v & 0xffff0000u); }
 
-// Four E2M1 codes (a 16-bit run of nibbles, value 0 lowest) as two bf16x2 words, unscaled.
-// The magnitudes' bf16 bytes come from two byte tables by `prmt` (0, .5, 1, 1.5, 2, 3, 4,
-// 6), the sign is bit 3 of each code.
-__device__ __forceinline__ void tile_e2m1x4_raw(u32 codes, u32& a, u32& b) {
+// Four E2M1 codes (a 16-bit run of nibbles, value 0 lowest) as two bf16x2 words times
+// `scale2` (the block's 2^(e−127) in both halves; exact, a power of two). The magnitudes'
+// bf16 bytes come from two byte tables by `prmt` (0, .5, 1, 1.5, 2, 3, 4, 6), the sign is
+// bit 3 of each code.
+__device__ __forceinline__ void tile_e2m1x4(u32 codes, u32 scale2, u32& w01, u32& w23) {
     u32 sel = codes & 0x7777u, lo, hi;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(lo) : "r"(0xC0800000u), "r"(0xC0804000u), "r"(sel));
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(hi) : "r"(0x3F3F3F00u), "r"(0x40404040u), "r"(sel));
+    u32 a, b;
     asm("prmt.b32 %0, %1, %2, 0x5140;" : "=r"(a) : "r"(lo), "r"(hi));
     asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(b) : "r"(lo), "r"(hi));
     u32 s = codes & 0x8888u;
     a |= ((s & 0x8u) << 12) | ((s & 0x80u) << 24);
     b |= ((s & 0x800u) << 4) | ((s & 0x8000u) << 16);
-}
-
-// tile_e2m1x4_raw's words times `scale2` (the block's 2^(e−127) in both halves; exact, a
-// power of two).
-__device__ __forceinline__ void tile_e2m1x4(u32 codes, u32 scale2, u32& w01, u32& w23) {
-    u32 a, b;
-    tile_e2m1x4_raw(codes, a, b);
     // −0 as the addend: a product's own sign survives, zeros included.
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w01) : "r"(a), "r"(scale2), "r"(0x80008000u));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w23) : "r"(b), "r"(scale2), "r"(0x80008000u));

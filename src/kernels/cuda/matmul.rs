@@ -238,31 +238,52 @@ impl CudaBackend {
         parts: &[DevicePart],
         out: u64,
     ) -> bool {
+        let launch = |threads: u32, blocks: usize, smem: usize| LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // Each part's kernel and its launch.
         let kernels: Option<Vec<_>> = parts
             .iter()
             .map(|p| {
                 // Tensor cores first (up to 8 rows): their loads stay in flight while they
                 // compute, where the f32 GEMV streamed FP8 at 0.54 of the roofline.
                 let staged = m * w.cols * 2 <= FP8_STAGE_BYTES;
+                let smem = if staged { m * w.cols * 2 } else { 0 };
                 let rows = w.cols <= MMA_ROWS_MAX_K && p.rows >= MMA_ROWS_MIN_ROWS;
                 let kernel = match p.format {
                     PackedFormat::Fp8 { .. } if staged && rows => {
-                        Some(&self.kernels.gemv_fp8_mma_rows)
+                        Some((&self.kernels.gemv_fp8_mma_rows, MMA_ROWS_BLOCK_ROWS))
                     }
-                    PackedFormat::Fp8 { .. } if staged => Some(&self.kernels.gemv_fp8_mma_staged),
-                    PackedFormat::Fp8 { .. } => Some(&self.kernels.gemv_fp8_mma),
+                    PackedFormat::Fp8 { .. } if staged => {
+                        Some((&self.kernels.gemv_fp8_mma_staged, MMA_BLOCK_ROWS))
+                    }
+                    PackedFormat::Fp8 { .. } => Some((&self.kernels.gemv_fp8_mma, MMA_BLOCK_ROWS)),
                     // Staged only: a Q4_K step needs x from four places.
-                    PackedFormat::Ggml(GgmlType::Q4K) if staged => Some(&self.kernels.gemv_q4k_mma),
+                    PackedFormat::Ggml(GgmlType::Q4K) if staged => {
+                        Some((&self.kernels.gemv_q4k_mma, MMA_BLOCK_ROWS))
+                    }
                     PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => None,
                 };
                 let mma = kernel
                     .filter(|_| p.format.has_mma_gemv(w.cols) && m <= FP8_MMA_ROWS)
-                    .map(|k| (k, MMA_BLOCK_ROWS));
+                    .map(|(k, rows)| (k, launch(MMA_THREADS, p.rows.div_ceil(rows), smem)));
                 mma.or_else(|| {
                     let fp8 = matches!(p.format, PackedFormat::Fp8 { .. });
-                    self.kernels
+                    let (k, cols) = self
+                        .kernels
                         .packed_gemv_for(fp8, m)
-                        .filter(|_| p.format.has_gemv(w.cols))
+                        .filter(|_| p.format.has_gemv(w.cols))?;
+                    // The FP8 GEMV takes `cols` rows a block; the GGML one a row.
+                    Some((
+                        k,
+                        if fp8 {
+                            launch(256, p.rows.div_ceil(cols), 0)
+                        } else {
+                            launch(128, p.rows, 0)
+                        },
+                    ))
                 })
             })
             .collect();
@@ -270,14 +291,9 @@ impl CudaBackend {
             return false;
         };
         let (ldy, mi, ki) = (w.rows as i32, m as i32, w.cols as i32);
-        for (p, (kernel, cols)) in parts.iter().zip(kernels) {
+        for (p, (kernel, cfg)) in parts.iter().zip(kernels) {
             let y = out + 4 * p.first_row as u64;
             let ni = p.rows as i32;
-            let launch = |threads: u32, blocks: usize, smem: usize| LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
             // SAFETY: x holds m·cols f32; y's rows (stride ldy) have room for the part's
             // columns; the part's bytes and scales are its own.
             let launched = unsafe {
@@ -286,19 +302,6 @@ impl CudaBackend {
                         block_rows,
                         block_cols,
                     } => {
-                        let cfg = if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_rows) {
-                            launch(
-                                MMA_THREADS,
-                                p.rows.div_ceil(MMA_ROWS_BLOCK_ROWS),
-                                m * w.cols * 2,
-                            )
-                        } else if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma_staged) {
-                            launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), m * w.cols * 2)
-                        } else if std::ptr::eq(kernel, &self.kernels.gemv_fp8_mma) {
-                            launch(MMA_THREADS, p.rows.div_ceil(MMA_BLOCK_ROWS), 0)
-                        } else {
-                            launch(256, p.rows.div_ceil(cols), 0)
-                        };
                         let block = (block_rows, block_cols);
                         self.launch_fp8_part(kernel, cfg, (y, w.rows), x, p, block, (m, w.cols))
                     }
@@ -312,11 +315,7 @@ impl CudaBackend {
                             .arg(&mi)
                             .arg(&ni)
                             .arg(&ki)
-                            .launch(launch(
-                                MMA_THREADS,
-                                p.rows.div_ceil(MMA_BLOCK_ROWS),
-                                m * w.cols * 2,
-                            ))
+                            .launch(cfg)
                     }
                     PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => {
                         let fmt = p.format.code();
@@ -330,7 +329,7 @@ impl CudaBackend {
                             .arg(&mi)
                             .arg(&ni)
                             .arg(&ki)
-                            .launch(launch(128, p.rows, 0))
+                            .launch(cfg)
                     }
                 }
             };
@@ -469,35 +468,23 @@ impl CudaBackend {
             x.device_ptr(&self.stream).0,
             out.device_ptr_mut(&self.stream).0,
         );
-        let (ldy, br, bc, mi, ni, ki) = (
-            width as i32,
-            block_rows as i32,
-            block_cols as i32,
-            m as i32,
-            w.rows as i32,
-            w.cols as i32,
-        );
         let cfg = LaunchConfig {
             grid_dim: (width.div_ceil(MMA_BLOCK_ROWS / 2) as u32, 1, 1),
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: (m * w.cols * 2) as u32,
         };
-        // SAFETY: x holds m·cols f32 and out m·width; the part's bytes and scales hold the
-        // whole [gate; up] matrix.
+        // SAFETY: x holds m·cols f32 and out m·width; the one part's bytes and scales hold
+        // the whole [gate; up] matrix (its rows are w.rows).
         let launched = unsafe {
-            self.stream
-                .launch_builder(&self.kernels.gemv_fp8_mma_silu)
-                .arg(&out_ptr)
-                .arg(&ldy)
-                .arg(&x_ptr)
-                .arg(&part.bytes)
-                .arg(&part.scales)
-                .arg(&br)
-                .arg(&bc)
-                .arg(&mi)
-                .arg(&ni)
-                .arg(&ki)
-                .launch(cfg)
+            self.launch_fp8_part(
+                &self.kernels.gemv_fp8_mma_silu,
+                cfg,
+                (out_ptr, width),
+                x_ptr,
+                part,
+                (block_rows, block_cols),
+                (m, w.cols),
+            )
         };
         check(launched, "fp8 gemv silu");
         true
