@@ -202,8 +202,8 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
         });
     }
     // Both sides multiples of 512: MXFP4 weights staged through shared memory, and for a
-    // decode-sized batch (pairs no more than experts) the GEMV a pair, whose rows take
-    // K / 512 lanes each (any count up to 16).
+    // decode-sized batch (a pair for every 4 experts or fewer) the GEMV a pair on the
+    // tensor cores, K in chunks of 512 (1 to 16 of them).
     out.push(Case {
         experts: 32,
         k: 4,
@@ -263,7 +263,22 @@ fn grouped_experts_match_host_products_on_generated_shapes_and_routings() {
                 let chosen = routing(&mut rng, &case, tokens);
                 let out = run(&b, &s, &case, &x, &chosen, None);
                 let bf16_acts = !invariant && tokens * case.k >= 16 * case.experts;
-                let tol = if bf16_acts { 2e-2 } else { 1e-4 };
+                // The GEMV a pair (MXFP4, a pair for every 4 experts or fewer, both sides
+                // multiples of 512) takes its input as f16 on the tensor cores.
+                let f16_acts = !invariant
+                    && case.mxfp4
+                    && 4 * tokens * case.k <= case.experts
+                    && case.hidden.is_multiple_of(512)
+                    && case.inter.is_multiple_of(512);
+                let tol = if bf16_acts {
+                    2e-2
+                } else if f16_acts {
+                    // f16 rounding of the input (3 bits finer than bf16's), which the up
+                    // pass's SwiGLU clamp can amplify; a misplaced value errs by ~1.
+                    1e-2
+                } else {
+                    1e-4
+                };
                 let d = case.hidden;
                 // Every pair of a small batch; a sample of the large one.
                 for pair in (0..tokens * case.k).step_by(1 + tokens / 40) {

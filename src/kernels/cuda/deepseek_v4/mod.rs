@@ -35,7 +35,8 @@ pub const DEEPSEEK_V4_SOURCE: &str = concat!(
     include_str!("../../../../kernels-cuda/mma_tile.cu"),
     include_str!("../../../../kernels-cuda/dsv4_attention_mma.cu"),
     include_str!("../../../../kernels-cuda/moe.cu"),
-    include_str!("../../../../kernels-cuda/moe_pipe.cu")
+    include_str!("../../../../kernels-cuda/moe_pipe.cu"),
+    include_str!("../../../../kernels-cuda/moe_gemv_mma.cu")
 );
 
 /// Entries a block of the indexer's score kernel takes (`IX_ENTRIES`).

@@ -22,10 +22,15 @@ const MANY_ROWS: usize = 64;
 const FEW_FEATURES: usize = 16;
 const MANY_FEATURES: usize = 128;
 
-/// `moe.cu`'s GEMV path: values a lane's run covers, the widest input row, warps a block.
+/// The GEMV path (`moe_gemv_mma.cu`): K a multiple of this (a chunk of 16 blocks), the
+/// widest input row, warps a block, and its dynamic shared memory (MG_SMEM_BYTES): the
+/// input row as f16, two stages of 16 rows × 272 bytes a warp, 16 bytes of slack.
 const GEMV_RUN: usize = 512;
 const GEMV_MAX_K: usize = 8192;
 const GEMV_WARPS: usize = 8;
+const fn gemv_smem_bytes(k: usize) -> usize {
+    2 * k + GEMV_WARPS * 2 * 16 * 272 + 16
+}
 /// The GEMV path while experts number at least this many a pair (V4-Flash: batches up to 10).
 const GEMV_EXPERTS_PER_PAIR: usize = 4;
 
@@ -45,7 +50,7 @@ pub struct CudaExperts {
 pub struct MoeFunctions {
     pub align: CudaFunction,
     pub gemm: [[CudaFunction; 4]; 2],
-    /// MXFP4 experts for decode-sized steps: `[up, down]`.
+    /// MXFP4 experts for decode-sized steps, on the tensor cores: `[up, down]`.
     pub gemv: [CudaFunction; 2],
     /// MXFP4 experts, many rows a tile, K a multiple of `PIPE_K`: `[up, down]`
     /// (`moe_pipe.cu`).
@@ -75,7 +80,21 @@ impl MoeFunctions {
         Ok(MoeFunctions {
             align: f("moe_align")?,
             gemm: [set("bf16")?, set("mxfp4")?],
-            gemv: [f("moe_gemv_up_mxfp4")?, f("moe_gemv_down_mxfp4")?],
+            gemv: {
+                let (up, down) = (f("moe_gemv_mma_up_mxfp4")?, f("moe_gemv_mma_down_mxfp4")?);
+                let opt_in = super::super::module::opt_in_smem;
+                opt_in(
+                    &up,
+                    gemv_smem_bytes(GEMV_MAX_K),
+                    "dsv4_moe_gemv_mma_up_mxfp4",
+                )?;
+                opt_in(
+                    &down,
+                    gemv_smem_bytes(GEMV_MAX_K),
+                    "dsv4_moe_gemv_mma_down_mxfp4",
+                )?;
+                [up, down]
+            },
             pipe: {
                 let (up, down) = (f("moe_up_mxfp4_pipe")?, f("moe_down_mxfp4_pipe")?);
                 let opt_in = super::super::module::opt_in_smem;
@@ -304,7 +323,7 @@ impl CudaBackend {
         );
     }
 
-    /// `routed_experts` as a GEMV a pair (`moe.cu`'s `moe_gemv_mxfp4`): gate·up with
+    /// `routed_experts` as a GEMV a pair (`moe_gemv_mma.cu`): gate·up with
     /// SwiGLU into `h`, then down into `ys`; the up pass counts the pairs.
     fn routed_experts_gemv(
         &self,
@@ -318,11 +337,8 @@ impl CudaBackend {
         let pairs = tokens * k;
         let ds = self.ds();
         let mut h = self.alloc_written(pairs * t.inter);
-        // Rows a warp: 32 / (K / 512); the up pass's come in gate/up pairs.
-        let features_per_block = |kk: usize, swiglu: bool| {
-            let rows = 32 / (kk / GEMV_RUN);
-            GEMV_WARPS * if swiglu { rows / 2 } else { rows }
-        };
+        // 16 rows a warp; the up pass's are 8 gate rows and their up rows.
+        let features_per_block = |swiglu: bool| GEMV_WARPS * if swiglu { 8 } else { 16 };
         let (counts_ptr, _guard) = counts.device_ptr_mut(&self.stream);
         let gemv = |f: &CudaFunction,
                     out: &mut CudaSlice<f32>,
@@ -351,11 +367,14 @@ impl CudaBackend {
                         .arg(&ni)
                         .arg(&ki)
                         .arg(&limit)
-                        .launch(blocks(
-                            n.div_ceil(features_per_block(kk, swiglu)),
-                            pairs,
-                            (32 * GEMV_WARPS) as u32,
-                        ))
+                        .launch(LaunchConfig {
+                            shared_mem_bytes: gemv_smem_bytes(kk) as u32,
+                            ..blocks(
+                                n.div_ceil(features_per_block(swiglu)),
+                                pairs,
+                                (32 * GEMV_WARPS) as u32,
+                            )
+                        })
                 },
                 name,
             );
