@@ -69,8 +69,11 @@ __device__ void moe_gemv_mma(float* out, const float* x, int x_div, const u32* c
     long long row_bytes = (long long)(K / 32) * 17;
     // This warp's 16 rows; rows past N read row N − 1 (their sums are not stored).
     int f0 = (blockIdx.x * MG_WARPS + warp) * (SWIGLU ? 8 : 16);
+    // The expert's bases read once: the copies' "memory" clobber would reload them each time.
+    const u8* gate_w = (const u8*)w1[e];
+    const u8* up_w = SWIGLU ? (const u8*)w2[e] : gate_w;
     auto row_ptr = [&](int i) {
-        const u8* base = (const u8*)(SWIGLU && i >= 8 ? w2[e] : w1[e]);
+        const u8* base = SWIGLU && i >= 8 ? up_w : gate_w;
         int f = SWIGLU ? f0 + (i & 7) : f0 + i;
         return base + (long long)min(f, N - 1) * row_bytes;
     };
