@@ -55,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) dsv4_attention_kernel(
     float* out, const float* q, const float* kv, const float* ring, const float* entries,
     const int* sel, int sel_k, const u32* rows, const u32* seqs, const u32* block_tables,
     const float* sinks, int heads, int hd, int window, int ring_len, int rate, int block_size,
-    int epb, float scale, int hg, int splits, float* part) {
+    int epb, float scale, int hg, int splits, int split_keys, float* part) {
     extern __shared__ float smem[];
     __shared__ const float* kptr[ATT_KT];
     int stride = hd + 1;  // padded rows: a warp's 16 keys at one channel hit 16 banks
@@ -68,14 +68,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) dsv4_attention_kernel(
     DsAttKeys keys = ds_att_keys(r, rows, seqs, block_tables, kv, ring, entries, sel, sel_k, hd, window, ring_len,
                                  rate, block_size, epb);
     int nk = keys.n_swa + keys.n_comp;
+    // Split z of the row's splits takes its share of the keys, in whole tiles; the first
+    // holds the sink. With split_keys (the batch-invariant mode) the row's own key count
+    // sets how many of the `splits` it uses — one a split_keys keys — so that its sums are
+    // the same whatever the batch; the rest hold no keys (a max of −∞, a total of 0: the
+    // merge passes over them) and stop here.
+    int z = blockIdx.z;
+    int used = split_keys > 0 ? min(splits, max(1, (nk + split_keys - 1) / split_keys)) : splits;
+    if (z >= used) {
+        long long n_parts = (long long)gridDim.x * heads * splits;
+        for (int h = threadIdx.x; h < hg && h0 + h < heads; h += blockDim.x) {
+            long long at = ((long long)r * heads + h0 + h) * splits + z;
+            part[n_parts * hd + 2 * at] = NEG_INF;
+            part[n_parts * hd + 2 * at + 1] = 0.0f;
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < hg * hd; i += blockDim.x) {
         int h = i / hd, c = i % hd;
         qs[h * stride + c] = h0 + h < heads ? q[((long long)r * heads + h0 + h) * hd + c] : 0.0f;
     }
-    // Split z of `splits` takes its share of the keys, in whole tiles; the first holds the
-    // sink.
-    int z = blockIdx.z;
-    int per = (nk + splits - 1) / splits;
+    int per = (nk + used - 1) / used;
     per = (per + ATT_KT - 1) / ATT_KT * ATT_KT;
     int k_lo = z * per, k_hi = min(nk, k_lo + per);
     if (threadIdx.x < hg) {
@@ -206,6 +219,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) dsv4_attention_kernel(
 
 // The splits of dsv4_attention_kernel merged, in split order: one block a (row, head). Each
 // split's factor is computed once (shared memory), and the channel loop's loads unrolled.
+// A split whose factor is 0 (no keys, or all of them far below the row's max) adds
+// exactly nothing and is not read: splits without keys leave their sums unwritten.
 // At most ATT_MAX_MERGE splits: the host takes at most ATT_MAX_SPLITS (32).
 #define ATT_MAX_MERGE 64
 extern "C" __global__ void dsv4_attention_merge_kernel(float* out, const float* part, int splits,
@@ -232,7 +247,8 @@ extern "C" __global__ void dsv4_attention_merge_kernel(float* out, const float* 
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float o = 0.0f;
 #pragma unroll 8
-        for (int z = 0; z < splits; ++z) o += pr[(long long)z * hd + c] * factor[z];
+        for (int z = 0; z < splits; ++z)
+            if (factor[z] != 0.0f) o += pr[(long long)z * hd + c] * factor[z];
         out[rh * hd + c] = o * inv_l;
     }
 }

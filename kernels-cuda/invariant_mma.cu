@@ -60,13 +60,21 @@ __device__ __forceinline__ uint4 inv_fp8_words(uint2 b, float s) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// KS splits of K (blockIdx.z): split s's warp w takes chunks 8s + w, 8s + w + 8·KS, …, and
+// writes its sums to C + s·M·ldc, for `matmul_invariant_splits_kernel` to add in split
+// order. KS comes from the matrix's shape alone, so a row's sums still do not depend on
+// the batch; it puts a narrow matrix (mHC's 24 features over 16 384 columns: 2 blocks)
+// on enough SMs.
 template <int NT, int FG, int U, typename WT>
-__device__ void invariant_mv(float* C, int ldc, const float* X, WT W, int M, int N, int K) {
+__device__ void invariant_mv(float* C, int ldc, const float* X, WT W, int M, int N, int K, int KS,
+                             int row_block) {
     constexpr bool FP8 = WT::FP8;
     __shared__ float red[INV_WARPS][16][NT * 8];
+    int split = blockIdx.z;
+    C += (long long)split * M * ldc;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int g = lane >> 2, tq = lane & 3;
-    int nb = blockIdx.x * 16 * FG, m0 = blockIdx.y * NT * 8;
+    int nb = blockIdx.x * 16 * FG, m0 = row_block * NT * 8;
     // Features past N read row 0 (valid); their sums are not stored.
     long long f0[FG], f1[FG];
 #pragma unroll
@@ -88,14 +96,14 @@ __device__ void invariant_mv(float* C, int ldc, const float* X, WT W, int M, int
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[j][t][0] = acc[j][t][1] = acc[j][t][2] = acc[j][t][3] = 0.0f;
     int chunks = (K + 31) / 32;
-    for (int c0 = warp; c0 < chunks; c0 += INV_WARPS * U) {
+    for (int c0 = INV_WARPS * split + warp; c0 < chunks; c0 += INV_WARPS * KS * U) {
         uint4 a[U][FG][2];
         uint2 b[FP8 ? U : 1][FG][2];
         float sc[FP8 ? U : 1][FG][2];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            int k = (c0 + u * INV_WARPS) * 32 + 8 * tq;
-            bool in = c0 + u * INV_WARPS < chunks && k < K;
+            int k = (c0 + u * INV_WARPS * KS) * 32 + 8 * tq;
+            bool in = c0 + u * INV_WARPS * KS < chunks && k < K;
 #pragma unroll
             for (int j = 0; j < FG; ++j) {
                 if constexpr (FP8) {
@@ -123,8 +131,8 @@ __device__ void invariant_mv(float* C, int ldc, const float* X, WT W, int M, int
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            int k = (c0 + u * INV_WARPS) * 32;
-            bool in = c0 + u * INV_WARPS < chunks && k + 8 * tq < K;
+            int k = (c0 + u * INV_WARPS * KS) * 32;
+            bool in = c0 + u * INV_WARPS * KS < chunks && k + 8 * tq < K;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 float4 p = make_float4(0.f, 0.f, 0.f, 0.f), q = p;
@@ -174,12 +182,17 @@ __device__ void invariant_mv(float* C, int ldc, const float* X, WT W, int M, int
     }
 }
 
-// Named by rows a block (NT · 8) and features a block (FG · 16).
+// Named by rows a block (NT · 8) and features a block (FG · 16). Row groups (blockIdx.y
+// past the rows' blocks: DeepSeek-V4's wo_a, group g's M rows times its N weight rows
+// into its M × N outputs) in one launch; one split only where there are groups.
 #define INVARIANT_MV(NAME, NT, FG, U)                                                         \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                   \
-        float* C, const float* X, const bf16_t* W, int M, int N, int K) {                     \
+        float* C, const float* X, const bf16_t* W, int M, int N, int K, int KS) {             \
         pdl_enter();                                                                          \
-        invariant_mv<NT, FG, U>(C, N, X, InvBf16{W}, M, N, K);                                \
+        int row_blocks = (M + NT * 8 - 1) / (NT * 8), grp = blockIdx.y / row_blocks;         \
+        long long g = grp;                                                                    \
+        invariant_mv<NT, FG, U>(C + g * M * N, N, X + g * M * K, InvBf16{W + g * N * K}, M, N, K, KS, \
+                                blockIdx.y - grp * row_blocks);                               \
     }
 INVARIANT_MV(matmul_invariant_mv1_kernel, 1, 1, 4)
 INVARIANT_MV(matmul_invariant_mv2_kernel, 2, 1, 4)
@@ -191,11 +204,22 @@ INVARIANT_MV(matmul_invariant_wide_kernel, 4, 4, 1)
 #define INVARIANT_MV_FP8(NAME, NT, FG, U)                                                     \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                   \
         float* C, int ldc, const float* X, const u8* W, const float* scales, int block_rows,  \
-        int block_cols, int M, int N, int K) {                                                \
+        int block_cols, int M, int N, int K, int KS) {                                        \
         pdl_enter();                                                                          \
-        invariant_mv<NT, FG, U>(C, ldc, X, InvFp8{W, scales, block_rows, block_cols}, M, N, K); \
+        invariant_mv<NT, FG, U>(C, ldc, X, InvFp8{W, scales, block_rows, block_cols}, M, N, K, KS, \
+                                blockIdx.y);                                                  \
     }
 INVARIANT_MV_FP8(matmul_invariant_fp8_mv1_kernel, 1, 1, 4)
 INVARIANT_MV_FP8(matmul_invariant_fp8_mv2_kernel, 2, 1, 4)
 INVARIANT_MV_FP8(matmul_invariant_fp8_mv4_kernel, 4, 1, 4)
 INVARIANT_MV_FP8(matmul_invariant_fp8_wide_kernel, 4, 4, 1)
+
+// C[i] = Σ_s P[s·n + i] over the KS splits of `invariant_mv`, in split order.
+extern "C" __global__ void matmul_invariant_splits_kernel(float* C, const float* P, int KS, long long n) {
+    pdl_enter();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = 0.0f;
+    for (int s = 0; s < KS; ++s) v += P[s * n + i];
+    C[i] = v;
+}

@@ -211,8 +211,8 @@ fn cases(rng: &mut Rng) -> Vec<Case> {
         inter: 512,
         mxfp4: true,
     });
-    // The pipelined many-row kernel (K a multiple of 128): both passes, then down alone
-    // with a partial feature block (hidden 32 past a multiple of 128).
+    // The pipelined many-row kernel (both K multiples of 128, from one chunk up), then
+    // many rows where hidden (32 past a multiple of 128) keeps them on the tile GEMM.
     out.push(Case {
         experts: 16,
         k: 1 + rng.below(4),
@@ -397,8 +397,13 @@ fn pairs_another_rank_owns_are_zero_rows_and_still_counted() {
 fn the_invariant_dense_gemm_is_exact_to_f32_and_gives_a_row_the_same_bits_in_any_batch() {
     let mut rng = Rng(0xde75e);
     let b = CudaBackend::new(0, true, false).expect("a GPU");
-    for _ in 0..6 {
-        let (n, k) = (1 + rng.below(300), 8 * (1 + rng.below(200)));
+    for case in 0..7 {
+        // The last: few features over many columns (mHC's mix shape), K split 8 or 16 ways.
+        let (n, k) = if case == 6 {
+            (1 + rng.below(40), 8 * (1024 + rng.below(1024)))
+        } else {
+            (1 + rng.below(300), 8 * (1 + rng.below(200)))
+        };
         let (w, values) = matrix(&mut rng, n, k, false);
         invariant_rows(&b, &mut rng, w, &values);
     }

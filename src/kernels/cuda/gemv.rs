@@ -49,6 +49,11 @@ impl CudaBackend {
         w_ptr: u64,
         out: u64,
     ) {
+        if self.batch_invariant && k.is_multiple_of(8) {
+            // SAFETY: the caller's contract.
+            unsafe { self.invariant_bf16_groups(x, (m, n, k), groups, w_ptr, out) };
+            return;
+        }
         let grouped = (!self.batch_invariant && k.is_multiple_of(8))
             .then(|| self.kernels.gemv_groups_for(m))
             .flatten();

@@ -2,7 +2,7 @@
 //! FP8 parts read as stored, and the variant a batch takes (each gives a row the same sums
 //! whatever the batch).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::weights::{DevicePart, PackedFormat};
 use super::{CudaBackend, CudaMatrix, check};
@@ -20,12 +20,14 @@ impl CudaBackend {
         w_ptr: u64,
         out: u64,
     ) {
-        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
         // The tensor-core kernel where its 8-value loads fit K (`invariant_mma.cu`).
-        let (kernel, cfg) = if k.is_multiple_of(8) {
-            let (variant, cfg) = invariant_mv_launch(m, n);
-            (&self.kernels.matmul_invariant_mv[variant], cfg)
-        } else {
+        if k.is_multiple_of(8) {
+            // SAFETY: the caller's contract, as one group.
+            unsafe { self.invariant_bf16_groups(x, (m, n, k), 1, w_ptr, out) };
+            return;
+        }
+        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+        let (kernel, cfg) = {
             let cfg = LaunchConfig {
                 grid_dim: ((n as u32).div_ceil(64), (m as u32).div_ceil(64), 1),
                 block_dim: (256, 1, 1),
@@ -50,6 +52,83 @@ impl CudaBackend {
         );
     }
 
+    /// `groups` invariant GEMMs of the same shape in one launch: group g's rows
+    /// `x[g·m .. (g + 1)·m, k]` times its bf16 `[n, k]` block of `w_ptr` into
+    /// `out[g·m .. (g + 1)·m, n]`; K split (`invariant_splits`) where there is one group.
+    ///
+    /// # Safety
+    /// `x` addresses groups·m·k f32, `w_ptr` groups·n·k bf16 and `out` groups·m·n f32 on
+    /// this device; k is a multiple of 8.
+    pub(super) unsafe fn invariant_bf16_groups(
+        &self,
+        x: u64,
+        (m, n, k): (usize, usize, usize),
+        groups: usize,
+        w_ptr: u64,
+        out: u64,
+    ) {
+        let (variant, mut cfg) = invariant_mv_launch(m, n);
+        let splits = if groups == 1 {
+            invariant_splits(n, k)
+        } else {
+            1
+        };
+        cfg.grid_dim.1 *= groups as u32;
+        cfg.grid_dim.2 = splits as u32;
+        let (mi, ni, ki, si) = (m as i32, n as i32, k as i32, splits as i32);
+        self.with_splits(out, m * n, splits, |c| {
+            // SAFETY: x holds groups·m·k, w groups·n·k elements, c splits·m·n (the
+            // caller's contract, and with_splits's).
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.kernels.matmul_invariant_mv[variant])
+                        .arg(&c)
+                        .arg(&x)
+                        .arg(&w_ptr)
+                        .arg(&mi)
+                        .arg(&ni)
+                        .arg(&ki)
+                        .arg(&si)
+                        .launch(cfg)
+                },
+                "matmul_invariant",
+            );
+        });
+    }
+
+    /// `launch(c)` writing `splits` partial `[len]` outputs from `c`, added in split order
+    /// into `out`; with one split, `launch(out)`.
+    fn with_splits(&self, out: u64, len: usize, splits: usize, launch: impl FnOnce(u64)) {
+        if splits == 1 {
+            launch(out);
+            return;
+        }
+        // SAFETY: f32 has no invalid bit patterns; the split launches write all of it.
+        let parts = check(unsafe { self.stream.alloc::<f32>(splits * len) }, "alloc");
+        let (ptr, guard) = parts.device_ptr(&self.stream);
+        launch(ptr);
+        drop(guard);
+        let (si, n) = (splits as i32, len as i64);
+        // SAFETY: parts holds splits·len values, out len.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.matmul_invariant_splits)
+                    .arg(&out)
+                    .arg(&parts)
+                    .arg(&si)
+                    .arg(&n)
+                    .launch(LaunchConfig {
+                        grid_dim: (len.div_ceil(256) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+            },
+            "matmul_invariant_splits",
+        );
+    }
+
     /// The invariant GEMM on FP8 parts as stored (`invariant_mma.cu`), a launch a part;
     /// false, having launched nothing, where a part is not FP8 or its blocks split a lane's
     /// 8 columns.
@@ -70,9 +149,29 @@ impl CudaBackend {
         if !parts.iter().all(fits) {
             return false;
         }
-        // The variant by the whole matrix, so that every part of it takes the same one.
+        // The variant and splits by the whole matrix, so that every part of it takes the
+        // same.
         let (variant, _) = invariant_mv_launch(m, w.rows);
         let kernel = &self.kernels.matmul_invariant_fp8_mv[variant];
+        let splits = invariant_splits(w.rows, w.cols);
+        self.with_splits(out, m * w.rows, splits, |c| {
+            self.invariant_fp8_parts(kernel, (variant, splits), x, m, w, parts, c)
+        });
+        true
+    }
+
+    /// `invariant_fp8`'s launches, a part each, into `out` (splits · m rows of w.rows).
+    #[allow(clippy::too_many_arguments)]
+    fn invariant_fp8_parts(
+        &self,
+        kernel: &cudarc::driver::CudaFunction,
+        (variant, splits): (usize, usize),
+        x: u64,
+        m: usize,
+        w: &CudaMatrix,
+        parts: &[DevicePart],
+        out: u64,
+    ) {
         for p in parts {
             let PackedFormat::Fp8 {
                 block_rows,
@@ -81,7 +180,8 @@ impl CudaBackend {
             else {
                 unreachable!("checked above");
             };
-            let (_, cfg) = invariant_mv_launch_for(variant, m, p.rows);
+            let (_, mut cfg) = invariant_mv_launch_for(variant, m, p.rows);
+            cfg.grid_dim.2 = splits as u32;
             let y = out + 4 * p.first_row as u64;
             // SAFETY: x holds m·cols f32; y's rows (stride w.rows) have room for the part's
             // columns; the part's bytes and scales are its own.
@@ -94,13 +194,32 @@ impl CudaBackend {
                     p,
                     (block_rows, block_cols),
                     (m, w.cols),
+                    Some(splits),
                 )
             };
             check(launched, "matmul_invariant_fp8");
         }
-        true
     }
 }
+
+/// The invariant GEMM's splits of K for n features and k columns, from the shape alone:
+/// doubled (up to `INV_MAX_SPLITS`) while the one-tile variant's blocks (16 features
+/// each) stay within `INV_BUSY_BLOCKS` and each warp keeps two 32-column chunks a split.
+fn invariant_splits(n: usize, k: usize) -> usize {
+    let (blocks, chunks) = (n.div_ceil(16), k.div_ceil(32));
+    let mut splits = 1;
+    while splits < INV_MAX_SPLITS
+        && blocks * 2 * splits <= INV_BUSY_BLOCKS
+        && chunks >= 16 * 2 * splits
+    {
+        splits *= 2;
+    }
+    splits
+}
+
+/// See `invariant_splits`.
+const INV_MAX_SPLITS: usize = 16;
+const INV_BUSY_BLOCKS: usize = 256;
 
 /// The invariant tensor-core GEMM's variant for m rows and n features, and its launch:
 /// eight-row tiles a block, as many as the rows fill (a row's sums do not depend on which);

@@ -191,12 +191,12 @@ impl CudaBackend {
         unsafe { self.gemm_bf16(x, m, n, k, w_ptr, out, twin) };
     }
 
-    /// One FP8 part through `kernel` (a GEMV or the invariant GEMM: the same arguments),
-    /// writing its rows' columns of `y` (row stride `ldy`).
+    /// One FP8 part through `kernel` (a GEMV, or the invariant GEMM with its `splits` of K
+    /// as one more argument), writing its rows' columns of `y` (row stride `ldy`).
     ///
     /// # Safety
-    /// `x` addresses m·k f32 and `y` m rows of `ldy` f32 from the part's first column, on
-    /// this device; `cfg` suits `kernel`.
+    /// `x` addresses m·k f32 and `y` m rows (splits·m with splits) of `ldy` f32 from the
+    /// part's first column, on this device; `cfg` suits `kernel`.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn launch_fp8_part(
         &self,
@@ -207,25 +207,28 @@ impl CudaBackend {
         p: &DevicePart,
         (block_rows, block_cols): (usize, usize),
         (m, k): (usize, usize),
+        splits: Option<usize>,
     ) -> Result<Option<(CudaEvent, CudaEvent)>, cudarc::driver::DriverError> {
         let (ldy, mi, ni, ki) = (ldy as i32, m as i32, p.rows as i32, k as i32);
+        let si = splits.map(|s| s as i32);
         let (br, bc) = (block_rows as i32, block_cols as i32);
         // SAFETY: the caller's contract; the part's bytes and scales are its own.
-        unsafe {
-            self.stream
-                .launch_builder(kernel)
-                .arg(&y)
-                .arg(&ldy)
-                .arg(&x)
-                .arg(&p.bytes)
-                .arg(&p.scales)
-                .arg(&br)
-                .arg(&bc)
-                .arg(&mi)
-                .arg(&ni)
-                .arg(&ki)
-                .launch(cfg)
+        let mut launch = self.stream.launch_builder(kernel);
+        launch
+            .arg(&y)
+            .arg(&ldy)
+            .arg(&x)
+            .arg(&p.bytes)
+            .arg(&p.scales)
+            .arg(&br)
+            .arg(&bc)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&ki);
+        if let Some(si) = &si {
+            launch.arg(si);
         }
+        unsafe { launch.launch(cfg) }
     }
 
     /// `packed.cu`'s GEMVs, a launch per part writing its rows' columns of `out`; false,
@@ -303,7 +306,16 @@ impl CudaBackend {
                         block_cols,
                     } => {
                         let block = (block_rows, block_cols);
-                        self.launch_fp8_part(kernel, cfg, (y, w.rows), x, p, block, (m, w.cols))
+                        self.launch_fp8_part(
+                            kernel,
+                            cfg,
+                            (y, w.rows),
+                            x,
+                            p,
+                            block,
+                            (m, w.cols),
+                            None,
+                        )
                     }
                     PackedFormat::Ggml(_) if std::ptr::eq(kernel, &self.kernels.gemv_q4k_mma) => {
                         self.stream
@@ -484,6 +496,7 @@ impl CudaBackend {
                 part,
                 (block_rows, block_cols),
                 (m, w.cols),
+                None,
             )
         };
         check(launched, "fp8 gemv silu");

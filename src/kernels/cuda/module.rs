@@ -209,6 +209,8 @@ pub struct Kernels {
     pub kv_write: ByKvType,
     pub qkv_rope_cache: ByKvType,
     pub matmul_invariant: CudaFunction,
+    /// The invariant GEMM's splits of K added in order.
+    pub matmul_invariant_splits: CudaFunction,
     /// The tensor-core invariant GEMM (`invariant_mma.cu`): 1, 2 and 4 eight-row tiles a
     /// block over 16 features, then 4 tiles over 64 features.
     pub matmul_invariant_mv: [CudaFunction; 4],
@@ -398,6 +400,7 @@ impl Kernels {
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
+            matmul_invariant_splits: f("matmul_invariant_splits_kernel")?,
             matmul_invariant_mv: [
                 f("matmul_invariant_mv1_kernel")?,
                 f("matmul_invariant_mv2_kernel")?,

@@ -27,23 +27,39 @@ pub(super) const ATTENTION_SMEM_BYTES: usize = 140 << 10;
 const ATT_BUSY_BLOCKS: usize = 264;
 /// The most ways a row's keys are split (the merge kernel takes up to `ATT_MAX_MERGE`, 64).
 const ATT_MAX_SPLITS: usize = 32;
+/// The batch-invariant mode's splits at most, keys a split (4 tiles: a decode row's 256
+/// keys in 4 splits), and the (row, head group)s it keeps at least before taking fewer
+/// heads a block.
+const ATT_INV_SPLITS: usize = 16;
+const ATT_INV_SPLIT_KEYS: usize = 4 * ATT_KT;
+const ATT_INV_GROUPS: usize = 32;
 
-/// Heads a block of the attention kernel takes, and the splits of each row's keys: every
-/// head of a group in one block while there are enough blocks (each block reads its keys
-/// once for all its heads); short of that, fewer heads a block; and for a few rows (under
-/// half the blocks at full groups) the keys split across blocks instead (flash-decoding,
-/// the partial sums merged in split order), except in the batch-invariant mode, which
-/// keeps a row's keys in one block.
-fn attention_grid(rows: usize, heads: usize, invariant: bool) -> (usize, usize) {
+/// Heads a block of the attention kernel takes, the splits of each row's keys, and the
+/// keys a split in the batch-invariant mode (0: the keys are shared among the splits):
+/// every head of a group in one block while there are enough blocks (each block reads its
+/// keys once for all its heads); short of that, fewer heads a block; and for a few rows
+/// (under half the blocks at full groups) the keys split across blocks instead
+/// (flash-decoding, the partial sums merged in split order). The batch-invariant mode
+/// always splits, `ATT_INV_SPLITS` ways at most and by a row's own key count
+/// (`ATT_INV_SPLIT_KEYS` a split), so that a row's sums do not depend on the batch; the
+/// heads a block do not change them either (each head's sums are its own), so they follow
+/// the batch.
+fn attention_grid(rows: usize, heads: usize, invariant: bool) -> (usize, usize, usize) {
     let mut hg = ATT_HG.min(heads).max(1);
     let groups = rows * heads.div_ceil(hg);
-    if !invariant && 2 * groups < ATT_BUSY_BLOCKS {
-        return (hg, ATT_BUSY_BLOCKS.div_ceil(groups).min(ATT_MAX_SPLITS));
+    if invariant {
+        while hg > 1 && rows * heads.div_ceil(hg) < ATT_INV_GROUPS {
+            hg /= 2;
+        }
+        return (hg, ATT_INV_SPLITS, ATT_INV_SPLIT_KEYS);
+    }
+    if 2 * groups < ATT_BUSY_BLOCKS {
+        return (hg, ATT_BUSY_BLOCKS.div_ceil(groups).min(ATT_MAX_SPLITS), 0);
     }
     while hg > 1 && rows * heads.div_ceil(hg) < ATT_BUSY_BLOCKS {
         hg /= 2;
     }
-    (hg, 1)
+    (hg, 1, 0)
 }
 
 /// The tensor-core kernel's heads a block, keys a tile and widest head
@@ -114,7 +130,7 @@ impl CudaBackend {
         let (ri, epbi) = (rate as i32, epb as i32);
         let scale = (head_dim as f32).powf(-0.5);
         let mma = !self.batch_invariant && mma_fits(head_dim);
-        let (hg, splits) = if mma {
+        let (hg, splits, split_keys) = if mma {
             // Splits past the most keys a row can have would be empty: the window alone, or
             // with the indexer's picks (not bounded otherwise: HCA's entries grow with the
             // position, and a captured step's grid must not change with it).
@@ -126,11 +142,11 @@ impl CudaBackend {
             let blocks = meta.num_rows * heads.div_ceil(AM_HEADS);
             let splits = mma_splits(blocks, self.kernels.num_sms);
             let most = max_keys.map_or(splits, |k| k.div_ceil(AM_KT).max(1));
-            (AM_HEADS, splits.min(most))
+            (AM_HEADS, splits.min(most), 0)
         } else {
             attention_grid(meta.num_rows, heads, self.batch_invariant)
         };
-        let (hgi, si) = (hg as i32, splits as i32);
+        let (hgi, si, ski) = (hg as i32, splits as i32, split_keys as i32);
         let parts = meta.num_rows * heads * splits;
         let mut part = self.alloc_written(if splits > 1 {
             parts * (head_dim + 2)
@@ -182,7 +198,11 @@ impl CudaBackend {
         if !mma {
             launch.arg(&hgi);
         }
-        launch.arg(&si).arg(&mut part);
+        launch.arg(&si);
+        if !mma {
+            launch.arg(&ski);
+        }
+        launch.arg(&mut part);
         // SAFETY: q and out hold num_rows·heads·head_dim values; every key address the
         // kernel forms is inside the ring, the chunk's kv or the layer's entries (the
         // model checks the tables); head_dim ≤ ATT_MAX_HEAD_DIM bounds the shared memory.

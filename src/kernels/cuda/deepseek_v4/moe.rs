@@ -5,6 +5,7 @@
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
+use half::bf16;
 
 use super::super::weights::{PackedFormat, Store};
 use super::super::{CudaBackend, CudaMatrix, check};
@@ -34,6 +35,14 @@ const fn gemv_smem_bytes(k: usize) -> usize {
 /// The GEMV path while experts number at least this many a pair (V4-Flash: batches up to 10).
 const GEMV_EXPERTS_PER_PAIR: usize = 4;
 
+/// The align launch's grouping of pairs into tiles of one expert each.
+struct Tiles<'a> {
+    sorted: &'a CudaSlice<i32>,
+    tile_expert: &'a CudaSlice<i32>,
+    num_tiles: &'a CudaSlice<i32>,
+    max_tiles: usize,
+}
+
 /// A layer's routed experts as the grouped kernels read them.
 pub struct CudaExperts {
     gate: CudaSlice<u64>,
@@ -52,18 +61,21 @@ pub struct MoeFunctions {
     pub gemm: [[CudaFunction; 4]; 2],
     /// MXFP4 experts for decode-sized steps, on the tensor cores: `[up, down]`.
     pub gemv: [CudaFunction; 2],
-    /// MXFP4 experts, many rows a tile, K a multiple of `PIPE_K`: `[up, down]`
-    /// (`moe_pipe.cu`).
+    /// MXFP4 experts, many rows a tile, both K multiples of `PIPE_K`: `[up, down]`
+    /// (`moe_pipe.cu`; bf16 rows in, the up pass's out).
     pub pipe: [CudaFunction; 2],
 }
 
-/// `moe_pipe.cu`'s K chunk (MP_KC), threads, and shared bytes for one and two matrices
-/// (MP_SMEM_BYTES): two stages of 64 f32 rows of MP_KC + 4 and 128 features' 68 bytes each.
+/// `moe_pipe.cu`'s K chunk (MP_KC), tile rows (MP_BM), threads, output features a block
+/// (`[up, down]`: 64 features' gate and up rows, or 128), and shared bytes
+/// (MP_SMEM_BYTES): three stages of 128 bf16 rows of MP_KC + 8 and 128 weight rows' 68
+/// bytes, two buffers of 128 decoded weight rows.
 const PIPE_K: usize = 128;
-const PIPE_THREADS: u32 = 256;
-const fn pipe_smem_bytes(mats: usize) -> usize {
-    2 * (64 * (PIPE_K + 4) * 4 + mats * 128 * 68)
-}
+const PIPE_ROWS: usize = 128;
+const PIPE_THREADS: u32 = 512;
+const PIPE_FEATURES: [usize; 2] = [64, 128];
+const PIPE_SMEM_BYTES: usize =
+    3 * (PIPE_ROWS * (PIPE_K + 8) * 2 + 128 * 68) + 2 * 128 * (PIPE_K + 8) * 2;
 
 impl MoeFunctions {
     pub fn load(
@@ -98,8 +110,8 @@ impl MoeFunctions {
             pipe: {
                 let (up, down) = (f("moe_up_mxfp4_pipe")?, f("moe_down_mxfp4_pipe")?);
                 let opt_in = super::super::module::opt_in_smem;
-                opt_in(&up, pipe_smem_bytes(2), "dsv4_moe_up_mxfp4_pipe")?;
-                opt_in(&down, pipe_smem_bytes(1), "dsv4_moe_down_mxfp4_pipe")?;
+                opt_in(&up, PIPE_SMEM_BYTES, "dsv4_moe_up_mxfp4_pipe")?;
+                opt_in(&down, PIPE_SMEM_BYTES, "dsv4_moe_down_mxfp4_pipe")?;
                 [up, down]
             },
         })
@@ -219,7 +231,15 @@ impl CudaBackend {
         // The invariant mode always takes the few-row shape (f32-accurate activations, the
         // same sums whatever the batch); else many rows once experts average 16 pairs.
         let many = !self.batch_invariant && pairs >= 16 * e;
-        let (bm, bn) = if many {
+        // Many rows of MXFP4 experts take the pipelined kernel where both K suit its chunks.
+        let pipe = many
+            && t.formats == [MOE_MXFP4, MOE_MXFP4]
+            && [t.hidden, t.inter]
+                .iter()
+                .all(|&k| k > 0 && k.is_multiple_of(PIPE_K));
+        let (bm, bn) = if pipe {
+            (PIPE_ROWS, 0)
+        } else if many {
             (MANY_ROWS, MANY_FEATURES)
         } else {
             (FEW_ROWS, FEW_FEATURES)
@@ -257,21 +277,24 @@ impl CudaBackend {
             unsafe { launch.launch(blocks(1, 1, 1024)) },
             "dsv4_moe_align",
         );
+        let tiles = Tiles {
+            sorted: &sorted,
+            tile_expert: &tile_expert,
+            num_tiles: &num_tiles,
+            max_tiles,
+        };
+        if pipe {
+            self.routed_experts_pipe(ys, x, t, &tiles, (tokens, k, limit));
+            return;
+        }
 
         let shape = if many { 2 } else { 0 };
-        // Many rows of MXFP4 experts take the pipelined kernel where K suits its chunks.
-        let pass = |pass: usize, kk: usize| {
-            if many && t.formats[pass] == MOE_MXFP4 && kk > 0 && kk.is_multiple_of(PIPE_K) {
-                (&ds.moe.pipe[pass], PIPE_THREADS, pipe_smem_bytes(2 - pass))
-            } else {
-                (&ds.moe.gemm[t.formats[pass]][shape + pass], 128, 0)
-            }
-        };
-        let up = pass(0, t.hidden);
-        let down = pass(1, t.inter);
+        let pass = |pass: usize| &ds.moe.gemm[t.formats[pass]][shape + pass];
+        let up = pass(0);
+        let down = pass(1);
         let mut h = self.alloc_written(pairs * t.inter);
         let (inter, hidden) = (t.inter as i32, t.hidden as i32);
-        let gemm = |(f, threads, smem): (&CudaFunction, u32, usize),
+        let gemm = |f: &CudaFunction,
                     out: &mut CudaSlice<f32>,
                     input: &CudaSlice<f32>,
                     x_div: i32,
@@ -295,10 +318,7 @@ impl CudaBackend {
                         .arg(&n)
                         .arg(&kk)
                         .arg(&limit)
-                        .launch(LaunchConfig {
-                            shared_mem_bytes: smem as u32,
-                            ..blocks((n as usize).div_ceil(bn), max_tiles, threads)
-                        })
+                        .launch(blocks((n as usize).div_ceil(bn), max_tiles, 128))
                 },
                 name,
             );
@@ -321,6 +341,94 @@ impl CudaBackend {
             (hidden, inter),
             "dsv4_moe_down",
         );
+    }
+
+    /// `routed_experts` through `moe_pipe.cu` over tiles of `PIPE_ROWS`: the rows made bf16
+    /// once, gate·up with SwiGLU into bf16 `h`, then down into `ys`.
+    fn routed_experts_pipe(
+        &self,
+        ys: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        t: &CudaExperts,
+        tiles: &Tiles<'_>,
+        (tokens, k, limit): (usize, usize, f32),
+    ) {
+        let ds = self.ds();
+        let n = tokens * t.hidden;
+        // SAFETY: bf16 has no invalid bit patterns; the conversion writes all n before the
+        // up pass reads them, and the up pass every row of h the down pass reads (rows of
+        // pairs no tile holds are read by no one).
+        let mut xb = check(unsafe { self.stream.alloc::<bf16>(n.max(1)) }, "alloc");
+        let mut h = check(
+            unsafe { self.stream.alloc::<bf16>((tokens * k * t.inter).max(1)) },
+            "alloc",
+        );
+        let n64 = n as i64;
+        // SAFETY: x holds the tokens' n values; xb n.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.f32_to_bf16)
+                    .arg(&mut xb)
+                    .arg(x)
+                    .arg(&n64)
+                    .launch(blocks(n.div_ceil(256), 1, 256))
+            },
+            "f32_to_bf16",
+        );
+        let h_ptr = h.device_ptr_mut(&self.stream).0;
+        let xb_ptr = xb.device_ptr(&self.stream).0;
+        let ys_ptr = ys.device_ptr_mut(&self.stream).0;
+        let passes = [
+            (
+                h_ptr,
+                xb_ptr,
+                k as i32,
+                (&t.gate, &t.up),
+                (t.inter, t.hidden),
+                "dsv4_moe_up_mxfp4_pipe",
+            ),
+            (
+                ys_ptr,
+                h_ptr,
+                1,
+                (&t.down, &t.down),
+                (t.hidden, t.inter),
+                "dsv4_moe_down_mxfp4_pipe",
+            ),
+        ];
+        for (pass, (out, input, x_div, w, (n, kk), name)) in passes.into_iter().enumerate() {
+            let (ni, ki) = (n as i32, kk as i32);
+            // SAFETY: input holds rows of kk bf16 (pairs / x_div of them), out pairs rows
+            // of n (bf16 for the up pass, f32 for down); the tables address e MXFP4
+            // matrices of n × kk; the tiles come from the align launch before.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&ds.moe.pipe[pass])
+                        .arg(&out)
+                        .arg(&input)
+                        .arg(&x_div)
+                        .arg(tiles.sorted)
+                        .arg(tiles.tile_expert)
+                        .arg(tiles.num_tiles)
+                        .arg(w.0)
+                        .arg(w.1)
+                        .arg(&ni)
+                        .arg(&ki)
+                        .arg(&limit)
+                        .launch(LaunchConfig {
+                            shared_mem_bytes: PIPE_SMEM_BYTES as u32,
+                            ..blocks(
+                                n.div_ceil(PIPE_FEATURES[pass]),
+                                tiles.max_tiles,
+                                PIPE_THREADS,
+                            )
+                        })
+                },
+                name,
+            );
+        }
     }
 
     /// `routed_experts` as a GEMV a pair (`moe_gemv_mma.cu`): gate·up with
