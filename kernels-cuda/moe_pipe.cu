@@ -82,7 +82,8 @@ __device__ void moe_pipe(void* out, const u16* x, int x_div, const int* sorted, 
     };
     // This thread's block of a chunk: weight row dr, columns 32·db .. 32·db + 31, decoded
     // into the chunk's buffer of bf16 weights.
-    int dr = threadIdx.x >> 2, db = threadIdx.x & 3;
+    // (Rows 17 words apart: a quarter-warp's 8 rows load and store in distinct banks.)
+    int dr = threadIdx.x & (MP_BR - 1), db = threadIdx.x / MP_BR;
     auto decode = [&](int c) {
         const unsigned char* src = raw_s + (c % MP_STAGES) * MP_RAW_BYTES + dr * MP_WROW;
         u32 ex = src[17 * db];
@@ -151,21 +152,21 @@ __device__ void moe_pipe(void* out, const u16* x, int x_div, const int* sorted, 
             int p = rows[32 * wm + 16 * m + g + 8 * h];
             if (p < 0) continue;
 #pragma unroll
-            for (int j = 0; j < (SWIGLU ? 2 : 4); ++j)
-#pragma unroll
-                for (int cc = 0; cc < 2; ++cc) {
-                    // Up: tiles 0–1 are the gate rows of features 16·wn .. 16·wn + 15,
-                    // tiles 2–3 their up rows.
-                    int f = SWIGLU ? blockIdx.x * (MP_BR / 2) + 16 * wn + 8 * j + 2 * q + cc
-                                   : blockIdx.x * MP_BR + 32 * wn + 8 * j + 2 * q + cc;
-                    if (f >= N) continue;
-                    float v = acc[m][j][2 * h + cc];
-                    if (SWIGLU) {
-                        ((u16*)out)[(long long)p * N + f] = (u16)tile_bf16x2(tile_swiglu(v, acc[m][j + 2][2 * h + cc], limit), 0.0f);
-                    } else {
-                        ((float*)out)[(long long)p * N + f] = v;
-                    }
+            for (int j = 0; j < (SWIGLU ? 2 : 4); ++j) {
+                // Up: tiles 0–1 are the gate rows of features 16·wn .. 16·wn + 15, tiles
+                // 2–3 their up rows. A lane's two features are adjacent (N is even).
+                int f = SWIGLU ? blockIdx.x * (MP_BR / 2) + 16 * wn + 8 * j + 2 * q
+                               : blockIdx.x * MP_BR + 32 * wn + 8 * j + 2 * q;
+                if (f >= N) continue;
+                const float* a = acc[m][j] + 2 * h;
+                if (SWIGLU) {
+                    const float* u = acc[m][j + 2] + 2 * h;
+                    *(u32*)((u16*)out + (long long)p * N + f) =
+                        tile_bf16x2(tile_swiglu(a[0], u[0], limit), tile_swiglu(a[1], u[1], limit));
+                } else {
+                    *(float2*)((float*)out + (long long)p * N + f) = make_float2(a[0], a[1]);
                 }
+            }
         }
 }
 
