@@ -104,8 +104,8 @@ impl CudaBackend {
             launch(out);
             return;
         }
-        // SAFETY: f32 has no invalid bit patterns; the split launches write all of it.
-        let parts = check(unsafe { self.stream.alloc::<f32>(splits * len) }, "alloc");
+        // The split launches write all of it.
+        let parts = self.alloc_written(splits * len);
         let (ptr, guard) = parts.device_ptr(&self.stream);
         launch(ptr);
         drop(guard);
@@ -119,11 +119,7 @@ impl CudaBackend {
                     .arg(&parts)
                     .arg(&si)
                     .arg(&n)
-                    .launch(LaunchConfig {
-                        grid_dim: (len.div_ceil(256) as u32, 1, 1),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
+                    .launch(super::grid_for(len))
             },
             "matmul_invariant_splits",
         );

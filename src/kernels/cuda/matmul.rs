@@ -114,7 +114,11 @@ impl CudaBackend {
         self.to_bf16(x, n)
     }
 
-    fn to_bf16(&self, x: u64, n: usize) -> crate::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
+    pub(in crate::kernels::cuda) fn to_bf16(
+        &self,
+        x: u64,
+        n: usize,
+    ) -> crate::sync::MutexGuard<'_, Option<CudaSlice<bf16>>> {
         // The scratch is overwritten: whatever copy it held is gone.
         *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut scratch = self.bf16_scratch(n);

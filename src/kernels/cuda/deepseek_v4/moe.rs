@@ -354,30 +354,20 @@ impl CudaBackend {
         (tokens, k, limit): (usize, usize, f32),
     ) {
         let ds = self.ds();
-        let n = tokens * t.hidden;
-        // SAFETY: bf16 has no invalid bit patterns; the conversion writes all n before the
-        // up pass reads them, and the up pass every row of h the down pass reads (rows of
-        // pairs no tile holds are read by no one).
-        let mut xb = check(unsafe { self.stream.alloc::<bf16>(n.max(1)) }, "alloc");
+        // SAFETY: bf16 has no invalid bit patterns; the up pass writes every row of h the
+        // down pass reads (rows of pairs no tile holds are read by no one).
         let mut h = check(
             unsafe { self.stream.alloc::<bf16>((tokens * k * t.inter).max(1)) },
             "alloc",
         );
-        let n64 = n as i64;
-        // SAFETY: x holds the tokens' n values; xb n.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.f32_to_bf16)
-                    .arg(&mut xb)
-                    .arg(x)
-                    .arg(&n64)
-                    .launch(blocks(n.div_ceil(256), 1, 256))
-            },
-            "f32_to_bf16",
-        );
+        // The rows as bf16 in the GEMMs' shared scratch, held until both passes are queued.
+        let xb = self.to_bf16(x.device_ptr(&self.stream).0, tokens * t.hidden);
         let h_ptr = h.device_ptr_mut(&self.stream).0;
-        let xb_ptr = xb.device_ptr(&self.stream).0;
+        let xb_ptr = xb
+            .as_ref()
+            .expect("converted above")
+            .device_ptr(&self.stream)
+            .0;
         let ys_ptr = ys.device_ptr_mut(&self.stream).0;
         let passes = [
             (
