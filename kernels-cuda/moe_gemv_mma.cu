@@ -25,7 +25,7 @@
 // Block: 8 warps, 16 rows each (SWIGLU: 8 gate rows and their 8 up rows, so a thread
 // holds both sums); grid: (feature blocks, pairs). The up pass adds each pair to `counts`.
 // K a multiple of 512, at most 8 192; dynamic shared memory MG_SMEM_BYTES(K).
-#define MG_WARPS 8
+#define MG_WARPS 4
 #define MG_CHUNK 16
 #define MG_ROW_WORDS (MG_CHUNK * 17 / 4)
 #define MG_STAGE_WORDS (16 * MG_ROW_WORDS)

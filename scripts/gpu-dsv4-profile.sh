@@ -34,13 +34,13 @@ profile() {
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size \
     gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
     --max-tokens "$1" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
-    --max-num-batched-tokens 8192 ${EXTRA:-} > "$2" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
+    --max-num-batched-tokens 8192 --skip-warmup ${EXTRA:-} > "$2" 2> "$M/ncu.err" || { tail -5 "$M/ncu.err"; }
 }
 if [ -n "${KERNEL:-}" ]; then
   timeout 400 "$NCU" --set full -k "regex:^${KERNEL}" --launch-skip "${SKIP:-12}" -c 2 \
     gpu-bin/troupe generate --model "$M" --dummy-weights --device cuda --prompt-ids "$IDS" \
     --max-tokens "$NEW" --ignore-eos --kv-cache-mib 4096 --max-num-seqs 1 \
-    --max-num-batched-tokens 8192 ${EXTRA:-} 2> "$M/ncu.err" \
+    --max-num-batched-tokens 8192 --skip-warmup ${EXTRA:-} 2> "$M/ncu.err" \
     | grep -E "^  [a-z_]+|Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|stalled|Warp Cycles|Issued|Eligible|Block Limit|Local" \
     | head -80 || tail -5 "$M/ncu.err"
   exit 0

@@ -100,6 +100,9 @@ pub struct EngineFlags {
     /// Run every step eagerly: no CUDA graphs for decode steps.
     #[arg(long)]
     enforce_eager: bool,
+    /// Start without the warm-up prefill: the first request pays the first step's costs.
+    #[arg(long)]
+    skip_warmup: bool,
     /// Pin rank threads: `auto` puts a GPU rank on its GPU's NUMA node and CPU ranks of a
     /// group on disjoint cores (reported in --stats); `off` leaves placement to the OS.
     #[arg(long, default_value = "auto")]
@@ -206,6 +209,7 @@ impl EngineFlags {
         });
         cfg.dummy_weights = self.dummy_weights;
         cfg.enforce_eager = self.enforce_eager;
+        cfg.skip_warmup = self.skip_warmup;
         cfg.cpu_affinity = self.cpu_affinity;
         if self.dummy_weights && !model_path.join("config.json").is_file() {
             return Err(TroupeError::InvalidInput(format!(

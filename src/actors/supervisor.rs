@@ -57,6 +57,7 @@ pub struct RankArgsTemplate {
     pub enforce_eager: bool,
     pub cpu_affinity: crate::runner::affinity::CpuAffinity,
     pub decode_curve: Option<crate::runner::decode_curve::CurveJob>,
+    pub warmup_tokens: usize,
     pub draft_model_path: Option<std::path::PathBuf>,
     pub mtp: bool,
     /// DeepSeek-V4: a group is expert-parallel, sized by its routed experts.
@@ -140,6 +141,7 @@ async fn spawn_group(
                 quantization: t.quantization,
                 // Measured by a lone rank only: a group's ranks would each need the others.
                 decode_curve: t.decode_curve.clone().filter(|_| size == 1),
+                warmup_tokens: t.warmup_tokens,
             };
             let spawner = st.spawners[slot].clone();
             match RankWorker::spawn_linked(None, args, myself.clone(), spawner).await {

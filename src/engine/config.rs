@@ -23,6 +23,9 @@ pub struct EngineConfig {
     pub dummy_weights: bool,
     /// Run every step eagerly: no CUDA graphs for decode steps (vLLM's `enforce_eager`).
     pub enforce_eager: bool,
+    /// Start without a warm-up prefill of a step's most tokens (SGLang's
+    /// `--skip-server-warmup`); profiles that should see one prefill use it.
+    pub skip_warmup: bool,
     /// Whether rank threads are pinned to cores (a GPU's NUMA node; CPU ranks' shares).
     pub cpu_affinity: CpuAffinity,
     pub max_num_seqs: usize,
@@ -115,6 +118,7 @@ impl EngineConfig {
             gpu_memory_utilization: 0.9,
             dummy_weights: false,
             enforce_eager: false,
+            skip_warmup: false,
             cpu_affinity: CpuAffinity::Auto,
             max_num_seqs: 256,
             max_step_tokens: 2048,

@@ -212,6 +212,10 @@ impl Engine {
                 enforce_eager: cfg.enforce_eager,
                 cpu_affinity: cfg.cpu_affinity,
                 decode_curve,
+                warmup_tokens: match cfg.skip_warmup {
+                    true => 0,
+                    false => cfg.max_step_tokens.min(mcfg.max_context_tokens),
+                },
                 num_routed_experts: text.deepseek_v4.as_ref().map(|d| d.num_routed_experts),
                 draft_model_path: draft.as_ref().map(|_| {
                     cfg.draft_model_path

@@ -88,6 +88,19 @@ pub trait Backend: Send + Sync {
         dim: usize,
         out: &mut Self::Buf,
     );
+    /// `rms_norm` whose `out` the next GEMM takes as its input, nothing writing it between:
+    /// a backend may leave that GEMM its operand in the GEMM's own format as well.
+    fn rms_norm_into_gemm(
+        &self,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.rms_norm(x, weight, eps, num_rows, dim, out);
+    }
     /// `residual += x` then `out = rms_norm(residual)`: the residual add fused into the norm.
     #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(

@@ -279,7 +279,7 @@ impl<B: Backend> LlamaModel<B> {
         backend.embedding(&w.embed, &self.ids, &self.picked, &mut ws.x);
         for (li, lw) in w.layers.iter().enumerate() {
             if li == 0 {
-                backend.rms_norm(
+                backend.rms_norm_into_gemm(
                     &ws.x,
                     &lw.attn_norm,
                     eps,
@@ -381,7 +381,7 @@ impl<B: Backend> LlamaModel<B> {
         }
         backend.add(&mut ws.x, &ws.proj, num_tokens * c.hidden_size);
         backend.gather_rows(&ws.x, c.hidden_size, &last_rows, &mut ws.normed);
-        backend.rms_norm(
+        backend.rms_norm_into_gemm(
             &ws.normed,
             &w.final_norm,
             eps,

@@ -11,9 +11,9 @@ use crate::eplb::Eplb;
 use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
-use crate::model::deepseek_v4::DsV4Model;
-use crate::model::deepseek_v4::cache::DsV4Cache;
+use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::mtp::MtpLayer;
+use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::step::StepRow;
 
@@ -104,6 +104,29 @@ impl DeviceModel for DsV4OnCuda {
             start,
         }
         .launch(steps, rows)
+    }
+
+    fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String> {
+        let tokens = tokens.min(self.cache.num_blocks * block_size);
+        if tokens == 0 || self.cache.num_slots() == 0 {
+            return Ok(());
+        }
+        let ids = vec![0u32; tokens];
+        let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
+        // Slot 0 restarts when its first sequence arrives (its cached count is its start).
+        let step = DsSeqStep {
+            token_ids: &ids,
+            num_cached_tokens: 0,
+            block_table: &table,
+            state_slot: 0,
+            span: SlotSpan::default(),
+            num_logit_rows: 1,
+        };
+        self.model
+            .forward_on_device(&mut self.cache, &[step], &[], None, None)
+            .map_err(|e| format!("the warm-up prefill of {tokens} tokens: {e}"))?;
+        self.model.backend.synchronize();
+        Ok(())
     }
 
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {

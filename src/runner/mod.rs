@@ -86,6 +86,8 @@ pub struct RankArgs {
     pub cpu_affinity: affinity::CpuAffinity,
     /// Measure (or load) the decode latency curve before the first step.
     pub decode_curve: Option<CurveJob>,
+    /// The largest prefill a step runs (`DeviceModel::warm_up`); 0 skips the warm-up.
+    pub warmup_tokens: usize,
 }
 
 /// Where the next step finds the token a row of this step drew.
@@ -124,6 +126,13 @@ pub trait DeviceModel: Send {
     fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError>;
     /// The hardware, for keying measurements.
     fn device_label(&self) -> String;
+    /// Runs one prefill of up to `tokens` tokens (a step's most) before the first request,
+    /// so that request does not pay the first step's costs: kernels loaded on first launch,
+    /// the memory pool grown to a step's peak. The KV blocks and state slots it writes are
+    /// free again after it. Default: nothing to warm.
+    fn warm_up(&mut self, _block_size: usize, _tokens: usize) -> Result<(), String> {
+        Ok(())
+    }
     /// What the weights take on the device and run in.
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
         None

@@ -173,22 +173,23 @@ impl Backend for CudaBackend {
         if self.replaying() {
             return;
         }
-        let d = dim as i32;
-        // SAFETY: x and out hold num_rows·dim elements, weight dim.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.rms_norm)
-                    .arg(out)
-                    .arg(x)
-                    .arg(weight)
-                    .arg(&eps)
-                    .arg(&d)
-                    .arg(&0u64)
-                    .launch(per_norm_row(num_rows, dim))
-            },
-            "rms_norm",
-        );
+        self.launch_rms_norm(x, weight, eps, (num_rows, dim), out, 0);
+    }
+
+    fn rms_norm_into_gemm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.replaying() {
+            return;
+        }
+        let twin = self.bf16_twin(out, num_rows * dim);
+        self.launch_rms_norm(x, weight, eps, (num_rows, dim), out, twin);
     }
 
     fn add_rms_norm(
@@ -521,5 +522,36 @@ impl crate::kernels::StepRecorder for CudaBackend {
 
     fn forget_recorded(&self) {
         self.captured().forget();
+    }
+}
+
+impl CudaBackend {
+    /// `rms_norm_kernel` over `rows × dim`, with its bf16 copy at `twin` (0: none).
+    fn launch_rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        eps: f32,
+        (num_rows, dim): (usize, usize),
+        out: &mut CudaSlice<f32>,
+        twin: u64,
+    ) {
+        let d = dim as i32;
+        // SAFETY: x and out hold num_rows·dim elements, weight dim; twin is 0 or the
+        // scratch of num_rows·dim bf16 that `bf16_twin` gave.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.rms_norm)
+                    .arg(out)
+                    .arg(x)
+                    .arg(weight)
+                    .arg(&eps)
+                    .arg(&d)
+                    .arg(&twin)
+                    .launch(per_norm_row(num_rows, dim))
+            },
+            "rms_norm",
+        );
     }
 }

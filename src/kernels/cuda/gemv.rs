@@ -61,15 +61,8 @@ impl CudaBackend {
             self.launch_gemv(kernel, (n.div_ceil(cols), groups), x, m, (w_ptr, n, k), out);
             return;
         }
-        for g in 0..groups {
-            let (x_g, w_g, out_g) = (
-                x + (g * m * k * 4) as u64,
-                w_ptr + (g * n * k * 2) as u64,
-                out + (g * m * n * 4) as u64,
-            );
-            // SAFETY: block g's ranges lie inside the caller's (the contract above).
-            unsafe { self.gemm_bf16(x_g, m, n, k, w_g, out_g, None) };
-        }
+        // SAFETY: the caller's contract.
+        unsafe { self.gemm_bf16_groups(x, (m, n, k), groups, w_ptr, out) };
     }
 
     /// One `gemv.cu` kernel over `x[num_rows, cols]` and the bf16 `(w, rows, cols)`, in

@@ -12,6 +12,8 @@ use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES};
 use super::weights::{DevicePart, PackedFormat, Store};
 use crate::kernels::quant::GgmlType;
 
+/// Values a thread of `f32_to_bf16_kernel` converts (TO_BF16_PER_THREAD).
+const TO_BF16_PER_THREAD: usize = 8;
 /// Weight rows a block of `gemv_fp8_mma` covers (one mma's m).
 const MMA_BLOCK_ROWS: usize = 16;
 /// Threads of a `gemv_fp8_mma` block (its `TC_WARPS` warps).
@@ -132,7 +134,7 @@ impl CudaBackend {
                     .arg(out)
                     .arg(&x)
                     .arg(&n64)
-                    .launch(grid_for(n))
+                    .launch(grid_for(n.div_ceil(TO_BF16_PER_THREAD)))
             },
             "f32_to_bf16",
         );
@@ -370,9 +372,6 @@ impl CudaBackend {
         out: u64,
         twin: Option<(u64, usize)>,
     ) {
-        use cudarc::cublas::sys::{
-            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
-        };
         if self.batch_invariant {
             // SAFETY: the caller's contract.
             unsafe { self.invariant_bf16(x, (m, n, k), w_ptr, out) };
@@ -383,36 +382,114 @@ impl CudaBackend {
         }
         let xb = self.bf16_operand(x, m * k, twin);
         let xb = xb.as_ref().expect("scratch allocated");
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let (x_ptr, _gx) = xb.device_ptr(&self.stream);
-        // Row-major Y[m, n] = X[m, k] · W[n, k]ᵀ is column-major Yᵀ = W(ᵀ) · X.
-        // SAFETY: the pointers cover m·k, n·k and m·n elements.
-        check(
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *self.blas.handle(),
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    m as i32,
-                    k as i32,
-                    &alpha as *const f32 as *const _,
-                    w_ptr as *const _,
-                    cudaDataType_t::CUDA_R_16BF,
-                    k as i32,
-                    x_ptr as *const _,
-                    cudaDataType_t::CUDA_R_16BF,
-                    k as i32,
-                    &beta as *const f32 as *const _,
-                    out as *mut _,
-                    cudaDataType_t::CUDA_R_32F,
-                    n as i32,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        // SAFETY: the scratch holds m·k bf16 values; the caller's contract for the rest.
+        unsafe { self.cublas_bf16(x_ptr, (m, n, k), 1, w_ptr, out) };
+    }
+
+    /// `groups` GEMMs of `gemm_bf16`'s shape at once: x, w and out each `groups` equal
+    /// blocks in a row (`dsv4_gemm_row_groups` past the GEMV's sizes). One conversion and
+    /// one batched launch rather than a pair a group.
+    ///
+    /// # Safety
+    /// x must address groups·m·k f32 values, w_ptr groups·n·k bf16, out groups·m·n f32.
+    pub(super) unsafe fn gemm_bf16_groups(
+        &self,
+        x: u64,
+        (m, n, k): (usize, usize, usize),
+        groups: usize,
+        w_ptr: u64,
+        out: u64,
+    ) {
+        let xb = self.to_bf16(x, groups * m * k);
+        let xb = xb.as_ref().expect("scratch allocated");
+        let (x_ptr, _gx) = xb.device_ptr(&self.stream);
+        // SAFETY: the scratch holds groups·m·k bf16 values; the caller's contract.
+        unsafe { self.cublas_bf16(x_ptr, (m, n, k), groups, w_ptr, out) };
+    }
+
+    /// Row-major `Y[m, n] = X[m, k] · W[n, k]ᵀ` (column-major `Yᵀ = Wᵀ · X`) on bf16 X and
+    /// W, f32 Y, for each of `groups` consecutive blocks of the three.
+    ///
+    /// # Safety
+    /// The pointers cover groups·m·k, groups·n·k and groups·m·n elements.
+    unsafe fn cublas_bf16(
+        &self,
+        x_bf16: u64,
+        (m, n, k): (usize, usize, usize),
+        groups: usize,
+        w_ptr: u64,
+        out: u64,
+    ) {
+        use cudarc::cublas::result::{gemm_ex, gemm_strided_batched_ex};
+        use cudarc::cublas::sys::{
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t,
+            cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T},
+            cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F},
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (
+            &alpha as *const f32 as *const _,
+            &beta as *const f32 as *const _,
+        );
+        let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+        let (w, x, y) = (w_ptr as *const _, x_bf16 as *const _, out as *mut _);
+        let handle = *self.blas.handle();
+        // SAFETY: the caller's contract.
+        let done = unsafe {
+            if groups == 1 {
+                gemm_ex(
+                    handle,
+                    CUBLAS_OP_T,
+                    CUBLAS_OP_N,
+                    ni,
+                    mi,
+                    ki,
+                    alpha,
+                    w,
+                    CUDA_R_16BF,
+                    ki,
+                    x,
+                    CUDA_R_16BF,
+                    ki,
+                    beta,
+                    y,
+                    CUDA_R_32F,
+                    ni,
+                    CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
-            },
-            "gemm",
-        );
+            } else {
+                let (sw, sx, sy) = ((n * k) as i64, (m * k) as i64, (m * n) as i64);
+                gemm_strided_batched_ex(
+                    handle,
+                    CUBLAS_OP_T,
+                    CUBLAS_OP_N,
+                    ni,
+                    mi,
+                    ki,
+                    alpha,
+                    w,
+                    CUDA_R_16BF,
+                    ki,
+                    sw,
+                    x,
+                    CUDA_R_16BF,
+                    ki,
+                    sx,
+                    beta,
+                    y,
+                    CUDA_R_32F,
+                    ni,
+                    sy,
+                    groups as i32,
+                    CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+        };
+        check(done, "gemm");
     }
 
     /// The MLP activation straight from the GEMV (`gemv_silu`), where a small decode batch

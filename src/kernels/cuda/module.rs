@@ -84,7 +84,37 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
             "GPU {ordinal} requested; {count} present"
         )));
     }
-    CudaContext::new(ordinal).map_err(|e| CudaError::Unavailable(e.to_string()))
+    let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::Unavailable(e.to_string()))?;
+    keep_freed_memory(&ctx)?;
+    Ok(ctx)
+}
+
+/// Stream-ordered allocations come from the device's default pool, whose release threshold
+/// is 0: every synchronize hands freed memory back to the driver, so each step (a prefill's
+/// activations most of all) maps its scratch afresh. Keeping it makes the pool a cache, as
+/// PyTorch's allocator is.
+fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the pool handle is written by the driver for a device the context holds; the
+    // attribute takes a u64 by pointer.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .and_then(|()| {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut threshold as *mut u64).cast(),
+                )
+                .result()
+            })
+    }
+    .map_err(|e| CudaError::Unavailable(format!("the device's memory pool: {e}")))
 }
 
 fn cache_dir() -> PathBuf {

@@ -98,7 +98,7 @@ impl<B: DsV4Kernels> Mix<B> {
         let t = p.plan.num_rows();
         let (d, n) = (cfg.hidden_size, cfg.hc_mult);
         let eps = cfg.rms_norm_eps;
-        b.rms_norm(streams, &p.consts.ones, eps, t, n * d, &mut self.flat);
+        b.rms_norm_into_gemm(streams, &p.consts.ones, eps, t, n * d, &mut self.flat);
         b.matmul(&self.flat, t, &hc.fn_, None, &mut self.mixes);
         b.dsv4_mhc_mix(
             &self.mixes,
@@ -130,7 +130,7 @@ pub fn hyper_head<B: DsV4Kernels>(
 ) -> B::Buf {
     let (d, n, eps) = (cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps);
     let mut flat = b.scratch(rows * n * d);
-    b.rms_norm(streams, &consts.ones, eps, rows, n * d, &mut flat);
+    b.rms_norm_into_gemm(streams, &consts.ones, eps, rows, n * d, &mut flat);
     let mut mixes = b.scratch(rows * n);
     b.matmul(&flat, rows, &hc.fn_, None, &mut mixes);
     let mut h = b.scratch(rows * d);
@@ -138,6 +138,6 @@ pub fn hyper_head<B: DsV4Kernels>(
         &mixes, streams, &hc.base, &hc.scale, &mut h, rows, n, d, cfg.hc_eps,
     );
     let mut hn = b.scratch(rows * d);
-    b.rms_norm(&h, norm, eps, rows, d, &mut hn);
+    b.rms_norm_into_gemm(&h, norm, eps, rows, d, &mut hn);
     hn
 }

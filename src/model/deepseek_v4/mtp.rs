@@ -118,11 +118,11 @@ impl<B: DsV4Kernels> MtpLayer<B> {
             .flat_map(|&id| model.embedding(id).iter().copied())
             .collect();
         let mut e = b.scratch(n * d);
-        b.rms_norm(&b.upload(&embedded), &self.w.enorm, eps, n, d, &mut e);
+        b.rms_norm_into_gemm(&b.upload(&embedded), &self.w.enorm, eps, n, d, &mut e);
         let mut e_proj = b.scratch(n * d);
         b.matmul(&e, n, &self.w.e_proj, None, &mut e_proj);
         let mut h = b.scratch(n * n_hc * d);
-        b.rms_norm(streams, &self.w.hnorm, eps, n * n_hc, d, &mut h);
+        b.rms_norm_into_gemm(streams, &self.w.hnorm, eps, n * n_hc, d, &mut h);
         let mut x = b.scratch(n * n_hc * d);
         b.matmul(&h, n * n_hc, &self.w.h_proj, None, &mut x);
         // Every stream of a position gets its token's projection.

@@ -28,7 +28,7 @@ const MANY_FEATURES: usize = 128;
 /// input row as f16, two stages of 16 rows × 272 bytes a warp, 16 bytes of slack.
 const GEMV_RUN: usize = 512;
 const GEMV_MAX_K: usize = 8192;
-const GEMV_WARPS: usize = 8;
+const GEMV_WARPS: usize = 4;
 const fn gemv_smem_bytes(k: usize) -> usize {
     2 * k + GEMV_WARPS * 2 * 16 * 272 + 16
 }
