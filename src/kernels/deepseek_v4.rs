@@ -256,6 +256,18 @@ pub trait DsV4Kernels: Backend {
         rows: usize,
         out: &mut Self::Buf,
     );
+    /// The grouped output projection on the step's layout: `out [rows, groups, n]`, group
+    /// g of each row of `x [rows, groups, cols]` times block g (`n` rows) of `w`. By
+    /// default the groups go to the front and back around `dsv4_gemm_row_groups`.
+    fn dsv4_grouped_projection(
+        &self,
+        x: &Self::Buf,
+        w: &Self::RowGroups,
+        shape: GroupedShape,
+        out: &mut Self::Buf,
+    ) {
+        grouped_projection_by_swaps(self, x, w, shape, out);
+    }
 
     /// DeepSeek's interleaved partial RoPE on `heads` rows of `dim` per step row, at the
     /// row's position (`sign` −1 undoes it); `freqs` holds one frequency a pair.
@@ -386,4 +398,34 @@ pub trait DsV4Kernels: Backend {
         k: usize,
         hidden: usize,
     );
+}
+
+/// `dsv4_grouped_projection`'s sizes: `x [rows, groups, cols]` → `out [rows, groups, n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupedShape {
+    pub rows: usize,
+    pub groups: usize,
+    pub cols: usize,
+    pub n: usize,
+}
+
+/// `dsv4_grouped_projection` as the groups' blocks: `x` swapped to `[groups, rows, cols]`,
+/// `dsv4_gemm_row_groups`, swapped back.
+pub fn grouped_projection_by_swaps<B: DsV4Kernels + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    w: &B::RowGroups,
+    GroupedShape {
+        rows,
+        groups,
+        cols,
+        n,
+    }: GroupedShape,
+    out: &mut B::Buf,
+) {
+    let mut by_group = b.scratch(rows * groups * cols);
+    b.dsv4_swap(&mut by_group, x, rows, groups, cols);
+    let mut projected = b.scratch(groups * rows * n);
+    b.dsv4_gemm_row_groups(&by_group, w, rows, &mut projected);
+    b.dsv4_swap(out, &projected, groups, rows, n);
 }

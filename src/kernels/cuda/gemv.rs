@@ -62,7 +62,7 @@ impl CudaBackend {
             return;
         }
         // SAFETY: the caller's contract.
-        unsafe { self.gemm_bf16_groups(x, (m, n, k), groups, w_ptr, out) };
+        unsafe { self.gemm_bf16_groups(x, (m, n, k), (groups, false), w_ptr, out) };
     }
 
     /// One `gemv.cu` kernel over `x[num_rows, cols]` and the bf16 `(w, rows, cols)`, in

@@ -2,7 +2,7 @@
 //! FP8 parts read as stored, and the variant a batch takes (each gives a row the same sums
 //! whatever the batch).
 
-use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::weights::{DevicePart, PackedFormat};
 use super::{CudaBackend, CudaMatrix, check};
@@ -97,6 +97,17 @@ impl CudaBackend {
         });
     }
 
+    /// The split sums' scratch, at least `n` long.
+    fn split_scratch(&self, n: usize) -> crate::sync::MutexGuard<'_, Option<CudaSlice<f32>>> {
+        let mut scratch = self.split_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.as_ref().is_none_or(|s| s.len() < n) {
+            self.moved();
+            *scratch = None;
+            *scratch = Some(check(self.stream.alloc_zeros::<f32>(n.max(1)), "alloc"));
+        }
+        scratch
+    }
+
     /// `launch(c)` writing `splits` partial `[len]` outputs from `c`, added in split order
     /// into `out`; with one split, `launch(out)`.
     fn with_splits(&self, out: u64, len: usize, splits: usize, launch: impl FnOnce(u64)) {
@@ -104,9 +115,10 @@ impl CudaBackend {
             launch(out);
             return;
         }
-        // The split launches write all of it.
-        let parts = self.alloc_written(splits * len);
+        let mut scratch = self.split_scratch(splits * len);
+        let parts = scratch.as_mut().expect("allocated above");
         let (ptr, guard) = parts.device_ptr(&self.stream);
+        // The split launches write all of its first splits·len values.
         launch(ptr);
         drop(guard);
         let (si, n) = (splits as i32, len as i64);
@@ -116,7 +128,7 @@ impl CudaBackend {
                 self.stream
                     .launch_builder(&self.kernels.matmul_invariant_splits)
                     .arg(&out)
-                    .arg(&parts)
+                    .arg(parts)
                     .arg(&si)
                     .arg(&n)
                     .launch(super::grid_for(len))

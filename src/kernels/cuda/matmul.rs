@@ -384,12 +384,14 @@ impl CudaBackend {
         let xb = xb.as_ref().expect("scratch allocated");
         let (x_ptr, _gx) = xb.device_ptr(&self.stream);
         // SAFETY: the scratch holds m·k bf16 values; the caller's contract for the rest.
-        unsafe { self.cublas_bf16(x_ptr, (m, n, k), 1, w_ptr, out) };
+        unsafe { self.cublas_bf16(x_ptr, (m, n, k), (1, false), w_ptr, out) };
     }
 
-    /// `groups` GEMMs of `gemm_bf16`'s shape at once: x, w and out each `groups` equal
-    /// blocks in a row (`dsv4_gemm_row_groups` past the GEMV's sizes). One conversion and
-    /// one batched launch rather than a pair a group.
+    /// `groups` GEMMs of `gemm_bf16`'s shape at once, block g of w (n·k bf16 a block, in a
+    /// row) on group g of x into group g of out: the groups each a block of m rows in a row
+    /// (`[groups, m, k]`), or `interleaved` within each row (`[m, groups, k]`, the step's
+    /// own layout, so no swap is needed around it). One conversion and one batched launch
+    /// rather than a pair a group.
     ///
     /// # Safety
     /// x must address groups·m·k f32 values, w_ptr groups·n·k bf16, out groups·m·n f32.
@@ -397,7 +399,7 @@ impl CudaBackend {
         &self,
         x: u64,
         (m, n, k): (usize, usize, usize),
-        groups: usize,
+        (groups, interleaved): (usize, bool),
         w_ptr: u64,
         out: u64,
     ) {
@@ -405,11 +407,11 @@ impl CudaBackend {
         let xb = xb.as_ref().expect("scratch allocated");
         let (x_ptr, _gx) = xb.device_ptr(&self.stream);
         // SAFETY: the scratch holds groups·m·k bf16 values; the caller's contract.
-        unsafe { self.cublas_bf16(x_ptr, (m, n, k), groups, w_ptr, out) };
+        unsafe { self.cublas_bf16(x_ptr, (m, n, k), (groups, interleaved), w_ptr, out) };
     }
 
     /// Row-major `Y[m, n] = X[m, k] · W[n, k]ᵀ` (column-major `Yᵀ = Wᵀ · X`) on bf16 X and
-    /// W, f32 Y, for each of `groups` consecutive blocks of the three.
+    /// W, f32 Y, for each of `groups` blocks of the three (`gemm_bf16_groups`' layouts).
     ///
     /// # Safety
     /// The pointers cover groups·m·k, groups·n·k and groups·m·n elements.
@@ -417,7 +419,7 @@ impl CudaBackend {
         &self,
         x_bf16: u64,
         (m, n, k): (usize, usize, usize),
-        groups: usize,
+        (groups, interleaved): (usize, bool),
         w_ptr: u64,
         out: u64,
     ) {
@@ -461,7 +463,13 @@ impl CudaBackend {
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             } else {
-                let (sw, sx, sy) = ((n * k) as i64, (m * k) as i64, (m * n) as i64);
+                // Interleaved: a row holds every group's k (and n) values in turn.
+                let ((ldx, sx), (ldy, sy)) = match interleaved {
+                    true => ((groups * k, k), (groups * n, n)),
+                    false => ((k, m * k), (n, m * n)),
+                };
+                let (ldx, ldy) = (ldx as i32, ldy as i32);
+                let (sw, sx, sy) = ((n * k) as i64, sx as i64, sy as i64);
                 gemm_strided_batched_ex(
                     handle,
                     CUBLAS_OP_T,
@@ -476,12 +484,12 @@ impl CudaBackend {
                     sw,
                     x,
                     CUDA_R_16BF,
-                    ki,
+                    ldx,
                     sx,
                     beta,
                     y,
                     CUDA_R_32F,
-                    ni,
+                    ldy,
                     sy,
                     groups as i32,
                     CUBLAS_COMPUTE_32F,

@@ -105,6 +105,9 @@ pub struct CudaBackend {
     sample_scratch: Mutex<Option<(CudaSlice<u32>, CudaSlice<f32>)>>,
     /// Packed weights dequantized to bf16 for a wide batch's GEMM; sized at upload.
     weight_scratch: Mutex<Option<CudaSlice<bf16>>>,
+    /// The invariant GEMM's partial sums of K's splits (`with_splits`); grown on an eager
+    /// step, so a captured step neither allocates nor frees it.
+    split_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// DeepSeek-V4's program, built when a DeepSeek-V4 model first asks for it.
     dsv4: OnceLock<DsV4Program>,
     /// cuBLASLt for FP8 GEMMs, opened by the first one; off with TROUPE_FP8_GEMM=0, which
@@ -221,6 +224,7 @@ impl CudaBackend {
             kernels,
             scratch: Mutex::new(None),
             weight_scratch: Mutex::new(None),
+            split_scratch: Mutex::new(None),
             twin: Mutex::new(None),
         })
     }

@@ -7,7 +7,7 @@ use super::block::Pass;
 use super::cache::LayerCache;
 use super::config::AttentionKind;
 use super::weights::{Attention, CompressorWeights};
-use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, DsV4Kernels};
+use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, DsV4Kernels, GroupedShape};
 
 /// `x` is the step's normed block input `[rows, hidden]`; returns `[rows, hidden]`.
 pub fn attention<B: DsV4Kernels>(
@@ -87,13 +87,14 @@ pub fn attention<B: DsV4Kernels>(
 
     // The grouped output projection: each group's heads through its own block of o_a.
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
-    let per_group = heads * hd / groups;
-    let mut by_group = b.scratch(t * heads * hd);
-    b.dsv4_swap(&mut by_group, &out, t, groups, per_group);
-    let mut projected = b.scratch(groups * t * rank);
-    b.dsv4_gemm_row_groups(&by_group, &a.o_a, t, &mut projected);
+    let shape = GroupedShape {
+        rows: t,
+        groups,
+        cols: heads * hd / groups,
+        n: rank,
+    };
     let mut grouped = b.scratch(t * groups * rank);
-    b.dsv4_swap(&mut grouped, &projected, groups, t, rank);
+    b.dsv4_grouped_projection(&out, &a.o_a, shape, &mut grouped);
     let mut y = b.scratch(t * cfg.hidden_size);
     b.matmul(&grouped, t, &a.o_b, None, &mut y);
     y

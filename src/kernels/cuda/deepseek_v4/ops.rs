@@ -254,6 +254,16 @@ impl DsV4Kernels for CudaBackend {
         w.gemm(self, x, rows, out);
     }
 
+    fn dsv4_grouped_projection(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &super::CudaRowGroups,
+        shape: crate::kernels::deepseek_v4::GroupedShape,
+        out: &mut CudaSlice<f32>,
+    ) {
+        w.grouped_projection(self, x, shape, out);
+    }
+
     /// Interleaved partial RoPE on `heads` rows of `dim` per step row (`sign` −1 undoes it).
     fn dsv4_rope(
         &self,
