@@ -46,6 +46,13 @@ async fn greedy_tokens(dir: &std::path::Path, enforce_eager: bool) -> Vec<Vec<u3
     let outs = tokio::time::timeout(Duration::from_secs(300), engine.generate_batch(requests))
         .await
         .expect("a batch of five short requests finishes");
+    // The first start counts as one; a failed capture restarts the rank (and recomputes,
+    // so the tokens alone could still agree).
+    let resets = engine.status().await.unwrap().num_resets;
+    assert!(
+        resets <= 1,
+        "enforce_eager {enforce_eager}: {resets} group starts"
+    );
     engine.shutdown(true).await;
     outs.into_iter()
         .map(|o| {

@@ -510,6 +510,7 @@ impl crate::kernels::StepRecorder for CudaBackend {
             captured::Next::Replay => self.captured().replay(&self.stream, key),
             captured::Next::Eager => body(),
             captured::Next::Capture => {
+                super::module::release_kept_memory(&self.stream);
                 self.captured().begin_capture(&self.stream, key);
                 body();
                 self.captured().end_capture(&self.stream);

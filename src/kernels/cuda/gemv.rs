@@ -54,6 +54,19 @@ impl CudaBackend {
             unsafe { self.invariant_bf16_groups(x, (m, n, k), groups, w_ptr, out) };
             return;
         }
+        if self.batch_invariant {
+            // The invariant GEMM a group at a time (`gemm_bf16` takes its FMA kernel here).
+            for g in 0..groups {
+                let (x_g, w_g, out_g) = (
+                    x + (g * m * k * 4) as u64,
+                    w_ptr + (g * n * k * 2) as u64,
+                    out + (g * m * n * 4) as u64,
+                );
+                // SAFETY: block g's ranges lie inside the caller's (the contract above).
+                unsafe { self.gemm_bf16(x_g, m, n, k, w_g, out_g, None) };
+            }
+            return;
+        }
         let grouped = (!self.batch_invariant && k.is_multiple_of(8))
             .then(|| self.kernels.gemv_groups_for(m))
             .flatten();

@@ -153,6 +153,7 @@ impl Graphs {
         self.phase = if self.recorded.contains_key(&rows) {
             Phase::Replay(rows)
         } else if self.warmed.contains(&rows) {
+            super::module::release_kept_memory(stream);
             check(
                 stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "begin capture",

@@ -89,6 +89,28 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
     Ok(ctx)
 }
 
+/// What the default pool keeps but nothing uses, back to the driver, once the stream's
+/// frees have landed: a step about to be captured takes its buffers from the graphs' own
+/// pool, which cannot reuse memory the default pool holds (a prefill's peak, kept by
+/// `keep_freed_memory`). Best effort: a failure only leaves the memory kept.
+pub fn release_kept_memory(stream: &cudarc::driver::CudaStream) {
+    use cudarc::driver::sys;
+    let ctx = stream.context();
+    if !ctx.has_async_alloc() || stream.synchronize().is_err() {
+        return;
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the pool handle is written by the driver for the context's device.
+    let trimmed = unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .and_then(|()| sys::cuMemPoolTrimTo(pool, 0).result())
+    };
+    if let Err(e) = trimmed {
+        tracing::warn!("the device's memory pool kept its free memory: {e}");
+    }
+}
+
 /// Stream-ordered allocations come from the device's default pool, whose release threshold
 /// is 0: every synchronize hands freed memory back to the driver, so each step (a prefill's
 /// activations most of all) maps its scratch afresh. Keeping it makes the pool a cache, as
