@@ -11,6 +11,8 @@
 # under Nsight Compute, timing ~1 000 decode-phase launches one by one (kernel time without
 # the gaps between kernels). Prints per-kernel microseconds a step, last.
 #   PROFILE_ARGS="--quantization fp8" bash scripts/gpu-profile.sh   # with FP8 weights
+#   BATCH=64 bash scripts/gpu-profile.sh batch  # a batch-64 decode step (16-token prompts),
+#                                        # PROFILE_MODEL=0.6b for the Qwen3-0.6B shape
 # Build here first: cargo build --release --features cuda; carry target/release/troupe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +55,12 @@ LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hi
 prompt = torch.randint(100, 128000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
 open(f"{prof}/p256.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 256}) + "\n")
 open(f"{prof}/p12.jsonl", "w").write(json.dumps({"prompt_ids": prompt, "max_tokens": 12}) + "\n")
+batch = int(os.environ.get("BATCH", "64"))
+for name, new in (("batch-long", 128), ("batch-short", 6)):
+    with open(f"{prof}/{name}.jsonl", "w") as f:
+        for i in range(batch):
+            ids = torch.randint(100, 128000, (16,), generator=torch.Generator().manual_seed(i + 1))
+            f.write(json.dumps({"prompt_ids": ids.tolist(), "max_tokens": new}) + "\n")
 PY
 MODEL=$PROF/8b; LAYERS=32; SHORT=$PROF/p12.jsonl; SKIP=1500; RUNS="graphs nopdl eager"
 KV=(--kv-cache-mib 4096)
@@ -62,6 +70,11 @@ if [ "$MODE" = offline ]; then
   MODEL=$PROF/offline; LAYERS=28; SHORT=$PROF/offline.jsonl; SKIP=${PROFILE_SKIP:-0}
   RUNS=graphs; KV=()
 fi
+if [ "$MODE" = batch ]; then
+  # The batch's one prefill step, then decode steps: ~3 decode steps of launches timed.
+  SHORT=$PROF/batch-short.jsonl; RUNS=graphs; SKIP=${PROFILE_SKIP:-600}
+  [ "${PROFILE_MODEL:-8b}" = 0.6b ] && { MODEL=$PROF/offline; LAYERS=28; }
+fi
 # PROFILE_ARGS: more flags for every run (e.g. "--quantization fp8").
 read -ra MORE <<< "${PROFILE_ARGS:-}"
 run() { target/release/troupe generate --model $MODEL --device cuda --dummy-weights "${MORE[@]}" \
@@ -70,6 +83,7 @@ for mode in $RUNS; do
   extra=(); [ $mode = eager ] && extra=(--enforce-eager)
   pdl=1; [ $mode = nopdl ] && pdl=0
   long=$PROF/p256.jsonl; [ "$MODE" = offline ] && long=$PROF/offline.jsonl
+  [ "$MODE" = batch ] && long=$PROF/batch-long.jsonl
   TROUPE_PDL=$pdl run --prompts-file $long "${extra[@]}" > "$OUT/tokens-$mode.jsonl" \
     2> "$OUT/decode-$mode.log" || { tail -3 "$OUT/decode-$mode.log"; }
   grep '^{' "$OUT/decode-$mode.log" | tail -1 > "$OUT/stats-$mode.json"

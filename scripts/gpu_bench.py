@@ -328,7 +328,13 @@ def quant_offline(binary, results):
 
 def invariant(binary, results):
     """`--batch-invariant` against the default mode: decode at batch 1, 16 and 64 (128-token
-    prompts, 128 new tokens), dummy weights, Llama-3.1-8B and Qwen3-0.6B shapes."""
+    prompts, 128 new tokens), dummy weights, Llama-3.1-8B and Qwen3-0.6B shapes.
+    GPU_BENCH_INVARIANT narrows it for A/B runs: "SHAPES:BATCHES[:MODES]", e.g.
+    "llama-3.1-8b:16,64:invariant"."""
+    only = (os.environ.get("GPU_BENCH_INVARIANT", "") + "::").split(":")
+    shapes, batches, modes = (only[0].split(",") if only[0] else None,
+                              [int(b) for b in only[1].split(",")] if only[1] else (1, 16, 64),
+                              only[2].split(",") if only[2] else ("default", "invariant"))
     qwen = os.path.join(WORK, "qwen3-0.6b-config")
     os.makedirs(qwen, exist_ok=True)
     Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -336,16 +342,21 @@ def invariant(binary, results):
                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True).save_pretrained(qwen)
     rows = {}
     for name, path in (("qwen3-0.6b", qwen), ("llama-3.1-8b", llama_8b_config()[0])):
-        for batch in (1, 16, 64):
+        if shapes and name not in shapes:
+            continue
+        for batch in batches:
             rng = random.Random(batch)
             lines = [dict(prompt_ids=[rng.randint(100, 100000) for _ in range(128)], max_tokens=128)
                      for _ in range(batch)]
             row = {}
             for mode, extra in (("default", []), ("invariant", ["--batch-invariant"])):
+                if mode not in modes:
+                    continue
                 _, stats, _ = troupe(binary, path, lines, ["--dummy-weights", "--kv-cache-mib", "8192", *extra],
                                      f"invariant-{name}-b{batch}-{mode}")
                 row[mode] = stats["decode_tokens_per_s"]
-            row["invariant_slower_by"] = row["default"] / row["invariant"] - 1
+            if len(row) == 2:
+                row["invariant_slower_by"] = row["default"] / row["invariant"] - 1
             rows[f"{name} b{batch}"] = row
             print(f"{name} b{batch}: {row}", flush=True)
     results["invariant"] = rows

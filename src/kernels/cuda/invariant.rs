@@ -67,13 +67,13 @@ impl CudaBackend {
         w_ptr: u64,
         out: u64,
     ) {
-        let (variant, mut cfg) = invariant_mv_launch(m, n);
+        let (variant, mut cfg) = invariant_mv_launch(m, n, false);
         let splits = if groups == 1 {
             invariant_splits(n, k)
         } else {
             1
         };
-        cfg.grid_dim.1 *= groups as u32;
+        cfg.grid_dim.0 *= groups as u32;
         cfg.grid_dim.2 = splits as u32;
         let (mi, ni, ki, si) = (m as i32, n as i32, k as i32, splits as i32);
         self.with_splits(out, m * n, splits, |c| {
@@ -159,7 +159,7 @@ impl CudaBackend {
         }
         // The variant and splits by the whole matrix, so that every part of it takes the
         // same.
-        let (variant, _) = invariant_mv_launch(m, w.rows);
+        let (variant, _) = invariant_mv_launch(m, w.rows, true);
         let kernel = &self.kernels.matmul_invariant_fp8_mv[variant];
         let splits = invariant_splits(w.rows, w.cols);
         self.with_splits(out, m * w.rows, splits, |c| {
@@ -188,7 +188,7 @@ impl CudaBackend {
             else {
                 unreachable!("checked above");
             };
-            let (_, mut cfg) = invariant_mv_launch_for(variant, m, p.rows);
+            let (_, mut cfg) = invariant_mv_launch_for(variant, m, p.rows, true);
             cfg.grid_dim.2 = splits as u32;
             let y = out + 4 * p.first_row as u64;
             // SAFETY: x holds m·cols f32; y's rows (stride w.rows) have room for the part's
@@ -234,7 +234,7 @@ const INV_BUSY_BLOCKS: usize = 256;
 /// past 32 rows, 64 features a block, so the activations are read N/64 times rather than
 /// N/16 (a feature's sums are the same), where that still leaves a block an SM
 /// (Qwen3-0.6B's 2 048-wide q at 64 rows lost 8 % on 64 blocks).
-fn invariant_mv_launch(m: usize, n: usize) -> (usize, LaunchConfig) {
+fn invariant_mv_launch(m: usize, n: usize, fp8: bool) -> (usize, LaunchConfig) {
     let wide_blocks = n.div_ceil(64) * m.div_ceil(32);
     let variant = if m <= 8 {
         0
@@ -245,20 +245,38 @@ fn invariant_mv_launch(m: usize, n: usize) -> (usize, LaunchConfig) {
     } else {
         3
     };
-    invariant_mv_launch_for(variant, m, n)
+    invariant_mv_launch_for(variant, m, n, fp8)
 }
 
-/// Variant `variant`'s grid over m rows and n features.
-fn invariant_mv_launch_for(variant: usize, m: usize, n: usize) -> (usize, LaunchConfig) {
-    let (rows_per_block, features_per_block) = [(8, 16), (16, 16), (32, 16), (32, 64)][variant];
+/// Variant `variant`'s grid over m rows and n features, and its shared stages.
+fn invariant_mv_launch_for(variant: usize, m: usize, n: usize, fp8: bool) -> (usize, LaunchConfig) {
+    let (rows_per_block, features_per_block) = INV_VARIANT_TILES[variant];
+    // The row blocks of a feature block next to each other, so that they run together and
+    // its weights come from DRAM once (at 64 rows, 32 a block, each GEMM's weights were read
+    // twice).
     let cfg = LaunchConfig {
         grid_dim: (
-            (n as u32).div_ceil(features_per_block),
             (m as u32).div_ceil(rows_per_block),
+            (n as u32).div_ceil(features_per_block),
             1,
         ),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: invariant_mv_smem_bytes(variant, fp8) as u32,
     };
     (variant, cfg)
+}
+
+/// Rows and features a block of each variant (`invariant_mma.cu`'s NT · 8 and FG · 16).
+const INV_VARIANT_TILES: [(u32, u32); 4] = [(8, 16), (16, 16), (32, 16), (32, 64)];
+/// Each warp's shared stages in `invariant_mv_pipe` (its S), by variant; the first holds
+/// its chunks in registers instead.
+const INV_STAGES: [usize; 4] = [0, 0, 3, 3];
+
+/// Dynamic shared memory of variant `variant` (`InvStage` in `invariant_mma.cu`): S stages
+/// a warp, 8 warps, each stage a chunk's weight rows (64 bytes bf16, 32 FP8) and its X rows
+/// (144 bytes: 128 of f32 and 16 of padding).
+pub(super) fn invariant_mv_smem_bytes(variant: usize, fp8: bool) -> usize {
+    let (rows, features) = INV_VARIANT_TILES[variant];
+    let weight_row = if fp8 { 32 } else { 64 };
+    INV_STAGES[variant] * 8 * (features as usize * weight_row + rows as usize * 144)
 }

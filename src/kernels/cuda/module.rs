@@ -351,6 +351,27 @@ pub(super) fn opt_in_smem(
     Ok(())
 }
 
+/// The invariant GEMM's four variants (`invariant_mma.cu`) named `{prefix}_{v}_kernel`, each
+/// opted in to its shared stages.
+fn invariant_variants(
+    f: &impl Fn(&str) -> Result<CudaFunction, CudaError>,
+    prefix: &str,
+    fp8: bool,
+) -> Result<[CudaFunction; 4], CudaError> {
+    let load = |variant: usize, v: &str| -> Result<CudaFunction, CudaError> {
+        let func = f(&format!("{prefix}_{v}_kernel"))?;
+        let smem_bytes = super::invariant::invariant_mv_smem_bytes(variant, fp8);
+        opt_in_smem(&func, smem_bytes, prefix)?;
+        Ok(func)
+    };
+    Ok([
+        load(0, "mv1")?,
+        load(1, "mv2")?,
+        load(2, "mv4")?,
+        load(3, "wide")?,
+    ])
+}
+
 impl Kernels {
     /// The tensor-core decode attention kernel for this head_dim and group, if there is one.
     pub fn decode_mma(&self, head_dim: usize, group: usize) -> Option<&CudaFunction> {
@@ -453,18 +474,8 @@ impl Kernels {
             gather_rows: f("gather_rows_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
             matmul_invariant_splits: f("matmul_invariant_splits_kernel")?,
-            matmul_invariant_mv: [
-                f("matmul_invariant_mv1_kernel")?,
-                f("matmul_invariant_mv2_kernel")?,
-                f("matmul_invariant_mv4_kernel")?,
-                f("matmul_invariant_wide_kernel")?,
-            ],
-            matmul_invariant_fp8_mv: [
-                f("matmul_invariant_fp8_mv1_kernel")?,
-                f("matmul_invariant_fp8_mv2_kernel")?,
-                f("matmul_invariant_fp8_mv4_kernel")?,
-                f("matmul_invariant_fp8_wide_kernel")?,
-            ],
+            matmul_invariant_mv: invariant_variants(&f, "matmul_invariant", false)?,
+            matmul_invariant_fp8_mv: invariant_variants(&f, "matmul_invariant_fp8", true)?,
             sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
             attention_combine: f("attention_combine_kernel")?,
