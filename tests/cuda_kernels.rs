@@ -7,7 +7,7 @@ mod common;
 use common::Rng;
 use troupe::kernels::cuda::{
     DEEPSEEK_V4_SOURCE, GEMV_ROWS, INDEX_MAX_HEAD_DIM, INDEX_SMEM_BYTES, LLAMA_SOURCE,
-    check_dsv4_shape, compile, compile_cubin,
+    check_dsv4_shape, compile, compile_cubin, invariant_staged_fits,
 };
 use troupe::kernels::deepseek_v4::DsV4Shape;
 
@@ -179,4 +179,19 @@ fn deepseek_v4_index_shapes_load_exactly_when_the_indexer_kernel_takes_them() {
             }
         }
     }
+}
+
+#[test]
+fn the_staged_invariant_gemm_fits_hopper_and_steps_aside_on_an_a100() {
+    // Per-block opt-in shared memory: H100/H200 232 448 bytes, A100 166 912. On Hopper the
+    // staged variants must fit (more stages would not); elsewhere the launcher takes the
+    // 16-row variant rather than failing to load the kernels.
+    assert!(
+        invariant_staged_fits(232_448),
+        "the staged variants outgrew Hopper's shared memory"
+    );
+    assert!(
+        !invariant_staged_fits(166_912),
+        "an A100 would be asked for more than it has"
+    );
 }

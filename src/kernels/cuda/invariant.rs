@@ -67,7 +67,8 @@ impl CudaBackend {
         w_ptr: u64,
         out: u64,
     ) {
-        let (variant, mut cfg) = invariant_mv_launch(m, n, false);
+        let staged = self.kernels.invariant_staged;
+        let (variant, mut cfg) = invariant_mv_launch(m, n, false, staged);
         let splits = if groups == 1 {
             invariant_splits(n, k)
         } else {
@@ -159,7 +160,7 @@ impl CudaBackend {
         }
         // The variant and splits by the whole matrix, so that every part of it takes the
         // same.
-        let (variant, _) = invariant_mv_launch(m, w.rows, true);
+        let (variant, _) = invariant_mv_launch(m, w.rows, true, self.kernels.invariant_staged);
         let kernel = &self.kernels.matmul_invariant_fp8_mv[variant];
         let splits = invariant_splits(w.rows, w.cols);
         self.with_splits(out, m * w.rows, splits, |c| {
@@ -234,11 +235,12 @@ const INV_BUSY_BLOCKS: usize = 256;
 /// past 32 rows, 64 features a block, so the activations are read N/64 times rather than
 /// N/16 (a feature's sums are the same), where that still leaves a block an SM
 /// (Qwen3-0.6B's 2 048-wide q at 64 rows lost 8 % on 64 blocks).
-fn invariant_mv_launch(m: usize, n: usize, fp8: bool) -> (usize, LaunchConfig) {
+/// Without the staged variants' shared memory (`staged` false), 16 rows a block at most.
+fn invariant_mv_launch(m: usize, n: usize, fp8: bool, staged: bool) -> (usize, LaunchConfig) {
     let wide_blocks = n.div_ceil(64) * m.div_ceil(32);
     let variant = if m <= 8 {
         0
-    } else if m <= 16 {
+    } else if m <= 16 || !staged {
         1
     } else if m <= 32 || wide_blocks < 128 {
         2
@@ -271,6 +273,16 @@ const INV_VARIANT_TILES: [(u32, u32); 4] = [(8, 16), (16, 16), (32, 16), (32, 64
 /// Each warp's shared stages in `invariant_mv_pipe` (its S), by variant; the first holds
 /// its chunks in registers instead.
 const INV_STAGES: [usize; 4] = [0, 0, 3, 3];
+
+/// Whether a block may have the staged variants' shared memory (dynamic, and the static
+/// `red` of `inv_store`: 8 warps × 16 features × the block's rows, f32) under the device's
+/// opt-in limit `smem_optin` bytes.
+pub fn invariant_staged_fits(smem_optin: usize) -> bool {
+    (0..INV_VARIANT_TILES.len()).all(|v| {
+        let red = 8 * 16 * INV_VARIANT_TILES[v].0 as usize * 4;
+        invariant_mv_smem_bytes(v, false).max(invariant_mv_smem_bytes(v, true)) + red <= smem_optin
+    })
+}
 
 /// Dynamic shared memory of variant `variant` (`InvStage` in `invariant_mma.cu`): S stages
 /// a warp, 8 warps, each stage a chunk's weight rows (64 bytes bf16, 32 FP8) and its X rows

@@ -35,6 +35,7 @@ pub use deepseek_v4::{
     check_shape as check_dsv4_shape,
 };
 use graph::{Graphs, Meta, Phase};
+pub use invariant::invariant_staged_fits;
 pub use kv_cache::CudaKvCache;
 use module::Kernels;
 pub use module::{

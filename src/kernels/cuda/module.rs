@@ -268,6 +268,10 @@ pub struct Kernels {
     pub matmul_invariant_mv: [CudaFunction; 4],
     /// The same four reading e4m3 weights with their block scales (`invariant_mma.cu`).
     pub matmul_invariant_fp8_mv: [CudaFunction; 4],
+    /// Whether the device gives a block the shared memory of the staged variants (2 and 3:
+    /// ~220 KB, Hopper's); where not (an A100 has 163 KB), batches past 16 rows take the
+    /// 16-row variant, whose sums are the same.
+    pub invariant_staged: bool,
     /// Greedy picks and the CPU sampler's draw for rows without processors.
     pub sample: CudaFunction,
     pub random_bf16: CudaFunction,
@@ -352,16 +356,19 @@ pub(super) fn opt_in_smem(
 }
 
 /// The invariant GEMM's four variants (`invariant_mma.cu`) named `{prefix}_{v}_kernel`, each
-/// opted in to its shared stages.
+/// opted in to its shared stages where the device has them (`staged`).
 fn invariant_variants(
     f: &impl Fn(&str) -> Result<CudaFunction, CudaError>,
     prefix: &str,
     fp8: bool,
+    staged: bool,
 ) -> Result<[CudaFunction; 4], CudaError> {
     let load = |variant: usize, v: &str| -> Result<CudaFunction, CudaError> {
         let func = f(&format!("{prefix}_{v}_kernel"))?;
-        let smem_bytes = super::invariant::invariant_mv_smem_bytes(variant, fp8);
-        opt_in_smem(&func, smem_bytes, prefix)?;
+        if staged {
+            let smem_bytes = super::invariant::invariant_mv_smem_bytes(variant, fp8);
+            opt_in_smem(&func, smem_bytes, prefix)?;
+        }
         Ok(func)
     };
     Ok([
@@ -445,6 +452,12 @@ impl Kernels {
                 bf16: load("bf16")?,
             })
         };
+        let smem_optin = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| CudaError::Unavailable(e.to_string()))? as usize;
+        let staged = super::invariant::invariant_staged_fits(smem_optin);
         Ok(Kernels {
             kv_write: by_kv("kv_write", 0)?,
             qkv_rope_cache: by_kv("qkv_rope_cache", 0)?,
@@ -474,8 +487,9 @@ impl Kernels {
             gather_rows: f("gather_rows_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
             matmul_invariant_splits: f("matmul_invariant_splits_kernel")?,
-            matmul_invariant_mv: invariant_variants(&f, "matmul_invariant", false)?,
-            matmul_invariant_fp8_mv: invariant_variants(&f, "matmul_invariant_fp8", true)?,
+            matmul_invariant_mv: invariant_variants(&f, "matmul_invariant", false, staged)?,
+            matmul_invariant_fp8_mv: invariant_variants(&f, "matmul_invariant_fp8", true, staged)?,
+            invariant_staged: staged,
             sample: f("sample_kernel")?,
             random_bf16: f("random_bf16_kernel")?,
             attention_combine: f("attention_combine_kernel")?,
