@@ -71,6 +71,7 @@ __device__ __forceinline__ uint4 inv_fp8_words(uint2 b, float s) {
 template <int NT, int FG>
 __device__ __forceinline__ void inv_chunk_mma(float (&acc)[FG][NT][4], const uint4 (&a)[FG][2],
                                               const float4 (&p)[NT], const float4 (&q)[NT]) {
+    static_assert(NT == 1 || NT % 2 == 0, "past one tile, the rows are the mma's A in pairs of tiles");
     // Columns 8tq + 0..3 are the first k16 step's, 8tq + 4..7 the second's, for the weights
     // and the rows alike: b[t][0..1] the first step's high halves, [2..3] its remainders,
     // [4..7] the second step's.
