@@ -256,7 +256,7 @@ __device__ void invariant_mv(float* C, int ldc, const float* X, WT W, int M, int
 // A stage: the chunk's FG·16 weight rows (64 bytes bf16, 32 FP8), then its NT·8 rows of
 // X (128 bytes f32, padded to INV_ACT_ROW so a quarter-warp's 16-byte reads miss each
 // other's banks). Rows and columns out of range arrive as zeros, as `invariant_mv` reads.
-#define INV_ACT_ROW 144
+#define INV_ACT_ROW 144  // invariant.rs (`invariant_mv_smem_bytes`) sizes the stages alike
 template <int NT, int FG, bool FP8>
 struct InvStage {
     static constexpr int W_ROW = FP8 ? 32 : 64;

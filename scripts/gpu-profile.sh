@@ -71,8 +71,9 @@ if [ "$MODE" = offline ]; then
   RUNS=graphs; KV=()
 fi
 if [ "$MODE" = batch ]; then
-  # The batch's one prefill step, then decode steps: ~3 decode steps of launches timed.
-  SHORT=$PROF/batch-short.jsonl; RUNS=graphs; SKIP=${PROFILE_SKIP:-600}
+  # Past the batch's prefill step (600 launches still reached into it at batch 64):
+  # ~3 decode steps of launches timed.
+  SHORT=$PROF/batch-short.jsonl; RUNS=graphs; SKIP=${PROFILE_SKIP:-1500}
   [ "${PROFILE_MODEL:-8b}" = 0.6b ] && { MODEL=$PROF/offline; LAYERS=28; }
 fi
 # PROFILE_ARGS: more flags for every run (e.g. "--quantization fp8").
