@@ -534,6 +534,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "spec_draft_tokens": status.num_spec_draft_tokens,
             "spec_verified_tokens": status.num_spec_verified_tokens,
             "spec_accepted_tokens": status.num_spec_accepted_tokens,
+            "spec_sat_out_rows": status.num_spec_sat_out_rows,
             "cpu_affinity": status.cpu_affinity,
             "resident_weight_bytes": status.resident_weight_bytes,
             "checkpoint_bytes": crate::model::checkpoint_bytes(&path),

@@ -4,6 +4,7 @@
 
 use loom::thread;
 use troupe::runner::sampled_tokens::SampledTokens;
+use troupe::step::Drawn;
 
 #[test]
 fn a_waiter_gets_the_published_token() {
@@ -12,8 +13,12 @@ fn a_waiter_gets_the_published_token() {
         let epoch = buf.epoch();
         let reader = buf.clone();
         let h = thread::spawn(move || reader.wait(epoch, 1, 1));
-        buf.publish(epoch, 1, vec![None, Some(7)]);
-        assert_eq!(h.join().unwrap(), Some(7));
+        let drawn = Drawn {
+            token: 7,
+            num_rejected: 2,
+        };
+        buf.publish(epoch, 1, vec![None, Some(drawn)]);
+        assert_eq!(h.join().unwrap(), Some(drawn));
     });
 }
 
@@ -35,12 +40,12 @@ fn a_publish_from_before_a_reset_is_never_read_after_it() {
         let buf = SampledTokens::new();
         let old = buf.epoch();
         let stale = buf.clone();
-        let h = thread::spawn(move || stale.publish(old, 1, vec![Some(9)]));
+        let h = thread::spawn(move || stale.publish(old, 1, vec![Some(Drawn::token(9))]));
         let new = buf.invalidate();
         let reader = buf.clone();
         let r = thread::spawn(move || reader.wait(new, 1, 0));
-        buf.publish(new, 1, vec![Some(4)]);
+        buf.publish(new, 1, vec![Some(Drawn::token(4))]);
         h.join().unwrap();
-        assert_eq!(r.join().unwrap(), Some(4));
+        assert_eq!(r.join().unwrap(), Some(Drawn::token(4)));
     });
 }

@@ -171,7 +171,7 @@ impl SchedulerState {
                     };
                     let drafts = match &row.input {
                         RowInput::Tokens(ids) => ids[ids.len() - row.num_draft_tokens..].to_vec(),
-                        RowInput::FromPrevious { .. } => Vec::new(),
+                        RowInput::FromPrevious { drafts, .. } => drafts.clone(),
                     };
                     Some(RowSampling {
                         params: r.params.clone(),
@@ -494,6 +494,7 @@ impl Actor for SchedulerActor {
             SchedulerMsg::Status(reply) => {
                 let mut s = st.status.clone();
                 s.num_spec_draft_tokens = st.core.num_proposed_drafts();
+                s.num_spec_sat_out_rows = st.core.num_sat_out_rows();
                 s.num_running = st.core.num_running();
                 s.num_waiting = st.core.num_waiting();
                 s.num_free_blocks = st.core.num_free_blocks();

@@ -46,6 +46,9 @@ pub struct EngineStatus {
     pub num_spec_draft_tokens: u64,
     pub num_spec_verified_tokens: u64,
     pub num_spec_accepted_tokens: u64,
+    /// Times a speculating sequence sat out a step under ZOS to wait for its drafts'
+    /// verification (0 where verify rows are continued on the device's side).
+    pub num_spec_sat_out_rows: u64,
     /// Per draft position (0-based, up to 16 drafts): drafts verified there, and accepted
     /// there (every earlier draft of the row accepted too).
     pub spec_verified_by_position: [u64; MAX_SPEC_POSITIONS],

@@ -140,6 +140,15 @@ impl Engine {
         let num_kv_blocks = pools.num_blocks;
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
+        // A verify row's continuation waits in the rank for the sampler's verdict. On the
+        // CPU that costs nothing (the rank computes its picks itself); a GPU rank would
+        // drain its pipeline every step, so there the sequence still sits out until the
+        // acceptance is computed on the device. A model with per-sequence state rewinds
+        // it to a verify row's snapshot and runs the accepted drafts again: its rows
+        // cannot move back.
+        let continue_verify_rows = cfg.zero_overhead_scheduling
+            && cfg.device == Device::Cpu
+            && pools.num_state_slots.is_none();
         let scheduler_cfg = SchedulerConfig {
             block_size: pools.block_size,
             num_blocks: num_kv_blocks,
@@ -158,7 +167,8 @@ impl Engine {
                 .speculative
                 .is_some_and(|s| s.verify == SpecVerify::Confidence),
             model_drafts: draft.is_some() || mtp,
-            verify_skips_next_step: cfg.zero_overhead_scheduling,
+            verify_skips_next_step: cfg.zero_overhead_scheduling && !continue_verify_rows,
+            continue_verify_rows,
         };
         // Confidence-scheduled verification prices steps with a measured decode curve: the
         // rank worker measures it at start (or loads it), up to the largest batch a step

@@ -236,6 +236,11 @@ fn status_registry(s: &EngineStatus) -> Registry {
         "Draft tokens accepted",
         s.num_spec_accepted_tokens,
     );
+    counter(
+        "spec_sat_out_rows",
+        "Steps a speculating sequence sat out waiting for its drafts' verification",
+        s.num_spec_sat_out_rows,
+    );
     // Per draft position, where any row reached it.
     let verified = Family::<PositionLabels, Counter>::default();
     let accepted = Family::<PositionLabels, Counter>::default();

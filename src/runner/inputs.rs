@@ -1,7 +1,9 @@
 //! A step's inputs on a rank: each row's tokens, or — for a row that continues the
 //! previous step under ZOS — the token that step drew, found where it lies: still on the
 //! device (the embedding reads the pick there), already on the host, or, for rows the
-//! sampler drew on the host, waited for in `SampledTokens`.
+//! sampler drew on the host, waited for in `SampledTokens`. A row continuing a verify row
+//! also learns there how many drafts that row rejected, and moves back by as many
+//! positions (it was planned as if all were accepted).
 
 use super::PrevToken;
 use super::sampled_tokens::SampledTokens;
@@ -18,6 +20,9 @@ pub struct StepInputs {
     /// Per row of the current step: its input's index among the device's picks (empty
     /// when no row reads a pick).
     picked_rows: Vec<u32>,
+    /// Per row of the current step: the positions it moves back by (drafts the row it
+    /// continues rejected).
+    shifts: Vec<usize>,
     /// The last launched step (epoch, step id) and where its rows' tokens are.
     prev: Option<(u64, u64, Vec<Option<PrevToken>>)>,
 }
@@ -37,6 +42,8 @@ impl StepInputs {
         let epoch = step.epoch;
         self.inputs.resize_with(step.rows.len(), Vec::new);
         self.picked_rows.clear();
+        self.shifts.clear();
+        self.shifts.resize(step.rows.len(), 0);
         for (i, (row, input)) in step.rows.iter().zip(self.inputs.iter_mut()).enumerate() {
             input.clear();
             let mut picked = NOT_PICKED;
@@ -45,7 +52,10 @@ impl StepInputs {
                 (None, RowInput::FromPrevious { .. }) => {
                     unreachable!("the remap table lists every continued row")
                 }
-                (Some(remap), _) => {
+                (Some(_), RowInput::Tokens(_)) => {
+                    unreachable!("the remap table lists only continued rows")
+                }
+                (Some(remap), RowInput::FromPrevious { drafts, .. }) => {
                     let (prev_step, prev_row) = (&remap.prev_step, &remap.prev_row);
                     let known = match &self.prev {
                         Some((e, s, prev)) if *e == epoch && s == prev_step => {
@@ -69,12 +79,16 @@ impl StepInputs {
                                 "waiting for a sampled token"
                             );
                             match sampled.wait(epoch, *prev_step, *prev_row) {
-                                Some(token) => input.push(token),
+                                Some(drawn) => {
+                                    input.push(drawn.token);
+                                    self.shifts[i] = drawn.num_rejected as usize;
+                                }
                                 None if in_group => input.push(0),
                                 None => return false,
                             }
                         }
                     }
+                    input.extend_from_slice(drafts);
                 }
             }
             self.picked_rows.push(picked);
@@ -91,9 +105,10 @@ impl StepInputs {
             .iter()
             .map(|r| &r.plan)
             .zip(&self.inputs)
-            .map(|(row, input)| SeqStep {
+            .zip(&self.shifts)
+            .map(|((row, input), &shift)| SeqStep {
                 token_ids: input,
-                num_cached_tokens: row.num_cached_tokens,
+                num_cached_tokens: row.num_cached_tokens - shift,
                 block_table: &row.block_table,
                 num_logit_rows: 1 + row.num_draft_tokens,
                 state: row.state_slot.map(|slot| SlotState {

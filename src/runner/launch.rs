@@ -41,6 +41,10 @@ impl<B: Backend> StepOutcome<'_, B> {
         // Rows verifying greedily on the device: (plan row, its first logit row, count).
         let mut verifying = Vec::new();
         let mut logit_row = 0;
+        // A row continuing a verify row moved back by the drafts that row rejected; its
+        // draws' positions with it.
+        let shift =
+            |row: usize| (rows[row].plan.num_cached_tokens - steps[row].num_cached_tokens) as u64;
         for (row, (s, step)) in rows
             .iter()
             .map(|r| r.sampling.as_ref())
@@ -53,7 +57,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                     pick_rows.push(PickRow {
                         row: logit_row,
                         params: &s.params,
-                        position: s.position,
+                        position: s.position - shift(row),
                     });
                 }
                 Some(s) if s.verifies_on_device() => {
@@ -77,7 +81,7 @@ impl<B: Backend> StepOutcome<'_, B> {
             pick_rows.extend((0..count).map(|i| PickRow {
                 row: first + i,
                 params: &s.params,
-                position: s.position + i as u64,
+                position: s.position - shift(row) + i as u64,
             }));
         }
         let num_rows = rows.len();

@@ -7,16 +7,17 @@
 //! so nothing blocks on a step whose tokens will never come. Loom-checked in
 //! `tests/loom_sampled_tokens.rs`.
 
+use crate::step::Drawn;
 use crate::sync::{Arc, Condvar, Mutex};
 
 #[derive(Default)]
 struct Inner {
     /// Bumped by `invalidate`; a reader that started in an older epoch gives up.
     epoch: u64,
-    /// The newest published step and its tokens, one per plan row (`None` for rows that
-    /// sample nothing).
+    /// The newest published step and what its rows drew, one per plan row (`None` for
+    /// rows that sample nothing).
     step_id: Option<u64>,
-    tokens: Vec<Option<u32>>,
+    tokens: Vec<Option<Drawn>>,
 }
 
 #[derive(Clone, Default)]
@@ -34,7 +35,7 @@ impl SampledTokens {
     }
 
     /// Publishes step `step_id`'s tokens (indexed by plan row) if `epoch` is current.
-    pub fn publish(&self, epoch: u64, step_id: u64, tokens: Vec<Option<u32>>) {
+    pub fn publish(&self, epoch: u64, step_id: u64, tokens: Vec<Option<Drawn>>) {
         let (lock, cond) = &*self.shared;
         let mut inner = lock.lock().unwrap();
         if inner.epoch != epoch {
@@ -46,9 +47,9 @@ impl SampledTokens {
         cond.notify_all();
     }
 
-    /// The token sampled by `row` of `step_id`, waiting until it is published; `None`
-    /// when the buffer is invalidated (or was, since `epoch`) first.
-    pub fn wait(&self, epoch: u64, step_id: u64, row: usize) -> Option<u32> {
+    /// What `row` of `step_id` drew, waiting until it is published; `None` when the
+    /// buffer is invalidated (or was, since `epoch`) first.
+    pub fn wait(&self, epoch: u64, step_id: u64, row: usize) -> Option<Drawn> {
         let (lock, cond) = &*self.shared;
         let mut inner = lock.lock().unwrap();
         loop {

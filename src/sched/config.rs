@@ -33,6 +33,11 @@ pub struct SchedulerConfig {
     /// Steps are planned while the previous one runs (ZOS): a sequence whose row verifies
     /// drafts sits out the next step, which confidence scheduling charges it.
     pub verify_skips_next_step: bool,
+    /// Under ZOS a sequence whose row verifies drafts is continued in the next step
+    /// anyway: the rank reads that row's last token and moves the continuing row back by
+    /// the drafts it rejected (models without per-sequence state). Nothing sits out, and
+    /// `verify_skips_next_step` is off.
+    pub continue_verify_rows: bool,
     /// Drafts come from a draft model in the rank workers: planned rows carry placeholders
     /// (`spec::MODEL_DRAFT`) the worker fills in. Otherwise prompt lookup.
     pub model_drafts: bool,
@@ -54,6 +59,7 @@ impl Default for SchedulerConfig {
             num_speculative_tokens: 0,
             confidence_verify: false,
             verify_skips_next_step: false,
+            continue_verify_rows: false,
             model_drafts: false,
         }
     }

@@ -31,11 +31,11 @@ pub struct PlannedRow {
 }
 
 impl PlannedRow {
-    /// Input tokens of the row (`FromPrevious` is one token).
+    /// Input tokens of the row (`FromPrevious`: the continued token and its drafts).
     pub fn num_tokens(&self) -> usize {
         match &self.input {
             RowInput::Tokens(tokens) => tokens.len(),
-            RowInput::FromPrevious { .. } => 1,
+            RowInput::FromPrevious { drafts, .. } => 1 + drafts.len(),
         }
     }
 }
@@ -43,11 +43,18 @@ impl PlannedRow {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RowInput {
     Tokens(Vec<u32>),
-    /// Zero-overhead scheduling: one token, the one sampled by row `prev_row` of the
-    /// in-flight step `prev_step`; the rank worker fills it from its own sampled-token
-    /// buffer. `prev_row` indexes that plan's `rows` (all rows, not only sampling ones).
+    /// Zero-overhead scheduling: first the token sampled last by row `prev_row` of the
+    /// in-flight step `prev_step` (the rank worker finds it on the device or in its
+    /// sampled-token buffer), then `drafts` to verify after it. `prev_row` indexes that
+    /// plan's `rows` (all rows, not only sampling ones).
+    ///
+    /// When `prev_row` verifies drafts of its own, this row was planned as if all of them
+    /// are accepted: each one rejected moves this row one position earlier
+    /// (`num_cached_tokens` is its position when none is), and its drafts were proposed
+    /// after a guess of what that row draws.
     FromPrevious {
         prev_step: StepId,
         prev_row: usize,
+        drafts: Vec<u32>,
     },
 }

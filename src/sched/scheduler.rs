@@ -84,6 +84,8 @@ pub struct Scheduler {
     decode_curve: Option<LatencyCurve>,
     /// Draft tokens drafters proposed for planned rows (verified or cut by the budget).
     num_proposed_drafts: u64,
+    /// Times a speculating sequence sat out a step to wait for its drafts' verification.
+    num_sat_out_rows: u64,
 }
 
 impl Scheduler {
@@ -111,6 +113,7 @@ impl Scheduler {
             pending_events: Vec::new(),
             decode_curve: None,
             num_proposed_drafts: 0,
+            num_sat_out_rows: 0,
             ngram_calibration: NgramDrafter::calibration(
                 NGRAM_MIN,
                 NGRAM_MAX,
@@ -243,6 +246,11 @@ impl Scheduler {
         self.num_proposed_drafts
     }
 
+    /// Times a speculating sequence sat out a step (`waits_for_drafts`).
+    pub fn num_sat_out_rows(&self) -> u64 {
+        self.num_sat_out_rows
+    }
+
     /// Prices verification with a measured decode latency curve (see `decode_curve`).
     pub fn set_decode_curve(&mut self, curve: LatencyCurve) {
         self.decode_curve = Some(curve);
@@ -296,6 +304,7 @@ impl Scheduler {
                 // A row that verifies drafts yields an unknown number of tokens, and new
                 // drafts need the in-flight token: the next row of its sequence waits
                 // (no ZOS continuation).
+                self.num_sat_out_rows += 1;
                 i += 1;
                 continue;
             }
@@ -407,6 +416,8 @@ impl Scheduler {
             seq.num_in_flight_rows = 0;
             seq.num_in_flight_verify_rows = 0;
             seq.num_pending_tokens = 0;
+            seq.num_provisional_tokens = 0;
+            seq.in_flight_drafts.clear();
             seq.last_sample_row = None;
             seq.block_table.clear();
             seq.state_slot = None;

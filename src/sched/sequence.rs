@@ -5,7 +5,9 @@
 //! `num_computed_tokens ≤ num_scheduled_tokens < num_tokens()`, where
 //! - `tokens` are the known ones (prompt + generated tokens already reported);
 //! - `num_tokens()` adds `num_pending_tokens`, sampled by in-flight steps but not yet
-//!   reported (zero-overhead scheduling plans as if each had arrived);
+//!   reported (zero-overhead scheduling plans as if each had arrived), and
+//!   `num_provisional_tokens`, the drafts of in-flight verify rows (planned as if all
+//!   are accepted; a continuing row moves back on the device by as many as are not);
 //! - `num_scheduled_tokens` have their KV written by done or in-flight steps;
 //! - `num_computed_tokens` have their KV written by done steps (prefix-cache safe).
 //!
@@ -103,6 +105,11 @@ pub struct Sequence {
     pub drafter: Option<SeqDrafter>,
     /// In-flight rows that verify drafts (their token counts are unknown until verified).
     pub num_in_flight_verify_rows: usize,
+    /// Drafts of in-flight verify rows, counted in `num_tokens()` as if accepted.
+    pub num_provisional_tokens: usize,
+    /// The drafts of the latest in-flight verify row: with the tokens, the history a
+    /// continuing row's drafts are proposed after.
+    pub in_flight_drafts: Vec<u32>,
     /// Expected tokens its latest proposal's drafts were worth (Σ of their survivals);
     /// infinite until a calibrated proposal was seen.
     pub draft_gain: f64,
@@ -134,14 +141,16 @@ impl Sequence {
             last_sample_row: None,
             drafter: None,
             num_in_flight_verify_rows: 0,
+            num_provisional_tokens: 0,
+            in_flight_drafts: Vec::new(),
             draft_gain: f64::INFINITY,
             num_plain_rows_since_draft: 0,
         }
     }
 
-    /// Known plus pending tokens.
+    /// Known plus pending tokens, and in-flight drafts as if accepted.
     pub fn num_tokens(&self) -> usize {
-        self.tokens.len() + self.num_pending_tokens
+        self.tokens.len() + self.num_pending_tokens + self.num_provisional_tokens
     }
 
     /// Generated tokens already reported.
@@ -156,7 +165,8 @@ impl Sequence {
     /// Whether one more token may be sampled, counting in-flight samples: never plan a
     /// row past `max_tokens` or the context.
     pub fn may_sample_more(&self, max_context_tokens: usize) -> bool {
-        self.num_generated() + self.num_pending_tokens < self.max_tokens
+        self.num_generated() + self.num_pending_tokens + self.num_provisional_tokens
+            < self.max_tokens
             && self.num_tokens() < max_context_tokens
     }
 

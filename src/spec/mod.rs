@@ -47,6 +47,32 @@ pub struct Draft {
 pub trait Drafter {
     /// Up to `max_drafts` tokens to follow `history` (prompt and generated tokens).
     fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft>;
+    /// Up to `max_drafts` tokens for a row that continues an in-flight one (zero-overhead
+    /// scheduling plans it before that row is done): `history` is what is known, and the
+    /// in-flight row verifies `in_flight` drafts and then draws a token nobody knows yet.
+    /// The proposal after `history` predicts both: that row keeps the drafts it agrees
+    /// with and draws its next token, and the drafts are what follows; that token's
+    /// confidence discounts theirs.
+    fn propose_continuing(
+        &mut self,
+        history: &[u32],
+        in_flight: &[u32],
+        max_drafts: usize,
+    ) -> Vec<Draft> {
+        let mut lookahead = self.propose(history, in_flight.len() + 1 + max_drafts);
+        let num_kept = in_flight
+            .iter()
+            .zip(&lookahead)
+            .take_while(|(d, p)| **d == p.token)
+            .count();
+        if lookahead.len() <= num_kept + 1 {
+            return Vec::new();
+        }
+        let mut drafts = lookahead.split_off(num_kept + 1);
+        drafts.truncate(max_drafts);
+        drafts[0].confidence *= lookahead[num_kept].confidence;
+        drafts
+    }
     /// What verification made of the last proposal: `num_accepted` of `num_verified`.
     fn observe(&mut self, num_verified: usize, num_accepted: usize);
     /// The probabilities a draft model gave the drafts it filled in for the last proposal.
@@ -74,6 +100,17 @@ impl Drafter for SeqDrafter {
         match self {
             SeqDrafter::Ngram(d) => d.propose(history, max_drafts),
             SeqDrafter::Model(d) => d.propose(history, max_drafts),
+        }
+    }
+    fn propose_continuing(
+        &mut self,
+        history: &[u32],
+        in_flight: &[u32],
+        max_drafts: usize,
+    ) -> Vec<Draft> {
+        match self {
+            SeqDrafter::Ngram(d) => d.propose_continuing(history, in_flight, max_drafts),
+            SeqDrafter::Model(d) => d.propose_continuing(history, in_flight, max_drafts),
         }
     }
     fn observe(&mut self, num_verified: usize, num_accepted: usize) {

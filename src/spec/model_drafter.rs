@@ -65,6 +65,17 @@ impl Drafter for ModelDrafter {
             .collect()
     }
 
+    /// The rank drafts from the continued token itself, once it knows it: nothing to
+    /// guess.
+    fn propose_continuing(
+        &mut self,
+        history: &[u32],
+        _in_flight: &[u32],
+        max_drafts: usize,
+    ) -> Vec<Draft> {
+        self.propose(history, max_drafts)
+    }
+
     fn observe(&mut self, num_verified: usize, num_accepted: usize) {
         let mut calibration = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
         if num_verified > 0 {

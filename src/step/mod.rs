@@ -60,6 +60,7 @@ impl RemapTable {
                 RowInput::FromPrevious {
                     prev_step,
                     prev_row,
+                    ..
                 } => Some(Remap {
                     row,
                     prev_step,
@@ -109,18 +110,39 @@ impl Step {
     }
 }
 
+/// What a row of a step drew, as a row continuing it in the next step needs it: the last
+/// token, and how many of the row's drafts were rejected (the continuing row was planned
+/// as if none were, and moves back by as many positions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drawn {
+    pub token: u32,
+    pub num_rejected: u32,
+}
+
+impl Drawn {
+    /// A row without drafts: one token.
+    pub fn token(token: u32) -> Self {
+        Drawn {
+            token,
+            num_rejected: 0,
+        }
+    }
+}
+
 /// How to sample one plan row.
 #[derive(Debug, Clone)]
 pub struct RowSampling {
     /// The request's parameters, its seed resolved.
     pub params: Arc<SamplingParams>,
     /// Position of the token being sampled in its sequence: with the seed, the whole of
-    /// what the draw depends on.
+    /// what the draw depends on. A row continuing a verify row has this as if all of
+    /// that row's drafts were accepted (`Drawn::num_rejected` less).
     pub position: u64,
     pub prompt_ids: Arc<[u32]>,
     /// Generated tokens the scheduler knew when it planned the step.
     pub output_ids: Arc<Vec<u32>>,
-    /// Ids that may not be drawn now (stop ids while under `min_tokens`).
+    /// Ids that may not be drawn now (stop ids while under `min_tokens`); for a row
+    /// continuing a verify row, counted with the fewest tokens that row may yield.
     pub banned_ids: Arc<[u32]>,
     /// Structured output: the grammar that masks this row.
     pub constraint: Option<Arc<SeqConstraint>>,
@@ -145,8 +167,9 @@ impl RowSampling {
 
     /// A greedy row verifying drafts with nothing to apply at any position (no processors,
     /// no stop-id ban under `min_tokens`): the device's argmax of each of its logit rows is
-    /// the sampler's token there, so verification needs the picks, not the logits. (A row
-    /// with drafts never continues the previous step: its drafts follow known tokens.)
+    /// the sampler's token there, so verification needs the picks, not the logits. (For a
+    /// row continuing the previous step, `output_ids` lacks the tokens still in flight: the
+    /// `min_tokens` test errs towards the host.)
     pub fn verifies_on_device(&self) -> bool {
         !self.drafts.is_empty()
             && self.params.is_greedy()
@@ -244,11 +267,13 @@ mod tests {
             row(RowInput::FromPrevious {
                 prev_step: 6,
                 prev_row: 3,
+                drafts: Vec::new(),
             }),
             row(RowInput::Tokens(vec![4])),
             row(RowInput::FromPrevious {
                 prev_step: 6,
                 prev_row: 0,
+                drafts: vec![5, 6],
             }),
         ];
         let table = RemapTable::of_rows(rows.iter());

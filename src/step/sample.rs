@@ -8,7 +8,7 @@ use crate::spec::verify::{self, History};
 use crate::structured::SeqConstraint;
 use crate::sync::Shared as Arc;
 
-use super::{SampledRow, Step, StepLogits};
+use super::{Drawn, SampledRow, Step, StepLogits};
 
 /// A step whose logits do not match its rows: a bug upstream, which fails the sampler (its
 /// supervisor restarts it and the engine recomputes).
@@ -27,12 +27,17 @@ pub enum SampleError {
     },
 }
 
+/// What a sampled row yielded: every token (a verify row's accepted drafts and the one
+/// after them), and how many of its drafts were rejected.
+type Yielded = (Vec<u32>, u32);
+
 /// The sampler's state across steps.
 #[derive(Default)]
 pub struct StepSampler {
     sampler: RowSampler,
-    /// The previous step's tokens by row, for the histories of ZOS rows.
-    last_step: Option<(u64, u64, Vec<Option<u32>>)>,
+    /// The previous step's tokens by row (all a verify row yielded) and its rejected
+    /// drafts, for the histories and positions of ZOS rows.
+    last_step: Option<(u64, u64, Vec<Option<Yielded>>)>,
     history: Vec<u32>,
     /// A constrained row's logits, masked.
     masked: Vec<f32>,
@@ -42,8 +47,8 @@ pub struct StepSampler {
 pub struct StepOutcome {
     /// Per sampled row, in plan-row order.
     pub rows: Vec<SampledRow>,
-    /// Per plan row: the last token it drew (what a ZOS row of the next step reads).
-    pub per_row: Vec<Option<u32>>,
+    /// Per plan row: what it drew (what a ZOS row of the next step reads).
+    pub per_row: Vec<Option<Drawn>>,
     /// Constrained rows and their histories with the new tokens: advanced once the tokens
     /// are out, so the next masks are computed beside the next forward pass.
     pub advances: Vec<(Arc<SeqConstraint>, Vec<u32>)>,
@@ -60,7 +65,8 @@ impl StepSampler {
         verify_fault: &mut dyn FnMut() -> bool,
     ) -> Result<StepOutcome, SampleError> {
         let (epoch, step_id, rows) = (step.epoch, step.step_id, &step.rows);
-        let mut per_row = Vec::with_capacity(rows.len());
+        // Per plan row: every token it yielded, and its rejected drafts.
+        let mut yielded: Vec<Option<Yielded>> = Vec::with_capacity(rows.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
             (Vec::new(), Vec::new(), Vec::new());
         // Per sampled row (as `tokens`): the draft model's probabilities of its drafts.
@@ -70,7 +76,7 @@ impl StepSampler {
         let mut advances: Vec<(Arc<SeqConstraint>, Vec<u32>)> = Vec::new();
         for (row, s) in rows.iter().map(|r| r.sampling.as_ref()).enumerate() {
             let Some(s) = s else {
-                per_row.push(None);
+                yielded.push(None);
                 continue;
             };
             // A draft model's drafts, where it filled in the row's placeholders.
@@ -85,31 +91,39 @@ impl StepSampler {
             };
             draft_probs
                 .push(model_drafts.map_or_else(Vec::new, |d| d.iter().map(|x| x.1).collect()));
-            // ZOS: one more generated token, the one the remapped row of the previous step
-            // drew (the scheduler did not know it when it planned the row).
+            // ZOS: the tokens the remapped row of the previous step drew (the scheduler did
+            // not know them when it planned this row, nor, after a verify row, how many
+            // drafts it rejected: this row's position moves back by as many).
             let pending = step.remap.source(row).and_then(|m| match &self.last_step {
-                Some((e, prev_step, toks)) if *e == epoch && *prev_step == m.prev_step => {
-                    toks.get(m.prev_row).copied().flatten()
+                Some((e, prev_step, prev)) if *e == epoch && *prev_step == m.prev_step => {
+                    prev.get(m.prev_row).and_then(Option::as_ref)
                 }
                 _ => None,
             });
             let output_ids: &[u32] = match pending {
-                Some(t) => {
+                Some((t, _)) => {
                     self.history.clear();
                     self.history.extend_from_slice(&s.output_ids);
-                    self.history.push(t);
+                    self.history.extend_from_slice(t);
                     &self.history
                 }
                 None => &s.output_ids,
             };
+            let position = s.position - pending.map_or(0, |p| p.1 as u64);
+            // The scheduler counted the fewest tokens the continued row may yield.
+            let banned_ids: &[u32] = match pending {
+                Some(_) if output_ids.len() >= s.min_tokens => &[],
+                Some(_) => &s.stop_ids,
+                None => &s.banned_ids,
+            };
             let ctx = SampleContext {
-                position: s.position,
+                position,
                 prompt_ids: &s.prompt_ids,
                 output_ids,
-                banned_ids: &s.banned_ids,
+                banned_ids,
             };
             if let Some((token, logprob)) = logits.picked.get(row).copied().flatten() {
-                per_row.push(Some(token));
+                yielded.push(Some((vec![token], 0)));
                 tokens.push(vec![token]);
                 token_logprobs.push(vec![logprob]);
                 top_logprobs.push(vec![Vec::new()]);
@@ -127,7 +141,10 @@ impl StepSampler {
                     .take_while(|(d, p)| **d == p.0)
                     .count();
                 let emitted = &picks[..=num_accepted.min(picks.len() - 1)];
-                per_row.push(emitted.last().map(|p| p.0));
+                yielded.push(Some((
+                    emitted.iter().map(|p| p.0).collect(),
+                    (drafts.len() + 1 - emitted.len()) as u32,
+                )));
                 tokens.push(emitted.iter().map(|p| p.0).collect());
                 token_logprobs.push(emitted.iter().map(|p| p.1).collect());
                 top_logprobs.push(vec![Vec::new(); emitted.len()]);
@@ -171,14 +188,17 @@ impl StepSampler {
                         .iter()
                         .map(|r| TargetDistribution::new(r, &s.params))
                         .collect();
-                    let v = verify::rejection(&targets, drafts, None, s.params.seed, s.position);
+                    let v = verify::rejection(&targets, drafts, None, s.params.seed, position);
                     let lps: Vec<f32> = v
                         .tokens
                         .iter()
                         .zip(&targets)
                         .map(|(&t, d)| d.prob(t).ln() as f32)
                         .collect();
-                    per_row.push(v.tokens.last().copied());
+                    yielded.push(Some((
+                        v.tokens.clone(),
+                        (drafts.len() + 1 - v.tokens.len()) as u32,
+                    )));
                     top_logprobs.push(vec![Vec::new(); v.tokens.len()]);
                     tokens.push(v.tokens);
                     token_logprobs.push(lps);
@@ -189,7 +209,7 @@ impl StepSampler {
                     &rows,
                     drafts,
                     &s.params,
-                    s.position,
+                    position,
                     history,
                 );
                 if let Some(c) = &s.constraint {
@@ -199,7 +219,10 @@ impl StepSampler {
                     history.extend(outs.iter().map(|o| o.token));
                     advances.push((c.clone(), history));
                 }
-                per_row.push(outs.last().map(|o| o.token));
+                yielded.push(Some((
+                    outs.iter().map(|o| o.token).collect(),
+                    (drafts.len() + 1 - outs.len()) as u32,
+                )));
                 tokens.push(outs.iter().map(|o| o.token).collect());
                 token_logprobs.push(outs.iter().map(|o| o.logprob).collect());
                 top_logprobs.push(outs.into_iter().map(|o| o.top_logprobs).collect());
@@ -221,12 +244,21 @@ impl StepSampler {
                 history.push(out.token);
                 advances.push((c.clone(), history));
             }
-            per_row.push(Some(out.token));
+            yielded.push(Some((vec![out.token], 0)));
             tokens.push(vec![out.token]);
             token_logprobs.push(vec![out.logprob]);
             top_logprobs.push(vec![out.top_logprobs]);
         }
-        self.last_step = Some((epoch, step_id, per_row.clone()));
+        let per_row = yielded
+            .iter()
+            .map(|y| {
+                y.as_ref().map(|(tokens, num_rejected)| Drawn {
+                    token: *tokens.last().expect("a sampled row yields a token"),
+                    num_rejected: *num_rejected,
+                })
+            })
+            .collect();
+        self.last_step = Some((epoch, step_id, yielded));
         let rows = tokens
             .into_iter()
             .zip(token_logprobs)

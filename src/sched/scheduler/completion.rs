@@ -85,6 +85,10 @@ impl Scheduler {
             seq.num_in_flight_rows -= 1;
             if rec.num_draft_tokens > 0 {
                 seq.num_in_flight_verify_rows = seq.num_in_flight_verify_rows.saturating_sub(1);
+                seq.num_provisional_tokens -= rec.num_draft_tokens;
+                if seq.num_in_flight_verify_rows == 0 {
+                    seq.in_flight_drafts.clear();
+                }
             }
             let running = match seq.status {
                 // The row ran after its sequence ended (ZOS overshoot, abort): discarded.

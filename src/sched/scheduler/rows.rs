@@ -46,6 +46,9 @@ impl Scheduler {
     /// worth more than the token the continuation gives, or to look again every
     /// `RECHECK_AFTER_PLAIN_ROWS` plain rows.
     pub(super) fn waits_for_drafts(&self, idx: usize) -> bool {
+        if self.cfg.continue_verify_rows {
+            return false;
+        }
         let seq = self.seq(idx);
         sits_out(
             seq.num_in_flight_verify_rows > 0,
@@ -168,20 +171,29 @@ impl Scheduler {
     }
 
     /// The drafter's proposal for sequence `idx`, with confidences, within the room left.
+    /// A row continuing an in-flight one (`continue_verify_rows`) gets drafts proposed
+    /// after a guess of what that row yields (`Drafter::propose_continuing`).
     fn propose(&mut self, idx: usize, max_drafts: usize) -> Vec<Draft> {
         let max_context_tokens = self.cfg.max_context_tokens;
+        let continues = self.cfg.continue_verify_rows;
         let seq = self.seqs[idx].as_mut().expect("live");
-        if seq.num_pending_tokens > 0 {
+        if seq.num_pending_tokens > 0 && !continues {
             return Vec::new();
         }
-        let room = (seq.max_tokens.saturating_sub(seq.num_generated() + 1))
-            .min(max_context_tokens.saturating_sub(seq.tokens.len() + 1))
-            .min(max_drafts)
-            .min(self.cfg.num_speculative_tokens);
-        match &mut seq.drafter {
-            Some(drafter) if room > 0 => drafter.propose(&seq.tokens, room),
-            _ => Vec::new(),
+        let num_planned = seq.num_tokens() - seq.tokens.len();
+        let room = (seq
+            .max_tokens
+            .saturating_sub(seq.num_generated() + num_planned + 1))
+        .min(max_context_tokens.saturating_sub(seq.num_tokens() + 1))
+        .min(max_drafts)
+        .min(self.cfg.num_speculative_tokens);
+        let Some(drafter) = seq.drafter.as_mut().filter(|_| room > 0) else {
+            return Vec::new();
+        };
+        if seq.num_pending_tokens == 0 {
+            return drafter.propose(&seq.tokens, room);
         }
+        drafter.propose_continuing(&seq.tokens, &seq.in_flight_drafts, room)
     }
 
     /// Appends the row of sequence `idx` feeding its next `q` positions (the last
@@ -201,11 +213,12 @@ impl Scheduler {
         let start = seq.num_scheduled_tokens;
         let input = if seq.num_pending_tokens > 0 {
             // Only a decode row can start at a pending token (see sequence.rs).
-            debug_assert_eq!((q, start + 1), (1, seq.num_tokens()));
+            debug_assert_eq!((q - drafts.len(), start + 1), (1, seq.num_tokens()));
             let from = seq.last_sample_row.expect("pending token has a source row");
             RowInput::FromPrevious {
                 prev_step: from.step_id,
                 prev_row: from.row,
+                drafts: drafts.to_vec(),
             }
         } else {
             let mut tokens = seq.tokens[start..start + q - drafts.len()].to_vec();
@@ -234,6 +247,9 @@ impl Scheduler {
         seq.num_in_flight_rows += 1;
         if !drafts.is_empty() {
             seq.num_in_flight_verify_rows += 1;
+            seq.num_provisional_tokens += drafts.len();
+            seq.in_flight_drafts.clear();
+            seq.in_flight_drafts.extend_from_slice(drafts);
             seq.num_plain_rows_since_draft = 0;
         } else if sample {
             seq.num_plain_rows_since_draft += 1;

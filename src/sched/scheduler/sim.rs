@@ -61,8 +61,8 @@ pub(super) fn reference_with(
 pub(super) struct Device {
     pub(super) block_size: usize,
     kv: Vec<Option<u32>>,
-    /// Per step, per row: the token that row sampled.
-    sampled: HashMap<StepId, Vec<Option<u32>>>,
+    /// Per step, per row: the last token that row sampled and the drafts it rejected.
+    sampled: HashMap<StepId, Vec<Option<(u32, usize)>>>,
     pub(super) num_from_previous: usize,
     /// The next token given the context read back from the KV.
     pub(super) next: fn(&[u32]) -> u32,
@@ -105,23 +105,29 @@ impl Device {
         let mut per_row = vec![None; plan.rows.len()];
         let mut out = Vec::new();
         for (r, row) in plan.rows.iter().enumerate() {
-            let input = match &row.input {
-                RowInput::Tokens(t) => t.clone(),
+            // A row continuing a verify row moves back by the drafts that row rejected.
+            let (input, start) = match &row.input {
+                RowInput::Tokens(t) => (t.clone(), row.num_cached_tokens),
                 RowInput::FromPrevious {
                     prev_step,
                     prev_row,
+                    drafts,
                 } => {
                     self.num_from_previous += 1;
-                    vec![self.sampled[prev_step][*prev_row].expect("previous row sampled")]
+                    let (token, num_rejected) =
+                        self.sampled[prev_step][*prev_row].expect("previous row sampled");
+                    let mut input = vec![token];
+                    input.extend_from_slice(drafts);
+                    (input, row.num_cached_tokens - num_rejected)
                 }
             };
-            let end = row.num_cached_tokens + input.len();
+            let end = start + input.len();
             assert!(
                 row.block_table.len() * self.block_size >= end,
                 "table too short"
             );
             for (k, &t) in input.iter().enumerate() {
-                let s = self.slot(&row.block_table, row.num_cached_tokens + k);
+                let s = self.slot(&row.block_table, start + k);
                 self.kv[s] = Some(t);
             }
             if row.sample {
@@ -139,7 +145,7 @@ impl Device {
                 }
                 self.num_drafts += k;
                 self.num_accepted += tokens.len() - 1;
-                per_row[r] = tokens.last().copied();
+                per_row[r] = tokens.last().map(|&t| (t, k + 1 - tokens.len()));
                 out.push(tokens);
             }
         }

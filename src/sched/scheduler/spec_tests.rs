@@ -250,3 +250,119 @@ fn a_prefill_sharing_the_step_is_priced_into_the_verify_budget() {
         "drafts verified beside a prefill: {beside}, alone: {alone}"
     );
 }
+
+#[test]
+fn a_continued_verify_row_is_planned_as_if_its_drafts_were_accepted() {
+    let cfg = SchedulerConfig {
+        block_size: 4,
+        continue_verify_rows: true,
+        ..spec_cfg(3)
+    };
+    let mut s = Scheduler::new(cfg.clone());
+    s.add(SeqRequest {
+        ignore_eos: true,
+        ..req(1, vec![1, 2, 3, 1, 2], 20)
+    })
+    .unwrap();
+    let prefill = s.schedule().unwrap();
+    s.on_step_done(prefill.step_id, &[9], 0.01);
+    let plain = s.schedule().unwrap();
+    s.on_step_done(plain.step_id, &[1], 0.01);
+    let verify = s.schedule().unwrap();
+    assert_eq!(verify.rows[0].input, RowInput::Tokens(vec![1, 2, 9, 1]));
+    // Planned while the verify row runs: it reads that row's last token, at the position
+    // after all three drafts (6 + 1 + 3).
+    let next = s.schedule().expect("the sequence does not sit out");
+    let row = &next.rows[0];
+    let RowInput::FromPrevious {
+        prev_step,
+        prev_row,
+        drafts,
+    } = &row.input
+    else {
+        panic!("not a continuation: {:?}", row.input);
+    };
+    assert_eq!((*prev_step, *prev_row), (verify.step_id, 0));
+    assert_eq!(
+        (row.num_cached_tokens, row.num_draft_tokens),
+        (10, drafts.len())
+    );
+    assert!(row.block_table.len() * cfg.block_size >= 10 + 1 + drafts.len());
+    // One draft accepted, then 7: the continuation ran at position 8, not 10.
+    let events = s.on_step_verified(verify.step_id, &[&[2, 7]], 0.01);
+    assert_eq!(events.len(), 2);
+    s.on_step_verified(next.step_id, &[&[5]], 0.01);
+    let after = s.schedule().unwrap();
+    assert_eq!(after.rows[0].num_cached_tokens, 9);
+    assert!(matches!(&after.rows[0].input, RowInput::Tokens(t) if t[0] == 5));
+    let seq = s.seqs.iter().flatten().next().unwrap();
+    assert_eq!(seq.tokens, vec![1, 2, 3, 1, 2, 9, 1, 2, 7, 5]);
+}
+
+#[test]
+fn under_zos_verifying_sequences_are_continued_not_sat_out_with_the_same_output() {
+    let reqs = requests();
+    for num_blocks in [256, 20] {
+        for k in [1, 3, 5] {
+            let sat_out = SchedulerConfig {
+                num_blocks,
+                ..spec_cfg(k)
+            };
+            let mut sitting = Scheduler::new(sat_out.clone());
+            let mut dev = Device::new(&sat_out);
+            dev.next = predictable_next;
+            for r in &reqs {
+                sitting.add(r.clone()).unwrap();
+            }
+            drive(&mut sitting, &mut dev, 2, |_, _, _| {});
+            assert!(sitting.num_sat_out_rows() > 0, "K = {k}: nothing sat out");
+            let plain = SchedulerConfig {
+                num_blocks,
+                ..spec_cfg(0)
+            };
+            let (_, plain_steps, _) = run(&plain, &reqs, 2);
+            let cfg = SchedulerConfig {
+                continue_verify_rows: true,
+                ..sat_out
+            };
+            let mut s = Scheduler::new(cfg.clone());
+            let mut dev = Device::new(&cfg);
+            dev.next = predictable_next;
+            for r in &reqs {
+                s.add(r.clone()).unwrap();
+            }
+            let mut continued_verify_rows = 0;
+            let out = drive(&mut s, &mut dev, 2, |_, _, queue| {
+                let (Some(first), Some(second)) = (queue.front(), queue.get(1)) else {
+                    return;
+                };
+                let verifying: Vec<usize> = (0..first.rows.len())
+                    .filter(|&r| first.rows[r].num_draft_tokens > 0)
+                    .collect();
+                continued_verify_rows += second
+                    .rows
+                    .iter()
+                    .filter(|r| {
+                        matches!(r.input, RowInput::FromPrevious { prev_step, prev_row, .. }
+                            if prev_step == first.step_id && verifying.contains(&prev_row))
+                    })
+                    .count();
+            });
+            assert_idle_and_full(&s);
+            expect_reference_with(&out, &reqs, &cfg, predictable_next);
+            assert!(dev.num_accepted > 0, "K = {k}: no draft accepted");
+            assert!(
+                continued_verify_rows > 0,
+                "K = {k}: no verify row continued"
+            );
+            assert_eq!(s.num_sat_out_rows(), 0, "K = {k}");
+            // With blocks to spare (drafts reserve positions that may not be kept, and
+            // tight pools preempt for them).
+            assert!(
+                num_blocks < 256 || s.next_step_id < plain_steps,
+                "K = {k}, {num_blocks} blocks: {} steps vs {plain_steps} without drafts",
+                s.next_step_id
+            );
+        }
+    }
+}

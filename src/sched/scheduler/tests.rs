@@ -400,7 +400,8 @@ fn abort_in_flight_releases_everything_after_the_steps_finish() {
         p1.rows[0].input,
         RowInput::FromPrevious {
             prev_step: 0,
-            prev_row: 0
+            prev_row: 0,
+            ..
         }
     ));
     assert!(s.abort(1));
