@@ -37,6 +37,8 @@ def requests(n, seed):
 
 # GPU_SPEC_IGNORE_EOS=1: real weights run their 128 tokens past EOS too.
 IGNORE_EOS = os.environ.get("GPU_SPEC_IGNORE_EOS") == "1"
+# GPU_SPEC_CONCURRENCY=1,32: the concurrencies to run (default: the four).
+CONCURRENCY = [int(c) for c in os.environ.get("GPU_SPEC_CONCURRENCY", "1,8,32,128").split(",")]
 
 
 def chat_requests(n):
@@ -50,7 +52,7 @@ def main(binary, model=None):
     os.makedirs(WORK, exist_ok=True)
     path = model or make("qwen3-0.6b")
     rows = []
-    for n in (32, 128):
+    for n in CONCURRENCY:
         reqs = chat_requests(n) if model else requests(n, n)
         for mode, extra in (("off", []),
                             ("fixed", ["--spec", "ngram", "--spec-verify", "fixed"]),
@@ -69,6 +71,7 @@ def main(binary, model=None):
                 out_tok_s=stats["output_tokens"] / stats["generate_s"], wall_s=wall, steps=stats["steps"],
                 draft_tokens=stats["spec_draft_tokens"], verified_tokens=stats["spec_verified_tokens"],
                 accepted_tokens=stats["spec_accepted_tokens"],
+                sat_out=stats.get("spec_sat_out_rows", -1),
                 accept_length=1 + stats["spec_accepted_tokens"] / verify_rows if mode != "off" else 1.0,
                 verify_tokens_per_step=stats["spec_verified_tokens"] / max(stats["steps"], 1),
                 tokens=[o["token_ids"] for o in outs]))
@@ -83,13 +86,14 @@ def main(binary, model=None):
         r.pop("tokens", None)
     with open(os.path.join(OUT, "gpu_spec.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("conc mode        out_tok/s  accept_len  verify_tok/step  drafts/verified/accepted  same_as_off")
+    print("conc mode        out_tok/s  steps  sat_out  accept_len  verify_tok/step  drafts/verified/accepted  same_as_off")
     for r in rows:
         if "error" in r:
             print(r["concurrency"], r["mode"], "ERROR", r["error"][-300:])
             continue
-        print(f'{r["concurrency"]:4} {r["mode"]:10} {r["out_tok_s"]:10.0f} {r["accept_length"]:11.2f} '
-              f'{r["verify_tokens_per_step"]:16.2f}  {r["draft_tokens"]}/{r["verified_tokens"]}/{r["accepted_tokens"]}'
+        print(f'{r["concurrency"]:4} {r["mode"]:10} {r["out_tok_s"]:10.0f} {r["steps"]:6} {r["sat_out"]:8} '
+              f'{r["accept_length"]:11.2f} {r["verify_tokens_per_step"]:16.2f}  '
+              f'{r["draft_tokens"]}/{r["verified_tokens"]}/{r["accepted_tokens"]}'
               f'  {r.get("same_as_off", 1.0):.3f}')
 
 

@@ -81,7 +81,6 @@ fn assert_speculated(status: &EngineStatus, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_output_with_ngram_speculation_equals_plain_decoding() {
-    let cpu = common::engine::test_device() == troupe::engine::Device::Cpu;
     for model in ["tiny-llama", "tiny-qwen3"] {
         let requests = repetitive_requests(48, 5, |_| SamplingParams::default());
         let want = reference_outputs(model, &requests);
@@ -95,12 +94,13 @@ async fn greedy_output_with_ngram_speculation_equals_plain_decoding() {
             cfg.speculative = ngram(4, verify);
             let (got, status) = run_engine(cfg, requests.clone()).await;
             assert_eq!(tokens(&got), want, "{model}, zos={zos}, {verify:?}");
-            assert_speculated(&status, model);
-            // A CPU rank continues a verifying sequence under ZOS, never leaving it out of
-            // a step (a GPU rank still does, until acceptance runs on the device).
-            if cpu {
-                assert_eq!(status.num_spec_sat_out_rows, 0, "{model}, zos={zos}");
+            // Confidence scheduling verifies what the measured step times say pays, which
+            // on these tiny CPU models may be nothing: fixed K must keep drafts.
+            if verify == SpecVerify::Fixed {
+                assert_speculated(&status, model);
             }
+            // Under ZOS a verifying sequence is continued, never left out of a step.
+            assert_eq!(status.num_spec_sat_out_rows, 0, "{model}, zos={zos}");
         }
     }
 }
@@ -130,7 +130,7 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
         for (k, verify, zos) in [
             (1, SpecVerify::Fixed, true),
             (5, SpecVerify::Confidence, true),
-            (5, SpecVerify::Confidence, false),
+            (5, SpecVerify::Fixed, false),
         ] {
             let mut cfg = base.clone();
             cfg.speculative = ngram(k, verify);
@@ -158,14 +158,12 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
                 }
             }
             // Under ZOS a continuing row's drafts follow a guess of the token its verify
-            // row draws, which sampling from these flat models rarely matches: drafts are
-            // verified, but only the runs without ZOS must have kept some.
-            let cpu = common::engine::test_device() == troupe::engine::Device::Cpu;
+            // row draws, which sampling from these flat models rarely matches, and
+            // confidence scheduling verifies what the measured step times say pays: only
+            // every draft verified after known tokens (fixed K, no ZOS) must keep some.
             if zos {
-                if cpu {
-                    assert!(status.num_spec_verify_rows > 0, "k={k}: nothing verified");
-                    assert_eq!(status.num_spec_sat_out_rows, 0, "k={k}");
-                }
+                assert!(status.num_spec_verify_rows > 0, "k={k}: nothing verified");
+                assert_eq!(status.num_spec_sat_out_rows, 0, "k={k}");
             } else {
                 assert_speculated(&status, "seeded");
             }

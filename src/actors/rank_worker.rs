@@ -145,9 +145,10 @@ impl ThreadLocalActor for RankWorker {
         if void && !in_group {
             return Ok(());
         }
+        let mut read_picks = |first: u32, count: usize| model.read_picks(first, count);
         if !st
             .inputs
-            .resolve(&step, &st.sampled, in_group, st.shard.rank)
+            .resolve(&step, &st.sampled, in_group, st.shard.rank, &mut read_picks)
         {
             return Ok(());
         }

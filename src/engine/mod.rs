@@ -140,14 +140,13 @@ impl Engine {
         let num_kv_blocks = pools.num_blocks;
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
-        // A verify row's continuation waits in the rank for the sampler's verdict. On the
-        // CPU that costs nothing (the rank computes its picks itself); a GPU rank would
-        // drain its pipeline every step, so there the sequence still sits out until the
-        // acceptance is computed on the device. A model with per-sequence state rewinds
-        // it to a verify row's snapshot and runs the accepted drafts again: its rows
-        // cannot move back.
+        // A verify row's continuation learns on the rank what that row kept: from its
+        // picks (read from the device once made, or made on the host) or, for rows the
+        // sampler verifies, from the sampler. A lone rank only: a group's ranks would each
+        // read their own picks. A model with per-sequence state rewinds it to a verify
+        // row's snapshot and runs the accepted drafts again: its rows cannot move back.
         let continue_verify_rows = cfg.zero_overhead_scheduling
-            && cfg.device == Device::Cpu
+            && cfg.tensor_parallel_size == 1
             && pools.num_state_slots.is_none();
         let scheduler_cfg = SchedulerConfig {
             block_size: pools.block_size,

@@ -216,6 +216,12 @@ pub trait Backend: Send + Sync {
     }
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
     fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
+    /// Tokens `first..first + count` of the last `pick_rows` picks, once they are made
+    /// (waits for the device): a backend whose picks stay on the device
+    /// (`picks_stay_on_device`) has them; others hand every pick to the host at once.
+    fn read_picks(&self, _first: usize, _count: usize) -> Vec<u32> {
+        unreachable!("a backend that keeps no picks on a device is never asked for them")
+    }
 
     /// Recorded decode steps (CUDA graphs), where the backend records them.
     fn graphs(&self) -> Option<&dyn StepGraphs> {

@@ -29,21 +29,23 @@ pub struct CurveJob {
     pub max_rows: usize,
 }
 
-/// One decode step of `rows` single-token sequences at position 0, each in its own block,
-/// greedy: the seconds `run_step` takes to launch it and wait for its picks.
+/// One decode step of `rows` sequences at position 0, each in its own block, greedy, each
+/// row verifying `drafts` drafts (0: plain decode rows): the seconds `run_step` takes to
+/// launch it and wait for its picks.
 pub(super) fn time_decode_step(
     rows: usize,
+    drafts: usize,
     run_step: impl FnOnce(&[SeqStep<'_>], &[StepRow]),
 ) -> f64 {
     let tables: Vec<[u32; 1]> = (0..rows as u32).map(|b| [b]).collect();
-    let ids = [0u32];
+    let ids = vec![0u32; 1 + drafts];
     let steps: Vec<SeqStep<'_>> = tables
         .iter()
         .map(|t| SeqStep {
             token_ids: &ids,
             num_cached_tokens: 0,
             block_table: t,
-            num_logit_rows: 1,
+            num_logit_rows: 1 + drafts,
             state: None,
         })
         .collect();
@@ -53,14 +55,14 @@ pub(super) fn time_decode_step(
         .map(|b| StepRow {
             plan: PlannedRow {
                 seq_id: b as u64,
-                input: RowInput::Tokens(ids.to_vec()),
+                input: RowInput::Tokens(ids.clone()),
                 num_cached_tokens: 0,
                 block_table: vec![b as u32],
                 state_slot: None,
                 state_start: 0,
                 replay_until: 0,
                 sample: true,
-                num_draft_tokens: 0,
+                num_draft_tokens: drafts,
             },
             sampling: Some(RowSampling {
                 params: params.clone(),
@@ -69,7 +71,7 @@ pub(super) fn time_decode_step(
                 output_ids: Shared::new(Vec::new()),
                 banned_ids: none.clone(),
                 constraint: None,
-                drafts: Vec::new(),
+                drafts: vec![0; drafts],
                 stop_ids: none.clone(),
                 min_tokens: 0,
                 rejection: false,
@@ -81,22 +83,35 @@ pub(super) fn time_decode_step(
     start.elapsed().as_secs_f64()
 }
 
-/// The job's curve: from the store, or measured with `time(rows)` and stored. `device` names
-/// the hardware; `num_blocks` caps the sizes (one block a row).
+/// The job's curve: from the store, or measured with `time(rows, drafts)` and stored: plain
+/// decode steps by rows, and steps whose rows verify one draft each (by tokens: twice the
+/// rows). `device` names the hardware; `num_blocks` caps the sizes (one block a row).
 pub(super) fn run(
     job: &CurveJob,
     device: &str,
     num_blocks: usize,
-    time: impl FnMut(usize) -> f64,
+    mut time: impl FnMut(usize, usize) -> f64,
 ) -> Result<LatencyCurve, CurveError> {
     let rows: Vec<usize> = ROW_COUNTS
         .iter()
         .copied()
         .filter(|&r| r <= job.max_rows.min(num_blocks))
         .collect();
-    let key = CurveStore::key(device, &job.model_key, &format!("{rows:?}"));
-    CurveStore::new(&job.store_dir)
-        .load_or_measure(&key, || LatencyCurve::measure(&rows, REPEATS, time))
+    let key = CurveStore::key(
+        device,
+        &job.model_key,
+        &format!("{rows:?} and verify steps"),
+    );
+    CurveStore::new(&job.store_dir).load_or_measure(&key, || {
+        let decode = LatencyCurve::measure(&rows, REPEATS, |r| time(r, 0))?;
+        let verify = LatencyCurve::measure(&rows, REPEATS, |r| time(r, 1))?;
+        let by_tokens = verify
+            .points()
+            .iter()
+            .map(|&(r, secs)| (2 * r, secs))
+            .collect();
+        Ok(decode.with_verify(LatencyCurve::new(by_tokens)?))
+    })
 }
 
 /// Measures (or loads) `job`'s curve on `model`; a failure is logged, and verification
@@ -108,8 +123,8 @@ pub fn measure(
     num_blocks: usize,
 ) -> Option<LatencyCurve> {
     let device = model.device_label();
-    let curve = run(job, &device, num_blocks, |rows| {
-        time_decode_step(rows, |steps, sampling| {
+    let curve = run(job, &device, num_blocks, |rows, drafts| {
+        time_decode_step(rows, drafts, |steps, sampling| {
             let launched = model.step(block_size, steps, &[], sampling);
             let _ = (launched.logits)();
         })

@@ -155,6 +155,10 @@ impl DeviceModel for DsV4OnHost {
     fn device_label(&self) -> String {
         "cpu (DeepSeek-V4 reference)".into()
     }
+
+    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
+        crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
+    }
 }
 
 /// The scheduler's rows as DeepSeek-V4 steps (every sequence has a state slot).

@@ -154,4 +154,8 @@ impl DeviceModel for DsV4OnCuda {
             crate::kernels::Backend::device_name(&self.model.backend)
         )
     }
+
+    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
+        crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
+    }
 }

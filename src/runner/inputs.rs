@@ -38,6 +38,7 @@ impl StepInputs {
         sampled: &SampledTokens,
         in_group: bool,
         rank: usize,
+        read_picks: &mut dyn FnMut(u32, usize) -> Vec<u32>,
     ) -> bool {
         let epoch = step.epoch;
         self.inputs.resize_with(step.rows.len(), Vec::new);
@@ -59,7 +60,7 @@ impl StepInputs {
                     let (prev_step, prev_row) = (&remap.prev_step, &remap.prev_row);
                     let known = match &self.prev {
                         Some((e, s, prev)) if *e == epoch && s == prev_step => {
-                            prev.get(*prev_row).copied().flatten()
+                            prev.get(*prev_row).cloned().flatten()
                         }
                         _ => None,
                     };
@@ -69,6 +70,18 @@ impl StepInputs {
                             // A placeholder: the embedding reads the pick on the device.
                             input.push(0);
                             picked = i;
+                        }
+                        Some(PrevToken::HostVerified(drawn)) => {
+                            input.push(drawn.token);
+                            self.shifts[i] = drawn.num_rejected as usize;
+                        }
+                        Some(PrevToken::DeviceVerified { first, drafts }) => {
+                            // The verify row's picks, read once the device made them: no
+                            // wait for the readback thread and the sampler.
+                            let picks = read_picks(first, drafts.len() + 1);
+                            let drawn = PrevToken::verified(&drafts, &picks);
+                            input.push(drawn.token);
+                            self.shifts[i] = drawn.num_rejected as usize;
                         }
                         None => {
                             tracing::debug!(

@@ -102,6 +102,7 @@ impl<B: Backend> StepOutcome<'_, B> {
             out.host = self.backend.download_rows(self.logits, self.vocab, &host);
         }
         let plain_rows = picked.clone();
+        let verify_rows = verifying.clone();
         let aborted = self.aborted;
         let deliver = move |mut out: StepLogits, all: Vec<(u32, f32)>| {
             // The step is done on the device: if the group was aborted meanwhile, its
@@ -123,9 +124,22 @@ impl<B: Backend> StepOutcome<'_, B> {
         };
         let span = self.start.zip(self.backend.timeline_mark());
         let mut prev = vec![None; num_rows];
+        // A verify row's drafts as it ran (a draft model's filled in): its input's last.
+        let drafts_of = |row: usize, count: usize| {
+            let ids = steps[row].token_ids;
+            ids[ids.len() + 1 - count..].to_vec()
+        };
         if self.picks_stay && self.backend.capabilities().picks_stay_on_device {
             for (i, &row) in plain_rows.iter().enumerate() {
                 prev[row] = Some(PrevToken::Device(i as u32));
+            }
+            let mut first = plain_rows.len();
+            for &(row, _, count) in &verify_rows {
+                prev[row] = Some(PrevToken::DeviceVerified {
+                    first: first as u32,
+                    drafts: drafts_of(row, count),
+                });
+                first += count;
             }
             return LaunchedStep {
                 logits: Box::new(move || deliver(out, picks())),
@@ -136,6 +150,15 @@ impl<B: Backend> StepOutcome<'_, B> {
         let all = picks();
         for (&row, pick) in plain_rows.iter().zip(&all) {
             prev[row] = Some(PrevToken::Host(pick.0));
+        }
+        let mut first = plain_rows.len();
+        for &(row, _, count) in &verify_rows {
+            let picks: Vec<u32> = all[first..first + count].iter().map(|p| p.0).collect();
+            prev[row] = Some(PrevToken::HostVerified(PrevToken::verified(
+                &drafts_of(row, count),
+                &picks,
+            )));
+            first += count;
         }
         let out = deliver(out, all);
         LaunchedStep {

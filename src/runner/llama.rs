@@ -98,6 +98,9 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
         Some(self.model.weights.footprint(&self.backend))
     }
+    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
+        self.backend.read_picks(first as usize, count)
+    }
 }
 
 /// The model at `path` (this rank's shard; seeded weights with `--dummy-weights`) and a KV

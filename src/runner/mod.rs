@@ -27,7 +27,7 @@ use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{Device, DeviceMark, Pending};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
-use crate::step::{StepLogits, StepRow};
+use crate::step::{Drawn, StepLogits, StepRow};
 
 use decode_curve::CurveJob;
 use fault::FaultPlan;
@@ -91,13 +91,32 @@ pub struct RankArgs {
 }
 
 /// Where the next step finds the token a row of this step drew.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum PrevToken {
     /// Already on the host (a backend that picks on the host).
     Host(u32),
     /// Entry `i` of the backend's greedy picks, still on the device: the next step's
     /// embedding reads it there, nobody waits for it.
     Device(u32),
+    /// A greedy verify row's outcome, verified on the host from picks made there.
+    HostVerified(Drawn),
+    /// A greedy verify row whose picks (entries `first..`, one per draft and one after)
+    /// stay on the device: a row continuing it reads them (`DeviceModel::read_picks`)
+    /// and verifies `drafts` against them, without waiting for the sampler.
+    DeviceVerified { first: u32, drafts: Vec<u32> },
+}
+
+impl PrevToken {
+    /// A verify row's outcome from its picks: the drafts that equal the pick at their
+    /// position, then the pick after them.
+    pub fn verified(drafts: &[u32], picks: &[u32]) -> Drawn {
+        let num_accepted =
+            crate::spec::verify::num_accepted_by_picks(drafts, picks.iter().copied());
+        Drawn {
+            token: picks[num_accepted],
+            num_rejected: (drafts.len() - num_accepted) as u32,
+        }
+    }
 }
 
 /// A step launched on the device.
@@ -137,6 +156,9 @@ pub trait DeviceModel: Send {
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
         None
     }
+    /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
+    /// waiting for the device.
+    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32>;
 }
 
 /// The model at `args.model_path` on `args.device`, loaded.

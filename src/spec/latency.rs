@@ -28,6 +28,9 @@ pub enum CurveError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LatencyCurve {
     points: Vec<(usize, f64)>,
+    /// Steps whose rows each verify a draft, by tokens: on a GPU such a step runs without
+    /// a recorded graph, which the decode points do not show.
+    verify: Option<Box<LatencyCurve>>,
 }
 
 impl LatencyCurve {
@@ -49,7 +52,21 @@ impl LatencyCurve {
         if points.windows(2).any(|w| w[0].0 == w[1].0) {
             return Err(CurveError::RepeatedRows);
         }
-        Ok(LatencyCurve { points })
+        Ok(LatencyCurve {
+            points,
+            verify: None,
+        })
+    }
+
+    /// This curve, with `verify` the seconds of steps whose rows verify drafts.
+    pub fn with_verify(mut self, verify: LatencyCurve) -> Self {
+        self.verify = Some(Box::new(verify));
+        self
+    }
+
+    /// Seconds of a step of `tokens` tokens whose rows verify drafts, where measured.
+    pub fn verify_secs(&self, tokens: usize) -> Option<f64> {
+        self.verify.as_ref().map(|v| v.secs(tokens))
     }
 
     /// Runs `step(rows)` `repeats` times at each row count and keeps the median seconds.
@@ -72,6 +89,11 @@ impl LatencyCurve {
     /// Row counts measured.
     pub fn num_points(&self) -> usize {
         self.points.len()
+    }
+
+    /// The measured (rows, seconds), rows ascending.
+    pub fn points(&self) -> &[(usize, f64)] {
+        &self.points
     }
 
     /// Seconds at `rows`: linear between measured points, the first point's below them,
@@ -98,7 +120,8 @@ impl LatencyCurve {
     }
 
     fn to_json(&self) -> String {
-        serde_json::json!({ "points": self.points }).to_string()
+        let verify = self.verify.as_ref().map(|v| &v.points);
+        serde_json::json!({ "points": self.points, "verify_points": verify }).to_string()
     }
 
     fn from_json(text: &str) -> Result<Self, CurveError> {
@@ -106,7 +129,13 @@ impl LatencyCurve {
         let value: serde_json::Value = serde_json::from_str(text).map_err(stored)?;
         let points: Vec<(usize, f64)> =
             serde_json::from_value(value["points"].clone()).map_err(stored)?;
-        Self::new(points)
+        let verify: Option<Vec<(usize, f64)>> =
+            serde_json::from_value(value["verify_points"].clone()).map_err(stored)?;
+        let curve = Self::new(points)?;
+        Ok(match verify {
+            Some(v) => curve.with_verify(Self::new(v)?),
+            None => curve,
+        })
     }
 }
 
@@ -238,6 +267,7 @@ mod tests {
         };
         let first = store.load_or_measure(&key, measure).unwrap();
         assert_eq!(runs.get(), 9);
+        assert_eq!(first.verify_secs(4), None, "no verify steps measured");
         assert_eq!(first.secs(2), 0.002, "the median drops the outlier");
         let again = store.load_or_measure(&key, measure).unwrap();
         assert_eq!(again, first);
@@ -247,6 +277,14 @@ mod tests {
         store.load_or_measure(&key, measure).unwrap();
         assert_eq!(runs.get(), 18);
         assert!(store.load(&key).is_some());
+        // The verify steps' curve goes to disk and back with it.
+        let both = LatencyCurve::new(vec![(1, 0.001)])
+            .unwrap()
+            .with_verify(LatencyCurve::new(vec![(2, 0.004), (8, 0.007)]).unwrap());
+        store.save("both", &both).unwrap();
+        let read = store.load("both").unwrap();
+        assert_eq!(read, both);
+        assert_eq!(read.verify_secs(2), Some(0.004));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

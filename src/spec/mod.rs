@@ -59,7 +59,23 @@ pub trait Drafter {
         in_flight: &[u32],
         max_drafts: usize,
     ) -> Vec<Draft> {
-        let mut lookahead = self.propose(history, in_flight.len() + 1 + max_drafts);
+        // A proposal stops where the history ends; a loop shorter than the lookahead
+        // needed goes on, so look up again after what was proposed.
+        let needed = in_flight.len() + 1 + max_drafts;
+        let mut lookahead = self.propose(history, needed);
+        let mut extended = Vec::new();
+        while !lookahead.is_empty() && lookahead.len() < needed {
+            if extended.is_empty() {
+                extended.extend_from_slice(history);
+            }
+            let from = extended.len();
+            extended.extend(lookahead[from - history.len()..].iter().map(|d| d.token));
+            let more = self.propose(&extended, needed - lookahead.len());
+            if more.is_empty() {
+                break;
+            }
+            lookahead.extend(more);
+        }
         let num_kept = in_flight
             .iter()
             .zip(&lookahead)

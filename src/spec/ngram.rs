@@ -128,6 +128,27 @@ mod tests {
     }
 
     #[test]
+    fn a_continuing_row_drafts_after_what_the_row_before_it_will_keep_and_draw() {
+        let mut d = NgramDrafter::new(1, 3, 4);
+        let history = [1, 2, 3, 1, 2, 3, 1, 2];
+        // The row in flight verifies 3 1, which the loop agrees with: it keeps them and
+        // draws 2; the drafts go on with the loop past the end of the history.
+        assert_eq!(
+            tokens(&d.propose_continuing(&history, &[3, 1], 4)),
+            vec![3, 1, 2, 3]
+        );
+        // Drafts the loop disagrees with are taken as rejected: it draws 3 instead.
+        assert_eq!(
+            tokens(&d.propose_continuing(&history, &[9, 9], 3)),
+            vec![1, 2, 3]
+        );
+        assert!(
+            d.propose_continuing(&[5, 6, 7], &[], 2).is_empty(),
+            "nothing to look up"
+        );
+    }
+
+    #[test]
     fn confidence_learns_per_match_length_and_position() {
         let mut d = NgramDrafter::new(2, 2, 3);
         let history = [1, 2, 3, 4, 5, 1, 2];

@@ -18,9 +18,11 @@ use std::collections::HashMap;
 use super::LatencyCurve;
 use super::step_cost::{LinearCost, StepCost, StepFeatures};
 
-/// The measured decode curve at the step's token count (graph buckets and all), plus the
-/// fitted model's terms a short decode step does not show: attention over each row's
-/// context (c2·Σq·c) and within multi-token rows (c3·(Σq² − Σq)).
+/// The measured decode curve at the step's token count (graph buckets and all) — or, for a
+/// step with verify rows, the measured verify steps' curve where there is one (on a GPU
+/// such a step runs without a recorded graph) — plus the fitted model's terms a short
+/// decode step does not show: attention over each row's context (c2·Σq·c) and within
+/// multi-token rows (c3·(Σq² − Σq)).
 pub struct CurveCost<'a> {
     pub curve: &'a LatencyCurve,
     /// The fitted model's coefficients (only its attention terms are read).
@@ -30,9 +32,14 @@ pub struct CurveCost<'a> {
 impl StepCost for CurveCost<'_> {
     fn step_secs(&self, f: &StepFeatures) -> f64 {
         let [_, _, c2, c3] = self.model.0;
-        self.curve.secs(f.sum_q.round() as usize)
-            + c2 * f.sum_q_times_c
-            + c3 * (f.sum_q_squared - f.sum_q)
+        let tokens = f.sum_q.round() as usize;
+        let decode = self.curve.secs(tokens);
+        // Σq² > Σq: some row holds more than one token.
+        let base = match self.curve.verify_secs(tokens) {
+            Some(verify) if f.sum_q_squared > f.sum_q + 0.5 => verify.max(decode),
+            _ => decode,
+        };
+        base + c2 * f.sum_q_times_c + c3 * (f.sum_q_squared - f.sum_q)
     }
 }
 
@@ -322,6 +329,31 @@ mod tests {
         let total: usize = plan.verify_lens.iter().sum::<usize>() + requests.len();
         assert_eq!(total, 16, "{plan:?}");
         assert_eq!(plan.verify_lens, vec![3, 3, 3, 3]);
+    }
+
+    #[test]
+    fn drafts_are_verified_only_when_they_pay_for_a_step_without_a_graph() {
+        // Decode steps replay graphs (10 ms flat); a step with verify rows takes 25 ms.
+        let curve = LatencyCurve::new(vec![(1, 0.010), (64, 0.010)])
+            .unwrap()
+            .with_verify(LatencyCurve::new(vec![(2, 0.025), (128, 0.025)]).unwrap());
+        let cost = CurveCost {
+            curve: &curve,
+            model: LinearCost([0.0; 4]),
+        };
+        // 8 rows whose drafts are worth 1.2 tokens each: 17.6 tokens in 25 ms < 8 in 10.
+        let poor: Vec<SpecRequest> = (0..8).map(|_| req(&[0.6, 0.5, 0.3])).collect();
+        assert_eq!(plan_verification(&poor, &[], &cost).verify_lens, vec![0; 8]);
+        // Worth 3.6 each: 36.8 tokens in 25 ms beat 8 in 10.
+        let good: Vec<SpecRequest> = (0..8).map(|_| req(&[0.99, 0.95, 0.9, 0.85])).collect();
+        assert_eq!(plan_verification(&good, &[], &cost).verify_lens, vec![4; 8]);
+        // Without the verify curve the same poor drafts look free.
+        let decode_only = LatencyCurve::new(vec![(1, 0.010), (64, 0.010)]).unwrap();
+        let flat = CurveCost {
+            curve: &decode_only,
+            model: LinearCost([0.0; 4]),
+        };
+        assert_eq!(plan_verification(&poor, &[], &flat).verify_lens, vec![3; 8]);
     }
 
     #[test]

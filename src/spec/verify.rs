@@ -38,6 +38,16 @@ fn check_rows(targets: usize, drafts: usize) {
     );
 }
 
+/// Greedy verification against the target's argmax picks (the drafts' positions and the
+/// one after): the drafts equal to the pick there, in order.
+pub fn num_accepted_by_picks(drafts: &[u32], picks: impl IntoIterator<Item = u32>) -> usize {
+    drafts
+        .iter()
+        .zip(picks)
+        .take_while(|(d, p)| **d == *p)
+        .count()
+}
+
 pub fn greedy(targets: &[TargetDistribution], drafts: &[u32]) -> Verified {
     check_rows(targets.len(), drafts.len());
     let mut tokens = Vec::with_capacity(targets.len());

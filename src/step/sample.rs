@@ -135,11 +135,7 @@ impl StepSampler {
                 }
                 // Greedy: the drafts that equal the argmax there, then the argmax at the
                 // first mismatch (or after the last draft).
-                let num_accepted = drafts
-                    .iter()
-                    .zip(picks)
-                    .take_while(|(d, p)| **d == p.0)
-                    .count();
+                let num_accepted = verify::num_accepted_by_picks(drafts, picks.iter().map(|p| p.0));
                 let emitted = &picks[..=num_accepted.min(picks.len() - 1)];
                 yielded.push(Some((
                     emitted.iter().map(|p| p.0).collect(),

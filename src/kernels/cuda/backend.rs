@@ -404,6 +404,17 @@ impl Backend for CudaBackend {
         self.device_picks(logits, vocab, rows)
     }
 
+    fn read_picks(&self, first: usize, count: usize) -> Vec<u32> {
+        let picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = vec![0u32; count];
+        check(
+            self.stream
+                .memcpy_dtoh(&picks.0.slice(first..first + count), &mut out),
+            "read picks",
+        );
+        out
+    }
+
     fn capabilities(&self) -> crate::kernels::Capabilities {
         crate::kernels::Capabilities {
             picks_stay_on_device: true,
