@@ -2,7 +2,8 @@
 # Speculative decoding on the H200 with real weights (the default model's GGUF), which is
 # larger than what one device call carries: the file travels in pieces, one call each,
 # while the machine stays warm, and the last call joins them and runs the benchmark.
-#   split -b 48M SmolLM2-135M-Instruct.Q4_1.gguf gpu-bin/part-   (here; one piece a call)
+#   split -b 33M SmolLM2-135M-Instruct.Q4_1.gguf gpu-bin/part-   (here; one piece a call:
+#   a call carries the working tree too, ~13 MB, within its 64 MiB)
 #   bash scripts/gpu-spec-real.sh piece gpu-bin/part-aa           (device, every piece)
 #   bash scripts/gpu-spec-real.sh run SHA256                      (device, the last call)
 set -euo pipefail
