@@ -84,6 +84,7 @@ fn running_decode_scheduler() -> Scheduler {
                 stop_ids: vec![],
                 ignore_eos: true,
                 cache_salt: 0,
+                verified_by_picks: true,
             })
             .expect("fits");
     }

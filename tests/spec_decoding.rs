@@ -157,14 +157,11 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
                     assert!(worst < 1e-4, "k={k}: logprobs differ by {worst}");
                 }
             }
-            // Under ZOS a continuing row's drafts follow a guess of the token its verify
-            // row draws, which sampling from these flat models rarely matches, and
-            // confidence scheduling verifies what the measured step times say pays: only
-            // every draft verified after known tokens (fixed K, no ZOS) must keep some.
-            if zos {
-                assert!(status.num_spec_verify_rows > 0, "k={k}: nothing verified");
-                assert_eq!(status.num_spec_sat_out_rows, 0, "k={k}");
-            } else {
+            // Sampled rows are verified by the sampler, so under ZOS their sequences sit
+            // out the step after a verify row (their drafts follow known tokens); confidence
+            // scheduling verifies what the measured step times say pays, which on these
+            // tiny models may be nothing: every draft verified must keep some.
+            if verify == SpecVerify::Fixed {
                 assert_speculated(&status, "seeded");
             }
         }

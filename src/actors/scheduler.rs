@@ -394,6 +394,11 @@ impl Actor for SchedulerActor {
                             // Folded into `stop_ids`: EOS left out, the request's own kept.
                             ignore_eos: false,
                             cache_salt: 0,
+                            // As `RowSampling::verifies_on_device` will find its rows.
+                            verified_by_picks: params.is_greedy()
+                                && params.has_no_processors()
+                                && grammar.is_none()
+                                && request.min_tokens == 0,
                         };
                         let r = Request {
                             stop_ids: stop_ids.clone(),

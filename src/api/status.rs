@@ -46,8 +46,9 @@ pub struct EngineStatus {
     pub num_spec_draft_tokens: u64,
     pub num_spec_verified_tokens: u64,
     pub num_spec_accepted_tokens: u64,
-    /// Times a speculating sequence sat out a step under ZOS to wait for its drafts'
-    /// verification (0 where verify rows are continued on the device's side).
+    /// Times a speculating sequence sat out a step under ZOS (its row in flight verifies
+    /// drafts, or its drafter looks at its full history again); 0 where verify rows are
+    /// continued.
     pub num_spec_sat_out_rows: u64,
     /// Per draft position (0-based, up to 16 drafts): drafts verified there, and accepted
     /// there (every earlier draft of the row accepted too).

@@ -166,7 +166,7 @@ impl Engine {
                 .speculative
                 .is_some_and(|s| s.verify == SpecVerify::Confidence),
             model_drafts: draft.is_some() || mtp,
-            verify_skips_next_step: cfg.zero_overhead_scheduling && !continue_verify_rows,
+            verify_skips_next_step: cfg.zero_overhead_scheduling,
             continue_verify_rows,
         };
         // Confidence-scheduled verification prices steps with a measured decode curve: the

@@ -63,6 +63,14 @@ impl DeviceModel for DsV4OnCuda {
         rows: &[StepRow],
     ) -> LaunchedStep {
         let start = self.model.backend.timeline_mark();
+        // Its rows never move back (a model with state slots has its verify rows' sequences
+        // sit out rather than continued).
+        debug_assert!(
+            steps
+                .iter()
+                .zip(rows)
+                .all(|(s, r)| s.num_cached_tokens == r.plan.num_cached_tokens)
+        );
         let mut ds = ds_steps(steps);
         let num_drafts = super::num_placeholders(rows);
         let model_drafts = match &mut self.mtp {

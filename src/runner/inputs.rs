@@ -75,11 +75,14 @@ impl StepInputs {
                             input.push(drawn.token);
                             self.shifts[i] = drawn.num_rejected as usize;
                         }
-                        Some(PrevToken::DeviceVerified { first, drafts }) => {
+                        Some(PrevToken::DeviceVerified {
+                            first,
+                            drafts: verified,
+                        }) => {
                             // The verify row's picks, read once the device made them: no
                             // wait for the readback thread and the sampler.
-                            let picks = read_picks(first, drafts.len() + 1);
-                            let drawn = PrevToken::verified(&drafts, &picks);
+                            let picks = read_picks(first, verified.len() + 1);
+                            let drawn = PrevToken::verified(&verified, &picks);
                             input.push(drawn.token);
                             self.shifts[i] = drawn.num_rejected as usize;
                         }

@@ -65,6 +65,17 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
+    /// No processor changes the logits: the distribution is the raw logits' after
+    /// temperature and the cuts, and nothing but the token is reported.
+    pub fn has_no_processors(&self) -> bool {
+        self.logit_bias.is_empty()
+            && self.repetition_penalty == 1.0
+            && self.frequency_penalty == 0.0
+            && self.presence_penalty == 0.0
+            && self.num_top_logprobs == 0
+            && !self.raw_logprobs
+    }
+
     /// Checks every parameter that does not depend on the model; the error names the
     /// parameter and the offending value.
     pub fn validate(&self) -> Result<()> {

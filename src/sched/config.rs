@@ -35,8 +35,9 @@ pub struct SchedulerConfig {
     pub verify_skips_next_step: bool,
     /// Under ZOS a sequence whose row verifies drafts is continued in the next step
     /// anyway: the rank reads that row's last token and moves the continuing row back by
-    /// the drafts it rejected (models without per-sequence state). Nothing sits out, and
-    /// `verify_skips_next_step` is off.
+    /// the drafts it rejected (models without per-sequence state; sequences whose verify
+    /// rows the rank verifies itself, `SeqRequest::verified_by_picks`). Such a sequence
+    /// never sits out, and its verify rows are not charged a step.
     pub continue_verify_rows: bool,
     /// Drafts come from a draft model in the rank workers: planned rows carry placeholders
     /// (`spec::MODEL_DRAFT`) the worker fills in. Otherwise prompt lookup.

@@ -439,7 +439,7 @@ impl Scheduler {
         let mut features = StepFeatures::default();
         for &idx in &self.running {
             let seq = self.seq(idx);
-            // A sequence with drafts in flight has more scheduled than known tokens.
+            // A decode row: one position left (drafts in flight counted as accepted).
             if seq.num_tokens().checked_sub(seq.num_scheduled_tokens) == Some(1)
                 && seq.may_sample_more(self.cfg.max_context_tokens)
             {

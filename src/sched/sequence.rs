@@ -28,6 +28,10 @@ pub struct SeqRequest {
     pub ignore_eos: bool,
     /// Prefix-cache namespace: only requests with equal salts share cached blocks.
     pub cache_salt: u64,
+    /// Its verify rows are verified against the target's argmax picks (greedy, nothing
+    /// applied to the logits): the rank learns their outcome itself, so under ZOS a row
+    /// continuing one needs no wait for the sampler (`continue_verify_rows`).
+    pub verified_by_picks: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +85,7 @@ pub struct Sequence {
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub cache_salt: u64,
+    pub verified_by_picks: bool,
     pub tokens: Vec<u32>,
     pub num_pending_tokens: usize,
     pub num_scheduled_tokens: usize,
@@ -127,6 +132,7 @@ impl Sequence {
             stop_ids: req.stop_ids,
             ignore_eos: req.ignore_eos,
             cache_salt: req.cache_salt,
+            verified_by_picks: req.verified_by_picks,
             tokens: req.prompt_ids,
             num_pending_tokens: 0,
             num_scheduled_tokens: 0,
@@ -221,6 +227,7 @@ mod tests {
                 stop_ids: vec![0],
                 ignore_eos,
                 cache_salt: 0,
+                verified_by_picks: true,
             },
             0,
         )

@@ -53,6 +53,9 @@ pub struct SpecRequest {
     /// Its confidences rest on enough observations to keep its drafts out entirely (else
     /// a verify row's skipped step is not charged: the drafter has to learn).
     pub calibrated: bool,
+    /// Under ZOS its sequence sits out the step after a verify row (else it is continued
+    /// and no step is charged).
+    pub sits_out_after: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -114,7 +117,7 @@ pub fn plan_verification_skipping(
 
     let base_tokens = requests.len() as f64;
     let charge = |r: usize| {
-        if requests[r].calibrated {
+        if requests[r].calibrated && requests[r].sits_out_after {
             skip_tokens
         } else {
             0.0
@@ -209,6 +212,7 @@ mod tests {
             confidences: confidences.iter().map(|&c| Some(c)).collect(),
             num_context_tokens: 100,
             calibrated: true,
+            sits_out_after: true,
         }
     }
 
@@ -242,6 +246,11 @@ mod tests {
         learning.iter_mut().for_each(|r| r.calibrated = false);
         let explore = plan_verification_skipping(&learning, &[], &cost(), 1.0);
         assert_eq!(explore.verify_lens, free.verify_lens);
+        // Nor is a request whose sequence is continued after its verify row.
+        let mut continued = requests.to_vec();
+        continued.iter_mut().for_each(|r| r.sits_out_after = false);
+        let next = plan_verification_skipping(&continued, &[], &cost(), 1.0);
+        assert_eq!(next.verify_lens, free.verify_lens);
     }
 
     #[test]
@@ -341,10 +350,10 @@ mod tests {
             curve: &curve,
             model: LinearCost([0.0; 4]),
         };
-        // 8 rows whose drafts are worth 1.2 tokens each: 17.6 tokens in 25 ms < 8 in 10.
+        // 8 rows whose drafts are worth 0.99 tokens each: 15.9 tokens in 25 ms < 8 in 10.
         let poor: Vec<SpecRequest> = (0..8).map(|_| req(&[0.6, 0.5, 0.3])).collect();
         assert_eq!(plan_verification(&poor, &[], &cost).verify_lens, vec![0; 8]);
-        // Worth 3.6 each: 36.8 tokens in 25 ms beat 8 in 10.
+        // Worth 3.5 each: 36 tokens in 25 ms beat 8 in 10.
         let good: Vec<SpecRequest> = (0..8).map(|_| req(&[0.99, 0.95, 0.9, 0.85])).collect();
         assert_eq!(plan_verification(&good, &[], &cost).verify_lens, vec![4; 8]);
         // Without the verify curve the same poor drafts look free.

@@ -180,15 +180,7 @@ impl RowSampling {
     /// `is_plain`, drafts aside: the sampler's distribution at every position is the raw
     /// logits' after temperature and the cuts.
     pub fn is_plain_but_drafts(&self) -> bool {
-        let p = &self.params;
-        p.logit_bias.is_empty()
-            && p.repetition_penalty == 1.0
-            && p.frequency_penalty == 0.0
-            && p.presence_penalty == 0.0
-            && p.num_top_logprobs == 0
-            && !p.raw_logprobs
-            && self.banned_ids.is_empty()
-            && self.constraint.is_none()
+        self.params.has_no_processors() && self.banned_ids.is_empty() && self.constraint.is_none()
     }
 }
 

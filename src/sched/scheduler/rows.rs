@@ -41,15 +41,16 @@ fn sits_out(
 
 impl Scheduler {
     /// Whether a speculating sequence with a row in flight sits out this step (ZOS plans
-    /// it before that row's token is known): always while a verify row is in flight or
-    /// under fixed-K verification; under confidence scheduling only when its drafts were
-    /// worth more than the token the continuation gives, or to look again every
+    /// it before that row's token is known). Never where its verify rows are continued
+    /// (`continues`); else always while a verify row is in flight or under fixed-K
+    /// verification, and under confidence scheduling only when its drafts were worth more
+    /// than the token the continuation gives, or to look again every
     /// `RECHECK_AFTER_PLAIN_ROWS` plain rows.
     pub(super) fn waits_for_drafts(&self, idx: usize) -> bool {
-        if self.cfg.continue_verify_rows {
+        let seq = self.seq(idx);
+        if self.continues(seq) {
             return false;
         }
-        let seq = self.seq(idx);
         sits_out(
             seq.num_in_flight_verify_rows > 0,
             self.cfg.confidence_verify && self.cfg.verify_skips_next_step,
@@ -123,6 +124,7 @@ impl Scheduler {
                 confidences: drafts.iter().map(|d| Some(d.confidence)).collect(),
                 num_context_tokens,
                 calibrated,
+                sits_out_after: !self.continues(self.seq(idx)),
             });
             proposals.push((idx, drafts));
         }
@@ -170,12 +172,19 @@ impl Scheduler {
             .collect()
     }
 
+    /// Whether a row of `seq` continues its verify row in flight: under
+    /// `continue_verify_rows`, for a sequence whose verify rows the rank verifies itself
+    /// (any other would stall the whole next step until the sampler is done).
+    pub(super) fn continues(&self, seq: &crate::sched::sequence::Sequence) -> bool {
+        self.cfg.continue_verify_rows && seq.verified_by_picks
+    }
+
     /// The drafter's proposal for sequence `idx`, with confidences, within the room left.
     /// A row continuing an in-flight one (`continue_verify_rows`) gets drafts proposed
     /// after a guess of what that row yields (`Drafter::propose_continuing`).
     fn propose(&mut self, idx: usize, max_drafts: usize) -> Vec<Draft> {
         let max_context_tokens = self.cfg.max_context_tokens;
-        let continues = self.cfg.continue_verify_rows;
+        let continues = self.continues(self.seq(idx));
         let seq = self.seqs[idx].as_mut().expect("live");
         if seq.num_pending_tokens > 0 && !continues {
             return Vec::new();

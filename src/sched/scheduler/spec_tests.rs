@@ -356,6 +356,23 @@ fn under_zos_verifying_sequences_are_continued_not_sat_out_with_the_same_output(
                 "K = {k}: no verify row continued"
             );
             assert_eq!(s.num_sat_out_rows(), 0, "K = {k}");
+            // A sequence whose verify rows only the sampler can verify still sits out.
+            let by_sampler: Vec<SeqRequest> = reqs
+                .iter()
+                .map(|r| SeqRequest {
+                    verified_by_picks: false,
+                    ..r.clone()
+                })
+                .collect();
+            let mut waiting = Scheduler::new(cfg.clone());
+            let mut dev = Device::new(&cfg);
+            dev.next = predictable_next;
+            for r in &by_sampler {
+                waiting.add(r.clone()).unwrap();
+            }
+            let out = drive(&mut waiting, &mut dev, 2, |_, _, _| {});
+            expect_reference_with(&out, &by_sampler, &cfg, predictable_next);
+            assert!(waiting.num_sat_out_rows() > 0, "K = {k}: none sat out");
             // With blocks to spare (drafts reserve positions that may not be kept, and
             // tight pools preempt for them).
             assert!(
