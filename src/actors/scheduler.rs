@@ -130,6 +130,9 @@ pub struct SchedulerState {
     failed: Option<String>,
     drains: Vec<RpcReplyPort<()>>,
     status: EngineStatus,
+    /// When the last step's tokens came in: the period between steps is what a step
+    /// really cost the engine.
+    last_sampled_at: Option<std::time::Instant>,
 }
 
 impl SchedulerState {
@@ -342,6 +345,7 @@ impl Actor for SchedulerActor {
             in_flight: VecDeque::new(),
             failed: None,
             drains: Vec::new(),
+            last_sampled_at: None,
             status: EngineStatus {
                 num_total_blocks,
                 num_total_state_slots,

@@ -245,15 +245,18 @@ pub struct Capabilities {
     pub samples_on_device: bool,
 }
 
-/// A backend's recorded decode steps (CUDA graphs).
+/// A backend's recorded steps of short rows (CUDA graphs): decode rows, and verify rows
+/// whose every token is a logit row.
 pub trait StepGraphs {
-    /// The batch size a step of `num_rows` decode rows runs at, padded; `None`: no graph
-    /// for that size.
-    fn padded_rows(&self, num_rows: usize) -> Option<usize>;
-    /// Brackets the forward pass of a decode step padded to `padded_rows`' size (through
+    /// The token count a step of `num_tokens` tokens in `num_seqs` rows of at most
+    /// `max_row_tokens` runs at, padded with one-token rows; `None`: no graph for it.
+    fn padded_tokens(&self, num_tokens: usize, num_seqs: usize) -> Option<usize>;
+    /// The most tokens a row of a recorded step may hold.
+    fn max_row_tokens(&self) -> usize;
+    /// Brackets the forward pass of a step padded to `padded_tokens`' count (through
     /// `GraphStep`, which ends it). Padding rows have KV slot `PAD_SLOT` and see no keys;
     /// nothing else reads them.
-    fn begin_step(&self, rows: usize, max_blocks_per_seq: usize);
+    fn begin_step(&self, tokens: usize, max_blocks_per_seq: usize);
     fn end_step(&self);
     /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
     fn buffers_moved(&self);
@@ -279,8 +282,8 @@ pub struct GraphStep<'a> {
 }
 
 impl<'a> GraphStep<'a> {
-    pub fn begin(graphs: &'a dyn StepGraphs, rows: usize, max_blocks_per_seq: usize) -> Self {
-        graphs.begin_step(rows, max_blocks_per_seq);
+    pub fn begin(graphs: &'a dyn StepGraphs, tokens: usize, max_blocks_per_seq: usize) -> Self {
+        graphs.begin_step(tokens, max_blocks_per_seq);
         GraphStep { graphs }
     }
 }

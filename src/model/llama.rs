@@ -67,8 +67,9 @@ pub struct LlamaModel<B: Backend> {
     positions: Vec<u32>,
     slots: Vec<u32>,
     ids: Vec<u32>,
-    /// Decode steps may run as the backend's recorded graphs. Off for a second model on
-    /// the same backend (a draft model): the backend keys its graphs by batch size only.
+    /// Steps of short rows may run as the backend's recorded graphs. Off for a second
+    /// model on the same backend (a draft model): the backend keys its graphs by token
+    /// count only.
     graphs: bool,
 }
 
@@ -193,16 +194,20 @@ impl<B: Backend> LlamaModel<B> {
         seqs: &[SeqStep<'_>],
         picked_rows: &[u32],
     ) {
-        // A decode step may run as a recorded graph, its batch padded to the graph's size.
-        let graph_rows = if self.graphs && seqs.iter().all(|s| s.token_ids.len() == 1) {
-            backend.graphs().and_then(|g| g.padded_rows(seqs.len()))
-        } else {
-            None
-        };
-        let num_rows = graph_rows.unwrap_or(seqs.len());
-        let num_pad_rows = num_rows - seqs.len();
-        let num_tokens: usize =
-            seqs.iter().map(|s| s.token_ids.len()).sum::<usize>() + num_pad_rows;
+        // A step of short rows whose every token is a logit row (decode rows, verify rows)
+        // may run as a recorded graph, padded with one-token rows to the graph's count.
+        let real_tokens: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
+        let graph_tokens = backend.graphs().filter(|_| self.graphs).and_then(|g| {
+            seqs.iter()
+                .all(|s| {
+                    s.num_logit_rows == s.token_ids.len() && s.token_ids.len() <= g.max_row_tokens()
+                })
+                .then(|| g.padded_tokens(real_tokens, seqs.len()))
+                .flatten()
+        });
+        let num_pad_rows = graph_tokens.map_or(0, |t| t - real_tokens);
+        let num_rows = seqs.len() + num_pad_rows;
+        let num_tokens = real_tokens + num_pad_rows;
         let num_logit_rows: usize =
             seqs.iter().map(|s| s.num_logit_rows).sum::<usize>() + num_pad_rows;
         self.ensure_workspace(backend, num_tokens, num_logit_rows);
@@ -211,7 +216,7 @@ impl<B: Backend> LlamaModel<B> {
         self.ids.clear();
         self.picked.clear();
         // A graph step always passes picks, so its recorded embedding reads them.
-        let with_picks = graph_rows.is_some() || !picked_rows.is_empty();
+        let with_picks = graph_tokens.is_some() || !picked_rows.is_empty();
         let mut attn_seqs = Vec::with_capacity(seqs.len());
         let mut last_rows = Vec::with_capacity(seqs.len());
         for (row, s) in seqs.iter().enumerate() {
@@ -260,9 +265,9 @@ impl<B: Backend> LlamaModel<B> {
             self.slots.push(crate::kernels::PAD_SLOT);
         }
         let max_blocks = self.cfg.max_context_tokens.div_ceil(block_size);
-        let _graph = graph_rows
+        let _graph = graph_tokens
             .zip(backend.graphs())
-            .map(|(rows, graphs)| GraphStep::begin(graphs, rows, max_blocks));
+            .map(|(tokens, graphs)| GraphStep::begin(graphs, tokens, max_blocks));
 
         let c = &self.cfg;
         let c_hidden = c.hidden_size;

@@ -100,7 +100,7 @@ pub(super) fn run(
     let key = CurveStore::key(
         device,
         &job.model_key,
-        &format!("{rows:?} and verify steps"),
+        &format!("{rows:?} and verify steps, graphed"),
     );
     CurveStore::new(&job.store_dir).load_or_measure(&key, || {
         let decode = LatencyCurve::measure(&rows, REPEATS, |r| time(r, 0))?;

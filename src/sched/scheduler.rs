@@ -17,6 +17,7 @@
 
 use crate::spec::{
     LatencyCurve, ModelDraftCalibration, ModelDrafter, NgramCalibration, NgramDrafter, SeqDrafter,
+    VerifyPrice,
 };
 use std::collections::{HashMap, VecDeque};
 
@@ -82,6 +83,10 @@ pub struct Scheduler {
     /// Decode step seconds by rows, measured on this hardware: with the cost model's
     /// attention terms, what confidence-scheduled verification prices steps with.
     decode_curve: Option<LatencyCurve>,
+    /// How verify steps ran against that curve, next to plain ones.
+    verify_price: VerifyPrice,
+    /// The last decode step completed: rows, whether it verified, its curve seconds.
+    last_decode_step: Option<(StepId, usize, bool, f64)>,
     /// Draft tokens drafters proposed for planned rows (verified or cut by the budget).
     num_proposed_drafts: u64,
     /// Times a speculating sequence sat out a step to wait for its drafts' verification.
@@ -112,6 +117,8 @@ impl Scheduler {
             hits: Vec::new(),
             pending_events: Vec::new(),
             decode_curve: None,
+            verify_price: VerifyPrice::default(),
+            last_decode_step: None,
             num_proposed_drafts: 0,
             num_sat_out_rows: 0,
             ngram_calibration: NgramDrafter::calibration(

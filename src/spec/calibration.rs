@@ -21,9 +21,17 @@ impl Calibration {
         }
     }
 
-    /// The calibrated acceptance probability at draft `position`.
+    /// The calibrated acceptance probability at draft `position`. Past the positions
+    /// counted (a look-ahead for a row that continues one in flight) the last position's:
+    /// deep in a run of accepted drafts the rate levels off, where the prior would halve
+    /// each further draft's survival.
     pub fn rate(&self, position: usize) -> f32 {
-        let (verified, accepted) = self.counts.get(position).copied().unwrap_or((0, 0));
+        let last = self.counts.len().saturating_sub(1);
+        let (verified, accepted) = self
+            .counts
+            .get(position.min(last))
+            .copied()
+            .unwrap_or((0, 0));
         let (a, b) = self.prior;
         ((accepted as f64 + a) / (verified as f64 + a + b)) as f32
     }
@@ -66,6 +74,15 @@ mod tests {
         assert!((c.rate(1) - 31.0 / 92.0).abs() < 1e-6, "{}", c.rate(1));
         // Position 2 was reached 30 times and never accepted.
         assert!((c.rate(2) - 1.0 / 32.0).abs() < 1e-6, "{}", c.rate(2));
-        assert_eq!(c.rate(7), 0.5, "unseen positions keep the prior");
+        assert_eq!(
+            c.rate(7),
+            c.rate(2),
+            "past the counted positions, the last one's"
+        );
+        assert_eq!(
+            Calibration::new(0, 0.25, 2.0).rate(3),
+            0.25,
+            "nothing counted"
+        );
     }
 }

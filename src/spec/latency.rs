@@ -28,8 +28,8 @@ pub enum CurveError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LatencyCurve {
     points: Vec<(usize, f64)>,
-    /// Steps whose rows each verify a draft, by tokens: on a GPU such a step runs without
-    /// a recorded graph, which the decode points do not show.
+    /// Steps whose rows each verify a draft, by tokens: their sampling (and on a GPU their
+    /// attention) differ from a decode step's, which the decode points do not show.
     verify: Option<Box<LatencyCurve>>,
 }
 

@@ -13,7 +13,8 @@
 //! - [`plan_verification`]: the global verify budget that maximises expected tokens per
 //!   second of step time, and per-request verify lengths.
 //! - [`LatencyCurve`], [`CurveStore`]: decode step time by rows, measured once per backend,
-//!   device and model and kept on disk.
+//!   device and model and kept on disk; [`VerifyPrice`]: how much dearer verify steps run
+//!   in the engine than that curve says, learned from the steps that ran.
 
 mod calibration;
 mod distribution;
@@ -23,6 +24,7 @@ mod ngram;
 mod planner;
 mod step_cost;
 pub mod verify;
+mod verify_price;
 
 pub use calibration::Calibration;
 pub use distribution::{TargetDistribution, gumbel_pick};
@@ -34,6 +36,7 @@ pub use planner::{
     plan_verification_skipping,
 };
 pub use step_cost::{LinearCost, StepCost, StepFeatures};
+pub use verify_price::VerifyPrice;
 
 /// One proposed token and the drafter's confidence that the target accepts it, given that
 /// every earlier draft of the same step was accepted.
@@ -47,12 +50,18 @@ pub struct Draft {
 pub trait Drafter {
     /// Up to `max_drafts` tokens to follow `history` (prompt and generated tokens).
     fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft>;
+    /// `propose` for a look-ahead past a first proposal, leaving what `observe` attributes
+    /// its outcome to as the first proposal left it.
+    fn extend(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft> {
+        self.propose(history, max_drafts)
+    }
     /// Up to `max_drafts` tokens for a row that continues an in-flight one (zero-overhead
     /// scheduling plans it before that row is done): `history` is what is known, and the
     /// in-flight row verifies `in_flight` drafts and then draws a token nobody knows yet.
     /// The proposal after `history` predicts both: that row keeps the drafts it agrees
-    /// with and draws its next token, and the drafts are what follows; that token's
-    /// confidence discounts theirs.
+    /// with and draws its next token, and the drafts are what follows. The first draft's
+    /// confidence carries the chance that the in-flight row yields exactly that (every
+    /// predicted token right): otherwise the drafts follow the wrong tokens.
     fn propose_continuing(
         &mut self,
         history: &[u32],
@@ -60,9 +69,12 @@ pub trait Drafter {
         max_drafts: usize,
     ) -> Vec<Draft> {
         // A proposal stops where the history ends; a loop shorter than the lookahead
-        // needed goes on, so look up again after what was proposed.
+        // needed goes on, so look up again after what was proposed. The look-ahead's
+        // positions past the first proposal are as deep in a run of accepted drafts as
+        // its last one, and get its confidence.
         let needed = in_flight.len() + 1 + max_drafts;
         let mut lookahead = self.propose(history, needed);
+        let deepest = lookahead.last().map_or(0.0, |d| d.confidence);
         let mut extended = Vec::new();
         while !lookahead.is_empty() && lookahead.len() < needed {
             if extended.is_empty() {
@@ -70,11 +82,14 @@ pub trait Drafter {
             }
             let from = extended.len();
             extended.extend(lookahead[from - history.len()..].iter().map(|d| d.token));
-            let more = self.propose(&extended, needed - lookahead.len());
+            let more = self.extend(&extended, needed - lookahead.len());
             if more.is_empty() {
                 break;
             }
-            lookahead.extend(more);
+            lookahead.extend(more.into_iter().map(|d| Draft {
+                confidence: deepest,
+                ..d
+            }));
         }
         let num_kept = in_flight
             .iter()
@@ -84,9 +99,13 @@ pub trait Drafter {
         if lookahead.len() <= num_kept + 1 {
             return Vec::new();
         }
+        let guessed: f32 = lookahead[..=num_kept]
+            .iter()
+            .map(|d| d.confidence)
+            .product();
         let mut drafts = lookahead.split_off(num_kept + 1);
         drafts.truncate(max_drafts);
-        drafts[0].confidence *= lookahead[num_kept].confidence;
+        drafts[0].confidence *= guessed;
         drafts
     }
     /// What verification made of the last proposal: `num_accepted` of `num_verified`.
@@ -116,6 +135,12 @@ impl Drafter for SeqDrafter {
         match self {
             SeqDrafter::Ngram(d) => d.propose(history, max_drafts),
             SeqDrafter::Model(d) => d.propose(history, max_drafts),
+        }
+    }
+    fn extend(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft> {
+        match self {
+            SeqDrafter::Ngram(d) => d.extend(history, max_drafts),
+            SeqDrafter::Model(d) => d.extend(history, max_drafts),
         }
     }
     fn propose_continuing(

@@ -68,18 +68,15 @@ impl NgramDrafter {
     }
 }
 
-impl Drafter for NgramDrafter {
-    fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft> {
-        self.last_n = None;
-        for n in (self.min_n..=self.max_n).rev() {
-            let Some(from) = Self::find(history, n) else {
-                continue;
-            };
+impl NgramDrafter {
+    /// The proposal and the match length it came from.
+    fn lookup(&self, history: &[u32], max_drafts: usize) -> Option<(usize, Vec<Draft>)> {
+        (self.min_n..=self.max_n).rev().find_map(|n| {
+            let from = Self::find(history, n)?;
             let to = (from + max_drafts).min(history.len());
             let calibration = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
             let calibration = &calibration[n - self.min_n];
-            self.last_n = Some(n);
-            return history[from..to]
+            let drafts = history[from..to]
                 .iter()
                 .enumerate()
                 .map(|(i, &token)| Draft {
@@ -87,8 +84,22 @@ impl Drafter for NgramDrafter {
                     confidence: calibration.rate(i),
                 })
                 .collect();
-        }
-        Vec::new()
+            Some((n, drafts))
+        })
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn propose(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft> {
+        let found = self.lookup(history, max_drafts);
+        self.last_n = found.as_ref().map(|(n, _)| *n);
+        found.map(|(_, drafts)| drafts).unwrap_or_default()
+    }
+
+    fn extend(&mut self, history: &[u32], max_drafts: usize) -> Vec<Draft> {
+        self.lookup(history, max_drafts)
+            .map(|(_, drafts)| drafts)
+            .unwrap_or_default()
     }
 
     fn observe(&mut self, num_verified: usize, num_accepted: usize) {
@@ -146,6 +157,50 @@ mod tests {
             d.propose_continuing(&[5, 6, 7], &[], 2).is_empty(),
             "nothing to look up"
         );
+    }
+
+    #[test]
+    fn a_continuing_row_is_only_as_sure_as_the_guess_of_what_precedes_it() {
+        let calibration = NgramDrafter::calibration(1, 3, 4);
+        let mut d = NgramDrafter::with_calibration(1, 3, calibration.clone());
+        let history = [1, 2, 3, 1, 2, 3, 1, 2];
+        for i in 0..40 {
+            // The loop's three tokens: all accepted, or (one time in four) none.
+            d.propose(&history, 4);
+            d.observe(3, if i % 4 == 0 { 0 } else { 3 });
+        }
+        let rate = |i: usize| calibration.lock().unwrap()[2].rate(i);
+        let drafts = d.propose_continuing(&history, &[3, 1], 4);
+        assert_eq!(tokens(&drafts), vec![3, 1, 2, 3]);
+        // The row in flight yields 3 1 (kept) and 2 (drawn) only with every one right.
+        let guessed = rate(0) * rate(1) * rate(2);
+        assert!(
+            (drafts[0].confidence - guessed * rate(2)).abs() < 1e-6,
+            "{drafts:?}"
+        );
+        // The look-ahead past the first proposal (three tokens, the loop) is as deep in
+        // a run of accepted drafts as its last one, not back at the prior.
+        assert!(
+            drafts[1..].iter().all(|x| x.confidence == rate(2)),
+            "{drafts:?}"
+        );
+        assert!(rate(2) > 0.9 && rate(0) < 0.8, "{} {}", rate(0), rate(2));
+    }
+
+    #[test]
+    fn a_lookahead_past_the_first_proposal_leaves_its_match_length_to_observe() {
+        let calibration = NgramDrafter::calibration(1, 2, 3);
+        let mut d = NgramDrafter::with_calibration(1, 2, calibration.clone());
+        assert!(!d.propose(&[4, 8, 1, 4, 8], 3).is_empty(), "a match of 2");
+        assert!(!d.extend(&[9, 1, 5, 1], 3).is_empty(), "a match of 1 only");
+        d.observe(2, 2);
+        let counts: Vec<u64> = calibration
+            .lock()
+            .unwrap()
+            .iter()
+            .map(Calibration::num_observed)
+            .collect();
+        assert_eq!(counts, vec![0, 1], "the first proposal's length learns");
     }
 
     #[test]

@@ -19,14 +19,16 @@ use super::LatencyCurve;
 use super::step_cost::{LinearCost, StepCost, StepFeatures};
 
 /// The measured decode curve at the step's token count (graph buckets and all) — or, for a
-/// step with verify rows, the measured verify steps' curve where there is one (on a GPU
-/// such a step runs without a recorded graph) — plus the fitted model's terms a short
+/// step with verify rows, the measured verify steps' curve where there is one (their
+/// sampling, and on a GPU their attention, differ from a decode step's) — plus the fitted model's terms a short
 /// decode step does not show: attention over each row's context (c2·Σq·c) and within
 /// multi-token rows (c3·(Σq² − Σq)).
 pub struct CurveCost<'a> {
     pub curve: &'a LatencyCurve,
     /// The fitted model's coefficients (only its attention terms are read).
     pub model: LinearCost,
+    /// How much dearer than the curve a verify step runs in the engine (`VerifyPrice`).
+    pub verify_factor: f64,
 }
 
 impl StepCost for CurveCost<'_> {
@@ -35,9 +37,15 @@ impl StepCost for CurveCost<'_> {
         let tokens = f.sum_q.round() as usize;
         let decode = self.curve.secs(tokens);
         // Σq² > Σq: some row holds more than one token.
+        let verifies = f.sum_q_squared > f.sum_q + 0.5;
         let base = match self.curve.verify_secs(tokens) {
-            Some(verify) if f.sum_q_squared > f.sum_q + 0.5 => verify.max(decode),
+            Some(verify) if verifies => verify.max(decode),
             _ => decode,
+        };
+        let base = if verifies {
+            base * self.verify_factor
+        } else {
+            base
         };
         base + c2 * f.sum_q_times_c + c3 * (f.sum_q_squared - f.sum_q)
     }
@@ -50,8 +58,9 @@ pub struct SpecRequest {
     pub confidences: Vec<Option<f32>>,
     /// Tokens of context its row attends to.
     pub num_context_tokens: usize,
-    /// Its confidences rest on enough observations to keep its drafts out entirely (else
-    /// a verify row's skipped step is not charged: the drafter has to learn).
+    /// Its confidences rest on enough observations to act on; else every draft is
+    /// verified, as if it had none: the drafter has to learn, and a drafter kept out by
+    /// its prior would never learn.
     pub calibrated: bool,
     /// Under ZOS its sequence sits out the step after a verify row (else it is continued
     /// and no step is charged).
@@ -101,7 +110,7 @@ pub fn plan_verification_skipping(
     let mut slots: Vec<(f64, usize, usize)> = Vec::new();
     for (r, req) in requests.iter().enumerate() {
         let confidences: Option<Vec<f64>> = req.confidences.iter().map(|&c| valid(c)).collect();
-        match confidences {
+        match confidences.filter(|_| req.calibrated) {
             Some(confidences) => {
                 let mut survival = 1.0;
                 for (i, c) in confidences.into_iter().enumerate() {
@@ -117,7 +126,7 @@ pub fn plan_verification_skipping(
 
     let base_tokens = requests.len() as f64;
     let charge = |r: usize| {
-        if requests[r].calibrated && requests[r].sits_out_after {
+        if requests[r].sits_out_after {
             skip_tokens
         } else {
             0.0
@@ -241,11 +250,11 @@ mod tests {
         assert_eq!(zos.verify_lens, vec![free.verify_lens[0], 0, 0], "{zos:?}");
         assert!(zos.expected_tokens < free.expected_tokens);
         assert!(zos.predicted_secs < free.predicted_secs);
-        // A drafter still learning is not held to it.
+        // A drafter still learning has every draft verified.
         let mut learning = requests.to_vec();
         learning.iter_mut().for_each(|r| r.calibrated = false);
         let explore = plan_verification_skipping(&learning, &[], &cost(), 1.0);
-        assert_eq!(explore.verify_lens, free.verify_lens);
+        assert_eq!(explore.verify_lens, vec![3, 2, 1]);
         // Nor is a request whose sequence is continued after its verify row.
         let mut continued = requests.to_vec();
         continued.iter_mut().for_each(|r| r.sits_out_after = false);
@@ -332,6 +341,7 @@ mod tests {
         let cost = CurveCost {
             curve: &curve,
             model,
+            verify_factor: 1.0,
         };
         let requests: Vec<SpecRequest> = (0..4).map(|_| req(&[0.7; 5])).collect();
         let plan = plan_verification(&requests, &[], &cost);
@@ -341,7 +351,7 @@ mod tests {
     }
 
     #[test]
-    fn drafts_are_verified_only_when_they_pay_for_a_step_without_a_graph() {
+    fn drafts_are_verified_only_when_they_pay_for_a_dearer_step() {
         // Decode steps replay graphs (10 ms flat); a step with verify rows takes 25 ms.
         let curve = LatencyCurve::new(vec![(1, 0.010), (64, 0.010)])
             .unwrap()
@@ -349,6 +359,7 @@ mod tests {
         let cost = CurveCost {
             curve: &curve,
             model: LinearCost([0.0; 4]),
+            verify_factor: 1.0,
         };
         // 8 rows whose drafts are worth 0.99 tokens each: 15.9 tokens in 25 ms < 8 in 10.
         let poor: Vec<SpecRequest> = (0..8).map(|_| req(&[0.6, 0.5, 0.3])).collect();
@@ -361,8 +372,18 @@ mod tests {
         let flat = CurveCost {
             curve: &decode_only,
             model: LinearCost([0.0; 4]),
+            verify_factor: 1.0,
         };
         assert_eq!(plan_verification(&poor, &[], &flat).verify_lens, vec![3; 8]);
+        // Where verify steps were seen to run 4× dearer than the curve says, even drafts
+        // worth 2.9 tokens a row are not: 31 tokens in 40 ms < 8 in 10.
+        let good: Vec<SpecRequest> = (0..8).map(|_| req(&[0.99, 0.98, 0.97])).collect();
+        assert_eq!(plan_verification(&good, &[], &flat).verify_lens, vec![3; 8]);
+        let dear = CurveCost {
+            verify_factor: 4.0,
+            ..flat
+        };
+        assert_eq!(plan_verification(&good, &[], &dear).verify_lens, vec![0; 8]);
     }
 
     #[test]

@@ -56,7 +56,16 @@ impl SchedulerState {
             .collect();
         self.core.observe_draft_probs(&probs);
         let per_row: Vec<&[u32]> = step.rows.iter().map(|r| r.tokens.as_slice()).collect();
-        for event in self.core.on_step_verified(step_id, &per_row, secs) {
+        let events = self.core.on_step_verified(step_id, &per_row, secs);
+        // Steps in a row complete a period apart; after an idle gap, the step's own
+        // latency bounds it.
+        let now = std::time::Instant::now();
+        let period = self
+            .last_sampled_at
+            .replace(now)
+            .map_or(secs, |last| (now - last).as_secs_f64().min(secs));
+        self.core.observe_step_period(step_id, period);
+        for event in events {
             match event {
                 SeqEvent::Token { seq_id, token } => {
                     let Some(r) = self.requests.get_mut(&seq_id) else {

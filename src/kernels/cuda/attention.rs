@@ -1,14 +1,16 @@
-//! Paged attention on the GPU. The query rows of prefill chunks (outside the batch-invariant
-//! mode) go to `flash_prefill_kernel`, 64 rows of a sequence per block sharing each key
-//! and value they load. The other rows go, over a bf16 cache with up to 8 query heads per
+//! Paged attention on the GPU. The query rows of prefill chunks (outside the
+//! batch-invariant mode, in an eager step) go to `flash_prefill_kernel`, 64 rows of a
+//! sequence per block sharing each key and value they load. The other rows (every row of a
+//! graph step: decode and verify rows) go, over a bf16 cache with up to 8 query heads per
 //! KV head and a power-of-two block size, to `attention_decode_mma` (one block per row, KV
 //! head and split, computing every query head of the group on tensor cores from one read of
-//! the keys), else to `attention_split_kernel` (one block per row, head and split). A split is a contiguous run of fixed 64-key chunks, merged by a combine kernel
-//! when there are several. How many splits (counting blocks per row as above):
+//! the keys), else to `attention_split_kernel` (one block per row, head and split). A split
+//! is a contiguous run of fixed 64-key chunks, merged by a combine kernel when there are
+//! several. How many splits (counting blocks per row as above):
 //! - batch-invariant mode: `INVARIANT_SPLITS`, always, so a row's result depends on nothing
 //!   but its keys (its chunks shared out by that fixed count, merged in split order);
-//! - otherwise enough blocks to fill the GPU: in a graph step a count fixed by its batch
-//!   size (a graph bakes in its grid), eagerly also at most one per chunk.
+//! - otherwise enough blocks to fill the GPU: in a graph step a count fixed by its token
+//!   count (a graph bakes in its grid), eagerly also at most one per chunk.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -65,7 +67,12 @@ impl CudaBackend {
         let mut max_visible = 0usize;
         // The invariant mode keeps every row on the split kernel: a position's result must
         // not depend on whether its chunk had one token or many.
-        let flash = cache.kv_bf16 && !self.batch_invariant && matches!(shape.head_dim, 64 | 128);
+        // A graph step's rows (decode and verify rows alike) go to the split kernels token
+        // by token: the flash kernel's tile list follows the rows, which a graph cannot.
+        let flash = cache.kv_bf16
+            && !self.batch_invariant
+            && self.phase() == Phase::Eager
+            && matches!(shape.head_dim, 64 | 128);
         let mut tiles: Vec<u32> = Vec::new();
         let mut split_rows: Vec<u32> = Vec::new();
         for s in seqs {

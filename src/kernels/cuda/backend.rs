@@ -495,13 +495,17 @@ impl crate::kernels::TimelineMark for EventMark {
 }
 
 impl crate::kernels::StepGraphs for CudaBackend {
-    fn padded_rows(&self, num_rows: usize) -> Option<usize> {
-        graph::padded_rows(num_rows)
+    fn padded_tokens(&self, num_tokens: usize, num_seqs: usize) -> Option<usize> {
+        graph::padded_tokens(num_tokens, num_seqs)
     }
 
-    fn begin_step(&self, rows: usize, max_blocks_per_seq: usize) {
+    fn max_row_tokens(&self) -> usize {
+        graph::MAX_GRAPH_ROW_TOKENS
+    }
+
+    fn begin_step(&self, tokens: usize, max_blocks_per_seq: usize) {
         self.graphs()
-            .begin(&self.ctx, &self.stream, rows, max_blocks_per_seq);
+            .begin(&self.ctx, &self.stream, tokens, max_blocks_per_seq);
     }
 
     fn end_step(&self) {

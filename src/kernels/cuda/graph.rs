@@ -1,9 +1,13 @@
-//! CUDA graphs for decode steps. A decode step's ~20 launches per layer cost more host and
-//! launch time than a small batch's GPU work; recorded once per batch size and replayed,
-//! the whole forward pass is one launch.
+//! CUDA graphs for decode and verify steps. A decode step's ~20 launches per layer cost
+//! more host and launch time than a small batch's GPU work; recorded once per token count
+//! and replayed, the whole forward pass is one launch.
 //!
-//! A step of `n` decode rows runs padded to the next recorded size (`GRAPH_BATCH_SIZES`).
-//! The first step of a size runs eagerly (it sizes every scratch buffer), the second is
+//! A step whose rows are short (decode rows, and verify rows of a few drafts: every token
+//! a logit row) runs padded to the next recorded token count (`GRAPH_TOKEN_COUNTS`) with
+//! one-token padding rows. Every kernel of such a step is indexed by token through the
+//! metadata, so one graph serves 8 decode rows and one row verifying 7 drafts alike.
+//!
+//! The first step of a count runs eagerly (it sizes every scratch buffer), the second is
 //! captured, later ones replay. A graph bakes in every address it touches, so the step's
 //! metadata (ids, positions, KV slots, block tables, ...) lives in one fixed device arena,
 //! one region per `Meta` kind: the forward pass runs on the host as usual, its uploads
@@ -21,9 +25,16 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, P
 use super::check;
 use super::recorded::{OwnModule, Recorded};
 
-/// Decode batch sizes that get a graph; larger decode batches run eagerly.
-pub const GRAPH_BATCH_SIZES: [usize; 14] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256];
-const MAX_GRAPH_ROWS: usize = GRAPH_BATCH_SIZES[GRAPH_BATCH_SIZES.len() - 1];
+/// Token counts that get a graph; larger steps run eagerly.
+pub const GRAPH_TOKEN_COUNTS: [usize; 20] = [
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024,
+];
+const MAX_GRAPH_TOKENS: usize = GRAPH_TOKEN_COUNTS[GRAPH_TOKEN_COUNTS.len() - 1];
+/// Sequences a graph step may hold: the block tables' region is sized by it.
+const MAX_GRAPH_SEQS: usize = 256;
+/// Tokens a row of a graph step may hold: longer rows are prefill chunks, whose attention
+/// wants the flash kernel (its tile list varies with the rows, so it stays eager).
+pub const MAX_GRAPH_ROW_TOKENS: usize = 16;
 
 /// The kinds of per-step metadata a forward pass uploads; in a graph step each kind is
 /// uploaded once and has its own arena region.
@@ -39,7 +50,7 @@ pub enum Meta {
     Picked,
     /// Flash-attention tiles: prefill only, never in a graph step.
     Tiles,
-    /// Last: the only variable-length kind, `MAX_GRAPH_ROWS · (max blocks + 1)` long.
+    /// Last: the only variable-length kind, `MAX_GRAPH_SEQS · (max blocks + 1)` long.
     Tables,
 }
 const NUM_META: usize = 9;
@@ -47,7 +58,7 @@ const NUM_META: usize = 9;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     Eager,
-    /// The first step of a size: eager launches, metadata through the arena.
+    /// The first step of a token count: eager launches, metadata through the arena.
     Warmup(usize),
     Capture(usize),
     Replay(usize),
@@ -88,9 +99,16 @@ pub struct Graphs {
     programmatic: Option<OwnModule>,
 }
 
-/// The batch size `num_rows` decode rows run at, when a graph can take them.
-pub fn padded_rows(num_rows: usize) -> Option<usize> {
-    GRAPH_BATCH_SIZES.iter().copied().find(|&b| b >= num_rows)
+/// The token count a step of `num_tokens` tokens in `num_seqs` short rows runs at, when a
+/// graph can take it.
+pub fn padded_tokens(num_tokens: usize, num_seqs: usize) -> Option<usize> {
+    if num_seqs > MAX_GRAPH_SEQS {
+        return None;
+    }
+    GRAPH_TOKEN_COUNTS
+        .iter()
+        .copied()
+        .find(|&b| b >= num_tokens)
 }
 
 impl Graphs {
@@ -109,27 +127,27 @@ impl Graphs {
     }
 
     fn offset(&self, kind: Meta) -> usize {
-        kind as usize * MAX_GRAPH_ROWS
+        kind as usize * MAX_GRAPH_TOKENS
     }
 
     fn capacity(&self, kind: Meta) -> usize {
         match kind {
             Meta::Tables => self.tables_capacity,
-            _ => MAX_GRAPH_ROWS,
+            _ => MAX_GRAPH_TOKENS,
         }
     }
 
-    /// Starts a graph step of `rows` rows (a `GRAPH_BATCH_SIZES` entry).
+    /// Starts a graph step of `tokens` tokens (a `GRAPH_TOKEN_COUNTS` entry).
     pub fn begin(
         &mut self,
         ctx: &Arc<CudaContext>,
         stream: &Arc<CudaStream>,
-        rows: usize,
+        tokens: usize,
         max_blocks_per_seq: usize,
     ) {
         if self.arena.is_none() {
-            self.tables_capacity = MAX_GRAPH_ROWS * (max_blocks_per_seq + 1);
-            let len = Meta::Tables as usize * MAX_GRAPH_ROWS + self.tables_capacity;
+            self.tables_capacity = MAX_GRAPH_SEQS * (max_blocks_per_seq + 1);
+            let len = Meta::Tables as usize * MAX_GRAPH_TOKENS + self.tables_capacity;
             self.arena = Some(check(stream.alloc_zeros::<u32>(len), "graph arena"));
             for _ in 0..2 {
                 // SAFETY: only the staged prefix is ever copied, and it is written first.
@@ -150,17 +168,17 @@ impl Graphs {
             "staging reuse",
         );
         self.staged = [None; NUM_META];
-        self.phase = if self.recorded.contains_key(&rows) {
-            Phase::Replay(rows)
-        } else if self.warmed.contains(&rows) {
+        self.phase = if self.recorded.contains_key(&tokens) {
+            Phase::Replay(tokens)
+        } else if self.warmed.contains(&tokens) {
             super::module::release_kept_memory(stream);
             check(
                 stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "begin capture",
             );
-            Phase::Capture(rows)
+            Phase::Capture(tokens)
         } else {
-            Phase::Warmup(rows)
+            Phase::Warmup(tokens)
         };
         tracing::debug!(phase = ?self.phase, "graph step");
     }
@@ -205,29 +223,29 @@ impl Graphs {
 
     /// Ends the graph step: records or replays it. Returns to eager mode.
     pub fn end(&mut self, stream: &Arc<CudaStream>) {
-        let rows = match std::mem::replace(&mut self.phase, Phase::Eager) {
+        let tokens = match std::mem::replace(&mut self.phase, Phase::Eager) {
             Phase::Eager => return,
-            Phase::Warmup(rows) => {
-                self.warmed.insert(rows);
+            Phase::Warmup(tokens) => {
+                self.warmed.insert(tokens);
                 return;
             }
-            Phase::Capture(rows) => {
+            Phase::Capture(tokens) => {
                 let graph = check(
                     Recorded::end_capture(stream, self.programmatic),
                     "end capture",
                 );
                 tracing::debug!(
-                    rows,
+                    tokens,
                     programmatic_edges = graph.num_programmatic_edges,
-                    "recorded a decode step as a CUDA graph"
+                    "recorded a step as a CUDA graph"
                 );
-                self.recorded.insert(rows, graph);
-                rows
+                self.recorded.insert(tokens, graph);
+                tokens
             }
-            Phase::Replay(rows) => rows,
+            Phase::Replay(tokens) => tokens,
         };
         let end = (0..NUM_META)
-            .filter_map(|k| self.staged[k].map(|len| k * MAX_GRAPH_ROWS + len))
+            .filter_map(|k| self.staged[k].map(|len| k * MAX_GRAPH_TOKENS + len))
             .max()
             .unwrap_or(0);
         let arena = self.arena.as_ref().expect("a graph step has an arena");
@@ -242,7 +260,7 @@ impl Graphs {
             "metadata upload",
         );
         check(staging.copied.record(stream), "event");
-        check(self.recorded[&rows].launch(stream), "graph launch");
+        check(self.recorded[&tokens].launch(stream), "graph launch");
     }
 
     /// A buffer a recorded graph uses moved: every graph is recorded again.

@@ -33,6 +33,39 @@ impl Scheduler {
         self.on_step_verified(step_id, &per_row, elapsed_secs)
     }
 
+    /// The period between the completion of step `step_id` (just taken by
+    /// `on_step_verified`) and the one before it, as the engine ran: what confidence
+    /// scheduling learns the real price of a verify step from (`VerifyPrice`).
+    pub fn observe_step_period(&mut self, step_id: StepId, secs: f64) {
+        if let Some((id, num_rows, verifies, predicted)) = self.last_decode_step.take()
+            && id == step_id
+        {
+            self.verify_price
+                .observe(num_rows, verifies, predicted, secs);
+        }
+    }
+
+    /// A decode step's rows, whether it verified drafts and the seconds the measured curve
+    /// gives it; `None` for a step with prefill chunks or without a curve.
+    fn curve_secs(&self, step: &super::InFlightStep) -> Option<(StepId, usize, bool, f64)> {
+        let curve = self.decode_curve.as_ref()?;
+        let decode = step
+            .rows
+            .iter()
+            .all(|r| r.sample && r.num_tokens == 1 + r.num_draft_tokens);
+        if !decode {
+            return None;
+        }
+        let cost = crate::spec::CurveCost {
+            curve,
+            model: crate::spec::LinearCost(self.cost_model.coefficients()),
+            verify_factor: 1.0,
+        };
+        let verifies = step.rows.iter().any(|r| r.num_draft_tokens > 0);
+        let predicted = crate::spec::StepCost::step_secs(&cost, &step.features);
+        Some((step.step_id, step.rows.len(), verifies, predicted))
+    }
+
     /// `on_step_done` for steps with verify rows: per sampling row its tokens — the
     /// accepted drafts and one more (one token for a row without drafts). The KV written
     /// for rejected drafts is rolled back: those positions are computed again.
@@ -59,6 +92,7 @@ impl Scheduler {
         );
         self.cost_model
             .observe_features(&step.features, elapsed_secs);
+        self.last_decode_step = self.curve_secs(&step);
         let mut events = std::mem::take(&mut self.pending_events);
         let mut sampled = sampled.iter();
         let mut any_finished = false;

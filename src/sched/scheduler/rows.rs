@@ -140,6 +140,7 @@ impl Scheduler {
                 &CurveCost {
                     curve,
                     model: crate::spec::LinearCost(self.cost_model.coefficients()),
+                    verify_factor: self.verify_price.factor(requests.len() + other_rows.len()),
                 },
                 skip_tokens,
             ),

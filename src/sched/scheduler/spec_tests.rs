@@ -194,6 +194,10 @@ fn drafts_in_third_step(long_prompt: Option<usize>) -> usize {
         1e-4 + 1e-3 * plan.rows.iter().map(|r| r.num_tokens()).sum::<usize>() as f64
     };
     let mut s = Scheduler::new(cfg).with_cost_model(CostModel::with_prior([1e-4, 1e-3, 0.0, 0.0]));
+    // A drafter seen right many times before (an uncalibrated one verifies everything).
+    for c in s.ngram_calibration.lock().unwrap().iter_mut() {
+        (0..20).for_each(|_| c.observe(5, 5));
+    }
     let looped = [1, 2, 3].repeat(4);
     s.add(SeqRequest {
         ignore_eos: true,
@@ -382,4 +386,65 @@ fn under_zos_verifying_sequences_are_continued_not_sat_out_with_the_same_output(
             );
         }
     }
+}
+
+/// Four long looping requests under confidence scheduling over a flat measured curve (1 ms
+/// a step, verify steps alike); each step reports a period of 1 ms, or `verify_secs` when
+/// it verified drafts. Returns the outputs, the requests and the drafts verified.
+fn run_priced(verify_secs: f64) -> (Outputs, Vec<SeqRequest>, usize) {
+    let cfg = SchedulerConfig {
+        confidence_verify: true,
+        num_blocks: 256,
+        ..spec_cfg(5)
+    };
+    let flat = |from: usize| crate::spec::LatencyCurve::new(vec![(from, 1e-3), (512, 1e-3)]);
+    let mut s = Scheduler::new(cfg.clone());
+    s.set_decode_curve(flat(1).unwrap().with_verify(flat(2).unwrap()));
+    // A drafter seen right many times before: what it is worth is not in question here.
+    for c in s.ngram_calibration.lock().unwrap().iter_mut() {
+        (0..20).for_each(|_| c.observe(5, 5));
+    }
+    let mut dev = Device::new(&cfg);
+    dev.next = predictable_next;
+    let reqs: Vec<SeqRequest> = (1..=4u64)
+        .map(|id| SeqRequest {
+            ignore_eos: true,
+            ..req(id, prompt(id as u32, 8 + id as usize), 160)
+        })
+        .collect();
+    for r in &reqs {
+        s.add(r.clone()).unwrap();
+    }
+    let mut outputs = Outputs::default();
+    while let Some(plan) = s.schedule() {
+        let sampled = dev.execute_verified(&plan);
+        let rows: Vec<&[u32]> = sampled.iter().map(Vec::as_slice).collect();
+        outputs.apply(s.on_step_verified(plan.step_id, &rows, fake_secs(&plan)));
+        let verifies = plan.rows.iter().any(|r| r.num_draft_tokens > 0);
+        s.observe_step_period(plan.step_id, if verifies { verify_secs } else { 1e-3 });
+    }
+    assert_idle_and_full(&s);
+    (outputs, reqs, dev.num_drafts)
+}
+
+#[test]
+fn verify_steps_seen_to_run_dearer_than_the_curve_says_are_priced_out() {
+    let cfg = SchedulerConfig {
+        confidence_verify: true,
+        ..spec_cfg(5)
+    };
+    let (honest_out, reqs, honest) = run_priced(1e-3);
+    expect_reference_with(&honest_out, &reqs, &cfg, predictable_next);
+    let (dear_out, _, dear) = run_priced(20e-3);
+    expect_reference_with(&dear_out, &reqs, &cfg, predictable_next);
+    // Once verify steps were seen to run 20× a plain one (8× as priced, the bound), no
+    // draft pays for one.
+    assert!(
+        honest > 200,
+        "verify steps priced as the curve says: {honest} drafts"
+    );
+    assert!(
+        dear * 3 < honest,
+        "{dear} drafts verified at 20× the price, {honest} at the curve's"
+    );
 }
