@@ -276,6 +276,35 @@ extern "C" __global__ void gather_rows_kernel(float* out, const float* x, const 
     out[i] = x[(long long)rows[r] * width + c];
 }
 
+// Words per row of apply_verified's metadata (graph.rs's VERIFIED_META).
+#define VERIFIED_META 6
+
+// Rows continuing a greedy verify row of the step before, planned as if it kept every
+// draft: one block per row counts the drafts the verify row's picks agree with, then moves
+// the row's tokens back by those it rejected (positions, KV slots, visible keys) and points
+// its first token at the pick drawn after the kept ones. Runs on a recorded step's
+// metadata after it is copied to the device and before the graph replays.
+extern "C" __global__ void apply_verified_kernel(u32* positions, u32* slots, u32* row_visible,
+                                                 u32* picked, const u32* tables,
+                                                 const u32* meta, const u32* picks,
+                                                 int num_rows, int block_size) {
+    int r = blockIdx.x;
+    if (r >= num_rows) return;
+    const u32* m = meta + r * VERIFIED_META;
+    u32 start = m[0], n = m[1], first = m[2], num_drafts = m[3], table = m[4];
+    const u32* drafts = meta + m[5];
+    u32 kept = 0;
+    while (kept < num_drafts && picks[first + kept] == drafts[kept]) kept++;
+    u32 rejected = num_drafts - kept;
+    for (u32 t = threadIdx.x; t < n; t += blockDim.x) {
+        u32 pos = positions[start + t] - rejected;
+        positions[start + t] = pos;
+        slots[start + t] = tables[table + pos / block_size] * block_size + pos % block_size;
+        row_visible[start + t] -= rejected;
+    }
+    if (threadIdx.x == 0) picked[start] = first + kept;
+}
+
 template <typename T>
 __device__ void kv_write(T* k_cache, T* v_cache, const float* k, const float* v, const u32* slots,
                          int kv_dim, int num_tokens) {

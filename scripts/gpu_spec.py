@@ -6,7 +6,8 @@ Random bf16 weights (Qwen3-0.6B shape, made by transformers as in gpu_bench.py) 
 predict text, so the prompts are copy-heavy (a random phrase repeated) and the model's own
 greedy loops do the rest: prompt lookup then proposes what the model repeats. Reports
 output tok/s over the generation, accept length (tokens per verify row), verify tokens
-per step and the drafts proposed / verified / accepted, from `--stats`.
+per step, the share of the generation the GPU sat idle between steps and the drafts
+proposed / verified / accepted, from `--stats`.
 
 With a model file (`python3 scripts/gpu_spec.py target/release/troupe MODEL.gguf`: real
 weights, carried to the device machine in pieces, see `scripts/gpu-spec-real.sh`) the
@@ -74,6 +75,7 @@ def main(binary, model=None):
                 sat_out=stats.get("spec_sat_out_rows", -1),
                 accept_length=1 + stats["spec_accepted_tokens"] / verify_rows if mode != "off" else 1.0,
                 verify_tokens_per_step=stats["spec_verified_tokens"] / max(stats["steps"], 1),
+                gpu_idle=stats.get("device_idle_secs", 0.0) / max(stats["generate_s"], 1e-9),
                 tokens=[o["token_ids"] for o in outs]))
     # Greedy: every mode must give the tokens speculation off gives (bf16 rounding of a
     # verify row's GEMM may flip near-ties; report the share that agrees).
@@ -86,13 +88,13 @@ def main(binary, model=None):
         r.pop("tokens", None)
     with open(os.path.join(OUT, "gpu_spec.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("conc mode        out_tok/s  steps  sat_out  accept_len  verify_tok/step  drafts/verified/accepted  same_as_off")
+    print("conc mode        out_tok/s  steps  sat_out  accept_len  verify_tok/step  gpu_idle  drafts/verified/accepted  same_as_off")
     for r in rows:
         if "error" in r:
             print(r["concurrency"], r["mode"], "ERROR", r["error"][-300:])
             continue
         print(f'{r["concurrency"]:4} {r["mode"]:10} {r["out_tok_s"]:10.0f} {r["steps"]:6} {r["sat_out"]:8} '
-              f'{r["accept_length"]:11.2f} {r["verify_tokens_per_step"]:16.2f}  '
+              f'{r["accept_length"]:11.2f} {r["verify_tokens_per_step"]:16.2f} {r["gpu_idle"]:9.2f}  '
               f'{r["draft_tokens"]}/{r["verified_tokens"]}/{r["accepted_tokens"]}'
               f'  {r.get("same_as_off", 1.0):.3f}')
 

@@ -145,11 +145,16 @@ impl ThreadLocalActor for RankWorker {
         if void && !in_group {
             return Ok(());
         }
+        let on_device = model.verifies_on_device();
         let mut read_picks = |first: u32, count: usize| model.read_picks(first, count);
-        if !st
-            .inputs
-            .resolve(&step, &st.sampled, in_group, st.shard.rank, &mut read_picks)
-        {
+        if !st.inputs.resolve(
+            &step,
+            &st.sampled,
+            in_group,
+            st.shard.rank,
+            on_device,
+            &mut read_picks,
+        ) {
             return Ok(());
         }
         // Timed from here: waiting on the previous step's tokens is not this step's cost.
@@ -169,10 +174,11 @@ impl ThreadLocalActor for RankWorker {
             "step launching"
         );
         let (block_size, picked) = (st.block_size, st.inputs.picked_rows());
+        let verified = st.inputs.verified_rows();
         let launched_step = in_pool(st.pool.as_ref(), || {
-            model.step(block_size, &steps, picked, &step.rows)
+            model.step(block_size, &steps, picked, &verified, &step.rows)
         });
-        drop(steps);
+        drop((steps, verified));
         let step_id = step.step_id;
         st.inputs.launched(epoch, step_id, launched_step.prev);
         let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();

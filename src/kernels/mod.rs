@@ -260,6 +260,34 @@ pub trait StepGraphs {
     fn end_step(&self);
     /// The caller reallocated buffers it passes to the backend: recorded steps are stale.
     fn buffers_moved(&self);
+    /// Within a step begun by `begin_step`: has the device amend the step's metadata for
+    /// `rows` (`VerifiedRow`) before its launches, and returns true; false when this step
+    /// runs eagerly (its first at a size), and the caller must resolve them itself.
+    fn stage_verified(&self, rows: &[StagedVerified<'_>], block_size: usize) -> bool;
+}
+
+/// A row whose first token and positions come from a greedy verify row of the step before,
+/// whose picks stay on the device: that row kept the drafts equal to its picks and drew
+/// the pick after them. This row was planned as if it kept every draft; it takes the pick
+/// it drew and moves back by the drafts it rejected.
+#[derive(Debug, Clone, Copy)]
+pub struct VerifiedRow<'a> {
+    /// The row's index in the step.
+    pub row: usize,
+    /// The verify row's first pick among the last picks (one per draft and one after).
+    pub first_pick: u32,
+    /// The drafts that row verified.
+    pub drafts: &'a [u32],
+}
+
+/// A `VerifiedRow` where the step's metadata holds it: its tokens and its block table.
+#[derive(Debug, Clone, Copy)]
+pub struct StagedVerified<'a> {
+    pub verified: VerifiedRow<'a>,
+    pub token_start: usize,
+    pub num_tokens: usize,
+    /// Where its block table starts among the step's concatenated tables.
+    pub table_offset: usize,
 }
 
 /// Steps whose launches are recorded once and replayed whole: unlike `StepGraphs`, the

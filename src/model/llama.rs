@@ -6,7 +6,10 @@ use super::config::ModelConfig;
 use super::rope::{cos_sin_table, inv_freqs};
 use super::weights::Weights;
 use crate::kernels::collective::Collective;
-use crate::kernels::{Backend, GraphStep, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention};
+use crate::kernels::{
+    Backend, GraphStep, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention, StagedVerified,
+    VerifiedRow,
+};
 
 /// One sequence's part of a step, as the caller plans it.
 #[derive(Debug, Clone)]
@@ -172,7 +175,7 @@ impl<B: Backend> LlamaModel<B> {
         block_size: usize,
         seqs: &[SeqStep<'_>],
     ) -> Vec<f32> {
-        self.forward_on_device(backend, cache, block_size, seqs, &[]);
+        self.forward_on_device(backend, cache, block_size, seqs, &[], &[]);
         let logits = &self.ws.as_ref().expect("workspace made by the step").logits;
         let num_logit_rows: usize = seqs.iter().map(|s| s.num_logit_rows).sum();
         backend.download(logits, num_logit_rows * self.cfg.vocab_size)
@@ -183,9 +186,59 @@ impl<B: Backend> LlamaModel<B> {
         &self.ws.as_ref().expect("a step ran").logits
     }
 
+    /// Where `verified` rows stand: staged for the device to move back (a recorded step),
+    /// or moved back here from their verify rows' picks, read now. Returns per sequence
+    /// the positions it moves back by here, and `picked_rows` pointing at the picks drawn.
+    fn place_verified(
+        backend: &B,
+        block_size: usize,
+        seqs: &[SeqStep<'_>],
+        picked_rows: &[u32],
+        verified: &[VerifiedRow<'_>],
+    ) -> (Vec<usize>, Vec<u32>) {
+        let mut picked = picked_rows.to_vec();
+        if verified.is_empty() {
+            return (Vec::new(), picked);
+        }
+        let (mut token_starts, mut table_offsets) = (Vec::new(), Vec::new());
+        let (mut tokens, mut tables) = (0, 0);
+        for s in seqs {
+            token_starts.push(tokens);
+            table_offsets.push(tables);
+            tokens += s.token_ids.len();
+            tables += s.block_table.len();
+        }
+        let staged: Vec<StagedVerified<'_>> = verified
+            .iter()
+            .map(|&v| StagedVerified {
+                verified: v,
+                token_start: token_starts[v.row],
+                num_tokens: seqs[v.row].token_ids.len(),
+                table_offset: table_offsets[v.row],
+            })
+            .collect();
+        if backend
+            .graphs()
+            .is_some_and(|g| g.stage_verified(&staged, block_size))
+        {
+            return (Vec::new(), picked);
+        }
+        let mut shifts = vec![0; seqs.len()];
+        for v in verified {
+            let picks = backend.read_picks(v.first_pick as usize, v.drafts.len() + 1);
+            let kept = crate::spec::verify::num_accepted_by_picks(v.drafts, picks);
+            shifts[v.row] = v.drafts.len() - kept;
+            picked[v.row] = v.first_pick + kept as u32;
+        }
+        (shifts, picked)
+    }
+
     /// Runs one step, leaving the logits on the device (`device_logits`). `picked_rows`
-    /// is empty or, per sequence, `NOT_PICKED` or the index of its one input token among
-    /// the backend's last greedy picks (`Backend::embedding`).
+    /// is empty or, per sequence, `NOT_PICKED` or the index of its first input token among
+    /// the backend's last greedy picks (`Backend::embedding`). `verified` lists the rows
+    /// that continue a verify row of the step before (their `picked_rows` entry is that
+    /// row's first pick): the device moves them back by the drafts it rejected where the
+    /// step is a recorded graph, else its picks are read here.
     pub fn forward_on_device(
         &mut self,
         backend: &B,
@@ -193,6 +246,7 @@ impl<B: Backend> LlamaModel<B> {
         block_size: usize,
         seqs: &[SeqStep<'_>],
         picked_rows: &[u32],
+        verified: &[VerifiedRow<'_>],
     ) {
         // A step of short rows whose every token is a logit row (decode rows, verify rows)
         // may run as a recorded graph, padded with one-token rows to the graph's count.
@@ -211,6 +265,13 @@ impl<B: Backend> LlamaModel<B> {
         let num_logit_rows: usize =
             seqs.iter().map(|s| s.num_logit_rows).sum::<usize>() + num_pad_rows;
         self.ensure_workspace(backend, num_tokens, num_logit_rows);
+        let max_blocks = self.cfg.max_context_tokens.div_ceil(block_size);
+        let _graph = graph_tokens
+            .zip(backend.graphs())
+            .map(|(tokens, graphs)| GraphStep::begin(graphs, tokens, max_blocks));
+        let (shifts, picked_rows) =
+            Self::place_verified(backend, block_size, seqs, picked_rows, verified);
+        let picked_rows = &picked_rows[..];
         self.positions.clear();
         self.slots.clear();
         self.ids.clear();
@@ -221,8 +282,9 @@ impl<B: Backend> LlamaModel<B> {
         let mut last_rows = Vec::with_capacity(seqs.len());
         for (row, s) in seqs.iter().enumerate() {
             let query_start = self.ids.len();
+            let num_cached_tokens = s.num_cached_tokens - shifts.get(row).copied().unwrap_or(0);
             for (i, &id) in s.token_ids.iter().enumerate() {
-                let pos = s.num_cached_tokens + i;
+                let pos = num_cached_tokens + i;
                 if with_picks {
                     let pick = picked_rows.get(row).copied().unwrap_or(NOT_PICKED);
                     self.picked.push(if i == 0 { pick } else { NOT_PICKED });
@@ -238,7 +300,7 @@ impl<B: Backend> LlamaModel<B> {
             attn_seqs.push(SeqAttention {
                 query_start,
                 num_query_tokens: s.token_ids.len(),
-                num_context_tokens: s.num_cached_tokens + s.token_ids.len(),
+                num_context_tokens: num_cached_tokens + s.token_ids.len(),
                 block_table: s.block_table,
             });
             assert!(
@@ -264,10 +326,6 @@ impl<B: Backend> LlamaModel<B> {
             self.positions.push(0);
             self.slots.push(crate::kernels::PAD_SLOT);
         }
-        let max_blocks = self.cfg.max_context_tokens.div_ceil(block_size);
-        let _graph = graph_tokens
-            .zip(backend.graphs())
-            .map(|(tokens, graphs)| GraphStep::begin(graphs, tokens, max_blocks));
 
         let c = &self.cfg;
         let c_hidden = c.hidden_size;

@@ -125,7 +125,7 @@ pub fn measure(
     let device = model.device_label();
     let curve = run(job, &device, num_blocks, |rows, drafts| {
         time_decode_step(rows, drafts, |steps, sampling| {
-            let launched = model.step(block_size, steps, &[], sampling);
+            let launched = model.step(block_size, steps, &[], &[], sampling);
             let _ = (launched.logits)();
         })
     });

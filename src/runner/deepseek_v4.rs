@@ -76,6 +76,7 @@ impl DeviceModel for DsV4OnHost {
         _block_size: usize,
         steps: &[SeqStep<'_>],
         _picked_rows: &[u32],
+        _verified: &[crate::kernels::VerifiedRow<'_>],
         rows: &[StepRow],
     ) -> LaunchedStep {
         // Its rows never move back (a model with state slots has its verify rows' sequences

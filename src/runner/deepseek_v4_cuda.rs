@@ -60,6 +60,7 @@ impl DeviceModel for DsV4OnCuda {
         _block_size: usize,
         steps: &[SeqStep<'_>],
         picked_rows: &[u32],
+        _verified: &[crate::kernels::VerifiedRow<'_>],
         rows: &[StepRow],
     ) -> LaunchedStep {
         let start = self.model.backend.timeline_mark();

@@ -60,8 +60,14 @@ impl<B: Backend> DraftModel<B> {
                 state: None,
             })
             .collect();
-        self.model
-            .forward_on_device(backend, &mut self.cache, block_size, &mirror, picked_rows);
+        self.model.forward_on_device(
+            backend,
+            &mut self.cache,
+            block_size,
+            &mirror,
+            picked_rows,
+            &[],
+        );
         let wanted: Vec<usize> = (0..steps.len()).filter(|&i| num_drafts[i] > 0).collect();
         if wanted.is_empty() {
             return drafts;
@@ -90,7 +96,7 @@ impl<B: Backend> DraftModel<B> {
                 })
                 .collect();
             self.model
-                .forward_on_device(backend, &mut self.cache, block_size, &batch, &[]);
+                .forward_on_device(backend, &mut self.cache, block_size, &batch, &[], &[]);
             let more: Vec<usize> = (0..active.len())
                 .filter(|&j| num_drafts[active[j]] > pass)
                 .collect();

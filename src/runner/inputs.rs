@@ -3,11 +3,12 @@
 //! device (the embedding reads the pick there), already on the host, or, for rows the
 //! sampler drew on the host, waited for in `SampledTokens`. A row continuing a verify row
 //! also learns there how many drafts that row rejected, and moves back by as many
-//! positions (it was planned as if all were accepted).
+//! positions (it was planned as if all were accepted) — or, where that row's picks stay
+//! on the device, is handed to the model as a `VerifiedRow` and the device does both.
 
 use super::PrevToken;
 use super::sampled_tokens::SampledTokens;
-use crate::kernels::NOT_PICKED;
+use crate::kernels::{NOT_PICKED, VerifiedRow};
 use crate::model::llama::{SeqStep, SlotState};
 use crate::sched::RowInput;
 use crate::step::Step;
@@ -23,6 +24,8 @@ pub struct StepInputs {
     /// Per row of the current step: the positions it moves back by (drafts the row it
     /// continues rejected).
     shifts: Vec<usize>,
+    /// Rows whose verify row's outcome the device applies: (row, first pick, drafts).
+    verified: Vec<(usize, u32, Vec<u32>)>,
     /// The last launched step (epoch, step id) and where its rows' tokens are.
     prev: Option<(u64, u64, Vec<Option<PrevToken>>)>,
 }
@@ -38,6 +41,7 @@ impl StepInputs {
         sampled: &SampledTokens,
         in_group: bool,
         rank: usize,
+        verifies_on_device: bool,
         read_picks: &mut dyn FnMut(u32, usize) -> Vec<u32>,
     ) -> bool {
         let epoch = step.epoch;
@@ -45,6 +49,7 @@ impl StepInputs {
         self.picked_rows.clear();
         self.shifts.clear();
         self.shifts.resize(step.rows.len(), 0);
+        self.verified.clear();
         for (i, (row, input)) in step.rows.iter().zip(self.inputs.iter_mut()).enumerate() {
             input.clear();
             let mut picked = NOT_PICKED;
@@ -74,6 +79,16 @@ impl StepInputs {
                         Some(PrevToken::HostVerified(drawn)) => {
                             input.push(drawn.token);
                             self.shifts[i] = drawn.num_rejected as usize;
+                        }
+                        Some(PrevToken::DeviceVerified {
+                            first,
+                            drafts: verified,
+                        }) if verifies_on_device => {
+                            // A placeholder: the device verifies the drafts against its
+                            // picks and moves the row back (`VerifiedRow`).
+                            input.push(0);
+                            picked = first;
+                            self.verified.push((i, first, verified));
                         }
                         Some(PrevToken::DeviceVerified {
                             first,
@@ -138,6 +153,17 @@ impl StepInputs {
 
     pub fn picked_rows(&self) -> &[u32] {
         &self.picked_rows
+    }
+
+    pub fn verified_rows(&self) -> Vec<VerifiedRow<'_>> {
+        self.verified
+            .iter()
+            .map(|(row, first, drafts)| VerifiedRow {
+                row: *row,
+                first_pick: *first,
+                drafts,
+            })
+            .collect()
     }
 
     /// Records where the launched step's rows' tokens are, for the next step's ZOS rows.

@@ -7,8 +7,8 @@ use ractor::ActorProcessingErr;
 use super::draft;
 use super::launch::StepOutcome;
 use super::{DeviceModel, LaunchedStep, RankArgs};
-use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
+use crate::kernels::{Backend, VerifiedRow};
 use crate::model::llama::{LlamaModel, SeqStep};
 use crate::step::StepRow;
 
@@ -38,6 +38,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         block_size: usize,
         steps: &[SeqStep<'_>],
         picked_rows: &[u32],
+        verified: &[VerifiedRow<'_>],
         rows: &[StepRow],
     ) -> LaunchedStep {
         let start = self.backend.timeline_mark();
@@ -70,6 +71,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             block_size,
             steps,
             picked_rows,
+            verified,
         );
         StepOutcome {
             backend: &self.backend,
@@ -100,6 +102,10 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     }
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
         self.backend.read_picks(first as usize, count)
+    }
+    fn verifies_on_device(&self) -> bool {
+        // The draft model runs first, at the positions the host knows.
+        self.draft.is_none()
     }
 }
 

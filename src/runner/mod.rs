@@ -24,7 +24,7 @@ use std::path::PathBuf;
 
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
-use crate::kernels::{Device, DeviceMark, Pending};
+use crate::kernels::{Device, DeviceMark, Pending, VerifiedRow};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
 use crate::step::{Drawn, StepLogits, StepRow};
@@ -101,8 +101,9 @@ pub enum PrevToken {
     /// A greedy verify row's outcome, verified on the host from picks made there.
     HostVerified(Drawn),
     /// A greedy verify row whose picks (entries `first..`, one per draft and one after)
-    /// stay on the device: a row continuing it reads them (`DeviceModel::read_picks`)
-    /// and verifies `drafts` against them, without waiting for the sampler.
+    /// stay on the device: a row continuing it has the device verify `drafts` against
+    /// them (`VerifiedRow`), or reads them (`DeviceModel::read_picks`), without waiting
+    /// for the sampler.
     DeviceVerified { first: u32, drafts: Vec<u32> },
 }
 
@@ -134,11 +135,14 @@ pub trait DeviceModel: Send {
     /// Launches the step: rows without processors are picked on the device (greedy ones,
     /// and sampled ones where the backend samples), the other sampling rows' logits are
     /// copied to the host before this returns.
+    /// `verified`: rows continuing a verify row whose picks stay on the device
+    /// (`verifies_on_device`), moved back there by the drafts it rejected.
     fn step(
         &mut self,
         block_size: usize,
         steps: &[SeqStep<'_>],
         picked_rows: &[u32],
+        verified: &[VerifiedRow<'_>],
         rows: &[StepRow],
     ) -> LaunchedStep;
     fn vocab_size(&self) -> usize;
@@ -159,6 +163,11 @@ pub trait DeviceModel: Send {
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
     /// waiting for the device.
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32>;
+    /// Whether `step` takes rows continuing a `PrevToken::DeviceVerified` row as
+    /// `VerifiedRow`s, without the host waiting for that row's picks.
+    fn verifies_on_device(&self) -> bool {
+        false
+    }
 }
 
 /// The model at `args.model_path` on `args.device`, loaded.

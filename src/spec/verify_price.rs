@@ -70,16 +70,23 @@ impl VerifyPrice {
     }
 
     /// How much dearer than the curve says a verify step of `num_rows` rows runs,
-    /// relative to a plain step of as many rows.
+    /// relative to a plain step of as many rows. Where every step of that size verified
+    /// (a wide batch always has some draft), plain steps of the nearest size stand in,
+    /// and without any, the curve itself (a ratio of 1).
     pub fn factor(&self, num_rows: usize) -> f64 {
         let b = bucket(num_rows);
-        let (plain, verify) = (self.plain[b], self.verify[b]);
-        if plain.count < MIN_OBSERVATIONS || verify.count < MIN_OBSERVATIONS {
+        let verify = self.verify[b];
+        if verify.count < MIN_OBSERVATIONS {
             return 1.0;
         }
-        (verify.mean - plain.mean)
-            .exp()
-            .clamp(MIN_FACTOR, MAX_FACTOR)
+        let seen = |i: usize| Some(self.plain[i]).filter(|p| p.count >= MIN_OBSERVATIONS);
+        let plain = (0..NUM_BUCKETS)
+            .flat_map(|d| [b.checked_sub(d), Some(b + d)])
+            .flatten()
+            .filter(|&i| i < NUM_BUCKETS)
+            .find_map(seen)
+            .map_or(0.0, |p| p.mean);
+        (verify.mean - plain).exp().clamp(MIN_FACTOR, MAX_FACTOR)
     }
 }
 
@@ -104,6 +111,19 @@ mod tests {
         assert!((p.factor(128) - 2.0).abs() < 0.02, "{}", p.factor(128));
         assert!((p.factor(200) - p.factor(128)).abs() < 1e-12, "one bucket");
         assert_eq!(p.factor(1), 1.0, "another batch size learns on its own");
+        // A batch size whose steps all verified: plain steps of the nearest size stand in.
+        for _ in 0..40 {
+            p.observe(512, true, 1e-3, 9e-3);
+        }
+        assert!((p.factor(512) - 3.0).abs() < 0.02, "{}", p.factor(512));
+        let mut alone = VerifyPrice::default();
+        for _ in 0..40 {
+            alone.observe(64, true, 1e-3, 2.5e-3);
+        }
+        assert!(
+            (alone.factor(64) - 2.5).abs() < 1e-9,
+            "against the curve itself"
+        );
         // A bucket where verification ran as the curve says keeps the curve's price.
         for _ in 0..20 {
             p.observe(1, false, 1e-3, 2e-3);

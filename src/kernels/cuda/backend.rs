@@ -509,7 +509,22 @@ impl crate::kernels::StepGraphs for CudaBackend {
     }
 
     fn end_step(&self) {
-        self.graphs().end(&self.stream);
+        let mut graphs = self.graphs();
+        let Some(tokens) = graphs.finish(&self.stream) else {
+            return;
+        };
+        if let Some((num_rows, block_size)) = graphs.verified.take() {
+            self.apply_verified(&graphs, num_rows, block_size);
+        }
+        graphs.launch(&self.stream, tokens);
+    }
+
+    fn stage_verified(
+        &self,
+        rows: &[crate::kernels::StagedVerified<'_>],
+        block_size: usize,
+    ) -> bool {
+        self.stage_verified_rows(rows, block_size)
     }
 
     fn buffers_moved(&self) {

@@ -50,10 +50,28 @@ pub enum Meta {
     Picked,
     /// Flash-attention tiles: prefill only, never in a graph step.
     Tiles,
+    /// Rows continuing a verify row of the step before (`apply_verified`): `VERIFIED_META`
+    /// words each, then their drafts.
+    Verified,
     /// Last: the only variable-length kind, `MAX_GRAPH_SEQS · (max blocks + 1)` long.
     Tables,
 }
-const NUM_META: usize = 9;
+const NUM_META: usize = 10;
+const META_KINDS: [Meta; NUM_META] = [
+    Meta::Ids,
+    Meta::Positions,
+    Meta::Slots,
+    Meta::RowTable,
+    Meta::RowVisible,
+    Meta::Rows,
+    Meta::Picked,
+    Meta::Tiles,
+    Meta::Verified,
+    Meta::Tables,
+];
+/// Words per continuing row in `Meta::Verified` (the kernel's `VERIFIED_META`).
+pub const VERIFIED_META: usize = 6;
+const VERIFIED_CAPACITY: usize = MAX_GRAPH_SEQS * (VERIFIED_META + MAX_GRAPH_ROW_TOKENS);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -97,6 +115,8 @@ pub struct Graphs {
     /// Whose kernels get programmatic edges in a recorded step (`recorded.rs`); `None`
     /// keeps the capture's full dependencies.
     programmatic: Option<OwnModule>,
+    /// This step's rows staged for `apply_verified` (rows, block size), if any.
+    pub verified: Option<(usize, usize)>,
 }
 
 /// The token count a step of `num_tokens` tokens in `num_seqs` short rows runs at, when a
@@ -123,18 +143,36 @@ impl Graphs {
             tables_capacity: 0,
             recorded: HashMap::new(),
             warmed: HashSet::new(),
+            verified: None,
         }
     }
 
-    fn offset(&self, kind: Meta) -> usize {
-        kind as usize * MAX_GRAPH_TOKENS
+    fn offset(kind: Meta) -> usize {
+        match kind {
+            Meta::Tables => Meta::Verified as usize * MAX_GRAPH_TOKENS + VERIFIED_CAPACITY,
+            _ => kind as usize * MAX_GRAPH_TOKENS,
+        }
     }
 
     fn capacity(&self, kind: Meta) -> usize {
         match kind {
             Meta::Tables => self.tables_capacity,
+            Meta::Verified => VERIFIED_CAPACITY,
             _ => MAX_GRAPH_TOKENS,
         }
+    }
+
+    /// The device address of `kind`'s region (an arena exists once a graph step began).
+    pub fn region(&self, stream: &Arc<CudaStream>, kind: Meta) -> u64 {
+        let arena = self.arena.as_ref().expect("a graph step has an arena");
+        let (base, _guard) = arena.device_ptr(stream);
+        base + (Self::offset(kind) * std::mem::size_of::<u32>()) as u64
+    }
+
+    /// Whether the step being run is recorded or replayed: its metadata reaches the
+    /// device all at once before its launches, so a kernel can amend it in between.
+    pub fn amendable(&self) -> bool {
+        matches!(self.phase, Phase::Capture(_) | Phase::Replay(_))
     }
 
     /// Starts a graph step of `tokens` tokens (a `GRAPH_TOKEN_COUNTS` entry).
@@ -147,7 +185,7 @@ impl Graphs {
     ) {
         if self.arena.is_none() {
             self.tables_capacity = MAX_GRAPH_SEQS * (max_blocks_per_seq + 1);
-            let len = Meta::Tables as usize * MAX_GRAPH_TOKENS + self.tables_capacity;
+            let len = Self::offset(Meta::Tables) + self.tables_capacity;
             self.arena = Some(check(stream.alloc_zeros::<u32>(len), "graph arena"));
             for _ in 0..2 {
                 // SAFETY: only the staged prefix is ever copied, and it is written first.
@@ -168,6 +206,7 @@ impl Graphs {
             "staging reuse",
         );
         self.staged = [None; NUM_META];
+        self.verified = None;
         self.phase = if self.recorded.contains_key(&tokens) {
             Phase::Replay(tokens)
         } else if self.warmed.contains(&tokens) {
@@ -185,10 +224,8 @@ impl Graphs {
 
     /// Stages `data` as this step's `kind` and returns its device address.
     pub fn upload(&mut self, stream: &Arc<CudaStream>, kind: Meta, data: &[u32]) -> u64 {
-        let offset = self.offset(kind);
-        let arena = self.arena.as_ref().expect("a graph step has an arena");
-        let (base, _guard) = arena.device_ptr(stream);
-        let address = base + (offset * std::mem::size_of::<u32>()) as u64;
+        let offset = Self::offset(kind);
+        let address = self.region(stream, kind);
         if self.staged[kind as usize].is_some() {
             // Every layer passes the same positions, slots and tables.
             return address;
@@ -221,13 +258,15 @@ impl Graphs {
         address
     }
 
-    /// Ends the graph step: records or replays it. Returns to eager mode.
-    pub fn end(&mut self, stream: &Arc<CudaStream>) {
+    /// Ends the graph step: records it if it is being captured and copies its metadata to
+    /// the device; returns the token count of the graph to `launch`, `None` for a step
+    /// that ran eagerly. Returns to eager mode.
+    pub fn finish(&mut self, stream: &Arc<CudaStream>) -> Option<usize> {
         let tokens = match std::mem::replace(&mut self.phase, Phase::Eager) {
-            Phase::Eager => return,
+            Phase::Eager => return None,
             Phase::Warmup(tokens) => {
                 self.warmed.insert(tokens);
-                return;
+                return None;
             }
             Phase::Capture(tokens) => {
                 let graph = check(
@@ -244,8 +283,9 @@ impl Graphs {
             }
             Phase::Replay(tokens) => tokens,
         };
-        let end = (0..NUM_META)
-            .filter_map(|k| self.staged[k].map(|len| k * MAX_GRAPH_TOKENS + len))
+        let end = META_KINDS
+            .iter()
+            .filter_map(|&k| self.staged[k as usize].map(|len| Self::offset(k) + len))
             .max()
             .unwrap_or(0);
         let arena = self.arena.as_ref().expect("a graph step has an arena");
@@ -260,6 +300,11 @@ impl Graphs {
             "metadata upload",
         );
         check(staging.copied.record(stream), "event");
+        Some(tokens)
+    }
+
+    /// Launches the recorded step of `tokens` tokens (after `finish`).
+    pub fn launch(&self, stream: &Arc<CudaStream>, tokens: usize) {
         check(self.recorded[&tokens].launch(stream), "graph launch");
     }
 

@@ -166,3 +166,74 @@ impl CudaBackend {
         })
     }
 }
+
+impl CudaBackend {
+    /// `StepGraphs::stage_verified`: the rows' metadata into the arena's `Meta::Verified`
+    /// region, for `apply_verified` once the step's metadata is on the device.
+    pub(super) fn stage_verified_rows(
+        &self,
+        rows: &[crate::kernels::StagedVerified<'_>],
+        block_size: usize,
+    ) -> bool {
+        let mut graphs = self.graphs();
+        if !graphs.amendable() {
+            return false;
+        }
+        let mut meta = Vec::with_capacity(rows.len() * (super::graph::VERIFIED_META + 8));
+        let mut drafts_at = rows.len() * super::graph::VERIFIED_META;
+        for r in rows {
+            meta.extend_from_slice(&[
+                r.token_start as u32,
+                r.num_tokens as u32,
+                r.verified.first_pick,
+                r.verified.drafts.len() as u32,
+                r.table_offset as u32,
+                drafts_at as u32,
+            ]);
+            drafts_at += r.verified.drafts.len();
+        }
+        for r in rows {
+            meta.extend_from_slice(r.verified.drafts);
+        }
+        graphs.upload(&self.stream, Meta::Verified, &meta);
+        graphs.verified = Some((rows.len(), block_size));
+        true
+    }
+
+    /// `apply_verified_kernel` over the `num_rows` rows staged in the arena's
+    /// `Meta::Verified` region, reading the last step's picks.
+    pub(super) fn apply_verified(
+        &self,
+        graphs: &super::graph::Graphs,
+        num_rows: usize,
+        block_size: usize,
+    ) {
+        let region = |kind| graphs.region(&self.stream, kind);
+        let picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
+        let (n, bs) = (num_rows as i32, block_size as i32);
+        // SAFETY: the regions lie in the arena and hold this step's metadata, copied just
+        // before on the same stream; the staged rows index only their own tokens, tables
+        // and drafts, and picks the step before wrote.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.apply_verified)
+                    .arg(&region(Meta::Positions))
+                    .arg(&region(Meta::Slots))
+                    .arg(&region(Meta::RowVisible))
+                    .arg(&region(Meta::Picked))
+                    .arg(&region(Meta::Tables))
+                    .arg(&region(Meta::Verified))
+                    .arg(&picks.0)
+                    .arg(&n)
+                    .arg(&bs)
+                    .launch(LaunchConfig {
+                        grid_dim: (num_rows as u32, 1, 1),
+                        block_dim: (32, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+            },
+            "apply_verified",
+        );
+    }
+}

@@ -42,6 +42,14 @@ impl Scheduler {
         {
             self.verify_price
                 .observe(num_rows, verifies, predicted, secs);
+            tracing::debug!(
+                num_rows,
+                verifies,
+                predicted,
+                observed = secs,
+                verify_factor = self.verify_price.factor(num_rows),
+                "decode step priced"
+            );
         }
     }
 
