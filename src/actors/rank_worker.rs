@@ -85,6 +85,14 @@ impl ThreadLocalActor for RankWorker {
             libc::malloc_trim(0);
         }
         model.warm_up(args.block_size, args.warmup_tokens)?;
+        in_pool(pool.as_ref(), || {
+            decode_curve::record_graphs(
+                model.as_mut(),
+                args.block_size,
+                args.num_kv_blocks,
+                args.graph_tokens,
+            )
+        });
         let decode_curve = args.decode_curve.as_ref().and_then(|job| {
             in_pool(pool.as_ref(), || {
                 decode_curve::measure(job, model.as_mut(), args.block_size, args.num_kv_blocks)

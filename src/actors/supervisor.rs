@@ -58,6 +58,7 @@ pub struct RankArgsTemplate {
     pub cpu_affinity: crate::runner::affinity::CpuAffinity,
     pub decode_curve: Option<crate::runner::decode_curve::CurveJob>,
     pub warmup_tokens: usize,
+    pub graph_tokens: usize,
     pub draft_model_path: Option<std::path::PathBuf>,
     pub mtp: bool,
     /// DeepSeek-V4: a group is expert-parallel, sized by its routed experts.
@@ -142,6 +143,9 @@ async fn spawn_group(
                 // Measured by a lone rank only: a group's ranks would each need the others.
                 decode_curve: t.decode_curve.clone().filter(|_| size == 1),
                 warmup_tokens: t.warmup_tokens,
+                // Recorded alone, a group's rank would record steps without its peers'
+                // collectives.
+                graph_tokens: if size == 1 { t.graph_tokens } else { 0 },
             };
             let spawner = st.spawners[slot].clone();
             match RankWorker::spawn_linked(None, args, myself.clone(), spawner).await {

@@ -174,6 +174,7 @@ impl Engine {
         // may have (16 rows on the CPU, where each measured step costs real time).
         // (DeepSeek-V4's host rank is priced by the fitted cost model alone: timing it
         // needs sequences with state slots.)
+        let num_speculative_tokens = scheduler_cfg.num_speculative_tokens;
         let decode_curve = cfg
             .speculative
             .filter(|s| s.verify == SpecVerify::Confidence && text.deepseek_v4.is_none())
@@ -224,6 +225,12 @@ impl Engine {
                 warmup_tokens: match cfg.skip_warmup {
                     true => 0,
                     false => cfg.max_step_tokens.min(mcfg.max_context_tokens),
+                },
+                graph_tokens: match cfg.skip_warmup {
+                    true => 0,
+                    false => {
+                        (cfg.max_num_seqs * (1 + num_speculative_tokens)).min(cfg.max_step_tokens)
+                    }
                 },
                 num_routed_experts: text.deepseek_v4.as_ref().map(|d| d.num_routed_experts),
                 draft_model_path: draft.as_ref().map(|_| {

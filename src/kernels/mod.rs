@@ -253,6 +253,8 @@ pub trait StepGraphs {
     fn padded_tokens(&self, num_tokens: usize, num_seqs: usize) -> Option<usize>;
     /// The most tokens a row of a recorded step may hold.
     fn max_row_tokens(&self) -> usize;
+    /// The token counts steps are recorded at, ascending.
+    fn token_counts(&self) -> &'static [usize];
     /// Brackets the forward pass of a step padded to `padded_tokens`' count (through
     /// `GraphStep`, which ends it). Padding rows have KV slot `PAD_SLOT` and see no keys;
     /// nothing else reads them.

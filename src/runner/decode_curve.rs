@@ -114,6 +114,37 @@ pub(super) fn run(
     })
 }
 
+/// Records the model's graphs of up to `max_tokens` tokens before the first request, so
+/// no step pays for recording one (an eager step, then a captured one, at each count). A
+/// step that grows a buffer the graphs use drops them all, and not every buffer is largest
+/// at the largest count (attention's split partials), so one eager pass over every count
+/// sizes them first. A count runs as rows of equal length, as few tokens each as a block
+/// and `ROW_COUNTS`' widest batch allow, one block a row.
+pub fn record_graphs(
+    model: &mut dyn super::DeviceModel,
+    block_size: usize,
+    num_blocks: usize,
+    max_tokens: usize,
+) {
+    let max_rows = ROW_COUNTS[ROW_COUNTS.len() - 1].min(num_blocks);
+    let counts = model.graph_token_counts();
+    for steps_each in [1, 2] {
+        for &tokens in counts.iter().rev().filter(|&&t| t <= max_tokens) {
+            let Some(per_row) =
+                (1..=block_size).find(|q| tokens % q == 0 && tokens / q <= max_rows)
+            else {
+                continue;
+            };
+            for _ in 0..steps_each {
+                time_decode_step(tokens / per_row, per_row - 1, |steps, sampling| {
+                    let launched = model.step(block_size, steps, &[], &[], sampling);
+                    let _ = (launched.logits)();
+                });
+            }
+        }
+    }
+}
+
 /// Measures (or loads) `job`'s curve on `model`; a failure is logged, and verification
 /// then prices steps with the fitted cost model alone.
 pub fn measure(

@@ -103,6 +103,11 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
         self.backend.read_picks(first as usize, count)
     }
+    fn graph_token_counts(&self) -> Vec<usize> {
+        self.backend
+            .graphs()
+            .map_or_else(Vec::new, |g| g.token_counts().to_vec())
+    }
     fn verifies_on_device(&self) -> bool {
         // The draft model runs first, at the positions the host knows.
         self.draft.is_none()

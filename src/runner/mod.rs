@@ -88,6 +88,9 @@ pub struct RankArgs {
     pub decode_curve: Option<CurveJob>,
     /// The largest prefill a step runs (`DeviceModel::warm_up`); 0 skips the warm-up.
     pub warmup_tokens: usize,
+    /// The most tokens a step of decode and verify rows may hold: graphs up to it are
+    /// recorded before the first request (`decode_curve::record_graphs`); 0 records none.
+    pub graph_tokens: usize,
 }
 
 /// Where the next step finds the token a row of this step drew.
@@ -163,6 +166,10 @@ pub trait DeviceModel: Send {
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
     /// waiting for the device.
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32>;
+    /// The token counts steps run at as recorded graphs (`StepGraphs`); empty: none.
+    fn graph_token_counts(&self) -> Vec<usize> {
+        Vec::new()
+    }
     /// Whether `step` takes rows continuing a `PrevToken::DeviceVerified` row as
     /// `VerifiedRow`s, without the host waiting for that row's picks.
     fn verifies_on_device(&self) -> bool {

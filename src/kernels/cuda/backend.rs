@@ -503,6 +503,10 @@ impl crate::kernels::StepGraphs for CudaBackend {
         graph::MAX_GRAPH_ROW_TOKENS
     }
 
+    fn token_counts(&self) -> &'static [usize] {
+        &graph::GRAPH_TOKEN_COUNTS
+    }
+
     fn begin_step(&self, tokens: usize, max_blocks_per_seq: usize) {
         self.graphs()
             .begin(&self.ctx, &self.stream, tokens, max_blocks_per_seq);
