@@ -398,7 +398,10 @@ impl Actor for SchedulerActor {
                             // Folded into `stop_ids`: EOS left out, the request's own kept.
                             ignore_eos: false,
                             cache_salt: 0,
-                            // As `RowSampling::verifies_on_device` will find its rows.
+                            // As `RowSampling::verifies_on_device` finds its greedy rows:
+                            // a seeded row verified by picks still sits out, since a row
+                            // continuing it would draw at positions known only once its
+                            // verify row is.
                             verified_by_picks: params.is_greedy()
                                 && params.has_no_processors()
                                 && grammar.is_none()

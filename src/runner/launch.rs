@@ -1,6 +1,6 @@
 //! What a rank hands on once a step's logits are on its device, whatever the model: rows
 //! without processors picked where the logits lie (greedy ones always, sampled ones where
-//! the backend samples, greedy verify rows' every logit row), the other sampling rows'
+//! the backend samples, and so every logit row of such a verify row), the other sampling rows'
 //! logits copied to the host, and — where the backend keeps its picks — the next step's
 //! inputs left on the device (ZOS without a host round trip).
 
@@ -38,7 +38,7 @@ impl<B: Backend> StepOutcome<'_, B> {
         let (mut picked, mut host) = (Vec::new(), Vec::new());
         let mut host_first = vec![None; rows.len()];
         let mut pick_rows = Vec::new();
-        // Rows verifying greedily on the device: (plan row, its first logit row, count).
+        // Rows verified by their picks: (plan row, its first logit row, count).
         let mut verifying = Vec::new();
         let mut logit_row = 0;
         // A row continuing a verify row moved back by the drafts that row rejected; its
@@ -60,7 +60,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                         position: s.position - shift(row),
                     });
                 }
-                Some(s) if s.verifies_on_device() => {
+                Some(s) if s.verifies_on_device(sample_here) => {
                     verifying.push((row, logit_row, step.num_logit_rows));
                 }
                 Some(_) => {

@@ -6,7 +6,8 @@
 //!
 //! `(N + Σ of the B best S) / step_cost(rows with their verify tokens)`
 //!
-//! where N counts the requests (each yields at least one token). S never grows along a
+//! where N counts the requests (each yields at least one token), and verifies nothing
+//! unless that beats the plain step's N per second by `MIN_ADVANTAGE`. S never grows along a
 //! request's drafts and ties go to the earlier position, so each request's chosen slots
 //! form a prefix: its verify length. The step cost comes from the scheduler's fitted
 //! cost(q, c) with each request's row at its own context, so a step that also carries
@@ -77,6 +78,14 @@ pub struct VerifyPlan {
     pub predicted_secs: f64,
 }
 
+/// How much more a step that verifies must promise than the plain step, in tokens per
+/// second. The promise is an estimate — confidences calibrated on past drafts, a continuing
+/// row's guess of what its verify row keeps — and where every sequence must finish (no
+/// request waits for the slot a faster one frees), tokens accepted off the longest
+/// sequence's path shorten nothing; a verify step that promises little over a plain one
+/// measured slower than it (copy prompts past their end: 0.8× speculation off).
+pub const MIN_ADVANTAGE: f64 = 1.1;
+
 fn valid(c: Option<f32>) -> Option<f64> {
     c.filter(|c| c.is_finite() && (0.0..=1.0).contains(c))
         .map(|c| c as f64)
@@ -132,7 +141,8 @@ pub fn plan_verification_skipping(
             0.0
         }
     };
-    let mut best = (base_tokens / cost.step_secs(&features), 0usize);
+    let plain_value = base_tokens / cost.step_secs(&features);
+    let mut best = (plain_value * MIN_ADVANTAGE, 0usize);
     let mut gained = 0.0;
     let mut counts = verify_lens.clone();
     for (b, &(survival, _, r)) in slots.iter().enumerate() {
@@ -281,7 +291,24 @@ mod tests {
                 }
             }
         }
+        assert!(plan.verify_lens.iter().any(|&l| l > 0), "{plan:?}");
         assert!((plan.expected_tokens / plan.predicted_secs - got).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_verify_step_that_promises_little_over_a_plain_one_is_not_run() {
+        // 8 rows, a draft of 0.15 each, a step of 9.2 ms plus 0.1 ms a token: the best
+        // choice promises (8 + 1.2) / 10.8 ms, 6 % over 8 / 10 ms — within the estimate's
+        // error — so nothing is verified.
+        let requests: Vec<SpecRequest> = (0..8).map(|_| req(&[0.15])).collect();
+        let cost = LinearCost([0.0092, 0.0001, 0.0, 0.0]);
+        let plain = 8.0 / cost.predict(&[(1, 100); 8]);
+        let all = value(&requests, &[1; 8], &cost);
+        assert!(all > plain && all < plain * MIN_ADVANTAGE, "{all} vs {plain}");
+        assert_eq!(plan_verification(&requests, &[], &cost).verify_lens, vec![0; 8]);
+        // Drafts worth 0.9 each promise 60 % more: verified.
+        let sure: Vec<SpecRequest> = (0..8).map(|_| req(&[0.9])).collect();
+        assert_eq!(plan_verification(&sure, &[], &cost).verify_lens, vec![1; 8]);
     }
 
     #[test]

@@ -133,8 +133,8 @@ impl StepSampler {
                 if verify_fault() {
                     panic!("sampler panicked mid-verification (injected fault)");
                 }
-                // Greedy: the drafts that equal the argmax there, then the argmax at the
-                // first mismatch (or after the last draft).
+                // The drafts that equal the pick there (the argmax, or the seeded draw),
+                // then the pick at the first mismatch (or after the last draft).
                 let num_accepted = verify::num_accepted_by_picks(drafts, picks.iter().map(|p| p.0));
                 let emitted = &picks[..=num_accepted.min(picks.len() - 1)];
                 yielded.push(Some((
