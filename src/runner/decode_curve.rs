@@ -130,8 +130,9 @@ pub fn record_graphs(
     let counts = model.graph_token_counts();
     for steps_each in [1, 2] {
         for &tokens in counts.iter().rev().filter(|&&t| t <= max_tokens) {
+            // Rows of a recorded step hold at most 16 tokens (`StepGraphs::max_row_tokens`).
             let Some(per_row) =
-                (1..=block_size).find(|q| tokens % q == 0 && tokens / q <= max_rows)
+                (1..=block_size.min(16)).find(|q| tokens % q == 0 && tokens / q <= max_rows)
             else {
                 continue;
             };

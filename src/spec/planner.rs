@@ -304,8 +304,14 @@ mod tests {
         let cost = LinearCost([0.0092, 0.0001, 0.0, 0.0]);
         let plain = 8.0 / cost.predict(&[(1, 100); 8]);
         let all = value(&requests, &[1; 8], &cost);
-        assert!(all > plain && all < plain * MIN_ADVANTAGE, "{all} vs {plain}");
-        assert_eq!(plan_verification(&requests, &[], &cost).verify_lens, vec![0; 8]);
+        assert!(
+            all > plain && all < plain * MIN_ADVANTAGE,
+            "{all} vs {plain}"
+        );
+        assert_eq!(
+            plan_verification(&requests, &[], &cost).verify_lens,
+            vec![0; 8]
+        );
         // Drafts worth 0.9 each promise 60 % more: verified.
         let sure: Vec<SpecRequest> = (0..8).map(|_| req(&[0.9])).collect();
         assert_eq!(plan_verification(&sure, &[], &cost).verify_lens, vec![1; 8]);
