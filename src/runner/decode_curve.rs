@@ -114,12 +114,13 @@ pub(super) fn run(
     })
 }
 
-/// Records the model's graphs of up to `max_tokens` tokens before the first request, so
-/// no step pays for recording one (an eager step, then a captured one, at each count). A
-/// step that grows a buffer the graphs use drops them all, and not every buffer is largest
-/// at the largest count (attention's split partials), so one eager pass over every count
-/// sizes them first. A count runs as rows of equal length, as few tokens each as a block
-/// and `ROW_COUNTS`' widest batch allow, one block a row.
+/// Records the model's graphs for steps of up to `max_tokens` tokens before the first
+/// request (0: none), so no step pays for recording one (an eager step, then a captured
+/// one, at each count). A step that grows a buffer the graphs use drops them all, and not
+/// every buffer is largest at the largest count (attention's split partials), so one eager
+/// pass over every count sizes them first (`DeviceModel::warm_up`, before, sized them for
+/// a prefill). A count runs as rows of equal length, as few tokens each as a block and
+/// `ROW_COUNTS`' widest batch allow, one block a row.
 pub fn record_graphs(
     model: &mut dyn super::DeviceModel,
     block_size: usize,
@@ -128,8 +129,15 @@ pub fn record_graphs(
 ) {
     let max_rows = ROW_COUNTS[ROW_COUNTS.len() - 1].min(num_blocks);
     let counts = model.graph_token_counts();
+    // A step of up to `max_tokens` tokens pads to the first count that holds it.
+    let largest = counts.iter().copied().find(|&t| t >= max_tokens);
+    let largest = largest.or(counts.last().copied()).unwrap_or(0);
     for steps_each in [1, 2] {
-        for &tokens in counts.iter().rev().filter(|&&t| t <= max_tokens) {
+        for &tokens in counts
+            .iter()
+            .rev()
+            .filter(|&&t| t <= largest && max_tokens > 0)
+        {
             // Rows of a recorded step hold at most 16 tokens (`StepGraphs::max_row_tokens`).
             let Some(per_row) =
                 (1..=block_size.min(16)).find(|q| tokens % q == 0 && tokens / q <= max_rows)

@@ -22,6 +22,7 @@ pub(super) struct OnBackend<B: Backend> {
     leader: bool,
     /// `--spec draft`: fills the verify rows' placeholder drafts before each step.
     draft: Option<draft::DraftModel<B>>,
+    num_kv_blocks: usize,
 }
 
 impl<B: Backend> Drop for OnBackend<B> {
@@ -103,6 +104,33 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
         self.backend.read_picks(first as usize, count)
     }
+    fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String> {
+        // Where steps are recorded as graphs (`decode_curve::record_graphs`, next), a
+        // prefill of a step's most tokens sizes the buffers they use first: a later step
+        // that grew one would drop them all. Elsewhere nothing is worth a warm-up.
+        let tokens = tokens
+            .min(self.num_kv_blocks * block_size)
+            .min(self.model.cfg.max_context_tokens);
+        if self.backend.graphs().is_none() || tokens == 0 {
+            return Ok(());
+        }
+        let vocab = self.model.cfg.vocab_size as u64;
+        let ids: Vec<u32> = (0..tokens as u64)
+            .map(|i| (i * 7919 % vocab) as u32)
+            .collect();
+        let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
+        let step = SeqStep {
+            token_ids: &ids,
+            num_cached_tokens: 0,
+            block_table: &table,
+            num_logit_rows: 1,
+            state: None,
+        };
+        // Its logits come back to the host: the step is done when this returns.
+        self.model
+            .forward(&self.backend, &mut self.cache, block_size, &[step]);
+        Ok(())
+    }
     fn graph_token_counts(&self) -> Vec<usize> {
         self.backend
             .graphs()
@@ -160,5 +188,6 @@ pub(super) fn load_on<B: Backend + 'static>(
         cache,
         leader: args.shard.is_leader(),
         draft,
+        num_kv_blocks: args.num_kv_blocks,
     }))
 }

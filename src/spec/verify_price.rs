@@ -9,8 +9,15 @@
 
 /// Observations before a bucket's quotient is used (until then it is 1).
 const MIN_OBSERVATIONS: u32 = 8;
-/// Weight of the newest observation in the running mean of log ratios.
+/// Weight of the newest observation in the running mean of log ratios (a plain mean over
+/// the first ones).
 const SMOOTHING: f64 = 0.1;
+/// After this many plain steps of a bucket in a row, each further one moves its verify
+/// steps' mean `FORGET` of the way towards the plain steps': where the price kept
+/// verification out, no verify step updates it, and what priced it out (a slow step, a
+/// load that has passed) must not keep it out for good.
+const QUIET_STEPS: u32 = 16;
+const FORGET: f64 = 0.02;
 /// The quotient is kept within these bounds: a stray period (a host hiccup, a GC of the
 /// prefix cache) must not price verification out for good.
 const MIN_FACTOR: f64 = 0.5;
@@ -26,13 +33,9 @@ struct LogRatio {
 
 impl LogRatio {
     fn observe(&mut self, ratio: f64) {
-        let x = ratio.ln();
-        self.mean = if self.count == 0 {
-            x
-        } else {
-            self.mean + SMOOTHING * (x - self.mean)
-        };
         self.count = self.count.saturating_add(1);
+        let weight = (1.0 / self.count as f64).max(SMOOTHING);
+        self.mean += weight * (ratio.ln() - self.mean);
     }
 }
 
@@ -41,6 +44,8 @@ impl LogRatio {
 pub struct VerifyPrice {
     plain: [LogRatio; NUM_BUCKETS],
     verify: [LogRatio; NUM_BUCKETS],
+    /// Plain steps since the bucket's last verify step.
+    quiet: [u32; NUM_BUCKETS],
 }
 
 fn bucket(num_rows: usize) -> usize {
@@ -61,12 +66,18 @@ impl VerifyPrice {
             return;
         }
         let b = bucket(num_rows);
-        let side = if verifies {
-            &mut self.verify[b]
+        let ratio = observed_secs / predicted_secs;
+        if verifies {
+            self.verify[b].observe(ratio);
+            self.quiet[b] = 0;
         } else {
-            &mut self.plain[b]
-        };
-        side.observe(observed_secs / predicted_secs);
+            self.plain[b].observe(ratio);
+            self.quiet[b] = self.quiet[b].saturating_add(1);
+            if self.quiet[b] > QUIET_STEPS {
+                let (plain, verify) = (self.plain[b].mean, &mut self.verify[b]);
+                verify.mean += FORGET * (plain - verify.mean);
+            }
+        }
     }
 
     /// How much dearer than the curve says a verify step of `num_rows` rows runs,
@@ -138,5 +149,11 @@ mod tests {
             p.observe(4, true, 1.0, 1e3);
         }
         assert_eq!(p.factor(4), MAX_FACTOR);
+        // Plain steps alone (verification priced out) bring the price back towards the
+        // curve's, so verification is tried again.
+        for _ in 0..300 {
+            p.observe(4, false, 1.0, 1.0);
+        }
+        assert!(p.factor(4) < 1.05, "{}", p.factor(4));
     }
 }
