@@ -127,20 +127,17 @@ pub fn record_graphs(
     num_blocks: usize,
     max_tokens: usize,
 ) {
+    let Some((counts, max_row_tokens)) = model.graph_sizes().filter(|_| max_tokens > 0) else {
+        return;
+    };
     let max_rows = ROW_COUNTS[ROW_COUNTS.len() - 1].min(num_blocks);
-    let counts = model.graph_token_counts();
     // A step of up to `max_tokens` tokens pads to the first count that holds it.
     let largest = counts.iter().copied().find(|&t| t >= max_tokens);
     let largest = largest.or(counts.last().copied()).unwrap_or(0);
     for steps_each in [1, 2] {
-        for &tokens in counts
-            .iter()
-            .rev()
-            .filter(|&&t| t <= largest && max_tokens > 0)
-        {
-            // Rows of a recorded step hold at most 16 tokens (`StepGraphs::max_row_tokens`).
-            let Some(per_row) =
-                (1..=block_size.min(16)).find(|q| tokens % q == 0 && tokens / q <= max_rows)
+        for &tokens in counts.iter().rev().filter(|&&t| t <= largest) {
+            let Some(per_row) = (1..=block_size.min(max_row_tokens))
+                .find(|q| tokens % q == 0 && tokens / q <= max_rows)
             else {
                 continue;
             };

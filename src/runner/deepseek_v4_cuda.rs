@@ -120,13 +120,7 @@ impl DeviceModel for DsV4OnCuda {
         if tokens == 0 || self.cache.num_slots() == 0 {
             return Ok(());
         }
-        // Spread over the vocabulary: hash-routed layers route by token id, and one id would
-        // send every row to the same experts (a lighter step than a real prompt's).
-        let vocab = self.model.vocab_size() as u64;
-        let ids: Vec<u32> = (0..tokens as u64)
-            .map(|i| (i * 7919 % vocab) as u32)
-            .collect();
-        let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
+        let (ids, table) = super::warmup_prompt(tokens, self.model.vocab_size(), block_size);
         // Slot 0 restarts when its first sequence arrives (its cached count is its start).
         let step = DsSeqStep {
             token_ids: &ids,

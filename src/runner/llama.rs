@@ -114,11 +114,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         if self.backend.graphs().is_none() || tokens == 0 {
             return Ok(());
         }
-        let vocab = self.model.cfg.vocab_size as u64;
-        let ids: Vec<u32> = (0..tokens as u64)
-            .map(|i| (i * 7919 % vocab) as u32)
-            .collect();
-        let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
+        let (ids, table) = super::warmup_prompt(tokens, self.model.cfg.vocab_size, block_size);
         let step = SeqStep {
             token_ids: &ids,
             num_cached_tokens: 0,
@@ -131,10 +127,10 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             .forward(&self.backend, &mut self.cache, block_size, &[step]);
         Ok(())
     }
-    fn graph_token_counts(&self) -> Vec<usize> {
+    fn graph_sizes(&self) -> Option<(&'static [usize], usize)> {
         self.backend
             .graphs()
-            .map_or_else(Vec::new, |g| g.token_counts().to_vec())
+            .map(|g| (g.token_counts(), g.max_row_tokens()))
     }
     fn verifies_on_device(&self) -> bool {
         // The draft model runs first, at the positions the host knows.

@@ -166,9 +166,10 @@ pub trait DeviceModel: Send {
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
     /// waiting for the device.
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32>;
-    /// The token counts steps run at as recorded graphs (`StepGraphs`); empty: none.
-    fn graph_token_counts(&self) -> Vec<usize> {
-        Vec::new()
+    /// The token counts steps run at as recorded graphs, ascending, and the most tokens a
+    /// row of one may hold (`StepGraphs`); `None`: no graphs.
+    fn graph_sizes(&self) -> Option<(&'static [usize], usize)> {
+        None
     }
     /// Whether `step` takes rows continuing a `PrevToken::DeviceVerified` row as
     /// `VerifiedRow`s, without the host waiting for that row's picks.
@@ -211,6 +212,21 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(crate::kernels::NO_CUDA.into()),
     }
+}
+
+/// A warm-up prefill's prompt of `tokens` ids spread over the vocabulary (hash-routed
+/// layers route by id, and one id would make a lighter step than a real prompt's), and the
+/// block table of the blocks from 0 it fills.
+pub(crate) fn warmup_prompt(
+    tokens: usize,
+    vocab: usize,
+    block_size: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    let ids = (0..tokens as u64)
+        .map(|i| (i * 7919 % vocab as u64) as u32)
+        .collect();
+    let table = (0..tokens.div_ceil(block_size) as u32).collect();
+    (ids, table)
 }
 
 /// Per plan row: how many of its last tokens are placeholders a drafting model fills in.
