@@ -276,8 +276,9 @@ extern "C" __global__ void gather_rows_kernel(float* out, const float* x, const 
     out[i] = x[(long long)rows[r] * width + c];
 }
 
-// Words per row of apply_verified's metadata (graph.rs's VERIFIED_META).
-#define VERIFIED_META 6
+// Words per row of apply_verified's metadata (graph.rs's VERIFIED_META); the last is
+// written here: the drafts the row was moved back by, for sample_kernel's seeded draws.
+#define VERIFIED_META 7
 
 // Rows continuing a greedy verify row of the step before, planned as if it kept every
 // draft: one block per row counts the drafts the verify row's picks agree with, then moves
@@ -286,11 +287,11 @@ extern "C" __global__ void gather_rows_kernel(float* out, const float* x, const 
 // metadata after it is copied to the device and before the graph replays.
 extern "C" __global__ void apply_verified_kernel(u32* positions, u32* slots, u32* row_visible,
                                                  u32* picked, const u32* tables,
-                                                 const u32* meta, const u32* picks,
+                                                 u32* meta, const u32* picks,
                                                  int num_rows, int block_size) {
     int r = blockIdx.x;
     if (r >= num_rows) return;
-    const u32* m = meta + r * VERIFIED_META;
+    u32* m = meta + r * VERIFIED_META;
     u32 start = m[0], n = m[1], first = m[2], num_drafts = m[3], table = m[4];
     const u32* drafts = meta + m[5];
     u32 kept = 0;
@@ -302,7 +303,10 @@ extern "C" __global__ void apply_verified_kernel(u32* positions, u32* slots, u32
         slots[start + t] = tables[table + pos / block_size] * block_size + pos % block_size;
         row_visible[start + t] -= rejected;
     }
-    if (threadIdx.x == 0) picked[start] = first + kept;
+    if (threadIdx.x == 0) {
+        picked[start] = first + kept;
+        m[6] = rejected;
+    }
 }
 
 template <typename T>

@@ -12,9 +12,13 @@
 // draw landing within rounding of a boundary may differ from the CPU's; nothing else does.
 //
 // meta[SAMPLE_META·i ..] = (logit row, pick index, top_k, temperature bits, top_p bits,
-// min_p bits, seed lo, seed hi, position lo, position hi, scratch row). `keys` and `weights`
-// are scratch, one vocabulary-sized row each per sampled (not greedy) row.
-#define SAMPLE_META 11
+// min_p bits, seed lo, seed hi, position lo, position hi, scratch row, moved back). `keys`
+// and `weights` are scratch, one vocabulary-sized row each per sampled (not greedy) row.
+// "Moved back" is NO_MOVE or the row's index among apply_verified's rows in `verified`: a
+// row continuing a verify row was planned as if it kept every draft, and only the device
+// knows how many it rejected, so its draws' positions move back by that count here.
+#define SAMPLE_META 12
+#define NO_MOVE 0xffffffffu
 #define SAMPLE_BINS 16
 
 // Ascending in f32::total_cmp order.
@@ -283,7 +287,7 @@ __device__ __forceinline__ double uniform_draw(unsigned long long seed, unsigned
 
 extern "C" __global__ void __launch_bounds__(1024)
     sample_kernel(u32* out_ids, float* out_logprobs, const float* logits, const u32* meta,
-                  u32* keys_all, float* weights_all, int V) {
+                  u32* keys_all, float* weights_all, const u32* verified, int V) {
     pdl_enter();
     __shared__ double scratch[32];
     __shared__ u32 s_max[32];
@@ -295,6 +299,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     float top_p = __uint_as_float(p[4]), min_p = __uint_as_float(p[5]);
     unsigned long long seed = ((unsigned long long)p[7] << 32) | p[6];
     unsigned long long pos = ((unsigned long long)p[9] << 32) | p[8];
+    if (p[11] != NO_MOVE) pos -= verified[p[11] * VERIFIED_META + 6];
     if (temperature == 0.0f) {
         greedy_row(x, V, out_ids + slot, out_logprobs + slot);
         return;

@@ -169,6 +169,45 @@ async fn seeded_sampling_with_speculation_equals_plain_decoding_logprobs_include
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_rows_drawn_on_the_device_continue_their_verify_rows_under_zos() {
+    // No processors: where the backend draws seeded rows itself, their drafts are verified
+    // by its picks, and the row after a verify row is planned at once, its draws' positions
+    // moved back on the device by the drafts rejected. Elsewhere the sampler verifies them
+    // and the sequence sits out a step.
+    let params = |i: usize| SamplingParams {
+        temperature: if i.is_multiple_of(2) { 0.2 } else { 0.6 },
+        top_p: if i.is_multiple_of(3) { 1.0 } else { 0.9 },
+        top_k: if i % 4 < 2 { 0 } else { 4 },
+        ..SamplingParams::default()
+    };
+    let mut requests = repetitive_requests(24, 31, params);
+    for (i, r) in requests.iter_mut().enumerate() {
+        r.seed = Some(7000 + i as u64);
+    }
+    let mut base = tiny_config("tiny-llama");
+    base.batch_invariant = true;
+    let (want, _) = run_engine(base.clone(), requests.clone()).await;
+    for verify in [SpecVerify::Fixed, SpecVerify::Confidence] {
+        let mut cfg = base.clone();
+        cfg.speculative = ngram(4, verify);
+        let (got, status) = run_engine(cfg, requests.clone()).await;
+        assert_eq!(tokens(&got), tokens(&want), "{verify:?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.token_logprobs, w.token_logprobs, "{verify:?}");
+        }
+        if verify == SpecVerify::Fixed {
+            assert_speculated(&status, "seeded, no processors");
+            if common::engine::test_device() == troupe::engine::Device::Cpu {
+                assert!(status.num_spec_sat_out_rows > 0, "{status:?}");
+            }
+        }
+        if common::engine::test_device() != troupe::engine::Device::Cpu {
+            assert_eq!(status.num_spec_sat_out_rows, 0, "{verify:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sampler_killed_mid_verification_changes_no_output() {
     let requests = repetitive_requests(32, 21, |_| SamplingParams::default());
     let want = reference_outputs("tiny-llama", &requests);

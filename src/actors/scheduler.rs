@@ -89,6 +89,9 @@ pub struct SchedulerArgs {
     pub zero_overhead_scheduling: bool,
     /// Sampled requests' drafts are accepted by rejection sampling (`SpecAcceptance`).
     pub rejection_acceptance: bool,
+    /// The ranks draw seeded rows without processors where the logits lie
+    /// (`Capabilities::samples_on_device`), so they verify such rows' drafts by their picks.
+    pub samples_on_device: bool,
     pub sampled: SampledTokens,
     pub stop_ids: Vec<u32>,
 }
@@ -118,6 +121,7 @@ pub struct SchedulerState {
     core: Scheduler,
     zos: bool,
     rejection_acceptance: bool,
+    samples_on_device: bool,
     sampled: SampledTokens,
     epoch: u64,
     /// The rank workers every step goes to (rank order); empty before the first attach.
@@ -335,6 +339,7 @@ impl Actor for SchedulerActor {
             core: Scheduler::new(args.config),
             zos: args.zero_overhead_scheduling,
             rejection_acceptance: args.rejection_acceptance,
+            samples_on_device: args.samples_on_device,
             epoch: args.sampled.epoch(),
             sampled: args.sampled,
             workers: Vec::new(),
@@ -398,11 +403,9 @@ impl Actor for SchedulerActor {
                             // Folded into `stop_ids`: EOS left out, the request's own kept.
                             ignore_eos: false,
                             cache_salt: 0,
-                            // As `RowSampling::verifies_on_device` finds its greedy rows:
-                            // a seeded row verified by picks still sits out, since a row
-                            // continuing it would draw at positions known only once its
-                            // verify row is.
-                            verified_by_picks: params.is_greedy()
+                            // As `RowSampling::verifies_on_device` finds its rows.
+                            verified_by_picks: (params.is_greedy()
+                                || (st.samples_on_device && !st.rejection_acceptance))
                                 && params.has_no_processors()
                                 && grammar.is_none()
                                 && request.min_tokens == 0,

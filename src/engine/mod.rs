@@ -203,6 +203,7 @@ impl Engine {
                 rejection_acceptance: cfg
                     .speculative
                     .is_some_and(|s| s.acceptance == SpecAcceptance::Rejection),
+                samples_on_device: matches!(cfg.device, Device::Cuda(_)),
                 sampled,
                 stop_ids: text.stop_ids.clone(),
             },

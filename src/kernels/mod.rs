@@ -268,9 +268,9 @@ pub trait StepGraphs {
     fn stage_verified(&self, rows: &[StagedVerified<'_>], block_size: usize) -> bool;
 }
 
-/// A row whose first token and positions come from a greedy verify row of the step before,
-/// whose picks stay on the device: that row kept the drafts equal to its picks and drew
-/// the pick after them. This row was planned as if it kept every draft; it takes the pick
+/// A row whose first token and positions come from a verify row of the step before (greedy,
+/// or seeded and drawn by the device), whose picks stay on the device: that row kept the
+/// drafts equal to its picks and drew the pick after them. This row was planned as if it kept every draft; it takes the pick
 /// it drew and moves back by the drafts it rejected.
 #[derive(Debug, Clone, Copy)]
 pub struct VerifiedRow<'a> {
@@ -340,6 +340,19 @@ pub struct PickRow<'a> {
     pub row: usize,
     pub params: &'a crate::sampling::SamplingParams,
     pub position: u64,
+    /// A row continuing a verify row whose outcome only the device knows
+    /// (`MovedBack::OnDevice`): `position` is as planned, and the draw's position moves
+    /// back by the drafts that row rejected, read where the device counted them.
+    pub moved_back_on_device: Option<u32>,
+}
+
+/// How far a row continuing a verify row moved back by the drafts that row rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MovedBack {
+    /// Counted on the host (it read the verify row's picks).
+    By(usize),
+    /// Counted on the device, as the given row of those `StepGraphs::stage_verified` took.
+    OnDevice(u32),
 }
 
 /// The KV slot of a padding row: `kv_write` skips it.

@@ -7,8 +7,8 @@ use super::rope::{cos_sin_table, inv_freqs};
 use super::weights::Weights;
 use crate::kernels::collective::Collective;
 use crate::kernels::{
-    Backend, GraphStep, KvCacheShape, NOT_PICKED, QkvHeads, SeqAttention, StagedVerified,
-    VerifiedRow,
+    Backend, GraphStep, KvCacheShape, MovedBack, NOT_PICKED, QkvHeads, SeqAttention,
+    StagedVerified, VerifiedRow,
 };
 
 /// One sequence's part of a step, as the caller plans it.
@@ -188,14 +188,15 @@ impl<B: Backend> LlamaModel<B> {
 
     /// Where `verified` rows stand: staged for the device to move back (a recorded step),
     /// or moved back here from their verify rows' picks, read now. Returns per sequence
-    /// the positions it moves back by here, and `picked_rows` pointing at the picks drawn.
+    /// how far it moves back (empty: none does), and `picked_rows` pointing at the picks
+    /// drawn.
     fn place_verified(
         backend: &B,
         block_size: usize,
         seqs: &[SeqStep<'_>],
         picked_rows: &[u32],
         verified: &[VerifiedRow<'_>],
-    ) -> (Vec<usize>, Vec<u32>) {
+    ) -> (Vec<MovedBack>, Vec<u32>) {
         let mut picked = picked_rows.to_vec();
         if verified.is_empty() {
             return (Vec::new(), picked);
@@ -217,20 +218,23 @@ impl<B: Backend> LlamaModel<B> {
                 table_offset: table_offsets[v.row],
             })
             .collect();
+        let mut moved = vec![MovedBack::By(0); seqs.len()];
         if backend
             .graphs()
             .is_some_and(|g| g.stage_verified(&staged, block_size))
         {
-            return (Vec::new(), picked);
+            for (i, v) in verified.iter().enumerate() {
+                moved[v.row] = MovedBack::OnDevice(i as u32);
+            }
+            return (moved, picked);
         }
-        let mut shifts = vec![0; seqs.len()];
         for v in verified {
             let picks = backend.read_picks(v.first_pick as usize, v.drafts.len() + 1);
             let kept = crate::spec::verify::num_accepted_by_picks(v.drafts, picks);
-            shifts[v.row] = v.drafts.len() - kept;
+            moved[v.row] = MovedBack::By(v.drafts.len() - kept);
             picked[v.row] = v.first_pick + kept as u32;
         }
-        (shifts, picked)
+        (moved, picked)
     }
 
     /// Runs one step, leaving the logits on the device (`device_logits`). `picked_rows`
@@ -238,7 +242,8 @@ impl<B: Backend> LlamaModel<B> {
     /// the backend's last greedy picks (`Backend::embedding`). `verified` lists the rows
     /// that continue a verify row of the step before (their `picked_rows` entry is that
     /// row's first pick): the device moves them back by the drafts it rejected where the
-    /// step is a recorded graph, else its picks are read here.
+    /// step is a recorded graph, else its picks are read here. Returns, per sequence, how
+    /// far it moved back (empty: none did), for the positions of its draws.
     pub fn forward_on_device(
         &mut self,
         backend: &B,
@@ -247,7 +252,7 @@ impl<B: Backend> LlamaModel<B> {
         seqs: &[SeqStep<'_>],
         picked_rows: &[u32],
         verified: &[VerifiedRow<'_>],
-    ) {
+    ) -> Vec<MovedBack> {
         // A step of short rows whose every token is a logit row (decode rows, verify rows)
         // may run as a recorded graph, padded with one-token rows to the graph's count.
         let real_tokens: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
@@ -269,7 +274,7 @@ impl<B: Backend> LlamaModel<B> {
         let _graph = graph_tokens
             .zip(backend.graphs())
             .map(|(tokens, graphs)| GraphStep::begin(graphs, tokens, max_blocks));
-        let (shifts, picked_rows) =
+        let (moved, picked_rows) =
             Self::place_verified(backend, block_size, seqs, picked_rows, verified);
         let picked_rows = &picked_rows[..];
         self.positions.clear();
@@ -282,7 +287,10 @@ impl<B: Backend> LlamaModel<B> {
         let mut last_rows = Vec::with_capacity(seqs.len());
         for (row, s) in seqs.iter().enumerate() {
             let query_start = self.ids.len();
-            let num_cached_tokens = s.num_cached_tokens - shifts.get(row).copied().unwrap_or(0);
+            let num_cached_tokens = match moved.get(row) {
+                Some(&MovedBack::By(n)) => s.num_cached_tokens - n,
+                _ => s.num_cached_tokens,
+            };
             for (i, &id) in s.token_ids.iter().enumerate() {
                 let pos = num_cached_tokens + i;
                 if with_picks {
@@ -454,5 +462,6 @@ impl<B: Backend> LlamaModel<B> {
         );
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         backend.matmul(&ws.last, num_logit_rows, head, None, &mut ws.logits);
+        moved
     }
 }

@@ -101,6 +101,7 @@ impl DeviceModel for DsV4OnCuda {
             .as_mut()
             .map(|eplb| eplb_step(eplb, &self.expert_tokens, steps));
         StepOutcome {
+            moved_back: Vec::new(),
             backend: &self.model.backend,
             logits: &logits,
             vocab: self.model.vocab_size(),

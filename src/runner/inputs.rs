@@ -85,13 +85,8 @@ impl StepInputs {
                             drafts: verified,
                         }) if verifies_on_device => {
                             // A placeholder: the device verifies the drafts against its
-                            // picks and moves the row back (`VerifiedRow`). Greedy only:
-                            // a seeded row's draws are keyed by the positions it would
-                            // learn only then.
-                            debug_assert!(
-                                row.sampling.as_ref().is_none_or(|s| s.params.is_greedy()),
-                                "a seeded row continues a verify row on the device"
-                            );
+                            // picks and moves the row back (`VerifiedRow`), a seeded row's
+                            // draws with it (`MovedBack::OnDevice`).
                             input.push(0);
                             picked = first;
                             self.verified.push((i, first, verified));

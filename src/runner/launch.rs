@@ -7,7 +7,7 @@
 use super::{LaunchedStep, PrevToken};
 use crate::eplb::MoeBalance;
 use crate::kernels::collective::AbortProbe;
-use crate::kernels::{Backend, DeviceMark, PickRow};
+use crate::kernels::{Backend, DeviceMark, MovedBack, PickRow};
 use crate::model::llama::SeqStep;
 use crate::step::{StepLogits, StepRow};
 
@@ -28,6 +28,8 @@ pub(super) struct StepOutcome<'a, B: Backend> {
     pub aborted: Option<AbortProbe>,
     /// The step's first work on the device's timeline.
     pub start: Option<DeviceMark>,
+    /// Per row, how far the model moved it back past the plan (`MovedBack`; empty: none).
+    pub moved_back: Vec<MovedBack>,
 }
 
 impl<B: Backend> StepOutcome<'_, B> {
@@ -42,9 +44,20 @@ impl<B: Backend> StepOutcome<'_, B> {
         let mut verifying = Vec::new();
         let mut logit_row = 0;
         // A row continuing a verify row moved back by the drafts that row rejected; its
-        // draws' positions with it.
-        let shift =
-            |row: usize| (rows[row].plan.num_cached_tokens - steps[row].num_cached_tokens) as u64;
+        // draws' positions with it: the rank knew it (the row's inputs), the model counted
+        // it on the host, or only the device knows it (the sampling kernel subtracts it).
+        let moved = |row: usize| self.moved_back.get(row).copied();
+        let shift = |row: usize| {
+            let by = match moved(row) {
+                Some(MovedBack::By(n)) => n,
+                _ => 0,
+            };
+            (rows[row].plan.num_cached_tokens - steps[row].num_cached_tokens + by) as u64
+        };
+        let on_device = |row: usize| match moved(row) {
+            Some(MovedBack::OnDevice(i)) => Some(i),
+            _ => None,
+        };
         for (row, (s, step)) in rows
             .iter()
             .map(|r| r.sampling.as_ref())
@@ -58,6 +71,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                         row: logit_row,
                         params: &s.params,
                         position: s.position - shift(row),
+                        moved_back_on_device: on_device(row),
                     });
                 }
                 Some(s) if s.verifies_on_device(sample_here) => {
@@ -82,6 +96,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                 row: first + i,
                 params: &s.params,
                 position: s.position - shift(row) + i as u64,
+                moved_back_on_device: on_device(row),
             }));
         }
         let num_rows = rows.len();

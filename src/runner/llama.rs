@@ -66,7 +66,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             }
             None => steps,
         };
-        self.model.forward_on_device(
+        let moved_back = self.model.forward_on_device(
             &self.backend,
             &mut self.cache,
             block_size,
@@ -75,6 +75,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             verified,
         );
         StepOutcome {
+            moved_back,
             backend: &self.backend,
             logits: self.model.device_logits(),
             vocab: self.model.cfg.vocab_size,

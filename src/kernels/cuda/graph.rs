@@ -70,7 +70,7 @@ const META_KINDS: [Meta; NUM_META] = [
     Meta::Tables,
 ];
 /// Words per continuing row in `Meta::Verified` (the kernel's `VERIFIED_META`).
-pub const VERIFIED_META: usize = 6;
+pub const VERIFIED_META: usize = 7;
 const VERIFIED_CAPACITY: usize = MAX_GRAPH_SEQS * (VERIFIED_META + MAX_GRAPH_ROW_TOKENS);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use super::{CudaBackend, check};
 use crate::kernels::PickRow;
 
 /// u32 words per row of `sample_kernel`'s metadata (the kernel's `SAMPLE_META`).
-const SAMPLE_META: usize = 11;
+const SAMPLE_META: usize = 12;
 
 /// Picks one step may make (rows): the device buffer the next step's embedding
 /// reads them from has this fixed size, so graphs never see it move.
@@ -65,9 +65,17 @@ impl CudaBackend {
                 r.position as u32,
                 (r.position >> 32) as u32,
                 scratch_row,
+                r.moved_back_on_device.unwrap_or(u32::MAX),
             ]);
         }
         let meta_d = self.upload_u32(Meta::Rows, &meta);
+        // The rows `apply_verified` moved back, with their counts: this step's, since the
+        // next step's metadata reaches the arena after this launch on the same stream.
+        let verified = if rows.iter().any(|r| r.moved_back_on_device.is_some()) {
+            self.graphs().region(&self.stream, Meta::Verified)
+        } else {
+            0
+        };
         let mut scratch = self
             .sample_scratch
             .lock()
@@ -102,6 +110,7 @@ impl CudaBackend {
                     .arg(&meta_d.ptr)
                     .arg(&mut *keys)
                     .arg(&mut *weights)
+                    .arg(&verified)
                     .arg(&v)
                     .launch(cfg)
             },
@@ -189,6 +198,7 @@ impl CudaBackend {
                 r.verified.drafts.len() as u32,
                 r.table_offset as u32,
                 drafts_at as u32,
+                0,
             ]);
             drafts_at += r.verified.drafts.len();
         }
