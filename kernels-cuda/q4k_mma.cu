@@ -145,3 +145,92 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
         if (i < m && n < N) y[(long long)i * ldy + n] = v * Q4K_UNSCALE;
     }
 }
+
+// The Q4_1 GEMV on tensor cores, the same scheme for up to 8 staged rows of x: Q4_1 rows
+// are 20-byte blocks of 32 weights (f16 d and m, then 16 bytes whose low nibbles are
+// elements 0–15 and high ones 16–31), w = n · d + m. A step of a warp's 16 rows takes four
+// blocks, one a thread; K need not be a multiple of 128 (576 in the default model), so a
+// thread past the row's last block multiplies zeros. Verify steps at batch 1 and 2 and
+// decode steps of 5–8 rows used to dequantize every matrix to bf16 for cuBLAS.
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
+    gemv_q4_1_mma_kernel(float* y, int ldy, const float* x, const u8* W, int m, int N, int K) {
+    __shared__ float partial[TC_WARPS][16][8];
+    extern __shared__ uint2 xs[];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int g = lane >> 2, t = lane & 3;
+    long long n0 = (long long)blockIdx.x * 16;
+    long long r0 = n0 + g < N ? n0 + g : n0, r1 = n0 + g + 8 < N ? n0 + g + 8 : n0;
+    int num_blocks = K / 32;
+    long long row_bytes = (long long)num_blocks * 20;
+    const u32* w0 = (const u32*)(W + r0 * row_bytes);
+    const u32* w1 = (const u32*)(W + r1 * row_bytes);
+    int steps = (num_blocks + 3) / 4;
+    bool has_x = g < m;
+    // Block b's five words: d and m, then the nibbles.
+    u32 q0[Q4K_DEPTH][5], q1[Q4K_DEPTH][5];
+    auto load = [&](int st0) {
+#pragma unroll
+        for (int d = 0; d < Q4K_DEPTH; ++d) {
+            int b = (st0 + d * TC_WARPS) * 4 + t;
+            if (b < num_blocks) {
+#pragma unroll
+                for (int i = 0; i < 5; ++i) {
+                    q0[d][i] = w0[b * 5 + i];
+                    q1[d][i] = w1[b * 5 + i];
+                }
+            }
+        }
+    };
+    load(warp);
+    pdl_enter();
+    for (int e = threadIdx.x; e < m * K / 4; e += TC_WARPS * 32) xs[e] = x_fragment(((const float4*)x)[e]);
+    __syncthreads();
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int st0 = warp; st0 < steps; st0 += TC_WARPS * Q4K_DEPTH) {
+        if (st0 != warp) load(st0);
+#pragma unroll
+        for (int d = 0; d < Q4K_DEPTH; ++d) {
+            int st = st0 + d * TC_WARPS;
+            if (st >= steps) break;
+            int b = st * 4 + t;
+            bool live = b < num_blocks;
+            u32 ra[4] = {0u, 0u, 0u, 0u}, rb[4] = {0u, 0u, 0u, 0u};
+            const uint2* xr = xs + (long long)(has_x ? g : 0) * (K / 4) + (long long)b * 8;
+            u32 s0 = q0[d][0] & 0xffffu, s1 = q1[d][0] & 0xffffu;
+            u32 d0 = s0 | (s0 << 16), d1 = s1 | (s1 << 16);
+            u32 m0 = (q0[d][0] >> 16) | (q0[d][0] & 0xffff0000u);
+            u32 m1 = (q1[d][0] >> 16) | (q1[d][0] & 0xffff0000u);
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                if (live) {
+                    // Low nibbles with (d, m), high ones likewise: one scale for the block.
+                    q4k_word(q0[d][1 + w], d0, m0, d0, m0, ra);
+                    q4k_word(q1[d][1 + w], d1, m1, d1, m1, rb);
+                }
+#pragma unroll
+                for (int hi = 0; hi < 2; ++hi) {
+                    uint2 xf = has_x && live ? xr[w + 4 * hi] : make_uint2(0u, 0u);
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                        : "r"(ra[2 * hi]), "r"(rb[2 * hi]), "r"(ra[2 * hi + 1]), "r"(rb[2 * hi + 1]),
+                          "r"(xf.y), "r"(xf.x));
+                }
+            }
+        }
+    }
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        int row = threadIdx.x >> 3, i = threadIdx.x & 7;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) v += partial[w][row][i];
+        long long n = n0 + row;
+        if (i < m && n < N) y[(long long)i * ldy + n] = v * Q4K_UNSCALE;
+    }
+}

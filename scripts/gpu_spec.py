@@ -38,8 +38,18 @@ def requests(n, seed):
 
 # GPU_SPEC_IGNORE_EOS=1: real weights run their 128 tokens past EOS too.
 IGNORE_EOS = os.environ.get("GPU_SPEC_IGNORE_EOS") == "1"
-# GPU_SPEC_CONCURRENCY=1,32: the concurrencies to run (default: the issue's four).
-CONCURRENCY = [int(c) for c in os.environ.get("GPU_SPEC_CONCURRENCY", "1,8,32,128").split(",")]
+# GPU_SPEC_CONCURRENCY=1,32: the concurrencies to run (default: the issue's four); "1x32"
+# runs 32 requests one at a time (`--max-num-seqs 1`): batch 1 over every prompt, where
+# one request of a few dozen tokens says little.
+CONCURRENCY = os.environ.get("GPU_SPEC_CONCURRENCY", "1,8,32,128").split(",")
+
+
+def shape(c):
+    """(requests, extra flags) for a GPU_SPEC_CONCURRENCY entry."""
+    if "x" in c:
+        seqs, n = c.split("x")
+        return int(n), ["--max-num-seqs", seqs]
+    return int(c), []
 
 
 def chat_requests(n):
@@ -53,7 +63,8 @@ def main(binary, model=None):
     os.makedirs(WORK, exist_ok=True)
     path = model or make("qwen3-0.6b")
     rows = []
-    for n in CONCURRENCY:
+    for c in CONCURRENCY:
+        n, limit = shape(c)
         reqs = chat_requests(n) if model else requests(n, n)
         for mode, extra in (("off", []),
                             ("fixed", ["--spec", "ngram", "--spec-verify", "fixed"]),
@@ -61,14 +72,14 @@ def main(binary, model=None):
             try:
                 # Real weights stop at their own EOS, as bench_spec.sh's CPU runs do
                 # (past it, a copy prompt's continuation is no longer a copy).
-                outs, stats, wall = troupe(binary, path, reqs, extra, f"spec-{n}-{mode}",
+                outs, stats, wall = troupe(binary, path, reqs, extra + limit, f"spec-{c}-{mode}",
                                            ignore_eos=model is None or IGNORE_EOS)
             except Exception as e:  # report and go on: device time is scarce
-                rows.append(dict(concurrency=n, mode=mode, error=str(e)[-1500:]))
+                rows.append(dict(concurrency=c, mode=mode, error=str(e)[-1500:]))
                 continue
             verify_rows = max(stats["spec_verify_rows"], 1)
             rows.append(dict(
-                concurrency=n, mode=mode, output_tokens=stats["output_tokens"],
+                concurrency=c, mode=mode, output_tokens=stats["output_tokens"],
                 out_tok_s=stats["output_tokens"] / stats["generate_s"], wall_s=wall, steps=stats["steps"],
                 draft_tokens=stats["spec_draft_tokens"], verified_tokens=stats["spec_verified_tokens"],
                 accepted_tokens=stats["spec_accepted_tokens"],
@@ -93,7 +104,7 @@ def main(binary, model=None):
         if "error" in r:
             print(r["concurrency"], r["mode"], "ERROR", r["error"][-300:])
             continue
-        print(f'{r["concurrency"]:4} {r["mode"]:10} {r["out_tok_s"]:10.0f} {r["steps"]:6} {r["sat_out"]:8} '
+        print(f'{r["concurrency"]:>4} {r["mode"]:10} {r["out_tok_s"]:10.0f} {r["steps"]:6} {r["sat_out"]:8} '
               f'{r["accept_length"]:11.2f} {r["verify_tokens_per_step"]:16.2f} {r["gpu_idle"]:9.2f}  '
               f'{r["draft_tokens"]}/{r["verified_tokens"]}/{r["accepted_tokens"]}'
               f'  {r.get("same_as_off", 1.0):.3f}')

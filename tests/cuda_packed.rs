@@ -97,7 +97,7 @@ fn check(b: &CudaBackend, name: &str, w: HostMatrix, gemv: (usize, f32), gemm_to
     let (gemv_rows, gemv_tol) = gemv;
     let (rows, cols) = (w.rows, w.cols);
     let device = b.upload_matrix(w.clone());
-    for m in [1, 2, 3, 4, 5, 8, 19, 130] {
+    for m in [1, 2, 3, 4, 5, 8, 12, 16, 19, 130] {
         let x = common::uniform(100 + m as u64, m * cols);
         let xd = b.upload(&x);
         let mut out = b.alloc(m * rows);
@@ -145,7 +145,11 @@ fn every_packed_format_matches_its_dequantization_at_every_batch_width() {
             seed += 1;
             let rows = 1 + (splitmix64(seed) % 300) as usize;
             let cols = t.block_len() * (1 + (splitmix64(seed + 99) % 6) as usize);
-            let gemv = if t == GgmlType::Q4K { MMA } else { GEMV };
+            let gemv = if matches!(t, GgmlType::Q4K | GgmlType::Q4_1) {
+                MMA
+            } else {
+                GEMV
+            };
             check(&b, &format!("{t:?}"), ggml(t, rows, cols, seed), gemv, 2e-2);
         }
     }

@@ -273,6 +273,9 @@ impl CudaBackend {
                     PackedFormat::Ggml(GgmlType::Q4K) if staged => {
                         Some((&self.kernels.gemv_q4k_mma, MMA_BLOCK_ROWS))
                     }
+                    PackedFormat::Ggml(GgmlType::Q4_1) if staged => {
+                        Some((&self.kernels.gemv_q4_1_mma, MMA_BLOCK_ROWS))
+                    }
                     PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => None,
                 };
                 let mma = kernel
@@ -323,7 +326,10 @@ impl CudaBackend {
                             None,
                         )
                     }
-                    PackedFormat::Ggml(_) if std::ptr::eq(kernel, &self.kernels.gemv_q4k_mma) => {
+                    PackedFormat::Ggml(_)
+                        if std::ptr::eq(kernel, &self.kernels.gemv_q4k_mma)
+                            || std::ptr::eq(kernel, &self.kernels.gemv_q4_1_mma) =>
+                    {
                         self.stream
                             .launch_builder(kernel)
                             .arg(&y)

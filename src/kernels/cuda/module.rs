@@ -305,6 +305,8 @@ pub struct Kernels {
     pub gemv_fp8_mma_rows: CudaFunction,
     /// The Q4_K GEMV on tensor cores (`gemv_q4k_mma`), x staged: up to `FP8_MMA_ROWS` rows.
     pub gemv_q4k_mma: CudaFunction,
+    /// The Q4_1 GEMV on tensor cores (`gemv_q4_1_mma`), x staged: up to `FP8_MMA_ROWS` rows.
+    pub gemv_q4_1_mma: CudaFunction,
     /// Its MLP twin over a stacked [gate; up] (`gemv_fp8_mma_silu`, staged): silu(gate) · up.
     pub gemv_fp8_mma_silu: CudaFunction,
     pub dequant_bf16: CudaFunction,
@@ -533,6 +535,7 @@ impl Kernels {
             gemv_fp8_mma_rows: f("gemv_fp8_mma_rows_kernel")?,
             gemv_fp8_mma_silu: f("gemv_fp8_mma_silu_kernel")?,
             gemv_q4k_mma: f("gemv_q4k_mma_kernel")?,
+            gemv_q4_1_mma: f("gemv_q4_1_mma_kernel")?,
             dequant_bf16: f("dequant_bf16_kernel")?,
             embedding_packed: f("embedding_packed_kernel")?,
             quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,

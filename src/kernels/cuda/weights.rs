@@ -82,13 +82,15 @@ impl PackedFormat {
         }
     }
     /// Whether a tensor-core GEMV reads this format at width `cols`: FP8 in 64-wide steps
-    /// of K, each inside one scale block; Q4_K in whole blocks.
+    /// of K, each inside one scale block; Q4_K and Q4_1 in whole blocks.
     pub fn has_mma_gemv(self, cols: usize) -> bool {
         match self {
             PackedFormat::Fp8 { block_cols, .. } => {
                 cols.is_multiple_of(64) && (block_cols.is_multiple_of(64) || block_cols >= cols)
             }
-            PackedFormat::Ggml(t) => t == GgmlType::Q4K && cols.is_multiple_of(256),
+            PackedFormat::Ggml(GgmlType::Q4K) => cols.is_multiple_of(256),
+            PackedFormat::Ggml(GgmlType::Q4_1) => cols.is_multiple_of(32),
+            PackedFormat::Ggml(_) => false,
             PackedFormat::Mxfp4 => false,
         }
     }
