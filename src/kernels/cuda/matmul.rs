@@ -10,7 +10,6 @@ use half::bf16;
 
 use super::module::{FP8_MMA_ROWS, FP8_STAGE_BYTES};
 use super::weights::{DevicePart, PackedFormat, Store};
-use crate::kernels::quant::GgmlType;
 
 /// Values a thread of `f32_to_bf16_kernel` converts (TO_BF16_PER_THREAD).
 const TO_BF16_PER_THREAD: usize = 8;
@@ -270,11 +269,8 @@ impl CudaBackend {
                     }
                     PackedFormat::Fp8 { .. } => Some((&self.kernels.gemv_fp8_mma, MMA_BLOCK_ROWS)),
                     // Staged only: a Q4_K step needs x from four places.
-                    PackedFormat::Ggml(GgmlType::Q4K) if staged => {
-                        Some((&self.kernels.gemv_q4k_mma, MMA_BLOCK_ROWS))
-                    }
-                    PackedFormat::Ggml(GgmlType::Q4_1) if staged => {
-                        Some((&self.kernels.gemv_q4_1_mma, MMA_BLOCK_ROWS))
+                    PackedFormat::Ggml(t) if staged => {
+                        self.kernels.ggml_mma_gemv(t).map(|k| (k, MMA_BLOCK_ROWS))
                     }
                     PackedFormat::Ggml(_) | PackedFormat::Mxfp4 => None,
                 };
@@ -326,9 +322,11 @@ impl CudaBackend {
                             None,
                         )
                     }
-                    PackedFormat::Ggml(_)
-                        if std::ptr::eq(kernel, &self.kernels.gemv_q4k_mma)
-                            || std::ptr::eq(kernel, &self.kernels.gemv_q4_1_mma) =>
+                    PackedFormat::Ggml(t)
+                        if self
+                            .kernels
+                            .ggml_mma_gemv(t)
+                            .is_some_and(|k| std::ptr::eq(k, kernel)) =>
                     {
                         self.stream
                             .launch_builder(kernel)

@@ -405,6 +405,16 @@ impl Kernels {
         Self::by_rows(if fp8 { &self.gemv_fp8 } else { &self.gemv_ggml }, rows)
     }
 
+    /// The tensor-core GEMV over GGML type `t` with x staged, where there is one.
+    pub fn ggml_mma_gemv(&self, t: crate::kernels::quant::GgmlType) -> Option<&CudaFunction> {
+        use crate::kernels::quant::GgmlType;
+        match t {
+            GgmlType::Q4K => Some(&self.gemv_q4k_mma),
+            GgmlType::Q4_1 => Some(&self.gemv_q4_1_mma),
+            _ => None,
+        }
+    }
+
     /// `gemv_for`'s twin for narrow matrices (`gemv_narrow`: one column a block).
     pub fn gemv_narrow_for(&self, rows: usize) -> Option<(&CudaFunction, usize)> {
         Self::by_rows(&self.gemv_narrow, rows)
