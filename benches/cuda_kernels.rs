@@ -206,7 +206,7 @@ fn main() {
                     row,
                     params: &params,
                     position: row as u64,
-                    moved_back_on_device: None,
+                    verified_row: None,
                 })
                 .collect();
             let secs = time(

@@ -280,7 +280,7 @@ extern "C" __global__ void gather_rows_kernel(float* out, const float* x, const 
 // written here: the drafts the row was moved back by, for sample_kernel's seeded draws.
 #define VERIFIED_META 7
 
-// Rows continuing a greedy verify row of the step before, planned as if it kept every
+// Rows continuing a verify row of the step before (greedy, or seeded and drawn here), planned as if it kept every
 // draft: one block per row counts the drafts the verify row's picks agree with, then moves
 // the row's tokens back by those it rejected (positions, KV slots, visible keys) and points
 // its first token at the pick drawn after the kept ones. Runs on a recorded step's

@@ -150,8 +150,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
 // are 20-byte blocks of 32 weights (f16 d and m, then 16 bytes whose low nibbles are
 // elements 0–15 and high ones 16–31), w = n · d + m. A step of a warp's 16 rows takes four
 // blocks, one a thread; K need not be a multiple of 128 (576 in the default model), so a
-// thread past the row's last block multiplies zeros. Verify steps at batch 1 and 2 and
-// decode steps of 5–8 rows used to dequantize every matrix to bf16 for cuBLAS.
+// thread past the row's last block multiplies zeros. Past 4 rows the alternative is a
+// bf16 copy of the matrix for cuBLAS every step (verify steps at batch 1, decode at 5–8).
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
     gemv_q4_1_mma_kernel(float* y, int ldy, const float* x, const u8* W, int m, int N, int K) {
     __shared__ float partial[TC_WARPS][16][8];

@@ -46,6 +46,7 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "gemv_fp8_mma_staged_kernel",
         "gemv_fp8_mma_silu_kernel",
         "gemv_q4k_mma_kernel",
+        "gemv_q4_1_mma_kernel",
         "matmul_invariant_mv1_kernel",
         "matmul_invariant_mv2_kernel",
         "matmul_invariant_mv4_kernel",

@@ -87,7 +87,7 @@ fn device_sampling_draws_what_the_cpu_sampler_draws() {
                 row: i,
                 params: &group[i].1,
                 position: group[i].2,
-                moved_back_on_device: None,
+                verified_row: None,
             })
             .collect();
         let picks = backend.pick_rows(&logits_d, vocab, &rows)();
@@ -135,7 +135,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
                 row: 0,
                 params: &p,
                 position: 9,
-                moved_back_on_device: None,
+                verified_row: None,
             }],
         )()
     };
@@ -149,7 +149,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
             row: i + 1,
             params: q,
             position: 9,
-            moved_back_on_device: None,
+            verified_row: None,
         })
         .collect();
     rows.insert(
@@ -158,7 +158,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
             row: 0,
             params: &p,
             position: 9,
-            moved_back_on_device: None,
+            verified_row: None,
         },
     );
     let picks = backend.pick_rows(&d, vocab, &rows)();

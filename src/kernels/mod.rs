@@ -270,8 +270,8 @@ pub trait StepGraphs {
 
 /// A row whose first token and positions come from a verify row of the step before (greedy,
 /// or seeded and drawn by the device), whose picks stay on the device: that row kept the
-/// drafts equal to its picks and drew the pick after them. This row was planned as if it kept every draft; it takes the pick
-/// it drew and moves back by the drafts it rejected.
+/// drafts equal to its picks and drew the pick after them. This row was planned as if it
+/// kept every draft; it takes the pick it drew and moves back by the drafts it rejected.
 #[derive(Debug, Clone, Copy)]
 pub struct VerifiedRow<'a> {
     /// The row's index in the step.
@@ -340,17 +340,18 @@ pub struct PickRow<'a> {
     pub row: usize,
     pub params: &'a crate::sampling::SamplingParams,
     pub position: u64,
-    /// A row continuing a verify row whose outcome only the device knows
-    /// (`MovedBack::OnDevice`): `position` is as planned, and the draw's position moves
-    /// back by the drafts that row rejected, read where the device counted them.
-    pub moved_back_on_device: Option<u32>,
+    /// A row continuing a verify row whose outcome only the device knows: its index
+    /// among the rows `StepGraphs::stage_verified` took (`MovedBack::OnDevice`).
+    /// `position` is as planned; the draw's moves back by the drafts that row rejected,
+    /// as the device counted them.
+    pub verified_row: Option<u32>,
 }
 
 /// How far a row continuing a verify row moved back by the drafts that row rejected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MovedBack {
-    /// Counted on the host (it read the verify row's picks).
-    By(usize),
+    /// By this many positions, counted on the host (it read the verify row's picks).
+    Positions(usize),
     /// Counted on the device, as the given row of those `StepGraphs::stage_verified` took.
     OnDevice(u32),
 }

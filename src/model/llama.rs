@@ -218,7 +218,7 @@ impl<B: Backend> LlamaModel<B> {
                 table_offset: table_offsets[v.row],
             })
             .collect();
-        let mut moved = vec![MovedBack::By(0); seqs.len()];
+        let mut moved = vec![MovedBack::Positions(0); seqs.len()];
         if backend
             .graphs()
             .is_some_and(|g| g.stage_verified(&staged, block_size))
@@ -231,7 +231,7 @@ impl<B: Backend> LlamaModel<B> {
         for v in verified {
             let picks = backend.read_picks(v.first_pick as usize, v.drafts.len() + 1);
             let kept = crate::spec::verify::num_accepted_by_picks(v.drafts, picks);
-            moved[v.row] = MovedBack::By(v.drafts.len() - kept);
+            moved[v.row] = MovedBack::Positions(v.drafts.len() - kept);
             picked[v.row] = v.first_pick + kept as u32;
         }
         (moved, picked)
@@ -288,7 +288,7 @@ impl<B: Backend> LlamaModel<B> {
         for (row, s) in seqs.iter().enumerate() {
             let query_start = self.ids.len();
             let num_cached_tokens = match moved.get(row) {
-                Some(&MovedBack::By(n)) => s.num_cached_tokens - n,
+                Some(&MovedBack::Positions(n)) => s.num_cached_tokens - n,
                 _ => s.num_cached_tokens,
             };
             for (i, &id) in s.token_ids.iter().enumerate() {

@@ -49,7 +49,7 @@ impl<B: Backend> StepOutcome<'_, B> {
         let moved = |row: usize| self.moved_back.get(row).copied();
         let shift = |row: usize| {
             let by = match moved(row) {
-                Some(MovedBack::By(n)) => n,
+                Some(MovedBack::Positions(n)) => n,
                 _ => 0,
             };
             (rows[row].plan.num_cached_tokens - steps[row].num_cached_tokens + by) as u64
@@ -71,7 +71,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                         row: logit_row,
                         params: &s.params,
                         position: s.position - shift(row),
-                        moved_back_on_device: on_device(row),
+                        verified_row: on_device(row),
                     });
                 }
                 Some(s) if s.verifies_on_device(sample_here) => {
@@ -96,7 +96,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                 row: first + i,
                 params: &s.params,
                 position: s.position - shift(row) + i as u64,
-                moved_back_on_device: on_device(row),
+                verified_row: on_device(row),
             }));
         }
         let num_rows = rows.len();

@@ -101,9 +101,9 @@ pub enum PrevToken {
     /// Entry `i` of the backend's greedy picks, still on the device: the next step's
     /// embedding reads it there, nobody waits for it.
     Device(u32),
-    /// A greedy verify row's outcome, verified on the host from picks made there.
+    /// A verify row's outcome, verified on the host from picks made there.
     HostVerified(Drawn),
-    /// A greedy verify row whose picks (entries `first..`, one per draft and one after)
+    /// A verify row whose picks (entries `first..`, one per draft and one after)
     /// stay on the device: a row continuing it has the device verify `drafts` against
     /// them (`VerifiedRow`), or reads them (`DeviceModel::read_picks`), without waiting
     /// for the sampler.

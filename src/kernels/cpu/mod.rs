@@ -336,6 +336,7 @@ impl Backend for CpuBackend {
         let picks: Vec<(u32, f32)> = rows
             .iter()
             .map(|r| {
+                debug_assert!(r.verified_row.is_none(), "the CPU stages no verified rows");
                 let row = &logits[r.row * vocab..(r.row + 1) * vocab];
                 if r.params.is_greedy() {
                     let token = crate::sampling::argmax(row);

@@ -268,7 +268,7 @@ impl CudaBackend {
                         Some((&self.kernels.gemv_fp8_mma_staged, MMA_BLOCK_ROWS))
                     }
                     PackedFormat::Fp8 { .. } => Some((&self.kernels.gemv_fp8_mma, MMA_BLOCK_ROWS)),
-                    // Staged only: a Q4_K step needs x from four places.
+                    // Staged only: a Q4_K or Q4_1 step needs x from four places.
                     PackedFormat::Ggml(t) if staged => {
                         self.kernels.ggml_mma_gemv(t).map(|k| (k, MMA_BLOCK_ROWS))
                     }

@@ -10,6 +10,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use sha2::{Digest, Sha256};
 
 use super::CudaError;
+use crate::kernels::quant::GgmlType;
 
 /// `llama.cu` and the files that use its helpers, as one NVRTC program.
 pub const LLAMA_SOURCE: &str = concat!(
@@ -406,8 +407,7 @@ impl Kernels {
     }
 
     /// The tensor-core GEMV over GGML type `t` with x staged, where there is one.
-    pub fn ggml_mma_gemv(&self, t: crate::kernels::quant::GgmlType) -> Option<&CudaFunction> {
-        use crate::kernels::quant::GgmlType;
+    pub fn ggml_mma_gemv(&self, t: GgmlType) -> Option<&CudaFunction> {
         match t {
             GgmlType::Q4K => Some(&self.gemv_q4k_mma),
             GgmlType::Q4_1 => Some(&self.gemv_q4_1_mma),

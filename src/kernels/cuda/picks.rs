@@ -65,13 +65,13 @@ impl CudaBackend {
                 r.position as u32,
                 (r.position >> 32) as u32,
                 scratch_row,
-                r.moved_back_on_device.unwrap_or(u32::MAX),
+                r.verified_row.unwrap_or(u32::MAX),
             ]);
         }
         let meta_d = self.upload_u32(Meta::Rows, &meta);
         // The rows `apply_verified` moved back, with their counts: this step's, since the
         // next step's metadata reaches the arena after this launch on the same stream.
-        let verified = if rows.iter().any(|r| r.moved_back_on_device.is_some()) {
+        let verified = if rows.iter().any(|r| r.verified_row.is_some()) {
             self.graphs().region(&self.stream, Meta::Verified)
         } else {
             0
