@@ -61,6 +61,39 @@ __device__ __forceinline__ void q4k_word(u32 q, u32 sl, u32 ml, u32 sh, u32 mh, 
 // x was staged times 2^-4 (TC_X_SCALE); the weights are their own values.
 #define Q4K_UNSCALE 16.0f
 
+// acc += one m16n8k16 step: weight rows g (ra) and g + 8 (rb), the low (hi 0) or high
+// (hi 1) half of their f16x2 words, against the x fragment of x row g. Logical columns
+// 2t, 2t+1: a word's bytes 0 and 2; 2t+8, 2t+9: bytes 1 and 3.
+__device__ __forceinline__ void mma_rows16(float acc[4], const u32 ra[4], const u32 rb[4], int hi,
+                                           uint2 xf) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(ra[2 * hi]), "r"(rb[2 * hi]), "r"(ra[2 * hi + 1]), "r"(rb[2 * hi + 1]), "r"(xf.y),
+          "r"(xf.x));
+}
+
+// A block's 16 weight rows × up to 8 x rows, summed over its warps, into y (unscaled).
+// acc0, acc1: weight row g, x rows 2t and 2t + 1; acc2, acc3: weight row g + 8.
+__device__ __forceinline__ void store_rows16(float (*partial)[16][8], const float acc[4], float* y,
+                                             int ldy, long long n0, int m, int N) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        int row = threadIdx.x >> 3, i = threadIdx.x & 7;  // 16 rows × 8 x rows
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) v += partial[w][row][i];
+        long long n = n0 + row;
+        if (i < m && n < N) y[(long long)i * ldy + n] = v * Q4K_UNSCALE;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
     gemv_q4k_mma_kernel(float* y, int ldy, const float* x, const u8* W, int m, int N, int K) {
     constexpr int STEP_K = 128;  // a warp's 16 rows × 4 threads × 32 weights
@@ -119,31 +152,12 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
 #pragma unroll
                 for (int hi = 0; hi < 2; ++hi) {
                     uint2 xf = has_x ? xr[w + 8 * hi] : make_uint2(0u, 0u);
-                    // Logical columns 2t, 2t+1: bytes 0 and 2; 2t+8, 2t+9: bytes 1 and 3.
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                        : "r"(ra[2 * hi]), "r"(rb[2 * hi]), "r"(ra[2 * hi + 1]), "r"(rb[2 * hi + 1]),
-                          "r"(xf.y), "r"(xf.x));
+                    mma_rows16(acc, ra, rb, hi, xf);
                 }
             }
         }
     }
-    // acc0, acc1: weight row g, x rows 2t and 2t + 1; acc2, acc3: weight row g + 8.
-    partial[warp][g][2 * t] = acc[0];
-    partial[warp][g][2 * t + 1] = acc[1];
-    partial[warp][g + 8][2 * t] = acc[2];
-    partial[warp][g + 8][2 * t + 1] = acc[3];
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        int row = threadIdx.x >> 3, i = threadIdx.x & 7;  // 16 rows × 8 x rows
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < TC_WARPS; ++w) v += partial[w][row][i];
-        long long n = n0 + row;
-        if (i < m && n < N) y[(long long)i * ldy + n] = v * Q4K_UNSCALE;
-    }
+    store_rows16(partial, acc, y, ldy, n0, m, N);
 }
 
 // The Q4_1 GEMV on tensor cores, the same scheme for up to 8 staged rows of x: Q4_1 rows
@@ -210,27 +224,10 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2)
 #pragma unroll
                 for (int hi = 0; hi < 2; ++hi) {
                     uint2 xf = has_x && live ? xr[w + 4 * hi] : make_uint2(0u, 0u);
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-                        : "r"(ra[2 * hi]), "r"(rb[2 * hi]), "r"(ra[2 * hi + 1]), "r"(rb[2 * hi + 1]),
-                          "r"(xf.y), "r"(xf.x));
+                    mma_rows16(acc, ra, rb, hi, xf);
                 }
             }
         }
     }
-    partial[warp][g][2 * t] = acc[0];
-    partial[warp][g][2 * t + 1] = acc[1];
-    partial[warp][g + 8][2 * t] = acc[2];
-    partial[warp][g + 8][2 * t + 1] = acc[3];
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        int row = threadIdx.x >> 3, i = threadIdx.x & 7;
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < TC_WARPS; ++w) v += partial[w][row][i];
-        long long n = n0 + row;
-        if (i < m && n < N) y[(long long)i * ldy + n] = v * Q4K_UNSCALE;
-    }
+    store_rows16(partial, acc, y, ldy, n0, m, N);
 }
