@@ -207,6 +207,7 @@ fn main() {
                     params: &params,
                     position: row as u64,
                     verified_row: None,
+                    draft: None,
                 })
                 .collect();
             let secs = time(

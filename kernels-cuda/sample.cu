@@ -12,13 +12,19 @@
 // draw landing within rounding of a boundary may differ from the CPU's; nothing else does.
 //
 // meta[SAMPLE_META·i ..] = (logit row, pick index, top_k, temperature bits, top_p bits,
-// min_p bits, seed lo, seed hi, position lo, position hi, scratch row, moved back). `keys`
-// and `weights` are scratch, one vocabulary-sized row each per sampled (not greedy) row.
-// "Moved back" is NO_MOVE or the row's index among apply_verified's rows in `verified`: a
-// row continuing a verify row was planned as if it kept every draft, and only the device
-// knows how many it rejected, so its draws' positions move back by that count here.
-#define SAMPLE_META 12
+// min_p bits, seed lo, seed hi, position lo, position hi, scratch row, moved back, draft).
+// `keys` and `weights` are scratch, one vocabulary-sized row each per sampled (not greedy)
+// row. "Moved back" is NO_MOVE or the row's index among apply_verified's rows in
+// `verified`: a row continuing a verify row was planned as if it kept every draft, and only
+// the device knows how many it rejected, so its draws' positions move back by that count
+// here. "Draft" is NO_DRAFT or the token a verify row proposed at this position, accepted
+// by rejection sampling as spec::verify::rejection does with a certain (n-gram) drafter:
+// kept with probability p(draft) (the STREAM_ACCEPT draw), else the pick is drawn from p
+// without it — never the draft, so the host and apply_verified count acceptance by picks.
+#define SAMPLE_META 13
 #define NO_MOVE 0xffffffffu
+#define NO_DRAFT 0xffffffffu
+#define STREAM_ACCEPT 2ull
 #define SAMPLE_BINS 16
 
 // Ascending in f32::total_cmp order.
@@ -343,8 +349,29 @@ extern "C" __global__ void __launch_bounds__(1024)
         cut.wmin = min_p;
         total = kept_mass(keys, w, V, cut, scratch);
     }
-    double target = uniform_draw(seed, pos, 0ull) * total;
+    u32 draft = p[12];
+    double w_draft = 0.0;
+    if (draft != NO_DRAFT && (int)draft < V && kept(cut, draft, keys[draft], w[draft]))
+        w_draft = w[draft];
+    if (w_draft > 0.0 && uniform_draw(seed, pos, STREAM_ACCEPT) < w_draft / total) {
+        if (threadIdx.x == 0) {
+            out_ids[slot] = draft;
+            out_logprobs[slot] =
+                (float)((double)(key_value(keys[draft]) - max_scaled) - log(total));
+        }
+        return;
+    }
+    // Rejected (or no draft): the draw from p without the draft, by the mass of the others.
+    // Where the plain walk stops before the draft in sampling order it is the answer;
+    // otherwise the draft's own mass is stepped over (the residual's running mass is the
+    // plain one less w_draft from the draft on).
+    double target = uniform_draw(seed, pos, 0ull) * (total - w_draft);
     Selected s = select_ordered(keys, w, V, cut, true, target, false, scratch);
+    if (w_draft > 0.0) {
+        u32 kd = keys[draft];
+        if (s.key < kd || (s.key == kd && s.id >= (int)draft))
+            s = select_ordered(keys, w, V, cut, true, target + w_draft, false, scratch);
+    }
     if (threadIdx.x == 0) {
         out_ids[slot] = (u32)s.id;
         out_logprobs[slot] = (float)((double)(key_value(s.key) - max_scaled) - log(total));

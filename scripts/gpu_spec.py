@@ -42,6 +42,15 @@ IGNORE_EOS = os.environ.get("GPU_SPEC_IGNORE_EOS") == "1"
 # runs 32 requests one at a time (`--max-num-seqs 1`): batch 1 over every prompt, where
 # one request of a few dozen tokens says little.
 CONCURRENCY = os.environ.get("GPU_SPEC_CONCURRENCY", "1,8,32,128").split(",")
+# GPU_SPEC_TEMPERATURE=0.7: seeded sampled requests at that temperature, and the drafts
+# also accepted by rejection sampling (`--spec-acceptance rejection`); "same_as_off" then
+# holds for the coupled modes only.
+TEMPERATURE = float(os.environ.get("GPU_SPEC_TEMPERATURE", "0"))
+MODES = [("off", []),
+         ("fixed", ["--spec", "ngram", "--spec-verify", "fixed"]),
+         ("confidence", ["--spec", "ngram", "--spec-verify", "confidence"])]
+if TEMPERATURE > 0:
+    MODES += [(m + "-rej", f + ["--spec-acceptance", "rejection"]) for m, f in MODES[1:]]
 
 
 def shape(c):
@@ -66,9 +75,10 @@ def main(binary, model=None):
     for c in CONCURRENCY:
         n, limit = shape(c)
         reqs = chat_requests(n) if model else requests(n, n)
-        for mode, extra in (("off", []),
-                            ("fixed", ["--spec", "ngram", "--spec-verify", "fixed"]),
-                            ("confidence", ["--spec", "ngram", "--spec-verify", "confidence"])):
+        if TEMPERATURE > 0:
+            for i, r in enumerate(reqs):
+                r.update(temperature=TEMPERATURE, seed=1000 + i)
+        for mode, extra in MODES:
             try:
                 # Real weights stop at their own EOS, as bench_spec.sh's CPU runs do
                 # (past it, a copy prompt's continuation is no longer a copy).

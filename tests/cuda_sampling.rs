@@ -88,6 +88,7 @@ fn device_sampling_draws_what_the_cpu_sampler_draws() {
                 params: &group[i].1,
                 position: group[i].2,
                 verified_row: None,
+                draft: None,
             })
             .collect();
         let picks = backend.pick_rows(&logits_d, vocab, &rows)();
@@ -136,6 +137,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
                 params: &p,
                 position: 9,
                 verified_row: None,
+                draft: None,
             }],
         )()
     };
@@ -150,6 +152,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
             params: q,
             position: 9,
             verified_row: None,
+            draft: None,
         })
         .collect();
     rows.insert(
@@ -159,6 +162,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
             params: &p,
             position: 9,
             verified_row: None,
+            draft: None,
         },
     );
     let picks = backend.pick_rows(&d, vocab, &rows)();
@@ -171,4 +175,130 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
         "{} distinct tokens of 41",
         distinct.len()
     );
+}
+
+/// Rejection acceptance at one position (an n-gram draft, q one-hot): the device keeps the
+/// draft or draws from the rest as `spec::verify::rejection_pick` does.
+#[test]
+fn device_rejection_keeps_or_replaces_each_draft_as_the_cpu_verifier_does() {
+    use troupe::spec::TargetDistribution;
+    use troupe::spec::verify::rejection_pick;
+    let backend = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let cases: Vec<_> = cases().into_iter().filter(|c| !c.1.is_greedy()).collect();
+    let (mut mismatches, mut kept, mut replaced) = (Vec::new(), 0, 0);
+    for vocab in [151_936, 32_000, 1000] {
+        let group: Vec<_> = cases.iter().filter(|c| c.0.len() == vocab).collect();
+        let flat: Vec<f32> = group.iter().flat_map(|c| c.0.iter().copied()).collect();
+        let logits_d = backend.upload(&flat);
+        let mut sampler = Sampler::default();
+        // Per case: the most likely token, the plain draw at this position (the residual
+        // walk then passes the draft), and an arbitrary id.
+        let mut rows = Vec::new();
+        for (i, (x, p, position)) in group.iter().enumerate() {
+            let argmax = troupe::sampling::argmax(x);
+            let plain = sampler
+                .sample_row(
+                    x,
+                    p,
+                    &SampleContext {
+                        position: *position,
+                        ..Default::default()
+                    },
+                )
+                .token;
+            let other = (splitmix64(*position) % vocab as u64) as u32;
+            for draft in [argmax, plain, other] {
+                rows.push(PickRow {
+                    row: i,
+                    params: p,
+                    position: *position,
+                    verified_row: None,
+                    draft: Some(draft),
+                });
+            }
+        }
+        let picks = backend.pick_rows(&logits_d, vocab, &rows)();
+        for (r, &(token, logprob)) in rows.iter().zip(&picks) {
+            let (x, p, position) = group[r.row];
+            let draft = r.draft.expect("every row has a draft");
+            let target = TargetDistribution::new(x, p);
+            let q = TargetDistribution::one_hot(draft);
+            let want = rejection_pick(&target, draft, &q, p.seed, *position);
+            let want_lp = target.prob(want).ln() as f32;
+            if want == draft {
+                kept += 1;
+            } else {
+                replaced += 1;
+            }
+            if token != want || (logprob - want_lp).abs() > 1e-4 {
+                mismatches.push(format!(
+                    "vocab {vocab} row {} draft {draft} ({p:?}): device ({token}, {logprob}), cpu ({want}, {want_lp})",
+                    r.row
+                ));
+            }
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} rows differ:\n{}",
+        mismatches.len(),
+        mismatches.join("\n")
+    );
+    assert!(
+        kept > 10 && replaced > 10,
+        "kept {kept}, replaced {replaced}"
+    );
+}
+
+/// Whatever the draft, rejection sampling's output is distributed as the target: counts
+/// over many seeds against the softmax computed here, by a χ² statistic.
+#[test]
+fn device_rejection_leaves_the_target_distribution_unchanged() {
+    let backend = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let x = [2.0f32, 1.5, 1.2, 0.4, 0.0, -0.7, -1.0, -2.5];
+    let logits_d = backend.upload(&x);
+    let n = 40_000u64;
+    for (temperature, top_k, draft) in [(0.8f32, 0usize, 1u32), (1.0, 5, 0), (1.3, 0, 6)] {
+        let params: Vec<SamplingParams> = (0..n)
+            .map(|s| params(temperature, top_k, 1.0, 0.0, 1000 + s))
+            .collect();
+        let rows: Vec<PickRow<'_>> = params
+            .iter()
+            .map(|p| PickRow {
+                row: 0,
+                params: p,
+                position: 3,
+                verified_row: None,
+                draft: Some(draft),
+            })
+            .collect();
+        let picks = backend.pick_rows(&logits_d, x.len(), &rows)();
+        let kept = if top_k > 0 { top_k } else { x.len() };
+        let weights: Vec<f64> = x[..kept]
+            .iter()
+            .map(|&v| (v as f64 / temperature as f64).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut counts = vec![0u64; x.len()];
+        for &(t, _) in &picks {
+            counts[t as usize] += 1;
+        }
+        assert!(
+            counts[kept..].iter().all(|&c| c == 0),
+            "cut tokens drawn: {counts:?}"
+        );
+        let chi2: f64 = weights
+            .iter()
+            .zip(&counts)
+            .map(|(w, &c)| {
+                let e = w / total * n as f64;
+                (c as f64 - e).powi(2) / e
+            })
+            .sum();
+        // 7 degrees of freedom at most: P(χ² > 30) < 1e-4.
+        assert!(
+            chi2 < 30.0,
+            "t {temperature} top_k {top_k} draft {draft}: χ² {chi2}, counts {counts:?}"
+        );
+    }
 }

@@ -404,8 +404,7 @@ impl Actor for SchedulerActor {
                             ignore_eos: false,
                             cache_salt: 0,
                             // As `RowSampling::verifies_on_device` finds its rows.
-                            verified_by_picks: (params.is_greedy()
-                                || (st.samples_on_device && !st.rejection_acceptance))
+                            verified_by_picks: (params.is_greedy() || st.samples_on_device)
                                 && params.has_no_processors()
                                 && grammar.is_none()
                                 && request.min_tokens == 0,

@@ -345,6 +345,10 @@ pub struct PickRow<'a> {
     /// `position` is as planned; the draw's moves back by the drafts that row rejected,
     /// as the device counted them.
     pub verified_row: Option<u32>,
+    /// The draft a verify row proposed at this logit row, accepted by rejection sampling
+    /// (`spec::verify::rejection_pick`): the pick is the draft or, where it is rejected, a
+    /// draw from the row's distribution without it. `None`: the plain draw.
+    pub draft: Option<u32>,
 }
 
 /// How far a row continuing a verify row moved back by the drafts that row rejected.

@@ -72,6 +72,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                         params: &s.params,
                         position: s.position - shift(row),
                         verified_row: on_device(row),
+                        draft: None,
                     });
                 }
                 Some(s) if s.verifies_on_device(sample_here) => {
@@ -92,11 +93,14 @@ impl<B: Backend> StepOutcome<'_, B> {
                 .sampling
                 .as_ref()
                 .expect("a verifying row samples");
+            // Rejection acceptance decides each draft in the draw at its position.
+            let by_rejection = s.rejection && !s.params.is_greedy();
             pick_rows.extend((0..count).map(|i| PickRow {
                 row: first + i,
                 params: &s.params,
                 position: s.position - shift(row) + i as u64,
                 verified_row: on_device(row),
+                draft: s.drafts.get(i).copied().filter(|_| by_rejection),
             }));
         }
         let num_rows = rows.len();

@@ -29,7 +29,8 @@ pub struct SeqRequest {
     /// Prefix-cache namespace: only requests with equal salts share cached blocks.
     pub cache_salt: u64,
     /// Its verify rows are verified against the target's picks (greedy, or drawn on the
-    /// device with the seed, not by rejection; nothing applied to the logits): the rank
+    /// device with the seed, the drafts accepted by the draw or by rejection there;
+    /// nothing applied to the logits): the rank
     /// learns their outcome itself, so under ZOS a row continuing one needs no wait for
     /// the sampler (`continue_verify_rows`).
     pub verified_by_picks: bool,

@@ -81,20 +81,22 @@ pub fn rejection(
     let mut tokens = Vec::with_capacity(targets.len());
     for (i, (target, &draft)) in targets.iter().zip(drafts).enumerate() {
         let position = first_position + i as u64;
+        let one_hot;
         let q = match draft_dists {
-            Some(d) => d[i].clone(),
-            None => TargetDistribution::one_hot(draft),
+            Some(d) => &d[i],
+            None => {
+                one_hot = TargetDistribution::one_hot(draft);
+                &one_hot
+            }
         };
-        let (p_x, q_x) = (target.prob(draft), q.prob(draft));
-        if q_x > 0.0 && uniform(seed, position, STREAM_ACCEPT) < p_x / q_x {
-            tokens.push(draft);
-            continue;
+        let token = rejection_pick(target, draft, q, seed, position);
+        tokens.push(token);
+        if token != draft {
+            return Verified {
+                num_accepted: i,
+                tokens,
+            };
         }
-        tokens.push(target.sample_residual(&q, uniform(seed, position, STREAM_SAMPLE)));
-        return Verified {
-            num_accepted: i,
-            tokens,
-        };
     }
     let position = first_position + drafts.len() as u64;
     tokens.push(targets[drafts.len()].sample(uniform(seed, position, STREAM_SAMPLE)));
@@ -102,6 +104,23 @@ pub fn rejection(
         num_accepted: drafts.len(),
         tokens,
     }
+}
+
+/// One position of [`rejection`]: `draft` if it is accepted, else the residual draw (which
+/// is never `draft`, so a pick tells whether the draft was kept). `q` is the distribution
+/// the draft was drawn from.
+pub fn rejection_pick(
+    target: &TargetDistribution,
+    draft: u32,
+    q: &TargetDistribution,
+    seed: u64,
+    position: u64,
+) -> u32 {
+    let (p_x, q_x) = (target.prob(draft), q.prob(draft));
+    if q_x > 0.0 && uniform(seed, position, STREAM_ACCEPT) < p_x / q_x {
+        return draft;
+    }
+    target.sample_residual(q, uniform(seed, position, STREAM_SAMPLE))
 }
 
 pub fn coupled(

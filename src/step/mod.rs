@@ -167,14 +167,14 @@ impl RowSampling {
 
     /// A row verifying drafts with nothing to apply at any position (no processors, no
     /// stop-id ban under `min_tokens`), greedy or — where the backend draws as the sampler
-    /// does (`samples_on_device`) and the drafts are accepted by that draw, not by
-    /// rejection — sampled: the device's pick at each of its logit rows is the sampler's
-    /// token there (the seeded draw keyed by position), so verification needs the picks,
-    /// not the logits. (For a row continuing the previous step, `output_ids` lacks the
+    /// does (`samples_on_device`) — sampled: the device's pick at each of its logit rows is
+    /// the sampler's token there (the seeded draw keyed by position; under rejection
+    /// acceptance the draft or the residual draw, `PickRow::draft`), so verification needs
+    /// the picks, not the logits. (For a row continuing the previous step, `output_ids` lacks the
     /// tokens still in flight: the `min_tokens` test errs towards the host.)
     pub fn verifies_on_device(&self, samples_on_device: bool) -> bool {
         !self.drafts.is_empty()
-            && (self.params.is_greedy() || (samples_on_device && !self.rejection))
+            && (self.params.is_greedy() || samples_on_device)
             && self.is_plain_but_drafts()
             && self.output_ids.len() >= self.min_tokens
     }

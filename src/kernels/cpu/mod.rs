@@ -345,6 +345,18 @@ impl Backend for CpuBackend {
                         row[token as usize] - crate::sampling::log_sum_exp(row),
                     );
                 }
+                if let Some(draft) = r.draft {
+                    let p = crate::spec::TargetDistribution::new(row, r.params);
+                    let q = crate::spec::TargetDistribution::one_hot(draft);
+                    let token = crate::spec::verify::rejection_pick(
+                        &p,
+                        draft,
+                        &q,
+                        r.params.seed,
+                        r.position,
+                    );
+                    return (token, p.prob(token).ln() as f32);
+                }
                 let ctx = crate::sampling::SampleContext {
                     position: r.position,
                     ..Default::default()

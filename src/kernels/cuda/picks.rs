@@ -12,7 +12,7 @@ use super::{CudaBackend, check};
 use crate::kernels::PickRow;
 
 /// u32 words per row of `sample_kernel`'s metadata (the kernel's `SAMPLE_META`).
-const SAMPLE_META: usize = 12;
+const SAMPLE_META: usize = 13;
 
 /// Picks one step may make (rows): the device buffer the next step's embedding
 /// reads them from has this fixed size, so graphs never see it move.
@@ -66,6 +66,7 @@ impl CudaBackend {
                 (r.position >> 32) as u32,
                 scratch_row,
                 r.verified_row.unwrap_or(u32::MAX),
+                r.draft.unwrap_or(u32::MAX),
             ]);
         }
         let meta_d = self.upload_u32(Meta::Rows, &meta);
