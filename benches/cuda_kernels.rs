@@ -208,6 +208,7 @@ fn main() {
                     position: row as u64,
                     verified_row: None,
                     draft: None,
+                    mask: None,
                 })
                 .collect();
             let secs = time(

@@ -12,7 +12,8 @@
 // draw landing within rounding of a boundary may differ from the CPU's; nothing else does.
 //
 // meta[SAMPLE_META·i ..] = (logit row, pick index, top_k, temperature bits, top_p bits,
-// min_p bits, seed lo, seed hi, position lo, position hi, scratch row, moved back, draft).
+// min_p bits, seed lo, seed hi, position lo, position hi, scratch row, moved back, draft,
+// mask).
 // `keys` and `weights` are scratch, one vocabulary-sized row each per sampled (not greedy)
 // row. "Moved back" is NO_MOVE or the row's index among apply_verified's rows in
 // `verified`: a row continuing a verify row was planned as if it kept every draft, and only
@@ -21,7 +22,11 @@
 // by rejection sampling as spec::verify::rejection does with a certain (n-gram) drafter:
 // kept with probability p(draft) (the STREAM_ACCEPT draw), else the pick is drawn from p
 // without it — never the draft, so the host and apply_verified count acceptance by picks.
-#define SAMPLE_META 13
+// "Mask" is NO_MASK or the word offset in `masks` of the row's grammar mask, a bit per id
+// (bit id % 32 of word id / 32): ids without their bit count as logits of −∞, as the host
+// sampler's masked rows.
+#define SAMPLE_META 14
+#define NO_MASK 0xffffffffu
 #define NO_MOVE 0xffffffffu
 #define NO_DRAFT 0xffffffffu
 #define STREAM_ACCEPT 2ull
@@ -242,12 +247,21 @@ __device__ __forceinline__ void greedy_merge(float ob, int oi, float os, float& 
 
 // The greedy pick of x: the first index of the maximum, and its log-probability, in one
 // pass over the row (a running maximum rescales the running sum of exponentials).
-__device__ void greedy_row(const float* x, int vocab, u32* out_id, float* out_logprob) {
+__device__ __forceinline__ bool masked_out(const u32* mask, int i) {
+    return mask != nullptr && ((mask[i >> 5] >> (i & 31)) & 1u) == 0;
+}
+
+__device__ void greedy_row(const float* x, const u32* mask, int vocab, u32* out_id,
+                           float* out_logprob) {
     __shared__ float s_best[32], s_sum[32];
     __shared__ int s_idx[32];
     float best = NEG_INF, sum = 0.0f;
     int best_i = 0x7fffffff;
-    if ((vocab & 3) == 0 && ((unsigned long long)x & 15) == 0) {
+    if (mask != nullptr) {
+        // Masked ids are left out of the fold (−∞ contributes nothing).
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (!masked_out(mask, i)) greedy_fold(x[i], i, best, best_i, sum);
+    } else if ((vocab & 3) == 0 && ((unsigned long long)x & 15) == 0) {
         const float4* x4 = (const float4*)x;
         for (int i = threadIdx.x; i < vocab / 4; i += blockDim.x) {
             greedy_fold4(x4[i], 4 * i, best, best_i, sum);
@@ -293,7 +307,8 @@ __device__ __forceinline__ double uniform_draw(unsigned long long seed, unsigned
 
 extern "C" __global__ void __launch_bounds__(1024)
     sample_kernel(u32* out_ids, float* out_logprobs, const float* logits, const u32* meta,
-                  u32* keys_all, float* weights_all, const u32* verified, int V) {
+                  u32* keys_all, float* weights_all, const u32* verified, const u32* masks,
+                  int V) {
     pdl_enter();
     __shared__ double scratch[32];
     __shared__ u32 s_max[32];
@@ -306,15 +321,16 @@ extern "C" __global__ void __launch_bounds__(1024)
     unsigned long long seed = ((unsigned long long)p[7] << 32) | p[6];
     unsigned long long pos = ((unsigned long long)p[9] << 32) | p[8];
     if (p[11] != NO_MOVE) pos -= verified[p[11] * VERIFIED_META + 6];
+    const u32* mask = p[13] == NO_MASK ? nullptr : masks + p[13];
     if (temperature == 0.0f) {
-        greedy_row(x, V, out_ids + slot, out_logprobs + slot);
+        greedy_row(x, mask, V, out_ids + slot, out_logprobs + slot);
         return;
     }
     u32* keys = keys_all + (long long)p[10] * V;
     float* w = weights_all + (long long)p[10] * V;
     u32 best = 0;
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        u32 k = order_key(x[i] / temperature);  // the CPU's f32 division
+        u32 k = order_key(masked_out(mask, i) ? NEG_INF : x[i] / temperature);  // the CPU's f32 division
         keys[i] = k;
         best = max(best, k);
     }

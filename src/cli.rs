@@ -486,6 +486,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         request.ignore_eos = args.ignore_eos;
         request.stop = line.stop.clone().unwrap_or_else(|| args.stop.clone());
         request.stop_token_ids = line.stop_token_ids.clone().unwrap_or_default();
+        request.grammar = line.grammar()?;
         let limits = RequestLimits {
             vocab_size: text.config.vocab_size,
             max_context_tokens: text.config.max_context_tokens,
@@ -535,6 +536,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "spec_verified_tokens": status.num_spec_verified_tokens,
             "spec_accepted_tokens": status.num_spec_accepted_tokens,
             "spec_sat_out_rows": status.num_spec_sat_out_rows,
+            "host_sampled_rows": status.num_host_sampled_rows,
             "cpu_affinity": status.cpu_affinity,
             "resident_weight_bytes": status.resident_weight_bytes,
             "checkpoint_bytes": crate::model::checkpoint_bytes(&path),

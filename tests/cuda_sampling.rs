@@ -89,6 +89,7 @@ fn device_sampling_draws_what_the_cpu_sampler_draws() {
                 position: group[i].2,
                 verified_row: None,
                 draft: None,
+                mask: None,
             })
             .collect();
         let picks = backend.pick_rows(&logits_d, vocab, &rows)();
@@ -138,6 +139,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
                 position: 9,
                 verified_row: None,
                 draft: None,
+                mask: None,
             }],
         )()
     };
@@ -153,6 +155,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
             position: 9,
             verified_row: None,
             draft: None,
+            mask: None,
         })
         .collect();
     rows.insert(
@@ -163,6 +166,7 @@ fn device_sampling_of_one_row_follows_its_seed_and_position_only() {
             position: 9,
             verified_row: None,
             draft: None,
+            mask: None,
         },
     );
     let picks = backend.pick_rows(&d, vocab, &rows)();
@@ -214,6 +218,7 @@ fn device_rejection_keeps_or_replaces_each_draft_as_the_cpu_verifier_does() {
                     position: *position,
                     verified_row: None,
                     draft: Some(draft),
+                    mask: None,
                 });
             }
         }
@@ -270,6 +275,7 @@ fn device_rejection_leaves_the_target_distribution_unchanged() {
                 position: 3,
                 verified_row: None,
                 draft: Some(draft),
+                mask: None,
             })
             .collect();
         let picks = backend.pick_rows(&logits_d, x.len(), &rows)();
@@ -301,4 +307,110 @@ fn device_rejection_leaves_the_target_distribution_unchanged() {
             "t {temperature} top_k {top_k} draft {draft}: χ² {chi2}, counts {counts:?}"
         );
     }
+}
+
+/// Rows under a grammar's mask (a bit per allowed id): the device draws what the CPU
+/// sampler draws from the same logits with the forbidden ids at −∞, greedy or sampled, a
+/// draft verified by rejection included.
+#[test]
+fn device_sampling_under_a_mask_draws_what_the_cpu_sampler_draws_from_masked_logits() {
+    use troupe::spec::TargetDistribution;
+    use troupe::spec::verify::rejection_pick;
+    let backend = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let (mut mismatches, mut total) = (Vec::new(), 0);
+    for vocab in [151_936, 32_000, 1000] {
+        let group: Vec<_> = cases().into_iter().filter(|c| c.0.len() == vocab).collect();
+        let flat: Vec<f32> = group.iter().flat_map(|c| c.0.iter().copied()).collect();
+        let logits_d = backend.upload(&flat);
+        // Per case a mask keeping every id with probability 1/3, or only 5 ids.
+        let masks: Vec<Vec<u32>> = (0..group.len())
+            .map(|i| {
+                let mut bits = vec![0u32; vocab.div_ceil(32)];
+                for id in 0..vocab {
+                    let h = splitmix64((i as u64) << 32 | id as u64);
+                    let keep = if i % 2 == 0 {
+                        h.is_multiple_of(3)
+                    } else {
+                        h.is_multiple_of(vocab as u64 / 5) || id == 0
+                    };
+                    if keep {
+                        bits[id / 32] |= 1 << (id % 32);
+                    }
+                }
+                bits
+            })
+            .collect();
+        let masked: Vec<Vec<f32>> = group
+            .iter()
+            .zip(&masks)
+            .map(|((x, _, _), bits)| {
+                x.iter()
+                    .enumerate()
+                    .map(|(id, &v)| {
+                        if bits[id / 32] >> (id % 32) & 1 == 1 {
+                            v
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut sampler = Sampler::default();
+        let mut rows = Vec::new();
+        let mut want = Vec::new();
+        for (i, (_, p, position)) in group.iter().enumerate() {
+            let plain = sampler.sample_row(
+                &masked[i],
+                p,
+                &SampleContext {
+                    position: *position,
+                    ..Default::default()
+                },
+            );
+            want.push((plain.token, plain.logprob));
+            rows.push(PickRow {
+                row: i,
+                params: p,
+                position: *position,
+                verified_row: None,
+                draft: None,
+                mask: Some(&masks[i]),
+            });
+            if !p.is_greedy() {
+                // Id 0 (forbidden by some masks: then always replaced) and the masked argmax.
+                for draft in [0u32, troupe::sampling::argmax(&masked[i])] {
+                    let target = TargetDistribution::new(&masked[i], p);
+                    let q = TargetDistribution::one_hot(draft);
+                    let token = rejection_pick(&target, draft, &q, p.seed, *position);
+                    want.push((token, target.prob(token).ln() as f32));
+                    rows.push(PickRow {
+                        row: i,
+                        params: p,
+                        position: *position,
+                        verified_row: None,
+                        draft: Some(draft),
+                        mask: Some(&masks[i]),
+                    });
+                }
+            }
+        }
+        let picks = backend.pick_rows(&logits_d, vocab, &rows)();
+        for ((r, &(token, logprob)), &(want_token, want_lp)) in rows.iter().zip(&picks).zip(&want) {
+            total += 1;
+            let allowed = masks[r.row][token as usize / 32] >> (token % 32) & 1 == 1;
+            if !allowed || token != want_token || (logprob - want_lp).abs() > 1e-4 {
+                mismatches.push(format!(
+                    "vocab {vocab} row {} draft {:?} ({:?}): device ({token}, {logprob}), cpu ({want_token}, {want_lp}), allowed {allowed}",
+                    r.row, r.draft, r.params
+                ));
+            }
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of {total} rows differ:\n{}",
+        mismatches.len(),
+        mismatches.join("\n")
+    );
 }

@@ -238,3 +238,103 @@ async fn constrained_output_with_speculation_equals_without_and_follows_the_gram
     assert_eq!(outputs[0], outputs[1]);
     assert_eq!(outputs[0], outputs[2]);
 }
+
+/// Rows under a grammar where the backend draws rows itself (CUDA): the rank masks them
+/// and the device draws them, greedy and seeded, verify rows included — the same tokens
+/// and logprobs as the host's sampler gives the same rows (a zero logit bias sends them
+/// there: a processor that changes nothing). On the CPU both runs take the host's path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grammar_rows_drawn_on_the_device_equal_the_host_samplers() {
+    use troupe::engine::{SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+    let grammar = GrammarSpec::Regex("[a-e]{3}( [a-e]{3}){5,8}".into());
+    let requests = |bias: bool| -> Vec<troupe::engine::EngineRequest> {
+        (0..12u64)
+            .map(|i| {
+                let phrase: Vec<u32> = (0..6)
+                    .map(|k| 3 + (troupe::sampling::splitmix64(i * 16 + k) % 300) as u32)
+                    .collect();
+                let params = SamplingParams {
+                    temperature: if i % 3 == 0 { 0.0 } else { 0.9 },
+                    top_p: if i % 2 == 0 { 1.0 } else { 0.9 },
+                    logit_bias: if bias { vec![(5, 0.0)] } else { Vec::new() },
+                    ..Default::default()
+                };
+                let mut r = EngineRequest::new(phrase.repeat(4), 40, params);
+                r.seed = Some(500 + i);
+                r.grammar = Some(grammar.clone());
+                r
+            })
+            .collect()
+    };
+    let on_device = common::engine::test_device() != troupe::engine::Device::Cpu;
+    for spec in [false, true] {
+        let mut cfg = common::engine::tiny_config("tiny-llama");
+        cfg.batch_invariant = true;
+        cfg.speculative = spec.then_some(SpecConfig {
+            method: SpecMethod::Ngram,
+            num_speculative_tokens: 4,
+            verify: SpecVerify::Fixed,
+            acceptance: SpecAcceptance::Coupled,
+        });
+        let (device, device_status) =
+            common::engine::run_engine(cfg.clone(), requests(false)).await;
+        let (host, host_status) = common::engine::run_engine(cfg, requests(true)).await;
+        assert!(host_status.num_host_sampled_rows > 0, "{host_status:?}");
+        if spec {
+            assert!(device_status.num_spec_verify_rows > 0, "{device_status:?}");
+        }
+        if on_device {
+            assert_eq!(device_status.num_host_sampled_rows, 0, "{device_status:?}");
+        }
+        for (d, h) in device.iter().zip(&host) {
+            assert_eq!(
+                d.token_ids, h.token_ids,
+                "spec {spec}: {:?} / {:?}",
+                d.text, h.text
+            );
+            for (a, b) in d.token_logprobs.iter().zip(&h.token_logprobs) {
+                assert!((a - b).abs() < 1e-4, "spec {spec}: logprobs {a} / {b}");
+            }
+            // The grammar holds: words of three letters a–e, single spaces between.
+            assert!(d.text.len() >= 3, "spec {spec}: {:?}", d.text);
+            let words: Vec<&str> = d.text.split(' ').collect();
+            assert!(
+                words.len() <= 9
+                    && words.iter().enumerate().all(|(i, w)| {
+                        let last = i + 1 == words.len();
+                        w.chars().all(|c| ('a'..='e').contains(&c))
+                            && (w.len() == 3 || (last && w.len() < 3))
+                    }),
+                "spec {spec}: {:?}",
+                d.text
+            );
+        }
+    }
+}
+
+/// Past the grammar's end with EOS not a stop (`ignore_eos`), every row still has an id to
+/// draw: the sequence runs to its length, the grammar's text first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grammar_past_its_end_under_ignore_eos_still_draws() {
+    let requests: Vec<EngineRequest> = [0.0f32, 0.8]
+        .iter()
+        .map(|&temperature| {
+            let params = SamplingParams {
+                temperature,
+                ..Default::default()
+            };
+            let mut r = EngineRequest::new(vec![5, 6, 7, 8], 8, params);
+            r.seed = Some(3);
+            r.ignore_eos = true;
+            r.grammar = Some(GrammarSpec::Regex("abc".into()));
+            r
+        })
+        .collect();
+    let cfg = common::engine::tiny_config("tiny-llama");
+    let (outs, _) = common::engine::run_engine(cfg, requests).await;
+    for o in &outs {
+        assert_eq!(o.finish_reason, Some(FinishReason::Length), "{o:?}");
+        assert_eq!(o.token_ids.len(), 8, "{o:?}");
+        assert!(o.text.starts_with("abc"), "{o:?}");
+    }
+}

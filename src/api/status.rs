@@ -50,6 +50,9 @@ pub struct EngineStatus {
     /// drafts, or its drafter looks at its full history again); 0 where verify rows are
     /// continued.
     pub num_spec_sat_out_rows: u64,
+    /// Sampled rows whose logits crossed to the host's sampler (processors, or a backend
+    /// that does not draw them itself); the others were picked on the device.
+    pub num_host_sampled_rows: u64,
     /// Per draft position (0-based, up to 16 drafts): drafts verified there, and accepted
     /// there (every earlier draft of the row accepted too).
     pub spec_verified_by_position: [u64; MAX_SPEC_POSITIONS],

@@ -349,6 +349,9 @@ pub struct PickRow<'a> {
     /// (`spec::verify::rejection_pick`): the pick is the draft or, where it is rejected, a
     /// draw from the row's distribution without it. `None`: the plain draw.
     pub draft: Option<u32>,
+    /// A grammar's mask over the row (bit `id % 32` of word `id / 32` set where `id` is
+    /// allowed, `SeqConstraint::allowed_bits`): the others draw as logits of −∞.
+    pub mask: Option<&'a [u32]>,
 }
 
 /// How far a row continuing a verify row moved back by the drafts that row rejected.

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
+use crate::structured::GrammarSpec;
 
 /// One line of `--prompts-file`. Fields left out take the command-line values.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -28,6 +29,11 @@ pub struct PromptLine {
     pub stop_token_ids: Option<Vec<u32>>,
     /// OpenAI's form: token id (as a string) → bias in [-100, 100].
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// Structured output: the JSON schema, regular expression or Lark grammar the whole
+    /// output must match (at most one).
+    pub json_schema: Option<serde_json::Value>,
+    pub regex: Option<String>,
+    pub lark: Option<String>,
 }
 
 impl PromptLine {
@@ -43,6 +49,25 @@ impl PromptLine {
                 })
             })
             .collect()
+    }
+}
+
+impl PromptLine {
+    /// The line's grammar, if it gives one.
+    pub fn grammar(&self) -> Result<Option<GrammarSpec>> {
+        let given = [
+            self.json_schema.clone().map(GrammarSpec::JsonSchema),
+            self.regex.clone().map(GrammarSpec::Regex),
+            self.lark.clone().map(GrammarSpec::Lark),
+        ];
+        let mut given = given.into_iter().flatten();
+        let first = given.next();
+        if given.next().is_some() {
+            return Err(TroupeError::InvalidInput(
+                "give at most one of `json_schema`, `regex` and `lark`".into(),
+            ));
+        }
+        Ok(first)
     }
 }
 
@@ -68,6 +93,7 @@ pub fn parse_prompts_file(text: &str, file_name: &str) -> Result<Vec<PromptLine>
             }
             _ => {}
         }
+        p.grammar().map_err(|e| bad(e.to_string()))?;
         lines.push(p);
     }
     if lines.is_empty() {
@@ -115,5 +141,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("temprature"), "{err}");
+        let both = "{\"prompt\":\"a\",\"regex\":\"a+\",\"lark\":\"start: \\\"a\\\"\"}\n";
+        let err = parse_prompts_file(both, "p.jsonl").unwrap_err().to_string();
+        assert!(
+            err.contains("at most one") && err.contains("line 1"),
+            "{err}"
+        );
+        let one = parse_prompts_file("{\"prompt\":\"a\",\"regex\":\"a+\"}\n", "p.jsonl").unwrap();
+        assert_eq!(
+            one[0].grammar().unwrap(),
+            Some(GrammarSpec::Regex("a+".into()))
+        );
     }
 }

@@ -241,6 +241,11 @@ fn status_registry(s: &EngineStatus) -> Registry {
         "Steps a speculating sequence sat out waiting for its drafts' verification",
         s.num_spec_sat_out_rows,
     );
+    counter(
+        "host_sampled_rows",
+        "Sampled rows whose logits were copied to the host's sampler",
+        s.num_host_sampled_rows,
+    );
     // Per draft position, where any row reached it.
     let verified = Family::<PositionLabels, Counter>::default();
     let accepted = Family::<PositionLabels, Counter>::default();

@@ -112,6 +112,7 @@ impl DeviceModel for DsV4OnCuda {
             picks_stay: self.mtp.is_none(),
             aborted: None,
             start,
+            input_picks: picked_rows,
         }
         .launch(steps, rows)
     }

@@ -7,9 +7,12 @@
 use super::{LaunchedStep, PrevToken};
 use crate::eplb::MoeBalance;
 use crate::kernels::collective::AbortProbe;
-use crate::kernels::{Backend, DeviceMark, MovedBack, PickRow};
+use crate::kernels::{Backend, DeviceMark, MovedBack, NOT_PICKED, PickRow};
 use crate::model::llama::SeqStep;
+use crate::sched::RowInput;
 use crate::step::{StepLogits, StepRow};
+use crate::structured::SeqConstraint;
+use rayon::prelude::*;
 
 /// A step whose logits (`[Σ num_logit_rows, vocab]`) lie on `backend`.
 pub(super) struct StepOutcome<'a, B: Backend> {
@@ -30,6 +33,9 @@ pub(super) struct StepOutcome<'a, B: Backend> {
     pub start: Option<DeviceMark>,
     /// Per row, how far the model moved it back past the plan (`MovedBack`; empty: none).
     pub moved_back: Vec<MovedBack>,
+    /// Per row, the index among the previous step's picks of its input token, or
+    /// `NOT_PICKED` (empty: none is).
+    pub input_picks: &'a [u32],
 }
 
 impl<B: Backend> StepOutcome<'_, B> {
@@ -58,25 +64,46 @@ impl<B: Backend> StepOutcome<'_, B> {
             Some(MovedBack::OnDevice(i)) => Some(i),
             _ => None,
         };
+        // A verify row's drafts as it ran (a draft model's filled in): its input's last.
+        let drafts_of = |row: usize, count: usize| {
+            let ids = steps[row].token_ids;
+            ids[ids.len() + 1 - count..].to_vec()
+        };
+        // Grammar masks to compute (constraint, history, drafts: one mask per logit row),
+        // and per pick row its job and position there.
+        let (mut jobs, mut mask_of) = (Vec::new(), Vec::new());
         for (row, (s, step)) in rows
             .iter()
             .map(|r| r.sampling.as_ref())
             .zip(steps)
             .enumerate()
         {
+            // A row with a grammar is masked here where its history is known now.
+            let history = match s {
+                Some(s) if s.masked_on_device(sample_here) => self.history(row, steps, rows),
+                _ => None,
+            };
             match s {
-                Some(s) if s.is_plain() && (sample_here || s.params.is_greedy()) => {
+                Some(s)
+                    if (s.is_plain() && (sample_here || s.params.is_greedy()))
+                        || (s.drafts.is_empty() && history.is_some()) =>
+                {
                     picked.push(row);
+                    mask_of.push(s.constraint.as_ref().zip(history).map(|(c, h)| {
+                        jobs.push((&**c, h, Vec::new()));
+                        (jobs.len() - 1, 0)
+                    }));
                     pick_rows.push(PickRow {
                         row: logit_row,
                         params: &s.params,
                         position: s.position - shift(row),
                         verified_row: on_device(row),
                         draft: None,
+                        mask: None,
                     });
                 }
-                Some(s) if s.verifies_on_device(sample_here) => {
-                    verifying.push((row, logit_row, step.num_logit_rows));
+                Some(s) if s.verifies_on_device(sample_here) || history.is_some() => {
+                    verifying.push((row, logit_row, step.num_logit_rows, history));
                 }
                 Some(_) => {
                     host_first[row] = Some(host.len());
@@ -88,20 +115,44 @@ impl<B: Backend> StepOutcome<'_, B> {
         }
         // The plain rows' picks first: their indices are what the next step's embedding
         // reads on the device.
-        for &(row, first, count) in &verifying {
-            let s = rows[row]
-                .sampling
-                .as_ref()
-                .expect("a verifying row samples");
-            // Rejection acceptance decides each draft in the draw at its position.
-            let by_rejection = s.rejection && !s.params.is_greedy();
-            pick_rows.extend((0..count).map(|i| PickRow {
-                row: first + i,
-                params: &s.params,
-                position: s.position - shift(row) + i as u64,
-                verified_row: on_device(row),
-                draft: s.drafts.get(i).copied().filter(|_| by_rejection),
-            }));
+        let verifying: Vec<(usize, usize, usize)> = verifying
+            .into_iter()
+            .map(|(row, first, count, history)| {
+                let s = rows[row]
+                    .sampling
+                    .as_ref()
+                    .expect("a verifying row samples");
+                let drafts = drafts_of(row, count);
+                // Rejection acceptance decides each draft in the draw at its position (the
+                // host's sampler verifies a grammar's rows by its own draw).
+                let by_rejection = s.rejection && !s.params.is_greedy() && s.constraint.is_none();
+                match s.constraint.as_ref().zip(history) {
+                    Some((c, history)) => {
+                        jobs.push((&**c, history, drafts.clone()));
+                        mask_of.extend((0..count).map(|i| Some((jobs.len() - 1, i))));
+                    }
+                    None => mask_of.extend((0..count).map(|_| None)),
+                }
+                pick_rows.extend((0..count).map(|i| PickRow {
+                    row: first + i,
+                    params: &s.params,
+                    position: s.position - shift(row) + i as u64,
+                    verified_row: on_device(row),
+                    draft: drafts.get(i).copied().filter(|_| by_rejection),
+                    mask: None,
+                }));
+                (row, first, count)
+            })
+            .collect();
+        // Each sequence's matcher is its own: the masks are computed side by side, while
+        // the step's forward pass runs on the device.
+        let vocab = self.vocab;
+        let masks: Vec<Vec<Vec<u32>>> = jobs
+            .into_par_iter()
+            .map(|(c, history, drafts)| position_masks(c, history, &drafts, vocab))
+            .collect();
+        for (p, m) in pick_rows.iter_mut().zip(&mask_of) {
+            p.mask = m.map(|(job, i)| &masks[job][i][..]);
         }
         let num_rows = rows.len();
         let mut out = StepLogits {
@@ -143,11 +194,6 @@ impl<B: Backend> StepOutcome<'_, B> {
         };
         let span = self.start.zip(self.backend.timeline_mark());
         let mut prev = vec![None; num_rows];
-        // A verify row's drafts as it ran (a draft model's filled in): its input's last.
-        let drafts_of = |row: usize, count: usize| {
-            let ids = steps[row].token_ids;
-            ids[ids.len() + 1 - count..].to_vec()
-        };
         if self.picks_stay && self.backend.capabilities().picks_stay_on_device {
             for (i, &row) in plain_rows.iter().enumerate() {
                 prev[row] = Some(PrevToken::Device(i as u32));
@@ -186,4 +232,60 @@ impl<B: Backend> StepOutcome<'_, B> {
             prev,
         }
     }
+}
+
+impl<B: Backend> StepOutcome<'_, B> {
+    /// The tokens a row with a grammar follows, where the rank knows them now: the
+    /// scheduler's, and for a row continuing a plain row in flight the token that row drew
+    /// (read from the device's picks, which waits for that step alone). A sequence with a
+    /// grammar is never continued past a verify row in flight (it is not
+    /// `verified_by_picks`, so it sits out that step); a row that moved back or carries
+    /// drafts of its own all the same gets `None`, and the host's sampler masks it.
+    fn history(&self, row: usize, steps: &[SeqStep<'_>], rows: &[StepRow]) -> Option<Vec<u32>> {
+        let s = rows[row].sampling.as_ref()?;
+        let mut history = s.output_ids.to_vec();
+        match &rows[row].plan.input {
+            RowInput::Tokens(_) => {}
+            RowInput::FromPrevious { drafts, .. } => {
+                let moved = rows[row].plan.num_cached_tokens != steps[row].num_cached_tokens
+                    || !matches!(
+                        self.moved_back.get(row),
+                        None | Some(MovedBack::Positions(0))
+                    );
+                if moved || !drafts.is_empty() {
+                    return None;
+                }
+                let token = match self.input_picks.get(row) {
+                    Some(&i) if i != NOT_PICKED => self.backend.read_picks(i as usize, 1)[0],
+                    _ => steps[row].token_ids[0],
+                };
+                history.push(token);
+            }
+        }
+        Some(history)
+    }
+}
+
+/// A verify row's masks, one per logit row: after the history, then after each draft in
+/// turn. Past a draft the grammar forbids, the row's picks are discarded (the pick there
+/// differs from the draft), so the masks repeat the last one.
+fn position_masks(
+    constraint: &SeqConstraint,
+    mut history: Vec<u32>,
+    drafts: &[u32],
+    vocab: usize,
+) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = vec![constraint.allowed_bits(&history, vocab)];
+    for &d in drafts {
+        let last = out.last().expect("one mask at least");
+        let allowed = (d as usize) < vocab && last[d as usize / 32] >> (d % 32) & 1 == 1;
+        let next = if allowed {
+            history.push(d);
+            constraint.allowed_bits(&history, vocab)
+        } else {
+            last.clone()
+        };
+        out.push(next);
+    }
+    out
 }

@@ -85,6 +85,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             picks_stay: true,
             aborted: self.model.abort_probe(),
             start,
+            input_picks: picked_rows,
         }
         .launch(steps, rows)
     }

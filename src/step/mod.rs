@@ -179,6 +179,18 @@ impl RowSampling {
             && self.output_ids.len() >= self.min_tokens
     }
 
+    /// A row with a grammar and nothing else to apply (no processors, no stop-id ban now or,
+    /// for a verify row, at a later position), where the backend draws as the sampler does:
+    /// the rank masks it with the grammar's bits and the device draws it (greedy, seeded,
+    /// each draft verified by the draw at its position).
+    pub fn masked_on_device(&self, samples_on_device: bool) -> bool {
+        samples_on_device
+            && self.constraint.is_some()
+            && self.params.has_no_processors()
+            && self.banned_ids.is_empty()
+            && (self.drafts.is_empty() || self.output_ids.len() >= self.min_tokens)
+    }
+
     /// `is_plain`, drafts aside: the sampler's distribution at every position is the raw
     /// logits' after temperature and the cuts.
     pub fn is_plain_but_drafts(&self) -> bool {
@@ -218,6 +230,8 @@ pub struct SampledRow {
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// The draft model's probabilities of the drafts this row verified (`--spec draft`).
     pub draft_probs: Vec<f32>,
+    /// Drawn by the host's sampler from logits copied off the device (not picked there).
+    pub host_sampled: bool,
 }
 
 /// A step's sampled rows, in plan-row order (rows without sampling left out), as the

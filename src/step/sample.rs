@@ -71,6 +71,8 @@ impl StepSampler {
             (Vec::new(), Vec::new(), Vec::new());
         // Per sampled row (as `tokens`): the draft model's probabilities of its drafts.
         let mut draft_probs: Vec<Vec<f32>> = Vec::new();
+        // Per sampled row: whether its logits crossed to the host (no pick on the device).
+        let mut host_sampled: Vec<bool> = Vec::new();
         // Constrained rows and their histories with the new token, advanced after the
         // tokens are out so the next masks are computed beside the next forward pass.
         let mut advances: Vec<(Arc<SeqConstraint>, Vec<u32>)> = Vec::new();
@@ -89,6 +91,10 @@ impl StepSampler {
                 }
                 None => &s.drafts,
             };
+            host_sampled.push(
+                logits.picked.get(row).is_none_or(Option::is_none)
+                    && logits.verify_picks.get(row).is_none_or(Option::is_none),
+            );
             draft_probs
                 .push(model_drafts.map_or_else(Vec::new, |d| d.iter().map(|x| x.1).collect()));
             // ZOS: the tokens the remapped row of the previous step drew (the scheduler did
@@ -260,12 +266,16 @@ impl StepSampler {
             .zip(token_logprobs)
             .zip(top_logprobs)
             .zip(draft_probs)
+            .zip(host_sampled)
             .map(
-                |(((tokens, token_logprobs), top_logprobs), draft_probs)| SampledRow {
-                    tokens,
-                    token_logprobs,
-                    top_logprobs,
-                    draft_probs,
+                |((((tokens, token_logprobs), top_logprobs), draft_probs), host_sampled)| {
+                    SampledRow {
+                        tokens,
+                        token_logprobs,
+                        top_logprobs,
+                        draft_probs,
+                        host_sampled,
+                    }
                 },
             )
             .collect();

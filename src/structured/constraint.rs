@@ -81,38 +81,73 @@ impl SeqConstraint {
 
     /// Sets the logits of every token the grammar forbids after `history` to −∞.
     pub fn mask_logits(&self, history: &[u32], logits: &mut [f32]) {
-        self.state
-            .with_idle(|st| self.mask_with(st, history, logits));
+        let bits = self.allowed_bits(history, logits.len());
+        for (id, logit) in logits.iter_mut().enumerate() {
+            if bits[id / 32] >> (id % 32) & 1 == 0 {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
     }
 
-    fn mask_with(&self, st: &mut State, history: &[u32], logits: &mut [f32]) {
+    /// The ids of `0..vocab` the grammar allows after `history`, one bit each (bit `id % 32`
+    /// of word `id / 32`): the mask `mask_logits` applies, for a sampler elsewhere (the
+    /// device's).
+    pub fn allowed_bits(&self, history: &[u32], vocab: usize) -> Vec<u32> {
+        self.state
+            .with_idle(|st| self.bits_with(st, history, vocab))
+    }
+
+    fn bits_with(&self, st: &mut State, history: &[u32], vocab: usize) -> Vec<u32> {
         self.sync(st, history);
         let mask = st.mask.get_or_insert_with(|| compute_mask(&mut st.matcher));
-        let mask_len = mask.len().min(logits.len());
+        let mask_len = mask.len().min(vocab);
         let ends = mask_len > self.eos_id as usize && mask.is_allowed(self.eos_id);
+        let mut bits = vec![0u32; vocab.div_ceil(32)];
         let mut num_allowed = 0usize;
-        for (id, logit) in logits.iter_mut().enumerate() {
-            let is_stop = self.stop_ids.contains(&(id as u32));
-            let allowed = if is_stop {
-                ends
-            } else {
-                id < mask_len && mask.is_allowed(id as u32)
-            };
-            if allowed {
+        for id in 0..mask_len {
+            if mask.is_allowed(id as u32) {
+                bits[id / 32] |= 1 << (id % 32);
                 num_allowed += 1;
-            } else {
-                *logit = f32::NEG_INFINITY;
+            }
+        }
+        // Stop ids end the sequence wherever the grammar may end, and only there.
+        for &id in self.stop_ids.iter() {
+            let id = id as usize;
+            if id < vocab {
+                let was = bits[id / 32] >> (id % 32) & 1 == 1;
+                match (was, ends) {
+                    (false, true) => {
+                        bits[id / 32] |= 1 << (id % 32);
+                        num_allowed += 1;
+                    }
+                    (true, false) => {
+                        bits[id / 32] &= !(1 << (id % 32));
+                        num_allowed -= 1;
+                    }
+                    _ => {}
+                }
             }
         }
         if num_allowed == 0 {
             // A grammar in an error state, or one whose end is banned: end the sequence
-            // rather than draw from nothing.
-            for &id in self.stop_ids.iter() {
-                if let Some(l) = logits.get_mut(id as usize) {
-                    *l = 0.0;
-                }
+            // rather than draw from nothing (EOS where no stop id is left: `ignore_eos`),
+            // and never hand a sampler a row without one id to draw.
+            let stops: Vec<u32> = self
+                .stop_ids
+                .iter()
+                .copied()
+                .filter(|&id| (id as usize) < vocab)
+                .collect();
+            let ends = match stops.is_empty() {
+                false => stops,
+                true if (self.eos_id as usize) < vocab => vec![self.eos_id],
+                true => (0..vocab as u32).collect(),
+            };
+            for id in ends {
+                bits[id as usize / 32] |= 1 << (id % 32);
             }
         }
+        bits
     }
 
     /// Brings the matcher to `history` by rolling back to the common prefix and

@@ -1,7 +1,9 @@
 //! Structured output: grammars (JSON schema, regex, Lark) compiled by llguidance against
 //! the model's vocabulary, and per-sequence constraints whose token masks the sampler
-//! applies. Masks for step N+1 are computed on a worker pool while step N+1's forward pass
-//! runs, so the scheduler's critical path never waits on a grammar.
+//! applies — the host's, or the device's as bits (`SeqConstraint::allowed_bits`). Masks for
+//! step N+1 are computed while step N+1's forward pass runs (on a worker pool after the
+//! host's sampler, or side by side on the rank after the pass is launched), so the
+//! scheduler's critical path never waits on a grammar.
 
 mod compiler;
 mod constraint;

@@ -31,6 +31,7 @@ impl SchedulerState {
         let mut logprobs_of: HashMap<SeqId, VecDeque<TokenLogprobs>> = HashMap::new();
         let sampling_rows = plan_rows().filter(|r| r.sample);
         for (row, sampled) in sampling_rows.clone().zip(&step.rows) {
+            self.status.num_host_sampled_rows += sampled.host_sampled as u64;
             if row.num_draft_tokens > 0 {
                 self.status.num_spec_verified_tokens += row.num_draft_tokens as u64;
                 self.status.num_spec_verify_rows += 1;

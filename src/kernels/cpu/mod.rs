@@ -337,7 +337,22 @@ impl Backend for CpuBackend {
             .iter()
             .map(|r| {
                 debug_assert!(r.verified_row.is_none(), "the CPU stages no verified rows");
-                let row = &logits[r.row * vocab..(r.row + 1) * vocab];
+                let mut row = &logits[r.row * vocab..(r.row + 1) * vocab];
+                let masked: Vec<f32>;
+                if let Some(bits) = r.mask {
+                    masked = row
+                        .iter()
+                        .enumerate()
+                        .map(|(id, &x)| {
+                            if bits[id / 32] >> (id % 32) & 1 == 1 {
+                                x
+                            } else {
+                                f32::NEG_INFINITY
+                            }
+                        })
+                        .collect();
+                    row = &masked;
+                }
                 if r.params.is_greedy() {
                     let token = crate::sampling::argmax(row);
                     return (

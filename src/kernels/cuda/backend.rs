@@ -405,14 +405,7 @@ impl Backend for CudaBackend {
     }
 
     fn read_picks(&self, first: usize, count: usize) -> Vec<u32> {
-        let picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = vec![0u32; count];
-        check(
-            self.stream
-                .memcpy_dtoh(&picks.0.slice(first..first + count), &mut out),
-            "read picks",
-        );
-        out
+        self.read_early_picks(first, count)
     }
 
     fn capabilities(&self) -> crate::kernels::Capabilities {

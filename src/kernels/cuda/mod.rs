@@ -102,6 +102,10 @@ pub struct CudaBackend {
     /// The last picks (ids, logprobs) by pick index.
     picks: Mutex<(CudaSlice<u32>, CudaSlice<f32>)>,
     pick_slots: PickPool,
+    /// The last picks' ids copied to the host as soon as they are made (`read_picks`): a
+    /// rank that needs them before the next step's picks (a grammar's next mask) waits for
+    /// them alone, not for the step launched since.
+    early_picks: Mutex<picks::EarlyPicks>,
     /// Sampled rows' order keys and weights, a vocabulary each (`sample_kernel`).
     sample_scratch: Mutex<Option<(CudaSlice<u32>, CudaSlice<f32>)>>,
     /// Packed weights dequantized to bf16 for a wide batch's GEMM; sized at upload.
@@ -214,6 +218,7 @@ impl CudaBackend {
                 stream.alloc_zeros::<f32>(MAX_PICKS).map_err(runtime)?,
             )),
             pick_slots: PickPool::default(),
+            early_picks: Mutex::new(picks::EarlyPicks::new(&ctx).map_err(runtime)?),
             sample_scratch: Mutex::new(None),
             dsv4: OnceLock::new(),
             fp8_gemm: std::env::var("TROUPE_FP8_GEMM").as_deref() != Ok("0"),

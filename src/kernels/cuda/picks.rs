@@ -12,7 +12,7 @@ use super::{CudaBackend, check};
 use crate::kernels::PickRow;
 
 /// u32 words per row of `sample_kernel`'s metadata (the kernel's `SAMPLE_META`).
-const SAMPLE_META: usize = 13;
+const SAMPLE_META: usize = 14;
 
 /// Picks one step may make (rows): the device buffer the next step's embedding
 /// reads them from has this fixed size, so graphs never see it move.
@@ -27,6 +27,27 @@ pub(super) struct PickSlot {
 }
 
 pub(super) type PickPool = crate::sync::SlotPool<PickSlot>;
+
+/// Page-locked copy of the last picks' ids, with the event after the copy.
+pub(super) struct EarlyPicks {
+    ids: PinnedHostSlice<u32>,
+    landed: CudaEvent,
+    /// Picks the last launch made.
+    len: usize,
+}
+
+impl EarlyPicks {
+    pub(super) fn new(
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    ) -> Result<Self, cudarc::driver::DriverError> {
+        Ok(EarlyPicks {
+            // SAFETY: only entries a copy wrote are read, after its event completed.
+            ids: unsafe { ctx.alloc_pinned_with_flags(MAX_PICKS, 0)? },
+            landed: ctx.new_event(None)?,
+            len: 0,
+        })
+    }
+}
 
 impl CudaBackend {
     pub(super) fn device_picks(
@@ -45,6 +66,8 @@ impl CudaBackend {
         );
         let mut meta = Vec::with_capacity(n * SAMPLE_META);
         let mut num_sampled = 0u32;
+        // The rows' grammar masks back to back, each row's a vocabulary of bits.
+        let mut masks: Vec<u32> = Vec::new();
         for (i, r) in rows.iter().enumerate() {
             let p = r.params;
             let (temperature, scratch_row) = if p.is_greedy() {
@@ -67,9 +90,19 @@ impl CudaBackend {
                 scratch_row,
                 r.verified_row.unwrap_or(u32::MAX),
                 r.draft.unwrap_or(u32::MAX),
+                r.mask.map_or(u32::MAX, |m| {
+                    assert_eq!(m.len(), vocab.div_ceil(32), "a mask holds a bit per id");
+                    masks.extend_from_slice(m);
+                    (masks.len() - m.len()) as u32
+                }),
             ]);
         }
         let meta_d = self.upload_u32(Meta::Rows, &meta);
+        // Freed in stream order after the launch that reads it.
+        let masks_d = (!masks.is_empty()).then(|| check(self.stream.clone_htod(&masks), "masks"));
+        let masks_ptr = masks_d
+            .as_ref()
+            .map_or(0u64, |m| m.device_ptr(&self.stream).0);
         // The rows `apply_verified` moved back, with their counts: this step's, since the
         // next step's metadata reaches the arena after this launch on the same stream.
         let verified = if rows.iter().any(|r| r.verified_row.is_some()) {
@@ -112,6 +145,7 @@ impl CudaBackend {
                     .arg(&mut *keys)
                     .arg(&mut *weights)
                     .arg(&verified)
+                    .arg(&masks_ptr)
                     .arg(&v)
                     .launch(cfg)
             },
@@ -159,6 +193,25 @@ impl CudaBackend {
             );
         }
         check(slot.landed.record(&self.stream), "event");
+        {
+            let mut early = self.early_picks.lock().unwrap_or_else(|e| e.into_inner());
+            let host = check(early.ids.as_mut_ptr(), "pinned picks");
+            // SAFETY: `read_picks` reads these entries only after `landed`, recorded after
+            // the copy; the rank thread that reads them also launches the next copy.
+            unsafe {
+                let (ids_ptr, _g) = ids.device_ptr(&self.stream);
+                check(
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        std::slice::from_raw_parts_mut(host, n),
+                        ids_ptr,
+                        self.stream.cu_stream(),
+                    ),
+                    "picks download",
+                );
+            }
+            check(early.landed.record(&self.stream), "event");
+            early.len = n;
+        }
         let pool = self.pick_slots.clone();
         Box::new(move || {
             check(slot.landed.synchronize(), "picks download");
@@ -178,6 +231,19 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// Ids `first..first + count` of the last picks, waiting for them alone.
+    pub(super) fn read_early_picks(&self, first: usize, count: usize) -> Vec<u32> {
+        let early = self.early_picks.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(
+            first + count <= early.len,
+            "picks {first}..{} of {} read",
+            first + count,
+            early.len
+        );
+        check(early.landed.synchronize(), "read picks");
+        check(early.ids.as_slice(), "pinned picks")[first..first + count].to_vec()
+    }
+
     /// `StepGraphs::stage_verified`: the rows' metadata into the arena's `Meta::Verified`
     /// region, for `apply_verified` once the step's metadata is on the device.
     pub(super) fn stage_verified_rows(
