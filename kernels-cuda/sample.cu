@@ -63,14 +63,16 @@ __device__ double block_sum_f64(double v, double* scratch) {
 
 // The kept candidates: keys above `key`, those equal to it up to id `id`, weights ≥ `wmin`.
 // Each of the three is a prefix of the sampling order, so their meet is one too.
+// `excluded` (or −1) is left out besides: a rejected draft, for the draw from the rest.
 struct Cut {
     u32 key;
     int id;
     float wmin;
+    int excluded;
 };
 
 __device__ __forceinline__ bool kept(const Cut& c, int i, u32 k, float w) {
-    return (k > c.key || (k == c.key && i <= c.id)) && w >= c.wmin;
+    return (k > c.key || (k == c.key && i <= c.id)) && w >= c.wmin && i != c.excluded;
 }
 
 __device__ double kept_mass(const u32* keys, const float* w, int V, Cut c, double* scratch) {
@@ -293,7 +295,8 @@ __device__ void greedy_row(const float* x, const u32* mask, int vocab, u32* out_
             greedy_merge(ob, oi, os, best, best_i, sum);
         }
         if (lane == 0) {
-            *out_id = (u32)best_i;
+            // No finite value (every id masked, or NaN): an id the next step can embed.
+            *out_id = best_i < vocab ? (u32)best_i : 0u;
             *out_logprob = -logf(sum);  // x[pick] − (max + log Σ exp(x − max)), x[pick] = max
         }
     }
@@ -347,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     for (int i = threadIdx.x; i < V; i += blockDim.x)
         w[i] = candidate_weight(key_value(keys[i]), max_scaled);
     __syncthreads();
-    Cut cut = {0u, 0x7fffffff, 0.0f};
+    Cut cut = {0u, 0x7fffffff, 0.0f, -1};
     if (top_k > 0 && top_k < V) {
         Selected s = select_ordered(keys, w, V, cut, false, (double)(top_k - 1), false, scratch);
         cut.key = s.key;
@@ -367,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
     u32 draft = p[12];
     double w_draft = 0.0;
-    if (draft != NO_DRAFT && (int)draft < V && kept(cut, draft, keys[draft], w[draft]))
+    if (draft != NO_DRAFT && draft < (u32)V && kept(cut, (int)draft, keys[draft], w[draft]))
         w_draft = w[draft];
     if (w_draft > 0.0 && uniform_draw(seed, pos, STREAM_ACCEPT) < w_draft / total) {
         if (threadIdx.x == 0) {
@@ -377,19 +380,15 @@ extern "C" __global__ void __launch_bounds__(1024)
         }
         return;
     }
-    // Rejected (or no draft): the draw from p without the draft, by the mass of the others.
-    // Where the plain walk stops before the draft in sampling order it is the answer;
-    // otherwise the draft's own mass is stepped over (the residual's running mass is the
-    // plain one less w_draft from the draft on).
+    // Rejected (or no draft): the draw from p without the draft, which the walk leaves out
+    // — so rounding can never land on it.
+    if (w_draft > 0.0) cut.excluded = (int)draft;
     double target = uniform_draw(seed, pos, 0ull) * (total - w_draft);
     Selected s = select_ordered(keys, w, V, cut, true, target, false, scratch);
-    if (w_draft > 0.0) {
-        u32 kd = keys[draft];
-        if (s.key < kd || (s.key == kd && s.id >= (int)draft))
-            s = select_ordered(keys, w, V, cut, true, target + w_draft, false, scratch);
-    }
     if (threadIdx.x == 0) {
-        out_ids[slot] = (u32)s.id;
+        // Nothing left to draw (the draft held all the mass but rounding rejected it, or
+        // a row of NaN): an id the next step can embed all the same.
+        out_ids[slot] = s.id >= 0 ? (u32)s.id : (w_draft > 0.0 ? draft : 0u);
         out_logprobs[slot] = (float)((double)(key_value(s.key) - max_scaled) - log(total));
     }
 }

@@ -51,6 +51,14 @@ MODES = [("off", []),
          ("confidence", ["--spec", "ngram", "--spec-verify", "confidence"])]
 if TEMPERATURE > 0:
     MODES += [(m + "-rej", f + ["--spec-acceptance", "rejection"]) for m, f in MODES[1:]]
+# GPU_SPEC_DRAFT=DRAFT.gguf: a draft model too (`--spec draft`, fixed and confidence);
+# GPU_SPEC_MODES=off,draft-fixed: only the listed modes.
+if os.environ.get("GPU_SPEC_DRAFT"):
+    draft = ["--spec", "draft", "--draft-model", os.environ["GPU_SPEC_DRAFT"]]
+    MODES += [("draft-fixed", draft + ["--spec-verify", "fixed"]),
+              ("draft-confidence", draft + ["--spec-verify", "confidence"])]
+if os.environ.get("GPU_SPEC_MODES"):
+    MODES = [m for m in MODES if m[0] in os.environ["GPU_SPEC_MODES"].split(",")]
 
 
 def shape(c):

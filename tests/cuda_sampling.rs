@@ -414,3 +414,41 @@ fn device_sampling_under_a_mask_draws_what_the_cpu_sampler_draws_from_masked_log
         mismatches.join("\n")
     );
 }
+
+/// A draft model's greedy rows: the argmax and its log-softmax, any rows in any order,
+/// without touching the picks the next step's embedding reads.
+#[test]
+fn greedy_rows_pick_the_argmax_and_leave_the_last_picks_alone() {
+    let backend = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let vocab = 32_000;
+    let rows: Vec<Vec<f32>> = (0..7).map(|i| logits(900 + i, vocab, 4.0, 0.0)).collect();
+    let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+    let d = backend.upload(&flat);
+    let greedy = SamplingParams::default();
+    let before = backend.pick_rows(
+        &d,
+        vocab,
+        &[PickRow {
+            row: 3,
+            params: &greedy,
+            position: 0,
+            verified_row: None,
+            draft: None,
+            mask: None,
+        }],
+    )();
+    let wanted = [5usize, 0, 6, 2];
+    let got = backend.greedy_rows(&d, vocab, &wanted);
+    assert_eq!(got.len(), wanted.len());
+    for (&(token, logprob), &r) in got.iter().zip(&wanted) {
+        let x = &rows[r];
+        let want = troupe::sampling::argmax(x);
+        let want_lp = x[want as usize] - troupe::sampling::log_sum_exp(x);
+        assert_eq!(token, want, "row {r}");
+        assert!(
+            (logprob - want_lp).abs() < 1e-4,
+            "row {r}: {logprob} vs {want_lp}"
+        );
+    }
+    assert_eq!(backend.read_picks(0, 1), vec![before[0].0]);
+}

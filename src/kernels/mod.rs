@@ -216,6 +216,21 @@ pub trait Backend: Send + Sync {
     }
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
     fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
+    /// The greedy token of each listed row (the first index of its largest logit) and its
+    /// log-probability, waited for; the last picks (`pick_rows`) stay as they are. A draft
+    /// model's drafts: on a device only the picks cross to the host.
+    fn greedy_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)> {
+        let host = self.download_rows(logits, vocab, rows);
+        host.chunks_exact(vocab.max(1))
+            .map(|row| {
+                let token = crate::sampling::argmax(row);
+                (
+                    token,
+                    row[token as usize] - crate::sampling::log_sum_exp(row),
+                )
+            })
+            .collect()
+    }
     /// Tokens `first..first + count` of the last `pick_rows` picks, once they are made
     /// (waits for the device): a backend whose picks stay on the device
     /// (`picks_stay_on_device`) has them; others hand every pick to the host at once.
@@ -333,8 +348,8 @@ pub struct QkvHeads {
 }
 
 /// A row for `Backend::pick_rows`: its index in the logits, the request's parameters (no
-/// processors apply: no bias, bans, penalties, grammar or top logprobs) and the position
-/// that, with the seed, fixes the draw.
+/// processors apply: no bias, bans, penalties or top logprobs; a grammar only as `mask`)
+/// and the position that, with the seed, fixes the draw.
 #[derive(Debug, Clone, Copy)]
 pub struct PickRow<'a> {
     pub row: usize,

@@ -72,9 +72,10 @@ impl<B: Backend> DraftModel<B> {
         if wanted.is_empty() {
             return drafts;
         }
-        let rows = backend.download_rows(self.model.device_logits(), vocab, &wanted);
-        for (j, &i) in wanted.iter().enumerate() {
-            drafts[i].push(greedy(&rows[j * vocab..(j + 1) * vocab]));
+        // Each draft and its probability under the draft's softmax.
+        let picks = backend.greedy_rows(self.model.device_logits(), vocab, &wanted);
+        for (&(token, logprob), &i) in picks.iter().zip(&wanted) {
+            drafts[i].push((token, logprob.exp()));
         }
         let max_drafts = num_drafts.iter().copied().max().unwrap_or(0);
         for pass in 1..=max_drafts {
@@ -103,9 +104,9 @@ impl<B: Backend> DraftModel<B> {
             if more.is_empty() {
                 continue;
             }
-            let rows = backend.download_rows(self.model.device_logits(), vocab, &more);
-            for (n, &j) in more.iter().enumerate() {
-                drafts[active[j]].push(greedy(&rows[n * vocab..(n + 1) * vocab]));
+            let picks = backend.greedy_rows(self.model.device_logits(), vocab, &more);
+            for (&(token, logprob), &j) in picks.iter().zip(&more) {
+                drafts[active[j]].push((token, logprob.exp()));
             }
         }
         drafts

@@ -1,7 +1,8 @@
 //! What a rank hands on once a step's logits are on its device, whatever the model: rows
 //! without processors picked where the logits lie (greedy ones always, sampled ones where
-//! the backend samples, and so every logit row of such a verify row), the other sampling rows'
-//! logits copied to the host, and — where the backend keeps its picks — the next step's
+//! the backend samples, and so every logit row of such a verify row; there also rows whose
+//! only processor is a grammar, masked here), the other sampling rows' logits copied to
+//! the host, and — where the backend keeps its picks — the next step's
 //! inputs left on the device (ZOS without a host round trip).
 
 use super::{LaunchedStep, PrevToken};
@@ -64,10 +65,20 @@ impl<B: Backend> StepOutcome<'_, B> {
             Some(MovedBack::OnDevice(i)) => Some(i),
             _ => None,
         };
-        // A verify row's drafts as it ran (a draft model's filled in): its input's last.
-        let drafts_of = |row: usize, count: usize| {
-            let ids = steps[row].token_ids;
-            ids[ids.len() + 1 - count..].to_vec()
+        // A verify row's drafts as it ran: a draft model's or MTP layer's where they filled
+        // its placeholders (the steps a model hands over may still hold the placeholders),
+        // else its input's last tokens.
+        let filled: Vec<Vec<u32>> = self
+            .model_drafts
+            .iter()
+            .map(|d| d.iter().map(|x| x.0).collect())
+            .collect();
+        let drafts_of = |row: usize, count: usize| match filled.get(row) {
+            Some(d) if !d.is_empty() => d.clone(),
+            _ => {
+                let ids = steps[row].token_ids;
+                ids[ids.len() + 1 - count..].to_vec()
+            }
         };
         // Grammar masks to compute (constraint, history, drafts: one mask per logit row),
         // and per pick row its job and position there.

@@ -202,7 +202,8 @@ impl RowSampling {
 /// copies of the rows still to be sampled here.
 #[derive(Debug, Default)]
 pub struct StepLogits {
-    /// Per plan row: the device's greedy pick and its logprob.
+    /// Per plan row: the device's pick (greedy, seeded, under a grammar's mask) and its
+    /// logprob.
     pub picked: Vec<Option<(u32, f32)>>,
     /// Per plan row verifying on the device: the greedy pick (and logprob) of each of its
     /// logit rows, the draft positions' and the one after.

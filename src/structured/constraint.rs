@@ -1,6 +1,8 @@
-//! One sequence's grammar state. The sampler masks a row with it and then hands the drawn
-//! token to the mask pool, which advances the matcher and computes the next mask while the
-//! next forward pass runs.
+//! One sequence's grammar state. The host's sampler masks a row with it and then hands the
+//! drawn token to the mask pool, which advances the matcher and computes the next mask
+//! while the next forward pass runs; a row drawn on the device is masked by the rank with
+//! the bits after its history (`allowed_bits`), computed after the pass is launched. When
+//! nothing is allowed, the stop ids are (with their own logits), so the sequence ends.
 
 use crate::sync::Shared as Arc;
 use crate::sync::{BusyCell, OnceLock};

@@ -431,6 +431,15 @@ impl Backend for CudaBackend {
         self.download(&packed, rows.len() * vocab)
     }
 
+    fn greedy_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: &[usize],
+    ) -> Vec<(u32, f32)> {
+        self.greedy_picks(logits, vocab, rows)
+    }
+
     fn graphs(&self) -> Option<&dyn crate::kernels::StepGraphs> {
         self.cuda_graphs
             .then_some(self as &dyn crate::kernels::StepGraphs)

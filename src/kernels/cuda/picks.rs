@@ -231,6 +231,65 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// `Backend::greedy_rows`: `sample_kernel`'s greedy rows into buffers of their own (the
+    /// last picks, which the next step's embedding may read, are left alone).
+    pub(super) fn greedy_picks(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: &[usize],
+    ) -> Vec<(u32, f32)> {
+        let n = rows.len();
+        if n == 0 {
+            return Vec::new();
+        }
+        let none = u32::MAX;
+        let meta: Vec<u32> = rows
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &r)| {
+                let (t, p, m) = (0f32.to_bits(), 1f32.to_bits(), 0f32.to_bits());
+                [
+                    r as u32, i as u32, 0, t, p, m, 0, 0, 0, 0, 0, none, none, none,
+                ]
+            })
+            .collect();
+        debug_assert_eq!(meta.len(), n * SAMPLE_META);
+        // Fresh buffers, freed in stream order: not the step's metadata arena, which holds
+        // the pass that follows.
+        let meta_d = check(self.stream.clone_htod(&meta), "upload");
+        let mut ids = check(self.stream.alloc_zeros::<u32>(n), "alloc");
+        let mut lps = check(self.stream.alloc_zeros::<f32>(n), "alloc");
+        let (zero, v) = (0u64, vocab as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every listed row lies inside `logits`; greedy rows touch no scratch, no
+        // verified rows and no masks (null); the outputs hold n entries.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.sample)
+                    .arg(&mut ids)
+                    .arg(&mut lps)
+                    .arg(logits)
+                    .arg(&meta_d)
+                    .arg(&zero)
+                    .arg(&zero)
+                    .arg(&zero)
+                    .arg(&zero)
+                    .arg(&v)
+                    .launch(cfg)
+            },
+            "greedy rows",
+        );
+        let ids = check(self.stream.clone_dtoh(&ids), "greedy rows");
+        let lps = check(self.stream.clone_dtoh(&lps), "greedy rows");
+        ids.into_iter().zip(lps).collect()
+    }
+
     /// Ids `first..first + count` of the last picks, waiting for them alone.
     pub(super) fn read_early_picks(&self, first: usize, count: usize) -> Vec<u32> {
         let early = self.early_picks.lock().unwrap_or_else(|e| e.into_inner());
