@@ -49,7 +49,99 @@ impl EarlyPicks {
     }
 }
 
+/// `sample_kernel`'s metadata for `rows`: `SAMPLE_META` words a row, the rows' grammar
+/// masks back to back (a vocabulary of bits each), and how many rows draw (need scratch).
+struct SampleMeta {
+    meta: Vec<u32>,
+    masks: Vec<u32>,
+    num_sampled: u32,
+}
+
+fn sample_meta(rows: &[PickRow<'_>], vocab: usize) -> SampleMeta {
+    let mut meta = Vec::with_capacity(rows.len() * SAMPLE_META);
+    let (mut masks, mut num_sampled) = (Vec::new(), 0u32);
+    for (i, r) in rows.iter().enumerate() {
+        let p = r.params;
+        let (temperature, scratch_row) = if p.is_greedy() {
+            (0.0f32, 0)
+        } else {
+            num_sampled += 1;
+            (p.temperature, num_sampled - 1)
+        };
+        meta.extend_from_slice(&[
+            r.row as u32,
+            i as u32,
+            p.top_k as u32,
+            temperature.to_bits(),
+            p.top_p.to_bits(),
+            p.min_p.to_bits(),
+            p.seed as u32,
+            (p.seed >> 32) as u32,
+            r.position as u32,
+            (r.position >> 32) as u32,
+            scratch_row,
+            r.verified_row.unwrap_or(u32::MAX),
+            r.draft.unwrap_or(u32::MAX),
+            r.mask.map_or(u32::MAX, |m| {
+                assert_eq!(m.len(), vocab.div_ceil(32), "a mask holds a bit per id");
+                masks.extend_from_slice(m);
+                (masks.len() - m.len()) as u32
+            }),
+        ]);
+    }
+    SampleMeta {
+        meta,
+        masks,
+        num_sampled,
+    }
+}
+
 impl CudaBackend {
+    /// `sample_kernel` over `n` rows of `logits`, a block each: picks and logprobs into
+    /// `out`, the rest as the kernel reads them (device addresses; 0 where unused).
+    ///
+    /// # Safety
+    /// Every row `meta` lists lies inside `logits`; `out` holds `n` entries at the picks'
+    /// indices; `scratch` a vocabulary of keys and weights per sampled row; `verified` and
+    /// `masks` cover what the rows index.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_sample(
+        &self,
+        out: (u64, u64),
+        logits: &CudaSlice<f32>,
+        meta: u64,
+        scratch: (u64, u64),
+        verified: u64,
+        masks: u64,
+        vocab: usize,
+        n: usize,
+    ) {
+        let v = vocab as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as the caller promised.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.sample)
+                    .arg(&out.0)
+                    .arg(&out.1)
+                    .arg(logits)
+                    .arg(&meta)
+                    .arg(&scratch.0)
+                    .arg(&scratch.1)
+                    .arg(&verified)
+                    .arg(&masks)
+                    .arg(&v)
+                    .launch(cfg)
+            },
+            "sample",
+        );
+    }
+
     pub(super) fn device_picks(
         &self,
         logits: &CudaSlice<f32>,
@@ -64,39 +156,11 @@ impl CudaBackend {
             n <= MAX_PICKS,
             "{n} picked rows in one step exceed {MAX_PICKS}"
         );
-        let mut meta = Vec::with_capacity(n * SAMPLE_META);
-        let mut num_sampled = 0u32;
-        // The rows' grammar masks back to back, each row's a vocabulary of bits.
-        let mut masks: Vec<u32> = Vec::new();
-        for (i, r) in rows.iter().enumerate() {
-            let p = r.params;
-            let (temperature, scratch_row) = if p.is_greedy() {
-                (0.0f32, 0)
-            } else {
-                num_sampled += 1;
-                (p.temperature, num_sampled - 1)
-            };
-            meta.extend_from_slice(&[
-                r.row as u32,
-                i as u32,
-                p.top_k as u32,
-                temperature.to_bits(),
-                p.top_p.to_bits(),
-                p.min_p.to_bits(),
-                p.seed as u32,
-                (p.seed >> 32) as u32,
-                r.position as u32,
-                (r.position >> 32) as u32,
-                scratch_row,
-                r.verified_row.unwrap_or(u32::MAX),
-                r.draft.unwrap_or(u32::MAX),
-                r.mask.map_or(u32::MAX, |m| {
-                    assert_eq!(m.len(), vocab.div_ceil(32), "a mask holds a bit per id");
-                    masks.extend_from_slice(m);
-                    (masks.len() - m.len()) as u32
-                }),
-            ]);
-        }
+        let SampleMeta {
+            meta,
+            masks,
+            num_sampled,
+        } = sample_meta(rows, vocab);
         let meta_d = self.upload_u32(Meta::Rows, &meta);
         // Freed in stream order after the launch that reads it.
         let masks_d = (!masks.is_empty()).then(|| check(self.stream.clone_htod(&masks), "masks"));
@@ -126,31 +190,21 @@ impl CudaBackend {
         let (keys, weights) = scratch.as_mut().expect("allocated above");
         let mut picks = self.picks.lock().unwrap_or_else(|e| e.into_inner());
         let (ids, logprobs) = &mut *picks;
-        let v = vocab as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
+        let ptr = |d: &CudaSlice<u32>| d.device_ptr(&self.stream).0;
+        // SAFETY: the outputs hold MAX_PICKS ≥ n; the scratch holds a vocabulary per sampled
+        // row; `verified` and the masks are what the rows index.
+        unsafe {
+            self.launch_sample(
+                (ptr(ids), logprobs.device_ptr(&self.stream).0),
+                logits,
+                meta_d.ptr,
+                (ptr(keys), weights.device_ptr(&self.stream).0),
+                verified,
+                masks_ptr,
+                vocab,
+                n,
+            )
         };
-        // SAFETY: every listed row lies inside `logits`; the outputs hold MAX_PICKS ≥ n;
-        // the scratch holds a vocabulary per sampled row.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.sample)
-                    .arg(&mut *ids)
-                    .arg(&mut *logprobs)
-                    .arg(logits)
-                    .arg(&meta_d.ptr)
-                    .arg(&mut *keys)
-                    .arg(&mut *weights)
-                    .arg(&verified)
-                    .arg(&masks_ptr)
-                    .arg(&v)
-                    .launch(cfg)
-            },
-            "sample",
-        );
         let mut slot = self.pick_slots.take_or(|| {
             // Plain page-locked memory (not write-combined): the host reads it.
             // SAFETY: only the first n entries are read, after the copy into them landed.
@@ -243,48 +297,44 @@ impl CudaBackend {
         if n == 0 {
             return Vec::new();
         }
-        let none = u32::MAX;
-        let meta: Vec<u32> = rows
+        let greedy = crate::sampling::SamplingParams::default();
+        debug_assert!(greedy.is_greedy());
+        let rows: Vec<PickRow<'_>> = rows
             .iter()
-            .enumerate()
-            .flat_map(|(i, &r)| {
-                let (t, p, m) = (0f32.to_bits(), 1f32.to_bits(), 0f32.to_bits());
-                [
-                    r as u32, i as u32, 0, t, p, m, 0, 0, 0, 0, 0, none, none, none,
-                ]
+            .map(|&row| PickRow {
+                row,
+                params: &greedy,
+                position: 0,
+                verified_row: None,
+                draft: None,
+                mask: None,
             })
             .collect();
-        debug_assert_eq!(meta.len(), n * SAMPLE_META);
         // Fresh buffers, freed in stream order: not the step's metadata arena, which holds
-        // the pass that follows.
-        let meta_d = check(self.stream.clone_htod(&meta), "upload");
-        let mut ids = check(self.stream.alloc_zeros::<u32>(n), "alloc");
-        let mut lps = check(self.stream.alloc_zeros::<f32>(n), "alloc");
-        let (zero, v) = (0u64, vocab as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: every listed row lies inside `logits`; greedy rows touch no scratch, no
-        // verified rows and no masks (null); the outputs hold n entries.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.sample)
-                    .arg(&mut ids)
-                    .arg(&mut lps)
-                    .arg(logits)
-                    .arg(&meta_d)
-                    .arg(&zero)
-                    .arg(&zero)
-                    .arg(&zero)
-                    .arg(&zero)
-                    .arg(&v)
-                    .launch(cfg)
-            },
-            "greedy rows",
+        // the pass that follows, nor the last picks.
+        let meta_d = check(
+            self.stream.clone_htod(&sample_meta(&rows, vocab).meta),
+            "upload",
         );
+        let ids = check(self.stream.alloc_zeros::<u32>(n), "alloc");
+        let lps = check(self.stream.alloc_zeros::<f32>(n), "alloc");
+        // SAFETY: greedy rows touch no scratch, no verified rows and no masks (null); the
+        // outputs hold n entries.
+        unsafe {
+            self.launch_sample(
+                (
+                    ids.device_ptr(&self.stream).0,
+                    lps.device_ptr(&self.stream).0,
+                ),
+                logits,
+                meta_d.device_ptr(&self.stream).0,
+                (0, 0),
+                0,
+                0,
+                vocab,
+                n,
+            )
+        };
         let ids = check(self.stream.clone_dtoh(&ids), "greedy rows");
         let lps = check(self.stream.clone_dtoh(&lps), "greedy rows");
         ids.into_iter().zip(lps).collect()
