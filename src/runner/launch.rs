@@ -289,8 +289,7 @@ fn position_masks(
     let mut out: Vec<Vec<u32>> = vec![constraint.allowed_bits(&history, vocab)];
     for &d in drafts {
         let last = out.last().expect("one mask at least");
-        let allowed = (d as usize) < vocab && last[d as usize / 32] >> (d % 32) & 1 == 1;
-        let next = if allowed {
+        let next = if crate::structured::allows(last, d) {
             history.push(d);
             constraint.allowed_bits(&history, vocab)
         } else {

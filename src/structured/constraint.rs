@@ -84,11 +84,7 @@ impl SeqConstraint {
     /// Sets the logits of every token the grammar forbids after `history` to −∞.
     pub fn mask_logits(&self, history: &[u32], logits: &mut [f32]) {
         let bits = self.allowed_bits(history, logits.len());
-        for (id, logit) in logits.iter_mut().enumerate() {
-            if bits[id / 32] >> (id % 32) & 1 == 0 {
-                *logit = f32::NEG_INFINITY;
-            }
-        }
+        mask_with_bits(&bits, logits);
     }
 
     /// The ids of `0..vocab` the grammar allows after `history`, one bit each (bit `id % 32`
@@ -180,6 +176,21 @@ impl SeqConstraint {
         st.seen.truncate(common);
         st.seen.extend_from_slice(&history[common..]);
         st.mask = None;
+    }
+}
+
+/// Whether mask `bits` (`SeqConstraint::allowed_bits`' layout) allows `id`.
+pub fn allows(bits: &[u32], id: u32) -> bool {
+    bits.get(id as usize / 32)
+        .is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
+/// Sets the logits of the ids mask `bits` forbids to −∞.
+pub fn mask_with_bits(bits: &[u32], logits: &mut [f32]) {
+    for (id, logit) in logits.iter_mut().enumerate() {
+        if !allows(bits, id as u32) {
+            *logit = f32::NEG_INFINITY;
+        }
     }
 }
 

@@ -10,7 +10,7 @@ mod constraint;
 mod token_env;
 
 pub use compiler::{CompiledGrammar, GrammarCompiler};
-pub use constraint::SeqConstraint;
+pub use constraint::{SeqConstraint, allows, mask_with_bits};
 pub use token_env::Vocabulary;
 
 /// What a request's output must match.

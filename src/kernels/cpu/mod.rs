@@ -340,17 +340,9 @@ impl Backend for CpuBackend {
                 let mut row = &logits[r.row * vocab..(r.row + 1) * vocab];
                 let masked: Vec<f32>;
                 if let Some(bits) = r.mask {
-                    masked = row
-                        .iter()
-                        .enumerate()
-                        .map(|(id, &x)| {
-                            if bits[id / 32] >> (id % 32) & 1 == 1 {
-                                x
-                            } else {
-                                f32::NEG_INFINITY
-                            }
-                        })
-                        .collect();
+                    let mut m = row.to_vec();
+                    crate::structured::mask_with_bits(bits, &mut m);
+                    masked = m;
                     row = &masked;
                 }
                 if r.params.is_greedy() {
