@@ -336,5 +336,8 @@ async fn a_grammar_past_its_end_under_ignore_eos_still_draws() {
         assert_eq!(o.finish_reason, Some(FinishReason::Length), "{o:?}");
         assert_eq!(o.token_ids.len(), 8, "{o:?}");
         assert!(o.text.starts_with("abc"), "{o:?}");
+        // Past the grammar's end only its end may be drawn: the model's EOS (id 2 in
+        // tiny-llama's generation_config.json), never an arbitrary id.
+        assert_eq!(o.token_ids.last(), Some(&2), "{o:?}");
     }
 }
