@@ -7,7 +7,9 @@ same prompts without a grammar. Seeded sampling at 0.7, up to 128 tokens, ending
 
 Usage (device machine, after scripts/gpu-spec-real.sh's pieces):
   python3 scripts/gpu_grammar.py BIN MODEL.gguf
-GPU_GRAMMAR_CONCURRENCY=1x16,32,128 as gpu_spec.py's GPU_SPEC_CONCURRENCY.
+GPU_GRAMMAR_CONCURRENCY=1x16,32,128 as gpu_spec.py's GPU_SPEC_CONCURRENCY;
+GPU_GRAMMAR_MODES=none,device,host (default) picks the modes; "device-spec" and
+"none-spec" add n-gram speculation (confidence-scheduled) to "device" and "none".
 """
 
 import json
@@ -38,7 +40,7 @@ def lines(n, mode):
         line = dict(prompt=f"Describe a person from {CITIES[i % len(CITIES)]} as JSON "
                            f"(name, age, city, hobbies). Person number {i}.",
                     chat=True, max_tokens=128, temperature=0.7, seed=100 + i)
-        if mode != "none":
+        if not mode.startswith("none"):
             line["json_schema"] = SCHEMA
         if mode == "host":
             line["logit_bias"] = {"0": 0.0}
@@ -52,9 +54,10 @@ def main(binary, model):
     rows = []
     for c in os.environ.get("GPU_GRAMMAR_CONCURRENCY", "1x16,32,128").split(","):
         n, limit = shape(c)
-        for mode in ("none", "device", "host"):
+        for mode in os.environ.get("GPU_GRAMMAR_MODES", "none,device,host").split(","):
+            spec = ["--spec", "ngram"] if mode.endswith("-spec") else []
             try:
-                outs, stats, _ = troupe(binary, model, lines(n, mode), limit,
+                outs, stats, _ = troupe(binary, model, lines(n, mode), limit + spec,
                                         f"grammar-{c}-{mode}", ignore_eos=False)
             except Exception as e:  # report and go on: device time is scarce
                 rows.append(dict(concurrency=c, mode=mode, error=str(e)[-1500:]))
@@ -69,19 +72,22 @@ def main(binary, model):
                 concurrency=c, mode=mode, out_tok_s=stats["output_tokens"] / stats["generate_s"],
                 output_tokens=stats["output_tokens"], steps=stats["steps"],
                 host_rows=stats.get("host_sampled_rows", -1),
+                sat_out=stats.get("spec_sat_out_rows", -1),
+                accepted=stats.get("spec_accepted_tokens", 0),
                 gpu_idle=stats.get("device_idle_secs", 0.0) / max(stats["generate_s"], 1e-9),
                 valid_json=f"{valid}/{stopped}/{len(outs)}"))
     with open(os.path.join(OUT, "gpu_grammar.json"), "w") as f:
         json.dump(rows, f, indent=1)
     # valid_json: outputs that parse as a JSON object / outputs that ended (not cut at
     # max_tokens) / all.
-    print("conc mode     out_tok/s  tokens  steps  host_rows  gpu_idle  valid/ended/all")
+    print("conc mode        out_tok/s  tokens  steps  host_rows  sat_out  accepted  gpu_idle  valid/ended/all")
     for r in rows:
         if "error" in r:
-            print(f'{r["concurrency"]:>4} {r["mode"]:<8} error: {r["error"][-300:]}')
+            print(f'{r["concurrency"]:>4} {r["mode"]:<11} error: {r["error"][-300:]}')
             continue
-        print(f'{r["concurrency"]:>4} {r["mode"]:<8} {r["out_tok_s"]:9.0f} {r["output_tokens"]:7d} '
-              f'{r["steps"]:6d} {r["host_rows"]:10d} {r["gpu_idle"]:9.2f}  {r["valid_json"]}')
+        print(f'{r["concurrency"]:>4} {r["mode"]:<11} {r["out_tok_s"]:9.0f} {r["output_tokens"]:7d} '
+              f'{r["steps"]:6d} {r["host_rows"]:10d} {r["sat_out"]:8d} {r["accepted"]:9d} '
+              f'{r["gpu_idle"]:9.2f}  {r["valid_json"]}')
 
 
 if __name__ == "__main__":

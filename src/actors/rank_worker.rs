@@ -181,12 +181,11 @@ impl ThreadLocalActor for RankWorker {
             device_picks = st.inputs.picked_rows().len(),
             "step launching"
         );
-        let (block_size, picked) = (st.block_size, st.inputs.picked_rows());
-        let verified = st.inputs.verified_rows();
+        let (block_size, inputs) = (st.block_size, &st.inputs);
         let launched_step = in_pool(st.pool.as_ref(), || {
-            model.step(block_size, &steps, picked, &verified, &step.rows)
+            model.step(block_size, &steps, inputs, &step.rows)
         });
-        drop((steps, verified));
+        drop(steps);
         let step_id = step.step_id;
         st.inputs.launched(epoch, step_id, launched_step.prev);
         let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();

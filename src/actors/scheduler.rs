@@ -403,10 +403,12 @@ impl Actor for SchedulerActor {
                             // Folded into `stop_ids`: EOS left out, the request's own kept.
                             ignore_eos: false,
                             cache_salt: 0,
-                            // As `RowSampling::verifies_on_device` finds its rows.
+                            // As `RowSampling::verifies_on_device` finds its rows, or
+                            // `masked_on_device` those with a grammar (the rank learns
+                            // what the row continued yielded from its picks).
                             verified_by_picks: (params.is_greedy() || st.samples_on_device)
                                 && params.has_no_processors()
-                                && grammar.is_none()
+                                && (grammar.is_none() || st.samples_on_device)
                                 && request.min_tokens == 0,
                         };
                         let r = Request {

@@ -3,6 +3,7 @@
 //! group of several ranks it is one rank of an expert-parallel group
 //! (`model::deepseek_v4::expert_parallel`).
 
+use super::inputs::StepInputs;
 use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
 use crate::eplb::{Eplb, MoeBalance};
@@ -75,8 +76,7 @@ impl DeviceModel for DsV4OnHost {
         &mut self,
         _block_size: usize,
         steps: &[SeqStep<'_>],
-        _picked_rows: &[u32],
-        _verified: &[crate::kernels::VerifiedRow<'_>],
+        _inputs: &StepInputs,
         rows: &[StepRow],
     ) -> LaunchedStep {
         // Its rows never move back (a model with state slots has its verify rows' sequences

@@ -4,6 +4,7 @@
 //! by the next step's embedding (ZOS with no host round trip).
 
 use super::deepseek_v4::{ds_steps, eplb_for, eplb_step};
+use super::inputs::StepInputs;
 use super::launch::StepOutcome;
 use super::mtp::MtpDrafter;
 use super::{DeviceModel, LaunchedStep, RankArgs};
@@ -59,8 +60,7 @@ impl DeviceModel for DsV4OnCuda {
         &mut self,
         _block_size: usize,
         steps: &[SeqStep<'_>],
-        picked_rows: &[u32],
-        _verified: &[crate::kernels::VerifiedRow<'_>],
+        inputs: &StepInputs,
         rows: &[StepRow],
     ) -> LaunchedStep {
         let start = self.model.backend.timeline_mark();
@@ -91,7 +91,7 @@ impl DeviceModel for DsV4OnCuda {
         // A refused step is a planning bug: the worker fails and the engine recomputes.
         let (logits, streams) = self
             .model
-            .forward_on_device(&mut self.cache, &ds, picked_rows, counted, None)
+            .forward_on_device(&mut self.cache, &ds, inputs.picked_rows(), counted, None)
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
         if let Some(mtp) = &mut self.mtp {
             mtp.absorb(&self.model, &ds, &num_drafts, &streams);
@@ -112,7 +112,7 @@ impl DeviceModel for DsV4OnCuda {
             picks_stay: self.mtp.is_none(),
             aborted: None,
             start,
-            input_picks: picked_rows,
+            inputs,
         }
         .launch(steps, rows)
     }

@@ -13,6 +13,17 @@ use crate::model::llama::{SeqStep, SlotState};
 use crate::sched::RowInput;
 use crate::step::Step;
 
+/// What the row a continued row follows yielded, where the rank learns it without the
+/// sampler: the tokens a grammar's mask for the continuing row follows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PriorYield {
+    /// Known on the host.
+    Tokens(Vec<u32>),
+    /// Picks `first..=first + drafts.len()` on the device, against the row's `drafts`
+    /// (`DeviceModel::read_picks` waits for them alone).
+    Picks { first: u32, drafts: Vec<u32> },
+}
+
 /// The rank's view of the step in flight and the one before it, reused across steps.
 #[derive(Default)]
 pub struct StepInputs {
@@ -26,6 +37,9 @@ pub struct StepInputs {
     shifts: Vec<usize>,
     /// Rows whose verify row's outcome the device applies: (row, first pick, drafts).
     verified: Vec<(usize, u32, Vec<u32>)>,
+    /// Per row of the current step: what the row it continues yielded, where known
+    /// without the sampler.
+    prior: Vec<Option<PriorYield>>,
     /// The last launched step (epoch, step id) and where its rows' tokens are.
     prev: Option<(u64, u64, Vec<Option<PrevToken>>)>,
 }
@@ -50,6 +64,8 @@ impl StepInputs {
         self.shifts.clear();
         self.shifts.resize(step.rows.len(), 0);
         self.verified.clear();
+        self.prior.clear();
+        self.prior.resize(step.rows.len(), None);
         for (i, (row, input)) in step.rows.iter().zip(self.inputs.iter_mut()).enumerate() {
             input.clear();
             let mut picked = NOT_PICKED;
@@ -70,15 +86,25 @@ impl StepInputs {
                         _ => None,
                     };
                     match known {
-                        Some(PrevToken::Host(token)) => input.push(token),
-                        Some(PrevToken::Device(i)) => {
+                        Some(PrevToken::Host(token)) => {
+                            input.push(token);
+                            self.prior[i] = Some(PriorYield::Tokens(vec![token]));
+                        }
+                        Some(PrevToken::Device(first)) => {
                             // A placeholder: the embedding reads the pick on the device.
                             input.push(0);
-                            picked = i;
+                            picked = first;
+                            self.prior[i] = Some(PriorYield::Picks {
+                                first,
+                                drafts: Vec::new(),
+                            });
                         }
-                        Some(PrevToken::HostVerified(drawn)) => {
+                        Some(PrevToken::HostVerified { drafts, picks }) => {
+                            let drawn = PrevToken::verified(&drafts, &picks);
                             input.push(drawn.token);
                             self.shifts[i] = drawn.num_rejected as usize;
+                            self.prior[i] =
+                                Some(PriorYield::Tokens(PrevToken::yielded(&drafts, &picks)));
                         }
                         Some(PrevToken::DeviceVerified {
                             first,
@@ -89,6 +115,10 @@ impl StepInputs {
                             // draws with it (`MovedBack::OnDevice`).
                             input.push(0);
                             picked = first;
+                            self.prior[i] = Some(PriorYield::Picks {
+                                first,
+                                drafts: verified.clone(),
+                            });
                             self.verified.push((i, first, verified));
                         }
                         Some(PrevToken::DeviceVerified {
@@ -101,8 +131,10 @@ impl StepInputs {
                             let drawn = PrevToken::verified(&verified, &picks);
                             input.push(drawn.token);
                             self.shifts[i] = drawn.num_rejected as usize;
+                            self.prior[i] =
+                                Some(PriorYield::Tokens(PrevToken::yielded(&verified, &picks)));
                         }
-                        None => {
+                        sampled_by_host => {
                             tracing::debug!(
                                 rank,
                                 step = step.step_id,
@@ -114,6 +146,14 @@ impl StepInputs {
                                 Some(drawn) => {
                                     input.push(drawn.token);
                                     self.shifts[i] = drawn.num_rejected as usize;
+                                    if let Some(PrevToken::Sampled { drafts }) = sampled_by_host
+                                        && let Some(accepted) =
+                                            drafts.len().checked_sub(drawn.num_rejected as usize)
+                                    {
+                                        let mut tokens = drafts[..accepted].to_vec();
+                                        tokens.push(drawn.token);
+                                        self.prior[i] = Some(PriorYield::Tokens(tokens));
+                                    }
                                 }
                                 None if in_group => input.push(0),
                                 None => return false,
@@ -165,6 +205,13 @@ impl StepInputs {
                 drafts,
             })
             .collect()
+    }
+
+    /// What the row that row `row` continues yielded, where the rank knows it without the
+    /// sampler (`None` for a row of its own tokens, and for one whose source the host's
+    /// sampler drew).
+    pub fn prior(&self, row: usize) -> Option<&PriorYield> {
+        self.prior.get(row)?.as_ref()
     }
 
     /// Records where the launched step's rows' tokens are, for the next step's ZOS rows.

@@ -5,10 +5,11 @@
 //! the host, and — where the backend keeps its picks — the next step's
 //! inputs left on the device (ZOS without a host round trip).
 
+use super::inputs::{PriorYield, StepInputs};
 use super::{LaunchedStep, PrevToken};
 use crate::eplb::MoeBalance;
 use crate::kernels::collective::AbortProbe;
-use crate::kernels::{Backend, DeviceMark, MovedBack, NOT_PICKED, PickRow};
+use crate::kernels::{Backend, DeviceMark, MovedBack, PickRow};
 use crate::model::llama::SeqStep;
 use crate::sched::RowInput;
 use crate::step::{StepLogits, StepRow};
@@ -34,9 +35,8 @@ pub(super) struct StepOutcome<'a, B: Backend> {
     pub start: Option<DeviceMark>,
     /// Per row, how far the model moved it back past the plan (`MovedBack`; empty: none).
     pub moved_back: Vec<MovedBack>,
-    /// Per row, the index among the previous step's picks of its input token, or
-    /// `NOT_PICKED` (empty: none is).
-    pub input_picks: &'a [u32],
+    /// The step's inputs: what each continued row's source yielded (`StepInputs::prior`).
+    pub inputs: &'a StepInputs,
 }
 
 impl<B: Backend> StepOutcome<'_, B> {
@@ -45,6 +45,8 @@ impl<B: Backend> StepOutcome<'_, B> {
     pub fn launch(self, steps: &[SeqStep<'_>], rows: &[StepRow]) -> LaunchedStep {
         let sample_here = self.backend.capabilities().samples_on_device;
         let (mut picked, mut host) = (Vec::new(), Vec::new());
+        // Rows the host's sampler draws: (plan row, logit rows).
+        let mut sampled_by_host = Vec::new();
         let mut host_first = vec![None; rows.len()];
         let mut pick_rows = Vec::new();
         // Rows verified by their picks: (plan row, its first logit row, count).
@@ -91,7 +93,7 @@ impl<B: Backend> StepOutcome<'_, B> {
         {
             // A row with a grammar is masked here where its history is known now.
             let history = match s {
-                Some(s) if s.masked_on_device(sample_here) => self.history(row, steps, rows),
+                Some(s) if s.masked_on_device(sample_here) => self.history(row, rows),
                 _ => None,
             };
             match s {
@@ -119,6 +121,7 @@ impl<B: Backend> StepOutcome<'_, B> {
                 Some(_) => {
                     host_first[row] = Some(host.len());
                     host.extend(logit_row..logit_row + step.num_logit_rows);
+                    sampled_by_host.push((row, step.num_logit_rows));
                 }
                 None => {}
             }
@@ -205,6 +208,14 @@ impl<B: Backend> StepOutcome<'_, B> {
         };
         let span = self.start.zip(self.backend.timeline_mark());
         let mut prev = vec![None; num_rows];
+        for &(row, count) in &sampled_by_host {
+            let drafts = if count > 1 {
+                drafts_of(row, count)
+            } else {
+                Vec::new()
+            };
+            prev[row] = Some(PrevToken::Sampled { drafts });
+        }
         if self.picks_stay && self.backend.capabilities().picks_stay_on_device {
             for (i, &row) in plain_rows.iter().enumerate() {
                 prev[row] = Some(PrevToken::Device(i as u32));
@@ -230,10 +241,10 @@ impl<B: Backend> StepOutcome<'_, B> {
         let mut first = plain_rows.len();
         for &(row, _, count) in &verify_rows {
             let picks: Vec<u32> = all[first..first + count].iter().map(|p| p.0).collect();
-            prev[row] = Some(PrevToken::HostVerified(PrevToken::verified(
-                &drafts_of(row, count),
-                &picks,
-            )));
+            prev[row] = Some(PrevToken::HostVerified {
+                drafts: drafts_of(row, count),
+                picks,
+            });
             first += count;
         }
         let out = deliver(out, all);
@@ -247,30 +258,20 @@ impl<B: Backend> StepOutcome<'_, B> {
 
 impl<B: Backend> StepOutcome<'_, B> {
     /// The tokens a row with a grammar follows, where the rank knows them now: the
-    /// scheduler's, and for a row continuing a plain row in flight the token that row drew
-    /// (read from the device's picks, which waits for that step alone). A sequence with a
-    /// grammar is never continued past a verify row in flight (it is not
-    /// `verified_by_picks`, so it sits out that step); a row that moved back or carries
-    /// drafts of its own all the same gets `None`, and the host's sampler masks it.
-    fn history(&self, row: usize, steps: &[SeqStep<'_>], rows: &[StepRow]) -> Option<Vec<u32>> {
+    /// scheduler's, and for a row continuing one in flight what that row yielded (its
+    /// accepted drafts and the pick after them, read from the device's picks, which waits
+    /// for that step alone). `None` where only the host's sampler will know: the row is
+    /// masked and drawn there.
+    fn history(&self, row: usize, rows: &[StepRow]) -> Option<Vec<u32>> {
         let s = rows[row].sampling.as_ref()?;
         let mut history = s.output_ids.to_vec();
-        match &rows[row].plan.input {
-            RowInput::Tokens(_) => {}
-            RowInput::FromPrevious { drafts, .. } => {
-                let moved = rows[row].plan.num_cached_tokens != steps[row].num_cached_tokens
-                    || !matches!(
-                        self.moved_back.get(row),
-                        None | Some(MovedBack::Positions(0))
-                    );
-                if moved || !drafts.is_empty() {
-                    return None;
+        if let RowInput::FromPrevious { .. } = rows[row].plan.input {
+            match self.inputs.prior(row)? {
+                PriorYield::Tokens(tokens) => history.extend_from_slice(tokens),
+                PriorYield::Picks { first, drafts } => {
+                    let picks = self.backend.read_picks(*first as usize, drafts.len() + 1);
+                    history.extend(PrevToken::yielded(drafts, &picks));
                 }
-                let token = match self.input_picks.get(row) {
-                    Some(&i) if i != NOT_PICKED => self.backend.read_picks(i as usize, 1)[0],
-                    _ => steps[row].token_ids[0],
-                };
-                history.push(token);
             }
         }
         Some(history)

@@ -5,10 +5,11 @@
 use ractor::ActorProcessingErr;
 
 use super::draft;
+use super::inputs::StepInputs;
 use super::launch::StepOutcome;
 use super::{DeviceModel, LaunchedStep, RankArgs};
+use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
-use crate::kernels::{Backend, VerifiedRow};
 use crate::model::llama::{LlamaModel, SeqStep};
 use crate::step::StepRow;
 
@@ -38,11 +39,11 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         &mut self,
         block_size: usize,
         steps: &[SeqStep<'_>],
-        picked_rows: &[u32],
-        verified: &[VerifiedRow<'_>],
+        inputs: &StepInputs,
         rows: &[StepRow],
     ) -> LaunchedStep {
         let start = self.backend.timeline_mark();
+        let (picked_rows, verified) = (inputs.picked_rows(), inputs.verified_rows());
         // The draft model runs every step (its cache follows the model's), and its drafts
         // replace the verify rows' placeholders.
         let mut model_drafts = Vec::new();
@@ -72,7 +73,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             block_size,
             steps,
             picked_rows,
-            verified,
+            &verified,
         );
         StepOutcome {
             moved_back,
@@ -85,7 +86,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             picks_stay: true,
             aborted: self.model.abort_probe(),
             start,
-            input_picks: picked_rows,
+            inputs,
         }
         .launch(steps, rows)
     }

@@ -24,13 +24,14 @@ use std::path::PathBuf;
 
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
-use crate::kernels::{Device, DeviceMark, Pending, VerifiedRow};
+use crate::kernels::{Device, DeviceMark, Pending};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
 use crate::step::{Drawn, StepLogits, StepRow};
 
 use decode_curve::CurveJob;
 use fault::FaultPlan;
+use inputs::StepInputs;
 use llama::load_on;
 use sampled_tokens::SampledTokens;
 
@@ -101,26 +102,41 @@ pub enum PrevToken {
     /// Entry `i` of the backend's greedy picks, still on the device: the next step's
     /// embedding reads it there, nobody waits for it.
     Device(u32),
-    /// A verify row's outcome, verified on the host from picks made there.
-    HostVerified(Drawn),
+    /// A verify row's drafts and its picks (one per draft and one after), made on the
+    /// host.
+    HostVerified { drafts: Vec<u32>, picks: Vec<u32> },
     /// A verify row whose picks (entries `first..`, one per draft and one after)
     /// stay on the device: a row continuing it has the device verify `drafts` against
     /// them (`VerifiedRow`), or reads them (`DeviceModel::read_picks`), without waiting
     /// for the sampler.
     DeviceVerified { first: u32, drafts: Vec<u32> },
+    /// Drawn by the host's sampler (`SampledTokens`), after these drafts (empty: a row
+    /// without drafts).
+    Sampled { drafts: Vec<u32> },
 }
 
 impl PrevToken {
     /// A verify row's outcome from its picks: the drafts that equal the pick at their
     /// position, then the pick after them.
     pub fn verified(drafts: &[u32], picks: &[u32]) -> Drawn {
-        let num_accepted =
-            crate::spec::verify::num_accepted_by_picks(drafts, picks.iter().copied());
+        let num_accepted = num_accepted(drafts, picks);
         Drawn {
             token: picks[num_accepted],
             num_rejected: (drafts.len() - num_accepted) as u32,
         }
     }
+
+    /// The tokens a verify row yielded: its accepted drafts, then the pick after them.
+    pub fn yielded(drafts: &[u32], picks: &[u32]) -> Vec<u32> {
+        let num_accepted = num_accepted(drafts, picks);
+        let mut tokens = drafts[..num_accepted].to_vec();
+        tokens.push(picks[num_accepted]);
+        tokens
+    }
+}
+
+fn num_accepted(drafts: &[u32], picks: &[u32]) -> usize {
+    crate::spec::verify::num_accepted_by_picks(drafts, picks.iter().copied())
 }
 
 /// A step launched on the device.
@@ -138,14 +154,14 @@ pub trait DeviceModel: Send {
     /// Launches the step: rows without processors are picked on the device (greedy ones,
     /// and sampled ones where the backend samples), the other sampling rows' logits are
     /// copied to the host before this returns.
-    /// `verified`: rows continuing a verify row whose picks stay on the device
-    /// (`verifies_on_device`), moved back there by the drafts it rejected.
+    /// `inputs`: where each row's input lies (`StepInputs::picked_rows`), the rows
+    /// continuing a verify row whose picks stay on the device (`verified_rows`: moved back
+    /// there by the drafts it rejected), and what the rows continued yielded (`prior`).
     fn step(
         &mut self,
         block_size: usize,
         steps: &[SeqStep<'_>],
-        picked_rows: &[u32],
-        verified: &[VerifiedRow<'_>],
+        inputs: &StepInputs,
         rows: &[StepRow],
     ) -> LaunchedStep;
     fn vocab_size(&self) -> usize;

@@ -30,9 +30,9 @@ pub struct SeqRequest {
     pub cache_salt: u64,
     /// Its verify rows are verified against the target's picks (greedy, or drawn on the
     /// device with the seed, the drafts accepted by the draw or by rejection there;
-    /// nothing applied to the logits): the rank
-    /// learns their outcome itself, so under ZOS a row continuing one needs no wait for
-    /// the sampler (`continue_verify_rows`).
+    /// nothing applied to the logits but a grammar's mask, which the rank computes): the
+    /// rank learns their outcome itself, so under ZOS a row continuing one needs no wait
+    /// for the sampler (`continue_verify_rows`).
     pub verified_by_picks: bool,
 }
 

@@ -26,7 +26,7 @@ mod step_cost;
 pub mod verify;
 mod verify_price;
 
-pub use calibration::Calibration;
+pub use calibration::{Calibration, OwnFactor};
 pub use distribution::{TargetDistribution, gumbel_pick};
 pub use latency::{CurveError, CurveStore, LatencyCurve};
 pub use model_drafter::{MODEL_DRAFT, ModelDraftCalibration, ModelDrafter};

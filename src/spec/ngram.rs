@@ -1,11 +1,12 @@
 //! Prompt-lookup drafting: no extra weights. The sequence's last n tokens (n from `max_n`
 //! down to `min_n`) are looked up among its earlier tokens, prompt and generated alike;
 //! the tokens that followed the latest earlier occurrence are the drafts. A longer match
-//! predicts better, so confidences are calibrated per match length and draft position.
+//! predicts better, so confidences are calibrated per match length and draft position,
+//! and scaled by how the sequence's own drafts fared against that (`OwnFactor`).
 
 use crate::sync::{Arc, Mutex};
 
-use super::{Calibration, Draft, Drafter};
+use super::{Calibration, Draft, Drafter, OwnFactor};
 
 /// Per match length `n` (index n − min_n): acceptance by draft position. Shared by the
 /// drafters of one engine: how often the model follows a match is a property of the model
@@ -19,6 +20,8 @@ pub struct NgramDrafter {
     calibration: NgramCalibration,
     /// The match length of the last proposal, for `observe`.
     last_n: Option<usize>,
+    /// This sequence's drafts against the shared rates.
+    own: OwnFactor,
 }
 
 /// Before any observation, a draft is taken to be accepted at this rate, with the weight of
@@ -49,6 +52,7 @@ impl NgramDrafter {
             max_n,
             calibration,
             last_n: None,
+            own: OwnFactor::default(),
         }
     }
 
@@ -81,7 +85,7 @@ impl NgramDrafter {
                 .enumerate()
                 .map(|(i, &token)| Draft {
                     token,
-                    confidence: calibration.rate(i),
+                    confidence: self.own.apply(calibration.rate(i)),
                 })
                 .collect();
             Some((n, drafts))
@@ -105,7 +109,10 @@ impl Drafter for NgramDrafter {
     fn observe(&mut self, num_verified: usize, num_accepted: usize) {
         if let Some(n) = self.last_n.take() {
             let mut calibration = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
-            calibration[n - self.min_n].observe(num_verified, num_accepted);
+            let shared = &mut calibration[n - self.min_n];
+            self.own
+                .observe(shared.expected_accepted(num_verified), num_accepted);
+            shared.observe(num_verified, num_accepted);
         }
     }
 
@@ -170,6 +177,8 @@ mod tests {
             d.observe(3, if i % 4 == 0 { 0 } else { 3 });
         }
         let rate = |i: usize| calibration.lock().unwrap()[2].rate(i);
+        // A new sequence's drafter (its own factor still 1) reads the shared rates.
+        let mut d = NgramDrafter::with_calibration(1, 3, calibration.clone());
         let drafts = d.propose_continuing(&history, &[3, 1], 4);
         assert_eq!(tokens(&drafts), vec![3, 1, 2, 3]);
         // The row in flight yields 3 1 (kept) and 2 (drawn) only with every one right.
@@ -215,8 +224,42 @@ mod tests {
             d.observe(3, 1); // the first draft always right, the second always wrong
         }
         let learned = d.propose(&history, 3);
-        assert!(learned[0].confidence > 0.9, "{learned:?}");
-        assert!(learned[1].confidence < 0.1, "{learned:?}");
-        assert_eq!(learned[2].confidence, 0.5, "position 2 was never reached");
+        // Its own drafts fared as the shared rates expect: its factor stays near 1.
+        assert!((d.own.factor() - 1.0).abs() < 0.1, "{:?}", d.own);
+        let learned: Vec<f32> = learned
+            .iter()
+            .map(|x| (x.confidence as f64 / d.own.factor()) as f32)
+            .collect();
+        assert!(learned[0] > 0.9, "{learned:?}");
+        assert!(learned[1] < 0.1, "{learned:?}");
+        assert!(
+            (learned[2] - 0.5).abs() < 1e-6,
+            "position 2 was never reached: {learned:?}"
+        );
+    }
+
+    #[test]
+    fn sequences_sharing_a_calibration_keep_their_own_record() {
+        let calibration = NgramDrafter::calibration(2, 2, 3);
+        let history = [1, 2, 3, 4, 5, 1, 2];
+        let mut looping = NgramDrafter::with_calibration(2, 2, calibration.clone());
+        let mut wandering = NgramDrafter::with_calibration(2, 2, calibration.clone());
+        for _ in 0..20 {
+            looping.propose(&history, 3);
+            looping.observe(3, 3);
+            wandering.propose(&history, 3);
+            wandering.observe(3, 0);
+        }
+        let shared = calibration.lock().unwrap()[0].rate(0);
+        let (l, w) = (looping.propose(&history, 3), wandering.propose(&history, 3));
+        // Half the first drafts were accepted: the shared rate says one in two.
+        assert!((shared - 0.5).abs() < 0.05, "{shared}");
+        assert!(l[0].confidence > 0.8, "{l:?}");
+        assert!(w[0].confidence < 0.35, "{w:?}");
+        let fresh = NgramDrafter::with_calibration(2, 2, calibration.clone()).propose(&history, 3);
+        assert_eq!(
+            fresh[0].confidence, shared,
+            "a new sequence starts from the shared rate"
+        );
     }
 }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Speculation on the H200 with real weights, binary A against binary B in one call: sampled
+# and greedy copy prompts past EOS, greedy ones with EOS, and JSON-schema requests with
+# and without speculation. Run after scripts/gpu-spec-real.sh's pieces (the model joined
+# at /tmp/troupe-model/model.gguf, or pass MODEL).
+#   bash scripts/gpu-spec-ab.sh BIN_A BIN_B OUT
+set -euo pipefail
+cd "$(dirname "$0")/.."
+a=$1 b=$2 out=$3
+model=${MODEL:-/tmp/troupe-model/model.gguf}
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export TROUPE_HOME=${TROUPE_HOME:-/tmp/troupe-home}
+for side in a b; do
+  bin=${!side}
+  echo "== $side: $bin"
+  GPU_SPEC_TEMPERATURE=0.7 GPU_SPEC_IGNORE_EOS=1 GPU_SPEC_CONCURRENCY=32,128 \
+    GPU_SPEC_MODES=off,confidence OUT=$out/$side-t07-past python3 scripts/gpu_spec.py "$bin" "$model" | tail -5
+  GPU_SPEC_IGNORE_EOS=1 GPU_SPEC_CONCURRENCY=32,128 GPU_SPEC_MODES=off,confidence \
+    OUT=$out/$side-greedy-past python3 scripts/gpu_spec.py "$bin" "$model" | tail -5
+  GPU_SPEC_CONCURRENCY=1x32,128 GPU_SPEC_MODES=off,confidence \
+    OUT=$out/$side-greedy-eos python3 scripts/gpu_spec.py "$bin" "$model" | tail -5
+  GPU_GRAMMAR_CONCURRENCY=32,128 GPU_GRAMMAR_MODES=device,device-spec \
+    OUT=$out/$side-grammar python3 scripts/gpu_grammar.py "$bin" "$model" | tail -5
+done
