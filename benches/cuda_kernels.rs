@@ -87,6 +87,7 @@ fn main() {
             block_size,
             num_kv_heads: kv_heads,
             head_dim,
+            dtype: Default::default(),
         };
         let cache = b.alloc_kv_cache(shape);
         let q = b.upload(&vec![0.01; seqs * heads * head_dim]);
@@ -127,6 +128,7 @@ fn main() {
             block_size,
             num_kv_heads: kv_heads,
             head_dim,
+            dtype: Default::default(),
         };
         let cache = b.alloc_kv_cache(shape);
         let q = b.upload(&vec![0.01; len * heads * head_dim]);

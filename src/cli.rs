@@ -130,6 +130,9 @@ pub struct EngineFlags {
     /// (`fp8`): half the bytes of bf16 on the GPU; the CPU runs them dequantized.
     #[arg(long)]
     quantization: Option<crate::kernels::fp8::Quantization>,
+    /// KV cache entries: `auto` (CPU f32, GPU bf16), `bf16`, `fp8` (e4m3, scale per token·head; CPU)
+    #[arg(long, default_value = "auto")]
+    kv_cache_dtype: crate::kernels::KvDtype,
     /// Speculative decoding: `ngram` (prompt lookup), `draft` (a draft model, with
     /// --draft-model) or `mtp` (the model's own MTP layer: DeepSeek-V4). Output is the same
     /// as without it, seeded sampling included.
@@ -244,6 +247,7 @@ impl EngineFlags {
         cfg.batch_invariant = self.batch_invariant;
         cfg.exact_activations = self.exact_activations;
         cfg.quantization = self.quantization;
+        cfg.kv_cache_dtype = self.kv_cache_dtype;
         cfg.draft_model_path = self
             .draft_model
             .as_deref()

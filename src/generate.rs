@@ -70,6 +70,8 @@ pub struct Generator<B: Backend> {
     pub backend: B,
     pub model: LoadedModel<B>,
     pub block_size: usize,
+    /// What the KV cache stores (`KvDtype`).
+    pub kv_dtype: crate::kernels::KvDtype,
     cache: Option<B::KvCache>,
     num_cache_blocks: usize,
     sampler: Sampler,
@@ -82,6 +84,7 @@ impl<B: Backend> Generator<B> {
             backend,
             model,
             block_size,
+            kv_dtype: crate::kernels::KvDtype::Auto,
             cache: None,
             num_cache_blocks: 0,
             sampler: Sampler::default(),
@@ -213,7 +216,11 @@ impl<B: Backend> Generator<B> {
     fn ensure_cache(&mut self, num_blocks: usize) {
         if self.cache.is_none() || self.num_cache_blocks < num_blocks {
             self.cache = None; // free the old pool before allocating the larger one
-            let shape = self.model.model.kv_cache_shape(num_blocks, self.block_size);
+            let shape = self
+                .model
+                .model
+                .kv_cache_shape(num_blocks, self.block_size)
+                .with_dtype(self.kv_dtype);
             self.cache = Some(self.backend.alloc_kv_cache(shape));
             self.num_cache_blocks = num_blocks;
         }

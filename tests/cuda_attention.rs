@@ -32,6 +32,7 @@ fn run<B: Backend>(
         block_size,
         num_kv_heads: kv_heads,
         head_dim,
+        dtype: Default::default(),
     };
     let mut cache = b.alloc_kv_cache(shape);
     // Blocks handed out back to front so that tables are not the identity.
@@ -139,6 +140,7 @@ fn qkv_then_attention<B: Backend>(b: &B, head_dim: usize, qk_norm: bool, fused: 
         block_size,
         num_kv_heads: kv_heads,
         head_dim,
+        dtype: Default::default(),
     };
     let mut cache = b.alloc_kv_cache(shape);
     let qkv = b.upload(&random(7, tokens * (qd + 2 * kvd)));

@@ -53,6 +53,7 @@ pub struct RankArgsTemplate {
     pub batch_invariant: bool,
     pub exact_activations: bool,
     pub quantization: Option<crate::kernels::fp8::Quantization>,
+    pub kv_dtype: crate::kernels::KvDtype,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: crate::runner::affinity::CpuAffinity,
@@ -140,6 +141,7 @@ async fn spawn_group(
                 batch_invariant: t.batch_invariant,
                 exact_activations: t.exact_activations,
                 quantization: t.quantization,
+                kv_dtype: t.kv_dtype,
                 // Measured by a lone rank only: a group's ranks would each need the others.
                 decode_curve: t.decode_curve.clone().filter(|_| size == 1),
                 warmup_tokens: t.warmup_tokens,

@@ -49,6 +49,8 @@ pub struct EngineConfig {
     pub exact_activations: bool,
     /// `--quantization fp8`: dense layer projections stored as per-channel FP8 at load.
     pub quantization: Option<crate::kernels::fp8::Quantization>,
+    /// `--kv-cache-dtype`: what K and V entries are stored in (Llama family).
+    pub kv_cache_dtype: crate::kernels::KvDtype,
     /// Expert-parallel load balancing for MoE models (DeepSeek-V4): the EP group the
     /// placement is planned for, replicas, statistics window, rebalance period. `None`:
     /// off. Expert-parallel execution over several ranks is not built yet, so today this
@@ -131,6 +133,7 @@ impl EngineConfig {
             batch_invariant: false,
             exact_activations: false,
             quantization: None,
+            kv_cache_dtype: crate::kernels::KvDtype::Auto,
             eplb: None,
             speculative: None,
             draft_model_path: None,

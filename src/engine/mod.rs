@@ -92,6 +92,8 @@ impl Engine {
             ));
         }
         let text = model::load_text(&cfg.model_path)?;
+        pools::kv_dtype_problem(&cfg, text.deepseek_v4.is_some())
+            .map_or(Ok(()), |p| Err(EngineError::Spawn(p)))?;
         if cfg.quantization.is_some() && text.deepseek_v4.is_some() {
             return Err(EngineError::Spawn(
                 "--quantization is for dense checkpoints: DeepSeek-V4's weights are FP8 / FP4 as shipped".into(),
@@ -184,12 +186,13 @@ impl Engine {
                     .clone()
                     .unwrap_or_else(|| model::hub::troupe_home().join("latency-curves")),
                 model_key: format!(
-                    "{mcfg:?} block {} invariant {} eager {} exact {} quantization {:?}",
+                    "{mcfg:?} block {} invariant {} eager {} exact {} quantization {:?} kv {}",
                     cfg.block_size,
                     cfg.batch_invariant,
                     cfg.enforce_eager,
                     cfg.exact_activations,
-                    cfg.quantization
+                    cfg.quantization,
+                    cfg.kv_cache_dtype.name()
                 ),
                 max_rows: match cfg.device {
                     Device::Cpu => cfg.max_num_seqs.min(16),
@@ -217,6 +220,7 @@ impl Engine {
                 batch_invariant: cfg.batch_invariant,
                 exact_activations: cfg.exact_activations,
                 quantization: cfg.quantization,
+                kv_dtype: cfg.kv_cache_dtype,
                 model_config: mcfg.clone(),
                 devices,
                 dummy_weights: cfg.dummy_weights,

@@ -31,11 +31,12 @@ pub(super) fn size_pools(
         // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The
         // pool is sized for a whole KV head set per rank, so a group that loses devices
         // and shrinks to one rank still holds every block the scheduler counts on.
-        let kv_bytes_per_entry = match cfg.device {
+        let auto_bytes = match cfg.device {
             Device::Cuda(_) if !cfg.batch_invariant => 2,
             _ => std::mem::size_of::<f32>(),
         };
-        let bytes_per_block = 2 * m.num_layers * cfg.block_size * m.kv_dim() * kv_bytes_per_entry;
+        let bytes_per_head = cfg.kv_cache_dtype.bytes_per_head(m.head_dim, auto_bytes);
+        let bytes_per_block = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * bytes_per_head;
         return Ok(Pools {
             block_size: cfg.block_size,
             num_blocks: (cache_bytes / bytes_per_block).max(1),
@@ -93,4 +94,30 @@ pub(super) fn size_pools(
         enable_prefix_cache: cfg.enable_prefix_cache,
         num_replay_tokens: ds.num_replay_tokens(),
     })
+}
+
+/// Why `--kv-cache-dtype` cannot run with the rest of `cfg`, if it cannot.
+pub(super) fn kv_dtype_problem(cfg: &EngineConfig, deepseek_v4: bool) -> Option<String> {
+    let dtype = cfg.kv_cache_dtype;
+    if dtype == crate::kernels::KvDtype::Auto {
+        return None;
+    }
+    let name = dtype.name();
+    if deepseek_v4 {
+        return Some(format!(
+            "--kv-cache-dtype {name}: DeepSeek-V4 keeps its own cache layout (only auto runs)"
+        ));
+    }
+    match (cfg.device, dtype) {
+        (Device::Cuda(_), _) if cfg.batch_invariant => Some(format!(
+            "--kv-cache-dtype {name} with --batch-invariant on CUDA: the invariant kernels \
+             read an f32 cache (only auto runs)"
+        )),
+        (Device::Cuda(_), crate::kernels::KvDtype::Fp8) => Some(
+            "--kv-cache-dtype fp8 is built for the CPU backend; the CUDA attention kernels \
+             read bf16 (use auto or bf16)"
+                .into(),
+        ),
+        _ => None,
+    }
 }

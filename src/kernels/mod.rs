@@ -25,7 +25,7 @@ pub use device::Device;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use device::NO_CUDA;
 pub use host::{HostData, HostMatrix, random_weight};
-pub use paged_kv::{KvCacheShape, SeqAttention};
+pub use paged_kv::{KvCacheShape, KvDtype, SeqAttention};
 
 pub trait Backend: Send + Sync {
     /// Activations, norms' weights and biases: a flat f32 buffer on the device.

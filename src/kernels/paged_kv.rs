@@ -6,6 +6,53 @@
 //! `p % block_size`. Which blocks a sequence gets is the scheduler's business, not this
 //! module's.
 
+/// What a K or V entry is stored in (`--kv-cache-dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum KvDtype {
+    /// The backend's own: f32 on the CPU (the numeric reference), bf16 on a GPU (f32 in
+    /// its batch-invariant mode, which matches the CPU).
+    #[default]
+    Auto,
+    Bf16,
+    /// e4m3 with one f32 scale per token and kv head (its largest magnitude maps to 448):
+    /// a quarter of f32's bytes, half of bf16's.
+    Fp8,
+}
+
+impl KvDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::Auto => "auto",
+            KvDtype::Bf16 => "bf16",
+            KvDtype::Fp8 => "fp8",
+        }
+    }
+
+    /// Bytes one token's K (or V) of one kv head takes, `auto` taken as `auto_bytes` an
+    /// entry (the backend's).
+    pub fn bytes_per_head(self, head_dim: usize, auto_bytes: usize) -> usize {
+        match self {
+            KvDtype::Auto => head_dim * auto_bytes,
+            KvDtype::Bf16 => head_dim * 2,
+            KvDtype::Fp8 => head_dim + std::mem::size_of::<f32>(),
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(KvDtype::Auto),
+            "bf16" => Ok(KvDtype::Bf16),
+            "fp8" | "fp8_e4m3" => Ok(KvDtype::Fp8),
+            other => Err(format!(
+                "unknown KV cache dtype {other:?}: expected auto, bf16 or fp8"
+            )),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCacheShape {
     pub num_layers: usize,
@@ -13,9 +60,13 @@ pub struct KvCacheShape {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    pub dtype: KvDtype,
 }
 
 impl KvCacheShape {
+    pub fn with_dtype(self, dtype: KvDtype) -> Self {
+        KvCacheShape { dtype, ..self }
+    }
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }

@@ -127,6 +127,7 @@ impl<B: Backend> LlamaModel<B> {
             block_size,
             num_kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
+            dtype: Default::default(),
         }
     }
 

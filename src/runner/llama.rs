@@ -155,7 +155,8 @@ fn load_with_cache<B: Backend>(
     };
     let shape = loaded
         .model
-        .kv_cache_shape(args.num_kv_blocks, args.block_size);
+        .kv_cache_shape(args.num_kv_blocks, args.block_size)
+        .with_dtype(args.kv_dtype);
     let cache = backend.alloc_kv_cache(shape);
     Ok((loaded.model, cache))
 }

@@ -77,6 +77,8 @@ pub struct RankArgs {
     pub exact_activations: bool,
     /// `--quantization`: see `Backend::quantization`.
     pub quantization: Option<crate::kernels::fp8::Quantization>,
+    /// `--kv-cache-dtype`, checked against the device and the model by the engine.
+    pub kv_dtype: crate::kernels::KvDtype,
     pub device: Device,
     pub dummy_weights: bool,
     /// `--spec draft`: the draft model this rank runs beside the model.

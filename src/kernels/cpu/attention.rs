@@ -3,10 +3,12 @@
 //! One task per (query token, kv head): the task walks the sequence's block table once
 //! and serves every query head of the GQA group from each K/V row it loads, with an
 //! online softmax per block, so no score buffer grows with the context and nothing is
-//! allocated per step.
+//! allocated per step. A cache stored below f32 is decoded a block of one kv head at a
+//! time into the task's scratch, once for the whole GQA group.
 
 use rayon::prelude::*;
 
+use super::kv_cache::KvRows;
 use super::simd::{accumulate_rows, dot, exp_shifted, scale};
 use crate::kernels::paged_kv::{KvCacheShape, SeqAttention};
 
@@ -31,8 +33,8 @@ impl OutPtr {
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &KvRows,
+    v_cache: &KvRows,
     shape: &KvCacheShape,
     seqs: &[SeqAttention<'_>],
     num_heads: usize,
@@ -48,6 +50,7 @@ pub fn paged_attention(
     let kv_dim = kv_heads * hd;
     let score_scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = OutPtr(out.as_mut_ptr());
+    let in_place = k_cache.as_f32().zip(v_cache.as_f32());
     seqs.par_iter().for_each(|seq| {
         // A task per (query token, kv head), its GQA group's heads served from each K/V row
         // it loads: in decode that is few tasks (3 for SmolLM2 on 2 threads), but a task
@@ -66,14 +69,28 @@ pub fn paged_attention(
                 SCRATCH.with_borrow_mut(|scratch| {
                     // Sized to the call, not to the limits: zeroing 48 KB of stack arrays per
                     // task cost more than a decode step's attention at short contexts.
-                    let (acc, scores) = scratch.split(group * hd, group * bs);
+                    let decoded = if in_place.is_some() { 0 } else { bs * hd };
+                    let (acc, scores, k_block, v_block) =
+                        scratch.split(group * hd, group * bs, decoded);
                     for (b, &block) in seq.block_table.iter().enumerate() {
                         let first = b * bs;
                         if first >= num_visible {
                             break;
                         }
                         let n = bs.min(num_visible - first);
-                        let base = block as usize * bs * kv_dim + kvh * hd;
+                        // This block's rows of head kvh: where they lie, or decoded.
+                        let (k_rows, v_rows, stride) = match in_place {
+                            Some((k, v)) => {
+                                let base = block as usize * bs * kv_dim + kvh * hd;
+                                (&k[base..], &v[base..], kv_dim)
+                            }
+                            None => {
+                                let slot = block as usize * bs;
+                                k_cache.decode_block(slot, n, kvh, kv_heads, hd, k_block);
+                                v_cache.decode_block(slot, n, kvh, kv_heads, hd, v_block);
+                                (&k_block[..], &v_block[..], hd)
+                            }
+                        };
                         for g in heads.clone() {
                             let qh = kvh * group + g;
                             let qv = &q[row * q_width + qh * hd..row * q_width + (qh + 1) * hd];
@@ -81,7 +98,7 @@ pub fn paged_attention(
                             let acc = &mut acc[g * hd..(g + 1) * hd];
                             let mut block_max = f32::NEG_INFINITY;
                             for s in 0..n {
-                                let kv = &k_cache[base + s * kv_dim..base + s * kv_dim + hd];
+                                let kv = &k_rows[s * stride..s * stride + hd];
                                 let sc = dot(qv, kv) * score_scale;
                                 scores[s] = sc;
                                 block_max = block_max.max(sc);
@@ -91,7 +108,7 @@ pub fn paged_attention(
                             denom[g] *= correction;
                             scale(acc, correction);
                             denom[g] += exp_shifted(&mut scores[..n], new_max);
-                            accumulate_rows(acc, &scores[..n], &v_cache[base..], kv_dim);
+                            accumulate_rows(acc, &scores[..n], v_rows, stride);
                             max[g] = new_max;
                         }
                     }
@@ -113,13 +130,20 @@ pub fn paged_attention(
 struct Scratch(Vec<f32>);
 
 impl Scratch {
-    /// `acc` zeroed (`acc_len`), then `scores` (`scores_len`, stale values: each is written
-    /// before it is read).
-    fn split(&mut self, acc_len: usize, scores_len: usize) -> (&mut [f32], &mut [f32]) {
-        self.0.resize(acc_len + scores_len, 0.0);
-        let (acc, scores) = self.0.split_at_mut(acc_len);
+    /// `acc` zeroed (`acc_len`), then `scores` (`scores_len`) and two blocks of decoded
+    /// K and V rows (`block_len` each), stale: each is written before it is read.
+    fn split(
+        &mut self,
+        acc_len: usize,
+        scores_len: usize,
+        block_len: usize,
+    ) -> (&mut [f32], &mut [f32], &mut [f32], &mut [f32]) {
+        self.0.resize(acc_len + scores_len + 2 * block_len, 0.0);
+        let (acc, rest) = self.0.split_at_mut(acc_len);
         acc.fill(0.0);
-        (acc, &mut scores[..scores_len])
+        let (scores, rest) = rest.split_at_mut(scores_len);
+        let (k, rest) = rest.split_at_mut(block_len);
+        (acc, scores, k, &mut rest[..block_len])
     }
 }
 

@@ -5,6 +5,7 @@ mod attention;
 pub mod deepseek_v4;
 pub mod exact_dot;
 mod invariant_gemm;
+pub mod kv_cache;
 pub mod matmul;
 pub mod packed;
 pub mod qmatrix;
@@ -16,6 +17,7 @@ use rayon::prelude::*;
 use super::paged_kv::{KvCacheShape, SeqAttention};
 use super::{Backend, HostMatrix};
 
+pub use kv_cache::CpuKvCache;
 pub use qmatrix::CpuMatrix;
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -38,13 +40,6 @@ pub struct CpuBackend {
 /// Below this many elements an element-wise op runs on the calling thread: waking the
 /// pool costs more than the work (decode steps are full of such ops).
 const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
-
-pub struct CpuKvCache {
-    pub shape: KvCacheShape,
-    /// Per layer `[num_blocks, block_size, num_kv_heads, head_dim]`.
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
-}
 
 fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let mean_sq = simd::dot(x, x) / x.len() as f32;
@@ -119,12 +114,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> CpuKvCache {
-        let layer = || vec![0f32; shape.layer_len()];
-        CpuKvCache {
-            shape,
-            k: (0..shape.num_layers).map(|_| layer()).collect(),
-            v: (0..shape.num_layers).map(|_| layer()).collect(),
-        }
+        CpuKvCache::new(shape)
     }
 
     fn download(&self, buf: &Vec<f32>, len: usize) -> Vec<f32> {
@@ -298,12 +288,7 @@ impl Backend for CpuBackend {
         v: &Vec<f32>,
         slots: &[u32],
     ) {
-        let d = cache.shape.kv_dim();
-        for (t, &slot) in slots.iter().enumerate() {
-            let s = slot as usize;
-            cache.k[layer][s * d..(s + 1) * d].copy_from_slice(&k[t * d..(t + 1) * d]);
-            cache.v[layer][s * d..(s + 1) * d].copy_from_slice(&v[t * d..(t + 1) * d]);
-        }
+        cache.write(layer, k, v, slots);
     }
 
     fn paged_attention(

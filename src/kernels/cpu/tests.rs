@@ -1,7 +1,7 @@
 //! The CPU kernels against naive dense formulas.
 
 use super::*;
-use crate::kernels::paged_kv::slot_of;
+use crate::kernels::paged_kv::{KvDtype, slot_of};
 
 fn pseudo(i: usize, salt: usize) -> f32 {
     let h = crate::sampling::splitmix64((i * 1_000_003 + salt) as u64);
@@ -51,63 +51,93 @@ fn dense_attention(
     out
 }
 
+/// What a cache of `dtype` holds for `values` (`[tokens, kv_heads, hd]`): bf16 rounded to
+/// nearest even, or per (token, head) e4m3 of x / (amax / 448) times that scale.
+fn stored(values: &[f32], hd: usize, dtype: KvDtype) -> Vec<f32> {
+    use crate::kernels::fp8::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
+    match dtype {
+        KvDtype::Auto => values.to_vec(),
+        KvDtype::Bf16 => values
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect(),
+        KvDtype::Fp8 => values
+            .chunks_exact(hd)
+            .flat_map(|head| {
+                let scale = head.iter().fold(0f32, |m, x| m.max(x.abs())) / E4M3_MAX;
+                head.iter()
+                    .map(move |&x| e4m3_to_f32(f32_to_e4m3(x / scale)) * scale)
+            })
+            .collect(),
+    }
+}
+
+/// The paged kernel over every cache dtype against dense attention over what the cache
+/// holds (bf16's rounding, fp8's codes and scales), and within the dtype's precision of
+/// dense attention over the values written.
 #[test]
 fn paged_attention_matches_dense_attention_with_scattered_blocks() {
     let (heads, kv_heads, hd, bs) = (6, 2, 16, 4);
-    let shape = KvCacheShape {
-        num_layers: 1,
-        num_blocks: 16,
-        block_size: bs,
-        num_kv_heads: kv_heads,
-        head_dim: hd,
-    };
-    let b = CpuBackend::default();
-    let mut cache = b.alloc_kv_cache(shape);
-    // Two sequences interleaved in the pool in scrambled block order: a 3-token prefill
-    // chunk after 7 cached tokens, and a single decode token after 12 cached tokens.
-    let tables: [Vec<u32>; 2] = [vec![9, 2, 14], vec![5, 0, 11, 7]];
-    let (n_ctx, n_q) = ([10usize, 13], [3usize, 1]);
-    let kv_dim = kv_heads * hd;
-    let mut dense_kv = Vec::new();
-    for s in 0..2 {
-        let k: Vec<f32> = (0..n_ctx[s] * kv_dim).map(|i| pseudo(i, 10 + s)).collect();
-        let v: Vec<f32> = (0..n_ctx[s] * kv_dim).map(|i| pseudo(i, 20 + s)).collect();
-        let slots: Vec<u32> = (0..n_ctx[s]).map(|p| slot_of(&tables[s], bs, p)).collect();
-        b.kv_write(&mut cache, 0, &k, &v, &slots);
-        dense_kv.push((k, v));
-    }
-    let q: Vec<f32> = (0..4 * heads * hd).map(|i| pseudo(i, 30)).collect();
-    let seqs = [
-        SeqAttention {
-            query_start: 0,
-            num_query_tokens: n_q[0],
-            num_context_tokens: n_ctx[0],
-            block_table: &tables[0],
-        },
-        SeqAttention {
-            query_start: 3,
-            num_query_tokens: n_q[1],
-            num_context_tokens: n_ctx[1],
-            block_table: &tables[1],
-        },
-    ];
-    let mut out = vec![f32::NAN; 4 * heads * hd];
-    b.paged_attention(&q, &cache, 0, &seqs, heads, &mut out);
-    let w = heads * hd;
-    for s in 0..2 {
-        let rows = seqs[s].query_start..seqs[s].query_start + n_q[s];
-        let want = dense_attention(
-            &q[rows.start * w..rows.end * w],
-            &dense_kv[s].0,
-            &dense_kv[s].1,
-            n_q[s],
-            n_ctx[s],
-            heads,
-            kv_heads,
-            hd,
-        );
-        for (a, e) in out[rows.start * w..rows.end * w].iter().zip(&want) {
-            assert!((a - e).abs() < 1e-5, "seq {s}: {a} vs {e}");
+    for (dtype, precision) in [
+        (KvDtype::Auto, 1e-5),
+        (KvDtype::Bf16, 1e-2),
+        (KvDtype::Fp8, 6e-2),
+    ] {
+        let shape = KvCacheShape {
+            num_layers: 1,
+            num_blocks: 16,
+            block_size: bs,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+            dtype,
+        };
+        let b = CpuBackend::default();
+        let mut cache = b.alloc_kv_cache(shape);
+        // Two sequences interleaved in the pool in scrambled block order: a 3-token prefill
+        // chunk after 7 cached tokens, and a single decode token after 12 cached tokens.
+        let tables: [Vec<u32>; 2] = [vec![9, 2, 14], vec![5, 0, 11, 7]];
+        let (n_ctx, n_q) = ([10usize, 13], [3usize, 1]);
+        let kv_dim = kv_heads * hd;
+        let mut dense_kv = Vec::new();
+        for s in 0..2 {
+            let k: Vec<f32> = (0..n_ctx[s] * kv_dim).map(|i| pseudo(i, 10 + s)).collect();
+            let v: Vec<f32> = (0..n_ctx[s] * kv_dim).map(|i| pseudo(i, 20 + s)).collect();
+            let slots: Vec<u32> = (0..n_ctx[s]).map(|p| slot_of(&tables[s], bs, p)).collect();
+            b.kv_write(&mut cache, 0, &k, &v, &slots);
+            dense_kv.push((k, v));
+        }
+        let q: Vec<f32> = (0..4 * heads * hd).map(|i| pseudo(i, 30)).collect();
+        let seqs = [
+            SeqAttention {
+                query_start: 0,
+                num_query_tokens: n_q[0],
+                num_context_tokens: n_ctx[0],
+                block_table: &tables[0],
+            },
+            SeqAttention {
+                query_start: 3,
+                num_query_tokens: n_q[1],
+                num_context_tokens: n_ctx[1],
+                block_table: &tables[1],
+            },
+        ];
+        let mut out = vec![f32::NAN; 4 * heads * hd];
+        b.paged_attention(&q, &cache, 0, &seqs, heads, &mut out);
+        let w = heads * hd;
+        for s in 0..2 {
+            let rows = seqs[s].query_start..seqs[s].query_start + n_q[s];
+            let q = &q[rows.start * w..rows.end * w];
+            let (k, v) = &dense_kv[s];
+            let dense = |k: &[f32], v: &[f32]| {
+                dense_attention(q, k, v, n_q[s], n_ctx[s], heads, kv_heads, hd)
+            };
+            let held = dense(&stored(k, hd, dtype), &stored(v, hd, dtype));
+            let written = dense(k, v);
+            let got = &out[rows.start * w..rows.end * w];
+            for ((a, e), x) in got.iter().zip(&held).zip(&written) {
+                assert!((a - e).abs() < 1e-5, "{dtype:?} seq {s}: {a} vs {e}");
+                assert!((a - x).abs() < precision, "{dtype:?} seq {s}: {a} vs {x}");
+            }
         }
     }
 }
