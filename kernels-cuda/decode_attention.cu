@@ -1,4 +1,4 @@
-// Paged decode attention on tensor cores over a bf16 KV cache (appended to llama.cu's
+// Paged decode attention on tensor cores over a bf16 or fp8 KV cache (appended to llama.cu's
 // source). Compiled once per head_dim; any number of query heads per KV head up to 8.
 //
 // A SIMT kernel spends as many instructions as the memory system had bytes
@@ -59,9 +59,50 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16_t* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
 
-template <int HD>
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    u32 s;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(s) : "l"(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+// f16 operands (the fp8 cache's: e4m3 codes are exact in f16), f32 accumulators.
+__device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// Four e4m3 codes (the low byte first) as two f16 pairs, exactly.
+__device__ __forceinline__ uint2 e4m3x4_f16(u32 w) {
+    u32 lo, hi;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(w & 0xffffu)));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(w >> 16)));
+    return make_uint2(lo, hi);
+}
+
+// Four e4m3 codes (the low byte first) times `scale`, as two bf16 pairs.
+__device__ __forceinline__ uint2 e4m3x4_scaled_bf16(u32 w, float scale) {
+    float2 lo = kv_e4m3x2(w & 0xffffu), hi = kv_e4m3x2(w >> 16);
+    return make_uint2(pack_bf16(lo.x * scale, lo.y * scale), pack_bf16(hi.x * scale, hi.y * scale));
+}
+
+// FP8: the stages hold the raw codes (half the bf16 tile's bytes, streamed the same way)
+// and each key's scale; a warp turns its 16 keys of the stage into f16 codes (exact, one
+// instruction a pair) in a tile of its own just before its mma, so one tile serves every
+// stage. The mma run in f16: a key's scale multiplies its scores, and a value's scale
+// (over the largest of the warp's 16, so probabilities stay in [0, 1]) its probabilities,
+// the largest applied to the 16 keys' sum before it joins the output.
+template <int HD, bool FP8>
 __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, const float* q,
-                                     const bf16_t* k_cache, const bf16_t* v_cache,
+                                     const void* k_cache, const void* v_cache,
+                                     const float* k_scales, const float* v_scales,
                                      const u32* block_tables, const u32* row_table,
                                      const u32* row_visible, const u32* split_rows,
                                      int num_kv_heads, int group, int block_shift, float scale,
@@ -70,7 +111,12 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
     constexpr int PIECES = HD / 8;   // 16-byte pieces of a key
     constexpr int DSTEPS = HD / 16;  // k-steps of the scores
     constexpr int DTILES = HD / 8;   // n-tiles of the output
-    extern __shared__ __align__(16) bf16_t dm_smem[];  // [stage][K, V][DM_KEYS][RS]
+    // bf16: [stage][K, V][DM_KEYS][RS]. FP8: [K, V][DM_KEYS][RS], then the codes
+    // [stage][K, V][DM_KEYS][HD], then the scales [stage][K, V][DM_KEYS].
+    extern __shared__ __align__(16) bf16_t dm_smem[];
+    u8* raw = (u8*)(dm_smem + 2 * DM_KEYS * RS);
+    constexpr int STAGES = DM_STAGES;
+    float* raw_scales = (float*)(raw + STAGES * 2 * DM_KEYS * HD);
     __shared__ float s_m[4][DM_MAX_GROUP], s_l[4][DM_MAX_GROUP];
     int row = SPLIT_ROW(split_rows), kvh = blockIdx.y, split = blockIdx.z;
     u32 flagged = row_visible[row];
@@ -91,7 +137,39 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
     auto issue = [&](int c0, int stage) {
         bf16_t* ks = dm_smem + stage * 2 * DM_KEYS * RS;
         bf16_t* vs = ks + DM_KEYS * RS;
-        if (c0 < end) {
+        if (FP8 && c0 < end) {
+            u8* kr = raw + stage * 2 * DM_KEYS * HD;
+            u8* vr = kr + DM_KEYS * HD;
+            float* sk = raw_scales + stage * 2 * DM_KEYS;
+            for (int e = threadIdx.x; e < DM_KEYS * (HD / 16); e += blockDim.x) {
+                int key = e / (HD / 16), piece = e % (HD / 16), j = c0 + key;
+                uint4* kd = (uint4*)(kr + key * HD + piece * 16);
+                uint4* vd = (uint4*)(vr + key * HD + piece * 16);
+                if (j < end) {
+                    long long slot =
+                        ((long long)table[j >> block_shift] << block_shift) + (j & block_mask);
+                    long long at = slot * kv_dim + head_off + piece * 16;
+                    cp_async16(kd, (const u8*)k_cache + at);
+                    cp_async16(vd, (const u8*)v_cache + at);
+                } else {
+                    *kd = make_uint4(0u, 0u, 0u, 0u);
+                    *vd = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+            for (int key = threadIdx.x; key < DM_KEYS; key += blockDim.x) {
+                int j = c0 + key;
+                if (j < end) {
+                    long long slot =
+                        ((long long)table[j >> block_shift] << block_shift) + (j & block_mask);
+                    long long at = slot * num_kv_heads + kvh;
+                    cp_async4(sk + key, k_scales + at);
+                    cp_async4(sk + DM_KEYS + key, v_scales + at);
+                } else {
+                    sk[key] = 0.0f;
+                    sk[DM_KEYS + key] = 0.0f;
+                }
+            }
+        } else if (!FP8 && c0 < end) {
             for (int e = threadIdx.x; e < DM_KEYS * PIECES; e += blockDim.x) {
                 int key = e / PIECES, piece = e % PIECES, j = c0 + key;
                 uint4* kd = (uint4*)(ks + key * RS + piece * 8);
@@ -100,8 +178,8 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
                     long long slot =
                         ((long long)table[j >> block_shift] << block_shift) + (j & block_mask);
                     long long at = slot * kv_dim + head_off + piece * 8;
-                    cp_async16(kd, k_cache + at);
-                    cp_async16(vd, v_cache + at);
+                    cp_async16(kd, (const bf16_t*)k_cache + at);
+                    cp_async16(vd, (const bf16_t*)v_cache + at);
                 } else {
                     *kd = make_uint4(0u, 0u, 0u, 0u);
                     *vd = make_uint4(0u, 0u, 0u, 0u);
@@ -121,8 +199,13 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
         for (int kk = 0; kk < DSTEPS; ++kk) {
             int d = 16 * kk + 2 * t;
             float2 a = *(const float2*)(qr + d), b = *(const float2*)(qr + d + 8);
-            qa[kk][0] = has ? pack_bf16(a.x * scale, a.y * scale) : 0u;
-            qa[kk][1] = has ? pack_bf16(b.x * scale, b.y * scale) : 0u;
+            if (FP8) {
+                qa[kk][0] = has ? pack_f16(a.x * scale, a.y * scale) : 0u;
+                qa[kk][1] = has ? pack_f16(b.x * scale, b.y * scale) : 0u;
+            } else {
+                qa[kk][0] = has ? pack_bf16(a.x * scale, a.y * scale) : 0u;
+                qa[kk][1] = has ? pack_bf16(b.x * scale, b.y * scale) : 0u;
+            }
         }
     }
     // Head g's running maximum and this thread's share of its sum; its output at dims
@@ -134,15 +217,36 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
 
     int num = end > start ? (end - start + DM_KEYS - 1) / DM_KEYS : 0;
 #pragma unroll
-    for (int c = 0; c < DM_STAGES - 1; ++c) issue(start + c * DM_KEYS, c);
+    for (int c = 0; c < STAGES - 1; ++c) issue(start + c * DM_KEYS, c);
     for (int c = 0; c < num; ++c) {
-        cp_async_wait<DM_STAGES - 2>();  // stage c has landed
+        cp_async_wait<STAGES - 2>();  // stage c has landed
         __syncthreads();                  // for every thread; stage c − 1 is consumed
-        issue(start + (c + DM_STAGES - 1) * DM_KEYS, (c + DM_STAGES - 1) % DM_STAGES);
+        issue(start + (c + STAGES - 1) * DM_KEYS, (c + STAGES - 1) % STAGES);
         int k0 = start + c * DM_KEYS + warp * 16;  // this warp's first key
         if (k0 >= end) continue;
-        const bf16_t* ks = dm_smem + (c % DM_STAGES) * 2 * DM_KEYS * RS + warp * 16 * RS;
+        const bf16_t* ks = dm_smem + (FP8 ? 0 : (c % STAGES) * 2 * DM_KEYS * RS) + warp * 16 * RS;
         const bf16_t* vs = ks + DM_KEYS * RS;
+        if (FP8) {
+            // The warp's 16 keys and values of stage c, as f16 codes, into its rows of the
+            // tile (its last mma has read them: ldmatrix returns the values).
+            const u8* kr = raw + (c % STAGES) * 2 * DM_KEYS * HD + warp * 16 * HD;
+            const u8* vr = kr + DM_KEYS * HD;
+            __syncwarp();
+            // 16 codes a step: one 16-byte load, eight conversions, two 16-byte stores.
+            auto widen = [](uint4 w, bf16_t* dst) {
+                uint2 a = e4m3x4_f16(w.x), b = e4m3x4_f16(w.y);
+                uint2 c2 = e4m3x4_f16(w.z), d2 = e4m3x4_f16(w.w);
+                *(uint4*)dst = make_uint4(a.x, a.y, b.x, b.y);
+                *(uint4*)(dst + 8) = make_uint4(c2.x, c2.y, d2.x, d2.y);
+            };
+#pragma unroll
+            for (int e = lane; e < 16 * HD / 16; e += 32) {
+                int key = e / (HD / 16), d = (e % (HD / 16)) * 16;
+                widen(*(const uint4*)(kr + key * HD + d), (bf16_t*)ks + key * RS + d);
+                widen(*(const uint4*)(vr + key * HD + d), (bf16_t*)vs + key * RS + d);
+            }
+            __syncwarp();
+        }
         int mat = lane >> 3, r = lane & 7;
 
         // Scores of the warp's 16 keys: n-tile nt holds keys 8nt + 2t, +1 of head g.
@@ -151,8 +255,22 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
         for (int kk = 0; kk < DSTEPS; ++kk) {
             u32 b[4];  // (keys 0–7, dims 16kk..+7), (keys 0–7, +8..), (keys 8–15, ..), (..)
             ldmatrix_x4(b, ks + (8 * (mat >> 1) + r) * RS + 16 * kk + 8 * (mat & 1));
-            mma_bf16(s[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
-            mma_bf16(s[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
+            if (FP8) {
+                mma_f16(s[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
+                mma_f16(s[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
+            } else {
+                mma_bf16(s[0], qa[kk][0], 0u, qa[kk][1], 0u, b[0], b[1]);
+                mma_bf16(s[1], qa[kk][0], 0u, qa[kk][1], 0u, b[2], b[3]);
+            }
+        }
+        // FP8: this warp's keys' scales (key 8nt + 2t, +1 of its 16 for this thread).
+        const float* sk = raw_scales + (c % STAGES) * 2 * DM_KEYS + warp * 16;
+        if (FP8) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                s[nt][0] *= sk[8 * nt + 2 * t];
+                s[nt][1] *= sk[8 * nt + 2 * t + 1];
+            }
         }
         float mx = NEG_INF;
 #pragma unroll
@@ -177,13 +295,36 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
             o[nd][1] *= alpha;
         }
         // P as the A operand: keys 2t, +1 (n-tile 0) and 8 + 2t, +1 (n-tile 1) of head g.
-        u32 pa0 = pack_bf16(p00, p01), pa2 = pack_bf16(p10, p11);
+        if (FP8) {
+            const float* sv = sk + DM_KEYS;
+            float vmax = 0.0f;
 #pragma unroll
-        for (int nd = 0; nd < DTILES; nd += 2) {
-            u32 b[4];  // Vᵀ: (keys 0–7, dims 8nd..), (keys 8–15, 8nd..), (0–7, 8nd + 8..), (..)
-            ldmatrix_x4_trans(b, vs + (8 * (mat & 1) + r) * RS + 8 * (nd + (mat >> 1)));
-            mma_bf16(o[nd], pa0, 0u, pa2, 0u, b[0], b[1]);
-            mma_bf16(o[nd + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
+            for (int k = 0; k < 16; ++k) vmax = fmaxf(vmax, sv[k]);
+            float inv = vmax > 0.0f ? 1.0f / vmax : 0.0f;
+            int k0t = 2 * t, k1t = 8 + 2 * t;
+            u32 pa0 = pack_f16(p00 * sv[k0t] * inv, p01 * sv[k0t + 1] * inv);
+            u32 pa2 = pack_f16(p10 * sv[k1t] * inv, p11 * sv[k1t + 1] * inv);
+#pragma unroll
+            for (int nd = 0; nd < DTILES; nd += 2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vs + (8 * (mat & 1) + r) * RS + 8 * (nd + (mat >> 1)));
+                float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_f16(d0, pa0, 0u, pa2, 0u, b[0], b[1]);
+                mma_f16(d1, pa0, 0u, pa2, 0u, b[2], b[3]);
+                o[nd][0] += d0[0] * vmax;
+                o[nd][1] += d0[1] * vmax;
+                o[nd + 1][0] += d1[0] * vmax;
+                o[nd + 1][1] += d1[1] * vmax;
+            }
+        } else {
+            u32 pa0 = pack_bf16(p00, p01), pa2 = pack_bf16(p10, p11);
+#pragma unroll
+            for (int nd = 0; nd < DTILES; nd += 2) {
+                u32 b[4];  // Vᵀ: (keys 0–7, dims 8nd..), (keys 8–15, 8nd..), (0–7, 8nd + 8..), (..)
+                ldmatrix_x4_trans(b, vs + (8 * (mat & 1) + r) * RS + 8 * (nd + (mat >> 1)));
+                mma_bf16(o[nd], pa0, 0u, pa2, 0u, b[0], b[1]);
+                mma_bf16(o[nd + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
+            }
         }
     }
     cp_async_wait<0>();
@@ -232,8 +373,9 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
     }
 }
 
-// Dynamic shared memory of attention_decode_mma<HD>, in bytes (the Rust side mirrors it).
-#define DM_SMEM_BYTES(HD) (DM_STAGES * 2 * DM_KEYS * ((HD) + 8) * 2)
+// Dynamic shared memory of attention_decode_mma<HD, FP8>, in bytes (the Rust side mirrors
+// it): bf16 DM_STAGES · 2 · DM_KEYS · (HD + 8) · 2; FP8 2 · DM_KEYS · (HD + 8) · 2 +
+// DM_STAGES · 2 · DM_KEYS · (HD + 4).
 
 #define DECODE_MMA_ENTRY(HD)                                                                   \
     extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_##HD##_kernel(      \
@@ -242,9 +384,22 @@ __device__ void attention_decode_mma(float* out, float* part_o, float* part_ml, 
         const u32* row_visible, const u32* split_rows, int num_kv_heads, int group,           \
         int block_shift, float scale, int num_splits) {                                        \
         pdl_enter();                                                                           \
-        attention_decode_mma<HD>(out, part_o, part_ml, q, k_cache, v_cache, block_tables,     \
-                                 row_table, row_visible, split_rows, num_kv_heads, group,     \
-                                 block_shift, scale, num_splits);                              \
+        attention_decode_mma<HD, false>(out, part_o, part_ml, q, k_cache, v_cache,            \
+                                        (const float*)0, (const float*)0, block_tables,       \
+                                        row_table, row_visible, split_rows, num_kv_heads,     \
+                                        group, block_shift, scale, num_splits);               \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attention_decode_mma_fp8_##HD##_kernel(  \
+        float* out, float* part_o, float* part_ml, const float* q, const u8* k_cache,          \
+        const u8* v_cache, const u32* block_tables, const u32* row_table,                     \
+        const u32* row_visible, const u32* split_rows, int num_kv_heads, int group,           \
+        int block_shift, float scale, int num_splits, const float* k_scales,                   \
+        const float* v_scales) {                                                               \
+        pdl_enter();                                                                           \
+        attention_decode_mma<HD, true>(out, part_o, part_ml, q, k_cache, v_cache, k_scales,   \
+                                       v_scales, block_tables, row_table, row_visible,        \
+                                       split_rows, num_kv_heads, group, block_shift, scale,   \
+                                       num_splits);                                           \
     }
 DECODE_MMA_ENTRY(64)
 DECODE_MMA_ENTRY(128)

@@ -40,6 +40,32 @@ __device__ __forceinline__ float kv_load(const bf16_t* p, long long i) { return 
 __device__ __forceinline__ void kv_store(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void kv_store(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 
+// Or e4m3 codes (`--kv-cache-dtype fp8`), with an f32 scale per (slot, kv head) that they
+// are multiplied by: the head's largest magnitude maps to 448, as the CPU backend does.
+typedef unsigned char u8;
+__device__ __forceinline__ float kv_e4m3(u32 b) {
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)b));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h2 & 0xffffu)));
+    return f;
+}
+// Two codes (the low byte first) at once.
+__device__ __forceinline__ float2 kv_e4m3x2(u32 pair) {
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)pair));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    return make_float2(lo, hi);
+}
+__device__ __forceinline__ float kv_load(const u8* p, long long i) { return kv_e4m3(p[i]); }
+__device__ __forceinline__ u8 kv_to_e4m3(float v) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(r) : "f"(v));
+    return (u8)(r & 0xffu);
+}
+
 // Programmatic dependent launch (Hopper). In a recorded decode step the edges between
 // troupe's kernels are programmatic (graph.rs), so a kernel's blocks may be scheduled while
 // its predecessor drains: every kernel first waits here until the predecessor has finished
@@ -61,6 +87,31 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// A warp's head of `per_lane` elements a lane (`e`, element lane + 32i) into the cache at
+// `base`: as is, or in e4m3 scaled by the head's largest magnitude / 448, its scale at
+// scales[scale_at].
+template <typename T>
+__device__ __forceinline__ void kv_store_head(T* cache, float*, long long, long long base,
+                                              const float* e, int per_lane, int lane) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (i < per_lane) kv_store(cache, base + lane + 32 * i, e[i]);
+}
+__device__ __forceinline__ void kv_store_head(u8* cache, float* scales, long long scale_at,
+                                              long long base, const float* e, int per_lane,
+                                              int lane) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (i < per_lane) amax = fmaxf(amax, fabsf(e[i]));
+    amax = warp_max(amax);
+    float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    if (lane == 0) scales[scale_at] = scale;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        if (i < per_lane) cache[base + lane + 32 * i] = kv_to_e4m3(e[i] / scale);
 }
 
 // Sum over the block; `scratch` holds 32 floats. Every thread gets the total.
@@ -335,6 +386,31 @@ extern "C" __global__ void kv_write_bf16_kernel(bf16_t* k_cache, bf16_t* v_cache
     kv_write(k_cache, v_cache, k, v, slots, kv_dim, num_tokens);
 }
 
+// An fp8 cache's K and V rows: a block per token, a warp per head (its scale needs the
+// head's largest magnitude).
+extern "C" __global__ void kv_write_fp8_kernel(u8* k_cache, u8* v_cache, float* k_scales,
+                                               float* v_scales, const float* k, const float* v,
+                                               const u32* slots, int num_kv_heads, int head_dim) {
+    pdl_enter();
+    int t = blockIdx.x;
+    u32 slot = slots[t];
+    if (slot == PAD_SLOT) return;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    long long kv_dim = (long long)num_kv_heads * head_dim;
+    for (int hh = warp; hh < 2 * num_kv_heads; hh += num_warps) {
+        bool is_v = hh >= num_kv_heads;
+        int h = is_v ? hh - num_kv_heads : hh;
+        const float* src = (is_v ? v : k) + t * kv_dim + (long long)h * head_dim;
+        float amax = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(src[d]));
+        amax = warp_max(amax);
+        float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+        u8* dst = (is_v ? v_cache : k_cache) + slot * kv_dim + (long long)h * head_dim;
+        for (int d = lane; d < head_dim; d += 32) dst[d] = kv_to_e4m3(src[d] / scale);
+        if (lane == 0) (is_v ? v_scales : k_scales)[(long long)slot * num_kv_heads + h] = scale;
+    }
+}
+
 // Batch-invariant GEMM: C[m, n] = Σ_k X[m, k] · W[n, k], X f32, W bf16, C f32. Every output
 // element is one thread's FMA chain over k in a fixed order (no split-K, zero padding adds
 // exact zeros), so a row's result does not depend on how many rows share the launch —
@@ -418,10 +494,11 @@ extern "C" __global__ void random_bf16_kernel(bf16_t* out, long long n, unsigned
 // partner d ± head_dim/2 lie in the same lane. The arithmetic is rms_norm_kernel's and
 // rope_kernel's. Blocks (token, y): each of a token's gridDim.y blocks takes its share of heads.
 template <typename T>
-__device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, const float* qkv,
-                               const float* q_norm, const float* k_norm, float eps,
-                               const u32* positions, const float* cos_sin, const u32* slots,
-                               int num_heads, int num_kv_heads, int head_dim) {
+__device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, float* k_scales,
+                               float* v_scales, const float* qkv, const float* q_norm,
+                               const float* k_norm, float eps, const u32* positions,
+                               const float* cos_sin, const u32* slots, int num_heads,
+                               int num_kv_heads, int head_dim) {
     int t = blockIdx.x;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     int per_lane = head_dim / 32, half = head_dim / 2;
@@ -477,9 +554,8 @@ __device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, const float
             int kvh = is_v ? h - num_heads - num_kv_heads : h - num_heads;
             T* cache = is_v ? v_cache : k_cache;
             long long base = (long long)slot * num_kv_heads * head_dim + kvh * head_dim;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (i < per_lane) kv_store(cache, base + lane + 32 * i, e[i]);
+            kv_store_head(cache, is_v ? v_scales : k_scales,
+                          (long long)slot * num_kv_heads + kvh, base, e, per_lane, lane);
         }
     }
 }
@@ -490,8 +566,18 @@ __device__ void qkv_rope_cache(float* q_out, T* k_cache, T* v_cache, const float
              const float* k_norm, float eps, const u32* positions, const float* cos_sin,      \
              const u32* slots, int num_heads, int num_kv_heads, int head_dim) {               \
         pdl_enter();                                                                          \
-        qkv_rope_cache(q_out, k_cache, v_cache, qkv, q_norm, k_norm, eps, positions, cos_sin,  \
-                       slots, num_heads, num_kv_heads, head_dim);                              \
+        qkv_rope_cache(q_out, k_cache, v_cache, (float*)0, (float*)0, qkv, q_norm, k_norm,    \
+                       eps, positions, cos_sin, slots, num_heads, num_kv_heads, head_dim);     \
     }
 QKV_ENTRY(qkv_rope_cache_f32_kernel, float)
 QKV_ENTRY(qkv_rope_cache_bf16_kernel, bf16_t)
+extern "C" __global__ void __launch_bounds__(512)
+    qkv_rope_cache_fp8_kernel(float* q_out, u8* k_cache, u8* v_cache, float* k_scales,
+                              float* v_scales, const float* qkv, const float* q_norm,
+                              const float* k_norm, float eps, const u32* positions,
+                              const float* cos_sin, const u32* slots, int num_heads,
+                              int num_kv_heads, int head_dim) {
+    pdl_enter();
+    qkv_rope_cache(q_out, k_cache, v_cache, k_scales, v_scales, qkv, q_norm, k_norm, eps,
+                   positions, cos_sin, slots, num_heads, num_kv_heads, head_dim);
+}

@@ -1,4 +1,4 @@
-// Flash-style prefill attention on tensor cores, over a bf16 paged KV cache (appended to
+// Flash-style prefill attention on tensor cores, over a bf16 or fp8 paged KV cache (appended to
 // llama.cu's source after decode_attention.cu, whose mma and cp.async helpers it uses). One block per (tile of up to 64 query rows of one sequence, head);
 // each of its 4 warps owns 16 query rows. Per 64-key chunk the block stages the keys
 // (row-major, by cp.async) and the values (transposed) in shared memory; a warp computes
@@ -14,9 +14,12 @@
 #define FA_ROWS 64
 #define FA_KEYS 64
 
-template <int HD>
-__device__ void flash_prefill_mma(float* out, const float* q, const bf16_t* k_cache,
-                                  const bf16_t* v_cache, const u32* block_tables,
+// FP8: keys and values are read as e4m3 codes and staged as bf16 code × scale (the
+// scales per slot and KV head in k_scales / v_scales).
+template <int HD, bool FP8>
+__device__ void flash_prefill_mma(float* out, const float* q, const void* k_cache,
+                                  const void* v_cache, const float* k_scales,
+                                  const float* v_scales, const u32* block_tables,
                                   const u32* tiles, int num_heads, int num_kv_heads,
                                   int block_size, float scale) {
     constexpr int KS = HD + 8;       // K row stride in bf16 (16 bytes of padding)
@@ -64,7 +67,15 @@ __device__ void flash_prefill_mma(float* out, const float* q, const bf16_t* k_ca
             uint4* dst = (uint4*)(k_s + key * KS + piece * 8);
             if (j < num_keys) {
                 long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                cp_async16(dst, k_cache + slot * kv_dim + (long long)kvh * HD + piece * 8);
+                long long at = slot * kv_dim + (long long)kvh * HD + piece * 8;
+                if (FP8) {
+                    uint2 c = *(const uint2*)((const u8*)k_cache + at);
+                    float ks = k_scales[slot * num_kv_heads + kvh];
+                    uint2 lo = e4m3x4_scaled_bf16(c.x, ks), hi = e4m3x4_scaled_bf16(c.y, ks);
+                    *dst = make_uint4(lo.x, lo.y, hi.x, hi.y);
+                } else {
+                    cp_async16(dst, (const bf16_t*)k_cache + at);
+                }
             } else {
                 *dst = make_uint4(0u, 0u, 0u, 0u);
             }
@@ -74,15 +85,18 @@ __device__ void flash_prefill_mma(float* out, const float* q, const bf16_t* k_ca
             int pair = e / (HD / 8), piece = e % (HD / 8);
             uint4 va = make_uint4(0u, 0u, 0u, 0u), vb = va;
             int j = c0 + 2 * pair;
-            if (j < num_keys) {
+            // Key j's 8 dims of this piece, as bf16.
+            auto value = [&](int j) {
                 long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                va = *(const uint4*)(v_cache + slot * kv_dim + (long long)kvh * HD + piece * 8);
-            }
-            if (j + 1 < num_keys) {
-                long long slot =
-                    (long long)table[(j + 1) / block_size] * block_size + (j + 1) % block_size;
-                vb = *(const uint4*)(v_cache + slot * kv_dim + (long long)kvh * HD + piece * 8);
-            }
+                long long at = slot * kv_dim + (long long)kvh * HD + piece * 8;
+                if (!FP8) return *(const uint4*)((const bf16_t*)v_cache + at);
+                uint2 c = *(const uint2*)((const u8*)v_cache + at);
+                float vs = v_scales[slot * num_kv_heads + kvh];
+                uint2 lo = e4m3x4_scaled_bf16(c.x, vs), hi = e4m3x4_scaled_bf16(c.y, vs);
+                return make_uint4(lo.x, lo.y, hi.x, hi.y);
+            };
+            if (j < num_keys) va = value(j);
+            if (j + 1 < num_keys) vb = value(j + 1);
             u32 wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
@@ -184,8 +198,18 @@ __device__ void flash_prefill_mma(float* out, const float* q, const bf16_t* k_ca
         float* out, const float* q, const bf16_t* k_cache, const bf16_t* v_cache,              \
         const u32* block_tables, const u32* tiles, int num_heads, int num_kv_heads,            \
         int block_size, float scale) { pdl_enter();                                            \
-        flash_prefill_mma<HD>(out, q, k_cache, v_cache, block_tables, tiles, num_heads,        \
-                              num_kv_heads, block_size, scale);                                \
+        flash_prefill_mma<HD, false>(out, q, k_cache, v_cache, (const float*)0,                \
+                                     (const float*)0, block_tables, tiles, num_heads,          \
+                                     num_kv_heads, block_size, scale);                         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) flash_prefill_fp8_##HD##_kernel(         \
+        float* out, const float* q, const u8* k_cache, const u8* v_cache,                      \
+        const u32* block_tables, const u32* tiles, int num_heads, int num_kv_heads,            \
+        int block_size, float scale, const float* k_scales, const float* v_scales) {           \
+        pdl_enter();                                                                           \
+        flash_prefill_mma<HD, true>(out, q, k_cache, v_cache, k_scales, v_scales,              \
+                                    block_tables, tiles, num_heads, num_kv_heads, block_size,  \
+                                    scale);                                                    \
     }
 FLASH_ENTRY(64)
 FLASH_ENTRY(128)

@@ -22,12 +22,14 @@ __device__ __forceinline__ int2 split_keys(int visible, int split, int num_split
     return make_int2(start, min(visible, start + per_split * ATT_CHUNK));
 }
 
+// An fp8 cache passes its scales per (slot, kv head) (`k_scales`, `v_scales`; null else):
+// a key's score and a value's weight take its scale.
 template <typename T>
 __device__ void attention_split(
     float* out, float* part_o, float* part_ml, const float* q, const T* k_cache,
-    const T* v_cache, const u32* block_tables, const u32* row_table, const u32* row_visible,
-    const u32* split_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
-    float scale, int num_splits) {
+    const T* v_cache, const float* k_scales, const float* v_scales, const u32* block_tables,
+    const u32* row_table, const u32* row_visible, const u32* split_rows, int num_heads,
+    int num_kv_heads, int head_dim, int block_size, float scale, int num_splits) {
     __shared__ float q_s[256];
     __shared__ float p_s[ATT_CHUNK];
     __shared__ float scratch[32];
@@ -55,6 +57,7 @@ __device__ void attention_split(
             float s = 0.0f;
             for (int d = lane; d < head_dim; d += 32) s += q_s[d] * kv_load(kr, d);
             s = warp_sum(s);
+            if (k_scales) s *= k_scales[slot * num_kv_heads + kvh];
             if (lane == 0) p_s[j - c0] = s;
             local_max = fmaxf(local_max, s);
         }
@@ -75,6 +78,7 @@ __device__ void attention_split(
             long long slot = (long long)table[j / block_size] * block_size + j % block_size;
             const T* vr = v_cache + slot * kv_dim + kvh * head_dim;
             float p = p_s[j - c0];
+            if (v_scales) p *= v_scales[slot * num_kv_heads + kvh];
             if (d0 < head_dim) s0 += p * kv_load(vr, d0);
             if (d1 < head_dim) s1 += p * kv_load(vr, d1);
         }
@@ -106,12 +110,22 @@ __device__ void attention_split(
                                     const u32* split_rows, int num_heads, int num_kv_heads,       \
                                     int head_dim, int block_size, float scale, int num_splits) {  \
         pdl_enter();                                                                            \
-        attention_split(out, part_o, part_ml, q, k_cache, v_cache, block_tables, row_table,      \
-                        row_visible, split_rows, num_heads, num_kv_heads, head_dim, block_size,  \
-                        scale, num_splits);                                                      \
+        attention_split(out, part_o, part_ml, q, k_cache, v_cache, (const float*)0,              \
+                        (const float*)0, block_tables, row_table, row_visible, split_rows,       \
+                        num_heads, num_kv_heads, head_dim, block_size, scale, num_splits);       \
     }
 SPLIT_ENTRY(attention_split_f32_kernel, float)
 SPLIT_ENTRY(attention_split_bf16_kernel, bf16_t)
+extern "C" __global__ void attention_split_fp8_kernel(
+    float* out, float* part_o, float* part_ml, const float* q, const u8* k_cache,
+    const u8* v_cache, const u32* block_tables, const u32* row_table, const u32* row_visible,
+    const u32* split_rows, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, int num_splits, const float* k_scales, const float* v_scales) {
+    pdl_enter();
+    attention_split(out, part_o, part_ml, q, k_cache, v_cache, k_scales, v_scales, block_tables,
+                    row_table, row_visible, split_rows, num_heads, num_kv_heads, head_dim,
+                    block_size, scale, num_splits);
+}
 
 // Merges the splits' partial softmax sums of one (row, head). A thread reads each split's
 // (max, sum) and the block reduces them, rather than one thread walking the splits in

@@ -13,6 +13,7 @@ next step over the run).
 Part `quant`: batch-1 decode, Llama-3.1-8B shape with dummy weights, bf16 against
 `--quantization fp8` and a random Q4_K GGUF of the same shape (with the `gguf` package, carried
 in gpu-bin/pylib), each against its roofline (the highest read bandwidth of the run).
+GPU_BENCH_KV=bf16,fp8 runs `offline` once per KV cache dtype.
 Part `quant_offline`: the offline workload with dummy weights, bf16 against FP8.
 Part `peer`: the offline workload's first 64 requests through transformers' `generate_batch`.
 Part `invariant`: `--batch-invariant` against the default mode, batch 1/16/64 decode, dummy
@@ -373,10 +374,17 @@ def offline(binary, results):
     reqs = offline_requests()
     total_out = sum(r["max_tokens"] for r in reqs)
     rows = {}
-    for zos in (True,) if os.environ.get("GPU_BENCH_ZOS_ONLY") else (True, False):
+    # GPU_BENCH_KV=bf16,fp8: one ZOS run per KV cache dtype instead.
+    kvs = [k for k in os.environ.get("GPU_BENCH_KV", "").split(",") if k]
+    runs = [(True, kv) for kv in kvs] or [
+        (zos, None) for zos in ((True,) if os.environ.get("GPU_BENCH_ZOS_ONLY") else (True, False))]
+    for zos, kv in runs:
         extra = ([] if zos else ["--no-zos"]) + os.environ.get("GPU_BENCH_OFFLINE_ARGS", "").split()
-        _, stats, wall = troupe(binary, path, reqs, extra, f"offline-{'zos' if zos else 'nozos'}")
-        rows["zos" if zos else "no_zos"] = dict(out_tok_s=total_out / wall, wall_s=wall,
+        extra += ["--kv-cache-dtype", kv] if kv else []
+        name = f"kv_{kv}" if kv else ("zos" if zos else "no_zos")
+        _, stats, wall = troupe(binary, path, reqs, extra, f"offline-{name}")
+        print(f"offline {name}: {total_out / wall:.0f} out tok/s, wall {wall:.2f} s", flush=True)
+        rows[name] = dict(out_tok_s=total_out / wall, wall_s=wall,
                                                 generate_out_tok_s=total_out / stats["generate_s"],
                                                 idle_share=stats["worker_idle_secs"] / wall,
                                                 # CUDA events: last work of a step to the next one's first.

@@ -130,7 +130,7 @@ pub struct EngineFlags {
     /// (`fp8`): half the bytes of bf16 on the GPU; the CPU runs them dequantized.
     #[arg(long)]
     quantization: Option<crate::kernels::fp8::Quantization>,
-    /// KV cache entries: `auto` (CPU f32, GPU bf16), `bf16`, `fp8` (e4m3, scale per token·head; CPU)
+    /// KV cache entries: `auto` (CPU f32, GPU bf16), `bf16`, `fp8` (e4m3, a scale per token and head)
     #[arg(long, default_value = "auto")]
     kv_cache_dtype: crate::kernels::KvDtype,
     /// Speculative decoding: `ngram` (prompt lookup), `draft` (a draft model, with

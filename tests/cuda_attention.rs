@@ -6,7 +6,7 @@
 
 use troupe::kernels::cpu::CpuBackend;
 use troupe::kernels::cuda::CudaBackend;
-use troupe::kernels::{Backend, KvCacheShape, QkvHeads, SeqAttention};
+use troupe::kernels::{Backend, KvCacheShape, KvDtype, QkvHeads, SeqAttention};
 use troupe::sampling::splitmix64;
 
 fn random(seed: u64, n: usize) -> Vec<f32> {
@@ -23,6 +23,7 @@ fn run<B: Backend>(
     head_dim: usize,
     seqs: &[(usize, usize)],
     seed: u64,
+    dtype: KvDtype,
 ) -> Vec<f32> {
     let block_size = 16;
     let blocks: Vec<usize> = seqs.iter().map(|s| s.0.div_ceil(block_size)).collect();
@@ -32,7 +33,7 @@ fn run<B: Backend>(
         block_size,
         num_kv_heads: kv_heads,
         head_dim,
-        dtype: Default::default(),
+        dtype,
     };
     let mut cache = b.alloc_kv_cache(shape);
     // Blocks handed out back to front so that tables are not the identity.
@@ -106,9 +107,9 @@ fn cuda_attention_matches_the_cpu_backend() {
     ] {
         for (i, seqs) in batches.iter().enumerate() {
             let seed = 1000 * i as u64 + heads as u64;
-            let want = run(&cpu, heads, kv_heads, head_dim, seqs, seed);
+            let want = run(&cpu, heads, kv_heads, head_dim, seqs, seed, KvDtype::Auto);
             for gpu in &gpus {
-                let got = run(gpu, heads, kv_heads, head_dim, seqs, seed);
+                let got = run(gpu, heads, kv_heads, head_dim, seqs, seed, KvDtype::Auto);
                 // bf16 keys and values on the GPU: errors of a few parts in a thousand.
                 let worst = want
                     .iter()
@@ -131,7 +132,13 @@ fn cuda_attention_matches_the_cpu_backend() {
 
 /// q/k/v from a stacked projection into attention: the CPU backend's separate ops, or the
 /// CUDA backend's fused kernel; then decode attention over what landed in the cache.
-fn qkv_then_attention<B: Backend>(b: &B, head_dim: usize, qk_norm: bool, fused: bool) -> Vec<f32> {
+fn qkv_then_attention<B: Backend>(
+    b: &B,
+    head_dim: usize,
+    qk_norm: bool,
+    fused: bool,
+    dtype: KvDtype,
+) -> Vec<f32> {
     let (heads, kv_heads, tokens, block_size) = (8, 2, 40, 16);
     let (qd, kvd) = (heads * head_dim, kv_heads * head_dim);
     let shape = KvCacheShape {
@@ -140,7 +147,7 @@ fn qkv_then_attention<B: Backend>(b: &B, head_dim: usize, qk_norm: bool, fused: 
         block_size,
         num_kv_heads: kv_heads,
         head_dim,
-        dtype: Default::default(),
+        dtype,
     };
     let mut cache = b.alloc_kv_cache(shape);
     let qkv = b.upload(&random(7, tokens * (qd + 2 * kvd)));
@@ -233,8 +240,8 @@ fn fused_qkv_into_cache_matches_the_cpu_backends_separate_ops() {
     };
     for head_dim in [64, 128] {
         for qk_norm in [false, true] {
-            let want = qkv_then_attention(&cpu, head_dim, qk_norm, false);
-            let got = qkv_then_attention(&gpu, head_dim, qk_norm, true);
+            let want = qkv_then_attention(&cpu, head_dim, qk_norm, false, KvDtype::Auto);
+            let got = qkv_then_attention(&gpu, head_dim, qk_norm, true, KvDtype::Auto);
             let worst = want
                 .iter()
                 .zip(&got)
@@ -246,4 +253,60 @@ fn fused_qkv_into_cache_matches_the_cpu_backends_separate_ops() {
             );
         }
     }
+}
+
+/// An fp8 cache (`--kv-cache-dtype fp8`): the GPU's codes and scales, written by the plain
+/// and the fused writes, and its attention over them (the tensor-core decode kernel; the
+/// split kernel for prefill rows and the layouts it does not take) against the CPU
+/// backend's fp8 cache, which `kernels::cpu`'s tests hold to dense attention.
+#[test]
+fn cuda_fp8_cache_matches_the_cpu_backends() {
+    let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let cpu = CpuBackend {
+        batch_invariant: false,
+        ..Default::default()
+    };
+    let batches: [&[(usize, usize)]; 3] = [
+        &[(1, 1), (63, 1), (64, 1), (65, 1), (700, 1), (3000, 1)],
+        &[(150, 150), (300, 37), (90, 1), (77, 1)],
+        &[(200, 1); 300],
+    ];
+    let mut failures = Vec::new();
+    let mut check = |what: String, want: &[f32], got: &[f32], bound: f32| {
+        let worst = want
+            .iter()
+            .zip(got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        if got.iter().any(|x| x.is_nan()) || worst >= bound {
+            failures.push(format!("{what}: max abs error {worst}"));
+        }
+    };
+    for (heads, kv_heads, head_dim) in [(16, 8, 128), (9, 3, 64), (32, 4, 128), (8, 8, 64)] {
+        for (i, seqs) in batches.iter().enumerate() {
+            let seed = 7000 + 1000 * i as u64 + heads as u64;
+            let want = run(&cpu, heads, kv_heads, head_dim, seqs, seed, KvDtype::Fp8);
+            let got = run(&gpu, heads, kv_heads, head_dim, seqs, seed, KvDtype::Fp8);
+            // The same codes; the GPU rounds code × scale, q and p to bf16 for its mma.
+            check(
+                format!("heads {heads}/{kv_heads} dim {head_dim} batch {i}"),
+                &want,
+                &got,
+                1e-2,
+            );
+        }
+    }
+    for head_dim in [64, 128] {
+        for qk_norm in [false, true] {
+            let want = qkv_then_attention(&cpu, head_dim, qk_norm, false, KvDtype::Fp8);
+            let got = qkv_then_attention(&gpu, head_dim, qk_norm, true, KvDtype::Fp8);
+            check(
+                format!("fused, dim {head_dim}, norm {qk_norm}"),
+                &want,
+                &got,
+                2e-2,
+            );
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -247,25 +247,22 @@ async fn the_engine_sizes_its_pool_by_the_cache_dtype_and_refuses_what_cannot_ru
             same(2)
         );
 
-        let mut on_gpu = common::engine::tiny_config("tiny-llama");
-        on_gpu.device = Device::Cuda(0);
-        on_gpu.kv_cache_dtype = KvDtype::Fp8;
-        let err = Engine::spawn(on_gpu)
-            .await
-            .err()
-            .expect("refused")
-            .to_string();
-        assert!(err.contains("--kv-cache-dtype fp8"), "{err}");
-        let mut invariant = common::engine::tiny_config("tiny-llama");
-        invariant.device = Device::Cuda(0);
-        invariant.batch_invariant = true;
-        invariant.kv_cache_dtype = KvDtype::Bf16;
-        let err = Engine::spawn(invariant)
-            .await
-            .err()
-            .expect("refused")
-            .to_string();
-        assert!(err.contains("--batch-invariant"), "{err}");
+        for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+            let mut invariant = common::engine::tiny_config("tiny-llama");
+            invariant.device = Device::Cuda(0);
+            invariant.batch_invariant = true;
+            invariant.kv_cache_dtype = dtype;
+            let err = Engine::spawn(invariant)
+                .await
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(
+                err.contains(&format!("--kv-cache-dtype {}", dtype.name()))
+                    && err.contains("--batch-invariant"),
+                "{err}"
+            );
+        }
         let mut dsv4 = common::engine::tiny_config("tiny-dsv4-a");
         dsv4.device = Device::Cpu;
         dsv4.kv_cache_dtype = KvDtype::Fp8;

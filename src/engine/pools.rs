@@ -108,16 +108,10 @@ pub(super) fn kv_dtype_problem(cfg: &EngineConfig, deepseek_v4: bool) -> Option<
             "--kv-cache-dtype {name}: DeepSeek-V4 keeps its own cache layout (only auto runs)"
         ));
     }
-    match (cfg.device, dtype) {
-        (Device::Cuda(_), _) if cfg.batch_invariant => Some(format!(
+    (matches!(cfg.device, Device::Cuda(_)) && cfg.batch_invariant).then(|| {
+        format!(
             "--kv-cache-dtype {name} with --batch-invariant on CUDA: the invariant kernels \
              read an f32 cache (only auto runs)"
-        )),
-        (Device::Cuda(_), crate::kernels::KvDtype::Fp8) => Some(
-            "--kv-cache-dtype fp8 is built for the CPU backend; the CUDA attention kernels \
-             read bf16 (use auto or bf16)"
-                .into(),
-        ),
-        _ => None,
-    }
+        )
+    })
 }

@@ -15,6 +15,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::graph::{Meta, Phase};
+use super::kv_cache::KvEntry;
 use super::module::decode_mma_smem_bytes;
 use super::{CudaBackend, CudaKvCache, check};
 use crate::kernels::{Backend, SeqAttention};
@@ -69,7 +70,7 @@ impl CudaBackend {
         // not depend on whether its chunk had one token or many.
         // A graph step's rows (decode and verify rows alike) go to the split kernels token
         // by token: the flash kernel's tile list follows the rows, which a graph cannot.
-        let flash = cache.kv_bf16
+        let flash = cache.entry != KvEntry::F32
             && !self.batch_invariant
             && self.phase() == Phase::Eager
             && matches!(shape.head_dim, 64 | 128);
@@ -134,14 +135,15 @@ impl CudaBackend {
         } else {
             num_split_rows
         };
-        // Decode rows over a bf16 cache: one block per KV head computes its query heads on
-        // tensor cores.
+        // Decode rows over a bf16 or fp8 cache: one block per KV head computes its query heads
+        // on tensor cores.
         let group = num_heads / shape.num_kv_heads;
-        let mma = (cache.kv_bf16
+        let fp8 = cache.entry == KvEntry::Fp8;
+        let mma = ((cache.bf16() || fp8)
             && !self.batch_invariant
             && num_heads.is_multiple_of(shape.num_kv_heads)
             && shape.block_size.is_power_of_two())
-        .then(|| self.kernels.decode_mma(shape.head_dim, group))
+        .then(|| self.kernels.decode_mma(shape.head_dim, group, fp8))
         .flatten();
         let heads_per_block = if mma.is_some() { group } else { 1 };
         let num_splits = self.num_splits(num_split_rows, num_heads / heads_per_block, max_visible);
@@ -165,6 +167,7 @@ impl CudaBackend {
         let (part_o, part_ml) = parts.as_mut().expect("allocated above");
         let splits = num_splits as i32;
         let (kc, vc) = cache.layer(layer, &self.stream);
+        let (ks, vs) = cache.scales(layer, &self.stream);
         let cfg = LaunchConfig {
             grid_dim: (
                 grid_rows.max(1) as u32,
@@ -173,18 +176,19 @@ impl CudaBackend {
             ),
             block_dim: (128, 1, 1),
             shared_mem_bytes: if mma.is_some() {
-                decode_mma_smem_bytes(shape.head_dim) as u32
+                decode_mma_smem_bytes(shape.head_dim, fp8) as u32
             } else {
                 0
             },
         };
-        // SAFETY: the metadata describes rows inside q/out and slots inside the cache; the
-        // partials hold rows·heads·splits entries when there are several splits.
+        // SAFETY: the metadata describes rows inside q/out and slots inside the cache (an
+        // fp8 one's scales: a float per slot and KV head, passed last); the partials hold
+        // rows·heads·splits entries when there are several splits.
         let launched = match mma {
             Some(kernel) => unsafe {
                 let (grp, shift) = (group as i32, shape.block_size.trailing_zeros() as i32);
-                self.stream
-                    .launch_builder(kernel)
+                let mut launch = self.stream.launch_builder(kernel);
+                launch
                     .arg(&mut *out)
                     .arg(&mut *part_o)
                     .arg(&mut *part_ml)
@@ -199,12 +203,17 @@ impl CudaBackend {
                     .arg(&grp)
                     .arg(&shift)
                     .arg(&scale)
-                    .arg(&splits)
-                    .launch(cfg)
+                    .arg(&splits);
+                if fp8 {
+                    launch.arg(&ks).arg(&vs);
+                }
+                launch.launch(cfg)
             },
             None => unsafe {
-                self.stream
-                    .launch_builder(self.kernels.attention_split.get(cache.kv_bf16))
+                let mut launch = self
+                    .stream
+                    .launch_builder(self.kernels.attention_split.get(cache.entry));
+                launch
                     .arg(&mut *out)
                     .arg(&mut *part_o)
                     .arg(&mut *part_ml)
@@ -220,8 +229,11 @@ impl CudaBackend {
                     .arg(&hd)
                     .arg(&bs)
                     .arg(&scale)
-                    .arg(&splits)
-                    .launch(cfg)
+                    .arg(&splits);
+                if fp8 {
+                    launch.arg(&ks).arg(&vs);
+                }
+                launch.launch(cfg)
             },
         };
         check(launched, "attention decode");
@@ -271,22 +283,27 @@ impl CudaBackend {
             shape.block_size as i32,
         );
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        let kernel = if shape.head_dim == 64 {
-            &self.kernels.flash_prefill_64
-        } else {
-            &self.kernels.flash_prefill_128
-        };
+        let fp8 = cache.entry == KvEntry::Fp8;
+        let (_, bf16, fp8_kernel) = self
+            .kernels
+            .flash_prefill
+            .iter()
+            .find(|k| k.0 == shape.head_dim)
+            .expect("flash prefill runs for head_dim 64 and 128");
+        let kernel = if fp8 { fp8_kernel } else { bf16 };
         let (kc, vc) = cache.layer(layer, &self.stream);
+        let (ks, vs) = cache.scales(layer, &self.stream);
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 4) as u32, num_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: each tile names rows inside q/out and a block table covering its keys.
+        // SAFETY: each tile names rows inside q/out and a block table covering its keys (an
+        // fp8 cache's scales passed last).
         check(
             unsafe {
-                self.stream
-                    .launch_builder(kernel)
+                let mut launch = self.stream.launch_builder(kernel);
+                launch
                     .arg(&mut *out)
                     .arg(q)
                     .arg(&kc)
@@ -296,8 +313,11 @@ impl CudaBackend {
                     .arg(&nh)
                     .arg(&nkv)
                     .arg(&bs)
-                    .arg(&scale)
-                    .launch(cfg)
+                    .arg(&scale);
+                if fp8 {
+                    launch.arg(&ks).arg(&vs);
+                }
+                launch.launch(cfg)
             },
             "flash_prefill",
         );

@@ -7,14 +7,37 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelA
 
 use super::graph::Meta;
 use super::{CudaBackend, check, grid_for};
-use crate::kernels::KvCacheShape;
+use crate::kernels::{KvCacheShape, KvDtype};
 
-/// Per layer, keys and values as raw bytes: f32 or bf16 entries (`kv_bf16`).
+/// What a cache entry is on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEntry {
+    /// The batch-invariant mode's: the CPU reference's numbers.
+    F32,
+    Bf16,
+    /// e4m3 codes, and per (slot, kv head) an f32 scale (`--kv-cache-dtype fp8`).
+    Fp8,
+}
+
+impl KvEntry {
+    fn bytes(self) -> usize {
+        match self {
+            KvEntry::F32 => 4,
+            KvEntry::Bf16 => 2,
+            KvEntry::Fp8 => 1,
+        }
+    }
+}
+
+/// Per layer, keys and values as raw bytes of `entry`s, and an fp8 cache's scales.
 pub struct CudaKvCache {
     pub shape: KvCacheShape,
-    pub kv_bf16: bool,
+    pub entry: KvEntry,
     k: Vec<CudaSlice<u8>>,
     v: Vec<CudaSlice<u8>>,
+    /// Per layer `[slots, kv_heads]` (fp8 only; else empty).
+    k_scales: Vec<CudaSlice<f32>>,
+    v_scales: Vec<CudaSlice<f32>>,
 }
 
 impl CudaKvCache {
@@ -25,18 +48,45 @@ impl CudaKvCache {
             self.v[layer].device_ptr(stream).0,
         )
     }
+
+    /// Device addresses of a layer's key and value scales (0 unless fp8).
+    pub(super) fn scales(&self, layer: usize, stream: &Arc<CudaStream>) -> (u64, u64) {
+        match (self.k_scales.get(layer), self.v_scales.get(layer)) {
+            (Some(k), Some(v)) => (k.device_ptr(stream).0, v.device_ptr(stream).0),
+            _ => (0, 0),
+        }
+    }
+
+    pub fn bf16(&self) -> bool {
+        self.entry == KvEntry::Bf16
+    }
 }
 
 impl CudaBackend {
     pub(super) fn new_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
-        let kv_bf16 = self.kv_bf16();
-        let bytes = shape.layer_len() * if kv_bf16 { 2 } else { 4 };
+        let entry = match shape.dtype {
+            KvDtype::Fp8 => KvEntry::Fp8,
+            _ if self.kv_bf16() => KvEntry::Bf16,
+            _ => KvEntry::F32,
+        };
+        let bytes = shape.layer_len() * entry.bytes();
         let layer = || check(self.stream.alloc_zeros::<u8>(bytes), "KV cache");
+        let scales = || match entry {
+            KvEntry::Fp8 => (0..shape.num_layers)
+                .map(|_| {
+                    let n = shape.num_slots() * shape.num_kv_heads;
+                    check(self.stream.alloc_zeros::<f32>(n), "KV cache scales")
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         CudaKvCache {
             shape,
-            kv_bf16,
+            entry,
             k: (0..shape.num_layers).map(|_| layer()).collect(),
             v: (0..shape.num_layers).map(|_| layer()).collect(),
+            k_scales: scales(),
+            v_scales: scales(),
         }
     }
 
@@ -54,11 +104,38 @@ impl CudaBackend {
         }
         let (d, n) = (cache.shape.kv_dim() as i32, slots.len() as i32);
         let (kc, vc) = cache.layer(layer, &self.stream);
+        if cache.entry == KvEntry::Fp8 {
+            let (ks, vs) = cache.scales(layer, &self.stream);
+            let (heads, hd) = (cache.shape.num_kv_heads as i32, cache.shape.head_dim as i32);
+            // SAFETY: as below; the scales hold a float per (slot, kv head).
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.kernels.kv_write.fp8)
+                        .arg(&kc)
+                        .arg(&vc)
+                        .arg(&ks)
+                        .arg(&vs)
+                        .arg(k)
+                        .arg(v)
+                        .arg(&slots_d.ptr)
+                        .arg(&heads)
+                        .arg(&hd)
+                        .launch(LaunchConfig {
+                            grid_dim: (slots.len().max(1) as u32, 1, 1),
+                            block_dim: (256, 1, 1),
+                            shared_mem_bytes: 0,
+                        })
+                },
+                "kv_write_fp8",
+            );
+            return;
+        }
         // SAFETY: slots are inside the pool (the block manager's), k/v hold n rows.
         check(
             unsafe {
                 self.stream
-                    .launch_builder(self.kernels.kv_write.get(cache.kv_bf16))
+                    .launch_builder(self.kernels.kv_write.get(cache.entry))
                     .arg(&kc)
                     .arg(&vc)
                     .arg(k)
@@ -95,6 +172,7 @@ impl CudaBackend {
             return true;
         }
         let (kc, vc) = cache.layer(layer, &self.stream);
+        let (ks, vs) = cache.scales(layer, &self.stream);
         let (qn, kn, eps) = match qk_norm {
             Some((q, k, eps)) => (
                 q.device_ptr(&self.stream).0,
@@ -111,11 +189,14 @@ impl CudaBackend {
         // the positions.
         check(
             unsafe {
-                self.stream
-                    .launch_builder(self.kernels.qkv_rope_cache.get(cache.kv_bf16))
-                    .arg(&mut *q_out)
-                    .arg(&kc)
-                    .arg(&vc)
+                let mut launch = self
+                    .stream
+                    .launch_builder(self.kernels.qkv_rope_cache.get(cache.entry));
+                launch.arg(&mut *q_out).arg(&kc).arg(&vc);
+                if cache.entry == KvEntry::Fp8 {
+                    launch.arg(&ks).arg(&vs);
+                }
+                launch
                     .arg(qkv)
                     .arg(&qn)
                     .arg(&kn)

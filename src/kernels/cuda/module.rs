@@ -5,6 +5,7 @@
 use crate::sync::Shared as Arc;
 use std::path::PathBuf;
 
+use super::kv_cache::KvEntry;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use sha2::{Digest, Sha256};
@@ -279,10 +280,9 @@ pub struct Kernels {
     pub random_bf16: CudaFunction,
     pub attention_split: ByKvType,
     pub attention_combine: CudaFunction,
-    /// `attention_decode_mma` (tensor cores, bf16 KV, up to 8 query heads per KV head) for
-    /// head_dim 64 and 128.
-    pub attention_decode_mma_64: CudaFunction,
-    pub attention_decode_mma_128: CudaFunction,
+    /// `attention_decode_mma` (tensor cores, up to 8 query heads per KV head) per head_dim
+    /// (64, 128): over a bf16 cache, and over an fp8 one.
+    pub attention_decode_mma: Vec<(usize, CudaFunction, CudaFunction)>,
     /// `gemv` compiled for up to `GEMV_ROWS[i]` rows, `GEMV_COLS[i]` columns a block.
     pub gemv: Vec<(usize, usize, CudaFunction)>,
     /// The same, writing silu(gate) · up of a stacked [gate; up] projection.
@@ -316,27 +316,39 @@ pub struct Kernels {
     pub random_mxfp4: CudaFunction,
     /// Activations to e4m3 for cuBLASLt's FP8 GEMM (`fp8_act.cu`).
     pub quantize_fp8_act: CudaFunction,
-    /// `flash_prefill` (tensor cores, bf16 KV) for head_dim 64 and 128.
-    pub flash_prefill_64: CudaFunction,
-    pub flash_prefill_128: CudaFunction,
+    /// `flash_prefill` (tensor cores) per head_dim (64, 128): over a bf16 cache, and over
+    /// an fp8 one.
+    pub flash_prefill: Vec<(usize, CudaFunction, CudaFunction)>,
 }
 
-/// A kernel's two instances: for an f32 and for a bf16 KV cache.
+/// A kernel's instances for an f32, a bf16 and an fp8 KV cache (the fp8 one takes the
+/// scales too).
 pub struct ByKvType {
     pub f32: CudaFunction,
     pub bf16: CudaFunction,
+    pub fp8: CudaFunction,
 }
 
 impl ByKvType {
-    pub fn get(&self, kv_bf16: bool) -> &CudaFunction {
-        if kv_bf16 { &self.bf16 } else { &self.f32 }
+    pub fn get(&self, entry: KvEntry) -> &CudaFunction {
+        match entry {
+            KvEntry::F32 => &self.f32,
+            KvEntry::Bf16 => &self.bf16,
+            KvEntry::Fp8 => &self.fp8,
+        }
     }
 }
 
 /// Dynamic shared memory of `attention_decode_mma` (the kernel's `DM_SMEM_BYTES`), in bytes:
-/// three stages of 64 keys and values, rows padded by 16 bytes.
-pub fn decode_mma_smem_bytes(head_dim: usize) -> usize {
-    3 * 2 * 64 * (head_dim + 8) * 2
+/// three stages of 64 keys and values, rows padded by 16 bytes; for an fp8 cache one such
+/// tile and three stages of codes and scales.
+pub fn decode_mma_smem_bytes(head_dim: usize, fp8: bool) -> usize {
+    let tile = 2 * 64 * (head_dim + 8) * 2;
+    if fp8 {
+        tile + 3 * 2 * 64 * (head_dim + 4)
+    } else {
+        3 * tile
+    }
 }
 
 /// Query heads per KV head that `attention_decode_mma` handles (its `DM_MAX_GROUP`).
@@ -385,14 +397,12 @@ fn invariant_variants(
 
 impl Kernels {
     /// The tensor-core decode attention kernel for this head_dim and group, if there is one.
-    pub fn decode_mma(&self, head_dim: usize, group: usize) -> Option<&CudaFunction> {
-        match (head_dim, group) {
-            (_, 0) => None,
-            (_, g) if g > DECODE_MMA_MAX_GROUP => None,
-            (64, _) => Some(&self.attention_decode_mma_64),
-            (128, _) => Some(&self.attention_decode_mma_128),
-            _ => None,
+    pub fn decode_mma(&self, head_dim: usize, group: usize, fp8: bool) -> Option<&CudaFunction> {
+        if group == 0 || group > DECODE_MMA_MAX_GROUP {
+            return None;
         }
+        let (_, bf16, fp8_fn) = self.attention_decode_mma.iter().find(|k| k.0 == head_dim)?;
+        Some(if fp8 { fp8_fn } else { bf16 })
     }
 
     /// The GEMV kernel for `rows` rows (the smallest compiled for at least that many) and
@@ -463,6 +473,7 @@ impl Kernels {
             Ok(ByKvType {
                 f32: load("f32")?,
                 bf16: load("bf16")?,
+                fp8: load("fp8")?,
             })
         };
         let smem_optin = ctx
@@ -475,18 +486,25 @@ impl Kernels {
             kv_write: by_kv("kv_write", 0)?,
             qkv_rope_cache: by_kv("qkv_rope_cache", 0)?,
             attention_split: by_kv("attention_split", 0)?,
-            flash_prefill_64: f("flash_prefill_64_kernel")?,
-            flash_prefill_128: f("flash_prefill_128_kernel")?,
-            attention_decode_mma_64: {
-                let func = f("attention_decode_mma_64_kernel")?;
-                opt_in_smem(&func, decode_mma_smem_bytes(64), "attention_decode_mma")?;
-                func
-            },
-            attention_decode_mma_128: {
-                let func = f("attention_decode_mma_128_kernel")?;
-                opt_in_smem(&func, decode_mma_smem_bytes(128), "attention_decode_mma")?;
-                func
-            },
+            flash_prefill: [64, 128]
+                .into_iter()
+                .map(|hd| {
+                    let bf16 = f(&format!("flash_prefill_{hd}_kernel"))?;
+                    Ok((hd, bf16, f(&format!("flash_prefill_fp8_{hd}_kernel"))?))
+                })
+                .collect::<Result<_, CudaError>>()?,
+            attention_decode_mma: [64, 128]
+                .into_iter()
+                .map(|hd| {
+                    let load = |name: String, fp8: bool| {
+                        let func = f(&name)?;
+                        opt_in_smem(&func, decode_mma_smem_bytes(hd, fp8), "attention_decode_mma")?;
+                        Ok::<_, CudaError>(func)
+                    };
+                    let bf16 = load(format!("attention_decode_mma_{hd}_kernel"), false)?;
+                    Ok((hd, bf16, load(format!("attention_decode_mma_fp8_{hd}_kernel"), true)?))
+                })
+                .collect::<Result<_, CudaError>>()?,
 
             f32_to_bf16: f("f32_to_bf16_kernel")?,
             embedding: f("embedding_kernel")?,
