@@ -105,6 +105,10 @@ impl CudaBackend {
         let (d, n) = (cache.shape.kv_dim() as i32, slots.len() as i32);
         let (kc, vc) = cache.layer(layer, &self.stream);
         if cache.entry == KvEntry::Fp8 {
+            // A block a token: with none, the one block would read a slot nobody wrote.
+            if slots.is_empty() {
+                return;
+            }
             let (ks, vs) = cache.scales(layer, &self.stream);
             let (heads, hd) = (cache.shape.num_kv_heads as i32, cache.shape.head_dim as i32);
             // SAFETY: as below; the scales hold a float per (slot, kv head).
