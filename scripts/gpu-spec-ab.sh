@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Speculation on the H200 with real weights, binary A against binary B in one call: sampled
 # and greedy copy prompts past EOS, greedy ones with EOS, and JSON-schema requests with
-# and without speculation. Run after scripts/gpu-spec-real.sh's pieces (the model joined
-# at /tmp/troupe-model/model.gguf, or pass MODEL).
-#   bash scripts/gpu-spec-ab.sh BIN_A BIN_B OUT
+# and without speculation. Run after scripts/gpu-spec-real.sh's pieces have been joined into
+# one GGUF.
+#   bash scripts/gpu-spec-ab.sh BIN_A BIN_B MODEL.gguf OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
-a=$1 b=$2 out=$3
-model=${MODEL:-/tmp/troupe-model/model.gguf}
+a=$1 b=$2 model=$3 out=$4
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export TROUPE_HOME=${TROUPE_HOME:-/tmp/troupe-home}
+# Both binaries share one decode curve: measured by the first, loaded by the second.
+export TROUPE_HOME=${TROUPE_HOME:-$out/troupe-home}
 for side in a b; do
   bin=${!side}
   echo "== $side: $bin"
