@@ -6,9 +6,8 @@
 mod common;
 
 use troupe::generate::Generator;
+use troupe::kernels::KvDtype;
 use troupe::kernels::cpu::CpuBackend;
-use troupe::kernels::{Backend, KvDtype};
-use troupe::model::llama::SeqStep;
 
 const DTYPES: [KvDtype; 3] = [KvDtype::Auto, KvDtype::Bf16, KvDtype::Fp8];
 
@@ -17,47 +16,6 @@ fn exact() -> CpuBackend {
         exact_activations: true,
         ..Default::default()
     }
-}
-
-/// Logits after `prompt` in a `dtype` cache: all but its last token as one prefill chunk,
-/// the last as a decode step (it attends to the cache as stored).
-fn decode_logits(
-    generator: &mut Generator<CpuBackend>,
-    prompt: &[u32],
-    dtype: KvDtype,
-) -> Vec<f32> {
-    let block_size = 16;
-    let model = &mut generator.model.model;
-    let num_blocks = prompt.len().div_ceil(block_size);
-    let shape = model
-        .kv_cache_shape(num_blocks, block_size)
-        .with_dtype(dtype);
-    let mut cache = generator.backend.alloc_kv_cache(shape);
-    let table: Vec<u32> = (0..num_blocks as u32).collect();
-    let last = prompt.len() - 1;
-    let mut logits = Vec::new();
-    for (start, chunk) in [(0, &prompt[..last]), (last, &prompt[last..])] {
-        let step = SeqStep {
-            token_ids: chunk,
-            num_cached_tokens: start,
-            block_table: &table,
-            num_logit_rows: 1,
-            state: None,
-        };
-        logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
-    }
-    logits
-}
-
-fn log_probs(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
-    let lse = max
-        + logits
-            .iter()
-            .map(|&v| (v as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
-    logits.iter().map(|&v| v as f64 - lse).collect()
 }
 
 /// Per dtype, the largest change of a top-10 token's log-probability against
@@ -76,11 +34,11 @@ fn tiny_checkpoints_logprob_error_per_cache_dtype_is_bounded() {
         let mut generator = Generator::new(exact(), loaded, 16);
         for case in reference["cases"].as_array().unwrap() {
             let prompt = common::ids(&case["prompt_ids"]);
-            let want = log_probs(&common::floats(&case["last_logits"]));
+            let want = common::log_probs(&common::floats(&case["last_logits"]));
             let mut top: Vec<usize> = (0..want.len()).collect();
             top.sort_by(|&a, &b| want[b].total_cmp(&want[a]));
             for (i, &dtype) in DTYPES.iter().enumerate() {
-                let got = log_probs(&decode_logits(&mut generator, &prompt, dtype));
+                let got = common::log_probs(&common::decode_logits(&mut generator, &prompt, dtype));
                 for &id in &top[..10] {
                     worst[i] = worst[i].max((got[id] - want[id]).abs());
                 }
@@ -121,7 +79,7 @@ fn smollm2_logprob_error_per_cache_dtype_is_bounded() {
             .map(|e| (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap()))
             .collect();
         for (i, &dtype) in DTYPES.iter().enumerate() {
-            let got = decode_logits(&mut generator, &prompt, dtype);
+            let got = common::decode_logits(&mut generator, &prompt, dtype);
             let gap = |id: usize| got[id] as f64 - got[top[0].0] as f64;
             for &(id, want) in &top {
                 worst[i] = worst[i].max((gap(id) - (want - top[0].1)).abs());
@@ -148,11 +106,10 @@ fn smollm2_logprob_error_per_cache_dtype_is_bounded() {
 #[test]
 fn smollm2_greedy_agreement_with_an_fp8_cache() {
     let golden = common::read_json("smollm2_agreement.json");
-    let block_size = 16;
     let mut generator = Generator::new(
         CpuBackend::default(),
         common::load(&common::smollm2_path()),
-        block_size,
+        16,
     );
     let mut ours = [0usize; 2];
     let (mut llama_cpp, mut total) = (0, 0);
@@ -160,27 +117,7 @@ fn smollm2_greedy_agreement_with_an_fp8_cache() {
         let prompt = common::ids(&p["prompt_ids"]);
         let want = common::ids(&p["greedy"]);
         for (i, dtype) in [KvDtype::Auto, KvDtype::Fp8].into_iter().enumerate() {
-            let model = &mut generator.model.model;
-            let num_blocks = (prompt.len() + want.len()).div_ceil(block_size);
-            let shape = model
-                .kv_cache_shape(num_blocks, block_size)
-                .with_dtype(dtype);
-            let mut cache = generator.backend.alloc_kv_cache(shape);
-            let table: Vec<u32> = (0..num_blocks as u32).collect();
-            let (mut step_tokens, mut cached) = (prompt.clone(), 0);
-            for &next in &want {
-                let step = SeqStep {
-                    token_ids: &step_tokens,
-                    num_cached_tokens: cached,
-                    block_table: &table,
-                    num_logit_rows: 1,
-                    state: None,
-                };
-                let logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
-                ours[i] += usize::from(troupe::sampling::argmax(&logits) == next);
-                cached += step_tokens.len();
-                step_tokens = vec![next];
-            }
+            ours[i] += common::forced_argmax_hits(&mut generator, &prompt, &want, dtype);
         }
         let theirs = common::ids(&p["llama_cpp_forced_argmax"]);
         llama_cpp += theirs.iter().zip(&want).filter(|(a, b)| a == b).count();

@@ -4,6 +4,7 @@
 mod common;
 
 use troupe::generate::{FinishReason, GenerateRequest, Generator};
+use troupe::kernels::KvDtype;
 use troupe::kernels::cpu::CpuBackend;
 use troupe::model::chat_template::ChatMessage;
 use troupe::sampling::SamplingParams;
@@ -403,18 +404,6 @@ fn smollm2_gguf_matches_transformers() {
     }
 }
 
-/// Log-softmax of `logits`, in f64.
-fn log_probs(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
-    let lse = max
-        + logits
-            .iter()
-            .map(|&v| (v as f64 - max).exp())
-            .sum::<f64>()
-            .ln();
-    logits.iter().map(|&v| v as f64 - lse).collect()
-}
-
 /// The default path (8-bit activations, integer dots) against the dequantized model's
 /// arithmetic on SmolLM2's golden prompts, each ending in a one-token decode step: the
 /// log-probabilities of the reference's top-20 tokens move by at most `BOUND` (measured
@@ -429,8 +418,16 @@ fn eight_bit_activations_stay_within_a_bounded_logprob_error_of_the_exact_path()
     let mut worst = 0f64;
     for p in golden["prompts"].as_array().unwrap() {
         let prompt = common::ids(&p["prompt_ids"]);
-        let want = log_probs(&decode_logits(&mut exact_gen, &prompt));
-        let got = log_probs(&decode_logits(&mut fast_gen, &prompt));
+        let want = common::log_probs(&common::decode_logits(
+            &mut exact_gen,
+            &prompt,
+            KvDtype::Auto,
+        ));
+        let got = common::log_probs(&common::decode_logits(
+            &mut fast_gen,
+            &prompt,
+            KvDtype::Auto,
+        ));
         for e in p["top20"].as_array().unwrap() {
             let id = e[0].as_u64().unwrap() as usize;
             worst = worst.max((got[id] - want[id]).abs());
@@ -453,40 +450,17 @@ fn eight_bit_activations_stay_within_a_bounded_logprob_error_of_the_exact_path()
 /// forcing keeps one near-tie flip from deciding the count.
 #[test]
 fn eight_bit_greedy_agrees_with_transformers_at_least_as_well_as_llama_cpp() {
-    use troupe::kernels::Backend;
-    use troupe::model::llama::SeqStep;
     let golden = common::read_json("smollm2_agreement.json");
     let mut generator = Generator::new(
         CpuBackend::default(),
         common::load(&common::smollm2_path()),
         16,
     );
-    let block_size = 16;
     let (mut ours, mut llama_cpp, mut total) = (0, 0, 0);
     for p in golden["prompts"].as_array().unwrap() {
         let prompt = common::ids(&p["prompt_ids"]);
         let want = common::ids(&p["greedy"]);
-        let model = &mut generator.model.model;
-        let num_blocks = (prompt.len() + want.len()).div_ceil(block_size);
-        let mut cache = generator
-            .backend
-            .alloc_kv_cache(model.kv_cache_shape(num_blocks, block_size));
-        let table: Vec<u32> = (0..num_blocks as u32).collect();
-        let mut step_tokens = prompt.clone();
-        let mut cached = 0;
-        for &next in &want {
-            let step = SeqStep {
-                token_ids: &step_tokens,
-                num_cached_tokens: cached,
-                block_table: &table,
-                num_logit_rows: 1,
-                state: None,
-            };
-            let logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
-            ours += usize::from(troupe::sampling::argmax(&logits) == next);
-            cached += step_tokens.len();
-            step_tokens = vec![next];
-        }
+        ours += common::forced_argmax_hits(&mut generator, &prompt, &want, KvDtype::Auto);
         let theirs = common::ids(&p["llama_cpp_forced_argmax"]);
         llama_cpp += theirs.iter().zip(&want).filter(|(a, b)| a == b).count();
         total += want.len();
@@ -498,31 +472,4 @@ fn eight_bit_greedy_agrees_with_transformers_at_least_as_well_as_llama_cpp() {
         ours >= llama_cpp,
         "troupe {ours} < llama.cpp {llama_cpp} of {total}"
     );
-}
-
-/// The last position's logits with the final token run as its own one-row step, the
-/// decode path's shape.
-fn decode_logits(generator: &mut Generator<CpuBackend>, prompt: &[u32]) -> Vec<f32> {
-    use troupe::kernels::Backend;
-    use troupe::model::llama::SeqStep;
-    let block_size = 16;
-    let model = &mut generator.model.model;
-    let num_blocks = prompt.len().div_ceil(block_size);
-    let mut cache = generator
-        .backend
-        .alloc_kv_cache(model.kv_cache_shape(num_blocks, block_size));
-    let table: Vec<u32> = (0..num_blocks as u32).collect();
-    let last = prompt.len() - 1;
-    let mut logits = Vec::new();
-    for (start, chunk) in [(0, &prompt[..last]), (last, &prompt[last..])] {
-        let step = SeqStep {
-            token_ids: chunk,
-            num_cached_tokens: start,
-            block_table: &table,
-            num_logit_rows: 1,
-            state: None,
-        };
-        logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
-    }
-    logits
 }

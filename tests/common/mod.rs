@@ -105,3 +105,83 @@ impl Rng {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
 }
+
+/// Log-softmax of `logits`, in f64.
+pub fn log_probs(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
+    let lse = max
+        + logits
+            .iter()
+            .map(|&v| (v as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
+    logits.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// Logits after `prompt` in a fresh `dtype` cache of 16-token blocks: all but its last
+/// token as one prefill chunk, the last as a decode step (the decode path's shape, reading
+/// the cache as stored).
+pub fn decode_logits(
+    generator: &mut troupe::generate::Generator<CpuBackend>,
+    prompt: &[u32],
+    dtype: troupe::kernels::KvDtype,
+) -> Vec<f32> {
+    use troupe::kernels::Backend;
+    use troupe::model::llama::SeqStep;
+    let block_size = 16;
+    let model = &mut generator.model.model;
+    let num_blocks = prompt.len().div_ceil(block_size);
+    let shape = model
+        .kv_cache_shape(num_blocks, block_size)
+        .with_dtype(dtype);
+    let mut cache = generator.backend.alloc_kv_cache(shape);
+    let table: Vec<u32> = (0..num_blocks as u32).collect();
+    let last = prompt.len() - 1;
+    let mut logits = Vec::new();
+    for (start, chunk) in [(0, &prompt[..last]), (last, &prompt[last..])] {
+        let step = SeqStep {
+            token_ids: chunk,
+            num_cached_tokens: start,
+            block_table: &table,
+            num_logit_rows: 1,
+            state: None,
+        };
+        logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
+    }
+    logits
+}
+
+/// `want` fed back one token at a time after `prompt` (teacher forcing) in a `dtype`
+/// cache: how many of the argmaxes equal the token fed next.
+pub fn forced_argmax_hits(
+    generator: &mut troupe::generate::Generator<CpuBackend>,
+    prompt: &[u32],
+    want: &[u32],
+    dtype: troupe::kernels::KvDtype,
+) -> usize {
+    use troupe::kernels::Backend;
+    use troupe::model::llama::SeqStep;
+    let block_size = generator.block_size;
+    let model = &mut generator.model.model;
+    let num_blocks = (prompt.len() + want.len()).div_ceil(block_size);
+    let shape = model
+        .kv_cache_shape(num_blocks, block_size)
+        .with_dtype(dtype);
+    let mut cache = generator.backend.alloc_kv_cache(shape);
+    let table: Vec<u32> = (0..num_blocks as u32).collect();
+    let (mut step_tokens, mut cached, mut hits) = (prompt.to_vec(), 0, 0);
+    for &next in want {
+        let step = SeqStep {
+            token_ids: &step_tokens,
+            num_cached_tokens: cached,
+            block_table: &table,
+            num_logit_rows: 1,
+            state: None,
+        };
+        let logits = model.forward(&generator.backend, &mut cache, block_size, &[step]);
+        hits += usize::from(troupe::sampling::argmax(&logits) == next);
+        cached += step_tokens.len();
+        step_tokens = vec![next];
+    }
+    hits
+}
