@@ -17,9 +17,11 @@ use crate::runner::affinity;
 use crate::runner::decode_curve;
 use crate::runner::fault::FaultPlan;
 use crate::runner::inputs::StepInputs;
+use crate::runner::kv_store::KvStore;
 use crate::runner::readback::{ReadStep, Readback, spawn_readback};
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::runner::{DeviceModel, RankArgs, RankReport, load_model};
+use crate::sched::KvSave;
 use crate::step::Step;
 
 pub enum RankMsg {
@@ -31,6 +33,9 @@ pub enum RankMsg {
     JoinGroup(GroupJoin),
     /// What this rank measured and how it was placed as it started.
     Report(RpcReplyPort<RankReport>),
+    /// Copy these registered blocks to the prefix store (sent before any step that could
+    /// reuse them).
+    SaveKv(Vec<KvSave>),
     /// Run one step (shared by every rank and, from the leader, the sampler).
     Step {
         step: Shared<Step>,
@@ -51,6 +56,7 @@ pub struct RankState {
     /// What it measured and how it was placed at start, for the supervisor to hand to
     /// the scheduler.
     report: RankReport,
+    kv_store: Option<Shared<KvStore>>,
     /// A CPU rank's own threads, pinned to its cores (`--cpu-affinity auto`).
     pool: Option<rayon::ThreadPool>,
 }
@@ -118,6 +124,7 @@ impl ThreadLocalActor for RankWorker {
                 decode_curve,
                 cpu_cores,
             },
+            kv_store: args.kv_store,
             pool,
         })
     }
@@ -142,6 +149,15 @@ impl ThreadLocalActor for RankWorker {
                     format!("rank {} could not join its group: {e}", st.shard.rank).into()
                 });
             }
+            RankMsg::SaveKv(saves) => {
+                if let Some(store) = &st.kv_store {
+                    for save in &saves {
+                        let bytes = model.kv_block(save.block_id);
+                        store.save(save, bytes.ok_or("the model's KV cannot be stored")?);
+                    }
+                }
+                return Ok(());
+            }
             RankMsg::Step { step, sampler } => (step, sampler),
         };
         let epoch = step.epoch;
@@ -164,6 +180,17 @@ impl ThreadLocalActor for RankWorker {
             &mut read_picks,
         ) {
             return Ok(());
+        }
+        for load in &step.kv_loads {
+            if !model.set_kv_block(load.block_id, &load.payload) {
+                // A store entry that does not fit the cache: recompute rather than run on
+                // a block nobody wrote.
+                return Err(format!(
+                    "rank {}: a stored KV block does not fit the cache",
+                    st.shard.rank
+                )
+                .into());
+            }
         }
         // Timed from here: waiting on the previous step's tokens is not this step's cost.
         let launched = Instant::now();

@@ -10,19 +10,21 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::rank_worker::RankMsg;
 use super::sampler::SamplerMsg;
-use crate::api::{
-    EngineError, EngineRequest, EngineStatus, MAX_CHOICES, RequestError, RequestOutput, choice_seed,
-};
+use crate::api::{EngineError, EngineRequest, EngineStatus, MAX_CHOICES, RequestOutput};
 use crate::runner::RankReport;
+use crate::runner::kv_store::KvStore;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::SamplingParams;
 use crate::sched::{
-    FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest,
+    FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StoredPrefix,
 };
 use crate::step::{RowSampling, SampledStep, Step};
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
 mod sampled;
+mod staging;
+
+use staging::Submission;
 
 pub enum SchedulerMsg {
     Submit {
@@ -37,6 +39,12 @@ pub enum SchedulerMsg {
         request_id: u64,
     },
     /// From the request's stream: a stop string ended completion `index`'s text.
+    /// A submission whose prompt blocks the prefix store was asked for, with what it
+    /// holds (read on a blocking thread meanwhile).
+    Staged {
+        submission: Box<Submission>,
+        stored: StoredPrefix,
+    },
     StopChoice {
         request_id: u64,
         index: usize,
@@ -94,6 +102,8 @@ pub struct SchedulerArgs {
     pub samples_on_device: bool,
     pub sampled: SampledTokens,
     pub stop_ids: Vec<u32>,
+    /// The prefix store prompts are looked up in before admission.
+    pub kv_store: Option<Shared<KvStore>>,
 }
 
 /// One completion of a request. A request with `n` completions runs as `n` sequences,
@@ -137,6 +147,7 @@ pub struct SchedulerState {
     /// When the last step's tokens came in: the period between steps is what a step
     /// really cost the engine.
     last_sampled_at: Option<std::time::Instant>,
+    kv_store: Option<Shared<KvStore>>,
 }
 
 impl SchedulerState {
@@ -151,6 +162,7 @@ impl SchedulerState {
         }
         let depth = if self.zos { 2 } else { 1 };
         while self.failed.is_none() && self.in_flight.len() < depth {
+            self.send_kv_saves();
             let plan = self.core.schedule();
             for event in self.core.take_events() {
                 if let SeqEvent::Finished { seq_id, reason } = event {
@@ -335,8 +347,10 @@ impl Actor for SchedulerActor {
     ) -> Result<SchedulerState, ActorProcessingErr> {
         let num_total_blocks = args.config.num_blocks;
         let num_total_state_slots = args.config.num_state_slots.unwrap_or(0);
+        let mut core = Scheduler::new(args.config);
+        core.set_kv_store(args.kv_store.is_some());
         Ok(SchedulerState {
-            core: Scheduler::new(args.config),
+            core,
             zos: args.zero_overhead_scheduling,
             rejection_acceptance: args.rejection_acceptance,
             samples_on_device: args.samples_on_device,
@@ -351,6 +365,7 @@ impl Actor for SchedulerActor {
             failed: None,
             drains: Vec::new(),
             last_sampled_at: None,
+            kv_store: args.kv_store,
             status: EngineStatus {
                 num_total_blocks,
                 num_total_state_slots,
@@ -361,7 +376,7 @@ impl Actor for SchedulerActor {
 
     async fn handle(
         &self,
-        _myself: ActorRef<SchedulerMsg>,
+        myself: ActorRef<SchedulerMsg>,
         msg: SchedulerMsg,
         st: &mut SchedulerState,
     ) -> Result<(), ActorProcessingErr> {
@@ -373,74 +388,18 @@ impl Actor for SchedulerActor {
                 stream,
                 reply,
             } => {
-                if let Some(reason) = &st.failed {
-                    let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
-                    return Ok(());
-                }
-                // Resolved by `EngineHandle::generate` (drawn there when the caller gave none).
-                let seed = request.seed.unwrap_or_default();
-                let prompt_ids: Shared<[u32]> = request.prompt_ids.clone().into();
-                let model_stop_ids: &[u32] = if request.ignore_eos {
-                    &[]
-                } else {
-                    &st.stop_ids
+                let sub = Submission {
+                    request_id,
+                    request,
+                    grammar,
+                    stream,
+                    reply,
                 };
-                let stop_ids: Shared<[u32]> = model_stop_ids
-                    .iter()
-                    .chain(&request.stop_token_ids)
-                    .copied()
-                    .collect();
-                let eos_id = st.stop_ids.first().copied().unwrap_or(0);
-                let mut choices: Vec<(SeqRequest, Request)> = (0..request.n)
-                    .map(|index| {
-                        let mut params = request.params.clone();
-                        params.seed = choice_seed(seed, index);
-                        let seq = SeqRequest {
-                            seq_id: seq_id_of(request_id, index),
-                            prompt_ids: request.prompt_ids.clone(),
-                            max_tokens: request.max_tokens,
-                            stop_ids: stop_ids.to_vec(),
-                            // Folded into `stop_ids`: EOS left out, the request's own kept.
-                            ignore_eos: false,
-                            cache_salt: 0,
-                            // As `RowSampling::verifies_on_device` finds its rows, or
-                            // `masked_on_device` those with a grammar (the rank learns
-                            // what the row continued yielded from its picks).
-                            verified_by_picks: (params.is_greedy() || st.samples_on_device)
-                                && params.has_no_processors()
-                                && (grammar.is_none() || st.samples_on_device)
-                                && request.min_tokens == 0,
-                        };
-                        let r = Request {
-                            stop_ids: stop_ids.clone(),
-                            index,
-                            pending_forks: Vec::new(),
-                            stream: stream.clone(),
-                            params: Shared::new(params),
-                            prompt_ids: prompt_ids.clone(),
-                            request: (*request).clone(),
-                            token_ids: Shared::new(Vec::new()),
-                            constraint: grammar
-                                .as_ref()
-                                .map(|g| SeqConstraint::start(g, eos_id, stop_ids.clone())),
-                        };
-                        (seq, r)
-                    })
-                    .collect();
-                let (first_seq, mut first) = choices.remove(0);
-                first.pending_forks = choices;
-                let seq_id = first_seq.seq_id;
-                match st.core.add(first_seq) {
-                    Ok(()) => {
-                        st.requests.insert(seq_id, first);
-                        let _ = reply.send(Ok(()));
-                        st.kick();
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(RequestError::Unservable(e.to_string()).into()));
-                    }
+                if let Some(sub) = st.stage(sub, &myself) {
+                    st.submit(sub, StoredPrefix::default());
                 }
             }
+            SchedulerMsg::Staged { submission, stored } => st.submit(*submission, stored),
             SchedulerMsg::Abort { request_id } => {
                 st.abort_request(request_id);
                 st.kick();
@@ -519,6 +478,8 @@ impl Actor for SchedulerActor {
                 let prefix = st.core.prefix_cache_stats();
                 s.num_prefix_queried_blocks = prefix.num_queried_blocks;
                 s.num_prefix_hit_blocks = prefix.num_hit_blocks;
+                s.num_stored_hit_blocks = st.core.num_stored_hit_blocks();
+                s.kv_store = st.kv_store.as_ref().map(|k| k.stats()).unwrap_or_default();
                 let _ = reply.send(s);
             }
             SchedulerMsg::Drain(reply) => {

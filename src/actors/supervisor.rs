@@ -54,6 +54,8 @@ pub struct RankArgsTemplate {
     pub exact_activations: bool,
     pub quantization: Option<crate::kernels::fp8::Quantization>,
     pub kv_dtype: crate::kernels::KvDtype,
+    /// The prefix store a rank copies registered blocks to (`--kv-store-dir`, ...).
+    pub kv_store: Option<crate::sync::Shared<crate::runner::kv_store::KvStore>>,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: crate::runner::affinity::CpuAffinity,
@@ -142,6 +144,7 @@ async fn spawn_group(
                 exact_activations: t.exact_activations,
                 quantization: t.quantization,
                 kv_dtype: t.kv_dtype,
+                kv_store: t.kv_store.clone(),
                 // Measured by a lone rank only: a group's ranks would each need the others.
                 decode_curve: t.decode_curve.clone().filter(|_| size == 1),
                 warmup_tokens: t.warmup_tokens,

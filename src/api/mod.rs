@@ -12,5 +12,5 @@ pub use request::{
     EngineRequest, FinishReason, MAX_CHOICES, RequestLimits, RequestOutput, choice_seed,
 };
 pub use request_ids::RequestIds;
-pub use status::{EngineStatus, MAX_SPEC_POSITIONS};
+pub use status::{EngineStatus, KvStoreStats, MAX_SPEC_POSITIONS};
 pub use text_stream::{ChoiceText, IncrementalDecoder, TextStream};

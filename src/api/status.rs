@@ -33,6 +33,10 @@ pub struct EngineStatus {
     pub decode_secs: f64,
     pub num_prefix_queried_blocks: u64,
     pub num_prefix_hit_blocks: u64,
+    /// Prompt blocks admitted from the prefix store (host memory or disk), not computed.
+    pub num_stored_hit_blocks: u64,
+    /// The prefix store's counters (all 0 without one).
+    pub kv_store: KvStoreStats,
     /// Rank worker time between steps (ZOS shrinks it).
     pub worker_idle_secs: f64,
     /// The device's idle time between steps on its own timeline (CUDA events: from one
@@ -63,4 +67,26 @@ pub struct EngineStatus {
     pub resident_weight_bytes: u64,
     /// What each tensor group runs in (the first rank's model card).
     pub weight_card: String,
+}
+
+/// The store's counters since it opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvStoreStats {
+    pub host_hit_blocks: u64,
+    pub disk_hit_blocks: u64,
+    /// Disk files that failed their checks (treated as misses, removed).
+    pub corrupt_blocks: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub host_evictions: u64,
+    /// Disk files removed for the budget, and for their time to live.
+    pub disk_evictions: u64,
+    pub disk_expired: u64,
+    /// Blocks not written to disk because the writer was behind.
+    pub dropped_writes: u64,
+    /// Blocks queued for the disk and not yet written.
+    pub pending_writes: u64,
+    pub host_bytes: u64,
+    /// Bytes of block files at the last garbage collection.
+    pub disk_bytes: u64,
 }

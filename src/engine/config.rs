@@ -51,6 +51,8 @@ pub struct EngineConfig {
     pub quantization: Option<crate::kernels::fp8::Quantization>,
     /// `--kv-cache-dtype`: what K and V entries are stored in (Llama family).
     pub kv_cache_dtype: crate::kernels::KvDtype,
+    /// The prefix store below the device: host memory and a directory on disk.
+    pub kv_store: crate::runner::kv_store::KvStoreConfig,
     /// Expert-parallel load balancing for MoE models (DeepSeek-V4): the EP group the
     /// placement is planned for, replicas, statistics window, rebalance period. `None`:
     /// off. Expert-parallel execution over several ranks is not built yet, so today this
@@ -134,6 +136,7 @@ impl EngineConfig {
             exact_activations: false,
             quantization: None,
             kv_cache_dtype: crate::kernels::KvDtype::Auto,
+            kv_store: Default::default(),
             eplb: None,
             speculative: None,
             draft_model_path: None,

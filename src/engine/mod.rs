@@ -2,6 +2,7 @@
 //! to submit requests to, stream their outputs, abort them and shut down.
 
 mod config;
+mod kv_store;
 mod pools;
 mod request_stream;
 
@@ -140,6 +141,13 @@ impl Engine {
         };
         let pools = pools::size_pools(&cfg, &text, kv_cache_bytes)?;
         let num_kv_blocks = pools.num_blocks;
+        let kv_store = kv_store::open_kv_store(
+            &cfg,
+            mcfg,
+            pools.block_size,
+            text.deepseek_v4.is_some(),
+            draft.is_some(),
+        )?;
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
         // A verify row's continuation learns on the rank what that row kept: from its
@@ -209,6 +217,7 @@ impl Engine {
                 samples_on_device: matches!(cfg.device, Device::Cuda(_)),
                 sampled,
                 stop_ids: text.stop_ids.clone(),
+                kv_store: kv_store.clone(),
             },
             rank: RankArgsTemplate {
                 model_path: cfg.model_path.clone(),
@@ -221,6 +230,7 @@ impl Engine {
                 exact_activations: cfg.exact_activations,
                 quantization: cfg.quantization,
                 kv_dtype: cfg.kv_cache_dtype,
+                kv_store,
                 model_config: mcfg.clone(),
                 devices,
                 dummy_weights: cfg.dummy_weights,

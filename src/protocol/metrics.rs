@@ -246,6 +246,48 @@ fn status_registry(s: &EngineStatus) -> Registry {
         "Sampled rows whose logits were copied to the host's sampler",
         s.num_host_sampled_rows,
     );
+    let k = &s.kv_store;
+    counter(
+        "kv_store_bytes_read",
+        "Prefix store: bytes read from disk",
+        k.bytes_read,
+    );
+    counter(
+        "kv_store_bytes_written",
+        "Prefix store: bytes written to disk",
+        k.bytes_written,
+    );
+    counter(
+        "kv_store_corrupt_blocks",
+        "Prefix store: disk blocks that failed their checksum or key (treated as misses)",
+        k.corrupt_blocks,
+    );
+    counter(
+        "kv_store_dropped_writes",
+        "Prefix store: blocks not written to disk because the writer was behind",
+        k.dropped_writes,
+    );
+    let hits = Family::<TierLabels, Counter>::default();
+    let evictions = Family::<TierLabels, Counter>::default();
+    for (tier, hit, evicted) in [
+        ("device", s.num_prefix_hit_blocks, 0),
+        ("host", k.host_hit_blocks, k.host_evictions),
+        ("disk", k.disk_hit_blocks, k.disk_evictions + k.disk_expired),
+    ] {
+        let labels = TierLabels { tier };
+        hits.get_or_create(&labels).inc_by(hit);
+        evictions.get_or_create(&labels).inc_by(evicted);
+    }
+    registry.register(
+        "prefix_hit_blocks",
+        "Prompt blocks found in each tier of the prefix cache (device, host memory, disk)",
+        hits,
+    );
+    registry.register(
+        "prefix_evicted_blocks",
+        "Blocks dropped from each tier (the disk's past their time to live included)",
+        evictions,
+    );
     // Per draft position, where any row reached it.
     let verified = Family::<PositionLabels, Counter>::default();
     let accepted = Family::<PositionLabels, Counter>::default();
@@ -271,6 +313,11 @@ fn status_registry(s: &EngineStatus) -> Registry {
         accepted,
     );
     registry
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    tier: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -372,6 +419,14 @@ mod tests {
             num_prefix_queried_blocks: 8,
             num_prefix_hit_blocks: 6,
             num_spec_verify_rows: 4,
+            kv_store: crate::api::KvStoreStats {
+                host_hit_blocks: 5,
+                disk_hit_blocks: 7,
+                disk_evictions: 2,
+                disk_expired: 1,
+                bytes_written: 4096,
+                ..Default::default()
+            },
             num_spec_draft_tokens: 26,
             num_spec_verified_tokens: 20,
             num_spec_accepted_tokens: 11,
@@ -407,6 +462,20 @@ mod tests {
         assert_eq!(
             sample(&text, "troupe_spec_accepted_tokens_total"),
             Some(11.0)
+        );
+        let tier = |name: &str, t: &str| {
+            sample(
+                &text,
+                &format!("troupe_prefix_{name}_blocks_total{{tier=\"{t}\"}}"),
+            )
+        };
+        assert_eq!(tier("hit", "device"), Some(6.0), "{text}");
+        assert_eq!(tier("hit", "host"), Some(5.0), "{text}");
+        assert_eq!(tier("hit", "disk"), Some(7.0), "{text}");
+        assert_eq!(tier("evicted", "disk"), Some(3.0), "{text}");
+        assert_eq!(
+            sample(&text, "troupe_kv_store_bytes_written_total"),
+            Some(4096.0)
         );
         assert_eq!(sample(&text, "troupe_num_requests_running"), Some(3.0));
         assert_eq!(sample(&text, "troupe_num_requests_waiting"), Some(2.0));

@@ -104,6 +104,12 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
         Some(self.model.weights.footprint(&self.backend))
     }
+    fn kv_block(&mut self, block: u32) -> Option<Vec<u8>> {
+        self.backend.read_kv_block(&self.cache, block)
+    }
+    fn set_kv_block(&mut self, block: u32, bytes: &[u8]) -> bool {
+        self.backend.write_kv_block(&mut self.cache, block, bytes)
+    }
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
         self.backend.read_picks(first as usize, count)
     }

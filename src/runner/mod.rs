@@ -11,6 +11,7 @@ pub mod decode_curve;
 mod deepseek_v4_cuda;
 pub mod fault;
 pub mod inputs;
+pub mod kv_store;
 pub mod readback;
 pub mod sampled_tokens;
 
@@ -79,6 +80,8 @@ pub struct RankArgs {
     pub quantization: Option<crate::kernels::fp8::Quantization>,
     /// `--kv-cache-dtype`, checked against the device and the model by the engine.
     pub kv_dtype: crate::kernels::KvDtype,
+    /// Where `RankMsg::SaveKv`'s blocks go.
+    pub kv_store: Option<crate::sync::Shared<kv_store::KvStore>>,
     pub device: Device,
     pub dummy_weights: bool,
     /// `--spec draft`: the draft model this rank runs beside the model.
@@ -180,6 +183,15 @@ pub trait DeviceModel: Send {
     /// What the weights take on the device and run in.
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
         None
+    }
+    /// KV block `block` as its cache stores it, for a prefix store; `None` where the
+    /// model's cache cannot be copied so (the engine refuses a store for it).
+    fn kv_block(&mut self, _block: u32) -> Option<Vec<u8>> {
+        None
+    }
+    /// Fills KV block `block` from `kv_block`'s bytes; false where it cannot.
+    fn set_kv_block(&mut self, _block: u32, _bytes: &[u8]) -> bool {
+        false
     }
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
     /// waiting for the device.

@@ -10,6 +10,7 @@
 //! | `block_manager.rs` | refcounted KV blocks: intrusive free list + LRU of cached blocks |
 //! | `state_slots.rs` | per-sequence state slots (a second fixed-size pool) |
 //! | `prefix_cache.rs` | chain hash of full blocks → block, verified on hit |
+//! | `stored_prefix.rs` | [`StoredPrefix`] (a prompt's blocks found in a prefix store), [`KvLoad`], [`KvSave`] |
 //! | `cost_model.rs` | step seconds as a quadratic in (q, c), refit online |
 //! | `scheduler.rs` | [`Scheduler`]: continuous batching, chunked prefill, preemption, ZOS |
 //! | `scheduler/resources.rs` | a sequence's blocks and slot: reserve, register, (deferred) release |
@@ -24,6 +25,7 @@ mod prefix_cache;
 mod scheduler;
 mod sequence;
 mod state_slots;
+mod stored_prefix;
 
 pub use block_manager::{Alloc, Allocation, BlockManager};
 pub use config::SchedulerConfig;
@@ -34,6 +36,7 @@ pub use prefix_cache::{CachedBlock, PrefixCache, PrefixCacheStats, ROOT_HASH, bl
 pub use scheduler::Scheduler;
 pub use sequence::{FinishReason, SeqEvent, SeqRequest};
 pub use state_slots::StateSlots;
+pub use stored_prefix::{KvLoad, KvSave, StoredBlock, StoredPrefix};
 
 /// A request's id, chosen by the caller; unique among unfinished requests.
 pub type SeqId = u64;

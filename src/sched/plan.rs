@@ -1,12 +1,14 @@
 //! A planned step: what the rank workers run, row by row.
 
-use super::{SeqId, StepId};
+use super::{KvLoad, SeqId, StepId};
 
 /// One forward step over a batch of rows (decode rows and prefill chunks, mixed).
 #[derive(Debug, Clone)]
 pub struct StepPlan {
     pub step_id: StepId,
     pub rows: Vec<PlannedRow>,
+    /// Blocks of admitted prefix-store hits, filled before the rows run.
+    pub kv_loads: Vec<KvLoad>,
 }
 
 /// One sequence's part of a step.

@@ -91,6 +91,7 @@ pub struct Scheduler {
     num_proposed_drafts: u64,
     /// Times a speculating sequence sat out a step to wait for its drafts' verification.
     num_sat_out_rows: u64,
+    store: stored::StoreLink,
 }
 
 impl Scheduler {
@@ -121,6 +122,7 @@ impl Scheduler {
             last_decode_step: None,
             num_proposed_drafts: 0,
             num_sat_out_rows: 0,
+            store: stored::StoreLink::default(),
             ngram_calibration: NgramDrafter::calibration(
                 NGRAM_MIN,
                 NGRAM_MAX,
@@ -400,7 +402,11 @@ impl Scheduler {
             rows: records,
             features: step_features,
         });
-        Some(StepPlan { step_id, rows })
+        Some(StepPlan {
+            step_id,
+            rows,
+            kv_loads: std::mem::take(&mut self.store.loads),
+        })
     }
 
     /// The device lost its KV and state: forget in-flight steps, give every block and
@@ -413,6 +419,7 @@ impl Scheduler {
         self.blocks = BlockManager::new(self.cfg.num_blocks);
         self.slots = self.cfg.num_state_slots.map(StateSlots::new);
         self.prefix_cache.clear();
+        self.store.forget_transfers();
         self.running.clear();
         self.waiting.clear();
         let mut unfinished = Vec::new();
@@ -518,7 +525,8 @@ impl Scheduler {
                 &mut hits,
             );
         }
-        let num_cached = hits.len() * block_size;
+        let num_stored = self.num_stored_hits(idx, &hits, num_matchable / block_size);
+        let num_cached = (hits.len() + num_stored) * block_size;
         // A model with per-sequence state resumes a hit by recomputing the tokens that
         // rebuild its state (bounded replay); their blocks are the hits themselves.
         let start = match self.slots {
@@ -564,8 +572,10 @@ impl Scheduler {
         seq.replay_until = num_cached;
         seq.state_slot = slot;
         seq.status = SeqStatus::Running;
+        let num_hits = hits.len();
         self.hits = hits;
         self.allocate_into(idx, num_new_blocks);
+        self.load_stored(idx, num_hits, num_stored);
         self.waiting.pop_front();
         self.running.push(idx);
         Some(q)
@@ -579,5 +589,8 @@ mod rows;
 mod sim;
 #[cfg(test)]
 mod spec_tests;
+#[cfg(test)]
+mod store_tests;
+mod stored;
 #[cfg(test)]
 mod tests;

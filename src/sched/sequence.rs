@@ -122,6 +122,8 @@ pub struct Sequence {
     pub draft_gain: f64,
     /// Sampling rows planned without drafts since its drafter last saw its full history.
     pub num_plain_rows_since_draft: usize,
+    /// Prompt blocks a prefix store holds, taken at admission.
+    pub stored_prefix: Option<crate::sched::StoredPrefix>,
 }
 
 impl Sequence {
@@ -153,6 +155,7 @@ impl Sequence {
             in_flight_drafts: Vec::new(),
             draft_gain: f64::INFINITY,
             num_plain_rows_since_draft: 0,
+            stored_prefix: None,
         }
     }
 

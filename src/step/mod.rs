@@ -12,7 +12,7 @@ pub use sample::{SampleError, StepSampler};
 
 use crate::eplb::MoeBalance;
 use crate::sampling::SamplingParams;
-use crate::sched::{PlannedRow, RowInput, StepPlan};
+use crate::sched::{KvLoad, PlannedRow, RowInput, StepPlan};
 use crate::structured::SeqConstraint;
 
 /// One step, as it travels from the scheduler to every rank and on to the sampler.
@@ -25,6 +25,8 @@ pub struct Step {
     /// Which rows take their input token from which row of the previous step's output
     /// (zero-overhead scheduling); empty without ZOS.
     pub remap: RemapTable,
+    /// Prefix-store blocks the rank fills before the rows run (`StepPlan::kv_loads`).
+    pub kv_loads: Vec<KvLoad>,
 }
 
 /// One row of a step: what the model computes and how its next token is drawn.
@@ -106,6 +108,7 @@ impl Step {
             step_id: plan.step_id,
             rows,
             remap,
+            kv_loads: plan.kv_loads,
         }
     }
 }

@@ -60,6 +60,77 @@ impl KvRows {
         }
     }
 
+    /// Slots `slots` (of `width` values and `heads` scales each) as stored, appended.
+    fn append_block(
+        &self,
+        slots: std::ops::Range<usize>,
+        width: usize,
+        heads: usize,
+        out: &mut Vec<u8>,
+    ) {
+        let values = slots.start * width..slots.end * width;
+        match self {
+            KvRows::F32(rows) => out.extend(rows[values].iter().flat_map(|x| x.to_le_bytes())),
+            KvRows::Bf16(rows) => {
+                out.extend(rows[values].iter().flat_map(|x| x.to_bits().to_le_bytes()))
+            }
+            KvRows::Fp8 { codes, scales, .. } => {
+                out.extend_from_slice(&codes[values]);
+                let scales = &scales[slots.start * heads..slots.end * heads];
+                out.extend(scales.iter().flat_map(|x| x.to_le_bytes()));
+            }
+        }
+    }
+
+    /// The inverse of `append_block`, consuming its bytes from the front of `bytes`;
+    /// false when they run short.
+    fn take_block(
+        &mut self,
+        slots: std::ops::Range<usize>,
+        width: usize,
+        heads: usize,
+        bytes: &mut &[u8],
+    ) -> bool {
+        let values = slots.start * width..slots.end * width;
+        let mut take = |n: usize| -> Option<&[u8]> {
+            let (head, rest) = bytes.split_at_checked(n)?;
+            *bytes = rest;
+            Some(head)
+        };
+        match self {
+            KvRows::F32(rows) => {
+                let Some(src) = take(values.len() * 4) else {
+                    return false;
+                };
+                for (r, b) in rows[values].iter_mut().zip(src.chunks_exact(4)) {
+                    *r = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+                }
+            }
+            KvRows::Bf16(rows) => {
+                let Some(src) = take(values.len() * 2) else {
+                    return false;
+                };
+                for (r, b) in rows[values].iter_mut().zip(src.chunks_exact(2)) {
+                    *r = bf16::from_bits(u16::from_le_bytes(b.try_into().expect("2 bytes")));
+                }
+            }
+            KvRows::Fp8 { codes, scales, .. } => {
+                let Some(src) = take(values.len()) else {
+                    return false;
+                };
+                codes[values].copy_from_slice(src);
+                let scale_range = slots.start * heads..slots.end * heads;
+                let Some(src) = take(scale_range.len() * 4) else {
+                    return false;
+                };
+                for (r, b) in scales[scale_range].iter_mut().zip(src.chunks_exact(4)) {
+                    *r = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+                }
+            }
+        }
+        true
+    }
+
     /// The f32 rows themselves, where they are stored so.
     pub fn as_f32(&self) -> Option<&[f32]> {
         match self {
@@ -131,6 +202,42 @@ impl CpuKvCache {
     }
 }
 
+impl CpuKvCache {
+    /// Block `block` of every layer, K then V, as stored (a prefix store's payload).
+    pub fn block_bytes(&self, block: u32) -> Vec<u8> {
+        let (slots, width, heads) = self.block_slots(block);
+        let mut out = Vec::new();
+        for (k, v) in self.k.iter().zip(&self.v) {
+            k.append_block(slots.clone(), width, heads, &mut out);
+            v.append_block(slots.clone(), width, heads, &mut out);
+        }
+        out
+    }
+
+    /// Fills block `block` from `block_bytes`' bytes; false (the block left partly
+    /// written) when they are not exactly one block of this cache's layout.
+    pub fn set_block_bytes(&mut self, block: u32, mut bytes: &[u8]) -> bool {
+        let (slots, width, heads) = self.block_slots(block);
+        for (k, v) in self.k.iter_mut().zip(&mut self.v) {
+            if !k.take_block(slots.clone(), width, heads, &mut bytes)
+                || !v.take_block(slots.clone(), width, heads, &mut bytes)
+            {
+                return false;
+            }
+        }
+        bytes.is_empty()
+    }
+
+    fn block_slots(&self, block: u32) -> (std::ops::Range<usize>, usize, usize) {
+        let first = block as usize * self.shape.block_size;
+        (
+            first..first + self.shape.block_size,
+            self.shape.kv_dim(),
+            self.shape.num_kv_heads,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,6 +283,17 @@ mod tests {
                     assert!(out.iter().any(|x| (x.abs() - top).abs() <= 1e-6 * top));
                 }
             }
+            // A block copied out and into another block reads back the same.
+            let mut copy = CpuKvCache::new(shape(dtype));
+            assert!(copy.set_block_bytes(0, &c.block_bytes(1)));
+            let (mut a, mut b) = (vec![0f32; 8], vec![0f32; 8]);
+            c.k[0].decode_block(5, 1, 1, 2, 8, &mut a);
+            copy.k[0].decode_block(1, 1, 1, 2, 8, &mut b);
+            assert_eq!(a, b, "{dtype:?}: a block's bytes moved");
+            assert!(
+                !copy.set_block_bytes(0, &c.block_bytes(1)[1..]),
+                "short bytes"
+            );
             let mut zero = vec![1f32; 8];
             c.v[0].decode_block(0, 1, 1, 2, 8, &mut zero);
             assert!(

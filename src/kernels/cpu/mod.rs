@@ -117,6 +117,14 @@ impl Backend for CpuBackend {
         CpuKvCache::new(shape)
     }
 
+    fn read_kv_block(&self, cache: &CpuKvCache, block: u32) -> Option<Vec<u8>> {
+        Some(cache.block_bytes(block))
+    }
+
+    fn write_kv_block(&self, cache: &mut CpuKvCache, block: u32, bytes: &[u8]) -> bool {
+        cache.set_block_bytes(block, bytes)
+    }
+
     fn download(&self, buf: &Vec<f32>, len: usize) -> Vec<f32> {
         buf[..len].to_vec()
     }

@@ -75,7 +75,12 @@ impl Backend for CudaBackend {
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
         self.new_kv_cache(shape)
     }
-
+    fn read_kv_block(&self, cache: &CudaKvCache, block: u32) -> Option<Vec<u8>> {
+        Some(self.kv_block_bytes(cache, block))
+    }
+    fn write_kv_block(&self, cache: &mut CudaKvCache, block: u32, bytes: &[u8]) -> bool {
+        self.set_kv_block_bytes(cache, block, bytes)
+    }
     fn download(&self, buf: &CudaSlice<f32>, len: usize) -> Vec<f32> {
         let mut out = vec![0f32; len];
         check(

@@ -4,6 +4,7 @@
 //! last in-flight step that may touch them is done.
 
 use super::Scheduler;
+use crate::sched::KvSave;
 use crate::sched::StepId;
 use crate::sched::prefix_cache::ROOT_HASH;
 use crate::sched::sequence::SeqStatus;
@@ -76,13 +77,23 @@ impl Scheduler {
                 .prefix_cache
                 .hash_block(parent_hash, tokens, seq.cache_salt);
             let block_id = seq.block_table[i];
+            let cache_salt = seq.cache_salt;
+            seq.block_hashes.push(hash);
             if self
                 .prefix_cache
-                .insert(block_id, hash, parent_hash, tokens, seq.cache_salt)
+                .insert(block_id, hash, parent_hash, tokens, cache_salt)
             {
                 self.blocks.mark_cached(block_id);
+                if self.store.on {
+                    self.store.saves.push(KvSave {
+                        block_id,
+                        hash,
+                        parent_hash,
+                        cache_salt,
+                        tokens: tokens.into(),
+                    });
+                }
             }
-            seq.block_hashes.push(hash);
         }
     }
 

@@ -102,6 +102,13 @@ impl Device {
     /// Per sampling row, its tokens: a draft row's accepted drafts (each the target's own
     /// pick at its position) and the target's token after them.
     pub(super) fn execute_verified(&mut self, plan: &StepPlan) -> Vec<Vec<u32>> {
+        // Stored blocks first, as a rank fills them before the rows run.
+        for load in &plan.kv_loads {
+            for (i, t) in load.payload.chunks_exact(4).enumerate() {
+                let token = u32::from_le_bytes(t.try_into().expect("4 bytes"));
+                self.kv[load.block_id as usize * self.block_size + i] = Some(token);
+            }
+        }
         let mut per_row = vec![None; plan.rows.len()];
         let mut out = Vec::new();
         for (r, row) in plan.rows.iter().enumerate() {
@@ -151,6 +158,17 @@ impl Device {
         }
         self.sampled.insert(plan.step_id, per_row);
         out
+    }
+}
+
+impl Device {
+    /// Block `block_id` as a store keeps it (the sim's KV is its tokens).
+    pub(super) fn block_payload(&self, block_id: u32) -> Vec<u8> {
+        let first = block_id as usize * self.block_size;
+        self.kv[first..first + self.block_size]
+            .iter()
+            .flat_map(|t| t.expect("a saved block is full").to_le_bytes())
+            .collect()
     }
 }
 

@@ -1,0 +1,140 @@
+//! Admitting a submission: where the prefix store may hold prompt blocks the device does
+//! not, they are read on a blocking thread while the engine runs other steps, and the
+//! submission comes back as `SchedulerMsg::Staged` with them.
+
+use ractor::{ActorRef, RpcReplyPort};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::super::rank_worker::RankMsg;
+use super::{Request, SchedulerMsg, SchedulerState, seq_id_of};
+use crate::api::{EngineError, EngineRequest, RequestError, RequestOutput, choice_seed};
+use crate::sched::{SeqRequest, StoredPrefix};
+use crate::structured::{CompiledGrammar, SeqConstraint};
+use crate::sync::Shared;
+
+/// A request as `SchedulerMsg::Submit` brings it.
+pub struct Submission {
+    pub(super) request_id: u64,
+    pub(super) request: Box<EngineRequest>,
+    /// `request.grammar`, compiled.
+    pub(super) grammar: Option<Shared<CompiledGrammar>>,
+    pub(super) stream: UnboundedSender<RequestOutput>,
+    pub(super) reply: RpcReplyPort<Result<(), EngineError>>,
+}
+
+impl SchedulerState {
+    /// Hands `sub` back when it is to be admitted now; else stages its prompt's blocks
+    /// past the device's prefix hits from the store and sends it back as `Staged`.
+    pub(super) fn stage(
+        &mut self,
+        sub: Submission,
+        myself: &ActorRef<SchedulerMsg>,
+    ) -> Option<Submission> {
+        let Some(store) = self.kv_store.clone() else {
+            return Some(sub);
+        };
+        let tokens = &sub.request.prompt_ids;
+        let first_block = self.core.num_device_prefix_blocks(tokens, 0);
+        if self.failed.is_some() || !store.may_have(tokens, 0, first_block) {
+            return Some(sub);
+        }
+        let myself = myself.clone();
+        tokio::task::spawn_blocking(move || {
+            let stored = store.stage(&sub.request.prompt_ids, 0, first_block);
+            let submission = Box::new(sub);
+            // A stopped scheduler answers nobody; the caller's call times out.
+            let _ = myself.cast(SchedulerMsg::Staged { submission, stored });
+        });
+        None
+    }
+
+    /// Blocks the core registered since the last step, to every rank: ahead of any step
+    /// that could reuse them.
+    pub(super) fn send_kv_saves(&mut self) {
+        let saves = self.core.take_kv_saves();
+        if saves.is_empty() {
+            return;
+        }
+        for worker in &self.workers {
+            let _ = worker.cast(RankMsg::SaveKv(saves.clone()));
+        }
+    }
+
+    /// Admits `sub` to the core with the blocks the store holds for it.
+    pub(super) fn submit(&mut self, sub: Submission, stored: StoredPrefix) {
+        let Submission {
+            request_id,
+            request,
+            grammar,
+            stream,
+            reply,
+        } = sub;
+        if let Some(reason) = &self.failed {
+            let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
+            return;
+        }
+        // Resolved by `EngineHandle::generate` (drawn there when the caller gave none).
+        let seed = request.seed.unwrap_or_default();
+        let prompt_ids: Shared<[u32]> = request.prompt_ids.clone().into();
+        let model_stop_ids: &[u32] = if request.ignore_eos {
+            &[]
+        } else {
+            &self.stop_ids
+        };
+        let stop_ids: Shared<[u32]> = model_stop_ids
+            .iter()
+            .chain(&request.stop_token_ids)
+            .copied()
+            .collect();
+        let eos_id = self.stop_ids.first().copied().unwrap_or(0);
+        let mut choices: Vec<(SeqRequest, Request)> = (0..request.n)
+            .map(|index| {
+                let mut params = request.params.clone();
+                params.seed = choice_seed(seed, index);
+                let seq = SeqRequest {
+                    seq_id: seq_id_of(request_id, index),
+                    prompt_ids: request.prompt_ids.clone(),
+                    max_tokens: request.max_tokens,
+                    stop_ids: stop_ids.to_vec(),
+                    // Folded into `stop_ids`: EOS left out, the request's own kept.
+                    ignore_eos: false,
+                    cache_salt: 0,
+                    // As `RowSampling::verifies_on_device` finds its rows, or
+                    // `masked_on_device` those with a grammar (the rank learns
+                    // what the row continued yielded from its picks).
+                    verified_by_picks: (params.is_greedy() || self.samples_on_device)
+                        && params.has_no_processors()
+                        && (grammar.is_none() || self.samples_on_device)
+                        && request.min_tokens == 0,
+                };
+                let r = Request {
+                    stop_ids: stop_ids.clone(),
+                    index,
+                    pending_forks: Vec::new(),
+                    stream: stream.clone(),
+                    params: Shared::new(params),
+                    prompt_ids: prompt_ids.clone(),
+                    request: (*request).clone(),
+                    token_ids: Shared::new(Vec::new()),
+                    constraint: grammar
+                        .as_ref()
+                        .map(|g| SeqConstraint::start(g, eos_id, stop_ids.clone())),
+                };
+                (seq, r)
+            })
+            .collect();
+        let (first_seq, mut first) = choices.remove(0);
+        first.pending_forks = choices;
+        let seq_id = first_seq.seq_id;
+        match self.core.add_with_stored(first_seq, stored) {
+            Ok(()) => {
+                self.requests.insert(seq_id, first);
+                let _ = reply.send(Ok(()));
+                self.kick();
+            }
+            Err(e) => {
+                let _ = reply.send(Err(RequestError::Unservable(e.to_string()).into()));
+            }
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! Opening the prefix store (`--kv-host-cache-bytes`, `--kv-store-dir`): what cannot use
+//! it refused by name, its namespace from the model and every setting its bytes depend on.
+
+use super::{EngineConfig, EngineError};
+use crate::kernels::Device;
+use crate::model::config::ModelConfig;
+use crate::runner::kv_store::{self, KvStore};
+use crate::sync::Shared;
+
+/// The store `cfg` asks for, or `None`; why it cannot run, by flag.
+pub(super) fn open_kv_store(
+    cfg: &EngineConfig,
+    mcfg: &ModelConfig,
+    block_size: usize,
+    deepseek_v4: bool,
+    draft: bool,
+) -> Result<Option<Shared<KvStore>>, EngineError> {
+    let store = &cfg.kv_store;
+    if !store.enabled() {
+        return Ok(None);
+    }
+    let refuse = |why: &str| {
+        Err(EngineError::Spawn(format!(
+            "--kv-store-dir / --kv-host-cache-bytes: {why}"
+        )))
+    };
+    if !cfg.enable_prefix_cache {
+        return refuse("the store keeps prefix-cache blocks, and the prefix cache is off");
+    }
+    if deepseek_v4 {
+        return refuse("DeepSeek-V4's compressed cache and state slots are not stored yet");
+    }
+    if cfg.tensor_parallel_size > 1 {
+        return refuse("one rank only (each rank of a group holds a shard of every block)");
+    }
+    if draft {
+        return refuse("--spec draft keeps a second cache the store does not hold");
+    }
+    if store.dir.is_some() && store.disk_bytes == 0 {
+        return refuse("--kv-store-bytes must be positive with --kv-store-dir");
+    }
+    let device = match cfg.device {
+        Device::Cpu => "cpu".to_string(),
+        Device::Cuda(_) => "cuda".to_string(),
+    };
+    // Everything a block's bytes depend on: another value is another namespace.
+    let settings = format!(
+        "{mcfg:?} block {block_size} kv {} device {device} invariant {} exact {} \
+         quantization {:?} dummy {}",
+        cfg.kv_cache_dtype.name(),
+        cfg.batch_invariant,
+        cfg.exact_activations,
+        cfg.quantization,
+        cfg.dummy_weights,
+    );
+    let namespace = kv_store::namespace(&cfg.model_path, &settings).map_err(|e| {
+        EngineError::Spawn(format!(
+            "kv store: reading {}: {e}",
+            cfg.model_path.display()
+        ))
+    })?;
+    let opened = KvStore::open(store, &namespace, block_size).map_err(|e| {
+        let dir = store.dir.as_ref().map(|d| d.display().to_string());
+        EngineError::Spawn(format!("--kv-store-dir {}: {e}", dir.unwrap_or_default()))
+    })?;
+    Ok(Some(Shared::new(opened)))
+}

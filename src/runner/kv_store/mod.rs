@@ -1,0 +1,333 @@
+//! The prefix store below the device: full KV blocks kept by their prefix chain hash in
+//! host memory (`--kv-host-cache-bytes`) and in a directory on disk (`--kv-store-dir`,
+//! `--kv-store-bytes`, `--kv-store-ttl`) that outlives the process and that several
+//! engines may share. Blocks are written through as the scheduler registers them (the
+//! rank copies them out; a writer thread puts them on disk, dropping a write rather than
+//! stalling the rank when it falls behind) and staged back before a request is admitted
+//! (read on a blocking thread while the engine runs other steps, checked, then loaded into
+//! fresh device blocks by the step that admits the request). Files live under a namespace
+//! per model and cache layout (`namespace`), so another model or dtype never hits.
+
+mod disk;
+mod host;
+
+use std::io::{self, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use self::disk::{DiskRead, DiskTier};
+use self::host::HostTier;
+pub use crate::api::KvStoreStats;
+use crate::sched::{KvSave, ROOT_HASH, StoredBlock, StoredPrefix, block_hash};
+use crate::sync::{Mutex, Shared};
+
+/// Where blocks are kept, from the command line.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KvStoreConfig {
+    /// The host-memory tier's budget; 0: no host tier.
+    pub host_bytes: usize,
+    /// The disk tier's directory; `None`: no disk tier.
+    pub dir: Option<PathBuf>,
+    pub disk_bytes: u64,
+    /// Blocks unused this long are dropped; `None`: kept until the budget needs room.
+    pub ttl: Option<Duration>,
+}
+
+impl KvStoreConfig {
+    pub fn enabled(&self) -> bool {
+        self.host_bytes > 0 || self.dir.is_some()
+    }
+}
+
+/// What names one block: a lookup hits only when all of it is equal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockKey {
+    pub hash: u64,
+    pub parent_hash: u64,
+    pub cache_salt: u64,
+    pub tokens: Box<[u32]>,
+}
+
+struct Inner {
+    host: HostTier,
+    stats: KvStoreStats,
+    /// Blocks handed to the writer and not yet written (or failed).
+    queued_writes: u64,
+}
+
+/// Writes queued past this many are dropped (counted), never waited for.
+const WRITE_QUEUE: usize = 4096;
+/// The writer collects garbage at most this often (and once at start).
+const GC_PERIOD: Duration = Duration::from_secs(5);
+
+/// Blocks on their way to the disk writer.
+type WriteQueue = crossbeam_channel::Sender<(BlockKey, Shared<[u8]>)>;
+
+pub struct KvStore {
+    block_size: usize,
+    inner: Shared<Mutex<Inner>>,
+    disk: Option<Shared<DiskTier>>,
+    writes: Option<WriteQueue>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for KvStore {
+    /// A clean shutdown keeps every block it queued: the writer drains its queue first.
+    fn drop(&mut self) {
+        drop(self.writes.take());
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+impl KvStore {
+    /// The store for blocks of `block_size` tokens under `namespace` (see `namespace`).
+    pub fn open(cfg: &KvStoreConfig, namespace: &str, block_size: usize) -> io::Result<Self> {
+        let inner = Shared::new(Mutex::new(Inner {
+            host: HostTier::new(cfg.host_bytes),
+            stats: KvStoreStats::default(),
+            queued_writes: 0,
+        }));
+        let disk = match &cfg.dir {
+            Some(dir) => Some(Shared::new(DiskTier::open(
+                dir.join(namespace),
+                cfg.disk_bytes,
+                cfg.ttl,
+            )?)),
+            None => None,
+        };
+        let (writes, writer) = match &disk {
+            Some(disk) => {
+                let (tx, handle) = spawn_writer(disk.clone(), inner.clone())?;
+                (Some(tx), Some(handle))
+            }
+            None => (None, None),
+        };
+        Ok(KvStore {
+            block_size,
+            inner,
+            disk,
+            writes,
+            writer,
+        })
+    }
+
+    pub fn stats(&self) -> KvStoreStats {
+        let inner = self.inner.lock().expect("kv store lock");
+        KvStoreStats {
+            host_bytes: inner.host.bytes() as u64,
+            host_evictions: inner.host.num_evictions,
+            pending_writes: inner.queued_writes,
+            ..inner.stats
+        }
+    }
+
+    /// Keys of `tokens`' full blocks (never the last token's), from the first.
+    fn keys(&self, tokens: &[u32], cache_salt: u64) -> impl Iterator<Item = BlockKey> {
+        let matchable = &tokens[..tokens.len().saturating_sub(1)];
+        let mut parent_hash = ROOT_HASH;
+        matchable
+            .chunks_exact(self.block_size)
+            .map(move |block| {
+                let hash = block_hash(parent_hash, block, cache_salt);
+                let key = BlockKey {
+                    hash,
+                    parent_hash,
+                    cache_salt,
+                    tokens: block.into(),
+                };
+                parent_hash = hash;
+                key
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+
+    /// Whether block `first_block` of `tokens` may be here (a cheap look before staging).
+    pub fn may_have(&self, tokens: &[u32], cache_salt: u64, first_block: usize) -> bool {
+        let Some(key) = self.keys(tokens, cache_salt).nth(first_block) else {
+            return false;
+        };
+        let in_host = self
+            .inner
+            .lock()
+            .expect("kv store lock")
+            .host
+            .contains(key.hash);
+        in_host || self.disk.as_ref().is_some_and(|d| d.contains(key.hash))
+    }
+
+    /// `tokens`' consecutive full blocks from `first_block` on that the store holds,
+    /// checked (host memory first, then disk; a disk hit is kept in host memory too).
+    /// Blocking: disk reads.
+    pub fn stage(&self, tokens: &[u32], cache_salt: u64, first_block: usize) -> StoredPrefix {
+        let mut blocks = Vec::new();
+        for key in self.keys(tokens, cache_salt).skip(first_block) {
+            let in_host = {
+                let mut inner = self.inner.lock().expect("kv store lock");
+                let hit = inner.host.get(&key);
+                if hit.is_some() {
+                    inner.stats.host_hit_blocks += 1;
+                }
+                hit
+            };
+            let payload = match (in_host, &self.disk) {
+                (Some(payload), _) => payload,
+                (None, Some(disk)) => match disk.read(&key) {
+                    DiskRead::Hit(bytes) => {
+                        let payload: Shared<[u8]> = bytes.into();
+                        let mut inner = self.inner.lock().expect("kv store lock");
+                        inner.stats.disk_hit_blocks += 1;
+                        inner.stats.bytes_read += payload.len() as u64;
+                        inner.host.put(key.clone(), payload.clone());
+                        payload
+                    }
+                    DiskRead::Miss => break,
+                    DiskRead::Corrupt => {
+                        self.inner
+                            .lock()
+                            .expect("kv store lock")
+                            .stats
+                            .corrupt_blocks += 1;
+                        break;
+                    }
+                },
+                (None, None) => break,
+            };
+            blocks.push(StoredBlock {
+                hash: key.hash,
+                payload,
+            });
+        }
+        StoredPrefix {
+            first_block,
+            blocks,
+        }
+    }
+
+    /// Keeps a block the rank copied out (`payload`: `DeviceModel::kv_block`).
+    pub fn save(&self, save: &KvSave, payload: Vec<u8>) {
+        let key = BlockKey {
+            hash: save.hash,
+            parent_hash: save.parent_hash,
+            cache_salt: save.cache_salt,
+            tokens: save.tokens.clone(),
+        };
+        let payload: Shared<[u8]> = payload.into();
+        self.inner
+            .lock()
+            .expect("kv store lock")
+            .host
+            .put(key.clone(), payload.clone());
+        if let Some(writes) = &self.writes {
+            let mut inner = self.inner.lock().expect("kv store lock");
+            // Counted before the writer can take it, so `flush` never misses it.
+            inner.queued_writes += 1;
+            if writes.try_send((key, payload)).is_err() {
+                inner.queued_writes -= 1;
+                inner.stats.dropped_writes += 1;
+            }
+        }
+    }
+
+    /// Waits (up to `timeout`) until every write queued so far is on disk: for a clean
+    /// shutdown and for tests. False when it timed out.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let until = Instant::now() + timeout;
+        while self.inner.lock().expect("kv store lock").queued_writes > 0 {
+            if Instant::now() > until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        true
+    }
+}
+
+/// The disk writer: queued blocks to files, garbage collected as it goes.
+fn spawn_writer(
+    disk: Shared<DiskTier>,
+    inner: Shared<Mutex<Inner>>,
+) -> io::Result<(WriteQueue, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = crossbeam_channel::bounded::<(BlockKey, Shared<[u8]>)>(WRITE_QUEUE);
+    let handle = std::thread::Builder::new()
+        .name("kv-store-writer".into())
+        .spawn(move || {
+            let collect = |inner: &Mutex<Inner>| {
+                if let Ok(done) = disk.collect_garbage() {
+                    let mut inner = inner.lock().expect("kv store lock");
+                    inner.stats.disk_evictions += done.evicted;
+                    inner.stats.disk_expired += done.expired;
+                    inner.stats.disk_bytes = done.bytes;
+                }
+            };
+            collect(&inner);
+            let (mut collected, mut since_collected) = (Instant::now(), 0u64);
+            for (key, payload) in rx {
+                // Another engine, or an earlier run, wrote it (a bad file is removed
+                // when read, and written again the next time its block is computed).
+                let written = match disk.touch(key.hash) {
+                    true => Ok(0),
+                    false => disk.write(&key, &payload),
+                };
+                if let Err(e) = &written {
+                    tracing::warn!("kv store: writing block {:016x}: {e}", key.hash);
+                }
+                let bytes = written.unwrap_or(0);
+                since_collected += bytes;
+                {
+                    let mut inner = inner.lock().expect("kv store lock");
+                    inner.stats.bytes_written += bytes;
+                    inner.queued_writes -= 1;
+                }
+                // Over budget by an eighth at most, and never stale for long.
+                if collected.elapsed() > GC_PERIOD || since_collected > disk.budget_bytes() / 8 {
+                    collect(&inner);
+                    (collected, since_collected) = (Instant::now(), 0);
+                }
+            }
+        })?;
+    Ok((tx, handle))
+}
+
+/// A directory name for blocks of one model and cache layout: a digest of `settings`
+/// (the model's configuration, block size, cache dtype, device and modes) and of the
+/// weight files at `model_path` (sizes, first and last MiB).
+pub fn namespace(model_path: &Path, settings: &str) -> io::Result<String> {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    hasher.update(settings.as_bytes());
+    let mut files = if model_path.is_dir() {
+        std::fs::read_dir(model_path)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension()
+                    .is_some_and(|e| e == "safetensors" || e == "gguf" || e == "json")
+            })
+            .collect()
+    } else {
+        vec![model_path.to_path_buf()]
+    };
+    files.sort();
+    let mut buf = vec![0u8; 1 << 20];
+    for path in files {
+        let mut file = std::fs::File::open(&path)?;
+        let len = file.metadata()?.len();
+        hasher.update(
+            path.file_name()
+                .map(|n| n.as_encoded_bytes())
+                .unwrap_or_default(),
+        );
+        hasher.update(len.to_le_bytes());
+        for start in [0, len.saturating_sub(buf.len() as u64)] {
+            file.seek(SeekFrom::Start(start))?;
+            let n = file.read(&mut buf)?;
+            hasher.update(&buf[..n]);
+        }
+    }
+    Ok(hasher.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
