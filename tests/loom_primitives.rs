@@ -1,7 +1,7 @@
 //! Loom: every shared-memory primitive of the crate besides `SampledTokens` (its own
 //! suite): the grammar matcher's busy cell, a group's abort hooks, the GPU's pick-slot
 //! pool, the fault plan's one-shot flags, the drafters' shared calibration, the engine
-//! handle's request ids.
+//! handle's request ids, the prefix store's host tier.
 //! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
 #![cfg(troupe_loom)]
 
@@ -10,6 +10,8 @@ use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
 use troupe::kernels::collective::GroupAbort;
 use troupe::runner::fault::FaultPlan;
+use troupe::runner::kv_store::{KvStore, KvStoreConfig};
+use troupe::sched::{KvSave, ROOT_HASH, block_hash};
 use troupe::spec::{Drafter, NgramDrafter};
 use troupe::sync::BusyCell;
 
@@ -147,5 +149,40 @@ fn concurrent_submitters_get_distinct_request_ids() {
         let mut all = [mine, a, b];
         all.sort_unstable();
         assert_eq!(all, [1, 2, 3], "ids repeated or skipped");
+    });
+}
+
+#[test]
+fn a_prefix_store_lookup_beside_a_save_sees_the_whole_block_or_none() {
+    loom::model(|| {
+        let cfg = KvStoreConfig {
+            host_bytes: 1 << 20,
+            ..Default::default()
+        };
+        let store = Arc::new(KvStore::open(&cfg, "loom", 4).unwrap());
+        // One full block; the last token is never matched.
+        let tokens = [5u32, 6, 7, 8, 9];
+        let hash = block_hash(ROOT_HASH, &tokens[..4], 0);
+        let saver = store.clone();
+        let h = thread::spawn(move || {
+            let save = KvSave {
+                block_id: 0,
+                hash,
+                parent_hash: ROOT_HASH,
+                cache_salt: 0,
+                tokens: tokens[..4].into(),
+            };
+            saver.save(&save, vec![1u8, 2, 3].into());
+        });
+        let staged = store.stage(&tokens, 0, 0);
+        match staged.blocks.as_slice() {
+            [] => {}
+            [block] => assert_eq!((block.hash, &*block.payload), (hash, &[1u8, 2, 3][..])),
+            more => panic!("one block saved, {} found", more.len()),
+        }
+        assert_eq!(store.stats().host_hit_blocks, staged.blocks.len() as u64);
+        h.join().unwrap();
+        assert_eq!(store.stage(&tokens, 0, 0).blocks.len(), 1);
+        assert_eq!(store.stats().host_bytes, 3);
     });
 }

@@ -151,10 +151,16 @@ impl ThreadLocalActor for RankWorker {
             }
             RankMsg::SaveKv(saves) => {
                 if let Some(store) = &st.kv_store {
-                    for save in &saves {
-                        let bytes = model.kv_block(save.block_id);
-                        store.save(save, bytes.ok_or("the model's KV cannot be stored")?);
+                    let started = Instant::now();
+                    let ids: Vec<u32> = saves.iter().map(|s| s.block_id).collect();
+                    let bytes = model
+                        .kv_blocks(&ids)
+                        .ok_or("the model's KV cannot be stored")?;
+                    let per_block = bytes.len() / ids.len().max(1);
+                    for (save, block) in saves.iter().zip(bytes.chunks_exact(per_block)) {
+                        store.save(save, block.into());
                     }
+                    store.add_copy_secs(started.elapsed().as_secs_f64(), 0.0);
                 }
                 return Ok(());
             }
@@ -181,16 +187,20 @@ impl ThreadLocalActor for RankWorker {
         ) {
             return Ok(());
         }
-        for load in &step.kv_loads {
-            if !model.set_kv_block(load.block_id, &load.payload) {
-                // A store entry that does not fit the cache: recompute rather than run on
-                // a block nobody wrote.
-                return Err(format!(
-                    "rank {}: a stored KV block does not fit the cache",
-                    st.shard.rank
-                )
-                .into());
-            }
+        let loads: Vec<(u32, &[u8])> = step
+            .kv_loads
+            .iter()
+            .map(|l| (l.block_id, &*l.payload))
+            .collect();
+        // A store entry that does not fit the cache: recompute rather than run on a
+        // block nobody wrote.
+        let loading = Instant::now();
+        if !loads.is_empty() && !model.set_kv_blocks(&loads) {
+            let rank = st.shard.rank;
+            return Err(format!("rank {rank}: a stored KV block does not fit the cache").into());
+        }
+        if let (Some(store), false) = (&st.kv_store, loads.is_empty()) {
+            store.add_copy_secs(0.0, loading.elapsed().as_secs_f64());
         }
         // Timed from here: waiting on the previous step's tokens is not this step's cost.
         let launched = Instant::now();

@@ -70,7 +70,7 @@ pub struct EngineStatus {
 }
 
 /// The store's counters since it opened.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct KvStoreStats {
     pub host_hit_blocks: u64,
     pub disk_hit_blocks: u64,
@@ -89,4 +89,7 @@ pub struct KvStoreStats {
     pub host_bytes: u64,
     /// Bytes of block files at the last garbage collection.
     pub disk_bytes: u64,
+    /// Seconds the rank spent copying blocks out of its cache (for the store) and into it.
+    pub copy_out_secs: f64,
+    pub copy_in_secs: f64,
 }

@@ -181,14 +181,15 @@ pub trait Backend: Send + Sync {
     ) -> bool {
         false
     }
-    /// Block `block` of every layer's K and V as the cache stores them (codes and scales
-    /// where it quantizes): what a prefix store keeps. `None` where the backend cannot.
-    fn read_kv_block(&self, _cache: &Self::KvCache, _block: u32) -> Option<Vec<u8>> {
+    /// Blocks `blocks` of every layer's K and V as the cache stores them (codes and
+    /// scales where it quantizes), back to back, each the same number of bytes: what a
+    /// prefix store keeps. `None` where the backend cannot.
+    fn read_kv_blocks(&self, _cache: &Self::KvCache, _blocks: &[u32]) -> Option<Vec<u8>> {
         None
     }
-    /// Fills block `block` from `read_kv_block`'s bytes of a cache of the same layout;
-    /// false where the backend cannot or the bytes are not one such block.
-    fn write_kv_block(&self, _cache: &mut Self::KvCache, _block: u32, _bytes: &[u8]) -> bool {
+    /// Fills each `(block, bytes)` from `read_kv_blocks`' bytes of a cache of the same
+    /// layout; false where the backend cannot or some bytes are not one such block.
+    fn write_kv_blocks(&self, _cache: &mut Self::KvCache, _blocks: &[(u32, &[u8])]) -> bool {
         false
     }
     /// Causal attention of each sequence's query tokens over its paged context.

@@ -104,11 +104,11 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
         Some(self.model.weights.footprint(&self.backend))
     }
-    fn kv_block(&mut self, block: u32) -> Option<Vec<u8>> {
-        self.backend.read_kv_block(&self.cache, block)
+    fn kv_blocks(&mut self, blocks: &[u32]) -> Option<Vec<u8>> {
+        self.backend.read_kv_blocks(&self.cache, blocks)
     }
-    fn set_kv_block(&mut self, block: u32, bytes: &[u8]) -> bool {
-        self.backend.write_kv_block(&mut self.cache, block, bytes)
+    fn set_kv_blocks(&mut self, blocks: &[(u32, &[u8])]) -> bool {
+        self.backend.write_kv_blocks(&mut self.cache, blocks)
     }
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
         self.backend.read_picks(first as usize, count)

@@ -184,13 +184,13 @@ pub trait DeviceModel: Send {
     fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
         None
     }
-    /// KV block `block` as its cache stores it, for a prefix store; `None` where the
-    /// model's cache cannot be copied so (the engine refuses a store for it).
-    fn kv_block(&mut self, _block: u32) -> Option<Vec<u8>> {
+    /// KV blocks `blocks` as its cache stores them, back to back, for a prefix store;
+    /// `None` where the model's cache cannot be copied so (the engine refuses a store).
+    fn kv_blocks(&mut self, _blocks: &[u32]) -> Option<Vec<u8>> {
         None
     }
-    /// Fills KV block `block` from `kv_block`'s bytes; false where it cannot.
-    fn set_kv_block(&mut self, _block: u32, _bytes: &[u8]) -> bool {
+    /// Fills each `(block, bytes)` from `kv_blocks`' bytes; false where it cannot.
+    fn set_kv_blocks(&mut self, _blocks: &[(u32, &[u8])]) -> bool {
         false
     }
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),

@@ -70,14 +70,12 @@ impl KvRows {
     ) {
         let values = slots.start * width..slots.end * width;
         match self {
-            KvRows::F32(rows) => out.extend(rows[values].iter().flat_map(|x| x.to_le_bytes())),
-            KvRows::Bf16(rows) => {
-                out.extend(rows[values].iter().flat_map(|x| x.to_bits().to_le_bytes()))
-            }
+            KvRows::F32(rows) => put(out, rows[values].iter().map(|x| x.to_le_bytes())),
+            KvRows::Bf16(rows) => put(out, rows[values].iter().map(|x| x.to_bits().to_le_bytes())),
             KvRows::Fp8 { codes, scales, .. } => {
                 out.extend_from_slice(&codes[values]);
                 let scales = &scales[slots.start * heads..slots.end * heads];
-                out.extend(scales.iter().flat_map(|x| x.to_le_bytes()));
+                put(out, scales.iter().map(|x| x.to_le_bytes()));
             }
         }
     }
@@ -199,6 +197,16 @@ impl CpuKvCache {
             self.k[layer].write(s, &k[t * d..(t + 1) * d], hd);
             self.v[layer].write(s, &v[t * d..(t + 1) * d], hd);
         }
+    }
+}
+
+/// `xs`' bytes appended to `out`, written in place (a loop the compiler vectorizes, where
+/// extending from a flattened iterator goes byte by byte).
+fn put<const N: usize>(out: &mut Vec<u8>, xs: impl ExactSizeIterator<Item = [u8; N]>) {
+    let at = out.len();
+    out.resize(at + xs.len() * N, 0);
+    for (dst, x) in out[at..].chunks_exact_mut(N).zip(xs) {
+        dst.copy_from_slice(&x);
     }
 }
 

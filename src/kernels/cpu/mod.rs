@@ -117,12 +117,14 @@ impl Backend for CpuBackend {
         CpuKvCache::new(shape)
     }
 
-    fn read_kv_block(&self, cache: &CpuKvCache, block: u32) -> Option<Vec<u8>> {
-        Some(cache.block_bytes(block))
+    fn read_kv_blocks(&self, cache: &CpuKvCache, blocks: &[u32]) -> Option<Vec<u8>> {
+        Some(blocks.iter().flat_map(|&b| cache.block_bytes(b)).collect())
     }
 
-    fn write_kv_block(&self, cache: &mut CpuKvCache, block: u32, bytes: &[u8]) -> bool {
-        cache.set_block_bytes(block, bytes)
+    fn write_kv_blocks(&self, cache: &mut CpuKvCache, blocks: &[(u32, &[u8])]) -> bool {
+        blocks
+            .iter()
+            .all(|&(b, bytes)| cache.set_block_bytes(b, bytes))
     }
 
     fn download(&self, buf: &Vec<f32>, len: usize) -> Vec<f32> {

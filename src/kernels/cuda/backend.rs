@@ -75,11 +75,11 @@ impl Backend for CudaBackend {
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
         self.new_kv_cache(shape)
     }
-    fn read_kv_block(&self, cache: &CudaKvCache, block: u32) -> Option<Vec<u8>> {
-        Some(self.kv_block_bytes(cache, block))
+    fn read_kv_blocks(&self, cache: &CudaKvCache, blocks: &[u32]) -> Option<Vec<u8>> {
+        Some(self.kv_blocks_bytes(cache, blocks))
     }
-    fn write_kv_block(&self, cache: &mut CudaKvCache, block: u32, bytes: &[u8]) -> bool {
-        self.set_kv_block_bytes(cache, block, bytes)
+    fn write_kv_blocks(&self, cache: &mut CudaKvCache, blocks: &[(u32, &[u8])]) -> bool {
+        self.set_kv_blocks_bytes(cache, blocks)
     }
     fn download(&self, buf: &CudaSlice<f32>, len: usize) -> Vec<f32> {
         let mut out = vec![0f32; len];

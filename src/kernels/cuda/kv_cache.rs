@@ -57,16 +57,14 @@ impl CudaKvCache {
         }
     }
 
-    /// Block `block`'s byte range in a layer's K (or V), and its range of scales.
-    fn block_ranges(&self, block: u32) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
-        let first = block as usize * self.shape.block_size;
-        let slots = first..first + self.shape.block_size;
-        let width = self.shape.kv_dim() * self.entry.bytes();
-        let heads = self.shape.num_kv_heads;
-        (
-            slots.start * width..slots.end * width,
-            slots.start * heads..slots.end * heads,
-        )
+    /// Bytes of one block in a layer's K (or V), and of its scales (0 unless fp8).
+    pub(super) fn block_bytes(&self) -> (usize, usize) {
+        let slots = self.shape.block_size;
+        let scales = match self.entry {
+            KvEntry::Fp8 => slots * self.shape.num_kv_heads * 4,
+            _ => 0,
+        };
+        (slots * self.shape.kv_dim() * self.entry.bytes(), scales)
     }
 
     pub fn bf16(&self) -> bool {
@@ -100,80 +98,6 @@ impl CudaBackend {
             k_scales: scales(),
             v_scales: scales(),
         }
-    }
-
-    /// Block `block` of every layer as stored: K, its scales (fp8), V, its scales — the
-    /// CPU cache's layout. Waits for the stream's work before it (the block's writers).
-    pub(super) fn kv_block_bytes(&self, cache: &CudaKvCache, block: u32) -> Vec<u8> {
-        let (values, scales) = cache.block_ranges(block);
-        let mut out = Vec::new();
-        for layer in 0..cache.shape.num_layers {
-            for (data, scale) in [(&cache.k, &cache.k_scales), (&cache.v, &cache.v_scales)] {
-                let codes = self.stream.clone_dtoh(&data[layer].slice(values.clone()));
-                out.extend(check(codes, "KV block to the host"));
-                if let Some(scale) = scale.get(layer) {
-                    let s = self.stream.clone_dtoh(&scale.slice(scales.clone()));
-                    out.extend(
-                        check(s, "KV scales to the host")
-                            .iter()
-                            .flat_map(|x| x.to_le_bytes()),
-                    );
-                }
-            }
-        }
-        out
-    }
-
-    /// Fills block `block` from `kv_block_bytes`' bytes; false when they are not one block
-    /// of this cache's layout (nothing written then).
-    pub(super) fn set_kv_block_bytes(
-        &self,
-        cache: &mut CudaKvCache,
-        block: u32,
-        bytes: &[u8],
-    ) -> bool {
-        let (values, scales) = cache.block_ranges(block);
-        let scale_bytes = if cache.k_scales.is_empty() {
-            0
-        } else {
-            scales.len() * 4
-        };
-        let per_layer = 2 * (values.len() + scale_bytes);
-        if bytes.len() != per_layer * cache.shape.num_layers {
-            return false;
-        }
-        let mut at = 0;
-        for layer in 0..cache.shape.num_layers {
-            let CudaKvCache {
-                k,
-                v,
-                k_scales,
-                v_scales,
-                ..
-            } = &mut *cache;
-            for (data, scale) in [(&mut *k, &mut *k_scales), (&mut *v, &mut *v_scales)] {
-                let src = &bytes[at..at + values.len()];
-                at += values.len();
-                let mut dst = data[layer].slice_mut(values.clone());
-                check(
-                    self.stream.memcpy_htod(src, &mut dst),
-                    "KV block to the device",
-                );
-                if let Some(scale) = scale.get_mut(layer) {
-                    let src: Vec<f32> = bytes[at..at + scale_bytes]
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-                        .collect();
-                    at += scale_bytes;
-                    let mut dst = scale.slice_mut(scales.clone());
-                    check(
-                        self.stream.memcpy_htod(&src, &mut dst),
-                        "KV scales to the device",
-                    );
-                }
-            }
-        }
-        true
     }
 
     pub(super) fn write_kv(

@@ -15,6 +15,7 @@ mod fp8_gemm;
 mod gemv;
 mod graph;
 mod invariant;
+mod kv_blocks;
 mod kv_cache;
 mod matmul;
 mod module;

@@ -207,14 +207,13 @@ impl KvStore {
     }
 
     /// Keeps a block the rank copied out (`payload`: `DeviceModel::kv_block`).
-    pub fn save(&self, save: &KvSave, payload: Vec<u8>) {
+    pub fn save(&self, save: &KvSave, payload: Shared<[u8]>) {
         let key = BlockKey {
             hash: save.hash,
             parent_hash: save.parent_hash,
             cache_salt: save.cache_salt,
             tokens: save.tokens.clone(),
         };
-        let payload: Shared<[u8]> = payload.into();
         self.inner
             .lock()
             .expect("kv store lock")
@@ -229,6 +228,13 @@ impl KvStore {
                 inner.stats.dropped_writes += 1;
             }
         }
+    }
+
+    /// Seconds the rank spent copying blocks out of its cache and into it.
+    pub fn add_copy_secs(&self, out_secs: f64, in_secs: f64) {
+        let mut inner = self.inner.lock().expect("kv store lock");
+        inner.stats.copy_out_secs += out_secs;
+        inner.stats.copy_in_secs += in_secs;
     }
 
     /// Waits (up to `timeout`) until every write queued so far is on disk: for a clean
