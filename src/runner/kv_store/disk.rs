@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use super::BlockKey;
+use crate::sync::Shared;
 
 const MAGIC: &[u8; 8] = b"TROUPEKV";
 const VERSION: u32 = 1;
@@ -22,7 +23,7 @@ const STALE_TEMP: Duration = Duration::from_secs(600);
 /// What a read found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum DiskRead {
-    Hit(Vec<u8>),
+    Hit(Shared<[u8]>),
     Miss,
     /// The file was there but torn, corrupt or another block's: removed, a miss.
     Corrupt,
@@ -99,7 +100,7 @@ impl DiskTier {
             Some(payload) => {
                 // A hit is a use: the least recently used go first.
                 self.touch(key.hash);
-                DiskRead::Hit(payload.to_vec())
+                DiskRead::Hit(payload.into())
             }
             None => {
                 let _ = fs::remove_file(&path);

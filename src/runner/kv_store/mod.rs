@@ -20,6 +20,7 @@ use self::host::HostTier;
 pub use crate::api::KvStoreStats;
 use crate::sched::{KvSave, ROOT_HASH, StoredBlock, StoredPrefix, block_hash};
 use crate::sync::{Mutex, Shared};
+use rayon::prelude::*;
 
 /// Where blocks are kept, from the command line.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -55,6 +56,8 @@ struct Inner {
     queued_writes: u64,
 }
 
+/// Disk blocks a lookup reads at once, in parallel.
+const DISK_READ_WINDOW: usize = 32;
 /// Writes queued past this many are dropped (counted), never waited for.
 const WRITE_QUEUE: usize = 4096;
 /// The writer collects garbage at most this often (and once at start).
@@ -162,43 +165,45 @@ impl KvStore {
     /// checked (host memory first, then disk; a disk hit is kept in host memory too).
     /// Blocking: disk reads.
     pub fn stage(&self, tokens: &[u32], cache_salt: u64, first_block: usize) -> StoredPrefix {
+        let keys: Vec<BlockKey> = self.keys(tokens, cache_salt).skip(first_block).collect();
         let mut blocks = Vec::new();
-        for key in self.keys(tokens, cache_salt).skip(first_block) {
-            let in_host = {
-                let mut inner = self.inner.lock().expect("kv store lock");
-                let hit = inner.host.get(&key);
-                if hit.is_some() {
-                    inner.stats.host_hit_blocks += 1;
-                }
-                hit
+        {
+            let mut inner = self.inner.lock().expect("kv store lock");
+            while let Some(payload) = keys.get(blocks.len()).and_then(|k| inner.host.get(k)) {
+                let hash = keys[blocks.len()].hash;
+                blocks.push(StoredBlock { hash, payload });
+            }
+            inner.stats.host_hit_blocks += blocks.len() as u64;
+        }
+        let Some(disk) = &self.disk else {
+            return StoredPrefix {
+                first_block,
+                blocks,
             };
-            let payload = match (in_host, &self.disk) {
-                (Some(payload), _) => payload,
-                (None, Some(disk)) => match disk.read(&key) {
-                    DiskRead::Hit(bytes) => {
-                        let payload: Shared<[u8]> = bytes.into();
-                        let mut inner = self.inner.lock().expect("kv store lock");
+        };
+        // The rest from disk, a window of files read in parallel at a time (checksums
+        // dominate), taken in order up to the first miss.
+        'windows: for window in keys[blocks.len()..].chunks(DISK_READ_WINDOW) {
+            let reads: Vec<DiskRead> = window.par_iter().map(|key| disk.read(key)).collect();
+            for (key, read) in window.iter().zip(reads) {
+                let mut inner = self.inner.lock().expect("kv store lock");
+                match read {
+                    DiskRead::Hit(payload) => {
                         inner.stats.disk_hit_blocks += 1;
                         inner.stats.bytes_read += payload.len() as u64;
                         inner.host.put(key.clone(), payload.clone());
-                        payload
+                        blocks.push(StoredBlock {
+                            hash: key.hash,
+                            payload,
+                        });
                     }
-                    DiskRead::Miss => break,
+                    DiskRead::Miss => break 'windows,
                     DiskRead::Corrupt => {
-                        self.inner
-                            .lock()
-                            .expect("kv store lock")
-                            .stats
-                            .corrupt_blocks += 1;
-                        break;
+                        inner.stats.corrupt_blocks += 1;
+                        break 'windows;
                     }
-                },
-                (None, None) => break,
-            };
-            blocks.push(StoredBlock {
-                hash: key.hash,
-                payload,
-            });
+                }
+            }
         }
         StoredPrefix {
             first_block,

@@ -41,6 +41,10 @@ fn payload(hash: u64, len: usize) -> Vec<u8> {
     (0..len).map(|i| mix(hash, i as u64) as u8).collect()
 }
 
+fn hit(hash: u64, len: usize) -> Shared<[u8]> {
+    payload(hash, len).into()
+}
+
 fn age(tier: &DiskTier, hash: u64, secs: u64) {
     let f = fs::File::options()
         .write(true)
@@ -56,7 +60,7 @@ fn a_block_reads_back_whole_and_only_for_its_own_key() {
     let tier = DiskTier::open(dir.0.clone(), u64::MAX, None).unwrap();
     let written = tier.write(&key(5), &payload(5, 1000)).unwrap();
     assert_eq!(written, fs::metadata(tier.path(5)).unwrap().len());
-    assert_eq!(tier.read(&key(5)), DiskRead::Hit(payload(5, 1000)));
+    assert_eq!(tier.read(&key(5)), DiskRead::Hit(hit(5, 1000)));
     assert_eq!(tier.read(&key(6)), DiskRead::Miss);
     let mut other = key(5);
     other.tokens[3] += 1;
@@ -91,7 +95,7 @@ fn a_truncated_or_bit_flipped_file_is_a_miss_never_wrong_bytes() {
         );
     }
     fs::write(tier.path(9), &whole).unwrap();
-    assert_eq!(tier.read(&key(9)), DiskRead::Hit(payload(9, 777)));
+    assert_eq!(tier.read(&key(9)), DiskRead::Hit(hit(9, 777)));
 }
 
 #[test]
@@ -134,7 +138,7 @@ fn two_engines_share_a_directory() {
     let a = DiskTier::open(dir.0.clone(), u64::MAX, None).unwrap();
     let b = DiskTier::open(dir.0.clone(), u64::MAX, None).unwrap();
     a.write(&key(3), &payload(3, 4096)).unwrap();
-    assert_eq!(b.read(&key(3)), DiskRead::Hit(payload(3, 4096)));
+    assert_eq!(b.read(&key(3)), DiskRead::Hit(hit(3, 4096)));
     // Both write the same blocks at once while a reader reads them: every read is a
     // whole block or a miss.
     std::thread::scope(|s| {
@@ -149,7 +153,7 @@ fn two_engines_share_a_directory() {
             for _ in 0..3 {
                 for h in 10..40 {
                     match b.read(&key(h)) {
-                        DiskRead::Hit(p) => assert_eq!(p, payload(h, 4096)),
+                        DiskRead::Hit(p) => assert_eq!(*p, payload(h, 4096)[..]),
                         DiskRead::Miss => {}
                         DiskRead::Corrupt => panic!("block {h} read torn"),
                     }
@@ -158,6 +162,6 @@ fn two_engines_share_a_directory() {
         });
     });
     for h in 10..40 {
-        assert_eq!(a.read(&key(h)), DiskRead::Hit(payload(h, 4096)));
+        assert_eq!(a.read(&key(h)), DiskRead::Hit(hit(h, 4096)));
     }
 }
