@@ -213,13 +213,18 @@ fn put<const N: usize>(out: &mut Vec<u8>, xs: impl ExactSizeIterator<Item = [u8;
 impl CpuKvCache {
     /// Block `block` of every layer, K then V, as stored (a prefix store's payload).
     pub fn block_bytes(&self, block: u32) -> Vec<u8> {
-        let (slots, width, heads) = self.block_slots(block);
         let mut out = Vec::new();
-        for (k, v) in self.k.iter().zip(&self.v) {
-            k.append_block(slots.clone(), width, heads, &mut out);
-            v.append_block(slots.clone(), width, heads, &mut out);
-        }
+        self.append_block_bytes(block, &mut out);
         out
+    }
+
+    /// `block_bytes`, appended to `out`.
+    pub fn append_block_bytes(&self, block: u32, out: &mut Vec<u8>) {
+        let (slots, width, heads) = self.block_slots(block);
+        for (k, v) in self.k.iter().zip(&self.v) {
+            k.append_block(slots.clone(), width, heads, out);
+            v.append_block(slots.clone(), width, heads, out);
+        }
     }
 
     /// Fills block `block` from `block_bytes`' bytes; false (the block left partly

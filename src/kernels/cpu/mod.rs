@@ -118,7 +118,11 @@ impl Backend for CpuBackend {
     }
 
     fn read_kv_blocks(&self, cache: &CpuKvCache, blocks: &[u32]) -> Option<Vec<u8>> {
-        Some(blocks.iter().flat_map(|&b| cache.block_bytes(b)).collect())
+        let mut out = Vec::new();
+        for &b in blocks {
+            cache.append_block_bytes(b, &mut out);
+        }
+        Some(out)
     }
 
     fn write_kv_blocks(&self, cache: &mut CpuKvCache, blocks: &[(u32, &[u8])]) -> bool {
