@@ -159,7 +159,7 @@ fn a_prefix_store_lookup_beside_a_save_sees_the_whole_block_or_none() {
             host_bytes: 1 << 20,
             ..Default::default()
         };
-        let store = Arc::new(KvStore::open(&cfg, "loom", 4).unwrap());
+        let store = Arc::new(KvStore::open(&cfg, "loom", 4, 3).unwrap());
         // One full block; the last token is never matched.
         let tokens = [5u32, 6, 7, 8, 9];
         let hash = block_hash(ROOT_HASH, &tokens[..4], 0);

@@ -148,6 +148,8 @@ pub struct SchedulerState {
     /// really cost the engine.
     last_sampled_at: Option<std::time::Instant>,
     kv_store: Option<Shared<KvStore>>,
+    /// Submissions whose blocks are being read from the store (a drain waits for them).
+    num_staging: usize,
 }
 
 impl SchedulerState {
@@ -224,7 +226,7 @@ impl SchedulerState {
     }
 
     fn answer_drains(&mut self) {
-        if self.requests.is_empty() {
+        if self.requests.is_empty() && self.num_staging == 0 {
             for d in self.drains.drain(..) {
                 let _ = d.send(());
             }
@@ -366,6 +368,7 @@ impl Actor for SchedulerActor {
             drains: Vec::new(),
             last_sampled_at: None,
             kv_store: args.kv_store,
+            num_staging: 0,
             status: EngineStatus {
                 num_total_blocks,
                 num_total_state_slots,
@@ -399,7 +402,10 @@ impl Actor for SchedulerActor {
                     st.submit(sub, StoredPrefix::default());
                 }
             }
-            SchedulerMsg::Staged { submission, stored } => st.submit(*submission, stored),
+            SchedulerMsg::Staged { submission, stored } => {
+                st.num_staging -= 1;
+                st.submit(*submission, stored);
+            }
             SchedulerMsg::Abort { request_id } => {
                 st.abort_request(request_id);
                 st.kick();

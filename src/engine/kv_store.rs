@@ -1,17 +1,21 @@
 //! Opening the prefix store (`--kv-host-cache-bytes`, `--kv-store-dir`): what cannot use
 //! it refused by name, its namespace from the model and every setting its bytes depend on.
 
+use super::pools::Pools;
 use super::{EngineConfig, EngineError};
 use crate::kernels::Device;
 use crate::model::config::ModelConfig;
 use crate::runner::kv_store::{self, KvStore};
 use crate::sync::Shared;
 
+/// The block layout's version: a change to what a block's bytes mean is a new namespace.
+const KV_LAYOUT_VERSION: u32 = 1;
+
 /// The store `cfg` asks for, or `None`; why it cannot run, by flag.
 pub(super) fn open_kv_store(
     cfg: &EngineConfig,
     mcfg: &ModelConfig,
-    block_size: usize,
+    pools: &Pools,
     deepseek_v4: bool,
     draft: bool,
 ) -> Result<Option<Shared<KvStore>>, EngineError> {
@@ -43,10 +47,15 @@ pub(super) fn open_kv_store(
         Device::Cpu => "cpu".to_string(),
         Device::Cuda(_) => "cuda".to_string(),
     };
-    // Everything a block's bytes depend on: another value is another namespace.
+    // Everything a block's bytes depend on: another value is another namespace. The
+    // model's path too (two checkpoints alike in size, config, first and last MiB stay
+    // apart), and the layout's version.
+    let model_path = std::fs::canonicalize(&cfg.model_path).unwrap_or(cfg.model_path.clone());
     let settings = format!(
-        "{mcfg:?} block {block_size} kv {} device {device} invariant {} exact {} \
-         quantization {:?} dummy {}",
+        "layout {KV_LAYOUT_VERSION} path {} {mcfg:?} block {} kv {} device {device} \
+         invariant {} exact {} quantization {:?} dummy {}",
+        model_path.display(),
+        pools.block_size,
         cfg.kv_cache_dtype.name(),
         cfg.batch_invariant,
         cfg.exact_activations,
@@ -59,9 +68,10 @@ pub(super) fn open_kv_store(
             cfg.model_path.display()
         ))
     })?;
-    let opened = KvStore::open(store, &namespace, block_size).map_err(|e| {
-        let dir = store.dir.as_ref().map(|d| d.display().to_string());
-        EngineError::Spawn(format!("--kv-store-dir {}: {e}", dir.unwrap_or_default()))
-    })?;
+    let opened =
+        KvStore::open(store, &namespace, pools.block_size, pools.block_bytes).map_err(|e| {
+            let dir = store.dir.as_ref().map(|d| d.display().to_string());
+            EngineError::Spawn(format!("--kv-store-dir {}: {e}", dir.unwrap_or_default()))
+        })?;
     Ok(Some(Shared::new(opened)))
 }

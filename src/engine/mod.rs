@@ -144,7 +144,7 @@ impl Engine {
         let kv_store = kv_store::open_kv_store(
             &cfg,
             mcfg,
-            pools.block_size,
+            &pools,
             text.deepseek_v4.is_some(),
             draft.is_some(),
         )?;

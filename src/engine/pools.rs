@@ -14,6 +14,8 @@ pub(super) struct Pools {
     pub enable_prefix_cache: bool,
     /// Tokens before a prefix hit recomputed to rebuild a slot's state.
     pub num_replay_tokens: usize,
+    /// Bytes of one block as the cache stores it (every layer's K and V).
+    pub block_bytes: usize,
 }
 
 pub(super) fn size_pools(
@@ -43,6 +45,7 @@ pub(super) fn size_pools(
             num_state_slots: None,
             enable_prefix_cache: cfg.enable_prefix_cache,
             num_replay_tokens: 0,
+            block_bytes: bytes_per_block,
         });
     };
     let refuse = |what: &str| Err(EngineError::Spawn(format!("DeepSeek-V4: {what}")));
@@ -93,6 +96,7 @@ pub(super) fn size_pools(
         num_state_slots: Some(num_state_slots),
         enable_prefix_cache: cfg.enable_prefix_cache,
         num_replay_tokens: ds.num_replay_tokens(),
+        block_bytes: bytes_per_block,
     })
 }
 

@@ -39,6 +39,7 @@ impl SchedulerState {
             return Some(sub);
         }
         let myself = myself.clone();
+        self.num_staging += 1;
         tokio::task::spawn_blocking(move || {
             let stored = store.stage(&sub.request.prompt_ids, 0, first_block);
             let submission = Box::new(sub);

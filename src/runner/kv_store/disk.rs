@@ -42,16 +42,24 @@ pub(super) struct DiskTier {
     dir: PathBuf,
     budget_bytes: u64,
     ttl: Option<Duration>,
+    /// A payload's length in this cache's layout: any other is a corrupt file.
+    block_bytes: usize,
 }
 
 impl DiskTier {
     /// The tier in `dir` (created if missing).
-    pub(super) fn open(dir: PathBuf, budget_bytes: u64, ttl: Option<Duration>) -> io::Result<Self> {
+    pub(super) fn open(
+        dir: PathBuf,
+        budget_bytes: u64,
+        ttl: Option<Duration>,
+        block_bytes: usize,
+    ) -> io::Result<Self> {
         fs::create_dir_all(&dir)?;
         Ok(DiskTier {
             dir,
             budget_bytes,
             ttl,
+            block_bytes,
         })
     }
 
@@ -96,7 +104,7 @@ impl DiskTier {
         let Ok(bytes) = fs::read(&path) else {
             return DiskRead::Miss;
         };
-        match decode(&bytes, key) {
+        match decode(&bytes, key, self.block_bytes) {
             Some(payload) => {
                 // A hit is a use: the least recently used go first.
                 self.touch(key.hash);
@@ -200,7 +208,7 @@ fn encode(key: &BlockKey, payload: &[u8]) -> Vec<u8> {
 }
 
 /// The payload of a whole, uncorrupted file of `key`'s block; `None` otherwise.
-fn decode<'a>(bytes: &'a [u8], key: &BlockKey) -> Option<&'a [u8]> {
+fn decode<'a>(bytes: &'a [u8], key: &BlockKey, expected_len: usize) -> Option<&'a [u8]> {
     let u32_at = |at: usize| Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?));
     let u64_at = |at: usize| Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?));
     if bytes.get(..8)? != MAGIC || u32_at(8)? != VERSION {
@@ -212,7 +220,8 @@ fn decode<'a>(bytes: &'a [u8], key: &BlockKey) -> Option<&'a [u8]> {
     let (hash, parent, salt) = (u64_at(16)?, u64_at(24)?, u64_at(32)?);
     let (num_tokens, payload_len) = (u32_at(40)? as usize, u64_at(44)? as usize);
     let tokens_end = HEADER_BYTES + num_tokens * 4;
-    if bytes.len() != tokens_end + payload_len
+    if tokens_end.checked_add(payload_len) != Some(bytes.len())
+        || payload_len != expected_len
         || (hash, parent, salt) != (key.hash, key.parent_hash, key.cache_salt)
         || num_tokens != key.tokens.len()
     {

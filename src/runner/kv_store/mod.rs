@@ -52,14 +52,15 @@ pub struct BlockKey {
 struct Inner {
     host: HostTier,
     stats: KvStoreStats,
-    /// Blocks handed to the writer and not yet written (or failed).
+    /// Blocks handed to the writer and not yet written (or failed), and their bytes.
     queued_writes: u64,
+    queued_bytes: usize,
 }
 
 /// Disk blocks a lookup reads at once, in parallel.
 const DISK_READ_WINDOW: usize = 32;
-/// Writes queued past this many are dropped (counted), never waited for.
-const WRITE_QUEUE: usize = 4096;
+/// Writes queued past this many bytes are dropped (counted), never waited for.
+const WRITE_QUEUE_BYTES: usize = 1 << 30;
 /// The writer collects garbage at most this often (and once at start).
 const GC_PERIOD: Duration = Duration::from_secs(5);
 
@@ -85,18 +86,26 @@ impl Drop for KvStore {
 }
 
 impl KvStore {
-    /// The store for blocks of `block_size` tokens under `namespace` (see `namespace`).
-    pub fn open(cfg: &KvStoreConfig, namespace: &str, block_size: usize) -> io::Result<Self> {
+    /// The store for blocks of `block_size` tokens, `block_bytes` each as the rank's cache
+    /// stores them (a file of another length is corrupt), under `namespace`.
+    pub fn open(
+        cfg: &KvStoreConfig,
+        namespace: &str,
+        block_size: usize,
+        block_bytes: usize,
+    ) -> io::Result<Self> {
         let inner = Shared::new(Mutex::new(Inner {
             host: HostTier::new(cfg.host_bytes),
             stats: KvStoreStats::default(),
             queued_writes: 0,
+            queued_bytes: 0,
         }));
         let disk = match &cfg.dir {
             Some(dir) => Some(Shared::new(DiskTier::open(
                 dir.join(namespace),
                 cfg.disk_bytes,
                 cfg.ttl,
+                block_bytes,
             )?)),
             None => None,
         };
@@ -226,11 +235,14 @@ impl KvStore {
             .put(key.clone(), payload.clone());
         if let Some(writes) = &self.writes {
             let mut inner = self.inner.lock().expect("kv store lock");
+            let len = payload.len();
             // Counted before the writer can take it, so `flush` never misses it.
-            inner.queued_writes += 1;
-            if writes.try_send((key, payload)).is_err() {
-                inner.queued_writes -= 1;
+            if inner.queued_bytes + len > WRITE_QUEUE_BYTES || writes.send((key, payload)).is_err()
+            {
                 inner.stats.dropped_writes += 1;
+            } else {
+                inner.queued_writes += 1;
+                inner.queued_bytes += len;
             }
         }
     }
@@ -261,7 +273,7 @@ fn spawn_writer(
     disk: Shared<DiskTier>,
     inner: Shared<Mutex<Inner>>,
 ) -> io::Result<(WriteQueue, std::thread::JoinHandle<()>)> {
-    let (tx, rx) = crossbeam_channel::bounded::<(BlockKey, Shared<[u8]>)>(WRITE_QUEUE);
+    let (tx, rx) = crossbeam_channel::unbounded::<(BlockKey, Shared<[u8]>)>();
     let handle = std::thread::Builder::new()
         .name("kv-store-writer".into())
         .spawn(move || {
@@ -291,6 +303,7 @@ fn spawn_writer(
                     let mut inner = inner.lock().expect("kv store lock");
                     inner.stats.bytes_written += bytes;
                     inner.queued_writes -= 1;
+                    inner.queued_bytes -= payload.len();
                 }
                 // Over budget by an eighth at most, and never stale for long.
                 if collected.elapsed() > GC_PERIOD || since_collected > disk.budget_bytes() / 8 {

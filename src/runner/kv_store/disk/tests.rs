@@ -57,7 +57,7 @@ fn age(tier: &DiskTier, hash: u64, secs: u64) {
 #[test]
 fn a_block_reads_back_whole_and_only_for_its_own_key() {
     let dir = TempDir::new();
-    let tier = DiskTier::open(dir.0.clone(), u64::MAX, None).unwrap();
+    let tier = DiskTier::open(dir.0.clone(), u64::MAX, None, 1000).unwrap();
     let written = tier.write(&key(5), &payload(5, 1000)).unwrap();
     assert_eq!(written, fs::metadata(tier.path(5)).unwrap().len());
     assert_eq!(tier.read(&key(5)), DiskRead::Hit(hit(5, 1000)));
@@ -70,12 +70,18 @@ fn a_block_reads_back_whole_and_only_for_its_own_key() {
         "same hash, other tokens"
     );
     assert!(!tier.contains(5), "a file that failed its check is removed");
+    tier.write(&key(8), &payload(8, 999)).unwrap();
+    assert_eq!(
+        tier.read(&key(8)),
+        DiskRead::Corrupt,
+        "another layout's length"
+    );
 }
 
 #[test]
 fn a_truncated_or_bit_flipped_file_is_a_miss_never_wrong_bytes() {
     let dir = TempDir::new();
-    let tier = DiskTier::open(dir.0.clone(), u64::MAX, None).unwrap();
+    let tier = DiskTier::open(dir.0.clone(), u64::MAX, None, 777).unwrap();
     let len = tier.write(&key(9), &payload(9, 777)).unwrap() as usize;
     let whole = fs::read(tier.path(9)).unwrap();
     // Positions drawn over the whole file: header, tokens and payload alike.
@@ -102,13 +108,14 @@ fn a_truncated_or_bit_flipped_file_is_a_miss_never_wrong_bytes() {
 fn expired_files_go_and_the_least_recently_used_go_over_budget() {
     let dir = TempDir::new();
     let file_bytes = {
-        let probe = DiskTier::open(dir.0.join("probe"), u64::MAX, None).unwrap();
+        let probe = DiskTier::open(dir.0.join("probe"), u64::MAX, None, 500).unwrap();
         probe.write(&key(1), &payload(1, 500)).unwrap()
     };
     let tier = DiskTier::open(
         dir.0.join("ns"),
         3 * file_bytes,
         Some(Duration::from_secs(3600)),
+        500,
     )
     .unwrap();
     for h in 1..=5 {
@@ -135,8 +142,8 @@ fn expired_files_go_and_the_least_recently_used_go_over_budget() {
 #[test]
 fn two_engines_share_a_directory() {
     let dir = TempDir::new();
-    let a = DiskTier::open(dir.0.clone(), u64::MAX, None).unwrap();
-    let b = DiskTier::open(dir.0.clone(), u64::MAX, None).unwrap();
+    let a = DiskTier::open(dir.0.clone(), u64::MAX, None, 4096).unwrap();
+    let b = DiskTier::open(dir.0.clone(), u64::MAX, None, 4096).unwrap();
     a.write(&key(3), &payload(3, 4096)).unwrap();
     assert_eq!(b.read(&key(3)), DiskRead::Hit(hit(3, 4096)));
     // Both write the same blocks at once while a reader reads them: every read is a
