@@ -253,19 +253,6 @@ impl KvStore {
         inner.stats.copy_out_secs += out_secs;
         inner.stats.copy_in_secs += in_secs;
     }
-
-    /// Waits (up to `timeout`) until every write queued so far is on disk: for a clean
-    /// shutdown and for tests. False when it timed out.
-    pub fn flush(&self, timeout: Duration) -> bool {
-        let until = Instant::now() + timeout;
-        while self.inner.lock().expect("kv store lock").queued_writes > 0 {
-            if Instant::now() > until {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        true
-    }
 }
 
 /// The disk writer: queued blocks to files, garbage collected as it goes.

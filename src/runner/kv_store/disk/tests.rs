@@ -1,14 +1,12 @@
 use super::*;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A fresh directory under the system's temporary one, removed when dropped.
 struct TempDir(PathBuf);
 
 impl TempDir {
-    fn new() -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("troupe-kv-{}-{n}", std::process::id()));
+    /// `tag`: the test's own, so tests running side by side never share a directory.
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("troupe-kv-{}-{tag}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         TempDir(dir)
     }
@@ -56,7 +54,7 @@ fn age(tier: &DiskTier, hash: u64, secs: u64) {
 
 #[test]
 fn a_block_reads_back_whole_and_only_for_its_own_key() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("read-back");
     let tier = DiskTier::open(dir.0.clone(), u64::MAX, None, 1000).unwrap();
     let written = tier.write(&key(5), &payload(5, 1000)).unwrap();
     assert_eq!(written, fs::metadata(tier.path(5)).unwrap().len());
@@ -80,7 +78,7 @@ fn a_block_reads_back_whole_and_only_for_its_own_key() {
 
 #[test]
 fn a_truncated_or_bit_flipped_file_is_a_miss_never_wrong_bytes() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("corrupt");
     let tier = DiskTier::open(dir.0.clone(), u64::MAX, None, 777).unwrap();
     let len = tier.write(&key(9), &payload(9, 777)).unwrap() as usize;
     let whole = fs::read(tier.path(9)).unwrap();
@@ -106,7 +104,7 @@ fn a_truncated_or_bit_flipped_file_is_a_miss_never_wrong_bytes() {
 
 #[test]
 fn expired_files_go_and_the_least_recently_used_go_over_budget() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("gc");
     let file_bytes = {
         let probe = DiskTier::open(dir.0.join("probe"), u64::MAX, None, 500).unwrap();
         probe.write(&key(1), &payload(1, 500)).unwrap()
@@ -141,7 +139,7 @@ fn expired_files_go_and_the_least_recently_used_go_over_budget() {
 
 #[test]
 fn two_engines_share_a_directory() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("shared");
     let a = DiskTier::open(dir.0.clone(), u64::MAX, None, 4096).unwrap();
     let b = DiskTier::open(dir.0.clone(), u64::MAX, None, 4096).unwrap();
     a.write(&key(3), &payload(3, 4096)).unwrap();
