@@ -321,6 +321,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "prefix_cache_hit_blocks": status.num_prefix_hit_blocks,
             "prefix_cache_queried_blocks": status.num_prefix_queried_blocks,
             "kv_store_hit_blocks": status.num_stored_hit_blocks,
+            "swa_resumed_hits": status.num_resumed_hits,
+            "swa_replayed_hits": status.num_replayed_hits,
             "kv_store": {
                 "host_hit_blocks": status.kv_store.host_hit_blocks,
                 "disk_hit_blocks": status.kv_store.disk_hit_blocks,

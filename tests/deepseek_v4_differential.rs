@@ -1,7 +1,7 @@
 //! DeepSeek-V4 against transformers on random checkpoints (`scripts/dsv4_differential.py`):
 //! random configs across every knob, random weights, prompts of random length. Each case is
 //! checked in one piece, in chunks of 1, 7 and 64, decoding greedily token by token, and
-//! resumed from a prefix hit with the bounded replay.
+//! resumed from a prefix hit with the bounded replay and from a state saved at the hit.
 //!
 //! Through the actor engine, each case's prompt runs as several concurrent requests in
 //! 7-token steps (chunked prefill beside decode rows), on a block pool too small for all of
@@ -21,6 +21,7 @@ use common::engine::{ok_outputs, tokens};
 use troupe::engine::{Device, Engine, EngineConfig, EngineRequest};
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::mtp::MtpLayer;
+use troupe::model::deepseek_v4::saved_state::SavedStates;
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use troupe::sampling::SamplingParams;
 
@@ -123,8 +124,20 @@ impl<'a> Runner<'a> {
     /// Runs `tokens[span.state_start..]` in chunks (sizes cycled) on `slot`; every
     /// position's logits from `span.state_start` on.
     fn run(&mut self, slot: u32, tokens: &[u32], span: SlotSpan, chunks: &[usize]) -> Vec<f32> {
+        self.run_from(slot, tokens, span.state_start, span, chunks)
+    }
+
+    /// `run` from position `from` of history `span` (the slot holds `from` tokens of it).
+    fn run_from(
+        &mut self,
+        slot: u32,
+        tokens: &[u32],
+        from: usize,
+        span: SlotSpan,
+        chunks: &[usize],
+    ) -> Vec<f32> {
         let mut out = Vec::new();
-        let (mut pos, mut c) = (span.state_start, 0);
+        let (mut pos, mut c) = (from, 0);
         while pos < tokens.len() {
             let n = chunks[c % chunks.len()].min(tokens.len() - pos);
             let step = DsSeqStep {
@@ -233,6 +246,31 @@ fn check(dir: &Path) -> Result<f32, String> {
         compare(
             &format!("prefix hit at {hit}"),
             &got[after..],
+            &case.logits[hit * vocab..],
+            REL_TOL,
+        )?;
+    }
+    // A prefix hit at each block boundary resumes from the state a cold run saved there
+    // (no replay) on slot 1, and continues as the cold run did.
+    let boundaries: Vec<usize> = (block_size..tokens.len()).step_by(block_size).collect();
+    let b = &model.backend;
+    let mut saved = SavedStates::on(b, &runner.cache, boundaries.len().max(1));
+    runner.cache.restart(0, SlotSpan::default());
+    for (i, &hit) in boundaries.iter().enumerate() {
+        let from = hit - block_size;
+        runner.run_from(0, &tokens[..hit], from, SlotSpan::default(), &[block_size]);
+        saved.save(b, &runner.cache, 0, i);
+    }
+    for (i, &hit) in boundaries.iter().enumerate().rev() {
+        let span = SlotSpan {
+            state_start: 0,
+            replay_until: hit,
+        };
+        saved.load(b, &mut runner.cache, i, 1, span, hit);
+        let got = runner.run_from(1, &tokens, hit, span, &[7]);
+        compare(
+            &format!("saved state at {hit}"),
+            &got,
             &case.logits[hit * vocab..],
             REL_TOL,
         )?;
@@ -360,7 +398,8 @@ fn ties_resolve_as_torch_topk_does() {
 /// Requests of one case that run side by side through the engine.
 const CONCURRENT: usize = 3;
 
-fn engine_for(dir: &Path, model: &DsV4Model, tokens: usize) -> EngineConfig {
+/// `saved_states`: slot states kept with the prefix (0: every hit replays).
+fn engine_for(dir: &Path, model: &DsV4Model, tokens: usize, saved_states: usize) -> EngineConfig {
     let block_size = lcm_rates(&model.cfg);
     // Room for one sequence at its full length, plus one block: the others preempt, unless
     // the sequences are short enough to share.
@@ -370,7 +409,9 @@ fn engine_for(dir: &Path, model: &DsV4Model, tokens: usize) -> EngineConfig {
     cfg.max_num_seqs = CONCURRENT;
     cfg.max_step_tokens = 7;
     cfg.kv_cache_bytes = CONCURRENT * DsV4Cache::bytes_per_slot(&model.cfg)
+        + saved_states * SavedStates::bytes_per_state(&model.cfg)
         + num_blocks * DsV4Cache::bytes_per_block(&model.cfg, block_size);
+    cfg.swa_saved_states = Some(saved_states);
     cfg.device = common::engine::test_device();
     cfg.batch_invariant = cfg.device != Device::Cpu;
     cfg
@@ -390,8 +431,8 @@ fn greedy_requests(prompt: &[u32], n: usize, copies: usize) -> Vec<EngineRequest
 async fn random_checkpoints_through_the_engine_match_transformers() {
     let dirs = case_dirs();
     let (mut preemptions, mut hit_blocks, mut failures) = (0, 0, Vec::new());
-    let mut skipped = 0;
-    for dir in &dirs {
+    let (mut skipped, mut resumed, mut replayed) = (0, 0, 0);
+    for (dir, saved_states) in dirs.iter().flat_map(|d| [(d, 0), (d, 4)]) {
         let case = load_case(dir);
         // The GPU keeps matrices in bf16 (an f32 checkpoint is rounded when it loads), so
         // only bf16 checkpoints are the same model there as in transformers.
@@ -400,7 +441,12 @@ async fn random_checkpoints_through_the_engine_match_transformers() {
             continue;
         }
         let model = DsV4Model::load_dir(dir).unwrap();
-        let cfg = engine_for(dir, &model, case.prompt.len() + case.greedy.len());
+        let cfg = engine_for(
+            dir,
+            &model,
+            case.prompt.len() + case.greedy.len(),
+            saved_states,
+        );
         let engine = Engine::spawn(cfg).await.unwrap();
         let n = case.greedy.len();
         let run = async {
@@ -417,7 +463,7 @@ async fn random_checkpoints_through_the_engine_match_transformers() {
         for (i, g) in got.iter().enumerate() {
             if g != &case.greedy {
                 failures.push(format!(
-                    "{} request {i}: {g:?} where transformers gave {:?}",
+                    "{} ({saved_states} saved states) request {i}: {g:?} where transformers gave {:?}",
                     case.name, case.greedy
                 ));
             }
@@ -425,14 +471,26 @@ async fn random_checkpoints_through_the_engine_match_transformers() {
         let status = engine.status().await.unwrap();
         preemptions += status.num_preemptions;
         hit_blocks += status.num_prefix_hit_blocks;
+        resumed += status.num_resumed_hits;
+        replayed += status.num_replayed_hits;
+        if saved_states == 0 {
+            assert_eq!(
+                status.num_resumed_hits, 0,
+                "{}: resumed with no saved states",
+                case.name
+            );
+        }
         engine.shutdown(true).await;
     }
     eprintln!(
-        "{} cases ({skipped} f32 ones skipped on the GPU): {preemptions} preemptions, \
-         {hit_blocks} prefix-hit blocks",
+        "{} cases ({skipped} f32 runs skipped on the GPU): {preemptions} preemptions, \
+         {hit_blocks} prefix-hit blocks, {resumed} hits resumed from saved states, \
+         {replayed} replayed",
         dirs.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert!(preemptions > 0, "no case preempted a sequence");
     assert!(hit_blocks > 0, "no case hit the prefix cache");
+    assert!(resumed > 0, "no hit resumed from a saved state");
+    assert!(replayed > 0, "no hit replayed");
 }

@@ -179,6 +179,13 @@ async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
     let mut tiny = engine_config("tiny-dsv4-a", 2, 8, 64);
     tiny.device = Device::Cpu;
     tiny.kv_cache_bytes = 100;
+    let mut too_many_saved = engine_config("tiny-dsv4-a", 2, 8, 64);
+    too_many_saved.swa_saved_states = Some(1000);
+    let mut saved_no_cache = engine_config("tiny-dsv4-a", 2, 8, 64);
+    saved_no_cache.swa_saved_states = Some(2);
+    saved_no_cache.enable_prefix_cache = false;
+    let mut llama_saved = EngineConfig::new(common::goldens().join("tiny-llama"));
+    llama_saved.swa_saved_states = Some(2);
     for (cfg, want) in [
         (
             tp,
@@ -191,6 +198,15 @@ async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
         ),
         (cuda_budget, "give kv_cache_bytes"),
         (tiny, "more than the cache budget of 100"),
+        (
+            too_many_saved,
+            "--swa-saved-states 1000: 1000 saved states of",
+        ),
+        (saved_no_cache, "--swa-saved-states with --no-prefix-cache"),
+        (
+            llama_saved,
+            "--swa-saved-states: this model keeps no sliding-window state",
+        ),
     ] {
         let err = Engine::spawn(cfg).await.err().expect("refused").to_string();
         assert!(err.contains(want), "{err}");
@@ -198,13 +214,17 @@ async fn what_deepseek_v4_cannot_do_yet_is_refused_by_name() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefix_cache_hits_replay_to_the_tokens_of_cold_runs() {
-    for name in CHECKPOINTS {
+async fn prefix_cache_hits_resume_or_replay_to_the_tokens_of_cold_runs() {
+    // No saved states: every hit replays. The default: hits on a block whose state was
+    // saved (the prompt's 64-token chunk ended there) resume from it.
+    for (name, saved_states) in CHECKPOINTS.iter().flat_map(|n| [(n, Some(0)), (n, None)]) {
         let r = reference(name);
         let prompt = &r.prompts[0];
-        let engine = Engine::spawn(engine_config(name, 4, 64, 64)).await.unwrap();
+        let mut cfg = engine_config(name, 4, 64, 64);
+        cfg.swa_saved_states = saved_states;
+        let engine = Engine::spawn(cfg).await.unwrap();
         // The whole prompt first, so its blocks are registered; then prefixes that hit
-        // them (48 or 64 tokens of blocks) and replay the state from before the hit.
+        // them (48 or 64 tokens of blocks).
         let first = run_all(&engine, vec![greedy(prompt.clone(), 1)]).await;
         assert_eq!(
             first[0],
@@ -231,6 +251,11 @@ async fn prefix_cache_hits_replay_to_the_tokens_of_cold_runs() {
             status.num_prefix_hit_blocks >= 2 * lens.len() as u64,
             "{name}: {status:?}"
         );
+        let hits = (status.num_resumed_hits, status.num_replayed_hits);
+        match saved_states {
+            Some(0) => assert_eq!(hits, (0, lens.len() as u64), "{name}"),
+            _ => assert!(hits.0 >= 2, "{name}: {hits:?} (resumed, replayed)"),
+        }
         assert_everything_free(&engine).await;
         engine.shutdown(true).await;
     }

@@ -199,6 +199,10 @@ impl ThreadLocalActor for RankWorker {
             let rank = st.shard.rank;
             return Err(format!("rank {rank}: a stored KV block does not fit the cache").into());
         }
+        if !model.load_states(&step.state_loads) {
+            let rank = st.shard.rank;
+            return Err(format!("rank {rank}: this model keeps no saved states").into());
+        }
         if let (Some(store), false) = (&st.kv_store, loads.is_empty()) {
             store.add_copy_secs(0.0, loading.elapsed().as_secs_f64());
         }
@@ -223,6 +227,11 @@ impl ThreadLocalActor for RankWorker {
             model.step(block_size, &steps, inputs, &step.rows)
         });
         drop(steps);
+        // Before any later step can move the slots on (they are this rank's alone).
+        if !model.save_states(&step.state_saves) {
+            let rank = st.shard.rank;
+            return Err(format!("rank {rank}: this model keeps no saved states").into());
+        }
         let step_id = step.step_id;
         st.inputs.launched(epoch, step_id, launched_step.prev);
         let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();

@@ -485,6 +485,8 @@ impl Actor for SchedulerActor {
                 s.num_prefix_queried_blocks = prefix.num_queried_blocks;
                 s.num_prefix_hit_blocks = prefix.num_hit_blocks;
                 s.num_stored_hit_blocks = st.core.num_stored_hit_blocks();
+                s.num_resumed_hits = st.core.num_resumed_hits();
+                s.num_replayed_hits = st.core.num_replayed_hits();
                 s.kv_store = st.kv_store.as_ref().map(|k| k.stats()).unwrap_or_default();
                 let _ = reply.send(s);
             }

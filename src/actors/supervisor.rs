@@ -47,6 +47,8 @@ pub struct RankArgsTemplate {
     /// Per-sequence state slots (DeepSeek-V4's window ring and compressor state); 0 for
     /// models without per-sequence state.
     pub num_state_slots: usize,
+    /// Slot states saved with the prefix (`sched::SavedStates`); 0: none.
+    pub num_saved_states: usize,
     pub block_size: usize,
     pub eplb: Option<crate::eplb::EplbSettings>,
     pub faults: FaultPlan,
@@ -130,6 +132,7 @@ async fn spawn_group(
                 model_path: t.model_path.clone(),
                 num_kv_blocks: t.num_kv_blocks,
                 num_state_slots: t.num_state_slots,
+                num_saved_states: t.num_saved_states,
                 block_size: t.block_size,
                 eplb: t.eplb,
                 sampled: st.sampled.clone(),

@@ -35,6 +35,10 @@ pub struct EngineStatus {
     pub num_prefix_hit_blocks: u64,
     /// Prompt blocks admitted from the prefix store (host memory or disk), not computed.
     pub num_stored_hit_blocks: u64,
+    /// DeepSeek-V4 prefix hits resumed from a saved state, and those that replayed the
+    /// tokens before the hit instead.
+    pub num_resumed_hits: u64,
+    pub num_replayed_hits: u64,
     /// The prefix store's counters (all 0 without one).
     pub kv_store: KvStoreStats,
     /// Rank worker time between steps (ZOS shrinks it).

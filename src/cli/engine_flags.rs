@@ -110,6 +110,11 @@ pub struct EngineFlags {
     /// Blocks of the disk store unused this long are dropped (`3600`, `90m`, `12h`, `7d`)
     #[arg(long, value_parser = parse_duration)]
     kv_store_ttl: Option<std::time::Duration>,
+    /// DeepSeek-V4: slot states saved at block boundaries with the cached prefix, so a
+    /// hit resumes with no replay (default: up to 4 a sequence, within a quarter of the
+    /// cache budget); 0: every hit replays the tokens before it
+    #[arg(long)]
+    swa_saved_states: Option<usize>,
     /// Speculative decoding: `ngram` (prompt lookup), `draft` (a draft model, with
     /// --draft-model) or `mtp` (the model's own MTP layer: DeepSeek-V4). Output is the same
     /// as without it, seeded sampling included.
@@ -231,6 +236,7 @@ impl EngineFlags {
             disk_bytes: self.kv_store_bytes,
             ttl: self.kv_store_ttl,
         };
+        cfg.swa_saved_states = self.swa_saved_states;
         if self.kv_store_dir.is_none() && self.kv_store_ttl.is_some() {
             return Err(TroupeError::InvalidInput(
                 "--kv-store-ttl is for the disk store: give --kv-store-dir".into(),

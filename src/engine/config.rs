@@ -53,6 +53,10 @@ pub struct EngineConfig {
     pub kv_cache_dtype: crate::kernels::KvDtype,
     /// The prefix store below the device: host memory and a directory on disk.
     pub kv_store: crate::runner::kv_store::KvStoreConfig,
+    /// `--swa-saved-states`: DeepSeek-V4 slot states saved at block boundaries with the
+    /// prefix, so a hit resumes with no replay; `None`: up to 4 a slot within a quarter
+    /// of the cache budget; 0: every hit replays.
+    pub swa_saved_states: Option<usize>,
     /// Expert-parallel load balancing for MoE models (DeepSeek-V4): the EP group the
     /// placement is planned for, replicas, statistics window, rebalance period. `None`:
     /// off. Expert-parallel execution over several ranks is not built yet, so today this
@@ -137,6 +141,7 @@ impl EngineConfig {
             quantization: None,
             kv_cache_dtype: crate::kernels::KvDtype::Auto,
             kv_store: Default::default(),
+            swa_saved_states: None,
             eplb: None,
             speculative: None,
             draft_model_path: None,

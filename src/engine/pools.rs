@@ -4,6 +4,7 @@
 use super::{Device, EngineConfig, EngineError};
 use crate::model::ModelText;
 use crate::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
+use crate::model::deepseek_v4::saved_state::SavedStates;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Pools {
@@ -14,6 +15,8 @@ pub(super) struct Pools {
     pub enable_prefix_cache: bool,
     /// Tokens before a prefix hit recomputed to rebuild a slot's state.
     pub num_replay_tokens: usize,
+    /// Slot states saved with the prefix, so a hit resumes without the replay.
+    pub num_saved_states: usize,
     /// Bytes of one block as the cache stores it (every layer's K and V).
     pub block_bytes: usize,
 }
@@ -28,6 +31,12 @@ pub(super) fn size_pools(
         if cfg.eplb.is_some() {
             return Err(EngineError::Spawn(
                 "EPLB places MoE experts: this model has none (DeepSeek-V4 has)".into(),
+            ));
+        }
+        if cfg.swa_saved_states.is_some() {
+            return Err(EngineError::Spawn(
+                "--swa-saved-states: this model keeps no sliding-window state (DeepSeek-V4 does)"
+                    .into(),
             ));
         }
         // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The
@@ -45,6 +54,7 @@ pub(super) fn size_pools(
             num_state_slots: None,
             enable_prefix_cache: cfg.enable_prefix_cache,
             num_replay_tokens: 0,
+            num_saved_states: 0,
             block_bytes: bytes_per_block,
         });
     };
@@ -87,6 +97,7 @@ pub(super) fn size_pools(
             "{num_state_slots} state slots take {slot_bytes} bytes, more than the cache budget of {cache_bytes}"
         ));
     };
+    let (num_saved_states, left) = saved_states(cfg, ds, num_state_slots, left)?;
     // Layers that all slide keep nothing in blocks: the pool then only counts positions.
     let bytes_per_block = DsV4Cache::bytes_per_block(ds, block_size).max(1);
     let blocks_for_every_seq = num_state_slots * m.max_context_tokens.div_ceil(block_size);
@@ -96,8 +107,40 @@ pub(super) fn size_pools(
         num_state_slots: Some(num_state_slots),
         enable_prefix_cache: cfg.enable_prefix_cache,
         num_replay_tokens: ds.num_replay_tokens(),
+        num_saved_states,
         block_bytes: bytes_per_block,
     })
+}
+
+/// Saved states carved out of the `left` bytes after the slots: as many as asked
+/// (`--swa-saved-states`), else up to 4 a slot within a quarter of `left`; none without a
+/// prefix cache. Returns them and the bytes left for blocks.
+fn saved_states(
+    cfg: &EngineConfig,
+    ds: &crate::model::deepseek_v4::config::DsV4Config,
+    num_state_slots: usize,
+    left: usize,
+) -> Result<(usize, usize), EngineError> {
+    let bytes = SavedStates::bytes_per_state(ds);
+    let num = match cfg.swa_saved_states {
+        Some(num) if num > 0 && !cfg.enable_prefix_cache => {
+            return Err(EngineError::Spawn(
+                "--swa-saved-states with --no-prefix-cache: saved states are kept with \
+                 cached prefixes"
+                    .into(),
+            ));
+        }
+        _ if !cfg.enable_prefix_cache => 0,
+        Some(num) => num,
+        None => (4 * num_state_slots).min(left / 4 / bytes),
+    };
+    match left.checked_sub(num * bytes) {
+        Some(rest) => Ok((num, rest)),
+        None => Err(EngineError::Spawn(format!(
+            "--swa-saved-states {num}: {num} saved states of {bytes} bytes do not fit the \
+             {left} bytes of the cache budget left after the state slots"
+        ))),
+    }
 }
 
 /// Why `--kv-cache-dtype` cannot run with the rest of `cfg`, if it cannot.

@@ -246,6 +246,16 @@ fn status_registry(s: &EngineStatus) -> Registry {
         "Sampled rows whose logits were copied to the host's sampler",
         s.num_host_sampled_rows,
     );
+    counter(
+        "swa_resumed_hits",
+        "DeepSeek-V4 prefix hits resumed from a saved sliding-window state (no replay)",
+        s.num_resumed_hits,
+    );
+    counter(
+        "swa_replayed_hits",
+        "DeepSeek-V4 prefix hits that replayed the tokens before the hit to rebuild the state",
+        s.num_replayed_hits,
+    );
     let k = &s.kv_store;
     counter(
         "kv_store_bytes_read",

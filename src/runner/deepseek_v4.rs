@@ -10,17 +10,21 @@ use crate::eplb::{Eplb, MoeBalance};
 use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
+use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
 use crate::model::deepseek_v4::mtp::MtpLayer;
+use crate::model::deepseek_v4::saved_state::SavedStates;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
+use crate::sched::{StateLoad, StateSave};
 use crate::step::{StepLogits, StepRow};
 
 pub(super) struct DsV4OnHost {
     model: DsV4Model,
     cache: DsV4Cache,
+    saved: SavedStates,
     eplb: Option<Eplb>,
     /// Tokens per (layer, routed expert) of the current step.
     expert_tokens: Vec<Vec<u64>>,
@@ -47,6 +51,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         args.num_kv_blocks,
         args.block_size,
     );
+    let saved = SavedStates::on(&model.backend, &cache, args.num_saved_states);
     let mtp = if args.mtp {
         let layer = if args.dummy_weights {
             MtpLayer::dummy(&model.cfg)
@@ -63,6 +68,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     Ok(Box::new(DsV4OnHost {
         model,
         cache,
+        saved,
         eplb,
         expert_tokens: vec![vec![0; experts]; layers],
         shard: args.shard,
@@ -165,6 +171,14 @@ impl DeviceModel for DsV4OnHost {
         "cpu (DeepSeek-V4 reference)".into()
     }
 
+    fn load_states(&mut self, loads: &[StateLoad]) -> bool {
+        load_states(&self.model.backend, &self.saved, &mut self.cache, loads)
+    }
+
+    fn save_states(&mut self, saves: &[StateSave]) -> bool {
+        save_states(&self.model.backend, &mut self.saved, &self.cache, saves)
+    }
+
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
         crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
     }
@@ -191,6 +205,46 @@ pub(super) fn ds_steps<'a>(steps: &[SeqStep<'a>]) -> Vec<DsSeqStep<'a>> {
             }
         })
         .collect()
+}
+
+/// `StepPlan::state_loads` into `cache`'s slots; false (nothing loaded past the first
+/// bad one) where one names a state or slot that does not exist.
+pub(super) fn load_states<B: DsV4Kernels>(
+    b: &B,
+    saved: &SavedStates<B>,
+    cache: &mut DsV4Cache<B>,
+    loads: &[StateLoad],
+) -> bool {
+    loads.iter().all(|l| {
+        let (from, slot) = (l.saved as usize, l.slot as usize);
+        let fits = from < saved.num_saved() && slot < cache.num_slots();
+        if fits {
+            let span = SlotSpan {
+                state_start: 0,
+                replay_until: l.replay_until,
+            };
+            saved.load(b, cache, from, slot, span, l.position);
+        }
+        fits
+    })
+}
+
+/// `StepPlan::state_saves` out of `cache`'s slots, each at a block boundary.
+pub(super) fn save_states<B: DsV4Kernels>(
+    b: &B,
+    saved: &mut SavedStates<B>,
+    cache: &DsV4Cache<B>,
+    saves: &[StateSave],
+) -> bool {
+    saves.iter().all(|s| {
+        let (slot, to) = (s.slot as usize, s.saved as usize);
+        let fits = to < saved.num_saved() && slot < cache.num_slots();
+        if fits {
+            debug_assert_eq!(cache.slot_tokens(slot) % cache.block_size, 0);
+            saved.save(b, cache, slot, to);
+        }
+        fits
+    })
 }
 
 /// A step whose logits are on the host already: every sampled row's go to the sampler.

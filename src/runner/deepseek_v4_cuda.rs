@@ -3,7 +3,7 @@
 //! and the Llama ranks' picks: plain rows picked beside the logits, their tokens read there
 //! by the next step's embedding (ZOS with no host round trip).
 
-use super::deepseek_v4::{ds_steps, eplb_for, eplb_step};
+use super::deepseek_v4::{ds_steps, eplb_for, eplb_step, load_states, save_states};
 use super::inputs::StepInputs;
 use super::launch::StepOutcome;
 use super::mtp::MtpDrafter;
@@ -14,12 +14,15 @@ use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::mtp::MtpLayer;
+use crate::model::deepseek_v4::saved_state::SavedStates;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
+use crate::sched::{StateLoad, StateSave};
 use crate::step::StepRow;
 
 pub(super) struct DsV4OnCuda {
     cache: DsV4Cache<CudaBackend>,
+    saved: SavedStates<CudaBackend>,
     eplb: Option<Eplb>,
     expert_tokens: Vec<Vec<u64>>,
     /// `--spec mtp`: the MTP layer on the same GPU, filling the verify rows' drafts.
@@ -36,6 +39,7 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
     let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
         .map_err(|e| e.to_string())?;
     let cache = model.new_cache(args.num_state_slots, args.num_kv_blocks, args.block_size);
+    let saved = SavedStates::on(&model.backend, &cache, args.num_saved_states);
     let mtp = if args.mtp {
         let dir = (!args.dummy_weights).then_some(args.model_path.as_path());
         let layer = MtpLayer::load_into(&model.cfg, dir, &model.backend)
@@ -49,6 +53,7 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
     Ok(Box::new(DsV4OnCuda {
         model,
         cache,
+        saved,
         eplb,
         expert_tokens: vec![vec![0; experts]; layers],
         mtp,
@@ -158,6 +163,14 @@ impl DeviceModel for DsV4OnCuda {
             "{} (DeepSeek-V4)",
             crate::kernels::Backend::device_name(&self.model.backend)
         )
+    }
+
+    fn load_states(&mut self, loads: &[StateLoad]) -> bool {
+        load_states(&self.model.backend, &self.saved, &mut self.cache, loads)
+    }
+
+    fn save_states(&mut self, saves: &[StateSave]) -> bool {
+        save_states(&self.model.backend, &mut self.saved, &self.cache, saves)
     }
 
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {

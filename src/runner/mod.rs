@@ -68,6 +68,8 @@ pub struct RankArgs {
     pub model_path: PathBuf,
     pub num_kv_blocks: usize,
     pub num_state_slots: usize,
+    /// Slot states saved with the prefix (`sched::SavedStates`); 0: none.
+    pub num_saved_states: usize,
     pub block_size: usize,
     pub sampled: SampledTokens,
     /// MoE models: plan expert placement from the routed loads and report the balance.
@@ -192,6 +194,16 @@ pub trait DeviceModel: Send {
     /// Fills each `(block, bytes)` from `kv_blocks`' bytes; false where it cannot.
     fn set_kv_blocks(&mut self, _blocks: &[(u32, &[u8])]) -> bool {
         false
+    }
+    /// Puts saved states into slots before a step's rows run (`StepPlan::state_loads`);
+    /// false where it cannot (a model without per-sequence state).
+    fn load_states(&mut self, loads: &[crate::sched::StateLoad]) -> bool {
+        loads.is_empty()
+    }
+    /// Saves slots' states after a step's rows ran (`StepPlan::state_saves`); false where
+    /// it cannot.
+    fn save_states(&mut self, saves: &[crate::sched::StateSave]) -> bool {
+        saves.is_empty()
     }
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
     /// waiting for the device.

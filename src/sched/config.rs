@@ -13,6 +13,9 @@ pub struct SchedulerConfig {
     /// With state slots: tokens before a prefix-cache hit point that are recomputed to
     /// rebuild a sequence's state (its blocks hold the rest).
     pub num_replay_tokens: usize,
+    /// With state slots: states saved at block boundaries and kept with the prefix, so a
+    /// hit resumes without the replay (`saved_states.rs`); 0: every hit replays.
+    pub num_saved_states: usize,
     /// Cap on running (admitted) sequences.
     pub max_num_seqs: usize,
     /// Token cap per step: prefill chunk tokens plus one per decode row.
@@ -51,6 +54,7 @@ impl Default for SchedulerConfig {
             num_blocks: 1024,
             num_state_slots: None,
             num_replay_tokens: 0,
+            num_saved_states: 0,
             max_num_seqs: 256,
             max_step_tokens: 2048,
             step_time_budget_secs: 0.05,

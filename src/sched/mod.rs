@@ -9,6 +9,7 @@
 //! | `plan.rs` | [`StepPlan`], [`PlannedRow`], [`RowInput`]: what rank workers run |
 //! | `block_manager.rs` | refcounted KV blocks: intrusive free list + LRU of cached blocks |
 //! | `state_slots.rs` | per-sequence state slots (a second fixed-size pool) |
+//! | `saved_states.rs` | slot states saved at block boundaries, kept with the prefix ([`StateSave`], [`StateLoad`]) |
 //! | `prefix_cache.rs` | chain hash of full blocks → block, verified on hit |
 //! | `stored_prefix.rs` | [`StoredPrefix`] (a prompt's blocks found in a prefix store), [`KvLoad`], [`KvSave`] |
 //! | `cost_model.rs` | step seconds as a quadratic in (q, c), refit online |
@@ -22,6 +23,7 @@ mod cost_model;
 mod error;
 mod plan;
 mod prefix_cache;
+mod saved_states;
 mod scheduler;
 mod sequence;
 mod state_slots;
@@ -33,6 +35,7 @@ pub use cost_model::{CostModel, StepFeatures};
 pub use error::SchedError;
 pub use plan::{PlannedRow, RowInput, StepPlan};
 pub use prefix_cache::{CachedBlock, PrefixCache, PrefixCacheStats, ROOT_HASH, block_hash};
+pub use saved_states::{SavedStates, StateLoad, StateSave};
 pub use scheduler::Scheduler;
 pub use sequence::{FinishReason, SeqEvent, SeqRequest};
 pub use state_slots::StateSlots;

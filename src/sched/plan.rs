@@ -1,6 +1,6 @@
 //! A planned step: what the rank workers run, row by row.
 
-use super::{KvLoad, SeqId, StepId};
+use super::{KvLoad, SeqId, StateLoad, StateSave, StepId};
 
 /// One forward step over a batch of rows (decode rows and prefill chunks, mixed).
 #[derive(Debug, Clone)]
@@ -9,6 +9,10 @@ pub struct StepPlan {
     pub rows: Vec<PlannedRow>,
     /// Blocks of admitted prefix-store hits, filled before the rows run.
     pub kv_loads: Vec<KvLoad>,
+    /// Saved states copied into admitted sequences' slots before the rows run.
+    pub state_loads: Vec<StateLoad>,
+    /// Slots copied out after the rows ran (each then ends at a block boundary).
+    pub state_saves: Vec<StateSave>,
 }
 
 /// One sequence's part of a step.

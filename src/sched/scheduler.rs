@@ -92,6 +92,7 @@ pub struct Scheduler {
     /// Times a speculating sequence sat out a step to wait for its drafts' verification.
     num_sat_out_rows: u64,
     store: stored::StoreLink,
+    states: resume::StateLink,
 }
 
 impl Scheduler {
@@ -123,6 +124,7 @@ impl Scheduler {
             num_proposed_drafts: 0,
             num_sat_out_rows: 0,
             store: stored::StoreLink::default(),
+            states: resume::StateLink::new(cfg.num_saved_states, cfg.num_blocks),
             ngram_calibration: NgramDrafter::calibration(
                 NGRAM_MIN,
                 NGRAM_MAX,
@@ -345,7 +347,7 @@ impl Scheduler {
                         i += 1;
                         continue;
                     }
-                    q => q,
+                    q => self.align_chunk(idx, num_cached, q, None),
                 }
             };
             let num_new_blocks = self.num_new_blocks(idx, num_cached + q);
@@ -406,46 +408,9 @@ impl Scheduler {
             step_id,
             rows,
             kv_loads: std::mem::take(&mut self.store.loads),
+            state_loads: std::mem::take(&mut self.states.loads),
+            state_saves: std::mem::take(&mut self.states.saves),
         })
-    }
-
-    /// The device lost its KV and state: forget in-flight steps, give every block and
-    /// slot back, clear the prefix cache and requeue every unfinished sequence in arrival
-    /// order to be recomputed from its known tokens.
-    pub fn reset_device_state(&mut self) {
-        self.in_flight.clear();
-        self.deferred.clear();
-        self.num_deferred_blocks = 0;
-        self.blocks = BlockManager::new(self.cfg.num_blocks);
-        self.slots = self.cfg.num_state_slots.map(StateSlots::new);
-        self.prefix_cache.clear();
-        self.store.forget_transfers();
-        self.running.clear();
-        self.waiting.clear();
-        let mut unfinished = Vec::new();
-        for idx in 0..self.seqs.len() {
-            let Some(seq) = self.seqs[idx].as_mut() else {
-                continue;
-            };
-            seq.num_in_flight_rows = 0;
-            seq.num_in_flight_verify_rows = 0;
-            seq.num_pending_tokens = 0;
-            seq.num_provisional_tokens = 0;
-            seq.in_flight_drafts.clear();
-            seq.last_sample_row = None;
-            seq.block_table.clear();
-            seq.state_slot = None;
-            seq.reset_kv();
-            if seq.is_finished() {
-                self.remove(idx);
-            } else {
-                seq.status = SeqStatus::Waiting;
-                unfinished.push((seq.arrival, idx));
-            }
-        }
-        unfinished.sort_unstable();
-        self.waiting
-            .extend(unfinished.into_iter().map(|(_, idx)| idx));
     }
 
     /// Cost features of the decode rows this step would plan for the running sequences.
@@ -527,13 +492,11 @@ impl Scheduler {
         }
         let num_stored = self.num_stored_hits(idx, &hits, num_matchable / block_size);
         let num_cached = (hits.len() + num_stored) * block_size;
-        // A model with per-sequence state resumes a hit by recomputing the tokens that
-        // rebuild its state (bounded replay); their blocks are the hits themselves.
-        let start = match self.slots {
-            Some(_) if num_cached > 0 => num_cached.saturating_sub(self.cfg.num_replay_tokens),
-            _ => num_cached,
-        };
-        let max_q = (seq.tokens.len() - start).min(num_tokens_left);
+        // A model with per-sequence state resumes a hit from a saved state, or by
+        // recomputing the tokens that rebuild it (their blocks are the hits themselves).
+        let resume = self.resume_point(&hits, num_cached);
+        let start = resume.start;
+        let max_q = (self.seq(idx).tokens.len() - start).min(num_tokens_left);
         let q = self.chunk(
             features,
             start,
@@ -541,6 +504,7 @@ impl Scheduler {
             self.cfg.step_time_budget_secs,
             num_prefill_rows,
         );
+        let q = self.align_chunk(idx, start, q, Some((resume, num_cached)));
         let num_new_blocks = (start + q).div_ceil(block_size).saturating_sub(hits.len());
         // Hits on evictable blocks stop being allocatable once taken.
         let num_evictable_hits = hits
@@ -568,7 +532,7 @@ impl Scheduler {
         seq.block_hashes.extend(hits.iter().map(|h| h.hash));
         seq.num_scheduled_tokens = start;
         seq.num_computed_tokens = start;
-        seq.state_start = start;
+        seq.state_start = if resume.saved.is_some() { 0 } else { start };
         seq.replay_until = num_cached;
         seq.state_slot = slot;
         seq.status = SeqStatus::Running;
@@ -576,6 +540,9 @@ impl Scheduler {
         self.hits = hits;
         self.allocate_into(idx, num_new_blocks);
         self.load_stored(idx, num_hits, num_stored);
+        if let Some(slot) = slot {
+            self.commit_resume(resume, slot, num_cached);
+        }
         self.waiting.pop_front();
         self.running.push(idx);
         Some(q)
@@ -584,6 +551,9 @@ impl Scheduler {
 
 mod completion;
 mod resources;
+mod resume;
+#[cfg(test)]
+mod resume_tests;
 mod rows;
 #[cfg(test)]
 mod sim;

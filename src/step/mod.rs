@@ -12,7 +12,7 @@ pub use sample::{SampleError, StepSampler};
 
 use crate::eplb::MoeBalance;
 use crate::sampling::SamplingParams;
-use crate::sched::{KvLoad, PlannedRow, RowInput, StepPlan};
+use crate::sched::{KvLoad, PlannedRow, RowInput, StateLoad, StateSave, StepPlan};
 use crate::structured::SeqConstraint;
 
 /// One step, as it travels from the scheduler to every rank and on to the sampler.
@@ -27,6 +27,10 @@ pub struct Step {
     pub remap: RemapTable,
     /// Prefix-store blocks the rank fills before the rows run (`StepPlan::kv_loads`).
     pub kv_loads: Vec<KvLoad>,
+    /// Saved states put into slots before the rows run (`StepPlan::state_loads`).
+    pub state_loads: Vec<StateLoad>,
+    /// Slots saved after the rows ran (`StepPlan::state_saves`).
+    pub state_saves: Vec<StateSave>,
 }
 
 /// One row of a step: what the model computes and how its next token is drawn.
@@ -109,6 +113,8 @@ impl Step {
             rows,
             remap,
             kv_loads: plan.kv_loads,
+            state_loads: plan.state_loads,
+            state_saves: plan.state_saves,
         }
     }
 }

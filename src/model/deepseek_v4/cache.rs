@@ -262,8 +262,20 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
         self.snapshots[slot] = None;
     }
 
+    /// The slot continues a history `span` at `position` (its state was put there whole:
+    /// a saved state).
+    pub fn resume(&mut self, slot: usize, span: SlotSpan, position: usize) {
+        self.spans[slot] = span;
+        self.slot_tokens[slot] = position;
+        self.snapshots[slot] = None;
+    }
+
     pub fn ring_len(&self) -> usize {
         self.ring_len
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
     }
 }
 

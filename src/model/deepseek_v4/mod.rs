@@ -7,6 +7,7 @@
 //! | `config.rs` | `DsV4Config` from transformers' `DeepseekV4Config` JSON |
 //! | `weights.rs` | tensors by DeepSeek's names, placed on the backend |
 //! | `cache.rs` | state slots (SWA ring, compressor windows, overlap) and paged compressed entries |
+//! | `saved_state.rs` | slot states saved at block boundaries, for prefix hits without a replay |
 //! | `plan.rs` | a step's rows, sequences and closing windows, made once for all layers |
 //! | `embedding.rs` | a step's tokens embedded, from the host's table or, read from the last picks, the device's |
 //! | `recorded.rs` | decode steps over fixed-address buffers, recorded once and replayed |
@@ -31,6 +32,7 @@ pub mod plan;
 pub mod quantized;
 mod recorded;
 pub mod rope;
+pub mod saved_state;
 pub mod weights;
 
 use std::path::Path;

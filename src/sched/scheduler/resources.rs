@@ -6,8 +6,10 @@
 use super::Scheduler;
 use crate::sched::KvSave;
 use crate::sched::StepId;
+use crate::sched::block_manager::BlockManager;
 use crate::sched::prefix_cache::ROOT_HASH;
 use crate::sched::sequence::SeqStatus;
+use crate::sched::state_slots::StateSlots;
 use crate::sched::{FinishReason, SeqEvent};
 
 /// Blocks and a slot to give back once step `after_step` is done.
@@ -28,6 +30,46 @@ pub(super) enum Reserve {
 }
 
 impl Scheduler {
+    /// The device lost its KV and state: forget in-flight steps, give every block and
+    /// slot back, clear the prefix cache and requeue every unfinished sequence in arrival
+    /// order to be recomputed from its known tokens.
+    pub fn reset_device_state(&mut self) {
+        self.in_flight.clear();
+        self.deferred.clear();
+        self.num_deferred_blocks = 0;
+        self.blocks = BlockManager::new(self.cfg.num_blocks);
+        self.slots = self.cfg.num_state_slots.map(StateSlots::new);
+        self.prefix_cache.clear();
+        self.store.forget_transfers();
+        self.states.forget();
+        self.running.clear();
+        self.waiting.clear();
+        let mut unfinished = Vec::new();
+        for idx in 0..self.seqs.len() {
+            let Some(seq) = self.seqs[idx].as_mut() else {
+                continue;
+            };
+            seq.num_in_flight_rows = 0;
+            seq.num_in_flight_verify_rows = 0;
+            seq.num_pending_tokens = 0;
+            seq.num_provisional_tokens = 0;
+            seq.in_flight_drafts.clear();
+            seq.last_sample_row = None;
+            seq.block_table.clear();
+            seq.state_slot = None;
+            seq.reset_kv();
+            if seq.is_finished() {
+                self.remove(idx);
+            } else {
+                seq.status = SeqStatus::Waiting;
+                unfinished.push((seq.arrival, idx));
+            }
+        }
+        unfinished.sort_unstable();
+        self.waiting
+            .extend(unfinished.into_iter().map(|(_, idx)| idx));
+    }
+
     /// Makes `num_blocks` allocatable for running sequence `idx`, preempting the most
     /// recently admitted running sequences if needed.
     pub(super) fn reserve_blocks(&mut self, idx: usize, num_blocks: usize) -> Reserve {
@@ -56,6 +98,7 @@ impl Scheduler {
             if alloc.evicted_cached {
                 self.prefix_cache.remove_block(alloc.block_id);
             }
+            self.states.saved.forget(alloc.block_id);
             self.seq_mut(idx).block_table.push(alloc.block_id);
         }
     }

@@ -271,6 +271,9 @@ impl Scheduler {
                 row: row_index,
             });
         }
+        if drafts.is_empty() {
+            self.plan_state_save(idx, start + q, step_id);
+        }
     }
 }
 

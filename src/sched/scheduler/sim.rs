@@ -58,8 +58,23 @@ pub(super) fn reference_with(
     }
 }
 
+/// A state slot as the fake device keeps it: its position and the last `window` tokens it
+/// saw, as a sliding-window model's state. A sampled token whose slot did not see the
+/// window before it comes out wrong, so an inexact resume changes the output.
+#[derive(Debug, Clone, Default)]
+struct SimSlot {
+    pos: usize,
+    seen: VecDeque<u32>,
+}
+
 pub(super) struct Device {
     pub(super) block_size: usize,
+    /// With state slots: the tokens a state depends on (the replay bound); 0: no state.
+    window: usize,
+    slots: HashMap<u32, SimSlot>,
+    saved: HashMap<u32, SimSlot>,
+    /// Saved states put into slots.
+    pub(super) num_state_loads: usize,
     kv: Vec<Option<u32>>,
     /// Per step, per row: the last token that row sampled and the drafts it rejected.
     sampled: HashMap<StepId, Vec<Option<(u32, usize)>>>,
@@ -75,6 +90,10 @@ impl Device {
     pub(super) fn new(cfg: &SchedulerConfig) -> Self {
         Self {
             block_size: cfg.block_size,
+            window: cfg.num_state_slots.map_or(0, |_| cfg.num_replay_tokens),
+            slots: HashMap::new(),
+            saved: HashMap::new(),
+            num_state_loads: 0,
             kv: vec![None; cfg.num_blocks * cfg.block_size],
             sampled: HashMap::new(),
             num_from_previous: 0,
@@ -109,6 +128,15 @@ impl Device {
                 self.kv[load.block_id as usize * self.block_size + i] = Some(token);
             }
         }
+        for load in &plan.state_loads {
+            let state = self.saved[&load.saved].clone();
+            assert_eq!(
+                state.pos, load.position,
+                "a saved state of another position"
+            );
+            self.slots.insert(load.slot, state);
+            self.num_state_loads += 1;
+        }
         let mut per_row = vec![None; plan.rows.len()];
         let mut out = Vec::new();
         for (r, row) in plan.rows.iter().enumerate() {
@@ -137,14 +165,38 @@ impl Device {
                 let s = self.slot(&row.block_table, start + k);
                 self.kv[s] = Some(t);
             }
+            let state = row.state_slot.filter(|_| self.window > 0).map(|slot| {
+                let fresh = start == row.state_start;
+                let st = self.slots.entry(slot).or_default();
+                if fresh {
+                    *st = SimSlot {
+                        pos: start,
+                        seen: VecDeque::new(),
+                    };
+                }
+                assert_eq!(st.pos, start, "slot {slot} continued at another position");
+                for &t in &input {
+                    st.seen.push_back(t);
+                    if st.seen.len() > self.window {
+                        st.seen.pop_front();
+                    }
+                }
+                st.pos = end;
+                st.seen.clone()
+            });
             if row.sample {
                 let context: Vec<u32> = (0..end)
                     .map(|p| self.kv[self.slot(&row.block_table, p)].expect("position filled"))
                     .collect();
                 let k = row.num_draft_tokens;
+                let exact = state.is_none_or(|seen| {
+                    seen.iter()
+                        .eq(&context[end.saturating_sub(self.window)..end])
+                });
                 let mut tokens = Vec::new();
                 for i in 0..=k {
                     let t = (self.next)(&context[..end - k + i]);
+                    let t = if exact { t } else { (t + 1) % VOCAB };
                     tokens.push(t);
                     if i == k || context[end - k + i] != t {
                         break;
@@ -155,6 +207,14 @@ impl Device {
                 per_row[r] = tokens.last().map(|&t| (t, k + 1 - tokens.len()));
                 out.push(tokens);
             }
+        }
+        for save in &plan.state_saves {
+            let state = self.slots[&save.slot].clone();
+            assert!(
+                state.pos.is_multiple_of(self.block_size),
+                "saved off a block boundary"
+            );
+            self.saved.insert(save.saved, state);
         }
         self.sampled.insert(plan.step_id, per_row);
         out

@@ -1,0 +1,130 @@
+//! Slot states saved at block boundaries, for prefix hits that resume without a replay
+//! (the "stored" part of the seed's state block, §8.3): per layer the sliding-window ring
+//! and each overlapping compressor's previous window. A compressor's open window is left
+//! out (the "dropped" part): every compress rate divides the block size, so at a block
+//! boundary no window is open.
+
+use super::cache::{DsV4Cache, SlotSpan};
+use super::config::DsV4Config;
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::deepseek_v4::DsV4Kernels;
+
+/// One layer's saved states: its ring's, then per overlapping compressor (the main one,
+/// then the indexer's) its previous window's kv and gate rows.
+struct SavedLayer<B: DsV4Kernels> {
+    ring: B::Buf,
+    prev: Vec<(B::Buf, B::Buf)>,
+}
+
+pub struct SavedStates<B: DsV4Kernels = CpuBackend> {
+    layers: Vec<SavedLayer<B>>,
+    num_saved: usize,
+}
+
+/// Per layer: floats of its ring, and of each overlapping compressor's previous window.
+fn layer_floats<B: DsV4Kernels>(cache: &DsV4Cache<B>) -> Vec<(usize, Vec<usize>)> {
+    let ring = cache.ring_len() * cache.head_dim();
+    cache
+        .layers
+        .iter()
+        .map(|l| {
+            let prev = l
+                .compressor
+                .iter()
+                .chain(l.indexer.iter())
+                .map(|c| c.slot_floats().1)
+                .filter(|&floats| floats > 0)
+                .collect();
+            (ring, prev)
+        })
+        .collect()
+}
+
+impl SavedStates<CpuBackend> {
+    /// Bytes of one saved state, for sizing its pool.
+    pub fn bytes_per_state(cfg: &DsV4Config) -> usize {
+        let cache = DsV4Cache::new(cfg, 1, 0, super::cache::lcm_rates(cfg));
+        layer_floats(&cache)
+            .iter()
+            .map(|(ring, prev)| ring + 2 * prev.iter().sum::<usize>())
+            .sum::<usize>()
+            * 4
+    }
+}
+
+impl<B: DsV4Kernels> SavedStates<B> {
+    /// `num_saved` states of `cache`'s layout on `b`.
+    pub fn on(b: &B, cache: &DsV4Cache<B>, num_saved: usize) -> Self {
+        let layers = layer_floats(cache)
+            .into_iter()
+            .map(|(ring, prev)| SavedLayer {
+                ring: b.alloc(num_saved * ring),
+                prev: prev
+                    .iter()
+                    .map(|&f| (b.alloc(num_saved * f), b.alloc(num_saved * f)))
+                    .collect(),
+            })
+            .collect();
+        SavedStates { layers, num_saved }
+    }
+
+    pub fn num_saved(&self) -> usize {
+        self.num_saved
+    }
+
+    /// Copies `slot`'s state (at a block boundary) into saved state `saved`.
+    pub fn save(&mut self, b: &B, cache: &DsV4Cache<B>, slot: usize, saved: usize) {
+        assert!(saved < self.num_saved, "saved state {saved} out of range");
+        for ((layer, (ring, prev)), cl) in self
+            .layers
+            .iter_mut()
+            .zip(layer_floats(cache))
+            .zip(&cache.layers)
+        {
+            let values = b.read_floats(&cl.ring, slot * ring..(slot + 1) * ring);
+            b.write_floats(&mut layer.ring, saved * ring, &values);
+            let overlapping = cl
+                .compressor
+                .iter()
+                .chain(cl.indexer.iter())
+                .filter(|c| c.overlap);
+            for ((kv, gate), (c, f)) in layer.prev.iter_mut().zip(overlapping.zip(prev)) {
+                let values = b.read_floats(&c.prev_kv, slot * f..(slot + 1) * f);
+                b.write_floats(kv, saved * f, &values);
+                let values = b.read_floats(&c.prev_gate, slot * f..(slot + 1) * f);
+                b.write_floats(gate, saved * f, &values);
+            }
+        }
+    }
+
+    /// Puts saved state `saved` into `slot`: it then holds `position` tokens of a history
+    /// `span` (which begins at 0: the saved state is a cold run's).
+    pub fn load(
+        &self,
+        b: &B,
+        cache: &mut DsV4Cache<B>,
+        saved: usize,
+        slot: usize,
+        span: SlotSpan,
+        position: usize,
+    ) {
+        assert!(saved < self.num_saved, "saved state {saved} out of range");
+        let floats = layer_floats(cache);
+        for ((layer, (ring, prev)), cl) in self.layers.iter().zip(floats).zip(&mut cache.layers) {
+            let values = b.read_floats(&layer.ring, saved * ring..(saved + 1) * ring);
+            b.write_floats(&mut cl.ring, slot * ring, &values);
+            let overlapping = cl
+                .compressor
+                .iter_mut()
+                .chain(cl.indexer.iter_mut())
+                .filter(|c| c.overlap);
+            for ((kv, gate), (c, f)) in layer.prev.iter().zip(overlapping.zip(prev)) {
+                let values = b.read_floats(kv, saved * f..(saved + 1) * f);
+                b.write_floats(&mut c.prev_kv, slot * f, &values);
+                let values = b.read_floats(gate, saved * f..(saved + 1) * f);
+                b.write_floats(&mut c.prev_gate, slot * f, &values);
+            }
+        }
+        cache.resume(slot, span, position);
+    }
+}
