@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod cuda;
 pub mod deepseek_v4;
 mod device;
+pub mod entry_format;
 pub mod fp4;
 pub mod fp8;
 mod host;
