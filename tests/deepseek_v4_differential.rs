@@ -19,7 +19,8 @@ use std::time::Duration;
 
 use common::engine::{ok_outputs, tokens};
 use troupe::engine::{Device, Engine, EngineConfig, EngineRequest};
-use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
+use troupe::kernels::entry_format::EntryFormat;
+use troupe::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::mtp::MtpLayer;
 use troupe::model::deepseek_v4::saved_state::SavedStates;
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
@@ -109,13 +110,25 @@ struct Runner<'a> {
 
 impl<'a> Runner<'a> {
     fn new(model: &'a DsV4Model, tokens: usize) -> Self {
+        Self::new_in(model, tokens, CacheFormats::default())
+    }
+
+    /// A runner whose cache stores its entries as `formats` says.
+    fn new_in(model: &'a DsV4Model, tokens: usize, formats: CacheFormats) -> Self {
         let block_size = 2 * lcm_rates(&model.cfg);
         let num_blocks = tokens.div_ceil(block_size) + 1;
         // Blocks handed out back to front: no sequence's blocks are contiguous.
         let table = (0..num_blocks).rev().map(|b| b as u32).collect();
         Runner {
             model,
-            cache: DsV4Cache::new(&model.cfg, 2, num_blocks, block_size),
+            cache: DsV4Cache::on_in(
+                &model.backend,
+                &model.cfg,
+                formats,
+                2,
+                num_blocks,
+                block_size,
+            ),
             table,
             block_size,
         }
@@ -343,6 +356,79 @@ fn random_checkpoints_match_transformers() {
         failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The packed cache layouts (the seed's FP8 and FP4 main entries with MXFP4 indexer keys;
+/// bf16) against transformers' f32 logits, in chunks of 7: the rms over positions of a
+/// row's relative error and how often the argmax agrees, bounded per layout. (The largest
+/// error is reported, not bounded: random weights route MoE tokens by near ties, and a
+/// flipped expert moves a row far whatever moved it.)
+#[test]
+fn packed_cache_entries_stay_near_transformers() {
+    let layouts = [
+        ("bf16", EntryFormat::Bf16, EntryFormat::Bf16, 0.03, 0.99),
+        (
+            "fp8 + mxfp4",
+            EntryFormat::Fp8,
+            EntryFormat::Mxfp4,
+            0.2,
+            0.9,
+        ),
+        (
+            "fp4 + mxfp4",
+            EntryFormat::Fp4,
+            EntryFormat::Mxfp4,
+            0.25,
+            0.85,
+        ),
+    ];
+    let dirs = case_dirs();
+    for (name, main, index, rms_bound, agree_bound) in layouts {
+        let formats = CacheFormats { main, index };
+        let (mut worst, mut rms, mut agree, mut rows) = (0.0f32, 0.0f64, 0, 0);
+        let mut num_cases = 0;
+        for dir in &dirs {
+            let case = load_case(dir);
+            let model = DsV4Model::load_dir(dir).unwrap();
+            // MXFP4 keys need index heads of whole groups of 32.
+            if formats.problem(&model.cfg).is_some() {
+                continue;
+            }
+            num_cases += 1;
+            let vocab = model.vocab_size();
+            let mut tokens = case.prompt.clone();
+            tokens.extend_from_slice(&case.greedy[..case.greedy.len() - 1]);
+            let mut runner = Runner::new_in(&model, tokens.len(), formats);
+            let got = runner.run(0, &tokens, SlotSpan::default(), &[7]);
+            for (g, w) in got.chunks_exact(vocab).zip(case.logits.chunks_exact(vocab)) {
+                let (err, _) = worst_row_error(g, w, vocab);
+                worst = worst.max(err);
+                rms += (err as f64).powi(2);
+                let argmax = |x: &[f32]| (0..vocab).max_by(|&a, &b| x[a].total_cmp(&x[b]));
+                agree += usize::from(argmax(g) == argmax(w));
+                rows += 1;
+            }
+        }
+        assert!(
+            num_cases >= 2,
+            "{name}: only {num_cases} cases take the layout"
+        );
+        eprintln!(
+            "{name}: {num_cases} cases, {rows} positions, largest relative error {worst:.2e}, rms {:.2e}, \
+             argmax agreement {:.1} %",
+            (rms / rows as f64).sqrt(),
+            100.0 * agree as f64 / rows as f64
+        );
+        let (rms, agree) = ((rms / rows as f64).sqrt(), agree as f64 / rows as f64);
+        assert!(
+            rms < rms_bound,
+            "{name}: rms relative error {rms:.2e} past {rms_bound}"
+        );
+        assert!(
+            agree >= agree_bound,
+            "{name}: argmax agreement {agree:.3} under {agree_bound}"
+        );
+    }
 }
 
 /// Rows of exact ties (`tests/goldens/torch_topk_ties.json`, from torch's CPU `topk`): the

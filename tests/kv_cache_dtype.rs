@@ -200,15 +200,95 @@ async fn the_engine_sizes_its_pool_by_the_cache_dtype_and_refuses_what_cannot_ru
                 "{err}"
             );
         }
+        // tiny-dsv4-a's index heads are 16 wide: MXFP4 keys take groups of 32.
         let mut dsv4 = common::engine::tiny_config("tiny-dsv4-a");
         dsv4.device = Device::Cpu;
         dsv4.kv_cache_dtype = KvDtype::Fp8;
-        let err = Engine::spawn(dsv4)
-            .await
-            .err()
-            .expect("refused")
-            .to_string();
-        assert!(err.contains("DeepSeek-V4"), "{err}");
+        let mut dsv4_cuda = common::engine::tiny_config("tiny-dsv4-a");
+        dsv4_cuda.device = Device::Cuda(0);
+        dsv4_cuda.kv_cache_dtype = KvDtype::Bf16;
+        let mut llama_fp4 = common::engine::tiny_config("tiny-llama");
+        llama_fp4.kv_cache_dtype = KvDtype::Fp4;
+        for (cfg, want) in [
+            (
+                dsv4,
+                "Mxfp4 entries take rows of whole groups of 32, not 16",
+            ),
+            (
+                dsv4_cuda,
+                "DeepSeek-V4's packed entries run on the CPU so far",
+            ),
+            (llama_fp4, "--kv-cache-dtype fp4 is DeepSeek-V4's layout"),
+        ] {
+            let err = Engine::spawn(cfg).await.err().expect("refused").to_string();
+            assert!(err.contains(want), "{err}");
+        }
+    })
+    .await
+    .expect("within its time bound");
+}
+
+/// DeepSeek-V4's layouts through the engine on a differential case whose heads take them:
+/// the pool holds more blocks the fewer bytes a block takes, every request runs, the f32
+/// cache gives transformers' greedy tokens, and the others' agreement is reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deepseek_v4_layouts_size_the_pool_and_run_through_the_engine() {
+    use troupe::engine::{Device, EngineConfig, EngineRequest};
+    use troupe::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
+    use troupe::model::deepseek_v4::config::DsV4Config;
+    use troupe::sampling::SamplingParams;
+    let dir = common::goldens().join("dsv4-diff/case-1003");
+    let case = common::read_json("dsv4-diff/case-1003/case.json");
+    let prompt = common::ids(&case["prompt"]);
+    let greedy = common::ids(&case["greedy_tokens"]);
+    let ds = DsV4Config::from_dir(&dir).unwrap();
+    let bound = std::time::Duration::from_secs(120);
+    tokio::time::timeout(bound, async {
+        let mut runs = Vec::new();
+        for dtype in [KvDtype::Auto, KvDtype::Bf16, KvDtype::Fp8, KvDtype::Fp4] {
+            let mut cfg = EngineConfig::new(dir.clone());
+            cfg.device = Device::Cpu;
+            // Room for 12 f32 blocks beside the slots: the budget, not the cap, sizes it.
+            cfg.kv_cache_bytes = 4 * DsV4Cache::bytes_per_slot(&ds)
+                + 12 * DsV4Cache::bytes_per_block(&ds, lcm_rates(&ds).max(16));
+            cfg.swa_saved_states = Some(0);
+            cfg.max_num_seqs = 4;
+            cfg.kv_cache_dtype = dtype;
+            let requests = (0..3)
+                .map(|_| {
+                    let mut r =
+                        EngineRequest::new(prompt.clone(), greedy.len(), SamplingParams::default());
+                    r.ignore_eos = true;
+                    r
+                })
+                .collect();
+            let (outs, status) = common::engine::run_engine(cfg, requests).await;
+            for o in &outs {
+                assert_eq!(o.token_ids.len(), greedy.len(), "{dtype:?}");
+            }
+            let agree = outs[0]
+                .token_ids
+                .iter()
+                .zip(&greedy)
+                .take_while(|(a, b)| a == b)
+                .count();
+            eprintln!(
+                "{}: {} blocks, the first {agree} of {} greedy tokens as transformers'",
+                dtype.name(),
+                status.num_total_blocks,
+                greedy.len()
+            );
+            runs.push((status.num_total_blocks, agree));
+        }
+        assert_eq!(
+            runs[0].1,
+            greedy.len(),
+            "the f32 cache gives transformers' tokens"
+        );
+        assert!(
+            runs.windows(2).all(|w| w[1].0 > w[0].0),
+            "blocks by layout: {runs:?}"
+        );
     })
     .await
     .expect("within its time bound");

@@ -3,7 +3,7 @@
 
 use super::{Device, EngineConfig, EngineError};
 use crate::model::ModelText;
-use crate::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
+use crate::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, lcm_rates};
 use crate::model::deepseek_v4::saved_state::SavedStates;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +99,14 @@ pub(super) fn size_pools(
     };
     let (num_saved_states, left) = saved_states(cfg, ds, num_state_slots, left)?;
     // Layers that all slide keep nothing in blocks: the pool then only counts positions.
-    let bytes_per_block = DsV4Cache::bytes_per_block(ds, block_size).max(1);
+    let formats = CacheFormats::for_dtype(cfg.kv_cache_dtype);
+    if let Some(problem) = formats.problem(ds) {
+        return refuse(&format!(
+            "--kv-cache-dtype {}: {problem}",
+            cfg.kv_cache_dtype.name()
+        ));
+    }
+    let bytes_per_block = DsV4Cache::bytes_per_block_in(ds, block_size, formats).max(1);
     let blocks_for_every_seq = num_state_slots * m.max_context_tokens.div_ceil(block_size);
     Ok(Pools {
         block_size,
@@ -151,9 +158,19 @@ pub(super) fn kv_dtype_problem(cfg: &EngineConfig, deepseek_v4: bool) -> Option<
     }
     let name = dtype.name();
     if deepseek_v4 {
-        return Some(format!(
-            "--kv-cache-dtype {name}: DeepSeek-V4 keeps its own cache layout (only auto runs)"
-        ));
+        return matches!(cfg.device, Device::Cuda(_)).then(|| {
+            format!(
+                "--kv-cache-dtype {name}: DeepSeek-V4's packed entries run on the CPU so far \
+                 (only auto runs on CUDA)"
+            )
+        });
+    }
+    if dtype == crate::kernels::KvDtype::Fp4 {
+        return Some(
+            "--kv-cache-dtype fp4 is DeepSeek-V4's layout: the Llama family takes auto, bf16 \
+             or fp8"
+                .into(),
+        );
     }
     (matches!(cfg.device, Device::Cuda(_)) && cfg.batch_invariant).then(|| {
         format!(

@@ -11,6 +11,7 @@
 // lists into struct literals at every call.
 #![allow(clippy::too_many_arguments)]
 
+use crate::kernels::entry_format::EntryFormat;
 use std::ops::Range;
 
 use super::Backend;
@@ -63,6 +64,14 @@ pub struct Compressor<B: Backend + ?Sized> {
     pub dim: usize,
     pub overlap: bool,
     pub entries_per_block: usize,
+    /// How `entries` stores an entry: f32 as computed, or packed (`EntryFormat`) into
+    /// `row_len` f32 words of bytes.
+    pub format: EntryFormat,
+    /// f32 words of `entries` an entry takes.
+    pub row_len: usize,
+    /// Packed formats: the step's emitted entries (entry index, f32 values) until
+    /// `dsv4_entry_finish` norms, ropes and packs them.
+    pub staged: Vec<(u32, Vec<f32>)>,
     pub buf_kv: B::Buf,
     pub buf_gate: B::Buf,
     pub prev_kv: B::Buf,
@@ -82,7 +91,7 @@ impl<B: Backend + ?Sized> Compressor<B> {
     }
 
     pub fn block_floats(&self) -> usize {
-        self.entries_per_block * self.dim
+        self.entries_per_block * self.row_len
     }
 }
 

@@ -17,6 +17,8 @@ pub enum KvDtype {
     /// e4m3 with one f32 scale per token and kv head (its largest magnitude maps to 448):
     /// a quarter of f32's bytes, half of bf16's.
     Fp8,
+    /// DeepSeek-V4 only: the seed's FP4 entries (E2M1 with an e4m3 scale per 16).
+    Fp4,
 }
 
 impl KvDtype {
@@ -25,6 +27,7 @@ impl KvDtype {
             KvDtype::Auto => "auto",
             KvDtype::Bf16 => "bf16",
             KvDtype::Fp8 => "fp8",
+            KvDtype::Fp4 => "fp4",
         }
     }
 
@@ -35,6 +38,7 @@ impl KvDtype {
             KvDtype::Auto => head_dim * auto_bytes,
             KvDtype::Bf16 => head_dim * 2,
             KvDtype::Fp8 => head_dim + std::mem::size_of::<f32>(),
+            KvDtype::Fp4 => head_dim / 2 + head_dim / 16,
         }
     }
 }
@@ -46,8 +50,9 @@ impl std::str::FromStr for KvDtype {
             "auto" => Ok(KvDtype::Auto),
             "bf16" => Ok(KvDtype::Bf16),
             "fp8" | "fp8_e4m3" => Ok(KvDtype::Fp8),
+            "fp4" => Ok(KvDtype::Fp4),
             other => Err(format!(
-                "unknown KV cache dtype {other:?}: expected auto, bf16 or fp8"
+                "unknown KV cache dtype {other:?}: expected auto, bf16, fp8 or fp4"
             )),
         }
     }

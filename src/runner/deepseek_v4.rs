@@ -11,7 +11,7 @@ use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::DsV4Kernels;
-use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
+use crate::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
 use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::saved_state::SavedStates;
@@ -45,8 +45,17 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     };
     let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
         .map_err(|e| e.to_string())?;
-    let cache = DsV4Cache::new(
+    let formats = CacheFormats::for_dtype(args.kv_dtype);
+    if let Some(problem) = formats.problem(&model.cfg) {
+        return Err(format!(
+            "--kv-cache-dtype {}: {problem}",
+            args.kv_dtype.name()
+        ));
+    }
+    let cache = DsV4Cache::on_in(
+        &model.backend,
         &model.cfg,
+        formats,
         args.num_state_slots,
         args.num_kv_blocks,
         args.block_size,

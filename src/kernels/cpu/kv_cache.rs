@@ -26,6 +26,7 @@ impl KvRows {
         match shape.dtype {
             KvDtype::Auto => KvRows::F32(vec![0.0; len]),
             KvDtype::Bf16 => KvRows::Bf16(vec![bf16::ZERO; len]),
+            KvDtype::Fp4 => unreachable!("FP4 entries are DeepSeek-V4's: the engine refuses them"),
             KvDtype::Fp8 => KvRows::Fp8 {
                 codes: vec![0; len],
                 scales: vec![0.0; shape.num_slots() * shape.num_kv_heads],

@@ -61,6 +61,7 @@ fn stored(values: &[f32], hd: usize, dtype: KvDtype) -> Vec<f32> {
             .iter()
             .map(|&x| half::bf16::from_f32(x).to_f32())
             .collect(),
+        KvDtype::Fp4 => unreachable!("the Llama cache takes no FP4"),
         KvDtype::Fp8 => values
             .chunks_exact(hd)
             .flat_map(|head| {

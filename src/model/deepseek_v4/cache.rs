@@ -5,14 +5,47 @@
 //! block of `block_size` source tokens holds `block_size / rate` entries of a layer.
 
 use super::config::{AttentionKind, DsV4Config};
+use crate::kernels::KvDtype;
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{Compressor, DsV4Kernels};
+use crate::kernels::entry_format::EntryFormat;
 
+/// How the paged entries are stored (`--kv-cache-dtype`): the compressors' main entries
+/// and the indexer's keys. The sliding-window ring stays f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct CacheFormats {
+    pub main: EntryFormat,
+    pub index: EntryFormat,
+}
+
+impl CacheFormats {
+    /// `--kv-cache-dtype`'s layout: auto keeps f32; fp8 and fp4 are the seed's main
+    /// entries with MXFP4 indexer keys; bf16 stores both in bf16.
+    pub fn for_dtype(dtype: KvDtype) -> Self {
+        let (main, index) = match dtype {
+            KvDtype::Auto => (EntryFormat::F32, EntryFormat::F32),
+            KvDtype::Bf16 => (EntryFormat::Bf16, EntryFormat::Bf16),
+            KvDtype::Fp8 => (EntryFormat::Fp8, EntryFormat::Mxfp4),
+            KvDtype::Fp4 => (EntryFormat::Fp4, EntryFormat::Mxfp4),
+        };
+        CacheFormats { main, index }
+    }
+
+    /// Why `cfg`'s entries cannot be stored so, if they cannot.
+    pub fn problem(&self, cfg: &DsV4Config) -> Option<String> {
+        self.main
+            .problem(cfg.head_dim)
+            .or_else(|| self.index.problem(cfg.index_head_dim))
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn compressor<B: DsV4Kernels>(
     b: &B,
     rate: usize,
     dim: usize,
     overlap: bool,
+    format: EntryFormat,
     num_slots: usize,
     num_blocks: usize,
     block_size: usize,
@@ -20,17 +53,24 @@ fn compressor<B: DsV4Kernels>(
     let width = if overlap { 2 * dim } else { dim };
     let prev = if overlap { rate * dim } else { 0 };
     let entries_per_block = block_size / rate;
+    let row_len = match format {
+        EntryFormat::F32 => dim,
+        packed => packed.bytes(dim).div_ceil(4),
+    };
     Compressor {
         rate,
         width,
         dim,
         overlap,
         entries_per_block,
+        format,
+        row_len,
+        staged: Vec::new(),
         buf_kv: b.alloc(num_slots * rate * width),
         buf_gate: b.alloc(num_slots * rate * width),
         prev_kv: b.alloc(num_slots * prev),
         prev_gate: b.alloc(num_slots * prev),
-        entries: b.alloc(num_blocks * entries_per_block * dim),
+        entries: b.alloc(num_blocks * entries_per_block * row_len),
     }
 }
 
@@ -115,7 +155,12 @@ impl DsV4Cache<CpuBackend> {
     }
 
     pub fn bytes_per_block(cfg: &DsV4Config, block_size: usize) -> usize {
-        let c = Self::new(cfg, 0, 1, block_size);
+        Self::bytes_per_block_in(cfg, block_size, CacheFormats::default())
+    }
+
+    /// `bytes_per_block` with entries stored as `formats` says.
+    pub fn bytes_per_block_in(cfg: &DsV4Config, block_size: usize, formats: CacheFormats) -> usize {
+        let c = Self::on_in(&CpuBackend::default(), cfg, formats, 0, 1, block_size);
         c.layers
             .iter()
             .flat_map(|l| l.compressor.iter().chain(l.indexer.iter()))
@@ -143,6 +188,29 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
         num_blocks: usize,
         block_size: usize,
     ) -> Self {
+        Self::on_in(
+            b,
+            cfg,
+            CacheFormats::default(),
+            num_slots,
+            num_blocks,
+            block_size,
+        )
+    }
+
+    /// `on`, its entries stored as `formats` says.
+    pub fn on_in(
+        b: &B,
+        cfg: &DsV4Config,
+        formats: CacheFormats,
+        num_slots: usize,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Self {
+        // The engine refuses such a layout by name before any cache is made.
+        if let Some(problem) = formats.problem(cfg) {
+            panic!("{problem}");
+        }
         let ring_len = cfg.sliding_window - 1;
         let hd = cfg.head_dim;
         let layers = (0..cfg.num_layers)
@@ -151,7 +219,8 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
                 LayerCache {
                     ring: b.alloc(num_slots * ring_len * hd),
                     compressor: cfg.rate(l).map(|rate| {
-                        compressor(b, rate, hd, csa, num_slots, num_blocks, block_size)
+                        let f = formats.main;
+                        compressor(b, rate, hd, csa, f, num_slots, num_blocks, block_size)
                     }),
                     indexer: csa.then(|| {
                         compressor(
@@ -159,6 +228,7 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
                             cfg.csa_rate,
                             cfg.index_head_dim,
                             true,
+                            formats.index,
                             num_slots,
                             num_blocks,
                             block_size,

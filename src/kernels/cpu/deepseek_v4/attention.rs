@@ -6,12 +6,13 @@
 use rayon::prelude::*;
 
 use super::super::torch_topk::torch_top_k;
-use super::{dot, entry_index, rope_rows};
+use super::{compress, dot, entry_index, rope_rows};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{
     AttentionKeys, Compressor, NO_ENTRY, S_LEN, S_POS0, S_ROW0, S_SLOT, S_START, S_TABLE,
     SEQ_FIELDS, StepMeta,
 };
+use crate::kernels::entry_format::EntryFormat;
 
 type Meta = StepMeta<CpuBackend>;
 
@@ -56,6 +57,32 @@ pub(super) fn attend(
                 sq[S_POS0] as usize,
                 sq[S_ROW0] as usize,
             );
+            // The compressed entries this row reads, decoded first where packed.
+            let mut picked = Vec::new();
+            if let Some((c, selection)) = keys.compressed {
+                let tbl = table(meta, sq);
+                let at =
+                    |e: usize| entry_index(tbl, keys.block_size, c.rate, c.entries_per_block, e);
+                match selection {
+                    Some((sel, k)) => picked.extend(
+                        sel[i * k..(i + 1) * k]
+                            .iter()
+                            .take_while(|&&e| e != NO_ENTRY)
+                            .map(|&e| at(e as usize)),
+                    ),
+                    None => picked.extend((0..(t + 1) / c.rate).map(at)),
+                }
+            }
+            let mut decoded = Vec::new();
+            if let Some((c, _)) = keys
+                .compressed
+                .filter(|(c, _)| c.format != EntryFormat::F32)
+            {
+                decoded = vec![0f32; picked.len() * c.dim];
+                for (&idx, out) in picked.iter().zip(decoded.chunks_exact_mut(c.dim)) {
+                    compress::entry(c, idx, out);
+                }
+            }
             let mut rows: Vec<&[f32]> = Vec::new();
             for p in (t + 1)
                 .saturating_sub(keys.window)
@@ -69,21 +96,15 @@ pub(super) fn attend(
                     &keys.kv[at..at + hd]
                 });
             }
-            if let Some((c, selection)) = keys.compressed {
-                let tbl = table(meta, sq);
-                let entry = |e: usize| {
-                    let at =
-                        entry_index(tbl, keys.block_size, c.rate, c.entries_per_block, e) * c.dim;
-                    &c.entries[at..at + c.dim]
-                };
-                match selection {
-                    Some((sel, k)) => rows.extend(
-                        sel[i * k..(i + 1) * k]
+            if let Some((c, _)) = keys.compressed {
+                if c.format == EntryFormat::F32 {
+                    rows.extend(
+                        picked
                             .iter()
-                            .take_while(|&&e| e != NO_ENTRY)
-                            .map(|&e| entry(e as usize)),
-                    ),
-                    None => rows.extend((0..(t + 1) / c.rate).map(entry)),
+                            .map(|&idx| &c.entries[idx * c.dim..(idx + 1) * c.dim]),
+                    );
+                } else {
+                    rows.extend(decoded.chunks_exact(c.dim));
                 }
             }
             out_i.fill(0.0);
@@ -153,12 +174,12 @@ pub(super) fn index_select(
             let (sq, t) = row_at(meta, i);
             let tbl = table(meta, sq);
             let qi = &q[i * heads * dim..(i + 1) * heads * dim];
+            let mut scratch = vec![0f32; dim];
             let visible = (t + 1) / keys.rate;
             let scores: Vec<f32> = (0..visible)
                 .map(|e| {
-                    let at =
-                        entry_index(tbl, block_size, keys.rate, keys.entries_per_block, e) * dim;
-                    let key = &keys.entries[at..at + dim];
+                    let idx = entry_index(tbl, block_size, keys.rate, keys.entries_per_block, e);
+                    let key = compress::entry(keys, idx, &mut scratch);
                     let mut s = 0.0f32;
                     for h in 0..heads {
                         let d = dot(&qi[h * dim..(h + 1) * dim], key).max(0.0) * score_scale;

@@ -5,12 +5,15 @@
 //! a cached prefix being replayed. A window starting at the slot's first position has no
 //! previous half.
 
+use std::collections::HashMap;
+
 use super::{entry_index, rms_norm_rows, rope_rows};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{
     Compressor, NO_ENTRY, S_LEN, S_POS0, S_REPLAY, S_ROW0, S_SLOT, S_START, S_TABLE, SEQ_FIELDS,
     StepMeta,
 };
+use crate::kernels::entry_format::EntryFormat;
 
 pub(super) fn feed(
     c: &mut Compressor<CpuBackend>,
@@ -78,8 +81,13 @@ pub(super) fn feed(
                 *out = acc;
             }
             if emit {
-                let at = entry_index(table, block_size, rate, c.entries_per_block, w) * dim;
-                c.entries[at..at + dim].copy_from_slice(&entry);
+                let idx = entry_index(table, block_size, rate, c.entries_per_block, w);
+                if c.format == EntryFormat::F32 {
+                    c.entries[idx * dim..(idx + 1) * dim].copy_from_slice(&entry);
+                } else {
+                    // Packed after its norm and RoPE (`finish`).
+                    c.staged.push((idx as u32, entry.clone()));
+                }
             }
             if c.overlap {
                 for j in 0..rate {
@@ -106,6 +114,9 @@ pub(super) fn finish(
     freqs: &[f32],
 ) {
     let dim = c.dim;
+    if c.format != EntryFormat::F32 {
+        return finish_packed(c, emits, norm, eps, freqs);
+    }
     for pair in emits.chunks_exact(2) {
         if pair[0] == NO_ENTRY {
             continue;
@@ -115,4 +126,46 @@ pub(super) fn finish(
         rms_norm_rows(entry, dim, Some(norm), eps);
         rope_rows(entry, dim, freqs, pair[1] as usize, 1.0);
     }
+}
+
+/// `finish` for a packed format: each staged entry normed and roped in f32, then packed
+/// into its row.
+fn finish_packed(
+    c: &mut Compressor<CpuBackend>,
+    emits: &[u32],
+    norm: &[f32],
+    eps: f32,
+    freqs: &[f32],
+) {
+    let (dim, row_len, format) = (c.dim, c.row_len, c.format);
+    let mut staged: HashMap<u32, Vec<f32>> = c.staged.drain(..).collect();
+    for pair in emits.chunks_exact(2) {
+        let Some(mut entry) = staged.remove(&pair[0]) else {
+            continue;
+        };
+        rms_norm_rows(&mut entry, dim, Some(norm), eps);
+        rope_rows(&mut entry, dim, freqs, pair[1] as usize, 1.0);
+        let at = pair[0] as usize * row_len;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut c.entries[at..at + row_len]);
+        format.encode(&entry, &mut bytes[..format.bytes(dim)]);
+    }
+    debug_assert!(staged.is_empty(), "an emitted entry the plan does not list");
+}
+
+/// Entry `idx` of `c` as f32: its row of `entries`, or decoded into `scratch` (`dim`
+/// values) where packed.
+pub(super) fn entry<'a>(
+    c: &'a Compressor<CpuBackend>,
+    idx: usize,
+    scratch: &'a mut [f32],
+) -> &'a [f32] {
+    let (dim, row_len) = (c.dim, c.row_len);
+    let row = &c.entries[idx * row_len..(idx + 1) * row_len];
+    if c.format == EntryFormat::F32 {
+        return row;
+    }
+    let bytes: &[u8] = bytemuck::cast_slice(row);
+    c.format
+        .decode(&bytes[..c.format.bytes(dim)], &mut scratch[..dim]);
+    &scratch[..dim]
 }
