@@ -105,6 +105,8 @@ pub struct AttentionKeys<'a, B: DsV4Kernels + ?Sized> {
     /// Per slot the last `ring_len` K=V rows, at `position % ring_len`.
     pub ring: &'a B::Buf,
     pub ring_len: usize,
+    /// How the ring stores a row (`EntryFormat::words(head_dim)` f32 words each).
+    pub ring_format: EntryFormat,
     pub window: usize,
     /// The layer's compressed entries and the indexer's selection (`None`: every closed
     /// window).
@@ -336,12 +338,13 @@ pub trait DsV4Kernels: Backend {
         heads: usize,
         head_dim: usize,
     );
-    /// Each sequence's last `ring_len` K=V rows into its slot's ring.
+    /// Each sequence's last `ring_len` K=V rows into its slot's ring, stored as `format`.
     fn dsv4_ring_write(
         &self,
         ring: &mut Self::Buf,
         kv: &Self::Buf,
         meta: &StepMeta<Self>,
+        format: EntryFormat,
         ring_len: usize,
         head_dim: usize,
     );

@@ -56,6 +56,14 @@ impl EntryFormat {
         }
     }
 
+    /// f32 words a row of `dim` values takes in a buffer of f32 (packed bytes rounded up).
+    pub fn words(self, dim: usize) -> usize {
+        match self {
+            EntryFormat::F32 => dim,
+            packed => packed.bytes(dim).div_ceil(4),
+        }
+    }
+
     /// `row` into `out` (`self.bytes(row.len())` bytes).
     pub fn encode(self, row: &[f32], out: &mut [u8]) {
         let dim = row.len();

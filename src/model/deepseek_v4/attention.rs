@@ -8,6 +8,7 @@ use super::cache::LayerCache;
 use super::config::AttentionKind;
 use super::weights::{Attention, CompressorWeights};
 use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, DsV4Kernels, GroupedShape};
+use crate::kernels::entry_format::EntryFormat;
 
 /// `x` is the step's normed block input `[rows, hidden]`; returns `[rows, hidden]`.
 pub fn attention<B: DsV4Kernels>(
@@ -15,7 +16,7 @@ pub fn attention<B: DsV4Kernels>(
     layer: usize,
     a: &Attention<B>,
     lc: &mut LayerCache<B>,
-    (block_size, ring_len): (usize, usize),
+    (block_size, ring_len, ring_format): (usize, usize, EntryFormat),
     x: &B::Buf,
 ) -> B::Buf {
     let (b, cfg) = (p.b, p.cfg);
@@ -72,6 +73,7 @@ pub fn attention<B: DsV4Kernels>(
         kv: &kvn,
         ring: &lc.ring,
         ring_len,
+        ring_format,
         window: cfg.sliding_window,
         compressed: lc
             .compressor
@@ -83,7 +85,7 @@ pub fn attention<B: DsV4Kernels>(
     b.dsv4_attention(&mut out, &qn, &keys, &a.sinks, meta, heads, hd);
     b.dsv4_rope(&mut out, meta, heads, hd, freqs, -1.0);
     // The ring keeps each chunk's last `window - 1` rows for the next chunk.
-    b.dsv4_ring_write(&mut lc.ring, &kvn, meta, ring_len, hd);
+    b.dsv4_ring_write(&mut lc.ring, &kvn, meta, ring_format, ring_len, hd);
 
     // The grouped output projection: each group's heads through its own block of o_a.
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);

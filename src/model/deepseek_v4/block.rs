@@ -63,7 +63,7 @@ pub fn block<B: DsV4Kernels>(
 
     mix.mix(p, &w.attn_hc, streams);
     b.rms_norm(&mix.collapsed, &w.attn_norm, cfg.rms_norm_eps, t, d, &mut x);
-    let geometry = (cache.block_size, cache.ring_len());
+    let geometry = (cache.block_size, cache.ring_len(), cache.ring_format());
     let y = attention::attention(p, layer, &w.attn, &mut cache.layers[layer], geometry, &x);
     b.dsv4_mhc_merge(streams, &mix.post, &mix.comb, &y, t, n, d);
 

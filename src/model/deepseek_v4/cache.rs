@@ -10,31 +10,33 @@ use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{Compressor, DsV4Kernels};
 use crate::kernels::entry_format::EntryFormat;
 
-/// How the paged entries are stored (`--kv-cache-dtype`): the compressors' main entries
-/// and the indexer's keys. The sliding-window ring stays f32.
+/// How the cache stores its rows (`--kv-cache-dtype`): the compressors' main entries,
+/// the indexer's keys, and the sliding-window ring's K=V rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub struct CacheFormats {
     pub main: EntryFormat,
     pub index: EntryFormat,
+    pub ring: EntryFormat,
 }
 
 impl CacheFormats {
-    /// `--kv-cache-dtype`'s layout: auto keeps f32; fp8 and fp4 are the seed's main
-    /// entries with MXFP4 indexer keys; bf16 stores both in bf16.
+    /// `--kv-cache-dtype`'s layout: auto keeps f32; fp8 and fp4 are the seed's (main
+    /// entries so, MXFP4 indexer keys, an FP8 ring); bf16 stores everything in bf16.
     pub fn for_dtype(dtype: KvDtype) -> Self {
-        let (main, index) = match dtype {
-            KvDtype::Auto => (EntryFormat::F32, EntryFormat::F32),
-            KvDtype::Bf16 => (EntryFormat::Bf16, EntryFormat::Bf16),
-            KvDtype::Fp8 => (EntryFormat::Fp8, EntryFormat::Mxfp4),
-            KvDtype::Fp4 => (EntryFormat::Fp4, EntryFormat::Mxfp4),
+        let (main, index, ring) = match dtype {
+            KvDtype::Auto => (EntryFormat::F32, EntryFormat::F32, EntryFormat::F32),
+            KvDtype::Bf16 => (EntryFormat::Bf16, EntryFormat::Bf16, EntryFormat::Bf16),
+            KvDtype::Fp8 => (EntryFormat::Fp8, EntryFormat::Mxfp4, EntryFormat::Fp8),
+            KvDtype::Fp4 => (EntryFormat::Fp4, EntryFormat::Mxfp4, EntryFormat::Fp8),
         };
-        CacheFormats { main, index }
+        CacheFormats { main, index, ring }
     }
 
     /// Why `cfg`'s entries cannot be stored so, if they cannot.
     pub fn problem(&self, cfg: &DsV4Config) -> Option<String> {
         self.main
             .problem(cfg.head_dim)
+            .or_else(|| self.ring.problem(cfg.head_dim))
             .or_else(|| self.index.problem(cfg.index_head_dim))
     }
 }
@@ -53,10 +55,7 @@ fn compressor<B: DsV4Kernels>(
     let width = if overlap { 2 * dim } else { dim };
     let prev = if overlap { rate * dim } else { 0 };
     let entries_per_block = block_size / rate;
-    let row_len = match format {
-        EntryFormat::F32 => dim,
-        packed => packed.bytes(dim).div_ceil(4),
-    };
+    let row_len = format.words(dim);
     Compressor {
         rate,
         width,
@@ -105,6 +104,7 @@ pub struct DsV4Cache<B: DsV4Kernels = CpuBackend> {
     pub num_blocks: usize,
     ring_len: usize,
     head_dim: usize,
+    ring_format: EntryFormat,
     pub layers: Vec<LayerCache<B>>,
     /// Per slot: where its history begins and how far it reaches.
     spans: Vec<SlotSpan>,
@@ -140,7 +140,7 @@ impl DsV4Cache<CpuBackend> {
         c.layers
             .iter()
             .map(|l| {
-                c.ring_len * c.head_dim
+                c.ring_floats()
                     + l.compressor
                         .iter()
                         .chain(l.indexer.iter())
@@ -217,7 +217,7 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
             .map(|l| {
                 let csa = cfg.attention[l] == AttentionKind::CompressedSparse;
                 LayerCache {
-                    ring: b.alloc(num_slots * ring_len * hd),
+                    ring: b.alloc(num_slots * ring_len * formats.ring.words(hd)),
                     compressor: cfg.rate(l).map(|rate| {
                         let f = formats.main;
                         compressor(b, rate, hd, csa, f, num_slots, num_blocks, block_size)
@@ -242,6 +242,7 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
             num_blocks,
             ring_len,
             head_dim: hd,
+            ring_format: formats.ring,
             layers,
             spans: vec![SlotSpan::default(); num_slots],
             slot_tokens: vec![0; num_slots],
@@ -252,7 +253,7 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
 
     /// Keeps the slot's state before a verify row of `token_ids` at `slot_tokens`.
     pub fn snapshot_on(&mut self, b: &B, slot: usize, token_ids: &[u32]) {
-        let ring_floats = self.ring_len * self.head_dim;
+        let ring_floats = self.ring_floats();
         let mut state = Vec::new();
         for l in &self.layers {
             state.extend(b.read_floats(&l.ring, slot * ring_floats..(slot + 1) * ring_floats));
@@ -273,7 +274,7 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
     /// row's tokens are to be run again up to where they were accepted).
     pub fn rewind_on(&mut self, b: &B, slot: usize) -> Option<SlotSnapshot> {
         let snap = self.snapshots[slot].take()?;
-        let ring_floats = self.ring_len * self.head_dim;
+        let ring_floats = self.ring_floats();
         let mut rest: &[f32] = &snap.state;
         let mut put = |buf: &mut B::Buf, floats: usize| {
             let (values, after) = rest.split_at(floats);
@@ -346,6 +347,15 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
 
     pub fn head_dim(&self) -> usize {
         self.head_dim
+    }
+
+    pub fn ring_format(&self) -> EntryFormat {
+        self.ring_format
+    }
+
+    /// f32 words of one slot's ring (packed rows take fewer).
+    pub fn ring_floats(&self) -> usize {
+        self.ring_len * self.ring_format.words(self.head_dim)
     }
 }
 

@@ -23,7 +23,7 @@ pub struct SavedStates<B: DsV4Kernels = CpuBackend> {
 
 /// Per layer: floats of its ring, and of each overlapping compressor's previous window.
 fn layer_floats<B: DsV4Kernels>(cache: &DsV4Cache<B>) -> Vec<(usize, Vec<usize>)> {
-    let ring = cache.ring_len() * cache.head_dim();
+    let ring = cache.ring_floats();
     cache
         .layers
         .iter()

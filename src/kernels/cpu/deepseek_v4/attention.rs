@@ -83,14 +83,31 @@ pub(super) fn attend(
                     compress::entry(c, idx, out);
                 }
             }
-            let mut rows: Vec<&[f32]> = Vec::new();
-            for p in (t + 1)
+            let window = (t + 1)
                 .saturating_sub(keys.window)
-                .max(sq[S_START] as usize)..=t
-            {
-                rows.push(if p < pos0 {
-                    let at = (slot * keys.ring_len + p % keys.ring_len) * hd;
-                    &keys.ring[at..at + hd]
+                .max(sq[S_START] as usize)..=t;
+            // Ring rows (positions before the chunk), decoded first where packed.
+            let (format, words) = (keys.ring_format, keys.ring_format.words(hd));
+            let ring_row = |p: usize| {
+                let at = (slot * keys.ring_len + p % keys.ring_len) * words;
+                &keys.ring[at..at + words]
+            };
+            let mut ring_rows = Vec::new();
+            if format != EntryFormat::F32 {
+                let before = *window.start()..pos0.max(*window.start());
+                ring_rows = vec![0f32; before.len() * hd];
+                for (p, out) in before.zip(ring_rows.chunks_exact_mut(hd)) {
+                    let bytes: &[u8] = bytemuck::cast_slice(ring_row(p));
+                    format.decode(&bytes[..format.bytes(hd)], out);
+                }
+            }
+            let mut rows: Vec<&[f32]> = Vec::new();
+            for p in window.clone() {
+                rows.push(if p < pos0 && format == EntryFormat::F32 {
+                    ring_row(p)
+                } else if p < pos0 {
+                    let i = p - window.start();
+                    &ring_rows[i * hd..(i + 1) * hd]
                 } else {
                     let at = (row0 + p - pos0) * hd;
                     &keys.kv[at..at + hd]
@@ -129,11 +146,19 @@ pub(super) fn attend(
         });
 }
 
-/// The ring keeps each chunk's last `ring_len` rows for the next chunk.
-pub(super) fn ring_write(ring: &mut [f32], kv: &[f32], meta: &Meta, ring_len: usize, hd: usize) {
+/// The ring keeps each chunk's last `ring_len` rows for the next chunk, as `format`.
+pub(super) fn ring_write(
+    ring: &mut [f32],
+    kv: &[f32],
+    meta: &Meta,
+    format: EntryFormat,
+    ring_len: usize,
+    hd: usize,
+) {
     if ring_len == 0 {
         return;
     }
+    let words = format.words(hd);
     for sq in meta.seqs[..meta.num_seqs * SEQ_FIELDS].chunks_exact(SEQ_FIELDS) {
         let (slot, pos0, row0, len) = (
             sq[S_SLOT] as usize,
@@ -142,8 +167,14 @@ pub(super) fn ring_write(ring: &mut [f32], kv: &[f32], meta: &Meta, ring_len: us
             sq[S_LEN] as usize,
         );
         for i in len - len.min(ring_len)..len {
-            let at = (slot * ring_len + (pos0 + i) % ring_len) * hd;
-            ring[at..at + hd].copy_from_slice(&kv[(row0 + i) * hd..(row0 + i + 1) * hd]);
+            let at = (slot * ring_len + (pos0 + i) % ring_len) * words;
+            let row = &kv[(row0 + i) * hd..(row0 + i + 1) * hd];
+            if format == EntryFormat::F32 {
+                ring[at..at + hd].copy_from_slice(row);
+            } else {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut ring[at..at + words]);
+                format.encode(row, &mut bytes[..format.bytes(hd)]);
+            }
         }
     }
 }

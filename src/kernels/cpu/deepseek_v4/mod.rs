@@ -24,6 +24,7 @@ use crate::kernels::deepseek_v4::{
     AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, ExpertMatrices,
     ExpertOwners, Scoring, StepMeta,
 };
+use crate::kernels::entry_format::EntryFormat;
 
 /// RMS norm of each `dim`-wide row in place, times `weight` when given (DeepSeek's order:
 /// `weight · (x · rsqrt(mean(x²) + eps))`).
@@ -336,10 +337,11 @@ impl DsV4Kernels for CpuBackend {
         ring: &mut Vec<f32>,
         kv: &Vec<f32>,
         meta: &StepMeta<Self>,
+        format: EntryFormat,
         ring_len: usize,
         head_dim: usize,
     ) {
-        attention::ring_write(ring, kv, meta, ring_len, head_dim);
+        attention::ring_write(ring, kv, meta, format, ring_len, head_dim);
     }
 
     fn dsv4_moe_route(

@@ -4,6 +4,8 @@
 
 use std::ops::Range;
 
+use crate::kernels::entry_format::EntryFormat;
+
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::super::{CudaBackend, CudaMatrix, check, grid_for, per_row};
@@ -435,6 +437,10 @@ impl DsV4Kernels for CudaBackend {
         heads: usize,
         head_dim: usize,
     ) {
+        // The engine refuses packed caches on CUDA.
+        let packed = keys.ring_format != EntryFormat::F32
+            || keys.compressed.is_some_and(|(c, _)| c.format != EntryFormat::F32);
+        assert!(!packed, "packed cache entries run on the CPU only");
         self.launch_attention(out, q, keys, sinks, meta, heads, head_dim)
             .expect("dsv4_prepare bounds head_dim");
     }
@@ -444,9 +450,16 @@ impl DsV4Kernels for CudaBackend {
         ring: &mut CudaSlice<f32>,
         kv: &CudaSlice<f32>,
         meta: &Meta,
+        format: EntryFormat,
         ring_len: usize,
         head_dim: usize,
     ) {
+        // The engine refuses packed caches on CUDA.
+        assert_eq!(
+            format,
+            EntryFormat::F32,
+            "a packed ring runs on the CPU only"
+        );
         if ring_len == 0 {
             return;
         }
