@@ -1,7 +1,7 @@
 //! DeepSeek-V4 prefix hits: time to first token of a repeated long prompt, cold and hit,
 //! with slot states saved at block boundaries (the hit resumes there) and without them
 //! (the hit replays the tokens that rebuild the sliding-window state, L·(W−1) rounded up);
-//! and the compressed cache's bytes a source token against the seed's layouts.
+//! and the cache's bytes by `--kv-cache-dtype` (f32, bf16, the seed's FP8 and FP4 layouts).
 //!
 //! `cargo bench --bench swa_resume_ttft`; environment: `SWA_DEVICE` (`cpu`, `cuda`),
 //! `SWA_LAYERS` (6: one sliding layer, then CSA and HCA alternating), `SWA_WINDOW` (64),
@@ -13,8 +13,9 @@ use std::time::Instant;
 
 use serde_json::json;
 use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest};
-use troupe::model::deepseek_v4::cache::DsV4Cache;
-use troupe::model::deepseek_v4::config::{AttentionKind, DsV4Config};
+use troupe::kernels::KvDtype;
+use troupe::model::deepseek_v4::cache::{CacheFormats, DsV4Cache};
+use troupe::model::deepseek_v4::config::DsV4Config;
 use troupe::model::deepseek_v4::saved_state::SavedStates;
 use troupe::sampling::{SamplingParams, splitmix64};
 
@@ -78,26 +79,33 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// Bytes a source token of the compressed cache (entries of every compressing layer), as
-/// we keep it (f32), in bf16, and in the seed's layout: main entries FP8 or FP4 with
-/// their scales (528 / 288 bytes an entry of 512 dims, scaled to this head size), the
-/// indexer's keys MXFP4 (half a byte a value, a byte of scale per 32).
-fn kv_bytes_per_token(cfg: &DsV4Config, block_size: usize) -> [f64; 4] {
-    let ours = DsV4Cache::bytes_per_block(cfg, block_size) as f64 / block_size as f64;
-    let (mut fp8, mut fp4) = (0.0, 0.0);
-    for layer in 0..cfg.num_layers {
-        let Some(rate) = cfg.rate(layer) else {
-            continue;
-        };
-        let main = cfg.head_dim as f64 / 512.0;
-        let mut index = 0.0;
-        if cfg.attention[layer] == AttentionKind::CompressedSparse {
-            index = cfg.index_head_dim as f64 * (0.5 + 1.0 / 32.0);
-        }
-        fp8 += (528.0 * main + index) / rate as f64;
-        fp4 += (288.0 * main + index) / rate as f64;
-    }
-    [ours, ours / 2.0, fp8, fp4]
+/// The cache's bytes by `--kv-cache-dtype`, as our layouts store it: per source token of
+/// the paged entries, and per sequence of its state slot (the ring, packed, and the
+/// compressors' open windows, f32).
+fn layout_bytes(cfg: &DsV4Config, block_size: usize) -> Vec<(&'static str, f64, usize)> {
+    [KvDtype::Auto, KvDtype::Bf16, KvDtype::Fp8, KvDtype::Fp4]
+        .into_iter()
+        .map(|dtype| {
+            let formats = CacheFormats::for_dtype(dtype);
+            let block = DsV4Cache::bytes_per_block_in(cfg, block_size, formats);
+            let ring = DsV4Cache::bytes_per_slot_in(cfg, formats);
+            (dtype.name(), block as f64 / block_size as f64, ring)
+        })
+        .collect()
+}
+
+/// One layer of `kind` beside a sliding one, at V4-Flash's dims (head 512, index head
+/// 128, window 128, rates 4 and 128); the rows print what the layer adds (its slot bytes
+/// less the sliding layer's ring).
+fn flash_layer(dir: &std::path::Path, kind: &str) -> DsV4Config {
+    let mut json = config(2, 128);
+    json["layer_types"] = json!(["sliding_attention", kind]);
+    json["head_dim"] = json!(512);
+    json["index_head_dim"] = json!(128);
+    json["compress_rates"] =
+        json!({"compressed_sparse_attention": 4, "heavily_compressed_attention": 128});
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    DsV4Config::from_dir(dir).expect("the config parses")
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -161,11 +169,26 @@ async fn main() {
             hit / cold
         );
     }
-    let block_size = troupe::model::deepseek_v4::cache::lcm_rates(&ds).max(16);
-    let [ours, bf16, fp8, fp4] = kv_bytes_per_token(&ds, block_size);
-    println!(
-        "compressed cache, bytes a source token: ours (f32) {ours:.1}, bf16 {bf16:.1}, \
-         seed FP8 {fp8:.1}, seed FP4 {fp4:.1}"
-    );
+    println!("| layout | paged bytes a source token | state slot bytes a sequence |");
+    println!("|---|---|---|");
+    for (name, per_token, ring) in layout_bytes(&ds, 128) {
+        println!("| this shape, {name} | {per_token:.1} | {ring} |");
+    }
+    for kind in [
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ] {
+        let layer = flash_layer(&dir, kind);
+        let sliding = flash_layer(&dir, "sliding_attention");
+        for ((name, per_token, ring), (_, _, ring_alone)) in layout_bytes(&layer, 128)
+            .into_iter()
+            .zip(layout_bytes(&sliding, 128))
+        {
+            println!(
+                "| V4-Flash dims, a {kind} layer, {name} | {per_token:.1} | {} |",
+                ring - ring_alone / 2
+            );
+        }
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

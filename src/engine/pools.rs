@@ -91,14 +91,6 @@ pub(super) fn size_pools(
     let lcm = lcm_rates(ds);
     let block_size = cfg.block_size.div_ceil(lcm) * lcm;
     let num_state_slots = cfg.max_num_seqs;
-    let slot_bytes = num_state_slots * DsV4Cache::bytes_per_slot(ds);
-    let Some(left) = cache_bytes.checked_sub(slot_bytes) else {
-        return refuse(&format!(
-            "{num_state_slots} state slots take {slot_bytes} bytes, more than the cache budget of {cache_bytes}"
-        ));
-    };
-    let (num_saved_states, left) = saved_states(cfg, ds, num_state_slots, left)?;
-    // Layers that all slide keep nothing in blocks: the pool then only counts positions.
     let formats = CacheFormats::for_dtype(cfg.kv_cache_dtype);
     if let Some(problem) = formats.problem(ds) {
         return refuse(&format!(
@@ -106,6 +98,14 @@ pub(super) fn size_pools(
             cfg.kv_cache_dtype.name()
         ));
     }
+    let slot_bytes = num_state_slots * DsV4Cache::bytes_per_slot_in(ds, formats);
+    let Some(left) = cache_bytes.checked_sub(slot_bytes) else {
+        return refuse(&format!(
+            "{num_state_slots} state slots take {slot_bytes} bytes, more than the cache budget of {cache_bytes}"
+        ));
+    };
+    let (num_saved_states, left) = saved_states(cfg, ds, num_state_slots, left)?;
+    // Layers that all slide keep nothing in blocks: the pool then only counts positions.
     let bytes_per_block = DsV4Cache::bytes_per_block_in(ds, block_size, formats).max(1);
     let blocks_for_every_seq = num_state_slots * m.max_context_tokens.div_ceil(block_size);
     Ok(Pools {
@@ -128,7 +128,7 @@ fn saved_states(
     num_state_slots: usize,
     left: usize,
 ) -> Result<(usize, usize), EngineError> {
-    let bytes = SavedStates::bytes_per_state(ds);
+    let bytes = SavedStates::bytes_per_state_in(ds, CacheFormats::for_dtype(cfg.kv_cache_dtype));
     let num = match cfg.swa_saved_states {
         Some(num) if num > 0 && !cfg.enable_prefix_cache => {
             return Err(EngineError::Spawn(

@@ -136,7 +136,12 @@ impl DsV4Cache<CpuBackend> {
 
     /// Bytes of one state slot and of one block, for sizing the pools.
     pub fn bytes_per_slot(cfg: &DsV4Config) -> usize {
-        let c = Self::new(cfg, 1, 0, lcm_rates(cfg));
+        Self::bytes_per_slot_in(cfg, CacheFormats::default())
+    }
+
+    /// `bytes_per_slot` with the ring stored as `formats` says.
+    pub fn bytes_per_slot_in(cfg: &DsV4Config, formats: CacheFormats) -> usize {
+        let c = Self::on_in(&CpuBackend::default(), cfg, formats, 1, 0, lcm_rates(cfg));
         c.layers
             .iter()
             .map(|l| {

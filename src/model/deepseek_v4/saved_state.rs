@@ -4,7 +4,7 @@
 //! out (the "dropped" part): every compress rate divides the block size, so at a block
 //! boundary no window is open.
 
-use super::cache::{DsV4Cache, SlotSpan};
+use super::cache::{CacheFormats, DsV4Cache, SlotSpan};
 use super::config::DsV4Config;
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::DsV4Kernels;
@@ -43,7 +43,13 @@ fn layer_floats<B: DsV4Kernels>(cache: &DsV4Cache<B>) -> Vec<(usize, Vec<usize>)
 impl SavedStates<CpuBackend> {
     /// Bytes of one saved state, for sizing its pool.
     pub fn bytes_per_state(cfg: &DsV4Config) -> usize {
-        let cache = DsV4Cache::new(cfg, 1, 0, super::cache::lcm_rates(cfg));
+        Self::bytes_per_state_in(cfg, CacheFormats::default())
+    }
+
+    /// `bytes_per_state` with the ring stored as `formats` says.
+    pub fn bytes_per_state_in(cfg: &DsV4Config, formats: CacheFormats) -> usize {
+        let b = CpuBackend::default();
+        let cache = DsV4Cache::on_in(&b, cfg, formats, 1, 0, super::cache::lcm_rates(cfg));
         layer_floats(&cache)
             .iter()
             .map(|(ring, prev)| ring + 2 * prev.iter().sum::<usize>())

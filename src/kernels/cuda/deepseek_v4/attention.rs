@@ -8,6 +8,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use super::{Meta, blocks};
 use crate::kernels::cuda::{CudaBackend, CudaError, check};
 use crate::kernels::deepseek_v4::AttentionKeys;
+use crate::kernels::entry_format::EntryFormat;
 
 /// The attention kernel's heads per block at most, keys per tile, and output channels per
 /// thread at most (`deepseek_v4.cu`'s ATT_HG, ATT_KT, ATT_CPT; 256 threads a block).
@@ -98,6 +99,43 @@ fn mma_splits(blocks: usize, num_sms: usize) -> usize {
 }
 
 impl CudaBackend {
+    /// Each sequence's last `ring_len` K=V rows into its slot's ring (f32 only).
+    pub(super) fn launch_ring_write(
+        &self,
+        ring: &mut CudaSlice<f32>,
+        kv: &CudaSlice<f32>,
+        meta: &Meta,
+        format: EntryFormat,
+        ring_len: usize,
+        head_dim: usize,
+    ) {
+        // The engine refuses packed caches on CUDA.
+        assert_eq!(
+            format,
+            EntryFormat::F32,
+            "a packed ring runs on the CPU only"
+        );
+        if ring_len == 0 {
+            return;
+        }
+        let keep = meta.max_len.min(ring_len);
+        let (rl, hd) = (ring_len as i32, head_dim as i32);
+        // SAFETY: ring covers every slot, kv the step's rows.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.ds().ring_write)
+                    .arg(ring)
+                    .arg(kv)
+                    .arg(&meta.seqs)
+                    .arg(&rl)
+                    .arg(&hd)
+                    .launch(blocks((keep * head_dim).div_ceil(256), meta.num_seqs, 256))
+            },
+            "dsv4_ring_write",
+        );
+    }
+
     /// Attention with sinks for every (row, head), one block a row and a group of heads.
     pub(super) fn launch_attention(
         &self,
@@ -109,6 +147,12 @@ impl CudaBackend {
         heads: usize,
         head_dim: usize,
     ) -> Result<(), CudaError> {
+        // The engine refuses packed caches on CUDA.
+        let packed = keys.ring_format != EntryFormat::F32
+            || keys
+                .compressed
+                .is_some_and(|(c, _)| c.format != EntryFormat::F32);
+        assert!(!packed, "packed cache entries run on the CPU only");
         if head_dim > ATT_MAX_HEAD_DIM {
             return Err(CudaError::Runtime(format!(
                 "DeepSeek-V4 attention: head_dim {head_dim} over the kernel's {ATT_MAX_HEAD_DIM}"

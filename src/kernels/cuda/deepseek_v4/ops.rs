@@ -437,10 +437,6 @@ impl DsV4Kernels for CudaBackend {
         heads: usize,
         head_dim: usize,
     ) {
-        // The engine refuses packed caches on CUDA.
-        let packed = keys.ring_format != EntryFormat::F32
-            || keys.compressed.is_some_and(|(c, _)| c.format != EntryFormat::F32);
-        assert!(!packed, "packed cache entries run on the CPU only");
         self.launch_attention(out, q, keys, sinks, meta, heads, head_dim)
             .expect("dsv4_prepare bounds head_dim");
     }
@@ -454,31 +450,7 @@ impl DsV4Kernels for CudaBackend {
         ring_len: usize,
         head_dim: usize,
     ) {
-        // The engine refuses packed caches on CUDA.
-        assert_eq!(
-            format,
-            EntryFormat::F32,
-            "a packed ring runs on the CPU only"
-        );
-        if ring_len == 0 {
-            return;
-        }
-        let keep = meta.max_len.min(ring_len);
-        let (rl, hd) = (ring_len as i32, head_dim as i32);
-        // SAFETY: ring covers every slot, kv the step's rows.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.ds().ring_write)
-                    .arg(ring)
-                    .arg(kv)
-                    .arg(&meta.seqs)
-                    .arg(&rl)
-                    .arg(&hd)
-                    .launch(blocks((keep * head_dim).div_ceil(256), meta.num_seqs, 256))
-            },
-            "dsv4_ring_write",
-        );
+        self.launch_ring_write(ring, kv, meta, format, ring_len, head_dim);
     }
 
     /// Router scores → each token's `k` experts and weights.
