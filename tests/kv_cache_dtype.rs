@@ -234,7 +234,7 @@ async fn the_engine_sizes_its_pool_by_the_cache_dtype_and_refuses_what_cannot_ru
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deepseek_v4_layouts_size_the_pool_and_run_through_the_engine() {
     use troupe::engine::{Device, EngineConfig, EngineRequest};
-    use troupe::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
+    use troupe::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, lcm_rates};
     use troupe::model::deepseek_v4::config::DsV4Config;
     use troupe::sampling::SamplingParams;
     let dir = common::goldens().join("dsv4-diff/case-1003");
@@ -248,8 +248,10 @@ async fn deepseek_v4_layouts_size_the_pool_and_run_through_the_engine() {
         for dtype in [KvDtype::Auto, KvDtype::Bf16, KvDtype::Fp8, KvDtype::Fp4] {
             let mut cfg = EngineConfig::new(dir.clone());
             cfg.device = Device::Cpu;
-            // Room for 12 f32 blocks beside the slots: the budget, not the cap, sizes it.
-            cfg.kv_cache_bytes = 4 * DsV4Cache::bytes_per_slot(&ds)
+            // Room for 12 f32 blocks beside the layout's slots: the budget, not the cap, sizes
+            // the pool.
+            let formats = CacheFormats::for_dtype(dtype);
+            cfg.kv_cache_bytes = 4 * DsV4Cache::bytes_per_slot_in(&ds, formats)
                 + 12 * DsV4Cache::bytes_per_block(&ds, lcm_rates(&ds).max(16));
             cfg.swa_saved_states = Some(0);
             cfg.max_num_seqs = 4;
