@@ -201,7 +201,7 @@ impl ThreadLocalActor for RankWorker {
         }
         if !model.load_states(&step.state_loads) {
             let rank = st.shard.rank;
-            return Err(format!("rank {rank}: this model keeps no saved states").into());
+            return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
         }
         if let (Some(store), false) = (&st.kv_store, loads.is_empty()) {
             store.add_copy_secs(0.0, loading.elapsed().as_secs_f64());
@@ -230,7 +230,7 @@ impl ThreadLocalActor for RankWorker {
         // Before any later step can move the slots on (they are this rank's alone).
         if !model.save_states(&step.state_saves) {
             let rank = st.shard.rank;
-            return Err(format!("rank {rank}: this model keeps no saved states").into());
+            return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
         }
         let step_id = step.step_id;
         st.inputs.launched(epoch, step_id, launched_step.prev);

@@ -139,9 +139,9 @@ fn saved_states(
         }
         _ if !cfg.enable_prefix_cache => 0,
         Some(num) => num,
-        None => (4 * num_state_slots).min(left / 4 / bytes),
+        None => (4 * num_state_slots).min(left / 4 / bytes.max(1)),
     };
-    match left.checked_sub(num * bytes) {
+    match num.checked_mul(bytes).and_then(|b| left.checked_sub(b)) {
         Some(rest) => Ok((num, rest)),
         None => Err(EngineError::Spawn(format!(
             "--swa-saved-states {num}: {num} saved states of {bytes} bytes do not fit the \

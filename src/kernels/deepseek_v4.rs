@@ -190,6 +190,12 @@ pub trait DsV4Kernels: Backend {
     /// `buf[at]` on the host (a state slot's snapshot).
     fn read_floats(&self, buf: &Self::Buf, at: Range<usize>) -> Vec<f32>;
     fn write_floats(&self, buf: &mut Self::Buf, offset: usize, values: &[f32]);
+    /// `dst[offset..] = src[at]`, in the step's order on the device (a saved state's copy
+    /// in or out). Default: through the host.
+    fn copy_floats(&self, src: &Self::Buf, at: Range<usize>, dst: &mut Self::Buf, offset: usize) {
+        let values = self.read_floats(src, at);
+        self.write_floats(dst, offset, &values);
+    }
     /// `m`'s rows in `parts` equal blocks (the grouped output projection's).
     fn row_groups(&self, m: Self::Matrix, parts: usize) -> Self::RowGroups;
 

@@ -181,7 +181,8 @@ impl DeviceModel for DsV4OnHost {
     }
 
     fn load_states(&mut self, loads: &[StateLoad]) -> bool {
-        load_states(&self.model.backend, &self.saved, &mut self.cache, loads)
+        let b = &self.model.backend;
+        load_states(b, &self.saved, &mut self.cache, self.mtp.as_mut(), loads)
     }
 
     fn save_states(&mut self, saves: &[StateSave]) -> bool {
@@ -222,6 +223,7 @@ pub(super) fn load_states<B: DsV4Kernels>(
     b: &B,
     saved: &SavedStates<B>,
     cache: &mut DsV4Cache<B>,
+    mut mtp: Option<&mut MtpDrafter<B>>,
     loads: &[StateLoad],
 ) -> bool {
     loads.iter().all(|l| {
@@ -233,6 +235,11 @@ pub(super) fn load_states<B: DsV4Kernels>(
                 replay_until: l.replay_until,
             };
             saved.load(b, cache, from, slot, span, l.position);
+            // The MTP layer's own state is not saved: it starts over at the hit, and
+            // must not continue the slot's previous sequence.
+            if let Some(mtp) = mtp.as_deref_mut() {
+                mtp.restart(slot, l.position);
+            }
         }
         fits
     })

@@ -166,7 +166,8 @@ impl DeviceModel for DsV4OnCuda {
     }
 
     fn load_states(&mut self, loads: &[StateLoad]) -> bool {
-        load_states(&self.model.backend, &self.saved, &mut self.cache, loads)
+        let b = &self.model.backend;
+        load_states(b, &self.saved, &mut self.cache, self.mtp.as_mut(), loads)
     }
 
     fn save_states(&mut self, saves: &[StateSave]) -> bool {

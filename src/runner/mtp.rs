@@ -45,7 +45,9 @@ impl<B: DsV4Kernels> MtpDrafter<B> {
         }
     }
 
-    fn restart(&mut self, slot: usize, position: usize) {
+    /// Starts `slot`'s MTP history at `position` (a new sequence, or a slot whose main
+    /// state was put there whole: it has seen none of the positions before).
+    pub(super) fn restart(&mut self, slot: usize, position: usize) {
         MtpLayer::restart(&mut self.cache, slot, position);
         self.slots[slot] = Pending {
             pos0: position,

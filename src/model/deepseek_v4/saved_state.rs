@@ -87,18 +87,20 @@ impl<B: DsV4Kernels> SavedStates<B> {
             .zip(layer_floats(cache))
             .zip(&cache.layers)
         {
-            let values = b.read_floats(&cl.ring, slot * ring..(slot + 1) * ring);
-            b.write_floats(&mut layer.ring, saved * ring, &values);
+            b.copy_floats(
+                &cl.ring,
+                slot * ring..(slot + 1) * ring,
+                &mut layer.ring,
+                saved * ring,
+            );
             let overlapping = cl
                 .compressor
                 .iter()
                 .chain(cl.indexer.iter())
                 .filter(|c| c.overlap);
             for ((kv, gate), (c, f)) in layer.prev.iter_mut().zip(overlapping.zip(prev)) {
-                let values = b.read_floats(&c.prev_kv, slot * f..(slot + 1) * f);
-                b.write_floats(kv, saved * f, &values);
-                let values = b.read_floats(&c.prev_gate, slot * f..(slot + 1) * f);
-                b.write_floats(gate, saved * f, &values);
+                b.copy_floats(&c.prev_kv, slot * f..(slot + 1) * f, kv, saved * f);
+                b.copy_floats(&c.prev_gate, slot * f..(slot + 1) * f, gate, saved * f);
             }
         }
     }
@@ -117,18 +119,20 @@ impl<B: DsV4Kernels> SavedStates<B> {
         assert!(saved < self.num_saved, "saved state {saved} out of range");
         let floats = layer_floats(cache);
         for ((layer, (ring, prev)), cl) in self.layers.iter().zip(floats).zip(&mut cache.layers) {
-            let values = b.read_floats(&layer.ring, saved * ring..(saved + 1) * ring);
-            b.write_floats(&mut cl.ring, slot * ring, &values);
+            b.copy_floats(
+                &layer.ring,
+                saved * ring..(saved + 1) * ring,
+                &mut cl.ring,
+                slot * ring,
+            );
             let overlapping = cl
                 .compressor
                 .iter_mut()
                 .chain(cl.indexer.iter_mut())
                 .filter(|c| c.overlap);
             for ((kv, gate), (c, f)) in layer.prev.iter().zip(overlapping.zip(prev)) {
-                let values = b.read_floats(kv, saved * f..(saved + 1) * f);
-                b.write_floats(&mut c.prev_kv, slot * f, &values);
-                let values = b.read_floats(gate, saved * f..(saved + 1) * f);
-                b.write_floats(&mut c.prev_gate, slot * f, &values);
+                b.copy_floats(kv, saved * f..(saved + 1) * f, &mut c.prev_kv, slot * f);
+                b.copy_floats(gate, saved * f..(saved + 1) * f, &mut c.prev_gate, slot * f);
             }
         }
         cache.resume(slot, span, position);

@@ -197,6 +197,10 @@ impl Scheduler {
     pub(super) fn release_now(&mut self, blocks: &[u32], slot: Option<u32>) {
         for &b in blocks {
             self.blocks.free(b);
+            // Nobody can hit an uncached block: its saved state only takes room.
+            if self.blocks.ref_count(b) == 0 && !self.blocks.is_cached(b) {
+                self.states.saved.forget(b);
+            }
         }
         if let (Some(slot), Some(slots)) = (slot, self.slots.as_mut()) {
             slots.free(slot);

@@ -116,7 +116,7 @@ fn a_state_evicted_falls_back_to_an_earlier_one_within_the_replay_or_to_the_repl
 
 #[test]
 fn random_requests_with_few_saved_states_match_the_reference() {
-    // Shared prefixes, preemption, aborts, ZOS and a device reset, with fewer saved states
+    // Shared prefixes, preemption, ZOS and a device reset, with fewer saved states
     // than boundaries: every resume (saved, replayed or from an earlier block) must give
     // the slot the window a cold run has.
     for (num_saved, reset_at) in [(3, None), (24, Some(40))] {

@@ -86,32 +86,41 @@ pub(super) fn attend(
             let window = (t + 1)
                 .saturating_sub(keys.window)
                 .max(sq[S_START] as usize)..=t;
-            // Ring rows (positions before the chunk), decoded first where packed.
+            // A packed ring: every window row as the ring holds it — rows before the chunk
+            // decoded, the chunk's own rounded through the format — so a row sees the same
+            // keys however the sequence was chunked.
             let (format, words) = (keys.ring_format, keys.ring_format.words(hd));
             let ring_row = |p: usize| {
                 let at = (slot * keys.ring_len + p % keys.ring_len) * words;
                 &keys.ring[at..at + words]
             };
-            let mut ring_rows = Vec::new();
+            let mut packed_rows = Vec::new();
             if format != EntryFormat::F32 {
-                let before = *window.start()..pos0.max(*window.start());
-                ring_rows = vec![0f32; before.len() * hd];
-                for (p, out) in before.zip(ring_rows.chunks_exact_mut(hd)) {
-                    let bytes: &[u8] = bytemuck::cast_slice(ring_row(p));
-                    format.decode(&bytes[..format.bytes(hd)], out);
+                packed_rows = vec![0f32; window.clone().count() * hd];
+                let mut bytes = vec![0u8; format.bytes(hd)];
+                for (p, out) in window.clone().zip(packed_rows.chunks_exact_mut(hd)) {
+                    if p < pos0 {
+                        let held: &[u8] = bytemuck::cast_slice(ring_row(p));
+                        format.decode(&held[..bytes.len()], out);
+                    } else {
+                        let at = (row0 + p - pos0) * hd;
+                        format.encode(&keys.kv[at..at + hd], &mut bytes);
+                        format.decode(&bytes, out);
+                    }
                 }
             }
             let mut rows: Vec<&[f32]> = Vec::new();
-            for p in window.clone() {
-                rows.push(if p < pos0 && format == EntryFormat::F32 {
-                    ring_row(p)
-                } else if p < pos0 {
-                    let i = p - window.start();
-                    &ring_rows[i * hd..(i + 1) * hd]
-                } else {
-                    let at = (row0 + p - pos0) * hd;
-                    &keys.kv[at..at + hd]
-                });
+            if format != EntryFormat::F32 {
+                rows.extend(packed_rows.chunks_exact(hd));
+            } else {
+                for p in window.clone() {
+                    rows.push(if p < pos0 {
+                        ring_row(p)
+                    } else {
+                        let at = (row0 + p - pos0) * hd;
+                        &keys.kv[at..at + hd]
+                    });
+                }
             }
             if let Some((c, _)) = keys.compressed {
                 if c.format == EntryFormat::F32 {

@@ -138,6 +138,10 @@ impl DsV4Kernels for CpuBackend {
         buf[offset..offset + values.len()].copy_from_slice(values);
     }
 
+    fn copy_floats(&self, src: &Vec<f32>, at: Range<usize>, dst: &mut Vec<f32>, offset: usize) {
+        dst[offset..offset + at.len()].copy_from_slice(&src[at]);
+    }
+
     fn row_groups(&self, m: CpuMatrix, parts: usize) -> Vec<CpuMatrix> {
         let (rows, cols) = (m.rows() / parts, m.cols());
         let mut row = vec![0.0f32; cols];

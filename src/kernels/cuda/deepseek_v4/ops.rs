@@ -77,6 +77,19 @@ impl DsV4Kernels for CudaBackend {
         }
     }
 
+    fn copy_floats(
+        &self,
+        src: &CudaSlice<f32>,
+        at: Range<usize>,
+        dst: &mut CudaSlice<f32>,
+        offset: usize,
+    ) {
+        if !at.is_empty() {
+            let mut to = dst.slice_mut(offset..offset + at.len());
+            check(self.stream.memcpy_dtod(&src.slice(at), &mut to), "copy");
+        }
+    }
+
     fn row_groups(&self, m: CudaMatrix, parts: usize) -> super::CudaRowGroups {
         super::CudaRowGroups::new(self, m, parts)
     }
