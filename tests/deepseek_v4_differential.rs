@@ -398,6 +398,30 @@ fn packed_cache_entries_stay_near_transformers() {
                 "{name}, {}: chunks of 7 and one piece differ by {err:.2e} at {at}",
                 case.name
             );
+            // A state saved at each block boundary (its ring packed) continues on another
+            // slot as the cold run did.
+            let bs = runner.block_size;
+            let boundaries: Vec<usize> = (bs..tokens.len()).step_by(bs).collect();
+            let b = &model.backend;
+            let mut saved = SavedStates::on(b, &runner.cache, boundaries.len().max(1));
+            for (i, &hit) in boundaries.iter().enumerate() {
+                runner.run_from(0, &tokens[..hit], hit - bs, SlotSpan::default(), &[bs]);
+                saved.save(b, &runner.cache, 0, i);
+            }
+            for (i, &hit) in boundaries.iter().enumerate() {
+                let span = SlotSpan {
+                    state_start: 0,
+                    replay_until: hit,
+                };
+                saved.load(b, &mut runner.cache, i, 1, span, hit);
+                let resumed = runner.run_from(1, &tokens, hit, span, &[7]);
+                let (err, at) = worst_row_error(&resumed, &whole[hit * vocab..], vocab);
+                assert!(
+                    err < 1e-2,
+                    "{name}, {}: resumed at {hit} differs by {err:.2e} at {at}",
+                    case.name
+                );
+            }
             for (g, w) in got.chunks_exact(vocab).zip(case.logits.chunks_exact(vocab)) {
                 let (err, _) = worst_row_error(g, w, vocab);
                 worst = worst.max(err);
