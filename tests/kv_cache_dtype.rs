@@ -233,12 +233,13 @@ async fn the_engine_sizes_its_pool_by_the_cache_dtype_and_refuses_what_cannot_ru
 /// cache gives transformers' greedy tokens, and the others' agreement is reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deepseek_v4_layouts_size_the_pool_and_run_through_the_engine() {
-    use troupe::engine::{Device, EngineConfig, EngineRequest};
+    use troupe::engine::{Device, Engine, EngineConfig, EngineRequest};
     use troupe::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, lcm_rates};
     use troupe::model::deepseek_v4::config::DsV4Config;
+    use troupe::model::deepseek_v4::saved_state::SavedStates;
     use troupe::sampling::SamplingParams;
-    let dir = common::goldens().join("dsv4-diff/case-1003");
-    let case = common::read_json("dsv4-diff/case-1003/case.json");
+    let dir = common::goldens().join("dsv4-diff/case-1005");
+    let case = common::read_json("dsv4-diff/case-1005/case.json");
     let prompt = common::ids(&case["prompt"]);
     let greedy = common::ids(&case["greedy_tokens"]);
     let ds = DsV4Config::from_dir(&dir).unwrap();
@@ -248,23 +249,31 @@ async fn deepseek_v4_layouts_size_the_pool_and_run_through_the_engine() {
         for dtype in [KvDtype::Auto, KvDtype::Bf16, KvDtype::Fp8, KvDtype::Fp4] {
             let mut cfg = EngineConfig::new(dir.clone());
             cfg.device = Device::Cpu;
-            // Room for 12 f32 blocks beside the layout's slots: the budget, not the cap, sizes
-            // the pool.
+            // Room for 12 f32 blocks beside the layout's slots and 8 saved states: the
+            // budget, not the cap, sizes the pool. The repeated prompt resumes from them.
             let formats = CacheFormats::for_dtype(dtype);
             cfg.kv_cache_bytes = 4 * DsV4Cache::bytes_per_slot_in(&ds, formats)
+                + 8 * SavedStates::bytes_per_state_in(&ds, formats)
                 + 12 * DsV4Cache::bytes_per_block(&ds, lcm_rates(&ds).max(16));
-            cfg.swa_saved_states = Some(0);
+            cfg.swa_saved_states = Some(8);
             cfg.max_num_seqs = 4;
             cfg.kv_cache_dtype = dtype;
-            let requests = (0..3)
-                .map(|_| {
-                    let mut r =
-                        EngineRequest::new(prompt.clone(), greedy.len(), SamplingParams::default());
-                    r.ignore_eos = true;
-                    r
-                })
-                .collect();
-            let (outs, status) = common::engine::run_engine(cfg, requests).await;
+            let requests = |n: usize| {
+                (0..n)
+                    .map(|_| {
+                        let p = prompt.clone();
+                        let mut r = EngineRequest::new(p, greedy.len(), SamplingParams::default());
+                        r.ignore_eos = true;
+                        r
+                    })
+                    .collect::<Vec<_>>()
+            };
+            // One alone, then two that hit its prefix.
+            let engine = Engine::spawn(cfg).await.unwrap();
+            let mut outs = common::engine::ok_outputs(&engine, requests(1)).await;
+            outs.extend(common::engine::ok_outputs(&engine, requests(2)).await);
+            let status = engine.status().await.unwrap();
+            engine.shutdown(true).await;
             for o in &outs {
                 assert_eq!(o.token_ids.len(), greedy.len(), "{dtype:?}");
             }
@@ -280,6 +289,7 @@ async fn deepseek_v4_layouts_size_the_pool_and_run_through_the_engine() {
                 status.num_total_blocks,
                 greedy.len()
             );
+            assert!(status.num_resumed_hits > 0, "{dtype:?}: {status:?}");
             runs.push((status.num_total_blocks, agree));
         }
         assert_eq!(
