@@ -31,8 +31,8 @@ pub(super) fn open_kv_store(
     if !cfg.enable_prefix_cache {
         return refuse("the store keeps prefix-cache blocks, and the prefix cache is off");
     }
-    if deepseek_v4 {
-        return refuse("DeepSeek-V4's compressed cache and state slots are not stored yet");
+    if deepseek_v4 && cfg.device != Device::Cpu {
+        return refuse("DeepSeek-V4's blocks are copied out on the CPU only so far");
     }
     if cfg.tensor_parallel_size > 1 {
         return refuse("one rank only (each rank of a group holds a shard of every block)");

@@ -180,6 +180,14 @@ impl DeviceModel for DsV4OnHost {
         "cpu (DeepSeek-V4 reference)".into()
     }
 
+    fn kv_blocks(&mut self, blocks: &[u32]) -> Option<Vec<u8>> {
+        Some(self.cache.read_blocks_on(&self.model.backend, blocks))
+    }
+
+    fn set_kv_blocks(&mut self, blocks: &[(u32, &[u8])]) -> bool {
+        self.cache.write_blocks_on(&self.model.backend, blocks)
+    }
+
     fn load_states(&mut self, loads: &[StateLoad]) -> bool {
         let b = &self.model.backend;
         load_states(b, &self.saved, &mut self.cache, self.mtp.as_mut(), loads)

@@ -505,7 +505,12 @@ impl Scheduler {
             num_prefill_rows,
         );
         let q = self.align_chunk(idx, start, q, Some((resume, num_cached)));
-        let num_new_blocks = (start + q).div_ceil(block_size).saturating_sub(hits.len());
+        // Stored hits are loaded into fresh blocks even where a replay's first chunk ends
+        // before them.
+        let num_new_blocks = (start + q)
+            .div_ceil(block_size)
+            .max(hits.len() + num_stored)
+            .saturating_sub(hits.len());
         // Hits on evictable blocks stop being allocatable once taken.
         let num_evictable_hits = hits
             .iter()

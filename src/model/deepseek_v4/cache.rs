@@ -256,6 +256,55 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
         }
     }
 
+    /// Blocks `blocks`' entries (per block, every layer's compressor then indexer) as
+    /// bytes, for a prefix store: `bytes_per_block_in` bytes a block.
+    pub fn read_blocks_on(&self, b: &B, blocks: &[u32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for &block in blocks {
+            for c in self.compressors() {
+                let n = c.block_floats();
+                let at = block as usize * n;
+                let words = b.read_floats(&c.entries, at..at + n);
+                out.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+            }
+        }
+        out
+    }
+
+    /// Fills each `(block, bytes)` from `read_blocks_on`'s bytes; false (nothing written)
+    /// where a block is outside the pool or its bytes are not one block's.
+    pub fn write_blocks_on(&mut self, b: &B, blocks: &[(u32, &[u8])]) -> bool {
+        let per_block: usize = self.compressors().map(|c| 4 * c.block_floats()).sum();
+        let fits = |(block, bytes): &(u32, &[u8])| {
+            (*block as usize) < self.num_blocks && bytes.len() == per_block
+        };
+        if !blocks.iter().all(fits) {
+            return false;
+        }
+        for &(block, bytes) in blocks {
+            let mut rest = bytes;
+            for l in &mut self.layers {
+                for c in l.compressor.iter_mut().chain(l.indexer.iter_mut()) {
+                    let n = c.block_floats();
+                    let (mine, after) = rest.split_at(4 * n);
+                    let words: Vec<f32> = mine
+                        .chunks_exact(4)
+                        .map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes")))
+                        .collect();
+                    b.write_floats(&mut c.entries, block as usize * n, &words);
+                    rest = after;
+                }
+            }
+        }
+        true
+    }
+
+    fn compressors(&self) -> impl Iterator<Item = &Compressor<B>> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.compressor.iter().chain(l.indexer.iter()))
+    }
+
     /// Keeps the slot's state before a verify row of `token_ids` at `slot_tokens`.
     pub fn snapshot_on(&mut self, b: &B, slot: usize, token_ids: &[u32]) {
         let ring_floats = self.ring_floats();

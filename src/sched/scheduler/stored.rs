@@ -32,7 +32,7 @@ impl Scheduler {
     /// Attaches a prefix store: every block registered from now on is handed out by
     /// `take_kv_saves`, and `add_with_stored` takes what the store holds.
     pub fn set_kv_store(&mut self, on: bool) {
-        self.store.on = on && self.cfg.enable_prefix_cache && self.slots.is_none();
+        self.store.on = on && self.cfg.enable_prefix_cache;
     }
 
     /// Blocks registered since the last call, to copy to the store before any later step
