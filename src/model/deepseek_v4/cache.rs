@@ -399,10 +399,6 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
         self.ring_len
     }
 
-    pub fn head_dim(&self) -> usize {
-        self.head_dim
-    }
-
     pub fn ring_format(&self) -> EntryFormat {
         self.ring_format
     }
