@@ -14,8 +14,10 @@ use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
 use crate::sampling::SamplingParams;
 
 mod engine_flags;
+mod serve;
 
 pub use engine_flags::EngineFlags;
+pub use serve::ServeArgs;
 
 #[derive(Parser)]
 #[command(name = "troupe", version, about = "An LLM inference engine")]
@@ -34,20 +36,6 @@ enum Command {
     BenchServe(crate::bench_serve::BenchServeArgs),
 }
 
-#[derive(Args)]
-pub struct ServeArgs {
-    /// A known model name, a GGUF file or an HF model directory; also the name clients
-    /// send as `model`.
-    #[arg(long, default_value = hub::DEFAULT_MODEL)]
-    model: String,
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    #[command(flatten)]
-    engine: EngineFlags,
-}
-
 /// The runtime the engine's actors live on (actix-web, when serving, runs its own).
 fn engine_runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -55,18 +43,6 @@ fn engine_runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .map_err(|e| TroupeError::InvalidInput(format!("cannot start the async runtime: {e}")))
-}
-
-fn run_serve(args: ServeArgs) -> Result<()> {
-    let path = model::resolve_model_path(&args.model)?;
-    let cfg = args.engine.config(&path)?;
-    let runtime = engine_runtime()?;
-    let engine = runtime.block_on(Engine::spawn(cfg)).map_err(engine_err)?;
-    crate::protocol::server::serve(engine, args.model.clone(), &args.host, args.port).map_err(
-        |e| TroupeError::InvalidInput(format!("cannot serve on {}:{}: {e}", args.host, args.port)),
-    )?;
-    drop(runtime);
-    Ok(())
 }
 
 #[derive(Args)]
@@ -192,13 +168,6 @@ fn prompt_ids(
 pub fn main() -> i32 {
     // Logs only when asked for: stderr carries one error line or the stats object, which
     // scripts read.
-    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG") {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .with_ansi(false)
-            .init();
-    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -206,9 +175,10 @@ pub fn main() -> i32 {
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
+    init_logs(&cli.command);
     let result = match cli.command {
         Command::Generate(args) => run_generate(*args),
-        Command::Serve(args) => run_serve(*args),
+        Command::Serve(args) => serve::run_serve(*args),
         Command::BenchServe(args) => crate::bench_serve::run(args),
     };
     match result {
@@ -217,6 +187,30 @@ pub fn main() -> i32 {
             eprintln!("error: {e}");
             2
         }
+    }
+}
+
+/// Logs go to stderr, filtered by RUST_LOG; a server logs warnings and errors (a failed
+/// engine's reason among them) even without it.
+fn init_logs(command: &Command) {
+    let (default_filter, json) = match command {
+        Command::Serve(args) => (Some("warn"), args.log_format == serve::LogFormat::Json),
+        _ => (None, false),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+        .ok()
+        .or_else(|| default_filter.map(tracing_subscriber::EnvFilter::new));
+    let Some(filter) = filter else {
+        return;
+    };
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false);
+    if json {
+        logs.json().init();
+    } else {
+        logs.init();
     }
 }
 

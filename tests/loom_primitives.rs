@@ -1,7 +1,7 @@
 //! Loom: every shared-memory primitive of the crate besides `SampledTokens` (its own
 //! suite): the grammar matcher's busy cell, a group's abort hooks, the GPU's pick-slot
 //! pool, the fault plan's one-shot flags, the drafters' shared calibration, the engine
-//! handle's request ids, the prefix store's host tier.
+//! handle's request ids, the prefix store's host tier, the server's admission gate.
 //! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
 #![cfg(troupe_loom)]
 
@@ -13,7 +13,7 @@ use troupe::runner::fault::FaultPlan;
 use troupe::runner::kv_store::{KvStore, KvStoreConfig};
 use troupe::sched::{KvSave, ROOT_HASH, block_hash};
 use troupe::spec::{Drafter, NgramDrafter};
-use troupe::sync::BusyCell;
+use troupe::sync::{BusyCell, Gate, Refusal};
 
 #[test]
 fn a_waiter_on_a_busy_cell_sees_the_finished_work() {
@@ -184,5 +184,45 @@ fn a_prefix_store_lookup_beside_a_save_sees_the_whole_block_or_none() {
         h.join().unwrap();
         assert_eq!(store.stage(&tokens, 0, 0).blocks.len(), 1);
         assert_eq!(store.stats().host_bytes, 3);
+    });
+}
+
+#[test]
+fn two_requests_at_a_gate_of_one_let_exactly_one_in_and_the_ticket_comes_back() {
+    loom::model(|| {
+        let gate = Gate::new(1);
+        let other = gate.clone();
+        let h = thread::spawn(move || other.enter().map(drop).is_ok());
+        let mine = gate.enter();
+        let theirs = h.join().unwrap();
+        // Either both got in one after the other (the thread's ticket dropped first) or
+        // exactly one did; never two inside at once.
+        match &mine {
+            Ok(_) => assert!(gate.num_inside() == 1),
+            Err(r) => assert_eq!(*r, Refusal::Full),
+        }
+        assert!(mine.is_ok() || theirs);
+        drop(mine);
+        assert_eq!(gate.num_inside(), 0);
+    });
+}
+
+#[test]
+fn a_gate_closed_while_a_request_enters_admits_it_whole_or_refuses_it_as_closed() {
+    loom::model(|| {
+        let gate = Gate::new(4);
+        let other = gate.clone();
+        let h = thread::spawn(move || other.enter().map(|t| (t, ())));
+        gate.close();
+        let entered = h.join().unwrap();
+        match entered {
+            Ok((ticket, ())) => {
+                assert_eq!(gate.num_inside(), 1);
+                drop(ticket);
+            }
+            Err(r) => assert_eq!(r, Refusal::Closed),
+        }
+        assert_eq!(gate.num_inside(), 0);
+        assert_eq!(gate.enter().err(), Some(Refusal::Closed));
     });
 }

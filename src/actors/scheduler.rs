@@ -34,6 +34,8 @@ pub enum SchedulerMsg {
         grammar: Option<Shared<CompiledGrammar>>,
         stream: UnboundedSender<RequestOutput>,
         reply: RpcReplyPort<Result<(), EngineError>>,
+        /// The caller's span (the HTTP request's): the request's log lines go under it.
+        span: tracing::Span,
     },
     Abort {
         request_id: u64,
@@ -68,6 +70,14 @@ pub enum SchedulerMsg {
     Status(RpcReplyPort<EngineStatus>),
     /// Replies once no request is left.
     Drain(RpcReplyPort<()>),
+    /// `queue_timeout` after a submission: its completions still waiting end with an error.
+    QueueDeadline {
+        request_id: u64,
+    },
+    /// Ends every request with `reason` as its error; the engine keeps serving.
+    CancelAll {
+        reason: String,
+    },
 }
 
 impl From<SampledStep> for SchedulerMsg {
@@ -104,6 +114,8 @@ pub struct SchedulerArgs {
     pub stop_ids: Vec<u32>,
     /// The prefix store prompts are looked up in before admission.
     pub kv_store: Option<Shared<KvStore>>,
+    /// How long a request may wait for admission before it ends with an error.
+    pub queue_timeout: Option<std::time::Duration>,
 }
 
 /// One completion of a request. A request with `n` completions runs as `n` sequences,
@@ -125,6 +137,10 @@ struct Request {
     token_ids: Shared<Vec<u32>>,
     /// Structured output: the grammar state the sampler masks this completion with.
     constraint: Option<Shared<SeqConstraint>>,
+    /// The caller's span: admission, preemption and finish are logged under it.
+    span: tracing::Span,
+    /// Has been in a planned step.
+    started: bool,
 }
 
 pub struct SchedulerState {
@@ -150,6 +166,7 @@ pub struct SchedulerState {
     kv_store: Option<Shared<KvStore>>,
     /// Submissions whose blocks are being read from the store (a drain waits for them).
     num_staging: usize,
+    queue_timeout: Option<std::time::Duration>,
 }
 
 impl SchedulerState {
@@ -171,9 +188,26 @@ impl SchedulerState {
                     self.finish(seq_id, reason);
                 }
             }
+            self.log_preemptions();
             let Some(plan) = plan else {
                 break;
             };
+            let step_id = self.status.num_steps;
+            for row in &plan.rows {
+                if let Some(r) = self.requests.get_mut(&row.seq_id) {
+                    let _in = r.span.enter();
+                    if !r.started {
+                        r.started = true;
+                        tracing::debug!(index = r.index, "admitted to the running batch");
+                    }
+                    tracing::trace!(
+                        step = step_id,
+                        tokens = row.num_tokens(),
+                        cached = row.num_cached_tokens,
+                        "in step"
+                    );
+                }
+            }
             let sampling: Vec<Option<RowSampling>> = plan
                 .rows
                 .iter()
@@ -225,6 +259,37 @@ impl SchedulerState {
         self.answer_drains();
     }
 
+    fn log_preemptions(&mut self) {
+        for seq_id in self.core.take_preempted() {
+            if let Some(r) = self.requests.get(&seq_id) {
+                r.span.in_scope(|| {
+                    tracing::debug!(index = r.index, "preempted: its KV is recomputed later")
+                });
+            }
+        }
+    }
+
+    /// Ends the completions of `request_id` that are still waiting for admission.
+    fn expire_queued(&mut self, request_id: u64) {
+        let Some(limit) = self.queue_timeout else {
+            return;
+        };
+        for index in 0..MAX_CHOICES {
+            let seq_id = seq_id_of(request_id, index);
+            if self.requests.contains_key(&seq_id) && self.core.is_queued(seq_id) {
+                self.core.abort(seq_id);
+                self.fail(
+                    seq_id,
+                    &format!(
+                        "the request waited in the queue for longer than --queue-timeout ({} s); the engine is overloaded, retry later",
+                        limit.as_secs_f64()
+                    ),
+                );
+            }
+        }
+        self.answer_drains();
+    }
+
     fn answer_drains(&mut self) {
         if self.requests.is_empty() && self.num_staging == 0 {
             for d in self.drains.drain(..) {
@@ -257,6 +322,8 @@ impl SchedulerState {
 
     fn fail(&mut self, seq_id: SeqId, reason: &str) {
         if let Some(r) = self.requests.remove(&seq_id) {
+            r.span
+                .in_scope(|| tracing::debug!(index = r.index, reason, "failed"));
             let _ = r.stream.send(RequestOutput {
                 request_id: request_id_of(seq_id),
                 index: r.index,
@@ -279,6 +346,14 @@ impl SchedulerState {
 
     fn finish(&mut self, seq_id: SeqId, reason: FinishReason) {
         if let Some(mut r) = self.requests.remove(&seq_id) {
+            r.span.in_scope(|| {
+                tracing::debug!(
+                    index = r.index,
+                    ?reason,
+                    tokens = r.token_ids.len(),
+                    "finished"
+                )
+            });
             let forks = std::mem::take(&mut r.pending_forks);
             let _ = r.stream.send(RequestOutput {
                 request_id: request_id_of(seq_id),
@@ -369,6 +444,7 @@ impl Actor for SchedulerActor {
             last_sampled_at: None,
             kv_store: args.kv_store,
             num_staging: 0,
+            queue_timeout: args.queue_timeout,
             status: EngineStatus {
                 num_total_blocks,
                 num_total_state_slots,
@@ -390,13 +466,27 @@ impl Actor for SchedulerActor {
                 grammar,
                 stream,
                 reply,
+                span,
             } => {
+                span.in_scope(|| {
+                    tracing::debug!(
+                        engine_request = request_id,
+                        prompt_tokens = request.prompt_ids.len(),
+                        max_tokens = request.max_tokens,
+                        n = request.n,
+                        "queued"
+                    )
+                });
+                if let Some(limit) = st.queue_timeout {
+                    myself.send_after(limit, move || SchedulerMsg::QueueDeadline { request_id });
+                }
                 let sub = Submission {
                     request_id,
                     request,
                     grammar,
                     stream,
                     reply,
+                    span,
                 };
                 if let Some(sub) = st.stage(sub, &myself) {
                     st.submit(sub, StoredPrefix::default());
@@ -468,6 +558,8 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::RankLost { reason } => {
                 let reason = format!("no rank worker is left: {reason}");
+                tracing::error!("the engine has failed: {reason}");
+                st.status.failure = Some(reason.clone());
                 st.failed = Some(reason.clone());
                 st.sampled.invalidate();
                 st.fail_all(&reason);
@@ -493,6 +585,15 @@ impl Actor for SchedulerActor {
             SchedulerMsg::Drain(reply) => {
                 st.drains.push(reply);
                 st.answer_drains();
+            }
+            SchedulerMsg::QueueDeadline { request_id } => {
+                st.expire_queued(request_id);
+                st.kick();
+            }
+            SchedulerMsg::CancelAll { reason } => {
+                tracing::warn!("cancelling {} sequences: {reason}", st.requests.len());
+                st.fail_all(&reason);
+                st.kick();
             }
         }
         Ok(())

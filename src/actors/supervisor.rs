@@ -3,7 +3,8 @@
 //! stop the supervisor when any child exits; here a dead sampler is restarted, and a dead
 //! rank takes its group down: the supervisor rebuilds it on the devices that still start,
 //! at the largest group size the model allows there, and the scheduler recomputes every
-//! unfinished sequence — until `max_rank_restarts` is spent or no valid group size is
+//! unfinished sequence — until `max_rank_restarts` are spent within the restart window
+//! (a rate, not a lifetime count) or no valid group size is
 //! left; then the scheduler fails every request with the reason.
 
 use ractor::thread_local::{ThreadLocalActor, ThreadLocalActorSpawner};
@@ -33,6 +34,7 @@ pub struct SupervisorArgs {
     pub scheduler: SchedulerArgs,
     pub rank: RankArgsTemplate,
     pub max_rank_restarts: usize,
+    pub rank_restart_window: std::time::Duration,
 }
 
 /// What it takes to (re)start the rank workers.
@@ -92,8 +94,10 @@ pub struct SupervisorState {
     lost: Vec<bool>,
     /// Cancels the current group's collectives when one of its ranks dies.
     abort: GroupAbort,
-    num_rank_restarts: usize,
+    /// When each restart inside the window happened, oldest first.
+    restarts: std::collections::VecDeque<std::time::Instant>,
     max_rank_restarts: usize,
+    rank_restart_window: std::time::Duration,
 }
 
 /// Starts one rank worker per device of the largest group the healthy devices allow, and
@@ -217,10 +221,19 @@ impl EngineSupervisor {
     /// Takes one restart from the shared budget, or, when it is spent, tells the scheduler
     /// the engine is lost and returns false.
     fn spend_restart(st: &mut SupervisorState, who: &str, why: &str) -> bool {
-        if st.num_rank_restarts >= st.max_rank_restarts {
+        let now = std::time::Instant::now();
+        while st
+            .restarts
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > st.rank_restart_window)
+        {
+            st.restarts.pop_front();
+        }
+        if st.restarts.len() >= st.max_rank_restarts {
             let reason = format!(
-                "{who} failed {} times, last: {why}",
-                st.num_rank_restarts + 1
+                "{who} failed {} times within {} s, last: {why}",
+                st.restarts.len() + 1,
+                st.rank_restart_window.as_secs_f64()
             );
             let _ = st
                 .children
@@ -228,7 +241,7 @@ impl EngineSupervisor {
                 .cast(SchedulerMsg::RankLost { reason });
             return false;
         }
-        st.num_rank_restarts += 1;
+        st.restarts.push_back(now);
         true
     }
 
@@ -324,8 +337,9 @@ impl Actor for EngineSupervisor {
                 .collect(),
             lost: vec![false; num_devices],
             abort: GroupAbort::default(),
-            num_rank_restarts: 0,
+            restarts: std::collections::VecDeque::new(),
             max_rank_restarts: args.max_rank_restarts,
+            rank_restart_window: args.rank_restart_window,
         };
         let workers = spawn_group(&myself.get_cell(), &mut st).await?;
         st.children.workers = workers.clone();

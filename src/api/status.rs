@@ -7,6 +7,9 @@ pub const MAX_SPEC_POSITIONS: usize = 16;
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStatus {
+    /// Why the engine has failed for good (every request is refused with it); `None`
+    /// while it serves.
+    pub failure: Option<String>,
     pub num_running: usize,
     pub num_waiting: usize,
     pub num_free_blocks: usize,

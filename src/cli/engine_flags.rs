@@ -274,7 +274,7 @@ fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
 }
 
 /// `3600` (seconds), `45s`, `90m`, `12h`, `7d`.
-fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+pub(super) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     let (digits, unit) = match s.char_indices().last() {
         Some((i, 's')) => (&s[..i], 1),
         Some((i, 'm')) => (&s[..i], 60),

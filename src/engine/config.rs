@@ -37,8 +37,14 @@ pub struct EngineConfig {
     /// Requests admitted to the engine at once; `generate` waits for a free place
     /// (back-pressure in front of ractor's unbounded mailboxes).
     pub max_pending_requests: usize,
-    /// Rank worker restarts allowed before a failure counts as permanent.
+    /// Rank worker and sampler restarts allowed within `rank_restart_window`; one more
+    /// inside the window counts the failure as permanent. Restarts older than the window
+    /// no longer count, so a fault once a day never uses the budget up.
     pub max_rank_restarts: usize,
+    pub rank_restart_window: std::time::Duration,
+    /// A request still waiting for admission this long after it was submitted ends with
+    /// an error (`None`: it waits for as long as it takes).
+    pub queue_timeout: Option<std::time::Duration>,
     /// End preempted requests (`FinishReason::Preempted`) instead of recomputing them.
     pub stop_preempted: bool,
     /// Kernels with a reduction order independent of the batch: a request's logits are
@@ -135,6 +141,8 @@ impl EngineConfig {
             zero_overhead_scheduling: true,
             max_pending_requests: 4096,
             max_rank_restarts: 8,
+            rank_restart_window: std::time::Duration::from_secs(600),
+            queue_timeout: None,
             stop_preempted: false,
             batch_invariant: false,
             exact_activations: false,

@@ -219,6 +219,7 @@ impl Engine {
                 sampled,
                 stop_ids: text.stop_ids.clone(),
                 kv_store: kv_store.clone(),
+                queue_timeout: cfg.queue_timeout,
             },
             rank: RankArgsTemplate {
                 model_path: cfg.model_path.clone(),
@@ -258,6 +259,7 @@ impl Engine {
                 mtp,
             },
             max_rank_restarts: cfg.max_rank_restarts,
+            rank_restart_window: cfg.rank_restart_window,
         };
         let (supervisor, _) = Actor::spawn(None, EngineSupervisor, args)
             .await
@@ -469,6 +471,7 @@ impl EngineHandle {
             grammar,
             stream: tx,
             reply,
+            span: tracing::Span::current(),
         };
         let submitted = ractor::call_t!(self.scheduler, submit, CALL_TIMEOUT_MS)
             .map_err(|e| call_error("scheduler", e))?;
@@ -502,6 +505,11 @@ impl EngineHandle {
         (0..request.n.max(1))
             .map(|_| ChoiceText::new(request.stop.clone(), stop_ids.clone(), keep_special_tokens))
             .collect()
+    }
+
+    /// Ends every request in flight with `reason` as its error; the engine keeps serving.
+    pub async fn cancel_all(&self, reason: String) {
+        let _ = self.scheduler.cast(SchedulerMsg::CancelAll { reason });
     }
 
     pub fn abort(&self, request_id: u64) {

@@ -222,9 +222,9 @@ pub async fn messages(st: web::Data<ServerState>, body: web::Payload) -> HttpRes
 }
 
 async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let req: MessagesRequest = parse_body(&read_body(body).await?)?;
+    let req: MessagesRequest = parse_body(&read_body(st, body).await?)?;
     check_model(st, &req.model)?;
-    let text = st.engine.text();
+    let text = st.engine()?.text();
     let conv = conversation(&req)?;
     let grammar = match req.output_config.as_ref().and_then(|c| c.get("format")) {
         Some(f) if !f.is_null() => response_format(f, "output_config.format")?,
@@ -242,11 +242,15 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
     let engine_req = conversation_request(&conv, sampling, text)?;
     let num_input_tokens = engine_req.prompt_ids.len();
     let spec = api::parse_spec(text, &conv);
-    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
+    let stream = st
+        .engine()?
+        .generate(engine_req)
+        .await
+        .map_err(engine_error)?;
     let stream = Timed::new(stream, st, num_input_tokens);
     let request_id = stream.request_id();
     let id = format!("msg_{request_id:x}");
-    let model = st.model_name.clone();
+    let model = st.opts.served_model_name.clone();
     if !req.stream {
         return Ok(json_when_done(
             async move {

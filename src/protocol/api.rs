@@ -53,17 +53,25 @@ impl ApiError {
     pub fn body(&self, flavor: Flavor) -> Value {
         match flavor {
             Flavor::OpenAi => {
-                let kind = match self.status {
-                    400 | 413 | 422 => "invalid_request_error",
-                    404 => "not_found_error",
-                    _ => "server_error",
+                let (kind, code) = match self.status {
+                    400 | 413 | 422 => ("invalid_request_error", None),
+                    401 => ("invalid_request_error", Some("invalid_api_key")),
+                    403 => ("permission_error", None),
+                    404 => ("not_found_error", None),
+                    408 | 504 => ("timeout_error", Some("timeout")),
+                    429 => ("rate_limit_error", Some("rate_limit_exceeded")),
+                    _ => ("server_error", None),
                 };
-                json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": null}})
+                json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": code}})
             }
             Flavor::Anthropic => {
                 let kind = match self.status {
                     400 | 422 => "invalid_request_error",
+                    401 => "authentication_error",
+                    403 => "permission_error",
                     404 => "not_found_error",
+                    429 => "rate_limit_error",
+                    408 | 504 => "timeout_error",
                     413 => "request_too_large",
                     503 | 529 => "overloaded_error",
                     _ => "api_error",

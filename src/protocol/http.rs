@@ -2,7 +2,9 @@
 //! limit, errors in the API's own JSON, SSE framing, latency metrics. Dropping a response
 //! (client gone) drops its `RequestStream`, which aborts the request and frees its blocks.
 
+use crate::api::RequestIds;
 use crate::sync::Shared as Arc;
+use crate::sync::{Gate, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use actix_web::{HttpResponse, web};
@@ -12,15 +14,67 @@ use serde_json::Value;
 
 use super::api::{ApiError, Flavor};
 use super::metrics::Metrics;
+use super::serve_options::ServeOptions;
 use crate::engine::{EngineError, EngineHandle, RequestOutput, RequestStream};
 
 /// Request bodies above this are refused (413) while reading.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
 pub struct ServerState {
-    pub engine: EngineHandle,
-    pub model_name: String,
+    /// Set once the engine has loaded; until then every route but `/health` is 503.
+    engine: OnceLock<EngineHandle>,
+    /// Why the engine could not start or has failed for good (`/health` says it).
+    failure: OnceLock<String>,
+    pub opts: ServeOptions,
     pub metrics: Arc<Metrics>,
+    /// Generation requests in flight; closed while draining.
+    pub gate: Gate,
+    request_ids: RequestIds,
+    /// Keeps request ids of two server processes apart.
+    boot_nanos: u128,
+}
+
+impl ServerState {
+    pub fn new(opts: ServeOptions) -> Self {
+        ServerState {
+            engine: OnceLock::new(),
+            failure: OnceLock::new(),
+            gate: Gate::new(opts.admission_limit()),
+            opts,
+            metrics: Arc::new(Metrics::new()),
+            request_ids: RequestIds::default(),
+            boot_nanos: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        }
+    }
+
+    /// The engine, or 503 while it is loading.
+    pub fn engine(&self) -> Result<&EngineHandle, ApiError> {
+        self.engine
+            .get()
+            .ok_or_else(|| ApiError::status(503, "the model is still loading"))
+    }
+
+    pub fn set_engine(&self, engine: EngineHandle) {
+        let _ = self.engine.set(engine);
+    }
+
+    pub fn set_failure(&self, reason: String) {
+        let _ = self.failure.set(reason);
+    }
+
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
+    }
+
+    pub fn fresh_request_id(&self) -> String {
+        format!(
+            "req-{:x}-{}",
+            self.boot_nanos & 0xffff_ffff_ffff,
+            self.request_ids.next()
+        )
+    }
 }
 
 pub fn now_secs() -> u64 {
@@ -42,8 +96,24 @@ pub fn engine_error(e: EngineError) -> ApiError {
     }
 }
 
-/// The body, refused with 413 past `MAX_BODY_BYTES`.
-pub async fn read_body(mut payload: web::Payload) -> Result<Bytes, ApiError> {
+/// The body, refused with 413 past `MAX_BODY_BYTES` and with 408 when it has not all
+/// arrived within the body read timeout (a slow sender holds no worker past it).
+pub async fn read_body(st: &ServerState, payload: web::Payload) -> Result<Bytes, ApiError> {
+    let limit = st.opts.body_read_timeout;
+    tokio::time::timeout(limit, read_whole(payload))
+        .await
+        .unwrap_or_else(|_| {
+            Err(ApiError::status(
+                408,
+                format!(
+                    "the request body did not arrive within {} s",
+                    limit.as_secs_f64()
+                ),
+            ))
+        })
+}
+
+async fn read_whole(mut payload: web::Payload) -> Result<Bytes, ApiError> {
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk =
@@ -61,11 +131,11 @@ pub async fn read_body(mut payload: web::Payload) -> Result<Bytes, ApiError> {
 
 pub fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
-        Some(m) if m != &st.model_name => Err(ApiError {
+        Some(m) if m != &st.opts.served_model_name => Err(ApiError {
             status: 404,
             message: format!(
                 "model `{m}` does not exist; this server serves `{}`",
-                st.model_name
+                st.opts.served_model_name
             ),
             param: Some("model".into()),
         }),
@@ -75,7 +145,11 @@ pub fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiEr
 
 /// A request's outputs with its latencies recorded as they arrive.
 pub struct Timed {
-    stream: RequestStream,
+    /// Dropped (which aborts the request) when its deadline passes.
+    stream: Option<RequestStream>,
+    request_id: u64,
+    /// `--request-timeout` from admission.
+    deadline: Option<(tokio::time::Instant, std::time::Duration)>,
     metrics: Arc<Metrics>,
     started: Instant,
     last_token: Option<Instant>,
@@ -86,8 +160,11 @@ pub struct Timed {
 
 impl Timed {
     pub fn new(stream: RequestStream, st: &ServerState, num_prompt_tokens: usize) -> Self {
+        let now = tokio::time::Instant::now();
         Timed {
-            stream,
+            request_id: stream.request_id,
+            stream: Some(stream),
+            deadline: st.opts.request_timeout.map(|t| (now + t, t)),
             metrics: st.metrics.clone(),
             started: Instant::now(),
             last_token: None,
@@ -98,11 +175,34 @@ impl Timed {
     }
 
     pub fn request_id(&self) -> u64 {
-        self.stream.request_id
+        self.request_id
+    }
+
+    /// The stream's next output, or once its deadline has passed, an error output (the
+    /// request is aborted) and then the end.
+    async fn next_in_time(&mut self) -> Option<RequestOutput> {
+        let stream = self.stream.as_mut()?;
+        let Some((deadline, limit)) = self.deadline else {
+            return stream.next().await;
+        };
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(out) => out,
+            Err(_) => {
+                self.stream = None;
+                Some(RequestOutput {
+                    request_id: self.request_id,
+                    error: Some(format!(
+                        "the request ran past --request-timeout ({} s) and was stopped",
+                        limit.as_secs_f64()
+                    )),
+                    ..Default::default()
+                })
+            }
+        }
     }
 
     pub async fn next(&mut self) -> Option<RequestOutput> {
-        let out = self.stream.next().await;
+        let out = self.next_in_time().await;
         let now = Instant::now();
         match &out {
             Some(o) if !o.token_ids.is_empty() => {

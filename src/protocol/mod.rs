@@ -5,6 +5,7 @@ pub mod api;
 pub mod conversation;
 #[cfg(feature = "deepseek-encoding")]
 pub mod deepseek_v4_prompt;
+pub mod guard;
 pub mod http;
 pub mod jsonl;
 pub mod metrics;
@@ -12,4 +13,5 @@ pub mod openai;
 pub mod output_parser;
 pub mod reply;
 pub mod responses;
+pub mod serve_options;
 pub mod server;

@@ -319,11 +319,11 @@ pub async fn chat_completions(st: web::Data<ServerState>, body: web::Payload) ->
 }
 
 async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let body: Value = parse_body(&read_body(body).await?)?;
+    let body: Value = parse_body(&read_body(st, body).await?)?;
     let mut req: ChatRequest = parse_value(&body)?;
     req.sampling = parse_value(&body)?;
     check_model(st, &req.model)?;
-    let text = st.engine.text();
+    let text = st.engine()?.text();
     let conv = chat_conversation(&req)?;
     let mut sampling = req.sampling.sampling()?;
     if let Some(f) = &req.response_format {
@@ -343,13 +343,17 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
     let engine_req = conversation_request(&conv, sampling, text)?;
     let num_prompt_tokens = engine_req.prompt_ids.len();
     let spec = api::parse_spec(text, &conv);
-    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
+    let stream = st
+        .engine()?
+        .generate(engine_req)
+        .await
+        .map_err(engine_error)?;
     let stream = Timed::new(stream, st, num_prompt_tokens);
     let request_id = stream.request_id();
     let id = format!("chatcmpl-{request_id}");
-    let (created, model) = (now_secs(), st.model_name.clone());
+    let (created, model) = (now_secs(), st.opts.served_model_name.clone());
     if !req.stream {
-        let engine = st.engine.clone();
+        let engine = st.engine()?.clone();
         return Ok(json_when_done(
             async move {
                 let text = engine.text();
@@ -395,7 +399,7 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
     let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
     let counter_tail = counter.clone();
     let (id2, model2) = (id.clone(), model.clone());
-    let engine = st.engine.clone();
+    let engine = st.engine()?.clone();
     let encode = move |o: &RequestOutput| {
         let chunk = |delta: Value, finish: Value, logprobs: Value| {
             SseEvent::data(
@@ -491,11 +495,11 @@ pub async fn completions(st: web::Data<ServerState>, body: web::Payload) -> Http
 }
 
 async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let body: Value = parse_body(&read_body(body).await?)?;
+    let body: Value = parse_body(&read_body(st, body).await?)?;
     let mut req: CompletionRequest = parse_value(&body)?;
     req.sampling = parse_value(&body)?;
     check_model(st, &req.model)?;
-    let text = st.engine.text();
+    let text = st.engine()?.text();
     let prompt_ids = match &req.prompt {
         // Ids outside the vocabulary are refused by the engine (`EngineRequest::validate`).
         PromptField::Ids(ids) => ids.clone(),
@@ -512,10 +516,14 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
     sampling.num_top_logprobs = req.logprobs.unwrap_or(0);
     let engine_req = api::engine_request(&sampling, prompt_ids, text)?;
     let num_prompt_tokens = engine_req.prompt_ids.len();
-    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
+    let stream = st
+        .engine()?
+        .generate(engine_req)
+        .await
+        .map_err(engine_error)?;
     let stream = Timed::new(stream, st, num_prompt_tokens);
     let id = format!("cmpl-{}", stream.request_id());
-    let (created, model) = (now_secs(), st.model_name.clone());
+    let (created, model) = (now_secs(), st.opts.served_model_name.clone());
     if req.stream {
         let include_usage = req
             .stream_options
@@ -525,7 +533,7 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
         let counter_tail = counter.clone();
         let (id2, model2) = (id.clone(), model.clone());
-        let engine = st.engine.clone();
+        let engine = st.engine()?.clone();
         let encode = move |o: &RequestOutput| {
             counter.set(counter.get() + o.token_ids.len());
             if let Some(err) = &o.error {
@@ -555,7 +563,7 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         };
         return Ok(sse(stream, encode, tail, true));
     }
-    let engine = st.engine.clone();
+    let engine = st.engine()?.clone();
     Ok(json_when_done(
         async move {
             let text = engine.text();

@@ -244,7 +244,7 @@ pub async fn create(st: web::Data<ServerState>, body: web::Payload) -> HttpRespo
 }
 
 async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let req: ResponsesRequest = parse_body(&read_body(body).await?)?;
+    let req: ResponsesRequest = parse_body(&read_body(st, body).await?)?;
     check_model(st, &req.model)?;
     if req.previous_response_id.is_some() {
         return Err(ApiError::bad(
@@ -258,7 +258,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
             "this server stores no responses: set `store` to false",
         ));
     }
-    let text = st.engine.text();
+    let text = st.engine()?.text();
     let conv = conversation(&req)?;
     let grammar = match req.text.as_ref().and_then(|t| t.get("format")) {
         Some(f) => response_format(f, "text.format")?,
@@ -276,13 +276,17 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
     let engine_req = conversation_request(&conv, sampling, text)?;
     let num_input_tokens = engine_req.prompt_ids.len();
     let spec = api::parse_spec(text, &conv);
-    let stream = st.engine.generate(engine_req).await.map_err(engine_error)?;
+    let stream = st
+        .engine()?
+        .generate(engine_req)
+        .await
+        .map_err(engine_error)?;
     let stream = Timed::new(stream, st, num_input_tokens);
     let request_id = stream.request_id();
     let shell = Shell {
         id: format!("resp_{request_id:x}"),
         created: now_secs(),
-        model: st.model_name.clone(),
+        model: st.opts.served_model_name.clone(),
         max_output_tokens: req.max_output_tokens,
         temperature: req.temperature,
         top_p: req.top_p,
@@ -290,7 +294,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
     let msg_id = format!("msg_{request_id:x}");
     let want_logprobs = req.top_logprobs.is_some();
     if !req.stream {
-        let engine = st.engine.clone();
+        let engine = st.engine()?.clone();
         return Ok(json_when_done(
             async move {
                 let outputs = stream.collect_ok().await?;
@@ -342,7 +346,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
     let mut open: Option<(usize, String)> = None;
     let mut num_output_tokens = 0usize;
     let mut first = true;
-    let engine = st.engine.clone();
+    let engine = st.engine()?.clone();
     let encode = move |o: &RequestOutput| {
         let mut events = Vec::new();
         // This output's tokens' logprobs ride on its first text delta.

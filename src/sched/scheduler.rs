@@ -91,6 +91,8 @@ pub struct Scheduler {
     num_proposed_drafts: u64,
     /// Times a speculating sequence sat out a step to wait for its drafts' verification.
     num_sat_out_rows: u64,
+    /// Sequences preempted since `take_preempted` was last asked (for the request logs).
+    preempted: Vec<SeqId>,
     store: stored::StoreLink,
     states: resume::StateLink,
 }
@@ -123,6 +125,7 @@ impl Scheduler {
             last_decode_step: None,
             num_proposed_drafts: 0,
             num_sat_out_rows: 0,
+            preempted: Vec::new(),
             store: stored::StoreLink::default(),
             states: resume::StateLink::new(cfg.num_saved_states, cfg.num_blocks),
             ngram_calibration: NgramDrafter::calibration(

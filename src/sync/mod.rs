@@ -25,7 +25,9 @@ pub use std::sync::OnceLock;
 pub use std::sync::atomic::AtomicU64 as GaugeAtomicU64;
 
 mod busy;
+mod gate;
 mod pool;
 
 pub use busy::BusyCell;
+pub use gate::{Gate, Refusal, Ticket};
 pub use pool::SlotPool;

@@ -7,6 +7,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use troupe::engine::{Engine, EngineConfig, EngineHandle, EngineStatus};
+use troupe::protocol::serve_options::ServeOptions;
+use troupe::runner::fault::FaultPlan;
 
 pub struct TestServer {
     pub addr: SocketAddr,
@@ -17,23 +19,42 @@ pub struct TestServer {
 /// Serves `cfg`'s model as `model_name` on a free port; the server thread lives as long
 /// as the test process.
 pub fn start(cfg: EngineConfig, model_name: &str) -> TestServer {
+    start_with(cfg, ServeOptions::new(model_name))
+}
+
+/// As `start`, with the server's options.
+pub fn start_with(cfg: EngineConfig, opts: ServeOptions) -> TestServer {
+    start_with_faults(cfg, opts, FaultPlan::default())
+}
+
+/// As `start_with`, the engine driven by a fault plan.
+pub fn start_with_faults(
+    cfg: EngineConfig,
+    mut opts: ServeOptions,
+    faults: FaultPlan,
+) -> TestServer {
+    opts.max_running_requests = cfg.max_num_seqs;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let engine = runtime.block_on(Engine::spawn(cfg)).unwrap();
+    let engine = runtime
+        .block_on(Engine::spawn_with_faults(cfg, faults))
+        .unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let (handle, name) = (engine.clone(), model_name.to_string());
-    std::thread::spawn(move || troupe::protocol::server::serve_on(handle, name, listener));
+    let state = troupe::protocol::server::state(opts);
+    state.set_engine(engine.clone());
+    std::thread::spawn(move || troupe::protocol::server::serve_on(state, listener, None));
     let server = TestServer {
         addr,
         engine,
         runtime,
     };
     for _ in 0..200 {
-        if server.get("/health").0 == 200 {
+        // Any answer: keys or a Host list may refuse this one.
+        if server.get("/health").0 != 0 {
             return server;
         }
         std::thread::sleep(Duration::from_millis(25));
@@ -43,7 +64,45 @@ pub fn start(cfg: EngineConfig, model_name: &str) -> TestServer {
 
 pub struct Reply {
     pub status: u16,
+    /// Names lowercased.
+    pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body with chunked transfer encoding undone.
+    pub fn payload(&self) -> Vec<u8> {
+        if self.header("transfer-encoding") != Some("chunked") {
+            return self.body.clone();
+        }
+        let (mut out, mut rest) = (Vec::new(), &self.body[..]);
+        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size = std::str::from_utf8(&rest[..eol])
+                .ok()
+                .and_then(|h| usize::from_str_radix(h.trim(), 16).ok())
+                .unwrap_or(0);
+            let start = eol + 2;
+            if size == 0 || start + size > rest.len() {
+                break;
+            }
+            out.extend_from_slice(&rest[start..start + size]);
+            rest = &rest[(start + size + 2).min(rest.len())..];
+        }
+        out
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        let payload = self.payload();
+        serde_json::from_slice(&payload)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&payload)))
+    }
 }
 
 impl TestServer {
@@ -55,18 +114,18 @@ impl TestServer {
 
     /// Sends `body` to `path` with `method`, reads the whole reply.
     pub fn request(&self, method: &str, path: &str, body: &[u8]) -> Reply {
-        let mut s = self.connect();
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            body.len()
-        );
-        // The server may answer (413) and close before it has read everything.
-        let _ = s
-            .write_all(head.as_bytes())
-            .and_then(|()| s.write_all(body));
-        let mut raw = Vec::new();
-        let _ = s.read_to_end(&mut raw);
-        parse_reply(&raw)
+        self.request_with(method, path, &[("host", "test")], body)
+    }
+
+    /// As `request`, with these header lines (`host` among them, or none is sent).
+    pub fn request_with(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Reply {
+        raw_request(self.addr, method, path, headers, body)
     }
 
     pub fn get(&self, path: &str) -> (u16, Vec<u8>) {
@@ -105,8 +164,48 @@ fn parse_reply(raw: &[u8]) -> Reply {
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
         .map_or(raw.len(), |p| p + 4);
+    let headers = String::from_utf8_lossy(&raw[..body_at])
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
     Reply {
         status,
+        headers,
         body: raw[body_at..].to_vec(),
     }
+}
+
+/// One request on a fresh connection; status 0 when nothing came back (not listening).
+pub fn raw_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Reply {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return Reply {
+            status: 0,
+            headers: Vec::new(),
+            body: Vec::new(),
+        };
+    };
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let lines: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\n{lines}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    // The server may answer (413) and close before it has read everything.
+    let _ = s
+        .write_all(head.as_bytes())
+        .and_then(|()| s.write_all(body));
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    parse_reply(&raw)
 }

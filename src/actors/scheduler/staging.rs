@@ -20,6 +20,7 @@ pub struct Submission {
     pub(super) grammar: Option<Shared<CompiledGrammar>>,
     pub(super) stream: UnboundedSender<RequestOutput>,
     pub(super) reply: RpcReplyPort<Result<(), EngineError>>,
+    pub(super) span: tracing::Span,
 }
 
 impl SchedulerState {
@@ -69,6 +70,7 @@ impl SchedulerState {
             grammar,
             stream,
             reply,
+            span,
         } = sub;
         if let Some(reason) = &self.failed {
             let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
@@ -120,6 +122,8 @@ impl SchedulerState {
                     constraint: grammar
                         .as_ref()
                         .map(|g| SeqConstraint::start(g, eos_id, stop_ids.clone())),
+                    span: span.clone(),
+                    started: false,
                 };
                 (seq, r)
             })

@@ -30,6 +30,20 @@ pub(super) enum Reserve {
 }
 
 impl Scheduler {
+    /// Sequences preempted since the last call, in order.
+    pub fn take_preempted(&mut self) -> Vec<crate::sched::SeqId> {
+        std::mem::take(&mut self.preempted)
+    }
+
+    /// Whether `seq_id` waits for admission and has no token yet (a preempted sequence
+    /// that had none counts as waiting still).
+    pub fn is_queued(&self, seq_id: crate::sched::SeqId) -> bool {
+        self.idx_of.get(&seq_id).is_some_and(|&idx| {
+            let seq = self.seq(idx);
+            seq.status == SeqStatus::Waiting && seq.num_generated() == 0
+        })
+    }
+
     /// The device lost its KV and state: forget in-flight steps, give every block and
     /// slot back, clear the prefix cache and requeue every unfinished sequence in arrival
     /// order to be recomputed from its known tokens.
@@ -144,6 +158,7 @@ impl Scheduler {
     /// to be recomputed from its known tokens.
     pub(super) fn preempt(&mut self, idx: usize) {
         self.num_preemptions += 1;
+        self.preempted.push(self.seq(idx).seq_id);
         if self.cfg.stop_preempted {
             let seq_id = self.seq(idx).seq_id;
             self.pending_events.push(SeqEvent::Finished {

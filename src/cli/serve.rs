@@ -1,0 +1,172 @@
+//! `troupe serve`: its flags and its run — the port is bound first and answers 503 while
+//! the model loads; the server runs until SIGTERM / SIGINT has drained it.
+
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use super::engine_flags::{EngineFlags, parse_duration};
+use super::engine_runtime;
+use crate::engine::Engine;
+use crate::error::{Result, TroupeError};
+use crate::model::{self, hub};
+use crate::protocol::serve_options::{ServeOptions, default_allowed_hosts};
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OpenRoute {
+    Health,
+    Metrics,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    /// One JSON object a line, with the request's span fields.
+    Json,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// A known model name, a GGUF file or an HF model directory.
+    #[arg(long, default_value = hub::DEFAULT_MODEL)]
+    model: String,
+    /// The name clients send as `model` and `/v1/models` lists (default: --model).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// A key clients must send, as `Authorization: Bearer KEY` or `x-api-key: KEY`;
+    /// repeat it (or separate with commas) for several.
+    #[arg(
+        long = "api-key",
+        env = "TROUPE_API_KEY",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    api_keys: Vec<String>,
+    /// Routes that answer without a key when keys are set: `health`, `metrics`.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    open_routes: Vec<OpenRoute>,
+    /// Origins browser pages may call from (`*`: any). Default: none (no CORS headers,
+    /// so browsers keep other sites' pages out).
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Vec<String>,
+    /// Host header names accepted. Default: on a loopback address only the loopback names
+    /// (a DNS-rebinding page sends its own name); elsewhere any.
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Vec<String>,
+    /// Generation requests admitted beyond the running batch (--max-num-seqs); past
+    /// them a request gets 429 with Retry-After at once.
+    #[arg(long, default_value_t = 512)]
+    max_queued_requests: usize,
+    /// A request still waiting for admission after this long ends with an error
+    /// (`30`, `90s`, `2m`). Default: no limit.
+    #[arg(long, value_parser = parse_duration)]
+    queue_timeout: Option<Duration>,
+    /// A generation request is stopped with an error after this long. Default: no limit.
+    #[arg(long, value_parser = parse_duration)]
+    request_timeout: Option<Duration>,
+    /// A request body not received within this long is refused (408).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    body_read_timeout: Duration,
+    /// After SIGTERM / SIGINT, how long requests in flight may take to finish before
+    /// they end with an error.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    shutdown_timeout: Duration,
+    /// Rank / sampler restarts allowed within --rank-restart-window before the engine
+    /// counts a failure as permanent (then `/health` is 503 with the reason).
+    #[arg(long, default_value_t = 8)]
+    max_rank_restarts: usize,
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    rank_restart_window: Duration,
+    /// HTTP worker threads (default: the machine's cores, 2 to 8).
+    #[arg(long)]
+    http_workers: Option<usize>,
+    /// Log lines as text or JSON (RUST_LOG filters them; default `warn`).
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    #[command(flatten)]
+    engine: EngineFlags,
+}
+
+impl ServeArgs {
+    fn options(&self, max_num_seqs: usize) -> Result<ServeOptions> {
+        let mut opts = ServeOptions::new(
+            self.served_model_name
+                .clone()
+                .unwrap_or_else(|| self.model.clone()),
+        );
+        if let Some(k) = self
+            .api_keys
+            .iter()
+            .find(|k| k.trim().is_empty() || k.trim() != *k)
+        {
+            return Err(TroupeError::InvalidInput(format!(
+                "--api-key: a key may not be empty or start or end with whitespace (got {} characters)",
+                k.len()
+            )));
+        }
+        opts.api_keys = self.api_keys.clone();
+        opts.open_health = self.open_routes.contains(&OpenRoute::Health);
+        opts.open_metrics = self.open_routes.contains(&OpenRoute::Metrics);
+        if opts.api_keys.is_empty() && !self.open_routes.is_empty() {
+            return Err(TroupeError::InvalidInput(
+                "--open-routes names routes open without a key: give --api-key too".into(),
+            ));
+        }
+        opts.allowed_origins = self.allowed_origins.clone();
+        opts.allowed_hosts = if self.allowed_hosts.is_empty() {
+            default_allowed_hosts(&self.host)
+        } else {
+            Some(self.allowed_hosts.clone())
+        };
+        if self.max_queued_requests == 0 {
+            return Err(TroupeError::InvalidInput(
+                "--max-queued-requests must be at least 1".into(),
+            ));
+        }
+        opts.max_queued_requests = self.max_queued_requests;
+        opts.max_running_requests = max_num_seqs;
+        opts.request_timeout = self.request_timeout;
+        opts.body_read_timeout = self.body_read_timeout;
+        opts.shutdown_timeout = self.shutdown_timeout;
+        if let Some(n) = self.http_workers {
+            opts.workers = n.max(1);
+        }
+        Ok(opts)
+    }
+}
+
+pub fn run_serve(args: ServeArgs) -> Result<()> {
+    let path = model::resolve_model_path(&args.model)?;
+    let mut cfg = args.engine.config(&path)?;
+    cfg.queue_timeout = args.queue_timeout;
+    cfg.max_rank_restarts = args.max_rank_restarts;
+    cfg.rank_restart_window = args.rank_restart_window;
+    let opts = args.options(cfg.max_num_seqs)?;
+    let serving = || format!("cannot serve on {}:{}", args.host, args.port);
+    let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .map_err(|e| TroupeError::InvalidInput(format!("{}: {e}", serving())))?;
+    if opts.api_keys.is_empty() && opts.allowed_hosts.is_none() {
+        tracing::warn!(
+            "serving on {} with no --api-key and no --allowed-hosts: anyone who reaches the port can use it",
+            args.host
+        );
+    }
+    let runtime = engine_runtime()?;
+    let loading = runtime.spawn(Engine::spawn(cfg));
+    eprintln!(
+        "troupe: serving on http://{}:{} (answering 503 until the model is loaded)",
+        args.host, args.port
+    );
+    let state = crate::protocol::server::state(opts);
+    crate::protocol::server::serve_on(state.clone(), listener, Some(loading))
+        .map_err(|e| TroupeError::InvalidInput(format!("{}: {e}", serving())))?;
+    drop(runtime);
+    match (state.engine(), state.failure()) {
+        (Err(_), Some(reason)) => Err(TroupeError::InvalidInput(reason.to_string())),
+        _ => Ok(()),
+    }
+}
