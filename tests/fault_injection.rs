@@ -26,23 +26,45 @@ async fn submit_all(
     (streams, want)
 }
 
+/// Every stream's output; a recovery that deadlocks fails here instead of hanging CI.
 async fn collect(streams: Vec<RequestStream>) -> Vec<RequestOutput> {
     let tasks: Vec<_> = streams
         .into_iter()
         .map(|s| tokio::spawn(s.collect()))
         .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
+    let all = async {
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    };
+    tokio::time::timeout(Duration::from_secs(120), all)
+        .await
+        .expect("every request ends within 120 s")
 }
 
 /// Waits until the engine has run a few steps, so the fault lands mid-run.
 async fn wait_for_steps(engine: &EngineHandle, n: u64) {
-    while engine.status().await.unwrap().num_steps < n {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    let waiting = async {
+        while engine.status().await.unwrap().num_steps < n {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), waiting)
+        .await
+        .expect("the engine runs steps");
+}
+
+async fn kill_rank_0(engine: &EngineHandle) {
+    engine
+        .children()
+        .await
+        .unwrap()
+        .workers
+        .remove(0)
+        .get_cell()
+        .kill();
 }
 
 async fn assert_recovered(engine: &EngineHandle, got: &[RequestOutput], want: &[Vec<u32>]) {
@@ -169,9 +191,14 @@ async fn a_thousand_random_aborts_return_every_block() {
             }
         }));
     }
-    for t in tasks {
-        t.await.unwrap();
-    }
+    let all = async {
+        for t in tasks {
+            t.await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), all)
+        .await
+        .expect("every request ends within 120 s");
     let mut status = engine.status().await.unwrap();
     for _ in 0..200 {
         if status.num_free_blocks == status.num_total_blocks
@@ -188,4 +215,51 @@ async fn a_thousand_random_aborts_return_every_block() {
     );
     assert_eq!(status.num_running + status.num_waiting, 0, "{status:?}");
     engine.shutdown(true).await;
+}
+
+/// Kills rank 0 twice, `gap` apart, with a budget of one restart per `window`.
+async fn kill_twice(window: Duration, gap: Duration) -> (EngineHandle, Vec<RequestOutput>) {
+    let mut cfg = tiny_config(MODEL);
+    cfg.max_rank_restarts = 1;
+    cfg.rank_restart_window = window;
+    let engine = Engine::spawn(cfg).await.unwrap();
+    kill_rank_0(&engine).await;
+    let first_restart = async {
+        while engine.status().await.unwrap().num_resets < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), first_restart)
+        .await
+        .expect("the first kill is restarted");
+    tokio::time::sleep(gap).await;
+    let (streams, _) = submit_all(&engine, 16, 27).await;
+    wait_for_steps(&engine, engine.status().await.unwrap().num_steps + 2).await;
+    kill_rank_0(&engine).await;
+    let got = collect(streams).await;
+    (engine, got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restart_budget_is_a_rate_that_refills_after_its_window() {
+    let (engine, got) = kill_twice(Duration::from_millis(300), Duration::from_millis(600)).await;
+    assert!(
+        got.iter()
+            .all(|o| o.error.is_none() && o.finish_reason.is_some()),
+        "a restart after the window was refused: {:?}",
+        got.iter().find_map(|o| o.error.clone())
+    );
+    let status = engine.status().await.unwrap();
+    assert_eq!(status.failure, None);
+    assert!(status.num_resets >= 3, "{status:?}");
+    engine.shutdown(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_failure_inside_the_window_is_permanent_and_says_why() {
+    let (engine, got) = kill_twice(Duration::from_secs(600), Duration::ZERO).await;
+    assert!(got.iter().any(|o| o.error.is_some()), "the engine went on");
+    let failure = engine.status().await.unwrap().failure.expect("a failure");
+    assert!(failure.contains("2 times within 600 s"), "{failure}");
+    engine.shutdown(false).await;
 }

@@ -30,6 +30,9 @@ pub struct ServeOptions {
     pub shutdown_timeout: Duration,
     /// actix-web worker threads (the HTTP side; the engine has its own).
     pub workers: usize,
+    /// SIGTERM / SIGINT drain the server (off where the process is not the server's
+    /// own, as in tests).
+    pub drain_on_signal: bool,
 }
 
 impl ServeOptions {
@@ -47,6 +50,7 @@ impl ServeOptions {
             body_read_timeout: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(30),
             workers: std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8)),
+            drain_on_signal: true,
         }
     }
 

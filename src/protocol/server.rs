@@ -143,7 +143,9 @@ pub fn serve_on(
         if let Some(loading) = loading {
             actix_web::rt::spawn(load(state.clone(), loading, handle.clone()));
         }
-        actix_web::rt::spawn(drain_on_signal(state, handle));
+        if state.opts.drain_on_signal {
+            actix_web::rt::spawn(drain_on_signal(state, handle));
+        }
         server.await
     })
 }

@@ -12,6 +12,7 @@ use troupe::runner::fault::FaultPlan;
 
 pub struct TestServer {
     pub addr: SocketAddr,
+    pub state: actix_web::web::Data<troupe::protocol::http::ServerState>,
     pub engine: EngineHandle,
     pub runtime: tokio::runtime::Runtime,
 }
@@ -34,6 +35,8 @@ pub fn start_with_faults(
     faults: FaultPlan,
 ) -> TestServer {
     opts.max_running_requests = cfg.max_num_seqs;
+    // The test process's signals are the test runner's.
+    opts.drain_on_signal = false;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -46,9 +49,11 @@ pub fn start_with_faults(
     let addr = listener.local_addr().unwrap();
     let state = troupe::protocol::server::state(opts);
     state.set_engine(engine.clone());
-    std::thread::spawn(move || troupe::protocol::server::serve_on(state, listener, None));
+    let serving = state.clone();
+    std::thread::spawn(move || troupe::protocol::server::serve_on(serving, listener, None));
     let server = TestServer {
         addr,
+        state,
         engine,
         runtime,
     };
@@ -133,6 +138,11 @@ impl TestServer {
         (r.status, r.body)
     }
 
+    /// Generation requests the server's gate counts inside.
+    pub fn engine_gate_inside(&self) -> usize {
+        self.state.gate.num_inside()
+    }
+
     pub fn status(&self) -> EngineStatus {
         self.runtime.block_on(self.engine.status()).unwrap()
     }
@@ -153,7 +163,7 @@ impl TestServer {
     }
 }
 
-fn parse_reply(raw: &[u8]) -> Reply {
+pub fn parse_reply(raw: &[u8]) -> Reply {
     let text = String::from_utf8_lossy(raw);
     let status = text
         .split(' ')
