@@ -242,3 +242,50 @@ fn health_is_503_while_the_model_loads_and_200_once_it_has() {
     assert_eq!(get("/health", b"").status, 200);
     assert_eq!(get("/v1/chat/completions", CHAT).status, 200);
 }
+
+#[test]
+fn completions_text_is_text_unless_the_request_opts_in_and_special_tokens_show_when_asked() {
+    let server = common::server::start(EngineConfig::new(common::smollm2_path()), "smollm2");
+    let tok = server.engine.text().tokenizer.clone().unwrap();
+    let prompt = "<|im_start|>user\nhi<|im_end|>";
+    let usage = |extra: &str| {
+        let body = format!(r#"{{"prompt":{prompt:?},"max_tokens":1{extra}}}"#);
+        let r = server.request("POST", "/v1/completions", body.as_bytes());
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.payload()));
+        r.json()["usage"]["prompt_tokens"].as_u64().unwrap() as usize
+    };
+    let guarded = usage("");
+    let parsed = usage(r#","parse_special_tokens":true"#);
+    assert_eq!(
+        guarded,
+        tok.encode_request_prompt(prompt, false, true)
+            .unwrap()
+            .len()
+    );
+    assert_eq!(
+        parsed,
+        tok.encode_request_prompt(prompt, true, true).unwrap().len()
+    );
+    let im_start = tok.token_to_id("<|im_start|>").unwrap();
+    assert!(
+        !tok.encode_request_prompt(prompt, false, true)
+            .unwrap()
+            .contains(&im_start)
+    );
+    assert!(guarded > parsed, "{guarded} vs {parsed}");
+
+    // A reply forced onto <|im_end|>: its text shows it only with skip_special_tokens false.
+    let im_end = tok.token_to_id("<|im_end|>").unwrap();
+    let text = |skip: &str| {
+        let body = format!(
+            r#"{{"prompt":[1,2,3],"max_tokens":2,"ignore_eos":true,"logit_bias":{{"{im_end}":100}}{skip}}}"#
+        );
+        let r = server.request("POST", "/v1/completions", body.as_bytes());
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    assert_eq!(text(""), "");
+    assert_eq!(
+        text(r#","skip_special_tokens":false"#),
+        "<|im_end|><|im_end|>"
+    );
+}

@@ -27,6 +27,9 @@ pub struct EngineRequest {
     pub n: usize,
     /// Structured output: every completion matches this grammar.
     pub grammar: Option<GrammarSpec>,
+    /// Whether control tokens are left out of the text (`None`: the model's way —
+    /// DeepSeek-V4 keeps them, its replies are parsed from them; others skip them).
+    pub skip_special_tokens: Option<bool>,
 }
 
 /// The most completions one request may ask for.
@@ -101,6 +104,7 @@ impl EngineRequest {
             stop_token_ids: Vec::new(),
             n: 1,
             grammar: None,
+            skip_special_tokens: None,
         }
     }
 }

@@ -31,7 +31,7 @@ use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::splitmix64;
 use crate::sched::SchedulerConfig;
-use crate::structured::{CompiledGrammar, GrammarCompiler};
+use crate::structured::{CompiledGrammar, GrammarCompiler, GrammarSpec};
 
 pub struct Engine;
 
@@ -413,6 +413,10 @@ impl EngineHandle {
         &self.text
     }
 
+    pub fn text_shared(&self) -> Shared<ModelText> {
+        self.text.clone()
+    }
+
     /// What requests to this engine are checked against.
     pub fn limits(&self) -> RequestLimits {
         RequestLimits {
@@ -422,13 +426,7 @@ impl EngineHandle {
     }
 
     /// Compiles `request.grammar` (cached), or says why it cannot be served.
-    fn compile_grammar(
-        &self,
-        request: &EngineRequest,
-    ) -> Result<Option<Shared<CompiledGrammar>>, EngineError> {
-        let Some(spec) = &request.grammar else {
-            return Ok(None);
-        };
+    fn compile_grammar(&self, spec: &GrammarSpec) -> Result<Shared<CompiledGrammar>, EngineError> {
         let compiler = self.grammars.get_or_init(|| {
             let tok = self
                 .text
@@ -445,13 +443,22 @@ impl EngineHandle {
             .map_err(|e| RequestError::Grammar(e.clone()))?;
         compiler
             .compile(spec)
-            .map(Some)
             .map_err(|e| RequestError::Grammar(e.to_string()).into())
     }
 
     pub async fn generate(&self, mut request: EngineRequest) -> Result<RequestStream, EngineError> {
         request.validate(self.limits())?;
-        let grammar = self.compile_grammar(&request)?;
+        // Compiling takes milliseconds to seconds of CPU: not on the caller's async worker.
+        let grammar = match request.grammar.clone() {
+            None => None,
+            Some(spec) => {
+                let this = self.clone();
+                let compiled = tokio::task::spawn_blocking(move || this.compile_grammar(&spec))
+                    .await
+                    .map_err(|e| EngineError::Unavailable(format!("grammar compilation: {e}")))?;
+                Some(compiled?)
+            }
+        };
         let permit = self
             .permits
             .clone()
@@ -501,7 +508,9 @@ impl EngineHandle {
             .copied()
             .collect();
         // DeepSeek-V4 writes its tool calls and reasoning with special tokens: kept as text.
-        let keep_special_tokens = self.text.deepseek_v4.is_some();
+        let keep_special_tokens = request
+            .skip_special_tokens
+            .map_or(self.text.deepseek_v4.is_some(), |skip| !skip);
         (0..request.n.max(1))
             .map(|_| ChoiceText::new(request.stop.clone(), stop_ids.clone(), keep_special_tokens))
             .collect()

@@ -171,6 +171,28 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Encodes a request's text prompt: control-token strings are text unless
+    /// `parse_special_tokens`, and BOS goes first when the model wants one and
+    /// `add_special_tokens`.
+    pub fn encode_request_prompt(
+        &self,
+        text: &str,
+        parse_special_tokens: bool,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>> {
+        let mut ids = if parse_special_tokens {
+            self.encode(text)?
+        } else {
+            self.encode_plain(text)?
+        };
+        if let (true, true, Some(bos)) = (add_special_tokens, self.add_bos, self.bos_id)
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.inner.decode(ids, skip_special_tokens).map_err(tok_err)
     }

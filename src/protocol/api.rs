@@ -10,6 +10,7 @@ use crate::engine::EngineRequest;
 use crate::model::ModelText;
 use crate::sampling::SamplingParams;
 use crate::structured::GrammarSpec;
+use crate::sync::Shared;
 
 /// Whose error JSON a failure is answered with.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -129,6 +130,8 @@ pub struct Sampling {
     pub ignore_eos: Option<bool>,
     pub num_top_logprobs: usize,
     pub grammar: Option<GrammarSpec>,
+    /// vLLM's `skip_special_tokens`: control tokens left out of the reply's text.
+    pub skip_special_tokens: Option<bool>,
 }
 
 /// The engine request for a prompt, checked against the model's limits.
@@ -205,11 +208,46 @@ pub fn engine_request(
     r.ignore_eos = s.ignore_eos.unwrap_or(false);
     r.stop = s.stop.clone();
     r.grammar = s.grammar.clone();
+    r.skip_special_tokens = s.skip_special_tokens;
     Ok(r)
 }
 
-/// A conversation's engine request: template, guard, tool grammar, limits.
-pub fn conversation_request(
+/// Runs CPU work of a request (rendering its template, tokenizing, checking a grammar) on
+/// a blocking thread, so the async workers go on serving others meanwhile; a panic in it
+/// becomes a 400 about `field` for this request alone.
+pub async fn off_worker<T: Send + 'static>(
+    field: &'static str,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let guarded = move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+    match tokio::task::spawn_blocking(guarded).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(panic)) => Err(ApiError::bad(
+            field,
+            format!(
+                "this request could not be processed: {}",
+                crate::structured::panic_message(panic.as_ref())
+            ),
+        )),
+        Err(e) => Err(ApiError::status(
+            500,
+            format!("a request task was lost: {e}"),
+        )),
+    }
+}
+
+/// A conversation's engine request: template, guard, tool grammar, limits; rendered off
+/// the async worker.
+pub async fn conversation_request(
+    conv: &Conversation,
+    s: Sampling,
+    text: Shared<ModelText>,
+) -> Result<EngineRequest, ApiError> {
+    let conv = conv.clone();
+    off_worker("messages", move || render_request(&conv, s, &text)).await
+}
+
+fn render_request(
     conv: &Conversation,
     mut s: Sampling,
     text: &ModelText,
@@ -282,4 +320,20 @@ fn parses_reasoning(text: &ModelText) -> bool {
     text.tokenizer
         .as_ref()
         .is_some_and(|t| t.token_to_id("<think>").is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panic_in_request_work_is_a_400_naming_the_field() {
+        let r: Result<(), ApiError> = off_worker("messages", || panic!("template blew up")).await;
+        let e = r.unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("template blew up"), "{}", e.message);
+        assert!(e.message.contains("messages"), "{}", e.message);
+        let ok = off_worker("messages", || Ok(7)).await;
+        assert_eq!(ok.unwrap(), 7);
+    }
 }

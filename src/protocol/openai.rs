@@ -79,6 +79,8 @@ pub struct SamplingFields {
     pub ignore_eos: Option<bool>,
     /// vLLM's extension: `{"json": schema}`, `{"regex": ...}` or `{"grammar": lark}`.
     pub structured_outputs: Option<Value>,
+    /// vLLM's extension: keep control tokens in the text with `false`.
+    pub skip_special_tokens: Option<bool>,
 }
 
 impl SamplingFields {
@@ -107,6 +109,7 @@ impl SamplingFields {
                 None => None,
                 Some(v) => Some(structured_outputs(v)?),
             },
+            skip_special_tokens: self.skip_special_tokens,
         })
     }
 }
@@ -212,6 +215,12 @@ pub struct CompletionRequest {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<usize>,
+    /// vLLM's: the model's BOS is put first (when it wants one); `false` sends the
+    /// prompt as it is.
+    pub add_special_tokens: Option<bool>,
+    /// Read control-token strings in a text prompt (`<|im_start|>`) as those tokens: for
+    /// prompts that carry them on purpose. Default: they are text, as everywhere else.
+    pub parse_special_tokens: Option<bool>,
     #[serde(skip)]
     pub sampling: SamplingFields,
 }
@@ -340,7 +349,7 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
     if want_logprobs {
         sampling.num_top_logprobs = req.top_logprobs.unwrap_or(0);
     }
-    let engine_req = conversation_request(&conv, sampling, text)?;
+    let engine_req = conversation_request(&conv, sampling, st.engine()?.text_shared()).await?;
     let num_prompt_tokens = engine_req.prompt_ids.len();
     let spec = api::parse_spec(text, &conv);
     let stream = st
@@ -504,11 +513,16 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         // Ids outside the vocabulary are refused by the engine (`EngineRequest::validate`).
         PromptField::Ids(ids) => ids.clone(),
         PromptField::Text(t) => {
-            let tok = text.tokenizer.as_ref().ok_or_else(|| {
+            let tok = text.tokenizer.clone().ok_or_else(|| {
                 ApiError::bad("prompt", "this model has no tokenizer: send token ids")
             })?;
-            tok.encode_prompt(t)
-                .map_err(|e| ApiError::bad("prompt", e.to_string()))?
+            let (t, parse) = (t.clone(), req.parse_special_tokens.unwrap_or(false));
+            let add = req.add_special_tokens.unwrap_or(true);
+            api::off_worker("prompt", move || {
+                tok.encode_request_prompt(&t, parse, add)
+                    .map_err(|e| ApiError::bad("prompt", e.to_string()))
+            })
+            .await?
         }
     };
     let mut sampling = req.sampling.sampling()?;

@@ -273,7 +273,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
         grammar,
         ..Default::default()
     };
-    let engine_req = conversation_request(&conv, sampling, text)?;
+    let engine_req = conversation_request(&conv, sampling, st.engine()?.text_shared()).await?;
     let num_input_tokens = engine_req.prompt_ids.len();
     let spec = api::parse_spec(text, &conv);
     let stream = st

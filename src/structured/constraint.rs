@@ -10,7 +10,7 @@ use crate::sync::{BusyCell, OnceLock};
 use llguidance::Matcher;
 use llguidance::toktrie::SimpleVob;
 
-use super::CompiledGrammar;
+use super::{CompiledGrammar, unless_panic};
 
 /// Threads computing masks beside the forward pass.
 const MASK_THREADS: usize = 2;
@@ -21,6 +21,11 @@ fn mask_pool() -> &'static rayon::ThreadPool {
         rayon::ThreadPoolBuilder::new()
             .num_threads(MASK_THREADS)
             .thread_name(|i| format!("troupe-mask-{i}"))
+            // rayon aborts the process on a task's panic without a handler; the tasks
+            // catch their own, this is the last line.
+            .panic_handler(|p| {
+                tracing::error!("a mask task panicked: {}", super::panic_message(p.as_ref()))
+            })
             .build()
             .expect("the mask pool's threads start")
     })
@@ -48,6 +53,16 @@ struct State {
     seen: Vec<u32>,
     /// The mask for `seen`, once computed.
     mask: Option<SimpleVob>,
+    /// The matcher panicked: nothing is allowed from here on, so the sequence ends.
+    failed: bool,
+}
+
+impl State {
+    fn fail(&mut self, why: &str) {
+        tracing::error!("the grammar matcher panicked ({why}); its sequence ends here");
+        self.failed = true;
+        self.mask = Some(SimpleVob::new());
+    }
 }
 
 impl SeqConstraint {
@@ -59,6 +74,7 @@ impl SeqConstraint {
                 matcher: Matcher::new(Ok(grammar.parser.clone())),
                 seen: Vec::new(),
                 mask: None,
+                failed: false,
             }),
             eos_id,
             stop_ids,
@@ -73,9 +89,14 @@ impl SeqConstraint {
         let me = self.clone();
         mask_pool().spawn(move || {
             me.state.finish(|st| {
-                me.sync(st, &history);
-                if st.mask.is_none() {
-                    st.mask = Some(compute_mask(&mut st.matcher));
+                let advanced = unless_panic(|| {
+                    me.sync(st, &history);
+                    if st.mask.is_none() {
+                        st.mask = Some(compute_mask(&mut st.matcher));
+                    }
+                });
+                if let Err(why) = advanced {
+                    st.fail(&why);
                 }
             })
         });
@@ -91,12 +112,18 @@ impl SeqConstraint {
     /// of word `id / 32`): the mask `mask_logits` applies, for a sampler elsewhere (the
     /// device's).
     pub fn allowed_bits(&self, history: &[u32], vocab: usize) -> Vec<u32> {
-        self.state
-            .with_idle(|st| self.bits_with(st, history, vocab))
+        self.state.with_idle(|st| {
+            unless_panic(|| self.bits_with(st, history, vocab)).unwrap_or_else(|why| {
+                st.fail(&why);
+                self.bits_with(st, history, vocab)
+            })
+        })
     }
 
     fn bits_with(&self, st: &mut State, history: &[u32], vocab: usize) -> Vec<u32> {
-        self.sync(st, history);
+        if !st.failed {
+            self.sync(st, history);
+        }
         let mask = st.mask.get_or_insert_with(|| compute_mask(&mut st.matcher));
         let mask_len = mask.len().min(vocab);
         let ends = mask_len > self.eos_id as usize && mask.is_allowed(self.eos_id);

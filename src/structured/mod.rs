@@ -13,6 +13,22 @@ pub use compiler::{CompiledGrammar, GrammarCompiler};
 pub use constraint::{SeqConstraint, allows, mask_with_bits};
 pub use token_env::Vocabulary;
 
+/// The message a caught panic carried (`panic!` with a literal or a formatted string).
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// `work`'s result, or the message of its panic: user grammars drive llguidance, and a
+/// panic there must end one request, not the process or the thread it ran on.
+pub(crate) fn unless_panic<T>(work: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
+        .map_err(|p| panic_message(p.as_ref()))
+}
+
 /// What a request's output must match.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GrammarSpec {
@@ -77,4 +93,19 @@ fn compact(mut schema: serde_json::Value) -> serde_json::Value {
 /// Lark for a JSON value matching `schema`, for embedding in larger grammars.
 pub fn lark_json(schema: &serde_json::Value) -> String {
     format!("%json {}", compact(schema.clone()))
+}
+
+#[cfg(test)]
+mod panic_tests {
+    #[test]
+    fn a_panic_becomes_its_message_and_a_result_passes_through() {
+        assert_eq!(super::unless_panic(|| 3), Ok(3));
+        let n = 7;
+        let caught = super::unless_panic(|| -> u32 { panic!("matcher broke at {n}") });
+        assert_eq!(caught, Err("matcher broke at 7".to_string()));
+        assert_eq!(
+            super::unless_panic(|| -> u32 { panic!("plain") }),
+            Err("plain".to_string())
+        );
+    }
 }
