@@ -86,7 +86,13 @@ pub fn now_secs() -> u64 {
 pub fn error_response(e: &ApiError, flavor: Flavor) -> HttpResponse {
     let status = actix_web::http::StatusCode::from_u16(e.status)
         .unwrap_or(actix_web::http::StatusCode::BAD_REQUEST);
-    HttpResponse::build(status).json(e.body(flavor))
+    let mut reply = HttpResponse::build(status);
+    if matches!(e.status, 408 | 413) {
+        // The rest of the body was never read: the connection is closed, not kept
+        // waiting for bytes nobody will read.
+        reply.force_close();
+    }
+    reply.json(e.body(flavor))
 }
 
 pub fn engine_error(e: EngineError) -> ApiError {

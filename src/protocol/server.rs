@@ -75,8 +75,12 @@ async fn metrics(st: web::Data<ServerState>) -> HttpResponse {
     }
 }
 
-async fn not_found() -> HttpResponse {
-    error_response(&ApiError::status(404, "no such route"), Flavor::OpenAi)
+async fn not_found(req: actix_web::HttpRequest) -> HttpResponse {
+    let e = ApiError::status(
+        404,
+        format!("no such route: {} {}", req.method(), req.path()),
+    );
+    error_response(&e, guard::flavor_of(req.path()))
 }
 
 /// The routes, for `serve` and for in-process tests.

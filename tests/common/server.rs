@@ -85,7 +85,12 @@ impl Reply {
     /// The body with chunked transfer encoding undone.
     pub fn payload(&self) -> Vec<u8> {
         if self.header("transfer-encoding") != Some("chunked") {
-            return self.body.clone();
+            // What follows the length is the next reply on the connection.
+            let len = self
+                .header("content-length")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(self.body.len());
+            return self.body[..len.min(self.body.len())].to_vec();
         }
         let (mut out, mut rest) = (Vec::new(), &self.body[..]);
         while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
