@@ -3,7 +3,8 @@
 `openai` and `anthropic` Python SDKs: chat (stream and not), completions with token ids,
 responses, messages, tool calls (auto, required, named; streamed and whole), json_schema
 output validated with `jsonschema`, seeded reproducibility, n > 1, API errors in each API's
-format, the special-token guard, /metrics and a client disconnect.
+format, the special-token guard, /metrics and a client disconnect; then a server with an
+API key and CORS (right and wrong keys through both SDKs, a preflight), and SIGTERM's drain.
 
 Run: python3 scripts/test_server_sdk.py target/release/troupe
      (needs `pip install openai anthropic jsonschema`)
@@ -27,31 +28,82 @@ def free_port():
         return s.getsockname()[1]
 
 
-def main(binary):
+def start(binary, *flags):
+    """A `troupe serve` on a free port, once /health answers 200 (503 while loading)."""
     port = free_port()
-    server = subprocess.Popen([binary, "serve", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen([binary, "serve", "--port", str(port), *flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(base + "/health", timeout=1)
+            return server, base
+        except OSError:
+            time.sleep(0.1)
+    server.kill()
+    raise SystemExit("server did not come up: " + server.stderr.read1().decode())
+
+
+def stop(server):
+    """SIGTERM drains the server; it exits 0."""
+    server.terminate()
+    return server.wait(timeout=60) == 0
+
+
+def main(binary):
+    server, base = start(binary)
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            raise SystemExit("server did not come up: " + server.stderr.read1().decode())
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
         claude = anthropic.Anthropic(base_url=base, api_key="unused")
         checks = run_checks(client, base) + run_tool_checks(client) + run_responses_checks(client) \
             + run_anthropic_checks(claude) + run_http_checks(base)
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        checks_stop = [("SIGTERM drains the server and it exits 0", stop(server))]
+    checks += checks_stop + run_auth_checks(binary)
     failed = [name for name, ok in checks if not ok]
     for name, ok in checks:
         print(("ok    " if ok else "FAIL  ") + name)
     print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def run_auth_checks(binary):
+    """A server with a key and CORS, driven by both SDKs with the right and a wrong key."""
+    server, base = start(binary, "--api-key", "sk-right", "--open-routes", "health",
+                         "--allowed-origins", "https://app.example", "--served-model-name", "mine")
+    checks = []
+    try:
+        ask = [{"role": "user", "content": "Say hi."}]
+        good = openai.OpenAI(base_url=base + "/v1", api_key="sk-right")
+        r = good.chat.completions.create(model="mine", messages=ask, max_tokens=4)
+        checks.append(("the right key is let in (openai)", r.choices[0].message.content is not None))
+        checks.append(("the served model name is listed", [m.id for m in good.models.list().data] == ["mine"]))
+        try:
+            openai.OpenAI(base_url=base + "/v1", api_key="sk-wrong").chat.completions.create(
+                model="mine", messages=ask, max_tokens=4)
+            checks.append(("a wrong key is an AuthenticationError (openai)", False))
+        except openai.AuthenticationError as e:
+            checks.append(("a wrong key is an AuthenticationError (openai)", "not valid" in str(e)))
+        m = anthropic.Anthropic(base_url=base, api_key="sk-right").messages.create(
+            model="mine", max_tokens=4, messages=ask)
+        checks.append(("the right key is let in (anthropic)", m.type == "message"))
+        try:
+            anthropic.Anthropic(base_url=base, api_key="sk-wrong").messages.create(
+                model="mine", max_tokens=4, messages=ask)
+            checks.append(("a wrong key is an AuthenticationError (anthropic)", False))
+        except anthropic.AuthenticationError as e:
+            checks.append(("a wrong key is an AuthenticationError (anthropic)", "not valid" in str(e)))
+        health = urllib.request.urlopen(base + "/health").status
+        checks.append(("an opened route needs no key", health == 200))
+        pre = urllib.request.Request(base + "/v1/chat/completions", method="OPTIONS", headers={
+            "origin": "https://app.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization,content-type"})
+        with urllib.request.urlopen(pre) as r:
+            checks.append(("a CORS preflight from an allowed origin is answered",
+                           r.status == 200 and r.headers["access-control-allow-origin"] == "https://app.example"))
+    finally:
+        checks.append(("the keyed server drains and exits 0", stop(server)))
+    return checks
 
 
 def run_checks(client, base):
