@@ -70,6 +70,9 @@ pub struct BenchServeArgs {
     /// server that takes only text.
     #[arg(long)]
     text_prompts: bool,
+    /// The server's key (`troupe serve --api-key`), sent as `Authorization: Bearer`.
+    #[arg(long, env = "TROUPE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
 }
 
 pub fn parse_rate(s: &str) -> std::result::Result<f64, String> {
@@ -445,7 +448,8 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
             return Err(bad(format!("{flag} must be at least 1")));
         }
     }
-    let endpoint = http::parse_url(&args.url).map_err(bad)?;
+    let mut endpoint = http::parse_url(&args.url).map_err(bad)?;
+    endpoint.api_key = args.api_key.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

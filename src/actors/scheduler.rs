@@ -21,6 +21,7 @@ use crate::sched::{
 use crate::step::{RowSampling, SampledStep, Step};
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
+mod queue;
 mod sampled;
 mod staging;
 
@@ -254,37 +255,6 @@ impl SchedulerState {
                     step: step.clone(),
                     sampler: sampler.clone(),
                 });
-            }
-        }
-        self.answer_drains();
-    }
-
-    fn log_preemptions(&mut self) {
-        for seq_id in self.core.take_preempted() {
-            if let Some(r) = self.requests.get(&seq_id) {
-                r.span.in_scope(|| {
-                    tracing::debug!(index = r.index, "preempted: its KV is recomputed later")
-                });
-            }
-        }
-    }
-
-    /// Ends the completions of `request_id` that are still waiting for admission.
-    fn expire_queued(&mut self, request_id: u64) {
-        let Some(limit) = self.queue_timeout else {
-            return;
-        };
-        for index in 0..MAX_CHOICES {
-            let seq_id = seq_id_of(request_id, index);
-            if self.requests.contains_key(&seq_id) && self.core.is_queued(seq_id) {
-                self.core.abort(seq_id);
-                self.fail(
-                    seq_id,
-                    &format!(
-                        "the request waited in the queue for longer than --queue-timeout ({} s); the engine is overloaded, retry later",
-                        limit.as_secs_f64()
-                    ),
-                );
             }
         }
         self.answer_drains();

@@ -14,6 +14,16 @@ use tokio::net::TcpStream;
 pub struct Endpoint {
     pub host: String,
     pub port: u16,
+    /// Sent as `Authorization: Bearer` (`--api-key`).
+    pub api_key: Option<String>,
+}
+
+impl Endpoint {
+    fn auth_line(&self) -> String {
+        self.api_key
+            .as_ref()
+            .map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"))
+    }
 }
 
 /// `http://host[:port][/]`; https is refused (the benchmark speaks plain HTTP).
@@ -42,6 +52,7 @@ pub fn parse_url(url: &str) -> Result<Endpoint, String> {
     Ok(Endpoint {
         host: host.to_string(),
         port,
+        api_key: None,
     })
 }
 
@@ -228,10 +239,11 @@ pub async fn post_sse(
 ) -> Result<(), String> {
     let mut stream = connect(endpoint).await?;
     let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: {}:{}\r\nContent-Type: application/json\r\n\
+        "POST {path} HTTP/1.1\r\nHost: {}:{}\r\n{}Content-Type: application/json\r\n\
          Accept: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         endpoint.host,
         endpoint.port,
+        endpoint.auth_line(),
         body.len()
     );
     stream
@@ -260,8 +272,10 @@ pub async fn post_sse(
 pub async fn get_json(endpoint: &Endpoint, path: &str) -> Result<serde_json::Value, String> {
     let mut stream = connect(endpoint).await?;
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {}:{}\r\nAccept: application/json\r\nConnection: close\r\n\r\n",
-        endpoint.host, endpoint.port
+        "GET {path} HTTP/1.1\r\nHost: {}:{}\r\n{}Accept: application/json\r\nConnection: close\r\n\r\n",
+        endpoint.host,
+        endpoint.port,
+        endpoint.auth_line()
     );
     stream
         .write_all(request.as_bytes())
@@ -385,6 +399,7 @@ mod tests {
     #[test]
     fn urls() {
         let ep = |host: &str, port| Endpoint {
+            api_key: None,
             host: host.into(),
             port,
         };

@@ -2,6 +2,7 @@
 //! to submit requests to, stream their outputs, abort them and shut down.
 
 mod config;
+mod grammar;
 mod kv_store;
 mod pools;
 mod request_stream;
@@ -31,7 +32,7 @@ use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::splitmix64;
 use crate::sched::SchedulerConfig;
-use crate::structured::{CompiledGrammar, GrammarCompiler, GrammarSpec};
+use crate::structured::GrammarCompiler;
 
 pub struct Engine;
 
@@ -423,27 +424,6 @@ impl EngineHandle {
             vocab_size: self.text.config.vocab_size,
             max_context_tokens: self.text.config.max_context_tokens,
         }
-    }
-
-    /// Compiles `request.grammar` (cached), or says why it cannot be served.
-    fn compile_grammar(&self, spec: &GrammarSpec) -> Result<Shared<CompiledGrammar>, EngineError> {
-        let compiler = self.grammars.get_or_init(|| {
-            let tok = self
-                .text
-                .tokenizer
-                .clone()
-                .ok_or_else(|| crate::structured::StructuredError::NoTokenizer.to_string())?;
-            let eos_id = self.text.stop_ids.first().copied().unwrap_or(0);
-            GrammarCompiler::new(tok, eos_id)
-                .map(Shared::new)
-                .map_err(|e| e.to_string())
-        });
-        let compiler = compiler
-            .as_ref()
-            .map_err(|e| RequestError::Grammar(e.clone()))?;
-        compiler
-            .compile(spec)
-            .map_err(|e| RequestError::Grammar(e.to_string()).into())
     }
 
     pub async fn generate(&self, mut request: EngineRequest) -> Result<RequestStream, EngineError> {

@@ -215,8 +215,7 @@ pub struct CompletionRequest {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<usize>,
-    /// vLLM's: the model's BOS is put first (when it wants one); `false` sends the
-    /// prompt as it is.
+    /// vLLM's: `false` sends the prompt without the model's BOS.
     pub add_special_tokens: Option<bool>,
     /// Read control-token strings in a text prompt (`<|im_start|>`) as those tokens: for
     /// prompts that carry them on purpose. Default: they are text, as everywhere else.
