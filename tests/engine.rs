@@ -277,3 +277,43 @@ async fn shutdown_returns_after_every_rank_released_its_model() {
         .expect("shutdown returns");
     assert_eq!(faults.num_models_released(), num_workers);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_without_drain_ends_unfinished_requests_with_an_error() {
+    // The default model: slow enough on a CPU that the request is mid-way at the stop.
+    let cfg = troupe::engine::EngineConfig::new(common::smollm2_path());
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let mut long = troupe::engine::EngineRequest::new(
+        vec![1, 2, 3],
+        2000,
+        troupe::sampling::SamplingParams::default(),
+    );
+    long.ignore_eos = true;
+    let mut stream = engine.generate(long).await.unwrap();
+    // One output in, so the request is running when the engine goes.
+    let first = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+        .await
+        .expect("a first output");
+    assert!(first.is_some_and(|o| o.error.is_none()));
+    tokio::time::timeout(std::time::Duration::from_secs(60), engine.shutdown(false))
+        .await
+        .expect("shutdown returns");
+    let rest = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        let mut last = None;
+        while let Some(o) = stream.next().await {
+            last = Some(o);
+        }
+        last
+    })
+    .await
+    .expect("the stream ends");
+    let last = rest.expect("a last output");
+    assert!(
+        last.finish_reason.is_none()
+            && last
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("engine stopped")),
+        "{last:?}"
+    );
+}

@@ -258,3 +258,49 @@ fn a_body_that_never_finishes_arriving_is_refused_after_the_read_timeout() {
     );
     assert_eq!(r.status, 408, "{}", String::from_utf8_lossy(&raw));
 }
+
+#[test]
+fn a_percent_encoded_route_takes_a_ticket_like_its_plain_spelling() {
+    let mut opts = ServeOptions::new("smollm2");
+    opts.max_queued_requests = 1;
+    let server = common::server::start_with(smollm2(1), opts);
+    // Two places (one running, one queued), both held by long streams.
+    let body = br#"{"prompt":[1,2,3],"max_tokens":3000,"ignore_eos":true,"stream":true}"#;
+    let holders: Vec<_> = (0..2)
+        .map(|_| {
+            let mut s = server.connect();
+            let head = format!(
+                "POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            );
+            s.write_all(head.as_bytes()).unwrap();
+            s.write_all(body).unwrap();
+            s
+        })
+        .collect();
+    wait_until("both places taken", Duration::from_secs(30), || {
+        server.engine_gate_inside() == 2
+    });
+    let short = br#"{"prompt":[1,2,3],"max_tokens":2}"#;
+    for path in [
+        "/v1/completions",
+        "/v1/%63ompletions",
+        "/v1/chat/%63ompletions",
+    ] {
+        let r = server.request("POST", path, short);
+        assert_eq!(
+            r.status,
+            429,
+            "{path}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+    drop(holders);
+    wait_until("the gate emptying", Duration::from_secs(10), || {
+        server.engine_gate_inside() == 0
+    });
+    assert_eq!(
+        server.request("POST", "/v1/%63ompletions", short).status,
+        200
+    );
+}

@@ -75,7 +75,8 @@ pub enum SchedulerMsg {
     QueueDeadline {
         request_id: u64,
     },
-    /// Ends every request with `reason` as its error; the engine keeps serving.
+    /// Ends every request with `reason` as its error and refuses new ones with it (the
+    /// server is shutting down).
     CancelAll {
         reason: String,
     },
@@ -562,6 +563,9 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::CancelAll { reason } => {
                 tracing::warn!("cancelling {} sequences: {reason}", st.requests.len());
+                // What is still on its way in (a body being read, a prompt being staged
+                // from the store) is refused with the same reason, never started and cut.
+                st.failed = Some(reason.clone());
                 st.fail_all(&reason);
                 st.kick();
             }

@@ -496,7 +496,8 @@ impl EngineHandle {
             .collect()
     }
 
-    /// Ends every request in flight with `reason` as its error; the engine keeps serving.
+    /// Ends every request in flight with `reason` as its error, and refuses new ones with
+    /// it: for a shutdown that cannot wait any longer.
     pub async fn cancel_all(&self, reason: String) {
         let _ = self.scheduler.cast(SchedulerMsg::CancelAll { reason });
     }

@@ -69,8 +69,21 @@ impl RequestStream {
                 return None;
             }
             let Some(out) = self.rx.recv().await else {
+                // The engine went away with completions unfinished: each ends with an
+                // error, never as if it had finished.
+                for (index, choice) in self.choices.iter_mut().enumerate() {
+                    if !choice.done {
+                        choice.done = true;
+                        self.ready.push_back(RequestOutput {
+                            request_id: self.request_id,
+                            index,
+                            error: Some("the engine stopped before the request finished".into()),
+                            ..Default::default()
+                        });
+                    }
+                }
                 self.num_finished_choices = self.choices.len();
-                return None;
+                continue;
             };
             if let Some(out) = self.take(out) {
                 return Some(out);

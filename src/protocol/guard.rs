@@ -29,11 +29,17 @@ pub const REQUEST_ID: &str = "x-request-id";
 #[derive(Clone, Debug)]
 pub struct RequestTag(pub String);
 
+/// The path as the router matches it: percent-decoded (`/v1/%63ompletions` is
+/// `/v1/completions`), so no spelling of a route slips past what is decided by path.
+fn routed_path(req: &ServiceRequest) -> &str {
+    req.match_info().as_str()
+}
+
 /// The routes that start a generation, and so take a ticket.
 fn is_generation(req: &ServiceRequest) -> bool {
     req.method() == actix_web::http::Method::POST
         && matches!(
-            req.path(),
+            routed_path(req),
             "/v1/chat/completions" | "/v1/completions" | "/v1/responses" | "/v1/messages"
         )
 }
@@ -87,7 +93,7 @@ fn needs_key(st: &ServerState, path: &str) -> bool {
 
 /// Why the door is shut to this request, if it is.
 fn refusal(st: &ServerState, req: &ServiceRequest) -> Option<HttpResponse> {
-    let path = req.path();
+    let path = routed_path(req);
     let flavor = flavor_of(path);
     if let Some(allowed) = &st.opts.allowed_hosts {
         let host = req
@@ -151,8 +157,9 @@ pub async fn guard(
         .cloned()
         .expect("the server state is registered with the app");
     let id = request_id(&st, &req);
-    let span = tracing::info_span!("request", id = %id, method = %req.method(), path = %req.path());
-    let flavor = flavor_of(req.path());
+    let span =
+        tracing::info_span!("request", id = %id, method = %req.method(), path = %routed_path(&req));
+    let flavor = flavor_of(routed_path(&req));
     let mut ticket: Option<Ticket> = None;
     let early = refusal(&st, &req).or_else(|| {
         if !is_generation(&req) {

@@ -79,8 +79,6 @@ pub struct SamplingFields {
     pub ignore_eos: Option<bool>,
     /// vLLM's extension: `{"json": schema}`, `{"regex": ...}` or `{"grammar": lark}`.
     pub structured_outputs: Option<Value>,
-    /// vLLM's extension: keep control tokens in the text with `false`.
-    pub skip_special_tokens: Option<bool>,
 }
 
 impl SamplingFields {
@@ -109,7 +107,7 @@ impl SamplingFields {
                 None => None,
                 Some(v) => Some(structured_outputs(v)?),
             },
-            skip_special_tokens: self.skip_special_tokens,
+            skip_special_tokens: None,
         })
     }
 }
@@ -217,8 +215,9 @@ pub struct CompletionRequest {
     pub logprobs: Option<usize>,
     /// vLLM's: `false` sends the prompt without the model's BOS.
     pub add_special_tokens: Option<bool>,
-    /// Read control-token strings in a text prompt (`<|im_start|>`) as those tokens: for
-    /// prompts that carry them on purpose. Default: they are text, as everywhere else.
+    /// vLLM's: `false` keeps control tokens in the text (not on chat: replies are parsed).
+    pub skip_special_tokens: Option<bool>,
+    /// Control-token strings in a text prompt read as those tokens (default: as text).
     pub parse_special_tokens: Option<bool>,
     #[serde(skip)]
     pub sampling: SamplingFields,
@@ -525,6 +524,7 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         }
     };
     let mut sampling = req.sampling.sampling()?;
+    sampling.skip_special_tokens = req.skip_special_tokens;
     let want_logprobs = req.logprobs.is_some();
     sampling.num_top_logprobs = req.logprobs.unwrap_or(0);
     let engine_req = api::engine_request(&sampling, prompt_ids, text)?;

@@ -22,7 +22,7 @@ pub struct ServeOptions {
     pub max_queued_requests: usize,
     /// The engine's running batch (`--max-num-seqs`): admitted without queueing.
     pub max_running_requests: usize,
-    /// A generation request's whole life, from admission to its last byte.
+    /// A generation request's life in the engine, from its submission to its last byte.
     pub request_timeout: Option<Duration>,
     /// How long reading a request's body may take.
     pub body_read_timeout: Duration,

@@ -139,7 +139,6 @@ pub fn serve_on(
     .disable_signals()
     // The drain has waited for the requests already; what is left are idle connections.
     .shutdown_timeout(1)
-    .client_request_timeout(opts.body_read_timeout)
     .listen(listener)?;
     actix_web::rt::System::new().block_on(async move {
         let server = server.run();
@@ -180,10 +179,16 @@ async fn drain_on_signal(st: web::Data<ServerState>, server: ServerHandle) {
         }
     };
     eprintln!(
-        "troupe: {name}: draining ({} requests in flight, up to {} s)",
+        "troupe: {name}: draining ({} requests in flight, up to {} s; signal again to exit now)",
         st.gate.num_inside(),
         st.opts.shutdown_timeout.as_secs_f64()
     );
+    actix_web::rt::spawn(async {
+        if let Ok(name) = shutdown_signal().await {
+            eprintln!("troupe: {name} again: exiting without draining");
+            std::process::exit(1);
+        }
+    });
     drain(&st).await;
     server.stop(true).await;
 }

@@ -21,7 +21,10 @@ impl SchedulerState {
         };
         for index in 0..MAX_CHOICES {
             let seq_id = seq_id_of(request_id, index);
-            if self.requests.contains_key(&seq_id) && self.core.is_queued(seq_id) {
+            // A sequence that has been in a step (then preempted, or requeued by a device
+            // reset) has started: only the never-started wait in the queue.
+            let never_started = self.requests.get(&seq_id).is_some_and(|r| !r.started);
+            if never_started && self.core.is_queued(seq_id) {
                 self.core.abort(seq_id);
                 self.fail(
                     seq_id,
