@@ -77,14 +77,7 @@ async fn killed_rank_worker_is_restarted_and_requests_finish_unchanged() {
     let engine = Engine::spawn(tiny_config(MODEL)).await.unwrap();
     let (streams, want) = submit_all(&engine, 64, 21).await;
     wait_for_steps(&engine, 4).await;
-    engine
-        .children()
-        .await
-        .unwrap()
-        .workers
-        .remove(0)
-        .get_cell()
-        .kill();
+    kill_rank_0(&engine).await;
     let got = collect(streams).await;
     assert_recovered(&engine, &got, &want).await;
     engine.shutdown(true).await;
@@ -138,14 +131,7 @@ async fn a_rank_that_cannot_restart_fails_every_request_clearly_and_fast() {
     let (streams, _) = submit_all(&engine, 64, 24).await;
     wait_for_steps(&engine, 2).await;
     faults.fail_next_starts(usize::MAX);
-    engine
-        .children()
-        .await
-        .unwrap()
-        .workers
-        .remove(0)
-        .get_cell()
-        .kill();
+    kill_rank_0(&engine).await;
     let got = tokio::time::timeout(Duration::from_secs(5), collect(streams))
         .await
         .expect("every request ends within 5 s");

@@ -219,15 +219,11 @@ pub async fn off_worker<T: Send + 'static>(
     field: &'static str,
     work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let guarded = move || std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
-    match tokio::task::spawn_blocking(guarded).await {
+    match tokio::task::spawn_blocking(move || crate::structured::unless_panic(work)).await {
         Ok(Ok(result)) => result,
         Ok(Err(panic)) => Err(ApiError::bad(
             field,
-            format!(
-                "this request could not be processed: {}",
-                crate::structured::panic_message(panic.as_ref())
-            ),
+            format!("this request could not be processed: {panic}"),
         )),
         Err(e) => Err(ApiError::status(
             500,

@@ -199,12 +199,12 @@ pub async fn guard(
 }
 
 /// A response body that holds its request's admission ticket until it is dropped.
-struct Ticketed<B> {
-    body: B,
+struct Ticketed {
+    body: BoxBody,
     ticket: Option<Ticket>,
 }
 
-impl MessageBody for Ticketed<BoxBody> {
+impl MessageBody for Ticketed {
     type Error = <BoxBody as MessageBody>::Error;
 
     fn size(&self) -> BodySize {
