@@ -73,6 +73,30 @@ pub struct BenchServeArgs {
     /// The server's key (`troupe serve --api-key`), sent as `Authorization: Bearer`.
     #[arg(long, env = "TROUPE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Also write the first rate's requests to this file as `troupe generate --prompts-file`
+    /// lines, so an offline run can be timed on the very same requests.
+    #[arg(long)]
+    write_prompts: Option<PathBuf>,
+}
+
+/// The requests `first..first + num` as prompts-file lines (ids, budget, greedy); the
+/// offline run gives `--ignore-eos` as bench-serve's requests do.
+pub fn prompts_file_lines(
+    input_len: usize,
+    output_len: usize,
+    seed: u64,
+    first: u64,
+    num: usize,
+) -> String {
+    (first..first + num as u64)
+        .map(|i| {
+            let line = json!({
+                "prompt_ids": random_prompt_ids(input_len, seed, i),
+                "max_tokens": output_len, "temperature": 0,
+            });
+            line.to_string() + "\n"
+        })
+        .collect()
 }
 
 pub fn parse_rate(s: &str) -> std::result::Result<f64, String> {
@@ -447,6 +471,16 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
         if value == 0 {
             return Err(bad(format!("{flag} must be at least 1")));
         }
+    }
+    if let Some(path) = &args.write_prompts {
+        let lines = prompts_file_lines(
+            args.input_len,
+            args.output_len,
+            args.seed,
+            0,
+            args.num_prompts,
+        );
+        std::fs::write(path, lines).map_err(|e| TroupeError::io(path, e))?;
     }
     let mut endpoint = http::parse_url(&args.url).map_err(bad)?;
     endpoint.api_key = args.api_key.clone();

@@ -15,6 +15,7 @@ use crate::sampling::SamplingParams;
 
 mod engine_flags;
 mod serve;
+mod telemetry;
 
 pub use engine_flags::EngineFlags;
 pub use serve::ServeArgs;
@@ -33,7 +34,7 @@ enum Command {
     /// Serve an OpenAI-compatible HTTP API.
     Serve(Box<ServeArgs>),
     /// Benchmark a running server: Poisson arrivals at each rate, TTFT / TPOT / ITL.
-    BenchServe(crate::bench_serve::BenchServeArgs),
+    BenchServe(Box<crate::bench_serve::BenchServeArgs>),
 }
 
 /// The runtime the engine's actors live on (actix-web, when serving, runs its own).
@@ -175,11 +176,18 @@ pub fn main() -> i32 {
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
-    init_logs(&cli.command);
+    // Held to the end: dropping it flushes the spans still buffered.
+    let _telemetry = match init_logs(&cli.command) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
     let result = match cli.command {
         Command::Generate(args) => run_generate(*args),
         Command::Serve(args) => serve::run_serve(*args),
-        Command::BenchServe(args) => crate::bench_serve::run(args),
+        Command::BenchServe(args) => crate::bench_serve::run(*args),
     };
     match result {
         Ok(()) => 0,
@@ -192,26 +200,43 @@ pub fn main() -> i32 {
 
 /// Logs go to stderr, filtered by RUST_LOG; a server logs warnings and errors (a failed
 /// engine's reason among them) even without it.
-fn init_logs(command: &Command) {
-    let (default_filter, json) = match command {
-        Command::Serve(args) => (Some("warn"), args.log_format == serve::LogFormat::Json),
-        _ => (None, false),
+fn init_logs(command: &Command) -> Result<Option<telemetry::Telemetry>> {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let (default_filter, json, otlp) = match command {
+        Command::Serve(args) => (
+            Some("warn"),
+            args.log_format == serve::LogFormat::Json,
+            args.otlp_traces_endpoint.as_deref(),
+        ),
+        _ => (None, false, None),
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
         .ok()
         .or_else(|| default_filter.map(tracing_subscriber::EnvFilter::new));
-    let Some(filter) = filter else {
-        return;
+    let logs = filter.map(|filter| {
+        let logs = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(false);
+        if json {
+            logs.json().with_filter(filter).boxed()
+        } else {
+            logs.with_filter(filter).boxed()
+        }
+    });
+    let (spans, telemetry) = match otlp {
+        Some(endpoint) => {
+            let (layer, t) = telemetry::otlp_layer(endpoint)?;
+            (Some(layer), Some(t))
+        }
+        None => (None, None),
     };
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false);
-    if json {
-        logs.json().init();
-    } else {
-        logs.init();
+    let layers: Vec<_> = logs.into_iter().chain(spans).collect();
+    if !layers.is_empty() {
+        tracing_subscriber::registry().with(layers).init();
     }
+    Ok(telemetry)
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {

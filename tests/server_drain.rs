@@ -5,67 +5,12 @@
 
 mod common;
 
+use common::process::{self, HOST};
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
-
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn start(shutdown_timeout: &str) -> Server {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["serve", "--model"])
-        .arg(common::smollm2_path())
-        .args([
-            "--port",
-            &port.to_string(),
-            "--shutdown-timeout",
-            shutdown_timeout,
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("troupe serve starts");
-    let server = Server {
-        child,
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
-    };
-    let started = Instant::now();
-    loop {
-        let r = common::server::raw_request(server.addr, "GET", "/health", &HOST, b"");
-        if r.status == 200 {
-            return server;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "the server did not come up (last: {})",
-            r.status
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-const HOST: [(&str, &str); 1] = [("host", "127.0.0.1")];
+use std::time::Duration;
 
 /// Sends `body` and reads the reply to its end; tells `started` when the head is in.
 fn client(addr: SocketAddr, body: String, started: mpsc::Sender<()>) -> Vec<u8> {
@@ -93,7 +38,7 @@ fn client(addr: SocketAddr, body: String, started: mpsc::Sender<()>) -> Vec<u8> 
 
 #[test]
 fn sigterm_under_load_finishes_what_it_can_ends_the_rest_clearly_and_exits_0() {
-    let mut server = start("4s");
+    let mut server = process::serve(&["--shutdown-timeout", "4s"], &[]);
     let (tx, rx) = mpsc::channel();
     // (streamed, max_tokens): short ones finish within the shutdown timeout, long ones
     // cannot.
@@ -116,11 +61,7 @@ fn sigterm_under_load_finishes_what_it_can_ends_the_rest_clearly_and_exits_0() {
         rx.recv_timeout(Duration::from_secs(60))
             .expect("every request was answered before the signal");
     }
-    // SAFETY: sends a signal to our own child process.
-    assert_eq!(
-        unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) },
-        0
-    );
+    server.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(200));
     let late = common::server::raw_request(
         server.addr,
@@ -165,16 +106,6 @@ fn sigterm_under_load_finishes_what_it_can_ends_the_rest_clearly_and_exits_0() {
             }
         }
     }
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = server.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the server did not exit after draining"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = server.wait_exit(Duration::from_secs(30));
     assert_eq!(status.code(), Some(0), "{status:?}");
 }

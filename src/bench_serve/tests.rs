@@ -136,3 +136,18 @@ fn summary_leaves_failures_out_of_latencies() {
             .starts_with("inf")
     );
 }
+
+#[test]
+fn written_prompts_are_the_requests_sent() {
+    let text = prompts_file_lines(37, 11, 5, 3, 4);
+    let lines = crate::protocol::jsonl::parse_prompts_file(&text, "prompts.jsonl").unwrap();
+    assert_eq!(lines.len(), 4);
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(
+            line.prompt_ids.as_deref(),
+            Some(&random_prompt_ids(37, 5, 3 + i as u64)[..])
+        );
+        assert_eq!(line.max_tokens, Some(11));
+        assert_eq!(line.temperature, Some(0.0));
+    }
+}

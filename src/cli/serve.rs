@@ -87,6 +87,10 @@ pub struct ServeArgs {
     /// Log lines as text or JSON (RUST_LOG filters them; default `warn`).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Export every request's span over OTLP/HTTP (protobuf) to this collector URL, e.g.
+    /// http://localhost:4318/v1/traces; a `traceparent` header joins the caller's trace.
+    #[arg(long)]
+    pub otlp_traces_endpoint: Option<String>,
     #[command(flatten)]
     engine: EngineFlags,
 }

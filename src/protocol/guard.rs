@@ -159,6 +159,7 @@ pub async fn guard(
     let id = request_id(&st, &req);
     let span =
         tracing::info_span!("request", id = %id, method = %req.method(), path = %routed_path(&req));
+    super::trace_context::adopt_caller_trace(&span, req.headers());
     let flavor = flavor_of(routed_path(&req));
     let mut ticket: Option<Ticket> = None;
     let early = refusal(&st, &req).or_else(|| {

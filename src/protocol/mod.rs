@@ -15,3 +15,4 @@ pub mod reply;
 pub mod responses;
 pub mod serve_options;
 pub mod server;
+pub mod trace_context;

@@ -20,10 +20,16 @@ pub fn tiny_config(name: &str) -> EngineConfig {
     let mut cfg = EngineConfig::new(super::goldens().join(name));
     cfg.kv_cache_bytes = 64 << 20;
     cfg.device = test_device();
-    // On a GPU only the invariant GEMM makes a row's tokens independent of its batch,
-    // which is what "unchanged after a restart" compares.
-    cfg.batch_invariant = cfg.device != Device::Cpu;
+    cfg.batch_invariant = compares_tokens();
     cfg
+}
+
+/// Whether a scenario can compare a recovered run's tokens with a solo run's. On a GPU only
+/// the invariant GEMM makes a row's tokens independent of its batch; `TROUPE_TEST_MODE=default`
+/// runs the GPU scenarios in the default mode instead, where a recovery is judged by every
+/// request finishing at its full length with nothing leaked.
+pub fn compares_tokens() -> bool {
+    test_device() == Device::Cpu || std::env::var("TROUPE_TEST_MODE").as_deref() != Ok("default")
 }
 
 /// `n` greedy requests with prompts of 3..40 tokens and 8..24 new tokens, from `seed`.
@@ -117,7 +123,12 @@ pub async fn assert_finished_unchanged(
         "{:?}",
         got.iter().find_map(|o| o.error.clone())
     );
-    assert_eq!(tokens(got), want);
+    if compares_tokens() {
+        assert_eq!(tokens(got), want);
+    } else {
+        let lens = |t: &[Vec<u32>]| t.iter().map(Vec::len).collect::<Vec<_>>();
+        assert_eq!(lens(&tokens(got)), lens(want));
+    }
     let mut status = engine.status().await.unwrap();
     for _ in 0..100 {
         if status.num_free_blocks == status.num_total_blocks {

@@ -84,6 +84,7 @@ pub mod cli;
 pub mod dsv4;
 pub mod engine;
 pub mod packed;
+pub mod process;
 pub mod server;
 
 /// A seeded generator for generated test inputs (splitmix64).
