@@ -15,4 +15,5 @@ pub mod reply;
 pub mod responses;
 pub mod serve_options;
 pub mod server;
+pub mod tokenize;
 pub mod trace_context;
