@@ -3,8 +3,9 @@
 
 Qwen3-0.6B shape (--dummy-weights from its config.json), 512-token prompts, 256 new tokens,
 EOS ignored, greedy. For each server mode — limits `off` (no key, text logs at the default
-level) and `on` (an API key on every request, JSON logs with every request's span at info
-level) — `troupe bench-serve` sends NUM requests at once (saturation), then NUM Poisson
+`warn`) and `on` (an API key on every request, JSON logs at `RUST_LOG=troupe=debug`: a line
+for each request's admission and finish, in its span, and the engine's per-step debug
+lines) — `troupe bench-serve` sends NUM requests at once (saturation), then NUM Poisson
 arrivals at 80 % of the saturation request rate (fresh prompts, so no prefix-cache hits).
 The saturation prompts are written out (`--write-prompts`) and `troupe generate` runs the
 very same requests offline; its `generate_s` (first submit to last finish, no load time)
@@ -80,10 +81,10 @@ def bench(binary, port, label, rate, num, seed, key, extra=()):
 def serve_mode(binary, model, mode, num, prompts):
     port = free_port()
     flags = ["--max-queued-requests", str(2 * num)]
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
     if mode == "on":
         flags += ["--api-key", KEY, "--log-format", "json"]
-        env["RUST_LOG"] = "info"
+        env["RUST_LOG"] = "troupe=debug"
     log = open(os.path.join(OUT, f"serve-{mode}.log"), "w")
     proc = subprocess.Popen([binary, "serve", "--model", model, "--dummy-weights", "--device", "cuda",
                              "--port", str(port), *flags], stdout=log, stderr=log, env=env)

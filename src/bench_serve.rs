@@ -473,6 +473,11 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
         }
     }
     if let Some(path) = &args.write_prompts {
+        if args.text_prompts || !args.suppress_ids.is_empty() {
+            return Err(bad(
+                "--write-prompts writes token-id prompts without a logit bias: not with --text-prompts or --suppress-ids".into(),
+            ));
+        }
         let lines = prompts_file_lines(
             args.input_len,
             args.output_len,

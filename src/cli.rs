@@ -266,7 +266,12 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         }
     };
     let path = model::resolve_model_path(&args.model)?;
-    let text = model::load_text(&path)?;
+    let cfg = args.engine.config(&path)?;
+    let mut text = model::load_text(&path)?;
+    if let Some(source) = &cfg.chat_template {
+        text.set_chat_template(source)
+            .map_err(|e| TroupeError::InvalidInput(format!("--chat-template: {e}")))?;
+    }
     let mut requests = Vec::with_capacity(lines.len());
     for (index, line) in lines.iter().enumerate() {
         let prompt_ids = prompt_ids(&args, &text, &path, line)?;
@@ -302,7 +307,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         request.validate(limits).map_err(|e| e.for_prompt(index))?;
         requests.push(request);
     }
-    let cfg = args.engine.config(&path)?;
     let runtime = engine_runtime()?;
     let started = std::time::Instant::now();
     // From the first request submitted to the last output: the engine's work without its

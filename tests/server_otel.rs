@@ -46,11 +46,12 @@ fn collector() -> (u16, mpsc::Receiver<Export>) {
                     .map_or(0, |v| v.trim().parse::<usize>().unwrap());
                 let mut body = vec![0; len];
                 reader.read_exact(&mut body).unwrap();
-                let reply = "HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
-                conn.write_all(reply.as_bytes()).unwrap();
+                // Handed over before the reply: the server may exit as soon as it has one.
                 if tx.send(Export { head, body }).is_err() {
                     return;
                 }
+                let reply = "HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
+                conn.write_all(reply.as_bytes()).unwrap();
             }
         }
     });
@@ -75,7 +76,10 @@ fn request_spans_reach_the_collector_inside_the_callers_trace() {
     let mut server = process::serve(
         &["--otlp-traces-endpoint", &endpoint],
         // Longer than the test: only the flush at the exit can deliver the spans.
-        &[("OTEL_BSP_SCHEDULE_DELAY", "600000")],
+        &[
+            ("OTEL_BSP_SCHEDULE_DELAY", "600000"),
+            ("OTEL_SERVICE_NAME", "troupe-under-test"),
+        ],
     );
     let seed = std::process::id() as u64 * 0x9e37_79b9_7f4a_7c15;
     let trace_id = format!("{:016x}{:016x}", seed, seed.rotate_left(17) | 1);
@@ -120,7 +124,7 @@ fn request_spans_reach_the_collector_inside_the_callers_trace() {
     }
     let body: Vec<u8> = got.into_iter().flat_map(|e| e.body).collect();
     for (what, needle) in [
-        ("the service name", b"troupe".to_vec()),
+        ("the service name", b"troupe-under-test".to_vec()),
         ("the span's name", b"request".to_vec()),
         ("the request id", request_id.clone().into_bytes()),
         ("the caller's trace id", hex_bytes(&trace_id)),

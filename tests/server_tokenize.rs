@@ -165,3 +165,87 @@ fn version_names_the_build() {
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["version"], env!("CARGO_PKG_VERSION"));
 }
+
+const TEMPLATE: &str = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}";
+
+#[test]
+fn a_chat_template_given_replaces_the_models_own() {
+    let mut cfg = EngineConfig::new(common::smollm2_path());
+    cfg.kv_cache_bytes = 16 << 20;
+    cfg.chat_template = Some(TEMPLATE.into());
+    let server = common::server::start(cfg, "smollm2");
+    let messages = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]);
+    let (status, chat) = post(&server, "/tokenize", json!({"messages": messages}));
+    assert_eq!(status, 200, "{chat}");
+    let rendered = "[system] Be brief.\n[user] Hi there\n[assistant]";
+    let (_, text) = post(&server, "/tokenize", json!({"prompt": rendered}));
+    assert_eq!(chat["tokens"], text["tokens"]);
+    let (_, back) = post(&server, "/detokenize", json!({"tokens": chat["tokens"]}));
+    assert_eq!(back["prompt"], rendered);
+}
+
+#[test]
+fn a_chat_template_that_cannot_be_used_is_refused_by_name() {
+    let dir = std::env::temp_dir().join(format!("troupe-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let broken = dir.join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}{{ m.content }").unwrap();
+    let smollm2 = common::smollm2_path().display().to_string();
+    let dsv4 = common::cli::tiny("tiny-dsv4-a");
+    let cases = [
+        (smollm2.as_str(), "no/such/template.jinja", "no such file"),
+        (
+            smollm2.as_str(),
+            broken.to_str().unwrap(),
+            "--chat-template",
+        ),
+        (dsv4.as_str(), TEMPLATE, "DeepSeek-V4"),
+    ];
+    for (model, template, needle) in cases {
+        let args = [
+            "generate",
+            "--model",
+            model,
+            "--chat",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+            "--chat-template",
+            template,
+        ];
+        let out = common::cli::troupe(&args);
+        common::cli::assert_clear_error(&out, needle);
+    }
+    // A good file is read and used.
+    let good = dir.join("good.jinja");
+    std::fs::write(&good, TEMPLATE).unwrap();
+    let out = common::cli::troupe(&[
+        "generate",
+        "--model",
+        &smollm2,
+        "--chat",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--chat-template",
+        good.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line: Value =
+        serde_json::from_slice(out.stdout.split(|&b| b == b'\n').next().unwrap()).unwrap();
+    let server = server();
+    let (_, want) = post(
+        &server,
+        "/tokenize",
+        json!({"prompt": "[user] hi\n[assistant]"}),
+    );
+    assert_eq!(line["prompt_ids"], want["tokens"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -57,6 +57,10 @@ pub struct EngineFlags {
     /// the device on a GPU): benchmarks of models whose weights are not at hand.
     #[arg(long)]
     dummy_weights: bool,
+    /// A Jinja chat template to render chats with instead of the model's own: a file, or
+    /// the template itself.
+    #[arg(long)]
+    chat_template: Option<String>,
     /// Share of the GPU's free memory troupe may take.
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
@@ -193,6 +197,11 @@ impl EngineFlags {
             period_steps: self.eplb_period_steps,
         });
         cfg.dummy_weights = self.dummy_weights;
+        cfg.chat_template = self
+            .chat_template
+            .as_deref()
+            .map(read_template)
+            .transpose()?;
         cfg.enforce_eager = self.enforce_eager;
         cfg.skip_warmup = self.skip_warmup;
         cfg.cpu_affinity = self.cpu_affinity;
@@ -289,6 +298,20 @@ pub(super) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
         .and_then(|n| n.checked_mul(unit))
         .map(Duration::from_secs)
         .ok_or_else(|| format!("`{s}` is not a positive duration (like 3600, 90m, 12h, 7d)"))
+}
+
+/// `--chat-template`: a file's contents, or the argument itself when it is a template.
+fn read_template(arg: &str) -> Result<String> {
+    let path = Path::new(arg);
+    if path.is_file() {
+        return std::fs::read_to_string(path).map_err(|e| TroupeError::io(path, e));
+    }
+    if arg.contains("{{") || arg.contains("{%") {
+        return Ok(arg.to_string());
+    }
+    Err(TroupeError::InvalidInput(format!(
+        "--chat-template `{arg}`: no such file, and not a Jinja template"
+    )))
 }
 
 #[cfg(test)]

@@ -13,6 +13,8 @@ use tracing_subscriber::{Layer, Registry};
 
 use crate::error::{Result, TroupeError};
 
+const EXPORT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The exporter's pipeline; dropping it flushes the spans still buffered.
 pub struct Telemetry {
     provider: SdkTracerProvider,
@@ -26,12 +28,16 @@ impl Drop for Telemetry {
     }
 }
 
-/// The collector's traces URL: as given, or with OTLP's `/v1/traces` path when it has none.
+/// The collector's traces URL: as given (scheme lower-cased), or with OTLP's `/v1/traces`
+/// path when it has none.
 pub fn traces_url(endpoint: &str) -> Result<String> {
     let bad = |why: &str| {
         TroupeError::InvalidInput(format!("--otlp-traces-endpoint `{endpoint}`: {why}"))
     };
-    let rest = match endpoint.split_once("://") {
+    let scheme = endpoint
+        .split_once("://")
+        .map(|(s, rest)| (s.to_ascii_lowercase(), rest));
+    let rest = match scheme.as_ref().map(|(s, rest)| (s.as_str(), *rest)) {
         Some(("http", rest)) => rest,
         Some(("https", _)) => {
             return Err(bad(
@@ -49,14 +55,18 @@ pub fn traces_url(endpoint: &str) -> Result<String> {
             ));
         }
     };
-    let authority = rest.split('/').next().unwrap_or_default();
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
     if authority.is_empty() {
         return Err(bad("the URL names no host"));
     }
-    let url = if rest.len() == authority.len() || rest[authority.len()..] == *"/" {
-        format!("http://{authority}/v1/traces")
-    } else {
-        endpoint.to_string()
+    let url = match &rest[authority.len()..] {
+        "" | "/" => format!("http://{authority}/v1/traces"),
+        tail if tail.starts_with('/') => format!("http://{rest}"),
+        _ => {
+            return Err(bad(
+                "give the collector's path, e.g. http://localhost:4318/v1/traces",
+            ));
+        }
     };
     Ok(url)
 }
@@ -69,12 +79,16 @@ pub fn otlp_layer(endpoint: &str) -> Result<(Box<dyn Layer<Registry> + Send + Sy
         .with_http()
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(url)
+        // Under the provider's 5 s shutdown wait, so a slow collector still gets the last batch.
+        .with_timeout(EXPORT_TIMEOUT)
         .build()
         .map_err(|e| {
             TroupeError::InvalidInput(format!("--otlp-traces-endpoint `{endpoint}`: {e}"))
         })?;
     let mut resource = Resource::builder();
-    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+    let named = std::env::var_os("OTEL_SERVICE_NAME").is_some()
+        || std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|a| a.contains("service.name="));
+    if !named {
         resource = resource.with_service_name("troupe");
     }
     let provider = SdkTracerProvider::builder()
@@ -105,11 +119,13 @@ mod tests {
             "http://collector:4318/v1/traces"
         );
         assert_eq!(ok("http://c:9/custom/traces"), "http://c:9/custom/traces");
+        assert_eq!(ok("HTTP://c:9/v1/traces?x=1"), "http://c:9/v1/traces?x=1");
         for (bad, why) in [
             ("https://c:4318", "TLS"),
             ("grpc://c:4317", "scheme is `grpc`"),
             ("localhost:4318", "not a URL"),
             ("http:///v1/traces", "no host"),
+            ("http://c:4318?x=1", "collector's path"),
         ] {
             let e = traces_url(bad).unwrap_err().to_string();
             assert!(

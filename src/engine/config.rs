@@ -21,6 +21,8 @@ pub struct EngineConfig {
     pub gpu_memory_utilization: f64,
     /// Seeded random weights from the model directory's `config.json` (benchmarks).
     pub dummy_weights: bool,
+    /// A Jinja chat template used instead of the model's own (`--chat-template`).
+    pub chat_template: Option<String>,
     /// Run every step eagerly: no CUDA graphs for decode steps (vLLM's `enforce_eager`).
     pub enforce_eager: bool,
     /// Start without a warm-up prefill of a step's most tokens (SGLang's
@@ -131,6 +133,7 @@ impl EngineConfig {
             tensor_parallel_size: 1,
             gpu_memory_utilization: 0.9,
             dummy_weights: false,
+            chat_template: None,
             enforce_eager: false,
             skip_warmup: false,
             cpu_affinity: CpuAffinity::Auto,

@@ -93,7 +93,11 @@ impl Engine {
                 "--exact-activations is for the CPU backend (the CUDA backend never quantizes activations)".into(),
             ));
         }
-        let text = model::load_text(&cfg.model_path)?;
+        let mut text = model::load_text(&cfg.model_path)?;
+        if let Some(source) = &cfg.chat_template {
+            text.set_chat_template(source)
+                .map_err(|e| EngineError::Spawn(format!("--chat-template: {e}")))?;
+        }
         pools::kv_dtype_problem(&cfg, text.deepseek_v4.is_some())
             .map_or(Ok(()), |p| Err(EngineError::Spawn(p)))?;
         if cfg.quantization.is_some() && text.deepseek_v4.is_some() {

@@ -161,6 +161,25 @@ pub fn load_text(path: &Path) -> Result<ModelText> {
     }
 }
 
+impl ModelText {
+    /// Renders chats with `source` instead of the model's own template, given the same
+    /// BOS and EOS token names.
+    pub fn set_chat_template(&mut self, source: &str) -> Result<()> {
+        if self.deepseek_v4.is_some() {
+            return Err(TroupeError::InvalidInput(
+                "DeepSeek-V4's chat prompts are DeepSeek's own encoding, not a template".into(),
+            ));
+        }
+        let tok = self.tokenizer.as_ref().ok_or_else(|| {
+            TroupeError::InvalidInput("the model has no tokenizer to render a template with".into())
+        })?;
+        let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
+        let (bos, eos) = (name(tok.bos_id), name(self.stop_ids.first().copied()));
+        self.chat_template = Some(ChatTemplate::new(source, &bos, &eos)?);
+        Ok(())
+    }
+}
+
 fn gguf_text(gguf: &GgufFile) -> Result<ModelText> {
     let config = ModelConfig::from_gguf(gguf)?;
     let tokenizer = if gguf.meta("tokenizer.ggml.model").is_some() {

@@ -157,9 +157,14 @@ pub async fn guard(
         .cloned()
         .expect("the server state is registered with the app");
     let id = request_id(&st, &req);
-    let span =
-        tracing::info_span!("request", id = %id, method = %req.method(), path = %routed_path(&req));
-    super::trace_context::adopt_caller_trace(&span, req.headers());
+    // Health and metrics probes come every few seconds: no span, nothing exported.
+    let span = if matches!(routed_path(&req), "/health" | "/metrics") {
+        tracing::Span::none()
+    } else {
+        let span = tracing::info_span!("request", id = %id, method = %req.method(), path = %routed_path(&req));
+        super::trace_context::adopt_caller_trace(&span, req.headers());
+        span
+    };
     let flavor = flavor_of(routed_path(&req));
     let mut ticket: Option<Ticket> = None;
     let early = refusal(&st, &req).or_else(|| {
