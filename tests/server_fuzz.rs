@@ -20,6 +20,8 @@ const ROUTES: &[&str] = &[
     "/v1/completions",
     "/v1/responses",
     "/v1/messages",
+    "/tokenize",
+    "/detokenize",
 ];
 
 /// Valid requests for each route, small enough that they finish quickly.
@@ -78,6 +80,15 @@ fn seeds() -> Vec<(&'static str, Value)> {
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "2"}]}],
             "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "auto"}}),
         ),
+        (
+            "/tokenize",
+            json!({"model": "tiny", "prompt": "once upon", "add_special_tokens": false, "return_token_strs": true}),
+        ),
+        (
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "auto"}),
+        ),
+        ("/detokenize", json!({"model": "tiny", "tokens": [1, 2, 3, 40]})),
     ]
 }
 
