@@ -88,7 +88,10 @@ fn seeds() -> Vec<(&'static str, Value)> {
             "/tokenize",
             json!({"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "auto"}),
         ),
-        ("/detokenize", json!({"model": "tiny", "tokens": [1, 2, 3, 40]})),
+        (
+            "/detokenize",
+            json!({"model": "tiny", "tokens": [1, 2, 3, 40]}),
+        ),
     ]
 }
 

@@ -5,6 +5,7 @@ pub mod chat_template;
 pub mod config;
 pub mod deepseek_v4;
 pub mod gguf;
+pub mod hf_repo;
 pub mod hub;
 pub mod llama;
 pub mod loader;
@@ -59,8 +60,11 @@ pub fn resolve_model_path(spec: &str) -> Result<PathBuf> {
     if hub::is_known(spec) {
         return hub::resolve(spec);
     }
+    if let Some(repo) = hf_repo::RepoSpec::parse(spec) {
+        return hf_repo::fetch(&repo);
+    }
     Err(TroupeError::InvalidInput(format!(
-        "model `{spec}` is neither an existing file or directory nor a known model name (`{}`)",
+        "model `{spec}` is neither an existing file or directory, a hub id (org/name[@revision][:quant]) nor a known model name (`{}`)",
         hub::DEFAULT_MODEL
     )))
 }
