@@ -21,6 +21,9 @@ cargo test --release
 # The HTTP server against the official OpenAI and Anthropic SDKs (real clients, the real default model).
 python3 -m pip install --quiet --disable-pip-version-check openai anthropic jsonschema
 python3 scripts/test_server_sdk.py target/release/troupe
+# Models by hub id: troupe and Python's huggingface_hub share one cache, both ways.
+python3 -m pip install --quiet --disable-pip-version-check huggingface_hub
+python3 scripts/test_hub_cache.py target/release/troupe
 # DeepSeek-V4 chat prompts through DeepSeek's own encoding crate (an optional feature).
 cargo clippy --release --all-targets --features deepseek-encoding -- -D warnings
 cargo test --release --features deepseek-encoding --test deepseek_v4_cli
