@@ -208,6 +208,22 @@ def run_tool_checks(client):
     schema = WEATHER_SCHEMA if calls and calls[0].function.name == "get_weather" else TIME_TOOL["function"]["parameters"]
     checks.append(("strict tool arguments match the schema", args is not None and valid(args, schema)))
 
+    # vLLM's rule: a forced call (required, named) keeps to its tool's schema, strict or not.
+    loose = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                                                             "required": ["city"]}}}
+    lr = client.chat.completions.create(model=model, messages=ask, tools=[loose], tool_choice="required",
+                                        temperature=0, max_tokens=80)
+    lcalls = lr.choices[0].message.tool_calls or []
+    checks.append(("a required call to a non-strict tool keeps to its schema",
+                   len(lcalls) == 1 and valid(json.loads(lcalls[0].function.arguments), loose["function"]["parameters"])))
+    cut = client.chat.completions.create(model=model, messages=ask, tools=[loose], tool_choice="required",
+                                         temperature=0, max_tokens=12)
+    cut_calls = cut.choices[0].message.tool_calls or []
+    checks.append(("a call cut by max_tokens says length and carries no broken arguments",
+                   cut.choices[0].finish_reason == "length"
+                   and all(isinstance(json.loads(c.function.arguments), dict) for c in cut_calls)))
+
     named = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL],
                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
                                            temperature=0.8, seed=5, max_tokens=80)

@@ -179,8 +179,14 @@ impl Conversation {
 
     /// The grammar the reply must follow for the tool choice, if any.
     pub fn tool_grammar(&self) -> Option<GrammarSpec> {
+        // A forced call (required, named) is held to its tool's schema, as vLLM does; under
+        // `auto` only strict tools are, the rest to any object.
+        let forced = matches!(
+            self.tool_choice,
+            ToolChoice::Required | ToolChoice::Named(_)
+        );
         let call_schema = |t: &Tool| {
-            let args = if t.strict {
+            let args = if t.strict || forced {
                 t.parameters.clone()
             } else {
                 json!({"type": "object"})

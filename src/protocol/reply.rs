@@ -47,6 +47,15 @@ impl Reply {
                 OutputEvent::CallEnd { .. } => {}
             }
         }
+        // A call the token budget cut off is not a call: its arguments do not parse. The
+        // reply says `length`, and carries no call with broken arguments.
+        let cut = matches!(finish, Some(FinishReason::Length | FinishReason::Preempted))
+            && r.calls
+                .last()
+                .is_some_and(|c| serde_json::from_str::<serde_json::Value>(&c.arguments).is_err());
+        if cut {
+            r.calls.pop();
+        }
         r
     }
 
@@ -94,4 +103,31 @@ impl ChoiceStreams {
 /// A tool call's id: unique per server run, stable within a reply.
 pub fn call_id(prefix: &str, request_id: u64, choice: usize, call: usize) -> String {
     format!("{prefix}{request_id:x}{choice:02x}{call:02x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(text: &str, finish: FinishReason) -> Reply {
+        let mut p = ParseSpec::generic(true, false).parser();
+        let mut events = p.push(text);
+        events.extend(p.finish());
+        Reply::from_events(events, Some(finish))
+    }
+
+    #[test]
+    fn a_call_cut_by_the_budget_is_no_call() {
+        let whole = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        for cut_at in [40, 52, 60] {
+            let r = reply(&whole[..cut_at], FinishReason::Length);
+            assert!(r.calls.is_empty(), "cut at {cut_at}: {:?}", r.calls);
+        }
+        // Whole arguments stay a call even when the budget ended the reply.
+        let r = reply(&whole[..whole.len() - 3], FinishReason::Length);
+        assert_eq!(r.calls.len(), 1, "{r:?}");
+        assert_eq!(r.calls[0].arguments, "{\"city\": \"Paris\"}");
+        let r = reply(whole, FinishReason::Stop);
+        assert_eq!(r.calls[0].name, "get_weather");
+    }
 }
