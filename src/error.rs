@@ -43,7 +43,7 @@ pub enum TroupeError {
     InvalidSampling(String),
     #[error("{0}")]
     InvalidInput(String),
-    #[error("cannot fetch the default model `{name}`: {reason}")]
+    #[error("cannot fetch the model `{name}`: {reason}")]
     Fetch { name: String, reason: String },
 }
 

@@ -173,7 +173,10 @@ fn route(hub: &mut Hub, path: &str, range: &str) -> Reply {
             false,
         );
     }
-    let Some((id, file)) = path.trim_start_matches('/').split_once("/resolve/main/") else {
+    // Any revision: a branch, or the commit a client pinned.
+    let resolved = path.trim_start_matches('/').split_once("/resolve/");
+    let Some((id, file)) = resolved.and_then(|(id, rest)| Some((id, rest.split_once('/')?.1)))
+    else {
         return not_found;
     };
     let Some(f) = hub
@@ -209,8 +212,9 @@ fn route(hub: &mut Hub, path: &str, range: &str) -> Reply {
     ("206 Partial Content", headers, body, cut)
 }
 
+/// `troupe generate` on a hub id; a run that hangs is killed and fails the test.
 fn troupe(model: &str, port: u16, home: &Path, extra_env: &[(&str, &str)]) -> Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_troupe"))
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_troupe"))
         .args([
             "generate",
             "--model",
@@ -226,9 +230,26 @@ fn troupe(model: &str, port: u16, home: &Path, extra_env: &[(&str, &str)]) -> Ou
         .env("HF_ENDPOINT", format!("http://127.0.0.1:{port}"))
         .env("HF_TOKEN", TOKEN)
         .env_remove("HF_HUB_OFFLINE")
+        .env_remove("HF_HUB_CACHE")
+        .env_remove("HUGGINGFACE_HUB_CACHE")
         .envs(extra_env.iter().copied())
-        .output()
-        .unwrap()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            // SAFETY: signals our own child, which has not been reaped (its wait is pending).
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("troupe generate --model {model} did not finish within 120 s");
+        }
+    }
 }
 
 fn home(name: &str) -> std::path::PathBuf {
@@ -262,7 +283,7 @@ fn a_hub_model_is_fetched_once_and_gives_transformers_tokens() {
     let log = hub.lock().unwrap().log.clone();
     let fetched: Vec<&str> = log
         .iter()
-        .filter_map(|(_, p, _, _)| p.split("/resolve/main/").nth(1))
+        .filter_map(|(_, p, _, _)| p.split("/resolve/").nth(1)?.split_once('/').map(|(_, f)| f))
         .collect();
     assert!(
         !fetched

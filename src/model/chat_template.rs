@@ -68,6 +68,14 @@ fn strftime_now(format: String) -> String {
 }
 
 impl ChatTemplate {
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
+    }
+
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut env = Environment::new();
         // transformers renders with these two on; templates are written for them.

@@ -69,8 +69,46 @@ impl RepoSpec {
 }
 
 fn offline() -> bool {
-    std::env::var("HF_HUB_OFFLINE")
-        .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "TRUE" | "yes" | "ON" | "on"))
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| {
+        ["1", "true", "yes", "on"]
+            .iter()
+            .any(|t| v.trim().eq_ignore_ascii_case(t))
+    })
+}
+
+fn env_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os(name)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+fn hf_home() -> PathBuf {
+    env_path("HF_HOME").unwrap_or_else(|| {
+        env_path("XDG_CACHE_HOME")
+            .or_else(|| dirs::home_dir().map(|h| h.join(".cache")))
+            .unwrap_or_else(std::env::temp_dir)
+            .join("huggingface")
+    })
+}
+
+/// huggingface_hub's order: `HF_HUB_CACHE`, `HUGGINGFACE_HUB_CACHE`, `$HF_HOME/hub`,
+/// `$XDG_CACHE_HOME/huggingface/hub`, `~/.cache/huggingface/hub`.
+fn cache() -> Cache {
+    Cache::new(
+        env_path("HF_HUB_CACHE")
+            .or_else(|| env_path("HUGGINGFACE_HUB_CACHE"))
+            .unwrap_or_else(|| hf_home().join("hub")),
+    )
+}
+
+/// `HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, then `huggingface-cli login`'s token file.
+fn token() -> Option<String> {
+    ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok())
+        .chain(std::fs::read_to_string(hf_home().join("token")).ok())
+        .map(|t| t.trim().to_string())
+        .find(|t| !t.is_empty())
 }
 
 fn err(spec: &RepoSpec, reason: impl std::fmt::Display) -> TroupeError {
@@ -80,31 +118,83 @@ fn err(spec: &RepoSpec, reason: impl std::fmt::Display) -> TroupeError {
     }
 }
 
-/// The local path of the model: its snapshot directory (safetensors) or GGUF file.
+const INDEX: &str = "model.safetensors.index.json";
+const MAX_RETRIES: u32 = 3;
+
+/// The local path of the model: its snapshot directory (safetensors) or GGUF file. Every
+/// file comes from the commit the revision names now, so a snapshot is never a mix.
 pub fn fetch(spec: &RepoSpec) -> Result<PathBuf> {
-    let cache = Cache::from_env();
+    let cache = cache();
     if offline() {
         return from_cache(spec, &cache);
     }
-    let mut builder = ApiBuilder::from_cache(cache)
+    let mut builder = ApiBuilder::from_cache(cache.clone())
         .with_progress(true)
-        .with_retries(3);
+        .with_token(token());
     if let Ok(endpoint) = std::env::var("HF_ENDPOINT") {
         builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
     }
-    if let Ok(token) = std::env::var("HF_TOKEN") {
-        builder = builder.with_token(Some(token).filter(|t| !t.trim().is_empty()));
-    }
     let api = builder.build().map_err(|e| err(spec, e))?;
-    let repo = api.repo(spec.repo());
-    let info = repo.info().map_err(|e| err(spec, describe(&e)))?;
+    let info = api
+        .repo(spec.repo())
+        .info()
+        .map_err(|e| err(spec, describe(&e)))?;
+    let pinned = api.repo(Repo::with_revision(
+        spec.repo_id.clone(),
+        RepoType::Model,
+        info.sha.clone(),
+    ));
+    let snapshot = repo_dir(spec, &cache).join("snapshots").join(&info.sha);
     let files: Vec<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
-    let wanted = choose_files(spec, &files)?;
-    let mut last = PathBuf::new();
+    let mut wanted = choose_files(spec, &files)?;
     for file in &wanted {
-        last = fetch_file(spec, &repo, file)?;
+        fetch_file(spec, &pinned, &snapshot, file)?;
     }
-    Ok(model_path(&wanted, &last))
+    if wanted.iter().any(|f| f == INDEX) {
+        for shard in index_shards(spec, &snapshot)? {
+            fetch_file(spec, &pinned, &snapshot, &shard)?;
+            wanted.push(shard);
+        }
+    }
+    set_ref(spec, &cache, &info.sha)?;
+    Ok(model_path(&wanted, &snapshot.join(&wanted[0])))
+}
+
+fn repo_dir(spec: &RepoSpec, cache: &Cache) -> PathBuf {
+    cache
+        .path()
+        .join(format!("models--{}", spec.repo_id.replace('/', "--")))
+}
+
+/// `refs/<revision>` names the commit fetched, as huggingface_hub writes it (hf-hub also
+/// leaves a ref under the commit's own name, which is none).
+fn set_ref(spec: &RepoSpec, cache: &Cache, sha: &str) -> Result<()> {
+    let refs = repo_dir(spec, cache).join("refs");
+    if spec.revision != sha {
+        let _ = std::fs::remove_file(refs.join(sha));
+    }
+    let path = refs.join(&spec.revision);
+    std::fs::create_dir_all(path.parent().expect("a ref has a directory"))
+        .and_then(|()| std::fs::write(&path, sha))
+        .map_err(|e| TroupeError::io(&path, e))
+}
+
+/// The shard files `model.safetensors.index.json` maps weights to.
+fn index_shards(spec: &RepoSpec, snapshot: &Path) -> Result<Vec<String>> {
+    let path = snapshot.join(INDEX);
+    let text = std::fs::read_to_string(&path).map_err(|e| TroupeError::io(&path, e))?;
+    let index: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| err(spec, format!("{INDEX}: {e}")))?;
+    let map = index["weight_map"]
+        .as_object()
+        .ok_or_else(|| err(spec, format!("{INDEX} has no weight_map")))?;
+    let mut shards: Vec<String> = map
+        .values()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards)
 }
 
 /// A lone GGUF file is the model; otherwise the snapshot directory its files lie in.
@@ -171,7 +261,14 @@ pub fn choose_files(spec: &RepoSpec, files: &[&str]) -> Result<Vec<String>> {
         .filter(|f| top.contains(f))
         .map(|f| f.to_string())
         .collect();
-    wanted.extend(shards.iter().map(|s| s.to_string()));
+    // One whole checkpoint, or an index whose shards are read from it once fetched; other
+    // `*.safetensors` (Mistral's `consolidated.safetensors`) are not the HF layout.
+    if top.contains(&"model.safetensors") {
+        wanted.retain(|f| f != INDEX);
+        wanted.push("model.safetensors".into());
+    } else if !top.contains(&INDEX) {
+        wanted.extend(shards.iter().map(|s| s.to_string()));
+    }
     if !wanted.iter().any(|f| f == "config.json") {
         return Err(err(
             spec,
@@ -185,12 +282,37 @@ fn list(files: &[&str]) -> String {
     files.join(", ")
 }
 
-fn fetch_file(spec: &RepoSpec, repo: &ApiRepo, file: &str) -> Result<PathBuf> {
-    let path = repo
-        .get(file)
-        .map_err(|e| err(spec, format!("{file}: {}", describe(&e))))?;
+/// One file of the pinned commit: the snapshot's copy, or a download. A dropped
+/// connection is tried again, each try reopening the partial blob at its length.
+fn fetch_file(spec: &RepoSpec, repo: &ApiRepo, snapshot: &Path, file: &str) -> Result<PathBuf> {
+    let local = snapshot.join(file);
+    if local.exists() {
+        return Ok(local);
+    }
+    let mut tries = 0;
+    let path = loop {
+        match repo.download(file) {
+            Ok(path) => break path,
+            Err(e) if tries < MAX_RETRIES && status_of(&e).is_none() => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(200 << tries));
+            }
+            Err(e) => return Err(err(spec, format!("{file}: {}", describe(&e)))),
+        }
+    };
     verify(spec, file, &path)?;
     Ok(path)
+}
+
+/// The HTTP status of a refused request (ureq writes "<url>: status code <n>").
+fn status_of(e: &hf_hub::api::sync::ApiError) -> Option<u16> {
+    let text = e.to_string();
+    let at = text.rfind(": status code ")? + ": status code ".len();
+    text[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The hub names an LFS file's blob by its SHA-256: a fetched weight file is checked
@@ -240,21 +362,19 @@ fn verify(spec: &RepoSpec, file: &str, path: &Path) -> Result<()> {
 
 fn describe(e: &hf_hub::api::sync::ApiError) -> String {
     let text = e.to_string();
-    if text.contains("404") {
-        format!("not found on the hub (a private or gated repository needs HF_TOKEN): {text}")
-    } else if text.contains("401") || text.contains("403") {
-        format!("access refused: set HF_TOKEN to a token with access ({text})")
-    } else {
-        text
+    match status_of(e) {
+        Some(404) => {
+            format!("not found on the hub (a private or gated repository needs HF_TOKEN): {text}")
+        }
+        Some(401 | 403) => format!("access refused: set HF_TOKEN to a token with access ({text})"),
+        _ => text,
     }
 }
 
 /// `HF_HUB_OFFLINE`: the revision's snapshot in the cache (`refs/<revision>` names its
-/// commit), refused unless it holds what the model needs.
+/// commit), refused unless it holds everything the model needs.
 fn from_cache(spec: &RepoSpec, cache: &Cache) -> Result<PathBuf> {
-    let repo_dir = cache
-        .path()
-        .join(format!("models--{}", spec.repo_id.replace('/', "--")));
+    let repo_dir = repo_dir(spec, cache);
     let is_commit =
         spec.revision.len() == 40 && spec.revision.bytes().all(|b| b.is_ascii_hexdigit());
     let commit = match is_commit {
@@ -278,7 +398,19 @@ fn from_cache(spec: &RepoSpec, cache: &Cache) -> Result<PathBuf> {
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .collect();
     let files: Vec<&str> = names.iter().map(String::as_str).collect();
-    let wanted = choose_files(spec, &files)?;
+    let mut wanted = choose_files(spec, &files)?;
+    if wanted.iter().any(|f| f == INDEX) {
+        wanted.extend(index_shards(spec, &dir)?);
+    }
+    // `exists` follows the snapshot's links: one to a missing blob is missing.
+    if let Some(gone) = wanted.iter().find(|f| !dir.join(f).exists()) {
+        return Err(err(
+            spec,
+            format!(
+                "HF_HUB_OFFLINE is set and the cached snapshot is incomplete: {gone} is missing"
+            ),
+        ));
+    }
     Ok(model_path(&wanted, &dir.join(&wanted[0])))
 }
 

@@ -61,7 +61,13 @@ pub fn resolve_model_path(spec: &str) -> Result<PathBuf> {
         return hub::resolve(spec);
     }
     if let Some(repo) = hf_repo::RepoSpec::parse(spec) {
-        return hf_repo::fetch(&repo);
+        return hf_repo::fetch(&repo).map_err(|e| match e {
+            TroupeError::Fetch { name, reason } => TroupeError::Fetch {
+                name,
+                reason: format!("{reason} (no local file or directory `{spec}` either)"),
+            },
+            other => other,
+        });
     }
     Err(TroupeError::InvalidInput(format!(
         "model `{spec}` is neither an existing file or directory, a hub id (org/name[@revision][:quant]) nor a known model name (`{}`)",
@@ -177,8 +183,16 @@ impl ModelText {
         let tok = self.tokenizer.as_ref().ok_or_else(|| {
             TroupeError::InvalidInput("the model has no tokenizer to render a template with".into())
         })?;
-        let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
-        let (bos, eos) = (name(tok.bos_id), name(self.stop_ids.first().copied()));
+        // The names the model's own template was given (tokenizer_config's EOS, which a
+        // generation config's first stop id need not be).
+        let (bos, eos) = match &self.chat_template {
+            Some(t) => (t.bos_token().to_string(), t.eos_token().to_string()),
+            None => {
+                let name =
+                    |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
+                (name(tok.bos_id), name(self.stop_ids.first().copied()))
+            }
+        };
         self.chat_template = Some(ChatTemplate::new(source, &bos, &eos)?);
         Ok(())
     }

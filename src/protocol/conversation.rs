@@ -185,14 +185,63 @@ impl Conversation {
             self.tool_choice,
             ToolChoice::Required | ToolChoice::Named(_)
         );
-        let call_schema = |t: &Tool| {
-            let args = if t.strict || forced {
+        let held = |t: &Tool| t.strict || forced;
+        // Parameters' `$defs` / `definitions` move to the grammar's root, where their
+        // `#/$defs/...` references resolve; a name two tools define differently leaves the
+        // second tool's arguments to any object.
+        let mut roots: serde_json::Map<String, Value> = serde_json::Map::new();
+        let mut args_of: Vec<Value> = Vec::with_capacity(self.tools.len());
+        for t in &self.tools {
+            let mut args = if held(t) {
                 t.parameters.clone()
             } else {
                 json!({"type": "object"})
             };
-            json!({"type": "object", "properties": {"name": {"const": t.name}, "arguments": args},
-                   "required": ["name", "arguments"], "additionalProperties": false})
+            let mut clash = false;
+            for key in ["$defs", "definitions"] {
+                let Some(defs) = args.as_object_mut().and_then(|o| o.remove(key)) else {
+                    continue;
+                };
+                let into = roots.entry(key).or_insert_with(|| json!({}));
+                for (name, def) in defs.as_object().into_iter().flatten() {
+                    match into.get(name) {
+                        Some(old) if old != def => clash = true,
+                        _ => {
+                            into[name] = def.clone();
+                        }
+                    }
+                }
+            }
+            args_of.push(if clash {
+                json!({"type": "object"})
+            } else {
+                args
+            });
+        }
+        // A tool that is not strict is held to what of its schema the grammar engine
+        // supports; a strict one fails loudly on the rest.
+        if forced && !self.tools.iter().any(|t| t.strict) {
+            roots.insert(
+                "x-guidance".into(),
+                json!({"lenient": true, "whitespace_flexible": false}),
+            );
+        }
+        let call_schema = |t: &Tool| {
+            let i = self
+                .tools
+                .iter()
+                .position(|u| std::ptr::eq(u, t))
+                .expect("one of ours");
+            json!({"type": "object",
+                "properties": {"name": {"const": t.name}, "arguments": args_of[i]},
+                "required": ["name", "arguments"], "additionalProperties": false})
+        };
+        // At the document's top, where references and options are read.
+        let rooted = |mut schema: Value| {
+            for (k, v) in &roots {
+                schema[k] = v.clone();
+            }
+            schema
         };
         let call = |schema: Value| format!("call: {}\n", lark_json(&schema));
         let wrapped = "\"<tool_call>\\n\" call \"\\n</tool_call>\"";
@@ -203,14 +252,14 @@ impl Conversation {
                 let t = self.tools.iter().find(|t| &t.name == n)?;
                 Some(GrammarSpec::Lark(format!(
                     "start: {wrapped}\n{}",
-                    call(call_schema(t))
+                    call(rooted(call_schema(t)))
                 )))
             }
             ToolChoice::Required => {
                 let any: Vec<Value> = self.tools.iter().map(call_schema).collect();
                 Some(GrammarSpec::Lark(format!(
                     "start: {wrapped}\n{}",
-                    call(json!({"anyOf": any}))
+                    call(rooted(json!({"anyOf": any})))
                 )))
             }
             ToolChoice::Auto if self.tools.iter().any(|t| t.strict) => {
@@ -218,7 +267,7 @@ impl Conversation {
                 let any: Vec<Value> = self.tools.iter().map(call_schema).collect();
                 Some(GrammarSpec::Lark(format!(
                     "start: TEXT | {wrapped}\nTEXT: /[^<][\\s\\S]*/\n{}",
-                    call(json!({"anyOf": any}))
+                    call(rooted(json!({"anyOf": any})))
                 )))
             }
             ToolChoice::Auto => None,

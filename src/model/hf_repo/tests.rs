@@ -53,16 +53,26 @@ fn only_what_the_model_needs_is_chosen() {
         "pytorch_model.bin",
     ];
     let got = choose_files(&spec("o/m"), &files).unwrap();
+    // The shards come from the index once it is fetched.
     assert_eq!(
         got,
         [
             "config.json",
             "tokenizer.json",
             "tokenizer_config.json",
-            "model.safetensors.index.json",
-            "model-00001-of-00002.safetensors",
-            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json"
         ]
+    );
+    // Mistral's second copy of the weights is not the HF layout.
+    let mistral = [
+        "config.json",
+        "model.safetensors",
+        "consolidated.safetensors",
+        "tokenizer.json",
+    ];
+    assert_eq!(
+        choose_files(&spec("o/m"), &mistral).unwrap(),
+        ["config.json", "tokenizer.json", "model.safetensors"]
     );
 }
 

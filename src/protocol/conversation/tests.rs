@@ -181,3 +181,45 @@ fn tool_choice_grammars_compile_and_bad_choices_are_named() {
             .contains("required")
     );
 }
+
+#[test]
+fn forced_calls_keep_to_schemas_with_references_and_keywords_the_engine_lacks() {
+    let text = smollm2_text();
+    let compiler =
+        crate::structured::GrammarCompiler::new(text.tokenizer.clone().unwrap(), text.stop_ids[0])
+            .unwrap();
+    // Pydantic's shape: nested models behind `#/$defs/...`, and a keyword llguidance does
+    // not implement.
+    let pydantic = json!({"type": "object", "$defs": {"Place": {"type": "object",
+        "properties": {"city": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": true}},
+        "required": ["city"]}},
+        "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"]});
+    let mut tool = weather_tool("w");
+    tool.parameters = pydantic;
+    tool.strict = false;
+    let mut other = weather_tool("t");
+    other.name = "get_time".into();
+    other.strict = false;
+    let mut conv = Conversation {
+        messages: vec![Message::new(Role::User, "hi")],
+        tools: vec![tool, other],
+        tool_choice: ToolChoice::Named("get_weather".into()),
+        reasoning_effort: None,
+    };
+    for choice in [
+        ToolChoice::Named("get_weather".into()),
+        ToolChoice::Required,
+    ] {
+        conv.tool_choice = choice.clone();
+        let Some(GrammarSpec::Lark(g)) = conv.tool_grammar() else {
+            panic!("{choice:?}: no grammar");
+        };
+        assert!(
+            g.contains("\"$defs\"") && g.contains("#/$defs/Place"),
+            "{g}"
+        );
+        compiler
+            .compile(&GrammarSpec::Lark(g.clone()))
+            .unwrap_or_else(|e| panic!("{choice:?}: {e}\n{g}"));
+    }
+}
