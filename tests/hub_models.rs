@@ -12,8 +12,8 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::Output;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use troupe::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
 

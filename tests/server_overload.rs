@@ -15,6 +15,16 @@ use troupe::protocol::serve_options::ServeOptions;
 
 const NUM_CLIENTS: usize = 2000;
 
+/// The tests of this file one at a time: the first measures the process's RSS, which
+/// another test's engine loading beside it would grow.
+static SERIAL: troupe::sync::Mutex<()> = troupe::sync::Mutex::new(());
+
+fn serial() -> troupe::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn tiny(max_num_seqs: usize) -> EngineConfig {
     let mut cfg = EngineConfig::new(common::goldens().join("tiny-qwen3"));
     cfg.kv_cache_bytes = 16 << 20;
@@ -74,6 +84,7 @@ async fn client(addr: std::net::SocketAddr, i: usize) -> Result<common::server::
 
 #[test]
 fn thousands_of_clients_at_a_small_gate_get_429s_and_every_admitted_one_completes() {
+    let _serial = serial();
     let num_clients = raise_fd_limit();
     assert!(
         num_clients >= 500,
@@ -177,6 +188,7 @@ fn wait_until(what: &str, limit: Duration, done: impl Fn() -> bool) {
 
 #[test]
 fn a_request_past_its_timeout_ends_with_an_error_and_frees_its_place() {
+    let _serial = serial();
     let mut opts = ServeOptions::new("smollm2");
     opts.request_timeout = Some(Duration::from_millis(400));
     let server = common::server::start_with(smollm2(4), opts);
@@ -206,6 +218,7 @@ fn a_request_past_its_timeout_ends_with_an_error_and_frees_its_place() {
 
 #[test]
 fn a_request_that_waits_past_the_queue_timeout_gets_a_clear_error() {
+    let _serial = serial();
     let mut cfg = smollm2(1);
     cfg.queue_timeout = Some(Duration::from_millis(300));
     let server = common::server::start(cfg, "smollm2");
@@ -239,6 +252,7 @@ fn a_request_that_waits_past_the_queue_timeout_gets_a_clear_error() {
 
 #[test]
 fn a_body_that_never_finishes_arriving_is_refused_after_the_read_timeout() {
+    let _serial = serial();
     let mut opts = ServeOptions::new("tiny");
     opts.body_read_timeout = Duration::from_millis(500);
     let server = common::server::start_with(tiny(4), opts);
@@ -261,6 +275,7 @@ fn a_body_that_never_finishes_arriving_is_refused_after_the_read_timeout() {
 
 #[test]
 fn a_percent_encoded_route_takes_a_ticket_like_its_plain_spelling() {
+    let _serial = serial();
     let mut opts = ServeOptions::new("smollm2");
     opts.max_queued_requests = 1;
     let server = common::server::start_with(smollm2(1), opts);
