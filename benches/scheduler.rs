@@ -85,6 +85,7 @@ fn running_decode_scheduler() -> Scheduler {
                 ignore_eos: true,
                 cache_salt: 0,
                 verified_by_picks: true,
+                score_prompt: false,
             })
             .expect("fits");
     }

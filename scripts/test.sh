@@ -24,6 +24,10 @@ python3 scripts/test_server_sdk.py target/release/troupe
 # Models by hub id: troupe and Python's huggingface_hub share one cache, both ways.
 python3 -m pip install --quiet --disable-pip-version-check huggingface_hub
 python3 scripts/test_hub_cache.py target/release/troupe
+# lm-evaluation-harness's CLI against the server: committed local tasks, loglikelihood by
+# echo + prompt logprobs, generate-until through completions and chat.
+python3 -m pip install --quiet --disable-pip-version-check "lm-eval[api]==0.4.13"
+python3 scripts/test_lm_eval.py target/release/troupe
 # DeepSeek-V4 chat prompts through DeepSeek's own encoding crate (an optional feature).
 cargo clippy --release --all-targets --features deepseek-encoding -- -D warnings
 cargo test --release --features deepseek-encoding --test deepseek_v4_cli

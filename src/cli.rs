@@ -303,6 +303,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         let limits = RequestLimits {
             vocab_size: text.config.vocab_size,
             max_context_tokens: text.config.max_context_tokens,
+            scores_prompts: text.scores_prompts(),
         };
         request.validate(limits).map_err(|e| e.for_prompt(index))?;
         requests.push(request);

@@ -88,6 +88,7 @@ impl Actor for SamplerActor {
                 epoch,
                 step_id,
                 rows: out.rows,
+                scored: out.scored,
                 elapsed_secs: started.elapsed().as_secs_f64(),
                 worker_idle_secs: idle_secs,
                 device_idle_secs,

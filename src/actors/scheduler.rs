@@ -15,12 +15,14 @@ use crate::runner::RankReport;
 use crate::runner::kv_store::KvStore;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::SamplingParams;
+use crate::sampling::ScoredToken;
 use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StoredPrefix,
 };
-use crate::step::{RowSampling, SampledStep, Step};
+use crate::step::{PromptScore, RowSampling, SampledStep, Step};
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
+mod prompt_scores;
 mod queue;
 mod sampled;
 mod staging;
@@ -143,6 +145,8 @@ struct Request {
     span: tracing::Span,
     /// Has been in a planned step.
     started: bool,
+    /// Prompt logprobs being gathered (`prompt_scores.rs`).
+    prompt_scores: Option<Vec<Option<ScoredToken>>>,
 }
 
 pub struct SchedulerState {
@@ -246,7 +250,16 @@ impl SchedulerState {
                     })
                 })
                 .collect();
-            let step = Shared::new(Step::new(self.epoch, plan, sampling));
+            let scores: Vec<Option<PromptScore>> = plan
+                .rows
+                .iter()
+                .map(|row| self.requests.get(&row.seq_id)?.score(row))
+                .collect();
+            let mut step = Step::new(self.epoch, plan, sampling);
+            for (row, score) in step.rows.iter_mut().zip(scores) {
+                row.score = score;
+            }
+            let step = Shared::new(step);
             self.in_flight.push_back(step.clone());
             self.status.num_steps += 1;
             // Every rank runs the same step; a dead one loses it and the supervisor's
@@ -327,6 +340,7 @@ impl SchedulerState {
             });
             let forks = std::mem::take(&mut r.pending_forks);
             let _ = r.stream.send(RequestOutput {
+                prompt_logprobs: r.prompt_scores.take(),
                 request_id: request_id_of(seq_id),
                 index: r.index,
                 finish_reason: Some(reason),

@@ -42,6 +42,8 @@ pub enum RequestError {
     LogitBias(String),
     #[error("n must be in 1..={MAX_CHOICES}, got {0}")]
     Choices(usize),
+    #[error("prompt_logprobs: {0}")]
+    PromptLogprobs(String),
     /// The grammar does not compile against the vocabulary, or structured output is
     /// unavailable.
     #[error("{0}")]
@@ -88,6 +90,7 @@ impl RequestError {
             RequestError::Sampling(_) => "sampling",
             RequestError::LogitBias(_) => "logit_bias",
             RequestError::Choices(_) => "n",
+            RequestError::PromptLogprobs(_) => "prompt_logprobs",
             RequestError::Grammar(_) | RequestError::Unservable(_) => "request",
         }
     }

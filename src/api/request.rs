@@ -1,6 +1,6 @@
 //! A request and the outputs it streams back.
 
-use crate::sampling::SamplingParams;
+use crate::sampling::{MAX_TOP_LOGPROBS, SamplingParams, ScoredToken};
 pub use crate::sched::FinishReason;
 use crate::structured::GrammarSpec;
 
@@ -30,6 +30,9 @@ pub struct EngineRequest {
     /// Whether control tokens are left out of the text (`None`: the model's way —
     /// DeepSeek-V4 keeps them, its replies are parsed from them; others skip them).
     pub skip_special_tokens: Option<bool>,
+    /// Score the prompt: each prompt token's logprob under the model (and this many of the
+    /// most likely ids at each position), reported once, with the first output.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// The most completions one request may ask for.
@@ -50,6 +53,8 @@ pub fn choice_seed(seed: u64, index: usize) -> u64 {
 pub struct RequestLimits {
     pub vocab_size: usize,
     pub max_context_tokens: usize,
+    /// The model returns every position's logits (`EngineRequest::prompt_logprobs`).
+    pub scores_prompts: bool,
 }
 
 impl EngineRequest {
@@ -89,6 +94,18 @@ impl EngineRequest {
         if self.n == 0 || self.n > MAX_CHOICES {
             return Err(RequestError::Choices(self.n));
         }
+        if let Some(k) = self.prompt_logprobs {
+            if !limits.scores_prompts {
+                return Err(RequestError::PromptLogprobs(
+                    "this model does not report prompt logprobs".into(),
+                ));
+            }
+            if k > MAX_TOP_LOGPROBS {
+                return Err(RequestError::PromptLogprobs(format!(
+                    "at most {MAX_TOP_LOGPROBS} top ids per prompt position, got {k}"
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -105,6 +122,7 @@ impl EngineRequest {
             n: 1,
             grammar: None,
             skip_special_tokens: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -123,6 +141,9 @@ pub struct RequestOutput {
     pub token_logprobs: Vec<f32>,
     /// Per token in `token_ids`: the most likely `(id, logprob)` pairs.
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// On the first output of a request asking for `prompt_logprobs`: per prompt token, its
+    /// score (`None` for the first, which nothing precedes).
+    pub prompt_logprobs: Option<Vec<Option<ScoredToken>>>,
     /// The seed the request ran with (set on the final output).
     pub seed: Option<u64>,
     pub finish_reason: Option<FinishReason>,

@@ -427,6 +427,7 @@ impl EngineHandle {
         RequestLimits {
             vocab_size: self.text.config.vocab_size,
             max_context_tokens: self.text.config.max_context_tokens,
+            scores_prompts: self.text.scores_prompts(),
         }
     }
 

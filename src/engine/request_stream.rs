@@ -159,6 +159,7 @@ impl RequestStream {
             c.text.push_str(&o.text);
             c.token_logprobs.extend(o.token_logprobs);
             c.top_logprobs.extend(o.top_logprobs);
+            c.prompt_logprobs = o.prompt_logprobs.or(c.prompt_logprobs.take());
             c.seed = o.seed.or(c.seed);
             c.finish_reason = o.finish_reason.or(c.finish_reason);
             c.stop_string = o.stop_string.or(c.stop_string.take());

@@ -28,6 +28,8 @@ pub struct ChatTemplate {
     supports_tools: bool,
     bos_token: String,
     eos_token: String,
+    /// The Jinja text, as `/tokenizer_info` hands it to clients that render chats.
+    source: String,
 }
 
 fn raise_exception(msg: String) -> std::result::Result<Value, Error> {
@@ -76,6 +78,10 @@ impl ChatTemplate {
         &self.eos_token
     }
 
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut env = Environment::new();
         // transformers renders with these two on; templates are written for them.
@@ -95,6 +101,7 @@ impl ChatTemplate {
         Ok(ChatTemplate {
             env,
             supports_tools: source.contains("tools"),
+            source: source.to_string(),
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })

@@ -172,6 +172,13 @@ pub fn load_text(path: &Path) -> Result<ModelText> {
 }
 
 impl ModelText {
+    /// Prompt logprobs need every position's logits: the Llama family gives them (a
+    /// scored chunk runs like a verify row). DeepSeek-V4 reads a row of several logits as a
+    /// verify row it may rewind, so it does not score prompts.
+    pub fn scores_prompts(&self) -> bool {
+        self.deepseek_v4.is_none()
+    }
+
     /// Renders chats with `source` instead of the model's own template, given the same
     /// BOS and EOS token names.
     pub fn set_chat_template(&mut self, source: &str) -> Result<()> {

@@ -242,6 +242,9 @@ impl Timed {
             acc.text.push_str(&o.text);
             acc.token_logprobs.extend(&o.token_logprobs);
             acc.top_logprobs.extend(o.top_logprobs.iter().cloned());
+            if o.prompt_logprobs.is_some() {
+                acc.prompt_logprobs = o.prompt_logprobs.clone();
+            }
             if o.finish_reason.is_some() {
                 acc.finish_reason = o.finish_reason;
                 acc.seed = o.seed;

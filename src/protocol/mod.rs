@@ -2,6 +2,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod completions;
 pub mod conversation;
 #[cfg(feature = "deepseek-encoding")]
 pub mod deepseek_v4_prompt;

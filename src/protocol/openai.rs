@@ -1,5 +1,5 @@
-//! The OpenAI codec for Chat Completions and (legacy) Completions: requests into a
-//! conversation or prompt plus sampling, engine outputs into OpenAI's objects and chunks.
+//! The OpenAI codec for Chat Completions: requests into a conversation plus sampling,
+//! engine outputs into OpenAI's objects and chunks (legacy Completions: `completions.rs`).
 
 use actix_web::{HttpResponse, web};
 use serde::Deserialize;
@@ -82,7 +82,7 @@ pub struct SamplingFields {
 }
 
 impl SamplingFields {
-    fn sampling(&self) -> Result<Sampling, ApiError> {
+    pub(super) fn sampling(&self) -> Result<Sampling, ApiError> {
         Ok(Sampling {
             temperature: self.temperature,
             top_p: self.top_p,
@@ -198,31 +198,6 @@ pub struct ChatRequest {
     pub sampling: SamplingFields,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum PromptField {
-    Text(String),
-    Ids(Vec<u32>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: PromptField,
-    #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
-    pub logprobs: Option<usize>,
-    /// vLLM's: `false` sends the prompt without the model's BOS.
-    pub add_special_tokens: Option<bool>,
-    /// vLLM's: `false` keeps control tokens in the text (not on chat: replies are parsed).
-    pub skip_special_tokens: Option<bool>,
-    /// Control-token strings in a text prompt read as those tokens (default: as text).
-    pub parse_special_tokens: Option<bool>,
-    #[serde(skip)]
-    pub sampling: SamplingFields,
-}
-
 pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages", "messages must not be empty"));
@@ -282,7 +257,7 @@ pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
     })
 }
 
-fn finish_reason(r: Option<FinishReason>, num_calls: usize) -> Value {
+pub(super) fn finish_reason(r: Option<FinishReason>, num_calls: usize) -> Value {
     match r {
         Some(FinishReason::Stop) if num_calls > 0 => json!("tool_calls"),
         Some(FinishReason::Stop) => json!("stop"),
@@ -315,7 +290,7 @@ pub(super) fn chat_logprobs(o: &RequestOutput, text: &ModelText) -> Value {
     json!({"content": content})
 }
 
-fn usage(num_prompt_tokens: usize, num_completion_tokens: usize) -> Value {
+pub(super) fn usage(num_prompt_tokens: usize, num_completion_tokens: usize) -> Value {
     json!({"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
            "total_tokens": num_prompt_tokens + num_completion_tokens})
 }
@@ -471,130 +446,4 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
         )]
     };
     Ok(sse(stream, encode, tail, true))
-}
-
-fn completion_logprobs(o: &RequestOutput, text: &ModelText) -> Value {
-    let Some(tok) = &text.tokenizer else {
-        return Value::Null;
-    };
-    let piece = |id: u32| tok.decode(&[id], false).unwrap_or_default();
-    let tokens: Vec<String> = o.token_ids.iter().map(|&t| piece(t)).collect();
-    let top: Vec<Value> = o
-        .top_logprobs
-        .iter()
-        .map(|row| Value::Object(row.iter().map(|&(t, lp)| (piece(t), json!(lp))).collect()))
-        .collect();
-    let mut offset = 0usize;
-    let offsets: Vec<usize> = tokens
-        .iter()
-        .map(|t| {
-            let at = offset;
-            offset += t.len();
-            at
-        })
-        .collect();
-    json!({"tokens": tokens, "token_logprobs": o.token_logprobs, "top_logprobs": top, "text_offset": offsets})
-}
-
-pub async fn completions(st: web::Data<ServerState>, body: web::Payload) -> HttpResponse {
-    let result = completions_inner(&st, body).await;
-    respond(&st, "completions", Flavor::OpenAi, result).await
-}
-
-async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let body: Value = parse_body(&read_body(st, body).await?)?;
-    let mut req: CompletionRequest = parse_value(&body)?;
-    req.sampling = parse_value(&body)?;
-    check_model(st, &req.model)?;
-    let text = st.engine()?.text();
-    let prompt_ids = match &req.prompt {
-        // Ids outside the vocabulary are refused by the engine (`EngineRequest::validate`).
-        PromptField::Ids(ids) => ids.clone(),
-        PromptField::Text(t) => {
-            let tok = text.tokenizer.clone().ok_or_else(|| {
-                ApiError::bad("prompt", "this model has no tokenizer: send token ids")
-            })?;
-            let (t, parse) = (t.clone(), req.parse_special_tokens.unwrap_or(false));
-            let add = req.add_special_tokens.unwrap_or(true);
-            api::off_worker("prompt", move || {
-                tok.encode_request_prompt(&t, parse, add)
-                    .map_err(|e| ApiError::bad("prompt", e.to_string()))
-            })
-            .await?
-        }
-    };
-    let mut sampling = req.sampling.sampling()?;
-    sampling.skip_special_tokens = req.skip_special_tokens;
-    let want_logprobs = req.logprobs.is_some();
-    sampling.num_top_logprobs = req.logprobs.unwrap_or(0);
-    let engine_req = api::engine_request(&sampling, prompt_ids, text)?;
-    let num_prompt_tokens = engine_req.prompt_ids.len();
-    let stream = st
-        .engine()?
-        .generate(engine_req)
-        .await
-        .map_err(engine_error)?;
-    let stream = Timed::new(stream, st, num_prompt_tokens);
-    let id = format!("cmpl-{}", stream.request_id());
-    let (created, model) = (now_secs(), st.opts.served_model_name.clone());
-    if req.stream {
-        let include_usage = req
-            .stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
-        let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
-        let counter_tail = counter.clone();
-        let (id2, model2) = (id.clone(), model.clone());
-        let engine = st.engine()?.clone();
-        let encode = move |o: &RequestOutput| {
-            counter.set(counter.get() + o.token_ids.len());
-            if let Some(err) = &o.error {
-                return vec![SseEvent::data(
-                    json!({"error": {"message": err, "type": "server_error"}}),
-                )];
-            }
-            let lp = if want_logprobs {
-                completion_logprobs(o, engine.text())
-            } else {
-                Value::Null
-            };
-            vec![SseEvent::data(
-                json!({"id": id, "object": "text_completion", "created": created,
-                "model": model, "choices": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
-                "logprobs": lp, "finish_reason": finish_reason(o.finish_reason, 0)}]}),
-            )]
-        };
-        let tail = move || {
-            if !include_usage {
-                return Vec::new();
-            }
-            vec![SseEvent::data(
-                json!({"id": id2, "object": "text_completion", "created": created,
-                "model": model2, "choices": [], "usage": usage(num_prompt_tokens, counter_tail.get())}),
-            )]
-        };
-        return Ok(sse(stream, encode, tail, true));
-    }
-    let engine = st.engine()?.clone();
-    Ok(json_when_done(
-        async move {
-            let text = engine.text();
-            let choices = stream.collect_ok().await?;
-            let num_completion_tokens: usize = choices.iter().map(|c| c.token_ids.len()).sum();
-            let choices: Vec<Value> = choices
-        .iter()
-        .map(|c| {
-            json!({"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                   "logprobs": if want_logprobs { completion_logprobs(c, text) } else { Value::Null },
-                   "finish_reason": finish_reason(c.finish_reason, 0), "stop_reason": c.stop_string})
-        })
-        .collect();
-            Ok(json!({
-                "id": id, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": usage(num_prompt_tokens, num_completion_tokens),
-            }))
-        },
-        Flavor::OpenAi,
-    ))
 }

@@ -16,7 +16,7 @@ use super::api::{ApiError, Flavor};
 use super::guard;
 use super::http::{ServerState, error_response};
 use super::serve_options::ServeOptions;
-use super::{anthropic, openai, responses, tokenize};
+use super::{anthropic, completions, openai, responses, tokenize};
 use crate::engine::{EngineError, EngineHandle};
 
 pub use super::http::MAX_BODY_BYTES;
@@ -92,12 +92,13 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             "/v1/chat/completions",
             web::post().to(openai::chat_completions),
         )
-        .route("/v1/completions", web::post().to(openai::completions))
+        .route("/v1/completions", web::post().to(completions::completions))
         .route("/v1/responses", web::post().to(responses::create))
         .route("/v1/messages", web::post().to(anthropic::messages))
         .route("/tokenize", web::post().to(tokenize::tokenize))
         .route("/detokenize", web::post().to(tokenize::detokenize))
         .route("/version", web::get().to(tokenize::version))
+        .route("/tokenizer_info", web::get().to(tokenize::tokenizer_info))
         .default_service(web::to(not_found));
 }
 

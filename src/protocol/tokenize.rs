@@ -164,6 +164,39 @@ async fn detokenize_inner(st: &ServerState, body: web::Payload) -> Result<HttpRe
     Ok(HttpResponse::Ok().json(json!({ "prompt": prompt })))
 }
 
+/// vLLM's `/tokenizer_info`: what a client needs to tokenize and render chats as the
+/// server does (lm-evaluation-harness's remote tokenizer reads it).
+pub async fn tokenizer_info(st: web::Data<ServerState>) -> HttpResponse {
+    let result = async {
+        let text = st.engine()?.text();
+        if text.tokenizer.is_none() {
+            return Err(ApiError::status(404, "this model has no tokenizer"));
+        }
+        let template = text.chat_template.as_ref();
+        let (bos, eos) = match template {
+            Some(t) => (Some(t.bos_token()), Some(t.eos_token())),
+            None => (None, None),
+        };
+        let tok = text.tokenizer.as_ref().expect("checked");
+        let name = |id: Option<&u32>| id.and_then(|&id| tok.decode(&[id], false).ok());
+        let eos = eos
+            .filter(|e| !e.is_empty())
+            .map(str::to_string)
+            .or_else(|| name(text.stop_ids.first()));
+        Ok(HttpResponse::Ok().json(json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": bos.filter(|b| !b.is_empty()),
+            "eos_token": eos,
+            "pad_token": Value::Null,
+            "chat_template": template.map(|t| t.source()),
+            "model_max_length": text.config.max_context_tokens,
+            "vocab_size": text.config.vocab_size,
+        })))
+    }
+    .await;
+    respond(&st, "tokenizer_info", Flavor::OpenAi, result).await
+}
+
 pub async fn version() -> HttpResponse {
     HttpResponse::Ok().json(json!({ "version": env!("CARGO_PKG_VERSION") }))
 }

@@ -77,6 +77,7 @@ pub(super) fn time_decode_step(
                 min_tokens: 0,
                 rejection: false,
             }),
+            score: None,
         })
         .collect();
     let start = Instant::now();

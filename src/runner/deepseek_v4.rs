@@ -281,19 +281,26 @@ pub(super) fn launched(
     moe_balance: Option<MoeBalance>,
 ) -> LaunchedStep {
     let mut host_row = vec![None; rows.len()];
+    let mut score_row = vec![None; rows.len()];
     let mut host = Vec::new();
     let mut logit_row = 0;
-    for (row, (s, step)) in rows
-        .iter()
-        .map(|r| r.sampling.as_ref())
-        .zip(steps)
-        .enumerate()
-    {
-        if s.is_some() {
-            host_row[row] = Some(host.len() / vocab);
-            host.extend_from_slice(
-                &logits[logit_row * vocab..(logit_row + step.num_logit_rows) * vocab],
-            );
+    for (row, (r, step)) in rows.iter().zip(steps).enumerate() {
+        let mut copy = |first: usize, count: usize| {
+            let at = host.len() / vocab;
+            host.extend_from_slice(&logits[first * vocab..(first + count) * vocab]);
+            at
+        };
+        if let Some(score) = &r.score {
+            score_row[row] = Some(copy(logit_row, score.targets.len()));
+        }
+        // A scored row's sampling rows are its last ones.
+        let num_sampling_rows = match &r.score {
+            Some(_) => 1 + r.plan.num_draft_tokens,
+            None => step.num_logit_rows,
+        };
+        if r.sampling.is_some() {
+            let first = logit_row + step.num_logit_rows - num_sampling_rows;
+            host_row[row] = Some(copy(first, num_sampling_rows));
         }
         logit_row += step.num_logit_rows;
     }
@@ -302,6 +309,7 @@ pub(super) fn launched(
         picked: vec![None; rows.len()],
         verify_picks: vec![None; rows.len()],
         host_row,
+        score_row,
         host,
         model_drafts: model_drafts
             .into_iter()

@@ -175,14 +175,19 @@ impl StepInputs {
     pub fn seq_steps<'a>(&'a self, step: &'a Step) -> Vec<SeqStep<'a>> {
         step.rows
             .iter()
-            .map(|r| &r.plan)
             .zip(&self.inputs)
             .zip(&self.shifts)
-            .map(|((row, input), &shift)| SeqStep {
+            .map(|((r, input), &shift)| (&r.plan, r.score.is_some(), input, shift))
+            .map(|(row, scored, input, shift)| SeqStep {
                 token_ids: input,
                 num_cached_tokens: row.num_cached_tokens - shift,
                 block_table: &row.block_table,
-                num_logit_rows: 1 + row.num_draft_tokens,
+                // A scored prompt row returns every position's logits.
+                num_logit_rows: if scored {
+                    input.len()
+                } else {
+                    1 + row.num_draft_tokens
+                },
                 state: row.state_slot.map(|slot| SlotState {
                     slot,
                     state_start: row.state_start,

@@ -48,10 +48,12 @@ impl<B: Backend> StepOutcome<'_, B> {
         // Rows the host's sampler draws: (plan row, logit rows).
         let mut sampled_by_host = Vec::new();
         let mut host_first = vec![None; rows.len()];
+        let mut score_first = vec![None; rows.len()];
         let mut pick_rows = Vec::new();
         // Rows verified by their picks: (plan row, its first logit row, count).
         let mut verifying = Vec::new();
-        let mut logit_row = 0;
+        // The first logit row of the row at hand.
+        let mut row_start = 0;
         // A row continuing a verify row moved back by the drafts that row rejected; its
         // draws' positions with it: the rank knew it (the row's inputs), the model counted
         // it on the host, or only the device knows it (the sampling kernel subtracts it).
@@ -91,6 +93,18 @@ impl<B: Backend> StepOutcome<'_, B> {
             .zip(steps)
             .enumerate()
         {
+            // The row's own logit rows: a scored row's first ones score its prompt tokens
+            // (copied to the host) and its sampling rows are its last ones.
+            let next_logit_row = row_start + step.num_logit_rows;
+            let num_sampling_rows = match &rows[row].score {
+                Some(score) => {
+                    score_first[row] = Some(host.len());
+                    host.extend(row_start..row_start + score.targets.len());
+                    1 + rows[row].plan.num_draft_tokens
+                }
+                None => step.num_logit_rows,
+            };
+            let logit_row = next_logit_row - num_sampling_rows;
             // A row with a grammar is masked here where its history is known now.
             let history = match s {
                 Some(s) if s.masked_on_device(sample_here) => self.history(row, rows),
@@ -116,16 +130,16 @@ impl<B: Backend> StepOutcome<'_, B> {
                     });
                 }
                 Some(s) if s.verifies_on_device(sample_here) || history.is_some() => {
-                    verifying.push((row, logit_row, step.num_logit_rows, history));
+                    verifying.push((row, logit_row, num_sampling_rows, history));
                 }
                 Some(_) => {
                     host_first[row] = Some(host.len());
-                    host.extend(logit_row..logit_row + step.num_logit_rows);
-                    sampled_by_host.push((row, step.num_logit_rows));
+                    host.extend(logit_row..logit_row + num_sampling_rows);
+                    sampled_by_host.push((row, num_sampling_rows));
                 }
                 None => {}
             }
-            logit_row += step.num_logit_rows;
+            row_start = next_logit_row;
         }
         // The plain rows' picks first: their indices are what the next step's embedding
         // reads on the device.
@@ -174,6 +188,7 @@ impl<B: Backend> StepOutcome<'_, B> {
             picked: vec![None; num_rows],
             verify_picks: vec![None; num_rows],
             host_row: host_first,
+            score_row: score_first,
             host: Vec::new(),
             model_drafts: self
                 .model_drafts

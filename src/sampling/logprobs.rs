@@ -116,6 +116,24 @@ pub(super) fn log_softmax_top(values: &[f32], k: usize) -> (f32, Vec<(u32, f32)>
     (log_z, top)
 }
 
+/// A prompt token scored under the model's raw distribution at the position before it:
+/// its logprob and the `k` most likely `(id, logprob)` there.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ScoredToken {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token` scored under `log_softmax(logits)`. Its logprob and the top ones are the same
+/// subtraction, so a token that is the argmax reads exactly equal to the first top entry.
+pub fn score_token(logits: &[f32], token: u32, k: usize) -> ScoredToken {
+    let (log_z, top) = log_softmax_top(logits, k);
+    ScoredToken {
+        logprob: logits[token as usize] - log_z,
+        top,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,7 +29,7 @@ mod sort;
 #[cfg(test)]
 mod tests;
 
-pub use logprobs::log_sum_exp;
+pub use logprobs::{ScoredToken, log_sum_exp, score_token};
 pub use params::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, SamplingParams};
 pub use rng::{STREAM_ACCEPT, STREAM_DRAFT, STREAM_GUMBEL, STREAM_SAMPLE, splitmix64, uniform};
 

@@ -483,8 +483,13 @@ impl Scheduler {
             return None;
         }
         let block_size = self.cfg.block_size;
-        // Never match the last token: it must be computed to sample the next one.
-        let num_matchable = seq.tokens.len() - 1;
+        // Never match the last token: it must be computed to sample the next one. A scored
+        // prompt matches nothing: a hit's positions would have no logits.
+        let num_matchable = if seq.score_prompt {
+            0
+        } else {
+            seq.tokens.len() - 1
+        };
         if self.cfg.enable_prefix_cache {
             self.prefix_cache.match_prefix(
                 &seq.tokens[..num_matchable],

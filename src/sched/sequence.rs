@@ -34,6 +34,9 @@ pub struct SeqRequest {
     /// rank learns their outcome itself, so under ZOS a row continuing one needs no wait
     /// for the sampler (`continue_verify_rows`).
     pub verified_by_picks: bool,
+    /// Its prompt is scored (prompt logprobs): every prompt position is computed, so its
+    /// admission takes no prefix hits (from the device's cache or the store).
+    pub score_prompt: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +91,7 @@ pub struct Sequence {
     pub ignore_eos: bool,
     pub cache_salt: u64,
     pub verified_by_picks: bool,
+    pub score_prompt: bool,
     pub tokens: Vec<u32>,
     pub num_pending_tokens: usize,
     pub num_scheduled_tokens: usize,
@@ -137,6 +141,7 @@ impl Sequence {
             ignore_eos: req.ignore_eos,
             cache_salt: req.cache_salt,
             verified_by_picks: req.verified_by_picks,
+            score_prompt: req.score_prompt,
             tokens: req.prompt_ids,
             num_pending_tokens: 0,
             num_scheduled_tokens: 0,
@@ -233,6 +238,7 @@ mod tests {
                 ignore_eos,
                 cache_salt: 0,
                 verified_by_picks: true,
+                score_prompt: false,
             },
             0,
         )

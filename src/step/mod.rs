@@ -11,7 +11,7 @@ use crate::sync::Shared as Arc;
 pub use sample::{SampleError, StepSampler};
 
 use crate::eplb::MoeBalance;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, ScoredToken};
 use crate::sched::{KvLoad, PlannedRow, RowInput, StateLoad, StateSave, StepPlan};
 use crate::structured::SeqConstraint;
 
@@ -39,6 +39,30 @@ pub struct StepRow {
     pub plan: PlannedRow,
     /// `None`: a row whose logits nobody samples (a prefill chunk before the prompt's end).
     pub sampling: Option<RowSampling>,
+    /// A prefill row of a prompt being scored (prompt logprobs).
+    pub score: Option<PromptScore>,
+}
+
+/// A prefill row whose prompt tokens are scored: the model returns a logit row for every
+/// input token, and the first `targets.len()` of them score the prompt token after each
+/// (a sampling row's own rows are its last ones).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptScore {
+    /// The prompt position of the row's first input token: its logits score the token at
+    /// `first_position + 1`.
+    pub first_position: usize,
+    pub targets: Vec<u32>,
+    /// How many of the most likely ids to report at each position.
+    pub num_top: usize,
+}
+
+/// A scored row's prompt tokens (`PromptScore`), as the sampler reports them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredRow {
+    /// Its plan row.
+    pub row: usize,
+    pub first_position: usize,
+    pub tokens: Vec<ScoredToken>,
 }
 
 /// Rows whose input is a token the previous step draws: known on the device, or to the
@@ -105,7 +129,11 @@ impl Step {
             .rows
             .into_iter()
             .zip(sampling)
-            .map(|(plan, sampling)| StepRow { plan, sampling })
+            .map(|(plan, sampling)| StepRow {
+                plan,
+                sampling,
+                score: None,
+            })
             .collect();
         Step {
             epoch,
@@ -217,8 +245,10 @@ pub struct StepLogits {
     /// Per plan row verifying on the device: the greedy pick (and logprob) of each of its
     /// logit rows, the draft positions' and the one after.
     pub verify_picks: Vec<Option<Vec<(u32, f32)>>>,
-    /// Per plan row: its row in `host`.
+    /// Per plan row: its row in `host` (a sampling row's first own row).
     pub host_row: Vec<Option<usize>>,
+    /// Per plan row with a `PromptScore`: the row in `host` of its first scoring row.
+    pub score_row: Vec<Option<usize>>,
     /// `[host rows, vocab]`.
     pub host: Vec<f32>,
     /// Per plan row whose drafts a draft model filled in (`--spec draft`): the drafts and
@@ -251,6 +281,8 @@ pub struct SampledStep {
     pub epoch: u64,
     pub step_id: u64,
     pub rows: Vec<SampledRow>,
+    /// The step's scored prompt rows.
+    pub scored: Vec<ScoredRow>,
     pub elapsed_secs: f64,
     /// The worker's idle time before this step (waiting for work or for ZOS tokens).
     pub worker_idle_secs: f64,

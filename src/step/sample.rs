@@ -2,13 +2,13 @@
 //! row's drafts verified with the same sampler (several tokens a row), or against the
 //! argmax picks the rank made on the device. The sampler actor calls it and publishes.
 
-use crate::sampling::{SampleContext, Sampler as RowSampler};
+use crate::sampling::{SampleContext, Sampler as RowSampler, score_token};
 use crate::spec::TargetDistribution;
 use crate::spec::verify::{self, History};
 use crate::structured::SeqConstraint;
 use crate::sync::Shared as Arc;
 
-use super::{Drawn, SampledRow, Step, StepLogits};
+use super::{Drawn, SampledRow, ScoredRow, Step, StepLogits};
 
 /// A step whose logits do not match its rows: a bug upstream, which fails the sampler (its
 /// supervisor restarts it and the engine recomputes).
@@ -23,6 +23,15 @@ pub enum SampleError {
         step_id: u64,
         row: usize,
         num_drafts: usize,
+        num_logit_rows: usize,
+    },
+    #[error(
+        "step {step_id}: row {row} scores {num_targets} prompt tokens but has {num_logit_rows} logit rows"
+    )]
+    TooFewScoreRows {
+        step_id: u64,
+        row: usize,
+        num_targets: usize,
         num_logit_rows: usize,
     },
 }
@@ -49,6 +58,8 @@ pub struct StepOutcome {
     pub rows: Vec<SampledRow>,
     /// Per plan row: what it drew (what a ZOS row of the next step reads).
     pub per_row: Vec<Option<Drawn>>,
+    /// The step's scored prompt rows.
+    pub scored: Vec<ScoredRow>,
     /// Constrained rows and their histories with the new tokens: advanced once the tokens
     /// are out, so the next masks are computed beside the next forward pass.
     pub advances: Vec<(Arc<SeqConstraint>, Vec<u32>)>,
@@ -65,6 +76,7 @@ impl StepSampler {
         verify_fault: &mut dyn FnMut() -> bool,
     ) -> Result<StepOutcome, SampleError> {
         let (epoch, step_id, rows) = (step.epoch, step.step_id, &step.rows);
+        let scored = score_rows(step, logits, vocab_size)?;
         // Per plan row: every token it yielded, and its rejected drafts.
         let mut yielded: Vec<Option<Yielded>> = Vec::with_capacity(rows.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
@@ -282,7 +294,54 @@ impl StepSampler {
         Ok(StepOutcome {
             rows,
             per_row,
+            scored,
             advances,
         })
     }
+}
+
+/// The prompt tokens of `step`'s scored rows, each under the raw logits of the position
+/// before it.
+fn score_rows(
+    step: &Step,
+    logits: &StepLogits,
+    vocab_size: usize,
+) -> Result<Vec<ScoredRow>, SampleError> {
+    let host_rows = logits.host.len() / vocab_size.max(1);
+    let mut scored = Vec::new();
+    for (row, score) in step.rows.iter().enumerate() {
+        let Some(score) = &score.score else {
+            continue;
+        };
+        let Some(first) = logits.score_row.get(row).copied().flatten() else {
+            return Err(SampleError::NoLogits {
+                step_id: step.step_id,
+                row,
+            });
+        };
+        if first + score.targets.len() > host_rows {
+            return Err(SampleError::TooFewScoreRows {
+                step_id: step.step_id,
+                row,
+                num_targets: score.targets.len(),
+                num_logit_rows: host_rows.saturating_sub(first),
+            });
+        }
+        let tokens = score
+            .targets
+            .iter()
+            .enumerate()
+            .map(|(i, &target)| {
+                let r = first + i;
+                let row_logits = &logits.host[r * vocab_size..(r + 1) * vocab_size];
+                score_token(row_logits, target, score.num_top)
+            })
+            .collect();
+        scored.push(ScoredRow {
+            row,
+            first_position: score.first_position,
+            tokens,
+        });
+    }
+    Ok(scored)
 }

@@ -10,12 +10,14 @@ use crate::sched::{SeqEvent, SeqId};
 use crate::step::SampledStep;
 
 impl SchedulerState {
-    pub(super) fn on_sampled(&mut self, step: SampledStep) {
+    pub(super) fn on_sampled(&mut self, mut step: SampledStep) {
         let (step_id, secs) = (step.step_id, step.elapsed_secs);
         let Some(planned) = self.in_flight.pop_front() else {
             return;
         };
         debug_assert_eq!(planned.step_id, step_id, "steps complete in plan order");
+        // Before the tokens: the first output of a scored prompt carries its scores.
+        self.on_scored(&planned, std::mem::take(&mut step.scored));
         let plan_rows = || planned.rows.iter().map(|r| &r.plan);
         let num_tokens: usize = plan_rows().map(|r| r.num_tokens()).sum();
         if plan_rows().all(|r| r.num_tokens() == 1 + r.num_draft_tokens) {
@@ -80,6 +82,7 @@ impl SchedulerState {
                     let with_top = r.params.num_top_logprobs > 0;
                     let index = r.index;
                     let out = RequestOutput {
+                        prompt_logprobs: r.prompt_scores.take(),
                         request_id: request_id_of(seq_id),
                         index,
                         token_ids: vec![token],

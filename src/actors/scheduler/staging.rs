@@ -34,6 +34,10 @@ impl SchedulerState {
         let Some(store) = self.kv_store.clone() else {
             return Some(sub);
         };
+        // A scored prompt computes every position: nothing to read.
+        if sub.request.prompt_logprobs.is_some() {
+            return Some(sub);
+        }
         let tokens = &sub.request.prompt_ids;
         let first_block = self.core.num_device_prefix_blocks(tokens, 0);
         if self.failed.is_some() || !store.may_have(tokens, 0, first_block) {
@@ -109,6 +113,8 @@ impl SchedulerState {
                         && params.has_no_processors()
                         && (grammar.is_none() || self.samples_on_device)
                         && request.min_tokens == 0,
+                    // Completion 0 scores the prompt; the others start from its blocks.
+                    score_prompt: index == 0 && request.prompt_logprobs.is_some(),
                 };
                 let r = Request {
                     stop_ids: stop_ids.clone(),
@@ -124,6 +130,8 @@ impl SchedulerState {
                         .map(|g| SeqConstraint::start(g, eos_id, stop_ids.clone())),
                     span: span.clone(),
                     started: false,
+                    prompt_scores: (index == 0 && request.prompt_logprobs.is_some())
+                        .then(|| vec![None; request.prompt_ids.len()]),
                 };
                 (seq, r)
             })

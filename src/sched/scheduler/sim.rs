@@ -311,6 +311,7 @@ pub(super) fn req(seq_id: SeqId, prompt_ids: Vec<u32>, max_tokens: usize) -> Seq
         ignore_eos: false,
         cache_salt: 0,
         verified_by_picks: true,
+        score_prompt: false,
     }
 }
 

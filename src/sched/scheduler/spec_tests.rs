@@ -365,6 +365,7 @@ fn under_zos_verifying_sequences_are_continued_not_sat_out_with_the_same_output(
                 .iter()
                 .map(|r| SeqRequest {
                     verified_by_picks: false,
+                    score_prompt: false,
                     ..r.clone()
                 })
                 .collect();

@@ -1,0 +1,357 @@
+//! The OpenAI codec for (legacy) Completions: one prompt or a batch of them (text or token
+//! ids), `echo` with the prompt's own logprobs, and `max_tokens: 0` (the prompt scored,
+//! nothing generated) — what lm-evaluation-harness's loglikelihood tasks send.
+
+use actix_web::{HttpResponse, web};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::api::{self, ApiError, Flavor, parse_body, parse_value};
+use super::http::{
+    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
+    respond, sse,
+};
+use super::openai::{SamplingFields, StreamOptions, finish_reason, usage};
+use crate::engine::{FinishReason, RequestOutput};
+use crate::model::ModelText;
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: PromptField,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub logprobs: Option<usize>,
+    /// The prompt comes back before the completion, in `text` and (with `logprobs`) with
+    /// each prompt token's logprob under the model.
+    #[serde(default)]
+    pub echo: bool,
+    /// vLLM's: `false` sends the prompt without the model's BOS.
+    pub add_special_tokens: Option<bool>,
+    /// vLLM's: `false` keeps control tokens in the text (not on chat: replies are parsed).
+    pub skip_special_tokens: Option<bool>,
+    /// Control-token strings in a text prompt read as those tokens (default: as text).
+    pub parse_special_tokens: Option<bool>,
+    #[serde(skip)]
+    pub sampling: SamplingFields,
+}
+
+/// One prompt of the request: its ids, and the text `echo` returns.
+struct Prompt {
+    ids: Vec<u32>,
+    text: String,
+}
+
+/// How each choice is written.
+#[derive(Clone, Copy)]
+struct Shape {
+    echo: bool,
+    /// `logprobs: N` was given.
+    logprobs: bool,
+    /// `max_tokens: 0`: the engine drew one token, which no reply shows.
+    no_completion: bool,
+}
+
+pub async fn completions(st: web::Data<ServerState>, body: web::Payload) -> HttpResponse {
+    let result = completions_inner(&st, body).await;
+    respond(&st, "completions", Flavor::OpenAi, result).await
+}
+
+async fn prompts(req: &CompletionRequest, text: &ModelText) -> Result<Vec<Prompt>, ApiError> {
+    let decode = |ids: &[u32]| {
+        text.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(ids, false).ok())
+            .unwrap_or_default()
+    };
+    let texts = match &req.prompt {
+        // Ids outside the vocabulary are refused by the engine (`EngineRequest::validate`).
+        PromptField::Ids(ids) => {
+            return Ok(vec![Prompt {
+                text: decode(ids),
+                ids: ids.clone(),
+            }]);
+        }
+        PromptField::IdLists(lists) => {
+            return Ok(lists
+                .iter()
+                .map(|ids| Prompt {
+                    text: decode(ids),
+                    ids: ids.clone(),
+                })
+                .collect());
+        }
+        PromptField::Text(t) => vec![t.clone()],
+        PromptField::Texts(ts) => ts.clone(),
+    };
+    if texts.is_empty() {
+        return Err(ApiError::bad("prompt", "the prompt list is empty"));
+    }
+    let tok = text
+        .tokenizer
+        .clone()
+        .ok_or_else(|| ApiError::bad("prompt", "this model has no tokenizer: send token ids"))?;
+    let (parse, add) = (
+        req.parse_special_tokens.unwrap_or(false),
+        req.add_special_tokens.unwrap_or(true),
+    );
+    api::off_worker("prompt", move || {
+        texts
+            .into_iter()
+            .map(|t| {
+                let ids = tok
+                    .encode_request_prompt(&t, parse, add)
+                    .map_err(|e| ApiError::bad("prompt", e.to_string()))?;
+                Ok(Prompt { ids, text: t })
+            })
+            .collect()
+    })
+    .await
+}
+
+async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
+    let body: Value = parse_body(&read_body(st, body).await?)?;
+    let mut req: CompletionRequest = parse_value(&body)?;
+    req.sampling = parse_value(&body)?;
+    check_model(st, &req.model)?;
+    let text = st.engine()?.text();
+    let prompts = prompts(&req, text).await?;
+    if req.stream && prompts.len() > 1 {
+        return Err(ApiError::bad(
+            "stream",
+            "streaming takes one prompt; send a batch of prompts without `stream`",
+        ));
+    }
+    let mut sampling = req.sampling.sampling()?;
+    sampling.skip_special_tokens = req.skip_special_tokens;
+    sampling.num_top_logprobs = req.logprobs.unwrap_or(0);
+    let shape = Shape {
+        echo: req.echo,
+        logprobs: req.logprobs.is_some(),
+        no_completion: sampling.max_tokens == Some(0),
+    };
+    if shape.no_completion {
+        // The engine always draws a token; with none asked for, the prompt is the reply.
+        sampling.max_tokens = Some(1);
+    }
+    let mut streams = Vec::with_capacity(prompts.len());
+    let mut num_prompt_tokens = 0;
+    for p in &prompts {
+        let mut engine_req = api::engine_request(&sampling, p.ids.clone(), text)?;
+        if shape.echo && shape.logprobs {
+            engine_req.prompt_logprobs = req.logprobs;
+        }
+        num_prompt_tokens += p.ids.len();
+        let stream = st
+            .engine()?
+            .generate(engine_req)
+            .await
+            .map_err(engine_error)?;
+        streams.push(Timed::new(stream, st, p.ids.len()));
+    }
+    let id = format!("cmpl-{}", streams[0].request_id());
+    let (created, model) = (now_secs(), st.opts.served_model_name.clone());
+    let engine = st.engine()?.clone();
+    let n = sampling.n.unwrap_or(1);
+    if req.stream {
+        let include_usage = req
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        let stream = streams.pop().expect("one prompt");
+        let prompt = prompts.into_iter().next().expect("one prompt");
+        let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
+        let counter_tail = counter.clone();
+        let (id2, model2) = (id.clone(), model.clone());
+        // Per choice: whether its first chunk (which carries the echoed prompt) went out.
+        let mut started = vec![false; n];
+        // Completion 0's first output carries the prompt's scores, ahead of its siblings'.
+        let mut scores = None;
+        let encode = move |o: &RequestOutput| {
+            if let Some(err) = &o.error {
+                return vec![SseEvent::data(
+                    json!({"error": {"message": err, "type": "server_error"}}),
+                )];
+            }
+            let first = !std::mem::replace(&mut started[o.index.min(n - 1)], true);
+            if o.prompt_logprobs.is_some() {
+                scores.clone_from(&o.prompt_logprobs);
+            }
+            let mut o = o.clone();
+            if first && o.prompt_logprobs.is_none() {
+                o.prompt_logprobs.clone_from(&scores);
+            }
+            let o = &o;
+            let (text, logprobs, num_tokens) = choice_body(&prompt, o, shape, first, engine.text());
+            counter.set(counter.get() + num_tokens);
+            if text.is_empty() && o.finish_reason.is_none() && !first {
+                return Vec::new();
+            }
+            vec![SseEvent::data(
+                json!({"id": id, "object": "text_completion", "created": created,
+                "model": model, "choices": [{"index": o.index, "text": text,
+                "token_ids": if shape.no_completion { Vec::new() } else { o.token_ids.clone() },
+                "logprobs": logprobs, "finish_reason": reason(shape, o)}]}),
+            )]
+        };
+        let tail = move || {
+            if !include_usage {
+                return Vec::new();
+            }
+            vec![SseEvent::data(
+                json!({"id": id2, "object": "text_completion", "created": created,
+                "model": model2, "choices": [], "usage": usage(num_prompt_tokens, counter_tail.get())}),
+            )]
+        };
+        return Ok(sse(stream, encode, tail, true));
+    }
+    Ok(json_when_done(
+        async move {
+            let outs = futures_util::future::join_all(streams.into_iter().map(Timed::collect_ok));
+            let mut choices = Vec::new();
+            let mut num_completion_tokens = 0;
+            for (i, (prompt, outs)) in prompts.iter().zip(outs.await).enumerate() {
+                let mut outs = outs?;
+                // Completion 0 scored the prompt; its siblings echo the same scores.
+                let scores = outs.first().and_then(|o| o.prompt_logprobs.clone());
+                for c in &mut outs {
+                    c.prompt_logprobs.clone_from(&scores);
+                    let (text, logprobs, num_tokens) =
+                        choice_body(prompt, c, shape, true, engine.text());
+                    num_completion_tokens += num_tokens;
+                    choices.push(json!({"index": i * n + c.index, "text": text,
+                        "token_ids": if shape.no_completion { Vec::new() } else { c.token_ids.clone() },
+                        "logprobs": logprobs, "finish_reason": reason(shape, c),
+                        "stop_reason": c.stop_string}));
+                }
+            }
+            Ok(json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens),
+            }))
+        },
+        Flavor::OpenAi,
+    ))
+}
+
+/// A choice's (or chunk's) text, logprobs and number of completion tokens: the echoed
+/// prompt first when `first`, then the completion unless `max_tokens` was 0.
+fn choice_body(
+    prompt: &Prompt,
+    o: &RequestOutput,
+    shape: Shape,
+    first: bool,
+    text: &ModelText,
+) -> (String, Value, usize) {
+    let echo = shape.echo && first;
+    let mut body = if echo {
+        prompt.text.clone()
+    } else {
+        String::new()
+    };
+    let mut lp = Logprobs::default();
+    if echo && shape.logprobs {
+        lp.push_prompt(prompt, o, text);
+    }
+    let num_tokens = if shape.no_completion {
+        0
+    } else {
+        body.push_str(&o.text);
+        if shape.logprobs {
+            lp.push_completion(o, text);
+        }
+        o.token_ids.len()
+    };
+    let logprobs = if shape.logprobs && text.tokenizer.is_some() {
+        lp.into_json()
+    } else {
+        Value::Null
+    };
+    (body, logprobs, num_tokens)
+}
+
+/// A `max_tokens: 0` request ends by length, whatever its hidden token was.
+fn reason(shape: Shape, o: &RequestOutput) -> Value {
+    match o.finish_reason {
+        Some(_) if shape.no_completion => finish_reason(Some(FinishReason::Length), 0),
+        r => finish_reason(r, 0),
+    }
+}
+
+/// The legacy `logprobs` object, token by token.
+#[derive(Default)]
+struct Logprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Value>,
+    top_logprobs: Vec<Value>,
+}
+
+impl Logprobs {
+    /// The prompt's tokens: the first has no logprob (nothing precedes it); each top map
+    /// holds the token itself beside the most likely ones, as vLLM's does.
+    fn push_prompt(&mut self, prompt: &Prompt, o: &RequestOutput, text: &ModelText) {
+        let piece = |id: u32| piece(text, id);
+        let scores = o.prompt_logprobs.as_deref().unwrap_or_default();
+        for (j, &id) in prompt.ids.iter().enumerate() {
+            self.tokens.push(piece(id));
+            match scores.get(j).and_then(Option::as_ref) {
+                Some(s) => {
+                    let mut top: serde_json::Map<String, Value> =
+                        s.top.iter().map(|&(t, lp)| (piece(t), json!(lp))).collect();
+                    top.entry(piece(id)).or_insert(json!(s.logprob));
+                    self.token_logprobs.push(json!(s.logprob));
+                    self.top_logprobs.push(Value::Object(top));
+                }
+                None => {
+                    self.token_logprobs.push(Value::Null);
+                    self.top_logprobs.push(Value::Null);
+                }
+            }
+        }
+    }
+
+    fn push_completion(&mut self, o: &RequestOutput, text: &ModelText) {
+        for (i, &id) in o.token_ids.iter().enumerate() {
+            self.tokens.push(piece(text, id));
+            self.token_logprobs
+                .push(json!(o.token_logprobs.get(i).copied().unwrap_or(0.0)));
+            let top = o.top_logprobs.get(i).into_iter().flatten();
+            self.top_logprobs.push(Value::Object(
+                top.map(|&(t, lp)| (piece(text, t), json!(lp))).collect(),
+            ));
+        }
+    }
+
+    fn into_json(self) -> Value {
+        let mut offset = 0usize;
+        let offsets: Vec<usize> = self
+            .tokens
+            .iter()
+            .map(|t| {
+                let at = offset;
+                offset += t.len();
+                at
+            })
+            .collect();
+        json!({"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+               "top_logprobs": self.top_logprobs, "text_offset": offsets})
+    }
+}
+
+fn piece(text: &ModelText, id: u32) -> String {
+    text.tokenizer
+        .as_ref()
+        .and_then(|t| t.decode(&[id], false).ok())
+        .unwrap_or_default()
+}
