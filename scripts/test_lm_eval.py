@@ -32,8 +32,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(binary, port):
-    server = subprocess.Popen([binary, "serve", "--port", str(port)], stdout=subprocess.DEVNULL,
+def start(binary, port, *flags):
+    server = subprocess.Popen([binary, "serve", "--port", str(port), *flags], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline:
