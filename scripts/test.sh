@@ -11,10 +11,11 @@ if ! python3 -m pip --version >/dev/null 2>&1; then
 fi
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
-cargo fmt --check
+cargo fmt --all --check
 # Layers have one direction (tests/layers.rs shows it fails on planted offences).
 bash scripts/check-layers.sh
 cargo clippy --release --all-targets -- -D warnings
+cargo clippy --release -p troupe-python -- -D warnings
 # Fetch the default model once, outside the test harness, so a network error reads as one.
 cargo run --release --quiet -- generate --prompt-ids 1 --max-tokens 1 >/dev/null
 cargo test --release
@@ -24,6 +25,12 @@ python3 scripts/test_server_sdk.py target/release/troupe
 # Models by hub id: troupe and Python's huggingface_hub share one cache, both ways.
 python3 -m pip install --quiet --disable-pip-version-check huggingface_hub
 python3 scripts/test_hub_cache.py target/release/troupe
+# The Python package: `pip install ./python` in a fresh venv (maturin builds the extension
+# module against the engine built above), then its tests with pytest.
+rm -rf target/pyvenv
+python3 -m venv target/pyvenv
+target/pyvenv/bin/python -m pip install --quiet --disable-pip-version-check ./python pytest
+target/pyvenv/bin/python -m pytest -q python/tests
 # lm-evaluation-harness's CLI against the server: committed local tasks, loglikelihood by
 # echo + prompt logprobs, generate-until through completions and chat.
 python3 -m pip install --quiet --disable-pip-version-check "lm-eval[api]==0.4.13"

@@ -113,6 +113,30 @@ pub struct GenerateArgs {
     stop: Vec<String>,
 }
 
+/// Only the engine's flags: what the Python package's `LLM(model, **engine_args)` takes.
+#[derive(Parser)]
+#[command(name = "troupe.LLM", no_binary_name = true)]
+struct EngineArgs {
+    #[command(flatten)]
+    engine: EngineFlags,
+}
+
+/// The engine `generate --model MODEL FLAGS..` would build: `model` resolved as `--model`
+/// is (fetched when it is a hub id), `flags` as `generate` reads its engine flags.
+pub fn engine_config(model: &str, flags: &[String]) -> Result<crate::engine::EngineConfig> {
+    let args = EngineArgs::try_parse_from(flags).map_err(|e| {
+        // clap's first line names the argument; its usage lines speak of a command line.
+        let rendered = e.render().to_string();
+        let first = rendered.lines().next().unwrap_or_default();
+        TroupeError::InvalidInput(format!(
+            "{} (engine arguments are the engine flags of `troupe generate --help`, `-` as `_`)",
+            first.trim_start_matches("error: ")
+        ))
+    })?;
+    let path = model::resolve_model_path(model)?;
+    args.engine.config(&path)
+}
+
 fn engine_err(e: EngineError) -> TroupeError {
     match e {
         EngineError::Model(m) => m,
@@ -167,9 +191,15 @@ fn prompt_ids(
 }
 
 pub fn main() -> i32 {
+    main_from(std::env::args_os())
+}
+
+/// The command line `args` (the program's name first), as `main` runs it: what the Python
+/// package's `troupe` entry point calls with its `sys.argv`.
+pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> i32 {
     // Logs only when asked for: stderr carries one error line or the stats object, which
     // scripts read.
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();

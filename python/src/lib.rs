@@ -1,0 +1,221 @@
+//! `troupe._troupe`: the engine behind the Python package. Requests and outputs cross as
+//! JSON text (`troupe/__init__.py` builds vLLM-shaped objects from it), so the boundary
+//! is a handful of string-taking methods; every blocking wait lets go of the GIL.
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use serde_json::{Value, json};
+use troupe::engine::{Engine as TroupeEngine, EngineHandle, EngineRequest, RequestOutput};
+use troupe::model::ModelText;
+use troupe::protocol::openai::{ChatRequest, chat_conversation};
+
+mod request;
+
+fn value_error(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// One engine: its actors on a runtime of their own.
+#[pyclass(frozen)]
+struct Engine {
+    runtime: tokio::runtime::Runtime,
+    handle: EngineHandle,
+}
+
+#[pymethods]
+impl Engine {
+    /// `model` as `--model` takes it; `flags` the engine's command-line flags.
+    #[new]
+    fn new(py: Python<'_>, model: String, flags: Vec<String>) -> PyResult<Self> {
+        py.detach(move || {
+            let cfg = troupe::cli::engine_config(&model, &flags).map_err(value_error)?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(|e| PyRuntimeError::new_err(format!("cannot start a runtime: {e}")))?;
+            let handle = runtime
+                .block_on(TroupeEngine::spawn(cfg))
+                .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+            Ok(Engine { runtime, handle })
+        })
+    }
+
+    /// The model's context, in tokens.
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.handle.text().config.max_context_tokens
+    }
+
+    /// Token ids of `text` as a completion prompt (the model's BOS where it adds one).
+    fn encode(&self, text: &str) -> PyResult<Vec<u32>> {
+        tokenizer(self.handle.text())?
+            .encode_prompt(text)
+            .map_err(value_error)
+    }
+
+    fn decode(&self, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
+        tokenizer(self.handle.text())?
+            .decode(&ids, skip_special_tokens)
+            .map_err(value_error)
+    }
+
+    /// A chat (`{"messages": [...], "tools": ...}`, as Chat Completions takes it) rendered
+    /// into prompt ids exactly as the server renders it.
+    fn chat_prompt(&self, chat_json: &str) -> PyResult<Vec<u32>> {
+        let req: ChatRequest = serde_json::from_str(chat_json).map_err(value_error)?;
+        let conv = chat_conversation(&req).map_err(|e| value_error(e.message))?;
+        conv.to_prompt_ids(self.handle.text()).map_err(value_error)
+    }
+
+    /// Runs `requests_json` (a list of `{"prompt_token_ids", "params"}`) together, and
+    /// returns each one's completions.
+    fn generate(&self, py: Python<'_>, requests_json: &str) -> PyResult<String> {
+        let requests: Vec<Value> = serde_json::from_str(requests_json).map_err(value_error)?;
+        let requests = requests
+            .iter()
+            .map(request::engine_request)
+            .collect::<PyResult<Vec<EngineRequest>>>()?;
+        let handle = self.handle.clone();
+        let outputs = py.detach(|| {
+            self.runtime.block_on(async move {
+                let mut streams = Vec::with_capacity(requests.len());
+                for r in requests {
+                    streams.push(handle.generate(r).await.map_err(value_error)?);
+                }
+                let mut all = Vec::with_capacity(streams.len());
+                for s in streams {
+                    all.push(s.collect_choices().await);
+                }
+                Ok::<_, PyErr>(all)
+            })
+        })?;
+        let text = self.handle.text();
+        let out: Vec<Value> = outputs
+            .iter()
+            .map(|choices| Value::Array(choices.iter().map(|c| output_json(c, text)).collect()))
+            .collect();
+        Ok(Value::Array(out).to_string())
+    }
+
+    /// One request (`{"prompt_token_ids", "params"}`) whose outputs arrive as they are
+    /// generated.
+    fn stream(&self, py: Python<'_>, request_json: &str) -> PyResult<Stream> {
+        let request: Value = serde_json::from_str(request_json).map_err(value_error)?;
+        let request = request::engine_request(&request)?;
+        let handle = self.handle.clone();
+        let stream = py.detach(|| {
+            self.runtime
+                .block_on(async move { handle.generate(request).await })
+                .map_err(value_error)
+        })?;
+        Ok(Stream {
+            runtime: self.runtime.handle().clone(),
+            stream: Mutex::new(Some(stream)),
+            text: self.handle.text_shared(),
+        })
+    }
+
+    /// Stops the engine after what is in flight.
+    fn shutdown(&self, py: Python<'_>) {
+        let handle = self.handle.clone();
+        py.detach(|| self.runtime.block_on(handle.shutdown(true)));
+    }
+}
+
+/// A streaming request's outputs, one increment at a time (`None` after the last).
+#[pyclass(frozen)]
+struct Stream {
+    runtime: tokio::runtime::Handle,
+    stream: Mutex<Option<troupe::engine::RequestStream>>,
+    text: troupe::sync::Shared<ModelText>,
+}
+
+#[pymethods]
+impl Stream {
+    fn next(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        let mut guard = self
+            .stream
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("a stream's reader panicked"))?;
+        let Some(stream) = guard.as_mut() else {
+            return Ok(None);
+        };
+        let out = py.detach(|| self.runtime.block_on(stream.next()));
+        match out {
+            Some(o) => Ok(Some(output_json(&o, &self.text).to_string())),
+            None => {
+                // Dropping the stream of a finished request aborts nothing.
+                *guard = None;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Ends the request early (the engine aborts it and frees its blocks).
+    fn close(&self) {
+        if let Ok(mut guard) = self.stream.lock() {
+            guard.take();
+        }
+    }
+}
+
+fn tokenizer(text: &ModelText) -> PyResult<&troupe::model::tokenizer::Tokenizer> {
+    text.tokenizer
+        .as_deref()
+        .ok_or_else(|| value_error("this model has no tokenizer: give prompt_token_ids"))
+}
+
+/// An output (one completion's, or one increment of it) with each id's text beside it.
+fn output_json(o: &RequestOutput, text: &ModelText) -> Value {
+    let piece = |id: u32| {
+        text.tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&[id], false).ok())
+            .unwrap_or_default()
+    };
+    let pairs = |top: &[(u32, f32)]| -> Vec<Value> {
+        top.iter()
+            .map(|&(id, lp)| json!([id, lp, piece(id)]))
+            .collect()
+    };
+    let finish_reason = o.finish_reason.map(|r| match r {
+        troupe::engine::FinishReason::Stop => "stop",
+        troupe::engine::FinishReason::Length | troupe::engine::FinishReason::Preempted => "length",
+        troupe::engine::FinishReason::Abort => "abort",
+    });
+    json!({
+        "index": o.index,
+        "text": o.text,
+        "token_ids": o.token_ids,
+        "token_pieces": o.token_ids.iter().map(|&id| piece(id)).collect::<Vec<_>>(),
+        "token_logprobs": o.token_logprobs,
+        "top_logprobs": o.top_logprobs.iter().map(|t| pairs(t)).collect::<Vec<_>>(),
+        "prompt_logprobs": o.prompt_logprobs.as_ref().map(|scores| {
+            scores.iter().map(|s| s.as_ref().map(|s| json!({
+                "logprob": s.logprob, "top": pairs(&s.top),
+            }))).collect::<Vec<_>>()
+        }),
+        "finish_reason": finish_reason,
+        "stop_reason": o.stop_string,
+        "seed": o.seed,
+        "error": o.error,
+    })
+}
+
+/// `troupe` on the command line: `argv` as `sys.argv` has it.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
+    py.detach(|| troupe::cli::main_from(argv.into_iter().map(Into::into)))
+}
+
+#[pymodule]
+fn _troupe(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Engine>()?;
+    m.add_class::<Stream>()?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add("MAX_TOP_LOGPROBS", troupe::sampling::MAX_TOP_LOGPROBS)?;
+    Ok(())
+}
