@@ -133,8 +133,17 @@ pub fn engine_config(model: &str, flags: &[String]) -> Result<crate::engine::Eng
             first.trim_start_matches("error: ")
         ))
     })?;
-    let path = model::resolve_model_path(model)?;
+    let path = args.engine.model_path(model)?;
     args.engine.config(&path)
+}
+
+/// The long names of the engine flags `engine_config` takes (`kv-cache-mib`, ...).
+pub fn engine_flag_names() -> Vec<String> {
+    use clap::CommandFactory;
+    EngineArgs::command()
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_string))
+        .collect()
 }
 
 fn engine_err(e: EngineError) -> TroupeError {
@@ -295,7 +304,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             ));
         }
     };
-    let path = model::resolve_model_path(&args.model)?;
+    let path = args.engine.model_path(&args.model)?;
     let cfg = args.engine.config(&path)?;
     let mut text = model::load_text(&path)?;
     if let Some(source) = &cfg.chat_template {

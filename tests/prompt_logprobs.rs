@@ -39,8 +39,8 @@ async fn run(model: &str, max_step_tokens: usize, spec: bool) {
     let mut cfg = tiny_config(model);
     // Prompts of 20-odd tokens span several chunks.
     cfg.max_step_tokens = max_step_tokens;
-    // Prompt lookup's drafts may ride on the final prefill chunk: its sampling rows are
-    // its last ones, after the scored ones.
+    // Speculation on: scored prompts beside the drafter, which proposes only once a
+    // sequence is past its prompt.
     cfg.speculative = spec.then_some(SpecConfig {
         method: SpecMethod::Ngram,
         num_speculative_tokens: 3,
@@ -199,5 +199,57 @@ async fn too_many_top_ids_are_refused_by_name() {
         .err()
         .expect("refused");
     assert!(err.to_string().contains("prompt_logprobs"), "{err}");
+    engine.shutdown(true).await;
+}
+
+/// Scored prompts under a KV cache too small for all of them: sequences are preempted and
+/// recomputed, and every one still reports each prompt position's score, equal to its
+/// score run alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preempted_scored_prompts_report_every_position() {
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|r| (0..50).map(|i| 3 + (r * 131 + i * 17) % 380).collect())
+        .collect();
+    let request = |p: &Vec<u32>| {
+        let mut r = scored(p.clone(), 1);
+        r.max_tokens = 24;
+        r.ignore_eos = true;
+        r
+    };
+    let solo = Engine::spawn(tiny_config("tiny-llama")).await.unwrap();
+    let mut want = Vec::new();
+    for p in &prompts {
+        let o = solo.generate(request(p)).await.unwrap().collect().await;
+        want.push(o.prompt_logprobs.expect("scored"));
+    }
+    solo.shutdown(true).await;
+    let mut cfg = tiny_config("tiny-llama");
+    cfg.kv_cache_bytes = 96 << 10;
+    cfg.max_step_tokens = 16;
+    let engine = Engine::spawn(cfg).await.unwrap();
+    let outs = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        engine.generate_batch(prompts.iter().map(request).collect()),
+    )
+    .await
+    .expect("finished in time");
+    let status = engine.status().await.unwrap();
+    assert!(
+        status.num_preemptions > 0,
+        "the cache was not tight: {status:?}"
+    );
+    for (i, (o, want)) in outs.into_iter().zip(&want).enumerate() {
+        let o = o.expect("accepted");
+        assert!(o.error.is_none(), "{i}: {:?}", o.error);
+        let got = o.prompt_logprobs.expect("every position scored");
+        assert_eq!(got.len(), want.len());
+        for (p, (g, w)) in got.iter().zip(want).enumerate().skip(1) {
+            let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+            assert!(
+                (g.logprob - w.logprob).abs() < 1e-4,
+                "{i} position {p}: {g:?} vs {w:?}"
+            );
+        }
+    }
     engine.shutdown(true).await;
 }

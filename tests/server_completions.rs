@@ -95,7 +95,12 @@ fn echoed_prompt_logprobs_equal_the_generated_tokens_logprobs() {
         assert_eq!(c["text"], detok["prompt"], "case {i}");
         let offsets = c["logprobs"]["text_offset"].as_array().unwrap();
         assert_eq!(offsets.len(), all.len());
-        assert_eq!(offsets[0], 0);
+        let tokens = c["logprobs"]["tokens"].as_array().unwrap();
+        let mut at = 0;
+        for (offset, token) in offsets.iter().zip(tokens) {
+            assert_eq!(offset, at, "case {i}: {offsets:?}");
+            at += token.as_str().unwrap().chars().count() as u64;
+        }
     }
 }
 
@@ -146,6 +151,40 @@ fn batches_of_prompts_answer_one_choice_per_prompt_in_order() {
     assert_eq!(by_text["choices"][0]["text"], texts[0]);
     assert_eq!(by_text["choices"][1]["text"], texts[1]);
     assert_eq!(by_text["choices"][1]["logprobs"], Value::Null);
+}
+
+/// A batch larger than the engine's queue runs as room frees up (each prompt waits for its
+/// own admission), and a bad prompt in a batch is refused by its index before any runs.
+#[test]
+fn a_batch_larger_than_the_queue_completes_and_a_bad_prompt_is_named() {
+    let mut cfg = EngineConfig::new(common::smollm2_path());
+    cfg.kv_cache_bytes = 32 << 20;
+    cfg.max_pending_requests = 3;
+    let server = common::server::start(cfg, "smollm2");
+    let prompts = random_prompts(10, 12);
+    let (status, batch) = post(
+        &server,
+        json!({"prompt": prompts, "max_tokens": 2, "temperature": 0, "echo": true, "logprobs": 0}),
+    );
+    assert_eq!(status, 200, "{batch}");
+    let choices = batch["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 10);
+    for (i, (c, p)) in choices.iter().zip(&prompts).enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(
+            c["logprobs"]["tokens"].as_array().unwrap().len(),
+            p.len() + 2
+        );
+    }
+    let mut bad = random_prompts(3, 13);
+    bad[1] = vec![1 << 30];
+    let (status, err) = post(&server, json!({"prompt": bad, "max_tokens": 2}));
+    assert_eq!(status, 400, "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("prompt 1:"), "{message}");
+    server
+        .wait_idle(std::time::Duration::from_secs(30))
+        .expect("the engine is idle after a refused batch");
 }
 
 #[test]

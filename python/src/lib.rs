@@ -2,14 +2,16 @@
 //! JSON text (`troupe/__init__.py` builds vLLM-shaped objects from it), so the boundary
 //! is a handful of string-taking methods; every blocking wait lets go of the GIL.
 
-use std::sync::Mutex;
-
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use serde_json::{Value, json};
-use troupe::engine::{Engine as TroupeEngine, EngineHandle, EngineRequest, RequestOutput};
+use troupe::engine::{
+    Engine as TroupeEngine, EngineError, EngineHandle, EngineRequest, RequestOutput,
+};
 use troupe::model::ModelText;
 use troupe::protocol::openai::{ChatRequest, chat_conversation};
+use troupe::sync::Mutex;
+use troupe::sync::atomic::{AtomicBool, Ordering};
 
 mod request;
 
@@ -17,11 +19,41 @@ fn value_error(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
+/// A refused request is the caller's mistake (`ValueError`); an engine that is gone or
+/// failed is not (`RuntimeError`).
+fn engine_error(e: EngineError) -> PyErr {
+    match e {
+        EngineError::Rejected(_) => value_error(e),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+/// How long dropping an engine waits for it to stop.
+const DROP_SHUTDOWN_SECS: u64 = 30;
+
 /// One engine: its actors on a runtime of their own.
 #[pyclass(frozen)]
 struct Engine {
     runtime: tokio::runtime::Runtime,
     handle: EngineHandle,
+    /// `shutdown` ran: dropping the engine has nothing left to stop.
+    stopped: AtomicBool,
+}
+
+impl Drop for Engine {
+    /// An `LLM` garbage-collected (or left at exit) stops its engine as `shutdown` does,
+    /// without draining: its ranks release their memory and communicators before the
+    /// runtime under them goes.
+    fn drop(&mut self) {
+        if self.stopped.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let handle = self.handle.clone();
+        let limit = std::time::Duration::from_secs(DROP_SHUTDOWN_SECS);
+        let _ = self
+            .runtime
+            .block_on(async move { tokio::time::timeout(limit, handle.shutdown(false)).await });
+    }
 }
 
 #[pymethods]
@@ -38,8 +70,12 @@ impl Engine {
                 .map_err(|e| PyRuntimeError::new_err(format!("cannot start a runtime: {e}")))?;
             let handle = runtime
                 .block_on(TroupeEngine::spawn(cfg))
-                .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-            Ok(Engine { runtime, handle })
+                .map_err(engine_error)?;
+            Ok(Engine {
+                runtime,
+                handle,
+                stopped: AtomicBool::new(false),
+            })
         })
     }
 
@@ -81,15 +117,19 @@ impl Engine {
         let handle = self.handle.clone();
         let outputs = py.detach(|| {
             self.runtime.block_on(async move {
-                let mut streams = Vec::with_capacity(requests.len());
-                for r in requests {
-                    streams.push(handle.generate(r).await.map_err(value_error)?);
-                }
-                let mut all = Vec::with_capacity(streams.len());
-                for s in streams {
-                    all.push(s.collect_choices().await);
-                }
-                Ok::<_, PyErr>(all)
+                // Each request waits for its own admission: a batch larger than the
+                // engine's queue runs as room frees up.
+                let runs = requests.into_iter().map(|r| {
+                    let handle = handle.clone();
+                    async move {
+                        let stream = handle.generate(r).await.map_err(engine_error)?;
+                        Ok::<_, PyErr>(stream.collect_choices().await)
+                    }
+                });
+                futures_util::future::join_all(runs)
+                    .await
+                    .into_iter()
+                    .collect::<PyResult<Vec<_>>>()
             })
         })?;
         let text = self.handle.text();
@@ -109,7 +149,7 @@ impl Engine {
         let stream = py.detach(|| {
             self.runtime
                 .block_on(async move { handle.generate(request).await })
-                .map_err(value_error)
+                .map_err(engine_error)
         })?;
         Ok(Stream {
             runtime: self.runtime.handle().clone(),
@@ -120,6 +160,9 @@ impl Engine {
 
     /// Stops the engine after what is in flight.
     fn shutdown(&self, py: Python<'_>) {
+        if self.stopped.swap(true, Ordering::AcqRel) {
+            return;
+        }
         let handle = self.handle.clone();
         py.detach(|| self.runtime.block_on(handle.shutdown(true)));
     }
@@ -205,6 +248,12 @@ fn output_json(o: &RequestOutput, text: &ModelText) -> Value {
     })
 }
 
+/// The long names of the engine's flags: what `troupe.LLM` takes as keywords.
+#[pyfunction]
+fn engine_flag_names() -> Vec<String> {
+    troupe::cli::engine_flag_names()
+}
+
 /// `troupe` on the command line: `argv` as `sys.argv` has it.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
@@ -216,6 +265,7 @@ fn _troupe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<Stream>()?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_flag_names, m)?)?;
     m.add("MAX_TOP_LOGPROBS", troupe::sampling::MAX_TOP_LOGPROBS)?;
     Ok(())
 }

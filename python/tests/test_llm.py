@@ -122,8 +122,13 @@ def test_bad_arguments_are_refused_by_name(llm):
         llm.generate("x", troupe.SamplingParams(temperature=-1))
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate("x", troupe.SamplingParams(prompt_logprobs=50))
-    with pytest.raises(ValueError, match="--no-such-flag"):
+    with pytest.raises(ValueError, match="no_such_flag"):
         troupe.LLM(no_such_flag=1)
+    # Even a switch left off is checked (vLLM's spelling is not ours).
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        troupe.LLM(enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="--block-size"):
+        troupe.LLM(block_size=0)
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate(["x"], [GREEDY, GREEDY])
     with pytest.raises(ValueError, match="token id"):

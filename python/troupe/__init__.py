@@ -125,18 +125,21 @@ class LLM:
     `device="cuda"`, `chat_template=...`); `True` turns a switch on."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any):
+        known = set(_troupe.engine_flag_names())
         flags: List[str] = []
         for key, value in engine_args.items():
-            name = "--" + key.replace("_", "-")
+            name = key.replace("_", "-")
+            if name not in known:
+                raise ValueError(f"unknown engine argument `{key}` (the engine flags of "
+                                 "`troupe generate --help`, `-` as `_`)")
             if value is None or value is False:
+                # A switch left off, or a flag left at its default.
                 continue
             if value is True:
-                flags.append(name)
-            elif isinstance(value, (list, tuple)):
-                for v in value:
-                    flags += [name, str(v)]
+                flags.append(f"--{name}")
             else:
-                flags += [name, str(value)]
+                values = value if isinstance(value, (list, tuple)) else [value]
+                flags += [f"--{name}={v}" for v in values]
         self._engine = _troupe.Engine(model, flags)
         self._next_id = 0
         #: The model's context, in tokens (prompt and generated).
@@ -241,5 +244,12 @@ class LLM:
         return self._engine.decode(list(token_ids), skip_special_tokens)
 
     def shutdown(self) -> None:
-        """Stops the engine (it also stops when the `LLM` is garbage collected)."""
+        """Stops the engine after what is in flight (it also stops, without waiting for
+        requests, when the `LLM` is garbage collected or the interpreter exits)."""
         self._engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -9,7 +9,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, DerivedActorRef};
 
 use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
-use crate::step::{SampledStep, Step, StepLogits, StepSampler};
+use crate::step::{SampledStep, Step, StepLogits, StepSampler, score_rows};
 
 pub enum SamplerMsg {
     Sample {
@@ -83,12 +83,13 @@ impl Actor for SamplerActor {
             "sampled tokens published"
         );
         st.sampled.publish(epoch, step_id, out.per_row);
+        let scored = score_rows(&step, &logits, vocab_size)?;
         st.scheduler
             .send_message(SampledStep {
                 epoch,
                 step_id,
                 rows: out.rows,
-                scored: out.scored,
+                scored,
                 elapsed_secs: started.elapsed().as_secs_f64(),
                 worker_idle_secs: idle_secs,
                 device_idle_secs,

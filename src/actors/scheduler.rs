@@ -339,8 +339,9 @@ impl SchedulerState {
                 )
             });
             let forks = std::mem::take(&mut r.pending_forks);
+            let prompt_logprobs = r.take_scores();
             let _ = r.stream.send(RequestOutput {
-                prompt_logprobs: r.prompt_scores.take(),
+                prompt_logprobs,
                 request_id: request_id_of(seq_id),
                 index: r.index,
                 finish_reason: Some(reason),

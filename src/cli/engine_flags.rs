@@ -61,6 +61,10 @@ pub struct EngineFlags {
     /// the template itself.
     #[arg(long)]
     chat_template: Option<String>,
+    /// The GGUF file of a hub repository or model directory that holds several (the same
+    /// as a hub id's `:FILE` suffix).
+    #[arg(long)]
+    gguf_file: Option<String>,
     /// Share of the GPU's free memory troupe may take.
     #[arg(long, default_value_t = 0.9)]
     gpu_memory_utilization: f64,
@@ -172,6 +176,14 @@ fn parse_spec_verify(s: &str) -> std::result::Result<SpecVerify, String> {
 }
 
 impl EngineFlags {
+    /// `--model` resolved to a file or directory, `--gguf-file` applied.
+    pub(super) fn model_path(&self, model: &str) -> Result<PathBuf> {
+        match &self.gguf_file {
+            Some(file) => model::resolve_model_path(&model::hf_repo::with_gguf_file(model, file)?),
+            None => model::resolve_model_path(model),
+        }
+    }
+
     pub(super) fn config(&self, model_path: &Path) -> Result<EngineConfig> {
         // The CPU attention kernel holds one block's scores on the stack.
         if self.block_size == 0 || self.block_size > 256 {

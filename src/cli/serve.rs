@@ -9,7 +9,7 @@ use super::engine_flags::{EngineFlags, parse_duration};
 use super::engine_runtime;
 use crate::engine::Engine;
 use crate::error::{Result, TroupeError};
-use crate::model::{self, hub};
+use crate::model::hub;
 use crate::protocol::serve_options::{ServeOptions, default_allowed_hosts};
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -144,7 +144,7 @@ impl ServeArgs {
 }
 
 pub fn run_serve(args: ServeArgs) -> Result<()> {
-    let path = model::resolve_model_path(&args.model)?;
+    let path = args.engine.model_path(&args.model)?;
     let mut cfg = args.engine.config(&path)?;
     cfg.queue_timeout = args.queue_timeout;
     cfg.max_rank_restarts = args.max_rank_restarts;

@@ -8,12 +8,10 @@
 //! resumes (its partial blob is kept), and a weight file whose hub checksum is its SHA-256
 //! is checked against it.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use hf_hub::api::sync::{ApiBuilder, ApiRepo};
 use hf_hub::{Cache, Repo, RepoType};
-use sha2::{Digest, Sha256};
 
 use crate::error::{Result, TroupeError};
 
@@ -35,6 +33,28 @@ pub struct RepoSpec {
     pub revision: String,
     /// A GGUF file's name, or a quant name a GGUF file's name contains (`Q4_K_M`).
     pub gguf: Option<String>,
+}
+
+/// `--model MODEL --gguf-file FILE` as one model spec: a directory's file, or a hub id with
+/// the file as its `:FILE` suffix.
+pub fn with_gguf_file(model: &str, file: &str) -> Result<String> {
+    let refuse = |why: String| Err(TroupeError::InvalidInput(format!("--gguf-file: {why}")));
+    if Path::new(model).is_dir() {
+        return Ok(Path::new(model).join(file).to_string_lossy().into_owned());
+    }
+    match RepoSpec::parse(model) {
+        Some(spec) if spec.gguf.is_some() => refuse(format!(
+            "`{model}` names its GGUF file already (`:{}`)",
+            spec.gguf.unwrap_or_default()
+        )),
+        Some(_) if file.contains('/') || file.is_empty() => refuse(format!(
+            "`{file}` is not a file name of the repository's top level"
+        )),
+        Some(_) => Ok(format!("{model}:{file}")),
+        None => refuse(format!(
+            "`{model}` is neither a hub id nor a model directory to take `{file}` from"
+        )),
+    }
 }
 
 impl RepoSpec {
@@ -331,21 +351,7 @@ fn verify(spec: &RepoSpec, file: &str, path: &Path) -> Result<()> {
     if !is_sha256 || checked.exists() {
         return Ok(());
     }
-    let mut f = std::fs::File::open(&blob).map_err(|e| TroupeError::io(&blob, e))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(|e| TroupeError::io(&blob, e))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    let got: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let got = super::hub::sha256_hex(&blob).map_err(|e| TroupeError::io(&blob, e))?;
     if got != want.to_ascii_lowercase() {
         let _ = std::fs::remove_file(&blob);
         let _ = std::fs::remove_file(path);

@@ -136,7 +136,6 @@ fn fetch_into(known: &KnownModel, staging: &Path, target: &Path) -> Result<()> {
 }
 
 fn verify(path: &Path, known: &KnownModel) -> std::result::Result<(), String> {
-    use sha2::Digest;
     let len = std::fs::metadata(path)
         .map_err(|e| format!("{}: {e}", path.display()))?
         .len();
@@ -147,23 +146,7 @@ fn verify(path: &Path, known: &KnownModel) -> std::result::Result<(), String> {
             known.num_bytes
         ));
     }
-    let mut file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut hasher = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file
-            .read(&mut buf)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest = sha256_hex(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if digest != known.sha256 {
         return Err(format!(
             "{} has SHA-256 {digest}, expected {}",
@@ -172,4 +155,24 @@ fn verify(path: &Path, known: &KnownModel) -> std::result::Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// A file's SHA-256, as lowercase hex, read a MiB at a time.
+pub(super) fn sha256_hex(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }

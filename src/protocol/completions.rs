@@ -8,12 +8,13 @@ use serde_json::{Value, json};
 
 use super::api::{self, ApiError, Flavor, parse_body, parse_value};
 use super::http::{
-    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
-    respond, sse,
+    ServerState, SseEvent, Timed, Timer, check_model, engine_error, json_when_done, now_secs,
+    read_body, respond, sse,
 };
 use super::openai::{SamplingFields, StreamOptions, finish_reason, usage};
-use crate::engine::{FinishReason, RequestOutput};
+use crate::engine::{EngineError, FinishReason, RequestOutput};
 use crate::model::ModelText;
+use futures_util::FutureExt;
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -144,24 +145,29 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         // The engine always draws a token; with none asked for, the prompt is the reply.
         sampling.max_tokens = Some(1);
     }
-    let mut streams = Vec::with_capacity(prompts.len());
-    let mut num_prompt_tokens = 0;
-    for p in &prompts {
+    // Every prompt is checked before any runs: a bad one is a 4xx naming it, nothing started.
+    let engine = st.engine()?.clone();
+    let mut requests = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
         let mut engine_req = api::engine_request(&sampling, p.ids.clone(), text)?;
         if shape.echo && shape.logprobs {
             engine_req.prompt_logprobs = req.logprobs;
         }
-        num_prompt_tokens += p.ids.len();
-        let stream = st
-            .engine()?
-            .generate(engine_req)
-            .await
-            .map_err(engine_error)?;
-        streams.push(Timed::new(stream, st, p.ids.len()));
+        engine_req
+            .validate(engine.limits())
+            .map_err(|e| in_batch(engine_error(EngineError::Rejected(e)), i, prompts.len()))?;
+        requests.push(engine_req);
     }
-    let id = format!("cmpl-{}", streams[0].request_id());
+    let num_prompt_tokens: usize = prompts.iter().map(|p| p.ids.len()).sum();
+    // The first prompt is submitted now (its id names the reply); the others each as it
+    // is admitted, so a batch larger than the engine's queue waits rather than blocks.
+    let mut requests = requests.into_iter();
+    let first = engine
+        .generate(requests.next().expect("a prompt at least"))
+        .await
+        .map_err(engine_error)?;
+    let id = format!("cmpl-{}", first.request_id);
     let (created, model) = (now_secs(), st.opts.served_model_name.clone());
-    let engine = st.engine()?.clone();
     let n = sampling.n.unwrap_or(1);
     if req.stream {
         let include_usage = req
@@ -169,13 +175,15 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false);
-        let stream = streams.pop().expect("one prompt");
+        let stream = Timed::new(first, st, num_prompt_tokens);
         let prompt = prompts.into_iter().next().expect("one prompt");
         let counter = std::rc::Rc::new(std::cell::Cell::new(0usize));
         let counter_tail = counter.clone();
         let (id2, model2) = (id.clone(), model.clone());
         // Per choice: whether its first chunk (which carries the echoed prompt) went out.
         let mut started = vec![false; n];
+        // Per choice: where its next token's text starts (offsets run across chunks).
+        let mut text_offsets = vec![0usize; n];
         // Completion 0's first output carries the prompt's scores, ahead of its siblings'.
         let mut scores = None;
         let encode = move |o: &RequestOutput| {
@@ -184,7 +192,8 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
                     json!({"error": {"message": err, "type": "server_error"}}),
                 )];
             }
-            let first = !std::mem::replace(&mut started[o.index.min(n - 1)], true);
+            let choice = o.index.min(n - 1);
+            let first = !std::mem::replace(&mut started[choice], true);
             if o.prompt_logprobs.is_some() {
                 scores.clone_from(&o.prompt_logprobs);
             }
@@ -193,7 +202,14 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
                 o.prompt_logprobs.clone_from(&scores);
             }
             let o = &o;
-            let (text, logprobs, num_tokens) = choice_body(&prompt, o, shape, first, engine.text());
+            let (text, logprobs, num_tokens) = choice_body(
+                &prompt,
+                o,
+                shape,
+                first,
+                &mut text_offsets[choice],
+                engine.text(),
+            );
             counter.set(counter.get() + num_tokens);
             if text.is_empty() && o.finish_reason.is_none() && !first {
                 return Vec::new();
@@ -216,9 +232,20 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
         };
         return Ok(sse(stream, encode, tail, true));
     }
+    let timer = Timer::of(st);
+    let first = timer.time(first, prompts[0].ids.len());
+    let later = requests.zip(&prompts[1..]).map(|(r, p)| {
+        let (engine, timer, num_prompt_tokens) = (engine.clone(), timer.clone(), p.ids.len());
+        async move {
+            let stream = engine.generate(r).await.map_err(engine_error)?;
+            timer.time(stream, num_prompt_tokens).collect_ok().await
+        }
+        .boxed_local()
+    });
+    let all = std::iter::once(first.collect_ok().boxed_local()).chain(later);
+    let outs = futures_util::future::join_all(all.collect::<Vec<_>>());
     Ok(json_when_done(
         async move {
-            let outs = futures_util::future::join_all(streams.into_iter().map(Timed::collect_ok));
             let mut choices = Vec::new();
             let mut num_completion_tokens = 0;
             for (i, (prompt, outs)) in prompts.iter().zip(outs.await).enumerate() {
@@ -228,7 +255,7 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
                 for c in &mut outs {
                     c.prompt_logprobs.clone_from(&scores);
                     let (text, logprobs, num_tokens) =
-                        choice_body(prompt, c, shape, true, engine.text());
+                        choice_body(prompt, c, shape, true, &mut 0, engine.text());
                     num_completion_tokens += num_tokens;
                     choices.push(json!({"index": i * n + c.index, "text": text,
                         "token_ids": if shape.no_completion { Vec::new() } else { c.token_ids.clone() },
@@ -245,6 +272,15 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
     ))
 }
 
+/// A batch's error names the prompt it is about.
+fn in_batch(mut e: ApiError, index: usize, num_prompts: usize) -> ApiError {
+    if num_prompts > 1 {
+        e.message = format!("prompt {index}: {}", e.message);
+        e.param = Some("prompt".into());
+    }
+    e
+}
+
 /// A choice's (or chunk's) text, logprobs and number of completion tokens: the echoed
 /// prompt first when `first`, then the completion unless `max_tokens` was 0.
 fn choice_body(
@@ -252,6 +288,7 @@ fn choice_body(
     o: &RequestOutput,
     shape: Shape,
     first: bool,
+    text_offset: &mut usize,
     text: &ModelText,
 ) -> (String, Value, usize) {
     let echo = shape.echo && first;
@@ -274,7 +311,7 @@ fn choice_body(
         o.token_ids.len()
     };
     let logprobs = if shape.logprobs && text.tokenizer.is_some() {
-        lp.into_json()
+        lp.into_json(text_offset)
     } else {
         Value::Null
     };
@@ -325,7 +362,7 @@ impl Logprobs {
         for (i, &id) in o.token_ids.iter().enumerate() {
             self.tokens.push(piece(text, id));
             self.token_logprobs
-                .push(json!(o.token_logprobs.get(i).copied().unwrap_or(0.0)));
+                .push(o.token_logprobs.get(i).map_or(Value::Null, |&lp| json!(lp)));
             let top = o.top_logprobs.get(i).into_iter().flatten();
             self.top_logprobs.push(Value::Object(
                 top.map(|&(t, lp)| (piece(text, t), json!(lp))).collect(),
@@ -333,14 +370,15 @@ impl Logprobs {
         }
     }
 
-    fn into_json(self) -> Value {
-        let mut offset = 0usize;
+    /// `text_offset` is where the first token's text starts in the choice's text (in
+    /// characters, as OpenAI counts); it is left after the last.
+    fn into_json(self, text_offset: &mut usize) -> Value {
         let offsets: Vec<usize> = self
             .tokens
             .iter()
             .map(|t| {
-                let at = offset;
-                offset += t.len();
+                let at = *text_offset;
+                *text_offset += t.chars().count();
                 at
             })
             .collect();

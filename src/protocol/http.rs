@@ -164,20 +164,41 @@ pub struct Timed {
     done: bool,
 }
 
-impl Timed {
-    pub fn new(stream: RequestStream, st: &ServerState, num_prompt_tokens: usize) -> Self {
+/// What `Timed` takes from the server, held by a reply that submits its requests later
+/// (a batch's prompts, each once there is room for it).
+#[derive(Clone)]
+pub struct Timer {
+    request_timeout: Option<std::time::Duration>,
+    metrics: Arc<Metrics>,
+}
+
+impl Timer {
+    pub fn of(st: &ServerState) -> Self {
+        Timer {
+            request_timeout: st.opts.request_timeout,
+            metrics: st.metrics.clone(),
+        }
+    }
+
+    pub fn time(&self, stream: RequestStream, num_prompt_tokens: usize) -> Timed {
         let now = tokio::time::Instant::now();
         Timed {
             request_id: stream.request_id,
             stream: Some(stream),
-            deadline: st.opts.request_timeout.map(|t| (now + t, t)),
-            metrics: st.metrics.clone(),
+            deadline: self.request_timeout.map(|t| (now + t, t)),
+            metrics: self.metrics.clone(),
             started: Instant::now(),
             last_token: None,
             num_prompt_tokens,
             num_generated_tokens: 0,
             done: false,
         }
+    }
+}
+
+impl Timed {
+    pub fn new(stream: RequestStream, st: &ServerState, num_prompt_tokens: usize) -> Self {
+        Timer::of(st).time(stream, num_prompt_tokens)
     }
 
     pub fn request_id(&self) -> u64 {

@@ -342,7 +342,9 @@ impl Scheduler {
                 };
                 1 + drafts.len()
             } else {
-                let max_q = num_remaining.min(num_tokens_left);
+                let max_q = num_remaining
+                    .min(num_tokens_left)
+                    .min(self.seq(idx).max_chunk_tokens());
                 let base = *decode_features.get_or_insert_with(|| self.decode_features());
                 let features = base + prefill_features;
                 match self.chunk(&features, num_cached, max_q, budget_secs, num_prefill_rows) {
@@ -485,7 +487,7 @@ impl Scheduler {
         let block_size = self.cfg.block_size;
         // Never match the last token: it must be computed to sample the next one. A scored
         // prompt matches nothing: a hit's positions would have no logits.
-        let num_matchable = if seq.score_prompt {
+        let num_matchable = if seq.scores_prompt() {
             0
         } else {
             seq.tokens.len() - 1
@@ -504,7 +506,9 @@ impl Scheduler {
         // recomputing the tokens that rebuild it (their blocks are the hits themselves).
         let resume = self.resume_point(&hits, num_cached);
         let start = resume.start;
-        let max_q = (self.seq(idx).tokens.len() - start).min(num_tokens_left);
+        let max_q = (self.seq(idx).tokens.len() - start)
+            .min(num_tokens_left)
+            .min(self.seq(idx).max_chunk_tokens());
         let q = self.chunk(
             features,
             start,
@@ -568,6 +572,8 @@ mod resume;
 #[cfg(test)]
 mod resume_tests;
 mod rows;
+#[cfg(test)]
+mod score_tests;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]

@@ -130,7 +130,27 @@ pub struct Sequence {
     pub stored_prefix: Option<crate::sched::StoredPrefix>,
 }
 
+/// The most prompt tokens a step scores for one sequence: a scored chunk returns a logit
+/// row per token (a vocabulary of floats each, copied to the host too), so its chunks are
+/// kept this short.
+pub const MAX_SCORED_CHUNK_TOKENS: usize = 256;
+
 impl Sequence {
+    /// Its prompt is still to be scored (nothing generated yet): it takes no prefix hits
+    /// and its chunks are at most `MAX_SCORED_CHUNK_TOKENS`.
+    pub fn scores_prompt(&self) -> bool {
+        self.score_prompt && self.tokens.len() == self.num_prompt_tokens
+    }
+
+    /// The longest chunk a step may give it.
+    pub fn max_chunk_tokens(&self) -> usize {
+        if self.scores_prompt() {
+            MAX_SCORED_CHUNK_TOKENS
+        } else {
+            usize::MAX
+        }
+    }
+
     pub fn new(req: SeqRequest, arrival: u64) -> Self {
         Self {
             seq_id: req.seq_id,

@@ -8,7 +8,7 @@ mod sample;
 
 use crate::sync::Shared as Arc;
 
-pub use sample::{SampleError, StepSampler};
+pub use sample::{SampleError, StepSampler, score_rows};
 
 use crate::eplb::MoeBalance;
 use crate::sampling::{SamplingParams, ScoredToken};

@@ -58,8 +58,6 @@ pub struct StepOutcome {
     pub rows: Vec<SampledRow>,
     /// Per plan row: what it drew (what a ZOS row of the next step reads).
     pub per_row: Vec<Option<Drawn>>,
-    /// The step's scored prompt rows.
-    pub scored: Vec<ScoredRow>,
     /// Constrained rows and their histories with the new tokens: advanced once the tokens
     /// are out, so the next masks are computed beside the next forward pass.
     pub advances: Vec<(Arc<SeqConstraint>, Vec<u32>)>,
@@ -76,7 +74,6 @@ impl StepSampler {
         verify_fault: &mut dyn FnMut() -> bool,
     ) -> Result<StepOutcome, SampleError> {
         let (epoch, step_id, rows) = (step.epoch, step.step_id, &step.rows);
-        let scored = score_rows(step, logits, vocab_size)?;
         // Per plan row: every token it yielded, and its rejected drafts.
         let mut yielded: Vec<Option<Yielded>> = Vec::with_capacity(rows.len());
         let (mut tokens, mut token_logprobs, mut top_logprobs) =
@@ -294,15 +291,15 @@ impl StepSampler {
         Ok(StepOutcome {
             rows,
             per_row,
-            scored,
             advances,
         })
     }
 }
 
 /// The prompt tokens of `step`'s scored rows, each under the raw logits of the position
-/// before it.
-fn score_rows(
+/// before it. The sampler runs it after publishing the step's tokens: the next step's
+/// continuing rows wait for those, not for this.
+pub fn score_rows(
     step: &Step,
     logits: &StepLogits,
     vocab_size: usize,

@@ -2,6 +2,7 @@
 //! gathered per prompt position until the request's first output carries them.
 
 use super::{Request, SchedulerState};
+use crate::sampling::ScoredToken;
 use crate::sched::{PlannedRow, RowInput};
 use crate::step::{PromptScore, ScoredRow, Step};
 
@@ -13,6 +14,11 @@ impl Request {
         let RowInput::Tokens(ids) = &row.input else {
             return None;
         };
+        // Drafts ride only on a row with one prompt token left, which scores nothing (its
+        // logits draw the first generated token): a scored row's sampling row is its last.
+        debug_assert!(
+            row.num_draft_tokens == 0 || row.num_cached_tokens + 1 >= self.prompt_ids.len()
+        );
         let (first, num_prompt) = (row.num_cached_tokens, self.prompt_ids.len());
         // The last prompt position's logits draw the first generated token; past the
         // prompt (a recompute after preemption) nothing is scored.
@@ -22,6 +28,15 @@ impl Request {
             targets: self.prompt_ids[first + 1..=end].to_vec(),
             num_top,
         })
+    }
+}
+
+impl Request {
+    /// The prompt's scores, once every position after the first has one (a request ended
+    /// before its prompt was scored through reports none, never holes).
+    pub(super) fn take_scores(&mut self) -> Option<Vec<Option<ScoredToken>>> {
+        let scores = self.prompt_scores.take()?;
+        scores[1..].iter().all(Option::is_some).then_some(scores)
     }
 }
 

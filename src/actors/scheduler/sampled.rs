@@ -82,7 +82,7 @@ impl SchedulerState {
                     let with_top = r.params.num_top_logprobs > 0;
                     let index = r.index;
                     let out = RequestOutput {
-                        prompt_logprobs: r.prompt_scores.take(),
+                        prompt_logprobs: r.take_scores(),
                         request_id: request_id_of(seq_id),
                         index,
                         token_ids: vec![token],

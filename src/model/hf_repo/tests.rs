@@ -114,3 +114,24 @@ fn a_gguf_file_is_chosen_by_quant_or_name_or_refused_with_the_choices() {
         .to_string();
     assert!(e.contains("no config.json"), "{e}");
 }
+
+#[test]
+fn a_gguf_file_flag_joins_a_hub_id_or_a_directory_and_nothing_else() {
+    let joined = with_gguf_file("o/m@v1", "m-Q8_0.gguf").unwrap();
+    assert_eq!(spec(&joined).gguf.as_deref(), Some("m-Q8_0.gguf"));
+    assert_eq!(spec(&joined).revision, "v1");
+    let dir = std::env::temp_dir();
+    let in_dir = with_gguf_file(dir.to_str().unwrap(), "x.gguf").unwrap();
+    assert_eq!(std::path::PathBuf::from(in_dir), dir.join("x.gguf"));
+    for (model, file, needle) in [
+        ("o/m:Q4_K_M", "m-Q8_0.gguf", "names its GGUF file already"),
+        ("o/m", "sub/x.gguf", "not a file name"),
+        ("model.gguf", "x.gguf", "neither a hub id"),
+    ] {
+        let e = with_gguf_file(model, file).unwrap_err().to_string();
+        assert!(
+            e.contains("--gguf-file") && e.contains(needle),
+            "{model} {file}: {e}"
+        );
+    }
+}

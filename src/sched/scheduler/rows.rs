@@ -85,7 +85,9 @@ impl Scheduler {
                 continue;
             };
             if num_remaining > 1 {
-                let max_q = num_remaining.min(self.cfg.max_step_tokens);
+                let max_q = num_remaining
+                    .min(self.cfg.max_step_tokens)
+                    .min(seq.max_chunk_tokens());
                 let budget = self.cfg.step_time_budget_secs;
                 let q = self.chunk(&decode, num_cached, max_q, budget, num_prefill_rows);
                 if q > 0 {

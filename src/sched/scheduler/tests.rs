@@ -101,37 +101,6 @@ fn admission_takes_blocks_and_slot_together_or_nothing() {
 }
 
 #[test]
-fn a_scored_prompt_takes_no_prefix_hits_but_leaves_its_blocks() {
-    let cfg = small_cfg();
-    let mut s = Scheduler::new(cfg.clone());
-    let mut dev = Device::new(&cfg);
-    let a = req(1, prompt(1, 10), 3);
-    s.add(a.clone()).unwrap();
-    let mut out = drive(&mut s, &mut dev, 1, |_, _, _| {});
-    let mut b = req(2, prompt(1, 10), 3);
-    b.score_prompt = true;
-    s.add(b.clone()).unwrap();
-    let plan = s.schedule().unwrap();
-    assert_eq!(
-        plan.rows[0].num_cached_tokens, 0,
-        "every position is computed"
-    );
-    assert_eq!(plan.rows[0].input, RowInput::Tokens(prompt(1, 10)));
-    let sampled = dev.execute(&plan);
-    out.apply(s.on_step_done(plan.step_id, &sampled, 0.01));
-    out.merge(drive(&mut s, &mut dev, 1, |_, _, _| {}));
-    // A plain request after it still shares the prompt's blocks.
-    let c = req(3, prompt(1, 10), 3);
-    s.add(c.clone()).unwrap();
-    let plan = s.schedule().unwrap();
-    assert_eq!(plan.rows[0].num_cached_tokens, 8);
-    let sampled = dev.execute(&plan);
-    out.apply(s.on_step_done(plan.step_id, &sampled, 0.01));
-    out.merge(drive(&mut s, &mut dev, 1, |_, _, _| {}));
-    expect_reference(&out, &[a, b, c], &cfg);
-}
-
-#[test]
 fn prefix_hits_across_requests_and_salt_separates() {
     let cfg = small_cfg();
     let mut s = Scheduler::new(cfg.clone());
