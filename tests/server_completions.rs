@@ -231,6 +231,62 @@ fn streaming_with_echo_sends_the_prompt_first() {
     assert_eq!(status, 400, "{err}");
 }
 
+/// vLLM's `prompt_logprobs` field: per position the top M ids with their ranks and the
+/// prompt token itself (its rank in the whole vocabulary); the same numbers `echo` gives.
+/// Fields troupe does not act on are refused by name.
+#[test]
+fn vllm_prompt_logprobs_and_unsupported_fields() {
+    let server = server();
+    let prompt = random_prompts(1, 21).remove(0);
+    let (status, r) = post(
+        &server,
+        json!({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "echo": true, "logprobs": 1}),
+    );
+    assert_eq!(status, 200, "{r}");
+    let c = &r["choices"][0];
+    let pl = c["prompt_logprobs"].as_array().unwrap();
+    let echoed = floats(&c["logprobs"]["token_logprobs"]);
+    assert_eq!(pl.len(), prompt.len());
+    assert_eq!(pl[0], Value::Null);
+    for (p, (&id, position)) in prompt.iter().zip(pl).enumerate().skip(1) {
+        let position = position.as_object().unwrap();
+        let mine = &position[&id.to_string()];
+        assert_eq!(mine["logprob"].as_f64(), echoed[p], "position {p}");
+        let rank = mine["rank"].as_u64().unwrap();
+        assert_eq!(
+            position.len(),
+            if rank <= 2 { 2 } else { 3 },
+            "{position:?}"
+        );
+        let mut ranks: Vec<u64> = position
+            .values()
+            .map(|v| v["rank"].as_u64().unwrap())
+            .collect();
+        ranks.sort();
+        assert_eq!(&ranks[..2], &[1, 2]);
+        // The echoed top map was cut to `logprobs: 1` (and the token itself).
+        let top = c["logprobs"]["top_logprobs"][p].as_object().unwrap();
+        assert_eq!(top.len(), if rank == 1 { 1 } else { 2 }, "{top:?}");
+    }
+    for (field, value) in [
+        ("suffix", json!("!")),
+        ("best_of", json!(3)),
+        ("include_stop_str_in_output", json!(true)),
+    ] {
+        let mut body = json!({"prompt": "Hi", "max_tokens": 1});
+        body[field] = value;
+        let (status, err) = post(&server, body);
+        assert_eq!(status, 400, "{err}");
+        assert_eq!(err["error"]["param"], field);
+    }
+    // Defaults pass.
+    let (status, _) = post(
+        &server,
+        json!({"prompt": "Hi", "max_tokens": 1, "best_of": 1, "suffix": null}),
+    );
+    assert_eq!(status, 200);
+}
+
 #[test]
 fn tokenizer_info_names_the_special_tokens_and_template() {
     let server = server();

@@ -238,7 +238,7 @@ fn output_json(o: &RequestOutput, text: &ModelText) -> Value {
         "top_logprobs": o.top_logprobs.iter().map(|t| pairs(t)).collect::<Vec<_>>(),
         "prompt_logprobs": o.prompt_logprobs.as_ref().map(|scores| {
             scores.iter().map(|s| s.as_ref().map(|s| json!({
-                "logprob": s.logprob, "top": pairs(&s.top),
+                "logprob": s.logprob, "rank": s.rank, "top": pairs(&s.top),
             }))).collect::<Vec<_>>()
         }),
         "finish_reason": finish_reason,

@@ -84,6 +84,12 @@ def test_logprobs_are_shaped_as_vllms(llm):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for token, position in zip(prompt[1:], out.prompt_logprobs[1:]):
         assert token in position and len(position) in (2, 3)
+        # The prompt token's rank is its place in the whole vocabulary: among the top two,
+        # or past them (and then a third entry).
+        rank = position[token].rank
+        assert (rank <= 2) == (len(position) == 2), (rank, position)
+        best = max(lp.logprob for lp in position.values())
+        assert (rank == 1) == (position[token].logprob == best)
     # Scoring the prompt and what was generated gives the generated tokens' logprobs.
     scored = llm.generate({"prompt_token_ids": prompt + c.token_ids},
                           troupe.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]

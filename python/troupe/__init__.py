@@ -83,11 +83,12 @@ class RequestOutput:
     seed: Optional[int] = None
 
 
-def _position(chosen: int, chosen_logprob: float, top: list, piece: str) -> Dict[int, Logprob]:
+def _position(chosen: int, chosen_logprob: float, top: list, piece: str,
+              chosen_rank: Optional[int] = None) -> Dict[int, Logprob]:
     """One position's logprobs as vLLM reports them: the top ids, and the chosen one."""
     out = {int(t): Logprob(float(lp), rank + 1, p) for rank, (t, lp, p) in enumerate(top)}
     if chosen not in out:
-        out[chosen] = Logprob(float(chosen_logprob), None, piece)
+        out[chosen] = Logprob(float(chosen_logprob), chosen_rank, piece)
     return out
 
 
@@ -111,7 +112,7 @@ def _prompt_logprobs(raw, prompt_ids, engine) -> Optional[list]:
         if s is None:
             out.append(None)
             continue
-        out.append(_position(token, s["logprob"], s["top"], engine.decode([token], False)))
+        out.append(_position(token, s["logprob"], s["top"], engine.decode([token], False), s["rank"]))
     return out
 
 

@@ -43,8 +43,45 @@ pub struct CompletionRequest {
     pub skip_special_tokens: Option<bool>,
     /// Control-token strings in a text prompt read as those tokens (default: as text).
     pub parse_special_tokens: Option<bool>,
+    /// vLLM's: each prompt token's logprob and this many most likely ids, as
+    /// `prompt_logprobs` in each choice (`{id: {logprob, rank, decoded_token}}` a position).
+    pub prompt_logprobs: Option<usize>,
     #[serde(skip)]
     pub sampling: SamplingFields,
+}
+
+/// Fields of OpenAI's or vLLM's Completions that troupe does not act on: refused by name
+/// when set to anything but their default, never ignored.
+const NOT_SUPPORTED: &[(&str, &str)] = &[
+    ("suffix", "insertion after a suffix is not supported"),
+    ("best_of", "best_of is not supported (use n)"),
+    ("use_beam_search", "beam search is not supported"),
+    (
+        "include_stop_str_in_output",
+        "the stop string is always left out",
+    ),
+    (
+        "return_tokens_as_token_ids",
+        "tokens are returned as text (token_ids has the ids)",
+    ),
+    ("truncate_prompt_tokens", "prompts are never truncated"),
+    ("allowed_token_ids", "use logit_bias"),
+    ("bad_words", "use logit_bias"),
+];
+
+fn refuse_unsupported(body: &Value) -> Result<(), ApiError> {
+    for &(field, why) in NOT_SUPPORTED {
+        let at_default = match body.get(field) {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => true,
+            Some(Value::String(s)) => s.is_empty(),
+            Some(Value::Number(n)) => field == "best_of" && n.as_u64() == Some(1),
+            Some(_) => false,
+        };
+        if !at_default {
+            return Err(ApiError::bad(field, format!("`{field}`: {why}")));
+        }
+    }
+    Ok(())
 }
 
 /// One prompt of the request: its ids, and the text `echo` returns.
@@ -59,6 +96,10 @@ struct Shape {
     echo: bool,
     /// `logprobs: N` was given.
     logprobs: bool,
+    /// `logprobs`' N: the top ids of each echoed prompt position.
+    num_top: usize,
+    /// vLLM's `prompt_logprobs: M`.
+    prompt_logprobs: Option<usize>,
     /// `max_tokens: 0`: the engine drew one token, which no reply shows.
     no_completion: bool,
 }
@@ -124,6 +165,7 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
     let body: Value = parse_body(&read_body(st, body).await?)?;
     let mut req: CompletionRequest = parse_value(&body)?;
     req.sampling = parse_value(&body)?;
+    refuse_unsupported(&body)?;
     check_model(st, &req.model)?;
     let text = st.engine()?.text();
     let prompts = prompts(&req, text).await?;
@@ -139,6 +181,8 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
     let shape = Shape {
         echo: req.echo,
         logprobs: req.logprobs.is_some(),
+        num_top: req.logprobs.unwrap_or(0),
+        prompt_logprobs: req.prompt_logprobs,
         no_completion: sampling.max_tokens == Some(0),
     };
     if shape.no_completion {
@@ -150,9 +194,8 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
     let mut requests = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         let mut engine_req = api::engine_request(&sampling, p.ids.clone(), text)?;
-        if shape.echo && shape.logprobs {
-            engine_req.prompt_logprobs = req.logprobs;
-        }
+        let echoed = req.logprobs.filter(|_| shape.echo);
+        engine_req.prompt_logprobs = echoed.max(req.prompt_logprobs);
         engine_req
             .validate(engine.limits())
             .map_err(|e| in_batch(engine_error(EngineError::Rejected(e)), i, prompts.len()))?;
@@ -214,11 +257,15 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
             if text.is_empty() && o.finish_reason.is_none() && !first {
                 return Vec::new();
             }
+            let mut choice = json!({"index": o.index, "text": text,
+                "token_ids": if shape.no_completion { Vec::new() } else { o.token_ids.clone() },
+                "logprobs": logprobs, "finish_reason": reason(shape, o)});
+            if first && shape.prompt_logprobs.is_some() {
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(&prompt, o, shape, engine.text());
+            }
             vec![SseEvent::data(
                 json!({"id": id, "object": "text_completion", "created": created,
-                "model": model, "choices": [{"index": o.index, "text": text,
-                "token_ids": if shape.no_completion { Vec::new() } else { o.token_ids.clone() },
-                "logprobs": logprobs, "finish_reason": reason(shape, o)}]}),
+                "model": model, "choices": [choice]}),
             )]
         };
         let tail = move || {
@@ -260,7 +307,8 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
                     choices.push(json!({"index": i * n + c.index, "text": text,
                         "token_ids": if shape.no_completion { Vec::new() } else { c.token_ids.clone() },
                         "logprobs": logprobs, "finish_reason": reason(shape, c),
-                        "stop_reason": c.stop_string}));
+                        "stop_reason": c.stop_string,
+                        "prompt_logprobs": vllm_prompt_logprobs(prompt, c, shape, engine.text())}));
                 }
             }
             Ok(json!({
@@ -299,7 +347,7 @@ fn choice_body(
     };
     let mut lp = Logprobs::default();
     if echo && shape.logprobs {
-        lp.push_prompt(prompt, o, text);
+        lp.push_prompt(prompt, o, shape.num_top, text);
     }
     let num_tokens = if shape.no_completion {
         0
@@ -316,6 +364,41 @@ fn choice_body(
         Value::Null
     };
     (body, logprobs, num_tokens)
+}
+
+/// vLLM's `prompt_logprobs`: per prompt position `null` (the first) or
+/// `{id: {logprob, rank, decoded_token}}` of its top M and the prompt token itself.
+fn vllm_prompt_logprobs(
+    prompt: &Prompt,
+    o: &RequestOutput,
+    shape: Shape,
+    text: &ModelText,
+) -> Value {
+    let (Some(m), Some(scores)) = (shape.prompt_logprobs, o.prompt_logprobs.as_ref()) else {
+        return Value::Null;
+    };
+    let entry = |lp: f32, rank: usize, id: u32| json!({"logprob": lp, "rank": rank, "decoded_token": piece(text, id)});
+    Value::Array(
+        scores
+            .iter()
+            .zip(&prompt.ids)
+            .map(|(s, &id)| match s {
+                None => Value::Null,
+                Some(s) => {
+                    let mut top: serde_json::Map<String, Value> = s
+                        .top
+                        .iter()
+                        .take(m)
+                        .enumerate()
+                        .map(|(r, &(t, lp))| (t.to_string(), entry(lp, r + 1, t)))
+                        .collect();
+                    top.entry(id.to_string())
+                        .or_insert_with(|| entry(s.logprob, s.rank as usize, id));
+                    Value::Object(top)
+                }
+            })
+            .collect(),
+    )
 }
 
 /// A `max_tokens: 0` request ends by length, whatever its hidden token was.
@@ -337,15 +420,25 @@ struct Logprobs {
 impl Logprobs {
     /// The prompt's tokens: the first has no logprob (nothing precedes it); each top map
     /// holds the token itself beside the most likely ones, as vLLM's does.
-    fn push_prompt(&mut self, prompt: &Prompt, o: &RequestOutput, text: &ModelText) {
+    fn push_prompt(
+        &mut self,
+        prompt: &Prompt,
+        o: &RequestOutput,
+        num_top: usize,
+        text: &ModelText,
+    ) {
         let piece = |id: u32| piece(text, id);
         let scores = o.prompt_logprobs.as_deref().unwrap_or_default();
         for (j, &id) in prompt.ids.iter().enumerate() {
             self.tokens.push(piece(id));
             match scores.get(j).and_then(Option::as_ref) {
                 Some(s) => {
-                    let mut top: serde_json::Map<String, Value> =
-                        s.top.iter().map(|&(t, lp)| (piece(t), json!(lp))).collect();
+                    let mut top: serde_json::Map<String, Value> = s
+                        .top
+                        .iter()
+                        .take(num_top)
+                        .map(|&(t, lp)| (piece(t), json!(lp)))
+                        .collect();
                     top.entry(piece(id)).or_insert(json!(s.logprob));
                     self.token_logprobs.push(json!(s.logprob));
                     self.top_logprobs.push(Value::Object(top));

@@ -121,6 +121,8 @@ pub(super) fn log_softmax_top(values: &[f32], k: usize) -> (f32, Vec<(u32, f32)>
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ScoredToken {
     pub logprob: f32,
+    /// 1 + how many ids are more likely.
+    pub rank: u32,
     pub top: Vec<(u32, f32)>,
 }
 
@@ -128,8 +130,10 @@ pub struct ScoredToken {
 /// subtraction, so a token that is the argmax reads exactly equal to the first top entry.
 pub fn score_token(logits: &[f32], token: u32, k: usize) -> ScoredToken {
     let (log_z, top) = log_softmax_top(logits, k);
+    let value = logits[token as usize];
     ScoredToken {
-        logprob: logits[token as usize] - log_z,
+        logprob: value - log_z,
+        rank: 1 + logits.iter().filter(|&&v| v > value).count() as u32,
         top,
     }
 }
