@@ -14,6 +14,7 @@ use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
 use crate::sampling::SamplingParams;
 
 mod engine_flags;
+mod router;
 mod serve;
 mod telemetry;
 
@@ -35,6 +36,9 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Benchmark a running server: Poisson arrivals at each rate, TTFT / TPOT / ITL.
     BenchServe(Box<crate::bench_serve::BenchServeArgs>),
+    /// Serve the HTTP APIs for a cluster of engines (`serve --cluster`), routing each
+    /// request to one by its prompt's cached prefix and the engines' loads.
+    Router(Box<router::RouterArgs>),
 }
 
 /// The runtime the engine's actors live on (actix-web, when serving, runs its own).
@@ -227,6 +231,7 @@ pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> i32 {
         Command::Generate(args) => run_generate(*args),
         Command::Serve(args) => serve::run_serve(*args),
         Command::BenchServe(args) => crate::bench_serve::run(*args),
+        Command::Router(args) => router::run_router(*args),
     };
     match result {
         Ok(()) => 0,

@@ -1,7 +1,8 @@
 //! Loom: every shared-memory primitive of the crate besides `SampledTokens` (its own
 //! suite): the grammar matcher's busy cell, a group's abort hooks, the GPU's pick-slot
 //! pool, the fault plan's one-shot flags, the drafters' shared calibration, the engine
-//! handle's request ids, the prefix store's host tier, the server's admission gate.
+//! handle's request ids, the prefix store's host tier, the server's admission gate, the
+//! router's view of its engines.
 //! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
 #![cfg(troupe_loom)]
 
@@ -224,5 +225,39 @@ fn a_gate_closed_while_a_request_enters_admits_it_whole_or_refuses_it_as_closed(
         }
         assert_eq!(gate.num_inside(), 0);
         assert_eq!(gate.enter().err(), Some(Refusal::Closed));
+    });
+}
+
+#[test]
+fn a_forwarded_engine_forgotten_during_a_poll_is_gone_or_freshly_reported() {
+    use troupe::cluster::agent::EngineReport;
+    use troupe::cluster::registry::Registry;
+    let report = |name: &str| EngineReport {
+        node_name: name.into(),
+        http_url: String::new(),
+        role: "both".into(),
+        num_running: 0,
+        num_waiting: 0,
+        num_kv_tokens: 0,
+        kv_capacity_tokens: 0,
+        block_size: 16,
+        cached_blocks: Vec::new(),
+    };
+    loom::model(move || {
+        let registry = Arc::new(Registry::default());
+        registry.replace(vec![report("e1")]);
+        let poller = {
+            let registry = registry.clone();
+            thread::spawn(move || registry.replace(vec![report("e1"), report("e2")]))
+        };
+        registry.forget("e1");
+        poller.join().unwrap();
+        let names: Vec<String> = registry
+            .reports()
+            .into_iter()
+            .map(|r| r.node_name)
+            .collect();
+        // The forget came after the poll (e1 gone) or before it (the poll's fresh view).
+        assert!(names == ["e2"] || names == ["e1", "e2"], "{names:?}");
     });
 }

@@ -64,6 +64,8 @@ pub struct RankState {
 #[derive(Default)]
 pub struct RankWorker;
 
+impl ractor::Message for RankMsg {}
+
 impl ThreadLocalActor for RankWorker {
     type Msg = RankMsg;
     type State = RankState;

@@ -40,6 +40,8 @@ pub struct SamplerState {
 
 pub struct SamplerActor;
 
+impl ractor::Message for SamplerMsg {}
+
 impl Actor for SamplerActor {
     type Msg = SamplerMsg;
     type State = SamplerState;

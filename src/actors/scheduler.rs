@@ -71,6 +71,8 @@ pub enum SchedulerMsg {
         reason: String,
     },
     Status(RpcReplyPort<EngineStatus>),
+    /// The chain hashes of the prefix cache's blocks.
+    CachedBlocks(RpcReplyPort<Vec<u64>>),
     /// Replies once no request is left.
     Drain(RpcReplyPort<()>),
     /// `queue_timeout` after a submission: its completions still waiting end with an error.
@@ -398,6 +400,9 @@ fn request_id_of(seq_id: SeqId) -> u64 {
 
 pub struct SchedulerActor;
 
+impl ractor::Message for SchedulerMsg {}
+impl ractor::Message for SampledStep {}
+
 impl Actor for SchedulerActor {
     type Msg = SchedulerMsg;
     type State = SchedulerState;
@@ -567,6 +572,9 @@ impl Actor for SchedulerActor {
                 s.num_replayed_hits = st.core.num_replayed_hits();
                 s.kv_store = st.kv_store.as_ref().map(|k| k.stats()).unwrap_or_default();
                 let _ = reply.send(s);
+            }
+            SchedulerMsg::CachedBlocks(reply) => {
+                let _ = reply.send(st.core.cached_block_hashes());
             }
             SchedulerMsg::Drain(reply) => {
                 st.drains.push(reply);

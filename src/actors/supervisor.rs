@@ -302,6 +302,10 @@ impl EngineSupervisor {
     }
 }
 
+// With ractor's `cluster` feature on (the router's nodes), every message type names itself
+// one; these never leave the process.
+impl ractor::Message for SupervisorMsg {}
+
 impl Actor for EngineSupervisor {
     type Msg = SupervisorMsg;
     type State = SupervisorState;

@@ -7,7 +7,8 @@ use clap::{Args, ValueEnum};
 
 use super::engine_flags::{EngineFlags, parse_duration};
 use super::engine_runtime;
-use crate::engine::Engine;
+use crate::cluster::agent::{self, JoinConfig};
+use crate::engine::{Engine, EngineError};
 use crate::error::{Result, TroupeError};
 use crate::model::hub;
 use crate::protocol::serve_options::{ServeOptions, default_allowed_hosts};
@@ -37,6 +38,15 @@ pub struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
+    /// Join the cluster of `troupe router --listen HOST:PORT` as one of its engines.
+    #[arg(long, value_name = "HOST:PORT")]
+    cluster: Option<String>,
+    /// This engine's name in the cluster (default: engine-PORT).
+    #[arg(long, requires = "cluster")]
+    node_name: Option<String>,
+    /// The secret the cluster's nodes share.
+    #[arg(long, env = "TROUPE_CLUSTER_COOKIE", default_value = crate::cluster::DEFAULT_COOKIE)]
+    cluster_cookie: String,
     /// A key clients must send, as `Authorization: Bearer KEY` or `x-api-key: KEY`;
     /// repeat it (or separate with commas) for several.
     #[arg(
@@ -160,7 +170,28 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
         );
     }
     let runtime = engine_runtime()?;
-    let loading = runtime.spawn(Engine::spawn(cfg));
+    let join = args.cluster.clone().map(|router| JoinConfig {
+        router,
+        node_name: args
+            .node_name
+            .clone()
+            .unwrap_or_else(|| format!("engine-{}", args.port)),
+        cookie: args.cluster_cookie.clone(),
+        http_url: format!("http://{}:{}", args.host, args.port),
+        role: "both".into(),
+        block_size: cfg.block_size,
+    });
+    let loading = runtime.spawn(async move {
+        let engine = Engine::spawn(cfg).await?;
+        if let Some(join) = join {
+            // The engine answers HTTP only once it is in the cluster: a router that
+            // sees it can send to it.
+            agent::join(engine.clone(), join)
+                .await
+                .map_err(EngineError::Spawn)?;
+        }
+        Ok(engine)
+    });
     eprintln!(
         "troupe: serving on http://{}:{} (answering 503 until the model is loaded)",
         args.host, args.port

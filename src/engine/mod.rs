@@ -553,6 +553,12 @@ impl EngineHandle {
             .map_err(|e| call_error("scheduler", e))
     }
 
+    /// The chain hashes of the blocks its prefix cache holds (`sched::block_hash`).
+    pub async fn cached_block_hashes(&self) -> Result<Vec<u64>, EngineError> {
+        ractor::call_t!(self.scheduler, SchedulerMsg::CachedBlocks, CALL_TIMEOUT_MS)
+            .map_err(|e| call_error("scheduler", e))
+    }
+
     /// Stops the engine: with `drain`, after every request in flight has finished;
     /// without, at once (requests end with an error).
     pub async fn shutdown(self, drain: bool) {

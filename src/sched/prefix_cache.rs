@@ -108,6 +108,11 @@ impl PrefixCache {
         (self.hash_fn)(parent_hash, tokens, cache_salt)
     }
 
+    /// The chain hashes of every cached block (what a router matches prompts against).
+    pub fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_hash.keys().copied()
+    }
+
     pub fn num_cached_blocks(&self) -> usize {
         self.by_hash.len()
     }

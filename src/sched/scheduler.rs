@@ -186,6 +186,11 @@ impl Scheduler {
         std::mem::take(&mut self.pending_events)
     }
 
+    /// The chain hashes of the blocks its prefix cache holds.
+    pub fn cached_block_hashes(&self) -> Vec<u64> {
+        self.prefix_cache.hashes().collect()
+    }
+
     pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
         self.prefix_cache.stats()
     }

@@ -1,0 +1,80 @@
+//! `troupe router`: the cluster's node (engines connect to it) and its HTTP front.
+
+use clap::Args;
+
+use super::engine_runtime;
+use crate::cluster::DEFAULT_COOKIE;
+use crate::cluster::registry::{self, Registry};
+use crate::cluster::router::{self as front, RouterState};
+use crate::error::{Result, TroupeError};
+use crate::model::{self, hub};
+use crate::sync::Shared;
+
+#[derive(Args)]
+pub struct RouterArgs {
+    /// The served model (its tokenizer and chat template hash prompts as the engines do).
+    #[arg(long, default_value = hub::DEFAULT_MODEL)]
+    model: String,
+    /// The cluster's address, where engines connect (`serve --cluster HOST:PORT`).
+    #[arg(long, default_value = "127.0.0.1:9300")]
+    listen: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// The HTTP port clients call.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The secret the cluster's nodes share.
+    #[arg(long, env = "TROUPE_CLUSTER_COOKIE", default_value = DEFAULT_COOKIE)]
+    cluster_cookie: String,
+}
+
+pub fn run_router(args: RouterArgs) -> Result<()> {
+    let text = model::load_text(&model::resolve_model_path(&args.model)?)?;
+    let (cluster_host, cluster_port) = args
+        .listen
+        .rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+        .ok_or_else(|| {
+            TroupeError::InvalidInput(format!("--listen {}: expected HOST:PORT", args.listen))
+        })?;
+    let runtime = engine_runtime()?;
+    let registry = Shared::new(Registry::default());
+    runtime.block_on(async {
+        let server = ractor_cluster::NodeServer::new(
+            cluster_port,
+            args.cluster_cookie.clone(),
+            "router".into(),
+            cluster_host.clone(),
+            None,
+            None,
+        );
+        ractor::Actor::spawn(None, server, ())
+            .await
+            .map_err(|e| TroupeError::InvalidInput(format!("--listen {}: {e}", args.listen)))
+    })?;
+    runtime.spawn(registry::poll(registry.clone()));
+    let listener = std::net::TcpListener::bind((args.host.as_str(), args.port)).map_err(|e| {
+        TroupeError::InvalidInput(format!("cannot serve on {}:{}: {e}", args.host, args.port))
+    })?;
+    eprintln!(
+        "troupe: routing on http://{}:{} for the engines of cluster {}",
+        args.host, args.port, args.listen
+    );
+    let state = actix_web::web::Data::new(RouterState::new(registry, text));
+    let server = actix_web::HttpServer::new(move || {
+        use actix_web::web;
+        actix_web::App::new()
+            .app_data(state.clone())
+            .app_data(web::PayloadConfig::new(4 << 20))
+            .route("/health", web::get().to(front::health))
+            .route("/router/engines", web::get().to(front::engines))
+            .default_service(web::to(front::forward))
+    })
+    .listen(listener)
+    .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
+    actix_web::rt::System::new()
+        .block_on(server.run())
+        .map_err(|e| TroupeError::InvalidInput(e.to_string()))?;
+    drop(runtime);
+    Ok(())
+}
