@@ -120,14 +120,23 @@ fn random_prompts(n: usize, seed: u64, len: usize) -> Vec<Vec<u32>> {
 fn a_router_over_two_engines() {
     let cluster_port = free_port();
     let router = router(cluster_port);
+    // Its HTTP port opens after its cluster node: engines started now find the node.
+    let started = Instant::now();
+    while raw_request(router.addr, "GET", "/health", &HOST, b"").status != 503 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the router did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let e1 = engine(cluster_port, "e1");
     let mut e2 = engine(cluster_port, "e2");
     let limit = Duration::from_secs(30);
     wait_for(router.addr, limit, |v| names(v) == ["e1", "e2"]);
 
-    // Through the router, concurrently: each answer is one engine's alone.
+    // Through the router, concurrently: the burst spreads over both engines (each request
+    // in flight counts until its reply ends), and each answer is one engine's alone.
     let prompts = random_prompts(12, 5, 24);
-    let want: Vec<Vec<u64>> = prompts.iter().map(|p| complete(e1.addr, p, 8)).collect();
     let got: Vec<Vec<u64>> = std::thread::scope(|s| {
         let runs: Vec<_> = prompts
             .iter()
@@ -135,7 +144,15 @@ fn a_router_over_two_engines() {
             .collect();
         runs.into_iter().map(|r| r.join().unwrap()).collect()
     });
+    let want: Vec<Vec<u64>> = prompts.iter().map(|p| complete(e1.addr, p, 8)).collect();
     assert_eq!(got, want);
+    let burst = get(router.addr, "/router/engines");
+    for name in ["e1", "e2"] {
+        assert!(
+            engine_view(&burst, name)["routed"].as_u64().unwrap() > 0,
+            "{burst}"
+        );
+    }
 
     // A long prompt e2 has computed goes to e2, whatever e1's load.
     let long = random_prompts(1, 9, 400).remove(0);

@@ -245,10 +245,13 @@ fn a_forwarded_engine_forgotten_during_a_poll_is_gone_or_freshly_reported() {
     };
     loom::model(move || {
         let registry = Arc::new(Registry::default());
-        registry.replace(vec![report("e1")]);
+        let (e1, e2) = (ractor::ActorId::Local(1), ractor::ActorId::Local(2));
+        registry.replace(vec![(e1, report("e1"))], &[e1]);
         let poller = {
             let registry = registry.clone();
-            thread::spawn(move || registry.replace(vec![report("e1"), report("e2")]))
+            thread::spawn(move || {
+                registry.replace(vec![(e1, report("e1")), (e2, report("e2"))], &[e1, e2])
+            })
         };
         registry.forget("e1");
         poller.join().unwrap();

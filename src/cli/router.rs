@@ -8,6 +8,7 @@ use crate::cluster::registry::{self, Registry};
 use crate::cluster::router::{self as front, RouterState};
 use crate::error::{Result, TroupeError};
 use crate::model::{self, hub};
+use crate::protocol::serve_options::default_allowed_hosts;
 use crate::sync::Shared;
 
 #[derive(Args)]
@@ -26,6 +27,10 @@ pub struct RouterArgs {
     /// The secret the cluster's nodes share.
     #[arg(long, env = "TROUPE_CLUSTER_COOKIE", default_value = DEFAULT_COOKIE)]
     cluster_cookie: String,
+    /// Host header values accepted (default on a loopback --host: the loopback names;
+    /// elsewhere any), against DNS rebinding as `serve` checks it.
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Option<Vec<String>>,
 }
 
 pub fn run_router(args: RouterArgs) -> Result<()> {
@@ -37,6 +42,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         .ok_or_else(|| {
             TroupeError::InvalidInput(format!("--listen {}: expected HOST:PORT", args.listen))
         })?;
+    let cluster_ip = super::serve::cluster_ip(&cluster_host, &args.cluster_cookie)?;
     let runtime = engine_runtime()?;
     let registry = Shared::new(Registry::default());
     runtime.block_on(async {
@@ -47,7 +53,8 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             cluster_host.clone(),
             None,
             None,
-        );
+        )
+        .with_listen_addr(cluster_ip);
         ractor::Actor::spawn(None, server, ())
             .await
             .map_err(|e| TroupeError::InvalidInput(format!("--listen {}: {e}", args.listen)))
@@ -60,7 +67,11 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         "troupe: routing on http://{}:{} for the engines of cluster {}",
         args.host, args.port, args.listen
     );
-    let state = actix_web::web::Data::new(RouterState::new(registry, text));
+    let allowed_hosts = args
+        .allowed_hosts
+        .clone()
+        .or_else(|| default_allowed_hosts(&args.host));
+    let state = actix_web::web::Data::new(RouterState::new(registry, text, allowed_hosts));
     let server = actix_web::HttpServer::new(move || {
         use actix_web::web;
         actix_web::App::new()

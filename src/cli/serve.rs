@@ -170,17 +170,26 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
         );
     }
     let runtime = engine_runtime()?;
-    let join = args.cluster.clone().map(|router| JoinConfig {
-        router,
-        node_name: args
-            .node_name
-            .clone()
-            .unwrap_or_else(|| format!("engine-{}", args.port)),
-        cookie: args.cluster_cookie.clone(),
-        http_url: format!("http://{}:{}", args.host, args.port),
-        role: "both".into(),
-        block_size: cfg.block_size,
-    });
+    let listen_ip = match &args.cluster {
+        Some(_) => Some(cluster_ip(&args.host, &args.cluster_cookie)?),
+        None => None,
+    };
+    let join = args
+        .cluster
+        .clone()
+        .zip(listen_ip)
+        .map(|(router, listen_ip)| JoinConfig {
+            router,
+            node_name: args
+                .node_name
+                .clone()
+                .unwrap_or_else(|| format!("engine-{}", args.port)),
+            cookie: args.cluster_cookie.clone(),
+            http_url: format!("http://{}:{}", args.host, args.port),
+            role: "both".into(),
+            block_size: cfg.block_size,
+            listen_ip,
+        });
     let loading = runtime.spawn(async move {
         let engine = Engine::spawn(cfg).await?;
         if let Some(join) = join {
@@ -204,4 +213,28 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
         (Err(_), Some(reason)) => Err(TroupeError::InvalidInput(reason.to_string())),
         _ => Ok(()),
     }
+}
+
+/// The address a cluster node listens on: the given host, which the router (and its
+/// clients' requests) reach it by, so not a wildcard; off loopback only with a cookie of
+/// the deployment's own.
+pub(super) fn cluster_ip(host: &str, cookie: &str) -> Result<std::net::IpAddr> {
+    let ip: std::net::IpAddr = if host == "localhost" {
+        std::net::Ipv4Addr::LOCALHOST.into()
+    } else {
+        host.parse().map_err(|_| {
+            TroupeError::InvalidInput(format!("--host {host}: a cluster node needs an IP address"))
+        })?
+    };
+    if ip.is_unspecified() {
+        return Err(TroupeError::InvalidInput(format!(
+            "--host {host} with --cluster: the router reaches an engine at its --host, so give a routable address"
+        )));
+    }
+    if !ip.is_loopback() && cookie == crate::cluster::DEFAULT_COOKIE {
+        return Err(TroupeError::InvalidInput(
+            "--cluster-cookie (or TROUPE_CLUSTER_COOKIE): a cluster off loopback needs a secret of its own".into(),
+        ));
+    }
+    Ok(ip)
 }

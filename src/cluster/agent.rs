@@ -43,7 +43,12 @@ pub struct JoinConfig {
     pub http_url: String,
     pub role: String,
     pub block_size: usize,
+    /// The address this node listens on (the engine's HTTP host).
+    pub listen_ip: std::net::IpAddr,
 }
+
+/// How long an engine waits for the router's node to accept its connection.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub struct EngineAgent;
 
@@ -74,8 +79,15 @@ impl Actor for EngineAgent {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             AgentMsg::Report(reply) => {
-                let status = st.engine.status().await?;
-                let cached_blocks = st.engine.cached_block_hashes().await?;
+                // An error here is an unanswered report (the router drops the engine from
+                // its view until it answers again), never the agent's end: a stopped
+                // agent leaves the group for good.
+                let (Ok(status), Ok(cached_blocks)) = (
+                    st.engine.status().await,
+                    st.engine.cached_block_hashes().await,
+                ) else {
+                    return Ok(());
+                };
                 let block_size = st.cfg.block_size;
                 let report = EngineReport {
                     node_name: st.cfg.node_name.clone(),
@@ -88,7 +100,9 @@ impl Actor for EngineAgent {
                     block_size,
                     cached_blocks,
                 };
-                let _ = reply.send(serde_json::to_string(&report)?);
+                if let Ok(json) = serde_json::to_string(&report) {
+                    let _ = reply.send(json);
+                }
             }
         }
         Ok(())
@@ -102,16 +116,23 @@ pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<(), String> {
         0,
         cfg.cookie.clone(),
         cfg.node_name.clone(),
-        "localhost".into(),
+        cfg.listen_ip.to_string(),
         None,
         None,
-    );
+    )
+    .with_listen_addr(cfg.listen_ip);
     let (node, _) = Actor::spawn(None, server, ())
         .await
         .map_err(|e| format!("cannot start the cluster node: {e}"))?;
-    ractor_cluster::client_connect(&node, cfg.router.as_str())
-        .await
-        .map_err(|e| format!("cannot reach the router's cluster at {}: {e}", cfg.router))?;
+    let unreachable =
+        |e: String| format!("cannot reach the router's cluster at {}: {e}", cfg.router);
+    tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        ractor_cluster::client_connect(&node, cfg.router.as_str()),
+    )
+    .await
+    .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+    .map_err(|e| unreachable(e.to_string()))?;
     Actor::spawn(None, EngineAgent, AgentState { engine, cfg })
         .await
         .map_err(|e| format!("cannot start the cluster agent: {e}"))?;

@@ -1,11 +1,12 @@
 //! The router's view of the cluster: every agent in `ENGINES_GROUP` asked for its report
-//! each period; an engine that leaves the group (its node disconnected) or does not answer
-//! within the period is gone from the view at the next poll.
+//! each period. An engine that leaves the group (its node disconnected) is gone from the
+//! view at the next poll; one that stops answering keeps its last report for
+//! `LIVENESS`, then is gone too.
 
 use std::collections::HashSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use ractor::ActorRef;
+use ractor::{ActorId, ActorRef};
 
 use super::ENGINES_GROUP;
 use super::agent::{AgentMsg, EngineReport};
@@ -16,15 +17,23 @@ use crate::sync::{Mutex, Shared};
 /// is out of the view within about one period.
 pub const POLL_PERIOD: Duration = Duration::from_millis(250);
 
+/// How long an engine in the group that does not answer (busy, or its process stopped
+/// without its node noticing yet) stays in the view on its last report.
+pub const LIVENESS: Duration = Duration::from_millis(1500);
+
+/// One engine in the view: its agent, its last report, when that came.
+type Known = (ActorId, EngineReport, Instant);
+
 #[derive(Default)]
 pub struct Registry {
-    engines: Mutex<Vec<EngineReport>>,
+    engines: Mutex<Vec<Known>>,
 }
 
 impl Registry {
-    /// The engines that answered the last poll.
+    /// The engines in the view, by node name.
     pub fn reports(&self) -> Vec<EngineReport> {
-        self.engines.lock().expect("registry lock").clone()
+        let engines = self.engines.lock().expect("registry lock");
+        engines.iter().map(|(_, r, _)| r.clone()).collect()
     }
 
     /// Drops `node_name` from the view until it answers again (a forward to it failed).
@@ -32,12 +41,23 @@ impl Registry {
         self.engines
             .lock()
             .expect("registry lock")
-            .retain(|e| e.node_name != node_name);
+            .retain(|(_, e, _)| e.node_name != node_name);
     }
 
-    /// The view after a poll.
-    pub fn replace(&self, reports: Vec<EngineReport>) {
-        *self.engines.lock().expect("registry lock") = reports;
+    /// The view after a poll: the agents that answered, and those still in the group
+    /// (`in_group`) that did not but answered within `LIVENESS`.
+    pub fn replace(&self, answered: Vec<(ActorId, EngineReport)>, in_group: &[ActorId]) {
+        let now = Instant::now();
+        let mut engines = self.engines.lock().expect("registry lock");
+        let mut next: Vec<Known> = answered.into_iter().map(|(id, r)| (id, r, now)).collect();
+        for (id, report, seen) in engines.drain(..) {
+            let answered = next.iter().any(|(other, _, _)| *other == id);
+            if !answered && in_group.contains(&id) && now - seen < LIVENESS {
+                next.push((id, report, seen));
+            }
+        }
+        next.sort_by(|a, b| a.1.node_name.cmp(&b.1.node_name));
+        *engines = next;
     }
 }
 
@@ -69,18 +89,19 @@ pub async fn poll(registry: Shared<Registry>) {
     let timeout_ms = POLL_PERIOD.as_millis() as u64;
     loop {
         let members = ractor::pg::get_members(&ENGINES_GROUP.to_string());
+        let in_group: Vec<ActorId> = members.iter().map(|m| m.get_id()).collect();
         let asks = members.into_iter().map(|cell| async move {
+            let id = cell.get_id();
             let agent: ActorRef<AgentMsg> = cell.into();
             let json = ractor::call_t!(agent, AgentMsg::Report, timeout_ms).ok()?;
-            serde_json::from_str::<EngineReport>(&json).ok()
+            Some((id, serde_json::from_str::<EngineReport>(&json).ok()?))
         });
-        let mut reports: Vec<EngineReport> = futures_util::future::join_all(asks)
+        let answered: Vec<(ActorId, EngineReport)> = futures_util::future::join_all(asks)
             .await
             .into_iter()
             .flatten()
             .collect();
-        reports.sort_by(|a, b| a.node_name.cmp(&b.node_name));
-        registry.replace(reports);
+        registry.replace(answered, &in_group);
         tokio::time::sleep(POLL_PERIOD).await;
     }
 }

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use super::registry::{Registry, load_of};
 use crate::model::ModelText;
 use crate::protocol::openai::{ChatRequest, chat_conversation};
+use crate::protocol::serve_options::host_allowed;
 use crate::route::{EngineLoad, RouteConfig, pick_decode, pick_prefill, prompt_block_hashes};
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Mutex, Shared};
@@ -40,17 +41,63 @@ pub struct RouterState {
     routed: Mutex<BTreeMap<String, u64>>,
     /// Requests that went to another engine after a failed forward.
     rerouted: AtomicU64,
+    /// Requests forwarded and not yet answered in full, by node name: counted with each
+    /// engine's last report, so a burst between two reports spreads.
+    in_flight: Mutex<BTreeMap<String, usize>>,
+    /// Host header values accepted (`None`: any), as `serve` checks them.
+    allowed_hosts: Option<Vec<String>>,
+}
+
+/// One forwarded request in an engine's in-flight count, until dropped (its reply ended).
+struct InFlight {
+    st: web::Data<RouterState>,
+    node_name: String,
+}
+
+impl InFlight {
+    fn new(st: &web::Data<RouterState>, node_name: &str) -> Self {
+        *st.in_flight
+            .lock()
+            .expect("router lock")
+            .entry(node_name.to_string())
+            .or_default() += 1;
+        InFlight {
+            st: st.clone(),
+            node_name: node_name.to_string(),
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut in_flight = self.st.in_flight.lock().expect("router lock");
+        if let Some(n) = in_flight.get_mut(&self.node_name) {
+            *n = n.saturating_sub(1);
+        }
+    }
 }
 
 impl RouterState {
-    pub fn new(registry: Shared<Registry>, text: ModelText) -> Self {
+    pub fn new(
+        registry: Shared<Registry>,
+        text: ModelText,
+        allowed_hosts: Option<Vec<String>>,
+    ) -> Self {
         RouterState {
             registry,
             text,
             cfg: RouteConfig::default(),
-            client: reqwest::Client::new(),
+            // Engines are reached directly: no proxy from the environment, no redirects.
+            client: reqwest::Client::builder()
+                .no_proxy()
+                .redirect(reqwest::redirect::Policy::none())
+                .connect_timeout(std::time::Duration::from_secs(2))
+                .build()
+                .expect("a plain HTTP client"),
             routed: Mutex::new(BTreeMap::new()),
             rerouted: AtomicU64::new(0),
+            in_flight: Mutex::new(BTreeMap::new()),
+            allowed_hosts,
         }
     }
 
@@ -113,10 +160,29 @@ pub async fn forward(
         .uri()
         .path_and_query()
         .map_or(path.clone(), |p| p.to_string());
+    if let Some(allowed) = &st.allowed_hosts {
+        let host = req
+            .headers()
+            .get("host")
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or_default();
+        if !host_allowed(host, allowed) {
+            return error(
+                403,
+                "the Host header names no host this router serves (--allowed-hosts)",
+            );
+        }
+    }
     let prompt = st.prompt_ids(&path, &body);
     for attempt in 0..MAX_ATTEMPTS {
         let reports = st.registry.reports();
-        let loads: Vec<EngineLoad> = reports.iter().map(load_of).collect();
+        let mut loads: Vec<EngineLoad> = reports.iter().map(load_of).collect();
+        {
+            let in_flight = st.in_flight.lock().expect("router lock");
+            for (load, report) in loads.iter_mut().zip(&reports) {
+                load.num_running += in_flight.get(&report.node_name).copied().unwrap_or(0);
+            }
+        }
         let Some(i) = st.pick(&loads, prompt.as_deref()) else {
             return error(503, "no engine in the cluster can take the request");
         };
@@ -132,6 +198,7 @@ pub async fn forward(
                 out = out.header(*name, v);
             }
         }
+        let counted = InFlight::new(&st, &engine.node_name);
         match out.send().await {
             Ok(reply) => {
                 *st.routed
@@ -148,7 +215,9 @@ pub async fn forward(
                 if let Some(ct) = reply.headers().get("content-type") {
                     response.insert_header(("content-type", ct.as_bytes()));
                 }
-                let bytes = reply.bytes_stream().map(|chunk| {
+                let bytes = reply.bytes_stream().map(move |chunk| {
+                    // Held until the reply's last chunk has gone (or the client left).
+                    let _counted = &counted;
                     chunk.map_err(|e| actix_web::error::ErrorBadGateway(e.to_string()))
                 });
                 return response.streaming(bytes);
