@@ -30,30 +30,15 @@ fn router(cluster_port: u16) -> ServeProcess {
     }
 }
 
-fn engine(cluster_port: u16, name: &str) -> ServeProcess {
+fn engine(cluster_port: u16, name: &str, extra: &[&str]) -> ServeProcess {
     let cluster = format!("127.0.0.1:{cluster_port}");
-    serve(
-        &[
-            "--cluster",
-            &cluster,
-            "--node-name",
-            name,
-            "--kv-cache-mib",
-            "64",
-        ],
-        &[],
-    )
+    let mut args = vec!["--cluster", &cluster, "--node-name", name];
+    args.extend_from_slice(extra);
+    serve(&args, &[])
 }
 
-fn get(addr: SocketAddr, path: &str) -> Value {
-    let r = raw_request(addr, "GET", path, &HOST, b"");
-    assert_eq!(r.status, 200, "{path}");
-    r.json()
-}
-
-fn complete(addr: SocketAddr, prompt: &[u32], max_tokens: usize) -> Vec<u64> {
-    let body =
-        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+/// A completion's reply, as `body` asks it.
+fn post(addr: SocketAddr, body: &Value) -> Value {
     let headers = [("host", "127.0.0.1"), ("content-type", "application/json")];
     let r = raw_request(
         addr,
@@ -63,13 +48,53 @@ fn complete(addr: SocketAddr, prompt: &[u32], max_tokens: usize) -> Vec<u64> {
         body.to_string().as_bytes(),
     );
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.payload()));
-    let v = r.json();
-    v["choices"][0]["token_ids"]
+    r.json()
+}
+
+fn token_ids(reply: &Value) -> Vec<u64> {
+    reply["choices"][0]["token_ids"]
         .as_array()
         .unwrap()
         .iter()
         .map(|t| t.as_u64().unwrap())
         .collect()
+}
+
+/// The router's HTTP port answers (503 until an engine joins): its node is up.
+fn router_up(router: &ServeProcess) {
+    let started = Instant::now();
+    while raw_request(router.addr, "GET", "/health", &HOST, b"").status != 503 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the router did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Each body through `addr`, all at once.
+fn burst(addr: SocketAddr, bodies: &[Value]) -> Vec<Vec<u64>> {
+    std::thread::scope(|s| {
+        let runs: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(move || token_ids(&post(addr, b))))
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+fn get(addr: SocketAddr, path: &str) -> Value {
+    let r = raw_request(addr, "GET", path, &HOST, b"");
+    assert_eq!(r.status, 200, "{path}");
+    r.json()
+}
+
+fn greedy(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+fn complete(addr: SocketAddr, prompt: &[u32], max_tokens: usize) -> Vec<u64> {
+    token_ids(&post(addr, &greedy(prompt, max_tokens)))
 }
 
 /// The router's view, once `ready` holds of it (within `limit`).
@@ -121,36 +146,24 @@ fn a_router_over_two_engines() {
     let cluster_port = free_port();
     let router = router(cluster_port);
     // Its HTTP port opens after its cluster node: engines started now find the node.
-    let started = Instant::now();
-    while raw_request(router.addr, "GET", "/health", &HOST, b"").status != 503 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the router did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let e1 = engine(cluster_port, "e1");
-    let mut e2 = engine(cluster_port, "e2");
+    router_up(&router);
+    let e1 = engine(cluster_port, "e1", &["--kv-cache-mib", "64"]);
+    let mut e2 = engine(cluster_port, "e2", &["--kv-cache-mib", "64"]);
     let limit = Duration::from_secs(30);
     wait_for(router.addr, limit, |v| names(v) == ["e1", "e2"]);
 
-    // Through the router, concurrently: the burst spreads over both engines (each request
-    // in flight counts until its reply ends), and each answer is one engine's alone.
-    let prompts = random_prompts(12, 5, 24);
-    let got: Vec<Vec<u64>> = std::thread::scope(|s| {
-        let runs: Vec<_> = prompts
-            .iter()
-            .map(|p| s.spawn(|| complete(router.addr, p, 8)))
-            .collect();
-        runs.into_iter().map(|r| r.join().unwrap()).collect()
-    });
+    // 64 requests through the router at once: the burst spreads over both engines (each
+    // request in flight counts until its reply ends), and each answer is one engine's.
+    let prompts = random_prompts(64, 5, 24);
+    let bodies: Vec<Value> = prompts.iter().map(|p| greedy(p, 8)).collect();
+    let got = burst(router.addr, &bodies);
     let want: Vec<Vec<u64>> = prompts.iter().map(|p| complete(e1.addr, p, 8)).collect();
     assert_eq!(got, want);
-    let burst = get(router.addr, "/router/engines");
+    let view = get(router.addr, "/router/engines");
     for name in ["e1", "e2"] {
         assert!(
-            engine_view(&burst, name)["routed"].as_u64().unwrap() > 0,
-            "{burst}"
+            engine_view(&view, name)["routed"].as_u64().unwrap() > 0,
+            "{view}"
         );
     }
 
@@ -166,21 +179,111 @@ fn a_router_over_two_engines() {
     assert_eq!(routed(&after, "e2"), routed(&before, "e2") + 1, "{after}");
     assert_eq!(routed(&after, "e1"), routed(&before, "e1"), "{after}");
 
-    // e2 killed: gone from the view within a second or so, and e1 answers everything.
-    e2.signal(libc::SIGKILL);
-    e2.wait_exit(Duration::from_secs(10));
-    let killed = Instant::now();
-    wait_for(router.addr, limit, |v| names(v) == ["e1"]);
+    // e2 killed with requests running on it: each request gets its whole answer (the
+    // router sends it to e1, which prefills it again), e2 is gone from the view within a
+    // second or so, and the router's metrics count what it re-routed.
+    let long_runs: Vec<Value> = prompts[..12].iter().map(|p| greedy(p, 48)).collect();
+    let (got, killed) = std::thread::scope(|s| {
+        let runs = s.spawn(|| burst(router.addr, &long_runs));
+        wait_for(router.addr, limit, |v| {
+            engine_view(v, "e2")["num_running"].as_u64().unwrap() > 0
+        });
+        e2.signal(libc::SIGKILL);
+        let killed = Instant::now();
+        e2.wait_exit(Duration::from_secs(10));
+        wait_for(router.addr, limit, |v| names(v) == ["e1"]);
+        assert!(
+            killed.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            killed.elapsed()
+        );
+        (runs.join().unwrap(), killed)
+    });
+    let _ = killed;
+    let want: Vec<Vec<u64>> = long_runs
+        .iter()
+        .map(|b| token_ids(&post(e1.addr, b)))
+        .collect();
+    assert_eq!(got, want);
+    let view = get(router.addr, "/router/engines");
+    assert!(view["rerouted"].as_u64().unwrap() > 0, "{view}");
+    let metrics = raw_request(router.addr, "GET", "/metrics", &HOST, b"");
+    let text = String::from_utf8(metrics.payload()).unwrap();
+    let rerouted = format!("troupe_router_rerouted_total {}", view["rerouted"]);
+    assert!(text.contains(&rerouted), "{text}");
     assert!(
-        killed.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        killed.elapsed()
+        text.contains("troupe_router_engine_running{engine=\"e1\",role=\"both\"}"),
+        "{text}"
     );
-    for p in &prompts[..4] {
-        assert_eq!(complete(router.addr, p, 8), complete(e1.addr, p, 8));
-    }
+
     drop(e1);
     wait_for(router.addr, limit, |v| names(v).is_empty());
     let r = raw_request(router.addr, "GET", "/health", &HOST, b"");
     assert_eq!(r.status, 503, "no engine left");
+}
+
+/// The prompt-block hits a process's engine found in its store's host tier.
+fn host_hits(addr: SocketAddr) -> u64 {
+    let r = raw_request(addr, "GET", "/metrics", &HOST, b"");
+    let text = String::from_utf8(r.payload()).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("troupe_prefix_hit_blocks_total{tier=\"host\"} "))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+#[test]
+fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
+    let cluster_port = free_port();
+    let router = router(cluster_port);
+    router_up(&router);
+    let _p = engine(
+        cluster_port,
+        "p1",
+        &["--role", "prefill", "--kv-cache-mib", "256"],
+    );
+    let d = engine(
+        cluster_port,
+        "d1",
+        &["--role", "decode", "--kv-cache-mib", "256"],
+    );
+    wait_for(router.addr, Duration::from_secs(30), |v| {
+        names(v) == ["d1", "p1"]
+    });
+
+    // 64 requests at once, of drawn lengths, greedy and seeded: prefilled on p1, their
+    // KV handed to d1, which answers.
+    let mut rng = common::Rng(21);
+    let bodies: Vec<Value> = (0..64)
+        .map(|i| {
+            let len = 20 + rng.below(100);
+            let prompt = &random_prompts(1, 100 + i, len)[0];
+            match i % 2 {
+                0 => greedy(prompt, 8),
+                _ => json!({"prompt": prompt, "max_tokens": 8, "temperature": 0.9,
+                            "seed": i, "ignore_eos": true}),
+            }
+        })
+        .collect();
+    let got = burst(router.addr, &bodies);
+    let view = get(router.addr, "/router/engines");
+    assert_eq!(view["hand_offs"], 64, "{view}");
+    assert_eq!(view["failed_hand_offs"], 0, "{view}");
+    assert_eq!(engine_view(&view, "d1")["routed"], 64, "{view}");
+    assert_eq!(engine_view(&view, "p1")["routed"], 0, "{view}");
+    // Every full block of every prompt moved, and d1 computed none of them again.
+    let full_blocks: u64 = bodies
+        .iter()
+        .map(|b| (b["prompt"].as_array().unwrap().len() as u64 - 1) / 16)
+        .sum();
+    assert_eq!(view["kv_blocks_moved"], full_blocks, "{view}");
+    assert!(view["kv_bytes_moved"].as_u64().unwrap() > 0, "{view}");
+    assert_eq!(host_hits(d.addr), full_blocks);
+
+    // The same answers from one engine alone.
+    let solo = serve(&["--kv-cache-mib", "256"], &[]);
+    let want: Vec<Vec<u64>> = bodies
+        .iter()
+        .map(|b| token_ids(&post(solo.addr, b)))
+        .collect();
+    assert_eq!(got, want);
 }

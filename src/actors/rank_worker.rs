@@ -36,6 +36,8 @@ pub enum RankMsg {
     /// Copy these registered blocks to the prefix store (sent before any step that could
     /// reuse them).
     SaveKv(Vec<KvSave>),
+    /// Answered once the `SaveKv`s sent before it are in the store.
+    KvSaved(RpcReplyPort<()>),
     /// Run one step (shared by every rank and, from the leader, the sampler).
     Step {
         step: Shared<Step>,
@@ -164,6 +166,10 @@ impl ThreadLocalActor for RankWorker {
                     }
                     store.add_copy_secs(started.elapsed().as_secs_f64(), 0.0);
                 }
+                return Ok(());
+            }
+            RankMsg::KvSaved(reply) => {
+                let _ = reply.send(());
                 return Ok(());
             }
             RankMsg::Step { step, sampler } => (step, sampler),

@@ -43,13 +43,13 @@ pub enum SchedulerMsg {
     Abort {
         request_id: u64,
     },
-    /// From the request's stream: a stop string ended completion `index`'s text.
     /// A submission whose prompt blocks the prefix store was asked for, with what it
     /// holds (read on a blocking thread meanwhile).
     Staged {
         submission: Box<Submission>,
         stored: StoredPrefix,
     },
+    /// From the request's stream: a stop string ended completion `index`'s text.
     StopChoice {
         request_id: u64,
         index: usize,
@@ -73,6 +73,8 @@ pub enum SchedulerMsg {
     Status(RpcReplyPort<EngineStatus>),
     /// The chain hashes of the prefix cache's blocks.
     CachedBlocks(RpcReplyPort<Vec<u64>>),
+    /// Replies once every block registered so far is in the prefix store.
+    FlushKvSaves(RpcReplyPort<()>),
     /// Replies once no request is left.
     Drain(RpcReplyPort<()>),
     /// `queue_timeout` after a submission: its completions still waiting end with an error.
@@ -168,8 +170,7 @@ pub struct SchedulerState {
     failed: Option<String>,
     drains: Vec<RpcReplyPort<()>>,
     status: EngineStatus,
-    /// When the last step's tokens came in: the period between steps is what a step
-    /// really cost the engine.
+    /// When the last step's tokens came in (the period between steps is a step's cost).
     last_sampled_at: Option<std::time::Instant>,
     kv_store: Option<Shared<KvStore>>,
     /// Submissions whose blocks are being read from the store (a drain waits for them).
@@ -576,6 +577,7 @@ impl Actor for SchedulerActor {
             SchedulerMsg::CachedBlocks(reply) => {
                 let _ = reply.send(st.core.cached_block_hashes());
             }
+            SchedulerMsg::FlushKvSaves(reply) => st.flush_kv_saves(reply),
             SchedulerMsg::Drain(reply) => {
                 st.drains.push(reply);
                 st.answer_drains();

@@ -52,7 +52,9 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             "router".into(),
             cluster_host.clone(),
             None,
-            None,
+            // Each engine learns from the router's node of the others and connects to
+            // them: prefill engines send KV to decode engines directly.
+            Some(ractor_cluster::node::NodeConnectionMode::Transitive),
         )
         .with_listen_addr(cluster_ip);
         ractor::Actor::spawn(None, server, ())
@@ -79,6 +81,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
             .app_data(web::PayloadConfig::new(4 << 20))
             .route("/health", web::get().to(front::health))
             .route("/router/engines", web::get().to(front::engines))
+            .route("/metrics", web::get().to(front::metrics))
             .default_service(web::to(front::forward))
     })
     .listen(listener)

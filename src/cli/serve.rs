@@ -41,6 +41,12 @@ pub struct ServeArgs {
     /// Join the cluster of `troupe router --listen HOST:PORT` as one of its engines.
     #[arg(long, value_name = "HOST:PORT")]
     cluster: Option<String>,
+    /// What this engine does in the cluster: both prefill and decode (a data-parallel
+    /// replica), or only one of them (prefill/decode disaggregation: the router has a
+    /// prefill engine prefill each prompt and hand its KV to a decode engine). The KV moves
+    /// through the prefix store (a 1 GiB host tier unless --kv-host-cache-bytes says).
+    #[arg(long, value_enum, default_value = "both", requires = "cluster")]
+    role: ClusterRole,
     /// This engine's name in the cluster (default: engine-PORT).
     #[arg(long, requires = "cluster")]
     node_name: Option<String>,
@@ -153,9 +159,23 @@ impl ServeArgs {
     }
 }
 
+/// `--role`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ClusterRole {
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// The host tier a prefill or decode engine keeps KV blocks in unless told otherwise.
+const HAND_OFF_HOST_CACHE_BYTES: usize = 1 << 30;
+
 pub fn run_serve(args: ServeArgs) -> Result<()> {
     let path = args.engine.model_path(&args.model)?;
     let mut cfg = args.engine.config(&path)?;
+    if args.role != ClusterRole::Both && cfg.kv_store.host_bytes == 0 {
+        cfg.kv_store.host_bytes = HAND_OFF_HOST_CACHE_BYTES;
+    }
     cfg.queue_timeout = args.queue_timeout;
     cfg.max_rank_restarts = args.max_rank_restarts;
     cfg.rank_restart_window = args.rank_restart_window;
@@ -186,7 +206,7 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
                 .unwrap_or_else(|| format!("engine-{}", args.port)),
             cookie: args.cluster_cookie.clone(),
             http_url: format!("http://{}:{}", args.host, args.port),
-            role: "both".into(),
+            role: format!("{:?}", args.role).to_lowercase(),
             block_size: cfg.block_size,
             listen_ip,
         });

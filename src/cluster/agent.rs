@@ -1,12 +1,22 @@
-//! The engine's side of a cluster: a node connected to the router's, and an agent actor
-//! that answers the router's `Report` calls with the engine's load and cached prefixes.
+//! The engine's side of a cluster: a node connected to the router's (and, transitively, to
+//! the other engines'), and an agent actor that answers the router's `Report` calls with
+//! the engine's load and cached prefixes, prefills prompts for a decode engine and keeps
+//! the KV blocks a prefill engine sends (`kv_transfer.rs`).
+
+use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use ractor_cluster::RactorClusterMessage;
 use serde::{Deserialize, Serialize};
 
 use super::ENGINES_GROUP;
+use super::kv_transfer::{Block, HandOff, KvTransport, PrefillAsk, encode_chunks, put_blocks};
 use crate::engine::EngineHandle;
+use crate::engine::EngineRequest;
+use crate::sampling::SamplingParams;
+
+/// How long a chunk of KV blocks may take to be acknowledged.
+const CHUNK_TIMEOUT_MS: u64 = 30_000;
 
 /// What the router may ask an engine's agent; crosses the network.
 #[derive(RactorClusterMessage)]
@@ -14,6 +24,20 @@ pub enum AgentMsg {
     /// The engine's `EngineReport`, as JSON.
     #[rpc]
     Report(RpcReplyPort<String>),
+    /// A prompt to prefill here, its blocks sent to a decode engine
+    /// (`kv_transfer::PrefillAsk` as JSON); answered with the `HandOff` as JSON, or
+    /// `{"error": ...}`.
+    #[rpc]
+    Prefill(String, RpcReplyPort<String>),
+    /// A chunk of KV blocks for this engine's prefix store (`kv_transfer::encode_chunks`);
+    /// answered with "" once kept, else why not.
+    #[rpc]
+    PutBlocks(Vec<u8>, RpcReplyPort<String>),
+}
+
+/// The process group of one engine's agent alone: how a peer finds it by node name.
+pub fn agent_group(node_name: &str) -> String {
+    format!("{ENGINES_GROUP}.{node_name}")
 }
 
 /// One engine's state as the router sees it.
@@ -68,6 +92,7 @@ impl Actor for EngineAgent {
         state: AgentState,
     ) -> Result<AgentState, ActorProcessingErr> {
         ractor::pg::join(ENGINES_GROUP.to_string(), vec![myself.get_cell()]);
+        ractor::pg::join(agent_group(&state.cfg.node_name), vec![myself.get_cell()]);
         Ok(state)
     }
 
@@ -104,9 +129,99 @@ impl Actor for EngineAgent {
                     let _ = reply.send(json);
                 }
             }
+            AgentMsg::Prefill(ask, reply) => {
+                // On a task of its own: the prompt runs with the engine's other requests,
+                // and the agent answers reports meanwhile.
+                let engine = st.engine.clone();
+                tokio::spawn(async move {
+                    let done = match serde_json::from_str::<PrefillAsk>(&ask) {
+                        Ok(ask) => prefill_and_send(&engine, &ask).await,
+                        Err(e) => Err(format!("a prefill ask: {e}")),
+                    };
+                    let answer = match done {
+                        Ok(hand_off) => serde_json::to_value(hand_off).unwrap_or_default(),
+                        Err(e) => serde_json::json!({ "error": e }),
+                    };
+                    let _ = reply.send(answer.to_string());
+                });
+            }
+            AgentMsg::PutBlocks(chunk, reply) => {
+                let kept = match st.engine.kv_store() {
+                    Some(store) => put_blocks(store, &chunk).map(|_| ()),
+                    None => Err("this engine keeps no prefix store (--kv-host-cache-bytes)".into()),
+                };
+                let _ = reply.send(kept.err().unwrap_or_default());
+            }
         }
         Ok(())
     }
+}
+
+/// The cluster's TCP transport: chunks as `AgentMsg::PutBlocks` calls on the decode
+/// engine's agent, each acknowledged before the next.
+pub struct ClusterTcp {
+    dest: ActorRef<AgentMsg>,
+}
+
+impl ClusterTcp {
+    /// The transport to `node`'s agent, once this node is connected to that node.
+    pub fn to_node(node: &str) -> Result<Self, String> {
+        let cell = ractor::pg::get_members(&agent_group(node))
+            .into_iter()
+            .next()
+            .ok_or_else(|| format!("no engine named {node} in the cluster"))?;
+        Ok(ClusterTcp { dest: cell.into() })
+    }
+}
+
+impl KvTransport for ClusterTcp {
+    async fn send(&self, namespace: &str, blocks: &[Block]) -> Result<u64, String> {
+        let mut bytes = 0;
+        for chunk in encode_chunks(namespace, blocks) {
+            bytes += chunk.len() as u64;
+            let answer = ractor::call_t!(self.dest, AgentMsg::PutBlocks, CHUNK_TIMEOUT_MS, chunk)
+                .map_err(|e| format!("sending KV blocks: {e}"))?;
+            if !answer.is_empty() {
+                return Err(answer);
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+/// The prefill engine's side: `ask`'s prompt run here, its blocks sent on.
+pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result<HandOff, String> {
+    let started = Instant::now();
+    let store = engine
+        .kv_store()
+        .ok_or("this engine keeps no prefix store (--kv-host-cache-bytes)")?;
+    let transport = ClusterTcp::to_node(&ask.decode_node)?;
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let request = EngineRequest::new(ask.prompt_ids.clone(), 1, greedy);
+    let out = engine
+        .generate(request)
+        .await
+        .map_err(|e| e.to_string())?
+        .collect()
+        .await;
+    if let Some(e) = out.error {
+        return Err(format!("prefill: {e}"));
+    }
+    engine.flush_kv_saves().await.map_err(|e| e.to_string())?;
+    // What the store does not hold now it has dropped for room: the decode engine
+    // computes those blocks again.
+    let blocks = store.export(&ask.prompt_ids, 0);
+    let sending = Instant::now();
+    let bytes = transport.send(store.namespace(), &blocks).await?;
+    Ok(HandOff {
+        num_blocks: blocks.len(),
+        bytes,
+        prefill_secs: started.elapsed().as_secs_f64(),
+        transfer_secs: sending.elapsed().as_secs_f64(),
+    })
 }
 
 /// Starts this process's node, connects it to the router's and starts the agent for
@@ -118,7 +233,9 @@ pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<(), String> {
         cfg.node_name.clone(),
         cfg.listen_ip.to_string(),
         None,
-        None,
+        // Connected to the router's node, this node connects to every engine the router
+        // knows (and they to it): KV moves between engines directly.
+        Some(ractor_cluster::node::NodeConnectionMode::Transitive),
     )
     .with_listen_addr(cfg.listen_ip);
     let (node, _) = Actor::spawn(None, server, ())

@@ -4,8 +4,10 @@
 //! each request by `route`'s rules and forwards the request to it over HTTP (`router.rs`).
 
 pub mod agent;
+pub mod kv_transfer;
 pub mod registry;
 pub mod router;
+pub mod router_metrics;
 
 /// The process group every engine's agent joins.
 pub const ENGINES_GROUP: &str = "troupe.engines";

@@ -1,8 +1,12 @@
 //! `troupe router`: the cluster's HTTP front. Each generation request's prompt is
-//! tokenized and hashed as the engines' prefix caches hash it, the engine is picked by
-//! `route::pick_prefill` over the engines' last reports, and the request is forwarded to
-//! it unchanged, its reply streamed back as it comes. An engine that cannot be reached is
-//! dropped from the view and the request goes to the next pick.
+//! tokenized and hashed as the engines' prefix caches hash it, its route is picked by
+//! `route::pick_route` over the engines' last reports (with a prefill engine in the
+//! cluster: that engine prefills and hands the KV to the decode engine that answers), and
+//! the request is forwarded unchanged, its reply streamed back as it comes. An engine that
+//! cannot be reached, or fails before the client has a byte of its reply, is dropped from
+//! the view and the request goes to the next pick (prefilled again there); one that fails
+//! later ends the stream with an error event. An engine answering 429 or 503 is passed
+//! over for the request while another can take it.
 
 use std::collections::BTreeMap;
 
@@ -10,16 +14,19 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
+use super::agent::{AgentMsg, EngineReport, agent_group};
+use super::kv_transfer::{HandOff, PrefillAsk};
 use super::registry::{Registry, load_of};
 use crate::model::ModelText;
 use crate::protocol::openai::{ChatRequest, chat_conversation};
 use crate::protocol::serve_options::host_allowed;
-use crate::route::{EngineLoad, RouteConfig, pick_decode, pick_prefill, prompt_block_hashes};
-use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::route::{EngineLoad, Route, RouteConfig, pick_route, prompt_block_hashes};
 use crate::sync::{Mutex, Shared};
 
 /// How many engines a request is tried on before the router gives up.
 const MAX_ATTEMPTS: usize = 3;
+/// How long a prefill engine may take to prefill a prompt and hand its KV over.
+const HAND_OFF_TIMEOUT_MS: u64 = 600_000;
 
 /// Request headers the engines read (keys, ids, traces); the rest stay here.
 const FORWARDED_HEADERS: &[&str] = &[
@@ -37,15 +44,31 @@ pub struct RouterState {
     pub text: ModelText,
     pub cfg: RouteConfig,
     client: reqwest::Client,
-    /// Requests sent to each engine, by node name.
-    routed: Mutex<BTreeMap<String, u64>>,
-    /// Requests that went to another engine after a failed forward.
-    rerouted: AtomicU64,
+    counters: Mutex<Counters>,
     /// Requests forwarded and not yet answered in full, by node name: counted with each
     /// engine's last report, so a burst between two reports spreads.
     in_flight: Mutex<BTreeMap<String, usize>>,
     /// Host header values accepted (`None`: any), as `serve` checks them.
     allowed_hosts: Option<Vec<String>>,
+}
+
+/// What the router has done since it started.
+#[derive(Debug, Default, Clone)]
+pub struct Counters {
+    /// Requests answered by each engine (a reply came), by node name.
+    pub routed: BTreeMap<String, u64>,
+    /// Requests answered by another engine than the first picked.
+    pub rerouted: u64,
+    /// Replies an engine broke off after the client had part of them.
+    pub failed_mid_reply: u64,
+    /// Prompts prefilled on a prefill engine and their KV handed over, by that engine.
+    pub hand_offs: BTreeMap<String, u64>,
+    /// Hand-offs that failed (the decode engine then prefilled the prompt itself).
+    pub failed_hand_offs: u64,
+    pub kv_blocks_moved: u64,
+    pub kv_bytes_moved: u64,
+    /// Seconds spent sending KV blocks between engines.
+    pub kv_transfer_secs: f64,
 }
 
 /// One forwarded request in an engine's in-flight count, until dropped (its reply ended).
@@ -94,8 +117,7 @@ impl RouterState {
                 .connect_timeout(std::time::Duration::from_secs(2))
                 .build()
                 .expect("a plain HTTP client"),
-            routed: Mutex::new(BTreeMap::new()),
-            rerouted: AtomicU64::new(0),
+            counters: Mutex::new(Counters::default()),
             in_flight: Mutex::new(BTreeMap::new()),
             allowed_hosts,
         }
@@ -130,17 +152,40 @@ impl RouterState {
         }
     }
 
-    /// The engine for a request: by prefix and work for a generation request whose
-    /// prompt is known, by load otherwise.
-    fn pick(&self, loads: &[EngineLoad], prompt: Option<&[u32]>) -> Option<usize> {
+    /// The request's route: by prefix and work where its prompt is known, by load
+    /// otherwise.
+    fn route(&self, loads: &[EngineLoad], prompt: Option<&[u32]>) -> Option<Route> {
         match prompt {
             Some(ids) => {
                 let block_size = loads.first()?.block_size;
                 let hashes = prompt_block_hashes(ids, block_size);
-                pick_prefill(&self.cfg, loads, &hashes, ids.len())
+                pick_route(&self.cfg, loads, Some((&hashes, ids.len())))
             }
-            None => pick_decode(loads, 0),
+            None => pick_route(&self.cfg, loads, None),
         }
+    }
+
+    /// The engines' last reports as the rules read them: requests in flight added to
+    /// each engine's load, the engines passed over for this request not alive.
+    fn loads(&self, reports: &[EngineReport], passed_over: &[String]) -> Vec<EngineLoad> {
+        let in_flight = self.in_flight.lock().expect("router lock");
+        reports
+            .iter()
+            .map(|r| {
+                let mut load = load_of(r);
+                load.num_running += in_flight.get(&r.node_name).copied().unwrap_or(0);
+                load.alive = !passed_over.contains(&r.node_name);
+                load
+            })
+            .collect()
+    }
+
+    fn count(&self, f: impl FnOnce(&mut Counters)) {
+        f(&mut self.counters.lock().expect("router lock"));
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.counters.lock().expect("router lock").clone()
     }
 }
 
@@ -149,17 +194,12 @@ fn error(status: u16, message: &str) -> HttpResponse {
         .json(json!({"error": {"message": message, "type": "router_error", "code": status}}))
 }
 
-/// Every route but the router's own: forwarded to the engine picked for it.
+/// Every route but the router's own: forwarded along the route picked for it.
 pub async fn forward(
     st: web::Data<RouterState>,
     req: HttpRequest,
     body: web::Bytes,
 ) -> HttpResponse {
-    let path = req.uri().path().to_string();
-    let target = req
-        .uri()
-        .path_and_query()
-        .map_or(path.clone(), |p| p.to_string());
     if let Some(allowed) = &st.allowed_hosts {
         let host = req
             .headers()
@@ -173,67 +213,184 @@ pub async fn forward(
             );
         }
     }
-    let prompt = st.prompt_ids(&path, &body);
+    let prompt = st.prompt_ids(req.uri().path(), &body);
+    let mut passed_over: Vec<String> = Vec::new();
+    let mut why = "no engine in the cluster can take the request".to_string();
     for attempt in 0..MAX_ATTEMPTS {
         let reports = st.registry.reports();
-        let mut loads: Vec<EngineLoad> = reports.iter().map(load_of).collect();
-        {
-            let in_flight = st.in_flight.lock().expect("router lock");
-            for (load, report) in loads.iter_mut().zip(&reports) {
-                load.num_running += in_flight.get(&report.node_name).copied().unwrap_or(0);
-            }
-        }
-        let Some(i) = st.pick(&loads, prompt.as_deref()) else {
-            return error(503, "no engine in the cluster can take the request");
+        let loads = st.loads(&reports, &passed_over);
+        let Some(route) = st.route(&loads, prompt.as_deref()) else {
+            break;
         };
-        let engine = &reports[i];
-        let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
-            .unwrap_or(reqwest::Method::GET);
-        let mut out = st
-            .client
-            .request(method, format!("{}{target}", engine.http_url))
-            .body(body.clone());
-        for name in FORWARDED_HEADERS {
-            if let Some(v) = req.headers().get(*name).and_then(|v| v.to_str().ok()) {
-                out = out.header(*name, v);
-            }
+        let engine = &reports[route.target];
+        if let (Some(from), Some(ids)) = (route.prefill_from, &prompt) {
+            hand_off(&st, &reports[from], engine, ids).await;
         }
-        let counted = InFlight::new(&st, &engine.node_name);
-        match out.send().await {
+        let last = attempt + 1 == MAX_ATTEMPTS;
+        match send(&st, &req, &body, engine, last).await {
             Ok(reply) => {
-                *st.routed
-                    .lock()
-                    .expect("router lock")
-                    .entry(engine.node_name.clone())
-                    .or_default() += 1;
-                if attempt > 0 {
-                    st.rerouted.fetch_add(1, Ordering::Relaxed);
-                }
-                let status = actix_web::http::StatusCode::from_u16(reply.status().as_u16())
-                    .unwrap_or(actix_web::http::StatusCode::BAD_GATEWAY);
-                let mut response = HttpResponse::build(status);
-                if let Some(ct) = reply.headers().get("content-type") {
-                    response.insert_header(("content-type", ct.as_bytes()));
-                }
-                let bytes = reply.bytes_stream().map(move |chunk| {
-                    // Held until the reply's last chunk has gone (or the client left).
-                    let _counted = &counted;
-                    chunk.map_err(|e| actix_web::error::ErrorBadGateway(e.to_string()))
+                st.count(|c| {
+                    *c.routed.entry(engine.node_name.clone()).or_default() += 1;
+                    c.rerouted += u64::from(attempt > 0);
                 });
-                return response.streaming(bytes);
+                return reply;
             }
-            // Nothing reached the engine: it is gone; the next pick gets the request.
-            Err(e) if e.is_connect() => st.registry.forget(&engine.node_name),
-            Err(e) => return error(502, &format!("engine {}: {e}", engine.node_name)),
+            Err(e) => {
+                tracing::warn!("router: engine {}: {e}", engine.node_name);
+                why = format!("engine {}: {e}", engine.node_name);
+                passed_over.push(engine.node_name.clone());
+            }
         }
     }
-    error(503, "no engine of the cluster answered")
+    error(503, &why)
 }
 
-/// `GET /router/engines`: each engine's last report (cached blocks counted) and how many
-/// requests went to it.
+/// The request sent to `engine`: its reply, or why another engine should take it — it
+/// could not be reached, broke off before the client had a byte, or was full or
+/// unavailable (429, 503) with another try left.
+async fn send(
+    st: &web::Data<RouterState>,
+    req: &HttpRequest,
+    body: &web::Bytes,
+    engine: &EngineReport,
+    last: bool,
+) -> Result<HttpResponse, String> {
+    let target = req
+        .uri()
+        .path_and_query()
+        .map_or(req.uri().path().to_string(), |p| p.to_string());
+    let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
+        .unwrap_or(reqwest::Method::GET);
+    let mut out = st
+        .client
+        .request(method, format!("{}{target}", engine.http_url))
+        .body(body.clone());
+    for name in FORWARDED_HEADERS {
+        if let Some(v) = req.headers().get(*name).and_then(|v| v.to_str().ok()) {
+            out = out.header(*name, v);
+        }
+    }
+    let counted = InFlight::new(st, &engine.node_name);
+    let reply = match out.send().await {
+        Ok(reply) => reply,
+        Err(e) if e.is_connect() => {
+            // Nothing reached the engine: it is gone.
+            st.registry.forget(&engine.node_name);
+            return Err(format!("unreachable: {e}"));
+        }
+        Err(e) => {
+            st.registry.forget(&engine.node_name);
+            return Err(format!("no reply: {e}"));
+        }
+    };
+    let code = reply.status().as_u16();
+    if (code == 429 || code == 503) && !last {
+        return Err(format!("answered {code}"));
+    }
+    let status = actix_web::http::StatusCode::from_u16(code)
+        .unwrap_or(actix_web::http::StatusCode::BAD_GATEWAY);
+    let mut response = HttpResponse::build(status);
+    for name in ["content-type", "retry-after", "x-request-id"] {
+        if let Some(v) = reply.headers().get(name) {
+            response.insert_header((name, v.as_bytes()));
+        }
+    }
+    let streamed = reply
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !streamed {
+        // A whole reply or none: an engine that dies mid-reply leaves nothing sent.
+        return match reply.bytes().await {
+            Ok(bytes) => Ok(response.body(bytes)),
+            Err(e) => {
+                st.registry.forget(&engine.node_name);
+                Err(format!("broke off its reply: {e}"))
+            }
+        };
+    }
+    // The client's stream starts with the engine's first event: before it, another engine
+    // may still take the request.
+    let mut events = reply.bytes_stream();
+    let first = match events.next().await {
+        Some(Ok(first)) => first,
+        Some(Err(e)) => {
+            st.registry.forget(&engine.node_name);
+            return Err(format!("broke off its stream: {e}"));
+        }
+        None => {
+            st.registry.forget(&engine.node_name);
+            return Err("ended its stream before any event".into());
+        }
+    };
+    let (st, node) = (st.clone(), engine.node_name.clone());
+    let rest = events.scan(false, move |ended, chunk| {
+        // Held until the reply's last chunk has gone (or the client left).
+        let _counted = &counted;
+        if *ended {
+            return std::future::ready(None);
+        }
+        let bytes = chunk.unwrap_or_else(|e| {
+            // An error event ends the stream: the client never waits on a dead engine.
+            *ended = true;
+            st.count(|c| c.failed_mid_reply += 1);
+            st.registry.forget(&node);
+            let message = format!("engine {node} failed mid-reply: {e}");
+            let event = json!({"error": {"message": message, "type": "router_error", "code": 502}});
+            web::Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n"))
+        });
+        std::future::ready(Some(Ok::<_, actix_web::Error>(bytes)))
+    });
+    let stream = futures_util::stream::once(std::future::ready(Ok(first))).chain(rest);
+    Ok(response.streaming(stream))
+}
+
+/// The prompt prefilled on `prefill` and its KV handed to `decode`; on failure the decode
+/// engine prefills it itself (counted).
+async fn hand_off(
+    st: &web::Data<RouterState>,
+    prefill: &EngineReport,
+    decode: &EngineReport,
+    prompt: &[u32],
+) {
+    let _counted = InFlight::new(st, &prefill.node_name);
+    let ask = PrefillAsk {
+        prompt_ids: prompt.to_vec(),
+        decode_node: decode.node_name.clone(),
+    };
+    let done = match ractor::pg::get_members(&agent_group(&prefill.node_name)).pop() {
+        None => Err("its agent left the cluster".to_string()),
+        Some(cell) => {
+            let agent: ractor::ActorRef<AgentMsg> = cell.into();
+            let ask = serde_json::to_string(&ask).unwrap_or_default();
+            match ractor::call_t!(agent, AgentMsg::Prefill, HAND_OFF_TIMEOUT_MS, ask) {
+                Ok(answer) => serde_json::from_str::<HandOff>(&answer).map_err(|_| answer),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    };
+    match done {
+        Ok(h) => st.count(|c| {
+            *c.hand_offs.entry(prefill.node_name.clone()).or_default() += 1;
+            c.kv_blocks_moved += h.num_blocks as u64;
+            c.kv_bytes_moved += h.bytes;
+            c.kv_transfer_secs += h.transfer_secs;
+        }),
+        Err(e) => {
+            tracing::warn!(
+                "router: hand-off from {} to {}: {e}",
+                prefill.node_name,
+                decode.node_name
+            );
+            st.count(|c| c.failed_hand_offs += 1);
+        }
+    }
+}
+
+/// `GET /router/engines`: each engine's last report (cached blocks counted), how many
+/// requests it answered and prefilled for others, and the router's counters.
 pub async fn engines(st: web::Data<RouterState>) -> HttpResponse {
-    let routed = st.routed.lock().expect("router lock").clone();
+    let c = st.counters();
     let engines: Vec<Value> = st
         .registry
         .reports()
@@ -242,13 +399,20 @@ pub async fn engines(st: web::Data<RouterState>) -> HttpResponse {
             json!({"node_name": e.node_name, "http_url": e.http_url, "role": e.role,
                    "num_running": e.num_running, "num_waiting": e.num_waiting,
                    "num_kv_tokens": e.num_kv_tokens, "num_cached_blocks": e.cached_blocks.len(),
-                   "routed": routed.get(&e.node_name).copied().unwrap_or(0)})
+                   "routed": c.routed.get(&e.node_name).copied().unwrap_or(0),
+                   "hand_offs": c.hand_offs.get(&e.node_name).copied().unwrap_or(0)})
         })
         .collect();
     HttpResponse::Ok().json(json!({
         "engines": engines,
-        "routed": routed,
-        "rerouted": st.rerouted.load(Ordering::Relaxed),
+        "routed": c.routed,
+        "rerouted": c.rerouted,
+        "failed_mid_reply": c.failed_mid_reply,
+        "hand_offs": c.hand_offs.values().sum::<u64>(),
+        "failed_hand_offs": c.failed_hand_offs,
+        "kv_blocks_moved": c.kv_blocks_moved,
+        "kv_bytes_moved": c.kv_bytes_moved,
+        "kv_transfer_secs": c.kv_transfer_secs,
     }))
 }
 
@@ -259,4 +423,13 @@ pub async fn health(st: web::Data<RouterState>) -> HttpResponse {
     } else {
         HttpResponse::Ok().finish()
     }
+}
+
+/// `GET /metrics`: the router's view and counters in Prometheus' text format.
+pub async fn metrics(st: web::Data<RouterState>) -> HttpResponse {
+    let in_flight = st.in_flight.lock().expect("router lock").clone();
+    let text = super::router_metrics::render(&st.registry.reports(), &in_flight, &st.counters());
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(text)
 }

@@ -6,6 +6,7 @@ mod grammar;
 mod kv_store;
 mod pools;
 mod request_stream;
+mod speculation;
 
 use crate::sync::OnceLock;
 use crate::sync::Shared;
@@ -29,10 +30,12 @@ use crate::api::{ChoiceText, RequestIds};
 use crate::model::{self, ModelText};
 use crate::runner::decode_curve::CurveJob;
 use crate::runner::fault::FaultPlan;
+use crate::runner::kv_store::KvStore;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::splitmix64;
 use crate::sched::SchedulerConfig;
 use crate::structured::GrammarCompiler;
+use speculation::{draft_model, mtp_drafts, speculative_tokens};
 
 pub struct Engine;
 
@@ -64,6 +67,8 @@ pub struct EngineHandle {
     seed_entropy: u64,
     /// Built on the first structured-output request (the vocabulary trie takes a moment).
     grammars: Shared<OnceLock<Result<Shared<GrammarCompiler>, String>>>,
+    /// The prefix store, where one is open: a cluster's engines move KV blocks through it.
+    kv_store: Option<Shared<KvStore>>,
 }
 
 impl Engine {
@@ -153,6 +158,7 @@ impl Engine {
             text.deepseek_v4.is_some(),
             draft.is_some(),
         )?;
+        let store = kv_store.clone();
         let sampled = SampledTokens::new();
         let handle_sampled = sampled.clone();
         // A verify row's continuation learns on the rank what that row kept: from its
@@ -283,98 +289,9 @@ impl Engine {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
             grammars: Shared::new(OnceLock::new()),
+            kv_store: store,
         })
     }
-}
-
-/// Drafts per row the scheduler may plan (0: speculation off), or why the configuration
-/// cannot run.
-fn speculative_tokens(spec: Option<SpecConfig>) -> Result<usize, EngineError> {
-    let Some(spec) = spec else {
-        return Ok(0);
-    };
-    if !(1..=16).contains(&spec.num_speculative_tokens) {
-        return Err(EngineError::Spawn(format!(
-            "num_speculative_tokens must be in 1..=16, got {}",
-            spec.num_speculative_tokens
-        )));
-    }
-    Ok(spec.num_speculative_tokens)
-}
-
-/// `--spec mtp`: whether the model's MTP layer drafts (only DeepSeek-V4 has one here,
-/// and it runs beside a lone rank).
-fn mtp_drafts(cfg: &EngineConfig, text: &model::ModelText) -> Result<bool, EngineError> {
-    if cfg.speculative.is_none_or(|s| s.method != SpecMethod::Mtp) {
-        return Ok(false);
-    }
-    let refuse = |why: String| Err(EngineError::Spawn(format!("--spec mtp: {why}")));
-    if text.deepseek_v4.is_none() {
-        return refuse(format!(
-            "{} has no MTP layer (the Llama family has none; DeepSeek-V4 checkpoints ship one)",
-            cfg.model_path.display()
-        ));
-    }
-    if cfg.tensor_parallel_size > 1 {
-        return refuse(format!(
-            "the MTP layer runs on one rank; tensor_parallel_size is {}",
-            cfg.tensor_parallel_size
-        ));
-    }
-    Ok(true)
-}
-
-/// `--spec draft`'s draft model, checked against the model it drafts for: its shape, or
-/// why the pair cannot run.
-fn draft_model(
-    cfg: &EngineConfig,
-    text: &model::ModelText,
-) -> Result<Option<model::config::ModelConfig>, EngineError> {
-    let wants = cfg
-        .speculative
-        .is_some_and(|s| s.method == SpecMethod::DraftModel);
-    let path = match (&cfg.draft_model_path, wants) {
-        (None, false) => return Ok(None),
-        (Some(p), false) => {
-            return Err(EngineError::Spawn(format!(
-                "a draft model ({}) was given without --spec draft",
-                p.display()
-            )));
-        }
-        (None, true) => {
-            return Err(EngineError::Spawn(
-                "--spec draft needs --draft-model (a smaller model with the same tokenizer)".into(),
-            ));
-        }
-        (Some(p), true) => p,
-    };
-    let refuse = |why: String| Err(EngineError::Spawn(format!("--spec draft: {why}")));
-    if text.deepseek_v4.is_some() {
-        return refuse(
-            "DeepSeek-V4 models draft with --spec ngram or --spec mtp (their own MTP layer)".into(),
-        );
-    }
-    if cfg.tensor_parallel_size > 1 {
-        return refuse(format!(
-            "the draft model runs on one rank; tensor_parallel_size is {}",
-            cfg.tensor_parallel_size
-        ));
-    }
-    let draft = model::load_text(path)?;
-    if draft.deepseek_v4.is_some() {
-        return refuse(format!(
-            "{} is a DeepSeek-V4 model; drafts come from the Llama family",
-            path.display()
-        ));
-    }
-    let (want, got) = (text.config.vocab_size, draft.config.vocab_size);
-    if want != got {
-        return refuse(format!(
-            "{} has a vocabulary of {got} tokens, the model {want}: a draft model must share the tokenizer",
-            path.display()
-        ));
-    }
-    Ok(Some(draft.config))
 }
 
 /// The KV cache's budget: as configured, or on a GPU with `kv_cache_bytes == 0`, what is
@@ -416,6 +333,10 @@ fn gpu_free_bytes(ordinal: usize) -> Result<usize, EngineError> {
 impl EngineHandle {
     pub fn text(&self) -> &ModelText {
         &self.text
+    }
+
+    pub fn kv_store(&self) -> Option<&KvStore> {
+        self.kv_store.as_deref()
     }
 
     pub fn text_shared(&self) -> Shared<ModelText> {
@@ -556,6 +477,13 @@ impl EngineHandle {
     /// The chain hashes of the blocks its prefix cache holds (`sched::block_hash`).
     pub async fn cached_block_hashes(&self) -> Result<Vec<u64>, EngineError> {
         ractor::call_t!(self.scheduler, SchedulerMsg::CachedBlocks, CALL_TIMEOUT_MS)
+            .map_err(|e| call_error("scheduler", e))
+    }
+
+    /// Returns once the prefix store holds every block the engine has registered so far
+    /// (those it still has room for).
+    pub async fn flush_kv_saves(&self) -> Result<(), EngineError> {
+        ractor::call_t!(self.scheduler, SchedulerMsg::FlushKvSaves, CALL_TIMEOUT_MS)
             .map_err(|e| call_error("scheduler", e))
     }
 

@@ -12,6 +12,10 @@
 //! - **Decode by running requests and KV length.** The engine with the fewest running
 //!   requests, then the least KV held, that has room for the request's KV.
 //!
+//! - **Disaggregated where prefill engines exist.** A prompt picked for a prefill-only
+//!   engine is decoded by the decode engine `pick_decode` picks, its KV handed over,
+//!   unless that engine's own cache holds all but the prompt's last block (`pick_route`).
+//!
 //! Engines not alive, or of the other role, are never picked.
 
 use std::collections::HashSet;
@@ -136,4 +140,41 @@ pub fn pick_decode(engines: &[EngineLoad], num_kv_tokens: usize) -> Option<usize
         })
         .min_by_key(|(i, e)| (e.num_running + e.num_waiting, e.num_kv_tokens, *i))
         .map(|(i, _)| i)
+}
+
+/// Where a request goes: the engine that answers it, and the engine that prefills its
+/// prompt first and hands the KV over (`None`: the answering engine prefills).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    pub target: usize,
+    pub prefill_from: Option<usize>,
+}
+
+/// The route of a request whose prompt is `prompt` (hashed as `block_hashes`; `None`:
+/// the router cannot read the request's prompt, and it goes by load to an engine that
+/// decodes).
+pub fn pick_route(
+    cfg: &RouteConfig,
+    engines: &[EngineLoad],
+    prompt: Option<(&[u64], usize)>,
+) -> Option<Route> {
+    let direct = |target| Route {
+        target,
+        prefill_from: None,
+    };
+    let Some((block_hashes, num_prompt_tokens)) = prompt else {
+        return pick_decode(engines, 0).map(direct);
+    };
+    let prefill = pick_prefill(cfg, engines, block_hashes, num_prompt_tokens)?;
+    if engines[prefill].role != Role::Prefill {
+        return Some(direct(prefill));
+    }
+    let target = pick_decode(engines, num_prompt_tokens)?;
+    let decode = &engines[target];
+    let left = num_prompt_tokens - hit_tokens(decode, block_hashes, num_prompt_tokens);
+    let prefill_from = (left > decode.block_size).then_some(prefill);
+    Some(Route {
+        target,
+        prefill_from,
+    })
 }

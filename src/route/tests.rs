@@ -175,3 +175,72 @@ fn decode_picks_follow_the_rules() {
         }
     }
 }
+
+#[test]
+fn routes_hand_a_prefill_engines_prompts_to_a_decode_engine() {
+    let mut rng = Rng(13);
+    let cfg = RouteConfig::default();
+    let (mut handed, mut direct) = (0, 0);
+    for case in 0..3000 {
+        let prompts: Vec<Vec<u32>> = (0..2)
+            .map(|_| {
+                let len = 1 + rng.below(1500);
+                prompt(&mut rng, len)
+            })
+            .collect();
+        let engines: Vec<EngineLoad> = (0..1 + rng.below(5))
+            .map(|_| engine(&mut rng, &prompts))
+            .collect();
+        let p = &prompts[rng.below(2)];
+        let hashes = prompt_block_hashes(p, BLOCK);
+        let route = pick_route(&cfg, &engines, Some((&hashes, p.len())));
+        let prefill = pick_prefill(&cfg, &engines, &hashes, p.len());
+        let Some(Route {
+            target,
+            prefill_from,
+        }) = route
+        else {
+            // Nothing prefills, or a prefill-only pick and nothing decodes it.
+            let none_decodes = pick_decode(&engines, p.len()).is_none();
+            assert!(
+                prefill.is_none()
+                    || (engines[prefill.unwrap()].role == Role::Prefill && none_decodes),
+                "case {case}"
+            );
+            continue;
+        };
+        let prefill = prefill.expect("a route has a prefill pick");
+        if engines[prefill].role == Role::Both {
+            assert_eq!((target, prefill_from), (prefill, None), "case {case}");
+            continue;
+        }
+        // The prefill pick only prefills: the decode pick answers.
+        assert_eq!(Some(target), pick_decode(&engines, p.len()), "case {case}");
+        assert!(engines[target].role.decodes(), "case {case}");
+        let left = p.len() - hit_tokens(&engines[target], &hashes, p.len());
+        match prefill_from {
+            Some(from) => {
+                assert_eq!(from, prefill, "case {case}");
+                assert!(
+                    left > BLOCK,
+                    "case {case}: the decode engine holds the prompt"
+                );
+                handed += 1;
+            }
+            None => {
+                assert!(left <= BLOCK, "case {case}: {left} tokens left to compute");
+                direct += 1;
+            }
+        }
+    }
+    assert!(
+        handed > 100 && direct > 0,
+        "{handed} handed over, {direct} direct"
+    );
+    // A request the router cannot read goes by load to an engine that decodes.
+    let engines: Vec<EngineLoad> = (0..4).map(|_| engine(&mut rng, &[])).collect();
+    if let Some(r) = pick_route(&cfg, &engines, None) {
+        assert_eq!(Some(r.target), pick_decode(&engines, 0));
+        assert_eq!(r.prefill_from, None);
+    }
+}

@@ -66,6 +66,20 @@ impl SchedulerState {
         }
     }
 
+    /// Answers `reply` once every block registered so far is in the store: the saves go
+    /// out now and the first rank (a store has one) answers after copying them.
+    pub(super) fn flush_kv_saves(&mut self, reply: RpcReplyPort<()>) {
+        self.send_kv_saves();
+        match (&self.kv_store, self.workers.first()) {
+            (Some(_), Some(worker)) => {
+                let _ = worker.cast(RankMsg::KvSaved(reply));
+            }
+            _ => {
+                let _ = reply.send(());
+            }
+        }
+    }
+
     /// Admits `sub` to the core with the blocks the store holds for it.
     pub(super) fn submit(&mut self, sub: Submission, stored: StoredPrefix) {
         let Submission {

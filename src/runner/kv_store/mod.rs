@@ -69,6 +69,9 @@ type WriteQueue = crossbeam_channel::Sender<(BlockKey, Shared<[u8]>)>;
 
 pub struct KvStore {
     block_size: usize,
+    block_bytes: usize,
+    /// `namespace`'s digest: blocks from another engine are taken only under the same one.
+    namespace: String,
     inner: Shared<Mutex<Inner>>,
     disk: Option<Shared<DiskTier>>,
     writes: Option<WriteQueue>,
@@ -118,6 +121,8 @@ impl KvStore {
         };
         Ok(KvStore {
             block_size,
+            block_bytes,
+            namespace: namespace.to_string(),
             inner,
             disk,
             writes,
@@ -220,6 +225,50 @@ impl KvStore {
         }
     }
 
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// How many full blocks of `tokens` (the last token's never) a prefix may hold.
+    pub fn num_blocks_of(&self, tokens: &[u32]) -> usize {
+        tokens.len().saturating_sub(1) / self.block_size
+    }
+
+    /// `tokens`' consecutive full blocks from the first that the host tier holds, with
+    /// their keys: what a prefill engine hands its decode engine.
+    pub fn export(&self, tokens: &[u32], cache_salt: u64) -> Vec<(BlockKey, Shared<[u8]>)> {
+        let mut inner = self.inner.lock().expect("kv store lock");
+        self.keys(tokens, cache_salt)
+            .map_while(|key| {
+                let payload = inner.host.get(&key)?;
+                Some((key, payload))
+            })
+            .collect()
+    }
+
+    /// Keeps a block another engine of the same namespace computed, once its key is
+    /// consistent (the hash is its parent's, tokens' and salt's) and its length a block's.
+    pub fn import(&self, key: BlockKey, payload: Shared<[u8]>) -> Result<(), String> {
+        if payload.len() != self.block_bytes {
+            return Err(format!(
+                "block {:016x}: {} bytes, a block here has {}",
+                key.hash,
+                payload.len(),
+                self.block_bytes
+            ));
+        }
+        if key.tokens.len() != self.block_size
+            || block_hash(key.parent_hash, &key.tokens, key.cache_salt) != key.hash
+        {
+            return Err(format!(
+                "block {:016x}: its key does not hash to it",
+                key.hash
+            ));
+        }
+        self.put(key, payload);
+        Ok(())
+    }
+
     /// Keeps a block the rank copied out (`payload`: `DeviceModel::kv_block`).
     pub fn save(&self, save: &KvSave, payload: Shared<[u8]>) {
         let key = BlockKey {
@@ -228,6 +277,10 @@ impl KvStore {
             cache_salt: save.cache_salt,
             tokens: save.tokens.clone(),
         };
+        self.put(key, payload);
+    }
+
+    fn put(&self, key: BlockKey, payload: Shared<[u8]>) {
         self.inner
             .lock()
             .expect("kv store lock")

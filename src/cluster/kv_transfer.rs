@@ -1,0 +1,222 @@
+//! Prefill/decode disaggregation's KV hand-off. A prefill engine runs a prompt (one token,
+//! greedy: the decode engine samples every token itself), waits for its full blocks to
+//! reach its prefix store, and sends them to the decode engine's agent in chunks, which
+//! keeps them in its own store; the request then goes to the decode engine, whose
+//! admission finds the blocks there and computes only the prompt's last partial block.
+//! The engines keep running other steps while blocks move. Transfer is behind
+//! `KvTransport`: the cluster's TCP connection between the two nodes today (the agent's
+//! `ClusterTcp`). Here: the asks and answers, the chunks' format, the receiving side.
+
+use serde::{Deserialize, Serialize};
+
+use crate::runner::kv_store::{BlockKey, KvStore};
+use crate::sync::Shared;
+
+/// A chunk's payload at most: a frame of the cluster's transport holds 16 MiB.
+const CHUNK_BYTES: usize = 8 << 20;
+/// Tags a chunk of blocks, with its format's version.
+const MAGIC: &[u8; 4] = b"TKV1";
+
+/// What the router asks a prefill engine: run `prompt_ids`, send its blocks to
+/// `decode_node`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PrefillAsk {
+    pub prompt_ids: Vec<u32>,
+    pub decode_node: String,
+}
+
+/// One block as it moves: its key and its bytes as the rank's cache stores them.
+pub type Block = (BlockKey, Shared<[u8]>);
+
+/// A chunk of blocks, decoded.
+pub struct Chunk {
+    /// The sender's store namespace (`kv_store::namespace`).
+    pub namespace: String,
+    pub blocks: Vec<(BlockKey, Vec<u8>)>,
+}
+
+/// What a hand-off moved.
+#[derive(Debug, Default, Clone, Copy, Serialize, Deserialize)]
+pub struct HandOff {
+    pub num_blocks: usize,
+    pub bytes: u64,
+    /// From the prompt's submission to the last chunk acknowledged.
+    pub prefill_secs: f64,
+    /// Sending alone.
+    pub transfer_secs: f64,
+}
+
+/// Where a prefill engine's blocks go. TCP between cluster nodes today; a transport
+/// between GPUs (NCCL, RDMA) would move the same blocks without the host copy.
+pub trait KvTransport {
+    /// Bytes sent, once the receiver holds every block.
+    fn send(
+        &self,
+        namespace: &str,
+        blocks: &[Block],
+    ) -> impl std::future::Future<Output = Result<u64, String>> + Send;
+}
+
+/// The decode engine's side: a chunk's blocks into `store`, or why not.
+pub fn put_blocks(store: &KvStore, chunk: &[u8]) -> Result<usize, String> {
+    let Chunk { namespace, blocks } = decode_chunk(chunk)?;
+    if namespace != store.namespace() {
+        return Err(format!(
+            "KV blocks of namespace {namespace}, this engine's is {} (another model or cache setting)",
+            store.namespace()
+        ));
+    }
+    let n = blocks.len();
+    for (key, payload) in blocks {
+        store.import(key, payload.into())?;
+    }
+    Ok(n)
+}
+
+/// `blocks` as chunks of at most about `CHUNK_BYTES` each (a block is never split).
+pub fn encode_chunks(namespace: &str, blocks: &[Block]) -> Vec<Vec<u8>> {
+    let mut chunks = Vec::new();
+    let mut rest = blocks;
+    while !rest.is_empty() {
+        let mut size = 0;
+        let n = rest
+            .iter()
+            .take_while(|(_, p)| {
+                size += p.len();
+                size <= CHUNK_BYTES || size == p.len()
+            })
+            .count();
+        let (now, later) = rest.split_at(n.max(1));
+        let mut out = Vec::with_capacity(size + 64);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&(namespace.len() as u32).to_le_bytes());
+        out.extend_from_slice(namespace.as_bytes());
+        out.extend_from_slice(&(now.len() as u32).to_le_bytes());
+        for (key, payload) in now {
+            for word in [key.hash, key.parent_hash, key.cache_salt] {
+                out.extend_from_slice(&word.to_le_bytes());
+            }
+            out.extend_from_slice(&(key.tokens.len() as u32).to_le_bytes());
+            for t in key.tokens.iter() {
+                out.extend_from_slice(&t.to_le_bytes());
+            }
+            out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            out.extend_from_slice(payload);
+        }
+        chunks.push(out);
+        rest = later;
+    }
+    chunks
+}
+
+/// A chunk of `encode_chunks` back into its namespace and blocks; a short or malformed
+/// chunk is an error, never a panic.
+pub fn decode_chunk(chunk: &[u8]) -> Result<Chunk, String> {
+    let mut r = Reader(chunk);
+    if r.take(4)? != MAGIC {
+        return Err("not a chunk of KV blocks (bad magic)".into());
+    }
+    let len = r.u32()? as usize;
+    let namespace = String::from_utf8(r.take(len)?.to_vec())
+        .map_err(|_| "a chunk's namespace is not UTF-8".to_string())?;
+    let count = r.u32()? as usize;
+    let mut blocks = Vec::with_capacity(count.min(4096));
+    for _ in 0..count {
+        let (hash, parent_hash, cache_salt) = (r.u64()?, r.u64()?, r.u64()?);
+        let num_tokens = r.u32()? as usize;
+        let tokens = r
+            .take(
+                num_tokens
+                    .checked_mul(4)
+                    .ok_or("a chunk's length overflows")?,
+            )?
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let len = r.u32()? as usize;
+        let payload = r.take(len)?.to_vec();
+        let key = BlockKey {
+            hash,
+            parent_hash,
+            cache_salt,
+            tokens,
+        };
+        blocks.push((key, payload));
+    }
+    if !r.0.is_empty() {
+        return Err(format!("{} bytes past a chunk's last block", r.0.len()));
+    }
+    Ok(Chunk { namespace, blocks })
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.0.len() < n {
+            return Err("a chunk of KV blocks ends early".into());
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(i: u64, len: usize) -> Block {
+        let key = BlockKey {
+            hash: i * 7 + 1,
+            parent_hash: i,
+            cache_salt: 3,
+            tokens: (0..16).map(|t| t + i as u32).collect(),
+        };
+        (key, (0..len).map(|b| (b as u64 * 31 + i) as u8).collect())
+    }
+
+    #[test]
+    fn chunks_round_trip_under_the_frame_limit_and_never_split_a_block() {
+        let mut rng = 0x9e37_79b9_u64;
+        for _ in 0..20 {
+            rng = crate::sampling::splitmix64(rng);
+            let n = (rng % 40) as usize;
+            let len = 1 + (rng >> 8) as usize % (3 << 20);
+            let blocks: Vec<_> = (0..n as u64).map(|i| block(i, len)).collect();
+            let chunks = encode_chunks("ns", &blocks);
+            let mut back = Vec::new();
+            for c in &chunks {
+                assert!(c.len() <= CHUNK_BYTES + len + 4096, "{} bytes", c.len());
+                let chunk = decode_chunk(c).unwrap();
+                assert_eq!(chunk.namespace, "ns");
+                back.extend(chunk.blocks);
+            }
+            assert_eq!(back.len(), n);
+            for ((k, p), (want_k, want_p)) in back.iter().zip(&blocks) {
+                assert_eq!(k, want_k);
+                assert_eq!(&p[..], &want_p[..]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_cut_or_foreign_chunk_is_an_error() {
+        let chunk = encode_chunks("ns", &[block(1, 100)]).remove(0);
+        for cut in [0, 3, 10, chunk.len() - 1] {
+            assert!(decode_chunk(&chunk[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut longer = chunk.clone();
+        longer.push(0);
+        assert!(decode_chunk(&longer).is_err());
+        assert!(decode_chunk(b"XXXX\0\0\0\0\0\0\0\0").is_err());
+    }
+}
