@@ -19,6 +19,8 @@ fn router(cluster_port: u16) -> ServeProcess {
         .args(["router", "--model"])
         .arg(common::smollm2_path())
         .args(["--listen", &format!("127.0.0.1:{cluster_port}")])
+        // Every prompt of the tests' is handed over, however short.
+        .args(["--min-hand-off-tokens", "0"])
         .args(["--port", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -284,6 +286,85 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
     let want: Vec<Vec<u64>> = bodies
         .iter()
         .map(|b| token_ids(&post(solo.addr, b)))
+        .collect();
+    assert_eq!(got, want);
+}
+
+/// A streamed completion's text, from its events (an error event fails the test).
+fn streamed_text(addr: SocketAddr, body: &Value) -> String {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let headers = [("host", "127.0.0.1"), ("content-type", "application/json")];
+    let r = raw_request(
+        addr,
+        "POST",
+        "/v1/completions",
+        &headers,
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200);
+    let payload = String::from_utf8(r.payload()).unwrap();
+    let mut text = String::new();
+    let mut done = false;
+    for data in payload.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let event: Value = serde_json::from_str(data).unwrap();
+        assert!(event.get("error").is_none(), "{event}");
+        text.push_str(event["choices"][0]["text"].as_str().unwrap_or_default());
+    }
+    assert!(done, "the stream ended without [DONE]: {payload}");
+    text
+}
+
+#[test]
+fn a_draining_engine_moves_its_requests_to_a_peer() {
+    let cluster_port = free_port();
+    let router = router(cluster_port);
+    router_up(&router);
+    let flags = ["--kv-cache-mib", "64", "--drain-to", "auto"];
+    let mut e1 = engine(cluster_port, "e1", &flags);
+    let e2 = engine(cluster_port, "e2", &flags);
+    let limit = Duration::from_secs(30);
+    wait_for(router.addr, limit, |v| names(v) == ["e1", "e2"]);
+
+    // Streams through the router, greedy and seeded; e1 gets SIGTERM while it runs some
+    // of them: they move to e2 with their KV, and every stream goes on to its end.
+    let prompts = random_prompts(12, 31, 40);
+    let bodies: Vec<Value> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match i % 2 {
+            0 => greedy(p, 64),
+            _ => json!({"prompt": p, "max_tokens": 64, "temperature": 0.8, "seed": i,
+                        "ignore_eos": true}),
+        })
+        .collect();
+    let got: Vec<String> = std::thread::scope(|s| {
+        let runs: Vec<_> = bodies
+            .iter()
+            .map(|b| s.spawn(|| streamed_text(router.addr, b)))
+            .collect();
+        wait_for(router.addr, limit, |v| {
+            engine_view(v, "e1")["num_running"].as_u64().unwrap() > 0
+        });
+        e1.signal(libc::SIGTERM);
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let status = e1.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "{status:?}");
+    // e2 found the moved requests' blocks in its store: they came with them.
+    assert!(host_hits(e2.addr) > 0);
+    let want: Vec<String> = bodies
+        .iter()
+        .map(|b| {
+            post(e2.addr, b)["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     assert_eq!(got, want);
 }

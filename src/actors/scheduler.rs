@@ -22,11 +22,13 @@ use crate::sched::{
 use crate::step::{PromptScore, RowSampling, SampledStep, Step};
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
+mod detach;
 mod prompt_scores;
 mod queue;
 mod sampled;
 mod staging;
 
+pub use detach::Detached;
 use staging::Submission;
 
 pub enum SchedulerMsg {
@@ -75,6 +77,8 @@ pub enum SchedulerMsg {
     CachedBlocks(RpcReplyPort<Vec<u64>>),
     /// Replies once every block registered so far is in the prefix store.
     FlushKvSaves(RpcReplyPort<()>),
+    /// Hands out every request a peer can continue exactly (`detach.rs`).
+    Detach(RpcReplyPort<Vec<Detached>>),
     /// Replies once no request is left.
     Drain(RpcReplyPort<()>),
     /// `queue_timeout` after a submission: its completions still waiting end with an error.
@@ -86,25 +90,6 @@ pub enum SchedulerMsg {
     CancelAll {
         reason: String,
     },
-}
-
-impl From<SampledStep> for SchedulerMsg {
-    fn from(step: SampledStep) -> Self {
-        SchedulerMsg::StepSampled(step)
-    }
-}
-
-/// Lets the sampler hold the scheduler as a `DerivedActorRef<SampledStep>` (it knows the
-/// step contract, not the scheduler's messages).
-impl TryFrom<SchedulerMsg> for SampledStep {
-    type Error = ();
-
-    fn try_from(msg: SchedulerMsg) -> Result<Self, ()> {
-        match msg {
-            SchedulerMsg::StepSampled(step) => Ok(step),
-            _ => Err(()),
-        }
-    }
 }
 
 /// A generated token's logprob and its top alternatives.
@@ -578,6 +563,10 @@ impl Actor for SchedulerActor {
                 let _ = reply.send(st.core.cached_block_hashes());
             }
             SchedulerMsg::FlushKvSaves(reply) => st.flush_kv_saves(reply),
+            SchedulerMsg::Detach(reply) => {
+                let _ = reply.send(st.detach_movable());
+                st.kick();
+            }
             SchedulerMsg::Drain(reply) => {
                 st.drains.push(reply);
                 st.answer_drains();

@@ -9,6 +9,7 @@ use crate::cluster::router::{self as front, RouterState};
 use crate::error::{Result, TroupeError};
 use crate::model::{self, hub};
 use crate::protocol::serve_options::default_allowed_hosts;
+use crate::route::RouteConfig;
 use crate::sync::Shared;
 
 #[derive(Args)]
@@ -27,6 +28,11 @@ pub struct RouterArgs {
     /// The secret the cluster's nodes share.
     #[arg(long, env = "TROUPE_CLUSTER_COOKIE", default_value = DEFAULT_COOKIE)]
     cluster_cookie: String,
+    /// Prompts with more tokens than this left to compute go to a prefill engine first
+    /// (where the cluster has one) and their KV to the decode engine; shorter ones are
+    /// prefilled by the decode engine.
+    #[arg(long, default_value_t = RouteConfig::default().min_hand_off_tokens)]
+    min_hand_off_tokens: usize,
     /// Host header values accepted (default on a loopback --host: the loopback names;
     /// elsewhere any), against DNS rebinding as `serve` checks it.
     #[arg(long, value_delimiter = ',')]
@@ -73,7 +79,9 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         .allowed_hosts
         .clone()
         .or_else(|| default_allowed_hosts(&args.host));
-    let state = actix_web::web::Data::new(RouterState::new(registry, text, allowed_hosts));
+    let mut state = RouterState::new(registry, text, allowed_hosts);
+    state.cfg.min_hand_off_tokens = args.min_hand_off_tokens;
+    let state = actix_web::web::Data::new(state);
     let server = actix_web::HttpServer::new(move || {
         use actix_web::web;
         actix_web::App::new()

@@ -47,6 +47,12 @@ pub struct ServeArgs {
     /// through the prefix store (a 1 GiB host tier unless --kv-host-cache-bytes says).
     #[arg(long, value_enum, default_value = "both", requires = "cluster")]
     role: ClusterRole,
+    /// On SIGTERM, move the requests a peer can continue exactly (one completion, no
+    /// grammar, no frequency or presence penalty, no prompt scores) with their KV to the
+    /// engine named here, or with `auto` to the least loaded other engine that decodes;
+    /// their clients' streams go on through this process. The rest finish here.
+    #[arg(long, value_name = "NODE|auto", requires = "cluster")]
+    drain_to: Option<String>,
     /// This engine's name in the cluster (default: engine-PORT).
     #[arg(long, requires = "cluster")]
     node_name: Option<String>,
@@ -173,7 +179,7 @@ const HAND_OFF_HOST_CACHE_BYTES: usize = 1 << 30;
 pub fn run_serve(args: ServeArgs) -> Result<()> {
     let path = args.engine.model_path(&args.model)?;
     let mut cfg = args.engine.config(&path)?;
-    if args.role != ClusterRole::Both && cfg.kv_store.host_bytes == 0 {
+    if (args.role != ClusterRole::Both || args.drain_to.is_some()) && cfg.kv_store.host_bytes == 0 {
         cfg.kv_store.host_bytes = HAND_OFF_HOST_CACHE_BYTES;
     }
     cfg.queue_timeout = args.queue_timeout;
@@ -210,14 +216,21 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
             block_size: cfg.block_size,
             listen_ip,
         });
+    let state = crate::protocol::server::state(opts);
+    let (hooked, drain_to) = (state.clone(), args.drain_to.clone());
     let loading = runtime.spawn(async move {
         let engine = Engine::spawn(cfg).await?;
         if let Some(join) = join {
             // The engine answers HTTP only once it is in the cluster: a router that
             // sees it can send to it.
-            agent::join(engine.clone(), join)
+            let agent = agent::join(engine.clone(), join)
                 .await
                 .map_err(EngineError::Spawn)?;
+            if let Some(target) = drain_to {
+                hooked.set_drain_hook(Box::new(move || {
+                    Box::pin(agent::drain_to(agent.clone(), target.clone()))
+                }));
+            }
         }
         Ok(engine)
     });
@@ -225,7 +238,6 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
         "troupe: serving on http://{}:{} (answering 503 until the model is loaded)",
         args.host, args.port
     );
-    let state = crate::protocol::server::state(opts);
     crate::protocol::server::serve_on(state.clone(), listener, Some(loading))
         .map_err(|e| TroupeError::InvalidInput(format!("{}: {e}", serving())))?;
     drop(runtime);

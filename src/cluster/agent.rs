@@ -3,7 +3,10 @@
 //! the engine's load and cached prefixes, prefills prompts for a decode engine and keeps
 //! the KV blocks a prefill engine sends (`kv_transfer.rs`).
 
+use std::collections::HashMap;
 use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use ractor_cluster::RactorClusterMessage;
@@ -11,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::ENGINES_GROUP;
 use super::kv_transfer::{Block, HandOff, KvTransport, PrefillAsk, encode_chunks, put_blocks};
-use crate::engine::EngineHandle;
-use crate::engine::EngineRequest;
+use super::migrate::{Continuation, MovedOutput};
+use crate::engine::{Detached, EngineHandle, EngineRequest, RequestOutput};
 use crate::sampling::SamplingParams;
 
 /// How long a chunk of KV blocks may take to be acknowledged.
@@ -33,6 +36,18 @@ pub enum AgentMsg {
     /// answered with "" once kept, else why not.
     #[rpc]
     PutBlocks(Vec<u8>, RpcReplyPort<String>),
+    /// Move every request a peer can continue to the named engine (`auto`: the least
+    /// loaded other engine that decodes): `serve --drain-to` on SIGTERM. Answered with
+    /// what is moving.
+    #[rpc]
+    DrainTo(String, RpcReplyPort<String>),
+    /// Continue a request another engine moved here (`migrate::Continuation` as JSON);
+    /// answered with "" once admitted, else why not.
+    #[rpc]
+    Continue(String, RpcReplyPort<String>),
+    /// An output of a request this engine moved to a peer (`migrate::MovedOutput` as
+    /// JSON), for its caller.
+    Outputs(String),
 }
 
 /// The process group of one engine's agent alone: how a peer finds it by node name.
@@ -79,6 +94,9 @@ pub struct EngineAgent;
 pub struct AgentState {
     engine: EngineHandle,
     cfg: JoinConfig,
+    /// Requests moved to a peer, by move id: their request id, seed and caller's channel.
+    moves: HashMap<u64, (u64, u64, UnboundedSender<RequestOutput>)>,
+    next_move: u64,
 }
 
 impl Actor for EngineAgent {
@@ -98,11 +116,31 @@ impl Actor for EngineAgent {
 
     async fn handle(
         &self,
-        _myself: ActorRef<AgentMsg>,
+        myself: ActorRef<AgentMsg>,
         msg: AgentMsg,
         st: &mut AgentState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
+            AgentMsg::DrainTo(target, reply) => {
+                let answer = st.drain_to(&myself, &target).await;
+                let _ = reply.send(answer);
+            }
+            AgentMsg::Continue(json, reply) => {
+                let engine = st.engine.clone();
+                tokio::spawn(continue_moved(engine, json, reply));
+            }
+            AgentMsg::Outputs(json) => {
+                let Ok(moved) = serde_json::from_str::<MovedOutput>(&json) else {
+                    return Ok(());
+                };
+                let last = moved.is_final();
+                if let Some((request_id, seed, tx)) = st.moves.get(&moved.move_id) {
+                    let _ = tx.send(moved.clone().into_output(*request_id, *seed));
+                }
+                if last {
+                    st.moves.remove(&moved.move_id);
+                }
+            }
             AgentMsg::Report(reply) => {
                 // An error here is an unanswered report (the router drops the engine from
                 // its view until it answers again), never the agent's end: a stopped
@@ -224,9 +262,144 @@ pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result
     })
 }
 
+impl AgentState {
+    /// Takes the engine's movable requests out and moves them to `target` in the
+    /// background; what is moving, or why nothing is.
+    async fn drain_to(&mut self, myself: &ActorRef<AgentMsg>, target: &str) -> String {
+        let detached = match self.engine.detach_movable().await {
+            Ok(d) => d,
+            Err(e) => return format!("nothing moved: {e}"),
+        };
+        let peer = match pick_peer(myself, target).await {
+            Ok(peer) => peer,
+            Err(e) => {
+                for d in &detached {
+                    let _ = d.stream.send(moved_error(d, &e));
+                }
+                return format!("nothing moved, {} requests ended: {e}", detached.len());
+            }
+        };
+        let mut moving = Vec::with_capacity(detached.len());
+        for d in detached {
+            self.next_move += 1;
+            let seed = d.request.seed.unwrap_or_default();
+            self.moves
+                .insert(self.next_move, (d.request_id, seed, d.stream.clone()));
+            moving.push((self.next_move, d));
+        }
+        let answer = format!("{} requests moving to {peer}", moving.len());
+        let (engine, origin) = (self.engine.clone(), self.cfg.node_name.clone());
+        tokio::spawn(async move { move_all(&engine, &peer, &origin, moving).await });
+        answer
+    }
+}
+
+/// An error output for `d`'s caller: its move failed.
+fn moved_error(d: &Detached, why: &str) -> RequestOutput {
+    RequestOutput {
+        request_id: d.request_id,
+        error: Some(format!(
+            "the engine is shutting down and the request could not move to a peer: {why}"
+        )),
+        ..RequestOutput::default()
+    }
+}
+
+/// The engine `target` names, or for `auto` the other engine that decodes with the
+/// fewest requests.
+async fn pick_peer(myself: &ActorRef<AgentMsg>, target: &str) -> Result<String, String> {
+    if target != "auto" {
+        return Ok(target.to_string());
+    }
+    let mut best: Option<(usize, String)> = None;
+    for cell in ractor::pg::get_members(&ENGINES_GROUP.to_string()) {
+        if cell.get_id() == myself.get_id() {
+            continue;
+        }
+        let agent: ActorRef<AgentMsg> = cell.into();
+        let Ok(json) = ractor::call_t!(agent, AgentMsg::Report, 1000) else {
+            continue;
+        };
+        let Ok(r) = serde_json::from_str::<EngineReport>(&json) else {
+            continue;
+        };
+        let load = r.num_running + r.num_waiting;
+        if r.role != "prefill" && best.as_ref().is_none_or(|(l, _)| load < *l) {
+            best = Some((load, r.node_name));
+        }
+    }
+    best.map(|(_, name)| name)
+        .ok_or_else(|| "no other engine that decodes is in the cluster".into())
+}
+
+/// Each moving request's blocks to `peer`'s store, then the request itself; a request
+/// whose move fails ends with an error its caller sees.
+async fn move_all(engine: &EngineHandle, peer: &str, origin: &str, moving: Vec<(u64, Detached)>) {
+    let _ = engine.flush_kv_saves().await;
+    let transport = ClusterTcp::to_node(peer);
+    for (move_id, d) in moving {
+        let cont = Continuation::of(&d, origin, move_id);
+        let moved = async {
+            let transport = transport.as_ref().map_err(String::clone)?;
+            if let Some(store) = engine.kv_store() {
+                let blocks = store.export(&cont.prompt_ids, 0);
+                // A peer without a store computes the blocks again.
+                if let Err(e) = transport.send(store.namespace(), &blocks).await {
+                    tracing::warn!("moving KV blocks to {peer}: {e}");
+                }
+            }
+            let json = serde_json::to_string(&cont).map_err(|e| e.to_string())?;
+            let answer =
+                ractor::call_t!(transport.dest, AgentMsg::Continue, CHUNK_TIMEOUT_MS, json)
+                    .map_err(|e| e.to_string())?;
+            if answer.is_empty() {
+                Ok(())
+            } else {
+                Err(answer)
+            }
+        };
+        if let Err(e) = moved.await {
+            let _ = d.stream.send(moved_error(&d, &e));
+        }
+    }
+}
+
+/// A request moved here: admitted, then each of its outputs sent back to its origin's
+/// agent as it comes (the origin gone, the request is dropped: that aborts it).
+async fn continue_moved(engine: EngineHandle, json: String, reply: RpcReplyPort<String>) {
+    let cont: Continuation = match serde_json::from_str(&json) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = reply.send(format!("a moved request: {e}"));
+            return;
+        }
+    };
+    let Some(origin) = ractor::pg::get_members(&agent_group(&cont.origin)).pop() else {
+        let _ = reply.send(format!("no engine named {} in the cluster", cont.origin));
+        return;
+    };
+    let origin: ActorRef<AgentMsg> = origin.into();
+    let mut stream = match engine.generate(cont.request()).await {
+        Ok(stream) => stream,
+        Err(e) => {
+            let _ = reply.send(e.to_string());
+            return;
+        }
+    };
+    let _ = reply.send(String::new());
+    while let Some(out) = stream.next().await {
+        let moved = MovedOutput::of(cont.move_id, out);
+        let last = moved.is_final();
+        let json = serde_json::to_string(&moved).unwrap_or_default();
+        if origin.cast(AgentMsg::Outputs(json)).is_err() || last {
+            break;
+        }
+    }
+}
+
 /// Starts this process's node, connects it to the router's and starts the agent for
-/// `engine`. The node and the agent live as long as the runtime they were spawned on.
-pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<(), String> {
+/// `engine` (returned). The node and the agent live as long as the runtime they were spawned on.
+pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<ActorRef<AgentMsg>, String> {
     let server = ractor_cluster::NodeServer::new(
         0,
         cfg.cookie.clone(),
@@ -250,8 +423,23 @@ pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<(), String> {
     .await
     .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
     .map_err(|e| unreachable(e.to_string()))?;
-    Actor::spawn(None, EngineAgent, AgentState { engine, cfg })
+    let state = AgentState {
+        engine,
+        cfg,
+        moves: HashMap::new(),
+        next_move: 0,
+    };
+    let (agent, _) = Actor::spawn(None, EngineAgent, state)
         .await
         .map_err(|e| format!("cannot start the cluster agent: {e}"))?;
-    Ok(())
+    Ok(agent)
+}
+
+/// `serve --drain-to TARGET` on SIGTERM: the engine's movable requests moved to `target`
+/// through `agent`; the rest finish here.
+pub async fn drain_to(agent: ActorRef<AgentMsg>, target: String) {
+    match ractor::call_t!(agent, AgentMsg::DrainTo, 60_000, target.clone()) {
+        Ok(moved) => eprintln!("troupe: draining to {target}: {moved}"),
+        Err(e) => eprintln!("troupe: draining to {target}: {e}"),
+    }
 }

@@ -5,6 +5,7 @@
 
 pub mod agent;
 pub mod kv_transfer;
+pub mod migrate;
 pub mod registry;
 pub mod router;
 pub mod router_metrics;

@@ -22,6 +22,7 @@ pub use crate::kernels::Device;
 pub use config::{EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
 pub use request_stream::RequestStream;
 
+pub use crate::actors::scheduler::Detached;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{
     Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
@@ -484,6 +485,13 @@ impl EngineHandle {
     /// (those it still has room for).
     pub async fn flush_kv_saves(&self) -> Result<(), EngineError> {
         ractor::call_t!(self.scheduler, SchedulerMsg::FlushKvSaves, CALL_TIMEOUT_MS)
+            .map_err(|e| call_error("scheduler", e))
+    }
+
+    /// Takes every request a peer can continue exactly out of the engine (`serve
+    /// --drain-to`): each with its generated tokens and its caller's channel.
+    pub async fn detach_movable(&self) -> Result<Vec<Detached>, EngineError> {
+        ractor::call_t!(self.scheduler, SchedulerMsg::Detach, CALL_TIMEOUT_MS)
             .map_err(|e| call_error("scheduler", e))
     }
 

@@ -32,7 +32,13 @@ pub struct ServerState {
     request_ids: RequestIds,
     /// Keeps request ids of two server processes apart.
     boot_nanos: u128,
+    /// Run first when the server drains (`serve --drain-to`: requests moved to a peer).
+    drain_hook: OnceLock<DrainHook>,
 }
+
+/// What a drain runs before it waits for the requests in flight.
+pub type DrainHook =
+    Box<dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync>;
 
 impl ServerState {
     pub fn new(opts: ServeOptions) -> Self {
@@ -46,7 +52,16 @@ impl ServerState {
             boot_nanos: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos()),
+            drain_hook: OnceLock::new(),
         }
+    }
+
+    pub fn set_drain_hook(&self, hook: DrainHook) {
+        let _ = self.drain_hook.set(hook);
+    }
+
+    pub fn drain_hook(&self) -> Option<&DrainHook> {
+        self.drain_hook.get()
     }
 
     /// The engine, or 503 while it is loading.

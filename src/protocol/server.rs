@@ -221,6 +221,9 @@ async fn wait_until_empty(st: &ServerState, until: Instant) -> bool {
 /// ends the rest with an error their clients see, and shuts the engine down.
 pub async fn drain(st: &ServerState) {
     st.gate.close();
+    if let Some(hook) = st.drain_hook() {
+        hook().await;
+    }
     let finished = wait_until_empty(st, Instant::now() + st.opts.shutdown_timeout).await;
     let Ok(engine) = st.engine() else {
         return;

@@ -14,7 +14,8 @@
 //!
 //! - **Disaggregated where prefill engines exist.** A prompt picked for a prefill-only
 //!   engine is decoded by the decode engine `pick_decode` picks, its KV handed over,
-//!   unless that engine's own cache holds all but the prompt's last block (`pick_route`).
+//!   unless what is left to compute there (past that engine's own cached prefix) is at
+//!   most a block or `RouteConfig::min_hand_off_tokens` (`pick_route`).
 //!
 //! Engines not alive, or of the other role, are never picked.
 
@@ -69,11 +70,18 @@ pub struct RouteConfig {
     /// Work ahead of a prompt (in tokens) is compared in buckets this wide: a longer
     /// prefix hit wins over a slightly shorter queue.
     pub bucket_tokens: usize,
+    /// A prompt with no more than this many tokens left to compute on the decode engine
+    /// is prefilled there: a hand-off costs a prefill engine's queue and a transfer,
+    /// more than a short prefill beside the decode steps.
+    pub min_hand_off_tokens: usize,
 }
 
 impl Default for RouteConfig {
     fn default() -> Self {
-        RouteConfig { bucket_tokens: 512 }
+        RouteConfig {
+            bucket_tokens: 512,
+            min_hand_off_tokens: 256,
+        }
     }
 }
 
@@ -172,7 +180,7 @@ pub fn pick_route(
     let target = pick_decode(engines, num_prompt_tokens)?;
     let decode = &engines[target];
     let left = num_prompt_tokens - hit_tokens(decode, block_hashes, num_prompt_tokens);
-    let prefill_from = (left > decode.block_size).then_some(prefill);
+    let prefill_from = (left > decode.block_size.max(cfg.min_hand_off_tokens)).then_some(prefill);
     Some(Route {
         target,
         prefill_from,

@@ -179,7 +179,6 @@ fn decode_picks_follow_the_rules() {
 #[test]
 fn routes_hand_a_prefill_engines_prompts_to_a_decode_engine() {
     let mut rng = Rng(13);
-    let cfg = RouteConfig::default();
     let (mut handed, mut direct) = (0, 0);
     for case in 0..3000 {
         let prompts: Vec<Vec<u32>> = (0..2)
@@ -193,6 +192,11 @@ fn routes_hand_a_prefill_engines_prompts_to_a_decode_engine() {
             .collect();
         let p = &prompts[rng.below(2)];
         let hashes = prompt_block_hashes(p, BLOCK);
+        let cfg = RouteConfig {
+            min_hand_off_tokens: [0, 64, 256][rng.below(3)],
+            ..RouteConfig::default()
+        };
+        let threshold = BLOCK.max(cfg.min_hand_off_tokens);
         let route = pick_route(&cfg, &engines, Some((&hashes, p.len())));
         let prefill = pick_prefill(&cfg, &engines, &hashes, p.len());
         let Some(Route {
@@ -228,7 +232,10 @@ fn routes_hand_a_prefill_engines_prompts_to_a_decode_engine() {
                 handed += 1;
             }
             None => {
-                assert!(left <= BLOCK, "case {case}: {left} tokens left to compute");
+                assert!(
+                    left <= threshold,
+                    "case {case}: {left} tokens left to compute"
+                );
                 direct += 1;
             }
         }
@@ -238,6 +245,7 @@ fn routes_hand_a_prefill_engines_prompts_to_a_decode_engine() {
         "{handed} handed over, {direct} direct"
     );
     // A request the router cannot read goes by load to an engine that decodes.
+    let cfg = RouteConfig::default();
     let engines: Vec<EngineLoad> = (0..4).map(|_| engine(&mut rng, &[])).collect();
     if let Some(r) = pick_route(&cfg, &engines, None) {
         assert_eq!(Some(r.target), pick_decode(&engines, 0));

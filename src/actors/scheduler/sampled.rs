@@ -3,7 +3,7 @@
 use crate::sync::Shared;
 use std::collections::{HashMap, VecDeque};
 
-use super::{SchedulerState, TokenLogprobs, request_id_of};
+use super::{SchedulerMsg, SchedulerState, TokenLogprobs, request_id_of};
 use crate::api::MAX_SPEC_POSITIONS;
 use crate::api::RequestOutput;
 use crate::sched::{SeqEvent, SeqId};
@@ -100,6 +100,25 @@ impl SchedulerState {
                 }
                 SeqEvent::Finished { seq_id, reason } => self.finish(seq_id, reason),
             }
+        }
+    }
+}
+
+impl From<SampledStep> for SchedulerMsg {
+    fn from(step: SampledStep) -> Self {
+        SchedulerMsg::StepSampled(step)
+    }
+}
+
+/// Lets the sampler hold the scheduler as a `DerivedActorRef<SampledStep>` (it knows the
+/// step contract, not the scheduler's messages).
+impl TryFrom<SchedulerMsg> for SampledStep {
+    type Error = ();
+
+    fn try_from(msg: SchedulerMsg) -> Result<Self, ()> {
+        match msg {
+            SchedulerMsg::StepSampled(step) => Ok(step),
+            _ => Err(()),
         }
     }
 }

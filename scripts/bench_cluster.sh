@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Several engines behind `troupe router` against one engine alone, under one mixed load:
+# long prompts with short answers (prefill-heavy) and short prompts with long answers
+# (decode-heavy) sent at once, each a Poisson stream of `troupe bench-serve`. Modes:
+#   solo      one engine, no router
+#   replicas  the router and two engines (both roles)
+#   pd        the router, a prefill engine and a decode engine (KV handed over)
+# The decode-heavy stream's TPOT p99 is what disaggregation protects; the prefill-heavy
+# stream's TTFT is what it costs; the router's counters give the KV moved and its rate.
+# Env: BIN (troupe binary), MODEL, ENGINE_ARGS (flags every engine gets, e.g.
+#   "--device cuda --kv-cache-mib 8192 --gpu-memory-utilization 0.4"), MODES, LONG_IN,
+#   LONG_OUT, LONG_N, LONG_RATE, SHORT_IN, SHORT_OUT, SHORT_N, SHORT_RATE.
+# Prints one row per mode and stream last.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-target/release/troupe}
+MODEL=${MODEL:-}
+ENGINE_ARGS=${ENGINE_ARGS:-"--kv-cache-mib 512"}
+MODES=${MODES:-"solo replicas pd"}
+LONG_IN=${LONG_IN:-1024} LONG_OUT=${LONG_OUT:-4} LONG_N=${LONG_N:-12} LONG_RATE=${LONG_RATE:-0.5}
+SHORT_IN=${SHORT_IN:-32} SHORT_OUT=${SHORT_OUT:-64} SHORT_N=${SHORT_N:-12} SHORT_RATE=${SHORT_RATE:-1}
+model_args=()
+if [ -n "$MODEL" ]; then model_args=(--model "$MODEL"); fi
+out=$(mktemp -d)
+pids=()
+stop_all() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+}
+trap 'stop_all; rm -rf "$out"' EXIT
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+wait_health() { # URL WANT_STATUS
+  for _ in $(seq 1 1200); do
+    code=$(curl -s -o /dev/null -w '%{http_code}' "$1/health" || true)
+    if [ "$code" = "$2" ]; then return 0; fi
+    sleep 0.25
+  done
+  echo "bench_cluster: $1 never answered $2" >&2
+  exit 1
+}
+
+engine() { # PORT [FLAGS...]
+  local port=$1
+  shift
+  # ENGINE_ARGS is split on purpose: it holds several flags.
+  # shellcheck disable=SC2086
+  "$BIN" serve "${model_args[@]}" --port "$port" $ENGINE_ARGS "$@" 2>>"$out/engines.log" &
+  pids+=($!)
+}
+
+router() { # HTTP_PORT CLUSTER_PORT
+  "$BIN" router "${model_args[@]}" --port "$1" --listen "127.0.0.1:$2" 2>>"$out/router.log" &
+  pids+=($!)
+  wait_health "http://127.0.0.1:$1" 503
+}
+
+engines_in_view() { # URL N
+  for _ in $(seq 1 1200); do
+    n=$(curl -s "$1/router/engines" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["engines"]))' 2>/dev/null || echo 0)
+    if [ "$n" = "$2" ]; then return 0; fi
+    sleep 0.25
+  done
+  echo "bench_cluster: $2 engines never joined" >&2
+  exit 1
+}
+
+rows=()
+for mode in $MODES; do
+  http=$(free_port)
+  url=http://127.0.0.1:$http
+  case $mode in
+    solo)
+      engine "$http"
+      wait_health "$url" 200
+      ;;
+    replicas|pd)
+      cluster=$(free_port)
+      router "$http" "$cluster"
+      if [ "$mode" = replicas ]; then roles=(both both); else roles=(prefill decode); fi
+      for i in 0 1; do
+        engine "$(free_port)" --cluster "127.0.0.1:$cluster" --node-name "$mode-${roles[$i]}-$i" --role "${roles[$i]}"
+      done
+      engines_in_view "$url" 2
+      ;;
+  esac
+  "$BIN" bench-serve --url "$url" --rates 4 --num-prompts 4 --input-len 64 --output-len 4 >/dev/null
+  before=$(curl -s "$url/router/engines" || echo '{}')
+  "$BIN" bench-serve --url "$url" --rates "$LONG_RATE" --num-prompts "$LONG_N" --input-len "$LONG_IN" \
+    --output-len "$LONG_OUT" --seed 1 --json "$out/$mode-long.json" >/dev/null &
+  long=$!
+  "$BIN" bench-serve --url "$url" --rates "$SHORT_RATE" --num-prompts "$SHORT_N" --input-len "$SHORT_IN" \
+    --output-len "$SHORT_OUT" --seed 2 --json "$out/$mode-short.json" >/dev/null
+  wait "$long"
+  after=$(curl -s "$url/router/engines" || echo '{}')
+  rows+=("$(python3 - "$mode" "$out/$mode-long.json" "$out/$mode-short.json" "$before" "$after" <<'EOF'
+import json, sys
+mode, long_f, short_f, before, after = sys.argv[1:]
+lr, sr = json.load(open(long_f))[0], json.load(open(short_f))[0]
+try:
+    b, a = json.loads(before), json.loads(after)
+    moved = a.get("kv_bytes_moved", 0) - b.get("kv_bytes_moved", 0)
+    secs = a.get("kv_transfer_secs", 0) - b.get("kv_transfer_secs", 0)
+except ValueError:
+    moved, secs = 0, 0
+rate = f"{moved / secs / 1e6:.0f}" if secs > 0 else "-"
+f = lambda v: "-" if v is None else f"{v:.0f}"
+print(f"| {mode} | {lr['completed']}/{lr['completed'] + lr['failed']} | {f(lr['ttft_p50_ms'])} | {f(lr['ttft_p99_ms'])} "
+      f"| {sr['completed']}/{sr['completed'] + sr['failed']} | {f(sr['ttft_p50_ms'])} | {f(sr['tpot_p50_ms'])} | {f(sr['tpot_p99_ms'])} "
+      f"| {lr['output_token_throughput'] + sr['output_token_throughput']:.1f} | {moved / 1e6:.0f} | {rate} |")
+EOF
+)")
+  stop_all
+done
+echo "long: $LONG_N x ($LONG_IN in, $LONG_OUT out) at $LONG_RATE/s; short: $SHORT_N x ($SHORT_IN in, $SHORT_OUT out) at $SHORT_RATE/s"
+echo "| mode | long ok | long TTFT p50 ms | long TTFT p99 ms | short ok | short TTFT p50 ms | short TPOT p50 ms | short TPOT p99 ms | out tok/s | KV moved MB | KV MB/s |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
+printf '%s\n' "${rows[@]}"
