@@ -288,6 +288,20 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
         .map(|b| token_ids(&post(solo.addr, b)))
         .collect();
     assert_eq!(got, want);
+
+    // The router killed and started again on the same cluster address: the engines
+    // connect to it again on their own, and the cluster answers as before.
+    let mut router = router;
+    router.signal(libc::SIGKILL);
+    router.wait_exit(Duration::from_secs(10));
+    let router = self::router(cluster_port);
+    wait_for(router.addr, Duration::from_secs(30), |v| {
+        names(v) == ["d1", "p1"]
+    });
+    let again = random_prompts(1, 99, 100).remove(0);
+    let got = complete(router.addr, &again, 8);
+    assert_eq!(get(router.addr, "/router/engines")["hand_offs"], 1);
+    assert_eq!(got, complete(solo.addr, &again, 8));
 }
 
 /// A streamed completion's text, from its events (an error event fails the test).

@@ -55,7 +55,9 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         let server = ractor_cluster::NodeServer::new(
             cluster_port,
             args.cluster_cookie.clone(),
-            "router".into(),
+            crate::cluster::agent::ROUTER_NODE_PREFIX
+                .trim_end_matches('@')
+                .to_string(),
             cluster_host.clone(),
             None,
             // Each engine learns from the router's node of the others and connects to

@@ -86,6 +86,9 @@ pub struct JoinConfig {
     pub listen_ip: std::net::IpAddr,
 }
 
+/// The router's node is named `router@HOST`.
+pub const ROUTER_NODE_PREFIX: &str = "router@";
+
 /// How long an engine waits for the router's node to accept its connection.
 const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -423,6 +426,7 @@ pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<ActorRef<Agen
     .await
     .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
     .map_err(|e| unreachable(e.to_string()))?;
+    let router = cfg.router.clone();
     let state = AgentState {
         engine,
         cfg,
@@ -432,7 +436,36 @@ pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<ActorRef<Agen
     let (agent, _) = Actor::spawn(None, EngineAgent, state)
         .await
         .map_err(|e| format!("cannot start the cluster agent: {e}"))?;
+    tokio::spawn(stay_connected(node, router));
     Ok(agent)
+}
+
+/// How often an engine checks that its node is still connected to the router's.
+const RECONNECT_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Connects the node to the router's again whenever their session is gone (the router
+/// restarted): the new router sees the engine, its load and its cached prefixes within
+/// about a second, and the engine's state was never lost.
+async fn stay_connected(node: ActorRef<ractor_cluster::NodeServerMessage>, router: String) {
+    loop {
+        tokio::time::sleep(RECONNECT_PERIOD).await;
+        let Ok(sessions) =
+            ractor::call_t!(node, ractor_cluster::NodeServerMessage::GetSessions, 1000)
+        else {
+            return;
+        };
+        let connected = sessions.values().any(|s| {
+            s.peer_name
+                .as_ref()
+                .is_some_and(|p| p.name.starts_with(ROUTER_NODE_PREFIX))
+        });
+        if !connected {
+            let again = ractor_cluster::client_connect(&node, router.as_str());
+            if let Ok(Err(e)) = tokio::time::timeout(CONNECT_TIMEOUT, again).await {
+                tracing::debug!("the router's cluster at {router}: {e}");
+            }
+        }
+    }
 }
 
 /// `serve --drain-to TARGET` on SIGTERM: the engine's movable requests moved to `target`

@@ -209,6 +209,61 @@ mod tests {
     }
 
     #[test]
+    fn a_store_takes_a_peers_blocks_only_when_they_are_what_they_claim() {
+        use crate::runner::kv_store::KvStoreConfig;
+        use crate::sched::{ROOT_HASH, block_hash};
+        let (block_size, block_bytes) = (16, 64);
+        let cfg = KvStoreConfig {
+            host_bytes: 1 << 20,
+            ..KvStoreConfig::default()
+        };
+        let store = KvStore::open(&cfg, "ns", block_size, block_bytes).unwrap();
+        let mut rng = 5u64;
+        let tokens: Vec<u32> = (0..16 * 5 + 3)
+            .map(|_| {
+                rng = crate::sampling::splitmix64(rng);
+                (rng % 30_000) as u32
+            })
+            .collect();
+        let mut parent = ROOT_HASH;
+        let blocks: Vec<Block> = tokens
+            .chunks_exact(block_size)
+            .map(|t| {
+                let hash = block_hash(parent, t, 0);
+                let key = BlockKey {
+                    hash,
+                    parent_hash: parent,
+                    cache_salt: 0,
+                    tokens: t.into(),
+                };
+                parent = hash;
+                (key, vec![hash as u8; block_bytes].into())
+            })
+            .collect();
+        // A block of another length, or whose key does not hash to it, is refused.
+        let (key, _) = blocks[0].clone();
+        assert!(store.import(key.clone(), vec![0; 63].into()).is_err());
+        let mut forged = key.clone();
+        forged.tokens[3] ^= 1;
+        assert!(store.import(forged, vec![0; 64].into()).is_err());
+        // A chunk of another namespace is refused whole.
+        let foreign = encode_chunks("other", &blocks);
+        assert!(put_blocks(&store, &foreign[0]).is_err());
+        assert!(store.export(&tokens, 0).is_empty());
+        // The three first blocks: the prompt's prefix up to the first it lacks.
+        for chunk in encode_chunks("ns", &blocks[..3]) {
+            put_blocks(&store, &chunk).unwrap();
+        }
+        let got = store.export(&tokens, 0);
+        assert_eq!(got.len(), 3);
+        for ((k, p), (want_k, want_p)) in got.iter().zip(&blocks) {
+            assert_eq!(k, want_k);
+            assert_eq!(p, want_p);
+        }
+        assert_eq!(store.num_blocks_of(&tokens), 5);
+    }
+
+    #[test]
     fn a_cut_or_foreign_chunk_is_an_error() {
         let chunk = encode_chunks("ns", &[block(1, 100)]).remove(0);
         for cut in [0, 3, 10, chunk.len() - 1] {
