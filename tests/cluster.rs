@@ -238,7 +238,7 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
     let cluster_port = free_port();
     let router = router(cluster_port);
     router_up(&router);
-    let _p = engine(
+    let mut p = engine(
         cluster_port,
         "p1",
         &["--role", "prefill", "--kv-cache-mib", "256"],
@@ -302,6 +302,17 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
     let got = complete(router.addr, &again, 8);
     assert_eq!(get(router.addr, "/router/engines")["hand_offs"], 1);
     assert_eq!(got, complete(solo.addr, &again, 8));
+
+    // With the prefill engine gone, the decode engine prefills prompts itself.
+    p.signal(libc::SIGKILL);
+    p.wait_exit(Duration::from_secs(10));
+    wait_for(router.addr, Duration::from_secs(30), |v| names(v) == ["d1"]);
+    let alone = random_prompts(1, 98, 300).remove(0);
+    assert_eq!(
+        complete(router.addr, &alone, 8),
+        complete(solo.addr, &alone, 8)
+    );
+    assert_eq!(get(router.addr, "/router/engines")["hand_offs"], 1);
 }
 
 /// A streamed completion's text, from its events (an error event fails the test).
@@ -351,8 +362,8 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
         .iter()
         .enumerate()
         .map(|(i, p)| match i % 2 {
-            0 => greedy(p, 64),
-            _ => json!({"prompt": p, "max_tokens": 64, "temperature": 0.8, "seed": i,
+            0 => greedy(p, 160),
+            _ => json!({"prompt": p, "max_tokens": 160, "temperature": 0.8, "seed": i,
                         "ignore_eos": true}),
         })
         .collect();

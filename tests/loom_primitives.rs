@@ -238,10 +238,13 @@ fn a_forwarded_engine_forgotten_during_a_poll_is_gone_or_freshly_reported() {
         role: "both".into(),
         num_running: 0,
         num_waiting: 0,
+        num_queued_prefill_tokens: 0,
         num_kv_tokens: 0,
         kv_capacity_tokens: 0,
         block_size: 16,
         cached_blocks: Vec::new(),
+        takes_kv: false,
+        draining: false,
     };
     loom::model(move || {
         let registry = Arc::new(Registry::default());

@@ -547,6 +547,7 @@ impl Actor for SchedulerActor {
                 s.num_spec_sat_out_rows = st.core.num_sat_out_rows();
                 s.num_running = st.core.num_running();
                 s.num_waiting = st.core.num_waiting();
+                s.num_queued_prefill_tokens = st.core.num_queued_prefill_tokens();
                 s.num_free_blocks = st.core.num_free_blocks();
                 s.num_free_state_slots = st.core.num_free_state_slots().unwrap_or(0);
                 s.num_preemptions = st.core.num_preemptions();

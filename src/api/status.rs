@@ -12,6 +12,8 @@ pub struct EngineStatus {
     pub failure: Option<String>,
     pub num_running: usize,
     pub num_waiting: usize,
+    /// Prompt tokens admitted or queued and not yet computed: the prefill work ahead.
+    pub num_queued_prefill_tokens: usize,
     pub num_free_blocks: usize,
     pub num_total_blocks: usize,
     /// Per-sequence state slots (DeepSeek-V4; 0 and 0 for other models).

@@ -53,7 +53,7 @@ pub struct ServeArgs {
     /// their clients' streams go on through this process. The rest finish here.
     #[arg(long, value_name = "NODE|auto", requires = "cluster")]
     drain_to: Option<String>,
-    /// This engine's name in the cluster (default: engine-PORT).
+    /// This engine's name in the cluster, unique in it (default: engine-HOST-PORT).
     #[arg(long, requires = "cluster")]
     node_name: Option<String>,
     /// The secret the cluster's nodes share.
@@ -209,7 +209,7 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
             node_name: args
                 .node_name
                 .clone()
-                .unwrap_or_else(|| format!("engine-{}", args.port)),
+                .unwrap_or_else(|| format!("engine-{}-{}", args.host, args.port)),
             cookie: args.cluster_cookie.clone(),
             http_url: format!("http://{}:{}", args.host, args.port),
             role: format!("{:?}", args.role).to_lowercase(),
@@ -218,6 +218,7 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
         });
     let state = crate::protocol::server::state(opts);
     let (hooked, drain_to) = (state.clone(), args.drain_to.clone());
+    let shutdown_timeout = args.shutdown_timeout;
     let loading = runtime.spawn(async move {
         let engine = Engine::spawn(cfg).await?;
         if let Some(join) = join {
@@ -226,11 +227,15 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
             let agent = agent::join(engine.clone(), join)
                 .await
                 .map_err(EngineError::Spawn)?;
-            if let Some(target) = drain_to {
-                hooked.set_drain_hook(Box::new(move || {
-                    Box::pin(agent::drain_to(agent.clone(), target.clone()))
-                }));
-            }
+            // On SIGTERM the cluster hears of it first: nothing new comes here, and
+            // with --drain-to the requests move.
+            hooked.set_drain_hook(Box::new(move || {
+                Box::pin(agent::drain(
+                    agent.clone(),
+                    drain_to.clone(),
+                    shutdown_timeout,
+                ))
+            }));
         }
         Ok(engine)
     });

@@ -4,7 +4,7 @@
 //! the KV blocks a prefill engine sends (`kv_transfer.rs`).
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -13,11 +13,15 @@ use ractor_cluster::RactorClusterMessage;
 use serde::{Deserialize, Serialize};
 
 use super::ENGINES_GROUP;
-use super::kv_transfer::{Block, HandOff, KvTransport, PrefillAsk, encode_chunks, put_blocks};
-use super::migrate::{Continuation, MovedOutput};
+use super::kv_transfer::{
+    Block, HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, encode_chunks, put_blocks,
+};
+use super::migrate::{Continuation, DrainAsk, MovedOutput};
 use crate::engine::{Detached, EngineHandle, EngineRequest, RequestOutput};
 use crate::sampling::SamplingParams;
 
+/// How long a draining engine waits for a peer's report (a busy peer answers late).
+const PEER_REPORT_TIMEOUT_MS: u64 = 5_000;
 /// How long a chunk of KV blocks may take to be acknowledged.
 const CHUNK_TIMEOUT_MS: u64 = 30_000;
 
@@ -36,11 +40,13 @@ pub enum AgentMsg {
     /// answered with "" once kept, else why not.
     #[rpc]
     PutBlocks(Vec<u8>, RpcReplyPort<String>),
-    /// Move every request a peer can continue to the named engine (`auto`: the least
-    /// loaded other engine that decodes): `serve --drain-to` on SIGTERM. Answered with
-    /// what is moving.
+    /// The engine is draining (SIGTERM; `migrate::DrainAsk` as JSON): nothing new is taken
+    /// from the cluster, and with `--drain-to` every request a peer can continue moves to
+    /// it. Answered with what is moving.
     #[rpc]
     DrainTo(String, RpcReplyPort<String>),
+    /// The drain's time is up: every moved request still unfinished ends with an error.
+    CancelMoves,
     /// Continue a request another engine moved here (`migrate::Continuation` as JSON);
     /// answered with "" once admitted, else why not.
     #[rpc]
@@ -65,11 +71,17 @@ pub struct EngineReport {
     pub role: String,
     pub num_running: usize,
     pub num_waiting: usize,
+    /// Prompt tokens queued or admitted and not yet computed.
+    pub num_queued_prefill_tokens: usize,
     pub num_kv_tokens: usize,
     pub kv_capacity_tokens: usize,
     pub block_size: usize,
     /// Chain hashes of its prefix cache's blocks (`route::prompt_block_hashes`).
     pub cached_blocks: Vec<u64>,
+    /// It keeps a prefix store (a prefill engine's KV can be handed to it).
+    pub takes_kv: bool,
+    /// It is shutting down: nothing new goes to it.
+    pub draining: bool,
 }
 
 /// How an engine joins a cluster (`troupe serve --cluster ADDR`).
@@ -100,6 +112,8 @@ pub struct AgentState {
     /// Requests moved to a peer, by move id: their request id, seed and caller's channel.
     moves: HashMap<u64, (u64, u64, UnboundedSender<RequestOutput>)>,
     next_move: u64,
+    /// Set by `DrainTo`: prefills and moved requests are refused, reports say so.
+    draining: bool,
 }
 
 impl Actor for EngineAgent {
@@ -124,11 +138,32 @@ impl Actor for EngineAgent {
         st: &mut AgentState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            AgentMsg::DrainTo(target, reply) => {
-                let answer = st.drain_to(&myself, &target).await;
+            AgentMsg::DrainTo(json, reply) => {
+                st.draining = true;
+                let answer = match serde_json::from_str::<DrainAsk>(&json) {
+                    Ok(ask) => st.drain(&myself, ask).await,
+                    Err(e) => format!("a drain ask: {e}"),
+                };
                 let _ = reply.send(answer);
             }
+            AgentMsg::CancelMoves => {
+                for (_, (request_id, _, tx)) in st.moves.drain() {
+                    let _ = tx.send(RequestOutput {
+                        request_id,
+                        error: Some(
+                            "the server is shutting down and the request, moved to a peer, \
+                             did not finish within --shutdown-timeout"
+                                .into(),
+                        ),
+                        ..RequestOutput::default()
+                    });
+                }
+            }
             AgentMsg::Continue(json, reply) => {
+                if st.draining {
+                    let _ = reply.send("this engine is draining".into());
+                    return Ok(());
+                }
                 let engine = st.engine.clone();
                 tokio::spawn(continue_moved(engine, json, reply));
             }
@@ -161,14 +196,21 @@ impl Actor for EngineAgent {
                     role: st.cfg.role.clone(),
                     num_running: status.num_running,
                     num_waiting: status.num_waiting,
+                    num_queued_prefill_tokens: status.num_queued_prefill_tokens,
                     num_kv_tokens: (status.num_total_blocks - status.num_free_blocks) * block_size,
                     kv_capacity_tokens: status.num_total_blocks * block_size,
                     block_size,
                     cached_blocks,
+                    takes_kv: st.engine.kv_store().is_some(),
+                    draining: st.draining,
                 };
                 if let Ok(json) = serde_json::to_string(&report) {
                     let _ = reply.send(json);
                 }
+            }
+            AgentMsg::Prefill(_, reply) if st.draining => {
+                let answer = serde_json::json!({ "error": "this engine is draining" });
+                let _ = reply.send(answer.to_string());
             }
             AgentMsg::Prefill(ask, reply) => {
                 // On a task of its own: the prompt runs with the engine's other requests,
@@ -187,11 +229,18 @@ impl Actor for EngineAgent {
                 });
             }
             AgentMsg::PutBlocks(chunk, reply) => {
-                let kept = match st.engine.kv_store() {
-                    Some(store) => put_blocks(store, &chunk).map(|_| ()),
-                    None => Err("this engine keeps no prefix store (--kv-host-cache-bytes)".into()),
-                };
-                let _ = reply.send(kept.err().unwrap_or_default());
+                // Decoding and copying megabytes: off the agent, whose reports must not wait.
+                let engine = st.engine.clone();
+                tokio::task::spawn_blocking(move || {
+                    let kept = match engine.kv_store() {
+                        Some(store) => put_blocks(store, &chunk).map(|_| ()),
+                        None => {
+                            Err("this engine keeps no prefix store (--kv-host-cache-bytes)"
+                                .to_string())
+                        }
+                    };
+                    let _ = reply.send(kept.err().unwrap_or_default());
+                });
             }
         }
         Ok(())
@@ -217,6 +266,14 @@ impl ClusterTcp {
 
 impl KvTransport for ClusterTcp {
     async fn send(&self, namespace: &str, blocks: &[Block]) -> Result<u64, String> {
+        // A frame past the receiver's limit would end the whole session between the nodes.
+        if let Some((key, p)) = blocks.iter().find(|(_, p)| p.len() > MAX_BLOCK_BYTES) {
+            return Err(format!(
+                "KV block {:016x} has {} bytes; the cluster's transport takes at most {MAX_BLOCK_BYTES}",
+                key.hash,
+                p.len()
+            ));
+        }
         let mut bytes = 0;
         for chunk in encode_chunks(namespace, blocks) {
             bytes += chunk.len() as u64;
@@ -266,21 +323,20 @@ pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result
 }
 
 impl AgentState {
-    /// Takes the engine's movable requests out and moves them to `target` in the
-    /// background; what is moving, or why nothing is.
-    async fn drain_to(&mut self, myself: &ActorRef<AgentMsg>, target: &str) -> String {
+    /// With a target: the peer found first, then the engine's movable requests taken out
+    /// and moved to it in the background; what is moving, or why nothing is (the requests
+    /// then finish here). The moves still unfinished when `ask`'s time is up are ended.
+    async fn drain(&mut self, myself: &ActorRef<AgentMsg>, ask: DrainAsk) -> String {
+        let Some(target) = ask.target else {
+            return "nothing to move (no --drain-to)".into();
+        };
+        let peer = match pick_peer(myself, &target, &self.cfg.node_name).await {
+            Ok(peer) => peer,
+            Err(e) => return format!("nothing moved: {e}"),
+        };
         let detached = match self.engine.detach_movable().await {
             Ok(d) => d,
             Err(e) => return format!("nothing moved: {e}"),
-        };
-        let peer = match pick_peer(myself, target).await {
-            Ok(peer) => peer,
-            Err(e) => {
-                for d in &detached {
-                    let _ = d.stream.send(moved_error(d, &e));
-                }
-                return format!("nothing moved, {} requests ended: {e}", detached.len());
-            }
         };
         let mut moving = Vec::with_capacity(detached.len());
         for d in detached {
@@ -293,6 +349,14 @@ impl AgentState {
         let answer = format!("{} requests moving to {peer}", moving.len());
         let (engine, origin) = (self.engine.clone(), self.cfg.node_name.clone());
         tokio::spawn(async move { move_all(&engine, &peer, &origin, moving).await });
+        let (me, after) = (
+            myself.clone(),
+            Duration::from_secs_f64(ask.cancel_after_secs),
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let _ = me.cast(AgentMsg::CancelMoves);
+        });
         answer
     }
 }
@@ -310,8 +374,13 @@ fn moved_error(d: &Detached, why: &str) -> RequestOutput {
 
 /// The engine `target` names, or for `auto` the other engine that decodes with the
 /// fewest requests.
-async fn pick_peer(myself: &ActorRef<AgentMsg>, target: &str) -> Result<String, String> {
+async fn pick_peer(myself: &ActorRef<AgentMsg>, target: &str, me: &str) -> Result<String, String> {
     if target != "auto" {
+        if target == me || ractor::pg::get_members(&agent_group(target)).is_empty() {
+            return Err(format!(
+                "--drain-to {target}: no other engine of that name in the cluster"
+            ));
+        }
         return Ok(target.to_string());
     }
     let mut best: Option<(usize, String)> = None;
@@ -320,14 +389,14 @@ async fn pick_peer(myself: &ActorRef<AgentMsg>, target: &str) -> Result<String, 
             continue;
         }
         let agent: ActorRef<AgentMsg> = cell.into();
-        let Ok(json) = ractor::call_t!(agent, AgentMsg::Report, 1000) else {
+        let Ok(json) = ractor::call_t!(agent, AgentMsg::Report, PEER_REPORT_TIMEOUT_MS) else {
             continue;
         };
         let Ok(r) = serde_json::from_str::<EngineReport>(&json) else {
             continue;
         };
         let load = r.num_running + r.num_waiting;
-        if r.role != "prefill" && best.as_ref().is_none_or(|(l, _)| load < *l) {
+        if r.role != "prefill" && !r.draining && best.as_ref().is_none_or(|(l, _)| load < *l) {
             best = Some((load, r.node_name));
         }
     }
@@ -362,7 +431,31 @@ async fn move_all(engine: &EngineHandle, peer: &str, origin: &str, moving: Vec<(
             }
         };
         if let Err(e) = moved.await {
-            let _ = d.stream.send(moved_error(&d, &e));
+            // Finished here after all: the engine runs until the drain ends.
+            tracing::warn!(
+                "moving request {} to {peer}: {e}; it continues here",
+                d.request_id
+            );
+            tokio::spawn(continue_here(engine.clone(), cont, d));
+        }
+    }
+}
+
+/// A request whose move failed, continued on this engine as a peer would have.
+async fn continue_here(engine: EngineHandle, cont: Continuation, d: Detached) {
+    let seed = d.request.seed.unwrap_or_default();
+    let mut stream = match engine.generate(cont.request()).await {
+        Ok(stream) => stream,
+        Err(e) => {
+            let _ = d.stream.send(moved_error(&d, &e.to_string()));
+            return;
+        }
+    };
+    while let Some(out) = stream.next().await {
+        let out = MovedOutput::of(cont.move_id, out).into_output(d.request_id, seed);
+        let last = out.is_final();
+        if d.stream.send(out).is_err() || last {
+            break;
         }
     }
 }
@@ -432,6 +525,7 @@ pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<ActorRef<Agen
         cfg,
         moves: HashMap::new(),
         next_move: 0,
+        draining: false,
     };
     let (agent, _) = Actor::spawn(None, EngineAgent, state)
         .await
@@ -447,12 +541,16 @@ const RECONNECT_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
 /// restarted): the new router sees the engine, its load and its cached prefixes within
 /// about a second, and the engine's state was never lost.
 async fn stay_connected(node: ActorRef<ractor_cluster::NodeServerMessage>, router: String) {
+    let mut warned = false;
     loop {
         tokio::time::sleep(RECONNECT_PERIOD).await;
+        if node.get_status() == ractor::ActorStatus::Stopped {
+            return;
+        }
         let Ok(sessions) =
             ractor::call_t!(node, ractor_cluster::NodeServerMessage::GetSessions, 1000)
         else {
-            return;
+            continue;
         };
         let connected = sessions.values().any(|s| {
             s.peer_name
@@ -461,18 +559,29 @@ async fn stay_connected(node: ActorRef<ractor_cluster::NodeServerMessage>, route
         });
         if !connected {
             let again = ractor_cluster::client_connect(&node, router.as_str());
-            if let Ok(Err(e)) = tokio::time::timeout(CONNECT_TIMEOUT, again).await {
-                tracing::debug!("the router's cluster at {router}: {e}");
+            match tokio::time::timeout(CONNECT_TIMEOUT, again).await {
+                Ok(Ok(())) => warned = false,
+                Ok(Err(e)) if !warned => {
+                    tracing::warn!("connecting to the router's cluster at {router} again: {e}");
+                    warned = true;
+                }
+                _ => {}
             }
         }
     }
 }
 
-/// `serve --drain-to TARGET` on SIGTERM: the engine's movable requests moved to `target`
-/// through `agent`; the rest finish here.
-pub async fn drain_to(agent: ActorRef<AgentMsg>, target: String) {
-    match ractor::call_t!(agent, AgentMsg::DrainTo, 60_000, target.clone()) {
-        Ok(moved) => eprintln!("troupe: draining to {target}: {moved}"),
-        Err(e) => eprintln!("troupe: draining to {target}: {e}"),
+/// On SIGTERM, for an engine in a cluster: the agent told to drain (with `--drain-to`,
+/// to move the requests a peer can continue; those still unfinished after `cancel_after`
+/// end with an error).
+pub async fn drain(agent: ActorRef<AgentMsg>, target: Option<String>, cancel_after: Duration) {
+    let ask = DrainAsk {
+        target,
+        cancel_after_secs: cancel_after.as_secs_f64(),
+    };
+    let ask = serde_json::to_string(&ask).unwrap_or_default();
+    match ractor::call_t!(agent, AgentMsg::DrainTo, 60_000, ask) {
+        Ok(moved) => eprintln!("troupe: draining: {moved}"),
+        Err(e) => eprintln!("troupe: draining: {e}"),
     }
 }

@@ -14,6 +14,8 @@ use crate::sync::Shared;
 
 /// A chunk's payload at most: a frame of the cluster's transport holds 16 MiB.
 const CHUNK_BYTES: usize = 8 << 20;
+/// The largest block a chunk carries (alone): it must fit a frame with its key.
+pub const MAX_BLOCK_BYTES: usize = 15 << 20;
 /// Tags a chunk of blocks, with its format's version.
 const MAGIC: &[u8; 4] = b"TKV1";
 

@@ -10,6 +10,15 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{Detached, EngineRequest, FinishReason, RequestOutput};
 use crate::sampling::SamplingParams;
 
+/// What the server's drain asks of its agent; JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DrainAsk {
+    /// `--drain-to`: a peer's name, `auto`, or none (nothing moves).
+    pub target: Option<String>,
+    /// After this long, moved requests still unfinished end with an error.
+    pub cancel_after_secs: f64,
+}
+
 /// A request as a peer continues it; crosses the network as JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Continuation {

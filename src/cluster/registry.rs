@@ -69,10 +69,10 @@ pub fn load_of(report: &EngineReport) -> EngineLoad {
             "decode" => Role::Decode,
             _ => Role::Both,
         },
-        alive: true,
+        alive: !report.draining,
         num_running: report.num_running,
         num_waiting: report.num_waiting,
-        num_queued_prefill_tokens: 0,
+        num_queued_prefill_tokens: report.num_queued_prefill_tokens,
         num_kv_tokens: report.num_kv_tokens,
         kv_capacity_tokens: report.kv_capacity_tokens,
         block_size: report.block_size,
@@ -81,6 +81,7 @@ pub fn load_of(report: &EngineReport) -> EngineLoad {
             .iter()
             .copied()
             .collect::<HashSet<u64>>(),
+        takes_kv: report.takes_kv,
     }
 }
 

@@ -174,7 +174,7 @@ impl RouterState {
             .map(|r| {
                 let mut load = load_of(r);
                 load.num_running += in_flight.get(&r.node_name).copied().unwrap_or(0);
-                load.alive = !passed_over.contains(&r.node_name);
+                load.alive &= !passed_over.contains(&r.node_name);
                 load
             })
             .collect()
@@ -223,11 +223,17 @@ pub async fn forward(
             break;
         };
         let engine = &reports[route.target];
+        // Counted from now: a burst of hand-offs spreads over the decode engines.
+        let counted = InFlight::new(&st, &engine.node_name);
         if let (Some(from), Some(ids)) = (route.prefill_from, &prompt) {
             hand_off(&st, &reports[from], engine, ids).await;
         }
-        let last = attempt + 1 == MAX_ATTEMPTS;
-        match send(&st, &req, &body, engine, last).await {
+        // The last try, or no other engine to try: its 429 or 503 goes to the client.
+        let others = (loads.iter().enumerate())
+            .filter(|(i, l)| *i != route.target && l.alive && l.role.decodes())
+            .count();
+        let last = attempt + 1 == MAX_ATTEMPTS || others == 0;
+        match send(&st, &req, &body, engine, last, counted).await {
             Ok(reply) => {
                 st.count(|c| {
                     *c.routed.entry(engine.node_name.clone()).or_default() += 1;
@@ -254,6 +260,7 @@ async fn send(
     body: &web::Bytes,
     engine: &EngineReport,
     last: bool,
+    counted: InFlight,
 ) -> Result<HttpResponse, String> {
     let target = req
         .uri()
@@ -270,7 +277,6 @@ async fn send(
             out = out.header(*name, v);
         }
     }
-    let counted = InFlight::new(st, &engine.node_name);
     let reply = match out.send().await {
         Ok(reply) => reply,
         Err(e) if e.is_connect() => {
@@ -337,7 +343,8 @@ async fn send(
             st.registry.forget(&node);
             let message = format!("engine {node} failed mid-reply: {e}");
             let event = json!({"error": {"message": message, "type": "router_error", "code": 502}});
-            web::Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n"))
+            // After whatever part of an event came: the error is an event of its own.
+            web::Bytes::from(format!("\n\ndata: {event}\n\ndata: [DONE]\n\n"))
         });
         std::future::ready(Some(Ok::<_, actix_web::Error>(bytes)))
     });

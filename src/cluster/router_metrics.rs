@@ -59,6 +59,12 @@ pub fn render(
         per_engine(&|r| r.num_waiting as f64),
     );
     family(
+        "troupe_router_engine_queued_prefill_tokens",
+        "gauge",
+        "Prompt tokens each engine has queued or admitted and not yet computed.",
+        per_engine(&|r| r.num_queued_prefill_tokens as f64),
+    );
+    family(
         "troupe_router_engine_kv_tokens",
         "gauge",
         "Tokens held in each engine's KV cache, as it last reported.",

@@ -187,6 +187,11 @@ fn status_registry(s: &EngineStatus) -> Registry {
         s.num_waiting,
     );
     int_gauge(
+        "num_queued_prefill_tokens",
+        "Prompt tokens queued or admitted and not yet computed",
+        s.num_queued_prefill_tokens,
+    );
+    int_gauge(
         "kv_cache_total_blocks",
         "Blocks in the paged KV pool",
         s.num_total_blocks,

@@ -15,7 +15,8 @@
 //! - **Disaggregated where prefill engines exist.** A prompt picked for a prefill-only
 //!   engine is decoded by the decode engine `pick_decode` picks, its KV handed over,
 //!   unless what is left to compute there (past that engine's own cached prefix) is at
-//!   most a block or `RouteConfig::min_hand_off_tokens` (`pick_route`).
+//!   most a block or `RouteConfig::min_hand_off_tokens`, or it keeps no store to take the
+//!   KV in (`pick_route`). With no engine alive that prefills, decode engines prefill.
 //!
 //! Engines not alive, or of the other role, are never picked.
 
@@ -62,6 +63,8 @@ pub struct EngineLoad {
     pub block_size: usize,
     /// Chain hashes of the full blocks its prefix cache holds.
     pub cached_blocks: HashSet<u64>,
+    /// It keeps a prefix store: a prefill engine's KV can be handed to it.
+    pub takes_kv: bool,
 }
 
 /// The router's knobs.
@@ -173,14 +176,18 @@ pub fn pick_route(
     let Some((block_hashes, num_prompt_tokens)) = prompt else {
         return pick_decode(engines, 0).map(direct);
     };
-    let prefill = pick_prefill(cfg, engines, block_hashes, num_prompt_tokens)?;
+    // No engine alive that prefills: the decode engines prefill themselves.
+    let Some(prefill) = pick_prefill(cfg, engines, block_hashes, num_prompt_tokens) else {
+        return pick_decode(engines, num_prompt_tokens).map(direct);
+    };
     if engines[prefill].role != Role::Prefill {
         return Some(direct(prefill));
     }
     let target = pick_decode(engines, num_prompt_tokens)?;
     let decode = &engines[target];
     let left = num_prompt_tokens - hit_tokens(decode, block_hashes, num_prompt_tokens);
-    let prefill_from = (left > decode.block_size.max(cfg.min_hand_off_tokens)).then_some(prefill);
+    let worth_it = left > decode.block_size.max(cfg.min_hand_off_tokens);
+    let prefill_from = (worth_it && decode.takes_kv).then_some(prefill);
     Some(Route {
         target,
         prefill_from,

@@ -172,6 +172,16 @@ impl Scheduler {
         self.blocks.num_free()
     }
 
+    /// Prompt tokens of the waiting and running sequences not yet computed.
+    pub fn num_queued_prefill_tokens(&self) -> usize {
+        self.waiting
+            .iter()
+            .chain(&self.running)
+            .filter_map(|&i| self.seqs[i].as_ref())
+            .map(|s| s.num_prompt_tokens.saturating_sub(s.num_computed_tokens))
+            .sum()
+    }
+
     pub fn num_free_state_slots(&self) -> Option<usize> {
         self.slots.as_ref().map(StateSlots::num_free)
     }

@@ -237,10 +237,13 @@ fn chunked_prefill_follows_the_cost_model_budget() {
     let mut dev = Device::new(&cfg);
     let p = prompt(3, 35);
     s.add(req(1, p.clone(), 2)).unwrap();
+    // The prefill work ahead (what a router balances by) falls chunk by chunk.
+    assert_eq!(s.num_queued_prefill_tokens(), p.len());
     let mut shapes = Vec::new();
     let mut outputs = Outputs::default();
     while let Some(plan) = s.schedule() {
         let r = &plan.rows[0];
+        let computed = (r.num_cached_tokens + r.num_tokens()).min(p.len());
         shapes.push((
             r.num_cached_tokens,
             r.num_tokens(),
@@ -255,6 +258,7 @@ fn chunked_prefill_follows_the_cost_model_budget() {
         let sampled = dev.execute(&plan);
         // Measured = predicted: the refit keeps the same coefficients.
         outputs.apply(s.on_step_done(plan.step_id, &sampled, r.num_tokens() as f64 * 1e-3));
+        assert_eq!(s.num_queued_prefill_tokens(), p.len() - computed);
     }
     assert_eq!(
         shapes,
