@@ -185,8 +185,13 @@ fn a_router_over_two_engines() {
     // router sends it to e1, which prefills it again), e2 is gone from the view within a
     // second or so, and the router's metrics count what it re-routed.
     let long_runs: Vec<Value> = prompts[..12].iter().map(|p| greedy(p, 48)).collect();
-    let (got, killed) = std::thread::scope(|s| {
+    let streams: Vec<Value> = prompts[12..18].iter().map(|p| greedy(p, 48)).collect();
+    let (got, streamed) = std::thread::scope(|s| {
         let runs = s.spawn(|| burst(router.addr, &long_runs));
+        let streamed: Vec<_> = streams
+            .iter()
+            .map(|b| s.spawn(|| stream_events(router.addr, b)))
+            .collect();
         wait_for(router.addr, limit, |v| {
             engine_view(v, "e2")["num_running"].as_u64().unwrap() > 0
         });
@@ -199,9 +204,20 @@ fn a_router_over_two_engines() {
             "{:?}",
             killed.elapsed()
         );
-        (runs.join().unwrap(), killed)
+        let streamed: Vec<_> = streamed.into_iter().map(|r| r.join().unwrap()).collect();
+        (runs.join().unwrap(), streamed)
     });
-    let _ = killed;
+    // A stream e2 broke off after its first event ends with an error event (and
+    // [DONE]); every other stream is whole.
+    for (body, events) in streams.iter().zip(streamed) {
+        match events {
+            Ok(text) => {
+                let want = post(e1.addr, body)["choices"][0]["text"].clone();
+                assert_eq!(json!(text), want);
+            }
+            Err(error) => assert!(error.contains("failed mid-reply"), "{error}"),
+        }
+    }
     let want: Vec<Vec<u64>> = long_runs
         .iter()
         .map(|b| token_ids(&post(e1.addr, b)))
@@ -317,6 +333,12 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
 
 /// A streamed completion's text, from its events (an error event fails the test).
 fn streamed_text(addr: SocketAddr, body: &Value) -> String {
+    stream_events(addr, body).unwrap()
+}
+
+/// A streamed completion's text, or the message of the error event that ended it; the
+/// stream must end with [DONE] either way.
+fn stream_events(addr: SocketAddr, body: &Value) -> Result<String, String> {
     let mut body = body.clone();
     body["stream"] = json!(true);
     let headers = [("host", "127.0.0.1"), ("content-type", "application/json")];
@@ -330,18 +352,21 @@ fn streamed_text(addr: SocketAddr, body: &Value) -> String {
     assert_eq!(r.status, 200);
     let payload = String::from_utf8(r.payload()).unwrap();
     let mut text = String::new();
-    let mut done = false;
+    let (mut done, mut error_message) = (false, None);
     for data in payload.lines().filter_map(|l| l.strip_prefix("data: ")) {
         if data == "[DONE]" {
             done = true;
             continue;
         }
         let event: Value = serde_json::from_str(data).unwrap();
-        assert!(event.get("error").is_none(), "{event}");
+        if let Some(error) = event.get("error") {
+            error_message = Some(error["message"].as_str().unwrap_or_default().to_string());
+            continue;
+        }
         text.push_str(event["choices"][0]["text"].as_str().unwrap_or_default());
     }
     assert!(done, "the stream ended without [DONE]: {payload}");
-    text
+    error_message.map_or(Ok(text), Err)
 }
 
 #[test]
