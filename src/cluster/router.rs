@@ -213,7 +213,13 @@ pub async fn forward(
             );
         }
     }
-    let prompt = st.prompt_ids(req.uri().path(), &body);
+    // Tokenizing a long prompt or rendering a chat template takes milliseconds of CPU:
+    // on the blocking pool, not on the worker that serves other requests.
+    let (reader, path, bytes) = (st.clone(), req.uri().path().to_string(), body.clone());
+    let prompt = web::block(move || reader.prompt_ids(&path, &bytes))
+        .await
+        .ok()
+        .flatten();
     let mut passed_over: Vec<String> = Vec::new();
     let mut why = "no engine in the cluster can take the request".to_string();
     for attempt in 0..MAX_ATTEMPTS {
