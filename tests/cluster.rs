@@ -374,7 +374,15 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
     let cluster_port = free_port();
     let router = router(cluster_port);
     router_up(&router);
-    let flags = ["--kv-cache-mib", "64", "--drain-to", "auto"];
+    // A loaded CI machine may take a while: the moved streams are not cut short.
+    let flags = [
+        "--kv-cache-mib",
+        "64",
+        "--drain-to",
+        "auto",
+        "--shutdown-timeout",
+        "100",
+    ];
     let mut e1 = engine(cluster_port, "e1", &flags);
     let e2 = engine(cluster_port, "e2", &flags);
     let limit = Duration::from_secs(30);
@@ -387,8 +395,8 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
         .iter()
         .enumerate()
         .map(|(i, p)| match i % 2 {
-            0 => greedy(p, 160),
-            _ => json!({"prompt": p, "max_tokens": 160, "temperature": 0.8, "seed": i,
+            0 => greedy(p, 128),
+            _ => json!({"prompt": p, "max_tokens": 128, "temperature": 0.8, "seed": i,
                         "ignore_eos": true}),
         })
         .collect();
@@ -397,8 +405,11 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
             .iter()
             .map(|b| s.spawn(|| streamed_text(router.addr, b)))
             .collect();
+        // Running there with their prompts computed (blocks in its cache), so there is
+        // KV to move whatever the machine's load.
         wait_for(router.addr, limit, |v| {
-            engine_view(v, "e1")["num_running"].as_u64().unwrap() > 0
+            let e1 = engine_view(v, "e1");
+            e1["num_running"].as_u64().unwrap() > 0 && e1["num_cached_blocks"].as_u64().unwrap() > 0
         });
         e1.signal(libc::SIGTERM);
         runs.into_iter().map(|r| r.join().unwrap()).collect()
