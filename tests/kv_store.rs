@@ -222,6 +222,82 @@ async fn deepseek_v4_blocks_come_back_from_disk_in_another_engine() {
     .expect("bounded");
 }
 
+/// DeepSeek-V4, every differential case (generated configs and prompt lengths): what a
+/// prefill engine hands a decode engine — the prompt's blocks and the state a cold run
+/// has at the last one's end — lets the decode engine continue with no replay, to
+/// transformers' greedy tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deepseek_v4_prompt_handed_over_with_its_state_continues_with_no_replay() {
+    use troupe::cluster::kv_transfer::{Prefix, encode_chunks, put_blocks};
+    tokio::time::timeout(BOUND, async {
+        let mut num_cases = 0;
+        let mut cases: Vec<String> = std::fs::read_dir(common::goldens().join("dsv4-diff"))
+            .unwrap()
+            .map(|e| format!("dsv4-diff/{}", e.unwrap().file_name().to_string_lossy()))
+            .collect();
+        cases.sort();
+        for case_dir in &cases {
+            let case = common::read_json(&format!("{case_dir}/case.json"));
+            let (prompt, greedy) = (
+                common::ids(&case["prompt"]),
+                common::ids(&case["greedy_tokens"]),
+            );
+            let mut cfg = EngineConfig::new(common::goldens().join(case_dir));
+            cfg.device = troupe::engine::Device::Cpu;
+            cfg.kv_cache_bytes = 16 << 20;
+            cfg.max_num_seqs = 2;
+            let cfg = with_store(
+                cfg,
+                KvStoreConfig {
+                    host_bytes: 64 << 20,
+                    ..Default::default()
+                },
+            );
+            let request = |max_tokens: usize| {
+                let mut r =
+                    EngineRequest::new(prompt.clone(), max_tokens, SamplingParams::default());
+                r.ignore_eos = true;
+                vec![r]
+            };
+            let prefill = Engine::spawn(cfg.clone()).await.unwrap();
+            let store = prefill.kv_store().expect("a store");
+            let (num_blocks, namespace) =
+                (store.num_blocks_of(&prompt), store.namespace().to_string());
+            if num_blocks == 0 {
+                prefill.shutdown(true).await;
+                continue;
+            }
+            num_cases += 1;
+            let first = ok_outputs(&prefill, request(1)).await;
+            assert_eq!(first[0].token_ids, greedy[..1], "{case_dir}: the prefill");
+            prefill.flush_kv_saves().await.unwrap();
+            let prefix = Prefix::export(prefill.kv_store().unwrap(), &prompt);
+            prefill.shutdown(true).await;
+            assert_eq!(prefix.blocks.len(), num_blocks, "{case_dir}");
+            assert_eq!(prefix.states.len(), 1, "{case_dir}: the last block's state");
+
+            let decode = Engine::spawn(cfg).await.unwrap();
+            for chunk in encode_chunks(&namespace, &prefix) {
+                put_blocks(decode.kv_store().unwrap(), &chunk).unwrap();
+            }
+            let out = ok_outputs(&decode, request(greedy.len())).await;
+            let status = decode.status().await.unwrap();
+            decode.shutdown(true).await;
+            assert_eq!(out[0].token_ids, greedy, "{case_dir}: the decode engine");
+            assert_eq!(
+                status.kv_store.host_hit_blocks as usize,
+                prefix.blocks.len(),
+                "{case_dir}"
+            );
+            let hits = (status.num_resumed_hits, status.num_replayed_hits);
+            assert_eq!(hits, (1, 0), "{case_dir}: (resumed, replayed)");
+        }
+        assert!(num_cases >= 5, "{num_cases} cases with a full block");
+    })
+    .await
+    .expect("bounded");
+}
+
 /// `troupe generate` on the default model with `args` and `--stats` to `stats`: its
 /// tokens and its stats.
 fn generate(

@@ -211,6 +211,11 @@ impl ThreadLocalActor for RankWorker {
             let rank = st.shard.rank;
             return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
         }
+        // The store checked each state's length: one that does not fit is a slot missing.
+        if !model.import_states(&step.state_imports) {
+            let rank = st.shard.rank;
+            return Err(format!("rank {rank}: a stored state does not fit its slot").into());
+        }
         if let (Some(store), false) = (&st.kv_store, loads.is_empty()) {
             store.add_copy_secs(0.0, loading.elapsed().as_secs_f64());
         }
@@ -239,6 +244,14 @@ impl ThreadLocalActor for RankWorker {
         if !model.save_states(&step.state_saves) {
             let rank = st.shard.rank;
             return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
+        }
+        if let Some(store) = &st.kv_store {
+            for save in &step.state_saves {
+                let Some(hash) = save.keep_as else { continue };
+                if let Some(bytes) = model.saved_state(save.saved) {
+                    store.save_state(hash, bytes.into());
+                }
+            }
         }
         let step_id = step.step_id;
         st.inputs.launched(epoch, step_id, launched_step.prev);

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ENGINES_GROUP;
 use super::kv_transfer::{
-    Block, HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, encode_chunks, put_blocks,
+    HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, Prefix, encode_chunks, put_blocks,
 };
 use super::migrate::{Continuation, DrainAsk, MovedOutput};
 use crate::engine::{Detached, EngineHandle, EngineRequest, RequestOutput};
@@ -265,17 +265,18 @@ impl ClusterTcp {
 }
 
 impl KvTransport for ClusterTcp {
-    async fn send(&self, namespace: &str, blocks: &[Block]) -> Result<u64, String> {
+    async fn send(&self, namespace: &str, prefix: &Prefix) -> Result<u64, String> {
         // A frame past the receiver's limit would end the whole session between the nodes.
-        if let Some((key, p)) = blocks.iter().find(|(_, p)| p.len() > MAX_BLOCK_BYTES) {
+        let blocks = prefix.blocks.iter().map(|(key, p)| (key.hash, p));
+        let mut entries = blocks.chain(prefix.states.iter().map(|(hash, p)| (*hash, p)));
+        if let Some((hash, p)) = entries.find(|(_, p)| p.len() > MAX_BLOCK_BYTES) {
             return Err(format!(
-                "KV block {:016x} has {} bytes; the cluster's transport takes at most {MAX_BLOCK_BYTES}",
-                key.hash,
+                "KV block {hash:016x} (or its state) has {} bytes; the cluster's transport takes at most {MAX_BLOCK_BYTES}",
                 p.len()
             ));
         }
         let mut bytes = 0;
-        for chunk in encode_chunks(namespace, blocks) {
+        for chunk in encode_chunks(namespace, prefix) {
             bytes += chunk.len() as u64;
             let answer = ractor::call_t!(self.dest, AgentMsg::PutBlocks, CHUNK_TIMEOUT_MS, chunk)
                 .map_err(|e| format!("sending KV blocks: {e}"))?;
@@ -311,11 +312,11 @@ pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result
     engine.flush_kv_saves().await.map_err(|e| e.to_string())?;
     // What the store does not hold now it has dropped for room: the decode engine
     // computes those blocks again.
-    let blocks = store.export(&ask.prompt_ids, 0);
+    let prefix = Prefix::export(store, &ask.prompt_ids);
     let sending = Instant::now();
-    let bytes = transport.send(store.namespace(), &blocks).await?;
+    let bytes = transport.send(store.namespace(), &prefix).await?;
     Ok(HandOff {
-        num_blocks: blocks.len(),
+        num_blocks: prefix.blocks.len(),
         bytes,
         prefill_secs: started.elapsed().as_secs_f64(),
         transfer_secs: sending.elapsed().as_secs_f64(),
@@ -414,9 +415,9 @@ async fn move_all(engine: &EngineHandle, peer: &str, origin: &str, moving: Vec<(
         let moved = async {
             let transport = transport.as_ref().map_err(String::clone)?;
             if let Some(store) = engine.kv_store() {
-                let blocks = store.export(&cont.prompt_ids, 0);
+                let prefix = Prefix::export(store, &cont.prompt_ids);
                 // A peer without a store computes the blocks again.
-                if let Err(e) = transport.send(store.namespace(), &blocks).await {
+                if let Err(e) = transport.send(store.namespace(), &prefix).await {
                     tracing::warn!("moving KV blocks to {peer}: {e}");
                 }
             }

@@ -3,6 +3,8 @@
 //! reach its prefix store, and sends them to the decode engine's agent in chunks, which
 //! keeps them in its own store; the request then goes to the decode engine, whose
 //! admission finds the blocks there and computes only the prompt's last partial block.
+//! A model with per-sequence state (DeepSeek-V4) sends the state saved at the last
+//! block's end with them, so the decode engine resumes there without a replay.
 //! The engines keep running other steps while blocks move. Transfer is behind
 //! `KvTransport`: the cluster's TCP connection between the two nodes today (the agent's
 //! `ClusterTcp`). Here: the asks and answers, the chunks' format, the receiving side.
@@ -17,7 +19,7 @@ const CHUNK_BYTES: usize = 8 << 20;
 /// The largest block a chunk carries (alone): it must fit a frame with its key.
 pub const MAX_BLOCK_BYTES: usize = 15 << 20;
 /// Tags a chunk of blocks, with its format's version.
-const MAGIC: &[u8; 4] = b"TKV1";
+const MAGIC: &[u8; 4] = b"TKV2";
 
 /// What the router asks a prefill engine: run `prompt_ids`, send its blocks to
 /// `decode_node`.
@@ -29,12 +31,36 @@ pub struct PrefillAsk {
 
 /// One block as it moves: its key and its bytes as the rank's cache stores them.
 pub type Block = (BlockKey, Shared<[u8]>);
+/// A per-sequence state as it moves: the hash of the block it ends, and its bytes.
+pub type State = (u64, Shared<[u8]>);
 
-/// A chunk of blocks, decoded.
+/// What a prompt's hand-off moves: its blocks, the state at the last one's end if the
+/// store kept one.
+#[derive(Default)]
+pub struct Prefix {
+    pub blocks: Vec<Block>,
+    pub states: Vec<State>,
+}
+
+impl Prefix {
+    /// `tokens`' blocks in `store` from the first, and the state kept with the last.
+    pub fn export(store: &KvStore, tokens: &[u32]) -> Self {
+        let blocks = store.export(tokens, 0);
+        let states = blocks
+            .last()
+            .and_then(|(key, _)| Some((key.hash, store.export_state(key.hash)?)))
+            .into_iter()
+            .collect();
+        Prefix { blocks, states }
+    }
+}
+
+/// A chunk of blocks and states, decoded.
 pub struct Chunk {
     /// The sender's store namespace (`kv_store::namespace`).
     pub namespace: String,
     pub blocks: Vec<(BlockKey, Vec<u8>)>,
+    pub states: Vec<(u64, Vec<u8>)>,
 }
 
 /// What a hand-off moved.
@@ -55,13 +81,17 @@ pub trait KvTransport {
     fn send(
         &self,
         namespace: &str,
-        blocks: &[Block],
+        prefix: &Prefix,
     ) -> impl std::future::Future<Output = Result<u64, String>> + Send;
 }
 
 /// The decode engine's side: a chunk's blocks into `store`, or why not.
 pub fn put_blocks(store: &KvStore, chunk: &[u8]) -> Result<usize, String> {
-    let Chunk { namespace, blocks } = decode_chunk(chunk)?;
+    let Chunk {
+        namespace,
+        blocks,
+        states,
+    } = decode_chunk(chunk)?;
     if namespace != store.namespace() {
         return Err(format!(
             "KV blocks of namespace {namespace}, this engine's is {} (another model or cache setting)",
@@ -72,29 +102,40 @@ pub fn put_blocks(store: &KvStore, chunk: &[u8]) -> Result<usize, String> {
     for (key, payload) in blocks {
         store.import(key, payload.into())?;
     }
+    for (hash, payload) in states {
+        store.import_state(hash, payload.into())?;
+    }
     Ok(n)
 }
 
-/// `blocks` as chunks of at most about `CHUNK_BYTES` each (a block is never split).
-pub fn encode_chunks(namespace: &str, blocks: &[Block]) -> Vec<Vec<u8>> {
+/// `prefix` as chunks of at most about `CHUNK_BYTES` each (a block or state is never
+/// split; states after every block, so the receiver holds a state's block first).
+pub fn encode_chunks(namespace: &str, prefix: &Prefix) -> Vec<Vec<u8>> {
+    let (blocks, states) = (&prefix.blocks[..], &prefix.states[..]);
+    let sizes = blocks.iter().map(|(_, p)| p.len());
+    let sizes: Vec<usize> = sizes.chain(states.iter().map(|(_, p)| p.len())).collect();
     let mut chunks = Vec::new();
-    let mut rest = blocks;
-    while !rest.is_empty() {
+    let mut first = 0;
+    while first < sizes.len() {
         let mut size = 0;
-        let n = rest
+        let n = sizes[first..]
             .iter()
-            .take_while(|(_, p)| {
-                size += p.len();
-                size <= CHUNK_BYTES || size == p.len()
+            .take_while(|&&len| {
+                size += len;
+                size <= CHUNK_BYTES || size == len
             })
-            .count();
-        let (now, later) = rest.split_at(n.max(1));
+            .count()
+            .max(1);
+        let end = first + n;
+        let now_blocks = &blocks[first.min(blocks.len())..end.min(blocks.len())];
+        let now_states =
+            &states[first.saturating_sub(blocks.len())..end.saturating_sub(blocks.len())];
         let mut out = Vec::with_capacity(size + 64);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&(namespace.len() as u32).to_le_bytes());
         out.extend_from_slice(namespace.as_bytes());
-        out.extend_from_slice(&(now.len() as u32).to_le_bytes());
-        for (key, payload) in now {
+        out.extend_from_slice(&(now_blocks.len() as u32).to_le_bytes());
+        for (key, payload) in now_blocks {
             for word in [key.hash, key.parent_hash, key.cache_salt] {
                 out.extend_from_slice(&word.to_le_bytes());
             }
@@ -105,8 +146,14 @@ pub fn encode_chunks(namespace: &str, blocks: &[Block]) -> Vec<Vec<u8>> {
             out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
             out.extend_from_slice(payload);
         }
+        out.extend_from_slice(&(now_states.len() as u32).to_le_bytes());
+        for (hash, payload) in now_states {
+            out.extend_from_slice(&hash.to_le_bytes());
+            out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            out.extend_from_slice(payload);
+        }
         chunks.push(out);
-        rest = later;
+        first = end;
     }
     chunks
 }
@@ -145,10 +192,21 @@ pub fn decode_chunk(chunk: &[u8]) -> Result<Chunk, String> {
         };
         blocks.push((key, payload));
     }
+    let count = r.u32()? as usize;
+    let mut states = Vec::with_capacity(count.min(4096));
+    for _ in 0..count {
+        let hash = r.u64()?;
+        let len = r.u32()? as usize;
+        states.push((hash, r.take(len)?.to_vec()));
+    }
     if !r.0.is_empty() {
         return Err(format!("{} bytes past a chunk's last block", r.0.len()));
     }
-    Ok(Chunk { namespace, blocks })
+    Ok(Chunk {
+        namespace,
+        blocks,
+        states,
+    })
 }
 
 struct Reader<'a>(&'a [u8]);
@@ -194,18 +252,31 @@ mod tests {
             let n = (rng % 40) as usize;
             let len = 1 + (rng >> 8) as usize % (3 << 20);
             let blocks: Vec<_> = (0..n as u64).map(|i| block(i, len)).collect();
-            let chunks = encode_chunks("ns", &blocks);
-            let mut back = Vec::new();
+            let num_states = (rng >> 40) as usize % 3;
+            let states: Vec<State> = (0..num_states as u64)
+                .map(|i| (i * 13 + 5, block(i + 100, len).1))
+                .collect();
+            let prefix = Prefix { blocks, states };
+            let chunks = encode_chunks("ns", &prefix);
+            let (mut back, mut back_states) = (Vec::new(), Vec::new());
             for c in &chunks {
                 assert!(c.len() <= CHUNK_BYTES + len + 4096, "{} bytes", c.len());
                 let chunk = decode_chunk(c).unwrap();
                 assert_eq!(chunk.namespace, "ns");
+                assert!(
+                    chunk.blocks.is_empty() || back_states.is_empty(),
+                    "a state before a block"
+                );
                 back.extend(chunk.blocks);
+                back_states.extend(chunk.states);
             }
-            assert_eq!(back.len(), n);
-            for ((k, p), (want_k, want_p)) in back.iter().zip(&blocks) {
+            assert_eq!((back.len(), back_states.len()), (n, num_states));
+            for ((k, p), (want_k, want_p)) in back.iter().zip(&prefix.blocks) {
                 assert_eq!(k, want_k);
                 assert_eq!(&p[..], &want_p[..]);
+            }
+            for ((h, p), (want_h, want_p)) in back_states.iter().zip(&prefix.states) {
+                assert_eq!((h, &p[..]), (want_h, &want_p[..]));
             }
         }
     }
@@ -219,7 +290,9 @@ mod tests {
             host_bytes: 1 << 20,
             ..KvStoreConfig::default()
         };
-        let store = KvStore::open(&cfg, "ns", block_size, block_bytes).unwrap();
+        let store = KvStore::open(&cfg, "ns", block_size, block_bytes)
+            .unwrap()
+            .with_state_bytes(32);
         let mut rng = 5u64;
         let tokens: Vec<u32> = (0..16 * 5 + 3)
             .map(|_| {
@@ -249,11 +322,15 @@ mod tests {
         forged.tokens[3] ^= 1;
         assert!(store.import(forged, vec![0; 64].into()).is_err());
         // A chunk of another namespace is refused whole.
-        let foreign = encode_chunks("other", &blocks);
+        let whole = |blocks: &[Block]| Prefix {
+            blocks: blocks.to_vec(),
+            states: Vec::new(),
+        };
+        let foreign = encode_chunks("other", &whole(&blocks));
         assert!(put_blocks(&store, &foreign[0]).is_err());
         assert!(store.export(&tokens, 0).is_empty());
         // The three first blocks: the prompt's prefix up to the first it lacks.
-        for chunk in encode_chunks("ns", &blocks[..3]) {
+        for chunk in encode_chunks("ns", &whole(&blocks[..3])) {
             put_blocks(&store, &chunk).unwrap();
         }
         let got = store.export(&tokens, 0);
@@ -263,11 +340,50 @@ mod tests {
             assert_eq!(p, want_p);
         }
         assert_eq!(store.num_blocks_of(&tokens), 5);
+
+        // A state goes with a block the store holds, at a state's length; the prefix's
+        // export carries its last block's.
+        let (hash_of, state) = (|i: usize| blocks[i].0.hash, vec![7u8; 32]);
+        assert!(
+            store
+                .import_state(hash_of(3), state.clone().into())
+                .is_err()
+        );
+        assert!(store.import_state(hash_of(2), vec![7; 31].into()).is_err());
+        assert!(Prefix::export(&store, &tokens).states.is_empty());
+        let with_state = Prefix {
+            blocks: Vec::new(),
+            states: vec![
+                (hash_of(1), vec![1; 32].into()),
+                (hash_of(2), state.clone().into()),
+            ],
+        };
+        for chunk in encode_chunks("ns", &with_state) {
+            put_blocks(&store, &chunk).unwrap();
+        }
+        let prefix = Prefix::export(&store, &tokens);
+        assert_eq!(prefix.blocks.len(), 3);
+        assert_eq!(prefix.states.len(), 1);
+        assert_eq!(
+            (prefix.states[0].0, &prefix.states[0].1[..]),
+            (hash_of(2), &state[..])
+        );
+        let staged = store.stage(&tokens, 0, 0);
+        let states: Vec<Option<u8>> = staged
+            .blocks
+            .iter()
+            .map(|b| b.state.as_ref().map(|s| s[0]))
+            .collect();
+        assert_eq!(states, [None, Some(1), Some(7)]);
     }
 
     #[test]
     fn a_cut_or_foreign_chunk_is_an_error() {
-        let chunk = encode_chunks("ns", &[block(1, 100)]).remove(0);
+        let prefix = Prefix {
+            blocks: vec![block(1, 100)],
+            states: vec![(9, vec![1; 40].into())],
+        };
+        let chunk = encode_chunks("ns", &prefix).remove(0);
         for cut in [0, 3, 10, chunk.len() - 1] {
             assert!(decode_chunk(&chunk[..cut]).is_err(), "cut at {cut}");
         }

@@ -73,5 +73,7 @@ pub(super) fn open_kv_store(
             let dir = store.dir.as_ref().map(|d| d.display().to_string());
             EngineError::Spawn(format!("--kv-store-dir {}: {e}", dir.unwrap_or_default()))
         })?;
-    Ok(Some(Shared::new(opened)))
+    Ok(Some(Shared::new(
+        opened.with_state_bytes(pools.state_bytes),
+    )))
 }

@@ -19,6 +19,8 @@ pub(super) struct Pools {
     pub num_saved_states: usize,
     /// Bytes of one block as the cache stores it (every layer's K and V).
     pub block_bytes: usize,
+    /// Bytes of one saved per-sequence state as a store keeps it; 0: none.
+    pub state_bytes: usize,
 }
 
 pub(super) fn size_pools(
@@ -56,6 +58,7 @@ pub(super) fn size_pools(
             num_replay_tokens: 0,
             num_saved_states: 0,
             block_bytes: bytes_per_block,
+            state_bytes: 0,
         });
     };
     let refuse = |what: &str| Err(EngineError::Spawn(format!("DeepSeek-V4: {what}")));
@@ -116,6 +119,7 @@ pub(super) fn size_pools(
         num_replay_tokens: ds.num_replay_tokens(),
         num_saved_states,
         block_bytes: bytes_per_block,
+        state_bytes: SavedStates::bytes_per_state_in(ds, formats),
     })
 }
 

@@ -14,11 +14,11 @@ use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
 use crate::model::deepseek_v4::mtp::MtpLayer;
-use crate::model::deepseek_v4::saved_state::SavedStates;
+use crate::model::deepseek_v4::saved_state::{SavedStates, load_bytes};
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
-use crate::sched::{StateLoad, StateSave};
+use crate::sched::{StateImport, StateLoad, StateSave};
 use crate::step::{StepLogits, StepRow};
 
 pub(super) struct DsV4OnHost {
@@ -195,6 +195,31 @@ impl DeviceModel for DsV4OnHost {
 
     fn save_states(&mut self, saves: &[StateSave]) -> bool {
         save_states(&self.model.backend, &mut self.saved, &self.cache, saves)
+    }
+
+    fn saved_state(&mut self, saved: u32) -> Option<Vec<u8>> {
+        let saved = saved as usize;
+        (saved < self.saved.num_saved()).then(|| {
+            self.saved
+                .read_bytes(&self.model.backend, &self.cache, saved)
+        })
+    }
+
+    fn import_states(&mut self, imports: &[StateImport]) -> bool {
+        imports.iter().all(|i| {
+            let (slot, position) = (i.slot as usize, i.position);
+            let span = SlotSpan {
+                state_start: 0,
+                replay_until: position,
+            };
+            let b = &self.model.backend;
+            let fits = load_bytes(b, &mut self.cache, &i.payload, slot, span, position);
+            // As for a saved state: the MTP layer's own state starts over at the hit.
+            if let (true, Some(mtp)) = (fits, self.mtp.as_mut()) {
+                mtp.restart(slot, position);
+            }
+            fits
+        })
     }
 
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {

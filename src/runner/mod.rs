@@ -205,6 +205,16 @@ pub trait DeviceModel: Send {
     fn save_states(&mut self, saves: &[crate::sched::StateSave]) -> bool {
         saves.is_empty()
     }
+    /// Saved state `saved`'s bytes, for a prefix store (`StateSave::keep_as`); `None`
+    /// where the model's states cannot be copied so.
+    fn saved_state(&mut self, _saved: u32) -> Option<Vec<u8>> {
+        None
+    }
+    /// Writes states a store kept (`saved_state`'s bytes) into slots before a step's rows
+    /// run (`StepPlan::state_imports`); false where one does not fit.
+    fn import_states(&mut self, imports: &[crate::sched::StateImport]) -> bool {
+        imports.is_empty()
+    }
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
     /// waiting for the device.
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32>;

@@ -39,7 +39,7 @@ pub use saved_states::{SavedStates, StateLoad, StateSave};
 pub use scheduler::Scheduler;
 pub use sequence::{FinishReason, SeqEvent, SeqRequest};
 pub use state_slots::StateSlots;
-pub use stored_prefix::{KvLoad, KvSave, StoredBlock, StoredPrefix};
+pub use stored_prefix::{KvLoad, KvSave, StateImport, StoredBlock, StoredPrefix};
 
 /// A request's id, chosen by the caller; unique among unfinished requests.
 pub type SeqId = u64;

@@ -1,6 +1,6 @@
 //! A planned step: what the rank workers run, row by row.
 
-use super::{KvLoad, SeqId, StateLoad, StateSave, StepId};
+use super::{KvLoad, SeqId, StateImport, StateLoad, StateSave, StepId};
 
 /// One forward step over a batch of rows (decode rows and prefill chunks, mixed).
 #[derive(Debug, Clone)]
@@ -11,6 +11,8 @@ pub struct StepPlan {
     pub kv_loads: Vec<KvLoad>,
     /// Saved states copied into admitted sequences' slots before the rows run.
     pub state_loads: Vec<StateLoad>,
+    /// States the store kept, written into admitted sequences' slots before the rows run.
+    pub state_imports: Vec<StateImport>,
     /// Slots copied out after the rows ran (each then ends at a block boundary).
     pub state_saves: Vec<StateSave>,
 }

@@ -15,6 +15,9 @@ use super::StepId;
 pub struct StateSave {
     pub slot: u32,
     pub saved: u32,
+    /// With a prefix store: the rank also copies the state there, kept with the block of
+    /// this chain hash (the one that ends at the boundary).
+    pub keep_as: Option<u64>,
 }
 
 /// A rank copies saved state `saved` into slot `slot` before the step that carries this

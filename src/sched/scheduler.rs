@@ -186,11 +186,6 @@ impl Scheduler {
         self.slots.as_ref().map(StateSlots::num_free)
     }
 
-    /// Sequences sent back to waiting for lack of blocks, over the scheduler's lifetime.
-    pub fn num_preemptions(&self) -> u64 {
-        self.num_preemptions
-    }
-
     /// Events raised by `schedule` itself (today: sequences ended by `stop_preempted`).
     pub fn take_events(&mut self) -> Vec<SeqEvent> {
         std::mem::take(&mut self.pending_events)
@@ -429,6 +424,7 @@ impl Scheduler {
             rows,
             kv_loads: std::mem::take(&mut self.store.loads),
             state_loads: std::mem::take(&mut self.states.loads),
+            state_imports: std::mem::take(&mut self.states.imports),
             state_saves: std::mem::take(&mut self.states.saves),
         })
     }
@@ -517,9 +513,9 @@ impl Scheduler {
         }
         let num_stored = self.num_stored_hits(idx, &hits, num_matchable / block_size);
         let num_cached = (hits.len() + num_stored) * block_size;
-        // A model with per-sequence state resumes a hit from a saved state, or by
-        // recomputing the tokens that rebuild it (their blocks are the hits themselves).
-        let resume = self.resume_point(&hits, num_cached);
+        // A model with per-sequence state resumes a hit from a saved or stored state, or
+        // by recomputing the tokens that rebuild it (their blocks are the hits).
+        let resume = self.resume_point(idx, &hits, num_stored, num_cached);
         let start = resume.start;
         let max_q = (self.seq(idx).tokens.len() - start)
             .min(num_tokens_left)
@@ -531,7 +527,7 @@ impl Scheduler {
             self.cfg.step_time_budget_secs,
             num_prefill_rows,
         );
-        let q = self.align_chunk(idx, start, q, Some((resume, num_cached)));
+        let q = self.align_chunk(idx, start, q, Some((&resume, num_cached)));
         // Stored hits are loaded into fresh blocks even where a replay's first chunk ends
         // before them.
         let num_new_blocks = (start + q)
@@ -564,7 +560,7 @@ impl Scheduler {
         seq.block_hashes.extend(hits.iter().map(|h| h.hash));
         seq.num_scheduled_tokens = start;
         seq.num_computed_tokens = start;
-        seq.state_start = if resume.saved.is_some() { 0 } else { start };
+        seq.state_start = if resume.exact() { 0 } else { start };
         seq.replay_until = num_cached;
         seq.state_slot = slot;
         seq.status = SeqStatus::Running;

@@ -11,6 +11,9 @@ pub struct StoredBlock {
     pub hash: u64,
     /// The block's K and V as the rank's cache stores them.
     pub payload: Shared<[u8]>,
+    /// The per-sequence state a cold run has at the block's end, where the store kept one
+    /// (`StateSave::keep_as`): a hit ending here resumes with it instead of a replay.
+    pub state: Option<Shared<[u8]>>,
 }
 
 /// Consecutive blocks of a prompt found in the store, from block `first_block` on (the
@@ -25,6 +28,16 @@ pub struct StoredPrefix {
 #[derive(Debug, Clone)]
 pub struct KvLoad {
     pub block_id: u32,
+    pub payload: Shared<[u8]>,
+}
+
+/// A state the store kept that the rank writes into slot `slot` before the step that
+/// carries it runs (`DeviceModel::import_states`): the slot then holds `position` tokens
+/// of a history that begins at 0, all of them prefix hits.
+#[derive(Debug, Clone)]
+pub struct StateImport {
+    pub slot: u32,
+    pub position: usize,
     pub payload: Shared<[u8]>,
 }
 

@@ -12,7 +12,7 @@ pub use sample::{SampleError, StepSampler, score_rows};
 
 use crate::eplb::MoeBalance;
 use crate::sampling::{SamplingParams, ScoredToken};
-use crate::sched::{KvLoad, PlannedRow, RowInput, StateLoad, StateSave, StepPlan};
+use crate::sched::{KvLoad, PlannedRow, RowInput, StateImport, StateLoad, StateSave, StepPlan};
 use crate::structured::SeqConstraint;
 
 /// One step, as it travels from the scheduler to every rank and on to the sampler.
@@ -29,6 +29,8 @@ pub struct Step {
     pub kv_loads: Vec<KvLoad>,
     /// Saved states put into slots before the rows run (`StepPlan::state_loads`).
     pub state_loads: Vec<StateLoad>,
+    /// Stored states put into slots before the rows run (`StepPlan::state_imports`).
+    pub state_imports: Vec<StateImport>,
     /// Slots saved after the rows ran (`StepPlan::state_saves`).
     pub state_saves: Vec<StateSave>,
 }
@@ -142,6 +144,7 @@ impl Step {
             remap,
             kv_loads: plan.kv_loads,
             state_loads: plan.state_loads,
+            state_imports: plan.state_imports,
             state_saves: plan.state_saves,
         }
     }

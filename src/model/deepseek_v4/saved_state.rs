@@ -137,4 +137,69 @@ impl<B: DsV4Kernels> SavedStates<B> {
         }
         cache.resume(slot, span, position);
     }
+
+    /// Saved state `saved` as bytes (little-endian words: per layer its ring's, then
+    /// each overlapping compressor's previous kv and gate rows), for a prefix store;
+    /// `bytes_per_state_in` of them.
+    pub fn read_bytes(&self, b: &B, cache: &DsV4Cache<B>, saved: usize) -> Vec<u8> {
+        assert!(saved < self.num_saved, "saved state {saved} out of range");
+        let mut out = Vec::new();
+        let mut put = |buf: &B::Buf, floats: usize| {
+            let words = b.read_floats(buf, saved * floats..(saved + 1) * floats);
+            out.extend(words.iter().flat_map(|w| w.to_le_bytes()));
+        };
+        for (layer, (ring, prev)) in self.layers.iter().zip(layer_floats(cache)) {
+            put(&layer.ring, ring);
+            for ((kv, gate), f) in layer.prev.iter().zip(prev) {
+                put(kv, f);
+                put(gate, f);
+            }
+        }
+        out
+    }
+}
+
+/// Puts `read_bytes`' bytes into `slot` of `cache`: it then holds `position` tokens of a
+/// history `span` (which begins at 0). False (nothing written) where the bytes are not
+/// one state's or the slot does not exist.
+pub fn load_bytes<B: DsV4Kernels>(
+    b: &B,
+    cache: &mut DsV4Cache<B>,
+    bytes: &[u8],
+    slot: usize,
+    span: SlotSpan,
+    position: usize,
+) -> bool {
+    let floats = layer_floats(cache);
+    let total: usize = floats
+        .iter()
+        .map(|(ring, prev)| ring + 2 * prev.iter().sum::<usize>())
+        .sum();
+    if bytes.len() != 4 * total || slot >= cache.num_slots() {
+        return false;
+    }
+    let mut rest = bytes;
+    let mut take = |buf: &mut B::Buf, floats: usize| {
+        let (mine, after) = rest.split_at(4 * floats);
+        let words: Vec<f32> = mine
+            .chunks_exact(4)
+            .map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes")))
+            .collect();
+        b.write_floats(buf, slot * floats, &words);
+        rest = after;
+    };
+    for (cl, (ring, prev)) in cache.layers.iter_mut().zip(floats) {
+        take(&mut cl.ring, ring);
+        let overlapping = cl
+            .compressor
+            .iter_mut()
+            .chain(cl.indexer.iter_mut())
+            .filter(|c| c.overlap);
+        for (c, f) in overlapping.zip(prev) {
+            take(&mut c.prev_kv, f);
+            take(&mut c.prev_gate, f);
+        }
+    }
+    cache.resume(slot, span, position);
+    true
 }

@@ -7,6 +7,9 @@
 //! (read on a blocking thread while the engine runs other steps, checked, then loaded into
 //! fresh device blocks by the step that admits the request). Files live under a namespace
 //! per model and cache layout (`namespace`), so another model or dtype never hits.
+//! A model with per-sequence state (DeepSeek-V4) also keeps here, in host memory, the
+//! state a cold run has at a prompt block's end, under that block's hash: a hit ending
+//! there resumes without the bounded replay.
 
 mod disk;
 mod host;
@@ -51,12 +54,16 @@ pub struct BlockKey {
 
 struct Inner {
     host: HostTier,
+    /// Per-sequence states by the hash of the block they end (`save_state`).
+    states: HostTier,
     stats: KvStoreStats,
     /// Blocks handed to the writer and not yet written (or failed), and their bytes.
     queued_writes: u64,
     queued_bytes: usize,
 }
 
+/// States take at most this fraction of the host tier's budget, on top of it.
+const STATE_SHARE: usize = 4;
 /// Disk blocks a lookup reads at once, in parallel.
 const DISK_READ_WINDOW: usize = 32;
 /// Writes queued past this many bytes are dropped (counted), never waited for.
@@ -70,6 +77,8 @@ type WriteQueue = crossbeam_channel::Sender<(BlockKey, Shared<[u8]>)>;
 pub struct KvStore {
     block_size: usize,
     block_bytes: usize,
+    /// Bytes of one per-sequence state; 0: the model keeps none.
+    state_bytes: usize,
     /// `namespace`'s digest: blocks from another engine are taken only under the same one.
     namespace: String,
     inner: Shared<Mutex<Inner>>,
@@ -99,6 +108,7 @@ impl KvStore {
     ) -> io::Result<Self> {
         let inner = Shared::new(Mutex::new(Inner {
             host: HostTier::new(cfg.host_bytes),
+            states: HostTier::new(cfg.host_bytes / STATE_SHARE),
             stats: KvStoreStats::default(),
             queued_writes: 0,
             queued_bytes: 0,
@@ -122,12 +132,20 @@ impl KvStore {
         Ok(KvStore {
             block_size,
             block_bytes,
+            state_bytes: 0,
             namespace: namespace.to_string(),
             inner,
             disk,
             writes,
             writer,
         })
+    }
+
+    /// The store for a model whose per-sequence state has `state_bytes` bytes
+    /// (`DeviceModel::saved_state`'s); a state of another length is refused.
+    pub fn with_state_bytes(mut self, state_bytes: usize) -> Self {
+        self.state_bytes = state_bytes;
+        self
     }
 
     pub fn stats(&self) -> KvStoreStats {
@@ -185,7 +203,12 @@ impl KvStore {
             let mut inner = self.inner.lock().expect("kv store lock");
             while let Some(payload) = keys.get(blocks.len()).and_then(|k| inner.host.get(k)) {
                 let hash = keys[blocks.len()].hash;
-                blocks.push(StoredBlock { hash, payload });
+                let state = inner.states.get(&state_key(hash));
+                blocks.push(StoredBlock {
+                    hash,
+                    payload,
+                    state,
+                });
             }
             inner.stats.host_hit_blocks += blocks.len() as u64;
         }
@@ -206,9 +229,11 @@ impl KvStore {
                         inner.stats.disk_hit_blocks += 1;
                         inner.stats.bytes_read += payload.len() as u64;
                         inner.host.put(key.clone(), payload.clone());
+                        let state = inner.states.get(&state_key(key.hash));
                         blocks.push(StoredBlock {
                             hash: key.hash,
                             payload,
+                            state,
                         });
                     }
                     DiskRead::Miss => break 'windows,
@@ -244,6 +269,46 @@ impl KvStore {
                 Some((key, payload))
             })
             .collect()
+    }
+
+    /// The state kept with block `hash` (`save_state`), if any.
+    pub fn export_state(&self, hash: u64) -> Option<Shared<[u8]>> {
+        let mut inner = self.inner.lock().expect("kv store lock");
+        inner.states.get(&state_key(hash))
+    }
+
+    /// Keeps a state another engine of the same namespace saved at the end of block
+    /// `hash`, once the block is here and the state has a state's length.
+    pub fn import_state(&self, hash: u64, payload: Shared<[u8]>) -> Result<(), String> {
+        if self.state_bytes == 0 || payload.len() != self.state_bytes {
+            return Err(format!(
+                "state of block {hash:016x}: {} bytes, a state here has {}",
+                payload.len(),
+                self.state_bytes
+            ));
+        }
+        let mut inner = self.inner.lock().expect("kv store lock");
+        if !inner.host.contains(hash) {
+            return Err(format!(
+                "state of block {hash:016x}, which this store lacks"
+            ));
+        }
+        inner.states.put(state_key(hash), payload);
+        Ok(())
+    }
+
+    /// Keeps the state the rank saved at the end of block `hash` (`StateSave::keep_as`).
+    pub fn save_state(&self, hash: u64, payload: Shared<[u8]>) {
+        if payload.len() != self.state_bytes {
+            tracing::warn!(
+                "kv store: a state of {} bytes, {} expected: not kept",
+                payload.len(),
+                self.state_bytes
+            );
+            return;
+        }
+        let mut inner = self.inner.lock().expect("kv store lock");
+        inner.states.put(state_key(hash), payload);
     }
 
     /// Keeps a block another engine of the same namespace computed, once its key is
@@ -305,6 +370,17 @@ impl KvStore {
         let mut inner = self.inner.lock().expect("kv store lock");
         inner.stats.copy_out_secs += out_secs;
         inner.stats.copy_in_secs += in_secs;
+    }
+}
+
+/// A state's key in its tier: the hash of the block it ends (the block's own key was
+/// checked when the block was found).
+fn state_key(hash: u64) -> BlockKey {
+    BlockKey {
+        hash,
+        parent_hash: 0,
+        cache_salt: 0,
+        tokens: Box::new([]),
     }
 }
 

@@ -154,6 +154,11 @@ impl Scheduler {
         }
     }
 
+    /// Sequences sent back to waiting for lack of blocks, over the scheduler's lifetime.
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
     /// Moves running sequence `idx` (already off `running`) to the front of the queue,
     /// to be recomputed from its known tokens.
     pub(super) fn preempt(&mut self, idx: usize) {

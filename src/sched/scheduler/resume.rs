@@ -2,10 +2,15 @@
 //! the end of one of its hit blocks when that costs no more than the bounded replay (at
 //! the last hit block it costs nothing), else by replaying the tokens before the hit. And
 //! the other way: a row that leaves its slot at a block boundary with an exact state has
-//! the rank save it for that block.
+//! the rank save it for that block. With a prefix store, saved states go there too, kept
+//! with their block: a hit that ends on a stored block with a state (another engine's,
+//! or this one's before a restart) resumes with it.
 
 use super::Scheduler;
-use crate::sched::{CachedBlock, SavedStates, StateLoad, StateSave, StepId};
+use crate::sched::{
+    CachedBlock, ROOT_HASH, SavedStates, StateImport, StateLoad, StateSave, StepId,
+};
+use crate::sync::Shared;
 
 /// Saved states and what the rank owes them for the step being planned.
 #[derive(Debug, Clone)]
@@ -13,6 +18,7 @@ pub(super) struct StateLink {
     pub(super) saved: SavedStates,
     pub(super) loads: Vec<StateLoad>,
     pub(super) saves: Vec<StateSave>,
+    pub(super) imports: Vec<StateImport>,
     pub(super) num_resumed_hits: u64,
     pub(super) num_replayed_hits: u64,
 }
@@ -23,6 +29,7 @@ impl StateLink {
             saved: SavedStates::new(num_saved, num_blocks),
             loads: Vec::new(),
             saves: Vec::new(),
+            imports: Vec::new(),
             num_resumed_hits: 0,
             num_replayed_hits: 0,
         }
@@ -33,15 +40,24 @@ impl StateLink {
         self.saved.clear();
         self.loads.clear();
         self.saves.clear();
+        self.imports.clear();
     }
 }
 
-/// Where an admitted sequence's first row starts, and the saved state it starts from
-/// (`None`: a fresh state there, a replay when there are hits after it).
-#[derive(Debug, Clone, Copy)]
+/// Where an admitted sequence's first row starts, and the saved or stored state it
+/// starts from (neither: a fresh state there, a replay when there are hits after it).
+#[derive(Debug, Clone)]
 pub(super) struct Resume {
     pub(super) start: usize,
     pub(super) saved: Option<u32>,
+    pub(super) stored: Option<Shared<[u8]>>,
+}
+
+impl Resume {
+    /// The slot starts with a cold run's state: its history begins at 0.
+    pub(super) fn exact(&self) -> bool {
+        self.saved.is_some() || self.stored.is_some()
+    }
 }
 
 impl Scheduler {
@@ -55,14 +71,32 @@ impl Scheduler {
         self.states.num_replayed_hits
     }
 
-    /// Where a sequence whose first `num_cached` tokens hit (`hits`: the device's blocks
-    /// among them, first) starts computing.
-    pub(super) fn resume_point(&mut self, hits: &[CachedBlock], num_cached: usize) -> Resume {
+    /// Where waiting sequence `idx`, whose first `num_cached` tokens hit (`hits`: the
+    /// device's blocks among them, first; then `num_stored` of the store's), starts
+    /// computing.
+    pub(super) fn resume_point(
+        &mut self,
+        idx: usize,
+        hits: &[CachedBlock],
+        num_stored: usize,
+        num_cached: usize,
+    ) -> Resume {
+        let mut resume = Resume {
+            start: num_cached,
+            saved: None,
+            stored: None,
+        };
         if self.slots.is_none() || num_cached == 0 {
-            return Resume {
-                start: num_cached,
-                saved: None,
-            };
+            return resume;
+        }
+        if num_stored > 0 {
+            let seq = self.seq(idx);
+            let stored = seq.stored_prefix.as_ref().expect("stored hits");
+            let last = &stored.blocks[hits.len() + num_stored - 1 - stored.first_block];
+            if let Some(state) = &last.state {
+                resume.stored = Some(state.clone());
+                return resume;
+            }
         }
         let block_size = self.cfg.block_size;
         let replay_start = num_cached.saturating_sub(self.cfg.num_replay_tokens);
@@ -73,21 +107,27 @@ impl Scheduler {
                 break;
             }
             if let Some(saved) = self.states.saved.find(hit.block_id, step) {
-                return Resume {
-                    start: boundary,
-                    saved: Some(saved),
-                };
+                resume.start = boundary;
+                resume.saved = Some(saved);
+                return resume;
             }
         }
-        Resume {
-            start: replay_start,
-            saved: None,
-        }
+        resume.start = replay_start;
+        resume
     }
 
     /// Commits `resume` for sequence `idx`, just admitted into `slot` with `num_cached`
     /// hit tokens.
     pub(super) fn commit_resume(&mut self, resume: Resume, slot: u32, num_cached: usize) {
+        if let Some(payload) = resume.stored {
+            self.states.num_resumed_hits += 1;
+            self.states.imports.push(StateImport {
+                slot,
+                position: num_cached,
+                payload,
+            });
+            return;
+        }
         match resume.saved {
             Some(saved) => {
                 self.states.num_resumed_hits += 1;
@@ -112,7 +152,7 @@ impl Scheduler {
         idx: usize,
         start: usize,
         q: usize,
-        admitting: Option<(Resume, usize)>,
+        admitting: Option<(&Resume, usize)>,
     ) -> usize {
         if self.states.saved.capacity() == 0
             || self.slots.is_none()
@@ -122,7 +162,7 @@ impl Scheduler {
         }
         let seq = self.seq(idx);
         let (state_start, replay_until) = match admitting {
-            Some((resume, num_cached)) if resume.saved.is_some() => (0, num_cached),
+            Some((resume, num_cached)) if resume.exact() => (0, num_cached),
             Some((resume, num_cached)) => (resume.start, num_cached),
             None => (seq.state_start, seq.replay_until),
         };
@@ -161,9 +201,33 @@ impl Scheduler {
         {
             return;
         }
-        let block = seq.block_table[end / block_size - 1];
+        let num_blocks = end / block_size;
+        let block = seq.block_table[num_blocks - 1];
+        // A boundary whose tokens are known (a prompt's; a decode row's last input is
+        // drawn by a step still running) can be named by its chain hash now.
+        let keep_as =
+            (self.store.on && seq.tokens.len() >= end).then(|| self.chain_hash(idx, num_blocks));
         if let Some(saved) = self.states.saved.attach(block, step) {
-            self.states.saves.push(StateSave { slot, saved });
+            self.states.saves.push(StateSave {
+                slot,
+                saved,
+                keep_as,
+            });
         }
+    }
+
+    /// The chain hash of sequence `idx`'s first `num_blocks` blocks: the registered ones'
+    /// as recorded, the rest from its tokens.
+    fn chain_hash(&self, idx: usize, num_blocks: usize) -> u64 {
+        let (seq, block_size) = (self.seq(idx), self.cfg.block_size);
+        let known = seq.block_hashes.len().min(num_blocks);
+        let mut hash = known
+            .checked_sub(1)
+            .map_or(ROOT_HASH, |i| seq.block_hashes[i]);
+        for i in known..num_blocks {
+            let tokens = &seq.tokens[i * block_size..(i + 1) * block_size];
+            hash = self.prefix_cache.hash_block(hash, tokens, seq.cache_salt);
+        }
+        hash
     }
 }

@@ -75,6 +75,10 @@ pub(super) struct Device {
     saved: HashMap<u32, SimSlot>,
     /// Saved states put into slots.
     pub(super) num_state_loads: usize,
+    /// States saved with a store's key (`StateSave::keep_as`), as a store keeps them.
+    pub(super) kept_states: HashMap<u64, Vec<u8>>,
+    /// Stored states put into slots.
+    pub(super) num_state_imports: usize,
     kv: Vec<Option<u32>>,
     /// Per step, per row: the last token that row sampled and the drafts it rejected.
     sampled: HashMap<StepId, Vec<Option<(u32, usize)>>>,
@@ -94,6 +98,8 @@ impl Device {
             slots: HashMap::new(),
             saved: HashMap::new(),
             num_state_loads: 0,
+            kept_states: HashMap::new(),
+            num_state_imports: 0,
             kv: vec![None; cfg.num_blocks * cfg.block_size],
             sampled: HashMap::new(),
             num_from_previous: 0,
@@ -136,6 +142,23 @@ impl Device {
             );
             self.slots.insert(load.slot, state);
             self.num_state_loads += 1;
+        }
+        for import in &plan.state_imports {
+            let words: Vec<u32> = import
+                .payload
+                .chunks_exact(4)
+                .map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")))
+                .collect();
+            let state = SimSlot {
+                pos: words[0] as usize,
+                seen: words[1..].iter().copied().collect(),
+            };
+            assert_eq!(
+                state.pos, import.position,
+                "a stored state of another position"
+            );
+            self.slots.insert(import.slot, state);
+            self.num_state_imports += 1;
         }
         let mut per_row = vec![None; plan.rows.len()];
         let mut out = Vec::new();
@@ -214,6 +237,11 @@ impl Device {
                 state.pos.is_multiple_of(self.block_size),
                 "saved off a block boundary"
             );
+            if let Some(hash) = save.keep_as {
+                let words = std::iter::once(state.pos as u32).chain(state.seen.iter().copied());
+                let bytes = words.flat_map(u32::to_le_bytes).collect();
+                self.kept_states.insert(hash, bytes);
+            }
             self.saved.insert(save.saved, state);
         }
         self.sampled.insert(plan.step_id, per_row);

@@ -45,6 +45,7 @@ fn staged(
         blocks.push(StoredBlock {
             hash,
             payload: payload.as_slice().into(),
+            state: None,
         });
     }
     StoredPrefix {
@@ -112,4 +113,68 @@ fn a_prefix_from_the_store_is_loaded_not_computed_and_outputs_match() {
     bad.blocks[2].hash ^= 1;
     assert_eq!(cold(4, bad), (2 * bs, 2));
     assert_eq!(cold(5, staged(&store, &prompt(3, 22), 1, bs)), (0, 0));
+}
+
+#[test]
+fn a_stored_state_resumes_a_stored_prefix_on_another_engine_with_no_replay() {
+    // The sim's slots see the last `num_replay_tokens` tokens: a resume from any state
+    // but a cold run's samples wrong tokens.
+    let cfg = SchedulerConfig {
+        num_state_slots: Some(2),
+        num_replay_tokens: 6,
+        num_saved_states: 8,
+        ..small_cfg()
+    };
+    let bs = cfg.block_size;
+    let mut rng = 0x5eed_u64;
+    for case in 0..24u32 {
+        rng = crate::sampling::splitmix64(rng);
+        let len = 2 * bs + 1 + (rng % 40) as usize;
+        let a = req(1, prompt(case, len), 1 + (rng >> 20) as usize % 6);
+        // The engine that prefills keeps blocks and the prompt's last state.
+        let (mut store, mut s, mut dev) = (
+            HashMap::new(),
+            Scheduler::new(cfg.clone()),
+            Device::new(&cfg),
+        );
+        s.set_kv_store(true);
+        s.add(a.clone()).unwrap();
+        drive_saving(&mut s, &mut dev, &mut store);
+        let num_blocks = (len - 1) / bs;
+        let mut stored = staged(&store, &a.prompt_ids, 0, bs);
+        for block in &mut stored.blocks {
+            block.state = dev
+                .kept_states
+                .get(&block.hash)
+                .map(|b| b.as_slice().into());
+        }
+        assert_eq!(stored.blocks.len(), num_blocks, "len {len}");
+        assert!(
+            stored.blocks[num_blocks - 1].state.is_some(),
+            "len {len}: no state kept at the prompt's last boundary"
+        );
+
+        // Another engine takes the same prompt with them: it computes the last partial
+        // block only, from the stored state.
+        let (mut s, mut dev) = (Scheduler::new(cfg.clone()), Device::new(&cfg));
+        s.set_kv_store(true);
+        let b = SeqRequest {
+            seq_id: 2,
+            ..a.clone()
+        };
+        s.add_with_stored(b.clone(), stored).unwrap();
+        let plan = s.schedule().unwrap();
+        let row = &plan.rows[0];
+        assert_eq!(row.num_cached_tokens, num_blocks * bs);
+        assert_eq!((row.state_start, row.replay_until), (0, num_blocks * bs));
+        assert_eq!(plan.state_imports.len(), 1);
+        assert_eq!(plan.state_imports[0].position, num_blocks * bs);
+        let mut out = Outputs::default();
+        let sampled = dev.execute(&plan);
+        out.apply(s.on_step_done(plan.step_id, &sampled, fake_secs(&plan)));
+        out.merge(drive(&mut s, &mut dev, 1, |_, _, _| {}));
+        expect_reference(&out, &[b], &cfg);
+        assert_eq!((s.num_resumed_hits(), s.num_replayed_hits()), (1, 0));
+        assert_eq!(dev.num_state_imports, 1);
+    }
 }

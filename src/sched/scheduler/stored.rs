@@ -127,7 +127,7 @@ impl Scheduler {
         self.store.num_hit_blocks += n as u64;
         let block_size = self.cfg.block_size;
         for i in num_device_hits..num_device_hits + n {
-            let StoredBlock { hash, payload } = stored.blocks[i - stored.first_block].clone();
+            let StoredBlock { hash, payload, .. } = stored.blocks[i - stored.first_block].clone();
             let seq = self.seqs[idx].as_mut().expect("live");
             let block_id = seq.block_table[i];
             let parent_hash = seq.block_hashes.last().copied().unwrap_or(ROOT_HASH);
