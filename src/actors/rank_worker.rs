@@ -241,16 +241,17 @@ impl ThreadLocalActor for RankWorker {
         });
         drop(steps);
         // Before any later step can move the slots on (they are this rank's alone).
-        if !model.save_states(&step.state_saves) {
-            let rank = st.shard.rank;
-            return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
-        }
-        if let Some(store) = &st.kv_store {
-            for save in &step.state_saves {
-                let Some(hash) = save.keep_as else { continue };
-                if let Some(bytes) = model.saved_state(save.saved) {
-                    store.save_state(hash, bytes.into());
-                }
+        // One at a time: two saves of a step may share a saved state (the pool's least
+        // recently used), and the store must copy each before the next overwrites it.
+        for save in &step.state_saves {
+            if !model.save_states(std::slice::from_ref(save)) {
+                let rank = st.shard.rank;
+                return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
+            }
+            if let (Some(store), Some(hash)) = (&st.kv_store, save.keep_as)
+                && let Some(bytes) = model.saved_state(save.saved)
+            {
+                store.save_state(hash, bytes.into());
             }
         }
         let step_id = step.step_id;

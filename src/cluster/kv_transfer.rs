@@ -43,12 +43,24 @@ pub struct Prefix {
 }
 
 impl Prefix {
-    /// `tokens`' blocks in `store` from the first, and the state kept with the last.
+    /// `tokens`' blocks in `store` from the first, and the state kept with the last (left
+    /// out, the decode engine replaying instead, where it is too large for a frame).
     pub fn export(store: &KvStore, tokens: &[u32]) -> Self {
         let blocks = store.export(tokens, 0);
-        let states = blocks
+        let state = blocks
             .last()
-            .and_then(|(key, _)| Some((key.hash, store.export_state(key.hash)?)))
+            .and_then(|(key, _)| Some((key.hash, store.export_state(key.hash)?)));
+        let states = state
+            .filter(|(_, s)| {
+                let fits = s.len() <= MAX_BLOCK_BYTES;
+                if !fits {
+                    tracing::warn!(
+                        "a state of {} bytes: past the transport's frame, not sent",
+                        s.len()
+                    );
+                }
+                fits
+            })
             .into_iter()
             .collect();
         Prefix { blocks, states }
@@ -102,8 +114,12 @@ pub fn put_blocks(store: &KvStore, chunk: &[u8]) -> Result<usize, String> {
     for (key, payload) in blocks {
         store.import(key, payload.into())?;
     }
+    // A state only spares the decode engine a replay: one it cannot keep (a store with
+    // no host tier) leaves the hand-off whole.
     for (hash, payload) in states {
-        store.import_state(hash, payload.into())?;
+        if let Err(e) = store.import_state(hash, payload.into()) {
+            tracing::warn!("KV hand-off: {e}; the request replays its window instead");
+        }
     }
     Ok(n)
 }

@@ -35,6 +35,10 @@ impl HostTier {
         }
     }
 
+    pub(super) fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+
     pub(super) fn bytes(&self) -> usize {
         self.bytes
     }

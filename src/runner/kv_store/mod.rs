@@ -144,6 +144,19 @@ impl KvStore {
     /// The store for a model whose per-sequence state has `state_bytes` bytes
     /// (`DeviceModel::saved_state`'s); a state of another length is refused.
     pub fn with_state_bytes(mut self, state_bytes: usize) -> Self {
+        let budget = self
+            .inner
+            .lock()
+            .expect("kv store lock")
+            .states
+            .budget_bytes();
+        if state_bytes > budget {
+            tracing::warn!(
+                "kv store: a sequence state has {state_bytes} bytes, more than the {budget} \
+                 the host tier gives states (a quarter of --kv-host-cache-bytes): hits from \
+                 the store replay their window"
+            );
+        }
         self.state_bytes = state_bytes;
         self
     }

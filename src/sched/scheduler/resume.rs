@@ -203,10 +203,12 @@ impl Scheduler {
         }
         let num_blocks = end / block_size;
         let block = seq.block_table[num_blocks - 1];
-        // A boundary whose tokens are known (a prompt's; a decode row's last input is
-        // drawn by a step still running) can be named by its chain hash now.
-        let keep_as =
-            (self.store.on && seq.tokens.len() >= end).then(|| self.chain_hash(idx, num_blocks));
+        // The store keeps the prompt's last boundary's state only: where a repeat of the
+        // prompt, or a decode engine it is handed to, resumes (a copy is megabytes).
+        let last_prompt_boundary =
+            seq.num_prompt_tokens.saturating_sub(1) / block_size * block_size;
+        let keep_as = (self.store.on && end == last_prompt_boundary)
+            .then(|| self.chain_hash(idx, num_blocks));
         if let Some(saved) = self.states.saved.attach(block, step) {
             self.states.saves.push(StateSave {
                 slot,

@@ -141,6 +141,11 @@ fn a_stored_state_resumes_a_stored_prefix_on_another_engine_with_no_replay() {
         s.add(a.clone()).unwrap();
         drive_saving(&mut s, &mut dev, &mut store);
         let num_blocks = (len - 1) / bs;
+        assert_eq!(
+            dev.kept_states.len(),
+            1,
+            "the prompt's last boundary's state alone"
+        );
         let mut stored = staged(&store, &a.prompt_ids, 0, bs);
         for block in &mut stored.blocks {
             block.state = dev
