@@ -383,6 +383,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "preemptions": status.num_preemptions,
             "moe_lb": status.moe_lb,
             "eplb_rebalances": status.num_eplb_rebalances,
+            "eplb_moved_experts": status.num_eplb_moved_experts,
             "worker_idle_secs": status.worker_idle_secs,
             "cpu_path": crate::kernels::cpu::simd::cpu_path().name(),
             "device_idle_secs": status.device_idle_secs,

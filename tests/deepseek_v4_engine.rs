@@ -469,11 +469,35 @@ async fn expert_parallel_groups_give_the_tokens_of_transformers() {
         let status = engine.status().await.unwrap();
         assert_eq!(status.tensor_parallel_size, size, "{status:?}");
         if eplb_redundant.is_some() {
+            // The tokens above were computed with the experts the rebalances moved.
             assert!(status.num_eplb_rebalances > 0, "{status:?}");
+            assert!(status.num_eplb_moved_experts > 0, "{status:?}");
         }
         assert_everything_free(&engine).await;
         engine.shutdown(true).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_rank_of_an_expert_parallel_group_holds_only_its_experts() {
+    // Every rank holds everything but the routed experts, which are split: with R the
+    // routed experts' bytes and S one rank's whole, a group of n holds n·(S − R) + R.
+    let mut resident = Vec::new();
+    for size in [1, 2, 4] {
+        let mut cfg = engine_config("tiny-dsv4-a", 2, 16, 8);
+        cfg.tensor_parallel_size = size;
+        let engine = Engine::spawn(cfg).await.unwrap();
+        let status = engine.status().await.unwrap();
+        engine.shutdown(true).await;
+        assert_eq!(status.tensor_parallel_size, size);
+        resident.push(status.resident_weight_bytes as i64);
+    }
+    let [one, two, four] = resident[..] else {
+        unreachable!()
+    };
+    let routed = 2 * one - two;
+    assert!(0 < routed && routed < one, "{resident:?}");
+    assert_eq!(four, 4 * one - 3 * routed, "{resident:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

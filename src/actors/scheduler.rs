@@ -493,6 +493,7 @@ impl Actor for SchedulerActor {
                     if let Some(b) = step.moe_balance {
                         st.status.moe_lb = b.worst_moe_lb;
                         st.status.num_eplb_rebalances = b.num_rebalances;
+                        st.status.num_eplb_moved_experts = b.num_moved_experts;
                     }
                     st.on_sampled(step);
                     st.kick();

@@ -25,6 +25,8 @@ pub struct EngineStatus {
     /// mean under the current placement (0.0: no statistics), and rebalances so far.
     pub moe_lb: f64,
     pub num_eplb_rebalances: u64,
+    /// Expert replicas those rebalances moved onto ranks (read there, dropped elsewhere).
+    pub num_eplb_moved_experts: u64,
     pub num_steps: u64,
     /// Times the device state was (re)attached: 1 after start, +1 per restart.
     pub num_resets: u64,

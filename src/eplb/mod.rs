@@ -138,6 +138,7 @@ pub struct Eplb {
     placements: Vec<LayerPlacement>,
     clock: RebalanceClock,
     num_rebalances: u64,
+    num_moved_experts: u64,
 }
 
 impl Eplb {
@@ -155,6 +156,7 @@ impl Eplb {
             placements,
             clock: RebalanceClock::new(cfg.period_steps),
             num_rebalances: 0,
+            num_moved_experts: 0,
         })
     }
 
@@ -171,6 +173,11 @@ impl Eplb {
         self.num_rebalances
     }
 
+    /// Expert replicas the rebalances so far moved onto ranks that did not hold them.
+    pub fn num_moved_experts(&self) -> u64 {
+        self.num_moved_experts
+    }
+
     /// Records one step's tokens per (layer, logical expert); returns true when the
     /// placements were recomputed after it (the caller then moves expert weights).
     pub fn on_step(
@@ -184,8 +191,9 @@ impl Eplb {
         }
         for layer in 0..self.cfg.num_layers {
             let load = self.window.load(layer);
-            self.placements[layer] =
-                place_layer(&load, self.cfg.num_physical_experts(), self.cfg.num_ranks);
+            let new = place_layer(&load, self.cfg.num_physical_experts(), self.cfg.num_ranks);
+            self.num_moved_experts += new.num_moved_from(&self.placements[layer]) as u64;
+            self.placements[layer] = new;
         }
         self.num_rebalances += 1;
         Ok(true)
@@ -214,6 +222,7 @@ impl Eplb {
 pub struct MoeBalance {
     pub worst_moe_lb: f64,
     pub num_rebalances: u64,
+    pub num_moved_experts: u64,
 }
 
 impl MoeBalance {
@@ -221,6 +230,7 @@ impl MoeBalance {
         MoeBalance {
             worst_moe_lb: eplb.moe_lb().into_iter().fold(1.0, f64::max),
             num_rebalances: eplb.num_rebalances(),
+            num_moved_experts: eplb.num_moved_experts(),
         }
     }
 }

@@ -26,6 +26,16 @@ impl LayerPlacement {
         n
     }
 
+    /// (rank, logical expert) pairs held under `self` and not under `before`: the
+    /// replicas a rebalance from `before` moves onto ranks.
+    pub fn num_moved_from(&self, before: &LayerPlacement) -> usize {
+        let held = |p: &LayerPlacement| -> std::collections::BTreeSet<(usize, usize)> {
+            let slots = p.physical_to_logical.iter().enumerate();
+            slots.map(|(slot, &e)| (p.rank_of_slot(slot), e)).collect()
+        };
+        held(self).difference(&held(before)).count()
+    }
+
     /// The physical slots of logical expert `logical`, lowest first (a token routed to it
     /// goes to one of them).
     pub fn slots_of(&self, logical: usize) -> Vec<usize> {

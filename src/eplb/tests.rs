@@ -158,3 +158,29 @@ fn bad_shapes_are_named() {
     assert_eq!(moe_lb(&[0.0, 0.0]), 1.0);
     assert!((moe_lb(&[3.0, 1.0]) - 1.5).abs() < 1e-12);
 }
+
+#[test]
+fn a_rebalance_counts_the_replicas_it_moves_onto_ranks() {
+    let (num_logical, num_ranks) = (6, 2);
+    let uniform = place_layer(&[1.0; 6], 8, num_ranks);
+    assert_eq!(uniform.num_moved_from(&uniform), 0);
+    let mut rng = 17u64;
+    for _ in 0..50 {
+        let load: Vec<f64> = (0..num_logical)
+            .map(|_| {
+                rng = crate::sampling::splitmix64(rng);
+                (rng % 1000) as f64
+            })
+            .collect();
+        let p = place_layer(&load, 8, num_ranks);
+        // Brute force: each (rank, expert) pair held after and not before.
+        let holds = |q: &LayerPlacement, rank: usize, e: usize| {
+            q.slots_of(e).iter().any(|&s| q.rank_of_slot(s) == rank)
+        };
+        let moved = (0..num_ranks)
+            .flat_map(|r| (0..num_logical).map(move |e| (r, e)))
+            .filter(|&(r, e)| holds(&p, r, e) && !holds(&uniform, r, e))
+            .count();
+        assert_eq!(p.num_moved_from(&uniform), moved, "{load:?}");
+    }
+}

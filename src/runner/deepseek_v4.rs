@@ -12,6 +12,7 @@ use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, SlotSpan};
+use crate::model::deepseek_v4::config::DsV4Config;
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
 use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::saved_state::{SavedStates, load_bytes};
@@ -33,6 +34,9 @@ pub(super) struct DsV4OnHost {
     group: Option<ExpertGroup>,
     /// `--spec mtp`: fills the verify rows' placeholder drafts before each step.
     mtp: Option<MtpDrafter>,
+    /// Where the rank reads routed experts it gains at a rebalance.
+    model_path: std::path::PathBuf,
+    dummy_weights: bool,
 }
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
@@ -43,7 +47,13 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         quantization: None,
         records_steps: false,
     };
-    let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
+    // The rank loads only the routed experts it computes (all of them alone).
+    let cfg = DsV4Config::from_dir(&args.model_path).map_err(|e| e.to_string())?;
+    let (layers, experts) = (cfg.num_layers, cfg.num_routed_experts);
+    let eplb = eplb_for(args, layers, experts)?;
+    let residency = expert_shard(args.shard, eplb.as_ref());
+    let holds = |l: usize, e: usize| residency.holds(l, experts, e);
+    let model = DsV4Model::load_dir_holding(backend, &args.model_path, args.dummy_weights, &holds)
         .map_err(|e| e.to_string())?;
     let formats = CacheFormats::for_dtype(args.kv_dtype);
     if let Some(problem) = formats.problem(&model.cfg) {
@@ -72,8 +82,6 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     } else {
         None
     };
-    let (layers, experts) = (model.cfg.num_layers, model.cfg.num_routed_experts);
-    let eplb = eplb_for(args, layers, experts)?;
     Ok(Box::new(DsV4OnHost {
         model,
         cache,
@@ -83,7 +91,18 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         shard: args.shard,
         group: None,
         mtp,
+        model_path: args.model_path.clone(),
+        dummy_weights: args.dummy_weights,
     }))
+}
+
+/// What rank `shard` computes: EPLB's placement when it places experts for this group
+/// (`--eplb-ranks` equal to the group size), else contiguous equal shares.
+fn expert_shard(shard: TpShard, eplb: Option<&Eplb>) -> ExpertShard {
+    let placements = eplb
+        .filter(|e| e.num_ranks() == shard.size)
+        .map(|e| e.placements().to_vec());
+    ExpertShard { shard, placements }
 }
 
 impl DeviceModel for DsV4OnHost {
@@ -135,9 +154,18 @@ impl DeviceModel for DsV4OnHost {
             moe_balance = Some(eplb_step(eplb, &self.expert_tokens, steps));
             if let Some(group) = &mut self.group
                 && group.shard.placements.is_some()
+                && group.shard.placements.as_deref() != Some(eplb.placements())
             {
                 // Every rank saw the same loads: the same new placement, the same step.
+                // The experts move before the next step computes with it.
                 group.shard.placements = Some(eplb.placements().to_vec());
+                let (shard, experts) = (&group.shard, self.model.cfg.num_routed_experts);
+                let holds = |l: usize, e: usize| shard.holds(l, experts, e);
+                let read = self
+                    .model
+                    .reside(&self.model_path, self.dummy_weights, &holds)
+                    .unwrap_or_else(|e| panic!("EPLB: reading experts moved here: {e}"));
+                tracing::debug!(rank = shard.shard.rank, read, "EPLB moved experts");
             }
         }
         launched(
@@ -160,17 +188,9 @@ impl DeviceModel for DsV4OnHost {
 
     fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError> {
         let collective = self.model.backend.join_group(join)?;
-        // EPLB's placement drives ownership when it places experts for this group.
-        let placements = self
-            .eplb
-            .as_ref()
-            .filter(|e| e.num_ranks() == self.shard.size)
-            .map(|e| e.placements().to_vec());
+        // What the rank loaded its experts for.
         self.group = Some(ExpertGroup {
-            shard: ExpertShard {
-                shard: self.shard,
-                placements,
-            },
+            shard: expert_shard(self.shard, self.eplb.as_ref()),
             collective,
         });
         Ok(())

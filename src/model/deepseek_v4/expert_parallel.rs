@@ -37,6 +37,18 @@ impl ExpertShard {
         rank == self.shard.rank
     }
 
+    /// Whether this rank holds routed expert `expert` (of `num_experts`) at `layer`: it
+    /// computes some of its tokens (`residency.rs` loads exactly these).
+    pub fn holds(&self, layer: usize, num_experts: usize, expert: usize) -> bool {
+        match &self.placements {
+            Some(p) => p[layer]
+                .slots_of(expert)
+                .into_iter()
+                .any(|slot| p[layer].rank_of_slot(slot) == self.shard.rank),
+            None => expert * self.shard.size / num_experts == self.shard.rank,
+        }
+    }
+
     /// `computes` at `layer` as the table the kernels read (`ExpertOwners`): per expert its
     /// replica count, then each replica's rank, padded to the widest (returned second).
     pub fn owner_table(&self, layer: usize, num_experts: usize) -> (Vec<u32>, usize) {
@@ -132,6 +144,9 @@ mod tests {
                         let rank = entry[1 + token % entry[0] as usize] as usize;
                         assert_eq!(rank == s.shard.rank, s.computes(0, 6, expert, token));
                     }
+                    // A rank holds the experts it computes some token of, and no other.
+                    let computes_any = (0..10).any(|t| s.computes(0, 6, expert, t));
+                    assert_eq!(s.holds(0, 6, expert), computes_any, "expert {expert}");
                 }
             }
         }

@@ -21,7 +21,7 @@ impl<B: DsV4Kernels> DsV4Weights<B> {
             "routed_experts",
             self.layers
                 .iter()
-                .flat_map(|l| l.moe.experts.iter().flat_map(expert::<B>))
+                .flat_map(|l| l.moe.experts.iter().flatten().flat_map(expert::<B>))
                 .collect(),
         );
         group(

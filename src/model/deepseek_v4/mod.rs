@@ -7,6 +7,7 @@
 //! | `config.rs` | `DsV4Config` from transformers' `DeepseekV4Config` JSON |
 //! | `weights.rs` | tensors by DeepSeek's names, placed on the backend |
 //! | `cache.rs` | state slots (SWA ring, compressor windows, overlap) and paged compressed entries |
+//! | `residency.rs` | which routed experts a rank holds; its share loaded, experts read or dropped as EPLB's placement moves them |
 //! | `saved_state.rs` | slot states saved at block boundaries, for prefix hits without a replay |
 //! | `plan.rs` | a step's rows, sequences and closing windows, made once for all layers |
 //! | `embedding.rs` | a step's tokens embedded, from the host's table or, read from the last picks, the device's |
@@ -31,6 +32,7 @@ pub mod mtp;
 pub mod plan;
 pub mod quantized;
 mod recorded;
+pub mod residency;
 pub mod rope;
 pub mod saved_state;
 pub mod weights;
@@ -111,15 +113,38 @@ impl<B: DsV4Kernels> DsV4Model<B> {
     /// An HF directory's model on `backend` (`dummy`: seeded random weights made there);
     /// a shape the backend's kernels cannot take is refused before any weight is read.
     pub fn load_dir_on(backend: B, dir: &Path, dummy: bool) -> Result<Self> {
+        Self::load_dir_holding(backend, dir, dummy, &weights::hold_all)
+    }
+
+    /// `load_dir_on` with only the routed experts `holds` names (an expert-parallel
+    /// rank's share).
+    pub fn load_dir_holding(
+        backend: B,
+        dir: &Path,
+        dummy: bool,
+        holds: &weights::Holds<'_>,
+    ) -> Result<Self> {
         let cfg = DsV4Config::from_dir(dir)?;
         prepare(&backend, &cfg)?;
         let store = OnBackend(&backend);
-        let weights = if dummy {
-            DsV4Weights::dummy_into(&cfg, &store)?
-        } else {
-            DsV4Weights::load_into(&cfg, &SafetensorsSource::open_dir(dir)?, &store)?
-        };
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let weights = DsV4Weights::load_holding(&cfg, src, &store, holds)?;
         Ok(Self::assemble(backend, cfg, weights))
+    }
+
+    /// Holds exactly the routed experts `holds` names from now on: the missing ones read
+    /// from `dir`'s checkpoint (`dummy`: made), the others dropped. Returns how many it
+    /// read.
+    pub fn reside(&mut self, dir: &Path, dummy: bool, holds: &weights::Holds<'_>) -> Result<usize> {
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let store = OnBackend(&self.backend);
+        self.weights.reside(&self.cfg, src, &store, holds)
     }
 
     fn assemble(backend: B, cfg: DsV4Config, weights: DsV4Weights<B>) -> Self {

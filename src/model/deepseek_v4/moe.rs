@@ -58,11 +58,7 @@ pub fn moe<B: DsV4Kernels>(
             replicas: *replicas,
             rank: shard.expect("a table comes from a shard").shard.rank,
         });
-    let experts: Vec<[&B::Matrix; 3]> = w
-        .experts
-        .iter()
-        .map(|e| [&e.gate, &e.up, &e.down])
-        .collect();
+    let experts = super::residency::matrices(&w.experts);
     let mut ys = b.scratch(t * k * d);
     b.dsv4_routed_experts(
         &mut ys,

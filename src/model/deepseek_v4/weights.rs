@@ -58,8 +58,9 @@ pub struct Moe<B: DsV4Kernels = CpuBackend> {
     /// `[vocab, k]` expert ids (hash layers).
     pub tid2eid: Option<B::Ids>,
     pub score_bias: Option<B::Buf>,
-    pub experts: Vec<Expert<B>>,
-    /// `experts` as the grouped kernels read them.
+    /// By expert id; `None`: held by another rank of an expert-parallel group.
+    pub experts: Vec<Option<Expert<B>>>,
+    /// `experts` as the grouped kernels read them (`residency::matrices`).
     pub table: B::ExpertTable,
     pub shared: Expert<B>,
 }
@@ -98,6 +99,7 @@ impl<B: DsV4Kernels> MtpWeights<B> {
                 src,
                 dummy_experts: None,
                 store,
+                holds: &hold_all,
             },
         )
     }
@@ -109,6 +111,7 @@ impl<B: DsV4Kernels> MtpWeights<B> {
                 src: &NoTensors,
                 dummy_experts: Some(cfg.num_routed_experts),
                 store,
+                holds: &hold_all,
             },
         )
     }
@@ -122,7 +125,7 @@ impl<B: DsV4Kernels> MtpWeights<B> {
             hnorm: r.vector("mtp.0.hnorm.weight", d)?,
             norm: r.vector("mtp.0.norm.weight", d)?,
             hc_head: r.hc("mtp.0.hc_head", cfg, cfg.hc_mult, 1)?,
-            block: r.layer(cfg, "mtp.0", AttentionKind::Sliding, MlpKind::Moe)?,
+            block: r.layer(cfg, ("mtp.0", None), AttentionKind::Sliding, MlpKind::Moe)?,
         })
     }
 }
@@ -188,12 +191,22 @@ impl<B: DsV4Kernels> LinearStore for OnBackend<'_, B> {
     }
 }
 
-struct Reader<'a, S: LinearStore> {
-    src: &'a dyn TensorSource,
+pub(super) struct Reader<'a, S: LinearStore> {
+    pub(super) src: &'a dyn TensorSource,
     /// `--dummy-weights`: every tensor made from its name and shape (the number of
     /// routed experts, for a valid hash table); nothing is read.
-    dummy_experts: Option<usize>,
-    store: &'a S,
+    pub(super) dummy_experts: Option<usize>,
+    pub(super) store: &'a S,
+    /// Whether this rank holds routed expert (layer, expert) (`residency.rs`).
+    pub(super) holds: &'a Holds<'a>,
+}
+
+/// Which routed experts (layer, expert) a rank holds.
+pub type Holds<'a> = dyn Fn(usize, usize) -> bool + Sync + 'a;
+
+/// Every expert: a lone rank's residency.
+pub fn hold_all(_layer: usize, _expert: usize) -> bool {
+    true
 }
 
 /// Seeded values for a tensor of `dims` named `name`: norms and scales around 1, biases,
@@ -254,7 +267,7 @@ fn shipped_in_fp8(name: &str) -> bool {
 }
 
 /// A source with nothing in it (what `--dummy-weights` reads).
-struct NoTensors;
+pub(super) struct NoTensors;
 
 impl TensorSource for NoTensors {
     fn tensor(&self, _name: &str) -> Result<Option<crate::model::loader::HostTensor>> {
@@ -363,7 +376,7 @@ impl<S: LinearStore> Reader<'_, S> {
         })
     }
 
-    fn expert(&self, p: &str, cfg: &DsV4Config) -> Result<Expert<S::Backend>> {
+    pub(super) fn expert(&self, p: &str, cfg: &DsV4Config) -> Result<Expert<S::Backend>> {
         let (d, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
         Ok(Expert {
             gate: self.linear(&format!("{p}.w1"), i, d)?,
@@ -374,10 +387,12 @@ impl<S: LinearStore> Reader<'_, S> {
 
     /// One block: attention of `attention`'s kind, an MLP of `mlp`'s, under prefix `p`
     /// (`model.layers.N`, or `mtp.0` for the MTP layer's block).
+    /// Layer `index` of the model (`None`: the MTP layer's block, all of whose experts
+    /// every rank holds).
     fn layer(
         &self,
         cfg: &DsV4Config,
-        p: &str,
+        (p, index): (&str, Option<usize>),
         attention: AttentionKind,
         mlp: MlpKind,
     ) -> Result<Layer<S::Backend>> {
@@ -474,14 +489,18 @@ impl<S: LinearStore> Reader<'_, S> {
                 }
             }
         };
-        let experts: Vec<Expert<S::Backend>> = (0..cfg.num_routed_experts)
-            .map(|e| r.expert(&format!("{p}.ffn.experts.{e}"), cfg))
+        let experts: Vec<Option<Expert<S::Backend>>> = (0..cfg.num_routed_experts)
+            .map(|e| {
+                index
+                    .is_none_or(|l| (r.holds)(l, e))
+                    .then(|| r.expert(&format!("{p}.ffn.experts.{e}"), cfg))
+                    .transpose()
+            })
             .collect::<Result<_>>()?;
-        let mats: Vec<_> = experts.iter().map(|e| [&e.gate, &e.up, &e.down]).collect();
         let table = r
             .store
             .backend()
-            .dsv4_expert_table(&mats)
+            .dsv4_expert_table(&super::residency::matrices(&experts))
             .map_err(|e| TroupeError::InvalidInput(format!("{p}.ffn.experts: {e}")))?;
         let moe = Moe {
             router: r.linear(&format!("{p}.ffn.gate"), cfg.num_routed_experts, d)?,
@@ -505,7 +524,7 @@ impl<S: LinearStore> Reader<'_, S> {
 /// DeepSeek's released checkpoints name tensors without transformers' `model.` prefix
 /// (`embed.weight`, `layers.N.…`, `norm.weight`, `hc_head_fn`); transformers' own save
 /// keeps the prefix. Either is read.
-struct EitherNaming<'a>(&'a dyn TensorSource);
+pub(super) struct EitherNaming<'a>(pub(super) &'a dyn TensorSource);
 
 impl TensorSource for EitherNaming<'_> {
     fn tensor(&self, name: &str) -> Result<Option<crate::model::loader::HostTensor>> {
@@ -530,39 +549,23 @@ impl<B: DsV4Kernels> DsV4Weights<B> {
         src: &dyn TensorSource,
         store: &S,
     ) -> Result<Self> {
-        let src = &EitherNaming(src);
-        Self::read(
-            cfg,
-            Reader {
-                src,
-                dummy_experts: None,
-                store,
-            },
-        )
+        Self::load_holding(cfg, Some(src), store, &hold_all)
     }
 
     /// `--dummy-weights`: seeded random weights of the config's shape, no checkpoint
     /// (the same values wherever `store` puts them).
     pub fn dummy_into<S: LinearStore<Backend = B>>(cfg: &DsV4Config, store: &S) -> Result<Self> {
-        Self::read(
-            cfg,
-            Reader {
-                src: &NoTensors,
-                dummy_experts: Some(cfg.num_routed_experts),
-                store,
-            },
-        )
+        Self::load_holding(cfg, None, store, &hold_all)
     }
 
-    fn read<S: LinearStore<Backend = B>>(cfg: &DsV4Config, r: Reader<'_, S>) -> Result<Self> {
+    pub(super) fn read<S: LinearStore<Backend = B>>(
+        cfg: &DsV4Config,
+        r: Reader<'_, S>,
+    ) -> Result<Self> {
         let layers = (0..cfg.num_layers)
             .map(|l| {
-                r.layer(
-                    cfg,
-                    &format!("model.layers.{l}"),
-                    cfg.attention[l],
-                    cfg.mlp[l],
-                )
+                let p = format!("model.layers.{l}");
+                r.layer(cfg, (&p, Some(l)), cfg.attention[l], cfg.mlp[l])
             })
             .collect::<Result<Vec<_>>>()?;
         let (d, n) = (cfg.hidden_size, cfg.hc_mult);
