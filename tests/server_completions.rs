@@ -310,3 +310,41 @@ fn tokenizer_info_names_the_special_tokens_and_template() {
     assert!(template.contains("add_generation_prompt"), "{template}");
     assert!(info["model_max_length"].as_u64().unwrap() >= 2048);
 }
+
+/// Streamed chunks carry every generated id, also where the tokens have no text: a model
+/// without a tokenizer (the tiny DeepSeek-V4 checkpoint) and the default model, on
+/// generated prompts and lengths; the ids equal the whole reply's.
+#[test]
+fn streamed_chunks_carry_every_token_id_even_without_text() {
+    let mut dsv4 = EngineConfig::new(common::goldens().join("tiny-dsv4-a"));
+    dsv4.kv_cache_bytes = 16 << 20;
+    for server in [server(), common::server::start(dsv4, "tiny-dsv4")] {
+        for (i, prompt) in random_prompts(4, 33).into_iter().enumerate() {
+            let prompt: Vec<u32> = prompt.into_iter().map(|t| t % 200 + 17).collect();
+            let max_tokens = 3 + 5 * i;
+            let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": true});
+            let (status, whole) = post(&server, body.clone());
+            assert_eq!(status, 200, "{whole}");
+            let mut streamed = body;
+            streamed["stream"] = json!(true);
+            let r = server.request("POST", "/v1/completions", streamed.to_string().as_bytes());
+            assert_eq!(r.status, 200);
+            let payload = String::from_utf8(r.payload()).unwrap();
+            let ids: Vec<Value> = payload
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .map(|d| serde_json::from_str::<Value>(d).unwrap())
+                .flat_map(|c| {
+                    c["choices"][0]["token_ids"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                })
+                .collect();
+            assert_eq!(ids.len(), max_tokens, "prompt {i}: {payload}");
+            assert_eq!(json!(ids), whole["choices"][0]["token_ids"], "prompt {i}");
+        }
+    }
+}

@@ -254,7 +254,9 @@ async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpR
                 engine.text(),
             );
             counter.set(counter.get() + num_tokens);
-            if text.is_empty() && o.finish_reason.is_none() && !first {
+            // A chunk whose tokens have no text yet (a character still open, or a model
+            // without a tokenizer) still carries their ids.
+            if text.is_empty() && o.token_ids.is_empty() && o.finish_reason.is_none() && !first {
                 return Vec::new();
             }
             let mut choice = json!({"index": o.index, "text": text,
