@@ -1,0 +1,32 @@
+"""The DeepSeek-V4 shape the CPU benchmarks run (transformers' `DeepseekV4Config` fields)."""
+
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    moe_intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    head_dim=64,
+    q_lora_rank=256,
+    num_experts_per_tok=2,
+    n_routed_experts=16,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "sliding_attention",
+    ],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+    hc_mult=4,
+    sliding_window=64,
+    o_groups=2,
+    o_lora_rank=128,
+    index_n_heads=8,
+    index_head_dim=64,
+    index_topk=32,
+    partial_rotary_factor=0.25,
+    initializer_range=0.05,
+)
