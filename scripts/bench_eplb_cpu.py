@@ -2,8 +2,9 @@
 """DeepSeek-V4 expert parallelism on CPU ranks: one rank against an expert-parallel group
 of two (each rank holding only its routed experts), without and with EPLB moving experts
 between them, on the same seeded random weights (`--dummy-weights`) and a batch of random
-prompts. Prints per mode the output tokens/s, the resident weight bytes of all ranks, the
-routed loads' `moe_lb` at the end, the rebalances and the expert replicas they moved.
+prompts. Prints per mode the output tokens/s, the resident weight bytes of all ranks,
+`moe_lb` of the routed loads and of the ranks' measured busy time at the end, the
+rebalances and the expert replicas they moved.
 
 Usage: python3 scripts/bench_eplb_cpu.py target/release/troupe [--requests 16] [--new 64]
 """
@@ -64,13 +65,16 @@ def main() -> None:
             r = run(args.troupe, model, prompts, extra)
             s = r["stats"]
             rows.append((name, r["tokens"] / s["generate_s"], s.get("resident_weight_bytes", 0),
-                         s.get("moe_lb", 0.0), s.get("eplb_rebalances", 0),
+                         s.get("moe_lb", 0.0), s.get("moe_lb_measured", 0.0),
+                         s.get("eplb_rebalances", 0),
                          s.get("eplb_moved_experts", 0)))
     print(f"{args.requests} requests x {args.prompt} prompt + {args.new} new tokens")
-    print("| mode | out tok/s | resident weight MB | moe_lb | rebalances | experts moved |")
-    print("|---|---|---|---|---|---|")
-    for name, tps, bytes_, lb, reb, moved in rows:
-        print(f"| {name} | {tps:.1f} | {bytes_ / 1e6:.1f} | {lb:.3f} | {reb} | {moved} |")
+    print("| mode | out tok/s | resident weight MB | moe_lb (loads) | moe_lb (measured) "
+          "| rebalances | experts moved |")
+    print("|---|---|---|---|---|---|---|")
+    for name, tps, bytes_, lb, measured, reb, moved in rows:
+        print(f"| {name} | {tps:.1f} | {bytes_ / 1e6:.1f} | {lb:.3f} | {measured:.3f} | {reb} "
+              f"| {moved} |")
 
 
 if __name__ == "__main__":

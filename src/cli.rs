@@ -384,6 +384,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "moe_lb": status.moe_lb,
             "eplb_rebalances": status.num_eplb_rebalances,
             "eplb_moved_experts": status.num_eplb_moved_experts,
+            "moe_lb_measured": status.measured_moe_lb,
             "worker_idle_secs": status.worker_idle_secs,
             "cpu_path": crate::kernels::cpu::simd::cpu_path().name(),
             "device_idle_secs": status.device_idle_secs,

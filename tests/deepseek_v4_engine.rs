@@ -472,6 +472,7 @@ async fn expert_parallel_groups_give_the_tokens_of_transformers() {
             // The tokens above were computed with the experts the rebalances moved.
             assert!(status.num_eplb_rebalances > 0, "{status:?}");
             assert!(status.num_eplb_moved_experts > 0, "{status:?}");
+            assert!(status.measured_moe_lb >= 1.0, "{status:?}");
         }
         assert_everything_free(&engine).await;
         engine.shutdown(true).await;

@@ -494,6 +494,7 @@ impl Actor for SchedulerActor {
                         st.status.moe_lb = b.worst_moe_lb;
                         st.status.num_eplb_rebalances = b.num_rebalances;
                         st.status.num_eplb_moved_experts = b.num_moved_experts;
+                        st.status.measured_moe_lb = b.measured_moe_lb;
                     }
                     st.on_sampled(step);
                     st.kick();

@@ -27,6 +27,8 @@ pub struct EngineStatus {
     pub num_eplb_rebalances: u64,
     /// Expert replicas those rebalances moved onto ranks (read there, dropped elsewhere).
     pub num_eplb_moved_experts: u64,
+    /// `moe_lb` of the expert-parallel ranks' measured busy time (0.0: not measured).
+    pub measured_moe_lb: f64,
     pub num_steps: u64,
     /// Times the device state was (re)attached: 1 after start, +1 per restart.
     pub num_resets: u64,

@@ -223,6 +223,9 @@ pub struct MoeBalance {
     pub worst_moe_lb: f64,
     pub num_rebalances: u64,
     pub num_moved_experts: u64,
+    /// `moe_lb` of the ranks' measured busy time since the placement last changed (0.0:
+    /// not measured: one rank, or a backend that does not time it).
+    pub measured_moe_lb: f64,
 }
 
 impl MoeBalance {
@@ -231,6 +234,7 @@ impl MoeBalance {
             worst_moe_lb: eplb.moe_lb().into_iter().fold(1.0, f64::max),
             num_rebalances: eplb.num_rebalances(),
             num_moved_experts: eplb.num_moved_experts(),
+            measured_moe_lb: 0.0,
         }
     }
 }

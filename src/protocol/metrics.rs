@@ -212,6 +212,11 @@ fn status_registry(s: &EngineStatus) -> Registry {
         s.moe_lb,
     );
     float_gauge(
+        "moe_lb_measured",
+        "EPLB: the slowest expert-parallel rank's busy time over the mean since the placement last changed (0: not measured)",
+        s.measured_moe_lb,
+    );
+    float_gauge(
         "prefix_cache_hit_ratio",
         "Prefix-cache hit blocks over queried blocks since start",
         prefix_cache_hit_ratio(s),

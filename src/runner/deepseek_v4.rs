@@ -37,6 +37,29 @@ pub(super) struct DsV4OnHost {
     /// Where the rank reads routed experts it gains at a rebalance.
     model_path: std::path::PathBuf,
     dummy_weights: bool,
+    /// The group's ranks' busy seconds since the placement last changed.
+    busy: RankBusy,
+}
+
+/// Every rank's busy seconds (its step less its waits in the group's sums), summed since
+/// the placement last changed: the measured side of `moe_lb`.
+#[derive(Default)]
+struct RankBusy(Vec<f64>);
+
+impl RankBusy {
+    /// Adds this step's `busy_secs` of this rank and every other's (one sum over the
+    /// group); returns the slowest rank's total over the mean.
+    fn add(&mut self, b: &CpuBackend, group: &mut ExpertGroup, busy_secs: f64) -> f64 {
+        let (rank, size) = (group.shard.shard.rank, group.shard.shard.size);
+        let mut step = vec![0.0f32; size];
+        step[rank] = busy_secs as f32;
+        group.collective.all_reduce_sum(b, &mut step, size);
+        self.0.resize(size, 0.0);
+        for (total, s) in self.0.iter_mut().zip(step) {
+            *total += f64::from(s);
+        }
+        crate::eplb::moe_lb(&self.0)
+    }
 }
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
@@ -93,6 +116,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         mtp,
         model_path: args.model_path.clone(),
         dummy_weights: args.dummy_weights,
+        busy: RankBusy::default(),
     }))
 }
 
@@ -137,6 +161,8 @@ impl DeviceModel for DsV4OnHost {
         }
         // A refused step is a planning bug: the worker fails and the engine recomputes.
         self.expert_tokens.iter_mut().for_each(|l| l.fill(0));
+        let started = std::time::Instant::now();
+        let combined_before = self.group.as_ref().map_or(0.0, |g| g.combine_secs);
         let (logits, streams) = self
             .model
             .forward_streams(
@@ -151,7 +177,15 @@ impl DeviceModel for DsV4OnHost {
         }
         let mut moe_balance = None;
         if let Some(eplb) = &mut self.eplb {
-            moe_balance = Some(eplb_step(eplb, &self.expert_tokens, steps));
+            let mut balance = eplb_step(eplb, &self.expert_tokens, steps);
+            if let Some(group) = &mut self.group {
+                // This rank's step less its waits for the others: what its share cost.
+                let waited = group.combine_secs - combined_before;
+                let busy_secs = started.elapsed().as_secs_f64() - waited;
+                let b = &self.model.backend;
+                balance.measured_moe_lb = self.busy.add(b, group, busy_secs);
+            }
+            moe_balance = Some(balance);
             if let Some(group) = &mut self.group
                 && group.shard.placements.is_some()
                 && group.shard.placements.as_deref() != Some(eplb.placements())
@@ -165,6 +199,7 @@ impl DeviceModel for DsV4OnHost {
                     .model
                     .reside(&self.model_path, self.dummy_weights, &holds)
                     .unwrap_or_else(|e| panic!("EPLB: reading experts moved here: {e}"));
+                self.busy = RankBusy::default();
                 tracing::debug!(rank = shard.shard.rank, read, "EPLB moved experts");
             }
         }
@@ -189,10 +224,8 @@ impl DeviceModel for DsV4OnHost {
     fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError> {
         let collective = self.model.backend.join_group(join)?;
         // What the rank loaded its experts for.
-        self.group = Some(ExpertGroup {
-            shard: expert_shard(self.shard, self.eplb.as_ref()),
-            collective,
-        });
+        let shard = expert_shard(self.shard, self.eplb.as_ref());
+        self.group = Some(ExpertGroup::new(shard, collective));
         Ok(())
     }
 

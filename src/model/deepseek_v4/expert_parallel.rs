@@ -82,12 +82,24 @@ impl ExpertShard {
 pub struct ExpertGroup<B: Backend = CpuBackend> {
     pub shard: ExpertShard,
     pub collective: Box<dyn Collective<B>>,
+    /// Seconds spent in `combine` so far: waiting for the slowest rank, mostly.
+    pub combine_secs: f64,
 }
 
 impl<B: Backend> ExpertGroup<B> {
+    pub fn new(shard: ExpertShard, collective: Box<dyn Collective<B>>) -> Self {
+        ExpertGroup {
+            shard,
+            collective,
+            combine_secs: 0.0,
+        }
+    }
+
     /// Sums the ranks' partial MoE outputs (`len` values) in place.
     pub fn combine(&mut self, b: &B, partial: &mut B::Buf, len: usize) {
+        let started = std::time::Instant::now();
         self.collective.all_reduce_sum(b, partial, len);
+        self.combine_secs += started.elapsed().as_secs_f64();
     }
 }
 
