@@ -89,11 +89,7 @@ impl ThreadLocalActor for RankWorker {
         let mut model = load_model(&args)?;
         // Loading frees as much as it keeps (file copies, stacked parts): hand it back to
         // the OS so resident memory is the weights, not the weights and their scaffolding.
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: malloc_trim only returns free heap memory to the kernel.
-        unsafe {
-            libc::malloc_trim(0);
-        }
+        crate::runner::trim_heap();
         model.warm_up(args.block_size, args.warmup_tokens)?;
         in_pool(pool.as_ref(), || {
             decode_curve::record_graphs(

@@ -138,7 +138,6 @@ pub struct Eplb {
     placements: Vec<LayerPlacement>,
     clock: RebalanceClock,
     num_rebalances: u64,
-    num_moved_experts: u64,
 }
 
 impl Eplb {
@@ -156,7 +155,6 @@ impl Eplb {
             placements,
             clock: RebalanceClock::new(cfg.period_steps),
             num_rebalances: 0,
-            num_moved_experts: 0,
         })
     }
 
@@ -173,11 +171,6 @@ impl Eplb {
         self.num_rebalances
     }
 
-    /// Expert replicas the rebalances so far moved onto ranks that did not hold them.
-    pub fn num_moved_experts(&self) -> u64 {
-        self.num_moved_experts
-    }
-
     /// Records one step's tokens per (layer, logical expert); returns true when the
     /// placements were recomputed after it (the caller then moves expert weights).
     pub fn on_step(
@@ -191,9 +184,8 @@ impl Eplb {
         }
         for layer in 0..self.cfg.num_layers {
             let load = self.window.load(layer);
-            let new = place_layer(&load, self.cfg.num_physical_experts(), self.cfg.num_ranks);
-            self.num_moved_experts += new.num_moved_from(&self.placements[layer]) as u64;
-            self.placements[layer] = new;
+            self.placements[layer] =
+                place_layer(&load, self.cfg.num_physical_experts(), self.cfg.num_ranks);
         }
         self.num_rebalances += 1;
         Ok(true)
@@ -222,6 +214,8 @@ impl Eplb {
 pub struct MoeBalance {
     pub worst_moe_lb: f64,
     pub num_rebalances: u64,
+    /// Expert replicas the rebalances moved onto ranks of the group that applies them
+    /// (0: a lone rank, or a group the placement is not for).
     pub num_moved_experts: u64,
     /// `moe_lb` of the ranks' measured busy time since the placement last changed (0.0:
     /// not measured: one rank, or a backend that does not time it).
@@ -233,7 +227,7 @@ impl MoeBalance {
         MoeBalance {
             worst_moe_lb: eplb.moe_lb().into_iter().fold(1.0, f64::max),
             num_rebalances: eplb.num_rebalances(),
-            num_moved_experts: eplb.num_moved_experts(),
+            num_moved_experts: 0,
             measured_moe_lb: 0.0,
         }
     }

@@ -39,6 +39,8 @@ pub(super) struct DsV4OnHost {
     dummy_weights: bool,
     /// The group's ranks' busy seconds since the placement last changed.
     busy: RankBusy,
+    /// Expert replicas the group's rebalances moved onto ranks so far.
+    num_moved_experts: u64,
 }
 
 /// Every rank's busy seconds (its step less its waits in the group's sums), summed since
@@ -117,6 +119,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         model_path: args.model_path.clone(),
         dummy_weights: args.dummy_weights,
         busy: RankBusy::default(),
+        num_moved_experts: 0,
     }))
 }
 
@@ -172,6 +175,12 @@ impl DeviceModel for DsV4OnHost {
                 self.group.as_mut(),
             )
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
+        // This rank's step less its waits for the others: what its share cost.
+        let waited = self
+            .group
+            .as_ref()
+            .map_or(0.0, |g| g.combine_secs - combined_before);
+        let busy_secs = started.elapsed().as_secs_f64() - waited;
         if let Some(mtp) = &mut self.mtp {
             mtp.absorb(&self.model, &ds_steps, &num_drafts, &streams);
         }
@@ -179,29 +188,30 @@ impl DeviceModel for DsV4OnHost {
         if let Some(eplb) = &mut self.eplb {
             let mut balance = eplb_step(eplb, &self.expert_tokens, steps);
             if let Some(group) = &mut self.group {
-                // This rank's step less its waits for the others: what its share cost.
-                let waited = group.combine_secs - combined_before;
-                let busy_secs = started.elapsed().as_secs_f64() - waited;
-                let b = &self.model.backend;
-                balance.measured_moe_lb = self.busy.add(b, group, busy_secs);
+                balance.measured_moe_lb = self.busy.add(&self.model.backend, group, busy_secs);
+                if group.shard.placements.is_some()
+                    && group.shard.placements.as_deref() != Some(eplb.placements())
+                {
+                    // Every rank saw the same loads: the same new placement, the same
+                    // step. The experts move before the next step computes with it.
+                    let new = eplb.placements();
+                    let old = group.shard.placements.replace(new.to_vec());
+                    let old = old.expect("checked");
+                    let moved = new.iter().zip(&old).map(|(n, o)| n.num_moved_from(o));
+                    self.num_moved_experts += moved.sum::<usize>() as u64;
+                    let (shard, experts) = (&group.shard, self.model.cfg.num_routed_experts);
+                    let holds = |l: usize, e: usize| shard.holds(l, experts, e);
+                    let read = self
+                        .model
+                        .reside(&self.model_path, self.dummy_weights, &holds)
+                        .unwrap_or_else(|e| panic!("EPLB: reading experts moved here: {e}"));
+                    super::trim_heap();
+                    self.busy = RankBusy::default();
+                    tracing::debug!(rank = shard.shard.rank, read, "EPLB moved experts");
+                }
             }
+            balance.num_moved_experts = self.num_moved_experts;
             moe_balance = Some(balance);
-            if let Some(group) = &mut self.group
-                && group.shard.placements.is_some()
-                && group.shard.placements.as_deref() != Some(eplb.placements())
-            {
-                // Every rank saw the same loads: the same new placement, the same step.
-                // The experts move before the next step computes with it.
-                group.shard.placements = Some(eplb.placements().to_vec());
-                let (shard, experts) = (&group.shard, self.model.cfg.num_routed_experts);
-                let holds = |l: usize, e: usize| shard.holds(l, experts, e);
-                let read = self
-                    .model
-                    .reside(&self.model_path, self.dummy_weights, &holds)
-                    .unwrap_or_else(|e| panic!("EPLB: reading experts moved here: {e}"));
-                self.busy = RankBusy::default();
-                tracing::debug!(rank = shard.shard.rank, read, "EPLB moved experts");
-            }
         }
         launched(
             &logits,

@@ -266,6 +266,16 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
     }
 }
 
+/// Hands free heap memory back to the OS: after loading or moving weights, resident
+/// memory is then the weights, not the weights and the buffers they were read through.
+pub fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// A warm-up prefill's prompt of `tokens` ids spread over the vocabulary (hash-routed
 /// layers route by id, and one id would make a lighter step than a real prompt's), and the
 /// block table of the blocks from 0 it fills.

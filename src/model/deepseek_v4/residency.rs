@@ -13,7 +13,10 @@ use crate::model::loader::TensorSource;
 /// elsewhere stands in as the first one held here, which the kernels never read for it
 /// (the owner table gives its products to another rank).
 pub fn matrices<B: DsV4Kernels>(experts: &[Option<Expert<B>>]) -> Vec<[&B::Matrix; 3]> {
+    // Every rank holds an expert of every layer (the group size divides the experts);
+    // an empty list would skip the layer's counts and desynchronize the ranks' EPLB.
     let Some(stand_in) = experts.iter().flatten().next() else {
+        debug_assert!(experts.is_empty(), "a layer with no expert held here");
         return Vec::new();
     };
     experts
