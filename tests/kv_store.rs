@@ -69,6 +69,21 @@ fn with_store(mut cfg: EngineConfig, store: KvStoreConfig) -> EngineConfig {
     cfg
 }
 
+/// A DeepSeek-V4 differential case on the CPU with `store`: its engine config, prompt and
+/// transformers' greedy tokens.
+fn dsv4_case(case_dir: &str, store: KvStoreConfig) -> (EngineConfig, Vec<u32>, Vec<u32>) {
+    let case = common::read_json(&format!("{case_dir}/case.json"));
+    let mut cfg = EngineConfig::new(common::goldens().join(case_dir));
+    cfg.device = troupe::engine::Device::Cpu;
+    cfg.kv_cache_bytes = 16 << 20;
+    cfg.max_num_seqs = 2;
+    let (prompt, greedy) = (
+        common::ids(&case["prompt"]),
+        common::ids(&case["greedy_tokens"]),
+    );
+    (with_store(cfg, store), prompt, greedy)
+}
+
 /// The engine's status once every queued disk write is done (bounded).
 async fn settled(engine: &EngineHandle) -> EngineStatus {
     let until = Instant::now() + Duration::from_secs(30);
@@ -174,23 +189,12 @@ async fn two_engines_share_one_directory() {
 async fn deepseek_v4_blocks_come_back_from_disk_in_another_engine() {
     tokio::time::timeout(BOUND, async {
         let dir = store_dir("dsv4");
-        let case = common::read_json("dsv4-diff/case-1005/case.json");
-        let (prompt, greedy) = (
-            common::ids(&case["prompt"]),
-            common::ids(&case["greedy_tokens"]),
-        );
-        let mut cfg = EngineConfig::new(common::goldens().join("dsv4-diff/case-1005"));
-        cfg.device = troupe::engine::Device::Cpu;
-        cfg.kv_cache_bytes = 16 << 20;
-        cfg.max_num_seqs = 2;
-        let cfg = with_store(
-            cfg,
-            KvStoreConfig {
-                dir: Some(dir.clone()),
-                disk_bytes: 1 << 30,
-                ..Default::default()
-            },
-        );
+        let store = KvStoreConfig {
+            dir: Some(dir.clone()),
+            disk_bytes: 1 << 30,
+            ..Default::default()
+        };
+        let (cfg, prompt, greedy) = dsv4_case("dsv4-diff/case-1005", store);
         let request = || {
             let mut r = EngineRequest::new(prompt.clone(), greedy.len(), SamplingParams::default());
             r.ignore_eos = true;
@@ -237,22 +241,11 @@ async fn a_deepseek_v4_prompt_handed_over_with_its_state_continues_with_no_repla
             .collect();
         cases.sort();
         for case_dir in &cases {
-            let case = common::read_json(&format!("{case_dir}/case.json"));
-            let (prompt, greedy) = (
-                common::ids(&case["prompt"]),
-                common::ids(&case["greedy_tokens"]),
-            );
-            let mut cfg = EngineConfig::new(common::goldens().join(case_dir));
-            cfg.device = troupe::engine::Device::Cpu;
-            cfg.kv_cache_bytes = 16 << 20;
-            cfg.max_num_seqs = 2;
-            let cfg = with_store(
-                cfg,
-                KvStoreConfig {
-                    host_bytes: 64 << 20,
-                    ..Default::default()
-                },
-            );
+            let store = KvStoreConfig {
+                host_bytes: 64 << 20,
+                ..Default::default()
+            };
+            let (cfg, prompt, greedy) = dsv4_case(case_dir, store);
             let request = |max_tokens: usize| {
                 let mut r =
                     EngineRequest::new(prompt.clone(), max_tokens, SamplingParams::default());

@@ -19,6 +19,20 @@ fn post(server: &TestServer, body: Value) -> (u16, Value) {
     (r.status, r.json())
 }
 
+/// A streamed completion: its whole payload and its chunks before `[DONE]`.
+fn stream(server: &TestServer, body: &Value) -> (String, Vec<Value>) {
+    let r = server.request("POST", "/v1/completions", body.to_string().as_bytes());
+    assert_eq!(r.status, 200);
+    let payload = String::from_utf8(r.payload()).unwrap();
+    let chunks = payload
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    (payload, chunks)
+}
+
 /// Ordinary vocabulary ids (SmolLM2's control tokens are 0..=16).
 fn random_prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut rng = common::Rng(seed);
@@ -197,15 +211,7 @@ fn streaming_with_echo_sends_the_prompt_first() {
     );
     let body =
         json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": true, "stream": true});
-    let r = server.request("POST", "/v1/completions", body.to_string().as_bytes());
-    assert_eq!(r.status, 200);
-    let payload = String::from_utf8(r.payload()).unwrap();
-    let chunks: Vec<Value> = payload
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let (payload, chunks) = stream(&server, &body);
     assert!(payload.trim_end().ends_with("data: [DONE]"), "{payload}");
     let first = chunks[0]["choices"][0]["text"].as_str().unwrap();
     assert!(first.starts_with(prompt), "{first}");
@@ -328,14 +334,9 @@ fn streamed_chunks_carry_every_token_id_even_without_text() {
             assert_eq!(status, 200, "{whole}");
             let mut streamed = body;
             streamed["stream"] = json!(true);
-            let r = server.request("POST", "/v1/completions", streamed.to_string().as_bytes());
-            assert_eq!(r.status, 200);
-            let payload = String::from_utf8(r.payload()).unwrap();
-            let ids: Vec<Value> = payload
-                .lines()
-                .filter_map(|l| l.strip_prefix("data: "))
-                .filter(|d| *d != "[DONE]")
-                .map(|d| serde_json::from_str::<Value>(d).unwrap())
+            let (payload, chunks) = stream(&server, &streamed);
+            let ids: Vec<Value> = chunks
+                .into_iter()
                 .flat_map(|c| {
                     c["choices"][0]["token_ids"]
                         .as_array()
