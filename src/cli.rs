@@ -412,6 +412,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "host_sampled_rows": status.num_host_sampled_rows,
             "cpu_affinity": status.cpu_affinity,
             "resident_weight_bytes": status.resident_weight_bytes,
+            "resident_host_weight_bytes": status.resident_host_weight_bytes,
             "checkpoint_bytes": crate::model::checkpoint_bytes(&path),
             "weight_card": status.weight_card,
         });

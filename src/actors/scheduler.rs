@@ -514,6 +514,11 @@ impl Actor for SchedulerActor {
                         .filter_map(|r| r.weights.as_ref())
                         .map(|w| w.resident_bytes as u64)
                         .sum();
+                    st.status.resident_host_weight_bytes = reports
+                        .iter()
+                        .filter_map(|r| r.weights.as_ref())
+                        .map(|w| w.host_resident_bytes as u64)
+                        .sum();
                     st.status.weight_card = reports
                         .first()
                         .and_then(|r| r.weights.as_ref())

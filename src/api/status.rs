@@ -78,6 +78,9 @@ pub struct EngineStatus {
     pub cpu_affinity: Vec<String>,
     /// The weights' bytes on the devices, all ranks together (0: not counted).
     pub resident_weight_bytes: u64,
+    /// Weights a device rank keeps in host memory and computes there (DeepSeek-V4's
+    /// routed experts under `--cpu-moe`, `--n-cpu-moe` or the automatic split).
+    pub resident_host_weight_bytes: u64,
     /// What each tensor group runs in (the first rank's model card).
     pub weight_card: String,
 }

@@ -53,6 +53,15 @@ pub struct EngineFlags {
     /// EPLB: steps between rebalances (the first after a quarter), and of statistics.
     #[arg(long, default_value_t = 1000)]
     eplb_period_steps: u64,
+    /// DeepSeek-V4: keep every routed expert in host memory and compute it on the CPU
+    /// beside the device (attention, the shared expert and the router stay there).
+    #[arg(long, conflicts_with = "n_cpu_moe")]
+    cpu_moe: bool,
+    /// DeepSeek-V4: keep the routed experts of the first N MoE layers in host memory and
+    /// compute them on the CPU. Without either flag, experts go to the host only when the
+    /// device cannot hold them with the KV cache (the first layers' first).
+    #[arg(long, value_name = "N")]
+    n_cpu_moe: Option<usize>,
     /// Seeded random weights for the shape in the model directory's config.json (made on
     /// the device on a GPU): benchmarks of models whose weights are not at hand.
     #[arg(long)]
@@ -208,6 +217,11 @@ impl EngineFlags {
             window_steps: self.eplb_period_steps.max(1) as usize,
             period_steps: self.eplb_period_steps,
         });
+        cfg.cpu_moe = match (self.cpu_moe, self.n_cpu_moe) {
+            (true, _) => crate::model::deepseek_v4::expert_placement::CpuMoe::All,
+            (false, Some(n)) => crate::model::deepseek_v4::expert_placement::CpuMoe::FirstLayers(n),
+            (false, None) => Default::default(),
+        };
         cfg.dummy_weights = self.dummy_weights;
         cfg.chat_template = self
             .chat_template

@@ -70,6 +70,9 @@ pub struct EngineConfig {
     /// off. Expert-parallel execution over several ranks is not built yet, so today this
     /// plans the map and reports `moe_lb` for the group it describes.
     pub eplb: Option<crate::eplb::EplbSettings>,
+    /// DeepSeek-V4 on one device: which routed experts live in host memory and run on
+    /// the CPU (`--cpu-moe`, `--n-cpu-moe N`; by default only what the device cannot hold).
+    pub cpu_moe: crate::model::deepseek_v4::expert_placement::CpuMoe,
     /// Speculative decoding; `None`: off.
     pub speculative: Option<SpecConfig>,
     /// `--spec draft`: the draft model (same tokenizer and vocabulary as the model), run
@@ -154,6 +157,7 @@ impl EngineConfig {
             kv_store: Default::default(),
             swa_saved_states: None,
             eplb: None,
+            cpu_moe: Default::default(),
             speculative: None,
             draft_model_path: None,
             latency_curve_dir: None,

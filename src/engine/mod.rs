@@ -106,6 +106,20 @@ impl Engine {
         }
         pools::kv_dtype_problem(&cfg, text.deepseek_v4.is_some())
             .map_or(Ok(()), |p| Err(EngineError::Spawn(p)))?;
+        if cfg.cpu_moe.is_explicit() {
+            if text.deepseek_v4.is_none() {
+                return Err(EngineError::Spawn(format!(
+                    "{}: this model has no routed experts to keep in host memory (DeepSeek-V4 has)",
+                    cfg.cpu_moe
+                )));
+            }
+            if cfg.tensor_parallel_size > 1 {
+                return Err(EngineError::Spawn(format!(
+                    "{} with --tensor-parallel-size {} is not built: host experts run beside one device",
+                    cfg.cpu_moe, cfg.tensor_parallel_size
+                )));
+            }
+        }
         if cfg.quantization.is_some() && text.deepseek_v4.is_some() {
             return Err(EngineError::Spawn(
                 "--quantization is for dense checkpoints: DeepSeek-V4's weights are FP8 / FP4 as shipped".into(),
@@ -240,6 +254,7 @@ impl Engine {
                 num_saved_states: pools.num_saved_states,
                 block_size: pools.block_size,
                 eplb: cfg.eplb,
+                cpu_moe: cfg.cpu_moe,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
                 exact_activations: cfg.exact_activations,

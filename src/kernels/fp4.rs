@@ -108,6 +108,55 @@ impl Mxfp4Matrix {
     pub fn packed_bytes(&self) -> usize {
         self.bytes.len() + self.exponents.len()
     }
+
+    /// The same codes and exponents as ggml's MXFP4 blocks (`GgmlType::MXFP4`, what the
+    /// CPU's integer dot reads): per 32 values the exponent, then value j's code in byte
+    /// j's low nibble and value j + 16's in its high nibble. Nothing is rounded.
+    pub fn to_ggml_blocks(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.exponents.len() * GGML_BLOCK_BYTES];
+        let groups = self
+            .bytes
+            .chunks_exact(MXFP4_GROUP / 2)
+            .zip(&self.exponents);
+        for (blk, (codes, &e)) in out.chunks_exact_mut(GGML_BLOCK_BYTES).zip(groups) {
+            ggml_block(blk, e, |i| codes[i]);
+        }
+        out
+    }
+
+    /// `random(rows, cols, seed).to_ggml_blocks()`, made in parallel without the
+    /// row-major copy (a whole model's host experts are tens of gigabytes).
+    pub fn random_ggml_blocks(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        use rayon::prelude::*;
+        assert!(cols.is_multiple_of(MXFP4_GROUP), "{cols} columns");
+        let mut out = vec![0u8; rows * cols / MXFP4_GROUP * GGML_BLOCK_BYTES];
+        out.par_chunks_mut(GGML_BLOCK_BYTES * 1024)
+            .enumerate()
+            .for_each(|(chunk, blocks)| {
+                for (i, blk) in blocks.chunks_exact_mut(GGML_BLOCK_BYTES).enumerate() {
+                    let first = ((chunk * 1024 + i) * MXFP4_GROUP / 2) as u64;
+                    ggml_block(blk, DUMMY_EXPONENT, |j| random_byte(seed, first + j as u64));
+                }
+            });
+        out
+    }
+}
+
+/// Bytes of one ggml MXFP4 block: the exponent and 16 bytes of codes.
+pub const GGML_BLOCK_BYTES: usize = 1 + MXFP4_GROUP / 2;
+
+/// One ggml block from exponent `e` and the group's 16 row-major code bytes
+/// (`code_byte(i)`: values 2i, 2i + 1).
+fn ggml_block(blk: &mut [u8], e: u8, code_byte: impl Fn(usize) -> u8) {
+    blk[0] = e;
+    blk[1..].fill(0);
+    for i in 0..MXFP4_GROUP / 2 {
+        let b = code_byte(i);
+        for (v, code) in [(2 * i, b & 0xF), (2 * i + 1, b >> 4)] {
+            let (j, shift) = (v % 16, 4 * (v / 16));
+            blk[1 + j] |= code << shift;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -137,5 +186,31 @@ mod tests {
             assert_eq!(v[2 * i + 1], E2M1[(b >> 4) as usize] * scale);
         }
         assert!(Mxfp4Matrix::new(bytes, &[0.5, 3.0, 1.0, 0.25], cols).is_err());
+    }
+
+    /// ggml's blocks hold the same values: read back by ggml's own dequantization rule
+    /// (`quant::dequantize`, checked against the `gguf` package's for the other formats).
+    #[test]
+    fn ggml_blocks_hold_the_same_values() {
+        for (rows, cols, seed) in [(3, 64, 1u64), (5, 96, 7), (1, 32, 99)] {
+            let mut m = Mxfp4Matrix::random(rows, cols, seed);
+            for (i, e) in m.exponents.iter_mut().enumerate() {
+                *e = [1u8, 0, 127, 130, 200, 254][(i + seed as usize) % 6];
+            }
+            let mut got = vec![0f32; rows * cols];
+            crate::kernels::quant::dequantize(
+                crate::kernels::quant::GgmlType::MXFP4,
+                &m.to_ggml_blocks(),
+                &mut got,
+            );
+            let want = m.to_f32();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits() & 0x7fff_ffff, w.to_bits() & 0x7fff_ffff, "{i}");
+            }
+            assert_eq!(
+                Mxfp4Matrix::random_ggml_blocks(rows, cols, seed),
+                Mxfp4Matrix::random(rows, cols, seed).to_ggml_blocks()
+            );
+        }
     }
 }

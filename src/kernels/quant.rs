@@ -24,6 +24,10 @@ pub enum GgmlType {
     Q6K,
     IQ4NL,
     IQ4XS,
+    /// OCP MXFP4 as GGML stores it (gpt-oss, DeepSeek-V4's routed experts repacked): an
+    /// E8M0 exponent, then 16 bytes of E2M1 codes, element j in the low nibble of byte j
+    /// and element j + 16 in its high nibble.
+    MXFP4,
 }
 
 impl GgmlType {
@@ -44,6 +48,7 @@ impl GgmlType {
             20 => Self::IQ4NL,
             23 => Self::IQ4XS,
             30 => Self::BF16,
+            39 => Self::MXFP4,
             _ => return None,
         })
     }
@@ -65,6 +70,7 @@ impl GgmlType {
             "Q6_K" => Self::Q6K,
             "IQ4_NL" => Self::IQ4NL,
             "IQ4_XS" => Self::IQ4XS,
+            "MXFP4" => Self::MXFP4,
             _ => return None,
         })
     }
@@ -74,6 +80,7 @@ impl GgmlType {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4NL => 32,
+            Self::MXFP4 => 32,
             Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K | Self::IQ4XS => QK_K,
         }
     }
@@ -95,6 +102,7 @@ impl GgmlType {
             Self::Q6K => 210,
             Self::IQ4NL => 18,
             Self::IQ4XS => 136,
+            Self::MXFP4 => 17,
         }
     }
 }
@@ -125,6 +133,7 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], out: &mut [f32]) {
             GgmlType::Q5K => q5_k(blk, y),
             GgmlType::Q6K => q6_k(blk, y),
             GgmlType::IQ4NL => iq4_nl(blk, y),
+            GgmlType::MXFP4 => mxfp4(blk, y),
             GgmlType::IQ4XS => iq4_xs(blk, y),
         }
     }
@@ -300,6 +309,28 @@ fn q3_k(b: &[u8], y: &mut [f32]) {
 }
 
 /// The sixteen non-linear levels of IQ4_NL and IQ4_XS.
+/// E2M1's values doubled, so each is an integer (ggml's `kvalues_mxfp4`); a block's scale
+/// is then half its E8M0 power of two.
+pub const MXFP4_LEVELS: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half of 2^(e − 127), exactly: E8M0 exponent `e` of an MXFP4 block over `MXFP4_LEVELS`.
+pub fn mxfp4_half_scale(e: u8) -> f32 {
+    // 2^(e − 128) is a normal f32 for e ≥ 2; below, a subnormal power of two.
+    if e >= 2 {
+        f32::from_bits(((e as u32) - 1) << 23)
+    } else {
+        f32::from_bits(1 << (21 + e as u32))
+    }
+}
+
+fn mxfp4(b: &[u8], y: &mut [f32]) {
+    let d = mxfp4_half_scale(b[0]);
+    for j in 0..16 {
+        y[j] = d * MXFP4_LEVELS[(b[1 + j] & 0xF) as usize] as f32;
+        y[j + 16] = d * MXFP4_LEVELS[(b[1 + j] >> 4) as usize] as f32;
+    }
+}
+
 pub const IQ4_LEVELS: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];

@@ -157,6 +157,9 @@ impl<B: Backend> Loader<'_, B> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WeightFootprint {
     pub resident_bytes: usize,
+    /// Weights a device rank keeps in host memory and computes there (DeepSeek-V4's
+    /// routed experts under `--cpu-moe`): not in `resident_bytes`.
+    pub host_resident_bytes: usize,
     /// Tensor group and its formats (distinct ones, in layer order, `/`-joined).
     pub groups: Vec<(&'static str, String)>,
 }

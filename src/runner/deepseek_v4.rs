@@ -77,8 +77,20 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     let (layers, experts) = (cfg.num_layers, cfg.num_routed_experts);
     let eplb = eplb_for(args, layers, experts)?;
     let residency = expert_shard(args.shard, eplb.as_ref());
-    let holds = |l: usize, e: usize| residency.holds(l, experts, e);
-    let model = DsV4Model::load_dir_holding(backend, &args.model_path, args.dummy_weights, &holds)
+    // `--cpu-moe` / `--n-cpu-moe` on the CPU: those experts packed as shipped, the rest
+    // as the reference pass keeps them.
+    let placement = super::expert_placement::placement(args, &cfg, None)?;
+    let holds = |l: usize, e: usize| residency.holds(l, experts, e) && !placement.on_host(l, e);
+    let mut model =
+        DsV4Model::load_dir_holding(backend, &args.model_path, args.dummy_weights, &holds)
+            .map_err(|e| e.to_string())?;
+    model
+        .keep_experts_on_host(
+            &args.model_path,
+            args.dummy_weights,
+            placement,
+            args.batch_invariant,
+        )
         .map_err(|e| e.to_string())?;
     let formats = CacheFormats::for_dtype(args.kv_dtype);
     if let Some(problem) = formats.problem(&model.cfg) {

@@ -36,10 +36,35 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
     // `--enforce-eager`.
     let backend = CudaBackend::new(ordinal, args.batch_invariant, !args.enforce_eager)
         .map_err(|e| e.to_string())?;
-    let model = DsV4Model::load_dir_on(backend, &args.model_path, args.dummy_weights)
+    // Everything but the routed experts first, then the cache: the experts take the room
+    // left, those that do not fit (or that the flags send) stay in host memory.
+    let cfg = crate::model::deepseek_v4::config::DsV4Config::from_dir(&args.model_path)
         .map_err(|e| e.to_string())?;
+    let mut model =
+        DsV4Model::load_dir_holding(backend, &args.model_path, args.dummy_weights, &|_, _| false)
+            .map_err(|e| e.to_string())?;
     let cache = model.new_cache(args.num_state_slots, args.num_kv_blocks, args.block_size);
     let saved = SavedStates::on(&model.backend, &cache, args.num_saved_states);
+    {
+        model.backend.synchronize();
+        let free = crate::kernels::cuda::gpu_free_bytes(ordinal)?;
+        let room = free.saturating_sub(super::expert_placement::DEVICE_MARGIN_BYTES);
+        let placement = super::expert_placement::placement(args, &cfg, Some(room))?;
+        model
+            .reside(&args.model_path, args.dummy_weights, &|l, e| {
+                !placement.on_host(l, e)
+            })
+            .map_err(|e| e.to_string())?;
+        crate::runner::trim_heap();
+        model
+            .keep_experts_on_host(
+                &args.model_path,
+                args.dummy_weights,
+                placement,
+                args.batch_invariant,
+            )
+            .map_err(|e| e.to_string())?;
+    }
     let mtp = if args.mtp {
         let dir = (!args.dummy_weights).then_some(args.model_path.as_path());
         let layer = MtpLayer::load_into(&model.cfg, dir, &model.backend)

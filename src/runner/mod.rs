@@ -17,6 +17,7 @@ pub mod sampled_tokens;
 
 mod deepseek_v4;
 mod draft;
+mod expert_placement;
 mod launch;
 mod llama;
 mod mtp;
@@ -74,6 +75,8 @@ pub struct RankArgs {
     pub sampled: SampledTokens,
     /// MoE models: plan expert placement from the routed loads and report the balance.
     pub eplb: Option<crate::eplb::EplbSettings>,
+    /// DeepSeek-V4: which routed experts stay in host memory (`expert_placement`).
+    pub cpu_moe: crate::model::deepseek_v4::expert_placement::CpuMoe,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     /// CPU: see `CpuBackend::exact_activations`.

@@ -19,6 +19,8 @@ pub struct Pass<'a, B: DsV4Kernels> {
     pub cfg: &'a DsV4Config,
     pub consts: &'a Consts<B>,
     pub plan: &'a Plan<B>,
+    /// The routed experts kept in host memory (`host_experts.rs`), if any.
+    pub host: Option<&'a super::host_experts::HostExperts<B>>,
 }
 
 /// Per model, on its device: the RoPE frequencies and ones for the norms without weight.

@@ -16,6 +16,8 @@
 //! | `attention.rs` | SWA + CSA (lightning indexer) + HCA attention with sinks, grouped output |
 //! | `moe.rs` | hash-routed and score-routed MoE with the shared expert, expert-parallel |
 //! | `expert_parallel.rs` | which rank of a group computes which routed product |
+//! | `expert_placement.rs` | which routed experts a one-device rank keeps in host memory (`--cpu-moe`, `--n-cpu-moe`, the automatic split) |
+//! | `host_experts.rs` | those experts, packed in host memory, computed by the CPU beside the device |
 //! | `mtp.rs` | the MTP layer: DeepSeek's `MTPBlock`, drafting tokens from the last streams |
 //! | `quantized.rs` | FP8 / packed-FP4 weights with their scale grids, dequantized |
 //! | `rope.rs` | the partial RoPE's frequencies (YaRN) |
@@ -26,7 +28,9 @@ pub mod cache;
 pub mod config;
 mod embedding;
 pub mod expert_parallel;
+pub mod expert_placement;
 mod footprint;
+pub mod host_experts;
 pub mod moe;
 pub mod mtp;
 pub mod plan;
@@ -76,6 +80,8 @@ pub struct DsV4Model<B: DsV4Kernels = CpuBackend> {
     /// picks there: a decode step's ids are read where the last step picked them (ZOS
     /// with no host round trip).
     embed_table: Option<B::Buf>,
+    /// Routed experts kept in host memory and computed there (`host_experts.rs`).
+    host: Option<host_experts::HostExperts<B>>,
     /// Last: the device buffers above go before it.
     pub backend: B,
 }
@@ -159,8 +165,43 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             weights,
             consts,
             embed_table,
+            host: None,
             backend,
         }
+    }
+
+    /// Keeps the routed experts `placement` puts in host memory there, read from `dir`'s
+    /// checkpoint (`dummy`: made), computed by the CPU beside this backend from now on. The
+    /// backend must hold none of them (loaded with `holds` excluding them).
+    pub fn keep_experts_on_host(
+        &mut self,
+        dir: &Path,
+        dummy: bool,
+        placement: expert_placement::ExpertPlacement,
+        batch_invariant: bool,
+    ) -> Result<()> {
+        if !placement.any_on_host() {
+            self.host = None;
+            return Ok(());
+        }
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let host = host_experts::HostExperts::load(
+            &self.cfg,
+            src,
+            placement,
+            &self.backend,
+            batch_invariant,
+        )?;
+        self.host = Some(host);
+        Ok(())
+    }
+
+    /// Where the routed experts are, when some are in host memory.
+    pub fn expert_placement(&self) -> Option<&expert_placement::ExpertPlacement> {
+        self.host.as_ref().map(|h| &h.placement)
     }
 
     /// A cache for this model on its backend.
@@ -175,7 +216,13 @@ impl<B: DsV4Kernels> DsV4Model<B> {
 
     /// What the weights take on the device and the format of each tensor group.
     pub fn footprint(&self) -> crate::model::weights::WeightFootprint {
-        self.weights.footprint(&self.backend)
+        let mut out = self.weights.footprint(&self.backend);
+        if let Some(host) = &self.host {
+            let h = host.footprint();
+            out.host_resident_bytes += h.resident_bytes;
+            out.groups.extend(h.groups);
+        }
+        out
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -262,7 +309,10 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             None => (steps, picked_rows),
         };
         self.settle_slots(cache, steps, group.as_deref_mut())?;
-        let recorder = group.is_none().then(|| self.recorder_for(steps)).flatten();
+        // A step with host experts waits for the host mid-layer: not a recorded graph.
+        let recorder = (group.is_none() && self.host.is_none())
+            .then(|| self.recorder_for(steps))
+            .flatten();
         let counted = expert_tokens.is_some();
         let (logits, streams, counts) = match recorder {
             Some(recorder) => self.forward_recorded(recorder, cache, steps, picked_rows, counted),
@@ -310,6 +360,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             cfg,
             consts: &self.consts,
             plan: &plan,
+            host: self.host.as_ref(),
         };
         let num_counts = cfg.num_layers * cfg.num_routed_experts;
         let mut counts = b.alloc_ids(num_counts);
@@ -338,7 +389,16 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         let mut logits = b.scratch(picked.len() * cfg.vocab_size);
         let (head, norm) = (&self.weights.hc_head, &self.weights.norm);
         self.logits_into(head, norm, &last, picked.len(), &mut logits);
-        let counts = counted.then(|| b.download_ids(&counts, num_counts));
+        let counts = counted.then(|| {
+            let mut counts = b.download_ids(&counts, num_counts);
+            if let Some(host) = &self.host {
+                counts
+                    .iter_mut()
+                    .zip(host.take_counts())
+                    .for_each(|(c, h)| *c += h);
+            }
+            counts
+        });
         (logits, streams, counts)
     }
 
@@ -434,6 +494,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             cfg,
             consts: &self.consts,
             plan,
+            // The MTP block holds all its experts on the device.
+            host: None,
         }
     }
 }

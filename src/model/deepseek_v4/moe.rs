@@ -50,6 +50,11 @@ pub fn moe<B: DsV4Kernels>(
     let shard = group.as_ref().map(|g| &g.shard);
     let owner_table = shard.map(|sh| sh.owner_table(layer, num_experts));
     let table_ids = owner_table.as_ref().map(|(ids, _)| b.upload_ids(ids));
+    let host = p.host.filter(|h| h.has_layer(layer));
+    debug_assert!(
+        host.is_none() || shard.is_none(),
+        "host experts in a group are refused at load"
+    );
     let owners = owner_table
         .as_ref()
         .zip(table_ids.as_ref())
@@ -57,22 +62,28 @@ pub fn moe<B: DsV4Kernels>(
             table,
             replicas: *replicas,
             rank: shard.expect("a table comes from a shard").shard.rank,
-        });
+        })
+        .or_else(|| host.and_then(|h| h.device_owners(layer)));
+    // The host's inputs are read before the device's experts are queued, so the device
+    // computes its experts and the shared one while the CPU computes the host's.
+    let host_inputs = host.map(|_| (b.download(x, t * d), b.download_ids(&chosen, t * k)));
     let experts = super::residency::matrices(&w.experts);
     let mut ys = b.scratch(t * k * d);
-    b.dsv4_routed_experts(
-        &mut ys,
-        x,
-        &chosen,
-        &experts,
-        &w.table,
-        owners.as_ref(),
-        counts,
-        layer * num_experts,
-        t,
-        k,
-        cfg.swiglu_limit,
-    );
+    if let Some(table) = &w.table {
+        b.dsv4_routed_experts(
+            &mut ys,
+            x,
+            &chosen,
+            &experts,
+            table,
+            owners.as_ref(),
+            counts,
+            layer * num_experts,
+            t,
+            k,
+            cfg.swiglu_limit,
+        );
+    }
 
     let inter = cfg.moe_intermediate_size;
     let mut out = if shard.is_none_or(|sh| sh.computes_shared()) {
@@ -80,6 +91,16 @@ pub fn moe<B: DsV4Kernels>(
     } else {
         b.alloc(t * d)
     };
+    if let (Some(h), Some((x_host, chosen_host))) = (host, host_inputs) {
+        let host_ys = h.compute(layer, x_host, chosen_host, (t, k, d, cfg.swiglu_limit));
+        if w.table.is_some() {
+            // The device's rows of the host's pairs are zeros: the sum is the host's row.
+            let host_ys = b.upload(&host_ys);
+            b.add(&mut ys, &host_ys, t * k * d);
+        } else {
+            b.write_floats(&mut ys, 0, &host_ys);
+        }
+    }
     b.dsv4_moe_combine(&mut out, &ys, &chosen, &weights, t, k, d);
     if let Some(g) = group {
         g.combine(b, &mut out, t * d);

@@ -106,6 +106,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             b.zero_ids(&mut a.counts);
             b.dsv4_expand(&mut a.streams, &a.embedded, rows, n_hc, d);
             let pass = Pass {
+                host: None,
                 b,
                 cfg,
                 consts: &self.consts,

@@ -13,10 +13,10 @@ use crate::model::loader::TensorSource;
 /// elsewhere stands in as the first one held here, which the kernels never read for it
 /// (the owner table gives its products to another rank).
 pub fn matrices<B: DsV4Kernels>(experts: &[Option<Expert<B>>]) -> Vec<[&B::Matrix; 3]> {
-    // Every rank holds an expert of every layer (the group size divides the experts);
-    // an empty list would skip the layer's counts and desynchronize the ranks' EPLB.
+    // Every rank of a group holds an expert of every layer (the group size divides the
+    // experts); a device may hold none of a layer whose experts all live in host memory
+    // (`host_experts.rs` counts that layer's loads itself).
     let Some(stand_in) = experts.iter().flatten().next() else {
-        debug_assert!(experts.is_empty(), "a layer with no expert held here");
         return Vec::new();
     };
     experts
@@ -26,6 +26,18 @@ pub fn matrices<B: DsV4Kernels>(experts: &[Option<Expert<B>>]) -> Vec<[&B::Matri
             [&e.gate, &e.up, &e.down]
         })
         .collect()
+}
+
+/// The kernels' table of `experts`, or `None` where none is held here.
+pub fn expert_table<B: DsV4Kernels>(
+    b: &B,
+    experts: &[Option<Expert<B>>],
+) -> std::result::Result<Option<B::ExpertTable>, crate::kernels::deepseek_v4::DsV4KernelError> {
+    let held = matrices(experts);
+    if held.is_empty() {
+        return Ok(None);
+    }
+    b.dsv4_expert_table(&held).map(Some)
 }
 
 /// A reader of `named` (`None`: `dummy_into`'s values) holding `holds`' experts.
@@ -85,12 +97,9 @@ impl<B: DsV4Kernels> DsV4Weights<B> {
                 changed = true;
             }
             if changed {
-                moe.table = store
-                    .backend()
-                    .dsv4_expert_table(&matrices(&moe.experts))
-                    .map_err(|e| {
-                        crate::error::TroupeError::InvalidInput(format!("layer {l} experts: {e}"))
-                    })?;
+                moe.table = expert_table(store.backend(), &moe.experts).map_err(|e| {
+                    crate::error::TroupeError::InvalidInput(format!("layer {l} experts: {e}"))
+                })?;
             }
         }
         Ok(num_read)

@@ -60,8 +60,9 @@ pub struct Moe<B: DsV4Kernels = CpuBackend> {
     pub score_bias: Option<B::Buf>,
     /// By expert id; `None`: held by another rank of an expert-parallel group.
     pub experts: Vec<Option<Expert<B>>>,
-    /// `experts` as the grouped kernels read them (`residency::matrices`).
-    pub table: B::ExpertTable,
+    /// `experts` as the grouped kernels read them (`residency::matrices`); `None` where
+    /// this backend holds none of the layer's routed experts (all in host memory).
+    pub table: Option<B::ExpertTable>,
     pub shared: Expert<B>,
 }
 
@@ -497,10 +498,7 @@ impl<S: LinearStore> Reader<'_, S> {
                     .transpose()
             })
             .collect::<Result<_>>()?;
-        let table = r
-            .store
-            .backend()
-            .dsv4_expert_table(&super::residency::matrices(&experts))
+        let table = super::residency::expert_table(r.store.backend(), &experts)
             .map_err(|e| TroupeError::InvalidInput(format!("{p}.ffn.experts: {e}")))?;
         let moe = Moe {
             router: r.linear(&format!("{p}.ffn.gate"), cfg.num_routed_experts, d)?,

@@ -7,7 +7,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use crate::kernels::quant::{GgmlType, IQ4_LEVELS, iq4_xs_scale, q3_k_scales};
+use crate::kernels::quant::{
+    GgmlType, IQ4_LEVELS, MXFP4_LEVELS, iq4_xs_scale, mxfp4_half_scale, q3_k_scales,
+};
 
 /// One block format. `q` is signed (the dot uses the sign trick) or, with `HAS_MIN`,
 /// unsigned and at most 63 (so `maddubs` cannot saturate).
@@ -445,9 +447,17 @@ impl BlockFormat for Q6K {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn iq4_levels_avx2(p: *const u8) -> __m256i {
+    // SAFETY: the caller's contract.
+    unsafe { levels_avx2(&IQ4_LEVELS, p) }
+}
+
+/// A nibble-coded sub-block's 32 codes through a 16-entry table.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn levels_avx2(levels: &[i8; 16], p: *const u8) -> __m256i {
     // SAFETY: the caller's contract: AVX2, 16 readable bytes at p.
     unsafe {
-        let table = _mm_loadu_si128(IQ4_LEVELS.as_ptr() as *const __m128i);
+        let table = _mm_loadu_si128(levels.as_ptr() as *const __m128i);
         _mm256_shuffle_epi8(_mm256_set_m128i(table, table), nibbles_avx2(p))
     }
 }
@@ -496,5 +506,29 @@ impl BlockFormat for IQ4XS {
     unsafe fn quants_avx2(b: *const u8, sub: usize) -> __m256i {
         // SAFETY: per the trait's contract.
         unsafe { iq4_levels_avx2(b.add(8 + 16 * sub)) }
+    }
+}
+
+/// MXFP4 (ggml's block: the E8M0 exponent, then the codes): E2M1 doubled to integers,
+/// the block's scale halved (`quant::MXFP4_LEVELS`), so the dot is exact integer work.
+pub struct Mxfp4;
+impl BlockFormat for Mxfp4 {
+    const TYPE: GgmlType = GgmlType::MXFP4;
+    const BYTES: usize = 17;
+    const SUBS: usize = 1;
+    const SIGNED: bool = true;
+    const HAS_MIN: bool = false;
+    const HALF_SCALES: bool = false;
+    fn scales<H: F16>(b: &[u8], s: &mut [f32; 16], _: &mut [f32; 16]) {
+        fill(s, 2, |_| mxfp4_half_scale(b[0]));
+    }
+    fn quants(b: &[u8], _: usize, q: &mut [i8; 32]) {
+        nibbles(&b[1..17], q, |v| MXFP4_LEVELS[v as usize]);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn quants_avx2(b: *const u8, _: usize) -> __m256i {
+        // SAFETY: per the trait's contract.
+        unsafe { levels_avx2(&MXFP4_LEVELS, b.add(1)) }
     }
 }

@@ -140,6 +140,7 @@ fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> 
         GgmlType::Q6K => pick::<Q6K, R>(path),
         GgmlType::IQ4NL => pick::<IQ4NL, R>(path),
         GgmlType::IQ4XS => pick::<IQ4XS, R>(path),
+        GgmlType::MXFP4 => pick::<Mxfp4, R>(path),
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,
     })
 }

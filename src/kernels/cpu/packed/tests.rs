@@ -14,8 +14,9 @@ fn the_inline_f16_conversion_is_exact_for_every_bit_pattern() {
 }
 
 /// Byte offsets of each format's f16 scale fields: random bytes there would make
-/// infinities or absurd magnitudes; every other byte stays random.
-const F16_FIELDS: [(GgmlType, &[usize]); 12] = [
+/// infinities or absurd magnitudes; every other byte stays random (MXFP4's E8M0 exponent
+/// too, but within 2^±6: see `random_row`).
+const F16_FIELDS: [(GgmlType, &[usize]); 13] = [
     (GgmlType::Q4_0, &[0]),
     (GgmlType::Q4_1, &[0, 2]),
     (GgmlType::Q5_0, &[0]),
@@ -28,6 +29,7 @@ const F16_FIELDS: [(GgmlType, &[usize]); 12] = [
     (GgmlType::Q6K, &[208]),
     (GgmlType::IQ4NL, &[0]),
     (GgmlType::IQ4XS, &[0]),
+    (GgmlType::MXFP4, &[]),
 ];
 
 fn random_row(ty: GgmlType, blocks: usize, seed: u64) -> Vec<u8> {
@@ -37,6 +39,9 @@ fn random_row(ty: GgmlType, blocks: usize, seed: u64) -> Vec<u8> {
         .collect();
     let offsets = F16_FIELDS.iter().find(|(t, _)| *t == ty).unwrap().1;
     for (b, blk) in bytes.chunks_exact_mut(ty.block_bytes()).enumerate() {
+        if ty == GgmlType::MXFP4 {
+            blk[0] = 121 + (bits(2_000_000 + b) % 13) as u8;
+        }
         for (f, &off) in offsets.iter().enumerate() {
             let u = (bits(1_000_000 + 7 * b + f) >> 40) as f32 / (1u64 << 24) as f32;
             let v = 0.001 + 0.05 * u;

@@ -1,0 +1,249 @@
+//! Routed experts kept in host memory and computed by the CPU beside the device
+//! (`--cpu-moe`, `--n-cpu-moe N`, the automatic split of `expert_placement.rs`), as
+//! llama.cpp and KTransformers run DeepSeek on one GPU. MXFP4 experts stay as shipped
+//! (ggml's 17-byte blocks, the same codes and exponents) and run as integer dot products
+//! against 8-bit activations (`kernels::cpu::packed`); other formats run as the CPU
+//! backend runs them.
+//!
+//! A layer with host experts splits its routed products by an owner table: the device
+//! is rank 0 and computes its experts' pairs (the host's come out as zero rows), the host
+//! is rank 1 and computes the rest. The device's products, the shared expert and the
+//! combine stay on the device; the host's rows are added into the device's before the
+//! combine, so each token still adds its experts in expert order and a product the host
+//! computes exactly as the device would gives the all-device run's bits.
+
+use std::cell::RefCell;
+
+use super::config::DsV4Config;
+use super::expert_placement::ExpertPlacement;
+use super::weights::{EitherNaming, Expert, LinearData, LinearStore, NoTensors, Reader};
+use crate::error::Result;
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::deepseek_v4::{DsV4Kernels, ExpertOwners};
+use crate::kernels::fp4::Mxfp4Matrix;
+use crate::kernels::quant::GgmlType;
+use crate::kernels::{Backend, HostData, HostMatrix};
+use crate::model::loader::TensorSource;
+
+/// Where the device stands in a split layer's owner table; the host is the other rank.
+const DEVICE_RANK: u32 = 0;
+const HOST_RANK: u32 = 1;
+
+/// The routed experts of the placement's host layers, in host memory.
+pub struct HostExperts<B: DsV4Kernels> {
+    cpu: CpuBackend,
+    /// By layer; `None` where the device holds every expert.
+    layers: Vec<Option<HostLayer<B>>>,
+    pub placement: ExpertPlacement,
+    /// Per `[layer, expert]`, the pairs of the layers whose experts are all here (the
+    /// device counts the others'); drained once a step by `take_counts`.
+    counts: RefCell<Vec<u32>>,
+}
+
+struct HostLayer<B: DsV4Kernels> {
+    /// By expert id; `None`: on the device.
+    experts: Vec<Option<Expert<CpuBackend>>>,
+    /// Per expert `[1, owner rank]`: `ExpertShard::owner_table`'s layout for two ranks.
+    owners: Vec<u32>,
+    /// `owners` on the device, where the device computes some of the layer's experts.
+    device_owners: Option<B::Ids>,
+}
+
+/// Host matrices as the CPU computes them: MXFP4 packed into ggml's blocks (never
+/// expanded), everything else as the CPU backend takes it.
+struct HostStore<'a>(&'a CpuBackend);
+
+impl LinearStore for HostStore<'_> {
+    type Backend = CpuBackend;
+    fn backend(&self) -> &CpuBackend {
+        self.0
+    }
+
+    fn store(
+        &self,
+        rows: usize,
+        cols: usize,
+        data: LinearData,
+    ) -> Result<crate::kernels::cpu::CpuMatrix> {
+        let blocks = match data {
+            LinearData::Stored(HostData::Mxfp4(m)) => m.to_ggml_blocks(),
+            LinearData::Stored(HostData::RandomMxfp4 { seed }) => {
+                Mxfp4Matrix::random_ggml_blocks(rows, cols, seed)
+            }
+            data => return OnHost(self.0).store(rows, cols, data),
+        };
+        Ok(self.0.upload_matrix(HostMatrix {
+            rows,
+            cols,
+            data: HostData::Quantized {
+                ggml_type: GgmlType::MXFP4,
+                bytes: blocks,
+            },
+        }))
+    }
+}
+
+/// The default store (what the CPU backend makes of any matrix).
+struct OnHost<'a>(&'a CpuBackend);
+
+impl LinearStore for OnHost<'_> {
+    type Backend = CpuBackend;
+    fn backend(&self) -> &CpuBackend {
+        self.0
+    }
+}
+
+impl<B: DsV4Kernels> HostExperts<B> {
+    /// Reads the placement's host experts from `src` (`None`: `--dummy-weights`' values,
+    /// the same codes the device makes) and puts each split layer's owner table on
+    /// `device`.
+    pub fn load(
+        cfg: &DsV4Config,
+        src: Option<&dyn TensorSource>,
+        placement: ExpertPlacement,
+        device: &B,
+        batch_invariant: bool,
+    ) -> Result<Self> {
+        let cpu = CpuBackend {
+            batch_invariant,
+            ..CpuBackend::default()
+        };
+        let named = src.map(EitherNaming);
+        let holds = |l: usize, e: usize| placement.on_host(l, e);
+        let store = HostStore(&cpu);
+        let r = Reader {
+            src: named
+                .as_ref()
+                .map_or(&NoTensors as &dyn TensorSource, |s| s),
+            dummy_experts: named.is_none().then_some(cfg.num_routed_experts),
+            store: &store,
+            holds: &holds,
+        };
+        let num_experts = cfg.num_routed_experts;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let on_host = placement.host_experts.get(l).copied().unwrap_or(0);
+            if on_host == 0 {
+                layers.push(None);
+                continue;
+            }
+            let experts = (0..num_experts)
+                .map(|e| {
+                    placement
+                        .on_host(l, e)
+                        .then(|| r.expert(&format!("model.layers.{l}.ffn.experts.{e}"), cfg))
+                        .transpose()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let owners: Vec<u32> = (0..num_experts)
+                .flat_map(|e| {
+                    [
+                        1,
+                        if placement.on_host(l, e) {
+                            HOST_RANK
+                        } else {
+                            DEVICE_RANK
+                        },
+                    ]
+                })
+                .collect();
+            let device_owners = (on_host < num_experts).then(|| device.upload_ids(&owners));
+            layers.push(Some(HostLayer {
+                experts,
+                owners,
+                device_owners,
+            }));
+        }
+        Ok(HostExperts {
+            cpu,
+            layers,
+            counts: RefCell::new(vec![0; cfg.num_layers * num_experts]),
+            placement,
+        })
+    }
+
+    /// Whether `layer` has experts here.
+    pub fn has_layer(&self, layer: usize) -> bool {
+        self.layers.get(layer).is_some_and(Option::is_some)
+    }
+
+    /// The split layer's table for the device's kernels: the device computes only its
+    /// own experts' pairs. `None` where the host holds the whole layer.
+    pub fn device_owners(&self, layer: usize) -> Option<ExpertOwners<'_, B>> {
+        let table = self.layers[layer].as_ref()?.device_owners.as_ref()?;
+        Some(ExpertOwners {
+            table,
+            replicas: 1,
+            rank: DEVICE_RANK as usize,
+        })
+    }
+
+    /// The host's routed products of `layer` for `x [tokens, hidden]` and `chosen [tokens,
+    /// k]` (read off the device): `[tokens · k, hidden]`, the device's pairs zero rows.
+    /// Counts the layer's pairs when the host holds the whole layer.
+    pub fn compute(
+        &self,
+        layer: usize,
+        x: Vec<f32>,
+        chosen: Vec<u32>,
+        (tokens, k, hidden, limit): (usize, usize, usize, f32),
+    ) -> Vec<f32> {
+        let l = self.layers[layer]
+            .as_ref()
+            .expect("compute is asked only of host layers");
+        let owners = ExpertOwners {
+            table: &l.owners,
+            replicas: 1,
+            rank: HOST_RANK as usize,
+        };
+        let experts = super::residency::matrices(&l.experts);
+        let num_experts = self.placement.num_experts;
+        let mut ys = vec![0f32; tokens * k * hidden];
+        let mut counts = self.counts.borrow_mut();
+        let at = layer * num_experts;
+        let mut layer_counts = vec![0u32; num_experts];
+        self.cpu.dsv4_routed_experts(
+            &mut ys,
+            &x,
+            &chosen,
+            &experts,
+            &(),
+            Some(&owners),
+            &mut layer_counts,
+            0,
+            tokens,
+            k,
+            limit,
+        );
+        if l.device_owners.is_none() {
+            for (c, n) in counts[at..at + num_experts].iter_mut().zip(&layer_counts) {
+                *c += n;
+            }
+        }
+        ys
+    }
+
+    /// The pairs counted here since the last call, per `[layer, expert]`.
+    pub fn take_counts(&self) -> Vec<u32> {
+        let mut counts = self.counts.borrow_mut();
+        let out = counts.clone();
+        counts.fill(0);
+        out
+    }
+
+    /// Bytes the host experts take, and their formats (the model card).
+    pub fn footprint(&self) -> crate::model::weights::WeightFootprint {
+        let mut out = crate::model::weights::WeightFootprint::default();
+        out.add_group(
+            &self.cpu,
+            "routed_experts_host",
+            self.layers
+                .iter()
+                .flatten()
+                .flat_map(|l| l.experts.iter().flatten())
+                .flat_map(|e| [&e.gate, &e.up, &e.down])
+                .collect(),
+        );
+        out
+    }
+}

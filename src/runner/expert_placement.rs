@@ -1,0 +1,70 @@
+//! A DeepSeek-V4 rank's routed-expert placement from the machine it runs on: the device
+//! room measured after everything else is placed, the host's available memory, the
+//! user's flags (`model::deepseek_v4::expert_placement` decides; this reads the sizes).
+
+use super::RankArgs;
+use crate::model::deepseek_v4::config::DsV4Config;
+use crate::model::deepseek_v4::expert_placement::{
+    CpuMoe, ExpertPlacement, PlacementSizes, place_experts,
+};
+
+/// Device memory kept free for a step's activations, cuBLAS and the allocator's slack.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub const DEVICE_MARGIN_BYTES: usize = 6 << 30;
+
+/// Host memory the experts leave to everything else (the prefix store, the OS).
+const HOST_MARGIN_BYTES: usize = 4 << 30;
+
+/// One routed expert's bytes as stored: MXFP4 (17 bytes per 32 values) where the width
+/// takes it, as the released checkpoints and `--dummy-weights` keep them; else bf16.
+pub fn expert_bytes(cfg: &DsV4Config) -> usize {
+    let values = 3 * cfg.moe_intermediate_size * cfg.hidden_size;
+    if cfg.hidden_size.is_multiple_of(32) && cfg.moe_intermediate_size.is_multiple_of(32) {
+        values / 32 * 17
+    } else {
+        values * 2
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes (unbounded where it cannot be read).
+pub fn host_available_bytes() -> usize {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        })
+        .map_or(usize::MAX, |kib| kib << 10)
+}
+
+/// The placement for `args`' flags on this machine: `device_room_bytes` is what the
+/// device has left for routed experts (`None`: the device is the host).
+pub fn placement(
+    args: &RankArgs,
+    cfg: &DsV4Config,
+    device_room_bytes: Option<usize>,
+) -> Result<ExpertPlacement, String> {
+    let (layers, experts) = (cfg.num_layers, cfg.num_routed_experts);
+    if args.cpu_moe == CpuMoe::Auto && device_room_bytes.is_none() {
+        return Ok(ExpertPlacement::all_on_device(layers, experts));
+    }
+    let sizes = PlacementSizes {
+        num_layers: layers,
+        num_experts: experts,
+        expert_bytes: expert_bytes(cfg),
+        device_room_bytes,
+        host_room_bytes: host_available_bytes().saturating_sub(HOST_MARGIN_BYTES),
+    };
+    let placement = place_experts(args.cpu_moe, &sizes).map_err(|e| e.to_string())?;
+    if placement.any_on_host() && args.shard.size > 1 {
+        return Err(format!(
+            "{}: host experts run beside one device, not in an expert-parallel group of {}",
+            args.cpu_moe, args.shard.size
+        ));
+    }
+    if placement.any_on_host() {
+        tracing::info!("{}", placement.describe(sizes.expert_bytes));
+    }
+    Ok(placement)
+}
