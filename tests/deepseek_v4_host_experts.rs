@@ -7,109 +7,20 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use common::dsv4_host::with_host_experts;
+
+use std::path::Path;
 use std::time::Duration;
 
+use common::dsv4_host::{argmax_rows, case, case_dirs, first_layers, logits, placements};
 use common::engine::{ok_outputs, tokens};
 use troupe::engine::{Engine, EngineConfig, EngineRequest};
 use troupe::kernels::cpu::CpuBackend;
-use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
+use troupe::model::deepseek_v4::DsV4Model;
+use troupe::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
-use troupe::model::deepseek_v4::expert_placement::{CpuMoe, ExpertPlacement};
-use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
-use troupe::sampling::{SamplingParams, splitmix64};
-
-fn case_dirs() -> Vec<PathBuf> {
-    let root = std::env::var_os("TROUPE_DSV4_CASES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| common::goldens().join("dsv4-diff"));
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("case.json").exists())
-        .collect();
-    dirs.sort();
-    assert!(!dirs.is_empty(), "no cases under {}", root.display());
-    dirs
-}
-
-/// Every expert on the host, the first layers' (`--n-cpu-moe`), and a generated count per
-/// layer (split layers included).
-fn placements(cfg: &DsV4Config, seed: u64) -> Vec<(String, ExpertPlacement)> {
-    let (l, e) = (cfg.num_layers, cfg.num_routed_experts);
-    let first = (splitmix64(seed) as usize) % l + 1;
-    let per_layer: Vec<usize> = (0..l)
-        .map(|i| (splitmix64(seed ^ ((i as u64 + 1) * 0x9e37)) as usize) % (e + 1))
-        .collect();
-    let mut out = vec![
-        ("--cpu-moe".to_string(), first_layers(l, e, l)),
-        (format!("--n-cpu-moe {first}"), first_layers(l, e, first)),
-    ];
-    out.push((
-        format!("host experts per layer {per_layer:?}"),
-        ExpertPlacement {
-            host_experts: per_layer,
-            num_experts: e,
-        },
-    ));
-    out
-}
-
-fn first_layers(l: usize, e: usize, n: usize) -> ExpertPlacement {
-    ExpertPlacement {
-        host_experts: (0..l).map(|i| if i < n { e } else { 0 }).collect(),
-        num_experts: e,
-    }
-}
-
-/// `dir`'s model with `placement`'s experts in host memory (none held on the device).
-fn with_host_experts(dir: &Path, placement: ExpertPlacement) -> DsV4Model {
-    let holds = |l: usize, e: usize| !placement.on_host(l, e);
-    let mut model = DsV4Model::load_dir_holding(CpuBackend::default(), dir, false, &holds)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    model
-        .keep_experts_on_host(dir, false, placement, false)
-        .unwrap();
-    model
-}
-
-/// Every position's logits of `tokens`, fed in chunks of `chunk`.
-fn logits(model: &DsV4Model, tokens: &[u32], chunk: usize) -> Vec<f32> {
-    let block_size = 2 * lcm_rates(&model.cfg);
-    let num_blocks = tokens.len().div_ceil(block_size) + 1;
-    let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
-    let mut cache = DsV4Cache::on(&model.backend, &model.cfg, 1, num_blocks, block_size);
-    let mut out = Vec::new();
-    for start in (0..tokens.len()).step_by(chunk) {
-        let n = chunk.min(tokens.len() - start);
-        let step = DsSeqStep {
-            token_ids: &tokens[start..start + n],
-            num_cached_tokens: start,
-            block_table: &table,
-            state_slot: 0,
-            span: SlotSpan::default(),
-            num_logit_rows: n,
-        };
-        out.extend(model.forward(&mut cache, &[step]).unwrap());
-    }
-    out
-}
-
-fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
-    logits
-        .chunks(vocab)
-        .map(|r| (0..vocab).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as u32)
-        .collect()
-}
-
-fn case(dir: &Path) -> (Vec<u32>, Vec<u32>) {
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).unwrap()).unwrap();
-    (
-        common::ids(&json["prompt"]),
-        common::ids(&json["greedy_tokens"]),
-    )
-}
+use troupe::model::deepseek_v4::expert_placement::CpuMoe;
+use troupe::sampling::SamplingParams;
 
 #[test]
 fn host_experts_give_the_all_device_logits_bit_for_bit_and_transformers_tokens() {
@@ -123,7 +34,7 @@ fn host_experts_give_the_all_device_logits_bit_for_bit_and_transformers_tokens()
         let want: Vec<Vec<f32>> = [seq.len(), 7].map(|c| logits(&device, &seq, c)).into();
         for (what, placement) in placements(&device.cfg, i as u64 + 17) {
             host_layers += placement.host_layers().count();
-            let model = with_host_experts(dir, placement);
+            let model = with_host_experts(CpuBackend::default(), dir, placement, false);
             for (chunk, want) in [seq.len(), 7].into_iter().zip(&want) {
                 let got = logits(&model, &seq, chunk);
                 assert!(
@@ -154,10 +65,8 @@ fn packed_mxfp4_experts_on_the_host_stay_near_transformers() {
     let dir = common::dsv4::dir(name);
     let device = DsV4Model::load_dir(&dir).unwrap();
     let cfg = device.cfg.clone();
-    let model = with_host_experts(
-        &dir,
-        first_layers(cfg.num_layers, cfg.num_routed_experts, cfg.num_layers),
-    );
+    let all = first_layers(cfg.num_layers, cfg.num_routed_experts, cfg.num_layers);
+    let model = with_host_experts(CpuBackend::default(), &dir, all, false);
     let card = model.footprint().card();
     assert!(
         card.contains("routed_experts_host") && card.contains("MXFP4"),

@@ -31,6 +31,9 @@ pub(super) struct DsV4OnCuda {
     model: DsV4Model<CudaBackend>,
 }
 
+/// The warm-up prefill's length with routed experts in host memory.
+const HOST_EXPERTS_WARMUP_TOKENS: usize = 256;
+
 pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceModel>, String> {
     // Decode steps run as recorded graphs (`model::deepseek_v4::recorded`) unless
     // `--enforce-eager`.
@@ -148,7 +151,11 @@ impl DeviceModel for DsV4OnCuda {
     }
 
     fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String> {
-        let tokens = tokens.min(self.cache.num_blocks * block_size);
+        let mut tokens = tokens.min(self.cache.num_blocks * block_size);
+        if self.model.expert_placement().is_some() {
+            // Host experts prefill on the CPU: a short warm-up loads the kernels all the same.
+            tokens = tokens.min(HOST_EXPERTS_WARMUP_TOKENS);
+        }
         if tokens == 0 || self.cache.num_slots() == 0 {
             return Ok(());
         }

@@ -82,6 +82,7 @@ pub fn uniform(seed: u64, n: usize) -> Vec<f32> {
 }
 pub mod cli;
 pub mod dsv4;
+pub mod dsv4_host;
 pub mod engine;
 pub mod packed;
 pub mod process;

@@ -12,7 +12,7 @@
 //! combine, so each token still adds its experts in expert order and a product the host
 //! computes exactly as the device would gives the all-device run's bits.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use super::config::DsV4Config;
 use super::expert_placement::ExpertPlacement;
@@ -29,6 +29,9 @@ use crate::model::loader::TensorSource;
 const DEVICE_RANK: u32 = 0;
 const HOST_RANK: u32 = 1;
 
+/// Steps of at most this many tokens count as decode in the host part's log.
+const DECODE_TOKENS: usize = 64;
+
 /// The routed experts of the placement's host layers, in host memory.
 pub struct HostExperts<B: DsV4Kernels> {
     cpu: CpuBackend,
@@ -38,6 +41,13 @@ pub struct HostExperts<B: DsV4Kernels> {
     /// Per `[layer, expert]`, the pairs of the layers whose experts are all here (the
     /// device counts the others'); drained once a step by `take_counts`.
     counts: RefCell<Vec<u32>>,
+    /// Bytes of one host expert's three matrices as held.
+    expert_bytes: usize,
+    /// Seconds in `compute` and the expert bytes it read since load, for decode-sized
+    /// steps (at most `DECODE_TOKENS` tokens) and the others: the host part's bandwidth,
+    /// logged when the experts go.
+    busy_secs: [Cell<f64>; 2],
+    read_bytes: [Cell<u64>; 2],
 }
 
 struct HostLayer<B: DsV4Kernels> {
@@ -154,9 +164,23 @@ impl<B: DsV4Kernels> HostExperts<B> {
                 device_owners,
             }));
         }
+        let expert_bytes = layers
+            .iter()
+            .flatten()
+            .flat_map(|l| l.experts.iter().flatten())
+            .next()
+            .map_or(0, |e| {
+                [&e.gate, &e.up, &e.down]
+                    .iter()
+                    .map(|m| m.resident_bytes())
+                    .sum()
+            });
         Ok(HostExperts {
             cpu,
             layers,
+            expert_bytes,
+            busy_secs: Default::default(),
+            read_bytes: Default::default(),
             counts: RefCell::new(vec![0; cfg.num_layers * num_experts]),
             placement,
         })
@@ -198,6 +222,7 @@ impl<B: DsV4Kernels> HostExperts<B> {
         };
         let experts = super::residency::matrices(&l.experts);
         let num_experts = self.placement.num_experts;
+        let started = std::time::Instant::now();
         let mut ys = vec![0f32; tokens * k * hidden];
         let mut counts = self.counts.borrow_mut();
         let at = layer * num_experts;
@@ -220,6 +245,13 @@ impl<B: DsV4Kernels> HostExperts<B> {
                 *c += n;
             }
         }
+        let touched = (0..num_experts)
+            .filter(|&e| layer_counts[e] > 0 && self.placement.on_host(layer, e))
+            .count();
+        let i = usize::from(tokens > DECODE_TOKENS);
+        let (bytes, secs) = (&self.read_bytes[i], &self.busy_secs[i]);
+        bytes.set(bytes.get() + (touched * self.expert_bytes) as u64);
+        secs.set(secs.get() + started.elapsed().as_secs_f64());
         ys
     }
 
@@ -245,5 +277,20 @@ impl<B: DsV4Kernels> HostExperts<B> {
                 .collect(),
         );
         out
+    }
+}
+
+impl<B: DsV4Kernels> Drop for HostExperts<B> {
+    fn drop(&mut self) {
+        for (i, steps) in ["decode", "prefill"].iter().enumerate() {
+            let (secs, bytes) = (self.busy_secs[i].get(), self.read_bytes[i].get());
+            if secs > 0.0 {
+                tracing::info!(
+                    "host experts ({steps} steps): {secs:.3} s computing, {:.3} GB of experts read, {:.2} GB/s",
+                    bytes as f64 / 1e9,
+                    bytes as f64 / 1e9 / secs
+                );
+            }
+        }
     }
 }

@@ -95,8 +95,9 @@ pub fn moe<B: DsV4Kernels>(
         let host_ys = h.compute(layer, x_host, chosen_host, (t, k, d, cfg.swiglu_limit));
         if w.table.is_some() {
             // The device's rows of the host's pairs are zeros: the sum is the host's row.
-            let host_ys = b.upload(&host_ys);
-            b.add(&mut ys, &host_ys, t * k * d);
+            let mut on_device = b.scratch(t * k * d);
+            b.write_floats(&mut on_device, 0, &host_ys);
+            b.add(&mut ys, &on_device, t * k * d);
         } else {
             b.write_floats(&mut ys, 0, &host_ys);
         }

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""The whole DeepSeek-V4-Flash (43 layers, `--dummy-weights`) on one GPU with the routed
+experts that do not fit in host memory (issue 60), against the same shape cut to the
+layers that fit the GPU whole, in one run; the host's read bandwidth measured in the same
+run (torch summing a large host tensor on every core), the limit the host part is held to.
+
+Usage (on the device machine): python3 scripts/gpu_dsv4_host.py gpu-bin/troupe \
+    [--layers 43] [--gpu-layers 16] [--prompt 4096] [--decode-prompt 512] [--new 32] \
+    [--batch 32] [--extra-flags '--cpu-moe'] [--out DIR]
+Prints a table last; writes gpu_dsv4_host.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from gpu_dsv4 import bytes_per_token, shape
+
+# One troupe process's bound: a slow run is reported, not waited on past the call's limit.
+RUN_TIMEOUT_S = int(os.environ.get("RUN_TIMEOUT_S", "240"))
+
+
+def host_read_bandwidth() -> float:
+    """Bytes a second torch's CPU sum reads from a 8 GiB host tensor on every core."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    x = torch.ones(1 << 31, dtype=torch.float32)
+    x.sum()
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
+    return best
+
+
+def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int,
+        extra: list[str]) -> dict:
+    stats = tmp / "stats.json"
+    cmd = [binary, "generate", "--model", str(model), "--dummy-weights", "--device", "cuda",
+           "--max-tokens", str(new), "--ignore-eos", "--json", "--stats", str(stats),
+           "--kv-cache-mib", str(kv_mib), "--max-num-seqs", str(max(len(prompts), 1)),
+           "--max-num-batched-tokens", "4096", *extra]
+    if len(prompts) == 1:
+        cmd += ["--prompt-ids", ",".join(map(str, prompts[0]))]
+    else:
+        f = tmp / "prompts.jsonl"
+        f.write_text("".join(json.dumps({"prompt_ids": p, "max_tokens": new}) + "\n" for p in prompts))
+        cmd += ["--prompts-file", str(f)]
+    stats.unlink(missing_ok=True)
+    env = dict(os.environ, RUST_LOG="troupe=info")
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        print(f"TIMEOUT after {RUN_TIMEOUT_S} s: {' '.join(extra)} {len(prompts)} prompt(s): {err[-1500:]}",
+              flush=True)
+        return {"prefill_tokens_per_s": float("nan"), "decode_tokens_per_s": float("nan"),
+                "placement": "timed out"}
+    wall = time.perf_counter() - t0
+    if res.returncode != 0 or not stats.exists():
+        raise SystemExit(f"troupe failed ({res.returncode}): {' '.join(extra)} {len(prompts)} prompt(s): "
+                         f"{res.stderr[-3000:]}")
+    s = json.loads(stats.read_text())
+    s["wall_s"] = wall
+    placement = re.findall(r"routed experts: [^\n]*", res.stderr)
+    s["placement"] = placement[-1] if placement else "all on the GPU"
+    host = re.findall(r"host experts \(decode steps\): ([\d.]+) s computing, ([\d.]+) GB of experts read",
+                      res.stderr)
+    if host:
+        s["host_secs"], s["host_gb"] = float(host[-1][0]), float(host[-1][1])
+    print(f"{' '.join(extra) or 'default'} {len(prompts)}x: prefill {s['prefill_tokens_per_s']:.1f} tok/s, "
+          f"decode {s['decode_tokens_per_s']:.2f} tok/s, wall {wall:.0f} s; {s['placement']}; "
+          f"host {s.get('host_secs')} s / {s.get('host_gb')} GB", flush=True)
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("troupe")
+    ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--gpu-layers", type=int, default=16, help="the all-GPU baseline's depth")
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--kv-mib", type=int, default=4096)
+    ap.add_argument("--extra-flags", default="", help="flags for the whole model's runs")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    whole, cut = shape(args.layers), shape(args.gpu_layers)
+    ids = lambda n: [rng.randrange(2, whole["vocab_size"]) for _ in range(n)]
+    prompt = ids(args.prompt)
+    decode_prompt = ids(args.decode_prompt)
+    batch = [ids(args.decode_prompt) for _ in range(args.batch)]
+    hbw = host_read_bandwidth()
+    print(f"host read bandwidth {hbw / 1e9:.1f} GB/s", flush=True)
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name, s, extra in [("gpu", cut, []), ("whole", whole, args.extra_flags.split())]:
+            model = tmp / name
+            model.mkdir()
+            (model / "config.json").write_text(json.dumps(dict(s, model_type="deepseek_v4",
+                                                               architectures=["DeepseekV4ForCausalLM"])))
+            rows[f"{name} b1"] = run(args.troupe, model, [decode_prompt], args.new, tmp, args.kv_mib, extra)
+            rows[f"{name} b{args.batch}"] = run(args.troupe, model, batch, args.new, tmp, args.kv_mib, extra)
+            if not args.skip_prefill:
+                rows[f"{name} prefill"] = run(args.troupe, model, [prompt], 1, tmp, args.kv_mib, extra)
+    layer_bytes, head_bytes = bytes_per_token(whole)
+    Path(args.out, "gpu_dsv4_host.json").write_text(json.dumps(
+        dict(host_read_bandwidth=hbw, layers=args.layers, gpu_layers=args.gpu_layers, rows=rows), indent=1))
+    L, G = args.layers, args.gpu_layers
+    print(f"V4-Flash shape, dummy weights; host read {hbw / 1e9:.1f} GB/s; "
+          f"{layer_bytes / 1e6:.0f} MB a layer at batch 1")
+    print(f"whole model: {rows['whole b1']['placement']}")
+    print("| run | whole (43 layers) tok/s | all-GPU (G layers) tok/s | all-GPU scaled to 43 | whole / scaled |"
+          .replace("G layers", f"{G} layers"))
+    print("|---|---:|---:|---:|---:|")
+    keys = [("decode batch 1", "b1", "decode_tokens_per_s"),
+            (f"decode batch {args.batch}", f"b{args.batch}", "decode_tokens_per_s")]
+    if not args.skip_prefill:
+        keys.append((f"prefill {args.prompt}", "prefill", "prefill_tokens_per_s"))
+    for label, k, f in keys:
+        w, g = rows[f"whole {k}"][f], rows[f"gpu {k}"][f]
+        scaled = g * G / L
+        print(f"| {label} | {w:.2f} | {g:.2f} | {scaled:.2f} | {w / scaled:.2f} |")
+    for k in ("b1", f"b{args.batch}"):
+        st = rows[f"whole {k}"]
+        if st.get("host_secs"):
+            bw = st["host_gb"] * 1e9 / st["host_secs"]
+            print(f"host part of decode steps, whole {k}: {st['host_gb']:.1f} GB of experts in {st['host_secs']:.2f} s = "
+                  f"{bw / 1e9:.1f} GB/s = {bw / hbw:.2f} of the host read bandwidth")
+
+
+if __name__ == "__main__":
+    main()
