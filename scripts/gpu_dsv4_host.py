@@ -89,7 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("troupe")
     ap.add_argument("--layers", type=int, default=43)
-    ap.add_argument("--gpu-layers", type=int, default=16, help="the all-GPU baseline's depth")
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="the all-GPU baseline's depth (default: 36 on a GPU of 100 GiB or more, else 16)")
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
@@ -99,6 +100,9 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    if args.gpu_layers == 0:
+        import torch
+        args.gpu_layers = 36 if torch.cuda.get_device_properties(0).total_memory > 100 << 30 else 16
     rng = random.Random(0)
     whole, cut = shape(args.layers), shape(args.gpu_layers)
     ids = lambda n: [rng.randrange(2, whole["vocab_size"]) for _ in range(n)]

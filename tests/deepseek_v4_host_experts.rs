@@ -19,7 +19,7 @@ use troupe::kernels::cpu::CpuBackend;
 use troupe::model::deepseek_v4::DsV4Model;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
-use troupe::model::deepseek_v4::expert_placement::CpuMoe;
+use troupe::model::deepseek_v4::expert_placement::{CpuMoe, ExpertPlacement};
 use troupe::sampling::SamplingParams;
 
 #[test]
@@ -170,4 +170,60 @@ async fn impossible_placements_are_refused_by_name() {
         err.contains("--cpu-moe") && err.contains("no routed experts"),
         "{err}"
     );
+}
+
+/// `--batch-invariant` with host experts: a row's logits are the same bits alone or
+/// beside a whole prompt (the packed host kernel takes every row through the same row
+/// dots; the host's rows are added exactly into the device's), for every experts on the
+/// host and for a split.
+#[test]
+fn host_experts_keep_a_row_the_same_bits_alone_or_batched() {
+    use troupe::model::deepseek_v4::cache::SlotSpan;
+    use troupe::model::deepseek_v4::DsSeqStep;
+    let name = "tiny-dsv4-packed";
+    let r = common::dsv4::reference(name);
+    let dir = common::dsv4::dir(name);
+    let cfg = DsV4Config::from_dir(&dir).unwrap();
+    let (l, e) = (cfg.num_layers, cfg.num_routed_experts);
+    let split = ExpertPlacement {
+        host_experts: (0..l).map(|i| (i * 3 + 1) % (e + 1)).collect(),
+        num_experts: e,
+    };
+    for placement in [first_layers(l, e, l), split] {
+        let invariant = CpuBackend {
+            batch_invariant: true,
+            ..Default::default()
+        };
+        let model = with_host_experts(invariant, &dir, placement.clone(), true);
+        let (a, b) = (&r.prompts[0], &r.prompts[1]);
+        let block_size = 2 * lcm_rates(&cfg);
+        let tables: Vec<Vec<u32>> = (0..2)
+            .map(|s| (0..12).map(|i| 23 - (2 * i + s)).collect())
+            .collect();
+        let seq = |ids, at, slot: usize| DsSeqStep {
+            token_ids: ids,
+            num_cached_tokens: at,
+            block_table: &tables[slot],
+            state_slot: slot as u32,
+            span: SlotSpan::default(),
+            num_logit_rows: ids.len(),
+        };
+        let cut = a.len() - 2;
+        let run = |with_b: bool| {
+            let mut cache = DsV4Cache::on(&model.backend, &cfg, 2, 24, block_size);
+            model.forward(&mut cache, &[seq(&a[..cut], 0, 0)]).unwrap();
+            let mut steps = vec![seq(&a[cut..], cut, 0)];
+            if with_b {
+                steps.push(seq(b, 0, 1));
+            }
+            model.forward(&mut cache, &steps).unwrap()[..2 * model.vocab_size()].to_vec()
+        };
+        let (alone, batched) = (run(false), run(true));
+        let moved = alone
+            .iter()
+            .zip(&batched)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(moved, 0, "{placement:?}: {moved} logits moved when b joined the batch");
+    }
 }
