@@ -38,10 +38,22 @@ fn host_experts_on_a_cuda_rank_match_the_all_gpu_run_and_transformers_tokens() {
             for chunk in [seq.len(), 7] {
                 let got = logits(&model, &seq, chunk);
                 let name = dir.display().to_string();
-                assert_rows_close(&name, &format!("{what}, chunks of {chunk}"), &got, &want, vocab, 1e-4);
+                assert_rows_close(
+                    &name,
+                    &format!("{what}, chunks of {chunk}"),
+                    &got,
+                    &want,
+                    vocab,
+                    1e-4,
+                );
             }
             let got = argmax_rows(&logits(&model, &seq, seq.len()), vocab);
-            assert_eq!(&got[prompt.len() - 1..], &greedy[..], "{} {what}", dir.display());
+            assert_eq!(
+                &got[prompt.len() - 1..],
+                &greedy[..],
+                "{} {what}",
+                dir.display()
+            );
             checked += 1;
         }
     }

@@ -97,15 +97,33 @@ fn engine_cfg(dir: &Path, cpu_moe: CpuMoe) -> EngineConfig {
     e
 }
 
+/// Through the engine (ZOS, chunked prefill, three requests at once), plain and with the
+/// checkpoint's MTP layer drafting (`--spec mtp`, fixed verification): transformers' tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_runs_host_experts_and_reports_their_bytes() {
-    for (dir, cpu_moe) in case_dirs()
-        .iter()
-        .take(2)
-        .flat_map(|d| [(d, CpuMoe::All), (d, CpuMoe::FirstLayers(1))])
-    {
+    use troupe::engine::{SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+    let dirs: Vec<_> = case_dirs().into_iter().take(2).collect();
+    let mut drafted = 0;
+    for (dir, cpu_moe, mtp) in dirs.iter().flat_map(|d| {
+        [
+            (d, CpuMoe::All, false),
+            (d, CpuMoe::FirstLayers(1), false),
+            (d, CpuMoe::All, true),
+        ]
+    }) {
         let (prompt, greedy) = case(dir);
-        let engine = Engine::spawn(engine_cfg(dir, cpu_moe)).await.unwrap();
+        let json = std::fs::read_to_string(dir.join("case.json")).unwrap();
+        if mtp && !json.contains("\"mtp\": true") {
+            continue;
+        }
+        let mut cfg = engine_cfg(dir, cpu_moe);
+        cfg.speculative = mtp.then_some(SpecConfig {
+            method: SpecMethod::Mtp,
+            num_speculative_tokens: 2,
+            verify: SpecVerify::Fixed,
+            acceptance: SpecAcceptance::Coupled,
+        });
+        let engine = Engine::spawn(cfg).await.unwrap();
         let requests: Vec<EngineRequest> = (0..3)
             .map(|_| {
                 let mut r =
@@ -118,9 +136,10 @@ async fn the_engine_runs_host_experts_and_reports_their_bytes() {
             .await
             .expect("the engine did not finish in 120 s");
         for g in tokens(&got) {
-            assert_eq!(g, greedy, "{} {cpu_moe}", dir.display());
+            assert_eq!(g, greedy, "{} {cpu_moe} (mtp {mtp})", dir.display());
         }
         let status = engine.status().await.unwrap();
+        drafted += status.num_spec_draft_tokens;
         assert!(
             status.resident_host_weight_bytes > 0,
             "{cpu_moe}: no host bytes reported"
@@ -132,6 +151,7 @@ async fn the_engine_runs_host_experts_and_reports_their_bytes() {
         );
         engine.shutdown(true).await;
     }
+    assert!(drafted > 0, "the MTP layer drafted nothing");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,8 +198,8 @@ async fn impossible_placements_are_refused_by_name() {
 /// host and for a split.
 #[test]
 fn host_experts_keep_a_row_the_same_bits_alone_or_batched() {
-    use troupe::model::deepseek_v4::cache::SlotSpan;
     use troupe::model::deepseek_v4::DsSeqStep;
+    use troupe::model::deepseek_v4::cache::SlotSpan;
     let name = "tiny-dsv4-packed";
     let r = common::dsv4::reference(name);
     let dir = common::dsv4::dir(name);
@@ -224,6 +244,9 @@ fn host_experts_keep_a_row_the_same_bits_alone_or_batched() {
             .zip(&batched)
             .filter(|(x, y)| x.to_bits() != y.to_bits())
             .count();
-        assert_eq!(moved, 0, "{placement:?}: {moved} logits moved when b joined the batch");
+        assert_eq!(
+            moved, 0,
+            "{placement:?}: {moved} logits moved when b joined the batch"
+        );
     }
 }
