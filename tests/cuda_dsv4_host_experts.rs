@@ -72,3 +72,40 @@ fn packed_host_experts_on_a_cuda_rank_track_transformers() {
         assert_tracks(name, "--cpu-moe on the GPU", &got, want, r.vocab_size);
     }
 }
+
+/// Experts moved between the GPU and host memory (a split layer following generated
+/// loads) leave the logits where the all-GPU run has them.
+#[test]
+fn experts_moved_between_the_gpu_and_host_keep_the_logits() {
+    use troupe::model::deepseek_v4::expert_placement::ExpertPlacement;
+    use troupe::sampling::splitmix64;
+    let dir = case_dirs()
+        .into_iter()
+        .find(|d| {
+            std::fs::read_to_string(d.join("case.json"))
+                .unwrap()
+                .contains("bf16")
+        })
+        .expect("a bf16 case");
+    let (prompt, _) = case(&dir);
+    let all_gpu = DsV4Model::load_dir_on(gpu(true), &dir, false).unwrap();
+    let (l, e, vocab) = (
+        all_gpu.cfg.num_layers,
+        all_gpu.cfg.num_routed_experts,
+        all_gpu.vocab_size(),
+    );
+    let want = logits(&all_gpu, &prompt, 7);
+    let split = ExpertPlacement::new((0..l).map(|x| 1 + x % (e - 1)).collect(), e);
+    let mut model = with_host_experts(gpu(true), &dir, split, true);
+    for round in 0..2u64 {
+        let load = |layer: usize| -> Vec<f64> {
+            (0..e)
+                .map(|x| (splitmix64(round ^ ((layer * e + x) as u64 * 0x51)) % 1000) as f64)
+                .collect()
+        };
+        let next = model.expert_placement().unwrap().following(load);
+        model.move_experts(&dir, false, next).unwrap();
+        let got = logits(&model, &prompt, 7);
+        assert_rows_close("moved", &format!("round {round}"), &got, &want, vocab, 1e-4);
+    }
+}

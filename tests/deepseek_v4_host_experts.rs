@@ -20,7 +20,7 @@ use troupe::model::deepseek_v4::DsV4Model;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
 use troupe::model::deepseek_v4::expert_placement::{CpuMoe, ExpertPlacement};
-use troupe::sampling::SamplingParams;
+use troupe::sampling::{SamplingParams, splitmix64};
 
 #[test]
 fn host_experts_give_the_all_device_logits_bit_for_bit_and_transformers_tokens() {
@@ -205,10 +205,7 @@ fn host_experts_keep_a_row_the_same_bits_alone_or_batched() {
     let dir = common::dsv4::dir(name);
     let cfg = DsV4Config::from_dir(&dir).unwrap();
     let (l, e) = (cfg.num_layers, cfg.num_routed_experts);
-    let split = ExpertPlacement {
-        host_experts: (0..l).map(|i| (i * 3 + 1) % (e + 1)).collect(),
-        num_experts: e,
-    };
+    let split = ExpertPlacement::new((0..l).map(|i| (i * 3 + 1) % (e + 1)).collect(), e);
     for placement in [first_layers(l, e, l), split] {
         let invariant = CpuBackend {
             batch_invariant: true,
@@ -248,5 +245,45 @@ fn host_experts_keep_a_row_the_same_bits_alone_or_batched() {
             moved, 0,
             "{placement:?}: {moved} logits moved when b joined the batch"
         );
+    }
+}
+
+/// A split layer follows generated loads (`ExpertPlacement::following`): the experts
+/// move between the device and host memory between two steps, as many as the placements
+/// differ by, and the model still gives the all-device run's logits bit for bit.
+#[test]
+fn experts_moved_between_device_and_host_keep_the_logits() {
+    for (i, dir) in case_dirs().iter().enumerate().take(4) {
+        let (prompt, greedy) = case(dir);
+        let mut seq = prompt.clone();
+        seq.extend_from_slice(&greedy[..greedy.len() - 1]);
+        let device = DsV4Model::load_dir(dir).unwrap();
+        let want = logits(&device, &seq, 7);
+        let (l, e) = (device.cfg.num_layers, device.cfg.num_routed_experts);
+        let split = ExpertPlacement::new((0..l).map(|x| 1 + (x + i) % (e - 1)).collect(), e);
+        let mut model = with_host_experts(CpuBackend::default(), dir, split.clone(), false);
+        let mut moved_total = 0;
+        for round in 0..3u64 {
+            let load = |layer: usize| -> Vec<f64> {
+                (0..e)
+                    .map(|x| (splitmix64(round ^ ((layer * e + x) as u64 * 0x51)) % 1000) as f64)
+                    .collect()
+            };
+            let next = model.expert_placement().unwrap().following(load);
+            let expected = model.expert_placement().unwrap().num_moved(&next);
+            let moved = model.move_experts(dir, false, next.clone()).unwrap();
+            assert_eq!(moved, expected);
+            assert_eq!(model.expert_placement(), Some(&next));
+            moved_total += moved;
+            let got = logits(&model, &seq, 7);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} round {round}: logits moved with the experts",
+                dir.display()
+            );
+        }
+        assert!(moved_total > 0, "{}: nothing moved", dir.display());
     }
 }

@@ -171,6 +171,11 @@ impl Eplb {
         self.num_rebalances
     }
 
+    /// `layer`'s tokens per logical expert over the window.
+    pub fn load(&self, layer: usize) -> Vec<f64> {
+        self.window.load(layer)
+    }
+
     /// Records one step's tokens per (layer, logical expert); returns true when the
     /// placements were recomputed after it (the caller then moves expert weights).
     pub fn on_step(

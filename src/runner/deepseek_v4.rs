@@ -39,8 +39,11 @@ pub(super) struct DsV4OnHost {
     dummy_weights: bool,
     /// The group's ranks' busy seconds since the placement last changed.
     busy: RankBusy,
-    /// Expert replicas the group's rebalances moved onto ranks so far.
+    /// Expert replicas the group's rebalances moved onto ranks so far, and experts moved
+    /// between the device and host memory.
     num_moved_experts: u64,
+    /// EPLB rebalances whose loads the host experts' placement has followed.
+    rebalances_followed: u64,
 }
 
 /// Every rank's busy seconds (its step less its waits in the group's sums), summed since
@@ -132,6 +135,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         dummy_weights: args.dummy_weights,
         busy: RankBusy::default(),
         num_moved_experts: 0,
+        rebalances_followed: 0,
     }))
 }
 
@@ -199,6 +203,13 @@ impl DeviceModel for DsV4OnHost {
         let mut moe_balance = None;
         if let Some(eplb) = &mut self.eplb {
             let mut balance = eplb_step(eplb, &self.expert_tokens, steps);
+            self.num_moved_experts += super::expert_placement::follow_loads(
+                &mut self.model,
+                eplb,
+                &mut self.rebalances_followed,
+                &self.model_path,
+                self.dummy_weights,
+            ) as u64;
             if let Some(group) = &mut self.group {
                 balance.measured_moe_lb = self.busy.add(&self.model.backend, group, busy_secs);
                 if group.shard.placements.is_some()

@@ -27,6 +27,12 @@ pub(super) struct DsV4OnCuda {
     expert_tokens: Vec<Vec<u64>>,
     /// `--spec mtp`: the MTP layer on the same GPU, filling the verify rows' drafts.
     mtp: Option<MtpDrafter<CudaBackend>>,
+    /// Routed experts moved between the GPU and host memory as EPLB's loads moved.
+    num_moved_experts: u64,
+    rebalances_followed: u64,
+    /// Where the rank reads the experts it moves.
+    model_path: std::path::PathBuf,
+    dummy_weights: bool,
     /// Last: it holds the backend, which the cache's buffers go before.
     model: DsV4Model<CudaBackend>,
 }
@@ -85,6 +91,10 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         eplb,
         expert_tokens: vec![vec![0; experts]; layers],
         mtp,
+        num_moved_experts: 0,
+        rebalances_followed: 0,
+        model_path: args.model_path.clone(),
+        dummy_weights: args.dummy_weights,
     }))
 }
 
@@ -129,10 +139,18 @@ impl DeviceModel for DsV4OnCuda {
         if let Some(mtp) = &mut self.mtp {
             mtp.absorb(&self.model, &ds, &num_drafts, &streams);
         }
-        let moe_balance = self
-            .eplb
-            .as_mut()
-            .map(|eplb| eplb_step(eplb, &self.expert_tokens, steps));
+        let moe_balance = self.eplb.as_mut().map(|eplb| {
+            let mut balance = eplb_step(eplb, &self.expert_tokens, steps);
+            self.num_moved_experts += super::expert_placement::follow_loads(
+                &mut self.model,
+                eplb,
+                &mut self.rebalances_followed,
+                &self.model_path,
+                self.dummy_weights,
+            ) as u64;
+            balance.num_moved_experts = self.num_moved_experts;
+            balance
+        });
         StepOutcome {
             moved_back: Vec::new(),
             backend: &self.model.backend,

@@ -2,7 +2,12 @@
 //! room measured after everything else is placed, the host's available memory, the
 //! user's flags (`model::deepseek_v4::expert_placement` decides; this reads the sizes).
 
+use std::path::Path;
+
 use super::RankArgs;
+use crate::eplb::Eplb;
+use crate::kernels::deepseek_v4::DsV4Kernels;
+use crate::model::deepseek_v4::DsV4Model;
 use crate::model::deepseek_v4::config::DsV4Config;
 use crate::model::deepseek_v4::expert_placement::{
     CpuMoe, ExpertPlacement, PlacementSizes, place_experts,
@@ -67,4 +72,36 @@ pub fn placement(
         tracing::info!("{}", placement.describe(sizes.expert_bytes));
     }
     Ok(placement)
+}
+
+/// After each EPLB rebalance (`seen`: the rebalances already followed), the split layers'
+/// hottest experts over EPLB's window go to the device and their coldest to the host, as
+/// many on each side as before (`ExpertPlacement::following`). Returns the experts moved.
+pub fn follow_loads<B: DsV4Kernels>(
+    model: &mut DsV4Model<B>,
+    eplb: &Eplb,
+    seen: &mut u64,
+    dir: &Path,
+    dummy: bool,
+) -> usize {
+    if eplb.num_rebalances() == *seen {
+        return 0;
+    }
+    *seen = eplb.num_rebalances();
+    let Some(next) = model
+        .expert_placement()
+        .filter(|p| p.has_split_layer())
+        .map(|p| p.following(|l| eplb.load(l)))
+    else {
+        return 0;
+    };
+    let moved = model
+        .move_experts(dir, dummy, next)
+        .unwrap_or_else(|e| panic!("EPLB: moving experts between the device and host memory: {e}"));
+    super::trim_heap();
+    tracing::info!(
+        moved,
+        "EPLB moved routed experts between the device and host memory"
+    );
+    moved
 }

@@ -39,19 +39,13 @@ pub fn placements(cfg: &DsV4Config, seed: u64) -> Vec<(String, ExpertPlacement)>
     ];
     out.push((
         format!("host experts per layer {per_layer:?}"),
-        ExpertPlacement {
-            host_experts: per_layer,
-            num_experts: e,
-        },
+        ExpertPlacement::new(per_layer, e),
     ));
     out
 }
 
 pub fn first_layers(l: usize, e: usize, n: usize) -> ExpertPlacement {
-    ExpertPlacement {
-        host_experts: (0..l).map(|i| if i < n { e } else { 0 }).collect(),
-        num_experts: e,
-    }
+    ExpertPlacement::new((0..l).map(|i| if i < n { e } else { 0 }).collect(), e)
 }
 
 /// `dir`'s model on `backend` with `placement`'s experts in host memory (none held on

@@ -48,23 +48,69 @@ pub struct PlacementSizes {
     pub host_room_bytes: usize,
 }
 
-/// Per layer, how many routed experts live in host memory: experts `0..n` of it.
+/// Per layer, how many routed experts live in host memory, and which: the first that
+/// many in the layer's host order (expert id order until loads reorder a split layer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertPlacement {
     pub host_experts: Vec<usize>,
     pub num_experts: usize,
+    /// Per layer, each expert's place in the order experts go to the host.
+    place: Vec<Vec<u32>>,
 }
 
 impl ExpertPlacement {
-    pub fn all_on_device(num_layers: usize, num_experts: usize) -> Self {
+    /// `host_experts[l]` experts of layer `l` in host memory, the lowest ids.
+    pub fn new(host_experts: Vec<usize>, num_experts: usize) -> Self {
+        let place = vec![(0..num_experts as u32).collect(); host_experts.len()];
         ExpertPlacement {
-            host_experts: vec![0; num_layers],
+            host_experts,
             num_experts,
+            place,
         }
     }
 
+    pub fn all_on_device(num_layers: usize, num_experts: usize) -> Self {
+        Self::new(vec![0; num_layers], num_experts)
+    }
+
     pub fn on_host(&self, layer: usize, expert: usize) -> bool {
-        self.host_experts.get(layer).is_some_and(|&n| expert < n)
+        self.host_experts
+            .get(layer)
+            .is_some_and(|&n| (self.place[layer][expert] as usize) < n)
+    }
+
+    /// The same number of host experts a layer, each split layer's host share its least
+    /// loaded experts (`load(layer)`: tokens per expert; ties keep the lower id on the
+    /// device): the device computes the hot experts, the host the cold ones.
+    pub fn following(&self, load: impl Fn(usize) -> Vec<f64>) -> Self {
+        let mut next = self.clone();
+        for (l, &n) in self.host_experts.iter().enumerate() {
+            if n == 0 || n == self.num_experts {
+                continue;
+            }
+            let load = load(l);
+            let mut coldest: Vec<usize> = (0..self.num_experts).collect();
+            coldest.sort_by(|&a, &b| load[a].total_cmp(&load[b]).then(b.cmp(&a)));
+            for (place, e) in coldest.into_iter().enumerate() {
+                next.place[l][e] = place as u32;
+            }
+        }
+        next
+    }
+
+    /// Experts on the other side in `other` than here.
+    pub fn num_moved(&self, other: &ExpertPlacement) -> usize {
+        (0..self.host_experts.len())
+            .flat_map(|l| (0..self.num_experts).map(move |e| (l, e)))
+            .filter(|&(l, e)| self.on_host(l, e) != other.on_host(l, e))
+            .count()
+    }
+
+    /// Whether some layer has experts on both sides.
+    pub fn has_split_layer(&self) -> bool {
+        self.host_experts
+            .iter()
+            .any(|&n| n > 0 && n < self.num_experts)
     }
 
     pub fn num_host(&self) -> usize {
@@ -140,10 +186,8 @@ pub enum PlacementError {
 /// The placement `mode` asks for at `sizes`, or why it cannot be made.
 pub fn place_experts(mode: CpuMoe, s: &PlacementSizes) -> Result<ExpertPlacement, PlacementError> {
     let (l, e) = (s.num_layers, s.num_experts);
-    let first_layers = |n: usize| ExpertPlacement {
-        host_experts: (0..l).map(|i| if i < n { e } else { 0 }).collect(),
-        num_experts: e,
-    };
+    let first_layers =
+        |n: usize| ExpertPlacement::new((0..l).map(|i| if i < n { e } else { 0 }).collect(), e);
     let placement = match mode {
         CpuMoe::All => first_layers(l),
         CpuMoe::FirstLayers(n) if n > l => {
@@ -158,16 +202,14 @@ pub fn place_experts(mode: CpuMoe, s: &PlacementSizes) -> Result<ExpertPlacement
             Some(room) => {
                 let fit = (room / s.expert_bytes.max(1)).min(l * e);
                 let mut left = l * e - fit;
-                ExpertPlacement {
-                    host_experts: (0..l)
-                        .map(|_| {
-                            let n = left.min(e);
-                            left -= n;
-                            n
-                        })
-                        .collect(),
-                    num_experts: e,
-                }
+                let host = (0..l)
+                    .map(|_| {
+                        let n = left.min(e);
+                        left -= n;
+                        n
+                    })
+                    .collect();
+                ExpertPlacement::new(host, e)
             }
         },
     };
@@ -265,6 +307,48 @@ mod tests {
             (0..23).collect::<Vec<_>>()
         );
         assert!(some.describe(13_369_344).contains("23 whole layers"));
+    }
+
+    /// Generated loads: a split layer's host share becomes its coldest experts, as many
+    /// as before; whole layers stay; a second pass over the same loads moves nothing.
+    #[test]
+    fn split_layers_follow_the_loads_hot_experts_to_the_device() {
+        let e = 16;
+        let p = ExpertPlacement::new(vec![e, 5, 0, 11], e);
+        for seed in 0..20u64 {
+            let load = |l: usize| -> Vec<f64> {
+                (0..e)
+                    .map(|x| {
+                        let h = crate::sampling::splitmix64(seed ^ ((l * e + x) as u64 * 0x9e37));
+                        (h % 100) as f64
+                    })
+                    .collect()
+            };
+            let next = p.following(load);
+            assert_eq!(next.host_experts, p.host_experts);
+            for l in 0..4 {
+                let host: Vec<usize> = (0..e).filter(|&x| next.on_host(l, x)).collect();
+                assert_eq!(host.len(), p.host_experts[l], "layer {l}");
+                let (loads, n) = (load(l), p.host_experts[l]);
+                if n > 0 && n < e {
+                    let hottest_host = host.iter().map(|&x| loads[x]).fold(f64::MIN, f64::max);
+                    let coldest_device = (0..e)
+                        .filter(|x| !host.contains(x))
+                        .map(|x| loads[x])
+                        .fold(f64::MAX, f64::min);
+                    assert!(
+                        hottest_host <= coldest_device,
+                        "layer {l}: {loads:?} {host:?}"
+                    );
+                } else {
+                    assert!((0..e).all(|x| next.on_host(l, x) == p.on_host(l, x)));
+                }
+            }
+            assert_eq!(next.following(load).num_moved(&next), 0);
+            assert_eq!(p.num_moved(&next), next.num_moved(&p));
+        }
+        assert!(p.has_split_layer());
+        assert!(!ExpertPlacement::new(vec![e, 0], e).has_split_layer());
     }
 
     #[test]

@@ -118,52 +118,8 @@ impl<B: DsV4Kernels> HostExperts<B> {
             batch_invariant,
             ..CpuBackend::default()
         };
-        let named = src.map(EitherNaming);
-        let holds = |l: usize, e: usize| placement.on_host(l, e);
-        let store = HostStore(&cpu);
-        let r = Reader {
-            src: named
-                .as_ref()
-                .map_or(&NoTensors as &dyn TensorSource, |s| s),
-            dummy_experts: named.is_none().then_some(cfg.num_routed_experts),
-            store: &store,
-            holds: &holds,
-        };
-        let num_experts = cfg.num_routed_experts;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let on_host = placement.host_experts.get(l).copied().unwrap_or(0);
-            if on_host == 0 {
-                layers.push(None);
-                continue;
-            }
-            let experts = (0..num_experts)
-                .map(|e| {
-                    placement
-                        .on_host(l, e)
-                        .then(|| r.expert(&format!("model.layers.{l}.ffn.experts.{e}"), cfg))
-                        .transpose()
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let owners: Vec<u32> = (0..num_experts)
-                .flat_map(|e| {
-                    [
-                        1,
-                        if placement.on_host(l, e) {
-                            HOST_RANK
-                        } else {
-                            DEVICE_RANK
-                        },
-                    ]
-                })
-                .collect();
-            let device_owners = (on_host < num_experts).then(|| device.upload_ids(&owners));
-            layers.push(Some(HostLayer {
-                experts,
-                owners,
-                device_owners,
-            }));
-        }
+        let mut layers: Vec<Option<HostLayer<B>>> = (0..cfg.num_layers).map(|_| None).collect();
+        place_layers(&cpu, cfg, src, &placement, device, &mut layers)?;
         let expert_bytes = layers
             .iter()
             .flatten()
@@ -181,9 +137,23 @@ impl<B: DsV4Kernels> HostExperts<B> {
             expert_bytes,
             busy_secs: Default::default(),
             read_bytes: Default::default(),
-            counts: RefCell::new(vec![0; cfg.num_layers * num_experts]),
+            counts: RefCell::new(vec![0; cfg.num_layers * cfg.num_routed_experts]),
             placement,
         })
+    }
+
+    /// Holds exactly `placement`'s host experts from now on: those it lacks read from
+    /// `src` (`None`: made), those now on the device dropped; the owner tables follow.
+    pub fn reside(
+        &mut self,
+        cfg: &DsV4Config,
+        src: Option<&dyn TensorSource>,
+        placement: ExpertPlacement,
+        device: &B,
+    ) -> Result<()> {
+        place_layers(&self.cpu, cfg, src, &placement, device, &mut self.layers)?;
+        self.placement = placement;
+        Ok(())
     }
 
     /// Whether `layer` has experts here.
@@ -293,4 +263,63 @@ impl<B: DsV4Kernels> Drop for HostExperts<B> {
             }
         }
     }
+}
+
+/// Makes `layers` hold `placement`'s host experts: experts already held are kept, the
+/// others read (`src`; `None`: made) or dropped, each changed layer's owner tables rebuilt.
+fn place_layers<B: DsV4Kernels>(
+    cpu: &CpuBackend,
+    cfg: &DsV4Config,
+    src: Option<&dyn TensorSource>,
+    placement: &ExpertPlacement,
+    device: &B,
+    layers: &mut [Option<HostLayer<B>>],
+) -> Result<()> {
+    let named = src.map(EitherNaming);
+    let holds = |l: usize, e: usize| placement.on_host(l, e);
+    let store = HostStore(cpu);
+    let r = Reader {
+        src: named
+            .as_ref()
+            .map_or(&NoTensors as &dyn TensorSource, |s| s),
+        dummy_experts: named.is_none().then_some(cfg.num_routed_experts),
+        store: &store,
+        holds: &holds,
+    };
+    let num_experts = cfg.num_routed_experts;
+    for (l, slot) in layers.iter_mut().enumerate() {
+        let on_host = placement.host_experts.get(l).copied().unwrap_or(0);
+        let mut held = slot
+            .take()
+            .map_or_else(|| (0..num_experts).map(|_| None).collect(), |h| h.experts);
+        if on_host == 0 {
+            continue;
+        }
+        for (e, expert) in held.iter_mut().enumerate() {
+            match (placement.on_host(l, e), expert.is_some()) {
+                (true, false) => {
+                    *expert = Some(r.expert(&format!("model.layers.{l}.ffn.experts.{e}"), cfg)?)
+                }
+                (false, true) => *expert = None,
+                _ => {}
+            }
+        }
+        let owners: Vec<u32> = (0..num_experts)
+            .flat_map(|e| {
+                let rank = if placement.on_host(l, e) {
+                    HOST_RANK
+                } else {
+                    DEVICE_RANK
+                };
+                [1, rank]
+            })
+            .collect();
+        let device_owners = (on_host < num_experts).then(|| device.upload_ids(&owners));
+        *slot = Some(HostLayer {
+            experts: held,
+            owners,
+            device_owners,
+        });
+    }
+    Ok(())
 }

@@ -199,6 +199,36 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         Ok(())
     }
 
+    /// Moves routed experts between the device and host memory to `placement` (the same
+    /// number on each side a layer: `ExpertPlacement::following`), between two steps: each
+    /// side reads the experts it gains from `dir`'s checkpoint (`dummy`: made) and drops
+    /// those it lost. Returns how many moved.
+    pub fn move_experts(
+        &mut self,
+        dir: &Path,
+        dummy: bool,
+        placement: expert_placement::ExpertPlacement,
+    ) -> Result<usize> {
+        let Some(old) = self.expert_placement() else {
+            return Ok(0);
+        };
+        let moved = old.num_moved(&placement);
+        if moved == 0 {
+            return Ok(0);
+        }
+        self.reside(dir, dummy, &|l, e| !placement.on_host(l, e))?;
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let host = self
+            .host
+            .as_mut()
+            .expect("a placement comes from host experts");
+        host.reside(&self.cfg, src, placement, &self.backend)?;
+        Ok(moved)
+    }
+
     /// Where the routed experts are, when some are in host memory.
     pub fn expert_placement(&self) -> Option<&expert_placement::ExpertPlacement> {
         self.host.as_ref().map(|h| &h.placement)
