@@ -14,6 +14,9 @@
 
 use std::cell::{Cell, RefCell};
 
+use std::path::Path;
+
+use super::DsV4Model;
 use super::config::DsV4Config;
 use super::expert_placement::ExpertPlacement;
 use super::weights::{EitherNaming, Expert, LinearData, LinearStore, NoTensors, Reader};
@@ -23,7 +26,7 @@ use crate::kernels::deepseek_v4::{DsV4Kernels, ExpertOwners};
 use crate::kernels::fp4::Mxfp4Matrix;
 use crate::kernels::quant::GgmlType;
 use crate::kernels::{Backend, HostData, HostMatrix};
-use crate::model::loader::TensorSource;
+use crate::model::loader::{SafetensorsSource, TensorSource};
 
 /// Where the device stands in a split layer's owner table; the host is the other rank.
 const DEVICE_RANK: u32 = 0;
@@ -322,4 +325,64 @@ fn place_layers<B: DsV4Kernels>(
         });
     }
     Ok(())
+}
+
+impl<B: DsV4Kernels> DsV4Model<B> {
+    /// Keeps the routed experts `placement` puts in host memory there, read from `dir`'s
+    /// checkpoint (`dummy`: made), computed by the CPU beside this backend from now on. The
+    /// backend must hold none of them (loaded with `holds` excluding them).
+    pub fn keep_experts_on_host(
+        &mut self,
+        dir: &Path,
+        dummy: bool,
+        placement: ExpertPlacement,
+        batch_invariant: bool,
+    ) -> Result<()> {
+        if !placement.any_on_host() {
+            self.host = None;
+            return Ok(());
+        }
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let host = HostExperts::load(&self.cfg, src, placement, &self.backend, batch_invariant)?;
+        self.host = Some(host);
+        Ok(())
+    }
+
+    /// Moves routed experts between the device and host memory to `placement` (the same
+    /// number on each side a layer: `ExpertPlacement::following`), between two steps: each
+    /// side reads the experts it gains from `dir`'s checkpoint (`dummy`: made) and drops
+    /// those it lost. Returns how many moved.
+    pub fn move_experts(
+        &mut self,
+        dir: &Path,
+        dummy: bool,
+        placement: ExpertPlacement,
+    ) -> Result<usize> {
+        let Some(old) = self.expert_placement() else {
+            return Ok(0);
+        };
+        let moved = old.num_moved(&placement);
+        if moved == 0 {
+            return Ok(0);
+        }
+        self.reside(dir, dummy, &|l, e| !placement.on_host(l, e))?;
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let host = self
+            .host
+            .as_mut()
+            .expect("a placement comes from host experts");
+        host.reside(&self.cfg, src, placement, &self.backend)?;
+        Ok(moved)
+    }
+
+    /// Where the routed experts are, when some are in host memory.
+    pub fn expert_placement(&self) -> Option<&ExpertPlacement> {
+        self.host.as_ref().map(|h| &h.placement)
+    }
 }
