@@ -114,15 +114,19 @@ def main() -> None:
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for name, s, extra in [("gpu", cut, []), ("whole", whole, args.extra_flags.split())]:
-            model = tmp / name
-            model.mkdir()
-            (model / "config.json").write_text(json.dumps(dict(s, model_type="deepseek_v4",
-                                                               architectures=["DeepseekV4ForCausalLM"])))
-            rows[f"{name} b1"] = run(args.troupe, model, [decode_prompt], args.new, tmp, args.kv_mib, extra)
-            rows[f"{name} b{args.batch}"] = run(args.troupe, model, batch, args.new, tmp, args.kv_mib, extra)
-            if not args.skip_prefill:
-                rows[f"{name} prefill"] = run(args.troupe, model, [prompt], 1, tmp, args.kv_mib, extra)
+        configs = {"whole": (whole, args.extra_flags.split()), "gpu": (cut, [])}
+        for name, (s, _) in configs.items():
+            (tmp / name).mkdir()
+            (tmp / name / "config.json").write_text(json.dumps(dict(s, model_type="deepseek_v4",
+                                                                    architectures=["DeepseekV4ForCausalLM"])))
+        # The figures that matter most first: a slow run is cut (RUN_TIMEOUT_S), not waited on.
+        plan = [(n, "b1", [decode_prompt], args.new) for n in configs]
+        plan += [(n, f"b{args.batch}", batch, args.new) for n in configs]
+        if not args.skip_prefill:
+            plan += [(n, "prefill", [prompt], 1) for n in configs]
+        for name, key, prompts, new in plan:
+            extra = configs[name][1]
+            rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra)
     layer_bytes, head_bytes = bytes_per_token(whole)
     Path(args.out, "gpu_dsv4_host.json").write_text(json.dumps(
         dict(host_read_bandwidth=hbw, layers=args.layers, gpu_layers=args.gpu_layers, rows=rows), indent=1))
