@@ -5,7 +5,10 @@ routed expert in host memory (`--cpu-moe`) on the CPU backend, batch-1 decode; t
 of experts its decode steps read over the time they took, against this machine's read
 bandwidth measured in the same run (numpy summing a large array on every core).
 
+Also a prefill of --prompt tokens: the host part's integer operations a second there.
+
 Usage: python3 scripts/bench_dsv4_host_cpu.py target/release/troupe [--layers 2] [--new 16]
+    [--prompt 512]
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("troupe")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=512)
     args = ap.parse_args()
     bw = read_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,9 +61,20 @@ def main() -> None:
         cmd = [args.troupe, "generate", "--model", str(model), "--dummy-weights", "--cpu-moe",
                "--prompt-ids", ",".join(str(i + 2) for i in range(8)), "--max-tokens", str(args.new),
                "--ignore-eos", "--kv-cache-mib", "512", "--skip-warmup", "--stats", "-"]
+        env = dict(os.environ, RUST_LOG="troupe=info")
         t0 = time.perf_counter()
-        res = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, RUST_LOG="troupe=info"))
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
+        prefill = [a for a in cmd if a not in ("--prompt-ids", cmd[cmd.index("--prompt-ids") + 1])]
+        prefill = prefill[:prefill.index("--max-tokens") + 1] + ["1"] + prefill[prefill.index("--max-tokens") + 2:]
+        prefill += ["--prompt-ids", ",".join(str(i + 2) for i in range(args.prompt)),
+                    "--max-num-batched-tokens", str(args.prompt)]
+        res_p = subprocess.run(prefill, capture_output=True, text=True, env=env)
+    found = re.findall(r"host experts \(prefill steps\): ([\d.]+) s computing, ([\d.]+) GB of experts read, "
+                       r"[\d.]+ GB/s, (\d+) products", res_p.stderr)
+    pre = (float(found[-1][0]), float(found[-1][1]) * 1e9) if found else None
+    # Each (token, expert) product: gate, up and down, a multiply and an add a weight.
+    ops = 2 * 3 * s["hidden_size"] * s["moe_intermediate_size"] * int(found[-1][2]) if found else 0
     if res.returncode != 0:
         raise SystemExit(res.stderr[-3000:])
     host = re.findall(r"host experts \(decode steps\): ([\d.]+) s computing, ([\d.]+) GB of experts read",
@@ -76,6 +91,9 @@ def main() -> None:
     print(f"| host experts' decode steps | {gb:.2f} GB in {secs:.2f} s = {host_bw / 1e9:.1f} GB/s |")
     print(f"| host part / read bandwidth | {host_bw / bw:.2f} |")
     print(f"| decode (whole step, f32 attention on the CPU) | {stats['decode_tokens_per_s']:.2f} tok/s |")
+    if pre:
+        print(f"| host experts' prefill steps ({args.prompt} tokens) | {pre[0]:.2f} s, {ops / pre[0] / 1e9:.0f} "
+              f"GOPS (8-bit), {pre[1] / pre[0] / 1e9:.1f} GB/s of experts |")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ pub struct HostExperts<B: DsV4Kernels> {
     /// logged when the experts go.
     busy_secs: [Cell<f64>; 2],
     read_bytes: [Cell<u64>; 2],
+    /// The (token, expert) products computed, likewise.
+    products: [Cell<u64>; 2],
 }
 
 struct HostLayer<B: DsV4Kernels> {
@@ -140,6 +142,7 @@ impl<B: DsV4Kernels> HostExperts<B> {
             expert_bytes,
             busy_secs: Default::default(),
             read_bytes: Default::default(),
+            products: Default::default(),
             counts: RefCell::new(vec![0; cfg.num_layers * cfg.num_routed_experts]),
             placement,
         })
@@ -218,12 +221,19 @@ impl<B: DsV4Kernels> HostExperts<B> {
                 *c += n;
             }
         }
+        let on_host = |e: &usize| self.placement.on_host(layer, *e);
         let touched = (0..num_experts)
-            .filter(|&e| layer_counts[e] > 0 && self.placement.on_host(layer, e))
+            .filter(|e| layer_counts[*e] > 0 && on_host(e))
             .count();
+        let products: u32 = (0..num_experts)
+            .filter(on_host)
+            .map(|e| layer_counts[e])
+            .sum();
         let i = usize::from(tokens > DECODE_TOKENS);
         let (bytes, secs) = (&self.read_bytes[i], &self.busy_secs[i]);
         bytes.set(bytes.get() + (touched * self.expert_bytes) as u64);
+        let done = &self.products[i];
+        done.set(done.get() + u64::from(products));
         secs.set(secs.get() + started.elapsed().as_secs_f64());
         ys
     }
@@ -259,9 +269,10 @@ impl<B: DsV4Kernels> Drop for HostExperts<B> {
             let (secs, bytes) = (self.busy_secs[i].get(), self.read_bytes[i].get());
             if secs > 0.0 {
                 tracing::info!(
-                    "host experts ({steps} steps): {secs:.3} s computing, {:.3} GB of experts read, {:.2} GB/s",
+                    "host experts ({steps} steps): {secs:.3} s computing, {:.3} GB of experts read, {:.2} GB/s, {} products",
                     bytes as f64 / 1e9,
-                    bytes as f64 / 1e9 / secs
+                    bytes as f64 / 1e9 / secs,
+                    self.products[i].get()
                 );
             }
         }
