@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--kv-mib", type=int, default=4096)
     ap.add_argument("--extra-flags", default="", help="flags for the whole model's runs")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-batch", action="store_true", help="no batch decode runs")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.gpu_layers == 0:
@@ -121,7 +122,8 @@ def main() -> None:
                                                                     architectures=["DeepseekV4ForCausalLM"])))
         # The figures that matter most first: a slow run is cut (RUN_TIMEOUT_S), not waited on.
         plan = [(n, "b1", [decode_prompt], args.new) for n in configs]
-        plan += [(n, f"b{args.batch}", batch, args.new) for n in configs]
+        if not args.skip_batch:
+            plan += [(n, f"b{args.batch}", batch, args.new) for n in configs]
         if not args.skip_prefill:
             plan += [(n, "prefill", [prompt], 1) for n in configs]
         for name, key, prompts, new in plan:
@@ -137,8 +139,9 @@ def main() -> None:
     print("| run | whole (43 layers) tok/s | all-GPU (G layers) tok/s | all-GPU scaled to 43 | whole / scaled |"
           .replace("G layers", f"{G} layers"))
     print("|---|---:|---:|---:|---:|")
-    keys = [("decode batch 1", "b1", "decode_tokens_per_s"),
-            (f"decode batch {args.batch}", f"b{args.batch}", "decode_tokens_per_s")]
+    keys = [("decode batch 1", "b1", "decode_tokens_per_s")]
+    if not args.skip_batch:
+        keys.append((f"decode batch {args.batch}", f"b{args.batch}", "decode_tokens_per_s"))
     if not args.skip_prefill:
         keys.append((f"prefill {args.prompt}", "prefill", "prefill_tokens_per_s"))
     for label, k, f in keys:
@@ -146,7 +149,7 @@ def main() -> None:
         scaled = g * G / L
         print(f"| {label} | {w:.2f} | {g:.2f} | {scaled:.2f} | {w / scaled:.2f} |")
     for k in ("b1", f"b{args.batch}"):
-        st = rows[f"whole {k}"]
+        st = rows.get(f"whole {k}", {})
         if st.get("host_secs"):
             bw = st["host_gb"] * 1e9 / st["host_secs"]
             print(f"host part of decode steps, whole {k}: {st['host_gb']:.1f} GB of experts in {st['host_secs']:.2f} s = "

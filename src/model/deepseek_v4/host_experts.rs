@@ -33,7 +33,7 @@ const DEVICE_RANK: u32 = 0;
 const HOST_RANK: u32 = 1;
 
 /// Steps of at most this many tokens count as decode in the host part's log.
-const DECODE_TOKENS: usize = 64;
+const DECODE_TOKENS: usize = 32;
 
 /// The routed experts of the placement's host layers, in host memory.
 pub struct HostExperts<B: DsV4Kernels> {
