@@ -13,10 +13,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use std::time::Duration;
 
+use common::dsv4_host::case_dirs;
 use common::engine::{ok_outputs, tokens};
 use troupe::engine::{Device, Engine, EngineConfig, EngineRequest};
 use troupe::kernels::KvDtype;
@@ -69,20 +70,6 @@ fn load_case(dir: &Path) -> Case {
         mtp_logits,
         f32_weights: json["weights"] == "f32",
     }
-}
-
-fn case_dirs() -> Vec<PathBuf> {
-    let root = std::env::var_os("TROUPE_DSV4_CASES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| common::goldens().join("dsv4-diff"));
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("case.json").exists())
-        .collect();
-    dirs.sort();
-    assert!(!dirs.is_empty(), "no cases under {}", root.display());
-    dirs
 }
 
 /// The largest error of any row, relative to that row's largest magnitude in `want`.
