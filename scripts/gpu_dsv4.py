@@ -89,8 +89,10 @@ def bytes_per_token(s: dict) -> tuple[float, float]:
     return total / layers, 2 * s["vocab_size"] * d
 
 
-def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int,
-           extra: tuple = ()) -> dict:
+def command(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int,
+            extra=()) -> list[str]:
+    """`troupe generate` on `prompts` with `--dummy-weights` on the GPU, its stats to
+    tmp/stats.json."""
     stats = tmp / "stats.json"
     cmd = [binary, "generate", "--model", str(model), "--dummy-weights", "--device", "cuda",
            "--max-tokens", str(new), "--ignore-eos", "--json", "--stats", str(stats),
@@ -102,6 +104,13 @@ def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Pa
         f = tmp / "prompts.jsonl"
         f.write_text("".join(json.dumps({"prompt_ids": p, "max_tokens": new}) + "\n" for p in prompts))
         cmd += ["--prompts-file", str(f)]
+    return cmd
+
+
+def troupe(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int,
+           extra: tuple = ()) -> dict:
+    stats = tmp / "stats.json"
+    cmd = command(binary, model, prompts, new, tmp, kv_mib, extra)
     stats.unlink(missing_ok=True)
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True)

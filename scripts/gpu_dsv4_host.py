@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_dsv4 import bytes_per_token, shape
+from gpu_dsv4 import bytes_per_token, command, shape
 
 # One troupe process's bound: a slow run is reported, not waited on past the call's limit.
 RUN_TIMEOUT_S = int(os.environ.get("RUN_TIMEOUT_S", "240"))
@@ -46,16 +46,7 @@ def host_read_bandwidth() -> float:
 def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int,
         extra: list[str]) -> dict:
     stats = tmp / "stats.json"
-    cmd = [binary, "generate", "--model", str(model), "--dummy-weights", "--device", "cuda",
-           "--max-tokens", str(new), "--ignore-eos", "--json", "--stats", str(stats),
-           "--kv-cache-mib", str(kv_mib), "--max-num-seqs", str(max(len(prompts), 1)),
-           "--max-num-batched-tokens", "4096", *extra]
-    if len(prompts) == 1:
-        cmd += ["--prompt-ids", ",".join(map(str, prompts[0]))]
-    else:
-        f = tmp / "prompts.jsonl"
-        f.write_text("".join(json.dumps({"prompt_ids": p, "max_tokens": new}) + "\n" for p in prompts))
-        cmd += ["--prompts-file", str(f)]
+    cmd = command(binary, model, prompts, new, tmp, kv_mib, extra)
     stats.unlink(missing_ok=True)
     env = dict(os.environ, RUST_LOG="troupe=info")
     t0 = time.perf_counter()
