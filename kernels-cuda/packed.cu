@@ -347,6 +347,25 @@ extern "C" __global__ void random_mxfp4_kernel(u8* blocks, long long groups, uns
     }
 }
 
+// GGUF's MXFP4 blocks (type 39: value j in the low nibble of byte j, value j + 16 in its
+// high one) rewritten in place in TROUPE_MXFP4's pair order, a thread a block: routed
+// experts kept in host memory in GGUF's order for the CPU's integer dot, streamed here for
+// a step whose many rows make the copy cheaper than the CPU's products.
+extern "C" __global__ void mxfp4_ggml_to_pairs_kernel(u8* blocks, long long groups) {
+    pdl_enter();
+    long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    u8* b = blocks + g * 17 + 1;
+    u8 codes[32];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        codes[j] = b[j] & 15;
+        codes[j + 16] = b[j] >> 4;
+    }
+#pragma unroll
+    for (int l = 0; l < 16; ++l) b[l] = (u8)(codes[2 * l] | (codes[2 * l + 1] << 4));
+}
+
 // embedding_kernel over a packed part holding table rows first_row .. first_row + rows:
 // tokens whose row lies elsewhere are another part's.
 extern "C" __global__ void __launch_bounds__(256)

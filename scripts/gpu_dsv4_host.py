@@ -6,7 +6,8 @@ run (torch summing a large host tensor on every core), the limit the host part i
 
 Usage (on the device machine): python3 scripts/gpu_dsv4_host.py gpu-bin/troupe \
     [--layers 43] [--gpu-layers 16] [--prompt 4096] [--decode-prompt 512] [--new 32] \
-    [--batch 32] [--extra-flags '--cpu-moe'] [--out DIR]
+    [--batch 32] [--extra-flags '--cpu-moe'] [--skip-decode] [--skip-batch] [--skip-prefill] \
+    [--compare-never] [--out DIR]
 Prints a table last; writes gpu_dsv4_host.json to --out.
 """
 
@@ -70,6 +71,13 @@ def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path,
                       res.stderr)
     if host:
         s["host_secs"], s["host_gb"] = float(host[-1][0]), float(host[-1][1])
+    for key, pattern in [("load_line", r"host experts: \d+ matrices pinned[^\n]*"),
+                         ("streamed_line", r"host experts streamed to the device[^\n]*"),
+                         ("prefill_host_line", r"host experts \(prefill steps\)[^\n]*")]:
+        found = re.findall(pattern, res.stderr)
+        if found:
+            s[key] = found[-1]
+            print(f"  {found[-1]}", flush=True)
     print(f"{' '.join(extra) or 'default'} {len(prompts)}x: prefill {s['prefill_tokens_per_s']:.1f} tok/s, "
           f"decode {s['decode_tokens_per_s']:.2f} tok/s, wall {wall:.0f} s; {s['placement']}; "
           f"host {s.get('host_secs')} s / {s.get('host_gb')} GB", flush=True)
@@ -90,6 +98,9 @@ def main() -> None:
     ap.add_argument("--extra-flags", default="", help="flags for the whole model's runs")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-batch", action="store_true", help="no batch decode runs")
+    ap.add_argument("--skip-decode", action="store_true", help="no batch-1 decode runs")
+    ap.add_argument("--compare-never", action="store_true",
+                    help="also the whole model's prefill with --stream-experts never (the CPU computes every host expert)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.gpu_layers == 0:
@@ -112,13 +123,15 @@ def main() -> None:
             (tmp / name / "config.json").write_text(json.dumps(dict(s, model_type="deepseek_v4",
                                                                     architectures=["DeepseekV4ForCausalLM"])))
         # The figures that matter most first: a slow run is cut (RUN_TIMEOUT_S), not waited on.
-        plan = [(n, "b1", [decode_prompt], args.new) for n in configs]
+        plan = [] if args.skip_decode else [(n, "b1", [decode_prompt], args.new, []) for n in configs]
         if not args.skip_batch:
-            plan += [(n, f"b{args.batch}", batch, args.new) for n in configs]
+            plan += [(n, f"b{args.batch}", batch, args.new, []) for n in configs]
         if not args.skip_prefill:
-            plan += [(n, "prefill", [prompt], 1) for n in configs]
-        for name, key, prompts, new in plan:
-            extra = configs[name][1]
+            plan += [(n, "prefill", [prompt], 1, []) for n in configs]
+            if args.compare_never:
+                plan.append(("whole", "prefill never", [prompt], 1, ["--stream-experts", "never"]))
+        for name, key, prompts, new, more in plan:
+            extra = configs[name][1] + more
             rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra)
     layer_bytes, head_bytes = bytes_per_token(whole)
     Path(args.out, "gpu_dsv4_host.json").write_text(json.dumps(
@@ -130,7 +143,7 @@ def main() -> None:
     print("| run | whole (43 layers) tok/s | all-GPU (G layers) tok/s | all-GPU scaled to 43 | whole / scaled |"
           .replace("G layers", f"{G} layers"))
     print("|---|---:|---:|---:|---:|")
-    keys = [("decode batch 1", "b1", "decode_tokens_per_s")]
+    keys = [] if args.skip_decode else [("decode batch 1", "b1", "decode_tokens_per_s")]
     if not args.skip_batch:
         keys.append((f"decode batch {args.batch}", f"b{args.batch}", "decode_tokens_per_s"))
     if not args.skip_prefill:
@@ -139,6 +152,11 @@ def main() -> None:
         w, g = rows[f"whole {k}"][f], rows[f"gpu {k}"][f]
         scaled = g * G / L
         print(f"| {label} | {w:.2f} | {g:.2f} | {scaled:.2f} | {w / scaled:.2f} |")
+    if "whole prefill never" in rows:
+        never = rows["whole prefill never"]["prefill_tokens_per_s"]
+        auto = rows["whole prefill"]["prefill_tokens_per_s"]
+        print(f"prefill {args.prompt}, whole model: streamed (auto) {auto:.2f} tok/s vs CPU-computed (never) "
+              f"{never:.2f} tok/s = {auto / never:.2f}x")
     for k in ("b1", f"b{args.batch}"):
         st = rows.get(f"whole {k}", {})
         if st.get("host_secs"):

@@ -10,7 +10,7 @@ mod common;
 
 use common::dsv4::{assert_rows_close, assert_tracks, dir, reference};
 use common::dsv4_host::{
-    argmax_rows, case, case_dirs, first_layers, logits, placements, with_host_experts,
+    argmax_rows, case, case_dirs, first_layers, logits, placements, streaming, with_host_experts,
 };
 use troupe::kernels::cuda::CudaBackend;
 use troupe::model::deepseek_v4::DsV4Model;
@@ -107,5 +107,87 @@ fn experts_moved_between_the_gpu_and_host_keep_the_logits() {
         model.move_experts(&dir, false, next).unwrap();
         let got = logits(&model, &prompt, 7);
         assert_rows_close("moved", &format!("round {round}"), &got, &want, vocab, 1e-4);
+    }
+}
+
+/// A host expert streamed to the GPU (`--stream-experts always`): GGUF's MXFP4 blocks as
+/// the host keeps them, put in the GPU's pair order on the device, multiply as the
+/// checkpoint's own upload does, bit for bit, on generated shapes.
+#[test]
+fn ggml_mxfp4_blocks_upload_as_the_checkpoint_layout() {
+    use troupe::kernels::fp4::Mxfp4Matrix;
+    use troupe::kernels::quant::GgmlType;
+    use troupe::kernels::{Backend, HostData, HostMatrix};
+    use troupe::sampling::splitmix64;
+    let g = gpu(false);
+    for seed in 0..6u64 {
+        let rows = 1 + (splitmix64(seed) % 300) as usize;
+        let cols = 32 * (1 + (splitmix64(seed ^ 7) % 40) as usize);
+        let tokens = 1 + (splitmix64(seed ^ 9) % 70) as usize;
+        let mut m = Mxfp4Matrix::random(rows, cols, seed);
+        for (i, e) in m.exponents.iter_mut().enumerate() {
+            *e = 110 + (splitmix64(seed ^ i as u64) % 20) as u8;
+        }
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| (splitmix64(seed ^ (i as u64 * 31)) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let product = |data: HostData| {
+            let w = g.upload_matrix(HostMatrix { rows, cols, data });
+            let mut out = g.alloc(tokens * rows);
+            g.matmul(&g.upload(&x), tokens, &w, None, &mut out);
+            g.download(&out, tokens * rows)
+        };
+        let want = product(HostData::Mxfp4(m.clone()));
+        let blocks = m.to_ggml_blocks();
+        let got = product(HostData::Quantized {
+            ggml_type: GgmlType::MXFP4,
+            bytes: blocks.clone(),
+        });
+        let streamed = g.upload_blocks(rows, cols, GgmlType::MXFP4, &blocks);
+        let mut out = g.alloc(tokens * rows);
+        g.matmul(&g.upload(&x), tokens, &streamed, None, &mut out);
+        let got_streamed = g.download(&out, tokens * rows);
+        for (what, got) in [("upload_matrix", &got), ("upload_blocks", &got_streamed)] {
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "[{rows}, {cols}] × {tokens} rows through {what}"
+            );
+        }
+    }
+}
+
+/// `--stream-experts always` on the GPU: the touched host experts of every layer copied
+/// and computed beside the GPU's own give the all-GPU run's logits bit for bit (the same
+/// codes, the same kernels), on the packed checkpoint under generated placements.
+#[test]
+fn streamed_host_experts_on_a_cuda_rank_give_the_all_gpu_bits() {
+    use troupe::model::deepseek_v4::expert_streaming::StreamExperts;
+    let name = "tiny-dsv4-packed";
+    let r = reference(name);
+    let all_gpu = DsV4Model::load_dir_on(gpu(false), &dir(name), false).unwrap();
+    let cfg = all_gpu.cfg.clone();
+    for seed in 0..3u64 {
+        for (what, placement) in placements(&cfg, seed) {
+            let model = streaming(
+                gpu(false),
+                &dir(name),
+                placement,
+                (false, StreamExperts::Always),
+            )
+            .unwrap();
+            let prompt = &r.prompts[seed as usize % r.prompts.len()];
+            for chunk in [prompt.len(), 7] {
+                let want = logits(&all_gpu, prompt, chunk);
+                let got = logits(&model, prompt, chunk);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}, chunks of {chunk}: streamed experts' logits differ from the all-GPU run"
+                );
+            }
+        }
     }
 }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::dsv4_host::with_host_experts;
+use common::dsv4_host::{streaming, with_host_experts};
 
 use std::path::Path;
 use std::time::Duration;
@@ -20,6 +20,7 @@ use troupe::model::deepseek_v4::DsV4Model;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
 use troupe::model::deepseek_v4::expert_placement::{CpuMoe, ExpertPlacement};
+use troupe::model::deepseek_v4::expert_streaming::StreamExperts;
 use troupe::sampling::{SamplingParams, splitmix64};
 
 #[test]
@@ -190,6 +191,64 @@ async fn impossible_placements_are_refused_by_name() {
         err.contains("--cpu-moe") && err.contains("no routed experts"),
         "{err}"
     );
+    let mut cfg = EngineConfig::new(common::goldens().join("tiny-llama"));
+    cfg.stream_experts = StreamExperts::Always;
+    let err = Engine::spawn(cfg)
+        .await
+        .err()
+        .expect("streaming a dense model's experts refused")
+        .to_string();
+    assert!(
+        err.contains("--stream-experts always") && err.contains("no routed experts"),
+        "{err}"
+    );
+}
+
+/// `--stream-experts always`: every layer's touched host experts are copied to the
+/// device and computed there, through the device's own grouped kernels beside the
+/// experts it holds. On the CPU rank the copy is computed as the host computes it, so
+/// the packed checkpoint under generated placements gives the CPU part's bits; experts
+/// the copy cannot take (the batch-invariant mode's panels) are refused by name.
+#[test]
+fn streamed_host_experts_give_the_host_computed_bits() {
+    let name = "tiny-dsv4-packed";
+    let dir = common::dsv4::dir(name);
+    let r = common::dsv4::reference(name);
+    let cfg = DsV4Config::from_dir(&dir).unwrap();
+    for seed in 0..3u64 {
+        for (what, placement) in placements(&cfg, seed) {
+            let on_cpu = with_host_experts(CpuBackend::default(), &dir, placement.clone(), false);
+            let copied = streaming(
+                CpuBackend::default(),
+                &dir,
+                placement,
+                (false, StreamExperts::Always),
+            )
+            .unwrap();
+            let prompt = &r.prompts[seed as usize % r.prompts.len()];
+            for chunk in [prompt.len(), 1 + (splitmix64(seed) % 6) as usize] {
+                let want = logits(&on_cpu, prompt, chunk);
+                let got = logits(&copied, prompt, chunk);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}, chunks of {chunk}: streamed experts' logits differ"
+                );
+            }
+        }
+    }
+    let all = first_layers(cfg.num_layers, cfg.num_routed_experts, cfg.num_layers);
+    let err = streaming(
+        CpuBackend::default(),
+        &dir,
+        all,
+        (true, StreamExperts::Always),
+    )
+    .err()
+    .expect("panels refused")
+    .to_string();
+    assert!(err.contains("--stream-experts always"), "{err}");
 }
 
 /// `--batch-invariant` with host experts: a row's logits are the same bits alone or

@@ -62,6 +62,11 @@ pub struct EngineFlags {
     /// device cannot hold them with the KV cache (the first layers' first).
     #[arg(long, value_name = "N")]
     n_cpu_moe: Option<usize>,
+    /// DeepSeek-V4 with experts in host memory: copy a layer's touched host experts to
+    /// the device for a step when that is faster than the CPU computing them (auto: by
+    /// times measured at load and since; always; never).
+    #[arg(long, default_value = "auto", value_name = "auto|always|never")]
+    stream_experts: crate::model::deepseek_v4::expert_streaming::StreamExperts,
     /// Seeded random weights for the shape in the model directory's config.json (made on
     /// the device on a GPU): benchmarks of models whose weights are not at hand.
     #[arg(long)]
@@ -222,6 +227,7 @@ impl EngineFlags {
             (false, Some(n)) => crate::model::deepseek_v4::expert_placement::CpuMoe::FirstLayers(n),
             (false, None) => Default::default(),
         };
+        cfg.stream_experts = self.stream_experts;
         cfg.dummy_weights = self.dummy_weights;
         cfg.chat_template = self
             .chat_template

@@ -73,6 +73,9 @@ pub struct EngineConfig {
     /// DeepSeek-V4 on one device: which routed experts live in host memory and run on
     /// the CPU (`--cpu-moe`, `--n-cpu-moe N`; by default only what the device cannot hold).
     pub cpu_moe: crate::model::deepseek_v4::expert_placement::CpuMoe,
+    /// Host experts copied to the device for steps whose rows make that faster than the
+    /// CPU (`--stream-experts`; `expert_streaming.rs`).
+    pub stream_experts: crate::model::deepseek_v4::expert_streaming::StreamExperts,
     /// Speculative decoding; `None`: off.
     pub speculative: Option<SpecConfig>,
     /// `--spec draft`: the draft model (same tokenizer and vocabulary as the model), run
@@ -158,6 +161,7 @@ impl EngineConfig {
             swa_saved_states: None,
             eplb: None,
             cpu_moe: Default::default(),
+            stream_experts: Default::default(),
             speculative: None,
             draft_model_path: None,
             latency_curve_dir: None,

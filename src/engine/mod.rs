@@ -120,6 +120,12 @@ impl Engine {
                 )));
             }
         }
+        if cfg.stream_experts != Default::default() && text.deepseek_v4.is_none() {
+            return Err(EngineError::Spawn(format!(
+                "--stream-experts {}: this model has no routed experts in host memory to stream (DeepSeek-V4 has)",
+                cfg.stream_experts
+            )));
+        }
         if cfg.quantization.is_some() && text.deepseek_v4.is_some() {
             return Err(EngineError::Spawn(
                 "--quantization is for dense checkpoints: DeepSeek-V4's weights are FP8 / FP4 as shipped".into(),
@@ -255,6 +261,7 @@ impl Engine {
                 block_size: pools.block_size,
                 eplb: cfg.eplb,
                 cpu_moe: cfg.cpu_moe,
+                stream_experts: cfg.stream_experts,
                 faults: faults.clone(),
                 batch_invariant: cfg.batch_invariant,
                 exact_activations: cfg.exact_activations,

@@ -28,6 +28,9 @@ pub(crate) use device::NO_CUDA;
 pub use host::{HostData, HostMatrix, random_weight};
 pub use paged_kv::{KvCacheShape, KvDtype, SeqAttention};
 
+/// Host memory a backend keeps page-locked while it lives (`Backend::pin_host`).
+pub type HostPin = Box<dyn std::any::Any + Send + Sync>;
+
 pub trait Backend: Send + Sync {
     /// Activations, norms' weights and biases: a flat f32 buffer on the device.
     type Buf: Send + Sync;
@@ -54,6 +57,30 @@ pub trait Backend: Send + Sync {
     where
         Self: Sized;
     fn upload_matrix(&self, m: HostMatrix) -> Self::Matrix;
+    /// `[rows, cols]` GGML blocks read in place from host memory (a host-resident expert
+    /// streamed to the device for one step): `upload_matrix` without the owned copy.
+    fn upload_blocks(
+        &self,
+        rows: usize,
+        cols: usize,
+        ggml_type: quant::GgmlType,
+        blocks: &[u8],
+    ) -> Self::Matrix {
+        self.upload_matrix(HostMatrix {
+            rows,
+            cols,
+            data: HostData::Quantized {
+                ggml_type,
+                bytes: blocks.to_vec(),
+            },
+        })
+    }
+    /// Page-locks `region` of host memory for the device's copies until the guard drops
+    /// (the guard must drop before the memory does); `None` where this backend does not
+    /// or the driver refused.
+    fn pin_host(&self, _region: &[u8]) -> Option<HostPin> {
+        None
+    }
     /// `--quantization`: how the loader hands this backend dense layer projections.
     fn quantization(&self) -> Option<fp8::Quantization> {
         None

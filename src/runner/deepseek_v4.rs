@@ -14,6 +14,7 @@ use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, SlotSpan};
 use crate::model::deepseek_v4::config::DsV4Config;
 use crate::model::deepseek_v4::expert_parallel::{ExpertGroup, ExpertShard};
+use crate::model::deepseek_v4::expert_streaming::StreamExperts;
 use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::saved_state::{SavedStates, load_bytes};
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
@@ -92,7 +93,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
             &args.model_path,
             args.dummy_weights,
             placement,
-            args.batch_invariant,
+            (args.batch_invariant, stream_on_cpu(args.stream_experts)),
         )
         .map_err(|e| e.to_string())?;
     let formats = CacheFormats::for_dtype(args.kv_dtype);
@@ -141,6 +142,15 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
 
 /// What rank `shard` computes: EPLB's placement when it places experts for this group
 /// (`--eplb-ranks` equal to the group size), else contiguous equal shares.
+/// On the CPU the "device" is the host: a copy buys nothing unless asked for (the
+/// streamed path's tests).
+fn stream_on_cpu(flag: StreamExperts) -> StreamExperts {
+    match flag {
+        StreamExperts::Always => StreamExperts::Always,
+        StreamExperts::Auto | StreamExperts::Never => StreamExperts::Never,
+    }
+}
+
 fn expert_shard(shard: TpShard, eplb: Option<&Eplb>) -> ExpertShard {
     let placements = eplb
         .filter(|e| e.num_ranks() == shard.size)

@@ -13,6 +13,7 @@ use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
 use crate::model::deepseek_v4::cache::{DsV4Cache, SlotSpan};
+use crate::model::deepseek_v4::expert_streaming::StreamExperts;
 use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::saved_state::SavedStates;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
@@ -65,12 +66,15 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
             })
             .map_err(|e| e.to_string())?;
         crate::runner::trim_heap();
+        if args.stream_experts != StreamExperts::Never {
+            super::expert_placement::pin_friendly_heap();
+        }
         model
             .keep_experts_on_host(
                 &args.model_path,
                 args.dummy_weights,
                 placement,
-                args.batch_invariant,
+                (args.batch_invariant, args.stream_experts),
             )
             .map_err(|e| e.to_string())?;
     }
@@ -171,7 +175,8 @@ impl DeviceModel for DsV4OnCuda {
     fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String> {
         let mut tokens = tokens.min(self.cache.num_blocks * block_size);
         if self.model.expert_placement().is_some() {
-            // Host experts prefill on the CPU: a short warm-up loads the kernels all the same.
+            // Host experts prefill on the CPU: a short warm-up loads the kernels all the same
+            // and shows the CPU's rate (`expert_streaming`) at the cost of one layer's products.
             tokens = tokens.min(HOST_EXPERTS_WARMUP_TOKENS);
         }
         if tokens == 0 || self.cache.num_slots() == 0 {

@@ -43,6 +43,18 @@ pub fn host_available_bytes() -> usize {
         .map_or(usize::MAX, |kib| kib << 10)
 }
 
+/// Heap blocks of 1 MiB and more in pages of their own from now on: glibc otherwise raises
+/// its mmap threshold as blocks are freed and packs such blocks side by side, and the
+/// driver page-locks (`Backend::pin_host`) whole pages, one registration each.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn pin_friendly_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes the allocator's threshold for later allocations.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
 /// The placement for `args`' flags on this machine: `device_room_bytes` is what the
 /// device has left for routed experts (`None`: the device is the host).
 pub fn placement(

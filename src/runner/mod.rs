@@ -77,6 +77,8 @@ pub struct RankArgs {
     pub eplb: Option<crate::eplb::EplbSettings>,
     /// DeepSeek-V4: which routed experts stay in host memory (`expert_placement`).
     pub cpu_moe: crate::model::deepseek_v4::expert_placement::CpuMoe,
+    /// DeepSeek-V4: when host experts are copied to the device (`expert_streaming`).
+    pub stream_experts: crate::model::deepseek_v4::expert_streaming::StreamExperts,
     pub faults: FaultPlan,
     pub batch_invariant: bool,
     /// CPU: see `CpuBackend::exact_activations`.

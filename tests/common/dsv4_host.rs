@@ -8,6 +8,7 @@ use troupe::kernels::deepseek_v4::DsV4Kernels;
 use troupe::model::deepseek_v4::cache::{DsV4Cache, SlotSpan, lcm_rates};
 use troupe::model::deepseek_v4::config::DsV4Config;
 use troupe::model::deepseek_v4::expert_placement::ExpertPlacement;
+use troupe::model::deepseek_v4::expert_streaming::StreamExperts;
 use troupe::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use troupe::sampling::splitmix64;
 
@@ -56,13 +57,21 @@ pub fn with_host_experts<B: DsV4Kernels>(
     placement: ExpertPlacement,
     invariant: bool,
 ) -> DsV4Model<B> {
+    streaming(backend, dir, placement, (invariant, StreamExperts::Never)).unwrap()
+}
+
+/// `with_host_experts` with `--stream-experts`' mode `stream`, or why it was refused.
+pub fn streaming<B: DsV4Kernels>(
+    backend: B,
+    dir: &Path,
+    placement: ExpertPlacement,
+    (invariant, stream): (bool, StreamExperts),
+) -> troupe::error::Result<DsV4Model<B>> {
     let holds = |l: usize, e: usize| !placement.on_host(l, e);
     let mut model = DsV4Model::load_dir_holding(backend, dir, false, &holds)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    model
-        .keep_experts_on_host(dir, false, placement, invariant)
-        .unwrap();
-    model
+    model.keep_experts_on_host(dir, false, placement, (invariant, stream))?;
+    Ok(model)
 }
 
 /// Every position's logits of `tokens`, fed in chunks of `chunk`.

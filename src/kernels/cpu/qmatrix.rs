@@ -202,6 +202,17 @@ impl CpuMatrix {
         CpuMatrix::Panels { rows, cols, data }
     }
 
+    /// The blocks of a matrix packed in one format, as held (what a device reads in place
+    /// when a host-resident expert is streamed to it); `None` for any other layout.
+    pub fn packed_blocks(&self) -> Option<(GgmlType, &[u8])> {
+        match self {
+            CpuMatrix::Packed { parts, .. } if parts.len() == 1 => {
+                Some((parts[0].ggml_type, &parts[0].bytes))
+            }
+            _ => None,
+        }
+    }
+
     /// The part of a `Packed` matrix that holds row `r`.
     pub fn part_of(&self, r: usize) -> &PackedPart {
         let CpuMatrix::Packed { parts, .. } = self else {

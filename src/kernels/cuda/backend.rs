@@ -3,10 +3,10 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::captured;
 use super::graph::{self, Meta};
 use super::weights::Store;
 use super::{CudaBackend, CudaKvCache, CudaMatrix, check, grid_for, per_norm_row, per_row};
+use crate::kernels::quant::GgmlType;
 use crate::kernels::{Backend, HostMatrix, KvCacheShape, SeqAttention};
 
 impl Backend for CudaBackend {
@@ -54,6 +54,14 @@ impl Backend for CudaBackend {
 
     fn upload_matrix(&self, m: HostMatrix) -> CudaMatrix {
         self.upload_weights(m)
+    }
+
+    fn upload_blocks(&self, rows: usize, cols: usize, ty: GgmlType, blocks: &[u8]) -> CudaMatrix {
+        self.upload_host_blocks(rows, cols, ty, blocks)
+    }
+
+    fn pin_host(&self, region: &[u8]) -> Option<crate::kernels::HostPin> {
+        self.pin(region)
     }
 
     fn quantization(&self) -> Option<crate::kernels::fp8::Quantization> {
@@ -540,30 +548,6 @@ impl crate::kernels::StepGraphs for CudaBackend {
 
     fn buffers_moved(&self) {
         self.moved();
-    }
-}
-
-impl crate::kernels::StepRecorder for CudaBackend {
-    fn run_recorded(&self, key: u64, body: &mut dyn FnMut()) {
-        // The lock is not held while `body` runs: its ops may grow buffers (`moved`).
-        let next = self.captured().next(key);
-        match next {
-            captured::Next::Replay => self.captured().replay(&self.stream, key),
-            captured::Next::Eager => body(),
-            captured::Next::Capture => {
-                super::module::release_kept_memory(&self.stream);
-                self.captured().begin_capture(&self.stream, key);
-                body();
-                self.captured().end_capture(&self.stream);
-                self.captured().replay(&self.stream, key);
-            }
-        }
-        // The bf16 copy the host last recorded is not what a recorded step left there.
-        *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    }
-
-    fn forget_recorded(&self) {
-        self.captured().forget();
     }
 }
 

@@ -13,8 +13,8 @@ use std::collections::{HashMap, HashSet};
 use cudarc::driver::CudaStream;
 use cudarc::driver::sys::CUstreamCaptureMode;
 
-use super::check;
 use super::recorded::Recorded;
+use super::{CudaBackend, check};
 
 #[derive(Default)]
 pub struct CapturedSteps {
@@ -82,5 +82,29 @@ impl CapturedSteps {
         if self.capturing.take().is_some() {
             Recorded::abandon_capture(stream);
         }
+    }
+}
+
+impl crate::kernels::StepRecorder for CudaBackend {
+    fn run_recorded(&self, key: u64, body: &mut dyn FnMut()) {
+        // The lock is not held while `body` runs: its ops may grow buffers (`moved`).
+        let next = self.captured().next(key);
+        match next {
+            Next::Replay => self.captured().replay(&self.stream, key),
+            Next::Eager => body(),
+            Next::Capture => {
+                super::mem_pool::release_kept_memory(&self.stream);
+                self.captured().begin_capture(&self.stream, key);
+                body();
+                self.captured().end_capture(&self.stream);
+                self.captured().replay(&self.stream, key);
+            }
+        }
+        // The bf16 copy the host last recorded is not what a recorded step left there.
+        *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn forget_recorded(&self) {
+        self.captured().forget();
     }
 }

@@ -210,7 +210,7 @@ impl Graphs {
         self.phase = if self.recorded.contains_key(&tokens) {
             Phase::Replay(tokens)
         } else if self.warmed.contains(&tokens) {
-            super::module::release_kept_memory(stream);
+            super::mem_pool::release_kept_memory(stream);
             check(
                 stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "begin capture",

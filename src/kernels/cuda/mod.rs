@@ -18,6 +18,7 @@ mod invariant;
 mod kv_blocks;
 mod kv_cache;
 mod matmul;
+mod mem_pool;
 mod module;
 pub(crate) mod nccl;
 mod picks;

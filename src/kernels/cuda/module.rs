@@ -87,58 +87,8 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
         )));
     }
     let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::Unavailable(e.to_string()))?;
-    keep_freed_memory(&ctx)?;
+    super::mem_pool::keep_freed_memory(&ctx)?;
     Ok(ctx)
-}
-
-/// What the default pool keeps but nothing uses, back to the driver, once the stream's
-/// frees have landed: a step about to be captured takes its buffers from the graphs' own
-/// pool, which cannot reuse memory the default pool holds (a prefill's peak, kept by
-/// `keep_freed_memory`). Best effort: a failure only leaves the memory kept.
-pub fn release_kept_memory(stream: &cudarc::driver::CudaStream) {
-    use cudarc::driver::sys;
-    let ctx = stream.context();
-    if !ctx.has_async_alloc() || stream.synchronize().is_err() {
-        return;
-    }
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: the pool handle is written by the driver for the context's device.
-    let trimmed = unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-            .result()
-            .and_then(|()| sys::cuMemPoolTrimTo(pool, 0).result())
-    };
-    if let Err(e) = trimmed {
-        tracing::warn!("the device's memory pool kept its free memory: {e}");
-    }
-}
-
-/// Stream-ordered allocations come from the device's default pool, whose release threshold
-/// is 0: every synchronize hands freed memory back to the driver, so each step (a prefill's
-/// activations most of all) maps its scratch afresh. Keeping it makes the pool a cache, as
-/// PyTorch's allocator is.
-fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<(), CudaError> {
-    use cudarc::driver::sys;
-    if !ctx.has_async_alloc() {
-        return Ok(());
-    }
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut threshold = u64::MAX;
-    // SAFETY: the pool handle is written by the driver for a device the context holds; the
-    // attribute takes a u64 by pointer.
-    unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-            .result()
-            .and_then(|()| {
-                sys::cuMemPoolSetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                    (&mut threshold as *mut u64).cast(),
-                )
-                .result()
-            })
-    }
-    .map_err(|e| CudaError::Unavailable(format!("the device's memory pool: {e}")))
 }
 
 fn cache_dir() -> PathBuf {
@@ -314,6 +264,8 @@ pub struct Kernels {
     pub embedding_packed: CudaFunction,
     pub quantize_fp8_rows: CudaFunction,
     pub random_mxfp4: CudaFunction,
+    /// GGUF MXFP4 blocks to troupe's pair order, in place (streamed host experts).
+    pub mxfp4_ggml_to_pairs: CudaFunction,
     /// Activations to e4m3 for cuBLASLt's FP8 GEMM (`fp8_act.cu`).
     pub quantize_fp8_act: CudaFunction,
     /// `flash_prefill` (tensor cores) per head_dim (64, 128): over a bf16 cache, and over
@@ -568,6 +520,7 @@ impl Kernels {
             embedding_packed: f("embedding_packed_kernel")?,
             quantize_fp8_rows: f("quantize_fp8_rows_kernel")?,
             random_mxfp4: f("random_mxfp4_kernel")?,
+            mxfp4_ggml_to_pairs: f("mxfp4_ggml_to_pairs_kernel")?,
             quantize_fp8_act: f("quantize_fp8_act_kernel")?,
             _module: module,
         })

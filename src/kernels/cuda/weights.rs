@@ -3,7 +3,7 @@
 //! with its scale grid, GGML Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks as the file stores
 //! them — in parts of consecutive rows (a Q4_K_M file's stacked q/k/v mixes formats).
 
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
 use super::{CudaBackend, check, grid_for};
@@ -166,6 +166,10 @@ impl CudaBackend {
             _ => false,
         };
         let store = match m.data {
+            HostData::Quantized {
+                ggml_type: GgmlType::MXFP4,
+                bytes,
+            } => Store::Packed(vec![self.mxfp4_from_ggml(rows, &bytes)]),
             HostData::Random {
                 seed,
                 mean,
@@ -248,6 +252,88 @@ impl CudaBackend {
             bytes: check(self.stream.clone_htod(&bytes), "weight upload"),
             scales: check(self.stream.clone_htod(&scales), "weight upload"),
         }
+    }
+
+    /// `upload_blocks`: GGUF's MXFP4 copied straight from `blocks` (a DMA where
+    /// `pin` pinned them) and put in troupe's pair order on the device; other formats as
+    /// `upload_weights` takes them.
+    pub(super) fn upload_host_blocks(
+        &self,
+        rows: usize,
+        cols: usize,
+        ggml_type: GgmlType,
+        blocks: &[u8],
+    ) -> CudaMatrix {
+        if ggml_type != GgmlType::MXFP4 {
+            return self.upload_weights(HostMatrix {
+                rows,
+                cols,
+                data: HostData::Quantized {
+                    ggml_type,
+                    bytes: blocks.to_vec(),
+                },
+            });
+        }
+        let part = self.mxfp4_from_ggml(rows, blocks);
+        CudaMatrix {
+            rows,
+            cols,
+            store: Store::Packed(vec![part]),
+        }
+    }
+
+    fn mxfp4_from_ggml(&self, rows: usize, blocks: &[u8]) -> DevicePart {
+        let groups = blocks.len() / 17;
+        // SAFETY: every byte is written by the copy below before any kernel reads it.
+        let mut bytes = check(
+            unsafe { self.stream.alloc::<u8>(blocks.len().max(1)) },
+            "streamed experts",
+        );
+        {
+            let (at, _written) = bytes.device_ptr_mut(&self.stream);
+            // SAFETY: the destination holds blocks.len() bytes; the source is host memory
+            // the caller keeps until the step's kernels ran (host experts live on).
+            check(
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(at, blocks, self.stream.cu_stream())
+                },
+                "streamed experts",
+            );
+        }
+        let n = groups as i64;
+        // SAFETY: bytes holds groups · 17 bytes.
+        check(
+            unsafe {
+                self.stream
+                    .launch_builder(&self.kernels.mxfp4_ggml_to_pairs)
+                    .arg(&mut bytes)
+                    .arg(&n)
+                    .launch(grid_for(groups))
+            },
+            "mxfp4 pair order",
+        );
+        DevicePart {
+            first_row: 0,
+            rows,
+            format: PackedFormat::Mxfp4,
+            bytes,
+            scales: check(self.stream.alloc_zeros::<f32>(1), "streamed experts"),
+        }
+    }
+
+    /// `pin_host`: `region` registered with the driver (page-locked) until the guard drops.
+    pub(super) fn pin(&self, region: &[u8]) -> Option<crate::kernels::HostPin> {
+        self.ctx.bind_to_thread().ok()?;
+        let at = region.as_ptr() as *mut std::ffi::c_void;
+        // SAFETY: the region is live host memory; the guard unregisters it before the
+        // caller frees it (`Backend::pin_host`'s contract).
+        let r = unsafe { cudarc::driver::sys::cuMemHostRegister_v2(at, region.len(), 0) };
+        (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then(|| {
+            Box::new(Pinned {
+                ctx: self.ctx.clone(),
+                at: at as usize,
+            }) as crate::kernels::HostPin
+        })
     }
 
     fn random_mxfp4(&self, rows: usize, cols: usize, seed: u64) -> DevicePart {
@@ -411,5 +497,22 @@ impl CudaBackend {
             }
         }
         out
+    }
+}
+
+/// Host memory registered with the driver (`CudaBackend::pin`).
+struct Pinned {
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    at: usize,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `at` was registered by `pin` and is still live (the guard drops first).
+            let _ = unsafe {
+                cudarc::driver::sys::cuMemHostUnregister(self.at as *mut std::ffi::c_void)
+            };
+        }
     }
 }

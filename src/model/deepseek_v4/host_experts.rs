@@ -11,22 +11,24 @@
 //! combine stay on the device; the host's rows are added into the device's before the
 //! combine, so each token still adds its experts in expert order and a product the host
 //! computes exactly as the device would gives the all-device run's bits.
+//!
+//! A step whose rows make the bus cheaper than the CPU (`expert_streaming.rs`) copies the
+//! touched host experts' blocks to the device instead (pinned where the driver allows),
+//! and the device computes the whole layer.
 
 use std::cell::{Cell, RefCell};
 
-use std::path::Path;
-
-use super::DsV4Model;
 use super::config::DsV4Config;
 use super::expert_placement::ExpertPlacement;
+use super::expert_streaming::{StreamCost, StreamExperts};
 use super::weights::{EitherNaming, Expert, LinearData, LinearStore, NoTensors, Reader};
 use crate::error::Result;
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::{DsV4Kernels, ExpertOwners};
 use crate::kernels::fp4::Mxfp4Matrix;
 use crate::kernels::quant::GgmlType;
-use crate::kernels::{Backend, HostData, HostMatrix};
-use crate::model::loader::{SafetensorsSource, TensorSource};
+use crate::kernels::{Backend, HostData, HostMatrix, HostPin};
+use crate::model::loader::TensorSource;
 
 /// Where the device stands in a split layer's owner table; the host is the other rank.
 const DEVICE_RANK: u32 = 0;
@@ -53,9 +55,17 @@ pub struct HostExperts<B: DsV4Kernels> {
     read_bytes: [Cell<u64>; 2],
     /// The (token, expert) products computed, likewise.
     products: [Cell<u64>; 2],
+    /// Whether a layer's host part is computed here or streamed to the device.
+    cost: RefCell<StreamCost>,
+    /// Layers streamed to the device and the expert bytes copied, for the log.
+    streamed: [Cell<u64>; 2],
+    /// Host seconds spent queueing those copies (they run on the device meanwhile).
+    streamed_issue_secs: Cell<f64>,
 }
 
 struct HostLayer<B: DsV4Kernels> {
+    /// The device's page locks on `experts`' blocks, by expert id; dropped first.
+    pins: Vec<Vec<HostPin>>,
     /// By expert id; `None`: on the device.
     experts: Vec<Option<Expert<CpuBackend>>>,
     /// Per expert `[1, owner rank]`: `ExpertShard::owner_table`'s layout for two ranks.
@@ -117,14 +127,16 @@ impl<B: DsV4Kernels> HostExperts<B> {
         src: Option<&dyn TensorSource>,
         placement: ExpertPlacement,
         device: &B,
-        batch_invariant: bool,
+        (batch_invariant, stream): (bool, StreamExperts),
     ) -> Result<Self> {
         let cpu = CpuBackend {
             batch_invariant,
             ..CpuBackend::default()
         };
         let mut layers: Vec<Option<HostLayer<B>>> = (0..cfg.num_layers).map(|_| None).collect();
-        place_layers(&cpu, cfg, src, &placement, device, &mut layers)?;
+        let pin = stream != StreamExperts::Never;
+        let started = std::time::Instant::now();
+        place_layers(&cpu, cfg, src, &placement, (device, pin), &mut layers)?;
         let expert_bytes = layers
             .iter()
             .flatten()
@@ -136,7 +148,7 @@ impl<B: DsV4Kernels> HostExperts<B> {
                     .map(|m| m.resident_bytes())
                     .sum()
             });
-        Ok(HostExperts {
+        let mut host = HostExperts {
             cpu,
             layers,
             expert_bytes,
@@ -145,7 +157,124 @@ impl<B: DsV4Kernels> HostExperts<B> {
             products: Default::default(),
             counts: RefCell::new(vec![0; cfg.num_layers * cfg.num_routed_experts]),
             placement,
-        })
+            cost: RefCell::new(StreamCost::new(stream, f64::INFINITY, 1.0)),
+            streamed: Default::default(),
+            streamed_issue_secs: Default::default(),
+        };
+        if stream == StreamExperts::Never {
+            return Ok(host);
+        }
+        if host
+            .held()
+            .next()
+            .is_some_and(|e| e.gate.packed_blocks().is_none())
+        {
+            if stream == StreamExperts::Always {
+                return Err(crate::error::TroupeError::InvalidInput(
+                    "--stream-experts always: the host experts are not kept packed (bf16 \
+                     checkpoints, or --batch-invariant's panels); only packed blocks stream"
+                        .into(),
+                ));
+            }
+            host.cost.get_mut().mode = StreamExperts::Never;
+            return Ok(host);
+        }
+        let pinned: usize = host
+            .layers
+            .iter()
+            .flatten()
+            .flat_map(|l| l.pins.iter().map(Vec::len))
+            .sum();
+        let (read, upload) = (host.measure_read(), host.measure_upload(device));
+        *host.cost.get_mut() = StreamCost::new(stream, read, upload);
+        tracing::info!(
+            "host experts: {pinned} matrices pinned of {}; host reads {:.1} GB/s, copies to the device {:.1} GB/s ({:.1} s to load)",
+            3 * host.placement.num_host(),
+            read / 1e9,
+            upload / 1e9,
+            started.elapsed().as_secs_f64()
+        );
+        Ok(host)
+    }
+
+    /// The experts held here.
+    fn held(&self) -> impl Iterator<Item = &Expert<CpuBackend>> {
+        self.layers
+            .iter()
+            .flatten()
+            .flat_map(|l| l.experts.iter().flatten())
+    }
+
+    /// Bytes a second every core together reads of the experts' blocks (up to 4 GiB of
+    /// them, the best of three passes): the host part's bound.
+    fn measure_read(&self) -> f64 {
+        let mut regions: Vec<&[u8]> = Vec::new();
+        let mut total = 0usize;
+        for m in self.held().flat_map(|e| [&e.gate, &e.up, &e.down]) {
+            if total >= 4 << 30 {
+                break;
+            }
+            if let Some((_, blocks)) = m.packed_blocks() {
+                total += blocks.len();
+                regions.push(blocks);
+            }
+        }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut best = 0f64;
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            let sum: u64 = std::thread::scope(|s| {
+                let parts: Vec<_> = (0..threads)
+                    .map(|t| {
+                        let mine: Vec<&[u8]> =
+                            regions.iter().skip(t).step_by(threads).copied().collect();
+                        s.spawn(move || {
+                            // Whole words, as a wide load reads them.
+                            mine.iter()
+                                .map(|r| {
+                                    // SAFETY: any bytes are valid u64s; align_to splits
+                                    // off the unaligned ends.
+                                    let (_, words, _) = unsafe { r.align_to::<u64>() };
+                                    words.iter().fold(0u64, |a, &w| a.wrapping_add(w))
+                                })
+                                .fold(0u64, u64::wrapping_add)
+                        })
+                    })
+                    .collect();
+                parts
+                    .into_iter()
+                    .map(|p| p.join().unwrap_or(0))
+                    .fold(0u64, u64::wrapping_add)
+            });
+            std::hint::black_box(sum);
+            best = best.max(total as f64 / started.elapsed().as_secs_f64());
+        }
+        best
+    }
+
+    /// Bytes a second host experts' blocks reach the device (up to 64 experts' copied,
+    /// the better of two passes, each waited for).
+    fn measure_upload(&self, device: &B) -> f64 {
+        let probe = device.alloc(1);
+        let mut best = 0f64;
+        for _ in 0..2 {
+            let started = std::time::Instant::now();
+            let mut bytes = 0usize;
+            let copies: Vec<B::Matrix> = self
+                .held()
+                .take(64)
+                .flat_map(|e| [&e.gate, &e.up, &e.down])
+                .filter_map(|m| {
+                    let (ty, blocks) = m.packed_blocks()?;
+                    bytes += blocks.len();
+                    Some(device.upload_blocks(m.rows(), m.cols(), ty, blocks))
+                })
+                .collect();
+            device.download(&probe, 1);
+            best = best.max(bytes as f64 / started.elapsed().as_secs_f64());
+            drop(copies);
+        }
+        best
     }
 
     /// Holds exactly `placement`'s host experts from now on: those it lacks read from
@@ -157,7 +286,15 @@ impl<B: DsV4Kernels> HostExperts<B> {
         placement: ExpertPlacement,
         device: &B,
     ) -> Result<()> {
-        place_layers(&self.cpu, cfg, src, &placement, device, &mut self.layers)?;
+        let pin = self.cost.get_mut().mode != StreamExperts::Never;
+        place_layers(
+            &self.cpu,
+            cfg,
+            src,
+            &placement,
+            (device, pin),
+            &mut self.layers,
+        )?;
         self.placement = placement;
         Ok(())
     }
@@ -234,8 +371,58 @@ impl<B: DsV4Kernels> HostExperts<B> {
         bytes.set(bytes.get() + (touched * self.expert_bytes) as u64);
         let done = &self.products[i];
         done.set(done.get() + u64::from(products));
-        secs.set(secs.get() + started.elapsed().as_secs_f64());
+        let took = started.elapsed().as_secs_f64();
+        secs.set(secs.get() + took);
+        self.cost.borrow_mut().observe_host(products as usize, took);
         ys
+    }
+
+    /// The host experts of `layer` that `chosen` (the step's pairs, read off the device)
+    /// touches, copied to `device` where the cost model or `--stream-experts` says the
+    /// device should compute them: by expert id, `None` for those not copied. `None`: the
+    /// CPU computes them (`compute`).
+    pub fn stream(
+        &self,
+        layer: usize,
+        device: &B,
+        chosen: &[u32],
+    ) -> Option<Vec<Option<Expert<B>>>> {
+        let l = self.layers[layer].as_ref()?;
+        let num_experts = self.placement.num_experts;
+        let mut pairs = vec![0usize; num_experts];
+        for &e in chosen {
+            if let Some(n) = pairs.get_mut(e as usize) {
+                *n += 1;
+            }
+        }
+        let wanted: Vec<usize> = (0..num_experts)
+            .filter(|&e| pairs[e] > 0 && l.experts[e].is_some())
+            .collect();
+        let products = wanted.iter().map(|&e| pairs[e]).sum();
+        let bytes = wanted.len() * self.expert_bytes;
+        if !self.cost.borrow().streams(products, bytes) {
+            return None;
+        }
+        let copy = |m: &crate::kernels::cpu::CpuMatrix| {
+            let (ty, blocks) = m.packed_blocks()?;
+            Some(device.upload_blocks(m.rows(), m.cols(), ty, blocks))
+        };
+        let started = std::time::Instant::now();
+        let mut out: Vec<Option<Expert<B>>> = (0..num_experts).map(|_| None).collect();
+        for e in wanted {
+            let x = l.experts[e].as_ref()?;
+            out[e] = Some(Expert {
+                gate: copy(&x.gate)?,
+                up: copy(&x.up)?,
+                down: copy(&x.down)?,
+            });
+        }
+        let [steps, copied] = &self.streamed;
+        steps.set(steps.get() + 1);
+        copied.set(copied.get() + bytes as u64);
+        let issuing = &self.streamed_issue_secs;
+        issuing.set(issuing.get() + started.elapsed().as_secs_f64());
+        Some(out)
     }
 
     /// The pairs counted here since the last call, per `[layer, expert]`.
@@ -265,6 +452,15 @@ impl<B: DsV4Kernels> HostExperts<B> {
 
 impl<B: DsV4Kernels> Drop for HostExperts<B> {
     fn drop(&mut self) {
+        let [steps, copied] = &self.streamed;
+        if steps.get() > 0 {
+            tracing::info!(
+                "host experts streamed to the device: {} layer steps, {:.3} GB of experts copied, {:.3} s queueing the copies",
+                steps.get(),
+                copied.get() as f64 / 1e9,
+                self.streamed_issue_secs.get()
+            );
+        }
         for (i, steps) in ["decode", "prefill"].iter().enumerate() {
             let (secs, bytes) = (self.busy_secs[i].get(), self.read_bytes[i].get());
             if secs > 0.0 {
@@ -281,12 +477,13 @@ impl<B: DsV4Kernels> Drop for HostExperts<B> {
 
 /// Makes `layers` hold `placement`'s host experts: experts already held are kept, the
 /// others read (`src`; `None`: made) or dropped, each changed layer's owner tables rebuilt.
+/// With `pin`, the blocks the host gains are page-locked for the device's copies.
 fn place_layers<B: DsV4Kernels>(
     cpu: &CpuBackend,
     cfg: &DsV4Config,
     src: Option<&dyn TensorSource>,
     placement: &ExpertPlacement,
-    device: &B,
+    (device, pin): (&B, bool),
     layers: &mut [Option<HostLayer<B>>],
 ) -> Result<()> {
     let named = src.map(EitherNaming);
@@ -303,18 +500,36 @@ fn place_layers<B: DsV4Kernels>(
     let num_experts = cfg.num_routed_experts;
     for (l, slot) in layers.iter_mut().enumerate() {
         let on_host = placement.host_experts.get(l).copied().unwrap_or(0);
-        let mut held = slot
-            .take()
-            .map_or_else(|| (0..num_experts).map(|_| None).collect(), |h| h.experts);
+        let (mut held, mut pins) = slot.take().map_or_else(
+            || {
+                (
+                    (0..num_experts).map(|_| None).collect(),
+                    (0..num_experts).map(|_| Vec::new()).collect(),
+                )
+            },
+            |h| (h.experts, h.pins),
+        );
         if on_host == 0 {
+            // The locks go before the memory they lock.
+            drop(pins);
             continue;
         }
         for (e, expert) in held.iter_mut().enumerate() {
             match (placement.on_host(l, e), expert.is_some()) {
                 (true, false) => {
-                    *expert = Some(r.expert(&format!("model.layers.{l}.ffn.experts.{e}"), cfg)?)
+                    let x = r.expert(&format!("model.layers.{l}.ffn.experts.{e}"), cfg)?;
+                    if pin {
+                        pins[e] = [&x.gate, &x.up, &x.down]
+                            .iter()
+                            .filter_map(|m| device.pin_host(m.packed_blocks()?.1))
+                            .collect();
+                    }
+                    *expert = Some(x);
                 }
-                (false, true) => *expert = None,
+                (false, true) => {
+                    pins[e].clear();
+                    *expert = None;
+                }
                 _ => {}
             }
         }
@@ -330,70 +545,11 @@ fn place_layers<B: DsV4Kernels>(
             .collect();
         let device_owners = (on_host < num_experts).then(|| device.upload_ids(&owners));
         *slot = Some(HostLayer {
+            pins,
             experts: held,
             owners,
             device_owners,
         });
     }
     Ok(())
-}
-
-impl<B: DsV4Kernels> DsV4Model<B> {
-    /// Keeps the routed experts `placement` puts in host memory there, read from `dir`'s
-    /// checkpoint (`dummy`: made), computed by the CPU beside this backend from now on. The
-    /// backend must hold none of them (loaded with `holds` excluding them).
-    pub fn keep_experts_on_host(
-        &mut self,
-        dir: &Path,
-        dummy: bool,
-        placement: ExpertPlacement,
-        batch_invariant: bool,
-    ) -> Result<()> {
-        if !placement.any_on_host() {
-            self.host = None;
-            return Ok(());
-        }
-        let src = (!dummy)
-            .then(|| SafetensorsSource::open_dir(dir))
-            .transpose()?;
-        let src = src.as_ref().map(|s| s as &dyn TensorSource);
-        let host = HostExperts::load(&self.cfg, src, placement, &self.backend, batch_invariant)?;
-        self.host = Some(host);
-        Ok(())
-    }
-
-    /// Moves routed experts between the device and host memory to `placement` (the same
-    /// number on each side a layer: `ExpertPlacement::following`), between two steps: each
-    /// side reads the experts it gains from `dir`'s checkpoint (`dummy`: made) and drops
-    /// those it lost. Returns how many moved.
-    pub fn move_experts(
-        &mut self,
-        dir: &Path,
-        dummy: bool,
-        placement: ExpertPlacement,
-    ) -> Result<usize> {
-        let Some(old) = self.expert_placement() else {
-            return Ok(0);
-        };
-        let moved = old.num_moved(&placement);
-        if moved == 0 {
-            return Ok(0);
-        }
-        self.reside(dir, dummy, &|l, e| !placement.on_host(l, e))?;
-        let src = (!dummy)
-            .then(|| SafetensorsSource::open_dir(dir))
-            .transpose()?;
-        let src = src.as_ref().map(|s| s as &dyn TensorSource);
-        let host = self
-            .host
-            .as_mut()
-            .expect("a placement comes from host experts");
-        host.reside(&self.cfg, src, placement, &self.backend)?;
-        Ok(moved)
-    }
-
-    /// Where the routed experts are, when some are in host memory.
-    pub fn expert_placement(&self) -> Option<&ExpertPlacement> {
-        self.host.as_ref().map(|h| &h.placement)
-    }
 }

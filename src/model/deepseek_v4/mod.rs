@@ -29,6 +29,7 @@ pub mod config;
 mod embedding;
 pub mod expert_parallel;
 pub mod expert_placement;
+pub mod expert_streaming;
 mod footprint;
 pub mod host_experts;
 pub mod moe;

@@ -66,15 +66,52 @@ pub fn moe<B: DsV4Kernels>(
         .or_else(|| host.and_then(|h| h.device_owners(layer)));
     // The host's inputs are read before the device's experts are queued, so the device
     // computes its experts and the shared one while the CPU computes the host's.
-    let host_inputs = host.map(|_| (b.download(x, t * d), b.download_ids(&chosen, t * k)));
-    let experts = super::residency::matrices(&w.experts);
+    let chosen_host = host.map(|_| b.download_ids(&chosen, t * k));
+    // Or the host's touched experts come to the device and it computes every pair.
+    let streamed = host
+        .zip(chosen_host.as_ref())
+        .and_then(|(h, chosen_host)| h.stream(layer, b, chosen_host));
+    let mut host_inputs = chosen_host
+        .filter(|_| streamed.is_none())
+        .map(|chosen_host| (b.download(x, t * d), chosen_host));
     let mut ys = b.scratch(t * k * d);
-    if let Some(table) = &w.table {
+    let all_here = streamed.as_ref().and_then(|s| {
+        let held = w
+            .experts
+            .iter()
+            .zip(s)
+            .map(|(own, copied)| own.as_ref().or(copied.as_ref()));
+        let stand_in = held.clone().flatten().next()?;
+        let experts: Vec<_> = held
+            .map(|e| {
+                let e = e.unwrap_or(stand_in);
+                [&e.gate, &e.up, &e.down]
+            })
+            .collect();
+        let table = b.dsv4_expert_table(&experts).ok()?;
+        Some((experts, table))
+    });
+    if let Some((experts, table)) = &all_here {
         b.dsv4_routed_experts(
             &mut ys,
             x,
             &chosen,
-            &experts,
+            experts,
+            table,
+            None,
+            counts,
+            layer * num_experts,
+            t,
+            k,
+            cfg.swiglu_limit,
+        );
+        host_inputs = None;
+    } else if let Some(table) = &w.table {
+        b.dsv4_routed_experts(
+            &mut ys,
+            x,
+            &chosen,
+            &super::residency::matrices(&w.experts),
             table,
             owners.as_ref(),
             counts,

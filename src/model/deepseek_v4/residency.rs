@@ -2,12 +2,20 @@
 //! share of the checkpoint; when EPLB's placement changes, each rank reads the experts it
 //! gains from the checkpoint (memory-mapped: the host copy) and drops those it lost,
 //! between two steps; a group that shrinks starts its ranks over on their new shares.
+//! On one device, the experts it cannot hold live in host memory (`host_experts.rs`) and
+//! move between the two the same way.
 
+use std::path::Path;
+
+use super::DsV4Model;
 use super::config::DsV4Config;
+use super::expert_placement::ExpertPlacement;
+use super::expert_streaming::StreamExperts;
+use super::host_experts::HostExperts;
 use super::weights::{DsV4Weights, EitherNaming, Expert, Holds, LinearStore, NoTensors, Reader};
 use crate::error::Result;
 use crate::kernels::deepseek_v4::DsV4Kernels;
-use crate::model::loader::TensorSource;
+use crate::model::loader::{SafetensorsSource, TensorSource};
 
 /// `experts` as the grouped kernels take them, one per expert id: an expert held
 /// elsewhere stands in as the first one held here, which the kernels never read for it
@@ -103,5 +111,71 @@ impl<B: DsV4Kernels> DsV4Weights<B> {
             }
         }
         Ok(num_read)
+    }
+}
+
+impl<B: DsV4Kernels> DsV4Model<B> {
+    /// Keeps the routed experts `placement` puts in host memory there, read from `dir`'s
+    /// checkpoint (`dummy`: made), computed by the CPU beside this backend from now on. The
+    /// backend must hold none of them (loaded with `holds` excluding them).
+    pub fn keep_experts_on_host(
+        &mut self,
+        dir: &Path,
+        dummy: bool,
+        placement: ExpertPlacement,
+        (batch_invariant, stream): (bool, StreamExperts),
+    ) -> Result<()> {
+        if !placement.any_on_host() {
+            self.host = None;
+            return Ok(());
+        }
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let host = HostExperts::load(
+            &self.cfg,
+            src,
+            placement,
+            &self.backend,
+            (batch_invariant, stream),
+        )?;
+        self.host = Some(host);
+        Ok(())
+    }
+
+    /// Moves routed experts between the device and host memory to `placement` (the same
+    /// number on each side a layer: `ExpertPlacement::following`), between two steps: each
+    /// side reads the experts it gains from `dir`'s checkpoint (`dummy`: made) and drops
+    /// those it lost. Returns how many moved.
+    pub fn move_experts(
+        &mut self,
+        dir: &Path,
+        dummy: bool,
+        placement: ExpertPlacement,
+    ) -> Result<usize> {
+        let Some(old) = self.expert_placement() else {
+            return Ok(0);
+        };
+        let moved = old.num_moved(&placement);
+        if moved == 0 {
+            return Ok(0);
+        }
+        self.reside(dir, dummy, &|l, e| !placement.on_host(l, e))?;
+        let src = (!dummy)
+            .then(|| SafetensorsSource::open_dir(dir))
+            .transpose()?;
+        let src = src.as_ref().map(|s| s as &dyn TensorSource);
+        let host = self
+            .host
+            .as_mut()
+            .expect("a placement comes from host experts");
+        host.reside(&self.cfg, src, placement, &self.backend)?;
+        Ok(moved)
+    }
+
+    /// Where the routed experts are, when some are in host memory.
+    pub fn expert_placement(&self) -> Option<&ExpertPlacement> {
+        self.host.as_ref().map(|h| &h.placement)
     }
 }
