@@ -1,6 +1,8 @@
 //! The tree's shape: `scripts/check-layers.sh` against the real tree and against copies of
-//! it with one planted offence each (a back-import, two files importing each other, a
-//! cycle between pure cores), which it must name; and no source file over 600 lines.
+//! it with one planted offence each (a back-import, one inside a `use` group, two files
+//! importing each other, a path in code closing a loop of two files and of three, a cycle
+//! between pure cores), which it must name, and with look-alikes it must not count
+//! (comments, strings, an inline module's `super::`); and no source file over 600 lines.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -123,6 +125,80 @@ fn a_cycle_between_pure_cores_is_refused() {
     assert!(!ok, "{out}");
     assert!(out.contains("import cycle:"), "{out}");
     assert!(out.contains("sched") && out.contains("spec"), "{out}");
+}
+
+#[test]
+fn a_back_import_inside_a_use_group_is_refused() {
+    let dir = planted(
+        "grouped",
+        &[(
+            "kernels/quant.rs",
+            "#[allow(unused_imports)] use crate::{error::Result, engine::{EngineHandle, EngineConfig as C}};",
+        )],
+    );
+    let (ok, out) = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("kernels::quant imports engine") && out.contains("may not import `engine`"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_path_in_code_closes_a_loop_as_an_import_does() {
+    // `super::` in an expression, and `super::{..}` groups: two files, then three.
+    let dir = planted(
+        "paths",
+        &[
+            ("protocol/jsonl.rs", "fn _planted() { let _ = super::reply::planted(); }"),
+            ("protocol/reply.rs", "use super::{jsonl::planted as _, metrics};"),
+        ],
+    );
+    let (ok, out) = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("protocol::jsonl and protocol::reply import each other"),
+        "{out}"
+    );
+    let dir = planted(
+        "loop3",
+        &[
+            ("cluster/registry.rs", "use super::{agent::{self}};"),
+            ("cluster/agent.rs", "fn _planted() { super::kv_transfer::planted() }"),
+            ("cluster/kv_transfer.rs", "use crate::cluster::{registry::Registry as _};"),
+        ],
+    );
+    let (ok, out) = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "{out}");
+    assert!(out.contains("import loop between files:"), "{out}");
+    for f in ["cluster::registry", "cluster::agent", "cluster::kv_transfer"] {
+        assert!(out.contains(f), "{f}: {out}");
+    }
+}
+
+#[test]
+fn paths_in_comments_strings_and_test_modules_are_not_imports() {
+    // Each names the other only where no import is: a comment, a string, and `super::`
+    // inside an inline module (its own file's module).
+    let dir = planted(
+        "quiet",
+        &[
+            (
+                "protocol/jsonl.rs",
+                "// use super::reply::X;\nconst _S: &str = \"super::reply::planted()\";",
+            ),
+            (
+                "protocol/reply.rs",
+                "#[cfg(test)] mod planted { #[allow(unused_imports)] use super::*; fn _f() { let _ = super::jsonl_free(); } }\nfn jsonl_free() {}\nuse super::jsonl as _;",
+            ),
+        ],
+    );
+    let (ok, out) = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(ok, "{out}");
 }
 
 /// One noun per file, files under 600 lines: every source file of the tree (Rust, CUDA,

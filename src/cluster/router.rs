@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use super::agent::{AgentMsg, EngineReport, agent_group};
 use super::kv_transfer::{HandOff, PrefillAsk};
 use super::registry::{Registry, load_of};
+use super::router_metrics::Counters;
 use crate::model::ModelText;
 use crate::protocol::openai::{ChatRequest, chat_conversation};
 use crate::protocol::serve_options::host_allowed;
@@ -50,25 +51,6 @@ pub struct RouterState {
     in_flight: Mutex<BTreeMap<String, usize>>,
     /// Host header values accepted (`None`: any), as `serve` checks them.
     allowed_hosts: Option<Vec<String>>,
-}
-
-/// What the router has done since it started.
-#[derive(Debug, Default, Clone)]
-pub struct Counters {
-    /// Requests answered by each engine (a reply came), by node name.
-    pub routed: BTreeMap<String, u64>,
-    /// Requests answered by another engine than the first picked.
-    pub rerouted: u64,
-    /// Replies an engine broke off after the client had part of them.
-    pub failed_mid_reply: u64,
-    /// Prompts prefilled on a prefill engine and their KV handed over, by that engine.
-    pub hand_offs: BTreeMap<String, u64>,
-    /// Hand-offs that failed (the decode engine then prefilled the prompt itself).
-    pub failed_hand_offs: u64,
-    pub kv_blocks_moved: u64,
-    pub kv_bytes_moved: u64,
-    /// Seconds spent sending KV blocks between engines.
-    pub kv_transfer_secs: f64,
 }
 
 /// One forwarded request in an engine's in-flight count, until dropped (its reply ended).

@@ -5,7 +5,25 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use super::agent::EngineReport;
-use super::router::Counters;
+
+/// What the router has done since it started.
+#[derive(Debug, Default, Clone)]
+pub struct Counters {
+    /// Requests answered by each engine (a reply came), by node name.
+    pub routed: BTreeMap<String, u64>,
+    /// Requests answered by another engine than the first picked.
+    pub rerouted: u64,
+    /// Replies an engine broke off after the client had part of them.
+    pub failed_mid_reply: u64,
+    /// Prompts prefilled on a prefill engine and their KV handed over, by that engine.
+    pub hand_offs: BTreeMap<String, u64>,
+    /// Hand-offs that failed (the decode engine then prefilled the prompt itself).
+    pub failed_hand_offs: u64,
+    pub kv_blocks_moved: u64,
+    pub kv_bytes_moved: u64,
+    /// Seconds spent sending KV blocks between engines.
+    pub kv_transfer_secs: f64,
+}
 
 /// The exposition of `reports`, `in_flight` (requests forwarded and not yet answered, by
 /// node name) and `c`.

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use crate::error::{Result, TroupeError};
 use crate::model::ModelText;
+use crate::model::tokenizer::Tokenizer;
 use crate::structured::{GrammarSpec, lark_json};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,21 +275,13 @@ impl Conversation {
         }
     }
 
-    /// Prompt token ids for the model, ending with the assistant turn's opening.
-    pub fn to_prompt_ids(&self, text: &ModelText) -> Result<Vec<u32>> {
-        let tok = text.tokenizer.as_ref().ok_or_else(|| {
-            TroupeError::InvalidInput("the model has no tokenizer: use token ids".into())
-        })?;
-        if text.deepseek_v4.is_some() {
-            #[cfg(feature = "deepseek-encoding")]
-            return super::deepseek_v4_prompt::prompt_ids(self, tok);
-            #[cfg(not(feature = "deepseek-encoding"))]
-            return Err(TroupeError::InvalidInput(
-                "DeepSeek-V4 chat prompts need troupe built with `--features deepseek-encoding`; \
-                 without it, give token ids"
-                    .into(),
-            ));
-        }
+    /// Prompt token ids through the model's chat template (`prompt.rs` chooses it),
+    /// ending with the assistant turn's opening.
+    pub(super) fn template_prompt_ids(
+        &self,
+        tok: &Tokenizer,
+        text: &ModelText,
+    ) -> Result<Vec<u32>> {
         let template = text
             .chat_template
             .as_ref()

@@ -12,6 +12,7 @@ pub mod jsonl;
 pub mod metrics;
 pub mod openai;
 pub mod output_parser;
+mod prompt;
 pub mod reply;
 pub mod responses;
 pub mod serve_options;

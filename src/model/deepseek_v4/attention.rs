@@ -3,9 +3,9 @@
 //! blocks (every visible one for HCA; the lightning indexer's top-k for CSA), a learned
 //! sink per head, the output's RoPE undone, and the grouped output projection.
 
-use super::block::Pass;
 use super::cache::LayerCache;
 use super::config::AttentionKind;
+use super::pass::Pass;
 use super::weights::{Attention, CompressorWeights};
 use crate::kernels::deepseek_v4::{AttentionKeys, Compressor, DsV4Kernels, GroupedShape};
 use crate::kernels::entry_format::EntryFormat;

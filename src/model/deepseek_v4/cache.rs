@@ -113,7 +113,7 @@ pub struct DsV4Cache<B: DsV4Kernels = CpuBackend> {
     /// are rejected.
     snapshots: Vec<Option<SlotSnapshot>>,
     /// Recorded decode steps' buffers, made by the first such step.
-    pub(super) decode: Option<Box<super::recorded::DecodeArena<B>>>,
+    pub(super) decode: Option<Box<super::arena::DecodeArena<B>>>,
 }
 
 /// A slot's state at `position` and the tokens of the verify row that followed.
@@ -409,12 +409,4 @@ impl<B: DsV4Kernels> DsV4Cache<B> {
     }
 }
 
-/// The least common multiple of the compress rates in use: the smallest valid block size.
-pub fn lcm_rates(cfg: &DsV4Config) -> usize {
-    fn gcd(a: usize, b: usize) -> usize {
-        if b == 0 { a } else { gcd(b, a % b) }
-    }
-    (0..cfg.num_layers)
-        .filter_map(|l| cfg.rate(l))
-        .fold(1, |acc, r| acc / gcd(acc, r) * r)
-}
+pub use super::config::lcm_rates;

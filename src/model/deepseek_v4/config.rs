@@ -370,7 +370,7 @@ impl DsV4Config {
             0
         };
         let tokens = (l * w).max(l.saturating_sub(1) * w + csa);
-        let lcm = super::cache::lcm_rates(self);
+        let lcm = lcm_rates(self);
         tokens.div_ceil(lcm) * lcm
     }
 
@@ -413,4 +413,14 @@ fn rope_spec(
         }
     };
     Ok(RopeSpec { theta, yarn })
+}
+
+/// The least common multiple of the compress rates in use: the smallest valid block size.
+pub fn lcm_rates(cfg: &DsV4Config) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    (0..cfg.num_layers)
+        .filter_map(|l| cfg.rate(l))
+        .fold(1, |acc, r| acc / gcd(acc, r) * r)
 }

@@ -333,7 +333,7 @@ impl<B: DsV4Kernels> HostExperts<B> {
             replicas: 1,
             rank: HOST_RANK as usize,
         };
-        let experts = super::residency::matrices(&l.experts);
+        let experts = super::expert_table::matrices(&l.experts);
         let num_experts = self.placement.num_experts;
         let started = std::time::Instant::now();
         let mut ys = vec![0f32; tokens * k * hidden];

@@ -22,6 +22,7 @@
 //! | `quantized.rs` | FP8 / packed-FP4 weights with their scale grids, dequantized |
 //! | `rope.rs` | the partial RoPE's frequencies (YaRN) |
 
+mod arena;
 pub mod attention;
 pub mod block;
 pub mod cache;
@@ -30,11 +31,13 @@ mod embedding;
 pub mod expert_parallel;
 pub mod expert_placement;
 pub mod expert_streaming;
+pub mod expert_table;
 mod footprint;
 pub mod host_experts;
 pub mod moe;
 pub mod mtp;
-pub mod plan;
+pub mod pass;
+mod plan;
 pub mod quantized;
 mod recorded;
 pub mod residency;
@@ -44,10 +47,10 @@ pub mod weights;
 
 use std::path::Path;
 
-use block::{Consts, Pass};
 use cache::{DsV4Cache, SlotSpan};
 use config::DsV4Config;
 use expert_parallel::ExpertGroup;
+use pass::{Consts, Pass};
 use plan::Plan;
 use weights::{DsV4Weights, HyperConnection, OnBackend};
 

@@ -5,9 +5,9 @@
 //! expert-parallel group each rank computes only its products and the group sums the
 //! output.
 
-use super::block::Pass;
 use super::config::MlpKind;
 use super::expert_parallel::ExpertGroup;
+use super::pass::Pass;
 use super::weights::{Expert, Moe};
 use crate::kernels::deepseek_v4::{DsV4Kernels, ExpertOwners};
 
@@ -111,7 +111,7 @@ pub fn moe<B: DsV4Kernels>(
             &mut ys,
             x,
             &chosen,
-            &super::residency::matrices(&w.experts),
+            &super::expert_table::matrices(&w.experts),
             table,
             owners.as_ref(),
             counts,

@@ -8,50 +8,16 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use super::block::{self, Pass};
+use super::arena::DecodeArena;
+use super::block;
 use super::cache::DsV4Cache;
-use super::plan::Plan;
+use super::pass::Pass;
 use super::{DsSeqStep, DsV4Model};
 use crate::kernels::StepRecorder;
 use crate::kernels::deepseek_v4::DsV4Kernels;
 
 /// The most rows a recorded step takes; wider decode steps run eagerly.
 pub const MAX_RECORDED_ROWS: usize = 256;
-
-/// The fixed-address buffers of a cache's recorded steps.
-pub struct DecodeArena<B: DsV4Kernels> {
-    rows_capacity: usize,
-    tables_capacity: usize,
-    plan: Plan<B>,
-    /// `[rows, hidden]`: the step's embedded tokens.
-    embedded: B::Buf,
-    /// `[rows, n_hc, hidden]`
-    streams: B::Buf,
-    /// `[rows, vocab]`
-    logits: B::Buf,
-    /// `[layers, experts]`: the step's tokens per routed expert.
-    counts: B::Ids,
-}
-
-impl<B: DsV4Kernels> DecodeArena<B> {
-    fn new(m: &DsV4Model<B>, rows_capacity: usize, tables_capacity: usize) -> Self {
-        let (b, cfg) = (&m.backend, &m.cfg);
-        let rows = rows_capacity;
-        DecodeArena {
-            rows_capacity,
-            tables_capacity,
-            plan: Plan::with_capacity(b, cfg, rows, tables_capacity),
-            embedded: b.alloc(rows * cfg.hidden_size),
-            streams: b.alloc(rows * cfg.hc_mult * cfg.hidden_size),
-            logits: b.alloc(rows * cfg.vocab_size),
-            counts: b.alloc_ids(cfg.num_layers * cfg.num_routed_experts),
-        }
-    }
-
-    fn fits(&self, rows: usize, tables: usize) -> bool {
-        rows <= self.rows_capacity && tables <= self.tables_capacity
-    }
-}
 
 impl<B: DsV4Kernels> DsV4Model<B> {
     /// The recorder a step of `steps` may run through: decode rows only (one token, one

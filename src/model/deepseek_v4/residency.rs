@@ -12,41 +12,10 @@ use super::config::DsV4Config;
 use super::expert_placement::ExpertPlacement;
 use super::expert_streaming::StreamExperts;
 use super::host_experts::HostExperts;
-use super::weights::{DsV4Weights, EitherNaming, Expert, Holds, LinearStore, NoTensors, Reader};
+use super::weights::{DsV4Weights, EitherNaming, Holds, LinearStore, NoTensors, Reader};
 use crate::error::Result;
 use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::loader::{SafetensorsSource, TensorSource};
-
-/// `experts` as the grouped kernels take them, one per expert id: an expert held
-/// elsewhere stands in as the first one held here, which the kernels never read for it
-/// (the owner table gives its products to another rank).
-pub fn matrices<B: DsV4Kernels>(experts: &[Option<Expert<B>>]) -> Vec<[&B::Matrix; 3]> {
-    // Every rank of a group holds an expert of every layer (the group size divides the
-    // experts); a device may hold none of a layer whose experts all live in host memory
-    // (`host_experts.rs` counts that layer's loads itself).
-    let Some(stand_in) = experts.iter().flatten().next() else {
-        return Vec::new();
-    };
-    experts
-        .iter()
-        .map(|e| {
-            let e = e.as_ref().unwrap_or(stand_in);
-            [&e.gate, &e.up, &e.down]
-        })
-        .collect()
-}
-
-/// The kernels' table of `experts`, or `None` where none is held here.
-pub fn expert_table<B: DsV4Kernels>(
-    b: &B,
-    experts: &[Option<Expert<B>>],
-) -> std::result::Result<Option<B::ExpertTable>, crate::kernels::deepseek_v4::DsV4KernelError> {
-    let held = matrices(experts);
-    if held.is_empty() {
-        return Ok(None);
-    }
-    b.dsv4_expert_table(&held).map(Some)
-}
 
 /// A reader of `named` (`None`: `dummy_into`'s values) holding `holds`' experts.
 fn reader<'a, S: LinearStore>(
@@ -105,9 +74,10 @@ impl<B: DsV4Kernels> DsV4Weights<B> {
                 changed = true;
             }
             if changed {
-                moe.table = expert_table(store.backend(), &moe.experts).map_err(|e| {
-                    crate::error::TroupeError::InvalidInput(format!("layer {l} experts: {e}"))
-                })?;
+                moe.table = super::expert_table::expert_table(store.backend(), &moe.experts)
+                    .map_err(|e| {
+                        crate::error::TroupeError::InvalidInput(format!("layer {l} experts: {e}"))
+                    })?;
             }
         }
         Ok(num_read)

@@ -4,6 +4,7 @@
 //! embedding stays on the host, which gathers each step's rows.
 
 use super::config::{AttentionKind, DsV4Config, MlpKind};
+pub use super::expert_table::Expert;
 use crate::error::{Result, TroupeError};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::deepseek_v4::DsV4Kernels;
@@ -47,12 +48,6 @@ pub struct HyperConnection<B: DsV4Kernels = CpuBackend> {
     pub scale: B::Buf,
 }
 
-pub struct Expert<B: DsV4Kernels = CpuBackend> {
-    pub gate: B::Matrix,
-    pub up: B::Matrix,
-    pub down: B::Matrix,
-}
-
 pub struct Moe<B: DsV4Kernels = CpuBackend> {
     pub router: B::Matrix,
     /// `[vocab, k]` expert ids (hash layers).
@@ -60,7 +55,7 @@ pub struct Moe<B: DsV4Kernels = CpuBackend> {
     pub score_bias: Option<B::Buf>,
     /// By expert id; `None`: held by another rank of an expert-parallel group.
     pub experts: Vec<Option<Expert<B>>>,
-    /// `experts` as the grouped kernels read them (`residency::matrices`); `None` where
+    /// `experts` as the grouped kernels read them (`expert_table::matrices`); `None` where
     /// this backend holds none of the layer's routed experts (all in host memory).
     pub table: Option<B::ExpertTable>,
     pub shared: Expert<B>,
@@ -498,7 +493,7 @@ impl<S: LinearStore> Reader<'_, S> {
                     .transpose()
             })
             .collect::<Result<_>>()?;
-        let table = super::residency::expert_table(r.store.backend(), &experts)
+        let table = super::expert_table::expert_table(r.store.backend(), &experts)
             .map_err(|e| TroupeError::InvalidInput(format!("{p}.ffn.experts: {e}")))?;
         let moe = Moe {
             router: r.linear(&format!("{p}.ffn.gate"), cfg.num_routed_experts, d)?,
