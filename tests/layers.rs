@@ -151,8 +151,14 @@ fn a_path_in_code_closes_a_loop_as_an_import_does() {
     let dir = planted(
         "paths",
         &[
-            ("protocol/jsonl.rs", "fn _planted() { let _ = super::reply::planted(); }"),
-            ("protocol/reply.rs", "use super::{jsonl::planted as _, metrics};"),
+            (
+                "protocol/jsonl.rs",
+                "fn _planted() { let _ = super::reply::planted(); }",
+            ),
+            (
+                "protocol/reply.rs",
+                "use super::{jsonl::planted as _, metrics};",
+            ),
         ],
     );
     let (ok, out) = check(&dir);
@@ -166,15 +172,25 @@ fn a_path_in_code_closes_a_loop_as_an_import_does() {
         "loop3",
         &[
             ("cluster/registry.rs", "use super::{agent::{self}};"),
-            ("cluster/agent.rs", "fn _planted() { super::kv_transfer::planted() }"),
-            ("cluster/kv_transfer.rs", "use crate::cluster::{registry::Registry as _};"),
+            (
+                "cluster/agent.rs",
+                "fn _planted() { super::kv_transfer::planted() }",
+            ),
+            (
+                "cluster/kv_transfer.rs",
+                "use crate::cluster::{registry::Registry as _};",
+            ),
         ],
     );
     let (ok, out) = check(&dir);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "{out}");
     assert!(out.contains("import loop between files:"), "{out}");
-    for f in ["cluster::registry", "cluster::agent", "cluster::kv_transfer"] {
+    for f in [
+        "cluster::registry",
+        "cluster::agent",
+        "cluster::kv_transfer",
+    ] {
         assert!(out.contains(f), "{f}: {out}");
     }
 }

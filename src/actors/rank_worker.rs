@@ -78,43 +78,49 @@ impl ThreadLocalActor for RankWorker {
         myself: ActorRef<RankMsg>,
         args: RankArgs,
     ) -> Result<RankState, ActorProcessingErr> {
-        if args.faults.take_start_failure(args.device_slot) {
+        if args.settings.faults.take_start_failure(args.device_slot) {
             return Err(format!(
                 "rank {} (device slot {}) failed to start (injected fault)",
                 args.shard.rank, args.device_slot
             )
             .into());
         }
-        let (cpu_cores, pool) = affinity::place_rank(args.cpu_affinity, args.device, args.shard);
+        let (cpu_cores, pool) =
+            affinity::place_rank(args.settings.cpu_affinity, args.device(), args.shard);
         let mut model = load_model(&args)?;
         // Loading frees as much as it keeps (file copies, stacked parts): hand it back to
         // the OS so resident memory is the weights, not the weights and their scaffolding.
         crate::runner::trim_heap();
-        model.warm_up(args.block_size, args.warmup_tokens)?;
+        model.warm_up(args.settings.block_size, args.settings.warmup_tokens)?;
         in_pool(pool.as_ref(), || {
             decode_curve::record_graphs(
                 model.as_mut(),
-                args.block_size,
-                args.num_kv_blocks,
-                args.graph_tokens,
+                args.settings.block_size,
+                args.settings.num_kv_blocks,
+                args.graph_tokens(),
             )
         });
-        let decode_curve = args.decode_curve.as_ref().and_then(|job| {
+        let decode_curve = args.decode_curve().and_then(|job| {
             in_pool(pool.as_ref(), || {
-                decode_curve::measure(job, model.as_mut(), args.block_size, args.num_kv_blocks)
+                decode_curve::measure(
+                    job,
+                    model.as_mut(),
+                    args.settings.block_size,
+                    args.settings.num_kv_blocks,
+                )
             })
         });
         // A worker already gone is being restarted anyway.
         let failed = move |reason: String| {
             let _ = myself.cast(RankMsg::ReadbackFailed(reason));
         };
-        let readback = spawn_readback(args.shard.rank, failed, args.faults.clone())?;
+        let readback = spawn_readback(args.shard.rank, failed, args.settings.faults.clone())?;
         let weights = model.weight_footprint();
         Ok(RankState {
             model: Some(model),
-            block_size: args.block_size,
+            block_size: args.settings.block_size,
             sampled: args.sampled,
-            faults: args.faults,
+            faults: args.settings.faults,
             shard: args.shard,
             device_slot: args.device_slot,
             inputs: StepInputs::default(),
@@ -124,7 +130,7 @@ impl ThreadLocalActor for RankWorker {
                 decode_curve,
                 cpu_cores,
             },
-            kv_store: args.kv_store,
+            kv_store: args.settings.kv_store,
             pool,
         })
     }

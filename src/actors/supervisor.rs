@@ -15,13 +15,11 @@ use super::sampler::{SamplerActor, SamplerArgs, SamplerMsg};
 use super::scheduler::{SchedulerActor, SchedulerArgs, SchedulerMsg};
 use crate::kernels::Device;
 use crate::kernels::collective::{ChannelCollective, GroupAbort, GroupError, GroupJoin};
-use crate::model::config::ModelConfig;
 use crate::model::deepseek_v4::expert_parallel::largest_valid_ep;
 use crate::model::tensor_parallel::{TpShard, largest_valid_tp};
-use crate::runner::RankArgs;
 use crate::runner::RankReport;
-use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
+use crate::runner::{RankArgs, RankSettings};
 
 /// How long the supervisor waits for a rank that has started to answer a call; a rank
 /// that does not is treated as having no answer, never waited on forever.
@@ -32,46 +30,9 @@ const CHILDREN_STOP_S: u64 = 30;
 
 pub struct SupervisorArgs {
     pub scheduler: SchedulerArgs,
-    pub rank: RankArgsTemplate,
+    pub rank: RankSettings,
     pub max_rank_restarts: usize,
     pub rank_restart_window: std::time::Duration,
-}
-
-/// What it takes to (re)start the rank workers.
-#[derive(Clone)]
-pub struct RankArgsTemplate {
-    pub model_path: std::path::PathBuf,
-    /// The full model's shape, for choosing group sizes.
-    pub model_config: ModelConfig,
-    /// The devices a group may use, one rank each (the configured group size of them).
-    pub devices: Vec<Device>,
-    pub num_kv_blocks: usize,
-    /// Per-sequence state slots (DeepSeek-V4's window ring and compressor state); 0 for
-    /// models without per-sequence state.
-    pub num_state_slots: usize,
-    /// Slot states saved with the prefix (`sched::SavedStates`); 0: none.
-    pub num_saved_states: usize,
-    pub block_size: usize,
-    pub eplb: Option<crate::eplb::EplbSettings>,
-    pub cpu_moe: crate::model::deepseek_v4::expert_placement::CpuMoe,
-    pub stream_experts: crate::model::deepseek_v4::expert_streaming::StreamExperts,
-    pub faults: FaultPlan,
-    pub batch_invariant: bool,
-    pub exact_activations: bool,
-    pub quantization: Option<crate::kernels::fp8::Quantization>,
-    pub kv_dtype: crate::kernels::KvDtype,
-    /// The prefix store a rank copies registered blocks to (`--kv-store-dir`, ...).
-    pub kv_store: Option<crate::sync::Shared<crate::runner::kv_store::KvStore>>,
-    pub dummy_weights: bool,
-    pub enforce_eager: bool,
-    pub cpu_affinity: crate::runner::affinity::CpuAffinity,
-    pub decode_curve: Option<crate::runner::decode_curve::CurveJob>,
-    pub warmup_tokens: usize,
-    pub graph_tokens: usize,
-    pub draft_model_path: Option<std::path::PathBuf>,
-    pub mtp: bool,
-    /// DeepSeek-V4: a group is expert-parallel, sized by its routed experts.
-    pub num_routed_experts: Option<usize>,
 }
 
 pub enum SupervisorMsg {
@@ -88,7 +49,7 @@ pub struct Children {
 
 pub struct SupervisorState {
     children: Children,
-    rank: RankArgsTemplate,
+    rank: RankSettings,
     sampled: SampledTokens,
     /// One OS thread per device slot, kept across rebuilds.
     spawners: Vec<ThreadLocalActorSpawner>,
@@ -135,33 +96,8 @@ async fn spawn_group(
             let args = RankArgs {
                 shard: TpShard { rank, size },
                 device_slot: slot,
-                model_path: t.model_path.clone(),
-                num_kv_blocks: t.num_kv_blocks,
-                num_state_slots: t.num_state_slots,
-                num_saved_states: t.num_saved_states,
-                block_size: t.block_size,
-                eplb: t.eplb,
-                cpu_moe: t.cpu_moe,
-                stream_experts: t.stream_experts,
                 sampled: st.sampled.clone(),
-                faults: t.faults.clone(),
-                device: t.devices[slot],
-                dummy_weights: t.dummy_weights,
-                draft_model_path: t.draft_model_path.clone(),
-                mtp: t.mtp,
-                enforce_eager: t.enforce_eager,
-                cpu_affinity: t.cpu_affinity,
-                batch_invariant: t.batch_invariant,
-                exact_activations: t.exact_activations,
-                quantization: t.quantization,
-                kv_dtype: t.kv_dtype,
-                kv_store: t.kv_store.clone(),
-                // Measured by a lone rank only: a group's ranks would each need the others.
-                decode_curve: t.decode_curve.clone().filter(|_| size == 1),
-                warmup_tokens: t.warmup_tokens,
-                // Recorded alone, a group's rank would record steps without its peers'
-                // collectives.
-                graph_tokens: if size == 1 { t.graph_tokens } else { 0 },
+                settings: t.clone(),
             };
             let spawner = st.spawners[slot].clone();
             match RankWorker::spawn_linked(None, args, myself.clone(), spawner).await {

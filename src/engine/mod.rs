@@ -24,9 +24,7 @@ pub use request_stream::RequestStream;
 
 pub use crate::actors::scheduler::Detached;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
-use crate::actors::supervisor::{
-    Children, EngineSupervisor, RankArgsTemplate, SupervisorArgs, SupervisorMsg,
-};
+use crate::actors::supervisor::{Children, EngineSupervisor, SupervisorArgs, SupervisorMsg};
 use crate::api::{ChoiceText, RequestIds};
 use crate::model::{self, ModelText};
 use crate::runner::decode_curve::CurveJob;
@@ -253,7 +251,7 @@ impl Engine {
                 kv_store: kv_store.clone(),
                 queue_timeout: cfg.queue_timeout,
             },
-            rank: RankArgsTemplate {
+            rank: crate::runner::RankSettings {
                 model_path: cfg.model_path.clone(),
                 num_kv_blocks,
                 num_state_slots: pools.num_state_slots.unwrap_or(0),

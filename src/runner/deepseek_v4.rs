@@ -70,14 +70,14 @@ impl RankBusy {
 
 pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     let backend = CpuBackend {
-        batch_invariant: args.batch_invariant,
-        exact_activations: args.exact_activations,
+        batch_invariant: args.settings.batch_invariant,
+        exact_activations: args.settings.exact_activations,
         // Refused at spawn: DeepSeek-V4 checkpoints carry their own FP8 / FP4.
         quantization: None,
         records_steps: false,
     };
     // The rank loads only the routed experts it computes (all of them alone).
-    let cfg = DsV4Config::from_dir(&args.model_path).map_err(|e| e.to_string())?;
+    let cfg = DsV4Config::from_dir(&args.settings.model_path).map_err(|e| e.to_string())?;
     let (layers, experts) = (cfg.num_layers, cfg.num_routed_experts);
     let eplb = eplb_for(args, layers, experts)?;
     let residency = expert_shard(args.shard, eplb.as_ref());
@@ -85,41 +85,52 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     // as the reference pass keeps them.
     let placement = super::expert_placement::placement(args, &cfg, None)?;
     let holds = |l: usize, e: usize| residency.holds(l, experts, e) && !placement.on_host(l, e);
-    let mut model =
-        DsV4Model::load_dir_holding(backend, &args.model_path, args.dummy_weights, &holds)
-            .map_err(|e| e.to_string())?;
+    let mut model = DsV4Model::load_dir_holding(
+        backend,
+        &args.settings.model_path,
+        args.settings.dummy_weights,
+        &holds,
+    )
+    .map_err(|e| e.to_string())?;
     model
         .keep_experts_on_host(
-            &args.model_path,
-            args.dummy_weights,
+            &args.settings.model_path,
+            args.settings.dummy_weights,
             placement,
-            (args.batch_invariant, stream_on_cpu(args.stream_experts)),
+            (
+                args.settings.batch_invariant,
+                stream_on_cpu(args.settings.stream_experts),
+            ),
         )
         .map_err(|e| e.to_string())?;
-    let formats = CacheFormats::for_dtype(args.kv_dtype);
+    let formats = CacheFormats::for_dtype(args.settings.kv_dtype);
     if let Some(problem) = formats.problem(&model.cfg) {
         return Err(format!(
             "--kv-cache-dtype {}: {problem}",
-            args.kv_dtype.name()
+            args.settings.kv_dtype.name()
         ));
     }
     let cache = DsV4Cache::on_in(
         &model.backend,
         &model.cfg,
         formats,
-        args.num_state_slots,
-        args.num_kv_blocks,
-        args.block_size,
+        args.settings.num_state_slots,
+        args.settings.num_kv_blocks,
+        args.settings.block_size,
     );
-    let saved = SavedStates::on(&model.backend, &cache, args.num_saved_states);
-    let mtp = if args.mtp {
-        let layer = if args.dummy_weights {
+    let saved = SavedStates::on(&model.backend, &cache, args.settings.num_saved_states);
+    let mtp = if args.settings.mtp {
+        let layer = if args.settings.dummy_weights {
             MtpLayer::dummy(&model.cfg)
         } else {
-            MtpLayer::load_dir(&model.cfg, &args.model_path)
+            MtpLayer::load_dir(&model.cfg, &args.settings.model_path)
         }
         .map_err(|e| format!("--spec mtp: {e}"))?;
-        Some(MtpDrafter::new(layer, &model, args.num_state_slots))
+        Some(MtpDrafter::new(
+            layer,
+            &model,
+            args.settings.num_state_slots,
+        ))
     } else {
         None
     };
@@ -132,8 +143,8 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         shard: args.shard,
         group: None,
         mtp,
-        model_path: args.model_path.clone(),
-        dummy_weights: args.dummy_weights,
+        model_path: args.settings.model_path.clone(),
+        dummy_weights: args.settings.dummy_weights,
         busy: RankBusy::default(),
         num_moved_experts: 0,
         rebalances_followed: 0,
@@ -463,7 +474,8 @@ pub(super) fn eplb_for(
     layers: usize,
     experts: usize,
 ) -> Result<Option<Eplb>, String> {
-    args.eplb
+    args.settings
+        .eplb
         .map(|settings| {
             Eplb::new(settings.for_model(layers, experts)).map_err(|e| format!("EPLB: {e}"))
         })

@@ -44,45 +44,63 @@ const HOST_EXPERTS_WARMUP_TOKENS: usize = 256;
 pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceModel>, String> {
     // Decode steps run as recorded graphs (`model::deepseek_v4::recorded`) unless
     // `--enforce-eager`.
-    let backend = CudaBackend::new(ordinal, args.batch_invariant, !args.enforce_eager)
-        .map_err(|e| e.to_string())?;
+    let backend = CudaBackend::new(
+        ordinal,
+        args.settings.batch_invariant,
+        !args.settings.enforce_eager,
+    )
+    .map_err(|e| e.to_string())?;
     // Everything but the routed experts first, then the cache: the experts take the room
     // left, those that do not fit (or that the flags send) stay in host memory.
-    let cfg = crate::model::deepseek_v4::config::DsV4Config::from_dir(&args.model_path)
+    let cfg = crate::model::deepseek_v4::config::DsV4Config::from_dir(&args.settings.model_path)
         .map_err(|e| e.to_string())?;
-    let mut model =
-        DsV4Model::load_dir_holding(backend, &args.model_path, args.dummy_weights, &|_, _| false)
-            .map_err(|e| e.to_string())?;
-    let cache = model.new_cache(args.num_state_slots, args.num_kv_blocks, args.block_size);
-    let saved = SavedStates::on(&model.backend, &cache, args.num_saved_states);
+    let mut model = DsV4Model::load_dir_holding(
+        backend,
+        &args.settings.model_path,
+        args.settings.dummy_weights,
+        &|_, _| false,
+    )
+    .map_err(|e| e.to_string())?;
+    let cache = model.new_cache(
+        args.settings.num_state_slots,
+        args.settings.num_kv_blocks,
+        args.settings.block_size,
+    );
+    let saved = SavedStates::on(&model.backend, &cache, args.settings.num_saved_states);
     {
         model.backend.synchronize();
         let free = crate::kernels::cuda::gpu_free_bytes(ordinal)?;
         let room = free.saturating_sub(super::expert_placement::DEVICE_MARGIN_BYTES);
         let placement = super::expert_placement::placement(args, &cfg, Some(room))?;
         model
-            .reside(&args.model_path, args.dummy_weights, &|l, e| {
-                !placement.on_host(l, e)
-            })
+            .reside(
+                &args.settings.model_path,
+                args.settings.dummy_weights,
+                &|l, e| !placement.on_host(l, e),
+            )
             .map_err(|e| e.to_string())?;
         crate::runner::trim_heap();
-        if args.stream_experts != StreamExperts::Never {
+        if args.settings.stream_experts != StreamExperts::Never {
             super::expert_placement::pin_friendly_heap();
         }
         model
             .keep_experts_on_host(
-                &args.model_path,
-                args.dummy_weights,
+                &args.settings.model_path,
+                args.settings.dummy_weights,
                 placement,
-                (args.batch_invariant, args.stream_experts),
+                (args.settings.batch_invariant, args.settings.stream_experts),
             )
             .map_err(|e| e.to_string())?;
     }
-    let mtp = if args.mtp {
-        let dir = (!args.dummy_weights).then_some(args.model_path.as_path());
+    let mtp = if args.settings.mtp {
+        let dir = (!args.settings.dummy_weights).then_some(args.settings.model_path.as_path());
         let layer = MtpLayer::load_into(&model.cfg, dir, &model.backend)
             .map_err(|e| format!("--spec mtp: {e}"))?;
-        Some(MtpDrafter::new(layer, &model, args.num_state_slots))
+        Some(MtpDrafter::new(
+            layer,
+            &model,
+            args.settings.num_state_slots,
+        ))
     } else {
         None
     };
@@ -97,8 +115,8 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         mtp,
         num_moved_experts: 0,
         rebalances_followed: 0,
-        model_path: args.model_path.clone(),
-        dummy_weights: args.dummy_weights,
+        model_path: args.settings.model_path.clone(),
+        dummy_weights: args.settings.dummy_weights,
     }))
 }
 

@@ -63,7 +63,7 @@ pub fn placement(
     device_room_bytes: Option<usize>,
 ) -> Result<ExpertPlacement, String> {
     let (layers, experts) = (cfg.num_layers, cfg.num_routed_experts);
-    if args.cpu_moe == CpuMoe::Auto && device_room_bytes.is_none() {
+    if args.settings.cpu_moe == CpuMoe::Auto && device_room_bytes.is_none() {
         return Ok(ExpertPlacement::all_on_device(layers, experts));
     }
     let sizes = PlacementSizes {
@@ -73,11 +73,11 @@ pub fn placement(
         device_room_bytes,
         host_room_bytes: host_available_bytes().saturating_sub(HOST_MARGIN_BYTES),
     };
-    let placement = place_experts(args.cpu_moe, &sizes).map_err(|e| e.to_string())?;
+    let placement = place_experts(args.settings.cpu_moe, &sizes).map_err(|e| e.to_string())?;
     if placement.any_on_host() && args.shard.size > 1 {
         return Err(format!(
             "{}: host experts run beside one device, not in an expert-parallel group of {}",
-            args.cpu_moe, args.shard.size
+            args.settings.cpu_moe, args.shard.size
         ));
     }
     if placement.any_on_host() {

@@ -154,15 +154,15 @@ fn load_with_cache<B: Backend>(
     backend: &B,
     args: &RankArgs,
 ) -> Result<(LlamaModel<B>, B::KvCache), ActorProcessingErr> {
-    let loaded = if args.dummy_weights {
+    let loaded = if args.settings.dummy_weights {
         crate::model::load_dummy_shard(path, backend, args.shard)?
     } else {
         crate::model::load_shard(path, backend, args.shard)?
     };
     let shape = loaded
         .model
-        .kv_cache_shape(args.num_kv_blocks, args.block_size)
-        .with_dtype(args.kv_dtype);
+        .kv_cache_shape(args.settings.num_kv_blocks, args.settings.block_size)
+        .with_dtype(args.settings.kv_dtype);
     let cache = backend.alloc_kv_cache(shape);
     Ok((loaded.model, cache))
 }
@@ -171,17 +171,17 @@ pub(super) fn load_on<B: Backend + 'static>(
     backend: B,
     args: &RankArgs,
 ) -> Result<Box<dyn DeviceModel>, ActorProcessingErr> {
-    let (model, cache) = load_with_cache(&args.model_path, &backend, args)?;
+    let (model, cache) = load_with_cache(&args.settings.model_path, &backend, args)?;
     if args.shard.is_leader() {
         let footprint = model.weights.footprint(&backend);
         tracing::info!(
             "model card: {} MB of weights resident per rank ({} MB in the checkpoint): {}",
             footprint.resident_bytes >> 20,
-            crate::model::checkpoint_bytes(&args.model_path) >> 20,
+            crate::model::checkpoint_bytes(&args.settings.model_path) >> 20,
             footprint.card()
         );
     }
-    let draft = match &args.draft_model_path {
+    let draft = match &args.settings.draft_model_path {
         Some(path) => {
             let (draft_model, draft_cache) = load_with_cache(path, &backend, args)?;
             Some(draft::DraftModel::new(draft_model, draft_cache))
@@ -194,6 +194,6 @@ pub(super) fn load_on<B: Backend + 'static>(
         cache,
         leader: args.shard.is_leader(),
         draft,
-        num_kv_blocks: args.num_kv_blocks,
+        num_kv_blocks: args.settings.num_kv_blocks,
     }))
 }

@@ -27,6 +27,7 @@ use std::path::PathBuf;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{Device, DeviceMark, Pending};
+use crate::model::config::ModelConfig;
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
 use crate::step::{Drawn, StepLogits, StepRow};
@@ -60,19 +61,22 @@ impl RankReport {
 /// Why a rank's model did not load (what its actor's start fails with).
 pub type LoadError = Box<dyn std::error::Error + Send + Sync>;
 
-/// What it takes to start one rank.
-pub struct RankArgs {
-    /// The rank's place in its tensor-parallel group.
-    pub shard: TpShard,
-    /// The rank's device among the engine's devices (what fault injection names).
-    pub device_slot: usize,
+/// What every rank of the engine starts from, whatever its place in a group: the
+/// supervisor keeps it to (re)start the ranks.
+#[derive(Clone)]
+pub struct RankSettings {
     pub model_path: PathBuf,
+    /// The full model's shape, for choosing group sizes.
+    pub model_config: ModelConfig,
+    /// The devices a group may use, one rank each (the configured group size of them).
+    pub devices: Vec<Device>,
     pub num_kv_blocks: usize,
+    /// Per-sequence state slots (DeepSeek-V4's window ring and compressor state); 0 for
+    /// models without per-sequence state.
     pub num_state_slots: usize,
     /// Slot states saved with the prefix (`sched::SavedStates`); 0: none.
     pub num_saved_states: usize,
     pub block_size: usize,
-    pub sampled: SampledTokens,
     /// MoE models: plan expert placement from the routed loads and report the balance.
     pub eplb: Option<crate::eplb::EplbSettings>,
     /// DeepSeek-V4: which routed experts stay in host memory (`expert_placement`).
@@ -87,23 +91,60 @@ pub struct RankArgs {
     pub quantization: Option<crate::kernels::fp8::Quantization>,
     /// `--kv-cache-dtype`, checked against the device and the model by the engine.
     pub kv_dtype: crate::kernels::KvDtype,
-    /// Where `RankMsg::SaveKv`'s blocks go.
+    /// The prefix store a rank copies registered blocks to (`--kv-store-dir`, ...).
     pub kv_store: Option<crate::sync::Shared<kv_store::KvStore>>,
-    pub device: Device,
     pub dummy_weights: bool,
-    /// `--spec draft`: the draft model this rank runs beside the model.
-    pub draft_model_path: Option<PathBuf>,
-    /// `--spec mtp`: DeepSeek-V4's MTP layer drafts for the verify rows.
-    pub mtp: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: affinity::CpuAffinity,
-    /// Measure (or load) the decode latency curve before the first step.
+    /// Measure (or load) the decode latency curve before the first step (`RankArgs::decode_curve`).
     pub decode_curve: Option<CurveJob>,
     /// The largest prefill a step runs (`DeviceModel::warm_up`); 0 skips the warm-up.
     pub warmup_tokens: usize,
     /// The most tokens a step of decode and verify rows may hold: graphs up to it are
-    /// recorded before the first request (`decode_curve::record_graphs`); 0 records none.
+    /// recorded before the first request (`RankArgs::graph_tokens`); 0 records none.
     pub graph_tokens: usize,
+    /// `--spec draft`: the draft model each rank runs beside the model.
+    pub draft_model_path: Option<PathBuf>,
+    /// `--spec mtp`: DeepSeek-V4's MTP layer drafts for the verify rows.
+    pub mtp: bool,
+    /// DeepSeek-V4: a group is expert-parallel, sized by its routed experts.
+    pub num_routed_experts: Option<usize>,
+}
+
+/// What it takes to start one rank: its place, and the settings every rank shares.
+pub struct RankArgs {
+    /// The rank's place in its tensor-parallel group.
+    pub shard: TpShard,
+    /// The rank's device among the engine's devices (what fault injection names).
+    pub device_slot: usize,
+    pub sampled: SampledTokens,
+    pub settings: RankSettings,
+}
+
+impl RankArgs {
+    pub fn device(&self) -> Device {
+        self.settings.devices[self.device_slot]
+    }
+
+    /// The decode latency curve to measure (or load) before the first step: a lone rank's
+    /// only, as a group's ranks would each need the others.
+    pub fn decode_curve(&self) -> Option<&CurveJob> {
+        self.settings
+            .decode_curve
+            .as_ref()
+            .filter(|_| self.shard.size == 1)
+    }
+
+    /// The most tokens of decode and verify rows whose graphs are recorded before the first
+    /// request (0: none): a lone rank's only, as a group's rank would record steps without
+    /// its peers' collectives.
+    pub fn graph_tokens(&self) -> usize {
+        if self.shard.size == 1 {
+            self.settings.graph_tokens
+        } else {
+            0
+        }
+    }
 }
 
 /// Where the next step finds the token a row of this step drew.
@@ -235,10 +276,10 @@ pub trait DeviceModel: Send {
     }
 }
 
-/// The model at `args.model_path` on `args.device`, loaded.
+/// The model at `args.settings.model_path` on `args.device()`, loaded.
 pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
-    if crate::model::is_deepseek_v4_dir(&args.model_path) {
-        return match args.device {
+    if crate::model::is_deepseek_v4_dir(&args.settings.model_path) {
+        return match args.device() {
             Device::Cpu => Ok(deepseek_v4::load(args)?),
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => Ok(deepseek_v4_cuda::load(args, ordinal)?),
@@ -246,12 +287,12 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
             Device::Cuda(_) => Err(crate::kernels::NO_CUDA.into()),
         };
     }
-    match args.device {
+    match args.device() {
         Device::Cpu => load_on(
             CpuBackend {
-                batch_invariant: args.batch_invariant,
-                exact_activations: args.exact_activations,
-                quantization: args.quantization,
+                batch_invariant: args.settings.batch_invariant,
+                exact_activations: args.settings.exact_activations,
+                quantization: args.settings.quantization,
                 records_steps: false,
             },
             args,
@@ -260,10 +301,10 @@ pub fn load_model(args: &RankArgs) -> Result<Box<dyn DeviceModel>, LoadError> {
         Device::Cuda(ordinal) => {
             let mut backend = crate::kernels::cuda::CudaBackend::new(
                 ordinal,
-                args.batch_invariant,
-                !args.enforce_eager,
+                args.settings.batch_invariant,
+                !args.settings.enforce_eager,
             )?;
-            backend.quantization = args.quantization;
+            backend.quantization = args.settings.quantization;
             load_on(backend, args)
         }
         #[cfg(not(feature = "cuda"))]
