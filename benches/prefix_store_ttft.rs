@@ -15,8 +15,8 @@ use std::time::Instant;
 use troupe::engine::{Device, Engine, EngineConfig, EngineHandle, EngineRequest};
 use troupe::kernels::KvDtype;
 use troupe::model;
-use troupe::runner::kv_store::KvStoreConfig;
 use troupe::sampling::{SamplingParams, splitmix64};
+use troupe::store::KvStoreConfig;
 
 fn env(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())

@@ -21,7 +21,7 @@ LAYERS = {
     "protocol": 8, "cluster": 8,
     "engine": 7, "generate": 7,
     "actors": 6,
-    "runner": 5, "api": 5,
+    "runner": 5, "api": 5, "store": 5,
     "model": 4,
     "kernels": 3,
     # The pure cores: no device, no actors, no model.

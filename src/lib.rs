@@ -18,6 +18,7 @@ pub mod sampling;
 pub mod sched;
 pub mod spec;
 pub mod step;
+pub mod store;
 pub mod structured;
 pub mod sync;
 

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use common::engine::{assert_finished_unchanged, ok_outputs, reference_outputs, tiny_config};
 use troupe::engine::{Engine, EngineConfig, EngineHandle, EngineRequest, EngineStatus};
-use troupe::runner::kv_store::KvStoreConfig;
 use troupe::sampling::{SamplingParams, splitmix64};
 use troupe::sched::{ROOT_HASH, block_hash};
+use troupe::store::KvStoreConfig;
 
 const BOUND: Duration = Duration::from_secs(240);
 

@@ -11,9 +11,9 @@ use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
 use troupe::kernels::collective::GroupAbort;
 use troupe::runner::fault::FaultPlan;
-use troupe::runner::kv_store::{KvStore, KvStoreConfig};
 use troupe::sched::{KvSave, ROOT_HASH, block_hash};
 use troupe::spec::{Drafter, NgramDrafter};
+use troupe::store::{KvStore, KvStoreConfig};
 use troupe::sync::{BusyCell, Gate, Refusal};
 
 #[test]

@@ -17,12 +17,12 @@ use crate::runner::affinity;
 use crate::runner::decode_curve;
 use crate::runner::fault::FaultPlan;
 use crate::runner::inputs::StepInputs;
-use crate::runner::kv_store::KvStore;
 use crate::runner::readback::{ReadStep, Readback, spawn_readback};
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::runner::{DeviceModel, RankArgs, RankReport, load_model};
 use crate::sched::KvSave;
 use crate::step::Step;
+use crate::store::KvStore;
 
 pub enum RankMsg {
     /// The readback thread could not deliver a step (a device error while waiting for

@@ -12,7 +12,6 @@ use super::rank_worker::RankMsg;
 use super::sampler::SamplerMsg;
 use crate::api::{EngineError, EngineRequest, EngineStatus, MAX_CHOICES, RequestOutput};
 use crate::runner::RankReport;
-use crate::runner::kv_store::KvStore;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::SamplingParams;
 use crate::sampling::ScoredToken;
@@ -20,6 +19,7 @@ use crate::sched::{
     FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StoredPrefix,
 };
 use crate::step::{PromptScore, RowSampling, SampledStep, Step};
+use crate::store::KvStore;
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
 mod detach;

@@ -9,7 +9,7 @@ use crate::engine::{Device, EngineConfig, SpecAcceptance, SpecConfig, SpecMethod
 use crate::error::{Result, TroupeError};
 use crate::generate::DEFAULT_BLOCK_SIZE;
 use crate::model;
-use crate::runner::kv_store::KvStoreConfig;
+use crate::store::KvStoreConfig;
 
 fn parse_device(s: &str) -> std::result::Result<Device, String> {
     match s {

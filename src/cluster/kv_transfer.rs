@@ -11,7 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::runner::kv_store::{BlockKey, KvStore};
+use crate::store::{BlockKey, KvStore};
 use crate::sync::Shared;
 
 /// A chunk's payload at most: a frame of the cluster's transport holds 16 MiB.
@@ -69,7 +69,7 @@ impl Prefix {
 
 /// A chunk of blocks and states, decoded.
 pub struct Chunk {
-    /// The sender's store namespace (`kv_store::namespace`).
+    /// The sender's store namespace (`store::namespace`).
     pub namespace: String,
     pub blocks: Vec<(BlockKey, Vec<u8>)>,
     pub states: Vec<(u64, Vec<u8>)>,
@@ -299,8 +299,8 @@ mod tests {
 
     #[test]
     fn a_store_takes_a_peers_blocks_only_when_they_are_what_they_claim() {
-        use crate::runner::kv_store::KvStoreConfig;
         use crate::sched::{ROOT_HASH, block_hash};
+        use crate::store::KvStoreConfig;
         let (block_size, block_bytes) = (16, 64);
         let cfg = KvStoreConfig {
             host_bytes: 1 << 20,

@@ -60,7 +60,7 @@ pub struct EngineConfig {
     /// `--kv-cache-dtype`: what K and V entries are stored in (Llama family).
     pub kv_cache_dtype: crate::kernels::KvDtype,
     /// The prefix store below the device: host memory and a directory on disk.
-    pub kv_store: crate::runner::kv_store::KvStoreConfig,
+    pub kv_store: crate::store::KvStoreConfig,
     /// `--swa-saved-states`: DeepSeek-V4 slot states saved at block boundaries with the
     /// prefix, so a hit resumes with no replay; `None`: up to 4 a slot within a quarter
     /// of the cache budget; 0: every hit replays.

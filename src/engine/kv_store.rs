@@ -5,7 +5,7 @@ use super::pools::Pools;
 use super::{EngineConfig, EngineError};
 use crate::kernels::Device;
 use crate::model::config::ModelConfig;
-use crate::runner::kv_store::{self, KvStore};
+use crate::store::{self, KvStore};
 use crate::sync::Shared;
 
 /// The block layout's version: a change to what a block's bytes mean is a new namespace.
@@ -62,7 +62,7 @@ pub(super) fn open_kv_store(
         cfg.quantization,
         cfg.dummy_weights,
     );
-    let namespace = kv_store::namespace(&cfg.model_path, &settings).map_err(|e| {
+    let namespace = store::namespace(&cfg.model_path, &settings).map_err(|e| {
         EngineError::Spawn(format!(
             "kv store: reading {}: {e}",
             cfg.model_path.display()

@@ -29,10 +29,10 @@ use crate::api::{ChoiceText, RequestIds};
 use crate::model::{self, ModelText};
 use crate::runner::decode_curve::CurveJob;
 use crate::runner::fault::FaultPlan;
-use crate::runner::kv_store::KvStore;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::splitmix64;
 use crate::sched::SchedulerConfig;
+use crate::store::KvStore;
 use crate::structured::GrammarCompiler;
 use speculation::{draft_model, mtp_drafts, speculative_tokens};
 

@@ -11,7 +11,6 @@ pub mod decode_curve;
 mod deepseek_v4_cuda;
 pub mod fault;
 pub mod inputs;
-pub mod kv_store;
 pub mod readback;
 pub mod sampled_tokens;
 
@@ -92,7 +91,7 @@ pub struct RankSettings {
     /// `--kv-cache-dtype`, checked against the device and the model by the engine.
     pub kv_dtype: crate::kernels::KvDtype,
     /// The prefix store a rank copies registered blocks to (`--kv-store-dir`, ...).
-    pub kv_store: Option<crate::sync::Shared<kv_store::KvStore>>,
+    pub kv_store: Option<crate::sync::Shared<crate::store::KvStore>>,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: affinity::CpuAffinity,
