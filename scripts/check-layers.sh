@@ -19,7 +19,7 @@ SRC = sys.argv[1]
 LAYERS = {
     "main": 9, "cli": 9, "bench_serve": 9,
     "protocol": 8, "cluster": 8,
-    "engine": 7, "generate": 7,
+    "engine": 7,
     "actors": 6,
     "runner": 5, "api": 5, "store": 5,
     "model": 4,

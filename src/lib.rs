@@ -8,7 +8,6 @@ pub mod cluster;
 pub mod engine;
 pub mod eplb;
 pub mod error;
-pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod protocol;

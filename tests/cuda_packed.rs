@@ -459,7 +459,7 @@ fn on_device_fp8_quantization_equals_the_hosts_and_is_what_the_footprint_says() 
 /// (0.15: a first run diverged at a margin of 0.077), and at least 5 tokens a model checked.
 #[test]
 fn fp8_models_generate_transformers_greedy_tokens_on_the_gpu() {
-    use troupe::generate::{GenerateRequest, Generator};
+    use common::generate::{GenerateRequest, Generator};
     let goldens = common::goldens();
     let quantize = Some(troupe::kernels::fp8::Quantization::Fp8);
     for (model, reference, quantization, packed_as) in [

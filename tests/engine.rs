@@ -110,8 +110,8 @@ async fn a_request_that_can_never_fit_is_refused_with_the_numbers() {
 /// rule is: equal, or at the first difference each side's token is in the other's top-5.
 #[test]
 fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
+    use common::generate::{GenerateRequest, Generator};
     use std::io::Write;
-    use troupe::generate::{GenerateRequest, Generator};
     use troupe::kernels::cpu::CpuBackend;
     use troupe::sampling::SamplingParams;
 

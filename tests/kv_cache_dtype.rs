@@ -5,7 +5,7 @@
 
 mod common;
 
-use troupe::generate::Generator;
+use common::generate::Generator;
 use troupe::kernels::KvDtype;
 use troupe::kernels::cpu::CpuBackend;
 

@@ -3,7 +3,7 @@
 
 mod common;
 
-use troupe::generate::{FinishReason, GenerateRequest, Generator};
+use common::generate::{FinishReason, GenerateRequest, Generator};
 use troupe::kernels::KvDtype;
 use troupe::kernels::cpu::CpuBackend;
 use troupe::model::chat_template::ChatMessage;

@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::engine::{Device, EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+use crate::engine::{
+    DEFAULT_BLOCK_SIZE, Device, EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
+};
 use crate::error::{Result, TroupeError};
-use crate::generate::DEFAULT_BLOCK_SIZE;
 use crate::model;
 use crate::store::KvStoreConfig;
 

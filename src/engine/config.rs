@@ -5,6 +5,9 @@ use std::path::PathBuf;
 use crate::kernels::Device;
 use crate::runner::affinity::CpuAffinity;
 
+/// Tokens a KV block holds unless `--block-size` says otherwise.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// A GGUF file or HF model directory (resolve names with `model::resolve_model_path`).
@@ -133,7 +136,7 @@ impl EngineConfig {
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         EngineConfig {
             model_path: model_path.into(),
-            block_size: 16,
+            block_size: DEFAULT_BLOCK_SIZE,
             kv_cache_bytes: 1 << 30,
             device: Device::Cpu,
             tensor_parallel_size: 1,

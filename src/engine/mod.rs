@@ -19,7 +19,9 @@ pub use crate::api::{
     RequestError, RequestLimits, RequestOutput, TextStream,
 };
 pub use crate::kernels::Device;
-pub use config::{EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify};
+pub use config::{
+    DEFAULT_BLOCK_SIZE, EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
+};
 pub use request_stream::RequestStream;
 
 pub use crate::actors::scheduler::Detached;

@@ -2,8 +2,8 @@
 //! reference outputs of the synchronous `Generator` run one request at a time.
 #![allow(dead_code)]
 
+use super::generate::{GenerateRequest, Generator};
 use troupe::engine::{Device, Engine, EngineConfig, EngineRequest, EngineStatus, RequestOutput};
-use troupe::generate::{GenerateRequest, Generator};
 use troupe::kernels::cpu::CpuBackend;
 use troupe::sampling::{SamplingParams, splitmix64};
 

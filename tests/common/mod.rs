@@ -84,6 +84,7 @@ pub mod cli;
 pub mod dsv4;
 pub mod dsv4_host;
 pub mod engine;
+pub mod generate;
 pub mod packed;
 pub mod process;
 pub mod server;
@@ -124,7 +125,7 @@ pub fn log_probs(logits: &[f32]) -> Vec<f64> {
 /// token as one prefill chunk, the last as a decode step (the decode path's shape, reading
 /// the cache as stored).
 pub fn decode_logits(
-    generator: &mut troupe::generate::Generator<CpuBackend>,
+    generator: &mut generate::Generator<CpuBackend>,
     prompt: &[u32],
     dtype: troupe::kernels::KvDtype,
 ) -> Vec<f32> {
@@ -156,7 +157,7 @@ pub fn decode_logits(
 /// `want` fed back one token at a time after `prompt` (teacher forcing) in a `dtype`
 /// cache: how many of the argmaxes equal the token fed next.
 pub fn forced_argmax_hits(
-    generator: &mut troupe::generate::Generator<CpuBackend>,
+    generator: &mut generate::Generator<CpuBackend>,
     prompt: &[u32],
     want: &[u32],
     dtype: troupe::kernels::KvDtype,

@@ -1,16 +1,17 @@
 //! Offline generation over a batch of requests: every step runs all unfinished sequences
 //! together (prefills first, then one decode token each) over one paged KV cache.
 //!
-//! This is the synchronous loop the engine-core issue moves behind the scheduler actor;
-//! it already plans steps the way that scheduler will (a list of `SeqStep`s).
+//! The one-process reference loop the engine's scheduler replaced, kept for the tests
+//! that compare the engine and the models against it (a list of `SeqStep`s a step).
+#![allow(dead_code)]
 
-use crate::error::{Result, TroupeError};
-use crate::kernels::Backend;
-use crate::model::LoadedModel;
-use crate::model::llama::SeqStep;
-use crate::sampling::{Sampler, SamplingParams, top_logprobs};
+use troupe::error::{Result, TroupeError};
+use troupe::kernels::Backend;
+use troupe::model::LoadedModel;
+use troupe::model::llama::SeqStep;
+use troupe::sampling::{Sampler, SamplingParams, top_logprobs};
 
-pub const DEFAULT_BLOCK_SIZE: usize = 16;
+pub const DEFAULT_BLOCK_SIZE: usize = troupe::engine::DEFAULT_BLOCK_SIZE;
 
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
@@ -71,7 +72,7 @@ pub struct Generator<B: Backend> {
     pub model: LoadedModel<B>,
     pub block_size: usize,
     /// What the KV cache stores (`KvDtype`).
-    pub kv_dtype: crate::kernels::KvDtype,
+    pub kv_dtype: troupe::kernels::KvDtype,
     cache: Option<B::KvCache>,
     num_cache_blocks: usize,
     sampler: Sampler,
@@ -84,7 +85,7 @@ impl<B: Backend> Generator<B> {
             backend,
             model,
             block_size,
-            kv_dtype: crate::kernels::KvDtype::Auto,
+            kv_dtype: troupe::kernels::KvDtype::Auto,
             cache: None,
             num_cache_blocks: 0,
             sampler: Sampler::default(),
