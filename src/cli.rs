@@ -13,12 +13,11 @@ use crate::protocol::conversation::{Conversation, Message, Role};
 use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
 use crate::sampling::SamplingParams;
 
-mod engine_flags;
 mod router;
 mod serve;
 mod telemetry;
 
-pub use engine_flags::EngineFlags;
+pub use crate::engine::flags::EngineFlags;
 pub use serve::ServeArgs;
 
 #[derive(Parser)]
@@ -115,39 +114,6 @@ pub struct GenerateArgs {
     /// A stop string (repeatable); not included in the output.
     #[arg(long)]
     stop: Vec<String>,
-}
-
-/// Only the engine's flags: what the Python package's `LLM(model, **engine_args)` takes.
-#[derive(Parser)]
-#[command(name = "troupe.LLM", no_binary_name = true)]
-struct EngineArgs {
-    #[command(flatten)]
-    engine: EngineFlags,
-}
-
-/// The engine `generate --model MODEL FLAGS..` would build: `model` resolved as `--model`
-/// is (fetched when it is a hub id), `flags` as `generate` reads its engine flags.
-pub fn engine_config(model: &str, flags: &[String]) -> Result<crate::engine::EngineConfig> {
-    let args = EngineArgs::try_parse_from(flags).map_err(|e| {
-        // clap's first line names the argument; its usage lines speak of a command line.
-        let rendered = e.render().to_string();
-        let first = rendered.lines().next().unwrap_or_default();
-        TroupeError::InvalidInput(format!(
-            "{} (engine arguments are the engine flags of `troupe generate --help`, `-` as `_`)",
-            first.trim_start_matches("error: ")
-        ))
-    })?;
-    let path = args.engine.model_path(model)?;
-    args.engine.config(&path)
-}
-
-/// The long names of the engine flags `engine_config` takes (`kv-cache-mib`, ...).
-pub fn engine_flag_names() -> Vec<String> {
-    use clap::CommandFactory;
-    EngineArgs::command()
-        .get_arguments()
-        .filter_map(|a| a.get_long().map(str::to_string))
-        .collect()
 }
 
 fn engine_err(e: EngineError) -> TroupeError {

@@ -62,7 +62,7 @@ impl Engine {
     #[new]
     fn new(py: Python<'_>, model: String, flags: Vec<String>) -> PyResult<Self> {
         py.detach(move || {
-            let cfg = troupe::cli::engine_config(&model, &flags).map_err(value_error)?;
+            let cfg = troupe::engine::flags::engine_config(&model, &flags).map_err(value_error)?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
@@ -251,7 +251,7 @@ fn output_json(o: &RequestOutput, text: &ModelText) -> Value {
 /// The long names of the engine's flags: what `troupe.LLM` takes as keywords.
 #[pyfunction]
 fn engine_flag_names() -> Vec<String> {
-    troupe::cli::engine_flag_names()
+    troupe::engine::flags::engine_flag_names()
 }
 
 /// `troupe` on the command line: `argv` as `sys.argv` has it.

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use super::engine_flags::{EngineFlags, parse_duration};
 use super::engine_runtime;
 use crate::cluster::agent::{self, JoinConfig};
+use crate::engine::flags::{EngineFlags, parse_duration};
 use crate::engine::{Engine, EngineError};
 use crate::error::{Result, TroupeError};
 use crate::model::hub;

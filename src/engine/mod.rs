@@ -2,6 +2,7 @@
 //! to submit requests to, stream their outputs, abort them and shut down.
 
 mod config;
+pub mod flags;
 mod grammar;
 mod kv_store;
 mod pools;

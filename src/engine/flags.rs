@@ -1,9 +1,10 @@
-//! The engine flags `generate` and `serve` share, into an `EngineConfig`.
+//! The engine flags `generate`, `serve` and the Python package's `LLM(...)` share, into an
+//! `EngineConfig`: the one place an engine is built from flags.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, Parser};
 
 use crate::engine::{
     DEFAULT_BLOCK_SIZE, Device, EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
@@ -192,14 +193,14 @@ fn parse_spec_verify(s: &str) -> std::result::Result<SpecVerify, String> {
 
 impl EngineFlags {
     /// `--model` resolved to a file or directory, `--gguf-file` applied.
-    pub(super) fn model_path(&self, model: &str) -> Result<PathBuf> {
+    pub fn model_path(&self, model: &str) -> Result<PathBuf> {
         match &self.gguf_file {
             Some(file) => model::resolve_model_path(&model::hf_repo::with_gguf_file(model, file)?),
             None => model::resolve_model_path(model),
         }
     }
 
-    pub(super) fn config(&self, model_path: &Path) -> Result<EngineConfig> {
+    pub fn config(&self, model_path: &Path) -> Result<EngineConfig> {
         // The CPU attention kernel holds one block's scores on the stack.
         if self.block_size == 0 || self.block_size > 256 {
             return Err(TroupeError::InvalidInput(format!(
@@ -316,7 +317,7 @@ fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
 }
 
 /// `3600` (seconds), `45s`, `90m`, `12h`, `7d`.
-pub(super) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     let (digits, unit) = match s.char_indices().last() {
         Some((i, 's')) => (&s[..i], 1),
         Some((i, 'm')) => (&s[..i], 60),
@@ -345,6 +346,39 @@ fn read_template(arg: &str) -> Result<String> {
     Err(TroupeError::InvalidInput(format!(
         "--chat-template `{arg}`: no such file, and not a Jinja template"
     )))
+}
+
+/// Only the engine's flags: what the Python package's `LLM(model, **engine_args)` takes.
+#[derive(Parser)]
+#[command(name = "troupe.LLM", no_binary_name = true)]
+struct EngineArgs {
+    #[command(flatten)]
+    engine: EngineFlags,
+}
+
+/// The engine `generate --model MODEL FLAGS..` would build: `model` resolved as `--model`
+/// is (fetched when it is a hub id), `flags` as `generate` reads its engine flags.
+pub fn engine_config(model: &str, flags: &[String]) -> Result<EngineConfig> {
+    let args = EngineArgs::try_parse_from(flags).map_err(|e| {
+        // clap's first line names the argument; its usage lines speak of a command line.
+        let rendered = e.render().to_string();
+        let first = rendered.lines().next().unwrap_or_default();
+        TroupeError::InvalidInput(format!(
+            "{} (engine arguments are the engine flags of `troupe generate --help`, `-` as `_`)",
+            first.trim_start_matches("error: ")
+        ))
+    })?;
+    let path = args.engine.model_path(model)?;
+    args.engine.config(&path)
+}
+
+/// The long names of the engine flags `engine_config` takes (`kv-cache-mib`, ...).
+pub fn engine_flag_names() -> Vec<String> {
+    use clap::CommandFactory;
+    EngineArgs::command()
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_string))
+        .collect()
 }
 
 #[cfg(test)]
