@@ -6,11 +6,10 @@ use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::api::{self, ApiError, Flavor, Sampling, conversation_request, parse_body};
+use super::api::{ApiError, Flavor, Sampling, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
 use super::http::{
-    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, read_body, respond,
-    sse,
+    ServerState, SseEvent, Submitted, check_model, json_when_done, read_body, respond, sse, submit,
 };
 use super::openai::response_format;
 use super::output_parser::OutputEvent;
@@ -224,7 +223,7 @@ pub async fn messages(st: web::Data<ServerState>, body: web::Payload) -> HttpRes
 async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
     let req: MessagesRequest = parse_body(&read_body(st, body).await?)?;
     check_model(st, &req.model)?;
-    let text = st.engine()?.text();
+    st.engine()?;
     let conv = conversation(&req)?;
     let grammar = match req.output_config.as_ref().and_then(|c| c.get("format")) {
         Some(f) if !f.is_null() => response_format(f, "output_config.format")?,
@@ -239,15 +238,11 @@ async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
         max_tokens: Some(req.max_tokens),
         ..Default::default()
     };
-    let engine_req = conversation_request(&conv, sampling, st.engine()?.text_shared()).await?;
-    let num_input_tokens = engine_req.prompt_ids.len();
-    let spec = api::parse_spec(text, &conv);
-    let stream = st
-        .engine()?
-        .generate(engine_req)
-        .await
-        .map_err(engine_error)?;
-    let stream = Timed::new(stream, st, num_input_tokens);
+    let Submitted {
+        stream,
+        spec,
+        num_prompt_tokens: num_input_tokens,
+    } = submit(st, &conv, sampling).await?;
     let request_id = stream.request_id();
     let id = format!("msg_{request_id:x}");
     let model = st.opts.served_model_name.clone();

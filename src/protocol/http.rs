@@ -12,8 +12,10 @@ use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use serde_json::Value;
 
-use super::api::{ApiError, Flavor};
+use super::api::{ApiError, Flavor, Sampling, conversation_request, parse_spec};
+use super::conversation::Conversation;
 use super::metrics::Metrics;
+use super::output_parser::ParseSpec;
 use super::serve_options::ServeOptions;
 use crate::engine::{EngineError, EngineHandle, RequestOutput, RequestStream};
 
@@ -162,6 +164,33 @@ pub fn check_model(st: &ServerState, model: &Option<String>) -> Result<(), ApiEr
         }),
         _ => Ok(()),
     }
+}
+
+/// A chat-shaped request (chat completions, messages, responses) on its way: the
+/// conversation rendered off the worker and handed to the engine, its outputs timed.
+pub struct Submitted {
+    pub stream: Timed,
+    /// How the reply's text splits into reasoning, text and tool calls.
+    pub spec: ParseSpec,
+    pub num_prompt_tokens: usize,
+}
+
+/// `conv` with `sampling` rendered, admitted and timed: what the three chat APIs share.
+pub async fn submit(
+    st: &ServerState,
+    conv: &Conversation,
+    sampling: Sampling,
+) -> Result<Submitted, ApiError> {
+    let engine = st.engine()?;
+    let engine_req = conversation_request(conv, sampling, engine.text_shared()).await?;
+    let num_prompt_tokens = engine_req.prompt_ids.len();
+    let spec = parse_spec(engine.text(), conv);
+    let stream = engine.generate(engine_req).await.map_err(engine_error)?;
+    Ok(Submitted {
+        stream: Timed::new(stream, st, num_prompt_tokens),
+        spec,
+        num_prompt_tokens,
+    })
 }
 
 /// A request's outputs with its latencies recorded as they arrive.

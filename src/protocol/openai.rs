@@ -5,14 +5,11 @@ use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::api::{
-    self, ApiError, Content, Flavor, Sampling, StopField, conversation_request, parse_body,
-    parse_value,
-};
+use super::api::{ApiError, Content, Flavor, Sampling, StopField, parse_body, parse_value};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
 use super::http::{
-    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
-    respond, sse,
+    ServerState, SseEvent, Submitted, check_model, json_when_done, now_secs, read_body, respond,
+    sse, submit,
 };
 use super::output_parser::OutputEvent;
 use super::reply::{ChoiceStreams, Reply, call_id};
@@ -305,7 +302,7 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
     let mut req: ChatRequest = parse_value(&body)?;
     req.sampling = parse_value(&body)?;
     check_model(st, &req.model)?;
-    let text = st.engine()?.text();
+    st.engine()?;
     let conv = chat_conversation(&req)?;
     let mut sampling = req.sampling.sampling()?;
     if let Some(f) = &req.response_format {
@@ -322,15 +319,11 @@ async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse
     if want_logprobs {
         sampling.num_top_logprobs = req.top_logprobs.unwrap_or(0);
     }
-    let engine_req = conversation_request(&conv, sampling, st.engine()?.text_shared()).await?;
-    let num_prompt_tokens = engine_req.prompt_ids.len();
-    let spec = api::parse_spec(text, &conv);
-    let stream = st
-        .engine()?
-        .generate(engine_req)
-        .await
-        .map_err(engine_error)?;
-    let stream = Timed::new(stream, st, num_prompt_tokens);
+    let Submitted {
+        stream,
+        spec,
+        num_prompt_tokens,
+    } = submit(st, &conv, sampling).await?;
     let request_id = stream.request_id();
     let id = format!("chatcmpl-{request_id}");
     let (created, model) = (now_secs(), st.opts.served_model_name.clone());

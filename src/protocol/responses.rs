@@ -6,11 +6,11 @@ use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::api::{self, ApiError, Content, Flavor, Sampling, conversation_request, parse_body};
+use super::api::{ApiError, Content, Flavor, Sampling, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall};
 use super::http::{
-    ServerState, SseEvent, Timed, check_model, engine_error, json_when_done, now_secs, read_body,
-    respond, sse,
+    ServerState, SseEvent, Submitted, check_model, json_when_done, now_secs, read_body, respond,
+    sse, submit,
 };
 use super::openai::{chat_logprobs, response_format, tool_choice};
 use super::output_parser::OutputEvent;
@@ -258,7 +258,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
             "this server stores no responses: set `store` to false",
         ));
     }
-    let text = st.engine()?.text();
+    st.engine()?;
     let conv = conversation(&req)?;
     let grammar = match req.text.as_ref().and_then(|t| t.get("format")) {
         Some(f) => response_format(f, "text.format")?,
@@ -273,15 +273,11 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
         grammar,
         ..Default::default()
     };
-    let engine_req = conversation_request(&conv, sampling, st.engine()?.text_shared()).await?;
-    let num_input_tokens = engine_req.prompt_ids.len();
-    let spec = api::parse_spec(text, &conv);
-    let stream = st
-        .engine()?
-        .generate(engine_req)
-        .await
-        .map_err(engine_error)?;
-    let stream = Timed::new(stream, st, num_input_tokens);
+    let Submitted {
+        stream,
+        spec,
+        num_prompt_tokens: num_input_tokens,
+    } = submit(st, &conv, sampling).await?;
     let request_id = stream.request_id();
     let shell = Shell {
         id: format!("resp_{request_id:x}"),
