@@ -1,6 +1,7 @@
 //! The library API: `Engine::spawn` starts the actor system and returns an `EngineHandle`
 //! to submit requests to, stream their outputs, abort them and shut down.
 
+mod build;
 mod config;
 pub mod flags;
 mod grammar;
@@ -30,14 +31,12 @@ use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{Children, EngineSupervisor, SupervisorArgs, SupervisorMsg};
 use crate::api::{ChoiceText, RequestIds};
 use crate::model::{self, ModelText};
-use crate::runner::decode_curve::CurveJob;
 use crate::runner::fault::FaultPlan;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::splitmix64;
-use crate::sched::SchedulerConfig;
 use crate::store::KvStore;
 use crate::structured::GrammarCompiler;
-use speculation::{draft_model, mtp_drafts, speculative_tokens};
+use speculation::{draft_model, mtp_drafts};
 
 pub struct Engine;
 
@@ -84,215 +83,46 @@ impl Engine {
         cfg: EngineConfig,
         faults: FaultPlan,
     ) -> Result<EngineHandle, EngineError> {
-        if cfg.block_size == 0
-            || cfg.max_num_seqs == 0
-            || cfg.max_step_tokens == 0
-            || cfg.max_pending_requests == 0
-        {
-            return Err(EngineError::Spawn(format!(
-                "block_size ({}), max_num_seqs ({}), max_step_tokens ({}) and max_pending_requests ({}) must be positive",
-                cfg.block_size, cfg.max_num_seqs, cfg.max_step_tokens, cfg.max_pending_requests
-            )));
-        }
-        speculative_tokens(cfg.speculative)?;
-        if cfg.exact_activations && cfg.device != Device::Cpu {
-            return Err(EngineError::Spawn(
-                "--exact-activations is for the CPU backend (the CUDA backend never quantizes activations)".into(),
-            ));
-        }
+        build::check_config(&cfg)?;
         let mut text = model::load_text(&cfg.model_path)?;
         if let Some(source) = &cfg.chat_template {
             text.set_chat_template(source)
                 .map_err(|e| EngineError::Spawn(format!("--chat-template: {e}")))?;
         }
-        pools::kv_dtype_problem(&cfg, text.deepseek_v4.is_some())
-            .map_or(Ok(()), |p| Err(EngineError::Spawn(p)))?;
-        if cfg.cpu_moe.is_explicit() {
-            if text.deepseek_v4.is_none() {
-                return Err(EngineError::Spawn(format!(
-                    "{}: this model has no routed experts to keep in host memory (DeepSeek-V4 has)",
-                    cfg.cpu_moe
-                )));
-            }
-            if cfg.tensor_parallel_size > 1 {
-                return Err(EngineError::Spawn(format!(
-                    "{} with --tensor-parallel-size {} is not built: host experts run beside one device",
-                    cfg.cpu_moe, cfg.tensor_parallel_size
-                )));
-            }
-        }
-        if cfg.stream_experts != Default::default() && text.deepseek_v4.is_none() {
-            return Err(EngineError::Spawn(format!(
-                "--stream-experts {}: this model has no routed experts in host memory to stream (DeepSeek-V4 has)",
-                cfg.stream_experts
-            )));
-        }
-        if cfg.quantization.is_some() && text.deepseek_v4.is_some() {
-            return Err(EngineError::Spawn(
-                "--quantization is for dense checkpoints: DeepSeek-V4's weights are FP8 / FP4 as shipped".into(),
-            ));
-        }
-        // Named here, before any rank starts: a rank's failed start reads far less clearly.
-        let dir = &cfg.model_path;
-        if dir.is_dir()
-            && !cfg.dummy_weights
-            && !dir.join("model.safetensors").exists()
-            && !dir.join("model.safetensors.index.json").exists()
-        {
-            return Err(EngineError::Spawn(format!(
-                "{}: no model.safetensors or model.safetensors.index.json (--dummy-weights runs the config's shape without them)",
-                dir.display()
-            )));
-        }
-        let mcfg = &text.config;
-        // DeepSeek-V4's limits are `pools::size_pools`' to name.
-        if text.deepseek_v4.is_none()
-            && let Some(problem) =
-                crate::model::tensor_parallel::tp_problem(mcfg, cfg.tensor_parallel_size)
-        {
-            return Err(EngineError::Spawn(problem));
-        }
-        let devices: Vec<Device> = (0..cfg.tensor_parallel_size)
-            .map(|i| match cfg.device {
-                Device::Cpu => Device::Cpu,
-                Device::Cuda(first) => Device::Cuda(first + i),
-            })
-            .collect();
+        build::check_model(&cfg, &text)?;
         let draft = draft_model(&cfg, &text)?;
         let mtp = mtp_drafts(&cfg, &text)?;
-        // The draft's cache has the model's blocks: the budget is shared in proportion.
-        let kv_cache_bytes = match &draft {
-            Some(d) => {
-                let kv = |m: &model::config::ModelConfig| (m.num_layers * m.kv_dim()) as f64;
-                (kv_cache_bytes(&cfg, mcfg)? as f64 * kv(mcfg) / (kv(mcfg) + kv(d))) as usize
-            }
-            // DeepSeek-V4 on a GPU asks for a budget (`pools::size_pools` says so by name):
-            // the estimate below counts Llama-shaped weights.
-            None if text.deepseek_v4.is_some() && cfg.device != Device::Cpu => cfg.kv_cache_bytes,
-            None => kv_cache_bytes(&cfg, mcfg)?,
-        };
-        let pools = pools::size_pools(&cfg, &text, kv_cache_bytes)?;
-        let num_kv_blocks = pools.num_blocks;
+        let pools = pools::size_pools(&cfg, &text, build::kv_budget(&cfg, &text, draft.as_ref())?)?;
         let kv_store = kv_store::open_kv_store(
             &cfg,
-            mcfg,
+            &text.config,
             &pools,
             text.deepseek_v4.is_some(),
             draft.is_some(),
         )?;
-        let store = kv_store.clone();
         let sampled = SampledTokens::new();
-        let handle_sampled = sampled.clone();
-        // A verify row's continuation learns on the rank what that row kept: from its
-        // picks (read from the device once made, or made on the host) or, for rows the
-        // sampler verifies, from the sampler. A lone rank only: a group's ranks would each
-        // read their own picks. A model with per-sequence state rewinds it to a verify
-        // row's snapshot and runs the accepted drafts again: its rows cannot move back.
-        let continue_verify_rows = cfg.zero_overhead_scheduling
-            && cfg.tensor_parallel_size == 1
-            && pools.num_state_slots.is_none();
-        let scheduler_cfg = SchedulerConfig {
-            block_size: pools.block_size,
-            num_blocks: num_kv_blocks,
-            num_state_slots: pools.num_state_slots,
-            num_replay_tokens: pools.num_replay_tokens,
-            num_saved_states: pools.num_saved_states,
-            max_num_seqs: cfg.max_num_seqs,
-            max_step_tokens: cfg.max_step_tokens,
-            step_time_budget_secs: cfg.step_time_budget_secs,
-            enable_prefix_cache: pools.enable_prefix_cache,
-            max_context_tokens: draft.as_ref().map_or(mcfg.max_context_tokens, |d| {
-                d.max_context_tokens.min(mcfg.max_context_tokens)
-            }),
-            stop_preempted: cfg.stop_preempted,
-            num_speculative_tokens: speculative_tokens(cfg.speculative)?,
-            confidence_verify: cfg
-                .speculative
-                .is_some_and(|s| s.verify == SpecVerify::Confidence),
-            model_drafts: draft.is_some() || mtp,
-            verify_skips_next_step: cfg.zero_overhead_scheduling,
-            continue_verify_rows,
-        };
-        // Confidence-scheduled verification prices steps with a measured decode curve: the
-        // rank worker measures it at start (or loads it), up to the largest batch a step
-        // may have (16 rows on the CPU, where each measured step costs real time).
-        // (DeepSeek-V4's host rank is priced by the fitted cost model alone: timing it
-        // needs sequences with state slots.)
-        let num_speculative_tokens = scheduler_cfg.num_speculative_tokens;
-        let decode_curve = cfg
-            .speculative
-            .filter(|s| s.verify == SpecVerify::Confidence && text.deepseek_v4.is_none())
-            .map(|_| CurveJob {
-                store_dir: cfg
-                    .latency_curve_dir
-                    .clone()
-                    .unwrap_or_else(|| model::hub::troupe_home().join("latency-curves")),
-                model_key: format!(
-                    "{mcfg:?} block {} invariant {} eager {} exact {} quantization {:?} kv {}",
-                    cfg.block_size,
-                    cfg.batch_invariant,
-                    cfg.enforce_eager,
-                    cfg.exact_activations,
-                    cfg.quantization,
-                    cfg.kv_cache_dtype.name()
-                ),
-                max_rows: match cfg.device {
-                    Device::Cpu => cfg.max_num_seqs.min(16),
-                    Device::Cuda(_) => cfg.max_num_seqs,
-                },
-            });
+        let scheduler = build::scheduler_config(&cfg, &text, &pools, draft.as_ref(), mtp)?;
+        let num_speculative_tokens = scheduler.num_speculative_tokens;
         let args = SupervisorArgs {
             scheduler: SchedulerArgs {
-                config: scheduler_cfg,
+                config: scheduler,
                 zero_overhead_scheduling: cfg.zero_overhead_scheduling,
                 rejection_acceptance: cfg
                     .speculative
                     .is_some_and(|s| s.acceptance == SpecAcceptance::Rejection),
                 samples_on_device: matches!(cfg.device, Device::Cuda(_)),
-                sampled,
+                sampled: sampled.clone(),
                 stop_ids: text.stop_ids.clone(),
                 kv_store: kv_store.clone(),
                 queue_timeout: cfg.queue_timeout,
             },
-            rank: crate::runner::RankSettings {
-                model_path: cfg.model_path.clone(),
-                num_kv_blocks,
-                num_state_slots: pools.num_state_slots.unwrap_or(0),
-                num_saved_states: pools.num_saved_states,
-                block_size: pools.block_size,
-                eplb: cfg.eplb,
-                cpu_moe: cfg.cpu_moe,
-                stream_experts: cfg.stream_experts,
-                faults: faults.clone(),
-                batch_invariant: cfg.batch_invariant,
-                exact_activations: cfg.exact_activations,
-                quantization: cfg.quantization,
-                kv_dtype: cfg.kv_cache_dtype,
-                kv_store,
-                model_config: mcfg.clone(),
-                devices,
-                dummy_weights: cfg.dummy_weights,
-                enforce_eager: cfg.enforce_eager,
-                cpu_affinity: cfg.cpu_affinity,
-                decode_curve,
-                warmup_tokens: match cfg.skip_warmup {
-                    true => 0,
-                    false => cfg.max_step_tokens.min(mcfg.max_context_tokens),
-                },
-                graph_tokens: match cfg.skip_warmup {
-                    true => 0,
-                    false => {
-                        (cfg.max_num_seqs * (1 + num_speculative_tokens)).min(cfg.max_step_tokens)
-                    }
-                },
-                num_routed_experts: text.deepseek_v4.as_ref().map(|d| d.num_routed_experts),
-                draft_model_path: draft.as_ref().map(|_| {
-                    cfg.draft_model_path
-                        .clone()
-                        .expect("checked by draft_model")
-                }),
-                mtp,
-            },
+            rank: build::rank_settings(
+                &cfg,
+                &text,
+                &pools,
+                (faults.clone(), kv_store.clone()),
+                (draft.is_some(), mtp, num_speculative_tokens),
+            ),
             max_rank_restarts: cfg.max_rank_restarts,
             rank_restart_window: cfg.rank_restart_window,
         };
@@ -308,12 +138,12 @@ impl Engine {
             request_ids: RequestIds::default(),
             text: Shared::new(text),
             faults,
-            sampled: handle_sampled,
+            sampled,
             seed_entropy: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
             grammars: Shared::new(OnceLock::new()),
-            kv_store: store,
+            kv_store,
         })
     }
 }
