@@ -157,16 +157,7 @@ impl ThreadLocalActor for RankWorker {
             }
             RankMsg::SaveKv(saves) => {
                 if let Some(store) = &st.kv_store {
-                    let started = Instant::now();
-                    let ids: Vec<u32> = saves.iter().map(|s| s.block_id).collect();
-                    let bytes = model
-                        .kv_blocks(&ids)
-                        .ok_or("the model's KV cannot be stored")?;
-                    let per_block = bytes.len() / ids.len().max(1);
-                    for (save, block) in saves.iter().zip(bytes.chunks_exact(per_block)) {
-                        store.save(save, block.into());
-                    }
-                    store.add_copy_secs(started.elapsed().as_secs_f64(), 0.0);
+                    save_kv(model.as_mut(), store, &saves)?;
                 }
                 return Ok(());
             }
@@ -197,30 +188,7 @@ impl ThreadLocalActor for RankWorker {
         ) {
             return Ok(());
         }
-        let loads: Vec<(u32, &[u8])> = step
-            .kv_loads
-            .iter()
-            .map(|l| (l.block_id, &*l.payload))
-            .collect();
-        // A store entry that does not fit the cache: recompute rather than run on a
-        // block nobody wrote.
-        let loading = Instant::now();
-        if !loads.is_empty() && !model.set_kv_blocks(&loads) {
-            let rank = st.shard.rank;
-            return Err(format!("rank {rank}: a stored KV block does not fit the cache").into());
-        }
-        if !model.load_states(&step.state_loads) {
-            let rank = st.shard.rank;
-            return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
-        }
-        // The store checked each state's length: one that does not fit is a slot missing.
-        if !model.import_states(&step.state_imports) {
-            let rank = st.shard.rank;
-            return Err(format!("rank {rank}: a stored state does not fit its slot").into());
-        }
-        if let (Some(store), false) = (&st.kv_store, loads.is_empty()) {
-            store.add_copy_secs(0.0, loading.elapsed().as_secs_f64());
-        }
+        load_step_state(model.as_mut(), st.kv_store.as_ref(), st.shard.rank, &step)?;
         // Timed from here: waiting on the previous step's tokens is not this step's cost.
         let launched = Instant::now();
         if st.faults.take_step_panic(st.device_slot) {
@@ -242,38 +210,12 @@ impl ThreadLocalActor for RankWorker {
             model.step(block_size, &steps, inputs, &step.rows)
         });
         drop(steps);
-        // Before any later step can move the slots on (they are this rank's alone).
-        // One at a time: two saves of a step may share a saved state (the pool's least
-        // recently used), and the store must copy each before the next overwrites it.
-        for save in &step.state_saves {
-            if !model.save_states(std::slice::from_ref(save)) {
-                let rank = st.shard.rank;
-                return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
-            }
-            if let (Some(store), Some(hash)) = (&st.kv_store, save.keep_as)
-                && let Some(bytes) = model.saved_state(save.saved)
-            {
-                store.save_state(hash, bytes.into());
-            }
-        }
+        save_step_states(model.as_mut(), st.kv_store.as_ref(), st.shard.rank, &step)?;
         let step_id = step.step_id;
         st.inputs.launched(epoch, step_id, launched_step.prev);
         let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();
         let vocab_size = model.vocab_size();
-        let deliver: Option<Box<dyn FnOnce(ReadStep) + Send>> = deliver.then(|| {
-            Box::new(move |read: ReadStep| {
-                // A sampler that died with this step in flight is being replaced; the
-                // restart resets the scheduler, which no longer waits for these logits.
-                let _ = sampler.cast(SamplerMsg::Sample {
-                    step,
-                    logits: Shared::new(read.logits),
-                    vocab_size,
-                    started: read.started,
-                    idle_secs: read.idle_secs,
-                    device_idle_secs: read.device_idle_secs,
-                });
-            }) as Box<dyn FnOnce(ReadStep) + Send>
-        });
+        let deliver = deliver.then(|| to_sampler(sampler, step, vocab_size));
         st.readback
             .send(Readback {
                 step_id,
@@ -308,4 +250,97 @@ fn in_pool<R: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Se
         Some(pool) => pool.install(f),
         None => f(),
     }
+}
+
+/// `saves`' blocks copied out of the cache into the prefix store.
+fn save_kv(
+    model: &mut dyn DeviceModel,
+    store: &Shared<KvStore>,
+    saves: &[KvSave],
+) -> Result<(), ActorProcessingErr> {
+    let started = Instant::now();
+    let ids: Vec<u32> = saves.iter().map(|s| s.block_id).collect();
+    let bytes = model
+        .kv_blocks(&ids)
+        .ok_or("the model's KV cannot be stored")?;
+    let per_block = bytes.len() / ids.len().max(1);
+    for (save, block) in saves.iter().zip(bytes.chunks_exact(per_block)) {
+        store.save(save, block.into());
+    }
+    store.add_copy_secs(started.elapsed().as_secs_f64(), 0.0);
+    Ok(())
+}
+
+/// What `step` brings into the cache before it runs: stored KV blocks, saved and stored
+/// slot states.
+fn load_step_state(
+    model: &mut dyn DeviceModel,
+    store: Option<&Shared<KvStore>>,
+    rank: usize,
+    step: &Step,
+) -> Result<(), ActorProcessingErr> {
+    let loads: Vec<(u32, &[u8])> = step
+        .kv_loads
+        .iter()
+        .map(|l| (l.block_id, &*l.payload))
+        .collect();
+    // A store entry that does not fit the cache: recompute rather than run on a block
+    // nobody wrote.
+    let loading = Instant::now();
+    if !loads.is_empty() && !model.set_kv_blocks(&loads) {
+        return Err(format!("rank {rank}: a stored KV block does not fit the cache").into());
+    }
+    if !model.load_states(&step.state_loads) {
+        return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
+    }
+    // The store checked each state's length: one that does not fit is a slot missing.
+    if !model.import_states(&step.state_imports) {
+        return Err(format!("rank {rank}: a stored state does not fit its slot").into());
+    }
+    if let (Some(store), false) = (store, loads.is_empty()) {
+        store.add_copy_secs(0.0, loading.elapsed().as_secs_f64());
+    }
+    Ok(())
+}
+
+/// `step`'s slot states saved, before any later step can move the slots on (they are
+/// this rank's alone). One at a time: two saves of a step may share a saved state (the
+/// pool's least recently used), and the store must copy each before the next overwrites it.
+fn save_step_states(
+    model: &mut dyn DeviceModel,
+    store: Option<&Shared<KvStore>>,
+    rank: usize,
+    step: &Step,
+) -> Result<(), ActorProcessingErr> {
+    for save in &step.state_saves {
+        if !model.save_states(std::slice::from_ref(save)) {
+            return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
+        }
+        if let (Some(store), Some(hash)) = (store, save.keep_as)
+            && let Some(bytes) = model.saved_state(save.saved)
+        {
+            store.save_state(hash, bytes.into());
+        }
+    }
+    Ok(())
+}
+
+/// Hands a step's logits, once read back, to the sampler.
+fn to_sampler(
+    sampler: ActorRef<SamplerMsg>,
+    step: Shared<Step>,
+    vocab_size: usize,
+) -> Box<dyn FnOnce(ReadStep) + Send> {
+    Box::new(move |read: ReadStep| {
+        // A sampler that died with this step in flight is being replaced; the restart
+        // resets the scheduler, which no longer waits for these logits.
+        let _ = sampler.cast(SamplerMsg::Sample {
+            step,
+            logits: Shared::new(read.logits),
+            vocab_size,
+            started: read.started,
+            idle_secs: read.idle_secs,
+            device_idle_secs: read.device_idle_secs,
+        });
+    })
 }
