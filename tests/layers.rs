@@ -70,6 +70,14 @@ fn planted(name: &str, plants: &[(&str, &str)]) -> PathBuf {
     dir
 }
 
+/// `check-layers.sh` on a copy of `src/` with `plants`: (passed, its output).
+fn check_planted(name: &str, plants: &[(&str, &str)]) -> (bool, String) {
+    let dir = planted(name, plants);
+    let result = check(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 #[test]
 fn the_tree_holds_its_layers() {
     let (ok, out) = check(&repo().join("src"));
@@ -79,15 +87,13 @@ fn the_tree_holds_its_layers() {
 
 #[test]
 fn a_kernel_importing_the_engine_is_refused() {
-    let dir = planted(
+    let (ok, out) = check_planted(
         "back",
         &[(
             "kernels/quant.rs",
             "#[allow(unused_imports)] use crate::engine::EngineHandle;",
         )],
     );
-    let (ok, out) = check(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "{out}");
     assert!(
         out.contains("kernels::quant imports engine") && out.contains("may not import `engine`"),
@@ -97,15 +103,13 @@ fn a_kernel_importing_the_engine_is_refused() {
 
 #[test]
 fn two_files_importing_each_other_are_refused() {
-    let dir = planted(
+    let (ok, out) = check_planted(
         "mutual",
         &[
             ("protocol/openai.rs", "use crate::protocol::anthropic::X;"),
             ("protocol/anthropic.rs", "use crate::protocol::openai::Y;"),
         ],
     );
-    let (ok, out) = check(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "{out}");
     assert!(
         out.contains("protocol::anthropic and protocol::openai import each other"),
@@ -116,12 +120,10 @@ fn two_files_importing_each_other_are_refused() {
 #[test]
 fn a_cycle_between_pure_cores_is_refused() {
     // sched imports spec (it plans drafts); spec importing sched closes a cycle.
-    let dir = planted(
+    let (ok, out) = check_planted(
         "cycle",
         &[("spec/ngram.rs", "use crate::sched::Scheduler;")],
     );
-    let (ok, out) = check(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "{out}");
     assert!(out.contains("import cycle:"), "{out}");
     assert!(out.contains("sched") && out.contains("spec"), "{out}");
@@ -129,15 +131,13 @@ fn a_cycle_between_pure_cores_is_refused() {
 
 #[test]
 fn a_back_import_inside_a_use_group_is_refused() {
-    let dir = planted(
+    let (ok, out) = check_planted(
         "grouped",
         &[(
             "kernels/quant.rs",
             "#[allow(unused_imports)] use crate::{error::Result, engine::{EngineHandle, EngineConfig as C}};",
         )],
     );
-    let (ok, out) = check(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "{out}");
     assert!(
         out.contains("kernels::quant imports engine") && out.contains("may not import `engine`"),
@@ -148,7 +148,7 @@ fn a_back_import_inside_a_use_group_is_refused() {
 #[test]
 fn a_path_in_code_closes_a_loop_as_an_import_does() {
     // `super::` in an expression, and `super::{..}` groups: two files, then three.
-    let dir = planted(
+    let (ok, out) = check_planted(
         "paths",
         &[
             (
@@ -161,14 +161,12 @@ fn a_path_in_code_closes_a_loop_as_an_import_does() {
             ),
         ],
     );
-    let (ok, out) = check(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "{out}");
     assert!(
         out.contains("protocol::jsonl and protocol::reply import each other"),
         "{out}"
     );
-    let dir = planted(
+    let (ok, out) = check_planted(
         "loop3",
         &[
             ("cluster/registry.rs", "use super::{agent::{self}};"),
@@ -182,8 +180,6 @@ fn a_path_in_code_closes_a_loop_as_an_import_does() {
             ),
         ],
     );
-    let (ok, out) = check(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "{out}");
     assert!(out.contains("import loop between files:"), "{out}");
     for f in [
@@ -199,7 +195,7 @@ fn a_path_in_code_closes_a_loop_as_an_import_does() {
 fn paths_in_comments_strings_and_test_modules_are_not_imports() {
     // Each names the other only where no import is: a comment, a string, and `super::`
     // inside an inline module (its own file's module).
-    let dir = planted(
+    let (ok, out) = check_planted(
         "quiet",
         &[
             (
@@ -212,8 +208,6 @@ fn paths_in_comments_strings_and_test_modules_are_not_imports() {
             ),
         ],
     );
-    let (ok, out) = check(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(ok, "{out}");
 }
 

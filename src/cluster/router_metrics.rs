@@ -32,13 +32,34 @@ pub fn render(
     in_flight: &BTreeMap<String, usize>,
     c: &Counters,
 ) -> String {
-    let mut out = String::new();
-    let mut family = |name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    let mut f = Families(String::new());
+    engine_families(&mut f, reports, in_flight);
+    counter_families(&mut f, c);
+    f.0
+}
+
+/// The exposition being written, a metric family at a time.
+struct Families(String);
+
+impl Families {
+    fn family(&mut self, name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>) {
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
         for (labels, value) in rows {
-            let _ = writeln!(out, "{name}{labels} {value}");
+            let _ = writeln!(self.0, "{name}{labels} {value}");
         }
-    };
+    }
+}
+
+fn one(v: f64) -> Vec<(String, f64)> {
+    vec![(String::new(), v)]
+}
+
+/// Each engine's last report, and what the router has forwarded to it.
+fn engine_families(
+    f: &mut Families,
+    reports: &[EngineReport],
+    in_flight: &BTreeMap<String, usize>,
+) {
     let per_engine = |value: &dyn Fn(&EngineReport) -> f64| -> Vec<(String, f64)> {
         reports
             .iter()
@@ -52,97 +73,99 @@ pub fn render(
             })
             .collect()
     };
-    let by_name = |m: &BTreeMap<String, u64>| -> Vec<(String, f64)> {
-        m.iter()
-            .map(|(n, v)| (format!("{{engine=\"{}\"}}", escape(n)), *v as f64))
-            .collect()
-    };
-    let one = |v: f64| vec![(String::new(), v)];
-    family(
+    f.family(
         "troupe_router_engines",
         "gauge",
         "Engines in the router's view.",
         one(reports.len() as f64),
     );
-    family(
+    f.family(
         "troupe_router_engine_running",
         "gauge",
         "Requests running on each engine, as it last reported.",
         per_engine(&|r| r.num_running as f64),
     );
-    family(
+    f.family(
         "troupe_router_engine_waiting",
         "gauge",
         "Requests queued on each engine, as it last reported.",
         per_engine(&|r| r.num_waiting as f64),
     );
-    family(
+    f.family(
         "troupe_router_engine_queued_prefill_tokens",
         "gauge",
         "Prompt tokens each engine has queued or admitted and not yet computed.",
         per_engine(&|r| r.num_queued_prefill_tokens as f64),
     );
-    family(
+    f.family(
         "troupe_router_engine_kv_tokens",
         "gauge",
         "Tokens held in each engine's KV cache, as it last reported.",
         per_engine(&|r| r.num_kv_tokens as f64),
     );
-    family(
+    f.family(
         "troupe_router_engine_in_flight",
         "gauge",
         "Requests the router has forwarded to each engine and not yet seen answered.",
         per_engine(&|r| in_flight.get(&r.node_name).copied().unwrap_or(0) as f64),
     );
-    family(
+}
+
+/// The router's own counters.
+fn counter_families(f: &mut Families, c: &Counters) {
+    let by_name = |m: &BTreeMap<String, u64>| -> Vec<(String, f64)> {
+        m.iter()
+            .map(|(n, v)| (format!("{{engine=\"{}\"}}", escape(n)), *v as f64))
+            .collect()
+    };
+    f.family(
         "troupe_router_routed_total",
         "counter",
         "Requests each engine answered.",
         by_name(&c.routed),
     );
-    family(
+    f.family(
         "troupe_router_rerouted_total",
         "counter",
         "Requests answered by another engine than the first picked.",
         one(c.rerouted as f64),
     );
-    family(
+    f.family(
         "troupe_router_failed_mid_reply_total",
         "counter",
         "Streams an engine broke off after the client had part of them.",
         one(c.failed_mid_reply as f64),
     );
-    family(
+    f.family(
         "troupe_router_hand_offs_total",
         "counter",
         "Prompts each prefill engine prefilled and handed to a decode engine.",
         by_name(&c.hand_offs),
     );
-    family(
+    f.family(
         "troupe_router_failed_hand_offs_total",
         "counter",
         "Hand-offs that failed (the decode engine prefilled the prompt itself).",
         one(c.failed_hand_offs as f64),
     );
-    family(
+    f.family(
         "troupe_router_kv_transferred_bytes_total",
         "counter",
         "Bytes of KV blocks moved from prefill to decode engines.",
         one(c.kv_bytes_moved as f64),
     );
-    family(
+    f.family(
         "troupe_router_kv_transferred_blocks_total",
         "counter",
         "KV blocks moved from prefill to decode engines.",
         one(c.kv_blocks_moved as f64),
     );
-    family(
+    f.family(
         "troupe_router_kv_transfer_seconds_total",
         "counter",
         "Seconds spent sending KV blocks between engines.",
         one(c.kv_transfer_secs),
     );
-    out
 }
 
 /// A label value as the text format quotes it.
