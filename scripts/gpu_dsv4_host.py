@@ -7,7 +7,7 @@ run (torch summing a large host tensor on every core), the limit the host part i
 Usage (on the device machine): python3 scripts/gpu_dsv4_host.py gpu-bin/troupe \
     [--layers 43] [--gpu-layers 16] [--prompt 4096] [--decode-prompt 512] [--new 32] \
     [--batch 32] [--extra-flags '--cpu-moe'] [--skip-decode] [--skip-batch] [--skip-prefill] \
-    [--compare-never] [--out DIR]
+    [--compare-never] [--compare-host-calls] [--out DIR]
 Prints a table last; writes gpu_dsv4_host.json to --out.
 """
 
@@ -45,17 +45,17 @@ def host_read_bandwidth() -> float:
 
 
 def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path, kv_mib: int,
-        extra: list[str]) -> dict:
+        extra: list[str], env_more: dict | None = None) -> dict:
     stats = tmp / "stats.json"
     cmd = command(binary, model, prompts, new, tmp, kv_mib, extra)
     stats.unlink(missing_ok=True)
-    env = dict(os.environ, RUST_LOG="troupe=info")
+    env = dict(os.environ, RUST_LOG="troupe=info", **(env_more or {}))
     t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        print(f"TIMEOUT after {RUN_TIMEOUT_S} s: {' '.join(extra)} {len(prompts)} prompt(s): {err[-1500:]}",
+        print(f"TIMEOUT after {RUN_TIMEOUT_S} s: {' '.join(extra)} {len(prompts)} prompt(s): {err[-4000:]}",
               flush=True)
         return {"prefill_tokens_per_s": float("nan"), "decode_tokens_per_s": float("nan"),
                 "placement": "timed out"}
@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--skip-decode", action="store_true", help="no batch-1 decode runs")
     ap.add_argument("--compare-never", action="store_true",
                     help="also the whole model's prefill with --stream-experts never (the CPU computes every host expert)")
+    ap.add_argument("--compare-host-calls", action="store_true",
+                    help="also the whole model's decode runs with TROUPE_HOST_CALLS=1 (decode steps "
+                         "recorded as CUDA graphs, the host part as calls on the stream)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.gpu_layers == 0:
@@ -126,20 +129,28 @@ def main() -> None:
         plan = [] if args.skip_decode else [(n, "b1", [decode_prompt], args.new, []) for n in configs]
         if not args.skip_batch:
             plan += [(n, f"b{args.batch}", batch, args.new, []) for n in configs]
+        if args.compare_host_calls:
+            if not args.skip_decode:
+                plan.append(("whole", "b1 host calls", [decode_prompt], args.new, []))
+            if not args.skip_batch:
+                plan.append(("whole", f"b{args.batch} host calls", batch, args.new, []))
         if not args.skip_prefill:
             plan += [(n, "prefill", [prompt], 1, []) for n in configs]
             if args.compare_never:
                 plan.append(("whole", "prefill never", [prompt], 1, ["--stream-experts", "never"]))
         for name, key, prompts, new, more in plan:
             extra = configs[name][1] + more
-            rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra)
+            env_more = {"TROUPE_HOST_CALLS": "1"} if key.endswith("host calls") else None
+            rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra,
+                                        env_more)
     layer_bytes, head_bytes = bytes_per_token(whole)
     Path(args.out, "gpu_dsv4_host.json").write_text(json.dumps(
         dict(host_read_bandwidth=hbw, layers=args.layers, gpu_layers=args.gpu_layers, rows=rows), indent=1))
     L, G = args.layers, args.gpu_layers
     print(f"V4-Flash shape, dummy weights; host read {hbw / 1e9:.1f} GB/s; "
           f"{layer_bytes / 1e6:.0f} MB a layer at batch 1")
-    print(f"whole model: {rows['whole b1']['placement']}")
+    first = next((v for k, v in rows.items() if k.startswith("whole")), {})
+    print(f"whole model: {first.get('placement')}")
     print("| run | whole (43 layers) tok/s | all-GPU (G layers) tok/s | all-GPU scaled to 43 | whole / scaled |"
           .replace("G layers", f"{G} layers"))
     print("|---|---:|---:|---:|---:|")
@@ -158,6 +169,12 @@ def main() -> None:
         print(f"prefill {args.prompt}, whole model: streamed (auto) {auto:.2f} tok/s vs CPU-computed (never) "
               f"{never:.2f} tok/s = {auto / never:.2f}x")
     for k in ("b1", f"b{args.batch}"):
+        if f"whole {k} host calls" in rows:
+            calls = rows[f"whole {k} host calls"]["decode_tokens_per_s"]
+            eager = rows[f"whole {k}"]["decode_tokens_per_s"]
+            print(f"decode {k}, whole model: recorded steps with host calls {calls:.2f} tok/s "
+                  f"vs the default (eager) {eager:.2f} tok/s = {calls / eager:.2f}x")
+    for k in ("b1", f"b{args.batch}", "b1 host calls", f"b{args.batch} host calls"):
         st = rows.get(f"whole {k}", {})
         if st.get("host_secs"):
             bw = st["host_gb"] * 1e9 / st["host_secs"]

@@ -191,3 +191,50 @@ fn streamed_host_experts_on_a_cuda_rank_give_the_all_gpu_bits() {
         }
     }
 }
+
+/// Decode steps with host experts recorded as CUDA graphs (the host's part as host
+/// functions on the stream, `HostCalls`) give the eager run's logits and expert counts bit
+/// for bit, and replay: generated placements, batch sizes and prompts.
+#[test]
+fn recorded_decode_steps_with_host_experts_replay_the_eager_bits() {
+    use common::dsv4_host::batch_decode;
+    use troupe::sampling::splitmix64;
+    let name = "tiny-dsv4-packed";
+    let r = reference(name);
+    let cfg = DsV4Model::load_dir(&dir(name)).unwrap().cfg;
+    let steps = 6;
+    for seed in 0..3u64 {
+        let rows = 1 + (splitmix64(seed ^ 0x77) % 9) as usize;
+        let prompts: Vec<Vec<u32>> = (0..rows)
+            .map(|i| {
+                let p = &r.prompts[(seed as usize + i) % r.prompts.len()];
+                p[..1 + (splitmix64(seed ^ i as u64) as usize) % p.len()].to_vec()
+            })
+            .collect();
+        for (what, placement) in placements(&cfg, seed) {
+            let eager = with_host_experts(gpu(false), &dir(name), placement.clone(), false);
+            let mut graphs = CudaBackend::new(0, false, true).expect("a GPU");
+            graphs.host_calls_in_steps = true;
+            let recorded = with_host_experts(graphs, &dir(name), placement, false);
+            let (want, want_counts) = batch_decode(&eager, &prompts, steps, seed);
+            let (got, got_counts) = batch_decode(&recorded, &prompts, steps, seed);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}, {rows} rows: recorded steps' logits differ from the eager run's"
+            );
+            assert_eq!(
+                got_counts, want_counts,
+                "{what}, {rows} rows: expert counts"
+            );
+            // A shape's first step runs eagerly, its second is captured and replayed (the
+            // indexer's span, part of the shape, may grow once in these steps).
+            let replayed = recorded.backend.replayed_steps();
+            assert!(
+                replayed >= 2,
+                "{what}, {rows} rows: {replayed} of {steps} steps replayed"
+            );
+        }
+    }
+}

@@ -174,6 +174,11 @@ pub trait DsV4Kernels: Backend {
     /// are the weights') through `AsRef`.
     type RowGroups: Send + Sync + AsRef<[Self::Matrix]>;
 
+    /// Host work a recorded step can hold (`host_calls.rs`), where the backend has it.
+    fn host_calls(&self) -> Option<&dyn super::host_calls::HostCalls<Self::Buf, Self::Ids>> {
+        None
+    }
+
     /// Readies the kernels (built on first use) for a model of `shape`, or says which
     /// dimension they cannot take.
     fn dsv4_prepare(&self, shape: &DsV4Shape) -> Result<(), DsV4KernelError>;

@@ -19,6 +19,7 @@ pub mod entry_format;
 pub mod fp4;
 pub mod fp8;
 mod host;
+pub mod host_calls;
 pub mod paged_kv;
 pub mod quant;
 

@@ -44,12 +44,15 @@ const HOST_EXPERTS_WARMUP_TOKENS: usize = 256;
 pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceModel>, String> {
     // Decode steps run as recorded graphs (`model::deepseek_v4::recorded`) unless
     // `--enforce-eager`.
-    let backend = CudaBackend::new(
+    let mut backend = CudaBackend::new(
         ordinal,
         args.settings.batch_invariant,
         !args.settings.enforce_eager,
     )
     .map_err(|e| e.to_string())?;
+    // Decode steps with host experts recorded, their host part as calls on the stream:
+    // to measure, until a batch-32 stall with them is understood (issue 60).
+    backend.host_calls_in_steps = std::env::var("TROUPE_HOST_CALLS").as_deref() == Ok("1");
     // Everything but the routed experts first, then the cache: the experts take the room
     // left, those that do not fit (or that the flags send) stay in host memory.
     let cfg = crate::model::deepseek_v4::config::DsV4Config::from_dir(&args.settings.model_path)

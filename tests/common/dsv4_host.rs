@@ -111,3 +111,58 @@ pub fn case(dir: &Path) -> (Vec<u32>, Vec<u32>) {
         super::ids(&json["greedy_tokens"]),
     )
 }
+
+/// `prompts` decoded together: each prompt fed whole into its own state slot, then
+/// `steps` steps of one token a sequence (the tokens generated from `seed`). Returns every
+/// decode step's logits, step by step, and the tokens per `[layer][expert]` counted.
+pub fn batch_decode<B: DsV4Kernels>(
+    model: &DsV4Model<B>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<Vec<u64>>) {
+    let block_size = 2 * lcm_rates(&model.cfg);
+    let n = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + steps;
+    let per_seq = longest.div_ceil(block_size) + 1;
+    let mut cache = DsV4Cache::on(&model.backend, &model.cfg, n, n * per_seq, block_size);
+    let tables: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            ((i * per_seq) as u32..((i + 1) * per_seq) as u32)
+                .rev()
+                .collect()
+        })
+        .collect();
+    let mut counts = vec![vec![0; model.cfg.num_routed_experts]; model.cfg.num_layers];
+    fn step<'a>(table: &'a [u32], i: usize, tokens: &'a [u32], cached: usize) -> DsSeqStep<'a> {
+        DsSeqStep {
+            token_ids: tokens,
+            num_cached_tokens: cached,
+            block_table: table,
+            state_slot: i as u32,
+            span: SlotSpan::default(),
+            num_logit_rows: 1,
+        }
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        model
+            .forward(&mut cache, &[step(&tables[i], i, p, 0)])
+            .unwrap();
+    }
+    let vocab = model.vocab_size() as u64;
+    let mut out = Vec::new();
+    for s in 0..steps {
+        let tokens: Vec<u32> = (0..n)
+            .map(|i| (splitmix64(seed ^ (((s * n + i) as u64 + 1) * 0x9e37)) % vocab) as u32)
+            .collect();
+        let batch: Vec<DsSeqStep<'_>> = (0..n)
+            .map(|i| step(&tables[i], i, &tokens[i..i + 1], prompts[i].len() + s))
+            .collect();
+        out.extend(
+            model
+                .forward_counting(&mut cache, &batch, &mut counts)
+                .unwrap(),
+        );
+    }
+    (out, counts)
+}

@@ -18,12 +18,15 @@ use super::{CudaBackend, check};
 
 #[derive(Default)]
 pub struct CapturedSteps {
-    recorded: HashMap<u64, Recorded>,
+    /// Each key's graph and the host calls (`host_calls.rs`) it holds.
+    recorded: HashMap<u64, (Recorded, usize)>,
     warmed: HashSet<u64>,
     /// The key being captured, while a capture is open.
     capturing: Option<u64>,
     /// Steps run by a replay (the step recorded included).
     pub replays: u64,
+    /// Host calls queued into the capture open.
+    pub host_calls: usize,
 }
 
 /// What to do with a step of some key.
@@ -50,6 +53,11 @@ impl CapturedSteps {
             "begin capture",
         );
         self.capturing = Some(key);
+        self.host_calls = 0;
+    }
+
+    pub fn capturing(&self) -> bool {
+        self.capturing.is_some()
     }
 
     /// Ends the capture and keeps the graph, with full dependencies: the driver refuses
@@ -59,12 +67,16 @@ impl CapturedSteps {
         let key = self.capturing.take().expect("a capture is open");
         let graph = check(Recorded::end_capture(stream, None), "end capture");
         tracing::debug!(key, "recorded a whole step as a CUDA graph");
-        self.recorded.insert(key, graph);
+        self.recorded
+            .insert(key, (graph, std::mem::take(&mut self.host_calls)));
     }
 
-    pub fn replay(&mut self, stream: &CudaStream, key: u64) {
+    /// Launches `key`'s graph; returns the host calls it will make.
+    pub fn replay(&mut self, stream: &CudaStream, key: u64) -> usize {
         self.replays += 1;
-        check(self.recorded[&key].launch(stream), "graph launch");
+        let (graph, host_calls) = &self.recorded[&key];
+        check(graph.launch(stream), "graph launch");
+        *host_calls
     }
 
     /// A buffer the recorded steps use moved: every key starts over.
@@ -89,17 +101,24 @@ impl crate::kernels::StepRecorder for CudaBackend {
     fn run_recorded(&self, key: u64, body: &mut dyn FnMut()) {
         // The lock is not held while `body` runs: its ops may grow buffers (`moved`).
         let next = self.captured().next(key);
-        match next {
+        let host_calls = match next {
             Next::Replay => self.captured().replay(&self.stream, key),
-            Next::Eager => body(),
+            Next::Eager => {
+                body();
+                0
+            }
             Next::Capture => {
                 super::mem_pool::release_kept_memory(&self.stream);
                 self.captured().begin_capture(&self.stream, key);
                 body();
                 self.captured().end_capture(&self.stream);
-                self.captured().replay(&self.stream, key);
+                self.captured().replay(&self.stream, key)
             }
-        }
+        };
+        self.host_calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .launched(host_calls);
         // The bf16 copy the host last recorded is not what a recorded step left there.
         *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }

@@ -14,6 +14,7 @@ mod deepseek_v4;
 mod fp8_gemm;
 mod gemv;
 mod graph;
+mod host_calls;
 mod invariant;
 mod kv_blocks;
 mod kv_cache;
@@ -98,6 +99,11 @@ pub struct CudaBackend {
     graphs: Mutex<Graphs>,
     /// Whole steps recorded as CUDA graphs (`StepRecorder`; off with `--enforce-eager`).
     captured: Mutex<captured::CapturedSteps>,
+    /// Host work inside steps (`HostCalls`): its staging and its flags.
+    host_calls: Mutex<host_calls::HostCallState>,
+    /// Whether steps may hold host calls (`TROUPE_HOST_CALLS=1` for a rank): off by
+    /// default while a stall of batch-32 decode with them is not understood (issue 60).
+    pub host_calls_in_steps: bool,
     /// Split-K attention partials (output, then max and sum); grown on demand.
     attention_parts: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
     cublas_workspace_buf: CudaSlice<u8>,
@@ -213,6 +219,8 @@ impl CudaBackend {
             cuda_graphs,
             graphs: Mutex::new(Graphs::new(programmatic)),
             captured: Mutex::new(captured::CapturedSteps::default()),
+            host_calls: Mutex::new(host_calls::HostCallState::default()),
+            host_calls_in_steps: false,
             attention_parts: Mutex::new(None),
             cublas_workspace_buf: workspace,
             picks: Mutex::new((

@@ -27,6 +27,7 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/q4k_mma.cu"),
     include_str!("../../../kernels-cuda/invariant_mma.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
+    include_str!("../../../kernels-cuda/host_flags.cu"),
 );
 
 /// Rows `gemv` is compiled for (wider batches go to cuBLAS), and the output columns each of
@@ -268,6 +269,9 @@ pub struct Kernels {
     pub mxfp4_ggml_to_pairs: CudaFunction,
     /// Activations to e4m3 for cuBLASLt's FP8 GEMM (`fp8_act.cu`).
     pub quantize_fp8_act: CudaFunction,
+    /// A host call's two points on the stream (`host_flags.cu`).
+    pub host_flag_raise: CudaFunction,
+    pub host_flag_wait: CudaFunction,
     /// `flash_prefill` (tensor cores) per head_dim (64, 128): over a bf16 cache, and over
     /// an fp8 one.
     pub flash_prefill: Vec<(usize, CudaFunction, CudaFunction)>,
@@ -522,6 +526,8 @@ impl Kernels {
             random_mxfp4: f("random_mxfp4_kernel")?,
             mxfp4_ggml_to_pairs: f("mxfp4_ggml_to_pairs_kernel")?,
             quantize_fp8_act: f("quantize_fp8_act_kernel")?,
+            host_flag_raise: f("host_flag_raise_kernel")?,
+            host_flag_wait: f("host_flag_wait_kernel")?,
             _module: module,
         })
     }

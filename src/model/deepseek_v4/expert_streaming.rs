@@ -94,6 +94,18 @@ impl StreamCost {
         }
     }
 
+    /// `streams` for a step of `pairs` pairs spread evenly over `experts` experts of
+    /// `expert_bytes` each (the router is trained to balance them): the choice a step
+    /// is expected to make before its routing is known, as a recorded step must.
+    pub fn streams_spread(&self, pairs: usize, experts: usize, expert_bytes: usize) -> bool {
+        if experts == 0 {
+            return false;
+        }
+        let n = experts as f64;
+        let touched = n * (1.0 - (1.0 - 1.0 / n).powf(pairs as f64));
+        self.streams(pairs, (touched.ceil() as usize).max(1) * expert_bytes)
+    }
+
     /// The CPU took `secs` for `products` pairs.
     pub fn observe_host(&mut self, products: usize, secs: f64) {
         if products == 0 || secs.is_nan() || secs <= 0.0 {
@@ -127,6 +139,29 @@ mod tests {
         assert!(!c.streams(192, 135 * EXPERT));
         // 4 096 rows on all 256 experts.
         assert!(c.streams(24_576, 256 * EXPERT));
+    }
+
+    #[test]
+    fn recorded_decode_steps_expect_the_host_and_prefills_the_bus() {
+        let c = measured();
+        // Expected touched experts for an even spread: every decode batch a graph takes
+        // (up to 256 rows) keeps to the CPU, a 4 096-row prefill streams.
+        for rows in [1usize, 8, 32, 64, 256] {
+            assert!(!c.streams_spread(rows * 6, 256, EXPERT), "{rows} rows");
+        }
+        assert!(c.streams_spread(4096 * 6, 256, EXPERT));
+        // The spread's touched count is between the pairs' worst and best case: more
+        // rows never stream less.
+        let first = (1..=4096)
+            .find(|rows| c.streams_spread(rows * 6, 256, EXPERT))
+            .unwrap();
+        assert!((first..first + 64).all(|rows| c.streams_spread(rows * 6, 256, EXPERT)));
+        let mut never = measured();
+        never.mode = StreamExperts::Never;
+        assert!(!never.streams_spread(4096 * 6, 256, EXPERT));
+        never.mode = StreamExperts::Always;
+        assert!(never.streams_spread(6, 256, EXPERT));
+        assert!(!c.streams_spread(6, 0, EXPERT), "a layer with no experts");
     }
 
     #[test]

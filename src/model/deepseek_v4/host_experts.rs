@@ -321,10 +321,33 @@ impl<B: DsV4Kernels> HostExperts<B> {
     pub fn compute(
         &self,
         layer: usize,
-        x: Vec<f32>,
-        chosen: Vec<u32>,
-        (tokens, k, hidden, limit): (usize, usize, usize, f32),
+        x: &[f32],
+        chosen: &[u32],
+        dims: (usize, usize, usize, f32),
     ) -> Vec<f32> {
+        let (tokens, k, hidden, _) = dims;
+        let mut ys = vec![0f32; tokens * k * hidden];
+        self.compute_into(layer, x, chosen, dims, &mut ys);
+        ys
+    }
+
+    /// `compute` into `ys` (at least `[tokens · k, hidden]`; the inputs may be longer
+    /// than the step's: staging as wide as the widest step).
+    pub fn compute_into(
+        &self,
+        layer: usize,
+        x: &[f32],
+        chosen: &[u32],
+        (tokens, k, hidden, limit): (usize, usize, usize, f32),
+        ys: &mut [f32],
+    ) {
+        let (x, chosen, ys) = (
+            &x[..tokens * hidden],
+            &chosen[..tokens * k],
+            &mut ys[..tokens * k * hidden],
+        );
+        // The device's pairs are zero rows.
+        ys.fill(0.0);
         let l = self.layers[layer]
             .as_ref()
             .expect("compute is asked only of host layers");
@@ -336,22 +359,17 @@ impl<B: DsV4Kernels> HostExperts<B> {
         let experts = super::expert_table::matrices(&l.experts);
         let num_experts = self.placement.num_experts;
         let started = std::time::Instant::now();
-        let mut ys = vec![0f32; tokens * k * hidden];
         let mut counts = self.counts.borrow_mut();
         let at = layer * num_experts;
         let mut layer_counts = vec![0u32; num_experts];
-        self.cpu.dsv4_routed_experts(
-            &mut ys,
-            &x,
-            &chosen,
+        self.cpu.routed_experts_into(
+            ys,
+            x,
+            chosen,
             &experts,
-            &(),
             Some(&owners),
             &mut layer_counts,
-            0,
-            tokens,
-            k,
-            limit,
+            (tokens, k, limit),
         );
         if l.device_owners.is_none() {
             for (c, n) in counts[at..at + num_experts].iter_mut().zip(&layer_counts) {
@@ -374,7 +392,16 @@ impl<B: DsV4Kernels> HostExperts<B> {
         let took = started.elapsed().as_secs_f64();
         secs.set(secs.get() + took);
         self.cost.borrow_mut().observe_host(products as usize, took);
-        ys
+    }
+
+    /// Whether a step of `pairs` (token, expert) pairs a layer computes every host layer
+    /// here, routed as evenly as the router is trained to (`StreamCost::streams_spread`):
+    /// such a step can be recorded with its host part as calls on the device's stream.
+    pub fn computes_on_host(&self, pairs: usize) -> bool {
+        !self
+            .cost
+            .borrow()
+            .streams_spread(pairs, self.placement.num_experts, self.expert_bytes)
     }
 
     /// The host experts of `layer` that `chosen` (the step's pairs, read off the device)

@@ -279,8 +279,13 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             None => (steps, picked_rows),
         };
         self.settle_slots(cache, steps, group.as_deref_mut())?;
-        // A step with host experts waits for the host mid-layer: not a recorded graph.
-        let recorder = (group.is_none() && self.host.is_none())
+        // A step with host experts is recorded where the backend orders host work in its
+        // steps and the host computes every row (none streams its experts).
+        let host_recordable = self.host.as_ref().is_none_or(|h| {
+            self.backend.host_calls().is_some()
+                && h.computes_on_host(steps.len() * self.cfg.num_experts_per_tok)
+        });
+        let recorder = (group.is_none() && host_recordable)
             .then(|| self.recorder_for(steps))
             .flatten();
         let counted = expert_tokens.is_some();
@@ -331,6 +336,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             consts: &self.consts,
             plan: &plan,
             host: self.host.as_ref(),
+            host_calls: None,
         };
         let num_counts = cfg.num_layers * cfg.num_routed_experts;
         let mut counts = b.alloc_ids(num_counts);
@@ -466,6 +472,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             plan,
             // The MTP block holds all its experts on the device.
             host: None,
+            host_calls: None,
         }
     }
 }

@@ -64,9 +64,20 @@ pub fn moe<B: DsV4Kernels>(
             rank: shard.expect("a table comes from a shard").shard.rank,
         })
         .or_else(|| host.and_then(|h| h.device_owners(layer)));
-    // The host's inputs are read before the device's experts are queued, so the device
-    // computes its experts and the shared one while the CPU computes the host's.
-    let chosen_host = host.map(|_| b.download_ids(&chosen, t * k));
+    // In a recorded step the host's part is a call on the device's stream (`HostCalls`):
+    // its inputs go out before the device's experts are queued and its rows come back
+    // after the shared expert's, so the CPU computes while the device does.
+    let deferred = host.and(p.host_calls).filter(|c| c.recording());
+    if let Some(calls) = deferred {
+        calls
+            .begin_host_call(layer as u32, x, t * d, &chosen, t * k)
+            .unwrap_or_else(|e| panic!("layer {layer}: {e}"));
+    }
+    // Else the host's inputs are read before the device's experts are queued, to the
+    // same end.
+    let chosen_host = host
+        .filter(|_| deferred.is_none())
+        .map(|_| b.download_ids(&chosen, t * k));
     // Or the host's touched experts come to the device and it computes every pair.
     let streamed = host
         .zip(chosen_host.as_ref())
@@ -129,7 +140,7 @@ pub fn moe<B: DsV4Kernels>(
         b.alloc(t * d)
     };
     if let (Some(h), Some((x_host, chosen_host))) = (host, host_inputs) {
-        let host_ys = h.compute(layer, x_host, chosen_host, (t, k, d, cfg.swiglu_limit));
+        let host_ys = h.compute(layer, &x_host, &chosen_host, (t, k, d, cfg.swiglu_limit));
         if w.table.is_some() {
             // The device's rows of the host's pairs are zeros: the sum is the host's row.
             let mut on_device = b.scratch(t * k * d);
@@ -137,6 +148,17 @@ pub fn moe<B: DsV4Kernels>(
             b.add(&mut ys, &on_device, t * k * d);
         } else {
             b.write_floats(&mut ys, 0, &host_ys);
+        }
+    }
+    if let Some(calls) = deferred {
+        let mut from_host = b.scratch(t * k * d);
+        calls
+            .end_host_call(&mut from_host, t * k * d)
+            .unwrap_or_else(|e| panic!("layer {layer}: {e}"));
+        if w.table.is_some() {
+            b.add(&mut ys, &from_host, t * k * d);
+        } else {
+            ys = from_host;
         }
     }
     b.dsv4_moe_combine(&mut out, &ys, &chosen, &weights, t, k, d);

@@ -6,6 +6,7 @@ use super::config::DsV4Config;
 use super::host_experts::HostExperts;
 use super::plan::Plan;
 use crate::kernels::deepseek_v4::DsV4Kernels;
+use crate::kernels::host_calls::HostCalls;
 
 /// What a pass's blocks read besides their weights: the backend, the config, the RoPE
 /// frequencies, the step's plan.
@@ -16,6 +17,8 @@ pub struct Pass<'a, B: DsV4Kernels> {
     pub plan: &'a Plan<B>,
     /// The routed experts kept in host memory (`host_experts.rs`), if any.
     pub host: Option<&'a HostExperts<B>>,
+    /// In a recorded step, how the host's part runs: as calls on the device's stream.
+    pub host_calls: Option<&'a dyn HostCalls<B::Buf, B::Ids>>,
 }
 
 /// Per model, on its device: the RoPE frequencies and ones for the norms without weight.

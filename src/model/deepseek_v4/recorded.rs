@@ -4,7 +4,9 @@
 //! once per (rows, indexer span), every later step of that shape is one replay. Only the
 //! host's work outside the blocks remains per step: the plan's lists written in, the
 //! embedding gathered (on the device, from the last picks where they lie), the logits
-//! copied out for the picks.
+//! copied out for the picks — and, with routed experts in host memory and a backend that
+//! orders host work in its steps (`HostCalls`), their products, served while the replay
+//! runs.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
@@ -46,6 +48,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         let (b, cfg) = (&self.backend, &self.cfg);
         let (d, n_hc) = (cfg.hidden_size, cfg.hc_mult);
         let rows = steps.len();
+        let host = self.host.as_ref();
+        let host_calls = host.and(b.host_calls());
         let tables: usize = steps.iter().map(|s| s.block_table.len()).sum();
         let mut arena = match cache.decode.take() {
             Some(a) if a.fits(rows, tables) => a,
@@ -57,6 +61,11 @@ impl<B: DsV4Kernels> DsV4Model<B> {
                     .max(rows_capacity * 16);
                 // Steps recorded over the old arena would write into freed buffers.
                 recorder.forget_recorded();
+                if let Some(calls) = host_calls {
+                    let (d, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
+                    let rows = rows_capacity;
+                    calls.reserve_host_calls(rows * d, rows * k, rows * k * d);
+                }
                 Box::new(DecodeArena::new(self, rows_capacity, tables_capacity))
             }
         };
@@ -72,7 +81,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             b.zero_ids(&mut a.counts);
             b.dsv4_expand(&mut a.streams, &a.embedded, rows, n_hc, d);
             let pass = Pass {
-                host: None,
+                host,
+                host_calls,
                 b,
                 cfg,
                 consts: &self.consts,
@@ -85,6 +95,14 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             self.logits_into(head, norm, &a.streams, rows, &mut a.logits);
         };
         recorder.run_recorded(key.finish(), &mut body);
+        if let (Some(h), Some(calls)) = (host, host_calls) {
+            let dims = (rows, cfg.num_experts_per_tok, d, cfg.swiglu_limit);
+            calls
+                .serve_host_calls(&mut |layer, x, chosen, ys| {
+                    h.compute_into(layer as usize, x, chosen, dims, ys);
+                })
+                .unwrap_or_else(|e| panic!("a recorded step's host experts: {e}"));
+        }
 
         // The arena's buffers are the next step's: the caller gets its own copies.
         let all: Vec<usize> = (0..rows).collect();
@@ -92,8 +110,16 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         b.gather_rows(&arena.logits, cfg.vocab_size, &all, &mut logits);
         let mut streams = b.scratch(rows * n_hc * d);
         b.gather_rows(&arena.streams, n_hc * d, &all, &mut streams);
-        let counts =
-            counted.then(|| b.download_ids(&arena.counts, cfg.num_layers * cfg.num_routed_experts));
+        let counts = counted.then(|| {
+            let mut counts = b.download_ids(&arena.counts, cfg.num_layers * cfg.num_routed_experts);
+            if let Some(h) = host {
+                counts
+                    .iter_mut()
+                    .zip(h.take_counts())
+                    .for_each(|(c, n)| *c += n);
+            }
+            counts
+        });
         cache.decode = Some(arena);
         (logits, streams, counts)
     }

@@ -131,6 +131,10 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         if moved == 0 {
             return Ok(0);
         }
+        // Recorded steps point at the expert and owner tables rebuilt below.
+        if let Some(recorder) = self.backend.recorder() {
+            recorder.forget_recorded();
+        }
         self.reside(dir, dummy, &|l, e| !placement.on_host(l, e))?;
         let src = (!dummy)
             .then(|| SafetensorsSource::open_dir(dir))

@@ -97,6 +97,24 @@ fn entry_index(table: &[u32], block_size: usize, rate: usize, per_block: usize, 
     table[first / block_size] as usize * per_block + (first % block_size) / rate
 }
 
+impl CpuBackend {
+    /// `dsv4_routed_experts` over borrowed slices (a caller's staging, not the backend's
+    /// buffers): the host experts' part of a device step.
+    #[allow(clippy::too_many_arguments)]
+    pub fn routed_experts_into(
+        &self,
+        ys: &mut [f32],
+        x: &[f32],
+        chosen: &[u32],
+        experts: &ExpertMatrices<'_, Self>,
+        owners: Option<&ExpertOwners<'_, Self>>,
+        counts: &mut [u32],
+        dims: (usize, usize, f32),
+    ) {
+        moe::routed_experts(self, ys, x, chosen, experts, owners, counts, dims);
+    }
+}
+
 impl DsV4Kernels for CpuBackend {
     type Ids = Vec<u32>;
     type ExpertTable = ();

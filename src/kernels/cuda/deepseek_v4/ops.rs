@@ -14,6 +14,7 @@ use crate::kernels::deepseek_v4::{
     AttentionKeys, Compressor, DsV4KernelError, DsV4Kernels, DsV4Shape, ExpertMatrices,
     ExpertOwners, Scoring, StepMeta,
 };
+use crate::kernels::host_calls::HostCalls;
 
 type Meta = StepMeta<CudaBackend>;
 
@@ -21,6 +22,10 @@ impl DsV4Kernels for CudaBackend {
     type Ids = CudaSlice<u32>;
     type ExpertTable = super::CudaExperts;
     type RowGroups = super::CudaRowGroups;
+
+    fn host_calls(&self) -> Option<&dyn HostCalls<CudaSlice<f32>, CudaSlice<u32>>> {
+        self.host_calls_in_steps.then_some(self as _)
+    }
 
     fn dsv4_prepare(&self, shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         super::check_shape(shape)?;
