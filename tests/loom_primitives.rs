@@ -2,7 +2,7 @@
 //! suite): the grammar matcher's busy cell, a group's abort hooks, the GPU's pick-slot
 //! pool, the fault plan's one-shot flags, the drafters' shared calibration, the engine
 //! handle's request ids, the prefix store's host tier, the server's admission gate, the
-//! router's view of its engines.
+//! router's view of its engines, a device step's host-call flags.
 //! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
 #![cfg(troupe_loom)]
 
@@ -265,5 +265,74 @@ fn a_forwarded_engine_forgotten_during_a_poll_is_gone_or_freshly_reported() {
             .collect();
         // The forget came after the poll (e1 gone) or before it (the poll's fresh view).
         assert!(names == ["e2"] || names == ["e1", "e2"], "{names:?}");
+    });
+}
+
+/// A device step's host calls meeting the serving thread through two flag words
+/// (`HostFlags`): each call's inputs are seen by the host, each answer by the device,
+/// in order, and no raise is lost to the other side's lowering.
+#[test]
+fn host_calls_through_flags_hand_over_inputs_and_answers_in_order() {
+    use loom::cell::UnsafeCell;
+    use loom::sync::atomic::AtomicU32;
+    use troupe::sync::HostFlags;
+    struct Shared {
+        started: AtomicU32,
+        answered: AtomicU32,
+        // The staging: the call's input (device → host) and answer (host → device).
+        input: UnsafeCell<u32>,
+        output: UnsafeCell<u32>,
+    }
+    // SAFETY: the cells are handed over by the flags' acquire/release pairs, which loom
+    // checks for races.
+    unsafe impl Sync for Shared {}
+    const CALLS: u32 = 2;
+    loom::model(|| {
+        let shared = Arc::new(Shared {
+            started: AtomicU32::new(0),
+            answered: AtomicU32::new(0),
+            input: UnsafeCell::new(0),
+            output: UnsafeCell::new(0),
+        });
+        let host = {
+            let shared = shared.clone();
+            thread::spawn(move || {
+                let flags = HostFlags {
+                    started: &shared.started,
+                    answered: &shared.answered,
+                };
+                for want in 0..CALLS {
+                    let tag = loop {
+                        if let Some(tag) = flags.take_started() {
+                            break tag;
+                        }
+                        thread::yield_now();
+                    };
+                    assert_eq!(tag, want, "calls out of order");
+                    let input = shared.input.with(|p| unsafe { *p });
+                    assert_eq!(input, 10 + tag, "the call's input had not landed");
+                    shared.output.with_mut(|p| unsafe { *p = 100 + input });
+                    flags.answer(tag);
+                }
+            })
+        };
+        let flags = HostFlags {
+            started: &shared.started,
+            answered: &shared.answered,
+        };
+        for tag in 0..CALLS {
+            shared.input.with_mut(|p| unsafe { *p = 10 + tag });
+            flags.raise_started(tag);
+            while !flags.take_answer(tag) {
+                thread::yield_now();
+            }
+            let answer = shared.output.with(|p| unsafe { *p });
+            assert_eq!(
+                answer,
+                110 + tag,
+                "the answer was read before it was written"
+            );
+        }
+        host.join().unwrap();
     });
 }

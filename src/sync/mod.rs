@@ -26,8 +26,10 @@ pub use std::sync::atomic::AtomicU64 as GaugeAtomicU64;
 
 mod busy;
 mod gate;
+mod host_flags;
 mod pool;
 
 pub use busy::BusyCell;
 pub use gate::{Gate, Refusal, Ticket};
+pub use host_flags::{ABANDONED, HostFlags};
 pub use pool::SlotPool;

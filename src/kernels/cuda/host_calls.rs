@@ -11,6 +11,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, PushKe
 
 use super::{CudaBackend, check};
 use crate::kernels::host_calls::{HostCallError, HostCalls, HostWork};
+use crate::sync::HostFlags;
 use crate::sync::atomic::{AtomicU32, Ordering};
 
 /// How long the host waits for a queued call to start: a step's host part takes
@@ -24,8 +25,6 @@ const ANSWERED: usize = 1;
 /// Where a wait that gave up writes what it expected and what it read.
 const REPORT: usize = 2;
 const REPORT_SEEN: usize = 3;
-/// `ANSWERED` once the host gave up on a step: every wait passes.
-const ABANDONED: u32 = u32::MAX;
 /// How long the device waits for an answer before it gives up on the step (and says so):
 /// far beyond any layer's host part, short of a stuck CI job.
 const GIVE_UP_SECS: u64 = 30;
@@ -280,7 +279,10 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
         let (Some(((floats, nf), (ids, ni), (out, no))), Some(flags)) = (staging, flags) else {
             return Ok(0);
         };
-        let (started, answered) = (flag(flags, STARTED), flag(flags, ANSWERED));
+        let words = HostFlags {
+            started: flag(flags, STARTED),
+            answered: flag(flags, ANSWERED),
+        };
         let expected = flag(flags, REPORT).load(Ordering::Acquire);
         if expected != 0 {
             return Err(HostCallError::DeviceGaveUp {
@@ -292,16 +294,15 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
         // Whatever happens below, the device's waits go on: a stream never waits on a
         // host thread that left.
         let mut guard = Unanswered {
-            answered,
+            words: &words,
             left: pending,
         };
         for served in 0..pending {
             let since = Instant::now();
             let mut warned = false;
             let tag = loop {
-                let raised = started.load(Ordering::Acquire);
-                if raised != 0 {
-                    break raised - 1;
+                if let Some(tag) = words.take_started() {
+                    break tag;
                 }
                 let waited = since.elapsed();
                 if waited > Duration::from_secs(REACH_SECS) {
@@ -310,13 +311,12 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
                 if !warned && waited > Duration::from_secs(5) {
                     tracing::warn!(
                         "host calls: call {served} of {pending} not started after 5 s (answered word {})",
-                        answered.load(Ordering::Acquire)
+                        words.answered.load(Ordering::Acquire)
                     );
                     warned = true;
                 }
                 std::hint::spin_loop();
             };
-            started.store(0, Ordering::Relaxed);
             // SAFETY: the started flag is raised after this call's copies out landed;
             // the copy in waits for the answer below; the staging outlives both (it moves
             // only after a synchronize, outside a step).
@@ -329,22 +329,22 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
                 );
             }
             guard.left -= 1;
-            answered.store(tag + 1, Ordering::Release);
+            words.answer(tag);
         }
         Ok(pending)
     }
 }
 
 /// Gives up on the calls a serve left, so the device's waits pass.
-struct Unanswered {
-    answered: &'static AtomicU32,
+struct Unanswered<'a> {
+    words: &'a HostFlags<'static>,
     left: usize,
 }
 
-impl Drop for Unanswered {
+impl Drop for Unanswered<'_> {
     fn drop(&mut self) {
         if self.left > 0 {
-            self.answered.store(ABANDONED, Ordering::Release);
+            self.words.abandon();
         }
     }
 }
