@@ -102,7 +102,7 @@ impl HostCallState {
 
 /// The flag word `at` as the host reads and writes it.
 fn flag(flags: *mut u32, at: usize) -> &'static AtomicU32 {
-    // SAFETY: `flags` holds both words, aligned, for the backend's life; the device
+    // SAFETY: `flags` holds the four words, aligned, for the backend's life; the device
     // writes them only through the flag kernels, which order with the host's writes by
     // the protocol (each side writes a word only after seeing the other's).
     unsafe { AtomicU32::from_ptr(flags.add(at)) }
@@ -113,14 +113,22 @@ impl CudaBackend {
         self.host_calls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn launch_flag(&self, kernel: &cudarc::driver::CudaFunction, args: (u64, u32), wait: bool) {
+    /// `kernel` on word `at` of the flags at `flags` (on the device) with `value`; a wait
+    /// also gets the report words and its time limit.
+    fn launch_flag(
+        &self,
+        kernel: &cudarc::driver::CudaFunction,
+        (flags, at): (u64, usize),
+        value: u32,
+        wait: bool,
+    ) {
         let one = cudarc::driver::LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (1, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (word, value) = args;
-        let report = word - (word % 16) + (REPORT * 4) as u64;
+        let word = flags + (at * 4) as u64;
+        let report = flags + (REPORT * 4) as u64;
         let limit_ns = GIVE_UP_SECS * 1_000_000_000;
         let mut launch = self.stream.launch_builder(kernel);
         launch.arg(&word).arg(&value);
@@ -129,6 +137,21 @@ impl CudaBackend {
         }
         // SAFETY: `word` and `report` are mapped flag words the backend keeps for its life.
         check(unsafe { launch.launch(one) }, "host call flag");
+    }
+
+    /// Queues `src[..len]` to page-locked `dst`.
+    ///
+    /// # Safety
+    /// `dst` holds `len` values and nothing reads them before the copy ran.
+    unsafe fn copy_out<T>(&self, src: &CudaSlice<T>, dst: *mut T, len: usize) {
+        let (src, _g) = src.device_ptr(&self.stream);
+        // SAFETY: the caller's.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+        check(
+            // SAFETY: `src` holds at least `len` values (the caller's slice is as long).
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) },
+            "host call copy out",
+        );
     }
 }
 
@@ -167,7 +190,7 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
         let mut state = self.host_calls_state();
         state.staging = Some(staging);
         if state.flags.is_none() {
-            // 16 bytes, aligned: the kernels find the report beside the word they hold.
+            // Four words: the two flags and a giving-up wait's report.
             let flags = Pinned::<u32>::new(self, 4);
             for at in [STARTED, ANSWERED, REPORT, REPORT_SEEN] {
                 flag(flags.ptr, at).store(0, Ordering::Release);
@@ -200,35 +223,18 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
         // SAFETY: the staging holds the lengths (checked); the host reads it only after
         // the started flag, which the stream raises after these copies.
         unsafe {
-            let (src, _g) = floats.device_ptr(&self.stream);
-            check(
-                cudarc::driver::result::memcpy_dtoh_async(
-                    std::slice::from_raw_parts_mut(host_floats, floats_len),
-                    src,
-                    self.stream.cu_stream(),
-                ),
-                "host call copy out",
-            );
-            let (src, _g) = ids.device_ptr(&self.stream);
-            check(
-                cudarc::driver::result::memcpy_dtoh_async(
-                    std::slice::from_raw_parts_mut(host_ids, ids_len),
-                    src,
-                    self.stream.cu_stream(),
-                ),
-                "host call copy out",
-            );
+            self.copy_out(floats, host_floats, floats_len);
+            self.copy_out(ids, host_ids, ids_len);
         }
         state.open = Some(tag);
-        let recording = self.recording();
-        if !recording {
-            state.pending += 1;
-        }
         drop(state);
-        let word = flags + (STARTED * 4) as u64;
-        self.launch_flag(&self.kernels.host_flag_raise, (word, tag + 1), false);
-        if recording {
-            self.captured().host_calls += 1;
+        let raise = &self.kernels.host_flag_raise;
+        self.launch_flag(raise, (flags, STARTED), tag + 1, false);
+        let mut captured = self.captured();
+        if captured.capturing() {
+            captured.host_calls += 1;
+        } else {
+            self.host_calls_state().pending += 1;
         }
         Ok(())
     }
@@ -244,8 +250,8 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
         let host_out = state.staging.as_ref().expect("checked above").out.ptr;
         let flags = state.flags.as_ref().expect("reserved with the staging").1;
         drop(state);
-        let word = flags + (ANSWERED * 4) as u64;
-        self.launch_flag(&self.kernels.host_flag_wait, (word, tag + 1), true);
+        let wait = &self.kernels.host_flag_wait;
+        self.launch_flag(wait, (flags, ANSWERED), tag + 1, true);
         // SAFETY: the host wrote `out_len` entries before answering, which the wait
         // kernel waits for; the next call's host work starts after this copy, on the one
         // stream.
