@@ -102,8 +102,11 @@ def main() -> None:
     ap.add_argument("--compare-never", action="store_true",
                     help="also the whole model's prefill with --stream-experts never (the CPU computes every host expert)")
     ap.add_argument("--compare-host-calls", action="store_true",
-                    help="also the whole model's decode runs with TROUPE_HOST_CALLS=1 (decode steps "
-                         "recorded as CUDA graphs, the host part as calls on the stream)")
+                    help="also the whole model's decode runs with TROUPE_HOST_CALLS=0 (decode steps "
+                         "with host experts eager, against the default: recorded as CUDA graphs, "
+                         "the host part as calls on the stream)")
+    ap.add_argument("--skip-gpu", action="store_true",
+                    help="no all-GPU baseline runs (the whole model's alone, no scaled ratios)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.gpu_layers == 0:
@@ -121,6 +124,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         configs = {"whole": (whole, args.extra_flags.split()), "gpu": (cut, [])}
+        if args.skip_gpu:
+            del configs["gpu"]
         for name, (s, _) in configs.items():
             (tmp / name).mkdir()
             (tmp / name / "config.json").write_text(json.dumps(dict(s, model_type="deepseek_v4",
@@ -131,16 +136,18 @@ def main() -> None:
             plan += [(n, f"b{args.batch}", batch, args.new, []) for n in configs]
         if args.compare_host_calls:
             if not args.skip_decode:
-                plan.append(("whole", "b1 host calls", [decode_prompt], args.new, []))
+                plan.append(("whole", "b1 eager", [decode_prompt], args.new, []))
             if not args.skip_batch:
-                plan.append(("whole", f"b{args.batch} host calls", batch, args.new, []))
+                plan.append(("whole", f"b{args.batch} eager", batch, args.new, []))
+            # Each recorded run beside its eager one, so a cut call still pairs them.
+            plan.sort(key=lambda p: (p[1].split()[0] != "b1", p[0] != "whole"))
         if not args.skip_prefill:
             plan += [(n, "prefill", [prompt], 1, []) for n in configs]
             if args.compare_never:
                 plan.append(("whole", "prefill never", [prompt], 1, ["--stream-experts", "never"]))
         for name, key, prompts, new, more in plan:
             extra = configs[name][1] + more
-            env_more = {"TROUPE_HOST_CALLS": "1"} if key.endswith("host calls") else None
+            env_more = {"TROUPE_HOST_CALLS": "0"} if key.endswith("eager") else None
             rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra,
                                         env_more)
     layer_bytes, head_bytes = bytes_per_token(whole)
@@ -159,7 +166,7 @@ def main() -> None:
         keys.append((f"decode batch {args.batch}", f"b{args.batch}", "decode_tokens_per_s"))
     if not args.skip_prefill:
         keys.append((f"prefill {args.prompt}", "prefill", "prefill_tokens_per_s"))
-    for label, k, f in keys:
+    for label, k, f in keys if not args.skip_gpu else []:
         w, g = rows[f"whole {k}"][f], rows[f"gpu {k}"][f]
         scaled = g * G / L
         print(f"| {label} | {w:.2f} | {g:.2f} | {scaled:.2f} | {w / scaled:.2f} |")
@@ -169,12 +176,12 @@ def main() -> None:
         print(f"prefill {args.prompt}, whole model: streamed (auto) {auto:.2f} tok/s vs CPU-computed (never) "
               f"{never:.2f} tok/s = {auto / never:.2f}x")
     for k in ("b1", f"b{args.batch}"):
-        if f"whole {k} host calls" in rows:
-            calls = rows[f"whole {k} host calls"]["decode_tokens_per_s"]
-            eager = rows[f"whole {k}"]["decode_tokens_per_s"]
-            print(f"decode {k}, whole model: recorded steps with host calls {calls:.2f} tok/s "
-                  f"vs the default (eager) {eager:.2f} tok/s = {calls / eager:.2f}x")
-    for k in ("b1", f"b{args.batch}", "b1 host calls", f"b{args.batch} host calls"):
+        if f"whole {k} eager" in rows:
+            calls = rows[f"whole {k}"]["decode_tokens_per_s"]
+            eager = rows[f"whole {k} eager"]["decode_tokens_per_s"]
+            print(f"decode {k}, whole model: recorded steps with host calls (the default) {calls:.2f} tok/s "
+                  f"vs eager (TROUPE_HOST_CALLS=0) {eager:.2f} tok/s = {calls / eager:.2f}x")
+    for k in ("b1", f"b{args.batch}", "b1 eager", f"b{args.batch} eager"):
         st = rows.get(f"whole {k}", {})
         if st.get("host_secs"):
             bw = st["host_gb"] * 1e9 / st["host_secs"]

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Issue 60's open stall: DeepSeek-V4 decode with host experts, recorded with the host part
-as calls on the stream (`TROUPE_HOST_CALLS=1`), ran at batch 1 but a batch of 32 did not
-finish. This starts `troupe generate` on ROWS prompts of the V4-Flash shape cut to LAYERS
-layers (`--dummy-weights`, FLAGS passed on), waits up to WAIT seconds, and if it is still
-running prints each thread's state and kernel wait channel (and gdb's backtraces where gdb
-exists) and the GPU's utilization, then its log's tail.
+"""A DeepSeek-V4 decode with host experts left running, looked at: decode steps recorded with
+the host part as calls on the stream (the default) once stalled at batch 32 on the whole
+V4-Flash (a launch waiting on the device, which waited on the launching thread; see
+`kernels/cuda/graph_launcher.rs`). This starts `troupe generate` on ROWS prompts of the
+V4-Flash shape cut to LAYERS layers (`--dummy-weights`, FLAGS passed on), waits up to WAIT
+seconds, and if it is still running prints each thread's state and kernel wait channel (and
+gdb's backtraces where gdb exists) and the GPU's utilization; then counts of the trace
+events and its log's tail (`PROBE_LOG`: the log filter, say
+`troupe=info,troupe::model::deepseek_v4=trace,troupe::kernels::cuda::host_calls=trace`).
 
 Usage (on the device machine): python3 scripts/gpu_dsv4_stall_probe.py ROWS WAIT LAYERS [FLAGS...]
 """
@@ -45,9 +48,9 @@ def main() -> None:
         dict(model, model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"])))
     batch = [[rng.randrange(2, model["vocab_size"]) for _ in range(512)] for _ in range(rows)]
     cmd = command("gpu-bin/troupe", tmp / "m", batch, 8, tmp, 4096, flags)
-    env = dict(os.environ, RUST_LOG="troupe=info", TROUPE_HOST_CALLS="1")
+    env = dict(os.environ, RUST_LOG=os.environ.get("PROBE_LOG", "troupe=info"))
     log = tmp / "err"
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), env=env)
+    p = subprocess.Popen(cmd, stdout=open(tmp / "out", "w"), stderr=open(log, "w"), env=env)
     t0 = time.time()
     while p.poll() is None and time.time() - t0 < wait:
         time.sleep(2)
@@ -63,7 +66,11 @@ def main() -> None:
             print(out.stdout[-9000:])
         subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv"])
         p.kill()
-    print("\n".join(log.read_text().splitlines()[-40:])[-5000:])
+    lines = log.read_text().splitlines()
+    for what in ["recorded=true", "recorded=false", "recorded step launched", "host calls served",
+                 "host call started"]:
+        print(what, sum(what in line for line in lines))
+    print("\n".join(lines[-40:])[-6000:])
 
 
 if __name__ == "__main__":

@@ -238,3 +238,65 @@ fn recorded_decode_steps_with_host_experts_replay_the_eager_bits() {
         }
     }
 }
+
+/// A recorded step whose host call comes early and is followed by more work than the
+/// stream's queue holds (the whole V4-Flash at batch 32: 25 host layers, then 18 more):
+/// its launch must not hold up the thread that serves the call, or the device waits on
+/// that thread until its waits give up (30 s each, then a `DeviceGaveUp` error here).
+#[test]
+fn a_long_recorded_step_with_an_early_host_call_is_served_while_it_launches() {
+    use troupe::kernels::deepseek_v4::DsV4Kernels;
+    use troupe::kernels::{Backend, StepRecorder};
+    let mut b = CudaBackend::new(0, false, true).expect("a GPU");
+    b.host_calls_in_steps = true;
+    let calls = b.host_calls().expect("host calls are on");
+    let (n, after) = (64usize, 20_000usize);
+    let x: Vec<f32> = (0..n).map(|i| (i as f32).sin()).collect();
+    let xs = b.upload(&x);
+    let ids = b.upload_ids(&[5, 2]);
+    calls.reserve_host_calls(n, 2, n);
+    let (mut out, mut acc, one) = (
+        b.scratch(n),
+        b.upload(&vec![0.0; n]),
+        b.upload(&vec![1.0; n]),
+    );
+    // Eager, recorded, then replayed twice.
+    for step in 1..=4usize {
+        let mut body = || {
+            // As the model does: an eager step computes its host part inline.
+            if calls.recording() {
+                calls.begin_host_call(7, &xs, n, &ids, 2).unwrap();
+                calls.end_host_call(&mut out, n).unwrap();
+            } else {
+                let v = b.download(&xs, n);
+                out = b.upload(&v.iter().map(|v| 2.0 * v + 52.0).collect::<Vec<_>>());
+            }
+            for _ in 0..after {
+                b.add(&mut acc, &one, n);
+            }
+            b.add(&mut acc, &out, n);
+        };
+        b.run_recorded(0x5eed, &mut body);
+        let served = calls
+            .serve_host_calls(&mut |tag, x, ids, ys| {
+                assert_eq!(tag, 7);
+                for (y, v) in ys[..n].iter_mut().zip(&x[..n]) {
+                    *y = 2.0 * v + (ids[0] * 10 + ids[1]) as f32;
+                }
+            })
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        assert_eq!(
+            served,
+            usize::from(step > 1),
+            "step {step}: a call a recorded step"
+        );
+        let got = b.download(&acc, n);
+        for (i, (g, v)) in got.iter().zip(&x).enumerate() {
+            let want = (step * after) as f32 + step as f32 * (2.0 * v + 52.0);
+            assert!(
+                (g - want).abs() <= 1e-3 * want.abs(),
+                "step {step}, [{i}]: {g} vs {want}"
+            );
+        }
+    }
+}

@@ -50,9 +50,9 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         !args.settings.enforce_eager,
     )
     .map_err(|e| e.to_string())?;
-    // Decode steps with host experts recorded, their host part as calls on the stream:
-    // to measure, until a batch-32 stall with them is understood (issue 60).
-    backend.host_calls_in_steps = std::env::var("TROUPE_HOST_CALLS").as_deref() == Ok("1");
+    // Decode steps with host experts recorded, their host part as calls on the stream;
+    // `TROUPE_HOST_CALLS=0` runs them eagerly, to measure what the recording buys.
+    backend.host_calls_in_steps = std::env::var("TROUPE_HOST_CALLS").as_deref() != Ok("0");
     // Everything but the routed experts first, then the cache: the experts take the room
     // left, those that do not fit (or that the flags send) stay in host memory.
     let cfg = crate::model::deepseek_v4::config::DsV4Config::from_dir(&args.settings.model_path)

@@ -11,7 +11,7 @@
 use std::collections::{HashMap, HashSet};
 
 use cudarc::driver::CudaStream;
-use cudarc::driver::sys::CUstreamCaptureMode;
+use cudarc::driver::sys::{CUgraphExec, CUstreamCaptureMode};
 
 use super::recorded::Recorded;
 use super::{CudaBackend, check};
@@ -71,12 +71,16 @@ impl CapturedSteps {
             .insert(key, (graph, std::mem::take(&mut self.host_calls)));
     }
 
-    /// Launches `key`'s graph; returns the host calls it will make.
-    pub fn replay(&mut self, stream: &CudaStream, key: u64) -> usize {
+    /// Launches `key`'s graph here when it holds no host calls; else returns its
+    /// instance and how many calls it makes, for a launch from another thread.
+    pub fn replay(&mut self, stream: &CudaStream, key: u64) -> Option<(CUgraphExec, usize)> {
         self.replays += 1;
         let (graph, host_calls) = &self.recorded[&key];
-        check(graph.launch(stream), "graph launch");
-        *host_calls
+        if *host_calls == 0 {
+            check(graph.launch(stream), "graph launch");
+            return None;
+        }
+        Some((graph.exec(), *host_calls))
     }
 
     /// A buffer the recorded steps use moved: every key starts over.
@@ -99,31 +103,48 @@ impl CapturedSteps {
 
 impl crate::kernels::StepRecorder for CudaBackend {
     fn run_recorded(&self, key: u64, body: &mut dyn FnMut()) {
+        // A launch a serve left behind (a panic between) is done before anything else.
+        self.join_graph_launch();
         // The lock is not held while `body` runs: its ops may grow buffers (`moved`).
         let next = self.captured().next(key);
-        let host_calls = match next {
-            Next::Replay => self.captured().replay(&self.stream, key),
-            Next::Eager => {
-                body();
-                0
-            }
+        let replay = |captured: &mut CapturedSteps| {
+            let Some((exec, calls)) = captured.replay(&self.stream, key) else {
+                return;
+            };
+            // The rank thread serves the calls while the launch queues the step: a
+            // launch can wait on the device, which waits on the calls.
+            let launcher = self.graph_launcher.get_or_init(|| {
+                check(
+                    super::graph_launcher::GraphLauncher::spawn(self.ctx.clone())
+                        .map_err(|e| e.to_string()),
+                    "graph launch thread",
+                )
+            });
+            // SAFETY: the instance is the captured map's and the stream the backend's;
+            // `join_graph_launch` runs before either can go (`forget`, a drop) and
+            // before anything else is queued (the serve, the next step).
+            let launch = unsafe { launcher.launch(exec, &self.stream) };
+            let mut state = self.host_calls.lock().unwrap_or_else(|e| e.into_inner());
+            state.launched(calls, launch);
+        };
+        match next {
+            Next::Replay => replay(&mut self.captured()),
+            Next::Eager => body(),
             Next::Capture => {
                 super::mem_pool::release_kept_memory(&self.stream);
                 self.captured().begin_capture(&self.stream, key);
                 body();
-                self.captured().end_capture(&self.stream);
-                self.captured().replay(&self.stream, key)
+                let mut captured = self.captured();
+                captured.end_capture(&self.stream);
+                replay(&mut captured);
             }
-        };
-        self.host_calls
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .launched(host_calls);
+        }
         // The bf16 copy the host last recorded is not what a recorded step left there.
         *self.twin.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     fn forget_recorded(&self) {
+        self.join_graph_launch();
         self.captured().forget();
     }
 }

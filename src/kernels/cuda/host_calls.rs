@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, PushKernelArg};
 
+use super::graph_launcher::InFlight;
 use super::{CudaBackend, check};
 use crate::kernels::host_calls::{HostCallError, HostCalls, HostWork};
 use crate::sync::HostFlags;
@@ -91,12 +92,15 @@ pub(super) struct HostCallState {
     pending: usize,
     /// The call `end_host_call` ends.
     open: Option<u32>,
+    /// The launch of the step whose calls are pending.
+    launch: Option<InFlight>,
 }
 
 impl HostCallState {
-    /// Calls a replay launched.
-    pub(super) fn launched(&mut self, calls: usize) {
+    /// Calls a replay launched from the launch thread.
+    pub(super) fn launched(&mut self, calls: usize, launch: InFlight) {
         self.pending += calls;
+        self.launch = Some(launch);
     }
 }
 
@@ -109,6 +113,16 @@ fn flag(flags: *mut u32, at: usize) -> &'static AtomicU32 {
 }
 
 impl CudaBackend {
+    /// Waits for the launch of a step with host calls to return (see
+    /// `graph_launcher.rs`): after its calls are served, or given up on, it returns as soon
+    /// as the device has queued the step's rest.
+    pub(super) fn join_graph_launch(&self) {
+        let launch = self.host_calls_state().launch.take();
+        if let Some(launch) = launch {
+            check(launch.join(Duration::from_secs(REACH_SECS)), "step launch");
+        }
+    }
+
     fn host_calls_state(&self) -> crate::sync::MutexGuard<'_, HostCallState> {
         self.host_calls.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -270,6 +284,15 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
     }
 
     fn serve_host_calls(&self, work: &mut HostWork<'_>) -> Result<usize, HostCallError> {
+        let served = self.serve_pending(work);
+        // Served or given up on: the launch returns once the device queued the rest.
+        self.join_graph_launch();
+        served
+    }
+}
+
+impl CudaBackend {
+    fn serve_pending(&self, work: &mut HostWork<'_>) -> Result<usize, HostCallError> {
         let (pending, staging, flags) = {
             let mut state = self.host_calls_state();
             let pending = std::mem::take(&mut state.pending);
@@ -289,6 +312,12 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
             started: flag(flags, STARTED),
             answered: flag(flags, ANSWERED),
         };
+        // Whatever happens below, the device's waits go on: a stream never waits on a
+        // host thread that left.
+        let mut guard = Unanswered {
+            words: &words,
+            left: pending,
+        };
         let expected = flag(flags, REPORT).load(Ordering::Acquire);
         if expected != 0 {
             return Err(HostCallError::DeviceGaveUp {
@@ -297,12 +326,6 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
                 seen: flag(flags, REPORT_SEEN).load(Ordering::Acquire),
             });
         }
-        // Whatever happens below, the device's waits go on: a stream never waits on a
-        // host thread that left.
-        let mut guard = Unanswered {
-            words: &words,
-            left: pending,
-        };
         for served in 0..pending {
             let since = Instant::now();
             let mut warned = false;
@@ -323,6 +346,7 @@ impl HostCalls<CudaSlice<f32>, CudaSlice<u32>> for CudaBackend {
                 }
                 std::hint::spin_loop();
             };
+            tracing::trace!(tag, served, pending, "host call started");
             // SAFETY: the started flag is raised after this call's copies out landed;
             // the copy in waits for the answer below; the staging outlives both (it moves
             // only after a synchronize, outside a step).

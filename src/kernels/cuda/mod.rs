@@ -14,6 +14,7 @@ mod deepseek_v4;
 mod fp8_gemm;
 mod gemv;
 mod graph;
+mod graph_launcher;
 mod host_calls;
 mod invariant;
 mod kv_blocks;
@@ -101,8 +102,10 @@ pub struct CudaBackend {
     captured: Mutex<captured::CapturedSteps>,
     /// Host work inside steps (`HostCalls`): its staging and its flags.
     host_calls: Mutex<host_calls::HostCallState>,
-    /// Whether steps may hold host calls (`TROUPE_HOST_CALLS=1` for a rank): off by
-    /// default while a stall of batch-32 decode with them is not understood (issue 60).
+    /// Where steps holding host calls are launched from (`graph_launcher.rs`).
+    graph_launcher: OnceLock<graph_launcher::GraphLauncher>,
+    /// Whether steps may hold host calls: the runner's choice (on unless
+    /// `TROUPE_HOST_CALLS=0`); off for a backend made alone.
     pub host_calls_in_steps: bool,
     /// Split-K attention partials (output, then max and sum); grown on demand.
     attention_parts: Mutex<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
@@ -220,6 +223,7 @@ impl CudaBackend {
             graphs: Mutex::new(Graphs::new(programmatic)),
             captured: Mutex::new(captured::CapturedSteps::default()),
             host_calls: Mutex::new(host_calls::HostCallState::default()),
+            graph_launcher: OnceLock::new(),
             host_calls_in_steps: false,
             attention_parts: Mutex::new(None),
             cublas_workspace_buf: workspace,

@@ -102,6 +102,11 @@ impl Recorded {
         }
     }
 
+    /// The instance, for a launch from another thread (`graph_launcher.rs`).
+    pub fn exec(&self) -> CUgraphExec {
+        self.exec
+    }
+
     pub fn launch(&self, stream: &CudaStream) -> Result<(), DriverError> {
         // SAFETY: the instance lives as long as `self`; the stream belongs to its context.
         unsafe { sys::cuGraphLaunch(self.exec, stream.cu_stream()) }.result()

@@ -289,6 +289,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             .then(|| self.recorder_for(steps))
             .flatten();
         let counted = expert_tokens.is_some();
+        tracing::trace!(rows = steps.len(), recorded = recorder.is_some(), "step");
         let (logits, streams, counts) = match recorder {
             Some(recorder) => self.forward_recorded(recorder, cache, steps, picked_rows, counted),
             None => self.forward_eager(cache, steps, picked_rows, counted, group),

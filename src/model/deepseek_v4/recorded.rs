@@ -94,7 +94,9 @@ impl<B: DsV4Kernels> DsV4Model<B> {
             let (head, norm) = (&self.weights.hc_head, &self.weights.norm);
             self.logits_into(head, norm, &a.streams, rows, &mut a.logits);
         };
-        recorder.run_recorded(key.finish(), &mut body);
+        let key = key.finish();
+        tracing::trace!(rows, key, "recorded step launched");
+        recorder.run_recorded(key, &mut body);
         if let (Some(h), Some(calls)) = (host, host_calls) {
             let dims = (rows, cfg.num_experts_per_tok, d, cfg.swiglu_limit);
             calls
@@ -102,6 +104,7 @@ impl<B: DsV4Kernels> DsV4Model<B> {
                     h.compute_into(layer as usize, x, chosen, dims, ys);
                 })
                 .unwrap_or_else(|e| panic!("a recorded step's host experts: {e}"));
+            tracing::trace!(rows, "recorded step's host calls served");
         }
 
         // The arena's buffers are the next step's: the caller gets its own copies.
