@@ -1,7 +1,8 @@
 //! CPU matmul in the shapes of SmolLM2-135M: gate/up (1536 × 576) and down (576 × 1536,
 //! the one a K-quant file keeps in K-quants), decode rows (m = 1, 4) and a prefill chunk
 //! (m = 64), for each weight layout the backend keeps: f32, `--exact-activations`' Q4_1 /
-//! Q8_0, and the packed formats with 8-bit activations.
+//! Q8_0, and the packed formats with 8-bit activations; and a DeepSeek-V4-Flash expert's
+//! MXFP4 gate.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use troupe::kernels::cpu::CpuMatrix;
@@ -51,6 +52,8 @@ fn bench(c: &mut Criterion) {
             1536,
             vec![GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0],
         ),
+        // A DeepSeek-V4-Flash routed expert's gate (MXFP4 in host memory, `--cpu-moe`).
+        ("expert_2048x4096", 2048, 4096, vec![GgmlType::MXFP4]),
     ];
     for (shape, rows, cols, types) in shapes {
         let mut group = c.benchmark_group(format!("matmul_{shape}"));
