@@ -3,7 +3,8 @@
 //! generated placements give the all-on-device run's logits bit for bit (their experts are
 //! f32, which the host computes as the device does) and transformers' tokens; the packed
 //! checkpoint (MXFP4 experts, computed packed against 8-bit activations on the host) stays
-//! near transformers; the engine runs them; impossible placements are refused by name.
+//! near transformers; the engine runs them, and restarts a rank that panics mid-run with
+//! them; impossible placements are refused by name.
 
 mod common;
 
@@ -344,5 +345,62 @@ fn experts_moved_between_device_and_host_keep_the_logits() {
             );
         }
         assert!(moved_total > 0, "{}: nothing moved", dir.display());
+    }
+}
+
+/// A rank whose step panics mid-run with host experts (a split layer and every layer) is
+/// rebuilt — its host experts loaded again — and every request ends with transformers'
+/// tokens, no block or state slot left held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_restarted_mid_run_with_host_experts_finishes_every_request_unchanged() {
+    use troupe::runner::fault::FaultPlan;
+    let dir = &case_dirs()[1];
+    let (prompt, greedy) = case(dir);
+    for cpu_moe in [CpuMoe::FirstLayers(1), CpuMoe::All] {
+        let faults = FaultPlan::default();
+        let engine = Engine::spawn_with_faults(engine_cfg(dir, cpu_moe), faults.clone())
+            .await
+            .unwrap();
+        let mut streams = Vec::new();
+        for _ in 0..3 {
+            let mut r = EngineRequest::new(prompt.clone(), greedy.len(), SamplingParams::default());
+            r.ignore_eos = true;
+            streams.push(engine.generate(r).await.unwrap());
+        }
+        let stepped = async {
+            while engine.status().await.unwrap().num_steps < 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), stepped)
+            .await
+            .expect("the engine runs steps");
+        faults.panic_next_step();
+        for (i, s) in streams.into_iter().enumerate() {
+            let o = tokio::time::timeout(Duration::from_secs(120), s.collect())
+                .await
+                .expect("every request ends within 120 s");
+            assert!(o.error.is_none(), "{cpu_moe}, request {i}: {:?}", o.error);
+            assert_eq!(o.token_ids, greedy, "{cpu_moe}, request {i}");
+        }
+        let freed = async {
+            loop {
+                let s = engine.status().await.unwrap();
+                if s.num_running == 0
+                    && s.num_free_blocks == s.num_total_blocks
+                    && s.num_free_state_slots == s.num_total_state_slots
+                {
+                    return s;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let status = tokio::time::timeout(Duration::from_secs(10), freed)
+            .await
+            .expect("blocks and state slots freed");
+        // The first start counts as one.
+        assert!(status.num_resets >= 2, "{cpu_moe}: no restart: {status:?}");
+        assert!(status.resident_host_weight_bytes > 0, "{cpu_moe}");
+        engine.shutdown(true).await;
     }
 }
