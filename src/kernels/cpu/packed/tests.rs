@@ -116,11 +116,11 @@ fn every_format_matches_its_dequantization_within_the_activation_rounding() {
 }
 
 /// Each vector path this CPU has gives the scalar kernel's bits, and a row's result does
-/// not depend on the rows beside it.
+/// not depend on the rows beside it (1 to 4 blocks; one, two, four and eight rows a call).
 #[test]
 fn every_path_gives_the_same_bits_whatever_shares_the_call() {
-    for (ty, _) in F16_FIELDS {
-        let blocks = 3;
+    for ((ty, _), blocks) in F16_FIELDS.iter().flat_map(|f| (1..=4).map(move |b| (f, b))) {
+        let ty = *ty;
         let cols = blocks * ty.block_len();
         let w = random_row(ty, blocks, 5);
         let x = activations(8, cols, 9);
@@ -132,6 +132,12 @@ fn every_path_gives_the_same_bits_whatever_shares_the_call() {
             let eight = dot_on::<8>(ty, path, &w, rows);
             let four = dot_on::<4>(ty, path, &w, [rows[4], rows[5], rows[6], rows[7]]);
             let alone = dot_on::<1>(ty, path, &w, [rows[2]])[0];
+            let two = dot_on::<2>(ty, path, &w, [rows[6], rows[1]]);
+            assert_eq!(
+                [two[0].to_bits(), two[1].to_bits()],
+                [want[6].to_bits(), want[1].to_bits()],
+                "{ty:?} {path:?} {blocks} blocks, rows 6 and 1 as two"
+            );
             for i in 0..8 {
                 assert_eq!(
                     eight[i].to_bits(),
@@ -147,7 +153,11 @@ fn every_path_gives_the_same_bits_whatever_shares_the_call() {
                     4 + i
                 );
             }
-            assert_eq!(alone.to_bits(), want[2].to_bits(), "{ty:?} {path:?} alone");
+            assert_eq!(
+                alone.to_bits(),
+                want[2].to_bits(),
+                "{ty:?} {path:?} {blocks} blocks alone"
+            );
         }
     }
 }
