@@ -2,13 +2,13 @@
 //! row's drafts verified with the same sampler (several tokens a row), or against the
 //! argmax picks the rank made on the device. The sampler actor calls it and publishes.
 
-use crate::sampling::{SampleContext, Sampler as RowSampler, score_token};
+use crate::sampling::{SampleContext, SampleOutput, Sampler as RowSampler, score_token};
 use crate::spec::TargetDistribution;
 use crate::spec::verify::{self, History};
 use crate::structured::SeqConstraint;
 use crate::sync::Shared as Arc;
 
-use super::{Drawn, SampledRow, ScoredRow, Step, StepLogits};
+use super::{Drawn, RowSampling, SampledRow, ScoredRow, Step, StepLogits};
 
 /// A step whose logits do not match its rows: a bug upstream, which fails the sampler (its
 /// supervisor restarts it and the engine recomputes).
@@ -63,6 +63,46 @@ pub struct StepOutcome {
     pub advances: Vec<(Arc<SeqConstraint>, Vec<u32>)>,
 }
 
+/// What one sampled row drew: every token (a verify row's accepted drafts and the one after
+/// them), each one's logprob and top logprobs, and how many drafts it rejected.
+struct Draw {
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    top: Vec<Vec<(u32, f32)>>,
+    num_rejected: u32,
+}
+
+impl Draw {
+    /// Tokens without top logprobs: a device's picks, a rejection-sampled verify row.
+    fn bare(tokens: Vec<u32>, logprobs: Vec<f32>, num_drafts: usize) -> Draw {
+        Draw {
+            num_rejected: (num_drafts + 1 - tokens.len()) as u32,
+            top: vec![Vec::new(); tokens.len()],
+            tokens,
+            logprobs,
+        }
+    }
+
+    fn sampled(outs: Vec<SampleOutput>, num_drafts: usize) -> Draw {
+        Draw {
+            num_rejected: (num_drafts + 1 - outs.len()) as u32,
+            tokens: outs.iter().map(|o| o.token).collect(),
+            logprobs: outs.iter().map(|o| o.logprob).collect(),
+            top: outs.into_iter().map(|o| o.top_logprobs).collect(),
+        }
+    }
+}
+
+/// A sampled row as the host's sampler sees it: its history (with the tokens a ZOS
+/// predecessor drew), its position and bans, its drafts.
+struct RowView<'a> {
+    s: &'a RowSampling,
+    output_ids: &'a [u32],
+    position: u64,
+    banned_ids: &'a [u32],
+    drafts: &'a [u32],
+}
+
 impl StepSampler {
     /// Samples `step`'s rows; `verify_fault` is asked before each verification (the
     /// fault-injection tests panic there).
@@ -73,192 +113,49 @@ impl StepSampler {
         vocab_size: usize,
         verify_fault: &mut dyn FnMut() -> bool,
     ) -> Result<StepOutcome, SampleError> {
-        let (epoch, step_id, rows) = (step.epoch, step.step_id, &step.rows);
+        let (epoch, step_id) = (step.epoch, step.step_id);
         // Per plan row: every token it yielded, and its rejected drafts.
-        let mut yielded: Vec<Option<Yielded>> = Vec::with_capacity(rows.len());
-        let (mut tokens, mut token_logprobs, mut top_logprobs) =
-            (Vec::new(), Vec::new(), Vec::new());
-        // Per sampled row (as `tokens`): the draft model's probabilities of its drafts.
-        let mut draft_probs: Vec<Vec<f32>> = Vec::new();
-        // Per sampled row: whether its logits crossed to the host (no pick on the device).
-        let mut host_sampled: Vec<bool> = Vec::new();
-        // Constrained rows and their histories with the new token, advanced after the
-        // tokens are out so the next masks are computed beside the next forward pass.
+        let mut yielded: Vec<Option<Yielded>> = Vec::with_capacity(step.rows.len());
+        let mut rows = Vec::new();
+        // Constrained rows and their histories with the new tokens.
         let mut advances: Vec<(Arc<SeqConstraint>, Vec<u32>)> = Vec::new();
-        for (row, s) in rows.iter().map(|r| r.sampling.as_ref()).enumerate() {
+        for (row, s) in step.rows.iter().map(|r| r.sampling.as_ref()).enumerate() {
             let Some(s) = s else {
                 yielded.push(None);
                 continue;
             };
             // A draft model's drafts, where it filled in the row's placeholders.
             let model_drafts = logits.model_drafts.get(row).and_then(Option::as_ref);
-            let filled: Vec<u32>;
-            let drafts: &[u32] = match model_drafts {
-                Some(d) => {
-                    filled = d.iter().map(|x| x.0).collect();
-                    &filled
+            let filled: Option<Vec<u32>> = model_drafts.map(|d| d.iter().map(|x| x.0).collect());
+            let picked = logits.picked.get(row).copied().flatten();
+            let verify_picks = logits.verify_picks.get(row).and_then(Option::as_ref);
+            let draw = if let Some((token, logprob)) = picked {
+                Draw::bare(vec![token], vec![logprob], 0)
+            } else {
+                let drafts = filled.as_deref().unwrap_or(&s.drafts);
+                let row_view = view(&self.last_step, &mut self.history, step, row, s, drafts);
+                if let Some(picks) = verify_picks {
+                    check_fault(verify_fault);
+                    by_picks(row_view.drafts, picks)
+                } else {
+                    let host = host_rows(logits, vocab_size, step_id, row, row_view.drafts.len())?;
+                    if !row_view.drafts.is_empty() {
+                        check_fault(verify_fault);
+                    }
+                    let (sampler, masked) = (&mut self.sampler, &mut self.masked);
+                    draw_on_host(sampler, masked, &row_view, &host, &mut advances)
                 }
-                None => &s.drafts,
             };
-            host_sampled.push(
-                logits.picked.get(row).is_none_or(Option::is_none)
-                    && logits.verify_picks.get(row).is_none_or(Option::is_none),
-            );
-            draft_probs
-                .push(model_drafts.map_or_else(Vec::new, |d| d.iter().map(|x| x.1).collect()));
-            // ZOS: the tokens the remapped row of the previous step drew (the scheduler did
-            // not know them when it planned this row, nor, after a verify row, how many
-            // drafts it rejected: this row's position moves back by as many).
-            let pending = step.remap.source(row).and_then(|m| match &self.last_step {
-                Some((e, prev_step, prev)) if *e == epoch && *prev_step == m.prev_step => {
-                    prev.get(m.prev_row).and_then(Option::as_ref)
-                }
-                _ => None,
+            yielded.push(Some((draw.tokens.clone(), draw.num_rejected)));
+            rows.push(SampledRow {
+                tokens: draw.tokens,
+                token_logprobs: draw.logprobs,
+                top_logprobs: draw.top,
+                draft_probs: model_drafts
+                    .map_or_else(Vec::new, |d| d.iter().map(|x| x.1).collect()),
+                // Its logits crossed to the host: no pick on the device.
+                host_sampled: picked.is_none() && verify_picks.is_none(),
             });
-            let output_ids: &[u32] = match pending {
-                Some((t, _)) => {
-                    self.history.clear();
-                    self.history.extend_from_slice(&s.output_ids);
-                    self.history.extend_from_slice(t);
-                    &self.history
-                }
-                None => &s.output_ids,
-            };
-            let position = s.position - pending.map_or(0, |p| p.1 as u64);
-            // The scheduler counted the fewest tokens the continued row may yield.
-            let banned_ids: &[u32] = match pending {
-                Some(_) if output_ids.len() >= s.min_tokens => &[],
-                Some(_) => &s.stop_ids,
-                None => &s.banned_ids,
-            };
-            let ctx = SampleContext {
-                position,
-                prompt_ids: &s.prompt_ids,
-                output_ids,
-                banned_ids,
-            };
-            if let Some((token, logprob)) = logits.picked.get(row).copied().flatten() {
-                yielded.push(Some((vec![token], 0)));
-                tokens.push(vec![token]);
-                token_logprobs.push(vec![logprob]);
-                top_logprobs.push(vec![Vec::new()]);
-                continue;
-            }
-            if let Some(picks) = logits.verify_picks.get(row).and_then(Option::as_ref) {
-                if verify_fault() {
-                    panic!("sampler panicked mid-verification (injected fault)");
-                }
-                // The drafts that equal the pick there (the argmax, or the seeded draw),
-                // then the pick at the first mismatch (or after the last draft).
-                let num_accepted = verify::num_accepted_by_picks(drafts, picks.iter().map(|p| p.0));
-                let emitted = &picks[..=num_accepted.min(picks.len() - 1)];
-                yielded.push(Some((
-                    emitted.iter().map(|p| p.0).collect(),
-                    (drafts.len() + 1 - emitted.len()) as u32,
-                )));
-                tokens.push(emitted.iter().map(|p| p.0).collect());
-                token_logprobs.push(emitted.iter().map(|p| p.1).collect());
-                top_logprobs.push(vec![Vec::new(); emitted.len()]);
-                continue;
-            }
-            let Some(host_row) = logits.host_row.get(row).copied().flatten() else {
-                return Err(SampleError::NoLogits { step_id, row });
-            };
-            let host_rows = logits.host.len() / vocab_size.max(1);
-            if host_row + drafts.len() >= host_rows {
-                return Err(SampleError::TooFewLogitRows {
-                    step_id,
-                    row,
-                    num_drafts: drafts.len(),
-                    num_logit_rows: host_rows.saturating_sub(host_row),
-                });
-            }
-            if !drafts.is_empty() {
-                if verify_fault() {
-                    panic!("sampler panicked mid-verification (injected fault)");
-                }
-                // Each position's token is the one this sampler draws there with the
-                // accepted drafts as history: the output of speculation off.
-                let rows: Vec<&[f32]> = (host_row..=host_row + drafts.len())
-                    .map(|r| &logits.host[r * vocab_size..(r + 1) * vocab_size])
-                    .collect();
-                let mask = s.constraint.as_ref().map(|c| {
-                    move |history: &[u32], logits: &mut [f32]| c.mask_logits(history, logits)
-                });
-                let history = History {
-                    prompt_ids: &s.prompt_ids,
-                    output_ids,
-                    banned_ids: &s.stop_ids,
-                    ban_below_len: s.min_tokens,
-                    mask: mask.as_ref().map(|m| m as &verify::GrammarMask<'_>),
-                };
-                if s.rejection && s.is_plain_but_drafts() && output_ids.len() >= s.min_tokens {
-                    // The target's distribution at each position is the sampler's (no
-                    // processors apply); n-gram drafts are certain (q one-hot).
-                    let targets: Vec<TargetDistribution> = rows
-                        .iter()
-                        .map(|r| TargetDistribution::new(r, &s.params))
-                        .collect();
-                    let v = verify::rejection(&targets, drafts, None, s.params.seed, position);
-                    let lps: Vec<f32> = v
-                        .tokens
-                        .iter()
-                        .zip(&targets)
-                        .map(|(&t, d)| d.prob(t).ln() as f32)
-                        .collect();
-                    yielded.push(Some((
-                        v.tokens.clone(),
-                        (drafts.len() + 1 - v.tokens.len()) as u32,
-                    )));
-                    top_logprobs.push(vec![Vec::new(); v.tokens.len()]);
-                    tokens.push(v.tokens);
-                    token_logprobs.push(lps);
-                    continue;
-                }
-                let outs = verify::with_sampler(
-                    &mut self.sampler,
-                    &rows,
-                    drafts,
-                    &s.params,
-                    position,
-                    history,
-                );
-                if let Some(c) = &s.constraint {
-                    // The matcher saw the accepted drafts; its next mask follows the
-                    // emitted tokens (rolling back anything it saw beyond them).
-                    let mut history = output_ids.to_vec();
-                    history.extend(outs.iter().map(|o| o.token));
-                    advances.push((c.clone(), history));
-                }
-                yielded.push(Some((
-                    outs.iter().map(|o| o.token).collect(),
-                    (drafts.len() + 1 - outs.len()) as u32,
-                )));
-                tokens.push(outs.iter().map(|o| o.token).collect());
-                token_logprobs.push(outs.iter().map(|o| o.logprob).collect());
-                top_logprobs.push(outs.into_iter().map(|o| o.top_logprobs).collect());
-                continue;
-            }
-            let row_logits = &logits.host[host_row * vocab_size..(host_row + 1) * vocab_size];
-            let row_logits = match &s.constraint {
-                Some(c) => {
-                    self.masked.clear();
-                    self.masked.extend_from_slice(row_logits);
-                    c.mask_logits(output_ids, &mut self.masked);
-                    &self.masked[..]
-                }
-                None => row_logits,
-            };
-            let out = self.sampler.sample_row(row_logits, &s.params, &ctx);
-            if let Some(c) = &s.constraint {
-                let mut history = output_ids.to_vec();
-                history.push(out.token);
-                advances.push((c.clone(), history));
-            }
-            yielded.push(Some((vec![out.token], 0)));
-            tokens.push(vec![out.token]);
-            token_logprobs.push(vec![out.logprob]);
-            top_logprobs.push(vec![out.top_logprobs]);
         }
         let per_row = yielded
             .iter()
@@ -270,30 +167,171 @@ impl StepSampler {
             })
             .collect();
         self.last_step = Some((epoch, step_id, yielded));
-        let rows = tokens
-            .into_iter()
-            .zip(token_logprobs)
-            .zip(top_logprobs)
-            .zip(draft_probs)
-            .zip(host_sampled)
-            .map(
-                |((((tokens, token_logprobs), top_logprobs), draft_probs), host_sampled)| {
-                    SampledRow {
-                        tokens,
-                        token_logprobs,
-                        top_logprobs,
-                        draft_probs,
-                        host_sampled,
-                    }
-                },
-            )
-            .collect();
         Ok(StepOutcome {
             rows,
             per_row,
             advances,
         })
     }
+}
+
+/// Row `row` of `step` with its history. ZOS: the tokens the remapped row of the previous
+/// step drew (`last_step`; the scheduler did not know them when it planned this row, nor,
+/// after a verify row, how many drafts it rejected: this row's position moves back by as
+/// many), gathered in `history`.
+fn view<'a>(
+    last_step: &'a Option<(u64, u64, Vec<Option<Yielded>>)>,
+    history: &'a mut Vec<u32>,
+    step: &Step,
+    row: usize,
+    s: &'a RowSampling,
+    drafts: &'a [u32],
+) -> RowView<'a> {
+    let pending = step.remap.source(row).and_then(|m| match last_step {
+        Some((e, prev_step, prev)) if *e == step.epoch && *prev_step == m.prev_step => {
+            prev.get(m.prev_row).and_then(Option::as_ref)
+        }
+        _ => None,
+    });
+    let position = s.position - pending.map_or(0, |p| p.1 as u64);
+    let output_ids: &[u32] = match pending {
+        Some((t, _)) => {
+            history.clear();
+            history.extend_from_slice(&s.output_ids);
+            history.extend_from_slice(t);
+            history
+        }
+        None => &s.output_ids,
+    };
+    // The scheduler counted the fewest tokens the continued row may yield.
+    let banned_ids: &[u32] = match pending.is_some() {
+        true if output_ids.len() >= s.min_tokens => &[],
+        true => &s.stop_ids,
+        false => &s.banned_ids,
+    };
+    RowView {
+        s,
+        output_ids,
+        position,
+        banned_ids,
+        drafts,
+    }
+}
+
+fn check_fault(verify_fault: &mut dyn FnMut() -> bool) {
+    if verify_fault() {
+        panic!("sampler panicked mid-verification (injected fault)");
+    }
+}
+
+/// A row verified on the device: the drafts that equal the pick there (the argmax, or
+/// the seeded draw), then the pick at the first mismatch (or after the last draft).
+fn by_picks(drafts: &[u32], picks: &[(u32, f32)]) -> Draw {
+    let num_accepted = verify::num_accepted_by_picks(drafts, picks.iter().map(|p| p.0));
+    let emitted = &picks[..=num_accepted.min(picks.len() - 1)];
+    Draw::bare(
+        emitted.iter().map(|p| p.0).collect(),
+        emitted.iter().map(|p| p.1).collect(),
+        drafts.len(),
+    )
+}
+
+/// A row's logit rows on the host: its own and one a draft.
+fn host_rows(
+    logits: &StepLogits,
+    vocab_size: usize,
+    step_id: u64,
+    row: usize,
+    num_drafts: usize,
+) -> Result<Vec<&[f32]>, SampleError> {
+    let Some(first) = logits.host_row.get(row).copied().flatten() else {
+        return Err(SampleError::NoLogits { step_id, row });
+    };
+    let num_rows = logits.host.len() / vocab_size.max(1);
+    if first + num_drafts >= num_rows {
+        return Err(SampleError::TooFewLogitRows {
+            step_id,
+            row,
+            num_drafts,
+            num_logit_rows: num_rows.saturating_sub(first),
+        });
+    }
+    Ok((first..=first + num_drafts)
+        .map(|r| &logits.host[r * vocab_size..(r + 1) * vocab_size])
+        .collect())
+}
+
+/// The host's sampler on a row's logits: one token, or its drafts verified.
+fn draw_on_host(
+    sampler: &mut RowSampler,
+    masked: &mut Vec<f32>,
+    r: &RowView<'_>,
+    rows: &[&[f32]],
+    advances: &mut Vec<(Arc<SeqConstraint>, Vec<u32>)>,
+) -> Draw {
+    let s = r.s;
+    // The matcher's next mask follows the emitted tokens (rolling back anything it saw
+    // beyond them), advanced after the tokens are out so the next masks are computed
+    // beside the next forward pass.
+    let mut advance = |tokens: &[u32]| {
+        if let Some(c) = &s.constraint {
+            let mut history = r.output_ids.to_vec();
+            history.extend_from_slice(tokens);
+            advances.push((c.clone(), history));
+        }
+    };
+    if r.drafts.is_empty() {
+        let row_logits = match &s.constraint {
+            Some(c) => {
+                masked.clear();
+                masked.extend_from_slice(rows[0]);
+                c.mask_logits(r.output_ids, masked);
+                &masked[..]
+            }
+            None => rows[0],
+        };
+        let ctx = SampleContext {
+            position: r.position,
+            prompt_ids: &s.prompt_ids,
+            output_ids: r.output_ids,
+            banned_ids: r.banned_ids,
+        };
+        let out = sampler.sample_row(row_logits, &s.params, &ctx);
+        advance(&[out.token]);
+        return Draw::sampled(vec![out], 0);
+    }
+    // Each position's token is the one this sampler draws there with the accepted drafts
+    // as history: the output of speculation off.
+    if s.rejection && s.is_plain_but_drafts() && r.output_ids.len() >= s.min_tokens {
+        // The target's distribution at each position is the sampler's (no processors
+        // apply); n-gram drafts are certain (q one-hot).
+        let targets: Vec<TargetDistribution> = rows
+            .iter()
+            .map(|row| TargetDistribution::new(row, &s.params))
+            .collect();
+        let v = verify::rejection(&targets, r.drafts, None, s.params.seed, r.position);
+        let logprobs = v
+            .tokens
+            .iter()
+            .zip(&targets)
+            .map(|(&t, d)| d.prob(t).ln() as f32)
+            .collect();
+        return Draw::bare(v.tokens, logprobs, r.drafts.len());
+    }
+    let mask = s
+        .constraint
+        .as_ref()
+        .map(|c| move |history: &[u32], logits: &mut [f32]| c.mask_logits(history, logits));
+    let history = History {
+        prompt_ids: &s.prompt_ids,
+        output_ids: r.output_ids,
+        banned_ids: &s.stop_ids,
+        ban_below_len: s.min_tokens,
+        mask: mask.as_ref().map(|m| m as &verify::GrammarMask<'_>),
+    };
+    let outs = verify::with_sampler(sampler, rows, r.drafts, &s.params, r.position, history);
+    advance(&outs.iter().map(|o| o.token).collect::<Vec<_>>());
+    Draw::sampled(outs, r.drafts.len())
 }
 
 /// The prompt tokens of `step`'s scored rows, each under the raw logits of the position
