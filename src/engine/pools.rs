@@ -3,7 +3,9 @@
 
 use super::{Device, EngineConfig, EngineError};
 use crate::model::ModelText;
+use crate::model::config::ModelConfig;
 use crate::model::deepseek_v4::cache::{CacheFormats, DsV4Cache, lcm_rates};
+use crate::model::deepseek_v4::config::DsV4Config;
 use crate::model::deepseek_v4::saved_state::SavedStates;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,44 +25,59 @@ pub(super) struct Pools {
     pub state_bytes: usize,
 }
 
+/// The pools `cfg` asks for within `cache_bytes`, or why it cannot have them.
 pub(super) fn size_pools(
     cfg: &EngineConfig,
     text: &ModelText,
     cache_bytes: usize,
 ) -> Result<Pools, EngineError> {
-    let m = &text.config;
-    let Some(ds) = &text.deepseek_v4 else {
-        if cfg.eplb.is_some() {
-            return Err(EngineError::Spawn(
-                "EPLB places MoE experts: this model has none (DeepSeek-V4 has)".into(),
-            ));
-        }
-        if cfg.swa_saved_states.is_some() {
-            return Err(EngineError::Spawn(
-                "--swa-saved-states: this model keeps no sliding-window state (DeepSeek-V4 does)"
-                    .into(),
-            ));
-        }
-        // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The
-        // pool is sized for a whole KV head set per rank, so a group that loses devices
-        // and shrinks to one rank still holds every block the scheduler counts on.
-        let auto_bytes = match cfg.device {
-            Device::Cuda(_) if !cfg.batch_invariant => 2,
-            _ => std::mem::size_of::<f32>(),
-        };
-        let bytes_per_head = cfg.kv_cache_dtype.bytes_per_head(m.head_dim, auto_bytes);
-        let bytes_per_block = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * bytes_per_head;
-        return Ok(Pools {
-            block_size: cfg.block_size,
-            num_blocks: (cache_bytes / bytes_per_block).max(1),
-            num_state_slots: None,
-            enable_prefix_cache: cfg.enable_prefix_cache,
-            num_replay_tokens: 0,
-            num_saved_states: 0,
-            block_bytes: bytes_per_block,
-            state_bytes: 0,
-        });
+    match &text.deepseek_v4 {
+        Some(ds) => dsv4_pools(cfg, ds, text.config.max_context_tokens, cache_bytes),
+        None => kv_pools(cfg, &text.config, cache_bytes),
+    }
+}
+
+/// The Llama family's: KV blocks alone.
+fn kv_pools(cfg: &EngineConfig, m: &ModelConfig, cache_bytes: usize) -> Result<Pools, EngineError> {
+    if cfg.eplb.is_some() {
+        return Err(EngineError::Spawn(
+            "EPLB places MoE experts: this model has none (DeepSeek-V4 has)".into(),
+        ));
+    }
+    if cfg.swa_saved_states.is_some() {
+        return Err(EngineError::Spawn(
+            "--swa-saved-states: this model keeps no sliding-window state (DeepSeek-V4 does)"
+                .into(),
+        ));
+    }
+    // The CUDA backend keeps K and V in bf16 outside the batch-invariant mode. The
+    // pool is sized for a whole KV head set per rank, so a group that loses devices
+    // and shrinks to one rank still holds every block the scheduler counts on.
+    let auto_bytes = match cfg.device {
+        Device::Cuda(_) if !cfg.batch_invariant => 2,
+        _ => std::mem::size_of::<f32>(),
     };
+    let bytes_per_head = cfg.kv_cache_dtype.bytes_per_head(m.head_dim, auto_bytes);
+    let bytes_per_block = 2 * m.num_layers * cfg.block_size * m.num_kv_heads * bytes_per_head;
+    Ok(Pools {
+        block_size: cfg.block_size,
+        num_blocks: (cache_bytes / bytes_per_block).max(1),
+        num_state_slots: None,
+        enable_prefix_cache: cfg.enable_prefix_cache,
+        num_replay_tokens: 0,
+        num_saved_states: 0,
+        block_bytes: bytes_per_block,
+        state_bytes: 0,
+    })
+}
+
+/// DeepSeek-V4's: a state slot a sequence, saved states, blocks of compressed entries.
+fn dsv4_pools(
+    cfg: &EngineConfig,
+    ds: &DsV4Config,
+    max_context_tokens: usize,
+    cache_bytes: usize,
+) -> Result<Pools, EngineError> {
     let refuse = |what: &str| Err(EngineError::Spawn(format!("DeepSeek-V4: {what}")));
     if let Device::Cuda(_) = cfg.device {
         // The GPU pass dispatches experts on one device.
@@ -110,7 +127,7 @@ pub(super) fn size_pools(
     let (num_saved_states, left) = saved_states(cfg, ds, num_state_slots, left)?;
     // Layers that all slide keep nothing in blocks: the pool then only counts positions.
     let bytes_per_block = DsV4Cache::bytes_per_block_in(ds, block_size, formats).max(1);
-    let blocks_for_every_seq = num_state_slots * m.max_context_tokens.div_ceil(block_size);
+    let blocks_for_every_seq = num_state_slots * max_context_tokens.div_ceil(block_size);
     Ok(Pools {
         block_size,
         num_blocks: (left / bytes_per_block).clamp(1, blocks_for_every_seq.max(1)),
