@@ -201,21 +201,9 @@ impl EngineFlags {
     }
 
     pub fn config(&self, model_path: &Path) -> Result<EngineConfig> {
-        // The CPU attention kernel holds one block's scores on the stack.
-        if self.block_size == 0 || self.block_size > 256 {
-            return Err(TroupeError::InvalidInput(format!(
-                "--block-size must be in 1..=256, got {}",
-                self.block_size
-            )));
-        }
+        self.check(model_path)?;
         let mut cfg = EngineConfig::new(model_path);
         cfg.block_size = self.block_size;
-        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
-            return Err(TroupeError::InvalidInput(format!(
-                "--gpu-memory-utilization must be in (0, 1], got {}",
-                self.gpu_memory_utilization
-            )));
-        }
         cfg.device = self.device;
         cfg.tensor_parallel_size = self.tensor_parallel_size;
         cfg.eplb = self.eplb_ranks.map(|num_ranks| crate::eplb::EplbSettings {
@@ -239,23 +227,7 @@ impl EngineFlags {
         cfg.enforce_eager = self.enforce_eager;
         cfg.skip_warmup = self.skip_warmup;
         cfg.cpu_affinity = self.cpu_affinity;
-        if self.dummy_weights && !model_path.join("config.json").is_file() {
-            return Err(TroupeError::InvalidInput(format!(
-                "--dummy-weights needs an HF model directory with a config.json; {} has none",
-                model_path.display()
-            )));
-        }
         cfg.gpu_memory_utilization = self.gpu_memory_utilization;
-        for (flag, value) in [
-            ("--max-num-seqs", Some(self.max_num_seqs)),
-            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-        ] {
-            if value == Some(0) {
-                return Err(TroupeError::InvalidInput(format!(
-                    "{flag} must be positive"
-                )));
-            }
-        }
         cfg.max_num_seqs = self.max_num_seqs;
         cfg.max_step_tokens = match (self.max_num_batched_tokens, self.device) {
             (Some(tokens), _) => tokens,
@@ -280,11 +252,6 @@ impl EngineFlags {
             ttl: self.kv_store_ttl,
         };
         cfg.swa_saved_states = self.swa_saved_states;
-        if self.kv_store_dir.is_none() && self.kv_store_ttl.is_some() {
-            return Err(TroupeError::InvalidInput(
-                "--kv-store-ttl is for the disk store: give --kv-store-dir".into(),
-            ));
-        }
         cfg.draft_model_path = self
             .draft_model
             .as_deref()
@@ -297,6 +264,45 @@ impl EngineFlags {
             acceptance: self.spec_acceptance,
         });
         Ok(cfg)
+    }
+
+    /// The values no engine can take, refused by name before anything is built.
+    fn check(&self, model_path: &Path) -> Result<()> {
+        // The CPU attention kernel holds one block's scores on the stack.
+        if self.block_size == 0 || self.block_size > 256 {
+            return Err(TroupeError::InvalidInput(format!(
+                "--block-size must be in 1..=256, got {}",
+                self.block_size
+            )));
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(TroupeError::InvalidInput(format!(
+                "--gpu-memory-utilization must be in (0, 1], got {}",
+                self.gpu_memory_utilization
+            )));
+        }
+        if self.dummy_weights && !model_path.join("config.json").is_file() {
+            return Err(TroupeError::InvalidInput(format!(
+                "--dummy-weights needs an HF model directory with a config.json; {} has none",
+                model_path.display()
+            )));
+        }
+        for (flag, value) in [
+            ("--max-num-seqs", Some(self.max_num_seqs)),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+        ] {
+            if value == Some(0) {
+                return Err(TroupeError::InvalidInput(format!(
+                    "{flag} must be positive"
+                )));
+            }
+        }
+        if self.kv_store_dir.is_none() && self.kv_store_ttl.is_some() {
+            return Err(TroupeError::InvalidInput(
+                "--kv-store-ttl is for the disk store: give --kv-store-dir".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
