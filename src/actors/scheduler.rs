@@ -23,6 +23,7 @@ use crate::store::KvStore;
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
 mod detach;
+mod lifecycle;
 mod prompt_scores;
 mod queue;
 mod sampled;
@@ -488,14 +489,7 @@ impl Actor for SchedulerActor {
             }
             SchedulerMsg::StepSampled(step) => {
                 if step.epoch == st.epoch {
-                    st.status.worker_idle_secs += step.worker_idle_secs;
-                    st.status.device_idle_secs += step.device_idle_secs.unwrap_or(0.0);
-                    if let Some(b) = step.moe_balance {
-                        st.status.moe_lb = b.worst_moe_lb;
-                        st.status.num_eplb_rebalances = b.num_rebalances;
-                        st.status.num_eplb_moved_experts = b.num_moved_experts;
-                        st.status.measured_moe_lb = b.measured_moe_lb;
-                    }
+                    st.count_step(&step);
                     st.on_sampled(step);
                     st.kick();
                 }
@@ -505,39 +499,7 @@ impl Actor for SchedulerActor {
                 sampler,
                 reports,
             } => {
-                if let Some(workers) = workers {
-                    st.status.tensor_parallel_size = workers.len();
-                    st.workers = workers;
-                    st.status.cpu_affinity = reports.iter().map(RankReport::cores).collect();
-                    st.status.resident_weight_bytes = reports
-                        .iter()
-                        .filter_map(|r| r.weights.as_ref())
-                        .map(|w| w.resident_bytes as u64)
-                        .sum();
-                    st.status.resident_host_weight_bytes = reports
-                        .iter()
-                        .filter_map(|r| r.weights.as_ref())
-                        .map(|w| w.host_resident_bytes as u64)
-                        .sum();
-                    st.status.weight_card = reports
-                        .first()
-                        .and_then(|r| r.weights.as_ref())
-                        .map(|w| w.card())
-                        .unwrap_or_default();
-                    // The leader measured it as it started (a lone rank only).
-                    let curve = reports.into_iter().next().and_then(|r| r.decode_curve);
-                    if let Some(curve) = curve {
-                        st.status.num_decode_curve_points = curve.num_points();
-                        st.core.set_decode_curve(curve);
-                    }
-                }
-                if sampler.is_some() {
-                    st.sampler = sampler;
-                }
-                st.epoch = st.sampled.invalidate();
-                st.in_flight.clear();
-                st.core.reset_device_state();
-                st.status.num_resets += 1;
+                st.attach(workers, sampler, reports);
                 st.kick();
             }
             SchedulerMsg::RankLost { reason } => {
@@ -549,23 +511,7 @@ impl Actor for SchedulerActor {
                 st.fail_all(&reason);
             }
             SchedulerMsg::Status(reply) => {
-                let mut s = st.status.clone();
-                s.num_spec_draft_tokens = st.core.num_proposed_drafts();
-                s.num_spec_sat_out_rows = st.core.num_sat_out_rows();
-                s.num_running = st.core.num_running();
-                s.num_waiting = st.core.num_waiting();
-                s.num_queued_prefill_tokens = st.core.num_queued_prefill_tokens();
-                s.num_free_blocks = st.core.num_free_blocks();
-                s.num_free_state_slots = st.core.num_free_state_slots().unwrap_or(0);
-                s.num_preemptions = st.core.num_preemptions();
-                let prefix = st.core.prefix_cache_stats();
-                s.num_prefix_queried_blocks = prefix.num_queried_blocks;
-                s.num_prefix_hit_blocks = prefix.num_hit_blocks;
-                s.num_stored_hit_blocks = st.core.num_stored_hit_blocks();
-                s.num_resumed_hits = st.core.num_resumed_hits();
-                s.num_replayed_hits = st.core.num_replayed_hits();
-                s.kv_store = st.kv_store.as_ref().map(|k| k.stats()).unwrap_or_default();
-                let _ = reply.send(s);
+                let _ = reply.send(st.status_now());
             }
             SchedulerMsg::CachedBlocks(reply) => {
                 let _ = reply.send(st.core.cached_block_hashes());
