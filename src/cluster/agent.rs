@@ -12,9 +12,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use ractor_cluster::RactorClusterMessage;
 use serde::{Deserialize, Serialize};
 
+mod tasks;
+
 use super::ENGINES_GROUP;
 use super::kv_transfer::{
-    HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, Prefix, encode_chunks, put_blocks,
+    HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, Prefix, encode_chunks,
 };
 use super::migrate::{Continuation, DrainAsk, MovedOutput};
 use crate::engine::{Detached, EngineHandle, EngineRequest, RequestOutput};
@@ -165,7 +167,7 @@ impl Actor for EngineAgent {
                     return Ok(());
                 }
                 let engine = st.engine.clone();
-                tokio::spawn(continue_moved(engine, json, reply));
+                tokio::spawn(tasks::continue_moved(engine, json, reply));
             }
             AgentMsg::Outputs(json) => {
                 let Ok(moved) = serde_json::from_str::<MovedOutput>(&json) else {
@@ -183,28 +185,7 @@ impl Actor for EngineAgent {
                 // An error here is an unanswered report (the router drops the engine from
                 // its view until it answers again), never the agent's end: a stopped
                 // agent leaves the group for good.
-                let (Ok(status), Ok(cached_blocks)) = (
-                    st.engine.status().await,
-                    st.engine.cached_block_hashes().await,
-                ) else {
-                    return Ok(());
-                };
-                let block_size = st.cfg.block_size;
-                let report = EngineReport {
-                    node_name: st.cfg.node_name.clone(),
-                    http_url: st.cfg.http_url.clone(),
-                    role: st.cfg.role.clone(),
-                    num_running: status.num_running,
-                    num_waiting: status.num_waiting,
-                    num_queued_prefill_tokens: status.num_queued_prefill_tokens,
-                    num_kv_tokens: (status.num_total_blocks - status.num_free_blocks) * block_size,
-                    kv_capacity_tokens: status.num_total_blocks * block_size,
-                    block_size,
-                    cached_blocks,
-                    takes_kv: st.engine.kv_store().is_some(),
-                    draining: st.draining,
-                };
-                if let Ok(json) = serde_json::to_string(&report) {
+                if let Some(json) = st.report().await {
                     let _ = reply.send(json);
                 }
             }
@@ -213,33 +194,13 @@ impl Actor for EngineAgent {
                 let _ = reply.send(answer.to_string());
             }
             AgentMsg::Prefill(ask, reply) => {
-                // On a task of its own: the prompt runs with the engine's other requests,
-                // and the agent answers reports meanwhile.
-                let engine = st.engine.clone();
-                tokio::spawn(async move {
-                    let done = match serde_json::from_str::<PrefillAsk>(&ask) {
-                        Ok(ask) => prefill_and_send(&engine, &ask).await,
-                        Err(e) => Err(format!("a prefill ask: {e}")),
-                    };
-                    let answer = match done {
-                        Ok(hand_off) => serde_json::to_value(hand_off).unwrap_or_default(),
-                        Err(e) => serde_json::json!({ "error": e }),
-                    };
-                    let _ = reply.send(answer.to_string());
-                });
+                tokio::spawn(tasks::answer_prefill(st.engine.clone(), ask, reply));
             }
             AgentMsg::PutBlocks(chunk, reply) => {
                 // Decoding and copying megabytes: off the agent, whose reports must not wait.
                 let engine = st.engine.clone();
                 tokio::task::spawn_blocking(move || {
-                    let kept = match engine.kv_store() {
-                        Some(store) => put_blocks(store, &chunk).map(|_| ()),
-                        None => {
-                            Err("this engine keeps no prefix store (--kv-host-cache-bytes)"
-                                .to_string())
-                        }
-                    };
-                    let _ = reply.send(kept.err().unwrap_or_default());
+                    tasks::answer_put_blocks(&engine, &chunk, reply)
                 });
             }
         }
@@ -456,39 +417,6 @@ async fn continue_here(engine: EngineHandle, cont: Continuation, d: Detached) {
         let out = MovedOutput::of(cont.move_id, out).into_output(d.request_id, seed);
         let last = out.is_final();
         if d.stream.send(out).is_err() || last {
-            break;
-        }
-    }
-}
-
-/// A request moved here: admitted, then each of its outputs sent back to its origin's
-/// agent as it comes (the origin gone, the request is dropped: that aborts it).
-async fn continue_moved(engine: EngineHandle, json: String, reply: RpcReplyPort<String>) {
-    let cont: Continuation = match serde_json::from_str(&json) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = reply.send(format!("a moved request: {e}"));
-            return;
-        }
-    };
-    let Some(origin) = ractor::pg::get_members(&agent_group(&cont.origin)).pop() else {
-        let _ = reply.send(format!("no engine named {} in the cluster", cont.origin));
-        return;
-    };
-    let origin: ActorRef<AgentMsg> = origin.into();
-    let mut stream = match engine.generate(cont.request()).await {
-        Ok(stream) => stream,
-        Err(e) => {
-            let _ = reply.send(e.to_string());
-            return;
-        }
-    };
-    let _ = reply.send(String::new());
-    while let Some(out) = stream.next().await {
-        let moved = MovedOutput::of(cont.move_id, out);
-        let last = moved.is_final();
-        let json = serde_json::to_string(&moved).unwrap_or_default();
-        if origin.cast(AgentMsg::Outputs(json)).is_err() || last {
             break;
         }
     }
