@@ -7,7 +7,7 @@ run (torch summing a large host tensor on every core), the limit the host part i
 Usage (on the device machine): python3 scripts/gpu_dsv4_host.py gpu-bin/troupe \
     [--layers 43] [--gpu-layers 16] [--prompt 4096] [--decode-prompt 512] [--new 32] \
     [--batch 32] [--extra-flags '--cpu-moe'] [--skip-decode] [--skip-batch] [--skip-prefill] \
-    [--compare-never] [--compare-host-calls] [--out DIR]
+    [--compare-never] [--compare-host-calls] [--compare-host-moe] [--out DIR]
 Prints a table last; writes gpu_dsv4_host.json to --out.
 """
 
@@ -105,6 +105,10 @@ def main() -> None:
                     help="also the whole model's decode runs with TROUPE_HOST_CALLS=0 (decode steps "
                          "with host experts eager, against the default: recorded as CUDA graphs, "
                          "the host part as calls on the stream)")
+    ap.add_argument("--compare-host-moe", action="store_true",
+                    help="also the whole model's decode runs with TROUPE_HOST_MOE=nested (each host "
+                         "expert's products a task of its own, against the default: every active "
+                         "expert's rows in two flat sweeps)")
     ap.add_argument("--skip-gpu", action="store_true",
                     help="no all-GPU baseline runs (the whole model's alone, no scaled ratios)")
     ap.add_argument("--out", default=".")
@@ -139,7 +143,13 @@ def main() -> None:
                 plan.append(("whole", "b1 eager", [decode_prompt], args.new, []))
             if not args.skip_batch:
                 plan.append(("whole", f"b{args.batch} eager", batch, args.new, []))
-            # Each recorded run beside its eager one, so a cut call still pairs them.
+        if args.compare_host_moe:
+            if not args.skip_decode:
+                plan.append(("whole", "b1 nested", [decode_prompt], args.new, []))
+            if not args.skip_batch:
+                plan.append(("whole", f"b{args.batch} nested", batch, args.new, []))
+        if args.compare_host_calls or args.compare_host_moe:
+            # Each default run beside its variants, so a cut call still pairs them.
             plan.sort(key=lambda p: (p[1].split()[0] != "b1", p[0] != "whole"))
         if not args.skip_prefill:
             plan += [(n, "prefill", [prompt], 1, []) for n in configs]
@@ -147,7 +157,8 @@ def main() -> None:
                 plan.append(("whole", "prefill never", [prompt], 1, ["--stream-experts", "never"]))
         for name, key, prompts, new, more in plan:
             extra = configs[name][1] + more
-            env_more = {"TROUPE_HOST_CALLS": "0"} if key.endswith("eager") else None
+            env_more = ({"TROUPE_HOST_CALLS": "0"} if key.endswith("eager")
+                        else {"TROUPE_HOST_MOE": "nested"} if key.endswith("nested") else None)
             rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra,
                                         env_more)
     layer_bytes, head_bytes = bytes_per_token(whole)
@@ -175,13 +186,17 @@ def main() -> None:
         auto = rows["whole prefill"]["prefill_tokens_per_s"]
         print(f"prefill {args.prompt}, whole model: streamed (auto) {auto:.2f} tok/s vs CPU-computed (never) "
               f"{never:.2f} tok/s = {auto / never:.2f}x")
-    for k in ("b1", f"b{args.batch}"):
-        if f"whole {k} eager" in rows:
-            calls = rows[f"whole {k}"]["decode_tokens_per_s"]
-            eager = rows[f"whole {k} eager"]["decode_tokens_per_s"]
-            print(f"decode {k}, whole model: recorded steps with host calls (the default) {calls:.2f} tok/s "
-                  f"vs eager (TROUPE_HOST_CALLS=0) {eager:.2f} tok/s = {calls / eager:.2f}x")
-    for k in ("b1", f"b{args.batch}", "b1 eager", f"b{args.batch} eager"):
+    variants = {"eager": ("recorded steps with host calls", "eager (TROUPE_HOST_CALLS=0)"),
+                "nested": ("host products in flat sweeps", "one task an expert (TROUPE_HOST_MOE=nested)")}
+    for variant, (default_label, label) in variants.items():
+        for k in ("b1", f"b{args.batch}"):
+            if f"whole {k} {variant}" in rows:
+                base = rows[f"whole {k}"]["decode_tokens_per_s"]
+                other = rows[f"whole {k} {variant}"]["decode_tokens_per_s"]
+                print(f"decode {k}, whole model: {default_label} (the default) {base:.2f} tok/s "
+                      f"vs {label} {other:.2f} tok/s = {base / other:.2f}x")
+    for k in ("b1", f"b{args.batch}", "b1 eager", f"b{args.batch} eager", "b1 nested",
+              f"b{args.batch} nested"):
         st = rows.get(f"whole {k}", {})
         if st.get("host_secs"):
             bw = st["host_gb"] * 1e9 / st["host_secs"]

@@ -12,14 +12,11 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::exact_dot::block_sums;
-use super::packed::{Q8Act, row_dot};
-use super::qmatrix::{CpuMatrix, PackedPart, QBLOCK};
-use super::simd::{CpuPath, cpu_path};
+use super::packed_matmul::{OutPtr, ROWS_PER_TASK, gemv_packed};
+use super::qmatrix::{CpuMatrix, QBLOCK};
 
 /// Above this many activation rows, a blocked GEMM beats row dots.
 pub const GEMV_MAX_ROWS: usize = 8;
-/// Weight rows per parallel task: enough to amortize scheduling, few enough to balance.
-const ROWS_PER_TASK: usize = 32;
 /// Activation rows swept together over a task's weight rows in the row-dot path.
 const ACTIVATION_ROWS_PER_BLOCK: usize = 32;
 /// Weight rows expanded to f32 at a time in the prefill path (bounded scratch).
@@ -27,19 +24,6 @@ const PANEL_ROWS: usize = 128;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint columns of `out`; the pointer outlives the parallel scope.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// Through a method, so closures capture the `Send` wrapper, not its raw field.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// With `batch_invariant`, every row takes the row-dot path whatever `m` is, so a row's
@@ -148,80 +132,6 @@ fn gemv_rows(x: &[f32], m: usize, w: &CpuMatrix, out: &mut [f32]) {
         |j, rows| w.dot_rows::<4>(j, rows.map(x_row), rows.map(sum_row)),
         |j, i| w.dot_rows::<1>(j, [x_row(i)], [sum_row(i)])[0],
     );
-}
-
-/// Packed weights against 8-bit activations: tasks of `ROWS_PER_TASK` weight rows of
-/// one part each, every group of four activation rows swept over a task's rows (which
-/// stay in L1) by one kernel call.
-fn gemv_packed(x: &[f32], m: usize, parts: &[PackedPart], n: usize, k: usize, out: &mut [f32]) {
-    let mut act = Q8Act::default();
-    act.quantize(x, m, k);
-    let mut tasks = Vec::new();
-    for part in parts {
-        let (Some(dot8), Some(dot4), Some(dot1)) = (
-            row_dot::<8>(part.ggml_type),
-            row_dot::<4>(part.ggml_type),
-            row_dot::<1>(part.ggml_type),
-        ) else {
-            unreachable!("a Packed part is only made of a type with a row dot")
-        };
-        for start in (0..part.rows).step_by(ROWS_PER_TASK) {
-            let rows = start..(start + ROWS_PER_TASK).min(part.rows);
-            tasks.push((part, dot8, dot4, dot1, rows));
-        }
-    }
-    // Eight activation rows a weight expansion where 32 vector registers hold their
-    // sums (AVX-512); with 16 (AVX2) they would spill. A row's sums are its own either
-    // way: the same bits alone or in a group.
-    let eights = cpu_path() >= CpuPath::Avx512;
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let act = &act;
-    tasks.par_iter().for_each(|(part, dot8, dot4, dot1, rows)| {
-        let row_bytes = part.bytes.len() / part.rows;
-        let w = &part.bytes[rows.start * row_bytes..rows.end * row_bytes];
-        let first = part.first_row + rows.start;
-        let write = |i: usize, j: usize, v: f32| {
-            debug_assert!(i < m && first + j < n);
-            // SAFETY: (i, first + j) is written by this task only, i < m, first + j < n.
-            unsafe { *out_ptr.get().add(i * n + first + j) = v };
-        };
-        let mut eight = [[0f32; 8]; ROWS_PER_TASK];
-        let mut four = [[0f32; 4]; ROWS_PER_TASK];
-        let mut one = [[0f32; 1]; ROWS_PER_TASK];
-        let mut i = 0;
-        while eights && i + 8 <= m {
-            dot8(
-                w,
-                std::array::from_fn(|r| act.row(i + r)),
-                &mut eight[..rows.len()],
-            );
-            for (j, v) in eight[..rows.len()].iter().enumerate() {
-                for (r, &v) in v.iter().enumerate() {
-                    write(i + r, j, v);
-                }
-            }
-            i += 8;
-        }
-        while i + 4 <= m {
-            dot4(
-                w,
-                [i, i + 1, i + 2, i + 3].map(|r| act.row(r)),
-                &mut four[..rows.len()],
-            );
-            for (j, v) in four[..rows.len()].iter().enumerate() {
-                for (r, &v) in v.iter().enumerate() {
-                    write(i + r, j, v);
-                }
-            }
-            i += 4;
-        }
-        for r in i..m {
-            dot1(w, [act.row(r)], &mut one[..rows.len()]);
-            for (j, v) in one[..rows.len()].iter().enumerate() {
-                write(r, j, v[0]);
-            }
-        }
-    });
 }
 
 /// `out[i, j] = dot(j, i)` for `m` activation rows and `n` weight rows, weight rows split

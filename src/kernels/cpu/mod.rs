@@ -8,6 +8,7 @@ mod invariant_gemm;
 pub mod kv_cache;
 pub mod matmul;
 pub mod packed;
+pub mod packed_matmul;
 pub mod qmatrix;
 pub mod simd;
 pub mod torch_topk;
