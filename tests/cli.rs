@@ -8,6 +8,8 @@ use common::cli::{assert_clear_error, tiny, troupe};
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
+/// A file in this process's scratch directory, which every test of the file shares (so it
+/// is created, never emptied, here).
 fn scratch(name: &str, contents: &[u8]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("troupe-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -32,16 +34,7 @@ fn json_output_has_the_documented_fields_in_input_order() {
         "--top-logprobs",
         "3",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = common::cli::json_lines(&out);
     assert_eq!(lines.len(), 2);
     assert_eq!(common::ids(&lines[0]["prompt_ids"]), vec![5, 6, 7]);
     for l in &lines {
@@ -113,8 +106,7 @@ fn corrupt_gguf_is_named() {
 
 #[test]
 fn unknown_architecture_is_named() {
-    let dir = std::env::temp_dir().join(format!("troupe-cli-arch-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("cli-arch");
     std::fs::write(
         dir.join("config.json"),
         br#"{"architectures":["GPTNeoXForCausalLM"]}"#,
@@ -199,8 +191,7 @@ fn bad_values_are_named() {
 
 #[test]
 fn text_prompt_on_a_tokenizerless_checkpoint_asks_for_ids() {
-    let dir = std::env::temp_dir().join(format!("troupe-cli-notok-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("cli-notok");
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(common::goldens().join("tiny-llama").join(f), dir.join(f)).unwrap();
     }
@@ -280,8 +271,7 @@ fn jsonl_sampling_fields_reach_the_sampler_and_bad_ones_are_named() {
 
 #[test]
 fn dummy_weights_run_the_configs_shape_reproducibly_without_reading_the_checkpoint() {
-    let dir = std::env::temp_dir().join(format!("troupe-dummy-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("dummy");
     // Only the config: the checkpoint's tensors are not there to read.
     std::fs::copy(
         Path::new(&tiny("tiny-qwen3")).join("config.json"),

@@ -105,16 +105,12 @@ fn what_quantization_cannot_do_is_refused_by_name() {
         "--quantization is for dense checkpoints",
     );
     // A GPTQ config: its integer tensors are not read as floats.
-    let dir = std::env::temp_dir().join(format!("troupe-gptq-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = common::goldens().join("tiny-llama");
-    for f in [
+    let files = [
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
-    ] {
-        std::fs::copy(src.join(f), dir.join(f)).unwrap();
-    }
+    ];
+    let dir = common::golden_copy("tiny-llama", &files, "gptq");
     let mut config = common::read_json("tiny-llama/config.json");
     config["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4});
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();

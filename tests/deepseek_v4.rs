@@ -403,8 +403,7 @@ fn fp8_and_fp4_weights_dequantize_as_transformers_does() {
     use troupe::model::deepseek_v4::quantized;
     use troupe::model::loader::{SafetensorsSource, TensorSource};
     // A directory view of the fixture: `SafetensorsSource` opens `model.safetensors`.
-    let scratch = std::env::temp_dir().join(format!("troupe-quantized-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).unwrap();
+    let scratch = common::scratch_dir("quantized");
     std::fs::copy(
         dir("quantized-weights.safetensors"),
         scratch.join("model.safetensors"),
@@ -454,8 +453,7 @@ fn deepseeks_own_tensor_names_load_the_same_model() {
             .iter()
             .any(|(n, _)| n == "layers.0.attn.wq_a.weight")
     );
-    let scratch = std::env::temp_dir().join(format!("troupe-dsv4-names-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch).unwrap();
+    let scratch = common::scratch_dir("dsv4-names");
     std::fs::copy(
         dir("tiny-dsv4-a").join("config.json"),
         scratch.join("config.json"),

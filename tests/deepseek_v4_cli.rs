@@ -45,8 +45,7 @@ fn checkpoint_with_tokenizer() -> PathBuf {
 
 fn write_checkpoint_with_tokenizer() -> PathBuf {
     let src = common::goldens().join("tiny-dsv4-a");
-    let dir = std::env::temp_dir().join(format!("troupe-dsv4-chat-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("dsv4-chat");
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
@@ -338,8 +337,7 @@ fn a_deepseek_v4_checkpoint_generates_transformers_tokens_from_ids() {
 
 #[test]
 fn deepseek_v4_dummy_weights_run_the_configs_shape_without_a_checkpoint() {
-    let dir = std::env::temp_dir().join(format!("troupe-cli-dsv4-dummy-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("cli-dsv4-dummy");
     std::fs::copy(
         common::goldens().join("tiny-dsv4-b/config.json"),
         dir.join("config.json"),

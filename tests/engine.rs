@@ -128,8 +128,7 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
         "Why do people like {}?",
         "Describe {} briefly.",
     ];
-    let dir = std::env::temp_dir().join(format!("troupe-engine-64-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("engine-64");
     let file = dir.join("prompts.jsonl");
     let mut f = std::fs::File::create(&file).unwrap();
     for (i, form) in forms.iter().enumerate() {
@@ -154,16 +153,7 @@ fn cli_runs_64_prompts_concurrently_like_one_at_a_time() {
         .arg("--exact-activations")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = common::cli::json_lines(&out);
     assert_eq!(lines.len(), 64);
 
     let exact = CpuBackend {

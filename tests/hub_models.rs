@@ -253,9 +253,7 @@ fn troupe(model: &str, port: u16, home: &Path, extra_env: &[(&str, &str)]) -> Ou
 }
 
 fn home(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("troupe-hub-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    common::scratch_path(&format!("hub-{name}"))
 }
 
 #[test]

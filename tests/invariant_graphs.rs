@@ -28,8 +28,7 @@ fn wide_config_dir() -> PathBuf {
         cfg[key] = value.into();
     }
     cfg["layer_types"] = serde_json::json!(["full_attention"]);
-    let dir = std::env::temp_dir().join(format!("troupe-invariant-graphs-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("invariant-graphs");
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     dir
 }

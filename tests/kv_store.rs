@@ -19,9 +19,7 @@ const BOUND: Duration = Duration::from_secs(240);
 
 /// A fresh directory under the system's temporary one.
 fn store_dir(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("troupe-kv-store-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+    common::scratch_path(&format!("kv-store-{tag}"))
 }
 
 /// Block files under `dir`, recursively.

@@ -186,8 +186,7 @@ fn a_chat_template_given_replaces_the_models_own() {
 
 #[test]
 fn a_chat_template_that_cannot_be_used_is_refused_by_name() {
-    let dir = std::env::temp_dir().join(format!("troupe-template-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch_dir("template");
     let broken = dir.join("broken.jinja");
     std::fs::write(&broken, "{% for m in messages %}{{ m.content }").unwrap();
     let smollm2 = common::smollm2_path().display().to_string();

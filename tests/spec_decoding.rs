@@ -318,8 +318,7 @@ async fn rejection_acceptance_keeps_greedy_output_and_is_reproducible_when_sampl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confidence_verification_measures_the_decode_curve_once_and_keeps_it() {
-    let dir = std::env::temp_dir().join(format!("troupe-curves-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = common::scratch_path("curves");
     let mut cfg = tiny_config("tiny-llama");
     cfg.speculative = ngram(4, SpecVerify::Confidence);
     cfg.latency_curve_dir = Some(dir.clone());

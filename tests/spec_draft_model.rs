@@ -139,18 +139,16 @@ async fn draft_pairs_that_cannot_run_are_refused_by_name() {
         }
     };
     // A vocabulary of another size: a copy of the tiny model with its config changed.
-    let dir = std::env::temp_dir().join(format!("troupe-draft-vocab-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let src = common::goldens().join("tiny-llama");
-    for f in [
+    let files = [
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
-    ] {
-        std::fs::copy(src.join(f), dir.join(f)).unwrap();
-    }
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    ];
+    let dir = common::golden_copy("tiny-llama", &files, "draft-vocab");
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::goldens().join("tiny-llama/config.json")).unwrap(),
+    )
+    .unwrap();
     config["vocab_size"] = 512.into();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let mut cfg = draft_config("tiny-llama", "tiny-llama", 4, SpecVerify::Fixed);

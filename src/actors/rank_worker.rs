@@ -19,6 +19,7 @@ use crate::runner::fault::FaultPlan;
 use crate::runner::inputs::StepInputs;
 use crate::runner::readback::{ReadStep, Readback, spawn_readback};
 use crate::runner::sampled_tokens::SampledTokens;
+use crate::runner::step_state::{load_step_state, save_kv, save_step_states};
 use crate::runner::{DeviceModel, RankArgs, RankReport, load_model};
 use crate::sched::KvSave;
 use crate::step::Step;
@@ -115,7 +116,7 @@ impl ThreadLocalActor for RankWorker {
             let _ = myself.cast(RankMsg::ReadbackFailed(reason));
         };
         let readback = spawn_readback(args.shard.rank, failed, args.settings.faults.clone())?;
-        let weights = model.weight_footprint();
+        let weights = Some(model.weight_footprint());
         Ok(RankState {
             model: Some(model),
             block_size: args.settings.block_size,
@@ -144,88 +145,27 @@ impl ThreadLocalActor for RankWorker {
         let Some(model) = st.model.as_mut() else {
             return Err("the rank released its model".into());
         };
-        let (step, sampler) = match msg {
-            RankMsg::ReadbackFailed(reason) => return Err(reason.into()),
+        match msg {
+            RankMsg::ReadbackFailed(reason) => Err(reason.into()),
             RankMsg::Report(reply) => {
                 let _ = reply.send(st.report.clone());
-                return Ok(());
+                Ok(())
             }
-            RankMsg::JoinGroup(join) => {
-                return model.join_group(join).map_err(|e| {
-                    format!("rank {} could not join its group: {e}", st.shard.rank).into()
-                });
-            }
+            RankMsg::JoinGroup(join) => model.join_group(join).map_err(|e| {
+                format!("rank {} could not join its group: {e}", st.shard.rank).into()
+            }),
             RankMsg::SaveKv(saves) => {
                 if let Some(store) = &st.kv_store {
                     save_kv(model.as_mut(), store, &saves)?;
                 }
-                return Ok(());
+                Ok(())
             }
             RankMsg::KvSaved(reply) => {
                 let _ = reply.send(());
-                return Ok(());
+                Ok(())
             }
-            RankMsg::Step { step, sampler } => (step, sampler),
-        };
-        let epoch = step.epoch;
-        // Planned before a reset: every sequence in it is being recomputed. A lone rank
-        // skips it; a group's ranks all run it (nothing reaches the sampler), because a
-        // rank that skipped would leave its peers waiting in a collective.
-        let void = epoch != st.sampled.epoch();
-        let in_group = st.shard.size > 1;
-        if void && !in_group {
-            return Ok(());
+            RankMsg::Step { step, sampler } => run_step(st, step, sampler),
         }
-        let on_device = model.verifies_on_device();
-        let mut read_picks = |first: u32, count: usize| model.read_picks(first, count);
-        if !st.inputs.resolve(
-            &step,
-            &st.sampled,
-            in_group,
-            st.shard.rank,
-            on_device,
-            &mut read_picks,
-        ) {
-            return Ok(());
-        }
-        load_step_state(model.as_mut(), st.kv_store.as_ref(), st.shard.rank, &step)?;
-        // Timed from here: waiting on the previous step's tokens is not this step's cost.
-        let launched = Instant::now();
-        if st.faults.take_step_panic(st.device_slot) {
-            panic!(
-                "rank {} worker panicked mid-step (injected fault)",
-                st.shard.rank
-            );
-        }
-        let steps = st.inputs.seq_steps(&step);
-        tracing::debug!(
-            rank = st.shard.rank,
-            step = step.step_id,
-            rows = steps.len(),
-            device_picks = st.inputs.picked_rows().len(),
-            "step launching"
-        );
-        let (block_size, inputs) = (st.block_size, &st.inputs);
-        let launched_step = in_pool(st.pool.as_ref(), || {
-            model.step(block_size, &steps, inputs, &step.rows)
-        });
-        drop(steps);
-        save_step_states(model.as_mut(), st.kv_store.as_ref(), st.shard.rank, &step)?;
-        let step_id = step.step_id;
-        st.inputs.launched(epoch, step_id, launched_step.prev);
-        let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();
-        let vocab_size = model.vocab_size();
-        let deliver = deliver.then(|| to_sampler(sampler, step, vocab_size));
-        st.readback
-            .send(Readback {
-                step_id,
-                logits: launched_step.logits,
-                span: launched_step.span,
-                launched,
-                deliver,
-            })
-            .map_err(|_| "the readback thread ended")?;
-        Ok(())
     }
 
     /// The model (weights, cache, device handles) goes here, before the actor reports
@@ -252,79 +192,6 @@ fn in_pool<R: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Se
     }
 }
 
-/// `saves`' blocks copied out of the cache into the prefix store.
-fn save_kv(
-    model: &mut dyn DeviceModel,
-    store: &Shared<KvStore>,
-    saves: &[KvSave],
-) -> Result<(), ActorProcessingErr> {
-    let started = Instant::now();
-    let ids: Vec<u32> = saves.iter().map(|s| s.block_id).collect();
-    let bytes = model
-        .kv_blocks(&ids)
-        .ok_or("the model's KV cannot be stored")?;
-    let per_block = bytes.len() / ids.len().max(1);
-    for (save, block) in saves.iter().zip(bytes.chunks_exact(per_block)) {
-        store.save(save, block.into());
-    }
-    store.add_copy_secs(started.elapsed().as_secs_f64(), 0.0);
-    Ok(())
-}
-
-/// What `step` brings into the cache before it runs: stored KV blocks, saved and stored
-/// slot states.
-fn load_step_state(
-    model: &mut dyn DeviceModel,
-    store: Option<&Shared<KvStore>>,
-    rank: usize,
-    step: &Step,
-) -> Result<(), ActorProcessingErr> {
-    let loads: Vec<(u32, &[u8])> = step
-        .kv_loads
-        .iter()
-        .map(|l| (l.block_id, &*l.payload))
-        .collect();
-    // A store entry that does not fit the cache: recompute rather than run on a block
-    // nobody wrote.
-    let loading = Instant::now();
-    if !loads.is_empty() && !model.set_kv_blocks(&loads) {
-        return Err(format!("rank {rank}: a stored KV block does not fit the cache").into());
-    }
-    if !model.load_states(&step.state_loads) {
-        return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
-    }
-    // The store checked each state's length: one that does not fit is a slot missing.
-    if !model.import_states(&step.state_imports) {
-        return Err(format!("rank {rank}: a stored state does not fit its slot").into());
-    }
-    if let (Some(store), false) = (store, loads.is_empty()) {
-        store.add_copy_secs(0.0, loading.elapsed().as_secs_f64());
-    }
-    Ok(())
-}
-
-/// `step`'s slot states saved, before any later step can move the slots on (they are
-/// this rank's alone). One at a time: two saves of a step may share a saved state (the
-/// pool's least recently used), and the store must copy each before the next overwrites it.
-fn save_step_states(
-    model: &mut dyn DeviceModel,
-    store: Option<&Shared<KvStore>>,
-    rank: usize,
-    step: &Step,
-) -> Result<(), ActorProcessingErr> {
-    for save in &step.state_saves {
-        if !model.save_states(std::slice::from_ref(save)) {
-            return Err(format!("rank {rank}: a saved state or slot it does not hold").into());
-        }
-        if let (Some(store), Some(hash)) = (store, save.keep_as)
-            && let Some(bytes) = model.saved_state(save.saved)
-        {
-            store.save_state(hash, bytes.into());
-        }
-    }
-    Ok(())
-}
-
 /// Hands a step's logits, once read back, to the sampler.
 fn to_sampler(
     sampler: ActorRef<SamplerMsg>,
@@ -343,4 +210,74 @@ fn to_sampler(
             device_idle_secs: read.device_idle_secs,
         });
     })
+}
+
+/// Applies `step` on the rank: its inputs resolved, the states and blocks it brings
+/// loaded, its pass launched, and its logits handed to the readback thread (which hands
+/// the leader's on to `sampler`).
+fn run_step(
+    st: &mut RankState,
+    step: Shared<Step>,
+    sampler: ActorRef<SamplerMsg>,
+) -> Result<(), ActorProcessingErr> {
+    let Some(model) = st.model.as_mut() else {
+        return Err("the rank released its model".into());
+    };
+
+    let epoch = step.epoch;
+    // Planned before a reset: every sequence in it is being recomputed. A lone rank
+    // skips it; a group's ranks all run it (nothing reaches the sampler), because a
+    // rank that skipped would leave its peers waiting in a collective.
+    let void = epoch != st.sampled.epoch();
+    let in_group = st.shard.size > 1;
+    if void && !in_group {
+        return Ok(());
+    }
+    let on_device = model.verifies_on_device();
+    let mut read_picks = |first: u32, count: usize| model.read_picks(first, count);
+    if !st.inputs.resolve(
+        &step,
+        &st.sampled,
+        in_group,
+        st.shard.rank,
+        on_device,
+        &mut read_picks,
+    ) {
+        return Ok(());
+    }
+    load_step_state(model.as_mut(), st.kv_store.as_ref(), st.shard.rank, &step)?;
+    // Timed from here: waiting on the previous step's tokens is not this step's cost.
+    let launched = Instant::now();
+    if st.faults.take_step_panic(st.device_slot) {
+        panic!(
+            "rank {} worker panicked mid-step (injected fault)",
+            st.shard.rank
+        );
+    }
+    let rank_step = st.inputs.rank_step(&step, st.block_size);
+    tracing::debug!(
+        rank = st.shard.rank,
+        step = step.step_id,
+        rows = rank_step.len(),
+        device_picks = rank_step.picked_rows().len(),
+        "step launching"
+    );
+    let launched_step = in_pool(st.pool.as_ref(), || model.step(&rank_step));
+    drop(rank_step);
+    save_step_states(model.as_mut(), st.kv_store.as_ref(), st.shard.rank, &step)?;
+    let step_id = step.step_id;
+    st.inputs.launched(epoch, step_id, launched_step.prev);
+    let deliver = st.shard.is_leader() && epoch == st.sampled.epoch();
+    let vocab_size = model.vocab_size();
+    let deliver = deliver.then(|| to_sampler(sampler, step, vocab_size));
+    st.readback
+        .send(Readback {
+            step_id,
+            logits: launched_step.logits,
+            span: launched_step.span,
+            launched,
+            deliver,
+        })
+        .map_err(|_| "the readback thread ended")?;
+    Ok(())
 }

@@ -15,10 +15,8 @@ use crate::runner::RankReport;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::SamplingParams;
 use crate::sampling::ScoredToken;
-use crate::sched::{
-    FinishReason, RowInput, Scheduler, SchedulerConfig, SeqEvent, SeqId, SeqRequest, StoredPrefix,
-};
-use crate::step::{PromptScore, RowSampling, SampledStep, Step};
+use crate::sched::{FinishReason, Scheduler, SchedulerConfig, SeqId, SeqRequest, StoredPrefix};
+use crate::step::{SampledStep, Step};
 use crate::store::KvStore;
 use crate::structured::{CompiledGrammar, SeqConstraint};
 
@@ -28,6 +26,7 @@ mod prompt_scores;
 mod queue;
 mod sampled;
 mod staging;
+mod step_loop;
 
 pub use detach::Detached;
 use staging::Submission;
@@ -165,104 +164,6 @@ pub struct SchedulerState {
 }
 
 impl SchedulerState {
-    /// Plans and sends steps while the pipeline has room: one step in flight without ZOS,
-    /// two with it (step N runs while N+1 is planned and queued behind it).
-    fn kick(&mut self) {
-        let Some(sampler) = self.sampler.clone() else {
-            return;
-        };
-        if self.workers.is_empty() {
-            return;
-        }
-        let depth = if self.zos { 2 } else { 1 };
-        while self.failed.is_none() && self.in_flight.len() < depth {
-            self.send_kv_saves();
-            let plan = self.core.schedule();
-            for event in self.core.take_events() {
-                if let SeqEvent::Finished { seq_id, reason } = event {
-                    self.finish(seq_id, reason);
-                }
-            }
-            self.log_preemptions();
-            let Some(plan) = plan else {
-                break;
-            };
-            let step_id = self.status.num_steps;
-            for row in &plan.rows {
-                if let Some(r) = self.requests.get_mut(&row.seq_id) {
-                    let _in = r.span.enter();
-                    if !r.started {
-                        r.started = true;
-                        tracing::debug!(index = r.index, "admitted to the running batch");
-                    }
-                    tracing::trace!(
-                        step = step_id,
-                        tokens = row.num_tokens(),
-                        cached = row.num_cached_tokens,
-                        "in step"
-                    );
-                }
-            }
-            let sampling: Vec<Option<RowSampling>> = plan
-                .rows
-                .iter()
-                .map(|row| {
-                    let r = self.requests.get(&row.seq_id)?;
-                    if !row.sample {
-                        return None;
-                    }
-                    // A ZOS row's token from the step before is generated but not yet known.
-                    let continues = matches!(row.input, RowInput::FromPrevious { .. });
-                    let num_generated = r.token_ids.len() + continues as usize;
-                    let banned_ids = if num_generated < r.request.min_tokens {
-                        r.stop_ids.clone()
-                    } else {
-                        self.no_ids.clone()
-                    };
-                    let drafts = match &row.input {
-                        RowInput::Tokens(ids) => ids[ids.len() - row.num_draft_tokens..].to_vec(),
-                        RowInput::FromPrevious { drafts, .. } => drafts.clone(),
-                    };
-                    Some(RowSampling {
-                        params: r.params.clone(),
-                        // The first token sampled follows the row's last known token.
-                        position: (row.num_cached_tokens + row.num_tokens() - row.num_draft_tokens)
-                            as u64,
-                        prompt_ids: r.prompt_ids.clone(),
-                        output_ids: r.token_ids.clone(),
-                        banned_ids,
-                        constraint: r.constraint.clone(),
-                        rejection: self.rejection_acceptance && !drafts.is_empty(),
-                        drafts,
-                        stop_ids: r.stop_ids.clone(),
-                        min_tokens: r.request.min_tokens,
-                    })
-                })
-                .collect();
-            let scores: Vec<Option<PromptScore>> = plan
-                .rows
-                .iter()
-                .map(|row| self.requests.get(&row.seq_id)?.score(row))
-                .collect();
-            let mut step = Step::new(self.epoch, plan, sampling);
-            for (row, score) in step.rows.iter_mut().zip(scores) {
-                row.score = score;
-            }
-            let step = Shared::new(step);
-            self.in_flight.push_back(step.clone());
-            self.status.num_steps += 1;
-            // Every rank runs the same step; a dead one loses it and the supervisor's
-            // rebuild resets the core.
-            for worker in &self.workers {
-                let _ = worker.cast(RankMsg::Step {
-                    step: step.clone(),
-                    sampler: sampler.clone(),
-                });
-            }
-        }
-        self.answer_drains();
-    }
-
     fn answer_drains(&mut self) {
         if self.requests.is_empty() && self.num_staging == 0 {
             for d in self.drains.drain(..) {
@@ -446,18 +347,6 @@ impl Actor for SchedulerActor {
                 reply,
                 span,
             } => {
-                span.in_scope(|| {
-                    tracing::debug!(
-                        engine_request = request_id,
-                        prompt_tokens = request.prompt_ids.len(),
-                        max_tokens = request.max_tokens,
-                        n = request.n,
-                        "queued"
-                    )
-                });
-                if let Some(limit) = st.queue_timeout {
-                    myself.send_after(limit, move || SchedulerMsg::QueueDeadline { request_id });
-                }
                 let sub = Submission {
                     request_id,
                     request,
@@ -466,9 +355,7 @@ impl Actor for SchedulerActor {
                     reply,
                     span,
                 };
-                if let Some(sub) = st.stage(sub, &myself) {
-                    st.submit(sub, StoredPrefix::default());
-                }
+                st.receive(sub, &myself);
             }
             SchedulerMsg::Staged { submission, stored } => {
                 st.num_staging -= 1;
@@ -479,12 +366,7 @@ impl Actor for SchedulerActor {
                 st.kick();
             }
             SchedulerMsg::StopChoice { request_id, index } => {
-                let seq_id = seq_id_of(request_id, index);
-                if st.requests.contains_key(&seq_id) {
-                    // The core still counts the sequence as running: end it there too.
-                    st.core.abort(seq_id);
-                    st.finish(seq_id, FinishReason::Stop);
-                }
+                st.stop_choice(request_id, index);
                 st.kick();
             }
             SchedulerMsg::StepSampled(step) => {
@@ -502,14 +384,7 @@ impl Actor for SchedulerActor {
                 st.attach(workers, sampler, reports);
                 st.kick();
             }
-            SchedulerMsg::RankLost { reason } => {
-                let reason = format!("no rank worker is left: {reason}");
-                tracing::error!("the engine has failed: {reason}");
-                st.status.failure = Some(reason.clone());
-                st.failed = Some(reason.clone());
-                st.sampled.invalidate();
-                st.fail_all(&reason);
-            }
+            SchedulerMsg::RankLost { reason } => st.rank_lost(&reason),
             SchedulerMsg::Status(reply) => {
                 let _ = reply.send(st.status_now());
             }
@@ -530,11 +405,7 @@ impl Actor for SchedulerActor {
                 st.kick();
             }
             SchedulerMsg::CancelAll { reason } => {
-                tracing::warn!("cancelling {} sequences: {reason}", st.requests.len());
-                // What is still on its way in (a body being read, a prompt being staged
-                // from the store) is refused with the same reason, never started and cut.
-                st.failed = Some(reason.clone());
-                st.fail_all(&reason);
+                st.cancel_all(reason);
                 st.kick();
             }
         }

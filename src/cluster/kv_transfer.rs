@@ -297,8 +297,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_store_takes_a_peers_blocks_only_when_they_are_what_they_claim() {
+    /// A store of 64-byte blocks of 16 tokens, a prompt of five whole blocks and three
+    /// tokens, and its blocks' keys and payloads.
+    fn store_and_blocks() -> (KvStore, Vec<u32>, Vec<Block>) {
         use crate::sched::{ROOT_HASH, block_hash};
         use crate::store::KvStoreConfig;
         let (block_size, block_bytes) = (16, 64);
@@ -331,6 +332,19 @@ mod tests {
                 (key, vec![hash as u8; block_bytes].into())
             })
             .collect();
+        (store, tokens, blocks)
+    }
+
+    fn whole(blocks: &[Block]) -> Prefix {
+        Prefix {
+            blocks: blocks.to_vec(),
+            states: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_store_takes_a_peers_blocks_only_when_they_are_what_they_claim() {
+        let (store, tokens, blocks) = store_and_blocks();
         // A block of another length, or whose key does not hash to it, is refused.
         let (key, _) = blocks[0].clone();
         assert!(store.import(key.clone(), vec![0; 63].into()).is_err());
@@ -338,10 +352,6 @@ mod tests {
         forged.tokens[3] ^= 1;
         assert!(store.import(forged, vec![0; 64].into()).is_err());
         // A chunk of another namespace is refused whole.
-        let whole = |blocks: &[Block]| Prefix {
-            blocks: blocks.to_vec(),
-            states: Vec::new(),
-        };
         let foreign = encode_chunks("other", &whole(&blocks));
         assert!(put_blocks(&store, &foreign[0]).is_err());
         assert!(store.export(&tokens, 0).is_empty());
@@ -356,7 +366,14 @@ mod tests {
             assert_eq!(p, want_p);
         }
         assert_eq!(store.num_blocks_of(&tokens), 5);
+    }
 
+    #[test]
+    fn a_state_goes_with_a_block_the_store_holds_and_travels_with_its_prefix() {
+        let (store, tokens, blocks) = store_and_blocks();
+        for chunk in encode_chunks("ns", &whole(&blocks[..3])) {
+            put_blocks(&store, &chunk).unwrap();
+        }
         // A state goes with a block the store holds, at a state's length; the prefix's
         // export carries its last block's.
         let (hash_of, state) = (|i: usize| blocks[i].0.hash, vec![7u8; 32]);

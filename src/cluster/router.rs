@@ -250,22 +250,7 @@ async fn send(
     last: bool,
     counted: InFlight,
 ) -> Result<HttpResponse, String> {
-    let target = req
-        .uri()
-        .path_and_query()
-        .map_or(req.uri().path().to_string(), |p| p.to_string());
-    let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
-        .unwrap_or(reqwest::Method::GET);
-    let mut out = st
-        .client
-        .request(method, format!("{}{target}", engine.http_url))
-        .body(body.clone());
-    for name in FORWARDED_HEADERS {
-        if let Some(v) = req.headers().get(*name).and_then(|v| v.to_str().ok()) {
-            out = out.header(*name, v);
-        }
-    }
-    let reply = match out.send().await {
+    let reply = match forwarded(st, req, body, engine).send().await {
         Ok(reply) => reply,
         Err(e) if e.is_connect() => {
             // Nothing reached the engine: it is gone.
@@ -303,8 +288,45 @@ async fn send(
             }
         };
     }
-    // The client's stream starts with the engine's first event: before it, another engine
-    // may still take the request.
+    relay_stream(st, engine, reply, response, counted).await
+}
+
+/// The client's request as it goes to `engine`: its method, path and query, body and the
+/// headers an engine reads.
+fn forwarded(
+    st: &RouterState,
+    req: &HttpRequest,
+    body: &web::Bytes,
+    engine: &EngineReport,
+) -> reqwest::RequestBuilder {
+    let target = req
+        .uri()
+        .path_and_query()
+        .map_or(req.uri().path().to_string(), |p| p.to_string());
+    let method = reqwest::Method::from_bytes(req.method().as_str().as_bytes())
+        .unwrap_or(reqwest::Method::GET);
+    let mut out = st
+        .client
+        .request(method, format!("{}{target}", engine.http_url))
+        .body(body.clone());
+    for name in FORWARDED_HEADERS {
+        if let Some(v) = req.headers().get(*name).and_then(|v| v.to_str().ok()) {
+            out = out.header(*name, v);
+        }
+    }
+    out
+}
+
+/// An engine's event stream relayed to the client. The client's stream starts with the
+/// engine's first event: before it, another engine may still take the request; after it,
+/// an engine that fails ends the stream with an error event.
+async fn relay_stream(
+    st: &web::Data<RouterState>,
+    engine: &EngineReport,
+    reply: reqwest::Response,
+    mut response: actix_web::HttpResponseBuilder,
+    counted: InFlight,
+) -> Result<HttpResponse, String> {
     let mut events = reply.bytes_stream();
     let first = match events.next().await {
         Some(Ok(first)) => first,

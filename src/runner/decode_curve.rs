@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::inputs::StepInputs;
+use super::rank_step::RankStep;
 use crate::model::llama::SeqStep;
 use crate::sampling::SamplingParams;
 use crate::sched::{PlannedRow, RowInput};
@@ -145,7 +145,7 @@ pub fn record_graphs(
             };
             for _ in 0..steps_each {
                 time_decode_step(tokens / per_row, per_row - 1, |steps, sampling| {
-                    let launched = model.step(block_size, steps, &StepInputs::default(), sampling);
+                    let launched = model.step(&RankStep::of_tokens(block_size, steps, sampling));
                     let _ = (launched.logits)();
                 });
             }
@@ -164,7 +164,7 @@ pub fn measure(
     let device = model.device_label();
     let curve = run(job, &device, num_blocks, |rows, drafts| {
         time_decode_step(rows, drafts, |steps, sampling| {
-            let launched = model.step(block_size, steps, &StepInputs::default(), sampling);
+            let launched = model.step(&RankStep::of_tokens(block_size, steps, sampling));
             let _ = (launched.logits)();
         })
     });

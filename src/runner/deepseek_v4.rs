@@ -3,9 +3,10 @@
 //! group of several ranks it is one rank of an expert-parallel group
 //! (`model::deepseek_v4::expert_parallel`).
 
-use super::inputs::StepInputs;
+use super::expert_placement::Balancer;
 use super::mtp::MtpDrafter;
-use super::{DeviceModel, LaunchedStep, RankArgs};
+use super::rank_step::RankStep;
+use super::{DeviceModel, KvCopies, LaunchedStep, RankArgs, SlotStates};
 use crate::eplb::{Eplb, MoeBalance};
 use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
@@ -21,13 +22,13 @@ use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
 use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
 use crate::sched::{StateImport, StateLoad, StateSave};
-use crate::step::{StepLogits, StepRow};
+use crate::step::StepLogits;
 
 pub(super) struct DsV4OnHost {
     model: DsV4Model,
     cache: DsV4Cache,
     saved: SavedStates,
-    eplb: Option<Eplb>,
+    eplb: Option<Balancer>,
     /// Tokens per (layer, routed expert) of the current step.
     expert_tokens: Vec<Vec<u64>>,
     shard: TpShard,
@@ -35,16 +36,8 @@ pub(super) struct DsV4OnHost {
     group: Option<ExpertGroup>,
     /// `--spec mtp`: fills the verify rows' placeholder drafts before each step.
     mtp: Option<MtpDrafter>,
-    /// Where the rank reads routed experts it gains at a rebalance.
-    model_path: std::path::PathBuf,
-    dummy_weights: bool,
     /// The group's ranks' busy seconds since the placement last changed.
     busy: RankBusy,
-    /// Expert replicas the group's rebalances moved onto ranks so far, and experts moved
-    /// between the device and host memory.
-    num_moved_experts: u64,
-    /// EPLB rebalances whose loads the host experts' placement has followed.
-    rebalances_followed: u64,
 }
 
 /// Every rank's busy seconds (its step less its waits in the group's sums), summed since
@@ -79,8 +72,8 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
     // The rank loads only the routed experts it computes (all of them alone).
     let cfg = DsV4Config::from_dir(&args.settings.model_path).map_err(|e| e.to_string())?;
     let (layers, experts) = (cfg.num_layers, cfg.num_routed_experts);
-    let eplb = eplb_for(args, layers, experts)?;
-    let residency = expert_shard(args.shard, eplb.as_ref());
+    let eplb = Balancer::for_model(args, layers, experts)?;
+    let residency = expert_shard(args.shard, eplb.as_ref().map(|b| &b.eplb));
     // `--cpu-moe` / `--n-cpu-moe` on the CPU: those experts packed as shipped, the rest
     // as the reference pass keeps them.
     let placement = super::expert_placement::placement(args, &cfg, None)?;
@@ -119,21 +112,7 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         args.settings.block_size,
     );
     let saved = SavedStates::on(&model.backend, &cache, args.settings.num_saved_states);
-    let mtp = if args.settings.mtp {
-        let layer = if args.settings.dummy_weights {
-            MtpLayer::dummy(&model.cfg)
-        } else {
-            MtpLayer::load_dir(&model.cfg, &args.settings.model_path)
-        }
-        .map_err(|e| format!("--spec mtp: {e}"))?;
-        Some(MtpDrafter::new(
-            layer,
-            &model,
-            args.settings.num_state_slots,
-        ))
-    } else {
-        None
-    };
+    let mtp = mtp_drafter(args, &model)?;
     Ok(Box::new(DsV4OnHost {
         model,
         cache,
@@ -143,12 +122,26 @@ pub(super) fn load(args: &RankArgs) -> Result<Box<dyn DeviceModel>, String> {
         shard: args.shard,
         group: None,
         mtp,
-        model_path: args.settings.model_path.clone(),
-        dummy_weights: args.settings.dummy_weights,
         busy: RankBusy::default(),
-        num_moved_experts: 0,
-        rebalances_followed: 0,
     }))
+}
+
+/// `--spec mtp`: the MTP layer beside the model (seeded with `--dummy-weights`).
+fn mtp_drafter(args: &RankArgs, model: &DsV4Model) -> Result<Option<MtpDrafter>, String> {
+    if !args.settings.mtp {
+        return Ok(None);
+    }
+    let layer = if args.settings.dummy_weights {
+        MtpLayer::dummy(&model.cfg)
+    } else {
+        MtpLayer::load_dir(&model.cfg, &args.settings.model_path)
+    }
+    .map_err(|e| format!("--spec mtp: {e}"))?;
+    Ok(Some(MtpDrafter::new(
+        layer,
+        model,
+        args.settings.num_state_slots,
+    )))
 }
 
 /// What rank `shard` computes: EPLB's placement when it places experts for this group
@@ -169,24 +162,53 @@ fn expert_shard(shard: TpShard, eplb: Option<&Eplb>) -> ExpertShard {
     ExpertShard { shard, placements }
 }
 
+impl DsV4OnHost {
+    /// A step's routed loads into EPLB (`None` without it): experts moved where it
+    /// rebalanced (`expert_placement::follow_loads`), and between the group's ranks where
+    /// the placement changed; the balance after the step.
+    fn follow_eplb(&mut self, steps: &[SeqStep<'_>], busy_secs: f64) -> Option<MoeBalance> {
+        let balancer = self.eplb.as_mut()?;
+        let mut balance = balancer.step(&mut self.model, &self.expert_tokens, steps);
+        if let Some(group) = &mut self.group {
+            balance.measured_moe_lb = self.busy.add(&self.model.backend, group, busy_secs);
+            if group.shard.placements.is_some()
+                && group.shard.placements.as_deref() != Some(balancer.eplb.placements())
+            {
+                // Every rank saw the same loads: the same new placement, the same
+                // step. The experts move before the next step computes with it.
+                let new = balancer.eplb.placements();
+                let old = group.shard.placements.replace(new.to_vec());
+                let old = old.expect("checked");
+                let moved = new.iter().zip(&old).map(|(n, o)| n.num_moved_from(o));
+                balancer.num_moved += moved.sum::<usize>() as u64;
+                let (shard, experts) = (&group.shard, self.model.cfg.num_routed_experts);
+                let holds = |l: usize, e: usize| shard.holds(l, experts, e);
+                let read = self
+                    .model
+                    .reside(&balancer.weights.0, balancer.weights.1, &holds)
+                    .unwrap_or_else(|e| panic!("EPLB: reading experts moved here: {e}"));
+                super::trim_heap();
+                self.busy = RankBusy::default();
+                tracing::debug!(rank = shard.shard.rank, read, "EPLB moved experts");
+            }
+        }
+        balance.num_moved_experts = balancer.num_moved;
+        Some(balance)
+    }
+}
+
 impl DeviceModel for DsV4OnHost {
-    fn step(
-        &mut self,
-        _block_size: usize,
-        steps: &[SeqStep<'_>],
-        _inputs: &StepInputs,
-        rows: &[StepRow],
-    ) -> LaunchedStep {
+    fn step(&mut self, step: &RankStep<'_>) -> LaunchedStep {
         // Its rows never move back (a model with state slots has its verify rows' sequences
         // sit out rather than continued).
         debug_assert!(
-            steps
+            step.rows
                 .iter()
-                .zip(rows)
-                .all(|(s, r)| s.num_cached_tokens == r.plan.num_cached_tokens)
+                .all(|r| r.seq.num_cached_tokens == r.row.plan.num_cached_tokens)
         );
+        let steps = &step.seqs();
         let mut ds_steps = ds_steps(steps);
-        let num_drafts = super::num_placeholders(rows);
+        let num_drafts = step.num_placeholders();
         let model_drafts = match &mut self.mtp {
             Some(mtp) => mtp.propose(&self.model, &ds_steps, &num_drafts),
             None => Vec::new(),
@@ -221,56 +243,44 @@ impl DeviceModel for DsV4OnHost {
         if let Some(mtp) = &mut self.mtp {
             mtp.absorb(&self.model, &ds_steps, &num_drafts, &streams);
         }
-        let mut moe_balance = None;
-        if let Some(eplb) = &mut self.eplb {
-            let mut balance = eplb_step(eplb, &self.expert_tokens, steps);
-            self.num_moved_experts += super::expert_placement::follow_loads(
-                &mut self.model,
-                eplb,
-                &mut self.rebalances_followed,
-                &self.model_path,
-                self.dummy_weights,
-            ) as u64;
-            if let Some(group) = &mut self.group {
-                balance.measured_moe_lb = self.busy.add(&self.model.backend, group, busy_secs);
-                if group.shard.placements.is_some()
-                    && group.shard.placements.as_deref() != Some(eplb.placements())
-                {
-                    // Every rank saw the same loads: the same new placement, the same
-                    // step. The experts move before the next step computes with it.
-                    let new = eplb.placements();
-                    let old = group.shard.placements.replace(new.to_vec());
-                    let old = old.expect("checked");
-                    let moved = new.iter().zip(&old).map(|(n, o)| n.num_moved_from(o));
-                    self.num_moved_experts += moved.sum::<usize>() as u64;
-                    let (shard, experts) = (&group.shard, self.model.cfg.num_routed_experts);
-                    let holds = |l: usize, e: usize| shard.holds(l, experts, e);
-                    let read = self
-                        .model
-                        .reside(&self.model_path, self.dummy_weights, &holds)
-                        .unwrap_or_else(|e| panic!("EPLB: reading experts moved here: {e}"));
-                    super::trim_heap();
-                    self.busy = RankBusy::default();
-                    tracing::debug!(rank = shard.shard.rank, read, "EPLB moved experts");
-                }
-            }
-            balance.num_moved_experts = self.num_moved_experts;
-            moe_balance = Some(balance);
-        }
+        let moe_balance = self.follow_eplb(steps, busy_secs);
         launched(
             &logits,
             self.model.vocab_size(),
-            steps,
-            rows,
+            step,
             model_drafts,
             moe_balance,
         )
     }
 
-    fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
-        Some(self.model.footprint())
+    fn weight_footprint(&self) -> crate::model::weights::WeightFootprint {
+        self.model.footprint()
     }
 
+    fn warm_up(&mut self, _block_size: usize, _tokens: usize) -> Result<(), String> {
+        // On the host nothing is loaded on first use and no pool grows.
+        Ok(())
+    }
+
+    fn graph_sizes(&self) -> Option<(&'static [usize], usize)> {
+        None
+    }
+
+    fn verifies_on_device(&self) -> bool {
+        false
+    }
+
+    fn kv_copies(&mut self) -> Option<&mut dyn KvCopies> {
+        Some(self)
+    }
+
+    fn slot_states(&mut self) -> Option<&mut dyn SlotStates> {
+        Some(self)
+    }
+
+    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
+        crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
+    }
     fn vocab_size(&self) -> usize {
         self.model.vocab_size()
     }
@@ -278,7 +288,7 @@ impl DeviceModel for DsV4OnHost {
     fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError> {
         let collective = self.model.backend.join_group(join)?;
         // What the rank loaded its experts for.
-        let shard = expert_shard(self.shard, self.eplb.as_ref());
+        let shard = expert_shard(self.shard, self.eplb.as_ref().map(|b| &b.eplb));
         self.group = Some(ExpertGroup::new(shard, collective));
         Ok(())
     }
@@ -286,7 +296,9 @@ impl DeviceModel for DsV4OnHost {
     fn device_label(&self) -> String {
         "cpu (DeepSeek-V4 reference)".into()
     }
+}
 
+impl KvCopies for DsV4OnHost {
     fn kv_blocks(&mut self, blocks: &[u32]) -> Option<Vec<u8>> {
         Some(self.cache.read_blocks_on(&self.model.backend, blocks))
     }
@@ -294,7 +306,9 @@ impl DeviceModel for DsV4OnHost {
     fn set_kv_blocks(&mut self, blocks: &[(u32, &[u8])]) -> bool {
         self.cache.write_blocks_on(&self.model.backend, blocks)
     }
+}
 
+impl SlotStates for DsV4OnHost {
     fn load_states(&mut self, loads: &[StateLoad]) -> bool {
         let b = &self.model.backend;
         load_states(b, &self.saved, &mut self.cache, self.mtp.as_mut(), loads)
@@ -327,10 +341,6 @@ impl DeviceModel for DsV4OnHost {
             }
             fits
         })
-    }
-
-    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
-        crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
     }
 }
 
@@ -407,16 +417,16 @@ pub(super) fn save_states<B: DsV4Kernels>(
 pub(super) fn launched(
     logits: &[f32],
     vocab: usize,
-    steps: &[SeqStep<'_>],
-    rows: &[StepRow],
+    step: &RankStep<'_>,
     model_drafts: Vec<Vec<(u32, f32)>>,
     moe_balance: Option<MoeBalance>,
 ) -> LaunchedStep {
-    let mut host_row = vec![None; rows.len()];
-    let mut score_row = vec![None; rows.len()];
+    let num_rows = step.len();
+    let mut host_row = vec![None; num_rows];
+    let mut score_row = vec![None; num_rows];
     let mut host = Vec::new();
     let mut logit_row = 0;
-    for (row, (r, step)) in rows.iter().zip(steps).enumerate() {
+    for (row, (r, seq)) in step.rows.iter().map(|r| (r.row, &r.seq)).enumerate() {
         let mut copy = |first: usize, count: usize| {
             let at = host.len() / vocab;
             host.extend_from_slice(&logits[first * vocab..(first + count) * vocab]);
@@ -428,18 +438,18 @@ pub(super) fn launched(
         // A scored row's sampling rows are its last ones.
         let num_sampling_rows = match &r.score {
             Some(_) => 1 + r.plan.num_draft_tokens,
-            None => step.num_logit_rows,
+            None => seq.num_logit_rows,
         };
         if r.sampling.is_some() {
-            let first = logit_row + step.num_logit_rows - num_sampling_rows;
+            let first = logit_row + seq.num_logit_rows - num_sampling_rows;
             host_row[row] = Some(copy(first, num_sampling_rows));
         }
-        logit_row += step.num_logit_rows;
+        logit_row += seq.num_logit_rows;
     }
     let out = StepLogits {
         moe_balance,
-        picked: vec![None; rows.len()],
-        verify_picks: vec![None; rows.len()],
+        picked: vec![None; num_rows],
+        verify_picks: vec![None; num_rows],
         host_row,
         score_row,
         host,
@@ -451,33 +461,6 @@ pub(super) fn launched(
     LaunchedStep {
         logits: Box::new(move || out),
         span: None,
-        prev: vec![None; rows.len()],
+        prev: vec![None; num_rows],
     }
-}
-
-/// Feeds a step's routed loads to EPLB and returns the balance after it.
-pub(super) fn eplb_step(
-    eplb: &mut Eplb,
-    expert_tokens: &[Vec<u64>],
-    steps: &[SeqStep<'_>],
-) -> MoeBalance {
-    // Weights would move between ranks after a rebalance: never mid-prefill.
-    let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
-    eplb.on_step(expert_tokens, prefill_running)
-        .unwrap_or_else(|e| panic!("EPLB: {e}"));
-    MoeBalance::of(eplb)
-}
-
-/// `--eplb-ranks`: the planner for this model's layers and routed experts.
-pub(super) fn eplb_for(
-    args: &RankArgs,
-    layers: usize,
-    experts: usize,
-) -> Result<Option<Eplb>, String> {
-    args.settings
-        .eplb
-        .map(|settings| {
-            Eplb::new(settings.for_model(layers, experts)).map_err(|e| format!("EPLB: {e}"))
-        })
-        .transpose()
 }

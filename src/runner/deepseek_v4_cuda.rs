@@ -3,12 +3,12 @@
 //! and the Llama ranks' picks: plain rows picked beside the logits, their tokens read there
 //! by the next step's embedding (ZOS with no host round trip).
 
-use super::deepseek_v4::{ds_steps, eplb_for, eplb_step, load_states, save_states};
-use super::inputs::StepInputs;
+use super::deepseek_v4::{ds_steps, load_states, save_states};
+use super::expert_placement::Balancer;
 use super::launch::StepOutcome;
 use super::mtp::MtpDrafter;
-use super::{DeviceModel, LaunchedStep, RankArgs};
-use crate::eplb::Eplb;
+use super::rank_step::RankStep;
+use super::{DeviceModel, KvCopies, LaunchedStep, RankArgs, SlotStates};
 use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cuda::CudaBackend;
@@ -17,23 +17,15 @@ use crate::model::deepseek_v4::expert_streaming::StreamExperts;
 use crate::model::deepseek_v4::mtp::MtpLayer;
 use crate::model::deepseek_v4::saved_state::SavedStates;
 use crate::model::deepseek_v4::{DsSeqStep, DsV4Model};
-use crate::model::llama::SeqStep;
-use crate::sched::{StateLoad, StateSave};
-use crate::step::StepRow;
+use crate::sched::{StateImport, StateLoad, StateSave};
 
 pub(super) struct DsV4OnCuda {
     cache: DsV4Cache<CudaBackend>,
     saved: SavedStates<CudaBackend>,
-    eplb: Option<Eplb>,
+    eplb: Option<Balancer>,
     expert_tokens: Vec<Vec<u64>>,
     /// `--spec mtp`: the MTP layer on the same GPU, filling the verify rows' drafts.
     mtp: Option<MtpDrafter<CudaBackend>>,
-    /// Routed experts moved between the GPU and host memory as EPLB's loads moved.
-    num_moved_experts: u64,
-    rebalances_followed: u64,
-    /// Where the rank reads the experts it moves.
-    model_path: std::path::PathBuf,
-    dummy_weights: bool,
     /// Last: it holds the backend, which the cache's buffers go before.
     model: DsV4Model<CudaBackend>,
 }
@@ -70,31 +62,7 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         args.settings.block_size,
     );
     let saved = SavedStates::on(&model.backend, &cache, args.settings.num_saved_states);
-    {
-        model.backend.synchronize();
-        let free = crate::kernels::cuda::gpu_free_bytes(ordinal)?;
-        let room = free.saturating_sub(super::expert_placement::DEVICE_MARGIN_BYTES);
-        let placement = super::expert_placement::placement(args, &cfg, Some(room))?;
-        model
-            .reside(
-                &args.settings.model_path,
-                args.settings.dummy_weights,
-                &|l, e| !placement.on_host(l, e),
-            )
-            .map_err(|e| e.to_string())?;
-        crate::runner::trim_heap();
-        if args.settings.stream_experts != StreamExperts::Never {
-            super::expert_placement::pin_friendly_heap();
-        }
-        model
-            .keep_experts_on_host(
-                &args.settings.model_path,
-                args.settings.dummy_weights,
-                placement,
-                (args.settings.batch_invariant, args.settings.stream_experts),
-            )
-            .map_err(|e| e.to_string())?;
-    }
+    place_experts(&mut model, args, &cfg, ordinal)?;
     let mtp = if args.settings.mtp {
         let dir = (!args.settings.dummy_weights).then_some(args.settings.model_path.as_path());
         let layer = MtpLayer::load_into(&model.cfg, dir, &model.backend)
@@ -108,7 +76,7 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         None
     };
     let (layers, experts) = (model.cfg.num_layers, model.cfg.num_routed_experts);
-    let eplb = eplb_for(args, layers, experts)?;
+    let eplb = Balancer::for_model(args, layers, experts)?;
     Ok(Box::new(DsV4OnCuda {
         model,
         cache,
@@ -116,32 +84,56 @@ pub(super) fn load(args: &RankArgs, ordinal: usize) -> Result<Box<dyn DeviceMode
         eplb,
         expert_tokens: vec![vec![0; experts]; layers],
         mtp,
-        num_moved_experts: 0,
-        rebalances_followed: 0,
-        model_path: args.settings.model_path.clone(),
-        dummy_weights: args.settings.dummy_weights,
     }))
 }
 
+/// The routed experts into the room the rest of the model and the cache left on the GPU
+/// (the placement: the flags', or the automatic split); the others kept in host memory.
+fn place_experts(
+    model: &mut DsV4Model<CudaBackend>,
+    args: &RankArgs,
+    cfg: &crate::model::deepseek_v4::config::DsV4Config,
+    ordinal: usize,
+) -> Result<(), String> {
+    model.backend.synchronize();
+    let free = crate::kernels::cuda::gpu_free_bytes(ordinal)?;
+    let room = free.saturating_sub(super::expert_placement::DEVICE_MARGIN_BYTES);
+    let placement = super::expert_placement::placement(args, cfg, Some(room))?;
+    model
+        .reside(
+            &args.settings.model_path,
+            args.settings.dummy_weights,
+            &|l, e| !placement.on_host(l, e),
+        )
+        .map_err(|e| e.to_string())?;
+    crate::runner::trim_heap();
+    if args.settings.stream_experts != StreamExperts::Never {
+        super::expert_placement::pin_friendly_heap();
+    }
+    model
+        .keep_experts_on_host(
+            &args.settings.model_path,
+            args.settings.dummy_weights,
+            placement,
+            (args.settings.batch_invariant, args.settings.stream_experts),
+        )
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
 impl DeviceModel for DsV4OnCuda {
-    fn step(
-        &mut self,
-        _block_size: usize,
-        steps: &[SeqStep<'_>],
-        inputs: &StepInputs,
-        rows: &[StepRow],
-    ) -> LaunchedStep {
+    fn step(&mut self, step: &RankStep<'_>) -> LaunchedStep {
         let start = self.model.backend.timeline_mark();
         // Its rows never move back (a model with state slots has its verify rows' sequences
         // sit out rather than continued).
         debug_assert!(
-            steps
+            step.rows
                 .iter()
-                .zip(rows)
-                .all(|(s, r)| s.num_cached_tokens == r.plan.num_cached_tokens)
+                .all(|r| r.seq.num_cached_tokens == r.row.plan.num_cached_tokens)
         );
+        let steps = &step.seqs();
         let mut ds = ds_steps(steps);
-        let num_drafts = super::num_placeholders(rows);
+        let num_drafts = step.num_placeholders();
         let model_drafts = match &mut self.mtp {
             Some(mtp) => mtp.propose(&self.model, &ds, &num_drafts),
             None => Vec::new(),
@@ -159,23 +151,15 @@ impl DeviceModel for DsV4OnCuda {
         // A refused step is a planning bug: the worker fails and the engine recomputes.
         let (logits, streams) = self
             .model
-            .forward_on_device(&mut self.cache, &ds, inputs.picked_rows(), counted, None)
+            .forward_on_device(&mut self.cache, &ds, &step.picked_rows(), counted, None)
             .unwrap_or_else(|e| panic!("DeepSeek-V4 step refused: {e}"));
         if let Some(mtp) = &mut self.mtp {
             mtp.absorb(&self.model, &ds, &num_drafts, &streams);
         }
-        let moe_balance = self.eplb.as_mut().map(|eplb| {
-            let mut balance = eplb_step(eplb, &self.expert_tokens, steps);
-            self.num_moved_experts += super::expert_placement::follow_loads(
-                &mut self.model,
-                eplb,
-                &mut self.rebalances_followed,
-                &self.model_path,
-                self.dummy_weights,
-            ) as u64;
-            balance.num_moved_experts = self.num_moved_experts;
-            balance
-        });
+        let moe_balance = self
+            .eplb
+            .as_mut()
+            .map(|balancer| balancer.step(&mut self.model, &self.expert_tokens, steps));
         StepOutcome {
             moved_back: Vec::new(),
             backend: &self.model.backend,
@@ -188,9 +172,8 @@ impl DeviceModel for DsV4OnCuda {
             picks_stay: self.mtp.is_none(),
             aborted: None,
             start,
-            inputs,
         }
-        .launch(steps, rows)
+        .launch(step)
     }
 
     fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String> {
@@ -220,8 +203,27 @@ impl DeviceModel for DsV4OnCuda {
         Ok(())
     }
 
-    fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
-        Some(self.model.footprint())
+    fn weight_footprint(&self) -> crate::model::weights::WeightFootprint {
+        self.model.footprint()
+    }
+
+    fn graph_sizes(&self) -> Option<(&'static [usize], usize)> {
+        // Its decode steps are recorded as they first come (`model::deepseek_v4::recorded`),
+        // not ahead of the first request.
+        None
+    }
+
+    fn verifies_on_device(&self) -> bool {
+        false
+    }
+
+    fn kv_copies(&mut self) -> Option<&mut dyn KvCopies> {
+        // Its cache's layouts are not yet copied to a prefix store on the GPU (issue 65).
+        None
+    }
+
+    fn slot_states(&mut self) -> Option<&mut dyn SlotStates> {
+        Some(self)
     }
 
     fn vocab_size(&self) -> usize {
@@ -241,6 +243,14 @@ impl DeviceModel for DsV4OnCuda {
         )
     }
 
+    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
+        crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
+    }
+}
+
+/// Saved states move between slots on the GPU; they do not go to a prefix store yet
+/// (issue 65), so a store keeps none of them and imports none.
+impl SlotStates for DsV4OnCuda {
     fn load_states(&mut self, loads: &[StateLoad]) -> bool {
         let b = &self.model.backend;
         load_states(b, &self.saved, &mut self.cache, self.mtp.as_mut(), loads)
@@ -250,7 +260,11 @@ impl DeviceModel for DsV4OnCuda {
         save_states(&self.model.backend, &mut self.saved, &self.cache, saves)
     }
 
-    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
-        crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
+    fn saved_state(&mut self, _saved: u32) -> Option<Vec<u8>> {
+        None
+    }
+
+    fn import_states(&mut self, imports: &[StateImport]) -> bool {
+        imports.is_empty()
     }
 }

@@ -2,16 +2,17 @@
 //! room measured after everything else is placed, the host's available memory, the
 //! user's flags (`model::deepseek_v4::expert_placement` decides; this reads the sizes).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::RankArgs;
-use crate::eplb::Eplb;
+use crate::eplb::{Eplb, MoeBalance};
 use crate::kernels::deepseek_v4::DsV4Kernels;
 use crate::model::deepseek_v4::DsV4Model;
 use crate::model::deepseek_v4::config::DsV4Config;
 use crate::model::deepseek_v4::expert_placement::{
     CpuMoe, ExpertPlacement, PlacementSizes, place_experts,
 };
+use crate::model::llama::SeqStep;
 
 /// Device memory kept free for a step's activations, cuBLAS and the allocator's slack.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -116,4 +117,63 @@ pub fn follow_loads<B: DsV4Kernels>(
         "EPLB moved routed experts between the device and host memory"
     );
     moved
+}
+
+/// EPLB on a DeepSeek-V4 rank (`--eplb-ranks`): the planner, fed each step's routed loads,
+/// and the experts this rank moved to follow it.
+pub struct Balancer {
+    pub eplb: Eplb,
+    /// The rebalances whose placement this rank's experts follow.
+    followed: u64,
+    /// Routed experts moved since the rank started: between the device and host memory,
+    /// and (a group's ranks) onto this rank.
+    pub num_moved: u64,
+    /// Where moved experts are read from, and whether they are seeded instead
+    /// (`--dummy-weights`).
+    pub weights: (PathBuf, bool),
+}
+
+impl Balancer {
+    /// The planner for this model's layers and routed experts; `None` without
+    /// `--eplb-ranks`.
+    pub fn for_model(
+        args: &RankArgs,
+        layers: usize,
+        experts: usize,
+    ) -> Result<Option<Self>, String> {
+        let Some(settings) = args.settings.eplb else {
+            return Ok(None);
+        };
+        let eplb =
+            Eplb::new(settings.for_model(layers, experts)).map_err(|e| format!("EPLB: {e}"))?;
+        Ok(Some(Balancer {
+            eplb,
+            followed: 0,
+            num_moved: 0,
+            weights: (
+                args.settings.model_path.clone(),
+                args.settings.dummy_weights,
+            ),
+        }))
+    }
+
+    /// Feeds a step's routed loads (`expert_tokens` of `steps`) to the planner and moves
+    /// the experts where it rebalanced (`follow_loads`): the balance after the step.
+    pub fn step<B: DsV4Kernels>(
+        &mut self,
+        model: &mut DsV4Model<B>,
+        expert_tokens: &[Vec<u64>],
+        steps: &[SeqStep<'_>],
+    ) -> MoeBalance {
+        // Weights would move between ranks after a rebalance: never mid-prefill.
+        let prefill_running = steps.iter().any(|s| s.token_ids.len() > 1);
+        self.eplb
+            .on_step(expert_tokens, prefill_running)
+            .unwrap_or_else(|e| panic!("EPLB: {e}"));
+        let (dir, dummy) = (&self.weights.0, self.weights.1);
+        self.num_moved += follow_loads(model, &self.eplb, &mut self.followed, dir, dummy) as u64;
+        let mut balance = MoeBalance::of(&self.eplb);
+        balance.num_moved_experts = self.num_moved;
+        balance
+    }
 }

@@ -5,13 +5,12 @@
 use ractor::ActorProcessingErr;
 
 use super::draft;
-use super::inputs::StepInputs;
 use super::launch::StepOutcome;
-use super::{DeviceModel, LaunchedStep, RankArgs};
+use super::rank_step::RankStep;
+use super::{DeviceModel, KvCopies, LaunchedStep, RankArgs, SlotStates};
 use crate::kernels::Backend;
 use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::model::llama::{LlamaModel, SeqStep};
-use crate::step::StepRow;
 
 pub(super) struct OnBackend<B: Backend> {
     /// First: fields drop in order, and the backend must close its device state (an open
@@ -35,44 +34,35 @@ impl<B: Backend> Drop for OnBackend<B> {
 }
 
 impl<B: Backend> DeviceModel for OnBackend<B> {
-    fn step(
-        &mut self,
-        block_size: usize,
-        steps: &[SeqStep<'_>],
-        inputs: &StepInputs,
-        rows: &[StepRow],
-    ) -> LaunchedStep {
+    fn step(&mut self, step: &RankStep<'_>) -> LaunchedStep {
         let start = self.backend.timeline_mark();
-        let (picked_rows, verified) = (inputs.picked_rows(), inputs.verified_rows());
+        let block_size = step.block_size;
+        let picked_rows = step.picked_rows();
+        let verified = step.verified_rows();
         // The draft model runs every step (its cache follows the model's), and its drafts
         // replace the verify rows' placeholders.
         let mut model_drafts = Vec::new();
         let filled: Vec<Vec<u32>>;
-        let mut with_drafts: Vec<SeqStep<'_>>;
-        let steps = match &mut self.draft {
-            Some(draft) => {
-                let num_drafts = super::num_placeholders(rows);
-                model_drafts =
-                    draft.propose(&self.backend, block_size, steps, picked_rows, &num_drafts);
-                filled = super::fill_placeholders(
-                    steps.iter().map(|s| s.token_ids),
-                    &num_drafts,
-                    &model_drafts,
-                );
-                with_drafts = steps.to_vec();
-                for (s, tokens) in with_drafts.iter_mut().zip(&filled) {
-                    s.token_ids = tokens;
-                }
-                &with_drafts[..]
+        let mut steps = step.seqs();
+        if let Some(draft) = &mut self.draft {
+            let num_drafts = step.num_placeholders();
+            model_drafts =
+                draft.propose(&self.backend, block_size, &steps, &picked_rows, &num_drafts);
+            filled = super::fill_placeholders(
+                steps.iter().map(|s| s.token_ids),
+                &num_drafts,
+                &model_drafts,
+            );
+            for (s, tokens) in steps.iter_mut().zip(&filled) {
+                s.token_ids = tokens;
             }
-            None => steps,
-        };
+        }
         let moved_back = self.model.forward_on_device(
             &self.backend,
             &mut self.cache,
             block_size,
-            steps,
-            picked_rows,
+            &steps,
+            &picked_rows,
             &verified,
         );
         StepOutcome {
@@ -86,9 +76,8 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             picks_stay: true,
             aborted: self.model.abort_probe(),
             start,
-            inputs,
         }
-        .launch(steps, rows)
+        .launch(step)
     }
     fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
@@ -101,14 +90,14 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn device_label(&self) -> String {
         self.backend.device_name()
     }
-    fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
-        Some(self.model.weights.footprint(&self.backend))
+    fn weight_footprint(&self) -> crate::model::weights::WeightFootprint {
+        self.model.weights.footprint(&self.backend)
     }
-    fn kv_blocks(&mut self, blocks: &[u32]) -> Option<Vec<u8>> {
-        self.backend.read_kv_blocks(&self.cache, blocks)
+    fn kv_copies(&mut self) -> Option<&mut dyn KvCopies> {
+        Some(self)
     }
-    fn set_kv_blocks(&mut self, blocks: &[(u32, &[u8])]) -> bool {
-        self.backend.write_kv_blocks(&mut self.cache, blocks)
+    fn slot_states(&mut self) -> Option<&mut dyn SlotStates> {
+        None
     }
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
         self.backend.read_picks(first as usize, count)
@@ -144,6 +133,15 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn verifies_on_device(&self) -> bool {
         // The draft model runs first, at the positions the host knows.
         self.draft.is_none()
+    }
+}
+
+impl<B: Backend> KvCopies for OnBackend<B> {
+    fn kv_blocks(&mut self, blocks: &[u32]) -> Option<Vec<u8>> {
+        self.backend.read_kv_blocks(&self.cache, blocks)
+    }
+    fn set_kv_blocks(&mut self, blocks: &[(u32, &[u8])]) -> bool {
+        self.backend.write_kv_blocks(&mut self.cache, blocks)
     }
 }
 

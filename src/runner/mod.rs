@@ -1,9 +1,10 @@
 //! The runner layer: everything that executes a model on a device, below the actors that
 //! drive it. A `DeviceModel` is one rank's model, weights and cache on its backend — the
 //! Llama family on any `Backend` (with its draft model), DeepSeek-V4 on the host or one
-//! GPU (with its MTP drafter); `StepInputs` applies a step's ZOS remap; the readback
-//! thread waits for each launched step and hands it on; the decode-latency curve is
-//! measured here as a rank starts.
+//! GPU (with its MTP drafter); `StepInputs` applies a step's ZOS remap and hands the
+//! model the step as the rank runs it (`RankStep`); the readback thread waits for each
+//! launched step and hands it on; the decode-latency curve is measured here as a rank
+//! starts.
 
 pub mod affinity;
 pub mod decode_curve;
@@ -11,8 +12,10 @@ pub mod decode_curve;
 mod deepseek_v4_cuda;
 pub mod fault;
 pub mod inputs;
+pub mod rank_step;
 pub mod readback;
 pub mod sampled_tokens;
+pub mod step_state;
 
 mod deepseek_v4;
 mod draft;
@@ -27,14 +30,13 @@ use crate::kernels::collective::{GroupError, GroupJoin};
 use crate::kernels::cpu::CpuBackend;
 use crate::kernels::{Device, DeviceMark, Pending};
 use crate::model::config::ModelConfig;
-use crate::model::llama::SeqStep;
 use crate::model::tensor_parallel::TpShard;
-use crate::step::{Drawn, StepLogits, StepRow};
+use crate::step::{Drawn, StepLogits};
 
 use decode_curve::CurveJob;
 use fault::FaultPlan;
-use inputs::StepInputs;
 use llama::load_on;
+use rank_step::RankStep;
 use sampled_tokens::SampledTokens;
 
 /// What a rank reports once started: the decode latency curve it measured (a lone
@@ -201,21 +203,15 @@ pub struct LaunchedStep {
     pub prev: Vec<Option<PrevToken>>,
 }
 
-/// One rank's model, weights and KV cache on its device: all a step needs.
+/// One rank's model, weights and KV cache on its device: all a step needs. What only some
+/// models can do is asked for by name (`kv_copies`, `slot_states`): each model answers,
+/// none inherits an empty answer.
 pub trait DeviceModel: Send {
     /// Launches the step: rows without processors are picked on the device (greedy ones,
     /// and sampled ones where the backend samples), the other sampling rows' logits are
-    /// copied to the host before this returns.
-    /// `inputs`: where each row's input lies (`StepInputs::picked_rows`), the rows
-    /// continuing a verify row whose picks stay on the device (`verified_rows`: moved back
-    /// there by the drafts it rejected), and what the rows continued yielded (`prior`).
-    fn step(
-        &mut self,
-        block_size: usize,
-        steps: &[SeqStep<'_>],
-        inputs: &StepInputs,
-        rows: &[StepRow],
-    ) -> LaunchedStep;
+    /// copied to the host before this returns. Each row says where its input lies (its
+    /// tokens, a pick on the device, or a verify row's picks the device applies).
+    fn step(&mut self, step: &RankStep<'_>) -> LaunchedStep;
     fn vocab_size(&self) -> usize;
     fn join_group(&mut self, join: GroupJoin) -> Result<(), GroupError>;
     /// The hardware, for keying measurements.
@@ -223,56 +219,49 @@ pub trait DeviceModel: Send {
     /// Runs one prefill of up to `tokens` tokens (a step's most) before the first request,
     /// so that request does not pay the first step's costs: kernels loaded on first launch,
     /// the memory pool grown to a step's peak. The KV blocks and state slots it writes are
-    /// free again after it. Default: nothing to warm.
-    fn warm_up(&mut self, _block_size: usize, _tokens: usize) -> Result<(), String> {
-        Ok(())
-    }
+    /// free again after it.
+    fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String>;
     /// What the weights take on the device and run in.
-    fn weight_footprint(&self) -> Option<crate::model::weights::WeightFootprint> {
-        None
-    }
-    /// KV blocks `blocks` as its cache stores them, back to back, for a prefix store;
-    /// `None` where the model's cache cannot be copied so (the engine refuses a store).
-    fn kv_blocks(&mut self, _blocks: &[u32]) -> Option<Vec<u8>> {
-        None
-    }
-    /// Fills each `(block, bytes)` from `kv_blocks`' bytes; false where it cannot.
-    fn set_kv_blocks(&mut self, _blocks: &[(u32, &[u8])]) -> bool {
-        false
-    }
-    /// Puts saved states into slots before a step's rows run (`StepPlan::state_loads`);
-    /// false where it cannot (a model without per-sequence state).
-    fn load_states(&mut self, loads: &[crate::sched::StateLoad]) -> bool {
-        loads.is_empty()
-    }
-    /// Saves slots' states after a step's rows ran (`StepPlan::state_saves`); false where
-    /// it cannot.
-    fn save_states(&mut self, saves: &[crate::sched::StateSave]) -> bool {
-        saves.is_empty()
-    }
-    /// Saved state `saved`'s bytes, for a prefix store (`StateSave::keep_as`); `None`
-    /// where the model's states cannot be copied so.
-    fn saved_state(&mut self, _saved: u32) -> Option<Vec<u8>> {
-        None
-    }
-    /// Writes states a store kept (`saved_state`'s bytes) into slots before a step's rows
-    /// run (`StepPlan::state_imports`); false where one does not fit.
-    fn import_states(&mut self, imports: &[crate::sched::StateImport]) -> bool {
-        imports.is_empty()
-    }
+    fn weight_footprint(&self) -> crate::model::weights::WeightFootprint;
     /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
     /// waiting for the device.
     fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32>;
     /// The token counts steps run at as recorded graphs, ascending, and the most tokens a
     /// row of one may hold (`StepGraphs`); `None`: no graphs.
-    fn graph_sizes(&self) -> Option<(&'static [usize], usize)> {
-        None
-    }
+    fn graph_sizes(&self) -> Option<(&'static [usize], usize)>;
     /// Whether `step` takes rows continuing a `PrevToken::DeviceVerified` row as
     /// `VerifiedRow`s, without the host waiting for that row's picks.
-    fn verifies_on_device(&self) -> bool {
-        false
-    }
+    fn verifies_on_device(&self) -> bool;
+    /// Its KV cache as a prefix store copies it; `None` where the cache cannot be copied
+    /// so (the engine refuses a store).
+    fn kv_copies(&mut self) -> Option<&mut dyn KvCopies>;
+    /// Its per-sequence state slots; `None` for a model without them.
+    fn slot_states(&mut self) -> Option<&mut dyn SlotStates>;
+}
+
+/// A model's KV blocks copied out for a prefix store and back in.
+pub trait KvCopies {
+    /// KV blocks `blocks` as the cache stores them, back to back; `None` where it cannot.
+    fn kv_blocks(&mut self, blocks: &[u32]) -> Option<Vec<u8>>;
+    /// Fills each `(block, bytes)` from `kv_blocks`' bytes; false where it cannot.
+    fn set_kv_blocks(&mut self, blocks: &[(u32, &[u8])]) -> bool;
+}
+
+/// A model's per-sequence state slots (DeepSeek-V4's compressor and window state), saved
+/// at block boundaries and resumed from there.
+pub trait SlotStates {
+    /// Puts saved states into slots before a step's rows run (`StepPlan::state_loads`);
+    /// false where one is not held.
+    fn load_states(&mut self, loads: &[crate::sched::StateLoad]) -> bool;
+    /// Saves slots' states after a step's rows ran (`StepPlan::state_saves`); false where
+    /// one is not held.
+    fn save_states(&mut self, saves: &[crate::sched::StateSave]) -> bool;
+    /// Saved state `saved`'s bytes, for a prefix store (`StateSave::keep_as`); `None`
+    /// where the states cannot be copied so.
+    fn saved_state(&mut self, saved: u32) -> Option<Vec<u8>>;
+    /// Writes states a store kept (`saved_state`'s bytes) into slots before a step's rows
+    /// run (`StepPlan::state_imports`); false where one does not fit.
+    fn import_states(&mut self, imports: &[crate::sched::StateImport]) -> bool;
 }
 
 /// The model at `args.settings.model_path` on `args.device()`, loaded.
@@ -334,13 +323,6 @@ pub(crate) fn warmup_prompt(
         .collect();
     let table = (0..tokens.div_ceil(block_size) as u32).collect();
     (ids, table)
-}
-
-/// Per plan row: how many of its last tokens are placeholders a drafting model fills in.
-pub(crate) fn num_placeholders(rows: &[StepRow]) -> Vec<usize> {
-    rows.iter()
-        .map(|r| r.sampling.as_ref().map_or(0, |s| s.drafts.len()))
-        .collect()
 }
 
 /// Each row's tokens with its last `num_drafts[i]` placeholders replaced by `drafts[i]`

@@ -39,3 +39,16 @@ pub fn token_ids(out: &Output) -> Vec<u32> {
     let line: serde_json::Value = serde_json::from_slice(first).unwrap();
     super::ids(&line["token_ids"])
 }
+
+/// A successful run's JSON lines (`--json`), in order.
+pub fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}

@@ -19,6 +19,31 @@ pub fn goldens() -> PathBuf {
     }
 }
 
+/// `tag`'s directory of this test process under the system's temp dir, emptied: what a
+/// test writes (model copies, prompt files, a store) goes there.
+pub fn scratch_path(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("troupe-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// `scratch_path(tag)`, created.
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    let dir = scratch_path(tag);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A copy of golden checkpoint `name`'s `files` in `scratch_dir(tag)` (the test writes its
+/// own variant of what it leaves out).
+pub fn golden_copy(name: &str, files: &[&str], tag: &str) -> PathBuf {
+    let (src, dir) = (goldens().join(name), scratch_dir(tag));
+    for f in files {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    dir
+}
+
 pub fn read_json(rel: &str) -> Value {
     let p = goldens().join(rel);
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));

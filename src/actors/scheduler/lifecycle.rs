@@ -1,6 +1,7 @@
 //! The scheduler's bookkeeping around steps: a new group of ranks attached (device state
 //! fresh, every unfinished sequence recomputed), each sampled step's measures counted,
-//! and the status a caller reads.
+//! the status a caller reads, and sequences ended from outside the step (a stop string,
+//! a cancel, the last rank lost).
 
 use ractor::ActorRef;
 
@@ -9,6 +10,7 @@ use super::super::sampler::SamplerMsg;
 use super::SchedulerState;
 use crate::api::EngineStatus;
 use crate::runner::RankReport;
+use crate::sched::FinishReason;
 use crate::step::SampledStep;
 
 impl SchedulerState {
@@ -85,5 +87,33 @@ impl SchedulerState {
             .map(|k| k.stats())
             .unwrap_or_default();
         s
+    }
+
+    /// The last rank is gone: the engine has failed, and every request with it.
+    pub(super) fn rank_lost(&mut self, reason: &str) {
+        let reason = format!("no rank worker is left: {reason}");
+        tracing::error!("the engine has failed: {reason}");
+        self.status.failure = Some(reason.clone());
+        self.failed = Some(reason.clone());
+        self.sampled.invalidate();
+        self.fail_all(&reason);
+    }
+
+    /// `CancelAll`: every sequence cut; what is still on its way in (a body being read, a
+    /// prompt being staged from the store) is refused with the same reason, never started.
+    pub(super) fn cancel_all(&mut self, reason: String) {
+        tracing::warn!("cancelling {} sequences: {reason}", self.requests.len());
+        self.failed = Some(reason.clone());
+        self.fail_all(&reason);
+    }
+
+    /// A stop string ended completion `index` of `request_id`: the core still counts the
+    /// sequence as running, so it ends there too.
+    pub(super) fn stop_choice(&mut self, request_id: u64, index: usize) {
+        let seq_id = super::seq_id_of(request_id, index);
+        if self.requests.contains_key(&seq_id) {
+            self.core.abort(seq_id);
+            self.finish(seq_id, FinishReason::Stop);
+        }
     }
 }

@@ -82,18 +82,34 @@ impl SchedulerState {
 
     /// Admits `sub` to the core with the blocks the store holds for it.
     pub(super) fn submit(&mut self, sub: Submission, stored: StoredPrefix) {
-        let Submission {
-            request_id,
-            request,
-            grammar,
-            stream,
-            reply,
-            span,
-        } = sub;
         if let Some(reason) = &self.failed {
-            let _ = reply.send(Err(EngineError::Unavailable(reason.clone())));
+            let _ = sub
+                .reply
+                .send(Err(EngineError::Unavailable(reason.clone())));
             return;
         }
+        let mut choices = self.choices(&sub);
+        let (first_seq, mut first) = choices.remove(0);
+        first.pending_forks = choices;
+        let seq_id = first_seq.seq_id;
+        match self.core.add_with_stored(first_seq, stored) {
+            Ok(()) => {
+                self.requests.insert(seq_id, first);
+                let _ = sub.reply.send(Ok(()));
+                self.kick();
+            }
+            Err(e) => {
+                let _ = sub
+                    .reply
+                    .send(Err(RequestError::Unservable(e.to_string()).into()));
+            }
+        }
+    }
+
+    /// The request's `n` completions, each as the core's sequence and the actor's record
+    /// (the first is admitted; the others fork from its prompt blocks).
+    fn choices(&self, sub: &Submission) -> Vec<(SeqRequest, Request)> {
+        let (request, grammar) = (&sub.request, &sub.grammar);
         // Resolved by `EngineHandle::generate` (drawn there when the caller gave none).
         let seed = request.seed.unwrap_or_default();
         let prompt_ids: Shared<[u32]> = request.prompt_ids.clone().into();
@@ -108,12 +124,12 @@ impl SchedulerState {
             .copied()
             .collect();
         let eos_id = self.stop_ids.first().copied().unwrap_or(0);
-        let mut choices: Vec<(SeqRequest, Request)> = (0..request.n)
+        (0..request.n)
             .map(|index| {
                 let mut params = request.params.clone();
                 params.seed = choice_seed(seed, index);
                 let seq = SeqRequest {
-                    seq_id: seq_id_of(request_id, index),
+                    seq_id: seq_id_of(sub.request_id, index),
                     prompt_ids: request.prompt_ids.clone(),
                     max_tokens: request.max_tokens,
                     stop_ids: stop_ids.to_vec(),
@@ -134,34 +150,42 @@ impl SchedulerState {
                     stop_ids: stop_ids.clone(),
                     index,
                     pending_forks: Vec::new(),
-                    stream: stream.clone(),
+                    stream: sub.stream.clone(),
                     params: Shared::new(params),
                     prompt_ids: prompt_ids.clone(),
-                    request: (*request).clone(),
+                    request: (**request).clone(),
                     token_ids: Shared::new(Vec::new()),
                     constraint: grammar
                         .as_ref()
                         .map(|g| SeqConstraint::start(g, eos_id, stop_ids.clone())),
-                    span: span.clone(),
+                    span: sub.span.clone(),
                     started: false,
                     prompt_scores: (index == 0 && request.prompt_logprobs.is_some())
                         .then(|| vec![None; request.prompt_ids.len()]),
                 };
                 (seq, r)
             })
-            .collect();
-        let (first_seq, mut first) = choices.remove(0);
-        first.pending_forks = choices;
-        let seq_id = first_seq.seq_id;
-        match self.core.add_with_stored(first_seq, stored) {
-            Ok(()) => {
-                self.requests.insert(seq_id, first);
-                let _ = reply.send(Ok(()));
-                self.kick();
-            }
-            Err(e) => {
-                let _ = reply.send(Err(RequestError::Unservable(e.to_string()).into()));
-            }
+            .collect()
+    }
+
+    /// A submission as it arrives: queued under the caller's span, its queue deadline
+    /// set, then staged from the store or admitted.
+    pub(super) fn receive(&mut self, sub: Submission, myself: &ActorRef<SchedulerMsg>) {
+        let request_id = sub.request_id;
+        sub.span.in_scope(|| {
+            tracing::debug!(
+                engine_request = request_id,
+                prompt_tokens = sub.request.prompt_ids.len(),
+                max_tokens = sub.request.max_tokens,
+                n = sub.request.n,
+                "queued"
+            )
+        });
+        if let Some(limit) = self.queue_timeout {
+            myself.send_after(limit, move || SchedulerMsg::QueueDeadline { request_id });
+        }
+        if let Some(sub) = self.stage(sub, myself) {
+            self.submit(sub, StoredPrefix::default());
         }
     }
 }
