@@ -106,9 +106,9 @@ def main() -> None:
                          "with host experts eager, against the default: recorded as CUDA graphs, "
                          "the host part as calls on the stream)")
     ap.add_argument("--compare-host-moe", action="store_true",
-                    help="also the whole model's decode runs with TROUPE_HOST_MOE=nested (each host "
-                         "expert's products a task of its own, against the default: every active "
-                         "expert's rows in two flat sweeps)")
+                    help="also the whole model's decode runs with TROUPE_HOST_MOE=flat (every active "
+                         "host expert's rows in two flat sweeps, against the default: each expert's "
+                         "products a task of its own)")
     ap.add_argument("--skip-gpu", action="store_true",
                     help="no all-GPU baseline runs (the whole model's alone, no scaled ratios)")
     ap.add_argument("--out", default=".")
@@ -145,9 +145,9 @@ def main() -> None:
                 plan.append(("whole", f"b{args.batch} eager", batch, args.new, []))
         if args.compare_host_moe:
             if not args.skip_decode:
-                plan.append(("whole", "b1 nested", [decode_prompt], args.new, []))
+                plan.append(("whole", "b1 flat", [decode_prompt], args.new, []))
             if not args.skip_batch:
-                plan.append(("whole", f"b{args.batch} nested", batch, args.new, []))
+                plan.append(("whole", f"b{args.batch} flat", batch, args.new, []))
         if args.compare_host_calls or args.compare_host_moe:
             # Each default run beside its variants, so a cut call still pairs them.
             plan.sort(key=lambda p: (p[1].split()[0] != "b1", p[0] != "whole"))
@@ -158,7 +158,7 @@ def main() -> None:
         for name, key, prompts, new, more in plan:
             extra = configs[name][1] + more
             env_more = ({"TROUPE_HOST_CALLS": "0"} if key.endswith("eager")
-                        else {"TROUPE_HOST_MOE": "nested"} if key.endswith("nested") else None)
+                        else {"TROUPE_HOST_MOE": "flat"} if key.endswith("flat") else None)
             rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra,
                                         env_more)
     layer_bytes, head_bytes = bytes_per_token(whole)
@@ -187,7 +187,7 @@ def main() -> None:
         print(f"prefill {args.prompt}, whole model: streamed (auto) {auto:.2f} tok/s vs CPU-computed (never) "
               f"{never:.2f} tok/s = {auto / never:.2f}x")
     variants = {"eager": ("recorded steps with host calls", "eager (TROUPE_HOST_CALLS=0)"),
-                "nested": ("host products in flat sweeps", "one task an expert (TROUPE_HOST_MOE=nested)")}
+                "flat": ("host products one task an expert", "flat sweeps (TROUPE_HOST_MOE=flat)")}
     for variant, (default_label, label) in variants.items():
         for k in ("b1", f"b{args.batch}"):
             if f"whole {k} {variant}" in rows:
@@ -195,8 +195,8 @@ def main() -> None:
                 other = rows[f"whole {k} {variant}"]["decode_tokens_per_s"]
                 print(f"decode {k}, whole model: {default_label} (the default) {base:.2f} tok/s "
                       f"vs {label} {other:.2f} tok/s = {base / other:.2f}x")
-    for k in ("b1", f"b{args.batch}", "b1 eager", f"b{args.batch} eager", "b1 nested",
-              f"b{args.batch} nested"):
+    for k in ("b1", f"b{args.batch}", "b1 eager", f"b{args.batch} eager", "b1 flat",
+              f"b{args.batch} flat"):
         st = rows.get(f"whole {k}", {})
         if st.get("host_secs"):
             bw = st["host_gb"] * 1e9 / st["host_secs"]

@@ -104,7 +104,7 @@ pub(super) fn routed_experts(
             .all(|w| matches!(w, CpuMatrix::Packed { .. }))
     });
     let dims = (inter, hidden, limit);
-    let ys_of = if packed && !invariant && !nested_products() {
+    let ys_of = if packed && !invariant && flat_products() {
         products_flat(&active, &xs, experts, dims)
     } else {
         products_nested(&active, &xs, experts, dims, invariant)
@@ -143,17 +143,19 @@ fn products_nested(
         .collect()
 }
 
-/// `TROUPE_HOST_MOE=nested`: each expert's products as a task of its own, its matrices'
-/// rows split inside it (the path before `products_flat`), to measure one against the
-/// other. The same bits either way.
-fn nested_products() -> bool {
-    std::env::var_os("TROUPE_HOST_MOE").is_some_and(|v| v == "nested")
+/// `TROUPE_HOST_MOE=flat`: the products as two flat sweeps over every active expert's rows
+/// (`products_flat`), to measure against one task an expert (the default), the same bits
+/// either way. On two cores (AMD EPYC, AVX-512) the flat sweeps were no faster at decode
+/// (0.46–0.49 of the read bandwidth against 0.47–0.52) and 1.3–1.6× slower at a 512-token
+/// prefill; whether they pay with 16 threads is measured on the GPU machine's host.
+fn flat_products() -> bool {
+    std::env::var_os("TROUPE_HOST_MOE").is_some_and(|v| v == "flat")
 }
 
 /// Packed experts' products as two flat sweeps over every active expert's weight rows
 /// (`matmul_many`): all gates and ups, then all downs. At decode a layer has a few
 /// experts of one row each; split expert by expert, a thread that finished its share of
-/// one expert's matrix waited on that matrix's slowest task before the next began.
+/// one expert's matrix may wait on that matrix's slowest task before the next begins.
 fn products_flat(
     active: &[(usize, Vec<usize>)],
     xs: &[Vec<f32>],
