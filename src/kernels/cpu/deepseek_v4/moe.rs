@@ -145,9 +145,9 @@ fn products_nested(
 
 /// `TROUPE_HOST_MOE=flat`: the products as two flat sweeps over every active expert's rows
 /// (`products_flat`), to measure against one task an expert (the default), the same bits
-/// either way. On two cores (AMD EPYC, AVX-512) the flat sweeps were no faster at decode
-/// (0.46–0.49 of the read bandwidth against 0.47–0.52) and 1.3–1.6× slower at a 512-token
-/// prefill; whether they pay with 16 threads is measured on the GPU machine's host.
+/// either way. They lost where measured (BENCHMARKS.md): on two cores no faster at decode
+/// and 1.3–1.6× slower at a 512-token prefill; with the 16 threads of an H100 machine's
+/// host the whole V4-Flash decoded 1.07–1.08× slower with them.
 fn flat_products() -> bool {
     std::env::var_os("TROUPE_HOST_MOE").is_some_and(|v| v == "flat")
 }
