@@ -87,5 +87,30 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// A decode row through many distinct MXFP4 expert gates, as host experts read them: the
+/// weights (`STREAM_EXPERTS` × 4.5 MB) do not fit any cache, so with every thread this is
+/// the kernel against the host's memory bandwidth, and with `RAYON_NUM_THREADS=1` (against
+/// `matmul_expert_2048x4096/MXFP4/1`, in cache) one core's compute rate.
+fn stream(c: &mut Criterion) {
+    const STREAM_EXPERTS: usize = 64;
+    let (rows, cols) = (2048, 4096);
+    let experts: Vec<CpuMatrix> = (0..STREAM_EXPERTS)
+        .map(|_| CpuMatrix::from_host(host(GgmlType::MXFP4, rows, cols)))
+        .collect();
+    let bytes = (rows * cols / 32 * GgmlType::MXFP4.block_bytes()) as u64;
+    let x: Vec<f32> = (0..cols).map(|i| ((i % 13) as f32 - 6.0) / 13.0).collect();
+    let mut out = vec![0f32; rows];
+    let mut group = c.benchmark_group("mxfp4_stream");
+    group.throughput(Throughput::Bytes(bytes));
+    let mut next = 0;
+    group.bench_function("expert_2048x4096_m1", |b| {
+        b.iter(|| {
+            next = (next + 1) % STREAM_EXPERTS;
+            matmul(&x, 1, &experts[next], &mut out, false)
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, stream);
 criterion_main!(benches);

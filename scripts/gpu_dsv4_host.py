@@ -7,7 +7,8 @@ run (torch summing a large host tensor on every core), the limit the host part i
 Usage (on the device machine): python3 scripts/gpu_dsv4_host.py gpu-bin/troupe \
     [--layers 43] [--gpu-layers 16] [--prompt 4096] [--decode-prompt 512] [--new 32] \
     [--batch 32] [--extra-flags '--cpu-moe'] [--skip-decode] [--skip-batch] [--skip-prefill] \
-    [--compare-never] [--compare-host-calls] [--compare-host-moe] [--out DIR]
+    [--compare-never] [--compare-host-calls] [--compare-host-moe]
+    [--compare-mxfp4-kernel] [--out DIR]
 Prints a table last; writes gpu_dsv4_host.json to --out.
 """
 
@@ -109,6 +110,10 @@ def main() -> None:
                     help="also the whole model's decode runs with TROUPE_HOST_MOE=flat (every active "
                          "host expert's rows in two flat sweeps, against the default: each expert's "
                          "products a task of its own)")
+    ap.add_argument("--compare-mxfp4-kernel", action="store_true",
+                    help="also the whole model's decode runs with TROUPE_MXFP4_KERNEL=shared (host "
+                         "experts through the kernel every packed format shares, against the "
+                         "default: MXFP4's own decode kernel; the same bits)")
     ap.add_argument("--skip-gpu", action="store_true",
                     help="no all-GPU baseline runs (the whole model's alone, no scaled ratios)")
     ap.add_argument("--out", default=".")
@@ -138,17 +143,14 @@ def main() -> None:
         plan = [] if args.skip_decode else [(n, "b1", [decode_prompt], args.new, []) for n in configs]
         if not args.skip_batch:
             plan += [(n, f"b{args.batch}", batch, args.new, []) for n in configs]
-        if args.compare_host_calls:
+        compared = [v for v, on in (("eager", args.compare_host_calls), ("flat", args.compare_host_moe),
+                                    ("shared", args.compare_mxfp4_kernel)) if on]
+        for variant in compared:
             if not args.skip_decode:
-                plan.append(("whole", "b1 eager", [decode_prompt], args.new, []))
+                plan.append(("whole", f"b1 {variant}", [decode_prompt], args.new, []))
             if not args.skip_batch:
-                plan.append(("whole", f"b{args.batch} eager", batch, args.new, []))
-        if args.compare_host_moe:
-            if not args.skip_decode:
-                plan.append(("whole", "b1 flat", [decode_prompt], args.new, []))
-            if not args.skip_batch:
-                plan.append(("whole", f"b{args.batch} flat", batch, args.new, []))
-        if args.compare_host_calls or args.compare_host_moe:
+                plan.append(("whole", f"b{args.batch} {variant}", batch, args.new, []))
+        if compared:
             # Each default run beside its variants, so a cut call still pairs them.
             plan.sort(key=lambda p: (p[1].split()[0] != "b1", p[0] != "whole"))
         if not args.skip_prefill:
@@ -157,8 +159,7 @@ def main() -> None:
                 plan.append(("whole", "prefill never", [prompt], 1, ["--stream-experts", "never"]))
         for name, key, prompts, new, more in plan:
             extra = configs[name][1] + more
-            env_more = ({"TROUPE_HOST_CALLS": "0"} if key.endswith("eager")
-                        else {"TROUPE_HOST_MOE": "flat"} if key.endswith("flat") else None)
+            env_more = VARIANT_ENV.get(key.split()[-1])
             rows[f"{name} {key}"] = run(args.troupe, tmp / name, prompts, new, tmp, args.kv_mib, extra,
                                         env_more)
     layer_bytes, head_bytes = bytes_per_token(whole)
@@ -187,7 +188,8 @@ def main() -> None:
         print(f"prefill {args.prompt}, whole model: streamed (auto) {auto:.2f} tok/s vs CPU-computed (never) "
               f"{never:.2f} tok/s = {auto / never:.2f}x")
     variants = {"eager": ("recorded steps with host calls", "eager (TROUPE_HOST_CALLS=0)"),
-                "flat": ("host products one task an expert", "flat sweeps (TROUPE_HOST_MOE=flat)")}
+                "flat": ("host products one task an expert", "flat sweeps (TROUPE_HOST_MOE=flat)"),
+                "shared": ("MXFP4's own kernel", "the shared kernel (TROUPE_MXFP4_KERNEL=shared)")}
     for variant, (default_label, label) in variants.items():
         for k in ("b1", f"b{args.batch}"):
             if f"whole {k} {variant}" in rows:
@@ -195,8 +197,7 @@ def main() -> None:
                 other = rows[f"whole {k} {variant}"]["decode_tokens_per_s"]
                 print(f"decode {k}, whole model: {default_label} (the default) {base:.2f} tok/s "
                       f"vs {label} {other:.2f} tok/s = {base / other:.2f}x")
-    for k in ("b1", f"b{args.batch}", "b1 eager", f"b{args.batch} eager", "b1 flat",
-              f"b{args.batch} flat"):
+    for k in [f"{b} {v}".strip() for v in ("", *VARIANT_ENV) for b in ("b1", f"b{args.batch}")]:
         st = rows.get(f"whole {k}", {})
         if st.get("host_secs"):
             bw = st["host_gb"] * 1e9 / st["host_secs"]

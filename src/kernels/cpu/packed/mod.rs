@@ -14,6 +14,8 @@
 
 mod formats;
 #[cfg(target_arch = "x86_64")]
+mod mxfp4_x86;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 use formats::BlockFormat;
@@ -26,13 +28,15 @@ pub const ACT_BLOCK: usize = 32;
 /// Elements per activation scale: one integer sum of the kernel.
 pub const ACT_GROUP: usize = 4;
 
-/// Rows of activations quantized to 8 bits: per 4 elements a scale `d`, per 16 the sum
+/// Rows of activations quantized to 8 bits: per 4 elements a scale `d` and `−Σ q` (the
+/// offset correction of kernels that make signed codes unsigned), per 16 the sum
 /// `Σ d · q` that the min terms multiply.
 #[derive(Default)]
 pub struct Q8Act {
     cols: usize,
     quants: Vec<i8>,
     scales: Vec<f32>,
+    neg_group_sums: Vec<i32>,
     sums: Vec<f32>,
 }
 
@@ -41,6 +45,7 @@ pub struct Q8Act {
 pub struct Q8Row<'a> {
     pub quants: &'a [i8],
     pub scales: &'a [f32],
+    pub neg_group_sums: &'a [i32],
     pub sums: &'a [f32],
 }
 
@@ -55,10 +60,12 @@ impl Q8Act {
         self.cols = cols;
         self.quants.resize(rows * cols, 0);
         self.scales.resize(rows * cols / ACT_GROUP, 0.0);
+        self.neg_group_sums.resize(rows * cols / ACT_GROUP, 0);
         self.sums.resize(rows * cols / 16, 0.0);
         let groups = x[..rows * cols].chunks_exact(ACT_GROUP);
         let quants = self.quants.chunks_exact_mut(ACT_GROUP);
-        for ((xg, qg), d_out) in groups.zip(quants).zip(&mut self.scales) {
+        let outs = self.scales.iter_mut().zip(&mut self.neg_group_sums);
+        for ((xg, qg), (d_out, neg_sum)) in groups.zip(quants).zip(outs) {
             let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -66,6 +73,7 @@ impl Q8Act {
                 *q = round_half_even(v * inv) as i8;
             }
             *d_out = d;
+            *neg_sum = -qg.iter().map(|&q| q as i32).sum::<i32>();
         }
         // Per 16 elements, `Σ d · q` over its four groups (no scratch: this runs per matmul).
         let halves = self
@@ -86,6 +94,7 @@ impl Q8Act {
         Q8Row {
             quants: &self.quants[i * k..(i + 1) * k],
             scales: &self.scales[i * k / ACT_GROUP..(i + 1) * k / ACT_GROUP],
+            neg_group_sums: &self.neg_group_sums[i * k / ACT_GROUP..(i + 1) * k / ACT_GROUP],
             sums: &self.sums[i * k / 16..(i + 1) * k / 16],
         }
     }
@@ -140,9 +149,20 @@ fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> 
         GgmlType::Q6K => pick::<Q6K, R>(path),
         GgmlType::IQ4NL => pick::<IQ4NL, R>(path),
         GgmlType::IQ4XS => pick::<IQ4XS, R>(path),
+        #[cfg(target_arch = "x86_64")]
+        GgmlType::MXFP4 if R < 4 && path == CpuPath::Avx512Vnni && !shared_mxfp4_kernel() => {
+            x86::dot_mxfp4_checked::<R>
+        }
         GgmlType::MXFP4 => pick::<Mxfp4, R>(path),
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,
     })
+}
+
+/// `TROUPE_MXFP4_KERNEL=shared`: MXFP4 through the kernel every format shares, to measure
+/// its own kernel against (the same bits either way).
+fn shared_mxfp4_kernel() -> bool {
+    static SHARED: crate::sync::OnceLock<bool> = crate::sync::OnceLock::new();
+    *SHARED.get_or_init(|| std::env::var_os("TROUPE_MXFP4_KERNEL").is_some_and(|v| v == "shared"))
 }
 
 /// The bytes of one weight row; panics unless `w` is `rows` rows of whole blocks and
@@ -162,7 +182,10 @@ fn check_shapes<F: BlockFormat, const R: usize>(
     let k = row_bytes / F::BYTES * F::SUBS * ACT_BLOCK;
     for x in xs {
         assert!(
-            x.quants.len() >= k && x.scales.len() >= k / ACT_GROUP && x.sums.len() >= k / 16,
+            x.quants.len() >= k
+                && x.scales.len() >= k / ACT_GROUP
+                && x.neg_group_sums.len() >= k / ACT_GROUP
+                && x.sums.len() >= k / 16,
             "activation row shorter than the weight row"
         );
     }
