@@ -234,7 +234,12 @@ fn run_step(
         return Ok(());
     }
     let on_device = model.verifies_on_device();
-    let mut read_picks = |first: u32, count: usize| model.read_picks(first, count);
+    let device_picks = model.device_picks();
+    let mut read_picks = |first: u32, count: usize| {
+        device_picks
+            .expect("a step leaves picks on the device only where the model keeps them")
+            .read_picks(first as usize, count)
+    };
     if !st.inputs.resolve(
         &step,
         &st.sampled,

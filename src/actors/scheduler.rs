@@ -101,7 +101,7 @@ pub struct SchedulerArgs {
     /// Sampled requests' drafts are accepted by rejection sampling (`SpecAcceptance`).
     pub rejection_acceptance: bool,
     /// The ranks draw seeded rows without processors where the logits lie
-    /// (`Capabilities::samples_on_device`), so they verify such rows' drafts by their picks.
+    /// (`Backend::device_picks`), so they verify such rows' drafts by their picks.
     pub samples_on_device: bool,
     pub sampled: SampledTokens,
     pub stop_ids: Vec<u32>,

@@ -175,9 +175,7 @@ pub trait DsV4Kernels: Backend {
     type RowGroups: Send + Sync + AsRef<[Self::Matrix]>;
 
     /// Host work a recorded step can hold (`host_calls.rs`), where the backend has it.
-    fn host_calls(&self) -> Option<&dyn super::host_calls::HostCalls<Self::Buf, Self::Ids>> {
-        None
-    }
+    fn host_calls(&self) -> Option<&dyn super::host_calls::HostCalls<Self::Buf, Self::Ids>>;
 
     /// Readies the kernels (built on first use) for a model of `shape`, or says which
     /// dimension they cannot take.
@@ -196,17 +194,14 @@ pub trait DsV4Kernels: Backend {
     fn read_floats(&self, buf: &Self::Buf, at: Range<usize>) -> Vec<f32>;
     fn write_floats(&self, buf: &mut Self::Buf, offset: usize, values: &[f32]);
     /// `dst[offset..] = src[at]`, in the step's order on the device (a saved state's copy
-    /// in or out). Default: through the host.
-    fn copy_floats(&self, src: &Self::Buf, at: Range<usize>, dst: &mut Self::Buf, offset: usize) {
-        let values = self.read_floats(src, at);
-        self.write_floats(dst, offset, &values);
-    }
+    /// in or out).
+    fn copy_floats(&self, src: &Self::Buf, at: Range<usize>, dst: &mut Self::Buf, offset: usize);
     /// `m`'s rows in `parts` equal blocks (the grouped output projection's).
     fn row_groups(&self, m: Self::Matrix, parts: usize) -> Self::RowGroups;
 
     /// `ids[t]` replaced by entry `picked[t]` of the last `pick_rows` picks where that is
     /// not `NOT_PICKED` (one entry per token): rows continuing the last step read its
-    /// tokens where they were picked (only where the backend's `picks_stay_on_device`).
+    /// tokens where they were picked (only where the backend has `device_picks`).
     fn dsv4_take_picks(&self, ids: &mut Self::Ids, picked: &[u32]);
     /// `out[t] = table[ids[t]]` for the first `tokens` ids, `table` f32 rows `dim` wide.
     fn dsv4_embed(
@@ -279,17 +274,15 @@ pub trait DsV4Kernels: Backend {
         out: &mut Self::Buf,
     );
     /// The grouped output projection on the step's layout: `out [rows, groups, n]`, group
-    /// g of each row of `x [rows, groups, cols]` times block g (`n` rows) of `w`. By
-    /// default the groups go to the front and back around `dsv4_gemm_row_groups`.
+    /// g of each row of `x [rows, groups, cols]` times block g (`n` rows) of `w`; without
+    /// a kernel for it, `grouped_projection_by_swaps`.
     fn dsv4_grouped_projection(
         &self,
         x: &Self::Buf,
         w: &Self::RowGroups,
         shape: GroupedShape,
         out: &mut Self::Buf,
-    ) {
-        grouped_projection_by_swaps(self, x, w, shape, out);
-    }
+    );
 
     /// DeepSeek's interleaved partial RoPE on `heads` rows of `dim` per step row, at the
     /// row's position (`sign` −1 undoes it); `freqs` holds one frequency a pair.

@@ -7,6 +7,7 @@
 //! once per step.
 
 pub mod collective;
+pub mod composed;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -43,9 +44,7 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     /// The hardware this backend runs on, as specific as it can tell (for keying
     /// measurements such as the decode latency curve).
-    fn device_name(&self) -> String {
-        self.name().to_string()
-    }
+    fn device_name(&self) -> String;
     /// This rank's collective for its tensor-parallel group, from what the supervisor
     /// handed out (a backend refuses a kind it cannot use, naming it).
     fn join_group(
@@ -66,26 +65,13 @@ pub trait Backend: Send + Sync {
         cols: usize,
         ggml_type: quant::GgmlType,
         blocks: &[u8],
-    ) -> Self::Matrix {
-        self.upload_matrix(HostMatrix {
-            rows,
-            cols,
-            data: HostData::Quantized {
-                ggml_type,
-                bytes: blocks.to_vec(),
-            },
-        })
-    }
+    ) -> Self::Matrix;
     /// Page-locks `region` of host memory for the device's copies until the guard drops
-    /// (the guard must drop before the memory does); `None` where this backend does not
-    /// or the driver refused.
-    fn pin_host(&self, _region: &[u8]) -> Option<HostPin> {
-        None
-    }
+    /// (the guard must drop before the memory does); `None` where the memory is the
+    /// backend's own (the CPU's) or the driver refused.
+    fn pin_host(&self, region: &[u8]) -> Option<HostPin>;
     /// `--quantization`: how the loader hands this backend dense layer projections.
-    fn quantization(&self) -> Option<fp8::Quantization> {
-        None
-    }
+    fn quantization(&self) -> Option<fp8::Quantization>;
     /// Bytes `m` takes on the device, and what its weights run in (for the model card).
     fn matrix_footprint(&self, m: &Self::Matrix) -> (usize, String);
     fn upload(&self, data: &[f32]) -> Self::Buf;
@@ -96,7 +82,7 @@ pub trait Backend: Send + Sync {
 
     /// `out[t] = table[ids[t]]`, except where `picked` (empty, or one entry per token) is
     /// not `NOT_PICKED`: there the id is entry `picked[t]` of the last `pick_rows` picks,
-    /// read where they lie (ZOS without a host round trip; `picks_stay_on_device`).
+    /// read where they lie (ZOS without a host round trip; `device_picks`).
     fn embedding(&self, table: &Self::Matrix, ids: &[u32], picked: &[u32], out: &mut Self::Buf);
     /// `out[num_rows, w.rows] = x[num_rows, w.cols] · wᵀ (+ bias)`.
     fn matmul(
@@ -127,9 +113,7 @@ pub trait Backend: Send + Sync {
         num_rows: usize,
         dim: usize,
         out: &mut Self::Buf,
-    ) {
-        self.rms_norm(x, weight, eps, num_rows, dim, out);
-    }
+    );
     /// `residual += x` then `out = rms_norm(residual)`: the residual add fused into the norm.
     #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(
@@ -167,10 +151,7 @@ pub trait Backend: Send + Sync {
         width: usize,
         gate_up: &mut Self::Buf,
         out: &mut Self::Buf,
-    ) {
-        self.matmul(x, num_rows, w, None, gate_up);
-        self.silu_mul(gate_up, num_rows, width, out);
-    }
+    );
     /// `dst[r, 0..width] = src[r, col_start..col_start + width]` for `r < num_rows`.
     fn copy_columns(
         &self,
@@ -190,37 +171,32 @@ pub trait Backend: Send + Sync {
         v: &Self::Buf,
         slots: &[u32],
     );
-    /// Fused, where the backend has it: the stacked projection `qkv[num_tokens, (heads +
-    /// 2·kv_heads)·head_dim]` into q (`q_out`, rotated, normalised per head when `qk_norm`
-    /// gives the q and k norms) and into `layer` of the cache at `slots` (k normalised and
-    /// rotated, v as is) — what `copy_columns`, `rms_norm`, `rope` and `kv_write` do one
-    /// by one. Returns false, having done nothing, where the caller must run those.
+    /// The stacked projection `qkv[num_tokens, (heads + 2·kv_heads)·head_dim]` into q
+    /// (`q_out`, rotated, normalised per head when `qk_norm` gives the q and k norms) and
+    /// into `layer` of the cache at `slots` (k normalised and rotated, v as is): what
+    /// `copy_columns`, `rms_norm`, `rope` and `kv_write` do one by one (`qkv_by_parts`),
+    /// fused where the backend has a kernel for these heads. Returns false, having done
+    /// nothing, where it has none: the caller runs `qkv_by_parts` with its own scratch.
     #[allow(clippy::too_many_arguments)]
     fn qkv_into_cache(
         &self,
-        _qkv: &Self::Buf,
-        _heads: QkvHeads,
-        _qk_norm: Option<(&Self::Buf, &Self::Buf, f32)>,
-        _positions: &[u32],
-        _cos_sin: &Self::Buf,
-        _cache: &mut Self::KvCache,
-        _layer: usize,
-        _slots: &[u32],
-        _q_out: &mut Self::Buf,
-    ) -> bool {
-        false
-    }
+        qkv: &Self::Buf,
+        heads: QkvHeads,
+        qk_norm: Option<(&Self::Buf, &Self::Buf, f32)>,
+        positions: &[u32],
+        cos_sin: &Self::Buf,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        slots: &[u32],
+        q_out: &mut Self::Buf,
+    ) -> bool;
     /// Blocks `blocks` of every layer's K and V as the cache stores them (codes and
     /// scales where it quantizes), back to back, each the same number of bytes: what a
-    /// prefix store keeps. `None` where the backend cannot.
-    fn read_kv_blocks(&self, _cache: &Self::KvCache, _blocks: &[u32]) -> Option<Vec<u8>> {
-        None
-    }
+    /// prefix store keeps. `None` where the cache's layout cannot be read as blocks.
+    fn read_kv_blocks(&self, cache: &Self::KvCache, blocks: &[u32]) -> Option<Vec<u8>>;
     /// Fills each `(block, bytes)` from `read_kv_blocks`' bytes of a cache of the same
-    /// layout; false where the backend cannot or some bytes are not one such block.
-    fn write_kv_blocks(&self, _cache: &mut Self::KvCache, _blocks: &[(u32, &[u8])]) -> bool {
-        false
-    }
+    /// layout; false where some bytes are not one such block.
+    fn write_kv_blocks(&self, cache: &mut Self::KvCache, blocks: &[(u32, &[u8])]) -> bool;
     /// Causal attention of each sequence's query tokens over its paged context.
     /// `q` is `[num_tokens, num_heads * head_dim]`, `out` the same shape.
     fn paged_attention(
@@ -245,59 +221,33 @@ pub trait Backend: Send + Sync {
         vocab: usize,
         rows: &[PickRow<'_>],
     ) -> Pending<Vec<(u32, f32)>>;
-    /// What this backend can do beyond the operations every backend has.
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::default()
-    }
+    /// Picks kept on the device between steps, where the backend keeps them (`None`: every
+    /// pick goes to the host as `pick_rows` makes it, and the caller passes ids).
+    fn device_picks(&self) -> Option<&dyn DevicePicks>;
     /// A point on the device's timeline after the work launched so far (a CUDA event
     /// with timing), or `None` where the backend has no timeline of its own.
-    fn timeline_mark(&self) -> Option<DeviceMark> {
-        None
-    }
+    fn timeline_mark(&self) -> Option<DeviceMark>;
     /// Rows of `[_, vocab]` logits, copied to the host back to back.
     fn download_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<f32>;
     /// The greedy token of each listed row (the first index of its largest logit) and its
     /// log-probability, waited for; the last picks (`pick_rows`) stay as they are. A draft
     /// model's drafts: on a device only the picks cross to the host.
-    fn greedy_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)> {
-        let host = self.download_rows(logits, vocab, rows);
-        host.chunks_exact(vocab.max(1))
-            .map(|row| {
-                let token = crate::sampling::argmax(row);
-                (
-                    token,
-                    row[token as usize] - crate::sampling::log_sum_exp(row),
-                )
-            })
-            .collect()
-    }
-    /// Tokens `first..first + count` of the last `pick_rows` picks, once they are made
-    /// (waits for the device): a backend whose picks stay on the device
-    /// (`picks_stay_on_device`) has them; others hand every pick to the host at once.
-    fn read_picks(&self, _first: usize, _count: usize) -> Vec<u32> {
-        unreachable!("a backend that keeps no picks on a device is never asked for them")
-    }
+    fn greedy_rows(&self, logits: &Self::Buf, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)>;
 
     /// Recorded decode steps (CUDA graphs), where the backend records them.
-    fn graphs(&self) -> Option<&dyn StepGraphs> {
-        None
-    }
+    fn graphs(&self) -> Option<&dyn StepGraphs>;
     /// Whole steps recorded once and replayed (CUDA graphs), where the backend records
     /// them.
-    fn recorder(&self) -> Option<&dyn StepRecorder> {
-        None
-    }
+    fn recorder(&self) -> Option<&dyn StepRecorder>;
 }
 
-/// A backend's capabilities beyond the common operations (all off: the CPU backend).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Capabilities {
-    /// `embedding` can read the last picks on the device; else the caller resolves them
-    /// (`pick_rows`' result) and passes ids.
-    pub picks_stay_on_device: bool,
-    /// `pick_rows` should get sampled (not only greedy) rows: sampling beside the logits
-    /// saves their copy to the host.
-    pub samples_on_device: bool,
+/// Picks that stay on the device (`Backend::device_picks`): the next step's `embedding`
+/// reads them where they lie (ZOS without a host round trip), and `pick_rows` takes sampled
+/// rows too, not only greedy ones (sampling beside the logits saves their copy to the host).
+pub trait DevicePicks {
+    /// Tokens `first..first + count` of the last `pick_rows` picks, once they are made
+    /// (waits for the device).
+    fn read_picks(&self, first: usize, count: usize) -> Vec<u32>;
 }
 
 /// A backend's recorded steps of short rows (CUDA graphs): decode rows, and verify rows

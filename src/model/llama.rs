@@ -43,19 +43,18 @@ pub struct SlotState {
 struct Workspace<B: Backend> {
     capacity_tokens: usize,
     capacity_logit_rows: usize,
-    x: B::Buf,        // (tokens, hidden): the residual stream
-    normed: B::Buf,   // (tokens, hidden)
-    qkv: B::Buf,      // (tokens, q_dim + 2 * kv_dim)
-    q: B::Buf,        // (tokens, q_dim)
-    k: B::Buf,        // (tokens, kv_dim)
-    v: B::Buf,        // (tokens, kv_dim)
-    attn: B::Buf,     // (tokens, q_dim)
-    proj: B::Buf,     // (tokens, hidden)
-    gate_up: B::Buf,  // (tokens, 2 * intermediate)
-    act: B::Buf,      // (tokens, intermediate)
-    k_normed: B::Buf, // (tokens, kv_dim), Qwen3 only
-    last: B::Buf,     // (logit rows, hidden)
-    logits: B::Buf,   // (logit rows, vocab)
+    x: B::Buf,       // (tokens, hidden): the residual stream
+    normed: B::Buf,  // (tokens, hidden)
+    qkv: B::Buf,     // (tokens, q_dim + 2 * kv_dim)
+    q: B::Buf,       // (tokens, q_dim)
+    k: B::Buf,       // (tokens, kv_dim)
+    v: B::Buf,       // (tokens, kv_dim)
+    attn: B::Buf,    // (tokens, q_dim); the per-head norms' scratch before attention
+    proj: B::Buf,    // (tokens, hidden)
+    gate_up: B::Buf, // (tokens, 2 * intermediate)
+    act: B::Buf,     // (tokens, intermediate)
+    last: B::Buf,    // (logit rows, hidden)
+    logits: B::Buf,  // (logit rows, vocab)
 }
 
 pub struct LlamaModel<B: Backend> {
@@ -157,11 +156,6 @@ impl<B: Backend> LlamaModel<B> {
             proj: backend.alloc(t * c.hidden_size),
             gate_up: backend.alloc(t * 2 * c.intermediate_size),
             act: backend.alloc(t * c.intermediate_size),
-            k_normed: backend.alloc(if c.arch == super::config::Arch::Qwen3 {
-                t * c.kv_dim()
-            } else {
-                0
-            }),
             last: backend.alloc(r * c.hidden_size),
             logits: backend.alloc(r * c.vocab_size),
         });
@@ -230,7 +224,10 @@ impl<B: Backend> LlamaModel<B> {
             return (moved, picked);
         }
         for v in verified {
-            let picks = backend.read_picks(v.first_pick as usize, v.drafts.len() + 1);
+            let picks = backend
+                .device_picks()
+                .expect("rows continue verify rows on the device only where it keeps picks")
+                .read_picks(v.first_pick as usize, v.drafts.len() + 1);
             let kept = crate::spec::verify::num_accepted_by_picks(v.drafts, picks);
             moved[v.row] = MovedBack::Positions(v.drafts.len() - kept);
             picked[v.row] = v.first_pick + kept as u32;
@@ -371,7 +368,6 @@ impl<B: Backend> LlamaModel<B> {
                     &mut ws.normed,
                 );
             }
-            let (qd, kvd) = (c.q_dim(), c.kv_dim());
             backend.matmul(
                 &ws.normed,
                 num_tokens,
@@ -401,32 +397,19 @@ impl<B: Backend> LlamaModel<B> {
                 &mut ws.q,
             );
             if !fused {
-                backend.copy_columns(&ws.qkv, qd + 2 * kvd, 0, qd, num_tokens, &mut ws.q);
-                backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd, kvd, num_tokens, &mut ws.k);
-                backend.copy_columns(&ws.qkv, qd + 2 * kvd, qd + kvd, kvd, num_tokens, &mut ws.v);
-                if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                    // Qwen3 normalizes each head; reuse `attn` as the scratch for q.
-                    backend.rms_norm(&ws.q, qn, eps, num_tokens * c.num_heads, hd, &mut ws.attn);
-                    std::mem::swap(&mut ws.q, &mut ws.attn);
-                    backend.rms_norm(
-                        &ws.k,
-                        kn,
-                        eps,
-                        num_tokens * c.num_kv_heads,
-                        hd,
-                        &mut ws.k_normed,
-                    );
-                    std::mem::swap(&mut ws.k, &mut ws.k_normed);
-                }
-                backend.rope(&mut ws.q, &self.positions, c.num_heads, hd, &self.cos_sin);
-                backend.rope(
-                    &mut ws.k,
+                crate::kernels::composed::qkv_by_parts(
+                    backend,
+                    &ws.qkv,
+                    heads,
+                    qk_norm,
                     &self.positions,
-                    c.num_kv_heads,
-                    hd,
                     &self.cos_sin,
+                    cache,
+                    li,
+                    &self.slots,
+                    &mut ws.q,
+                    [&mut ws.k, &mut ws.v, &mut ws.attn],
                 );
-                backend.kv_write(cache, li, &ws.k, &ws.v, &self.slots);
             }
             backend.paged_attention(&ws.q, cache, li, &attn_seqs, c.num_heads, &mut ws.attn);
             backend.matmul(&ws.attn, num_tokens, &lw.wo, None, &mut ws.proj);

@@ -243,8 +243,8 @@ impl DeviceModel for DsV4OnCuda {
         )
     }
 
-    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
-        crate::kernels::Backend::read_picks(&self.model.backend, first as usize, count)
+    fn device_picks(&self) -> Option<&dyn crate::kernels::DevicePicks> {
+        crate::kernels::Backend::device_picks(&self.model.backend)
     }
 }
 

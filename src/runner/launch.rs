@@ -83,7 +83,7 @@ impl<B: Backend> StepOutcome<'_, B> {
 
     /// Sorts `step`'s rows by where their logits go.
     fn route(&self, step: &RankStep<'_>) -> Routes {
-        let sample_here = self.backend.capabilities().samples_on_device;
+        let sample_here = self.backend.device_picks().is_some();
         let mut routes = Routes {
             host_first: vec![None; step.len()],
             score_first: vec![None; step.len()],
@@ -206,7 +206,7 @@ impl<B: Backend> StepOutcome<'_, B> {
         let num_rows = step.len();
         let span = self.start.take().zip(self.backend.timeline_mark());
         // Ok: on the host now (the step waited for); Err: read when the step lands.
-        let picks = if self.picks_stay && self.backend.capabilities().picks_stay_on_device {
+        let picks = if self.picks_stay && self.backend.device_picks().is_some() {
             Err(picks)
         } else {
             Ok(picks())
@@ -342,7 +342,11 @@ impl<B: Backend> StepOutcome<'_, B> {
             match row.prior? {
                 PriorYield::Tokens(tokens) => history.extend_from_slice(tokens),
                 PriorYield::Picks { first, drafts } => {
-                    let picks = self.backend.read_picks(*first as usize, drafts.len() + 1);
+                    let picks = self
+                        .backend
+                        .device_picks()
+                        .expect("only a backend that keeps picks leaves them on the device")
+                        .read_picks(*first as usize, drafts.len() + 1);
                     history.extend(PrevToken::yielded(drafts, &picks));
                 }
             }

@@ -99,8 +99,8 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
     fn slot_states(&mut self) -> Option<&mut dyn SlotStates> {
         None
     }
-    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32> {
-        self.backend.read_picks(first as usize, count)
+    fn device_picks(&self) -> Option<&dyn crate::kernels::DevicePicks> {
+        self.backend.device_picks()
     }
     fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String> {
         // Where steps are recorded as graphs (`decode_curve::record_graphs`, next), a

@@ -161,7 +161,7 @@ pub enum PrevToken {
     HostVerified { drafts: Vec<u32>, picks: Vec<u32> },
     /// A verify row whose picks (entries `first..`, one per draft and one after)
     /// stay on the device: a row continuing it has the device verify `drafts` against
-    /// them (`VerifiedRow`), or reads them (`DeviceModel::read_picks`), without waiting
+    /// them (`VerifiedRow`), or reads them (`DeviceModel::device_picks`), without waiting
     /// for the sampler.
     DeviceVerified { first: u32, drafts: Vec<u32> },
     /// Drawn by the host's sampler (`SampledTokens`), after these drafts (empty: a row
@@ -223,9 +223,9 @@ pub trait DeviceModel: Send {
     fn warm_up(&mut self, block_size: usize, tokens: usize) -> Result<(), String>;
     /// What the weights take on the device and run in.
     fn weight_footprint(&self) -> crate::model::weights::WeightFootprint;
-    /// Tokens `first..first + count` of the last step's picks (`PrevToken::DeviceVerified`),
-    /// waiting for the device.
-    fn read_picks(&mut self, first: u32, count: usize) -> Vec<u32>;
+    /// The last step's picks where they stay on the device (`PrevToken::DeviceVerified`
+    /// rows read theirs through it); `None` where every pick goes to the host.
+    fn device_picks(&self) -> Option<&dyn crate::kernels::DevicePicks>;
     /// The token counts steps run at as recorded graphs, ascending, and the most tokens a
     /// row of one may hold (`StepGraphs`); `None`: no graphs.
     fn graph_sizes(&self) -> Option<(&'static [usize], usize)>;

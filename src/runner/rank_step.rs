@@ -97,6 +97,6 @@ pub enum PriorYield {
     /// Known on the host.
     Tokens(Vec<u32>),
     /// Picks `first..=first + drafts.len()` on the device, against the row's `drafts`
-    /// (`DeviceModel::read_picks` waits for them alone).
+    /// (`DeviceModel::device_picks` waits for them alone).
     Picks { first: u32, drafts: Vec<u32> },
 }

@@ -84,6 +84,11 @@ impl Collective<CpuBackend> for ChannelCollective {
         let total = self.sum(&buf[..len]);
         buf[..len].copy_from_slice(&total);
     }
+
+    fn abort_probe(&self) -> Option<crate::kernels::collective::AbortProbe> {
+        // A dropped peer fails the channel's own receive: nothing to probe.
+        None
+    }
 }
 
 #[cfg(test)]

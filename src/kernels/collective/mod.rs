@@ -79,9 +79,7 @@ pub trait Collective<B: Backend>: Send {
     /// Whether the group's collectives were aborted, for a thread that waits on a step
     /// after it was launched. `None`: an abort cannot go unnoticed (a collective that
     /// fails by itself, as the in-process channels do).
-    fn abort_probe(&self) -> Option<AbortProbe> {
-        None
-    }
+    fn abort_probe(&self) -> Option<AbortProbe>;
 }
 
 /// Says whether a group's collectives were aborted. A recorded decode step holds its

@@ -102,6 +102,25 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn upload_blocks(
+        &self,
+        rows: usize,
+        cols: usize,
+        ggml_type: crate::kernels::quant::GgmlType,
+        blocks: &[u8],
+    ) -> CpuMatrix {
+        let data = crate::kernels::HostData::Quantized {
+            ggml_type,
+            bytes: blocks.to_vec(),
+        };
+        self.upload_matrix(HostMatrix { rows, cols, data })
+    }
+
+    fn pin_host(&self, _region: &[u8]) -> Option<crate::kernels::HostPin> {
+        // Host memory is this backend's own: nothing copies it elsewhere.
+        None
+    }
+
     fn matrix_footprint(&self, m: &CpuMatrix) -> (usize, String) {
         (m.resident_bytes(), m.format())
     }
@@ -137,7 +156,7 @@ impl Backend for CpuBackend {
     }
 
     fn embedding(&self, table: &CpuMatrix, ids: &[u32], picked: &[u32], out: &mut Vec<f32>) {
-        // `picks_stay_on_device` is false: callers resolve the picks into `ids`.
+        // No `device_picks`: callers resolve the picks into `ids`.
         assert!(
             picked.iter().all(|&p| p == super::NOT_PICKED),
             "the CPU backend keeps no picks: pass their ids"
@@ -185,6 +204,66 @@ impl Backend for CpuBackend {
                 .zip(x.par_chunks(dim))
                 .for_each(|(o, x)| rms_norm_row(x, weight, eps, o));
         }
+    }
+
+    fn rms_norm_into_gemm(
+        &self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        num_rows: usize,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) {
+        // The GEMM quantizes its own activations: nothing to hand it beyond the norm.
+        self.rms_norm(x, weight, eps, num_rows, dim, out);
+    }
+
+    fn gate_up_silu(
+        &self,
+        x: &Vec<f32>,
+        num_rows: usize,
+        w: &CpuMatrix,
+        width: usize,
+        gate_up: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        self.matmul(x, num_rows, w, None, gate_up);
+        self.silu_mul(gate_up, num_rows, width, out);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_into_cache(
+        &self,
+        qkv: &Vec<f32>,
+        heads: crate::kernels::QkvHeads,
+        qk_norm: Option<(&Vec<f32>, &Vec<f32>, f32)>,
+        positions: &[u32],
+        cos_sin: &Vec<f32>,
+        cache: &mut CpuKvCache,
+        layer: usize,
+        slots: &[u32],
+        q_out: &mut Vec<f32>,
+    ) -> bool {
+        // The parts one by one, with scratch of this call's size.
+        let tokens = positions.len();
+        let kv = tokens * heads.num_kv_heads * heads.head_dim;
+        let q = tokens * heads.num_heads * heads.head_dim;
+        let (mut k, mut v, mut normed) = (vec![0.0; kv], vec![0.0; kv], vec![0.0; q.max(kv)]);
+        crate::kernels::composed::qkv_by_parts(
+            self,
+            qkv,
+            heads,
+            qk_norm,
+            positions,
+            cos_sin,
+            cache,
+            layer,
+            slots,
+            q_out,
+            [&mut k, &mut v, &mut normed],
+        );
+        true
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -387,6 +466,32 @@ impl Backend for CpuBackend {
         for (i, &r) in rows.iter().enumerate() {
             out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
         }
+    }
+
+    fn greedy_rows(&self, logits: &Vec<f32>, vocab: usize, rows: &[usize]) -> Vec<(u32, f32)> {
+        rows.iter()
+            .map(|&r| {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let token = crate::sampling::argmax(row);
+                let logprob = row[token as usize] - crate::sampling::log_sum_exp(row);
+                (token, logprob)
+            })
+            .collect()
+    }
+
+    fn device_picks(&self) -> Option<&dyn crate::kernels::DevicePicks> {
+        // Every pick goes to the host as `pick_rows` makes it.
+        None
+    }
+
+    fn timeline_mark(&self) -> Option<crate::kernels::DeviceMark> {
+        // The CPU's work is done when its call returns: no timeline of its own.
+        None
+    }
+
+    fn graphs(&self) -> Option<&dyn crate::kernels::StepGraphs> {
+        // Nothing to replay: a step's launches are its calls.
+        None
     }
 
     fn recorder(&self) -> Option<&dyn crate::kernels::StepRecorder> {

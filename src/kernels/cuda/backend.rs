@@ -417,15 +417,8 @@ impl Backend for CudaBackend {
         self.device_picks(logits, vocab, rows)
     }
 
-    fn read_picks(&self, first: usize, count: usize) -> Vec<u32> {
-        self.read_early_picks(first, count)
-    }
-
-    fn capabilities(&self) -> crate::kernels::Capabilities {
-        crate::kernels::Capabilities {
-            picks_stay_on_device: true,
-            samples_on_device: true,
-        }
+    fn device_picks(&self) -> Option<&dyn crate::kernels::DevicePicks> {
+        Some(self)
     }
 
     fn timeline_mark(&self) -> Option<crate::kernels::DeviceMark> {
@@ -506,6 +499,12 @@ impl crate::kernels::TimelineMark for EventMark {
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+impl crate::kernels::DevicePicks for CudaBackend {
+    fn read_picks(&self, first: usize, count: usize) -> Vec<u32> {
+        self.read_early_picks(first, count)
     }
 }
 

@@ -161,8 +161,8 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         let consts = Consts::new(&backend, &cfg);
         // f32, exactly the host's rows (an f32 checkpoint's or the dummy model's too).
         let embed_table = backend
-            .capabilities()
-            .picks_stay_on_device
+            .device_picks()
+            .is_some()
             .then(|| backend.upload(&weights.embed));
         DsV4Model {
             cfg,

@@ -120,6 +120,11 @@ impl DsV4Kernels for CpuBackend {
     type ExpertTable = ();
     type RowGroups = Vec<CpuMatrix>;
 
+    fn host_calls(&self) -> Option<&dyn crate::kernels::host_calls::HostCalls<Vec<f32>, Vec<u32>>> {
+        // A CPU step records nothing: its host work runs where it stands.
+        None
+    }
+
     fn dsv4_prepare(&self, _shape: &DsV4Shape) -> Result<(), DsV4KernelError> {
         Ok(())
     }
@@ -288,6 +293,16 @@ impl DsV4Kernels for CpuBackend {
         for (g, (w, y)) in w.iter().zip(products).enumerate() {
             out[g * rows * w.rows()..(g + 1) * rows * w.rows()].copy_from_slice(&y);
         }
+    }
+
+    fn dsv4_grouped_projection(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<CpuMatrix>,
+        shape: crate::kernels::deepseek_v4::GroupedShape,
+        out: &mut Vec<f32>,
+    ) {
+        crate::kernels::deepseek_v4::grouped_projection_by_swaps(self, x, w, shape, out);
     }
 
     fn dsv4_rope(

@@ -151,7 +151,7 @@ fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> 
         GgmlType::IQ4XS => pick::<IQ4XS, R>(path),
         #[cfg(target_arch = "x86_64")]
         GgmlType::MXFP4 if R < 4 && path == CpuPath::Avx512Vnni && !shared_mxfp4_kernel() => {
-            x86::dot_mxfp4_checked::<R>
+            mxfp4_x86::dot_mxfp4_checked::<R>
         }
         GgmlType::MXFP4 => pick::<Mxfp4, R>(path),
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,

@@ -15,7 +15,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{ACT_BLOCK, ACT_GROUP, Q8Row};
+use super::{ACT_BLOCK, ACT_GROUP, Q8Row, check_shapes};
+use crate::kernels::cpu::simd::{CpuPath, cpu_path};
 use crate::kernels::quant::{MXFP4_LEVELS, mxfp4_half_scale};
 
 /// Bytes of an MXFP4 block: the E8M0 exponent, then 16 bytes of E2M1 code pairs.
@@ -24,10 +25,22 @@ const BLOCK_BYTES: usize = 17;
 /// a shift of the activations' group sums.
 const OFFSET_LOG2: i32 = 4;
 
+/// Only handed out by `row_dot` when `cpu_path()` is AVX-512 VNNI.
+pub(super) fn dot_mxfp4_checked<const R: usize>(
+    w: &[u8],
+    xs: [Q8Row<'_>; R],
+    out: &mut [[f32; R]],
+) {
+    assert!(cpu_path() >= CpuPath::Avx512Vnni);
+    let row_bytes = check_shapes::<super::formats::Mxfp4, R>(w, out.len(), &xs);
+    // SAFETY: AVX-512 F/VL/VNNI are present (asserted); shapes are checked above.
+    unsafe { dot_mxfp4::<R>(w, row_bytes, xs, out) }
+}
+
 /// `out[j][i] = w_j · x_i` for MXFP4 rows, on a CPU with AVX-512 VL and VNNI (the
 /// caller checked it and the shapes: `w` is whole rows of `row_bytes`).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub(super) unsafe fn dot_mxfp4<const R: usize>(
+unsafe fn dot_mxfp4<const R: usize>(
     w: &[u8],
     row_bytes: usize,
     xs: [Q8Row<'_>; R],

@@ -32,19 +32,6 @@ pub(super) fn dot_vnni_checked<F: BlockFormat, const R: usize>(
     unsafe { dot_vnni::<F, R>(w, row_bytes, xs, out) }
 }
 
-/// MXFP4's own AVX-512 kernel (`mxfp4_x86`), the same bits as `dot_vnni_checked`'s;
-/// only handed out by `row_dot` when `cpu_path()` is AVX-512 VNNI.
-pub(super) fn dot_mxfp4_checked<const R: usize>(
-    w: &[u8],
-    xs: [Q8Row<'_>; R],
-    out: &mut [[f32; R]],
-) {
-    assert!(cpu_path() >= CpuPath::Avx512Vnni);
-    let row_bytes = check_shapes::<super::formats::Mxfp4, R>(w, out.len(), &xs);
-    // SAFETY: AVX-512 F/VL/VNNI are present (asserted); shapes are checked above.
-    unsafe { super::mxfp4_x86::dot_mxfp4::<R>(w, row_bytes, xs, out) }
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_avx2<F: BlockFormat, const R: usize>(
     w: &[u8],
