@@ -85,6 +85,11 @@ def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path,
     return s
 
 
+# The whole model's decode runs compared against the default, by their key's last word.
+VARIANT_ENV = {"eager": {"TROUPE_HOST_CALLS": "0"}, "flat": {"TROUPE_HOST_MOE": "flat"},
+               "shared": {"TROUPE_MXFP4_KERNEL": "shared"}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("troupe")
