@@ -433,3 +433,6 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

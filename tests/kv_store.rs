@@ -442,6 +442,11 @@ fn what_cannot_use_the_store_is_refused_by_name() {
         ),
         (
             llama.clone(),
+            vec!["--kv-store-bytes", "4G"],
+            "--kv-store-bytes is for the disk store: give --kv-store-dir",
+        ),
+        (
+            llama.clone(),
             vec!["--kv-store-dir", dir, "--kv-store-bytes", "lots"],
             "lots",
         ),

@@ -128,9 +128,10 @@ pub struct EngineFlags {
     /// keeps full KV blocks across restarts
     #[arg(long)]
     kv_store_dir: Option<PathBuf>,
-    /// The disk store's budget in bytes (`64G`): least recently used blocks go first
-    #[arg(long, default_value = "16G", value_parser = parse_bytes)]
-    kv_store_bytes: u64,
+    /// The disk store's budget in bytes (`64G`; default 16G): least recently used blocks
+    /// go first
+    #[arg(long, value_parser = parse_bytes)]
+    kv_store_bytes: Option<u64>,
     /// Blocks of the disk store unused this long are dropped (`3600`, `90m`, `12h`, `7d`)
     #[arg(long, value_parser = parse_duration)]
     kv_store_ttl: Option<std::time::Duration>,
@@ -248,7 +249,7 @@ impl EngineFlags {
         cfg.kv_store = KvStoreConfig {
             host_bytes: self.kv_host_cache_bytes as usize,
             dir: self.kv_store_dir.clone(),
-            disk_bytes: self.kv_store_bytes,
+            disk_bytes: self.kv_store_bytes.unwrap_or(DEFAULT_KV_STORE_BYTES),
             ttl: self.kv_store_ttl,
         };
         cfg.swa_saved_states = self.swa_saved_states;
@@ -297,14 +298,22 @@ impl EngineFlags {
                 )));
             }
         }
-        if self.kv_store_dir.is_none() && self.kv_store_ttl.is_some() {
-            return Err(TroupeError::InvalidInput(
-                "--kv-store-ttl is for the disk store: give --kv-store-dir".into(),
-            ));
+        for (flag, given) in [
+            ("--kv-store-ttl", self.kv_store_ttl.is_some()),
+            ("--kv-store-bytes", self.kv_store_bytes.is_some()),
+        ] {
+            if given && self.kv_store_dir.is_none() {
+                return Err(TroupeError::InvalidInput(format!(
+                    "{flag} is for the disk store: give --kv-store-dir"
+                )));
+            }
         }
         Ok(())
     }
 }
+
+/// `--kv-store-bytes` when a disk store is given without it.
+const DEFAULT_KV_STORE_BYTES: u64 = 16 << 30;
 
 /// `4096`, `512K`, `64M`, `16G`, `1T` (powers of 1024).
 fn parse_bytes(s: &str) -> std::result::Result<u64, String> {

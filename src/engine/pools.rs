@@ -90,7 +90,7 @@ fn dsv4_pools(
         if cfg.kv_cache_bytes == 0 {
             return refuse(
                 "on CUDA the cache budget is not derived from GPU memory yet: give \
-                 kv_cache_bytes (--kv-cache-bytes)",
+                 kv_cache_bytes (--kv-cache-mib)",
             );
         }
     }
