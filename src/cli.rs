@@ -111,8 +111,8 @@ pub struct GenerateArgs {
     /// Stop tokens are not sampled before this many tokens.
     #[arg(long, default_value_t = 0)]
     min_tokens: usize,
-    /// A stop string (repeatable); not included in the output.
-    #[arg(long)]
+    /// Stop strings (`--stop A B`, or the flag repeated); not included in the output.
+    #[arg(long, num_args = 1..)]
     stop: Vec<String>,
 }
 

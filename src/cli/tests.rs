@@ -1,6 +1,6 @@
-use clap::CommandFactory;
+use clap::{CommandFactory, Parser};
 
-use super::Cli;
+use super::{Cli, Command};
 
 /// Flags of other tools that troupe's messages quote (cargo's, pip's, NVRTC's).
 const OTHER_TOOLS: [&str; 6] = [
@@ -82,4 +82,17 @@ fn every_flag_a_message_names_exists() {
     }
     assert!(known.contains("--kv-cache-mib"), "the flags were read");
     assert!(unknown.is_empty(), "flags no command takes: {unknown:#?}");
+}
+
+/// `--stop A B` as the README writes it, and the flag repeated, both give every string.
+#[test]
+fn stop_takes_several_strings_either_way() {
+    for args in [&["--stop", "A", "B"][..], &["--stop", "A", "--stop", "B"]] {
+        let line = [&["troupe", "generate", "--prompt", "x"][..], args].concat();
+        let cli = Cli::try_parse_from(line).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        let Command::Generate(g) = cli.command else {
+            panic!("not generate")
+        };
+        assert_eq!(g.stop, ["A", "B"], "{args:?}");
+    }
 }
