@@ -26,7 +26,7 @@ LAYERS = {
     "kernels": 3,
     # The pure cores: no device, no actors, no model.
     "sched": 1, "spec": 1, "sampling": 1, "structured": 1, "eplb": 1, "step": 1, "route": 1,
-    "error": 0, "sync": 0,
+    "error": 0, "sync": 0, "notice": 0,
 }
 
 

@@ -188,6 +188,14 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description":
                                               "strict": True}}
 
 
+def no_repeats(pairs):
+    """json.loads' object hook: a repeated key is an error (Python keeps the last silently)."""
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError(f"repeated key in {keys}")
+    return dict(pairs)
+
+
 def valid(instance, schema):
     try:
         jsonschema.validate(instance, schema)
@@ -215,14 +223,21 @@ def run_tool_checks(client):
     lr = client.chat.completions.create(model=model, messages=ask, tools=[loose], tool_choice="required",
                                         temperature=0, max_tokens=80)
     lcalls = lr.choices[0].message.tool_calls or []
+    largs = json.loads(lcalls[0].function.arguments, object_pairs_hook=no_repeats) if lcalls else None
     checks.append(("a required call to a non-strict tool keeps to its schema",
-                   len(lcalls) == 1 and valid(json.loads(lcalls[0].function.arguments), loose["function"]["parameters"])))
-    cut = client.chat.completions.create(model=model, messages=ask, tools=[loose], tool_choice="required",
-                                         temperature=0, max_tokens=12)
-    cut_calls = cut.choices[0].message.tool_calls or []
-    checks.append(("a call cut by max_tokens says length and carries no broken arguments",
-                   cut.choices[0].finish_reason == "length"
-                   and all(isinstance(json.loads(c.function.arguments), dict) for c in cut_calls)))
+                   len(lcalls) == 1 and valid(largs, loose["function"]["parameters"])))
+    # vLLM's strict default: a schema silent on extra keys gets only the keys it names.
+    checks.append(("a forced call's arguments hold only the keys its schema names",
+                   largs is not None and set(largs) <= set(loose["function"]["parameters"]["properties"])))
+    for limit in (12, 40):
+        cut = client.chat.completions.create(model=model, messages=ask, tools=[loose], tool_choice="required",
+                                             temperature=0, max_tokens=limit)
+        cut_calls = cut.choices[0].message.tool_calls or []
+        checks.append((f"a call cut by max_tokens {limit} says why and carries no broken or repeated arguments",
+                       cut.choices[0].finish_reason in ("length", "tool_calls")
+                       and (cut.choices[0].finish_reason == "length") == (not cut_calls)
+                       and all(isinstance(json.loads(c.function.arguments, object_pairs_hook=no_repeats), dict)
+                               for c in cut_calls)))
 
     named = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL, TIME_TOOL],
                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
@@ -298,6 +313,15 @@ def run_responses_checks(client):
     checks.append(("streamed response equals the whole one", deltas == r.output_text and len(done) == 1
                    and done[0].response.output_text == r.output_text))
     checks.append(("response events are numbered in order", [e.sequence_number for e in events] == list(range(len(events)))))
+    cut = client.responses.create(model=model, input="Write a long story about Paris.", temperature=0,
+                                  max_output_tokens=4)
+    cut_events = list(client.responses.create(model=model, input="Write a long story about Paris.", temperature=0,
+                                              max_output_tokens=4, stream=True))
+    cut_done = [e.item for e in cut_events if e.type == "response.output_item.done"]
+    checks.append(("a cut response and its message both say incomplete, whole and streamed",
+                   cut.status == "incomplete" and cut.output[-1].status == "incomplete"
+                   and [e.type for e in cut_events][-1] == "response.incomplete"
+                   and cut_done and cut_done[-1].status == "incomplete"))
     lp = client.responses.create(model=model, input="What is the capital of France?", temperature=0,
                                  max_output_tokens=8, top_logprobs=3)
     lps = lp.output[0].content[0].logprobs or []

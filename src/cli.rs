@@ -54,6 +54,7 @@ pub struct GenerateArgs {
     /// A known model name, a GGUF file or an HF model directory.
     #[arg(long, default_value = hub::DEFAULT_MODEL)]
     model: String,
+    /// The prompt text (one of --prompt, --prompt-ids, --prompts-file).
     #[arg(long, group = "input")]
     prompt: Option<String>,
     /// Comma-separated token ids.
@@ -68,11 +69,13 @@ pub struct GenerateArgs {
     /// A system turn before the user turn (implies --chat).
     #[arg(long)]
     system: Option<String>,
+    /// Tokens to generate at most (fewer where a stop token or string comes first).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// 0 means greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
+    /// Sample from the most likely tokens whose probabilities sum to this (1: all).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// 0 means no top-k cut.
@@ -87,9 +90,6 @@ pub struct GenerateArgs {
     /// Print one JSON object per prompt, in input order.
     #[arg(long)]
     json: bool,
-    /// Worker threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
     /// Generate past EOS / end-of-turn tokens until --max-tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -102,10 +102,14 @@ pub struct GenerateArgs {
     /// Drop tokens below this fraction of the most likely token's probability.
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
+    /// Penalise tokens already in the prompt or output: a positive logit is divided by
+    /// this, a negative one multiplied (1: off).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
+    /// Subtract this times a token's count in the output so far from its logit.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     frequency_penalty: f32,
+    /// Subtract this from the logit of every token the output already holds.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
     /// Stop tokens are not sampled before this many tokens.
@@ -222,6 +226,7 @@ fn init_logs(command: &Command) -> Result<Option<telemetry::Telemetry>> {
         ),
         _ => (None, false, None),
     };
+    crate::notice::use_json(json);
     let filter = tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
         .ok()
         .or_else(|| default_filter.map(tracing_subscriber::EnvFilter::new));
@@ -250,12 +255,6 @@ fn init_logs(command: &Command) -> Result<Option<telemetry::Telemetry>> {
 }
 
 fn run_generate(args: GenerateArgs) -> Result<()> {
-    if let Some(n) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global()
-            .map_err(|e| TroupeError::InvalidInput(format!("--threads: {e}")))?;
-    }
     let lines: Vec<PromptLine> = match (&args.prompt, &args.prompt_ids, &args.prompts_file) {
         (Some(p), _, _) => vec![PromptLine {
             prompt: Some(p.clone()),
@@ -278,6 +277,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let path = args.engine.model_path(&args.model)?;
     let cfg = args.engine.config(&path)?;
     let mut text = model::load_text(&path)?;
+    if let Some(tokens) = cfg.max_model_len {
+        text.cap_context(tokens)?;
+    }
     if let Some(source) = &cfg.chat_template {
         text.set_chat_template(source)
             .map_err(|e| TroupeError::InvalidInput(format!("--chat-template: {e}")))?;
@@ -294,7 +296,12 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             frequency_penalty: line.frequency_penalty.unwrap_or(args.frequency_penalty),
             presence_penalty: line.presence_penalty.unwrap_or(args.presence_penalty),
             num_top_logprobs: line.top_logprobs.unwrap_or(args.top_logprobs),
-            logit_bias: line.logit_bias_ids()?,
+            logit_bias: line.logit_bias_ids().map_err(|e| {
+                TroupeError::InvalidInput(format!(
+                    "{}: {e}",
+                    line.label(args.prompts_file.as_deref())
+                ))
+            })?,
             ..Default::default()
         };
         let mut request = EngineRequest::new(
@@ -315,7 +322,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             max_context_tokens: text.config.max_context_tokens,
             scores_prompts: text.scores_prompts(),
         };
-        request.validate(limits).map_err(|e| e.for_prompt(index))?;
+        let label = line.label(args.prompts_file.as_deref());
+        request.validate(limits).map_err(|e| e.for_prompt(label))?;
         requests.push(request);
     }
     let runtime = engine_runtime()?;
@@ -393,10 +401,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let tok = text.tokenizer.as_deref();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    for (i, result) in outputs.into_iter().enumerate() {
-        let o = result.map_err(|e| TroupeError::InvalidInput(format!("prompt {i}: {e}")))?;
+    for (i, (line, result)) in lines.iter().zip(outputs).enumerate() {
+        let label = || line.label(args.prompts_file.as_deref());
+        let o = result.map_err(|e| TroupeError::InvalidInput(format!("{}: {e}", label())))?;
         if let Some(err) = &o.error {
-            return Err(TroupeError::InvalidInput(format!("prompt {i}: {err}")));
+            return Err(TroupeError::InvalidInput(format!("{}: {err}", label())));
         }
         // The streamed text: stop strings already cut off.
         let text = o.text.clone();

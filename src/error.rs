@@ -23,19 +23,20 @@ pub enum TroupeError {
     Tokenizer(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// `prompt` names it as the user gave it: `the prompt`, or a line of `--prompts-file`.
     #[error(
-        "prompt {index} has {num_prompt_tokens} tokens but the model context is {max_context_tokens} tokens"
+        "{prompt} has {num_prompt_tokens} tokens but the model context is {max_context_tokens} tokens"
     )]
     PromptTooLong {
-        index: usize,
+        prompt: String,
         num_prompt_tokens: usize,
         max_context_tokens: usize,
     },
-    #[error("prompt {index} is empty: nothing to condition on")]
-    EmptyPrompt { index: usize },
-    #[error("token id {token_id} in prompt {index} is outside the vocabulary (size {vocab_size})")]
+    #[error("{prompt} is empty: nothing to condition on")]
+    EmptyPrompt { prompt: String },
+    #[error("token id {token_id} in {prompt} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfRange {
-        index: usize,
+        prompt: String,
         token_id: u32,
         vocab_size: usize,
     },

@@ -10,6 +10,7 @@ pub mod eplb;
 pub mod error;
 pub mod kernels;
 pub mod model;
+pub mod notice;
 pub mod protocol;
 pub mod route;
 pub mod runner;

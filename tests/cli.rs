@@ -257,6 +257,32 @@ fn jsonl_sampling_fields_reach_the_sampler_and_bad_ones_are_named() {
         bad.to_str().unwrap(),
     ]);
     assert_clear_error(&out, "logit_bias key `x`");
+    // A bad prompt is named by its line of the file (blank lines counted), as the file's
+    // own parse errors are: prompts once counted from 0, lines from 1.
+    let third = scratch(
+        "third.jsonl",
+        b"{\"prompt_ids\":[5]}\n\n{\"prompt_ids\":[5],\"temperature\":-2}\n",
+    );
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama"),
+        "--prompts-file",
+        third.to_str().unwrap(),
+    ]);
+    assert_clear_error(&out, "third.jsonl line 3: temperature");
+    let far = scratch(
+        "far.jsonl",
+        b"{\"prompt_ids\":[5]}\n{\"prompt_ids\":[99999999]}\n",
+    );
+    let out = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama"),
+        "--prompts-file",
+        far.to_str().unwrap(),
+    ]);
+    assert_clear_error(&out, "far.jsonl line 2 is outside");
     let out = troupe(&[
         "generate",
         "--model",
@@ -448,84 +474,4 @@ fn rust_log_turns_on_the_engines_log_and_stderr_is_quiet_without_it() {
     let logged = run(Some("troupe=debug"));
     assert!(logged.contains("step launching"), "{logged}");
     assert!(logged.contains("sampled tokens published"), "{logged}");
-}
-
-/// The cores of this process (what `--cpu-affinity auto` shares out), from procfs.
-fn allowed_cores() -> Vec<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let list = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .unwrap()
-        .trim()
-        .to_string();
-    list.split(',')
-        .flat_map(|part| match part.split_once('-') {
-            Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<usize>>(),
-            None => vec![part.parse().unwrap()],
-        })
-        .collect()
-}
-
-#[test]
-fn cpu_ranks_are_pinned_to_disjoint_cores_and_reported_unless_turned_off() {
-    let model = tiny("tiny-llama");
-    let run = |tp: &str, affinity: &str| {
-        let out = troupe(&[
-            "generate",
-            "--model",
-            &model,
-            "--prompt-ids",
-            "5,6,7,8",
-            "--max-tokens",
-            "4",
-            "--ignore-eos",
-            "--json",
-            "--stats",
-            "-",
-            "--tp",
-            tp,
-            "--cpu-affinity",
-            affinity,
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-        let stats: serde_json::Value =
-            serde_json::from_str(stderr.lines().last().unwrap()).unwrap();
-        let ranks: Vec<String> = stats["cpu_affinity"]
-            .as_array()
-            .unwrap_or_else(|| panic!("no cpu_affinity in {stderr}"))
-            .iter()
-            .map(|v| v.as_str().unwrap().to_string())
-            .collect();
-        (ranks, common::cli::token_ids(&out))
-    };
-    let allowed = allowed_cores();
-    let (off, off_tokens) = run("1", "off");
-    assert_eq!(off, vec!["unpinned"]);
-    let (one, one_tokens) = run("1", "auto");
-    assert_eq!(one.len(), 1);
-    assert_eq!(one_tokens, off_tokens, "pinning changed the tokens");
-    if allowed.len() >= 2 {
-        let (two, two_tokens) = run("2", "auto");
-        assert_eq!(two_tokens, off_tokens);
-        assert_eq!(two.len(), 2);
-        assert_ne!(two[0], two[1], "two ranks on the same cores: {two:?}");
-    }
-    assert_clear_error(
-        &troupe(&[
-            "generate",
-            "--model",
-            &model,
-            "--prompt-ids",
-            "5",
-            "--cpu-affinity",
-            "numa",
-        ]),
-        "--cpu-affinity",
-    );
 }

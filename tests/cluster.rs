@@ -14,6 +14,10 @@ use common::server::raw_request;
 use serde_json::{Value, json};
 
 fn router(cluster_port: u16) -> ServeProcess {
+    router_with(cluster_port, &[])
+}
+
+fn router_with(cluster_port: u16, extra: &[&str]) -> ServeProcess {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_troupe"))
         .args(["router", "--model"])
@@ -22,6 +26,7 @@ fn router(cluster_port: u16) -> ServeProcess {
         // Every prompt of the tests' is handed over, however short.
         .args(["--min-hand-off-tokens", "0"])
         .args(["--port", &port.to_string()])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -383,7 +388,24 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
         "--shutdown-timeout",
         "100",
     ];
-    let mut e1 = engine(cluster_port, "e1", &flags);
+    // e1's log says what moved and what stayed.
+    let log = common::scratch_dir("drain").join("e1.log");
+    let cluster = format!("127.0.0.1:{cluster_port}");
+    let smollm2 = common::smollm2_path().display().to_string();
+    let mut e1_args = vec![
+        "--model",
+        &smollm2,
+        "--cluster",
+        &cluster,
+        "--node-name",
+        "e1",
+    ];
+    e1_args.extend_from_slice(&flags);
+    let mut e1 = common::process::serve_logging_to(
+        &e1_args,
+        &[],
+        Stdio::from(std::fs::File::create(&log).unwrap()),
+    );
     let e2 = engine(cluster_port, "e2", &flags);
     let limit = Duration::from_secs(30);
     wait_for(router.addr, limit, |v| names(v) == ["e1", "e2"]);
@@ -416,6 +438,20 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
     });
     let status = e1.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "{status:?}");
+    // Every request on e1 could move (greedy or seeded, one completion, no grammar):
+    // all of them did, none stayed.
+    let said = std::fs::read_to_string(&log).unwrap();
+    let line = said
+        .lines()
+        .find(|l| l.starts_with("troupe: draining:"))
+        .unwrap_or_else(|| panic!("no drain line: {said}"));
+    let moved: usize = line
+        .split_whitespace()
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(moved > 0, "{line}");
+    assert!(line.ends_with(", 0 staying to finish here"), "{line}");
     // e2 found the moved requests' blocks in its store: they came with them.
     assert!(host_hits(e2.addr) > 0);
     let want: Vec<String> = bodies
@@ -428,4 +464,46 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
         })
         .collect();
     assert_eq!(got, want);
+}
+
+/// With `--api-key` the router's own routes ask for the key as `serve`'s do (they answered
+/// anyone: `/router/engines` names every engine and its load), in `serve`'s error shape for
+/// each API; `/health` stays open to the load balancer.
+#[test]
+fn the_routers_own_routes_ask_for_its_key() {
+    let router = router_with(free_port(), &["--api-key", "sk-router"]);
+    router_up(&router);
+    let keyed = [("host", "127.0.0.1"), ("authorization", "Bearer sk-router")];
+    let wrong = [("host", "127.0.0.1"), ("x-api-key", "sk-other")];
+    for path in ["/router/engines", "/metrics", "/v1/completions"] {
+        for headers in [&HOST[..], &wrong[..]] {
+            let r = raw_request(router.addr, "GET", path, headers, b"");
+            assert_eq!(r.status, 401, "{path}");
+            let body = r.json();
+            assert_eq!(body["error"]["code"], "invalid_api_key", "{path}: {body}");
+            assert_eq!(
+                body["error"]["type"], "invalid_request_error",
+                "{path}: {body}"
+            );
+        }
+    }
+    assert_eq!(
+        raw_request(router.addr, "GET", "/router/engines", &keyed, b"").status,
+        200
+    );
+    assert_eq!(
+        raw_request(router.addr, "GET", "/metrics", &keyed, b"").status,
+        200
+    );
+    let r = raw_request(router.addr, "POST", "/v1/messages", &HOST, b"{}");
+    assert_eq!(r.status, 401);
+    assert_eq!(
+        r.json()["error"]["type"],
+        "authentication_error",
+        "Anthropic's shape"
+    );
+    // Keyed, a request with no engine to take it is a 503 in the same shape.
+    let r = raw_request(router.addr, "POST", "/v1/completions", &keyed, b"{}");
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["type"], "server_error");
 }

@@ -12,8 +12,16 @@ use troupe::engine::{
 };
 use troupe::sampling::SamplingParams;
 
-/// Logprob and margin agreement with transformers (f32 both sides, other summation orders).
-const TOLERANCE: f32 = 2e-3;
+/// Logprob and margin agreement with transformers: on the CPU f32 both sides, other
+/// summation orders; on a GPU the engine holds the weights in bf16 (8 significant bits),
+/// which moves tiny-llama's logprobs by up to ~0.016 against transformers' f32 (the same
+/// on builds before and after the backend split, measured on an H100).
+fn tolerance() -> f32 {
+    match common::engine::test_device() {
+        troupe::engine::Device::Cpu => 2e-3,
+        _ => 5e-2,
+    }
+}
 
 fn scored(prompt: Vec<u32>, num_top: usize) -> EngineRequest {
     let params = SamplingParams {
@@ -114,7 +122,7 @@ async fn run(model: &str, max_step_tokens: usize, spec: bool) {
         let first = scores[num_prompt].as_ref().unwrap();
         let want = log_softmax_at(&common::floats(&case["last_logits"]), greedy[0]);
         assert!(
-            (first.logprob - want).abs() < TOLERANCE,
+            (first.logprob - want).abs() < tolerance(),
             "{name}: logprob of the first greedy token {} vs transformers' {want}",
             first.logprob
         );
@@ -122,10 +130,10 @@ async fn run(model: &str, max_step_tokens: usize, spec: bool) {
             let s = scores[num_prompt + j].as_ref().unwrap();
             let got_margin = s.top[0].1 - s.top[1].1;
             assert!(
-                (got_margin - margin).abs() < TOLERANCE,
+                (got_margin - margin).abs() < tolerance(),
                 "{name}: greedy step {j}: top-2 margin {got_margin} vs transformers' {margin}"
             );
-            if margin > TOLERANCE {
+            if margin > tolerance() {
                 assert_eq!(s.top[0].0, token, "{name}: greedy step {j}: argmax");
                 // What lm-evaluation-harness's `is_greedy` compares.
                 assert_eq!(

@@ -185,6 +185,12 @@ fn the_served_model_name_is_listed_and_asked_for() {
     let wrong = br#"{"model":"tiny-qwen3","prompt":[1,2],"max_tokens":2}"#;
     let r = server.request("POST", "/v1/completions", wrong);
     assert_openai_error(&r, 404, "my-model");
+    // OpenAI's `models.retrieve`: the listed object by its id, a 404 for any other.
+    let one = server.request("GET", "/v1/models/my-model", b"");
+    assert_eq!(one.status, 200);
+    assert_eq!(one.json(), models.json()["data"][0]);
+    let r = server.request("GET", "/v1/models/gpt-4o", b"");
+    assert_openai_error(&r, 404, "gpt-4o");
 }
 
 #[test]

@@ -99,22 +99,32 @@ fn thousands_of_clients_at_a_small_gate_get_429s_and_every_admitted_one_complete
         .enable_all()
         .build()
         .unwrap();
+    // Admissions bounded from above too: the gate's and the engine's counts, sampled
+    // through the burst, never pass running + queued (4 + 16).
+    let limit = 4 + 16;
+    let burst_over = troupe::sync::atomic::AtomicBool::new(false);
     let started = Instant::now();
-    let replies: Vec<Result<common::server::Reply, String>> = clients.block_on(async {
-        let tasks: Vec<_> = (0..num_clients)
-            .map(|i| tokio::spawn(client(server.addr, i)))
-            .collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(
-                tokio::time::timeout(Duration::from_secs(240), t)
-                    .await
-                    .expect("every client is answered within 240 s")
-                    .unwrap(),
-            );
-        }
-        out
+    let (replies, most_inside, most_in_engine) = std::thread::scope(|s| {
+        let sampler = s.spawn(|| {
+            let (mut inside, mut in_engine) = (0, 0);
+            while !burst_over.load(troupe::sync::atomic::Ordering::Relaxed) {
+                inside = inside.max(server.engine_gate_inside());
+                let st = server.status();
+                in_engine = in_engine.max(st.num_running + st.num_waiting);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (inside, in_engine)
+        });
+        let replies = run_clients(&clients, &server, num_clients);
+        burst_over.store(true, troupe::sync::atomic::Ordering::Relaxed);
+        let (inside, in_engine) = sampler.join().unwrap();
+        (replies, inside, in_engine)
     });
+    assert!(
+        most_inside <= limit && most_in_engine <= limit,
+        "admitted past the gate: {most_inside} inside it, {most_in_engine} in the engine (limit {limit})"
+    );
+    assert!(most_inside > 4, "the queue never filled: {most_inside}");
     let rss_growth = rss_bytes().saturating_sub(rss_before);
     let (mut admitted, mut refused) = (0, 0);
     for (i, r) in replies.iter().enumerate() {
@@ -318,4 +328,28 @@ fn a_percent_encoded_route_takes_a_ticket_like_its_plain_spelling() {
         server.request("POST", "/v1/%63ompletions", short).status,
         200
     );
+}
+
+/// Every client at once; each reply within its bound.
+fn run_clients(
+    clients: &tokio::runtime::Runtime,
+    server: &common::server::TestServer,
+    num_clients: usize,
+) -> Vec<Result<common::server::Reply, String>> {
+    let addr = server.addr;
+    clients.block_on(async {
+        let tasks: Vec<_> = (0..num_clients)
+            .map(|i| tokio::spawn(client(addr, i)))
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(
+                tokio::time::timeout(Duration::from_secs(240), t)
+                    .await
+                    .expect("every client is answered within 240 s")
+                    .unwrap(),
+            );
+        }
+        out
+    })
 }

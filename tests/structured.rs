@@ -150,16 +150,32 @@ async fn constrained_sampling_is_reproducible_with_and_without_zos() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_grammars_are_refused_with_the_reason() {
     let engine = engine(true).await;
+    // Each with the words that say why: the whole message, not its first line (a regex
+    // error's first line is only `regex parse error:`).
     let cases = [
-        GrammarSpec::JsonSchema(json!({"type": "object", "properties": {"a": {"type": "strin"}}})),
-        GrammarSpec::Regex("[0-9".into()),
-        GrammarSpec::Lark("start: undefined_rule".into()),
+        (
+            GrammarSpec::JsonSchema(
+                json!({"type": "object", "properties": {"a": {"type": "strin"}}}),
+            ),
+            "strin",
+        ),
+        (
+            GrammarSpec::Regex("[0-9".into()),
+            "unclosed character class",
+        ),
+        (
+            GrammarSpec::Lark("start: undefined_rule".into()),
+            "undefined_rule",
+        ),
     ];
-    for spec in cases {
+    for (spec, why) in cases {
         let kind = spec.kind();
         let r = chat(&engine, "hi", spec, 1);
         match engine.generate(r).await {
-            Err(EngineError::Rejected(m)) => assert!(m.to_string().contains(kind), "{m}"),
+            Err(EngineError::Rejected(m)) => {
+                let m = m.to_string();
+                assert!(m.contains(kind) && m.contains(why), "{m}");
+            }
             Err(e) => panic!("wrong error: {e}"),
             Ok(_) => panic!("a bad {kind} was accepted"),
         }
@@ -347,4 +363,68 @@ async fn a_grammar_past_its_end_under_ignore_eos_still_draws() {
         // tiny-llama's generation_config.json), never an arbitrary id.
         assert_eq!(o.token_ids.last(), Some(&2), "{o:?}");
     }
+}
+
+/// vLLM's strict default: an object that names its properties takes no others unless its
+/// schema allows them, and a key never repeats — in `response_format` schemas and in forced
+/// tool calls alike. (Without it SmolLM2 forced to call a tool wrote `"type":"string",…`
+/// after its argument until `max_tokens`, and a cut call repeated a key.)
+#[test]
+fn objects_take_only_their_named_keys_unless_the_schema_allows_more() {
+    use troupe::protocol::conversation::{Tool, ToolChoice};
+    use troupe::structured::GrammarCompiler;
+    let text = troupe::model::load_text(&common::smollm2_path()).unwrap();
+    let compiler = GrammarCompiler::new(text.tokenizer.clone().unwrap(), text.stop_ids[0]).unwrap();
+    let compile = |s: &Value| {
+        compiler
+            .compile(&GrammarSpec::JsonSchema(s.clone()))
+            .unwrap()
+    };
+    let weather = json!({"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["c", "f"]},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}}}});
+    let g = compile(&weather);
+    for ok in [
+        r#"{"city":"Paris"}"#,
+        r#"{"city":"Paris","unit":"c"}"#,
+        r#"{"city":"Paris","where":{"lat":1.5}}"#,
+    ] {
+        assert!(g.accepts(ok), "{ok}");
+    }
+    for bad in [
+        r#"{"city":"Paris","type":"string"}"#,
+        r#"{"city":"Paris","city":"Rome"}"#,
+        r#"{"city":"Paris","unit":"c","unit":"c"}"#,
+        r#"{"city":"Paris","where":{"lat":1.5,"lon":2}}"#,
+    ] {
+        assert!(!g.accepts(bad), "{bad}");
+    }
+    // The schema's own word wins, at the top and nested.
+    let mut open = weather.clone();
+    open["additionalProperties"] = json!(true);
+    open["properties"]["where"]["additionalProperties"] = json!({"type": "number"});
+    let g = compile(&open);
+    assert!(g.accepts(r#"{"city":"Paris","type":"string"}"#));
+    assert!(g.accepts(r#"{"city":"Paris","where":{"lat":1.5,"lon":2}}"#));
+    assert!(!g.accepts(r#"{"city":"Paris","where":{"lat":1.5,"lon":"x"}}"#));
+
+    // A forced call to a tool that is not strict, its schema silent on extra keys.
+    let conv = Conversation {
+        messages: vec![Message::new(Role::User, "Weather in Paris?")],
+        tools: vec![Tool {
+            name: "get_weather".into(),
+            description: "Current weather".into(),
+            parameters: weather,
+            strict: false,
+        }],
+        tool_choice: ToolChoice::Required,
+        reasoning_effort: None,
+    };
+    let g = compiler.compile(&conv.tool_grammar().unwrap()).unwrap();
+    let call = |args: &str| {
+        format!("<tool_call>\n{{\"name\":\"get_weather\",\"arguments\":{args}}}\n</tool_call>")
+    };
+    assert!(g.accepts(&call(r#"{"city":"Paris"}"#)));
+    assert!(!g.accepts(&call(r#"{"city":"Paris","type":"string"}"#)));
+    assert!(!g.accepts(&call(r#"{"city":"Paris","unit":"f","unit":"f"}"#)));
 }

@@ -85,6 +85,15 @@ impl Engine {
         self.handle.text().config.max_context_tokens
     }
 
+    /// Requests admitted and not finished, running or waiting (vLLM's
+    /// `get_num_unfinished_requests`).
+    fn num_unfinished_requests(&self, py: Python<'_>) -> PyResult<usize> {
+        let status = py
+            .detach(|| self.runtime.block_on(self.handle.status()))
+            .map_err(engine_error)?;
+        Ok(status.num_running + status.num_waiting)
+    }
+
     /// Token ids of `text` as a completion prompt (the model's BOS where it adds one).
     fn encode(&self, text: &str) -> PyResult<Vec<u32>> {
         tokenizer(self.handle.text())?

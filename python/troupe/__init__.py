@@ -146,6 +146,10 @@ class LLM:
         #: The model's context, in tokens (prompt and generated).
         self.max_model_len: int = self._engine.max_model_len
 
+    def get_num_unfinished_requests(self) -> int:
+        """Requests admitted and not finished (running or waiting), as vLLM's engine says."""
+        return self._engine.num_unfinished_requests()
+
     # Prompts ----------------------------------------------------------------------------
 
     def _prompt(self, p: Prompt) -> tuple:

@@ -86,8 +86,12 @@ impl ThreadLocalActor for RankWorker {
             )
             .into());
         }
-        let (cpu_cores, pool) =
-            affinity::place_rank(args.settings.cpu_affinity, args.device(), args.shard);
+        let (cpu_cores, pool) = affinity::place_rank(
+            args.settings.cpu_affinity,
+            args.settings.cpu_threads,
+            args.device(),
+            args.shard,
+        );
         let mut model = load_model(&args)?;
         // Loading frees as much as it keeps (file copies, stacked parts): hand it back to
         // the OS so resident memory is the weights, not the weights and their scaffolding.

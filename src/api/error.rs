@@ -54,16 +54,17 @@ pub enum RequestError {
 }
 
 impl RequestError {
-    /// The error as the CLI reports it: named by the prompt's place in the input.
-    pub fn for_prompt(self, index: usize) -> crate::error::TroupeError {
+    /// The error as the CLI reports it: `prompt` names where the prompt came from (`the
+    /// prompt`, `p.jsonl line 3`).
+    pub fn for_prompt(self, prompt: String) -> crate::error::TroupeError {
         use crate::error::TroupeError;
         match self {
-            RequestError::EmptyPrompt => TroupeError::EmptyPrompt { index },
+            RequestError::EmptyPrompt => TroupeError::EmptyPrompt { prompt },
             RequestError::TokenOutOfRange {
                 token_id,
                 vocab_size,
             } => TroupeError::TokenOutOfRange {
-                index,
+                prompt,
                 token_id,
                 vocab_size,
             },
@@ -71,27 +72,64 @@ impl RequestError {
                 num_prompt_tokens,
                 max_context_tokens,
             } => TroupeError::PromptTooLong {
-                index,
+                prompt,
                 num_prompt_tokens,
                 max_context_tokens,
             },
             RequestError::Sampling(m) | RequestError::LogitBias(m) => {
-                TroupeError::InvalidSampling(m)
+                TroupeError::InvalidSampling(format!("{prompt}: {m}"))
             }
-            other => TroupeError::InvalidInput(format!("prompt {index}: {other}")),
+            other => TroupeError::InvalidInput(format!("{prompt}: {other}")),
         }
     }
 
     /// The request field at fault, as the OpenAI-style APIs name it.
-    pub fn field(&self) -> &'static str {
+    pub fn field(&self) -> &str {
         match self {
             RequestError::EmptyPrompt | RequestError::TokenOutOfRange { .. } => "prompt",
             RequestError::PromptTooLong { .. } => "messages",
-            RequestError::Sampling(_) => "sampling",
+            // `SamplingParams::validate`'s messages open with the parameter's name.
+            RequestError::Sampling(m) => m
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .next()
+                .filter(|w| !w.is_empty())
+                .unwrap_or("sampling"),
             RequestError::LogitBias(_) => "logit_bias",
             RequestError::Choices(_) => "n",
             RequestError::PromptLogprobs(_) => "prompt_logprobs",
             RequestError::Grammar(_) | RequestError::Unservable(_) => "request",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RequestError;
+    use crate::sampling::SamplingParams;
+
+    /// An out-of-range sampling parameter is named as the field the client sent, the
+    /// `param` of the HTTP error (it read `sampling` for all of them).
+    #[test]
+    fn a_bad_sampling_parameter_names_itself() {
+        type Spoil = fn(&mut SamplingParams);
+        let cases: [(&str, Spoil); 7] = [
+            ("temperature", |p| p.temperature = -1.0),
+            ("top_p", |p| p.top_p = 1.5),
+            ("min_p", |p| p.min_p = 2.0),
+            ("repetition_penalty", |p| p.repetition_penalty = 0.0),
+            ("frequency_penalty", |p| p.frequency_penalty = 9.0),
+            ("presence_penalty", |p| p.presence_penalty = -9.0),
+            ("top_logprobs", |p| p.num_top_logprobs = 10_000),
+        ];
+        for (field, spoil) in cases {
+            let mut p = SamplingParams::default();
+            spoil(&mut p);
+            let message = match p.validate().unwrap_err() {
+                crate::error::TroupeError::InvalidSampling(m) => m,
+                other => panic!("{other}"),
+            };
+            assert_eq!(RequestError::Sampling(message).field(), field);
+        }
+        assert_eq!(RequestError::Sampling("?".into()).field(), "sampling");
     }
 }

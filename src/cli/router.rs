@@ -20,6 +20,7 @@ pub struct RouterArgs {
     /// The cluster's address, where engines connect (`serve --cluster HOST:PORT`).
     #[arg(long, default_value = "127.0.0.1:9300")]
     listen: String,
+    /// The address the HTTP front listens on (`0.0.0.0`: every interface).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// The HTTP port clients call.
@@ -37,6 +38,16 @@ pub struct RouterArgs {
     /// elsewhere any), against DNS rebinding as `serve` checks it.
     #[arg(long, value_delimiter = ',')]
     allowed_hosts: Option<Vec<String>>,
+    /// A key clients must send, as `Authorization: Bearer KEY` or `x-api-key: KEY`, on
+    /// every route but `/health` (the engines check it again); repeat it (or separate
+    /// with commas) for several.
+    #[arg(
+        long = "api-key",
+        env = "TROUPE_API_KEY",
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    api_keys: Vec<String>,
 }
 
 pub fn run_router(args: RouterArgs) -> Result<()> {
@@ -73,16 +84,27 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
     let listener = std::net::TcpListener::bind((args.host.as_str(), args.port)).map_err(|e| {
         TroupeError::InvalidInput(format!("cannot serve on {}:{}: {e}", args.host, args.port))
     })?;
-    eprintln!(
-        "troupe: routing on http://{}:{} for the engines of cluster {}",
+    crate::notice::notice(&format!(
+        "routing on http://{}:{} for the engines of cluster {}",
         args.host, args.port, args.listen
-    );
+    ));
     let allowed_hosts = args
         .allowed_hosts
         .clone()
         .or_else(|| default_allowed_hosts(&args.host));
     let mut state = RouterState::new(registry, text, allowed_hosts);
     state.cfg.min_hand_off_tokens = args.min_hand_off_tokens;
+    if let Some(bad) = args
+        .api_keys
+        .iter()
+        .find(|k| k.is_empty() || k.trim() != k.as_str())
+    {
+        return Err(TroupeError::InvalidInput(format!(
+            "--api-key: a key may not be empty or start or end with whitespace (got {} characters)",
+            bad.len()
+        )));
+    }
+    state.api_keys = args.api_keys.clone();
     let state = actix_web::web::Data::new(state);
     let server = actix_web::HttpServer::new(move || {
         use actix_web::web;

@@ -31,11 +31,16 @@ pub struct ServeArgs {
     /// A known model name, a GGUF file or an HF model directory.
     #[arg(long, default_value = hub::DEFAULT_MODEL)]
     model: String,
+    /// The model as `vllm serve MODEL` takes it: the same as --model.
+    #[arg(value_name = "MODEL", conflicts_with = "model")]
+    model_positional: Option<String>,
     /// The name clients send as `model` and `/v1/models` lists (default: --model).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// The address to listen on (`0.0.0.0`: every interface; then set --api-key).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// The HTTP port.
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// Join the cluster of `troupe router --listen HOST:PORT` as one of its engines.
@@ -101,6 +106,7 @@ pub struct ServeArgs {
     /// counts a failure as permanent (then `/health` is 503 with the reason).
     #[arg(long, default_value_t = 8)]
     max_rank_restarts: usize,
+    /// The window --max-rank-restarts counts restarts in (`10m`, `1h`).
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
     rank_restart_window: Duration,
     /// HTTP worker threads (default: the machine's cores, 2 to 8).
@@ -118,11 +124,16 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The model to serve: the positional one, else --model.
+    fn model(&self) -> &str {
+        self.model_positional.as_deref().unwrap_or(&self.model)
+    }
+
     fn options(&self, max_num_seqs: usize) -> Result<ServeOptions> {
         let mut opts = ServeOptions::new(
             self.served_model_name
                 .clone()
-                .unwrap_or_else(|| self.model.clone()),
+                .unwrap_or_else(|| self.model().to_string()),
         );
         if let Some(k) = self
             .api_keys
@@ -177,7 +188,7 @@ enum ClusterRole {
 const HAND_OFF_HOST_CACHE_BYTES: usize = 1 << 30;
 
 pub fn run_serve(args: ServeArgs) -> Result<()> {
-    let path = args.engine.model_path(&args.model)?;
+    let path = args.engine.model_path(args.model())?;
     let mut cfg = args.engine.config(&path)?;
     if (args.role != ClusterRole::Both || args.drain_to.is_some()) && cfg.kv_store.host_bytes == 0 {
         cfg.kv_store.host_bytes = HAND_OFF_HOST_CACHE_BYTES;
@@ -239,10 +250,10 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
         }
         Ok(engine)
     });
-    eprintln!(
-        "troupe: serving on http://{}:{} (answering 503 until the model is loaded)",
+    crate::notice::notice(&format!(
+        "serving on http://{}:{} (answering 503 until the model is loaded)",
         args.host, args.port
-    );
+    ));
     crate::protocol::server::serve_on(state.clone(), listener, Some(loading))
         .map_err(|e| TroupeError::InvalidInput(format!("{}: {e}", serving())))?;
     drop(runtime);

@@ -23,7 +23,7 @@ pub struct Telemetry {
 impl Drop for Telemetry {
     fn drop(&mut self) {
         if let Err(e) = self.provider.shutdown() {
-            eprintln!("troupe: the last spans could not be exported: {e}");
+            crate::notice::notice(&format!("the last spans could not be exported: {e}"));
         }
     }
 }

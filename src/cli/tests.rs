@@ -45,6 +45,27 @@ fn flags_in(line: &str) -> Vec<&str> {
     out
 }
 
+fn undescribed(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+    for arg in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+        let id = arg.get_id().as_str();
+        if id != "help" && id != "version" && arg.get_help().is_none() {
+            out.push(format!("{path} {}", arg.get_long().unwrap_or(id)));
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        undescribed(sub, &format!("{path} {}", sub.get_name()), out);
+    }
+}
+
+/// Every option of every command says what it does in `--help` (`--prompt`,
+/// `--max-tokens`, `--host`, `--port`, ... had a bare line).
+#[test]
+fn every_option_has_a_description() {
+    let mut missing = Vec::new();
+    undescribed(&Cli::command(), "troupe", &mut missing);
+    assert!(missing.is_empty(), "options without help: {missing:#?}");
+}
+
 /// Every `--flag` the code writes outside comments (its errors and hints above all) is
 /// one a troupe command takes, or another tool's: a message never sends a user to a flag
 /// that does not exist.

@@ -308,7 +308,16 @@ impl AgentState {
                 .insert(self.next_move, (d.request_id, seed, d.stream.clone()));
             moving.push((self.next_move, d));
         }
-        let answer = format!("{} requests moving to {peer}", moving.len());
+        // What stays (several completions, grammars, penalties on the output) finishes
+        // here; said, so a drain that left movable requests behind shows.
+        let staying = match self.engine.status().await {
+            Ok(s) => (s.num_running + s.num_waiting).to_string(),
+            Err(_) => "an unknown number of".into(),
+        };
+        let answer = format!(
+            "{} requests moving to {peer}, {staying} staying to finish here",
+            moving.len()
+        );
         let (engine, origin) = (self.engine.clone(), self.cfg.node_name.clone());
         tokio::spawn(async move { move_all(&engine, &peer, &origin, moving).await });
         let (me, after) = (
@@ -510,7 +519,7 @@ pub async fn drain(agent: ActorRef<AgentMsg>, target: Option<String>, cancel_aft
     };
     let ask = serde_json::to_string(&ask).unwrap_or_default();
     match ractor::call_t!(agent, AgentMsg::DrainTo, 60_000, ask) {
-        Ok(moved) => eprintln!("troupe: draining: {moved}"),
-        Err(e) => eprintln!("troupe: draining: {e}"),
+        Ok(moved) => crate::notice::notice(&format!("draining: {moved}")),
+        Err(e) => crate::notice::notice(&format!("draining: {e}")),
     }
 }

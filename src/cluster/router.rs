@@ -19,6 +19,8 @@ use super::kv_transfer::{HandOff, PrefillAsk};
 use super::registry::{Registry, load_of};
 use super::router_metrics::Counters;
 use crate::model::ModelText;
+use crate::protocol::api::ApiError;
+use crate::protocol::guard::{flavor_of, header_key, key_matches};
 use crate::protocol::openai::{ChatRequest, chat_conversation};
 use crate::protocol::serve_options::host_allowed;
 use crate::route::{EngineLoad, Route, RouteConfig, pick_route, prompt_block_hashes};
@@ -51,6 +53,8 @@ pub struct RouterState {
     in_flight: Mutex<BTreeMap<String, usize>>,
     /// Host header values accepted (`None`: any), as `serve` checks them.
     allowed_hosts: Option<Vec<String>>,
+    /// Keys a client must send (`--api-key`; none: the door is open).
+    pub api_keys: Vec<String>,
 }
 
 /// One forwarded request in an engine's in-flight count, until dropped (its reply ended).
@@ -102,6 +106,7 @@ impl RouterState {
             counters: Mutex::new(Counters::default()),
             in_flight: Mutex::new(BTreeMap::new()),
             allowed_hosts,
+            api_keys: Vec::new(),
         }
     }
 
@@ -171,9 +176,40 @@ impl RouterState {
     }
 }
 
-fn error(status: u16, message: &str) -> HttpResponse {
-    HttpResponse::build(actix_web::http::StatusCode::from_u16(status).expect("a status"))
-        .json(json!({"error": {"message": message, "type": "router_error", "code": status}}))
+/// An error in `serve`'s shape for the route's API (Anthropic's for `/v1/messages`).
+fn error_for(path: &str, status: u16, message: &str) -> HttpResponse {
+    let body = ApiError::status(status, message).body(flavor_of(path));
+    HttpResponse::build(actix_web::http::StatusCode::from_u16(status).expect("a status")).json(body)
+}
+
+/// Why the router's door is shut to `req`, as `serve`'s is: a Host it does not serve, or
+/// no valid key where keys are set (on every route but `/health`, the router's own
+/// included: `/router/engines` and `/metrics` name the engines and their loads).
+fn refusal(st: &RouterState, req: &HttpRequest) -> Option<HttpResponse> {
+    let path = req.uri().path();
+    if let Some(allowed) = &st.allowed_hosts {
+        let host = req
+            .headers()
+            .get("host")
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or_default();
+        if !host_allowed(host, allowed) {
+            return Some(error_for(
+                path,
+                403,
+                &format!("host `{host}` is not served here (--allowed-hosts)"),
+            ));
+        }
+    }
+    if st.api_keys.is_empty() || path == "/health" {
+        return None;
+    }
+    let why = match header_key(req.headers()) {
+        None => "no API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
+        Some(k) if !key_matches(k, &st.api_keys) => "the API key is not valid",
+        Some(_) => return None,
+    };
+    Some(error_for(path, 401, why))
 }
 
 /// Every route but the router's own: forwarded along the route picked for it.
@@ -182,18 +218,8 @@ pub async fn forward(
     req: HttpRequest,
     body: web::Bytes,
 ) -> HttpResponse {
-    if let Some(allowed) = &st.allowed_hosts {
-        let host = req
-            .headers()
-            .get("host")
-            .and_then(|h| h.to_str().ok())
-            .unwrap_or_default();
-        if !host_allowed(host, allowed) {
-            return error(
-                403,
-                "the Host header names no host this router serves (--allowed-hosts)",
-            );
-        }
+    if let Some(shut) = refusal(&st, &req) {
+        return shut;
     }
     // Tokenizing a long prompt or rendering a chat template takes milliseconds of CPU:
     // on the blocking pool, not on the worker that serves other requests.
@@ -236,7 +262,7 @@ pub async fn forward(
             }
         }
     }
-    error(503, &why)
+    error_for(req.uri().path(), 503, &why)
 }
 
 /// The request sent to `engine`: its reply, or why another engine should take it — it
@@ -406,7 +432,10 @@ async fn hand_off(
 
 /// `GET /router/engines`: each engine's last report (cached blocks counted), how many
 /// requests it answered and prefilled for others, and the router's counters.
-pub async fn engines(st: web::Data<RouterState>) -> HttpResponse {
+pub async fn engines(st: web::Data<RouterState>, req: HttpRequest) -> HttpResponse {
+    if let Some(shut) = refusal(&st, &req) {
+        return shut;
+    }
     let c = st.counters();
     let engines: Vec<Value> = st
         .registry
@@ -434,16 +463,22 @@ pub async fn engines(st: web::Data<RouterState>) -> HttpResponse {
 }
 
 /// `GET /health`: 200 while an engine is in the cluster.
-pub async fn health(st: web::Data<RouterState>) -> HttpResponse {
+pub async fn health(st: web::Data<RouterState>, req: HttpRequest) -> HttpResponse {
+    if let Some(shut) = refusal(&st, &req) {
+        return shut;
+    }
     if st.registry.reports().is_empty() {
-        error(503, "no engine has joined the cluster")
+        error_for("/health", 503, "no engine has joined the cluster")
     } else {
         HttpResponse::Ok().finish()
     }
 }
 
 /// `GET /metrics`: the router's view and counters in Prometheus' text format.
-pub async fn metrics(st: web::Data<RouterState>) -> HttpResponse {
+pub async fn metrics(st: web::Data<RouterState>, req: HttpRequest) -> HttpResponse {
+    if let Some(shut) = refusal(&st, &req) {
+        return shut;
+    }
     let in_flight = st.in_flight.lock().expect("router lock").clone();
     let text = super::router_metrics::render(&st.registry.reports(), &in_flight, &st.counters());
     HttpResponse::Ok()

@@ -27,6 +27,13 @@ pub(super) fn check_config(cfg: &EngineConfig) -> Result<(), EngineError> {
         )));
     }
     speculative_tokens(cfg.speculative)?;
+    crate::runner::affinity::check_threads(
+        cfg.cpu_threads,
+        cfg.cpu_affinity,
+        cfg.device,
+        cfg.tensor_parallel_size,
+    )
+    .map_err(EngineError::Spawn)?;
     if cfg.exact_activations && cfg.device != Device::Cpu {
         return Err(EngineError::Spawn(
             "--exact-activations is for the CPU backend (the CUDA backend never quantizes activations)".into(),
@@ -210,6 +217,7 @@ pub(super) fn rank_settings(
         dummy_weights: cfg.dummy_weights,
         enforce_eager: cfg.enforce_eager,
         cpu_affinity: cfg.cpu_affinity,
+        cpu_threads: cfg.cpu_threads,
         decode_curve: decode_curve(cfg, text),
         warmup_tokens: match cfg.skip_warmup {
             true => 0,

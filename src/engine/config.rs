@@ -33,6 +33,11 @@ pub struct EngineConfig {
     pub skip_warmup: bool,
     /// Whether rank threads are pinned to cores (a GPU's NUMA node; CPU ranks' shares).
     pub cpu_affinity: CpuAffinity,
+    /// The longest context a request may have, prompt and output (`--max-model-len`;
+    /// default: the model's own).
+    pub max_model_len: Option<usize>,
+    /// Threads of a CPU rank's kernels (`--threads`; default: every core it may use).
+    pub cpu_threads: Option<usize>,
     pub max_num_seqs: usize,
     pub max_step_tokens: usize,
     pub step_time_budget_secs: f64,
@@ -146,6 +151,8 @@ impl EngineConfig {
             enforce_eager: false,
             skip_warmup: false,
             cpu_affinity: CpuAffinity::Auto,
+            cpu_threads: None,
+            max_model_len: None,
             max_num_seqs: 256,
             max_step_tokens: 2048,
             step_time_budget_secs: 0.25,

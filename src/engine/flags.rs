@@ -32,6 +32,7 @@ const GPU_MAX_STEP_TOKENS: usize = 8192;
 /// Engine settings `generate` and `serve` share.
 #[derive(Args)]
 pub struct EngineFlags {
+    /// Tokens a KV-cache block holds (the prefix cache shares whole blocks).
     #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
     block_size: usize,
     /// Memory for the paged KV cache, in MiB (default: 1024 on the CPU; on a GPU, what
@@ -94,6 +95,15 @@ pub struct EngineFlags {
     /// group on disjoint cores (reported in --stats); `off` leaves placement to the OS.
     #[arg(long, default_value = "auto")]
     cpu_affinity: crate::runner::affinity::CpuAffinity,
+    /// The longest context a request may have, prompt and output together, in tokens
+    /// (default: the model's own; more is refused). The KV budget is sized for it.
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Kernel threads of a CPU rank (default: every core it may use). Under
+    /// `--cpu-affinity auto` they are pinned to the rank's share of the cores, and more
+    /// threads than the share has cores are refused.
+    #[arg(long)]
+    threads: Option<usize>,
     /// Requests in a step, at most.
     #[arg(long, default_value_t = 256)]
     max_num_seqs: usize,
@@ -104,6 +114,7 @@ pub struct EngineFlags {
     /// Turn zero-overhead scheduling off (wait for each step before planning the next).
     #[arg(long)]
     no_zos: bool,
+    /// Turn the prefix cache off (a prompt never reuses another's KV blocks).
     #[arg(long)]
     no_prefix_cache: bool,
     /// Batch-invariant kernels: a request's logits do not depend on what shares its batch.
@@ -228,6 +239,8 @@ impl EngineFlags {
         cfg.enforce_eager = self.enforce_eager;
         cfg.skip_warmup = self.skip_warmup;
         cfg.cpu_affinity = self.cpu_affinity;
+        cfg.cpu_threads = self.threads;
+        cfg.max_model_len = self.max_model_len;
         cfg.gpu_memory_utilization = self.gpu_memory_utilization;
         cfg.max_num_seqs = self.max_num_seqs;
         cfg.max_step_tokens = match (self.max_num_batched_tokens, self.device) {

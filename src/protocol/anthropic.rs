@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use super::api::{ApiError, Flavor, Sampling, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
+use super::fields::Passes;
 use super::http::{
     ServerState, SseEvent, Submitted, check_model, json_when_done, read_body, respond, sse, submit,
 };
@@ -54,6 +55,8 @@ pub struct MessagesRequest {
     pub tool_choice: Option<Value>,
     /// `{"format": {"type": "json_schema", "schema": ...}}`: structured output.
     pub output_config: Option<Value>,
+    /// `{"user_id": ...}`: the end user, for the server's log.
+    pub metadata: Option<Value>,
 }
 
 fn block_text(b: &Value, field: &str) -> Result<String, ApiError> {
@@ -220,8 +223,52 @@ pub async fn messages(st: web::Data<ServerState>, body: web::Payload) -> HttpRes
     respond(&st, "messages", Flavor::Anthropic, result).await
 }
 
+/// `POST /v1/messages/count_tokens`: the tokens of the prompt `messages` would render from
+/// the same body (tools and system included), as Anthropic's endpoint counts them.
+pub async fn count_tokens(st: web::Data<ServerState>, body: web::Payload) -> HttpResponse {
+    let result = count_tokens_inner(&st, body).await;
+    respond(&st, "count_tokens", Flavor::Anthropic, result).await
+}
+
+async fn count_tokens_inner(
+    st: &ServerState,
+    body: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let mut body: Value = parse_body(&read_body(st, body).await?)?;
+    // Counting has no output: the field `messages` requires is not part of this body.
+    if let Some(fields) = body.as_object_mut() {
+        if fields.contains_key("max_tokens") {
+            return Err(ApiError::bad(
+                "max_tokens",
+                "count_tokens counts the prompt: `max_tokens` is not part of it",
+            ));
+        }
+        fields.insert("max_tokens".into(), json!(1));
+    }
+    let mut passes = Passes::new(&body);
+    let req: MessagesRequest = passes.pass()?;
+    passes.finish(&[])?;
+    check_model(st, &req.model)?;
+    let text = st.engine()?.text_shared();
+    let conv = conversation(&req)?;
+    let ids = super::api::off_worker("messages", move || {
+        conv.validate()
+            .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+        conv.to_prompt_ids(&text)
+            .map_err(|e| ApiError::bad("messages", e.to_string()))
+    })
+    .await?;
+    Ok(HttpResponse::Ok().json(json!({"input_tokens": ids.len()})))
+}
+
 async fn messages_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let req: MessagesRequest = parse_body(&read_body(st, body).await?)?;
+    let body: Value = parse_body(&read_body(st, body).await?)?;
+    let mut passes = Passes::new(&body);
+    let req: MessagesRequest = passes.pass()?;
+    passes.finish(&[])?;
+    if let Some(user) = req.metadata.as_ref().and_then(|m| m.get("user_id")) {
+        tracing::info!(user = %user, "request for an end user");
+    }
     check_model(st, &req.model)?;
     st.engine()?;
     let conv = conversation(&req)?;

@@ -96,12 +96,46 @@ pub fn parse_value<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, ApiEr
 
 fn field_error<E: std::fmt::Display>(e: serde_path_to_error::Error<E>) -> ApiError {
     let path = e.path().to_string();
-    let inner = e.into_inner();
+    let inner = json_terms(&e.into_inner().to_string());
     if path == "." || path.is_empty() {
         ApiError::bad("body", format!("invalid request body: {inner}"))
     } else {
         ApiError::bad(&path, format!("`{path}`: {inner}"))
     }
+}
+
+/// serde's message with the Rust types it names (`expected usize`) in JSON's terms, which
+/// are the ones a client wrote its request in.
+pub fn json_terms(message: &str) -> String {
+    const TERMS: [(&str, &str); 10] = [
+        ("usize", "a non-negative integer"),
+        ("u64", "a non-negative integer"),
+        ("u32", "a non-negative integer"),
+        ("u16", "a non-negative integer"),
+        ("u8", "a non-negative integer"),
+        ("i64", "an integer"),
+        ("i32", "an integer"),
+        ("f32", "a number"),
+        ("f64", "a number"),
+        ("a boolean", "true or false"),
+    ];
+    let mut out = message.to_string();
+    for (rust, json) in TERMS {
+        let from = format!("expected {rust}");
+        let mut at = 0;
+        while let Some(found) = out[at..].find(&from).map(|p| p + at) {
+            let end = found + from.len();
+            let whole = out[end..]
+                .chars()
+                .next()
+                .is_none_or(|c| !c.is_ascii_alphanumeric());
+            if whole {
+                out.replace_range(found..end, &format!("expected {json}"));
+            }
+            at = found + 1;
+        }
+    }
+    out
 }
 
 #[derive(Debug, Deserialize)]
@@ -331,5 +365,36 @@ mod tests {
         assert!(e.message.contains("messages"), "{}", e.message);
         let ok = off_worker("messages", || Ok(7)).await;
         assert_eq!(ok.unwrap(), 7);
+    }
+
+    /// A body with a value of the wrong JSON type is named in JSON's terms, never Rust's.
+    #[test]
+    fn type_errors_speak_json_not_rust() {
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct Body {
+            n: Option<usize>,
+            t: Option<f32>,
+            s: Option<bool>,
+            seed: Option<u64>,
+        }
+        for (body, want) in [
+            (r#"{"n": -1}"#, "expected a non-negative integer"),
+            (r#"{"n": "3"}"#, "expected a non-negative integer"),
+            (r#"{"t": "hot"}"#, "expected a number"),
+            (r#"{"s": 1}"#, "expected true or false"),
+            (r#"{"seed": 1.5}"#, "expected a non-negative integer"),
+        ] {
+            let e = parse_body::<Body>(body.as_bytes()).unwrap_err();
+            assert!(e.message.contains(want), "{body}: {}", e.message);
+            for rust in ["usize", "u64", "f32", "a boolean"] {
+                assert!(!e.message.contains(rust), "{body}: {}", e.message);
+            }
+        }
+        assert_eq!(json_terms("expected u8x or u8"), "expected u8x or u8");
+        assert_eq!(
+            json_terms("expected u8, got -1"),
+            "expected a non-negative integer, got -1"
+        );
     }
 }

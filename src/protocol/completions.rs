@@ -6,12 +6,13 @@ use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::api::{self, ApiError, Flavor, parse_body, parse_value};
+use super::api::{self, ApiError, Flavor, parse_body};
+use super::fields::Passes;
 use super::http::{
     ServerState, SseEvent, Timed, Timer, check_model, engine_error, json_when_done, now_secs,
     read_body, respond, sse,
 };
-use super::openai::{SamplingFields, StreamOptions, finish_reason, usage};
+use super::openai::{SamplingFields, StreamOptions, check_chat_extras, finish_reason, usage};
 use crate::engine::{EngineError, FinishReason, RequestOutput};
 use crate::model::ModelText;
 use futures_util::FutureExt;
@@ -46,6 +47,8 @@ pub struct CompletionRequest {
     /// vLLM's: each prompt token's logprob and this many most likely ids, as
     /// `prompt_logprobs` in each choice (`{id: {logprob, rank, decoded_token}}` a position).
     pub prompt_logprobs: Option<usize>,
+    /// The end user, for the server's log.
+    pub user: Option<String>,
     #[serde(skip)]
     pub sampling: SamplingFields,
 }
@@ -163,9 +166,14 @@ async fn prompts(req: &CompletionRequest, text: &ModelText) -> Result<Vec<Prompt
 
 async fn completions_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
     let body: Value = parse_body(&read_body(st, body).await?)?;
-    let mut req: CompletionRequest = parse_value(&body)?;
-    req.sampling = parse_value(&body)?;
     refuse_unsupported(&body)?;
+    let mut passes = Passes::new(&body);
+    let mut req: CompletionRequest = passes.pass()?;
+    req.sampling = passes.pass()?;
+    // The fields `refuse_unsupported` let pass are at their defaults.
+    let defaults: Vec<&str> = NOT_SUPPORTED.iter().map(|(f, _)| *f).collect();
+    passes.finish(&defaults)?;
+    check_chat_extras(&req.user, None)?;
     check_model(st, &req.model)?;
     let text = st.engine()?.text();
     let prompts = prompts(&req, text).await?;

@@ -64,7 +64,7 @@ fn request_id(st: &ServerState, req: &ServiceRequest) -> String {
 
 /// Compares digests: equal-length inputs and a comparison that does not stop at the
 /// first differing byte, so the time taken tells nothing about any key.
-fn key_matches(presented: &str, keys: &[String]) -> bool {
+pub fn key_matches(presented: &str, keys: &[String]) -> bool {
     let presented = Sha256::digest(presented.as_bytes());
     keys.iter().fold(0u8, |any, key| {
         any | Sha256::digest(key.as_bytes()).ct_eq(&presented).unwrap_u8()
@@ -74,7 +74,11 @@ fn key_matches(presented: &str, keys: &[String]) -> bool {
 /// The key a client sent: `Authorization: Bearer` (OpenAI's SDKs) or `x-api-key`
 /// (Anthropic's); either is taken on any route, as vLLM and Anthropic's gateway do.
 fn presented_key(req: &ServiceRequest) -> Option<&str> {
-    let headers = req.headers();
+    header_key(req.headers())
+}
+
+/// The key in `headers`, as `presented_key` reads it (the router's door reads it too).
+pub fn header_key(headers: &actix_web::http::header::HeaderMap) -> Option<&str> {
     headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())

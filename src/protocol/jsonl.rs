@@ -34,6 +34,20 @@ pub struct PromptLine {
     pub json_schema: Option<serde_json::Value>,
     pub regex: Option<String>,
     pub lark: Option<String>,
+    /// The line of the file it was read from (from 1), for errors.
+    #[serde(skip)]
+    pub line: Option<usize>,
+}
+
+impl PromptLine {
+    /// How errors name the prompt: its line of `file`, or `the prompt` for one given on
+    /// the command line.
+    pub fn label(&self, file: Option<&std::path::Path>) -> String {
+        match (self.line, file) {
+            (Some(n), Some(f)) => format!("{} line {n}", f.display()),
+            _ => "the prompt".into(),
+        }
+    }
 }
 
 impl PromptLine {
@@ -80,8 +94,13 @@ pub fn parse_prompts_file(text: &str, file_name: &str) -> Result<Vec<PromptLine>
         let bad = |reason: String| {
             TroupeError::InvalidInput(format!("{file_name} line {}: {reason}", i + 1))
         };
-        let p: PromptLine =
-            serde_json::from_str(line).map_err(|e| bad(format!("malformed JSON object: {e}")))?;
+        let mut p: PromptLine = serde_json::from_str(line).map_err(|e| {
+            bad(format!(
+                "malformed JSON object: {}",
+                crate::protocol::api::json_terms(&e.to_string())
+            ))
+        })?;
+        p.line = Some(i + 1);
         match (&p.prompt, &p.prompt_ids) {
             (Some(_), Some(_)) => {
                 return Err(bad("give either `prompt` or `prompt_ids`, not both".into()));

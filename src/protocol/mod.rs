@@ -6,6 +6,7 @@ pub mod completions;
 pub mod conversation;
 #[cfg(feature = "deepseek-encoding")]
 pub mod deepseek_v4_prompt;
+mod fields;
 pub mod guard;
 pub mod http;
 pub mod jsonl;

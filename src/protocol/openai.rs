@@ -5,8 +5,9 @@ use actix_web::{HttpResponse, web};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::api::{ApiError, Content, Flavor, Sampling, StopField, parse_body, parse_value};
+use super::api::{ApiError, Content, Flavor, Sampling, StopField, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall, ToolChoice};
+use super::fields::Passes;
 use super::http::{
     ServerState, SseEvent, Submitted, check_model, json_when_done, now_secs, read_body, respond,
     sse, submit,
@@ -74,8 +75,14 @@ pub struct SamplingFields {
     pub max_completion_tokens: Option<usize>,
     pub min_tokens: Option<usize>,
     pub ignore_eos: Option<bool>,
-    /// vLLM's extension: `{"json": schema}`, `{"regex": ...}` or `{"grammar": lark}`.
+    /// vLLM's extension: `{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}` or
+    /// `{"grammar": lark}`.
     pub structured_outputs: Option<Value>,
+    /// vLLM's older spellings of the same, still sent by many clients.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
 }
 
 impl SamplingFields {
@@ -100,28 +107,86 @@ impl SamplingFields {
             min_tokens: self.min_tokens,
             ignore_eos: self.ignore_eos,
             num_top_logprobs: 0,
-            grammar: match &self.structured_outputs {
-                None => None,
-                Some(v) => Some(structured_outputs(v)?),
-            },
+            grammar: self.grammar()?,
             skip_special_tokens: None,
         })
     }
 }
 
-fn structured_outputs(v: &Value) -> Result<GrammarSpec, ApiError> {
-    let field = "structured_outputs";
-    match (v.get("json"), v.get("regex"), v.get("grammar")) {
-        (Some(schema), None, None) => Ok(GrammarSpec::JsonSchema(match schema {
-            Value::String(s) => serde_json::from_str(s)
-                .map_err(|e| ApiError::bad(field, format!("`json` is not JSON: {e}")))?,
+impl SamplingFields {
+    /// The one grammar `structured_outputs` or a `guided_*` field asks for.
+    fn grammar(&self) -> Result<Option<GrammarSpec>, ApiError> {
+        let guided = [
+            (
+                "guided_json",
+                self.guided_json.as_ref().map(|v| json!({"json": v})),
+            ),
+            (
+                "guided_regex",
+                self.guided_regex.as_ref().map(|v| json!({"regex": v})),
+            ),
+            (
+                "guided_choice",
+                self.guided_choice.as_ref().map(|v| json!({"choice": v})),
+            ),
+            (
+                "guided_grammar",
+                self.guided_grammar.as_ref().map(|v| json!({"grammar": v})),
+            ),
+        ];
+        let mut given = guided.into_iter().filter_map(|(f, v)| Some((f, v?)));
+        let old = given.next();
+        if let Some((second, _)) = given.next() {
+            return Err(ApiError::bad(
+                second,
+                "give one structured-output field, not several",
+            ));
+        }
+        match (&self.structured_outputs, old) {
+            (None, None) => Ok(None),
+            (Some(v), None) => structured_outputs(v, "structured_outputs").map(Some),
+            (None, Some((field, v))) => structured_outputs(&v, field).map(Some),
+            (Some(_), Some((field, _))) => Err(ApiError::bad(
+                field,
+                "give structured_outputs or a guided_* field, not both",
+            )),
+        }
+    }
+}
+
+fn structured_outputs(v: &Value, field: &str) -> Result<GrammarSpec, ApiError> {
+    match (
+        v.get("json"),
+        v.get("regex"),
+        v.get("choice"),
+        v.get("grammar"),
+    ) {
+        (Some(schema), None, None, None) => Ok(GrammarSpec::JsonSchema(match schema {
+            Value::String(s) => serde_json::from_str(s).map_err(|e| {
+                ApiError::bad(field, format!("`{field}`: the schema is not JSON: {e}"))
+            })?,
             other => other.clone(),
         })),
-        (None, Some(Value::String(rx)), None) => Ok(GrammarSpec::Regex(rx.clone())),
-        (None, None, Some(Value::String(g))) => Ok(GrammarSpec::Lark(g.clone())),
+        (None, Some(Value::String(rx)), None, None) => Ok(GrammarSpec::Regex(rx.clone())),
+        (None, None, Some(Value::Array(choices)), None) if !choices.is_empty() => {
+            // vLLM's choice: the output is exactly one of the strings.
+            let alternatives: Option<Vec<String>> = choices
+                .iter()
+                .map(|c| c.as_str().map(regex_syntax::escape))
+                .collect();
+            let alternatives = alternatives
+                .ok_or_else(|| ApiError::bad(field, format!("`{field}`: choices are strings")))?;
+            Ok(GrammarSpec::Regex(format!(
+                "(?:{})",
+                alternatives.join("|")
+            )))
+        }
+        (None, None, None, Some(Value::String(g))) => Ok(GrammarSpec::Lark(g.clone())),
         _ => Err(ApiError::bad(
             field,
-            "give exactly one of `json` (a schema), `regex` or `grammar` (Lark) as a string",
+            format!(
+                "`{field}`: give exactly one of `json` (a schema), `regex`, `choice` (a non-empty list of strings) or `grammar` (Lark)"
+            ),
         )),
     }
 }
@@ -190,9 +255,42 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     pub response_format: Option<Value>,
     pub reasoning_effort: Option<String>,
+    /// The end user, for the server's log.
+    pub user: Option<String>,
+    /// Only `true` (the default): a reply may call several tools.
+    pub parallel_tool_calls: Option<bool>,
     /// Read in a second pass over the same body, so errors keep the field's name.
     #[serde(skip)]
     pub sampling: SamplingFields,
+}
+
+/// Fields of an assistant message a client sends back as it received them; the model's
+/// template decides what an earlier turn shows (none of them reaches a prompt).
+pub const MESSAGE_ECHOES: &[&str] = &[
+    "messages[].refusal",
+    "messages[].annotations",
+    "messages[].audio",
+    "messages[].function_call",
+    "messages[].reasoning_content",
+    "messages[].reasoning",
+];
+
+/// Refuses what troupe cannot honour among the fields every OpenAI chat client may send,
+/// and logs the end user a request names.
+pub(super) fn check_chat_extras(
+    user: &Option<String>,
+    parallel_tool_calls: Option<bool>,
+) -> Result<(), ApiError> {
+    if parallel_tool_calls == Some(false) {
+        return Err(ApiError::bad(
+            "parallel_tool_calls",
+            "a reply may call several tools here; `false` is not supported",
+        ));
+    }
+    if let Some(user) = user {
+        tracing::info!(user = %user, "request for an end user");
+    }
+    Ok(())
 }
 
 pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
@@ -299,8 +397,11 @@ pub async fn chat_completions(st: web::Data<ServerState>, body: web::Payload) ->
 
 async fn chat_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
     let body: Value = parse_body(&read_body(st, body).await?)?;
-    let mut req: ChatRequest = parse_value(&body)?;
-    req.sampling = parse_value(&body)?;
+    let mut passes = Passes::new(&body);
+    let mut req: ChatRequest = passes.pass()?;
+    req.sampling = passes.pass()?;
+    passes.finish(MESSAGE_ECHOES)?;
+    check_chat_extras(&req.user, req.parallel_tool_calls)?;
     check_model(st, &req.model)?;
     st.engine()?;
     let conv = chat_conversation(&req)?;

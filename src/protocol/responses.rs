@@ -8,11 +8,12 @@ use serde_json::{Value, json};
 
 use super::api::{ApiError, Content, Flavor, Sampling, parse_body};
 use super::conversation::{Conversation, Message, Role, Tool, ToolCall};
+use super::fields::Passes;
 use super::http::{
     ServerState, SseEvent, Submitted, check_model, json_when_done, now_secs, read_body, respond,
     sse, submit,
 };
-use super::openai::{chat_logprobs, response_format, tool_choice};
+use super::openai::{chat_logprobs, check_chat_extras, response_format, tool_choice};
 use super::output_parser::OutputEvent;
 use super::reply::{ChoiceStreams, Reply, call_id};
 use crate::engine::{FinishReason, RequestOutput};
@@ -41,6 +42,10 @@ pub struct ResponsesRequest {
     pub text: Option<Value>,
     pub previous_response_id: Option<String>,
     pub store: Option<bool>,
+    /// The end user, for the server's log.
+    pub user: Option<String>,
+    /// Only `true` (the default): a reply may call several tools.
+    pub parallel_tool_calls: Option<bool>,
 }
 
 fn conversation(req: &ResponsesRequest) -> Result<Conversation, ApiError> {
@@ -203,7 +208,7 @@ impl Shell {
                "model": self.model, "output": output, "usage": usage, "error": null,
                "incomplete_details": incomplete, "instructions": null,
                "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
-               "top_p": self.top_p, "parallel_tool_calls": false, "tool_choice": "auto",
+               "top_p": self.top_p, "parallel_tool_calls": true, "tool_choice": "auto",
                "tools": [], "text": {"format": {"type": "text"}}})
     }
 }
@@ -244,7 +249,11 @@ pub async fn create(st: web::Data<ServerState>, body: web::Payload) -> HttpRespo
 }
 
 async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpResponse, ApiError> {
-    let req: ResponsesRequest = parse_body(&read_body(st, body).await?)?;
+    let body: Value = parse_body(&read_body(st, body).await?)?;
+    let mut passes = Passes::new(&body);
+    let req: ResponsesRequest = passes.pass()?;
+    passes.finish(&[])?;
+    check_chat_extras(&req.user, req.parallel_tool_calls)?;
     check_model(st, &req.model)?;
     if req.previous_response_id.is_some() {
         return Err(ApiError::bad(
@@ -300,8 +309,10 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                 if !r.reasoning.is_empty() {
                     output.push(reasoning_item(&format!("rs_{request_id:x}"), &r.reasoning));
                 }
+                let (status, incomplete) = status_of(r.finish);
                 if !r.text.is_empty() || r.calls.is_empty() {
-                    let mut item = message_item(&msg_id, &r.text, "completed");
+                    // A message cut by max_output_tokens is incomplete, as its response is.
+                    let mut item = message_item(&msg_id, &r.text, status);
                     if want_logprobs {
                         item["content"][0]["logprobs"] =
                             chat_logprobs(&o, engine.text())["content"].take();
@@ -318,7 +329,6 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                         "completed",
                     ));
                 }
-                let (status, incomplete) = status_of(r.finish);
                 Ok(shell.response(
                     status,
                     output,
@@ -368,7 +378,8 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
         let close = |open: &mut Option<(usize, String)>,
                      items: &mut Vec<Value>,
                      events: &mut Vec<SseEvent>,
-                     ev: &mut dyn FnMut(&str, Value) -> SseEvent| {
+                     ev: &mut dyn FnMut(&str, Value) -> SseEvent,
+                     status: &str| {
             let Some((i, acc)) = open.take() else { return };
             let item = &mut items[i];
             if item["type"] == "message" {
@@ -386,7 +397,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                 events.push(ev("response.function_call_arguments.done", json!({"item_id": id, "output_index": i, "arguments": acc, "name": item["name"]})));
                 item["arguments"] = json!(acc);
             }
-            item["status"] = json!("completed");
+            item["status"] = json!(status);
             events.push(ev(
                 "response.output_item.done",
                 json!({"output_index": i, "item": item.clone()}),
@@ -395,7 +406,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
         for e in parsers.feed(o) {
             match e {
                 OutputEvent::Reasoning(t) => {
-                    close(&mut open, &mut items, &mut events, &mut ev);
+                    close(&mut open, &mut items, &mut events, &mut ev, "completed");
                     let i = items.len();
                     let item = reasoning_item(&format!("rs_{request_id:x}{i}"), &t);
                     events.push(ev(
@@ -410,7 +421,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                 }
                 OutputEvent::Text(t) => {
                     if !matches!(&open, Some((i, _)) if items[*i]["type"] == "message") {
-                        close(&mut open, &mut items, &mut events, &mut ev);
+                        close(&mut open, &mut items, &mut events, &mut ev, "completed");
                         let i = items.len();
                         let item = message_item(&format!("{msg_id}{i}"), "", "in_progress");
                         events.push(ev(
@@ -429,7 +440,7 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                     }
                 }
                 OutputEvent::CallStart { index, name } => {
-                    close(&mut open, &mut items, &mut events, &mut ev);
+                    close(&mut open, &mut items, &mut events, &mut ev, "completed");
                     let i = items.len();
                     let cid = call_id("call_", request_id, 0, index);
                     let item = call_item(&format!("fc_{cid}"), &cid, &name, "", "in_progress");
@@ -449,11 +460,15 @@ async fn create_inner(st: &ServerState, body: web::Payload) -> Result<HttpRespon
                         ));
                     }
                 }
-                OutputEvent::CallEnd { .. } => close(&mut open, &mut items, &mut events, &mut ev),
+                OutputEvent::CallEnd { .. } => {
+                    close(&mut open, &mut items, &mut events, &mut ev, "completed")
+                }
             }
         }
         if o.finish_reason.is_some() {
-            close(&mut open, &mut items, &mut events, &mut ev);
+            // The item open when the reply was cut is as incomplete as the response.
+            let (status, _) = status_of(o.finish_reason);
+            close(&mut open, &mut items, &mut events, &mut ev, status);
             if items.is_empty() {
                 let item = message_item(&format!("{msg_id}0"), "", "completed");
                 events.push(ev(

@@ -59,6 +59,26 @@ async fn models(st: web::Data<ServerState>) -> HttpResponse {
     }
 }
 
+/// `GET /v1/models/{id}`: the served model, or OpenAI's 404 for any other id.
+async fn model(st: web::Data<ServerState>, id: web::Path<String>) -> HttpResponse {
+    if *id != st.opts.served_model_name {
+        let e = ApiError::status(
+            404,
+            format!(
+                "model `{id}` is not served here (this server serves `{}`)",
+                st.opts.served_model_name
+            ),
+        );
+        return error_response(&e, Flavor::OpenAi);
+    }
+    match st.engine() {
+        Ok(engine) => HttpResponse::Ok().json(json!({
+            "id": st.opts.served_model_name, "object": "model", "created": 0,
+            "owned_by": "troupe", "max_model_len": engine.text().config.max_context_tokens})),
+        Err(e) => error_response(&e, Flavor::OpenAi),
+    }
+}
+
 async fn metrics(st: web::Data<ServerState>) -> HttpResponse {
     let status = match st.engine() {
         Ok(engine) => engine
@@ -88,6 +108,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/health", web::get().to(health))
         .route("/metrics", web::get().to(metrics))
         .route("/v1/models", web::get().to(models))
+        .route("/v1/models/{id}", web::get().to(model))
         .route(
             "/v1/chat/completions",
             web::post().to(openai::chat_completions),
@@ -95,6 +116,10 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/v1/completions", web::post().to(completions::completions))
         .route("/v1/responses", web::post().to(responses::create))
         .route("/v1/messages", web::post().to(anthropic::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            web::post().to(anthropic::count_tokens),
+        )
         .route("/tokenize", web::post().to(tokenize::tokenize))
         .route("/detokenize", web::post().to(tokenize::detokenize))
         .route("/version", web::get().to(tokenize::version))
@@ -161,7 +186,7 @@ async fn load(st: web::Data<ServerState>, loading: Loading, server: ServerHandle
     match loading.await {
         Ok(Ok(engine)) => {
             st.set_engine(engine);
-            eprintln!("troupe: the model is loaded");
+            crate::notice::notice("the model is loaded");
         }
         Ok(Err(e)) => {
             st.set_failure(e.to_string());
@@ -182,14 +207,14 @@ async fn drain_on_signal(st: web::Data<ServerState>, server: ServerHandle) {
             return;
         }
     };
-    eprintln!(
-        "troupe: {name}: draining ({} requests in flight, up to {} s; signal again to exit now)",
+    crate::notice::notice(&format!(
+        "{name}: draining ({} requests in flight, up to {} s; signal again to exit now)",
         st.gate.num_inside(),
         st.opts.shutdown_timeout.as_secs_f64()
-    );
+    ));
     actix_web::rt::spawn(async {
         if let Ok(name) = shutdown_signal().await {
-            eprintln!("troupe: {name} again: exiting without draining");
+            crate::notice::notice(&format!("{name} again: exiting without draining"));
             std::process::exit(1);
         }
     });
@@ -242,5 +267,5 @@ pub async fn drain(st: &ServerState) {
         }
     }
     engine.clone().shutdown(false).await;
-    eprintln!("troupe: drained; the engine is shut down");
+    crate::notice::notice("drained; the engine is shut down");
 }

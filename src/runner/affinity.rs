@@ -30,48 +30,94 @@ impl std::str::FromStr for CpuAffinity {
 }
 
 /// Places a starting rank: a GPU rank's thread pinned to its GPU's node; a CPU rank given
-/// a thread pool of its own pinned to its share (its kernels run on rayon's current
-/// pool). Returns the cores (`None`: not pinned) and the CPU rank's pool. Failing to pin
-/// is not fatal: the rank runs where the OS puts it, and says so.
+/// a thread pool of its own pinned to its share of the cores, or to the first `threads` of
+/// them, a thread a core (its kernels run on rayon's current pool); a GPU rank a
+/// pool too where `threads` asks for one (its host experts' work). Returns the cores the
+/// rank's work is pinned to (`None`: not pinned) and its pool. Failing to pin is not
+/// fatal: the rank runs where the OS puts it, and says so. `check_threads` has refused
+/// more threads than a share holds before any rank starts.
 pub fn place_rank(
     affinity: CpuAffinity,
+    threads: Option<usize>,
     device: Device,
     shard: crate::model::tensor_parallel::TpShard,
 ) -> (Option<Vec<usize>>, Option<rayon::ThreadPool>) {
-    if affinity == CpuAffinity::Off {
-        return (None, None);
-    }
-    let Some(cores) = cores_for(device, shard.rank, shard.size, Path::new("/sys")) else {
-        return (None, None);
+    let cores = match affinity {
+        CpuAffinity::Off => None,
+        CpuAffinity::Auto => cores_for(device, shard.rank, shard.size, Path::new("/sys")),
     };
-    match device {
-        Device::Cuda(_) => match pin_current_thread(&cores) {
-            Ok(()) => (Some(cores), None),
+    let cores = match (device, cores) {
+        (Device::Cuda(_), Some(near)) => match pin_current_thread(&near) {
+            Ok(()) => Some(near),
             Err(e) => {
                 tracing::warn!("rank {} not pinned: {e}", shard.rank);
-                (None, None)
+                None
             }
         },
-        Device::Cpu => {
-            let pinned = cores.clone();
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(cores.len())
-                .thread_name(move |i| format!("troupe-rank{}-{i}", shard.rank))
-                .start_handler(move |_| {
-                    if let Err(e) = pin_current_thread(&pinned) {
-                        tracing::warn!("a rank thread was not pinned: {e}");
-                    }
-                })
-                .build();
-            match pool {
-                Ok(pool) => (Some(cores), Some(pool)),
-                Err(e) => {
-                    tracing::warn!("rank {} has no pool of its own: {e}", shard.rank);
-                    (None, None)
-                }
+        (_, cores) => cores,
+    };
+    let pinned = match (device, cores) {
+        (Device::Cpu, Some(share)) => {
+            let n = threads.unwrap_or(share.len()).min(share.len());
+            Some(share[..n].to_vec())
+        }
+        (_, cores) => cores,
+    };
+    if threads.is_none() && (device != Device::Cpu || pinned.is_none()) {
+        return (pinned, None);
+    }
+    // One thread a core where pinned (rayon's default, the process's cores, otherwise).
+    let num_threads = threads.or(pinned.as_ref().map(Vec::len)).unwrap_or(0);
+    let to_pin = pinned.clone();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(num_threads)
+        .thread_name(move |i| format!("troupe-rank{}-{i}", shard.rank))
+        .start_handler(move |_| {
+            let Some(cores) = &to_pin else { return };
+            if let Err(e) = pin_current_thread(cores) {
+                tracing::warn!("a rank thread was not pinned: {e}");
             }
+        })
+        .build();
+    match pool {
+        Ok(pool) => (pinned, Some(pool)),
+        Err(e) => {
+            tracing::warn!("rank {} has no pool of its own: {e}", shard.rank);
+            (None, None)
         }
     }
+}
+
+/// `--threads` against the cores: at least one, and under `--cpu-affinity auto` no more
+/// than every CPU rank's share holds (a pinned pool cannot use more cores than it has).
+pub fn check_threads(
+    threads: Option<usize>,
+    affinity: CpuAffinity,
+    device: Device,
+    num_ranks: usize,
+) -> Result<(), String> {
+    let Some(n) = threads else { return Ok(()) };
+    if n == 0 {
+        return Err("--threads must be at least 1".into());
+    }
+    if affinity == CpuAffinity::Off || device != Device::Cpu {
+        return Ok(());
+    }
+    for rank in 0..num_ranks {
+        if let Some(share) = cores_for(device, rank, num_ranks, Path::new("/sys"))
+            && n > share.len()
+        {
+            return Err(format!(
+                "--threads {n} is more than the {} cores CPU rank {rank} of {num_ranks} may use \
+                 under --cpu-affinity auto (cores {}): pass --threads {} or fewer, or \
+                 --cpu-affinity off",
+                share.len(),
+                format_cpulist(&share),
+                share.len()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The cores rank `rank` of a group of `size` on `device` is pinned to, or `None` where

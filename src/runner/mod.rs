@@ -97,6 +97,8 @@ pub struct RankSettings {
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: affinity::CpuAffinity,
+    /// `--threads`: a CPU rank's kernel threads (`affinity::place_rank`).
+    pub cpu_threads: Option<usize>,
     /// Measure (or load) the decode latency curve before the first step (`RankArgs::decode_curve`).
     pub decode_curve: Option<CurveJob>,
     /// The largest prefill a step runs (`DeviceModel::warm_up`); 0 skips the warm-up.

@@ -133,7 +133,10 @@ impl DiskTier {
             file.write_all(&bytes)?;
             // On disk before it has its name: a crash leaves a whole file or a temp one.
             file.sync_data()?;
-            fs::rename(&temp, self.path(key.hash))
+            fs::rename(&temp, self.path(key.hash))?;
+            // The name on disk too before the block is reported saved: without it a power
+            // cut can take back a rename that already returned.
+            fs::File::open(&self.dir)?.sync_all()
         })();
         if written.is_err() {
             let _ = fs::remove_file(&temp);

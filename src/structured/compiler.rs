@@ -6,7 +6,7 @@ use crate::sync::Shared as Arc;
 use std::collections::{HashMap, VecDeque};
 
 use llguidance::toktrie::TokEnv;
-use llguidance::{ParserFactory, TokenParser};
+use llguidance::{Matcher, ParserFactory, TokenParser};
 
 use super::token_env::{Vocabulary, token_env};
 use super::{GrammarSpec, StructuredError};
@@ -17,6 +17,18 @@ const CACHE_CAPACITY: usize = 128;
 /// A grammar ready to start matchers from; cheap to clone into each sequence.
 pub struct CompiledGrammar {
     pub(super) parser: TokenParser,
+}
+
+impl CompiledGrammar {
+    /// Whether `text`, tokenized as plain text, is a whole match of the grammar.
+    pub fn accepts(&self, text: &str) -> bool {
+        let mut matcher = Matcher::new(Ok(self.parser.clone()));
+        let Ok(env) = matcher.tok_env() else {
+            return false;
+        };
+        let tokens = env.tokenize(text);
+        matcher.consume_tokens(&tokens).is_ok() && matcher.is_accepting().unwrap_or(false)
+    }
 }
 
 impl std::fmt::Debug for CompiledGrammar {
@@ -68,7 +80,7 @@ impl GrammarCompiler {
         })?
         .map_err(|e| StructuredError::Unsupported {
             kind: spec.kind(),
-            reason: first_line(&e.to_string()),
+            reason: one_line(&e.to_string()),
         })?;
         let compiled = Arc::new(CompiledGrammar { parser });
         let mut cache = self.lock();
@@ -91,6 +103,18 @@ impl GrammarCompiler {
     }
 }
 
-fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or(s).to_string()
+/// The compiler's whole message on one line: a regex error's first line is only
+/// `regex parse error:`, its reason and position on the lines after it.
+fn one_line(s: &str) -> String {
+    let joined = s
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    // A bounded message even for a grammar that echoes a long input back.
+    match joined.char_indices().nth(600) {
+        Some((at, _)) => format!("{}…", &joined[..at]),
+        None => joined,
+    }
 }

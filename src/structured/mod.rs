@@ -7,10 +7,12 @@
 
 mod compiler;
 mod constraint;
+mod strict;
 mod token_env;
 
 pub use compiler::{CompiledGrammar, GrammarCompiler};
 pub use constraint::{SeqConstraint, allows, mask_with_bits};
+pub use strict::strict_objects;
 pub use token_env::Vocabulary;
 
 /// The message a caught panic carried (`panic!` with a literal or a formatted string).
@@ -34,7 +36,8 @@ pub(crate) fn unless_panic<T>(work: impl FnOnce() -> T) -> Result<T, String> {
 pub enum GrammarSpec {
     /// Any JSON object.
     JsonObject,
-    /// A JSON schema (strict: unknown keywords are an error, not ignored).
+    /// A JSON schema (strict: unknown keywords are an error, not ignored, and an object
+    /// that names its properties gets no others unless it allows them: `strict_objects`).
     JsonSchema(serde_json::Value),
     /// A regular expression (Rust `regex` syntax) the whole output must match.
     Regex(String),
@@ -70,7 +73,7 @@ impl GrammarSpec {
                 TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
             }
             GrammarSpec::JsonSchema(schema) => {
-                TopLevelGrammar::from_json_schema(compact(schema.clone()))
+                TopLevelGrammar::from_json_schema(compact(strict_objects(schema)))
             }
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
             GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
@@ -90,9 +93,10 @@ fn compact(mut schema: serde_json::Value) -> serde_json::Value {
     schema
 }
 
-/// Lark for a JSON value matching `schema`, for embedding in larger grammars.
+/// Lark for a JSON value matching `schema` (its objects closed as `strict_objects` says),
+/// for embedding in larger grammars.
 pub fn lark_json(schema: &serde_json::Value) -> String {
-    format!("%json {}", compact(schema.clone()))
+    format!("%json {}", compact(strict_objects(schema)))
 }
 
 #[cfg(test)]

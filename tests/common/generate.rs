@@ -95,8 +95,9 @@ impl<B: Backend> Generator<B> {
 
     fn validate(&self, index: usize, req: &GenerateRequest) -> Result<()> {
         let cfg = &self.model.model.cfg;
+        let prompt = format!("prompt {index}");
         if req.prompt_ids.is_empty() {
-            return Err(TroupeError::EmptyPrompt { index });
+            return Err(TroupeError::EmptyPrompt { prompt });
         }
         if let Some(&bad) = req
             .prompt_ids
@@ -104,14 +105,14 @@ impl<B: Backend> Generator<B> {
             .find(|&&t| t as usize >= cfg.vocab_size)
         {
             return Err(TroupeError::TokenOutOfRange {
-                index,
+                prompt,
                 token_id: bad,
                 vocab_size: cfg.vocab_size,
             });
         }
         if req.prompt_ids.len() >= cfg.max_context_tokens {
             return Err(TroupeError::PromptTooLong {
-                index,
+                prompt,
                 num_prompt_tokens: req.prompt_ids.len(),
                 max_context_tokens: cfg.max_context_tokens,
             });

@@ -30,15 +30,33 @@ pub const HOST: [(&str, &str); 1] = [("host", "127.0.0.1")];
 
 /// `troupe serve` on the small test model with `args` and `envs`, once `/health` is 200.
 pub fn serve(args: &[&str], envs: &[(&str, &str)]) -> ServeProcess {
+    serve_model(&super::smollm2_path(), args, envs)
+}
+
+/// `troupe serve` on `model`, once `/health` is 200; a server that exits first fails.
+pub fn serve_model(model: &std::path::Path, args: &[&str], envs: &[(&str, &str)]) -> ServeProcess {
+    let model = model.display().to_string();
+    let mut all = vec!["--model", model.as_str()];
+    all.extend_from_slice(args);
+    serve_with(&all, envs)
+}
+
+/// `troupe serve ARGS` (the model among them, as a user writes it) on a free port, once
+/// `/health` is 200.
+pub fn serve_with(args: &[&str], envs: &[(&str, &str)]) -> ServeProcess {
+    serve_logging_to(args, envs, Stdio::inherit())
+}
+
+/// `serve_with`, the server's stderr (its logs) going to `stderr`.
+pub fn serve_logging_to(args: &[&str], envs: &[(&str, &str)], stderr: Stdio) -> ServeProcess {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["serve", "--model"])
-        .arg(super::smollm2_path())
+        .arg("serve")
         .args(["--port", &port.to_string()])
         .args(args)
         .envs(envs.iter().copied())
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .expect("troupe serve starts");
     let server = ServeProcess {
@@ -46,7 +64,11 @@ pub fn serve(args: &[&str], envs: &[(&str, &str)]) -> ServeProcess {
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
     };
     let started = Instant::now();
+    let mut server = server;
     loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            panic!("the server exited before it came up: {status}");
+        }
         let r = super::server::raw_request(server.addr, "GET", "/health", &HOST, b"");
         if r.status == 200 {
             return server;

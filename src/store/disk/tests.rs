@@ -170,3 +170,44 @@ fn two_engines_share_a_directory() {
         assert_eq!(a.read(&key(h)), DiskRead::Hit(hit(h, 4096)));
     }
 }
+
+/// A writer that dies mid-file leaves a temporary file: no reader takes it for the block,
+/// the collector removes it once stale, and the block is written whole later. A write
+/// that fails (its name taken by a directory) reports the failure and leaves nothing.
+#[test]
+fn a_write_torn_by_a_crash_or_refused_leaves_no_block() {
+    let dir = TempDir::new("torn-write");
+    let tier = DiskTier::open(dir.0.clone(), u64::MAX, None, 500).unwrap();
+    let whole = encode(&key(3), &payload(3, 500));
+    for trial in 0..8u64 {
+        let cut = mix(trial, 3) as usize % whole.len();
+        let temp = dir.0.join(format!(".{:016x}.{}.{trial}.tmp", 3u64, 99_999));
+        fs::write(&temp, &whole[..cut]).unwrap();
+        assert_eq!(tier.read(&key(3)), DiskRead::Miss, "cut at {cut}");
+        // Not yet stale: a live writer's file is left alone.
+        tier.collect_garbage().unwrap();
+        assert!(temp.exists());
+        fs::File::options()
+            .write(true)
+            .open(&temp)
+            .unwrap()
+            .set_modified(SystemTime::now() - STALE_TEMP - Duration::from_secs(1))
+            .unwrap();
+        tier.collect_garbage().unwrap();
+        assert!(!temp.exists(), "a stale temp file is removed");
+    }
+    tier.write(&key(3), &payload(3, 500)).unwrap();
+    assert_eq!(tier.read(&key(3)), DiskRead::Hit(hit(3, 500)));
+
+    fs::create_dir_all(tier.path(4).join("in-the-way")).unwrap();
+    assert!(tier.write(&key(4), &payload(4, 500)).is_err());
+    let left: Vec<_> = fs::read_dir(&dir.0)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| is_temp(&e.path()))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "a failed write leaves no temp file: {left:?}"
+    );
+}
