@@ -51,6 +51,14 @@ pub struct ModelConfig {
     pub fp8_block: (usize, usize),
 }
 
+/// Bounds no released model comes near (the largest have ~128 layers, widths of ~30k,
+/// 128 heads, vocabularies of ~260k and contexts of 10M tokens).
+const MAX_LAYERS: usize = 4096;
+const MAX_WIDTH: usize = 1 << 20;
+const MAX_HEADS: usize = 4096;
+const MAX_VOCAB: usize = 1 << 24;
+const MAX_CONTEXT: usize = 1 << 27;
+
 impl ModelConfig {
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
@@ -93,6 +101,26 @@ impl ModelConfig {
             || self.intermediate_size == 0
         {
             return bad("zero-sized dimension".into());
+        }
+        // A config is untrusted input that sizes what the loader allocates before any
+        // tensor is read: past these, no model exists and only an allocation would fail.
+        for (name, value, limit) in [
+            ("num_hidden_layers", self.num_layers, MAX_LAYERS),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("num_attention_heads", self.num_heads, MAX_HEADS),
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            (
+                "max_position_embeddings",
+                self.max_context_tokens,
+                MAX_CONTEXT,
+            ),
+        ] {
+            if value > limit {
+                return bad(format!(
+                    "{name} {value} is past any model's ({limit} at most)"
+                ));
+            }
         }
         Ok(())
     }

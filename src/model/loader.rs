@@ -223,11 +223,23 @@ impl SafetensorsSource {
                     path: index_path.clone(),
                     reason: "no `weight_map` object".into(),
                 })?;
-            let mut shards: Vec<PathBuf> = map
-                .values()
-                .filter_map(|v| v.as_str())
-                .map(|f| dir.join(f))
-                .collect();
+            let mut shards = Vec::with_capacity(map.len());
+            for file in map.values() {
+                // A shard is a file of this directory: a name that climbs out of it
+                // (`../`, an absolute path) would read whatever it names.
+                let name = file.as_str().filter(|f| {
+                    let mut parts = Path::new(f).components();
+                    matches!(parts.next(), Some(std::path::Component::Normal(_)))
+                        && parts.next().is_none()
+                });
+                let Some(name) = name else {
+                    return Err(TroupeError::ModelFormat {
+                        path: index_path.clone(),
+                        reason: format!("shard {file} is not a file name of the model's directory"),
+                    });
+                };
+                shards.push(dir.join(name));
+            }
             shards.sort();
             shards.dedup();
             shards

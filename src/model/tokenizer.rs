@@ -73,7 +73,18 @@ impl Tokenizer {
         eos_ids: Vec<u32>,
     ) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
+        // The tokenizers crate panics on some malformed files (a nesting past serde's
+        // recursion limit in a decoder): an untrusted file's panic is its error.
+        let read = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(&path));
+        let inner = read
+            .map_err(|p| {
+                let why = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                TroupeError::Tokenizer(format!("{}: malformed: {why}", path.display()))
+            })?
             .map_err(|e| TroupeError::Tokenizer(format!("{}: {e}", path.display())))?;
         let bos_id = bos.and_then(|b| inner.token_to_id(b));
         Ok(Self::finish(inner, bos_id, add_bos, eos_ids))

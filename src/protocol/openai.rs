@@ -29,6 +29,9 @@ pub struct WireFunctionCall {
 pub struct WireToolCall {
     #[serde(default)]
     pub id: String,
+    /// `function`, the only kind (clients send it back with the call).
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
     pub function: WireFunctionCall,
 }
 
@@ -316,7 +319,13 @@ pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
         let mut msg = Message::new(role, content);
         msg.tool_call_id = m.tool_call_id.clone();
         msg.name = m.name.clone();
-        for c in m.tool_calls.iter().flatten() {
+        for (k, c) in m.tool_calls.iter().flatten().enumerate() {
+            if c.kind.as_deref().is_some_and(|t| t != "function") {
+                return Err(ApiError::bad(
+                    &format!("{field}.tool_calls[{k}].type"),
+                    "only `function` calls are supported",
+                ));
+            }
             msg.tool_calls.push(ToolCall {
                 id: c.id.clone(),
                 name: c.function.name.clone(),

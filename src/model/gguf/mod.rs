@@ -258,9 +258,14 @@ impl GgufFile {
                     "tensor `{name}` has {num_elements} elements, not a multiple of the {ggml_type:?} block"
                 ));
             }
-            let num_bytes =
-                num_elements / ggml_type.block_len() as u64 * ggml_type.block_bytes() as u64;
-            let offset = data_start + rel_offset;
+            // Checked: a shape whose byte count wraps would pass the file-size check below
+            // and size an allocation of the unwrapped count later (found by fuzzing).
+            let num_bytes = (num_elements / ggml_type.block_len() as u64)
+                .checked_mul(ggml_type.block_bytes() as u64)
+                .ok_or_else(|| format!("tensor `{name}` shape {dims:?} overflows"))?;
+            let offset = data_start
+                .checked_add(rel_offset)
+                .ok_or_else(|| format!("tensor `{name}` offset {rel_offset} overflows"))?;
             if offset % alignment != 0 {
                 return Err(format!(
                     "tensor `{name}` data at {offset} is not {alignment}-aligned"

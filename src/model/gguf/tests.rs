@@ -150,3 +150,20 @@ fn unknown_tensor_type_is_named() {
     w.bytes.resize(w.bytes.len() + 64, 0);
     assert!(open_err("type.gguf", &w.bytes).contains("unsupported type id 99"));
 }
+
+/// Found by fuzzing: a shape whose byte count wraps u64 (2^62 f32 elements: 2^64 bytes,
+/// 0 wrapped) passed the file-size check and sized a vector of 2^62 floats at load; an
+/// offset that wraps past the data start likewise.
+#[test]
+fn shapes_and_offsets_that_wrap_are_refused() {
+    let mut w = Writer::new(3, 1, 0);
+    w.tensor_info("x", &[1 << 31, 1 << 31], 0, 0);
+    w.align(32);
+    w.bytes.resize(w.bytes.len() + 64, 0);
+    assert!(open_err("wrap.gguf", &w.bytes).contains("overflows"));
+    let mut w = Writer::new(3, 1, 0);
+    w.tensor_info("x", &[8], 0, u64::MAX - 7);
+    w.align(32);
+    w.bytes.resize(w.bytes.len() + 64, 0);
+    assert!(open_err("offset.gguf", &w.bytes).contains("overflows"));
+}
