@@ -3,7 +3,7 @@
 # the engine scenarios and the fault-injection tests with CUDA rank workers. Build here and
 # carry gpu-bin/:
 #   cargo test --release --features cuda --test cuda_attention --test cuda_layers --test cuda_packed --test cuda_sampling --test cuda_tile_gemm \
-#     --test cuda_deepseek_v4 --test engine --test fault_injection --test spec_decoding \
+#     --test cuda_deepseek_v4 --test engine --test fault_injection --test fault_modes --test spec_decoding \
 #     --test spec_draft_model --test prompt_logprobs --test deepseek_v4_engine --test deepseek_v4_differential --no-run
 #   (copy each executable it names to gpu-bin/<test name>)
 # `gpu-tests.sh dsv4` runs only DeepSeek-V4's share (cuda_deepseek_v4, deepseek_v4_engine,
@@ -15,7 +15,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x8
 export TROUPE_TEST_DEVICE=cuda TROUPE_HOME=/tmp/troupe-home
 status=0
 kernels="cuda_attention cuda_layers cuda_packed cuda_sampling cuda_tile_gemm cuda_deepseek_v4"
-workers="fault_injection engine spec_decoding spec_draft_model prompt_logprobs"
+workers="fault_injection fault_modes engine spec_decoding spec_draft_model prompt_logprobs"
 if [ "$only" = dsv4 ]; then kernels="cuda_tile_gemm cuda_deepseek_v4" workers=; fi
 for t in $kernels; do
   echo "== $t (kernels vs the CPU reference)"
