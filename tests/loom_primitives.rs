@@ -2,7 +2,7 @@
 //! suite): the grammar matcher's busy cell, a group's abort hooks, the GPU's pick-slot
 //! pool, the fault plan's one-shot flags, the drafters' shared calibration, the engine
 //! handle's request ids, the prefix store's host tier, the server's admission gate, the
-//! router's view of its engines, a device step's host-call flags.
+//! router's view of its engines and its in-flight counts, a device step's host-call flags.
 //! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
 #![cfg(troupe_loom)]
 
@@ -265,6 +265,31 @@ fn a_forwarded_engine_forgotten_during_a_poll_is_gone_or_freshly_reported() {
             .collect();
         // The forget came after the poll (e1 gone) or before it (the poll's fresh view).
         assert!(names == ["e2"] || names == ["e1", "e2"], "{names:?}");
+    });
+}
+
+/// Two forwarded requests to one engine entering and ending beside a load reader: the
+/// reader sees 0, 1 or 2 in flight, never more, and the count is gone once both end.
+#[test]
+fn in_flight_counts_see_every_request_and_forget_finished_ones() {
+    use troupe::cluster::in_flight::InFlightCounts;
+    loom::model(|| {
+        // The router shares them as `troupe::sync::Shared` (std's Arc); the lock inside is
+        // loom's.
+        let counts = std::sync::Arc::new(InFlightCounts::default());
+        let forwards: Vec<_> = (0..2)
+            .map(|_| {
+                let counts = counts.clone();
+                thread::spawn(move || drop(InFlightCounts::enter(&counts, "e1")))
+            })
+            .collect();
+        let seen = counts.get("e1");
+        assert!(seen <= 2, "{seen}");
+        for f in forwards {
+            f.join().unwrap();
+        }
+        assert_eq!(counts.get("e1"), 0);
+        assert!(counts.snapshot().is_empty(), "a finished engine's count stays");
     });
 }
 

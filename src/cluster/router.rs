@@ -8,13 +8,12 @@
 //! later ends the stream with an error event. An engine answering 429 or 503 is passed
 //! over for the request while another can take it.
 
-use std::collections::BTreeMap;
-
 use actix_web::{HttpRequest, HttpResponse, web};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use super::agent::{AgentMsg, EngineReport, agent_group};
+use super::in_flight::{InFlight, InFlightCounts};
 use super::kv_transfer::{HandOff, PrefillAsk};
 use super::registry::{Registry, load_of};
 use super::router_metrics::Counters;
@@ -48,42 +47,12 @@ pub struct RouterState {
     pub cfg: RouteConfig,
     client: reqwest::Client,
     counters: Mutex<Counters>,
-    /// Requests forwarded and not yet answered in full, by node name: counted with each
-    /// engine's last report, so a burst between two reports spreads.
-    in_flight: Mutex<BTreeMap<String, usize>>,
+    /// Requests forwarded and not yet answered in full, by node name.
+    in_flight: Shared<InFlightCounts>,
     /// Host header values accepted (`None`: any), as `serve` checks them.
     allowed_hosts: Option<Vec<String>>,
     /// Keys a client must send (`--api-key`; none: the door is open).
     pub api_keys: Vec<String>,
-}
-
-/// One forwarded request in an engine's in-flight count, until dropped (its reply ended).
-struct InFlight {
-    st: web::Data<RouterState>,
-    node_name: String,
-}
-
-impl InFlight {
-    fn new(st: &web::Data<RouterState>, node_name: &str) -> Self {
-        *st.in_flight
-            .lock()
-            .expect("router lock")
-            .entry(node_name.to_string())
-            .or_default() += 1;
-        InFlight {
-            st: st.clone(),
-            node_name: node_name.to_string(),
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let mut in_flight = self.st.in_flight.lock().expect("router lock");
-        if let Some(n) = in_flight.get_mut(&self.node_name) {
-            *n = n.saturating_sub(1);
-        }
-    }
 }
 
 impl RouterState {
@@ -104,7 +73,7 @@ impl RouterState {
                 .build()
                 .expect("a plain HTTP client"),
             counters: Mutex::new(Counters::default()),
-            in_flight: Mutex::new(BTreeMap::new()),
+            in_flight: Shared::new(InFlightCounts::default()),
             allowed_hosts,
             api_keys: Vec::new(),
         }
@@ -155,12 +124,11 @@ impl RouterState {
     /// The engines' last reports as the rules read them: requests in flight added to
     /// each engine's load, the engines passed over for this request not alive.
     fn loads(&self, reports: &[EngineReport], passed_over: &[String]) -> Vec<EngineLoad> {
-        let in_flight = self.in_flight.lock().expect("router lock");
         reports
             .iter()
             .map(|r| {
                 let mut load = load_of(r);
-                load.num_running += in_flight.get(&r.node_name).copied().unwrap_or(0);
+                load.num_running += self.in_flight.get(&r.node_name);
                 load.alive &= !passed_over.contains(&r.node_name);
                 load
             })
@@ -238,7 +206,7 @@ pub async fn forward(
         };
         let engine = &reports[route.target];
         // Counted from now: a burst of hand-offs spreads over the decode engines.
-        let counted = InFlight::new(&st, &engine.node_name);
+        let counted = InFlightCounts::enter(&st.in_flight, &engine.node_name);
         if let (Some(from), Some(ids)) = (route.prefill_from, &prompt) {
             hand_off(&st, &reports[from], engine, ids).await;
         }
@@ -396,7 +364,7 @@ async fn hand_off(
     decode: &EngineReport,
     prompt: &[u32],
 ) {
-    let _counted = InFlight::new(st, &prefill.node_name);
+    let _counted = InFlightCounts::enter(&st.in_flight, &prefill.node_name);
     let ask = PrefillAsk {
         prompt_ids: prompt.to_vec(),
         decode_node: decode.node_name.clone(),
@@ -479,7 +447,7 @@ pub async fn metrics(st: web::Data<RouterState>, req: HttpRequest) -> HttpRespon
     if let Some(shut) = refusal(&st, &req) {
         return shut;
     }
-    let in_flight = st.in_flight.lock().expect("router lock").clone();
+    let in_flight = st.in_flight.snapshot();
     let text = super::router_metrics::render(&st.registry.reports(), &in_flight, &st.counters());
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
