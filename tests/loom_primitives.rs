@@ -289,7 +289,10 @@ fn in_flight_counts_see_every_request_and_forget_finished_ones() {
             f.join().unwrap();
         }
         assert_eq!(counts.get("e1"), 0);
-        assert!(counts.snapshot().is_empty(), "a finished engine's count stays");
+        assert!(
+            counts.snapshot().is_empty(),
+            "a finished engine's count stays"
+        );
     });
 }
 

@@ -480,3 +480,23 @@ fn mutated_shard_indexes_load_or_are_refused() {
         dir.clone()
     });
 }
+
+/// Found by the long run and fixed, kept as cases of their own: a DeepSeek-V4 config of
+/// 2^40 layers (a vector of that many layer kinds), a GGUF Llama q projection of no rows
+/// (a division by zero while its rows were unpermuted).
+#[test]
+fn the_long_runs_findings_stay_fixed() {
+    let dir = scratch("dsv4-layers");
+    copy_dir(&common::goldens().join("tiny-dsv4-a"), &dir);
+    let mut cfg: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = json!(1u64 << 40);
+    for key in ["layer_types", "compress_ratios", "mlp_layer_types"] {
+        cfg.as_object_mut().unwrap().remove(key);
+    }
+    std::fs::write(dir.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let err = std::panic::catch_unwind(|| load(&dir))
+        .expect("no panic")
+        .unwrap_err();
+    assert!(err.contains("num_hidden_layers"), "{err}");
+}

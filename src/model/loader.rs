@@ -123,8 +123,29 @@ impl GgufSource<'_> {
     /// llama.cpp's converter permutes Llama's q/k rows so its kernels can rotate adjacent
     /// pairs; undo it so every source uses the half-split rotation transformers uses.
     /// Rows are whole blocks in every format, so the permutation moves bytes.
-    fn unpermute_rows(t: &mut HostTensor, num_heads: usize) {
-        let rows = t.dims[0];
+    fn unpermute_rows(t: &mut HostTensor, num_heads: usize, name: &str) -> Result<()> {
+        let rows = t.dims.first().copied().unwrap_or(0);
+        // Found by fuzzing: a tensor of no rows divided by zero here. The shape must be
+        // whole heads of even size before bytes move.
+        let bytes_len = match &t.data {
+            HostData::F32(v) => v.len() * 4,
+            HostData::Bf16(v) => v.len() * 2,
+            HostData::Quantized { bytes, .. } => bytes.len(),
+            _ => 0,
+        };
+        if num_heads == 0
+            || rows == 0
+            || !rows.is_multiple_of(num_heads)
+            || !(rows / num_heads).is_multiple_of(2)
+            || !bytes_len.is_multiple_of(rows)
+        {
+            return Err(TroupeError::Tensor {
+                name: name.to_string(),
+                reason: format!(
+                    "{rows} rows are not {num_heads} heads of an even size ({bytes_len} bytes)"
+                ),
+            });
+        }
         let head_dim = rows / num_heads;
         let half = head_dim / 2;
         let permute = |data: &mut [u8]| {
@@ -168,6 +189,7 @@ impl GgufSource<'_> {
                 unreachable!("a GGUF tensor is never stacked, FP8 or MXFP4")
             }
         }
+        Ok(())
     }
 
     /// Llama 3's frequency factors, stored by llama.cpp as a tensor.
@@ -188,9 +210,9 @@ impl TensorSource for GgufSource<'_> {
         };
         if self.arch == Arch::Llama {
             if name.ends_with("attn_q.weight") || name.ends_with("attn_q.bias") {
-                Self::unpermute_rows(&mut t, self.num_heads);
+                Self::unpermute_rows(&mut t, self.num_heads, &name)?;
             } else if name.ends_with("attn_k.weight") || name.ends_with("attn_k.bias") {
-                Self::unpermute_rows(&mut t, self.num_kv_heads);
+                Self::unpermute_rows(&mut t, self.num_kv_heads, &name)?;
             }
         }
         Ok(Some(t))
@@ -415,5 +437,33 @@ pub fn e8m0_to_f32(b: u8) -> f32 {
         f32::NAN
     } else {
         2f32.powi(b as i32 - 127)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by fuzzing: a q projection of no rows divided by zero while its rows were
+    /// unpermuted; rows that are not whole heads of even size are refused too, naming the
+    /// tensor, and a well-shaped one still moves.
+    #[test]
+    fn rows_that_are_not_whole_heads_are_refused() {
+        let tensor = |rows: usize, cols: usize| HostTensor {
+            dims: vec![rows, cols],
+            data: HostData::F32((0..rows * cols).map(|i| i as f32).collect()),
+            stored: Stored::AsData,
+        };
+        for (rows, heads) in [(0, 2), (6, 4), (6, 2), (8, 0)] {
+            let err =
+                GgufSource::unpermute_rows(&mut tensor(rows, 3), heads, "blk.0.attn_q.weight")
+                    .unwrap_err()
+                    .to_string();
+            assert!(err.contains("blk.0.attn_q.weight"), "{rows}x{heads}: {err}");
+        }
+        let mut t = tensor(4, 1);
+        GgufSource::unpermute_rows(&mut t, 1, "q").unwrap();
+        // One head of 4: rows (0, 1, 2, 3) interleaved back to halves (0, 2, 1, 3).
+        assert!(matches!(&t.data, HostData::F32(v) if v == &[0.0, 2.0, 1.0, 3.0]));
     }
 }

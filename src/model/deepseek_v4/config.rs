@@ -79,6 +79,9 @@ pub struct DsV4Config {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// More layers than any model has (the largest have about 128).
+const MAX_LAYERS: usize = 4096;
+
 impl DsV4Config {
     /// What the request-facing engine reads of any model: vocabulary, context, layers.
     /// Attention and MLP fields describe no real DeepSeek-V4 tensor.
@@ -132,6 +135,13 @@ impl DsV4Config {
         let optf = |key: &str, default: f64| v[key].as_f64().unwrap_or(default);
 
         let num_layers = req("num_hidden_layers")?;
+        // Before the per-layer lists below are built from it (found by fuzzing: a count
+        // of 2^40 layers asked for a vector of that many).
+        if num_layers > MAX_LAYERS {
+            return Err(bad(format!(
+                "num_hidden_layers {num_layers} is past any model's ({MAX_LAYERS} at most)"
+            )));
+        }
         let head_dim = opt("head_dim", 512);
         let rope_head_dim = match (
             v["partial_rotary_factor"].as_f64(),
@@ -296,6 +306,34 @@ impl DsV4Config {
     }
 
     fn validate(&self) -> Result<(), String> {
+        // The config sizes what loading allocates before any tensor is read: past these
+        // no model exists, only a failed allocation.
+        for (name, value, limit) in [
+            ("hidden_size", self.hidden_size, 1 << 20),
+            ("moe_intermediate_size", self.moe_intermediate_size, 1 << 20),
+            ("vocab_size", self.vocab_size, 1 << 24),
+            ("num_attention_heads", self.num_heads, 4096),
+            ("head_dim", self.head_dim, 4096),
+            ("q_lora_rank", self.q_lora_rank, 1 << 20),
+            ("o_lora_rank", self.o_lora_rank, 1 << 20),
+            ("n_routed_experts", self.num_routed_experts, 1 << 16),
+            ("num_experts_per_tok", self.num_experts_per_tok, 1 << 16),
+            ("hc_mult", self.hc_mult, 64),
+            ("hc_sinkhorn_iters", self.hc_sinkhorn_iters, 1 << 10),
+            ("index_n_heads", self.index_n_heads, 4096),
+            ("index_head_dim", self.index_head_dim, 4096),
+            ("index_topk", self.index_topk, 1 << 24),
+            ("sliding_window", self.sliding_window, 1 << 27),
+            ("o_groups", self.o_groups, 4096),
+            ("compress rates", self.csa_rate.max(self.hca_rate), 1 << 20),
+            ("max_position_embeddings", self.max_context_tokens, 1 << 27),
+        ] {
+            if value > limit {
+                return Err(format!(
+                    "{name} {value} is past any model's ({limit} at most)"
+                ));
+            }
+        }
         let checks = [
             (
                 self.num_heads > 0 && self.head_dim > 0,
