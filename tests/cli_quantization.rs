@@ -104,6 +104,36 @@ fn what_quantization_cannot_do_is_refused_by_name() {
         ]),
         "--quantization is for dense checkpoints",
     );
+    // A packed GGUF's projections stay as its blocks: FP8 would not apply, so it is
+    // refused, not ignored; a dense (F32) GGUF takes it.
+    assert_clear_error(
+        &troupe(&[
+            "generate",
+            "--model",
+            &tiny("tiny-llama-q4_0.gguf"),
+            "--prompt-ids",
+            "1",
+            "--quantization",
+            "fp8",
+        ]),
+        "already packed",
+    );
+    let dense = troupe(&[
+        "generate",
+        "--model",
+        &tiny("tiny-llama.gguf"),
+        "--prompt-ids",
+        "1",
+        "--max-tokens",
+        "2",
+        "--quantization",
+        "fp8",
+    ]);
+    assert!(
+        dense.status.success(),
+        "{}",
+        String::from_utf8_lossy(&dense.stderr)
+    );
     // A GPTQ config: its integer tensors are not read as floats.
     let files = [
         "model.safetensors",

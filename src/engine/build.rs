@@ -72,6 +72,28 @@ pub(super) fn check_model(cfg: &EngineConfig, text: &ModelText) -> Result<(), En
             "--quantization is for dense checkpoints: DeepSeek-V4's weights are FP8 / FP4 as shipped".into(),
         ));
     }
+    if cfg.quantization.is_some() && cfg.model_path.is_file() {
+        // A packed GGUF's projections stay as the file's blocks: FP8 would be silently
+        // not applied (dense F32/F16/BF16 GGUF projections do take it).
+        let gguf = crate::model::gguf::GgufFile::open(&cfg.model_path)?;
+        let packed = gguf.tensors.iter().find(|t| {
+            t.name.starts_with("blk.")
+                && t.name.ends_with(".weight")
+                && t.dims.len() == 2
+                && !matches!(
+                    t.ggml_type,
+                    crate::kernels::quant::GgmlType::F32
+                        | crate::kernels::quant::GgmlType::F16
+                        | crate::kernels::quant::GgmlType::BF16
+                )
+        });
+        if let Some(t) = packed {
+            return Err(EngineError::Spawn(format!(
+                "--quantization is for dense checkpoints: this GGUF's projections are already packed (`{}` is {:?})",
+                t.name, t.ggml_type
+            )));
+        }
+    }
     let dir = &cfg.model_path;
     if dir.is_dir()
         && !cfg.dummy_weights
