@@ -164,7 +164,23 @@ impl<'a> Cursor<'a> {
                 }
                 let item_type = self.u32()?;
                 let n = self.count("array")?;
-                let mut items = Vec::with_capacity(n.min(1 << 20) as usize);
+                // Every item takes at least this many of the file's bytes: a count the
+                // rest of the file cannot hold is refused before anything is reserved
+                // (found by fuzzing: nested arrays reserved 256 MiB from a 490 KiB file).
+                let min_item_bytes: u64 = match item_type {
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    8 | 10..=12 => 8,
+                    9 => 12,
+                    _ => 1,
+                };
+                let left = (self.bytes.len() - self.pos) as u64;
+                if n.saturating_mul(min_item_bytes) > left {
+                    return Err(format!(
+                        "an array of {n} items cannot fit in the {left} bytes left of the file"
+                    ));
+                }
+                let mut items = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     items.push(self.value(item_type, depth + 1)?);
                 }

@@ -167,3 +167,16 @@ fn shapes_and_offsets_that_wrap_are_refused() {
     w.bytes.resize(w.bytes.len() + 64, 0);
     assert!(open_err("offset.gguf", &w.bytes).contains("overflows"));
 }
+
+/// Found by fuzzing: nested metadata arrays whose counts the file cannot hold reserved
+/// 256 MiB from a 490 KiB file; a count past what is left of the file is refused first.
+#[test]
+fn an_array_count_past_the_files_end_is_refused_before_reserving() {
+    let mut w = Writer::new(3, 0, 1);
+    w.str("big");
+    w.u32(9);
+    w.u32(9);
+    w.u64(1 << 20);
+    w.bytes.resize(w.bytes.len() + 64, 0);
+    assert!(open_err("array.gguf", &w.bytes).contains("cannot fit"));
+}
