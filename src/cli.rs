@@ -13,6 +13,7 @@ use crate::protocol::conversation::{Conversation, Message, Role};
 use crate::protocol::jsonl::{OutputLine, PromptLine, parse_prompts_file};
 use crate::sampling::SamplingParams;
 
+mod api_keys;
 mod router;
 mod serve;
 mod telemetry;

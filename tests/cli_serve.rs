@@ -54,6 +54,13 @@ fn rank_thread_masks(pid: u32) -> std::collections::BTreeMap<usize, Vec<Vec<usiz
     ranks
 }
 
+/// `generate` from prompt `5` with `extra` flags (for the refusals).
+fn generate_one(model: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["generate", "--model", model, "--prompt-ids", "5"];
+    args.extend_from_slice(extra);
+    troupe(&args)
+}
+
 /// `--threads` sizes every CPU rank's pool, and under `--cpu-affinity auto` pins it inside
 /// the rank's share of the cores (it was ignored there: a rank sized its pool from its
 /// share); more threads than a share holds are refused by name; with affinity off the
@@ -90,30 +97,9 @@ fn threads_size_each_cpu_ranks_pool_inside_its_share() {
 
     let share = allowed.len() / num_ranks;
     let too_many = (share + 1).to_string();
-    let refused = troupe(&[
-        "generate",
-        "--model",
-        &model,
-        "--prompt-ids",
-        "5",
-        "--tp",
-        &tp,
-        "--threads",
-        &too_many,
-    ]);
+    let refused = generate_one(&model, &["--tp", &tp, "--threads", &too_many]);
     assert_clear_error(&refused, "--threads");
-    assert_clear_error(
-        &troupe(&[
-            "generate",
-            "--model",
-            &model,
-            "--prompt-ids",
-            "5",
-            "--threads",
-            "0",
-        ]),
-        "--threads",
-    );
+    assert_clear_error(&generate_one(&model, &["--threads", "0"]), "--threads");
 }
 
 #[test]
@@ -166,15 +152,7 @@ fn cpu_ranks_are_pinned_to_disjoint_cores_and_reported_unless_turned_off() {
         assert_ne!(two[0], two[1], "two ranks on the same cores: {two:?}");
     }
     assert_clear_error(
-        &troupe(&[
-            "generate",
-            "--model",
-            &model,
-            "--prompt-ids",
-            "5",
-            "--cpu-affinity",
-            "numa",
-        ]),
+        &generate_one(&model, &["--cpu-affinity", "numa"]),
         "--cpu-affinity",
     );
 }
@@ -216,15 +194,7 @@ fn serve_takes_the_model_positionally_and_max_model_len_caps_the_context() {
         long.json()
     );
     drop(server);
-    let out = troupe(&[
-        "generate",
-        "--model",
-        &model,
-        "--prompt-ids",
-        "5",
-        "--max-model-len",
-        "999999",
-    ]);
+    let out = generate_one(&model, &["--max-model-len", "999999"]);
     assert_clear_error(&out, "--max-model-len 999999");
     let out = troupe(&["serve", &model, "--model", &model]);
     assert_clear_error(&out, "--model");

@@ -257,6 +257,127 @@ mod with_encoding {
         assert!(body.contains("｜DSML｜｜DSML｜"), "{body}");
     }
 
+    fn forced_tools() -> serde_json::Value {
+        serde_json::json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "required": ["city"], "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "metric": {"type": "boolean"}}}}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {
+                "type": "object", "required": ["zone"], "properties": {
+                    "zone": {"enum": ["UTC", "JST"]}}}}}
+        ])
+    }
+
+    /// A forced call on the random model: whatever it would write, the reply is one DSML
+    /// invoke (the prompt opened the block) of a named tool, its parameters the schema's,
+    /// read back as a call; seeds vary what it writes.
+    #[test]
+    fn forced_calls_are_dsml_invokes_held_to_the_schema() {
+        let dir = checkpoint_with_tokenizer();
+        let mut cfg = troupe::engine::EngineConfig::new(&dir);
+        cfg.kv_cache_bytes = 16 << 20;
+        let server = common::server::start(cfg, "tiny-dsv4");
+        let named = serde_json::json!({"type": "function", "function": {"name": "get_time"}});
+        for seed in 0..6u64 {
+            let choice = if seed % 2 == 0 {
+                serde_json::json!("required")
+            } else {
+                named.clone()
+            };
+            let body = serde_json::json!({"model": "tiny-dsv4", "max_tokens": 500,
+                "temperature": 1.0, "seed": seed, "tools": forced_tools(), "tool_choice": choice,
+                "messages": [{"role": "user", "content": USER}]});
+            let got = server.request("POST", "/v1/chat/completions", body.to_string().as_bytes());
+            let text = String::from_utf8_lossy(&got.body);
+            let (from, to) = (text.find('{').unwrap(), text.rfind('}').unwrap());
+            let reply: serde_json::Value = serde_json::from_str(&text[from..=to]).unwrap();
+            assert_eq!(got.status, 200, "{reply}");
+            assert_eq!(
+                reply["choices"][0]["finish_reason"], "tool_calls",
+                "seed {seed}: {reply}"
+            );
+            let calls = reply["choices"][0]["message"]["tool_calls"]
+                .as_array()
+                .unwrap();
+            assert_eq!(calls.len(), 1, "{reply}");
+            let f = &calls[0]["function"];
+            let args: serde_json::Value =
+                serde_json::from_str(f["arguments"].as_str().unwrap()).unwrap();
+            let args = args.as_object().unwrap();
+            match f["name"].as_str().unwrap() {
+                "get_weather" => {
+                    assert!(seed % 2 == 0, "{reply}");
+                    assert!(args["city"] == "Paris" || args["city"] == "Rome", "{reply}");
+                    for (k, v) in args {
+                        match k.as_str() {
+                            "city" => {}
+                            "days" => assert!(matches!(v.as_i64(), Some(1..=9)), "{reply}"),
+                            "metric" => assert!(v.is_boolean(), "{reply}"),
+                            other => panic!("{other} is not a parameter: {reply}"),
+                        }
+                    }
+                }
+                "get_time" => {
+                    assert_eq!(args.len(), 1, "{reply}");
+                    assert!(args["zone"] == "UTC" || args["zone"] == "JST", "{reply}");
+                }
+                other => panic!("a call to {other}: {reply}"),
+            }
+        }
+    }
+
+    /// With `｜DSML｜` a special token, the grammar takes the token and not its spelling,
+    /// and a free-text parameter may hold `</` (it ends only where the token follows).
+    #[test]
+    fn the_forced_grammar_takes_dsml_as_its_token_and_free_text_up_to_the_close() {
+        use troupe::protocol::call_syntax::CallSyntax;
+        use troupe::protocol::conversation::{Tool, ToolChoice};
+        use troupe::structured::GrammarCompiler;
+        let dir = checkpoint_with_tokenizer();
+        let text = troupe::model::load_text(&dir).unwrap();
+        let syntax = CallSyntax::of(&text);
+        let mut conv = conversation(USER, None);
+        conv.tools.push(Tool {
+            name: "note".into(),
+            description: String::new(),
+            parameters: serde_json::json!({"type": "object", "required": ["body"],
+                "properties": {"body": {"type": "string"}}}),
+            strict: true,
+        });
+        conv.tool_choice = ToolChoice::Required;
+        let grammar = GrammarCompiler::new(text.tokenizer.clone().unwrap(), text.stop_ids[0])
+            .unwrap()
+            .compile(&conv.tool_grammar(&syntax).unwrap())
+            .unwrap();
+        let block = |body: &str| {
+            format!(
+                "<｜DSML｜invoke name=\"note\">\n<｜DSML｜parameter name=\"body\" string=\"true\">{body}</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+            )
+        };
+        let ids = expected_ids(&block("a </b> and 2<3"));
+        assert!(grammar.accepts_ids(&ids), "{ids:?}");
+        // The same text with `｜DSML｜` spelled out character by character.
+        let dsml = expected_ids("｜DSML｜")[0];
+        let spelled: Vec<u32> = ids
+            .iter()
+            .flat_map(|&t| {
+                if t == dsml {
+                    let chars = alphabet();
+                    "｜DSML｜"
+                        .chars()
+                        .map(|c| chars.iter().position(|&x| x == c).unwrap() as u32)
+                        .collect()
+                } else {
+                    vec![t]
+                }
+            })
+            .collect();
+        assert!(!grammar.accepts_ids(&spelled));
+        assert!(!grammar.accepts_ids(&expected_ids(&block("x").replace("body", "other"))));
+    }
+
     #[test]
     fn the_cli_chat_prompt_generates_as_its_documented_ids_do() {
         let dir = checkpoint_with_tokenizer();

@@ -6,7 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::engine::{assert_finished_unchanged, random_requests, reference_outputs, tiny_config};
+use common::engine::{
+    assert_finished_unchanged, kill_rank_0, random_requests, reference_outputs, tiny_config,
+    wait_for_steps,
+};
 use troupe::engine::{Engine, EngineHandle, RequestOutput, RequestStream};
 use troupe::runner::fault::FaultPlan;
 
@@ -42,29 +45,6 @@ async fn collect(streams: Vec<RequestStream>) -> Vec<RequestOutput> {
     tokio::time::timeout(Duration::from_secs(120), all)
         .await
         .expect("every request ends within 120 s")
-}
-
-/// Waits until the engine has run a few steps, so the fault lands mid-run.
-async fn wait_for_steps(engine: &EngineHandle, n: u64) {
-    let waiting = async {
-        while engine.status().await.unwrap().num_steps < n {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(60), waiting)
-        .await
-        .expect("the engine runs steps");
-}
-
-async fn kill_rank_0(engine: &EngineHandle) {
-    engine
-        .children()
-        .await
-        .unwrap()
-        .workers
-        .remove(0)
-        .get_cell()
-        .kill();
 }
 
 async fn assert_recovered(engine: &EngineHandle, got: &[RequestOutput], want: &[Vec<u32>]) {

@@ -9,10 +9,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::engine::{compares_tokens, random_requests, tiny_config};
+use common::engine::{
+    compares_tokens, idle_status, kill_rank_0, random_requests, tiny_config, wait_for_steps,
+};
 use troupe::engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStatus, SpecAcceptance, SpecConfig,
-    SpecMethod, SpecVerify,
+    Engine, EngineConfig, EngineRequest, EngineStatus, SpecAcceptance, SpecConfig, SpecMethod,
+    SpecVerify,
 };
 use troupe::model::deepseek_v4::cache::DsV4Cache;
 use troupe::model::deepseek_v4::config::DsV4Config;
@@ -54,37 +56,6 @@ async fn run(
     let status = idle_status(&engine).await;
     engine.shutdown(true).await;
     (out, status)
-}
-
-async fn wait_for_steps(engine: &EngineHandle, n: u64) {
-    let waiting = async {
-        while engine.status().await.unwrap().num_steps < n {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(60), waiting)
-        .await
-        .expect("the engine runs steps");
-}
-
-async fn kill_rank_0(engine: &EngineHandle) {
-    let mut children = engine.children().await.unwrap();
-    children.workers.remove(0).get_cell().kill();
-}
-
-/// The status once every block and slot is back (or after 2 s, for the assertion).
-async fn idle_status(engine: &EngineHandle) -> EngineStatus {
-    let mut status = engine.status().await.unwrap();
-    for _ in 0..100 {
-        if status.num_free_blocks == status.num_total_blocks
-            && status.num_free_state_slots == status.num_total_state_slots
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        status = engine.status().await.unwrap();
-    }
-    status
 }
 
 /// The faulted run equals the unfaulted one, a restart happened, nothing leaked; the

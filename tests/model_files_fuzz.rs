@@ -267,6 +267,17 @@ fn load(path: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// `load(path)`, its panic caught, and the peak of live heap bytes over what was live
+/// before it; one request past `ONE_REQUEST_LIMIT` meanwhile ends the process.
+fn measured_load(path: &Path) -> (std::thread::Result<Result<(), String>>, usize) {
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    CASE_RUNNING.store(true, Ordering::Relaxed);
+    let result = std::panic::catch_unwind(|| load(path));
+    CASE_RUNNING.store(false, Ordering::Relaxed);
+    (result, PEAK.load(Ordering::Relaxed).saturating_sub(before))
+}
+
 /// Runs `cases()` mutations of `target`: each loads within the bound, panics never, and
 /// peaks at no more than 16 × its files' bytes + 64 MiB over what was live before it.
 fn fuzz(
@@ -285,12 +296,7 @@ fn fuzz(
             if std::env::var_os("TROUPE_FUZZ_VERBOSE").is_some() {
                 eprintln!("{worker_target} case {case}: {}", path.display());
             }
-            let before = LIVE.load(Ordering::Relaxed);
-            PEAK.store(before, Ordering::Relaxed);
-            CASE_RUNNING.store(true, Ordering::Relaxed);
-            let result = std::panic::catch_unwind(|| load(&path));
-            CASE_RUNNING.store(false, Ordering::Relaxed);
-            let peak = PEAK.load(Ordering::Relaxed).saturating_sub(before);
+            let (result, peak) = measured_load(&path);
             let verdict = match result {
                 Err(p) => Err(format!(
                     "panicked: {}",
@@ -483,7 +489,7 @@ fn mutated_shard_indexes_load_or_are_refused() {
 
 /// Found by the long run and fixed, kept as cases of their own: a DeepSeek-V4 config of
 /// 2^40 layers (a vector of that many layer kinds), a GGUF Llama q projection of no rows
-/// (a division by zero while its rows were unpermuted).
+/// (a division by zero while its rows were unpermuted), a context of 2^26 positions.
 #[test]
 fn the_long_runs_findings_stay_fixed() {
     let dir = scratch("dsv4-layers");
@@ -499,4 +505,18 @@ fn the_long_runs_findings_stay_fixed() {
         .expect("no panic")
         .unwrap_err();
     assert!(err.contains("num_hidden_layers"), "{err}");
+
+    // A context of 2^26 positions declared by a small checkpoint: RoPE's table was built
+    // for all of them at load (gigabytes); it is built for the first few thousand and
+    // grows with the sequences that reach further.
+    let dir = scratch("llama-context");
+    copy_dir(&common::goldens().join("tiny-llama"), &dir);
+    let mut cfg: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = json!(1u64 << 26);
+    std::fs::write(dir.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let (result, peak) = measured_load(&dir);
+    result.expect("no panic").expect("it loads");
+    let bound = 16 * dir_bytes(&dir) + (64 << 20);
+    assert!(peak <= bound, "peaked at {} MiB", peak >> 20);
 }

@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 use troupe::engine::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineRequest, FinishReason,
 };
+use troupe::protocol::call_syntax::CallSyntax;
 use troupe::protocol::conversation::{Conversation, Message, Role};
 use troupe::sampling::SamplingParams;
 use troupe::structured::GrammarSpec;
@@ -420,7 +421,9 @@ fn objects_take_only_their_named_keys_unless_the_schema_allows_more() {
         tool_choice: ToolChoice::Required,
         reasoning_effort: None,
     };
-    let g = compiler.compile(&conv.tool_grammar().unwrap()).unwrap();
+    let g = compiler
+        .compile(&conv.tool_grammar(&CallSyntax::Hermes).unwrap())
+        .unwrap();
     let call = |args: &str| {
         format!("<tool_call>\n{{\"name\":\"get_weather\",\"arguments\":{args}}}\n</tool_call>")
     };

@@ -55,7 +55,7 @@ pub struct RankState {
     shard: TpShard,
     device_slot: usize,
     inputs: StepInputs,
-    readback: crossbeam_channel::Sender<Readback>,
+    readback: crate::sync::channel::Sender<Readback>,
     /// What it measured and how it was placed at start, for the supervisor to hand to
     /// the scheduler.
     report: RankReport,

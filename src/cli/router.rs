@@ -38,16 +38,8 @@ pub struct RouterArgs {
     /// elsewhere any), against DNS rebinding as `serve` checks it.
     #[arg(long, value_delimiter = ',')]
     allowed_hosts: Option<Vec<String>>,
-    /// A key clients must send, as `Authorization: Bearer KEY` or `x-api-key: KEY`, on
-    /// every route but `/health` (the engines check it again); repeat it (or separate
-    /// with commas) for several.
-    #[arg(
-        long = "api-key",
-        env = "TROUPE_API_KEY",
-        hide_env_values = true,
-        value_delimiter = ','
-    )]
-    api_keys: Vec<String>,
+    #[command(flatten)]
+    api_keys: super::api_keys::ApiKeys,
 }
 
 pub fn run_router(args: RouterArgs) -> Result<()> {
@@ -94,17 +86,7 @@ pub fn run_router(args: RouterArgs) -> Result<()> {
         .or_else(|| default_allowed_hosts(&args.host));
     let mut state = RouterState::new(registry, text, allowed_hosts);
     state.cfg.min_hand_off_tokens = args.min_hand_off_tokens;
-    if let Some(bad) = args
-        .api_keys
-        .iter()
-        .find(|k| k.is_empty() || k.trim() != k.as_str())
-    {
-        return Err(TroupeError::InvalidInput(format!(
-            "--api-key: a key may not be empty or start or end with whitespace (got {} characters)",
-            bad.len()
-        )));
-    }
-    state.api_keys = args.api_keys.clone();
+    state.api_keys = args.api_keys.checked()?;
     let state = actix_web::web::Data::new(state);
     let server = actix_web::HttpServer::new(move || {
         use actix_web::web;

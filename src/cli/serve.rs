@@ -64,15 +64,8 @@ pub struct ServeArgs {
     /// The secret the cluster's nodes share.
     #[arg(long, env = "TROUPE_CLUSTER_COOKIE", default_value = crate::cluster::DEFAULT_COOKIE)]
     cluster_cookie: String,
-    /// A key clients must send, as `Authorization: Bearer KEY` or `x-api-key: KEY`;
-    /// repeat it (or separate with commas) for several.
-    #[arg(
-        long = "api-key",
-        env = "TROUPE_API_KEY",
-        hide_env_values = true,
-        value_delimiter = ','
-    )]
-    api_keys: Vec<String>,
+    #[command(flatten)]
+    api_keys: super::api_keys::ApiKeys,
     /// Routes that answer without a key when keys are set: `health`, `metrics`.
     #[arg(long, value_enum, value_delimiter = ',')]
     open_routes: Vec<OpenRoute>,
@@ -135,17 +128,7 @@ impl ServeArgs {
                 .clone()
                 .unwrap_or_else(|| self.model().to_string()),
         );
-        if let Some(k) = self
-            .api_keys
-            .iter()
-            .find(|k| k.trim().is_empty() || k.trim() != *k)
-        {
-            return Err(TroupeError::InvalidInput(format!(
-                "--api-key: a key may not be empty or start or end with whitespace (got {} characters)",
-                k.len()
-            )));
-        }
-        opts.api_keys = self.api_keys.clone();
+        opts.api_keys = self.api_keys.checked()?;
         opts.open_health = self.open_routes.contains(&OpenRoute::Health);
         opts.open_metrics = self.open_routes.contains(&OpenRoute::Metrics);
         if opts.api_keys.is_empty() && !self.open_routes.is_empty() {

@@ -57,10 +57,20 @@ struct Workspace<B: Backend> {
     logits: B::Buf,  // (logit rows, vocab)
 }
 
+/// RoPE rows built when a model loads (see `LlamaModel::cos_sin`). Doubling from here
+/// costs a handful of rebuilds over a process's life, and the golden cases (prompts of
+/// up to 70 tokens) cross a growth, so transformers checks the grown rows too.
+const ROPE_ROWS_AT_LOAD: usize = 64;
+
 pub struct LlamaModel<B: Backend> {
     pub cfg: ModelConfig,
     pub weights: Weights<B>,
-    cos_sin: B::Buf, // (max_context_tokens, head_dim)
+    /// RoPE's cos/sin rows, `(cos_sin_rows, head_dim)`: built for the first
+    /// `ROPE_ROWS_AT_LOAD` positions and grown when a step reaches past them, so a file
+    /// that declares a huge context costs nothing until a sequence is that long.
+    cos_sin: B::Buf,
+    cos_sin_rows: usize,
+    inv_freqs: Vec<f64>,
     ws: Option<Workspace<B>>,
     /// The tensor-parallel group this rank belongs to; `None`: the whole model is here.
     collective: Option<Box<dyn Collective<B>>>,
@@ -82,9 +92,12 @@ impl<B: Backend> LlamaModel<B> {
         backend: &B,
         freq_factors: Option<&[f32]>,
     ) -> Self {
-        let table = cos_sin_table(&inv_freqs(&cfg, freq_factors), cfg.max_context_tokens);
+        let inv_freqs = inv_freqs(&cfg, freq_factors);
+        let cos_sin_rows = cfg.max_context_tokens.min(ROPE_ROWS_AT_LOAD);
         LlamaModel {
-            cos_sin: backend.upload(&table),
+            cos_sin: backend.upload(&cos_sin_table(&inv_freqs, cos_sin_rows)),
+            cos_sin_rows,
+            inv_freqs,
             cfg,
             weights,
             ws: None,
@@ -128,6 +141,22 @@ impl<B: Backend> LlamaModel<B> {
             head_dim: self.cfg.head_dim,
             dtype: Default::default(),
         }
+    }
+
+    /// RoPE rows for every position below `positions`: the table doubles (up to the
+    /// model's context) and is uploaded again, and recorded graphs re-record around it.
+    fn ensure_rope_rows(&mut self, backend: &B, positions: usize) {
+        if positions <= self.cos_sin_rows {
+            return;
+        }
+        let rows = positions
+            .max(2 * self.cos_sin_rows)
+            .min(self.cfg.max_context_tokens.max(positions));
+        if let Some(graphs) = backend.graphs() {
+            graphs.buffers_moved();
+        }
+        self.cos_sin = backend.upload(&cos_sin_table(&self.inv_freqs, rows));
+        self.cos_sin_rows = rows;
     }
 
     fn ensure_workspace(&mut self, backend: &B, num_tokens: usize, num_logit_rows: usize) {
@@ -268,6 +297,12 @@ impl<B: Backend> LlamaModel<B> {
         let num_logit_rows: usize =
             seqs.iter().map(|s| s.num_logit_rows).sum::<usize>() + num_pad_rows;
         self.ensure_workspace(backend, num_tokens, num_logit_rows);
+        let reach = seqs
+            .iter()
+            .map(|s| s.num_cached_tokens + s.token_ids.len())
+            .max()
+            .unwrap_or(0);
+        self.ensure_rope_rows(backend, reach);
         let max_blocks = self.cfg.max_context_tokens.div_ceil(block_size);
         let _graph = graph_tokens
             .zip(backend.graphs())

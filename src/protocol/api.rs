@@ -4,7 +4,8 @@
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::conversation::Conversation;
+use super::call_syntax::CallSyntax;
+use super::conversation::{Conversation, ToolChoice};
 use super::output_parser::ParseSpec;
 use crate::engine::EngineRequest;
 use crate::model::ModelText;
@@ -284,13 +285,12 @@ fn render_request(
 ) -> Result<EngineRequest, ApiError> {
     conv.validate()
         .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    // A DeepSeek-V4 reply calls tools in DSML, which the generic call grammar would
-    // forbid; its prompt itself opens the call block when a call is required.
-    let tool_grammar = match text.deepseek_v4 {
-        Some(_) => None,
-        None => conv.tool_grammar(),
-    };
-    if let Some(g) = tool_grammar {
+    let syntax = CallSyntax::of(text);
+    if conv.uses_tools() && syntax.needs_special_tokens() {
+        // Its calls open with a control token, which the reply's text must keep to be read.
+        s.skip_special_tokens.get_or_insert(false);
+    }
+    if let Some(g) = conv.tool_grammar(&syntax) {
         if s.grammar.is_some() {
             return Err(ApiError::bad(
                 "tool_choice",
@@ -339,10 +339,16 @@ impl Content {
 /// How replies to `conv` are read: DeepSeek-V4's DSML calls (and reasoning from the start
 /// in thinking mode), or `<tool_call>` JSON and `<think>` blocks where the template has them.
 pub fn parse_spec(text: &ModelText, conv: &Conversation) -> ParseSpec {
+    let forced = matches!(
+        conv.tool_choice,
+        ToolChoice::Required | ToolChoice::Named(_)
+    );
+    let syntax = CallSyntax::of(text);
     if text.deepseek_v4.is_some() {
-        return ParseSpec::deepseek_v4(conv.uses_tools(), conv.reasoning_effort.is_some());
+        let thinking = conv.reasoning_effort.is_some();
+        return syntax.parse_spec(conv.uses_tools(), true, thinking, forced);
     }
-    ParseSpec::generic(conv.uses_tools(), parses_reasoning(text))
+    syntax.parse_spec(conv.uses_tools(), parses_reasoning(text), false, forced)
 }
 
 /// Whether the model's template thinks in `<think>` blocks.

@@ -14,10 +14,11 @@
 
 use serde_json::{Value, json};
 
+use super::call_syntax::{CallShape, CallSyntax};
 use crate::error::{Result, TroupeError};
 use crate::model::ModelText;
 use crate::model::tokenizer::Tokenizer;
-use crate::structured::{GrammarSpec, lark_json};
+use crate::structured::GrammarSpec;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -178,21 +179,31 @@ impl Conversation {
         }
     }
 
-    /// The grammar the reply must follow for the tool choice, if any.
-    pub fn tool_grammar(&self) -> Option<GrammarSpec> {
+    /// The grammar the reply must follow for the tool choice, written in `syntax`, if any.
+    pub fn tool_grammar(&self, syntax: &CallSyntax) -> Option<GrammarSpec> {
         // A forced call (required, named) is held to its tool's schema, as vLLM does; under
         // `auto` only strict tools are, the rest to any object.
         let forced = matches!(
             self.tool_choice,
             ToolChoice::Required | ToolChoice::Named(_)
         );
+        let chosen: Vec<&Tool> = match &self.tool_choice {
+            ToolChoice::None => return None,
+            ToolChoice::Named(n) => self.tools.iter().filter(|t| &t.name == n).collect(),
+            ToolChoice::Required => self.tools.iter().collect(),
+            ToolChoice::Auto if self.tools.iter().any(|t| t.strict) => self.tools.iter().collect(),
+            ToolChoice::Auto => return None,
+        };
+        if chosen.is_empty() {
+            return None;
+        }
         let held = |t: &Tool| t.strict || forced;
         // Parameters' `$defs` / `definitions` move to the grammar's root, where their
         // `#/$defs/...` references resolve; a name two tools define differently leaves the
         // second tool's arguments to any object.
         let mut roots: serde_json::Map<String, Value> = serde_json::Map::new();
-        let mut args_of: Vec<Value> = Vec::with_capacity(self.tools.len());
-        for t in &self.tools {
+        let mut shapes: Vec<CallShape<'_>> = Vec::with_capacity(chosen.len());
+        for t in &chosen {
             let mut args = if held(t) {
                 t.parameters.clone()
             } else {
@@ -213,66 +224,26 @@ impl Conversation {
                     }
                 }
             }
-            args_of.push(if clash {
-                json!({"type": "object"})
-            } else {
-                args
+            shapes.push(CallShape {
+                name: &t.name,
+                arguments: if clash {
+                    json!({"type": "object"})
+                } else {
+                    args
+                },
             });
         }
         // A tool that is not strict is held to what of its schema the grammar engine
         // supports; a strict one fails loudly on the rest.
-        if forced && !self.tools.iter().any(|t| t.strict) {
+        if forced && !chosen.iter().any(|t| t.strict) {
             roots.insert(
                 "x-guidance".into(),
                 json!({"lenient": true, "whitespace_flexible": false}),
             );
         }
-        let call_schema = |t: &Tool| {
-            let i = self
-                .tools
-                .iter()
-                .position(|u| std::ptr::eq(u, t))
-                .expect("one of ours");
-            json!({"type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": args_of[i]},
-                "required": ["name", "arguments"], "additionalProperties": false})
-        };
-        // At the document's top, where references and options are read.
-        let rooted = |mut schema: Value| {
-            for (k, v) in &roots {
-                schema[k] = v.clone();
-            }
-            schema
-        };
-        let call = |schema: Value| format!("call: {}\n", lark_json(&schema));
-        let wrapped = "\"<tool_call>\\n\" call \"\\n</tool_call>\"";
-        match &self.tool_choice {
-            ToolChoice::None => None,
-            _ if self.tools.is_empty() => None,
-            ToolChoice::Named(n) => {
-                let t = self.tools.iter().find(|t| &t.name == n)?;
-                Some(GrammarSpec::Lark(format!(
-                    "start: {wrapped}\n{}",
-                    call(rooted(call_schema(t)))
-                )))
-            }
-            ToolChoice::Required => {
-                let any: Vec<Value> = self.tools.iter().map(call_schema).collect();
-                Some(GrammarSpec::Lark(format!(
-                    "start: {wrapped}\n{}",
-                    call(rooted(json!({"anyOf": any})))
-                )))
-            }
-            ToolChoice::Auto if self.tools.iter().any(|t| t.strict) => {
-                // Free text, or — once the reply opens with `<` — a well-formed call.
-                let any: Vec<Value> = self.tools.iter().map(call_schema).collect();
-                Some(GrammarSpec::Lark(format!(
-                    "start: TEXT | {wrapped}\nTEXT: /[^<][\\s\\S]*/\n{}",
-                    call(rooted(json!({"anyOf": any})))
-                )))
-            }
-            ToolChoice::Auto => None,
-        }
+        syntax
+            .grammar(&shapes, &roots, forced)
+            .map(GrammarSpec::Lark)
     }
 
     /// Prompt token ids through the model's chat template (`prompt.rs` chooses it),

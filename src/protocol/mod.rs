@@ -2,6 +2,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod call_syntax;
 pub mod completions;
 pub mod conversation;
 #[cfg(feature = "deepseek-encoding")]

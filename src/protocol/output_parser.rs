@@ -17,20 +17,30 @@ const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const DSML_CALLS_OPEN: &str = "<｜DSML｜tool_calls>";
 const DSML_CALLS_CLOSE: &str = "</｜DSML｜tool_calls>";
-const DSML_INVOKE: &str = "<｜DSML｜invoke name=\"";
-const DSML_INVOKE_CLOSE: &str = "</｜DSML｜invoke>";
-const DSML_PARAMETER: &str = "<｜DSML｜parameter name=\"";
-const DSML_PARAMETER_CLOSE: &str = "</｜DSML｜parameter>";
+const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
+
+/// How a reply's calls are delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallMarkup {
+    /// `<tool_call>` JSON blocks, or a reply that is one bare JSON call.
+    Tagged,
+    /// DeepSeek-V4's DSML blocks.
+    Dsml,
+    /// Mistral's `[TOOL_CALLS]` to the end of the reply: a JSON list of calls, or
+    /// `name[ARGS]{…}` pairs.
+    Mistral,
+}
 
 /// How a reply's text is read.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ParseSpec {
     pub tools: bool,
     pub reasoning: bool,
-    /// DeepSeek-V4's DSML tool calls instead of `<tool_call>` JSON.
-    pub dsml: bool,
+    pub markup: CallMarkup,
     /// The text starts inside a reasoning block (its `<think>` was in the prompt).
     pub starts_in_reasoning: bool,
+    /// The text starts inside a call block (the prompt opened it: a forced DSML call).
+    pub starts_in_call: bool,
 }
 
 impl ParseSpec {
@@ -38,8 +48,9 @@ impl ParseSpec {
         ParseSpec {
             tools,
             reasoning,
-            dsml: false,
+            markup: CallMarkup::Tagged,
             starts_in_reasoning: false,
+            starts_in_call: false,
         }
     }
 
@@ -48,19 +59,29 @@ impl ParseSpec {
         ParseSpec {
             tools,
             reasoning: true,
-            dsml: true,
+            markup: CallMarkup::Dsml,
             starts_in_reasoning: thinking,
+            starts_in_call: false,
         }
     }
 
     pub fn parser(&self) -> OutputParser {
         let mut p = OutputParser::new(self.tools, self.reasoning);
-        if self.dsml {
-            p.call_open = DSML_CALLS_OPEN;
-            p.call_close = DSML_CALLS_CLOSE;
-            p.dsml = true;
+        p.markup = self.markup;
+        match self.markup {
+            CallMarkup::Tagged => {}
+            CallMarkup::Dsml => {
+                p.call_open = DSML_CALLS_OPEN;
+                p.call_close = DSML_CALLS_CLOSE;
+            }
+            CallMarkup::Mistral => {
+                p.call_open = MISTRAL_CALLS;
+                p.call_close = "";
+            }
         }
-        if self.starts_in_reasoning {
+        if self.starts_in_call && self.tools {
+            p.state = State::CallWhole;
+        } else if self.starts_in_reasoning {
             p.state = State::Reasoning;
         }
         p
@@ -144,8 +165,7 @@ pub struct OutputParser {
     trim_text: bool,
     call_open: &'static str,
     call_close: &'static str,
-    /// Calls are DSML blocks, parsed whole.
-    dsml: bool,
+    markup: CallMarkup,
 }
 
 impl OutputParser {
@@ -159,7 +179,7 @@ impl OutputParser {
             trim_text: false,
             call_open: CALL_OPEN,
             call_close: CALL_CLOSE,
-            dsml: false,
+            markup: CallMarkup::Tagged,
         }
     }
 
@@ -225,7 +245,10 @@ impl OutputParser {
                 if self.parse_reasoning && t.starts_with(THINK_OPEN) {
                     self.buf = t[THINK_OPEN.len()..].to_string();
                     self.state = State::Reasoning;
-                } else if self.parse_tools && !self.dsml && t.starts_with('{') {
+                } else if self.parse_tools
+                    && self.markup == CallMarkup::Tagged
+                    && t.starts_with('{')
+                {
                     self.state = State::BareJson;
                 } else {
                     self.state = State::Text;
@@ -272,7 +295,7 @@ impl OutputParser {
                     if !text.trim().is_empty() {
                         out.push(OutputEvent::Text(text));
                     }
-                    self.state = if self.dsml {
+                    self.state = if self.markup != CallMarkup::Tagged {
                         State::CallWhole
                     } else {
                         State::CallHead
@@ -349,6 +372,10 @@ impl OutputParser {
                 false
             }
             State::CallWhole => {
+                // A block without a close (Mistral's) runs to the end of the reply.
+                if self.call_close.is_empty() {
+                    return false;
+                }
                 let Some(at) = self.buf.find(self.call_close) else {
                     return false;
                 };
@@ -368,10 +395,12 @@ impl OutputParser {
     /// A complete call block (a JSON call, or DSML's invokes) as events; false when `raw`
     /// is not one.
     fn emit_whole(&mut self, raw: &str, out: &mut Vec<OutputEvent>) -> bool {
-        if !self.dsml {
-            return self.emit_whole_call(raw, out);
-        }
-        let Some(calls) = parse_dsml_invokes(raw) else {
+        let calls = match self.markup {
+            CallMarkup::Tagged => return self.emit_whole_call(raw, out),
+            CallMarkup::Dsml => parse_dsml_invokes(raw),
+            CallMarkup::Mistral => parse_mistral_calls(raw),
+        };
+        let Some(calls) = calls else {
             return false;
         };
         for (name, args) in calls {
@@ -409,41 +438,6 @@ impl OutputParser {
         out.push(OutputEvent::CallEnd { index });
         true
     }
-}
-
-/// The calls of a DSML block: `<｜DSML｜invoke name="f">` holding parameters
-/// `<｜DSML｜parameter name="p" string="true|false">v</｜DSML｜parameter>` (a string as
-/// is, anything else JSON), as (name, arguments JSON); `None` when `raw` is not one.
-fn parse_dsml_invokes(raw: &str) -> Option<Vec<(String, String)>> {
-    let mut calls = Vec::new();
-    let mut rest = raw.trim();
-    while !rest.is_empty() {
-        let after = rest.strip_prefix(DSML_INVOKE)?;
-        let (name, after) = after.split_once("\">")?;
-        let (body, after) = after.split_once(DSML_INVOKE_CLOSE)?;
-        let mut args = serde_json::Map::new();
-        let mut params = body.trim();
-        while !params.is_empty() {
-            let after = params.strip_prefix(DSML_PARAMETER)?;
-            let (key, after) = after.split_once('"')?;
-            let (attrs, after) = after.split_once('>')?;
-            let (value, after) = after.split_once(DSML_PARAMETER_CLOSE)?;
-            let value = if attrs.contains("string=\"true\"") {
-                serde_json::Value::String(value.to_string())
-            } else {
-                serde_json::from_str(value.trim())
-                    .unwrap_or_else(|_| serde_json::Value::String(value.to_string()))
-            };
-            args.insert(key.to_string(), value);
-            params = after.trim_start();
-        }
-        calls.push((
-            name.to_string(),
-            serde_json::Value::Object(args).to_string(),
-        ));
-        rest = after.trim_start();
-    }
-    (!calls.is_empty()).then_some(calls)
 }
 
 /// `s` is a proper prefix of `token` (more text may complete it).
@@ -533,6 +527,9 @@ fn parse_call_head(s: &str) -> Head {
         args_at: s.len() - rest.len(),
     }
 }
+
+mod calls;
+use calls::{parse_dsml_invokes, parse_mistral_calls};
 
 #[cfg(test)]
 mod tests;

@@ -49,8 +49,8 @@ pub fn spawn_readback(
     rank: usize,
     failed: impl FnOnce(String) + Send + 'static,
     faults: FaultPlan,
-) -> std::io::Result<crossbeam_channel::Sender<Readback>> {
-    let (tx, rx) = crossbeam_channel::unbounded::<Readback>();
+) -> std::io::Result<crate::sync::channel::Sender<Readback>> {
+    let (tx, rx) = crate::sync::channel::unbounded::<Readback>();
     std::thread::Builder::new()
         .name(format!("troupe-readback-{rank}"))
         .spawn(move || {

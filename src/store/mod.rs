@@ -72,7 +72,7 @@ const WRITE_QUEUE_BYTES: usize = 1 << 30;
 const GC_PERIOD: Duration = Duration::from_secs(5);
 
 /// Blocks on their way to the disk writer.
-type WriteQueue = crossbeam_channel::Sender<(BlockKey, Shared<[u8]>)>;
+type WriteQueue = crate::sync::channel::Sender<(BlockKey, Shared<[u8]>)>;
 
 pub struct KvStore {
     block_size: usize,
@@ -84,7 +84,7 @@ pub struct KvStore {
     inner: Shared<Mutex<Inner>>,
     disk: Option<Shared<DiskTier>>,
     writes: Option<WriteQueue>,
-    writer: Option<std::thread::JoinHandle<()>>,
+    writer: Option<crate::sync::thread::JoinHandle<()>>,
 }
 
 impl Drop for KvStore {
@@ -401,9 +401,9 @@ fn state_key(hash: u64) -> BlockKey {
 fn spawn_writer(
     disk: Shared<DiskTier>,
     inner: Shared<Mutex<Inner>>,
-) -> io::Result<(WriteQueue, std::thread::JoinHandle<()>)> {
-    let (tx, rx) = crossbeam_channel::unbounded::<(BlockKey, Shared<[u8]>)>();
-    let handle = std::thread::Builder::new()
+) -> io::Result<(WriteQueue, crate::sync::thread::JoinHandle<()>)> {
+    let (tx, rx) = crate::sync::channel::unbounded::<(BlockKey, Shared<[u8]>)>();
+    let handle = crate::sync::thread::Builder::new()
         .name("kv-store-writer".into())
         .spawn(move || {
             let collect = |inner: &Mutex<Inner>| {

@@ -29,6 +29,12 @@ impl CompiledGrammar {
         let tokens = env.tokenize(text);
         matcher.consume_tokens(&tokens).is_ok() && matcher.is_accepting().unwrap_or(false)
     }
+
+    /// Whether the token ids `ids` (special tokens among them) are a whole match.
+    pub fn accepts_ids(&self, ids: &[u32]) -> bool {
+        let mut matcher = Matcher::new(Ok(self.parser.clone()));
+        matcher.consume_tokens(ids).is_ok() && matcher.is_accepting().unwrap_or(false)
+    }
 }
 
 impl std::fmt::Debug for CompiledGrammar {
@@ -84,6 +90,10 @@ impl GrammarCompiler {
         })?;
         let compiled = Arc::new(CompiledGrammar { parser });
         let mut cache = self.lock();
+        // Another request compiled the same grammar meanwhile: one entry, one grammar.
+        if let Some(first) = cache.by_key.get(&key) {
+            return Ok(first.clone());
+        }
         if cache.order.len() >= CACHE_CAPACITY
             && let Some(old) = cache.order.pop_front()
         {

@@ -25,6 +25,7 @@ pub use std::sync::OnceLock;
 pub use std::sync::atomic::AtomicU64 as GaugeAtomicU64;
 
 mod busy;
+pub mod channel;
 mod gate;
 mod host_flags;
 mod pool;

@@ -3,7 +3,9 @@
 #![allow(dead_code)]
 
 use super::generate::{GenerateRequest, Generator};
-use troupe::engine::{Device, Engine, EngineConfig, EngineRequest, EngineStatus, RequestOutput};
+use troupe::engine::{
+    Device, Engine, EngineConfig, EngineHandle, EngineRequest, EngineStatus, RequestOutput,
+};
 use troupe::kernels::cpu::CpuBackend;
 use troupe::sampling::{SamplingParams, splitmix64};
 
@@ -155,4 +157,38 @@ pub async fn run_engine(
     let status = engine.status().await.unwrap();
     engine.shutdown(true).await;
     (out, status)
+}
+
+/// Waits until the engine has run `n` steps, so a fault lands mid-run (60 s bound).
+pub async fn wait_for_steps(engine: &EngineHandle, n: u64) {
+    let waiting = async {
+        while engine.status().await.unwrap().num_steps < n {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(60), waiting)
+        .await
+        .expect("the engine runs steps");
+}
+
+/// Kills rank 0's worker actor, as a crash would.
+pub async fn kill_rank_0(engine: &EngineHandle) {
+    let mut children = engine.children().await.unwrap();
+    children.workers.remove(0).get_cell().kill();
+}
+
+/// The status once every block and state slot is back (or after 2 s, for the caller's
+/// assertion to show what leaked).
+pub async fn idle_status(engine: &EngineHandle) -> EngineStatus {
+    let mut status = engine.status().await.unwrap();
+    for _ in 0..100 {
+        if status.num_free_blocks == status.num_total_blocks
+            && status.num_free_state_slots == status.num_total_state_slots
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        status = engine.status().await.unwrap();
+    }
+    status
 }

@@ -3,7 +3,7 @@
 //! is what the CPU tests run the rank protocol, the sharding and rank loss over; a GPU
 //! group uses NCCL instead.
 
-use crossbeam_channel::{Receiver, Sender};
+use crate::sync::channel::{Receiver, Sender};
 
 use super::Collective;
 use crate::kernels::cpu::CpuBackend;
@@ -28,7 +28,7 @@ impl ChannelCollective {
         for from in 0..size {
             for to in 0..size {
                 if from != to {
-                    let (tx, rx) = crossbeam_channel::unbounded();
+                    let (tx, rx) = crate::sync::channel::unbounded();
                     members[from].to_peers[to] = Some(tx);
                     members[to].from_peers[from] = Some(rx);
                 }

@@ -159,7 +159,7 @@ fn tool_choice_grammars_compile_and_bad_choices_are_named() {
         ToolChoice::Auto,
     ] {
         conv.tool_choice = choice.clone();
-        let g = conv.tool_grammar().unwrap();
+        let g = conv.tool_grammar(&CallSyntax::Hermes).unwrap();
         compiler
             .compile(&g)
             .unwrap_or_else(|e| panic!("{choice:?}: {e}"));
@@ -167,7 +167,7 @@ fn tool_choice_grammars_compile_and_bad_choices_are_named() {
     conv.tools[0].strict = false;
     conv.tool_choice = ToolChoice::Auto;
     assert!(
-        conv.tool_grammar().is_none(),
+        conv.tool_grammar(&CallSyntax::Hermes).is_none(),
         "non-strict auto is unconstrained"
     );
     conv.tool_choice = ToolChoice::Named("nope".into());
@@ -211,7 +211,7 @@ fn forced_calls_keep_to_schemas_with_references_and_keywords_the_engine_lacks() 
         ToolChoice::Required,
     ] {
         conv.tool_choice = choice.clone();
-        let Some(GrammarSpec::Lark(g)) = conv.tool_grammar() else {
+        let Some(GrammarSpec::Lark(g)) = conv.tool_grammar(&CallSyntax::Hermes) else {
             panic!("{choice:?}: no grammar");
         };
         assert!(

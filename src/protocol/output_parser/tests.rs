@@ -161,3 +161,35 @@ fn a_malformed_dsml_block_stays_text() {
     let (got, _) = parse_with(bad, 4, ParseSpec::deepseek_v4(true, false));
     assert_eq!(got, vec![OutputEvent::Text(bad.into())]);
 }
+
+fn mistral() -> ParseSpec {
+    ParseSpec {
+        markup: CallMarkup::Mistral,
+        ..ParseSpec::generic(true, false)
+    }
+}
+
+/// Mistral's calls run to the end of the reply, in both of its forms, after any text.
+#[test]
+fn mistral_calls_are_read_in_either_form() {
+    let list = "Sure.[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}, \"id\": \"abc123def\"}, {\"name\": \"now\", \"arguments\": {}}]";
+    let args = r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}"#;
+    for chunk in [1, 3, 1000] {
+        let (got, _) = parse_with(list, chunk, mistral());
+        let mut want = vec![OutputEvent::Text("Sure.".into())];
+        want.extend(call(0, "get_weather", r#"{"city":"Paris"}"#));
+        want.extend(call(1, "now", "{}"));
+        assert_eq!(got, want, "chunk {chunk}");
+        let (got, _) = parse_with(args, chunk, mistral());
+        assert_eq!(got, want[1..].to_vec(), "chunk {chunk}");
+    }
+    // Not a call after all: the reply's text, marker and all.
+    for bad in [
+        "[TOOL_CALLS] [{\"name\": 3}]",
+        "[TOOL_CALLS]get_weather{}",
+        "[TOOL_CALLS][]",
+    ] {
+        let (got, _) = parse_with(bad, 2, mistral());
+        assert_eq!(got, vec![OutputEvent::Text(bad.into())], "{bad}");
+    }
+}
