@@ -5,6 +5,9 @@
 #   solo      one engine, no router
 #   replicas  the router and two engines (both roles)
 #   pd        the router, a prefill engine and a decode engine (KV handed over)
+#   failover  as replicas, one engine killed with SIGKILL KILL_AFTER seconds into the
+#             load: its requests re-run on the other (streams it had started end with an
+#             error event, counted failed); the e2e latency columns show the tail it adds
 # The decode-heavy stream's TPOT p99 is what disaggregation protects; the prefill-heavy
 # stream's TTFT is what it costs; the router's counters give the KV moved and its rate.
 # Env: BIN (troupe binary), MODEL, ENGINE_ARGS (flags every engine gets, e.g.
@@ -19,6 +22,7 @@ ENGINE_ARGS=${ENGINE_ARGS:-"--kv-cache-mib 512"}
 MODES=${MODES:-"solo replicas pd"}
 LONG_IN=${LONG_IN:-1024} LONG_OUT=${LONG_OUT:-4} LONG_N=${LONG_N:-12} LONG_RATE=${LONG_RATE:-0.5}
 SHORT_IN=${SHORT_IN:-32} SHORT_OUT=${SHORT_OUT:-64} SHORT_N=${SHORT_N:-12} SHORT_RATE=${SHORT_RATE:-1}
+KILL_AFTER=${KILL_AFTER:-6}
 model_args=()
 if [ -n "$MODEL" ]; then model_args=(--model "$MODEL"); fi
 out=$(mktemp -d)
@@ -78,13 +82,14 @@ for mode in $MODES; do
       engine "$http"
       wait_health "$url" 200
       ;;
-    replicas|pd)
+    replicas|pd|failover)
       cluster=$(free_port)
       router "$http" "$cluster"
-      if [ "$mode" = replicas ]; then roles=(both both); else roles=(prefill decode); fi
+      if [ "$mode" = pd ]; then roles=(prefill decode); else roles=(both both); fi
       for i in 0 1; do
         engine "$(free_port)" --cluster "127.0.0.1:$cluster" --node-name "$mode-${roles[$i]}-$i" --role "${roles[$i]}"
       done
+      victim=${pids[-1]}
       engines_in_view "$url" 2
       ;;
   esac
@@ -93,6 +98,9 @@ for mode in $MODES; do
   "$BIN" bench-serve --url "$url" --rates "$LONG_RATE" --num-prompts "$LONG_N" --input-len "$LONG_IN" \
     --output-len "$LONG_OUT" --seed 1 --json "$out/$mode-long.json" >/dev/null &
   long=$!
+  if [ "$mode" = failover ]; then
+    (sleep "$KILL_AFTER"; kill -9 "$victim") &
+  fi
   "$BIN" bench-serve --url "$url" --rates "$SHORT_RATE" --num-prompts "$SHORT_N" --input-len "$SHORT_IN" \
     --output-len "$SHORT_OUT" --seed 2 --json "$out/$mode-short.json" >/dev/null
   wait "$long"
@@ -111,6 +119,7 @@ rate = f"{moved / secs / 1e6:.0f}" if secs > 0 else "-"
 f = lambda v: "-" if v is None else f"{v:.0f}"
 print(f"| {mode} | {lr['completed']}/{lr['completed'] + lr['failed']} | {f(lr['ttft_p50_ms'])} | {f(lr['ttft_p99_ms'])} "
       f"| {sr['completed']}/{sr['completed'] + sr['failed']} | {f(sr['ttft_p50_ms'])} | {f(sr['tpot_p50_ms'])} | {f(sr['tpot_p99_ms'])} "
+      f"| {f(lr['e2el_p50_ms'])} | {f(lr['e2el_p99_ms'])} | {f(sr['e2el_p50_ms'])} | {f(sr['e2el_p99_ms'])} "
       f"| {lr['output_token_throughput'] + sr['output_token_throughput']:.1f} | {moved / 1e6:.0f} | {rate} |")
 EOF
 )")
@@ -128,6 +137,6 @@ for _ in range(5):
 print(f"{best / 1e6:.0f}")')
 echo "host copy bandwidth: $copy MB/s (read + written)"
 echo "long: $LONG_N x ($LONG_IN in, $LONG_OUT out) at $LONG_RATE/s; short: $SHORT_N x ($SHORT_IN in, $SHORT_OUT out) at $SHORT_RATE/s"
-echo "| mode | long ok | long TTFT p50 ms | long TTFT p99 ms | short ok | short TTFT p50 ms | short TPOT p50 ms | short TPOT p99 ms | out tok/s | KV moved MB | KV MB/s |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| mode | long ok | long TTFT p50 ms | long TTFT p99 ms | short ok | short TTFT p50 ms | short TPOT p50 ms | short TPOT p99 ms | long e2e p50 ms | long e2e p99 ms | short e2e p50 ms | short e2e p99 ms | out tok/s | KV moved MB | KV MB/s |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

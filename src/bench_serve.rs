@@ -274,6 +274,9 @@ pub struct RateRow {
     pub tpot_p99_ms: Option<f64>,
     pub itl_p50_ms: Option<f64>,
     pub itl_p99_ms: Option<f64>,
+    /// End-to-end latency of a request, as vLLM's `e2el`.
+    pub e2el_p50_ms: Option<f64>,
+    pub e2el_p99_ms: Option<f64>,
 }
 
 pub fn summarize(
@@ -290,6 +293,7 @@ pub fn summarize(
     let ttft = sorted_ms(ok.iter().map(|t| t.ttft_secs).collect());
     let tpot = sorted_ms(ok.iter().filter_map(|t| t.tpot_secs()).collect());
     let itl = sorted_ms(ok.iter().flat_map(|t| t.itl_secs.iter().copied()).collect());
+    let e2el = sorted_ms(ok.iter().map(|t| t.e2e_secs).collect());
     let num_output_tokens: usize = ok.iter().map(|t| t.num_output_tokens).sum();
     let per_sec = |n: usize| {
         if duration_secs > 0.0 {
@@ -313,6 +317,8 @@ pub fn summarize(
         tpot_p99_ms: percentile(&tpot, 99.0),
         itl_p50_ms: percentile(&itl, 50.0),
         itl_p99_ms: percentile(&itl, 99.0),
+        e2el_p50_ms: percentile(&e2el, 50.0),
+        e2el_p99_ms: percentile(&e2el, 99.0),
     }
 }
 
@@ -320,7 +326,7 @@ pub fn summarize(
 pub fn format_table(rows: &[RateRow]) -> String {
     let header = [
         "rate", "ok", "fail", "time_s", "req/s", "tok/s", "ttft_p50", "ttft_p90", "ttft_p99",
-        "tpot_p50", "tpot_p90", "tpot_p99", "itl_p50", "itl_p99",
+        "tpot_p50", "tpot_p90", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99",
     ];
     let ms = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
     let cells: Vec<Vec<String>> = rows
@@ -341,6 +347,8 @@ pub fn format_table(rows: &[RateRow]) -> String {
                 ms(r.tpot_p99_ms),
                 ms(r.itl_p50_ms),
                 ms(r.itl_p99_ms),
+                ms(r.e2el_p50_ms),
+                ms(r.e2el_p99_ms),
             ]
         })
         .collect();

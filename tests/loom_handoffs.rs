@@ -58,7 +58,7 @@ fn fresh_dir() -> PathBuf {
 fn block(k: u32) -> (KvSave, Vec<u8>) {
     let tokens = [k, k + 1];
     let save = KvSave {
-        block_id: k as usize,
+        block_id: k,
         hash: block_hash(ROOT_HASH, &tokens, 0),
         parent_hash: ROOT_HASH,
         cache_salt: 0,
@@ -129,7 +129,8 @@ impl Vocabulary for Letters {
             serde_json::json!({"version": "1.0", "added_tokens": [{"id": 6, "content": "<eos>",
             "single_word": false, "lstrip": false, "rstrip": false, "normalized": false,
             "special": true}], "normalizer": null, "pre_tokenizer": null,
-            "post_processor": null, "decoder": null, "truncation": null, "padding": null,
+            "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}]}, "truncation": null, "padding": null,
             "model": {"type": "BPE", "dropout": null, "unk_token": null,
                 "continuing_subword_prefix": null, "end_of_word_suffix": null,
                 "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
@@ -156,18 +157,27 @@ impl Vocabulary for Letters {
 /// cache entry, beside a third grammar another request compiles.
 #[test]
 fn two_requests_compiling_one_grammar_share_one_entry() {
-    loom::model(|| {
-        let compiler = Arc::new(GrammarCompiler::new(Shared::new(Letters), 6).unwrap());
-        let spec = GrammarSpec::Regex("a[bc]+".into());
-        let other = compiler.clone();
-        let theirs_spec = spec.clone();
-        let h = thread::spawn(move || other.compile(&theirs_spec).unwrap());
-        let mine = compiler.compile(&spec).unwrap();
-        let third = compiler.compile(&GrammarSpec::Regex("d+".into())).unwrap();
-        let theirs = h.join().unwrap();
-        assert!(Shared::ptr_eq(&mine, &theirs), "one grammar, two entries");
-        assert!(!Shared::ptr_eq(&mine, &third));
-        assert_eq!(compiler.num_cached(), 2);
-        assert!(mine.accepts("abcb") && !mine.accepts("ad"));
+    // Compiling a grammar recurses deeper than a loom thread's default stack.
+    let big = || thread::Builder::new().stack_size(32 << 20);
+    loom::model(move || {
+        let first = big()
+            .spawn(move || {
+                let compiler = Arc::new(GrammarCompiler::new(Shared::new(Letters), 6).unwrap());
+                let spec = GrammarSpec::Regex("a[bc]+".into());
+                let other = compiler.clone();
+                let theirs_spec = spec.clone();
+                let h = big()
+                    .spawn(move || other.compile(&theirs_spec).unwrap())
+                    .unwrap();
+                let mine = compiler.compile(&spec).unwrap();
+                let third = compiler.compile(&GrammarSpec::Regex("d+".into())).unwrap();
+                let theirs = h.join().unwrap();
+                assert!(Shared::ptr_eq(&mine, &theirs), "one grammar, two entries");
+                assert!(!Shared::ptr_eq(&mine, &third));
+                assert_eq!(compiler.num_cached(), 2);
+                assert!(mine.accepts("abcb") && !mine.accepts("ad"));
+            })
+            .unwrap();
+        first.join().unwrap();
     });
 }
