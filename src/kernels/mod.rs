@@ -79,6 +79,9 @@ pub trait Backend: Send + Sync {
     fn alloc(&self, len: usize) -> Self::Buf;
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> Self::KvCache;
     fn download(&self, buf: &Self::Buf, len: usize) -> Vec<f32>;
+    /// Host values written into `buf` from element `offset` (an image encoder's rows
+    /// over their placeholder tokens' embeddings).
+    fn write_at(&self, buf: &mut Self::Buf, offset: usize, data: &[f32]);
 
     /// `out[t] = table[ids[t]]`, except where `picked` (empty, or one entry per token) is
     /// not `NOT_PICKED`: there the id is entry `picked[t]` of the last `pick_rows` picks,

@@ -4,6 +4,7 @@
 use serde_json::Value;
 
 use super::gguf::GgufFile;
+use super::vision::MropeSection;
 use crate::error::{Result, TroupeError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +50,9 @@ pub struct ModelConfig {
     /// The block an FP8 checkpoint's `weight_scale_inv` grid covers (`quantization_config`'s
     /// `weight_block_size`; 128×128 where it names none).
     pub fp8_block: (usize, usize),
+    /// Multimodal RoPE (Qwen2.5-VL): the frequencies each of (temporal, row, column)
+    /// turns; `None`: one position a token.
+    pub mrope_section: Option<MropeSection>,
 }
 
 /// Bounds no released model comes near (the largest have ~128 layers, widths of ~30k,
@@ -183,20 +187,34 @@ impl ModelConfig {
             attention_bias: gguf.tensor_info("blk.0.attn_q.bias").is_some(),
             tie_word_embeddings: !has_output,
             fp8_block: FP8_BLOCK,
+            mrope_section: None,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
-    pub fn from_hf_json(json: &Value) -> Result<Self> {
+    pub fn from_hf_json(outer: &Value) -> Result<Self> {
         let bad = |m: String| TroupeError::InvalidInput(format!("config.json: {m}"));
-        let arch_name = json["architectures"][0]
+        let arch_name = outer["architectures"][0]
             .as_str()
-            .or_else(|| json["model_type"].as_str())
+            .or_else(|| outer["model_type"].as_str())
             .ok_or_else(|| bad("no `architectures` or `model_type`".into()))?;
+        // A vision-language model's language half: its `text_config` where transformers 5
+        // nests it, the top level where the hub's older files keep it.
+        let merged;
+        let json = match outer["text_config"].as_object() {
+            Some(text) => {
+                let mut m = outer.as_object().cloned().unwrap_or_default();
+                m.extend(text.clone());
+                merged = Value::Object(m);
+                &merged
+            }
+            None => outer,
+        };
         let arch = match arch_name {
             "LlamaForCausalLM" | "MistralForCausalLM" | "llama" | "mistral" => Arch::Llama,
             "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
+            "Qwen2_5_VLForConditionalGeneration" | "qwen2_5_vl" => Arch::Qwen2,
             "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
             other => return Err(TroupeError::UnsupportedArchitecture(other.to_string())),
         };
@@ -231,8 +249,29 @@ impl ModelConfig {
             .or_else(|| rope["type"].as_str())
             .unwrap_or("default");
         let f = |k: &str| rope[k].as_f64();
+        let mrope_section = match rope["mrope_section"].as_array() {
+            Some(s) => {
+                let s: Vec<usize> = s
+                    .iter()
+                    .filter_map(|v| v.as_u64())
+                    .map(|v| v as usize)
+                    .collect();
+                let [t, h, w] = s[..] else {
+                    return Err(bad(format!("mrope_section {s:?} is not three sections")));
+                };
+                if t + h + w != head_dim / 2 {
+                    return Err(bad(format!(
+                        "mrope_section {s:?} does not cover the head's {} frequencies",
+                        head_dim / 2
+                    )));
+                }
+                Some(MropeSection([t, h, w]))
+            }
+            None => None,
+        };
         let rope_scaling = match rope_type {
-            "default" => RopeScaling::None,
+            // Qwen2-VL's files name M-RoPE as a scaling type; its frequencies are plain.
+            "default" | "mrope" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
                 factor: f("factor").unwrap_or(1.0),
             },
@@ -263,6 +302,7 @@ impl ModelConfig {
                 || json["attention_bias"].as_bool().unwrap_or(false),
             tie_word_embeddings: json["tie_word_embeddings"].as_bool().unwrap_or(false),
             fp8_block: fp8_block(&json["quantization_config"]).map_err(bad)?,
+            mrope_section,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -4,6 +4,7 @@
 
 use super::config::ModelConfig;
 use super::rope::{cos_sin_table, inv_freqs};
+use super::vision::mrope::{self, ImageSpan};
 use super::weights::Weights;
 use crate::kernels::collective::Collective;
 use crate::kernels::{
@@ -25,6 +26,20 @@ pub struct SeqStep<'a> {
     pub num_logit_rows: usize,
     /// Models with per-sequence state (DeepSeek-V4): the sequence's slot.
     pub state: Option<SlotState>,
+}
+
+/// A row's images (vision-language models): where the sequence's images sit, so every
+/// token of the row gets its multimodal RoPE position, and the encoder's rows that replace
+/// the embeddings of the image tokens this row runs.
+#[derive(Debug, Clone)]
+pub struct RowMedia<'a> {
+    /// The row's index among the step's sequences.
+    pub row: usize,
+    /// The sequence's images in prompt order.
+    pub spans: &'a [ImageSpan],
+    /// (index in the row's `token_ids` of the first token replaced, `(tokens, hidden)`
+    /// rows).
+    pub embeds: Vec<(usize, &'a [f32])>,
 }
 
 /// A sequence's state slot and its history (`PlannedRow`'s fields of the same names).
@@ -79,6 +94,8 @@ pub struct LlamaModel<B: Backend> {
     positions: Vec<u32>,
     slots: Vec<u32>,
     ids: Vec<u32>,
+    /// A step with image rows: each token's own cos/sin row (its multimodal position).
+    step_rope: Option<B::Buf>,
     /// Steps of short rows may run as the backend's recorded graphs. Off for a second
     /// model on the same backend (a draft model): the backend keys its graphs by token
     /// count only.
@@ -106,6 +123,7 @@ impl<B: Backend> LlamaModel<B> {
             positions: Vec::new(),
             slots: Vec::new(),
             ids: Vec::new(),
+            step_rope: None,
             graphs: true,
         }
     }
@@ -159,6 +177,44 @@ impl<B: Backend> LlamaModel<B> {
         self.cos_sin_rows = rows;
     }
 
+    /// Every token's cos/sin row for a step with images, its position the token's
+    /// multimodal one; `positions` then index this step's rows.
+    fn mrope_rows(
+        &mut self,
+        backend: &B,
+        seqs: &[SeqStep<'_>],
+        moved: &[MovedBack],
+        media: &[RowMedia<'_>],
+    ) {
+        let section = self
+            .cfg
+            .mrope_section
+            .expect("images reach only a model with multimodal RoPE");
+        let hd = self.cfg.head_dim;
+        let mut table = vec![0f32; self.positions.len() * hd];
+        let mut token = 0;
+        for (row, s) in seqs.iter().enumerate() {
+            let spans = media
+                .iter()
+                .find(|m| m.row == row)
+                .map_or(&[][..], |m| m.spans);
+            let cached = match moved.get(row) {
+                Some(&MovedBack::Positions(n)) => s.num_cached_tokens - n,
+                _ => s.num_cached_tokens,
+            };
+            for i in 0..s.token_ids.len() {
+                let pos = mrope::position(spans, cached + i);
+                section.cos_sin_row(&self.inv_freqs, pos, &mut table[token * hd..][..hd]);
+                token += 1;
+            }
+        }
+        // Padding rows (none: a step with images is never recorded) keep position 0.
+        for (i, p) in self.positions.iter_mut().enumerate() {
+            *p = i as u32;
+        }
+        self.step_rope = Some(backend.upload(&table));
+    }
+
     fn ensure_workspace(&mut self, backend: &B, num_tokens: usize, num_logit_rows: usize) {
         let fits = self.ws.as_ref().is_some_and(|w| {
             w.capacity_tokens >= num_tokens && w.capacity_logit_rows >= num_logit_rows
@@ -199,7 +255,19 @@ impl<B: Backend> LlamaModel<B> {
         block_size: usize,
         seqs: &[SeqStep<'_>],
     ) -> Vec<f32> {
-        self.forward_on_device(backend, cache, block_size, seqs, &[], &[]);
+        self.forward_with_media(backend, cache, block_size, seqs, &[])
+    }
+
+    /// `forward`, with the rows' images (`RowMedia`).
+    pub fn forward_with_media(
+        &mut self,
+        backend: &B,
+        cache: &mut B::KvCache,
+        block_size: usize,
+        seqs: &[SeqStep<'_>],
+        media: &[RowMedia<'_>],
+    ) -> Vec<f32> {
+        self.forward_on_device(backend, cache, block_size, seqs, &[], &[], media);
         let logits = &self.ws.as_ref().expect("workspace made by the step").logits;
         let num_logit_rows: usize = seqs.iter().map(|s| s.num_logit_rows).sum();
         backend.download(logits, num_logit_rows * self.cfg.vocab_size)
@@ -271,6 +339,7 @@ impl<B: Backend> LlamaModel<B> {
     /// row's first pick): the device moves them back by the drafts it rejected where the
     /// step is a recorded graph, else its picks are read here. Returns, per sequence, how
     /// far it moved back (empty: none did), for the positions of its draws.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_on_device(
         &mut self,
         backend: &B,
@@ -279,11 +348,14 @@ impl<B: Backend> LlamaModel<B> {
         seqs: &[SeqStep<'_>],
         picked_rows: &[u32],
         verified: &[VerifiedRow<'_>],
+        media: &[RowMedia<'_>],
     ) -> Vec<MovedBack> {
         // A step of short rows whose every token is a logit row (decode rows, verify rows)
         // may run as a recorded graph, padded with one-token rows to the graph's count.
+        // Not a step with images: its RoPE rows are its own.
         let real_tokens: usize = seqs.iter().map(|s| s.token_ids.len()).sum();
-        let graph_tokens = backend.graphs().filter(|_| self.graphs).and_then(|g| {
+        let recordable = self.graphs && media.is_empty();
+        let graph_tokens = backend.graphs().filter(|_| recordable).and_then(|g| {
             seqs.iter()
                 .all(|s| {
                     s.num_logit_rows == s.token_ids.len() && s.token_ids.len() <= g.max_row_tokens()
@@ -368,6 +440,13 @@ impl<B: Backend> LlamaModel<B> {
             self.slots.push(crate::kernels::PAD_SLOT);
         }
 
+        if !media.is_empty() {
+            self.mrope_rows(backend, seqs, &moved, media);
+        }
+        let cos_sin = match &self.step_rope {
+            Some(rows) if !media.is_empty() => rows,
+            _ => &self.cos_sin,
+        };
         let c = &self.cfg;
         let c_hidden = c.hidden_size;
         let w = &self.weights;
@@ -381,6 +460,12 @@ impl<B: Backend> LlamaModel<B> {
         };
         let (hd, eps) = (c.head_dim, c.rms_norm_eps);
         backend.embedding(&w.embed, &self.ids, &self.picked, &mut ws.x);
+        for m in media {
+            let start = attn_seqs[m.row].query_start;
+            for &(first, rows) in &m.embeds {
+                backend.write_at(&mut ws.x, (start + first) * c_hidden, rows);
+            }
+        }
         for (li, lw) in w.layers.iter().enumerate() {
             if li == 0 {
                 backend.rms_norm_into_gemm(
@@ -425,7 +510,7 @@ impl<B: Backend> LlamaModel<B> {
                 heads,
                 qk_norm,
                 &self.positions,
-                &self.cos_sin,
+                cos_sin,
                 cache,
                 li,
                 &self.slots,

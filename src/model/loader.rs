@@ -221,8 +221,8 @@ impl TensorSource for GgufSource<'_> {
 
 pub struct SafetensorsSource {
     maps: Vec<(PathBuf, Mmap)>,
-    /// Tensor name → index into `maps`.
-    index: HashMap<String, usize>,
+    /// Tensor name as asked for → index into `maps` and the name in that file.
+    index: HashMap<String, (usize, String)>,
 }
 
 impl SafetensorsSource {
@@ -282,7 +282,12 @@ impl SafetensorsSource {
                 reason: format!("invalid safetensors: {e}"),
             })?;
             for name in st.names() {
-                index.insert(name.to_string(), maps.len());
+                // transformers 5 saves a vision-language model's language half under
+                // `model.language_model.`; the hub's files and the loader say `model.`.
+                if let Some(rest) = name.strip_prefix("model.language_model.") {
+                    index.insert(format!("model.{rest}"), (maps.len(), name.to_string()));
+                }
+                index.insert(name.to_string(), (maps.len(), name.to_string()));
             }
             maps.push((path, mmap));
         }
@@ -292,9 +297,10 @@ impl SafetensorsSource {
 
 impl TensorSource for SafetensorsSource {
     fn tensor(&self, hf_name: &str) -> Result<Option<HostTensor>> {
-        let Some(&i) = self.index.get(hf_name) else {
+        let Some((i, stored_name)) = self.index.get(hf_name) else {
             return Ok(None);
         };
+        let (i, hf_name) = (*i, stored_name.as_str());
         let (path, mmap) = &self.maps[i];
         let bad = |reason: String| TroupeError::ModelFormat {
             path: path.clone(),

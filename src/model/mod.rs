@@ -12,6 +12,7 @@ pub mod loader;
 pub mod rope;
 pub mod tensor_parallel;
 pub mod tokenizer;
+pub mod vision;
 pub mod weights;
 
 use crate::sync::Shared as Arc;

@@ -84,6 +84,7 @@ mod tests {
             attention_bias: false,
             tie_word_embeddings: false,
             fp8_block: crate::model::config::FP8_BLOCK,
+            mrope_section: None,
         }
     }
 

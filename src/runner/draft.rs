@@ -67,6 +67,7 @@ impl<B: Backend> DraftModel<B> {
             &mirror,
             picked_rows,
             &[],
+            &[],
         );
         let wanted: Vec<usize> = (0..steps.len()).filter(|&i| num_drafts[i] > 0).collect();
         if wanted.is_empty() {
@@ -96,8 +97,15 @@ impl<B: Backend> DraftModel<B> {
                     state: None,
                 })
                 .collect();
-            self.model
-                .forward_on_device(backend, &mut self.cache, block_size, &batch, &[], &[]);
+            self.model.forward_on_device(
+                backend,
+                &mut self.cache,
+                block_size,
+                &batch,
+                &[],
+                &[],
+                &[],
+            );
             let more: Vec<usize> = (0..active.len())
                 .filter(|&j| num_drafts[active[j]] > pass)
                 .collect();

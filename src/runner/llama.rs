@@ -64,6 +64,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             &steps,
             &picked_rows,
             &verified,
+            &[],
         );
         StepOutcome {
             moved_back,

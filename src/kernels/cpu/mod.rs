@@ -133,6 +133,10 @@ impl Backend for CpuBackend {
         vec![0.0; len]
     }
 
+    fn write_at(&self, buf: &mut Vec<f32>, offset: usize, data: &[f32]) {
+        buf[offset..offset + data.len()].copy_from_slice(data);
+    }
+
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> CpuKvCache {
         CpuKvCache::new(shape)
     }

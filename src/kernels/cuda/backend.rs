@@ -80,6 +80,11 @@ impl Backend for CudaBackend {
         check(self.stream.alloc_zeros::<f32>(len.max(1)), "alloc")
     }
 
+    fn write_at(&self, buf: &mut CudaSlice<f32>, offset: usize, data: &[f32]) {
+        let mut view = buf.slice_mut(offset..offset + data.len());
+        check(self.stream.memcpy_htod(data, &mut view), "write_at");
+    }
+
     fn alloc_kv_cache(&self, shape: KvCacheShape) -> CudaKvCache {
         self.new_kv_cache(shape)
     }

@@ -102,6 +102,7 @@ impl DsV4Config {
             attention_bias: false,
             tie_word_embeddings: false,
             fp8_block: crate::model::config::FP8_BLOCK,
+            mrope_section: None,
         }
     }
 
