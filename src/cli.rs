@@ -322,6 +322,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             vocab_size: text.config.vocab_size,
             max_context_tokens: text.config.max_context_tokens,
             scores_prompts: text.scores_prompts(),
+            images: crate::api::ImageLimits::of(&text),
         };
         let label = line.label(args.prompts_file.as_deref());
         request.validate(limits).map_err(|e| e.for_prompt(label))?;

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
 use serde_json::Value;
+use troupe::api::{EngineRequest, PromptImage};
+use troupe::engine::{Engine, EngineConfig};
 use troupe::kernels::Backend;
 use troupe::kernels::cpu::CpuBackend;
 use troupe::model::llama::{LlamaModel, RowMedia, SeqStep};
@@ -18,6 +20,7 @@ use troupe::model::vision::{
     DecodeLimits, ImagePatches, ImageProcessorConfig, ImageSpan, RgbImage, VisionConfig,
     VisionEncoder,
 };
+use troupe::sampling::SamplingParams;
 
 const CASES: [&str; 3] = ["a", "b", "c"];
 const LOGIT_TOLERANCE: f32 = 1e-3;
@@ -338,37 +341,174 @@ fn greedy_tokens_equal_transformers() {
         let reference = Reference::open(&dir);
         let enc = encoder(&dir);
         let mut model = load_model(&dir, &backend);
-        let hidden = model.cfg.hidden_size;
         for (p, prompt) in prompts(&dir, &enc).iter().enumerate() {
             let want = reference.ints(&format!("greedy_{p}"));
-            let total = prompt.ids.len() + want.len();
-            let blocks = total.div_ceil(BLOCK);
-            let table: Vec<u32> = (0..blocks as u32).collect();
-            let mut cache = backend.alloc_kv_cache(model.kv_cache_shape(blocks, BLOCK));
-            let mut tokens = prompt.ids.clone();
-            let mut cached = 0;
-            let mut got = Vec::new();
-            while got.len() < want.len() {
-                let step = SeqStep {
-                    token_ids: &tokens[cached..],
-                    num_cached_tokens: cached,
-                    block_table: &table,
-                    num_logit_rows: 1,
-                    state: None,
-                };
-                let media = [media_for(0, prompt, cached, tokens.len(), hidden)];
-                let logits = model.forward_with_media(&backend, &mut cache, BLOCK, &[step], &media);
-                let next = logits
-                    .iter()
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(b.1))
-                    .unwrap()
-                    .0 as u32;
-                cached = tokens.len();
-                tokens.push(next);
-                got.push(next);
-            }
+            let got = greedy_of(&mut model, &backend, prompt, want.len());
             assert_eq!(got, want, "case {case} prompt {p}");
         }
     }
+}
+
+/// A prompt of the goldens as an engine request: its images by their processor rows.
+fn request(dir: &Path, p: &Value, image_token: u32, max_tokens: usize) -> EngineRequest {
+    let ids = common::ids(&p["ids"]);
+    let mut images = Vec::new();
+    let mut t = 0;
+    for i in p["images"].as_array().unwrap() {
+        while ids[t] != image_token {
+            t += 1;
+        }
+        let patches = patches_of(dir, i.as_u64().unwrap() as usize);
+        let image = PromptImage::new(t, patches.grid, patches.merge_size, patches.values);
+        t += image.num_tokens();
+        images.push(image);
+    }
+    let mut r = EngineRequest::new(ids, max_tokens, SamplingParams::default());
+    r.ignore_eos = true;
+    r.images = images;
+    r
+}
+
+/// Through the engine: the image prompts of a case beside text-only requests, prefills
+/// cut into chunks of 7 tokens (through images), then again for prefix hits — greedy
+/// tokens equal transformers'. The same placeholders over another image of the same grid
+/// take no hit from the first: they give that image's tokens.
+#[test]
+fn the_engine_serves_images_beside_text() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(std::time::Duration::from_secs(120), async {
+            let dir = case_dir("a");
+            let reference = Reference::open(&dir);
+            let cases = cases_json(&dir);
+            let image_token = cases["image_token_id"].as_u64().unwrap() as u32;
+            let mut cfg = EngineConfig::new(dir.clone());
+            cfg.kv_cache_bytes = 8 << 20;
+            cfg.max_step_tokens = 7;
+            // Blocks of 4: an image's placeholders fill whole blocks, which could be hits.
+            cfg.block_size = 4;
+            cfg.exact_activations = true;
+            let engine = Engine::spawn(cfg).await.unwrap();
+            let prompts = cases["prompts"].as_array().unwrap();
+            let want: Vec<Vec<u32>> = (0..prompts.len())
+                .map(|p| reference.ints(&format!("greedy_{p}")))
+                .collect();
+            for round in 0..2 {
+                let mut requests: Vec<EngineRequest> = prompts
+                    .iter()
+                    .map(|p| request(&dir, p, image_token, 8))
+                    .collect();
+                let mut text = EngineRequest::new((1..30).collect(), 8, SamplingParams::default());
+                text.ignore_eos = true;
+                requests.push(text);
+                let out = common::engine::ok_outputs(&engine, requests).await;
+                for (p, want) in want.iter().enumerate() {
+                    assert_eq!(&out[p].token_ids, want, "round {round}, prompt {p}");
+                }
+            }
+            let status = engine.status().await.unwrap();
+            assert!(status.num_prefix_hit_blocks > 0, "{status:?}");
+            // Images 1 and 3 of case "a" share a grid: the same prompt ids over either.
+            let enc = encoder(&dir);
+            let backend = exact();
+            let mut model = load_model(&dir, &backend);
+            for image in [1usize, 3] {
+                let p = serde_json::json!({"ids": prompts[0]["ids"], "images": [image]});
+                let r = request(&dir, &p, image_token, 4);
+                assert_eq!(r.images[0].grid, patches_of(&dir, 1).grid);
+                let got = common::engine::ok_outputs(&engine, vec![r.clone()]).await;
+                // The model's own pass, checked against transformers above.
+                let prompt = Prompt {
+                    ids: r.prompt_ids.clone(),
+                    spans: vec![ImageSpan {
+                        start: r.images[0].first_token,
+                        grid: r.images[0].token_grid(),
+                    }],
+                    embeds: vec![enc.encode(&patches_of(&dir, image))],
+                };
+                let want = greedy_of(&mut model, &backend, &prompt, 4);
+                assert_eq!(got[0].token_ids, want, "image {image}");
+            }
+            engine.shutdown(true).await;
+        })
+        .await
+        .expect("the engine answered within 120 s");
+    });
+}
+
+/// `n` greedy tokens after `prompt`, one decode step at a time.
+fn greedy_of(
+    model: &mut LlamaModel<CpuBackend>,
+    backend: &CpuBackend,
+    prompt: &Prompt,
+    n: usize,
+) -> Vec<u32> {
+    let hidden = model.cfg.hidden_size;
+    let total = prompt.ids.len() + n;
+    let blocks = total.div_ceil(BLOCK);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut cache = backend.alloc_kv_cache(model.kv_cache_shape(blocks, BLOCK));
+    let mut tokens = prompt.ids.clone();
+    let mut cached = 0;
+    let mut got = Vec::new();
+    while got.len() < n {
+        let step = SeqStep {
+            token_ids: &tokens[cached..],
+            num_cached_tokens: cached,
+            block_table: &table,
+            num_logit_rows: 1,
+            state: None,
+        };
+        let media = [media_for(0, prompt, cached, tokens.len(), hidden)];
+        let logits = model.forward_with_media(backend, &mut cache, BLOCK, &[step], &media);
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
+        cached = tokens.len();
+        tokens.push(next);
+        got.push(next);
+    }
+    got
+}
+
+/// What a request's images must be, each refusal naming the image and the problem.
+#[test]
+fn bad_images_are_refused_by_name() {
+    use troupe::api::{ImageLimits, RequestLimits};
+    let dir = case_dir("a");
+    let text = troupe::model::load_text(&dir).unwrap();
+    let cases = cases_json(&dir);
+    let image_token = cases["image_token_id"].as_u64().unwrap() as u32;
+    let limits = RequestLimits {
+        vocab_size: text.config.vocab_size,
+        max_context_tokens: text.config.max_context_tokens,
+        scores_prompts: true,
+        images: ImageLimits::of(&text),
+    };
+    let good = request(&dir, &cases["prompts"][1], image_token, 4);
+    good.validate(limits).unwrap();
+    let refused = |r: &EngineRequest, limits: RequestLimits, says: &str| {
+        let err = r.validate(limits).unwrap_err().to_string();
+        assert!(err.starts_with("images: ") && err.contains(says), "{err}");
+    };
+    let no_vision = RequestLimits {
+        images: None,
+        ..limits
+    };
+    refused(&good, no_vision, "this model takes no images");
+    let mut r = good.clone();
+    r.images[0].first_token -= 1;
+    refused(&r, limits, "is not the image placeholder");
+    let mut r = good.clone();
+    r.images.swap(0, 1);
+    refused(&r, limits, "overlap another image");
+    let mut r = good.clone();
+    r.images[1].pixels = vec![0.0; 7].into();
+    refused(&r, limits, "image 1: 7 pixel values");
+    let mut r = good.clone();
+    r.prompt_logprobs = Some(1);
+    refused(&r, limits, "prompt_logprobs");
 }

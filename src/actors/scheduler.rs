@@ -126,6 +126,8 @@ struct Request {
     /// `request.params` with the seed resolved, shared with every step's sampling rows.
     params: Shared<SamplingParams>,
     prompt_ids: Shared<[u32]>,
+    /// The prompt's images, handed to the ranks with each of its rows.
+    images: Option<Shared<[crate::step::PromptImage]>>,
     /// Generated so far; copied on write only while a step still holds the previous one.
     token_ids: Shared<Vec<u32>>,
     /// Structured output: the grammar state the sampler masks this completion with.

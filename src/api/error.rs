@@ -44,6 +44,9 @@ pub enum RequestError {
     Choices(usize),
     #[error("prompt_logprobs: {0}")]
     PromptLogprobs(String),
+    /// An image the model cannot take as given (the message names which and why).
+    #[error("images: {0}")]
+    Images(String),
     /// The grammar does not compile against the vocabulary, or structured output is
     /// unavailable.
     #[error("{0}")]
@@ -97,6 +100,7 @@ impl RequestError {
             RequestError::LogitBias(_) => "logit_bias",
             RequestError::Choices(_) => "n",
             RequestError::PromptLogprobs(_) => "prompt_logprobs",
+            RequestError::Images(_) => "messages",
             RequestError::Grammar(_) | RequestError::Unservable(_) => "request",
         }
     }

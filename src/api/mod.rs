@@ -9,7 +9,8 @@ mod text_stream;
 
 pub use error::{EngineError, RequestError};
 pub use request::{
-    EngineRequest, FinishReason, MAX_CHOICES, RequestLimits, RequestOutput, choice_seed,
+    EngineRequest, FinishReason, ImageLimits, MAX_CHOICES, PromptImage, RequestLimits,
+    RequestOutput, choice_seed,
 };
 pub use request_ids::RequestIds;
 pub use status::{EngineStatus, KvStoreStats, MAX_SPEC_POSITIONS};

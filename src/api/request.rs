@@ -2,6 +2,7 @@
 
 use crate::sampling::{MAX_TOP_LOGPROBS, SamplingParams, ScoredToken};
 pub use crate::sched::FinishReason;
+pub use crate::step::PromptImage;
 use crate::structured::GrammarSpec;
 
 use super::RequestError;
@@ -33,6 +34,8 @@ pub struct EngineRequest {
     /// Score the prompt: each prompt token's logprob under the model (and this many of the
     /// most likely ids at each position), reported once, with the first output.
     pub prompt_logprobs: Option<usize>,
+    /// The prompt's images, in prompt order: each covers its placeholder tokens.
+    pub images: Vec<PromptImage>,
 }
 
 /// The most completions one request may ask for.
@@ -55,6 +58,30 @@ pub struct RequestLimits {
     pub max_context_tokens: usize,
     /// The model returns every position's logits (`EngineRequest::prompt_logprobs`).
     pub scores_prompts: bool,
+    /// A vision-language model: what its images must look like; `None`: it takes none.
+    pub images: Option<ImageLimits>,
+}
+
+/// What a vision-language model's images must be.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageLimits {
+    /// The placeholder every token of an image is in the prompt.
+    pub token_id: u32,
+    /// Values per patch.
+    pub patch_len: usize,
+    /// Patches merged `merge × merge` into a token.
+    pub merge: usize,
+}
+
+impl ImageLimits {
+    /// A model's, where it takes images.
+    pub fn of(text: &crate::model::ModelText) -> Option<ImageLimits> {
+        text.vision.as_ref().map(|v| ImageLimits {
+            token_id: v.image_token_id,
+            patch_len: v.patch_len,
+            merge: v.processor.merge_size,
+        })
+    }
 }
 
 impl EngineRequest {
@@ -94,6 +121,7 @@ impl EngineRequest {
         if self.n == 0 || self.n > MAX_CHOICES {
             return Err(RequestError::Choices(self.n));
         }
+        self.validate_images(limits.images)?;
         if let Some(k) = self.prompt_logprobs {
             if !limits.scores_prompts {
                 return Err(RequestError::PromptLogprobs(
@@ -105,6 +133,57 @@ impl EngineRequest {
                     "at most {MAX_TOP_LOGPROBS} top ids per prompt position, got {k}"
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// Each image in order, over placeholders of its own, pixels of its grid's size.
+    fn validate_images(&self, limits: Option<ImageLimits>) -> Result<(), RequestError> {
+        if self.images.is_empty() {
+            return Ok(());
+        }
+        let bad = |m: String| Err(RequestError::Images(m));
+        let Some(limits) = limits else {
+            return bad("this model takes no images".into());
+        };
+        if self.prompt_logprobs.is_some() {
+            return bad("prompt_logprobs is not available for prompts with images".into());
+        }
+        let mut end = 0;
+        for (i, image) in self.images.iter().enumerate() {
+            let [t, h, w] = image.grid;
+            if image.merge != limits.merge || t == 0 || h % image.merge != 0 || w % image.merge != 0
+            {
+                return bad(format!(
+                    "image {i}: grid {:?} is not whole merged patches",
+                    image.grid
+                ));
+            }
+            if image.pixels.len() != t * h * w * limits.patch_len {
+                return bad(format!(
+                    "image {i}: {} pixel values for a {t}x{h}x{w} grid of {}-value patches",
+                    image.pixels.len(),
+                    limits.patch_len
+                ));
+            }
+            if image.first_token < end || image.end_token() > self.prompt_ids.len() {
+                return bad(format!(
+                    "image {i}: tokens {}..{} overlap another image or pass the prompt's end",
+                    image.first_token,
+                    image.end_token()
+                ));
+            }
+            if let Some(at) = self.prompt_ids[image.first_token..image.end_token()]
+                .iter()
+                .position(|&id| id != limits.token_id)
+            {
+                return bad(format!(
+                    "image {i}: prompt token {} is not the image placeholder {}",
+                    image.first_token + at,
+                    limits.token_id
+                ));
+            }
+            end = image.end_token();
         }
         Ok(())
     }
@@ -123,6 +202,7 @@ impl EngineRequest {
             grammar: None,
             skip_special_tokens: None,
             prompt_logprobs: None,
+            images: Vec::new(),
         }
     }
 }

@@ -206,6 +206,7 @@ impl EngineHandle {
             vocab_size: self.text.config.vocab_size,
             max_context_tokens: self.text.config.max_context_tokens,
             scores_prompts: self.text.scores_prompts(),
+            images: crate::api::ImageLimits::of(&self.text),
         }
     }
 

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::gguf::GgufFile;
-use super::vision::MropeSection;
+use super::vision::mrope::MropeSection;
 use crate::error::{Result, TroupeError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -43,6 +43,8 @@ pub struct ModelText {
     pub chat_template: Option<ChatTemplate>,
     /// Token ids that end generation (EOS, end-of-turn).
     pub stop_ids: Vec<u32>,
+    /// A vision-language model's image side (Qwen2.5-VL); `None`: text only.
+    pub vision: Option<Arc<vision::VisionText>>,
 }
 
 /// A model ready to run: weights on a backend plus its text side.
@@ -252,6 +254,7 @@ fn gguf_text(gguf: &GgufFile) -> Result<ModelText> {
         tokenizer,
         chat_template,
         stop_ids,
+        vision: None,
     })
 }
 
@@ -368,11 +371,18 @@ fn hf_text(dir: &Path, config: &serde_json::Value, cfg: ModelConfig) -> Result<M
         None => None,
     };
     let stop_ids = tokenizer.as_ref().map_or(eos_ids, |t| t.stop_ids.clone());
+    let vision = vision::VisionText::from_hf_dir(dir, config)
+        .map_err(|e| TroupeError::ModelFormat {
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?
+        .map(Arc::new);
     Ok(ModelText {
         config: cfg,
         deepseek_v4: None,
         tokenizer,
         chat_template,
         stop_ids,
+        vision,
     })
 }

@@ -78,6 +78,7 @@ pub(super) fn time_decode_step(
                 rejection: false,
             }),
             score: None,
+            images: None,
         })
         .collect();
     let start = Instant::now();

@@ -5,6 +5,7 @@
 use ractor::ActorProcessingErr;
 
 use super::draft;
+use super::images::RankImages;
 use super::launch::StepOutcome;
 use super::rank_step::RankStep;
 use super::{DeviceModel, KvCopies, LaunchedStep, RankArgs, SlotStates};
@@ -22,6 +23,8 @@ pub(super) struct OnBackend<B: Backend> {
     leader: bool,
     /// `--spec draft`: fills the verify rows' placeholder drafts before each step.
     draft: Option<draft::DraftModel<B>>,
+    /// A vision-language model's encoder and its rows by image.
+    images: Option<RankImages>,
     num_kv_blocks: usize,
 }
 
@@ -43,7 +46,12 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
         // replace the verify rows' placeholders.
         let mut model_drafts = Vec::new();
         let filled: Vec<Vec<u32>>;
+        let prepared = self.images.as_mut().and_then(|im| im.prepare(step));
         let mut steps = step.seqs();
+        let media = match &prepared {
+            Some(p) => p.apply(&mut steps),
+            None => Vec::new(),
+        };
         if let Some(draft) = &mut self.draft {
             let num_drafts = step.num_placeholders();
             model_drafts =
@@ -64,7 +72,7 @@ impl<B: Backend> DeviceModel for OnBackend<B> {
             &steps,
             &picked_rows,
             &verified,
-            &[],
+            &media,
         );
         StepOutcome {
             moved_back,
@@ -187,12 +195,27 @@ pub(super) fn load_on<B: Backend + 'static>(
         }
         None => None,
     };
+    let path = &args.settings.model_path;
+    let images = match crate::model::load_text(path)?.vision {
+        Some(vision) if !args.settings.dummy_weights => {
+            if draft.is_some() {
+                return Err(
+                    "a draft model (`--spec draft`) beside a vision-language model is not built"
+                        .into(),
+                );
+            }
+            let encoder = crate::model::vision::load_encoder(path)?;
+            Some(RankImages::new(encoder, vision.image_token_id))
+        }
+        _ => None,
+    };
     Ok(Box::new(OnBackend {
         backend,
         model,
         cache,
         leader: args.shard.is_leader(),
         draft,
+        images,
         num_kv_blocks: args.settings.num_kv_blocks,
     }))
 }

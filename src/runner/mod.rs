@@ -20,6 +20,7 @@ pub mod step_state;
 mod deepseek_v4;
 mod draft;
 mod expert_placement;
+mod images;
 mod launch;
 mod llama;
 mod mtp;

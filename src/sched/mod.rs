@@ -29,6 +29,10 @@ mod sequence;
 mod state_slots;
 mod stored_prefix;
 
+/// Token ids from here up name an image's placeholders by its content in the core's copy
+/// of a prompt (`step::PromptImage::virtual_ids`); no vocabulary reaches them.
+pub const FIRST_VIRTUAL_ID: u32 = 1 << 31;
+
 pub use block_manager::{Alloc, Allocation, BlockManager};
 pub use config::SchedulerConfig;
 pub use cost_model::{CostModel, StepFeatures};

@@ -4,10 +4,12 @@
 //! sampled row). The scheduler actor builds the step, every rank applies it, the sampler
 //! (`sample::StepSampler`) turns its logits into tokens.
 
+mod image;
 mod sample;
 
 use crate::sync::Shared as Arc;
 
+pub use image::{PromptImage, VIRTUAL_ID_BASE, is_virtual, with_virtual_ids};
 pub use sample::{SampleError, StepSampler, score_rows};
 
 use crate::eplb::MoeBalance;
@@ -43,6 +45,9 @@ pub struct StepRow {
     pub sampling: Option<RowSampling>,
     /// A prefill row of a prompt being scored (prompt logprobs).
     pub score: Option<PromptScore>,
+    /// The sequence's images, where it has any: its rows name their placeholders by
+    /// virtual ids (`image.rs`), and every position after an image moves with it.
+    pub images: Option<Arc<[PromptImage]>>,
 }
 
 /// A prefill row whose prompt tokens are scored: the model returns a logit row for every
@@ -135,6 +140,7 @@ impl Step {
                 plan,
                 sampling,
                 score: None,
+                images: None,
             })
             .collect();
         Step {

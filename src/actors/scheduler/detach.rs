@@ -63,6 +63,8 @@ fn movable(r: &Request) -> bool {
         && r.constraint.is_none()
         && req.grammar.is_none()
         && req.prompt_logprobs.is_none()
+        // A peer's core would name the images' placeholders as token ids.
+        && req.images.is_empty()
         && p.frequency_penalty == 0.0
         && p.presence_penalty == 0.0
 }

@@ -9,6 +9,7 @@ use super::super::rank_worker::RankMsg;
 use super::{Request, SchedulerMsg, SchedulerState, seq_id_of};
 use crate::api::{EngineError, EngineRequest, RequestError, RequestOutput, choice_seed};
 use crate::sched::{SeqRequest, StoredPrefix};
+use crate::step::with_virtual_ids;
 use crate::structured::{CompiledGrammar, SeqConstraint};
 use crate::sync::Shared;
 
@@ -38,15 +39,16 @@ impl SchedulerState {
         if sub.request.prompt_logprobs.is_some() {
             return Some(sub);
         }
-        let tokens = &sub.request.prompt_ids;
-        let first_block = self.core.num_device_prefix_blocks(tokens, 0);
-        if self.failed.is_some() || !store.may_have(tokens, 0, first_block) {
+        // Blocks are named as the core names them: an image's placeholders by its content.
+        let tokens = with_virtual_ids(&sub.request.prompt_ids, &sub.request.images);
+        let first_block = self.core.num_device_prefix_blocks(&tokens, 0);
+        if self.failed.is_some() || !store.may_have(&tokens, 0, first_block) {
             return Some(sub);
         }
         let myself = myself.clone();
         self.num_staging += 1;
         tokio::task::spawn_blocking(move || {
-            let stored = store.stage(&sub.request.prompt_ids, 0, first_block);
+            let stored = store.stage(&tokens, 0, first_block);
             let submission = Box::new(sub);
             // A stopped scheduler answers nobody; the caller's call times out.
             let _ = myself.cast(SchedulerMsg::Staged { submission, stored });
@@ -130,7 +132,9 @@ impl SchedulerState {
                 params.seed = choice_seed(seed, index);
                 let seq = SeqRequest {
                     seq_id: seq_id_of(sub.request_id, index),
-                    prompt_ids: request.prompt_ids.clone(),
+                    // The core's copy: an image's placeholders named by its content, so
+                    // prefix-cache blocks of different images never match.
+                    prompt_ids: with_virtual_ids(&request.prompt_ids, &request.images),
                     max_tokens: request.max_tokens,
                     stop_ids: stop_ids.to_vec(),
                     // Folded into `stop_ids`: EOS left out, the request's own kept.
@@ -153,6 +157,8 @@ impl SchedulerState {
                     stream: sub.stream.clone(),
                     params: Shared::new(params),
                     prompt_ids: prompt_ids.clone(),
+                    images: (!request.images.is_empty())
+                        .then(|| Shared::from(request.images.clone())),
                     request: (**request).clone(),
                     token_ids: Shared::new(Vec::new()),
                     constraint: grammar

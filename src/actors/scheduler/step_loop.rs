@@ -57,6 +57,10 @@ impl SchedulerState {
         let mut step = Step::new(self.epoch, plan, sampling);
         for (row, score) in step.rows.iter_mut().zip(scores) {
             row.score = score;
+            row.images = self
+                .requests
+                .get(&row.plan.seq_id)
+                .and_then(|r| r.images.clone());
         }
         Some(step)
     }

@@ -11,6 +11,78 @@ pub use encoder::{VisionConfig, VisionEncoder};
 pub use mrope::{ImageSpan, MropeSection};
 pub use preprocess::{DecodeLimits, ImagePatches, ImageProcessorConfig, RgbImage};
 
+use std::path::Path;
+
+/// What the request side needs of a vision-language model: how images become patches and
+/// which token stands for each of an image's merged patches.
+#[derive(Debug, Clone)]
+pub struct VisionText {
+    pub processor: ImageProcessorConfig,
+    /// `<|image_pad|>`: repeated once per token of an image.
+    pub image_token_id: u32,
+    /// The values of one patch (3 × temporal patch × patch²).
+    pub patch_len: usize,
+}
+
+impl VisionText {
+    /// A model directory's vision side: `None` for a text-only model (no `vision_config`).
+    pub fn from_hf_dir(
+        dir: &Path,
+        config: &serde_json::Value,
+    ) -> Result<Option<VisionText>, VisionError> {
+        if !config["vision_config"].is_object() {
+            return Ok(None);
+        }
+        let vision = VisionConfig::from_hf_json(config)?;
+        let processor = ImageProcessorConfig::from_file(&dir.join("preprocessor_config.json"))?;
+        if processor.patch_size != vision.patch_size
+            || processor.merge_size != vision.spatial_merge_size
+            || processor.temporal_patch_size != vision.temporal_patch_size
+        {
+            return Err(VisionError::Config(format!(
+                "preprocessor_config.json's patch {}, merge {} and temporal patch {} differ from the encoder's {}, {} and {}",
+                processor.patch_size,
+                processor.merge_size,
+                processor.temporal_patch_size,
+                vision.patch_size,
+                vision.spatial_merge_size,
+                vision.temporal_patch_size
+            )));
+        }
+        let image_token_id = config["image_token_id"]
+            .as_u64()
+            .ok_or_else(|| VisionError::Config("config.json has no `image_token_id`".into()))?
+            as u32;
+        Ok(Some(VisionText {
+            patch_len: 3
+                * processor.temporal_patch_size
+                * processor.patch_size
+                * processor.patch_size,
+            processor,
+            image_token_id,
+        }))
+    }
+}
+
+/// The vision encoder of the model in `dir`.
+pub fn load_encoder(dir: &Path) -> Result<VisionEncoder, crate::error::TroupeError> {
+    let path = dir.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| crate::error::TroupeError::io(&path, e))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| crate::error::TroupeError::ModelFormat {
+            path: path.clone(),
+            reason: format!("invalid JSON: {e}"),
+        })?;
+    let cfg = VisionConfig::from_hf_json(&json)
+        .map_err(|e| crate::error::TroupeError::InvalidInput(e.to_string()))?;
+    let src = loader::SafetensorsSource::open_dir(dir)?;
+    VisionEncoder::load(cfg, &src)
+        .map_err(|e| crate::error::TroupeError::InvalidInput(e.to_string()))
+}
+
+use super::loader;
+
 /// Why an image or a vision model's files were refused; each names the problem.
 #[derive(Debug, thiserror::Error)]
 pub enum VisionError {

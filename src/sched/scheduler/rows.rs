@@ -202,10 +202,19 @@ impl Scheduler {
         let Some(drafter) = seq.drafter.as_mut().filter(|_| room > 0) else {
             return Vec::new();
         };
-        if seq.num_pending_tokens == 0 {
-            return drafter.propose(&seq.tokens, room);
+        let mut drafts = if seq.num_pending_tokens == 0 {
+            drafter.propose(&seq.tokens, room)
+        } else {
+            drafter.propose_continuing(&seq.tokens, &seq.in_flight_drafts, room)
+        };
+        // An image's placeholder is no token the model could sample: never a draft.
+        if let Some(at) = drafts
+            .iter()
+            .position(|d| d.token >= crate::sched::FIRST_VIRTUAL_ID)
+        {
+            drafts.truncate(at);
         }
-        drafter.propose_continuing(&seq.tokens, &seq.in_flight_drafts, room)
+        drafts
     }
 
     /// Appends the row of sequence `idx` feeding its next `q` positions (the last
