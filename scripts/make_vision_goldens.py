@@ -30,8 +30,38 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "goldens" / "qwen25vl"
-VOCAB = 256
-IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 250, 251, 252, 253
+# Byte-level tokens 0..255, then Qwen2.5-VL's special tokens.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+VOCAB = 256 + len(SPECIALS) + 1
+IMAGE_TOKEN, VIDEO_TOKEN = 256 + SPECIALS.index("<|image_pad|>"), 256 + SPECIALS.index("<|video_pad|>")
+VISION_START, VISION_END = 256 + SPECIALS.index("<|vision_start|>"), 256 + SPECIALS.index("<|vision_end|>")
+IM_END = 256 + SPECIALS.index("<|im_end|>")
+# Qwen2.5-VL's chat template (images and text; its video branch left out).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tokenizer(d: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    assert tok.token_to_id("<|image_pad|>") == IMAGE_TOKEN
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        "add_bos_token": False, "tokenizer_class": "Qwen2TokenizerFast"}, indent=1))
 
 
 def random_image(rng: random.Random, h: int, w: int) -> Image.Image:
@@ -72,6 +102,8 @@ def make_case(name: str, seed: int, hub_names: bool) -> None:
             rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
             tie_word_embeddings=False,
+            eos_token_id=IM_END,
+            bos_token_id=None,
         ),
         vision_config=dict(
             depth=depth,
@@ -144,11 +176,11 @@ def make_case(name: str, seed: int, hub_names: bool) -> None:
         which = rng.sample(range(4), p + 1)
         ids, mm = [], []
         for k, im in enumerate(which):
-            ids += [rng.randrange(0, 240) for _ in range(rng.randint(0, 5))] + [VISION_START]
+            ids += [rng.randrange(0, 256) for _ in range(rng.randint(0, 5))] + [VISION_START]
             n = int(np.prod(images[im]["grid"])) // 4
             ids += [IMAGE_TOKEN] * n + [VISION_END]
             mm.append(im)
-        ids += [rng.randrange(0, 240) for _ in range(rng.randint(1, 6))]
+        ids += [rng.randrange(0, 256) for _ in range(rng.randint(1, 6))]
         pv = torch.cat([ref[f"pixel_values_pil_{i}"] for i in which])
         grid = torch.tensor([images[i]["grid"] for i in which])
         inp = torch.tensor([ids])
@@ -167,9 +199,46 @@ def make_case(name: str, seed: int, hub_names: bool) -> None:
             )
         ref[f"greedy_{p}"] = gen[0, len(ids):].to(torch.int64).contiguous()
         prompts.append({"ids": ids, "images": mm})
+    # Chats through the processor: the template, each image's placeholder expanded.
+    write_tokenizer(d)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(d)
+    chats = [
+        [{"role": "user", "content": [{"type": "image", "image": 0}, {"type": "text", "text": "What is this?"}]}],
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": [
+                {"type": "text", "text": "Compare "}, {"type": "image", "image": 1},
+                {"type": "text", "text": " and "}, {"type": "image", "image": 2}]},
+            {"role": "assistant", "content": "They differ."},
+            {"role": "user", "content": [{"type": "image", "image": 3}, {"type": "text", "text": "And this one?"}]},
+        ],
+    ]
+    chat_cases = []
+    for c, chat in enumerate(chats):
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        which = [part["image"] for m in chat if isinstance(m["content"], list)
+                 for part in m["content"] if part["type"] == "image"]
+        imgs = [Image.open(d / "images" / f"{i}.png") for i in which]
+        px = pil(images=imgs, return_tensors="pt")
+        # The processor's rule: each <|image_pad|> becomes grid product / merge² of them.
+        parts = text.split("<|image_pad|>")
+        expanded = parts[0]
+        for k, g in enumerate(px["image_grid_thw"]):
+            expanded += "<|image_pad|>" * (int(g.prod()) // 4) + parts[k + 1]
+        ids = tok(expanded)["input_ids"]
+        inp = torch.tensor([ids])
+        with torch.no_grad():
+            gen = model.generate(input_ids=inp, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                                 mm_token_type_ids=(inp == IMAGE_TOKEN).int(), attention_mask=torch.ones_like(inp),
+                                 max_new_tokens=8, do_sample=False)
+        greedy = gen[0, len(ids):].tolist()
+        chat_cases.append({"messages": chat, "ids": ids, "greedy": greedy,
+                           "text": tok.decode(greedy, skip_special_tokens=True)})
     save_file(ref, d / "reference.safetensors")
     (d / "cases.json").write_text(
-        json.dumps({"images": images, "prompts": prompts, "image_token_id": IMAGE_TOKEN}, indent=1)
+        json.dumps({"images": images, "prompts": prompts, "chats": chat_cases, "image_token_id": IMAGE_TOKEN},
+                   indent=1)
     )
     if hub_names:
         # The hub's files keep the language model's fields at the top level and name
@@ -181,8 +250,7 @@ def make_case(name: str, seed: int, hub_names: bool) -> None:
         c["rope_theta"] = rope["rope_theta"]
         c["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
         (d / "config.json").write_text(json.dumps(c, indent=2))
-    for f in ["generation_config.json"]:
-        (d / f).unlink(missing_ok=True)
+    (d / "generation_config.json").unlink(missing_ok=True)
     print(name, "text", cfg.text_config.num_hidden_layers, "layers, mrope", mrope, "vision depth", depth,
           "window", cfg.vision_config.window_size, "full", cfg.vision_config.fullatt_block_indexes,
           "images", [im["grid"] for im in images])

@@ -420,6 +420,7 @@ fn objects_take_only_their_named_keys_unless_the_schema_allows_more() {
         }],
         tool_choice: ToolChoice::Required,
         reasoning_effort: None,
+        images: Vec::new(),
     };
     let g = compiler
         .compile(&conv.tool_grammar(&CallSyntax::Hermes).unwrap())

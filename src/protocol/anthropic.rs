@@ -77,6 +77,7 @@ fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
         return Err(ApiError::bad("messages", "messages must not be empty"));
     }
     let mut messages = Vec::new();
+    let mut images = Vec::new();
     match &req.system {
         None => {}
         Some(Blocks::Text(t)) => messages.push(Message::new(Role::System, t.clone())),
@@ -113,7 +114,11 @@ fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
         for (j, b) in blocks.iter().enumerate() {
             let bfield = format!("{field}.content[{j}]");
             match b.get("type").and_then(Value::as_str) {
-                Some("text") => msg.content.push_str(&block_text(b, &bfield)?),
+                Some("text") => super::images::push_text(&mut msg, &block_text(b, &bfield)?),
+                Some("image") if role == Role::User => {
+                    let image = super::images::anthropic_image(b, &bfield)?;
+                    super::images::push_image(&mut images, &mut msg, image);
+                }
                 Some("tool_use") if role == Role::Assistant => msg.tool_calls.push(ToolCall {
                     id: b["id"].as_str().unwrap_or_default().to_string(),
                     name: b["name"]
@@ -194,6 +199,7 @@ fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
         tools,
         tool_choice,
         reasoning_effort: None,
+        images,
     })
 }
 

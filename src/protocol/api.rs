@@ -28,6 +28,12 @@ pub struct ApiError {
     pub param: Option<String>,
 }
 
+impl From<super::images::ImageRefusal> for ApiError {
+    fn from(r: super::images::ImageRefusal) -> ApiError {
+        ApiError::bad(&r.field, r.message)
+    }
+}
+
 impl ApiError {
     /// A 400 about `param`; the message names it (some SDKs show only the message).
     pub fn bad(param: &str, message: impl Into<String>) -> Self {
@@ -302,7 +308,10 @@ fn render_request(
     let prompt_ids = conv
         .to_prompt_ids(text)
         .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    engine_request(&s, prompt_ids, text)
+    let (prompt_ids, images) = super::images::expand(conv, text, prompt_ids)?;
+    let mut request = engine_request(&s, prompt_ids, text)?;
+    request.images = images;
+    Ok(request)
 }
 
 /// Text content given as a string or as typed parts; only text parts are served.

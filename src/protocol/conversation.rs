@@ -47,10 +47,30 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
+/// A piece of a message given in parts: text, or an image of the conversation's
+/// `images` (by index), in the order the client sent them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Part {
+    Text(String),
+    Image(usize),
+}
+
+/// An image as a request carries it, before decoding: its bytes, the MIME type it was
+/// declared with, and the request field it came in (errors name it).
+#[derive(Debug, Clone)]
+pub struct ImageInput {
+    pub bytes: Vec<u8>,
+    pub mime: Option<String>,
+    pub field: String,
+}
+
 #[derive(Debug, Clone)]
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// Set where the message holds images: its text and images in order (`content` is
+    /// then its text alone).
+    pub parts: Vec<Part>,
     pub tool_calls: Vec<ToolCall>,
     /// A tool result's call id and tool name.
     pub tool_call_id: Option<String>,
@@ -62,6 +82,7 @@ impl Message {
         Message {
             role,
             content: content.into(),
+            parts: Vec::new(),
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
@@ -96,6 +117,8 @@ pub struct Conversation {
     /// The request's reasoning effort (OpenAI's `reasoning_effort`): DeepSeek-V4 prompts
     /// open the reply in thinking mode when it is given.
     pub reasoning_effort: Option<String>,
+    /// The images the messages' parts name.
+    pub images: Vec<ImageInput>,
 }
 
 /// Marker for the `k`-th special-token string inside request text: private-use
@@ -317,6 +340,18 @@ impl Conversation {
     }
 
     fn message_json(&self, m: &Message, native: bool, guard: &Guard) -> Value {
+        if !m.parts.is_empty() {
+            // The template places each image's placeholder where the part stands.
+            let parts: Vec<Value> = m
+                .parts
+                .iter()
+                .map(|p| match p {
+                    Part::Text(t) => json!({"type": "text", "text": guard.text(t)}),
+                    Part::Image(_) => json!({"type": "image"}),
+                })
+                .collect();
+            return json!({"role": m.role.as_str(), "content": parts});
+        }
         let content = guard.text(&m.content);
         if native {
             let mut v = json!({"role": m.role.as_str(), "content": content});

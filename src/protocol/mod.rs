@@ -10,6 +10,7 @@ pub mod deepseek_v4_prompt;
 mod fields;
 pub mod guard;
 pub mod http;
+pub mod images;
 pub mod jsonl;
 pub mod metrics;
 pub mod openai;

@@ -301,6 +301,7 @@ pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
         return Err(ApiError::bad("messages", "messages must not be empty"));
     }
     let mut messages = Vec::with_capacity(req.messages.len());
+    let mut images = Vec::new();
     for (i, m) in req.messages.iter().enumerate() {
         let field = format!("messages[{i}]");
         let role = match m.role.as_str() {
@@ -312,11 +313,32 @@ pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
                 return Err(ApiError::bad(&field, format!("unknown role `{other}`")));
             }
         };
-        let content = match &m.content {
-            None => String::new(),
-            Some(c) => c.text(&format!("{field}.content"), &["text"])?,
-        };
-        let mut msg = Message::new(role, content);
+        let mut msg = Message::new(role, "");
+        match &m.content {
+            None => {}
+            // A user's parts may hold images.
+            Some(Content::Parts(parts)) if role == Role::User => {
+                for (j, p) in parts.iter().enumerate() {
+                    let pfield = format!("{field}.content[{j}]");
+                    match (p["type"].as_str(), p["text"].as_str()) {
+                        (Some("text"), Some(t)) => super::images::push_text(&mut msg, t),
+                        (Some("image_url"), _) => {
+                            let image = super::images::openai_image(p, &pfield)?;
+                            super::images::push_image(&mut images, &mut msg, image);
+                        }
+                        (ty, _) => {
+                            return Err(ApiError::bad(
+                                &pfield,
+                                format!(
+                                    "content part type {ty:?} is not supported (text, image_url)"
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
+            Some(c) => msg.content = c.text(&format!("{field}.content"), &["text"])?,
+        }
         msg.tool_call_id = m.tool_call_id.clone();
         msg.name = m.name.clone();
         for (k, c) in m.tool_calls.iter().flatten().enumerate() {
@@ -358,6 +380,7 @@ pub fn chat_conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
         tools,
         tool_choice: tool_choice(&req.tool_choice, "tool_choice")?,
         reasoning_effort: req.reasoning_effort.clone(),
+        images,
     })
 }
 

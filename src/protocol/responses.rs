@@ -189,6 +189,7 @@ fn conversation(req: &ResponsesRequest) -> Result<Conversation, ApiError> {
         tools,
         tool_choice: tool_choice(&req.tool_choice, "tool_choice")?,
         reasoning_effort: None,
+        images: Vec::new(),
     })
 }
 

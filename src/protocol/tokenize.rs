@@ -104,8 +104,11 @@ async fn tokenize_inner(st: &ServerState, body: web::Payload) -> Result<HttpResp
             api::off_worker("messages", move || {
                 conv.validate()
                     .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-                conv.to_prompt_ids(&text)
-                    .map_err(|e| ApiError::bad("messages", e.to_string()))
+                let ids = conv
+                    .to_prompt_ids(&text)
+                    .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+                // Each image counted as the tokens it takes.
+                Ok(super::images::expand(&conv, &text, ids)?.0)
             })
             .await?
         }

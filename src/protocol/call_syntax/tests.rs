@@ -189,6 +189,7 @@ fn forced(choice: ToolChoice, strict: bool) -> Conversation {
         tools: vec![tool("get_weather"), tool("get_forecast")],
         tool_choice: choice,
         reasoning_effort: None,
+        images: Vec::new(),
     }
 }
 

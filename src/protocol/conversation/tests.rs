@@ -39,6 +39,7 @@ fn conversation_with(payload: &str) -> Conversation {
         tools: vec![weather_tool(payload)],
         tool_choice: ToolChoice::Auto,
         reasoning_effort: None,
+        images: Vec::new(),
     }
 }
 
@@ -108,6 +109,7 @@ fn tools_render_natively_or_in_the_generic_format() {
         tools: vec![weather_tool("Current weather")],
         tool_choice: ToolChoice::Auto,
         reasoning_effort: None,
+        images: Vec::new(),
     };
     let text = smollm2_text();
     let tok = text.tokenizer.as_ref().unwrap();
@@ -152,6 +154,7 @@ fn tool_choice_grammars_compile_and_bad_choices_are_named() {
         tools: vec![weather_tool("w")],
         tool_choice: ToolChoice::Required,
         reasoning_effort: None,
+        images: Vec::new(),
     };
     for choice in [
         ToolChoice::Required,
@@ -205,6 +208,7 @@ fn forced_calls_keep_to_schemas_with_references_and_keywords_the_engine_lacks() 
         tools: vec![tool, other],
         tool_choice: ToolChoice::Named("get_weather".into()),
         reasoning_effort: None,
+        images: Vec::new(),
     };
     for choice in [
         ToolChoice::Named("get_weather".into()),
