@@ -173,7 +173,7 @@ fn bad_images_are_refused_by_name_and_the_server_serves_on() {
         (
             url("https://example.invalid/cat.png".into()),
             "messages[0].content[0].image_url.url",
-            "fetches no remote URL",
+            "`example.invalid` is not one",
         ),
         (
             url(format!("data:image/png;base64,{}", b64(&bomb))),
@@ -216,12 +216,20 @@ fn bad_images_are_refused_by_name_and_the_server_serves_on() {
         let message = reply["error"]["message"].as_str().unwrap();
         assert!(message.contains(needle), "{message}");
     }
-    // Anthropic's URL source is refused by name too.
-    let body = json!({"model": "tiny-vl", "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "url", "url": "https://example.invalid/x.png"}}]}]});
-    let (status, reply) = post(&server, "/v1/messages", &body);
-    assert_eq!(status, 400, "{reply}");
-    assert!(reply.to_string().contains("image source"), "{reply}");
+    // Anthropic's URL source from a host not allowed, and a source of no known type.
+    for (source, needle) in [
+        (
+            json!({"type": "url", "url": "https://example.invalid/x.png"}),
+            "is not one",
+        ),
+        (json!({"type": "file", "file_id": "f"}), "image source"),
+    ] {
+        let body = json!({"model": "tiny-vl", "max_tokens": 2, "messages": [{"role": "user",
+            "content": [{"type": "image", "source": source}]}]});
+        let (status, reply) = post(&server, "/v1/messages", &body);
+        assert_eq!(status, 400, "{reply}");
+        assert!(reply.to_string().contains(needle), "{reply}");
+    }
     // The server is unharmed: a good image and plain text are both answered.
     let part = url(format!("data:image/png;base64,{}", b64(&good)));
     let (status, reply) = post(&server, "/v1/chat/completions", &user(part));
@@ -229,4 +237,92 @@ fn bad_images_are_refused_by_name_and_the_server_serves_on() {
     let body = json!({"model": "tiny-vl", "max_tokens": 2,
         "messages": [{"role": "user", "content": "hello"}]});
     assert_eq!(post(&server, "/v1/chat/completions", &body).0, 200);
+}
+
+/// A loopback HTTP server standing in for a remote host: `/cat.png` is image 0, `/big`
+/// streams past the size limit, anything else is a 404. Returns its port.
+fn image_host() -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut buf = [0u8; 4096];
+            let n = conn.read(&mut buf).unwrap_or(0);
+            let head = String::from_utf8_lossy(&buf[..n]).to_string();
+            let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+            let reply = |conn: &mut std::net::TcpStream, status: &str, body: &[u8]| {
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status}\r\nContent-Type: image/png\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = conn.write_all(body);
+            };
+            match path.as_str() {
+                "/cat.png" => reply(&mut conn, "200 OK", &png(0)),
+                "/big" => reply(&mut conn, "200 OK", &vec![0u8; 21 << 20]),
+                _ => reply(&mut conn, "404 Not Found", b""),
+            }
+        }
+    });
+    port
+}
+
+#[test]
+fn images_by_url_are_fetched_from_allowed_hosts_only() {
+    let port = image_host();
+    let mut cfg = EngineConfig::new(case_dir());
+    cfg.kv_cache_bytes = 8 << 20;
+    cfg.exact_activations = true;
+    let mut opts = troupe::protocol::serve_options::ServeOptions::new("tiny-vl");
+    opts.allowed_media_domains = vec!["127.0.0.1".into()];
+    let server = common::server::start_with(cfg, opts);
+    let chat = &cases()["chats"][0];
+    let ask = |u: String| {
+        json!({"model": "tiny-vl", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": u}}, {"type": "text", "text": "What is this?"}]}]})
+    };
+    let (status, reply) = post(
+        &server,
+        "/v1/chat/completions",
+        &ask(format!("http://127.0.0.1:{port}/cat.png")),
+    );
+    assert_eq!(status, 200, "{reply}");
+    // The same prompt as the image sent inline.
+    assert_eq!(
+        reply["usage"]["prompt_tokens"],
+        chat["ids"].as_array().unwrap().len() as u64
+    );
+    for (path, needle) in [
+        ("/missing.png", "fetching the image failed"),
+        ("/big", "over 20 MiB"),
+    ] {
+        let (status, reply) = post(
+            &server,
+            "/v1/chat/completions",
+            &ask(format!("http://127.0.0.1:{port}{path}")),
+        );
+        assert_eq!(status, 400, "{reply}");
+        assert_eq!(
+            reply["error"]["param"], "messages[0].content[0].image_url.url",
+            "{reply}"
+        );
+        assert!(
+            reply["error"]["message"].as_str().unwrap().contains(needle),
+            "{reply}"
+        );
+    }
+    // `localhost` is another name: not on the list.
+    let (status, reply) = post(
+        &server,
+        "/v1/chat/completions",
+        &ask(format!("http://localhost:{port}/cat.png")),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply.to_string().contains("`localhost` is not one"),
+        "{reply}"
+    );
 }

@@ -77,6 +77,10 @@ pub struct ServeArgs {
     /// (a DNS-rebinding page sends its own name); elsewhere any.
     #[arg(long, value_delimiter = ',')]
     allowed_hosts: Vec<String>,
+    /// Hosts whose images requests may give by http(s) URL (vLLM's flag); the server
+    /// fetches them (10 s, 20 MiB, no redirects). Default: none, base64 data URLs only.
+    #[arg(long, value_delimiter = ',')]
+    allowed_media_domains: Vec<String>,
     /// Generation requests admitted beyond the running batch (--max-num-seqs); past
     /// them a request gets 429 with Retry-After at once.
     #[arg(long, default_value_t = 512)]
@@ -137,6 +141,7 @@ impl ServeArgs {
             ));
         }
         opts.allowed_origins = self.allowed_origins.clone();
+        opts.allowed_media_domains = self.allowed_media_domains.clone();
         opts.allowed_hosts = if self.allowed_hosts.is_empty() {
             default_allowed_hosts(&self.host)
         } else {

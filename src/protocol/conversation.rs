@@ -60,6 +60,8 @@ pub enum Part {
 #[derive(Debug, Clone)]
 pub struct ImageInput {
     pub bytes: Vec<u8>,
+    /// An `http(s)` URL whose bytes are fetched before rendering (`images::fetch_remote`).
+    pub url: Option<String>,
     pub mime: Option<String>,
     pub field: String,
 }

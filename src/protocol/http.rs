@@ -182,6 +182,18 @@ pub async fn submit(
     sampling: Sampling,
 ) -> Result<Submitted, ApiError> {
     let engine = st.engine()?;
+    let fetched;
+    let conv = if conv.images.iter().any(|i| i.url.is_some()) {
+        let (mut owned, allowed) = (conv.clone(), st.opts.allowed_media_domains.clone());
+        fetched = super::api::off_worker("messages", move || {
+            super::images::fetch_remote(&mut owned, &allowed)?;
+            Ok(owned)
+        })
+        .await?;
+        &fetched
+    } else {
+        conv
+    };
     let engine_req = conversation_request(conv, sampling, engine.text_shared()).await?;
     let num_prompt_tokens = engine_req.prompt_ids.len();
     let spec = parse_spec(engine.text(), conv);

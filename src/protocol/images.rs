@@ -78,10 +78,18 @@ pub fn openai_image(part: &Value, field: &str) -> Result<ImageInput, ImageRefusa
         ));
     }
     let url_field = format!("{field}.image_url.url");
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Ok(ImageInput {
+            bytes: Vec::new(),
+            url: Some(url.to_string()),
+            mime: None,
+            field: format!("{field}.image_url.url"),
+        });
+    }
     let Some(rest) = url.strip_prefix("data:") else {
         return Err(ImageRefusal::bad(
             &url_field,
-            "only `data:` URLs are taken (base64 images); this server fetches no remote URL",
+            "an image URL is a base64 `data:` URL or an http(s) URL",
         ));
     };
     let (head, data) = rest
@@ -95,6 +103,7 @@ pub fn openai_image(part: &Value, field: &str) -> Result<ImageInput, ImageRefusa
     };
     Ok(ImageInput {
         bytes: decode_base64(data, &url_field)?,
+        url: None,
         mime: (!mime.is_empty()).then(|| mime.to_string()),
         field: field.to_string(),
     })
@@ -106,10 +115,27 @@ pub fn anthropic_image(block: &Value, field: &str) -> Result<ImageInput, ImageRe
     let source_field = format!("{field}.source");
     match source["type"].as_str() {
         Some("base64") => {}
+        Some("url") => {
+            let url = source["url"]
+                .as_str()
+                .filter(|u| u.starts_with("http://") || u.starts_with("https://"));
+            let url = url.ok_or_else(|| {
+                ImageRefusal::bad(
+                    &format!("{source_field}.url"),
+                    "an http(s) `url` is required",
+                )
+            })?;
+            return Ok(ImageInput {
+                bytes: Vec::new(),
+                url: Some(url.to_string()),
+                mime: None,
+                field: format!("{source_field}.url"),
+            });
+        }
         other => {
             return Err(ImageRefusal::bad(
                 &format!("{source_field}.type"),
-                format!("image source {other:?} is not supported (base64)"),
+                format!("image source {other:?} is not supported (base64, url)"),
             ));
         }
     }
@@ -118,9 +144,69 @@ pub fn anthropic_image(block: &Value, field: &str) -> Result<ImageInput, ImageRe
         .ok_or_else(|| ImageRefusal::bad(&format!("{source_field}.data"), "`data` is required"))?;
     Ok(ImageInput {
         bytes: decode_base64(data, &format!("{source_field}.data"))?,
+        url: None,
         mime: source["media_type"].as_str().map(str::to_string),
         field: field.to_string(),
     })
+}
+
+/// How long fetching one image may take, start to last byte.
+const FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The bytes of every image given by URL, fetched where its host is one of `allowed`
+/// (`--allowed-media-domains`; no redirects, `MAX_IMAGE_BYTES` at most, `FETCH_TIMEOUT`);
+/// any other host is refused by name. Blocking: run off the async workers.
+pub fn fetch_remote(conv: &mut Conversation, allowed: &[String]) -> Result<(), ImageRefusal> {
+    for input in conv.images.iter_mut() {
+        let Some(url) = input.url.take() else {
+            continue;
+        };
+        let host = url
+            .split_once("://")
+            .map(|(_, rest)| rest.split(['/', '?', '#']).next().unwrap_or(""))
+            .map(|authority| authority.rsplit('@').next().unwrap_or(""))
+            .map(|hostport| match hostport.rsplit_once(':') {
+                Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+                _ => hostport,
+            })
+            .unwrap_or("");
+        if !allowed.iter().any(|a| a.eq_ignore_ascii_case(host)) {
+            return Err(ImageRefusal::bad(
+                &input.field,
+                format!(
+                    "images are fetched only from the hosts --allowed-media-domains names; `{host}` is not one (or send a base64 data: URL)"
+                ),
+            ));
+        }
+        let agent = ureq::AgentBuilder::new()
+            .timeout(FETCH_TIMEOUT)
+            .redirects(0)
+            .build();
+        let response = agent.get(&url).call().map_err(|e| {
+            ImageRefusal::bad(&input.field, format!("fetching the image failed: {e}"))
+        })?;
+        input.mime = response
+            .header("content-type")
+            .map(|m| m.split(';').next().unwrap_or("").trim().to_string())
+            .filter(|m| m.starts_with("image/"));
+        let mut bytes = Vec::new();
+        use std::io::Read;
+        response
+            .into_reader()
+            .take(MAX_IMAGE_BYTES as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| {
+                ImageRefusal::bad(&input.field, format!("reading the image failed: {e}"))
+            })?;
+        if bytes.len() > MAX_IMAGE_BYTES {
+            return Err(ImageRefusal::bad(
+                &input.field,
+                format!("the image is over {} MiB", MAX_IMAGE_BYTES >> 20),
+            ));
+        }
+        input.bytes = bytes;
+    }
+    Ok(())
 }
 
 /// `prompt_ids` (rendered with one placeholder per image, in order) widened to each

@@ -18,6 +18,8 @@ pub struct ServeOptions {
     pub allowed_origins: Vec<String>,
     /// Host header names accepted (`None`: any).
     pub allowed_hosts: Option<Vec<String>>,
+    /// Hosts images may be fetched from by URL (`--allowed-media-domains`; empty: none).
+    pub allowed_media_domains: Vec<String>,
     /// Generation requests admitted beyond the engine's running batch; past it, 429.
     pub max_queued_requests: usize,
     /// The engine's running batch (`--max-num-seqs`): admitted without queueing.
@@ -44,6 +46,7 @@ impl ServeOptions {
             open_metrics: false,
             allowed_origins: Vec::new(),
             allowed_hosts: None,
+            allowed_media_domains: Vec::new(),
             max_queued_requests: 512,
             max_running_requests: 256,
             request_timeout: None,
