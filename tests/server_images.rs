@@ -230,6 +230,24 @@ fn bad_images_are_refused_by_name_and_the_server_serves_on() {
         assert_eq!(status, 400, "{reply}");
         assert!(reply.to_string().contains(needle), "{reply}");
     }
+    // A photo-sized image (a body past the 4 MiB text-only limit) is taken.
+    let (h, w) = (1500u32, 1300u32);
+    let mut noise = image::RgbImage::new(w, h);
+    for (i, px) in noise.pixels_mut().enumerate() {
+        let v = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+        *px = image::Rgb([v as u8, (v >> 8) as u8, (v >> 16) as u8]);
+    }
+    let mut big = Vec::new();
+    noise
+        .write_to(&mut std::io::Cursor::new(&mut big), image::ImageFormat::Png)
+        .unwrap();
+    assert!(big.len() > 4 << 20, "{} bytes", big.len());
+    let (status, reply) = post(
+        &server,
+        "/v1/chat/completions",
+        &user(url(format!("data:image/png;base64,{}", b64(&big)))),
+    );
+    assert_eq!(status, 200, "{reply}");
     // The server is unharmed: a good image and plain text are both answered.
     let part = url(format!("data:image/png;base64,{}", b64(&good)));
     let (status, reply) = post(&server, "/v1/chat/completions", &user(part));

@@ -21,6 +21,8 @@ use crate::engine::{EngineError, EngineHandle, RequestOutput, RequestStream};
 
 /// Request bodies above this are refused (413) while reading.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
+/// The same for a vision-language model, whose requests carry images in base64.
+pub const MAX_IMAGE_BODY_BYTES: usize = 64 << 20;
 
 pub struct ServerState {
     /// Set once the engine has loaded; until then every route but `/health` is 503.
@@ -119,11 +121,18 @@ pub fn engine_error(e: EngineError) -> ApiError {
     }
 }
 
-/// The body, refused with 413 past `MAX_BODY_BYTES` and with 408 when it has not all
+/// The body, refused with 413 past `MAX_BODY_BYTES` (`MAX_IMAGE_BODY_BYTES` for a model
+/// that takes images) and with 408 when it has not all
 /// arrived within the body read timeout (a slow sender holds no worker past it).
 pub async fn read_body(st: &ServerState, payload: web::Payload) -> Result<Bytes, ApiError> {
     let limit = st.opts.body_read_timeout;
-    tokio::time::timeout(limit, read_whole(payload))
+    let takes_images = st.engine.get().is_some_and(|e| e.text().vision.is_some());
+    let max_bytes = if takes_images {
+        MAX_IMAGE_BODY_BYTES
+    } else {
+        MAX_BODY_BYTES
+    };
+    tokio::time::timeout(limit, read_whole(payload, max_bytes))
         .await
         .unwrap_or_else(|_| {
             Err(ApiError::status(
@@ -136,15 +145,15 @@ pub async fn read_body(st: &ServerState, payload: web::Payload) -> Result<Bytes,
         })
 }
 
-async fn read_whole(mut payload: web::Payload) -> Result<Bytes, ApiError> {
+async fn read_whole(mut payload: web::Payload, max_bytes: usize) -> Result<Bytes, ApiError> {
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk =
             chunk.map_err(|e| ApiError::bad("body", format!("cannot read the body: {e}")))?;
-        if body.len() + chunk.len() > MAX_BODY_BYTES {
+        if body.len() + chunk.len() > max_bytes {
             return Err(ApiError::status(
                 413,
-                format!("the request body exceeds {MAX_BODY_BYTES} bytes"),
+                format!("the request body exceeds {max_bytes} bytes"),
             ));
         }
         body.extend_from_slice(&chunk);
