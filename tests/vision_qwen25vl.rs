@@ -6,70 +6,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
-use safetensors::SafeTensors;
-use serde_json::Value;
-use troupe::api::{EngineRequest, PromptImage};
-use troupe::engine::{Engine, EngineConfig};
-use troupe::kernels::Backend;
-use troupe::kernels::cpu::CpuBackend;
-use troupe::model::llama::{LlamaModel, RowMedia, SeqStep};
-use troupe::model::loader::SafetensorsSource;
-use troupe::model::vision::{
-    DecodeLimits, ImagePatches, ImageProcessorConfig, ImageSpan, RgbImage, VisionConfig,
-    VisionEncoder,
+use common::vision::{
+    BLOCK, Reference, case_dir, cases_json, encoder, exact, greedy_of, load_model, media_for,
+    patches_of, prompts, request,
 };
-use troupe::sampling::SamplingParams;
+use troupe::api::EngineRequest;
+use troupe::kernels::Backend;
+use troupe::model::llama::SeqStep;
 
 const CASES: [&str; 3] = ["a", "b", "c"];
 const LOGIT_TOLERANCE: f32 = 1e-3;
-const BLOCK: usize = 16;
-
-fn case_dir(name: &str) -> PathBuf {
-    common::goldens().join("qwen25vl").join(name)
-}
-
-struct Reference {
-    bytes: Vec<u8>,
-}
-
-impl Reference {
-    fn open(dir: &Path) -> Reference {
-        Reference {
-            bytes: std::fs::read(dir.join("reference.safetensors")).unwrap(),
-        }
-    }
-
-    fn floats(&self, name: &str) -> Vec<f32> {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
-        t.data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()
-    }
-
-    fn ints(&self, name: &str) -> Vec<u32> {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let t = st.tensor(name).unwrap();
-        t.data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    }
-}
-
-fn patches_of(dir: &Path, i: usize) -> ImagePatches {
-    let cfg = ImageProcessorConfig::from_file(&dir.join("preprocessor_config.json")).unwrap();
-    let bytes = std::fs::read(dir.join(format!("images/{i}.png"))).unwrap();
-    let image = RgbImage::decode(&bytes, Some("image/png"), DecodeLimits::default()).unwrap();
-    cfg.patches(&image).unwrap()
-}
-
-fn cases_json(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap()
-}
 
 #[test]
 fn pixels_equal_the_processors() {
@@ -116,14 +62,6 @@ fn pixels_equal_the_processors() {
     }
 }
 
-fn encoder(dir: &Path) -> VisionEncoder {
-    let json: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let cfg = VisionConfig::from_hf_json(&json).unwrap();
-    let src = SafetensorsSource::open_dir(dir).unwrap();
-    VisionEncoder::load(cfg, &src).unwrap()
-}
-
 #[test]
 fn encoder_rows_equal_transformers() {
     for case in CASES {
@@ -138,86 +76,6 @@ fn encoder_rows_equal_transformers() {
             let err = common::relative_error(&got, &want);
             assert!(err < 1e-4, "case {case} image {i}: relative error {err}");
         }
-    }
-}
-
-/// A prompt of the goldens, its images' spans and encoder rows.
-struct Prompt {
-    ids: Vec<u32>,
-    spans: Vec<ImageSpan>,
-    embeds: Vec<Vec<f32>>,
-}
-
-fn prompts(dir: &Path, enc: &VisionEncoder) -> Vec<Prompt> {
-    let cases = cases_json(dir);
-    let image_token = cases["image_token_id"].as_u64().unwrap() as u32;
-    let mut out = Vec::new();
-    for p in cases["prompts"].as_array().unwrap() {
-        let ids = common::ids(&p["ids"]);
-        let which: Vec<usize> = p["images"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as usize)
-            .collect();
-        let mut spans = Vec::new();
-        let mut embeds = Vec::new();
-        let mut t = 0;
-        for &i in &which {
-            while ids[t] != image_token {
-                t += 1;
-            }
-            let patches = patches_of(dir, i);
-            let [gt, gh, gw] = patches.grid;
-            let span = ImageSpan {
-                start: t,
-                grid: [gt, gh / 2, gw / 2],
-            };
-            assert!(
-                ids[t..t + span.num_tokens()]
-                    .iter()
-                    .all(|&x| x == image_token)
-            );
-            t += span.num_tokens();
-            spans.push(span);
-            embeds.push(enc.encode(&patches));
-        }
-        out.push(Prompt { ids, spans, embeds });
-    }
-    out
-}
-
-/// The rows of `prompt`'s images that fall in tokens `[lo, hi)`, as the row replaces them.
-fn media_for<'a>(
-    row: usize,
-    prompt: &'a Prompt,
-    lo: usize,
-    hi: usize,
-    hidden: usize,
-) -> RowMedia<'a> {
-    let mut embeds = Vec::new();
-    for (span, rows) in prompt.spans.iter().zip(&prompt.embeds) {
-        let (s, e) = (span.start.max(lo), (span.start + span.num_tokens()).min(hi));
-        if s < e {
-            let first = s - span.start;
-            embeds.push((s - lo, &rows[first * hidden..(first + e - s) * hidden]));
-        }
-    }
-    RowMedia {
-        row,
-        spans: &prompt.spans,
-        embeds,
-    }
-}
-
-fn load_model(dir: &Path, backend: &CpuBackend) -> LlamaModel<CpuBackend> {
-    common::load_on(dir, backend).model
-}
-
-fn exact() -> CpuBackend {
-    CpuBackend {
-        exact_activations: true,
-        ..Default::default()
     }
 }
 
@@ -347,131 +205,6 @@ fn greedy_tokens_equal_transformers() {
             assert_eq!(got, want, "case {case} prompt {p}");
         }
     }
-}
-
-/// A prompt of the goldens as an engine request: its images by their processor rows.
-fn request(dir: &Path, p: &Value, image_token: u32, max_tokens: usize) -> EngineRequest {
-    let ids = common::ids(&p["ids"]);
-    let mut images = Vec::new();
-    let mut t = 0;
-    for i in p["images"].as_array().unwrap() {
-        while ids[t] != image_token {
-            t += 1;
-        }
-        let patches = patches_of(dir, i.as_u64().unwrap() as usize);
-        let image = PromptImage::new(t, patches.grid, patches.merge_size, patches.values);
-        t += image.num_tokens();
-        images.push(image);
-    }
-    let mut r = EngineRequest::new(ids, max_tokens, SamplingParams::default());
-    r.ignore_eos = true;
-    r.images = images;
-    r
-}
-
-/// Through the engine: the image prompts of a case beside text-only requests, prefills
-/// cut into chunks of 7 tokens (through images), then again for prefix hits — greedy
-/// tokens equal transformers'. The same placeholders over another image of the same grid
-/// take no hit from the first: they give that image's tokens.
-#[test]
-fn the_engine_serves_images_beside_text() {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        tokio::time::timeout(std::time::Duration::from_secs(120), async {
-            let dir = case_dir("a");
-            let reference = Reference::open(&dir);
-            let cases = cases_json(&dir);
-            let image_token = cases["image_token_id"].as_u64().unwrap() as u32;
-            let mut cfg = EngineConfig::new(dir.clone());
-            cfg.kv_cache_bytes = 8 << 20;
-            cfg.max_step_tokens = 7;
-            // Blocks of 4: an image's placeholders fill whole blocks, which could be hits.
-            cfg.block_size = 4;
-            cfg.exact_activations = true;
-            let engine = Engine::spawn(cfg).await.unwrap();
-            let prompts = cases["prompts"].as_array().unwrap();
-            let want: Vec<Vec<u32>> = (0..prompts.len())
-                .map(|p| reference.ints(&format!("greedy_{p}")))
-                .collect();
-            for round in 0..2 {
-                let mut requests: Vec<EngineRequest> = prompts
-                    .iter()
-                    .map(|p| request(&dir, p, image_token, 8))
-                    .collect();
-                let mut text = EngineRequest::new((1..30).collect(), 8, SamplingParams::default());
-                text.ignore_eos = true;
-                requests.push(text);
-                let out = common::engine::ok_outputs(&engine, requests).await;
-                for (p, want) in want.iter().enumerate() {
-                    assert_eq!(&out[p].token_ids, want, "round {round}, prompt {p}");
-                }
-            }
-            let status = engine.status().await.unwrap();
-            assert!(status.num_prefix_hit_blocks > 0, "{status:?}");
-            // Images 1 and 3 of case "a" share a grid: the same prompt ids over either.
-            let enc = encoder(&dir);
-            let backend = exact();
-            let mut model = load_model(&dir, &backend);
-            for image in [1usize, 3] {
-                let p = serde_json::json!({"ids": prompts[0]["ids"], "images": [image]});
-                let r = request(&dir, &p, image_token, 4);
-                assert_eq!(r.images[0].grid, patches_of(&dir, 1).grid);
-                let got = common::engine::ok_outputs(&engine, vec![r.clone()]).await;
-                // The model's own pass, checked against transformers above.
-                let prompt = Prompt {
-                    ids: r.prompt_ids.clone(),
-                    spans: vec![ImageSpan {
-                        start: r.images[0].first_token,
-                        grid: r.images[0].token_grid(),
-                    }],
-                    embeds: vec![enc.encode(&patches_of(&dir, image))],
-                };
-                let want = greedy_of(&mut model, &backend, &prompt, 4);
-                assert_eq!(got[0].token_ids, want, "image {image}");
-            }
-            engine.shutdown(true).await;
-        })
-        .await
-        .expect("the engine answered within 120 s");
-    });
-}
-
-/// `n` greedy tokens after `prompt`, one decode step at a time.
-fn greedy_of(
-    model: &mut LlamaModel<CpuBackend>,
-    backend: &CpuBackend,
-    prompt: &Prompt,
-    n: usize,
-) -> Vec<u32> {
-    let hidden = model.cfg.hidden_size;
-    let total = prompt.ids.len() + n;
-    let blocks = total.div_ceil(BLOCK);
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let mut cache = backend.alloc_kv_cache(model.kv_cache_shape(blocks, BLOCK));
-    let mut tokens = prompt.ids.clone();
-    let mut cached = 0;
-    let mut got = Vec::new();
-    while got.len() < n {
-        let step = SeqStep {
-            token_ids: &tokens[cached..],
-            num_cached_tokens: cached,
-            block_table: &table,
-            num_logit_rows: 1,
-            state: None,
-        };
-        let media = [media_for(0, prompt, cached, tokens.len(), hidden)];
-        let logits = model.forward_with_media(backend, &mut cache, BLOCK, &[step], &media);
-        let next = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .unwrap()
-            .0 as u32;
-        cached = tokens.len();
-        tokens.push(next);
-        got.push(next);
-    }
-    got
 }
 
 /// What a request's images must be, each refusal naming the image and the problem.

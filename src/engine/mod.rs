@@ -85,6 +85,10 @@ impl Engine {
     ) -> Result<EngineHandle, EngineError> {
         build::check_config(&cfg)?;
         let mut text = model::load_text(&cfg.model_path)?;
+        if cfg.dummy_weights {
+            // No encoder weights to run (timing runs): the model takes no images.
+            text.vision = None;
+        }
         if let Some(tokens) = cfg.max_model_len {
             text.cap_context(tokens)?;
         }

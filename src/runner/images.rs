@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use super::rank_step::RankStep;
 use crate::model::llama::{RowMedia, SeqStep};
-use crate::model::vision::{ImagePatches, ImageSpan, VisionEncoder};
+use crate::model::vision::{ImageSpan, VisionEncoder};
 use crate::step::{PromptImage, is_virtual};
 use crate::sync::Shared;
 
@@ -21,7 +21,6 @@ pub(super) struct RankImages {
     /// (image hash, its rows), least recently used first.
     cache: VecDeque<(u64, Shared<Vec<f32>>)>,
     cached_bytes: usize,
-    pub num_encoded: u64,
 }
 
 /// A step's rows as the language model runs them, owned for the step's length.
@@ -47,7 +46,6 @@ impl RankImages {
             image_token_id,
             cache: VecDeque::new(),
             cached_bytes: 0,
-            num_encoded: 0,
         }
     }
 
@@ -59,13 +57,7 @@ impl RankImages {
             self.cache.push_back(entry);
             return rows;
         }
-        let patches = ImagePatches {
-            values: image.pixels.to_vec(),
-            grid: image.grid,
-            merge_size: image.merge,
-        };
-        let rows = Shared::new(self.encoder.encode(&patches));
-        self.num_encoded += 1;
+        let rows = Shared::new(self.encoder.encode_pixels(&image.pixels, image.grid));
         self.cached_bytes += rows.len() * 4;
         self.cache.push_back((image.hash, rows.clone()));
         while self.cached_bytes > CACHE_BYTES && self.cache.len() > 1 {

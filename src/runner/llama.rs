@@ -195,19 +195,19 @@ pub(super) fn load_on<B: Backend + 'static>(
         }
         None => None,
     };
-    let path = &args.settings.model_path;
-    let images = match crate::model::load_text(path)?.vision {
-        Some(vision) if !args.settings.dummy_weights => {
-            if draft.is_some() {
-                return Err(
-                    "a draft model (`--spec draft`) beside a vision-language model is not built"
-                        .into(),
-                );
-            }
-            let encoder = crate::model::vision::load_encoder(path)?;
-            Some(RankImages::new(encoder, vision.image_token_id))
+    // Dummy weights (timing runs) have no encoder weights; the engine refuses images.
+    let vision = match args.settings.dummy_weights {
+        true => None,
+        false => crate::model::vision::load_encoder(&args.settings.model_path)?,
+    };
+    let images = match vision {
+        Some(_) if draft.is_some() => {
+            return Err(
+                "a draft model (`--spec draft`) beside a vision-language model is not built".into(),
+            );
         }
-        _ => None,
+        Some((encoder, image_token_id)) => Some(RankImages::new(encoder, image_token_id)),
+        None => None,
     };
     Ok(Box::new(OnBackend {
         backend,

@@ -113,6 +113,7 @@ pub mod generate;
 pub mod packed;
 pub mod process;
 pub mod server;
+pub mod vision;
 
 /// A seeded generator for generated test inputs (splitmix64).
 pub struct Rng(pub u64);

@@ -224,25 +224,26 @@ impl VisionEncoder {
 
     /// The language model's input rows for one image: `(tokens, out_hidden_size)`.
     pub fn encode(&self, image: &ImagePatches) -> Vec<f32> {
+        self.encode_pixels(&image.values, image.grid)
+    }
+
+    /// `encode` of the processor's rows `values` for a `grid` of patches.
+    pub fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32> {
         let c = &self.cfg;
-        let [gt, gh, gw] = image.grid;
+        let [gt, gh, gw] = grid;
         let n = gt * gh * gw;
-        assert_eq!(
-            image.values.len(),
-            n * c.patch_len(),
-            "patches of another shape"
-        );
+        assert_eq!(values.len(), n * c.patch_len(), "patches of another shape");
         let (h, hd, m) = (c.hidden_size, c.head_dim(), c.spatial_merge_size);
         let unit = m * m;
-        let order = window_order(image.grid, m, c.window_size / m / c.patch_size);
+        let order = window_order(grid, m, c.window_size / m / c.patch_size);
         // Patches, and their rotary rows, in window order (merge groups stay whole).
-        let embedded = self.patch_embed.apply(&image.values, n);
+        let embedded = self.patch_embed.apply(&values, n);
         let mut x = vec![0f32; n * h];
         for (dst, &group) in order.groups.iter().enumerate() {
             x[dst * unit * h..][..unit * h]
                 .copy_from_slice(&embedded[group * unit * h..][..unit * h]);
         }
-        let rope = self.rope_rows(image.grid, &order.groups);
+        let rope = self.rope_rows(grid, &order.groups);
         let full = vec![0, n];
         for (b, block) in self.blocks.iter().enumerate() {
             let bounds = if c.fullatt_block_indexes.contains(&b) {

@@ -13,6 +13,9 @@ pub use preprocess::{DecodeLimits, ImagePatches, ImageProcessorConfig, RgbImage}
 
 use std::path::Path;
 
+use super::loader::SafetensorsSource;
+use crate::error::TroupeError;
+
 /// What the request side needs of a vision-language model: how images become patches and
 /// which token stands for each of an image's merged patches.
 #[derive(Debug, Clone)]
@@ -64,24 +67,28 @@ impl VisionText {
     }
 }
 
-/// The vision encoder of the model in `dir`.
-pub fn load_encoder(dir: &Path) -> Result<VisionEncoder, crate::error::TroupeError> {
-    let path = dir.join("config.json");
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| crate::error::TroupeError::io(&path, e))?;
+/// The vision encoder of the model at `path` and its image token; `None` for a text-only
+/// model or a GGUF file.
+pub fn load_encoder(path: &Path) -> Result<Option<(VisionEncoder, u32)>, TroupeError> {
+    let config = path.join("config.json");
+    if !path.is_dir() || !config.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&config).map_err(|e| TroupeError::io(&config, e))?;
     let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| crate::error::TroupeError::ModelFormat {
-            path: path.clone(),
+        serde_json::from_str(&text).map_err(|e| TroupeError::ModelFormat {
+            path: config.clone(),
             reason: format!("invalid JSON: {e}"),
         })?;
-    let cfg = VisionConfig::from_hf_json(&json)
-        .map_err(|e| crate::error::TroupeError::InvalidInput(e.to_string()))?;
-    let src = loader::SafetensorsSource::open_dir(dir)?;
-    VisionEncoder::load(cfg, &src)
-        .map_err(|e| crate::error::TroupeError::InvalidInput(e.to_string()))
+    let invalid = |e: VisionError| TroupeError::InvalidInput(e.to_string());
+    let Some(vision) = VisionText::from_hf_dir(path, &json).map_err(invalid)? else {
+        return Ok(None);
+    };
+    let cfg = VisionConfig::from_hf_json(&json).map_err(invalid)?;
+    let src = SafetensorsSource::open_dir(path)?;
+    let encoder = VisionEncoder::load(cfg, &src).map_err(invalid)?;
+    Ok(Some((encoder, vision.image_token_id)))
 }
-
-use super::loader;
 
 /// Why an image or a vision model's files were refused; each names the problem.
 #[derive(Debug, thiserror::Error)]
