@@ -237,7 +237,7 @@ impl VisionEncoder {
         let unit = m * m;
         let order = window_order(grid, m, c.window_size / m / c.patch_size);
         // Patches, and their rotary rows, in window order (merge groups stay whole).
-        let embedded = self.patch_embed.apply(&values, n);
+        let embedded = self.patch_embed.apply(values, n);
         let mut x = vec![0f32; n * h];
         for (dst, &group) in order.groups.iter().enumerate() {
             x[dst * unit * h..][..unit * h]
