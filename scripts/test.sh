@@ -29,7 +29,7 @@ python3 scripts/test_hub_cache.py target/release/troupe
 # module against the engine built above), then its tests with pytest.
 rm -rf target/pyvenv
 python3 -m venv target/pyvenv
-target/pyvenv/bin/python -m pip install --quiet --disable-pip-version-check ./python pytest
+target/pyvenv/bin/python -m pip install --quiet --disable-pip-version-check ./python pytest pillow
 target/pyvenv/bin/python -m pytest -q python/tests
 # lm-evaluation-harness's CLI against the server: committed local tasks, loglikelihood by
 # echo + prompt logprobs, generate-until through completions and chat.

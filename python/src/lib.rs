@@ -2,6 +2,7 @@
 //! JSON text (`troupe/__init__.py` builds vLLM-shaped objects from it), so the boundary
 //! is a handful of string-taking methods; every blocking wait lets go of the GIL.
 
+use base64::Engine as _;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use serde_json::{Value, json};
@@ -108,21 +109,35 @@ impl Engine {
     }
 
     /// A chat (`{"messages": [...], "tools": ...}`, as Chat Completions takes it) rendered
-    /// into prompt ids exactly as the server renders it.
-    fn chat_prompt(&self, chat_json: &str) -> PyResult<Vec<u32>> {
+    /// exactly as the server renders it: `{"prompt_token_ids", "images"}`, one placeholder
+    /// per image, each image's bytes as base64 (its `data:` URL's).
+    fn chat_prompt(&self, chat_json: &str) -> PyResult<String> {
         let req: ChatRequest = serde_json::from_str(chat_json).map_err(value_error)?;
         let conv = chat_conversation(&req).map_err(|e| value_error(e.message))?;
-        conv.to_prompt_ids(self.handle.text()).map_err(value_error)
+        if let Some(remote) = conv.images.iter().find(|i| i.url.is_some()) {
+            return Err(value_error(format!(
+                "{}: the offline API fetches no image URLs; give a base64 `data:` URL",
+                remote.field
+            )));
+        }
+        let ids = conv
+            .to_prompt_ids(self.handle.text())
+            .map_err(value_error)?;
+        let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+        let images: Vec<String> = conv.images.iter().map(|i| b64(&i.bytes)).collect();
+        Ok(json!({"prompt_token_ids": ids, "images": images}).to_string())
     }
 
-    /// Runs `requests_json` (a list of `{"prompt_token_ids", "params"}`) together, and
-    /// returns each one's completions.
+    /// Runs `requests_json` (a list of `{"prompt_token_ids", "params", "images"}`)
+    /// together, and returns each one's prompt (widened over its images) and completions.
     fn generate(&self, py: Python<'_>, requests_json: &str) -> PyResult<String> {
         let requests: Vec<Value> = serde_json::from_str(requests_json).map_err(value_error)?;
+        let text = self.handle.text();
         let requests = requests
             .iter()
-            .map(request::engine_request)
+            .map(|r| request::engine_request(r, text))
             .collect::<PyResult<Vec<EngineRequest>>>()?;
+        let prompts: Vec<Vec<u32>> = requests.iter().map(|r| r.prompt_ids.clone()).collect();
         let handle = self.handle.clone();
         let outputs = py.detach(|| {
             self.runtime.block_on(async move {
@@ -141,19 +156,23 @@ impl Engine {
                     .collect::<PyResult<Vec<_>>>()
             })
         })?;
-        let text = self.handle.text();
         let out: Vec<Value> = outputs
             .iter()
-            .map(|choices| Value::Array(choices.iter().map(|c| output_json(c, text)).collect()))
+            .zip(prompts)
+            .map(|(choices, prompt)| {
+                let choices: Vec<Value> = choices.iter().map(|c| output_json(c, text)).collect();
+                json!({"prompt_token_ids": prompt, "choices": choices})
+            })
             .collect();
         Ok(Value::Array(out).to_string())
     }
 
-    /// One request (`{"prompt_token_ids", "params"}`) whose outputs arrive as they are
-    /// generated.
+    /// One request (`{"prompt_token_ids", "params", "images"}`) whose outputs arrive as
+    /// they are generated.
     fn stream(&self, py: Python<'_>, request_json: &str) -> PyResult<Stream> {
         let request: Value = serde_json::from_str(request_json).map_err(value_error)?;
-        let request = request::engine_request(&request)?;
+        let request = request::engine_request(&request, self.handle.text())?;
+        let prompt_token_ids = request.prompt_ids.clone();
         let handle = self.handle.clone();
         let stream = py.detach(|| {
             self.runtime
@@ -161,6 +180,7 @@ impl Engine {
                 .map_err(engine_error)
         })?;
         Ok(Stream {
+            prompt_token_ids,
             runtime: self.runtime.handle().clone(),
             stream: Mutex::new(Some(stream)),
             text: self.handle.text_shared(),
@@ -180,6 +200,9 @@ impl Engine {
 /// A streaming request's outputs, one increment at a time (`None` after the last).
 #[pyclass(frozen)]
 struct Stream {
+    /// The prompt as the engine runs it (widened over its images).
+    #[pyo3(get)]
+    prompt_token_ids: Vec<u32>,
     runtime: tokio::runtime::Handle,
     stream: Mutex<Option<troupe::engine::RequestStream>>,
     text: troupe::sync::Shared<ModelText>,

@@ -1,10 +1,15 @@
-//! A request as the Python package sends it (`{"prompt_token_ids", "params"}`, `params`
-//! being `troupe.SamplingParams` as a dict) into an `EngineRequest`.
+//! A request as the Python package sends it (`{"prompt_token_ids", "params", "images"}`,
+//! `params` being `troupe.SamplingParams` as a dict, `images` the encoded bytes of
+//! `multi_modal_data`'s images) into an `EngineRequest`.
 
+use base64::Engine as _;
 use pyo3::PyResult;
 use serde::Deserialize;
 use serde_json::Value;
 use troupe::engine::EngineRequest;
+use troupe::model::ModelText;
+use troupe::protocol::conversation::ImageInput;
+use troupe::protocol::images::expand_inputs;
 use troupe::sampling::SamplingParams;
 
 use super::value_error;
@@ -36,14 +41,36 @@ struct Params {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Request {
+    /// One placeholder (the model's image token) per image, as vLLM's prompts have them.
     prompt_token_ids: Vec<u32>,
     params: Params,
+    /// Base64 of each image's file (PNG, JPEG, WebP or GIF), in prompt order.
+    #[serde(default)]
+    images: Vec<String>,
     /// The model's context, for `max_tokens: None` (the rest of it).
     max_context_tokens: usize,
 }
 
-pub(crate) fn engine_request(v: &Value) -> PyResult<EngineRequest> {
-    let r: Request = serde_json::from_value(v.clone()).map_err(value_error)?;
+/// The request, its prompt widened over its images as the server widens a chat's.
+pub(crate) fn engine_request(v: &Value, text: &ModelText) -> PyResult<EngineRequest> {
+    let mut r: Request = serde_json::from_value(v.clone()).map_err(value_error)?;
+    let mut inputs = Vec::with_capacity(r.images.len());
+    for (i, data) in r.images.iter().enumerate() {
+        let field = format!("multi_modal_data image {i}");
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .map_err(|e| value_error(format!("{field}: invalid base64: {e}")))?;
+        inputs.push(ImageInput {
+            bytes,
+            url: None,
+            mime: None,
+            field,
+        });
+    }
+    let ids = std::mem::take(&mut r.prompt_token_ids);
+    let (ids, images) = expand_inputs(&inputs, "multi_modal_data", text, ids)
+        .map_err(|e| value_error(format!("{}: {}", e.field, e.message)))?;
+    r.prompt_token_ids = ids;
     let p = r.params;
     let top_k = match p.top_k {
         -1 | 0 => 0,
@@ -84,5 +111,6 @@ pub(crate) fn engine_request(v: &Value) -> PyResult<EngineRequest> {
     req.min_tokens = p.min_tokens;
     req.prompt_logprobs = p.prompt_logprobs;
     req.skip_special_tokens = Some(p.skip_special_tokens);
+    req.images = images;
     Ok(req)
 }

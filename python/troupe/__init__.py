@@ -1,10 +1,13 @@
 """troupe's offline API, shaped like vLLM's: `LLM(model, **engine_args)`, `.generate`,
-`.chat`, `.generate_stream`, `SamplingParams`, and outputs with `.outputs[0].text`,
-`.token_ids` and `.logprobs`. The engine is the Rust one (`troupe._troupe`)."""
+`.chat`, `.generate_stream`, `SamplingParams`, prompts with `multi_modal_data` images, and
+outputs with `.outputs[0].text`, `.token_ids` and `.logprobs`. The engine is the Rust one
+(`troupe._troupe`)."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
@@ -118,6 +121,41 @@ def _prompt_logprobs(raw, prompt_ids, engine) -> Optional[list]:
 
 Prompt = Union[str, Dict[str, Any], Sequence[int]]
 
+# What a prompt dict may hold, as vLLM's `TextPrompt` and `TokensPrompt` do.
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
+
+
+def _image_bytes(image: Any, i: int) -> bytes:
+    """An image of `multi_modal_data` as its file's bytes: a PIL image is written as PNG
+    (lossless: the pixels the engine sees are the image's), bytes are taken as a PNG, JPEG,
+    WebP or GIF file."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    save = getattr(image, "save", None)
+    if callable(save) and hasattr(image, "mode"):
+        if image.mode not in ("RGB", "RGBA", "L", "LA", "P", "1", "I;16"):
+            image = image.convert("RGB")
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        return out.getvalue()
+    raise TypeError(f"multi_modal_data image {i} is a PIL image or an image file's bytes, "
+                    f"not {type(image).__name__}")
+
+
+def _multi_modal_images(data: Any) -> List[bytes]:
+    """`multi_modal_data` (`{"image": image or [images]}`) as the images' bytes, in order;
+    other modalities are refused by name."""
+    if not isinstance(data, dict):
+        raise TypeError("multi_modal_data is a dict such as {\"image\": image}")
+    other = sorted(set(data) - {"image"})
+    if other:
+        raise ValueError(f"multi_modal_data: {', '.join(map(repr, other))} is not supported "
+                         "(images only)")
+    images = data.get("image", [])
+    if not isinstance(images, (list, tuple)):
+        images = [images]
+    return [_image_bytes(image, i) for i, image in enumerate(images)]
+
 
 class LLM:
     """An engine for offline generation. `model`: the default model's name, a GGUF file, an
@@ -153,22 +191,30 @@ class LLM:
     # Prompts ----------------------------------------------------------------------------
 
     def _prompt(self, p: Prompt) -> tuple:
+        """`(text, ids, images)`: images as their files' bytes, each standing at one image
+        placeholder of the prompt (`<|image_pad|>` for Qwen2.5-VL), as vLLM takes them."""
         if isinstance(p, str):
-            return p, self._engine.encode(p)
+            return p, self._engine.encode(p), []
         if isinstance(p, dict):
+            unknown = sorted(set(p) - _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"unknown prompt key(s) {', '.join(map(repr, unknown))} "
+                                 f"(a prompt dict takes {', '.join(sorted(_PROMPT_KEYS))})")
+            images = _multi_modal_images(p["multi_modal_data"]) if "multi_modal_data" in p else []
             if "prompt_token_ids" in p:
-                return p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]
+                return p.get("prompt"), [int(t) for t in p["prompt_token_ids"]], images
             if "prompt" in p:
-                return p["prompt"], self._engine.encode(p["prompt"])
+                return p["prompt"], self._engine.encode(p["prompt"]), images
             raise ValueError("a prompt dict needs `prompt` or `prompt_token_ids`")
         if isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
-            return None, list(p)
+            return None, list(p), []
         raise TypeError(f"a prompt is a string, a list of token ids or a dict, not {type(p).__name__}")
 
-    def _wire(self, ids: List[int], params: SamplingParams) -> dict:
+    def _wire(self, ids: List[int], images: List[bytes], params: SamplingParams) -> dict:
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a troupe.SamplingParams")
-        return {"prompt_token_ids": ids, "params": params._wire(), "max_context_tokens": self.max_model_len}
+        return {"prompt_token_ids": ids, "params": params._wire(), "max_context_tokens": self.max_model_len,
+                "images": [base64.b64encode(b).decode("ascii") for b in images]}
 
     def _output(self, prompt, ids, choices: List[dict], params: SamplingParams) -> RequestOutput:
         self._next_id += 1
@@ -194,22 +240,28 @@ class LLM:
             prompts = [prompts]
         encoded = [self._prompt(p) for p in prompts]
         params = self._params(sampling_params, len(encoded))
-        wire = [self._wire(ids, p) for (_, ids), p in zip(encoded, params)]
+        wire = [self._wire(ids, images, p) for (_, ids, images), p in zip(encoded, params)]
         raw = json.loads(self._engine.generate(json.dumps(wire)))
-        return [self._output(text, ids, choices, p) for (text, ids), choices, p in zip(encoded, raw, params)]
+        # Prompt ids as the engine ran them: each image's placeholder widened to its tokens.
+        return [self._output(text, r["prompt_token_ids"], r["choices"], p)
+                for (text, _, _), r, p in zip(encoded, raw, params)]
 
     def chat(self, messages: Union[List[dict], List[List[dict]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              tools: Optional[List[dict]] = None, use_tqdm: bool = False) -> List[RequestOutput]:
         """One conversation (a list of `{"role", "content"}`) or a list of them, rendered
-        through the model's chat template as the server renders Chat Completions."""
+        through the model's chat template as the server renders Chat Completions (images as
+        `image_url` parts with base64 `data:` URLs)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
             chat = {"messages": conv}
             if tools:
                 chat["tools"] = tools
-            prompts.append({"prompt_token_ids": self._engine.chat_prompt(json.dumps(chat))})
+            rendered = json.loads(self._engine.chat_prompt(json.dumps(chat)))
+            images = [base64.b64decode(b) for b in rendered["images"]]
+            prompts.append({"prompt_token_ids": rendered["prompt_token_ids"],
+                            "multi_modal_data": {"image": images}})
         return self.generate(prompts, sampling_params)
 
     def generate_stream(self, prompt: Prompt,
@@ -217,9 +269,10 @@ class LLM:
         """One prompt's output as it is generated: each `RequestOutput` carries the new
         text and tokens of one completion (`outputs[0].index` says which); the last of a
         completion has its `finish_reason`. Closing the iterator early aborts the request."""
-        text, ids = self._prompt(prompt)
+        text, ids, images = self._prompt(prompt)
         params = self._params(sampling_params, 1)[0]
-        stream = self._engine.stream(json.dumps(self._wire(ids, params)))
+        stream = self._engine.stream(json.dumps(self._wire(ids, images, params)))
+        ids = list(stream.prompt_token_ids)
         try:
             while True:
                 raw = stream.next()

@@ -216,29 +216,40 @@ pub fn expand(
     text: &ModelText,
     prompt_ids: Vec<u32>,
 ) -> Result<(Vec<u32>, Vec<PromptImage>), ImageRefusal> {
-    if conv.images.is_empty() {
+    expand_inputs(&conv.images, "messages", text, prompt_ids)
+}
+
+/// `expand` of images given beside a prompt (the Python package's `multi_modal_data`):
+/// `field` is named where the prompt's placeholders and the images do not pair up.
+pub fn expand_inputs(
+    inputs: &[ImageInput],
+    field: &str,
+    text: &ModelText,
+    prompt_ids: Vec<u32>,
+) -> Result<(Vec<u32>, Vec<PromptImage>), ImageRefusal> {
+    if inputs.is_empty() {
         return Ok((prompt_ids, Vec::new()));
     }
     let Some(vision) = &text.vision else {
         return Err(ImageRefusal::bad(
-            &conv.images[0].field,
+            &inputs[0].field,
             "this model takes no images (it is not a vision-language model)",
         ));
     };
     let placeholder = vision.image_token_id;
     let found = prompt_ids.iter().filter(|&&t| t == placeholder).count();
-    if found != conv.images.len() {
+    if found != inputs.len() {
         return Err(ImageRefusal::bad(
-            "messages",
+            field,
             format!(
-                "the chat template placed {found} image placeholders for {} images",
-                conv.images.len()
+                "the prompt has {found} image placeholders for {} images",
+                inputs.len()
             ),
         ));
     }
     let mut ids = Vec::with_capacity(prompt_ids.len());
-    let mut images = Vec::with_capacity(conv.images.len());
-    let mut next = conv.images.iter();
+    let mut images = Vec::with_capacity(inputs.len());
+    let mut next = inputs.iter();
     for id in prompt_ids {
         if id != placeholder {
             ids.push(id);
