@@ -4,13 +4,17 @@
 responses, messages, tool calls (auto, required, named; streamed and whole), json_schema
 output validated with `jsonschema`, seeded reproducibility, n > 1, API errors in each API's
 format, the special-token guard, /metrics and a client disconnect; then a server with an
-API key and CORS (right and wrong keys through both SDKs, a preflight), and SIGTERM's drain.
+API key and CORS (right and wrong keys through both SDKs, a preflight), SIGTERM's drain, and
+a server of a generated vision-language checkpoint (`tests/goldens/qwen25vl/a`) taking images
+through both SDKs as base64 parts, answering as transformers did, refusing bad images.
 
 Run: python3 scripts/test_server_sdk.py target/release/troupe
      (needs `pip install openai anthropic jsonschema`)
 """
 
+import base64
 import json
+import pathlib
 import socket
 import subprocess
 import sys
@@ -59,7 +63,7 @@ def main(binary):
             + run_anthropic_checks(claude) + run_http_checks(base)
     finally:
         checks_stop = [("SIGTERM drains the server and it exits 0", stop(server))]
-    checks += checks_stop + run_auth_checks(binary)
+    checks += checks_stop + run_auth_checks(binary) + run_image_checks(binary)
     failed = [name for name, ok in checks if not ok]
     for name, ok in checks:
         print(("ok    " if ok else "FAIL  ") + name)
@@ -397,6 +401,73 @@ def run_anthropic_checks(claude):
         checks.append(("bad temperature is an Anthropic 400", False))
     except anthropic.BadRequestError as e:
         checks.append(("bad temperature is an Anthropic 400", e.body.get("type") == "error" and "temperature" in str(e)))
+    return checks
+
+
+VL_CASE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "goldens" / "qwen25vl" / "a"
+
+
+def run_image_checks(binary):
+    """The generated Qwen2.5-VL checkpoint's chats through both SDKs, images as base64:
+    the prompt as transformers' processor made it, the reply transformers' greedy tokens."""
+    cases = json.loads((VL_CASE / "cases.json").read_text())
+    server, base = start(binary, "--model", str(VL_CASE), "--served-model-name", "tiny-vl",
+                         "--kv-cache-mib", "8", "--block-size", "4", "--exact-activations")
+    checks = []
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        claude = anthropic.Anthropic(base_url=base, api_key="unused")
+
+        def png64(i):
+            return base64.b64encode((VL_CASE / "images" / f"{i}.png").read_bytes()).decode()
+
+        def detokenize(ids):
+            req = urllib.request.Request(base + "/detokenize", data=json.dumps({"tokens": ids}).encode(),
+                                         headers={"content-type": "application/json"})
+            return json.loads(urllib.request.urlopen(req).read())["prompt"]
+
+        for c, chat in enumerate(cases["chats"]):
+            def parts(content, image):
+                if isinstance(content, str):
+                    return content
+                return [image(p["image"]) if p["type"] == "image" else {"type": "text", "text": p["text"]}
+                        for p in content]
+            openai_messages = [{"role": m["role"], "content": parts(m["content"], lambda i: {
+                "type": "image_url", "image_url": {"url": "data:image/png;base64," + png64(i)}})}
+                for m in chat["messages"]]
+            want = detokenize(chat["greedy"])
+            greedy = {"temperature": 0, "max_tokens": len(chat["greedy"]), "extra_body": {"ignore_eos": True}}
+            r = client.chat.completions.create(model="tiny-vl", messages=openai_messages, **greedy)
+            checks.append((f"chat {c} with images (openai): the processor's prompt, transformers' tokens",
+                           r.usage.prompt_tokens == len(chat["ids"]) and r.choices[0].message.content == want))
+            stream = client.chat.completions.create(model="tiny-vl", messages=openai_messages, stream=True, **greedy)
+            streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+            checks.append((f"chat {c} with images streamed (openai) equals the whole reply", streamed == want))
+            system = [m["content"] for m in chat["messages"] if m["role"] == "system"]
+            anthropic_messages = [{"role": m["role"], "content": parts(m["content"], lambda i: {
+                "type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png64(i)}})}
+                for m in chat["messages"] if m["role"] != "system"]
+            # Anthropic's API has no `ignore_eos`: the goldens' greedy tokens hold no EOS.
+            m = claude.messages.create(model="tiny-vl", max_tokens=len(chat["greedy"]), messages=anthropic_messages,
+                                       extra_body={"temperature": 0}, **({"system": system[0]} if system else {}))
+            text = "".join(b.text for b in m.content if b.type == "text")
+            checks.append((f"chat {c} with images (anthropic): the same prompt and tokens",
+                           m.usage.input_tokens == len(chat["ids"]) and text == want))
+        bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}}]}]
+        try:
+            client.chat.completions.create(model="tiny-vl", messages=bad, max_tokens=2)
+            checks.append(("a bad image is a 400 (openai)", False))
+        except openai.BadRequestError as e:
+            checks.append(("a bad image is a 400 naming its part (openai)", "messages[0].content[0]" in str(e)))
+        remote = [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.invalid/a.png"}}]}]
+        try:
+            claude.messages.create(model="tiny-vl", max_tokens=2, messages=remote)
+            checks.append(("an image URL from a host not allowed is a 400 (anthropic)", False))
+        except anthropic.BadRequestError as e:
+            checks.append(("an image URL from a host not allowed is a 400 naming it (anthropic)", "example.invalid" in str(e)))
+    finally:
+        checks.append(("the vision-language server drains and exits 0", stop(server)))
     return checks
 
 
