@@ -4,6 +4,10 @@
 //! refusals of broken framing aside) — never a 5xx, a dropped well-formed request or a
 //! crash — and afterwards the server is healthy with every KV block free.
 //!
+//! A vision-language server (the generated Qwen2.5-VL checkpoint) takes the same with image
+//! parts: OpenAI data URLs and Anthropic base64 blocks whose image files are mutated byte by
+//! byte (truncated, corrupted headers, wrong MIME types) before encoding.
+//!
 //! `TROUPE_FUZZ_CASES` sets the number of cases (CI runs a few thousand; the long run,
 //! `TROUPE_FUZZ_CASES=100000 cargo test --release --test server_fuzz`, a hundred thousand).
 
@@ -93,6 +97,65 @@ fn seeds() -> Vec<(&'static str, Value)> {
             json!({"model": "tiny", "tokens": [1, 2, 3, 40]}),
         ),
     ]
+}
+
+/// Valid requests with images (`png` base64), for the vision-language server.
+fn image_seeds(png: &str) -> Vec<(&'static str, Value)> {
+    let url = |mime: &str| json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{png}")}});
+    let block = json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}});
+    vec![
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": [url("image/png"), {"type": "text", "text": "what?"}]}],
+            "max_tokens": 4}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [url(""), url("image/png")]},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}, url("image/png")]}],
+            "max_tokens": 3, "stream": true, "temperature": 0.5, "seed": 1}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [block, {"type": "text", "text": "q"}]}]}),
+        ),
+        (
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": [url("image/png")]}]}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "once", "max_tokens": 3}),
+        ),
+    ]
+}
+
+/// Replaces each image of `v` with a byte-level mutation of one of `pngs`, validly
+/// base64-encoded, so the decoder sees broken files rather than broken base64.
+fn mutate_images(rng: &mut Rng, v: &mut Value, pngs: &[Vec<u8>]) {
+    use base64::Engine as _;
+    let fresh = |rng: &mut Rng| {
+        let png = rng.pick(pngs).clone();
+        let bytes = mutate_bytes(rng, png);
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    };
+    match v {
+        Value::Object(o) => {
+            if o.get("type").and_then(Value::as_str) == Some("base64") && o.contains_key("data") {
+                o.insert("data".into(), json!(fresh(rng)));
+            }
+            o.values_mut().for_each(|x| mutate_images(rng, x, pngs));
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| mutate_images(rng, x, pngs)),
+        Value::String(s) if s.starts_with("data:") => {
+            let head = s
+                .split_once(',')
+                .map_or("data:image/png;base64", |(h, _)| h)
+                .to_string();
+            *s = format!("{head},{}", fresh(rng));
+        }
+        _ => {}
+    }
 }
 
 fn random_value(rng: &mut Rng, depth: usize) -> Value {
@@ -384,17 +447,22 @@ fn check_success(payload: &[u8]) -> Result<(), String> {
         .map_err(|e| format!("body: {e}: {text}"))
 }
 
-/// One client's cases: how many succeeded, or the first failure.
+/// One client's cases from `seeds` (their images mutated from `pngs`, where given): how
+/// many succeeded, or the first failure.
 fn client(
     server: &common::server::TestServer,
+    seeds: &[(&'static str, Value)],
+    pngs: &[Vec<u8>],
     client_seed: u64,
     num_cases: usize,
 ) -> Result<usize, String> {
-    let seeds = seeds();
     let mut rng = Rng(client_seed);
     let mut num_ok = 0usize;
     for case in 0..num_cases {
-        let (route, seed) = rng.pick(&seeds).clone();
+        let (route, mut seed) = rng.pick(seeds).clone();
+        if !pngs.is_empty() && rng.below(3) == 0 {
+            mutate_images(&mut rng, &mut seed, pngs);
+        }
         let route = if rng.below(10) == 0 {
             *rng.pick(ROUTES)
         } else {
@@ -453,24 +521,27 @@ fn client(
     Ok(num_ok)
 }
 
-#[test]
-fn every_route_answers_random_and_mutated_requests_without_a_server_error() {
-    let num_cases: usize = std::env::var("TROUPE_FUZZ_CASES")
+fn num_cases(default: usize) -> usize {
+    std::env::var("TROUPE_FUZZ_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(2000);
+        .unwrap_or(default)
+}
+
+/// `num_cases` from `seeds` by four concurrent clients against `server`; then the server
+/// is healthy with nothing left behind.
+fn fuzz(
+    server: &common::server::TestServer,
+    seeds: &[(&'static str, Value)],
+    pngs: &[Vec<u8>],
+    num_cases: usize,
+) {
     const NUM_CLIENTS: usize = 4;
-    let mut cfg = EngineConfig::new(common::goldens().join("tiny-qwen3"));
-    cfg.kv_cache_bytes = 32 << 20;
-    let mut opts = troupe::protocol::serve_options::ServeOptions::new("tiny");
-    // Bodies that never end are cut off soon.
-    opts.body_read_timeout = Duration::from_secs(1);
-    let server = common::server::start_with(cfg, opts);
     let results: Vec<Result<usize, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..NUM_CLIENTS)
             .map(|c| {
-                let server = &server;
-                scope.spawn(move || client(server, 0x5eed + c as u64, num_cases / NUM_CLIENTS))
+                let seed = 0x5eed + c as u64;
+                scope.spawn(move || client(server, seeds, pngs, seed, num_cases / NUM_CLIENTS))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -488,4 +559,34 @@ fn every_route_answers_random_and_mutated_requests_without_a_server_error() {
     server
         .wait_idle(Duration::from_secs(30))
         .unwrap_or_else(|s| panic!("blocks or requests left behind: {s:?}"));
+}
+
+fn options(name: &str) -> troupe::protocol::serve_options::ServeOptions {
+    let mut opts = troupe::protocol::serve_options::ServeOptions::new(name);
+    // Bodies that never end are cut off soon.
+    opts.body_read_timeout = Duration::from_secs(1);
+    opts
+}
+
+#[test]
+fn every_route_answers_random_and_mutated_requests_without_a_server_error() {
+    let mut cfg = EngineConfig::new(common::goldens().join("tiny-qwen3"));
+    cfg.kv_cache_bytes = 32 << 20;
+    let server = common::server::start_with(cfg, options("tiny"));
+    fuzz(&server, &seeds(), &[], num_cases(2000));
+}
+
+#[test]
+fn image_parts_mutated_down_to_their_bytes_are_refused_or_served() {
+    use base64::Engine as _;
+    let dir = common::vision::case_dir("a");
+    let pngs: Vec<Vec<u8>> = (0..4)
+        .map(|i| std::fs::read(dir.join(format!("images/{i}.png"))).unwrap())
+        .collect();
+    let png = base64::engine::general_purpose::STANDARD.encode(&pngs[0]);
+    let mut cfg = EngineConfig::new(dir);
+    cfg.kv_cache_bytes = 16 << 20;
+    cfg.block_size = 4;
+    let server = common::server::start_with(cfg, options("tiny"));
+    fuzz(&server, &image_seeds(&png), &pngs, num_cases(2000) / 2);
 }
