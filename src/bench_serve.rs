@@ -9,8 +9,15 @@
 //! reproducible; every rate gets fresh prompts so a prefix cache cannot carry hits from
 //! one rate to the next. A failed request (refused, error event, cut stream, wrong token
 //! count) is counted and left out of the latency statistics.
+//!
+//! With `--images-per-request N` each request is a streaming chat instead: the prompt as
+//! text, then N seeded noise images (`--image-size`) as base64 PNG parts.
 
 mod http;
+mod images;
+mod table;
+
+pub use table::format_table;
 
 use std::path::PathBuf;
 // std's Arc even under loom: these tasks run on a real tokio runtime, never in a model.
@@ -77,6 +84,13 @@ pub struct BenchServeArgs {
     /// lines, so an offline run can be timed on the very same requests.
     #[arg(long)]
     write_prompts: Option<PathBuf>,
+    /// Images per request (a vision-language model): requests go to /v1/chat/completions
+    /// with the prompt as text (`--input-len` words) and this many noise images.
+    #[arg(long, default_value_t = 0)]
+    images_per_request: usize,
+    /// Each image's size, WIDTHxHEIGHT in pixels.
+    #[arg(long, default_value = "448x448", value_parser = images::parse_size)]
+    image_size: (u32, u32),
 }
 
 /// The requests `first..first + num` as prompts-file lines (ids, budget, greedy); the
@@ -177,6 +191,8 @@ pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
 pub enum StreamEvent {
     /// A chunk carrying this many new tokens (0 for a chunk with only a finish reason).
     Tokens(usize),
+    /// The usage chunk of a chat stream: the tokens generated in all.
+    Usage(usize),
     Done,
 }
 
@@ -196,12 +212,24 @@ pub fn parse_event(data: &str) -> std::result::Result<StreamEvent, String> {
     let choices = value["choices"]
         .as_array()
         .ok_or_else(|| format!("a stream event has no `choices`: {}", clip(data)))?;
+    if let (true, Some(n)) = (
+        choices.is_empty(),
+        value["usage"]["completion_tokens"].as_u64(),
+    ) {
+        return Ok(StreamEvent::Usage(n as usize));
+    }
     let mut num_tokens = 0;
     for choice in choices {
         num_tokens += match choice["token_ids"].as_array() {
             Some(ids) => ids.len(),
-            // A server without `token_ids` (llama.cpp's) streams one token per chunk.
-            None => usize::from(choice["text"].as_str().is_some_and(|t| !t.is_empty())),
+            // A server without `token_ids` (llama.cpp's, and chat chunks) streams one
+            // token per chunk.
+            None => {
+                let text = choice["text"]
+                    .as_str()
+                    .or(choice["delta"]["content"].as_str());
+                usize::from(text.is_some_and(|t| !t.is_empty()))
+            }
         };
     }
     Ok(StreamEvent::Tokens(num_tokens))
@@ -322,59 +350,6 @@ pub fn summarize(
     }
 }
 
-/// The rows as an aligned text table.
-pub fn format_table(rows: &[RateRow]) -> String {
-    let header = [
-        "rate", "ok", "fail", "time_s", "req/s", "tok/s", "ttft_p50", "ttft_p90", "ttft_p99",
-        "tpot_p50", "tpot_p90", "tpot_p99", "itl_p50", "itl_p99", "e2el_p50", "e2el_p99",
-    ];
-    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
-    let cells: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.rate.clone(),
-                r.completed.to_string(),
-                r.failed.to_string(),
-                format!("{:.2}", r.duration_secs),
-                format!("{:.2}", r.request_throughput),
-                format!("{:.1}", r.output_token_throughput),
-                ms(r.ttft_p50_ms),
-                ms(r.ttft_p90_ms),
-                ms(r.ttft_p99_ms),
-                ms(r.tpot_p50_ms),
-                ms(r.tpot_p90_ms),
-                ms(r.tpot_p99_ms),
-                ms(r.itl_p50_ms),
-                ms(r.itl_p99_ms),
-                ms(r.e2el_p50_ms),
-                ms(r.e2el_p99_ms),
-            ]
-        })
-        .collect();
-    let widths: Vec<usize> = (0..header.len())
-        .map(|c| {
-            cells
-                .iter()
-                .map(|r| r[c].len())
-                .fold(header[c].len(), usize::max)
-        })
-        .collect();
-    let line = |fields: Vec<&str>| {
-        let padded: Vec<String> = fields
-            .iter()
-            .zip(&widths)
-            .map(|(f, w)| format!("{f:>w$}"))
-            .collect();
-        padded.join("  ") + "\n"
-    };
-    let mut out = line(header.to_vec());
-    for r in &cells {
-        out += &line(r.iter().map(String::as_str).collect());
-    }
-    out
-}
-
 /// What every request of a run shares.
 struct Ctx {
     endpoint: Endpoint,
@@ -385,6 +360,8 @@ struct Ctx {
     request_timeout: Duration,
     suppress_ids: Vec<u32>,
     text_prompts: bool,
+    /// Images per request and their size (0: completions without images).
+    images: (usize, (u32, u32)),
 }
 
 async fn run_one(ctx: Arc<Ctx>, index: u64) -> std::result::Result<RequestTiming, String> {
@@ -398,29 +375,53 @@ async fn run_one(ctx: Arc<Ctx>, index: u64) -> std::result::Result<RequestTiming
         .iter()
         .map(|id| (id.to_string(), json!(-100)))
         .collect();
-    let body = json!({
-        "model": ctx.model, "prompt": prompt, "max_tokens": ctx.output_len,
-        "ignore_eos": true, "stream": true, "temperature": 0, "logit_bias": logit_bias,
-    })
-    .to_string();
+    let (path, body) = if ctx.images.0 > 0 {
+        let text = random_prompt_text(ctx.input_len, ctx.seed, index);
+        let body = images::chat_body(
+            &ctx.model,
+            &text,
+            ctx.images,
+            ctx.seed,
+            index,
+            ctx.output_len,
+            &logit_bias,
+        );
+        ("/v1/chat/completions", body.to_string())
+    } else {
+        let body = json!({
+            "model": ctx.model, "prompt": prompt, "max_tokens": ctx.output_len,
+            "ignore_eos": true, "stream": true, "temperature": 0, "logit_bias": logit_bias,
+        });
+        ("/v1/completions", body.to_string())
+    };
     let start = Instant::now();
     let mut events: Vec<(f64, usize)> = Vec::with_capacity(ctx.output_len);
     let mut done = false;
+    let mut reported = None;
     let on_event = |data: &str, at: Instant| {
         match parse_event(data)? {
             StreamEvent::Done => done = true,
+            StreamEvent::Usage(n) => reported = Some(n),
             StreamEvent::Tokens(0) => {}
             StreamEvent::Tokens(n) => events.push((at.duration_since(start).as_secs_f64(), n)),
         }
         Ok(())
     };
-    let request = http::post_sse(&ctx.endpoint, "/v1/completions", &body, on_event);
+    let request = http::post_sse(&ctx.endpoint, path, &body, on_event);
     tokio::time::timeout(ctx.request_timeout, request)
         .await
         .map_err(|_| format!("timed out after {:?}", ctx.request_timeout))??;
     let e2e_secs = start.elapsed().as_secs_f64();
     if !done {
         return Err("the stream ended without [DONE]".into());
+    }
+    // Chat chunks carry text, not ids: tokens that end inside a character arrive folded
+    // into a later chunk, and the usage chunk says how many there were.
+    if let Some(n) = reported {
+        let counted: usize = events.iter().map(|&(_, k)| k).sum();
+        if let (true, Some(last)) = (counted < n, events.last_mut()) {
+            last.1 += n - counted;
+        }
     }
     RequestTiming::from_events(&events, e2e_secs, ctx.output_len)
 }
@@ -481,9 +482,9 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
         }
     }
     if let Some(path) = &args.write_prompts {
-        if args.text_prompts || !args.suppress_ids.is_empty() {
+        if args.text_prompts || !args.suppress_ids.is_empty() || args.images_per_request > 0 {
             return Err(bad(
-                "--write-prompts writes token-id prompts without a logit bias: not with --text-prompts or --suppress-ids".into(),
+                "--write-prompts writes token-id prompts without a logit bias or images: not with --text-prompts, --suppress-ids or --images-per-request".into(),
             ));
         }
         let lines = prompts_file_lines(
@@ -517,6 +518,7 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
             request_timeout: Duration::from_secs(args.request_timeout_secs),
             suppress_ids: args.suppress_ids.clone(),
             text_prompts: args.text_prompts,
+            images: (args.images_per_request, args.image_size),
         });
         // One request first: a misconfigured server fails here with its reason, and the
         // first rate does not pay for warm-up.
@@ -524,8 +526,19 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
             .await
             .map_err(|e| bad(format!("the test request to {} failed: {e}", args.url)))?;
         eprintln!(
-            "bench-serve: {} at {}: {} requests per rate, {} prompt + {} output tokens each",
-            ctx.model, args.url, args.num_prompts, args.input_len, args.output_len
+            "bench-serve: {} at {}: {} requests per rate, {} prompt + {} output tokens each{}",
+            ctx.model,
+            args.url,
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            match args.images_per_request {
+                0 => String::new(),
+                n => format!(
+                    ", {n} images of {}x{}",
+                    args.image_size.0, args.image_size.1
+                ),
+            }
         );
         let mut rows = Vec::new();
         for (k, &rate) in args.rates.iter().enumerate() {

@@ -344,3 +344,56 @@ fn images_by_url_are_fetched_from_allowed_hosts_only() {
         "{reply}"
     );
 }
+
+/// `bench-serve --images-per-request` against the vision-language server: every request (a
+/// chat with noise images) completes with its full output; bad image flags are refused.
+#[test]
+fn bench_serve_sends_image_prompts() {
+    let server = server();
+    let json_path = common::scratch_dir("bench-images").join("rows.json");
+    let url = format!("http://{}", server.addr);
+    let out = common::cli::troupe(&[
+        "bench-serve",
+        "--url",
+        &url,
+        "--rates",
+        "inf",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "3",
+        "--output-len",
+        "4",
+        "--images-per-request",
+        "2",
+        "--image-size",
+        "60x45",
+        "--request-timeout-secs",
+        "60",
+        "--json",
+        json_path.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("2 images of 60x45"), "{stderr}");
+    let rows: Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+    assert_eq!(rows[0]["completed"], 4, "{rows}");
+    assert_eq!(rows[0]["failed"], 0, "{rows}");
+    let status = server.runtime.block_on(server.engine.status()).unwrap();
+    // Five requests (the warm-up and four), each of two images' tokens and more.
+    assert!(status.num_prefill_tokens >= 5 * 2 * 4, "{status:?}");
+    for (flags, says) in [
+        (["--image-size", "0x45"], "each side must be 1 to 4096"),
+        (["--image-size", "60by45"], "is not an image size"),
+        (["--write-prompts", "/dev/null"], "--images-per-request"),
+    ] {
+        let mut args = vec!["bench-serve", "--url", &url, "--images-per-request", "1"];
+        args.extend(flags);
+        let out = common::cli::troupe(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(says),
+            "{flags:?}: {stderr}"
+        );
+    }
+}

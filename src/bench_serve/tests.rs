@@ -151,3 +151,28 @@ fn written_prompts_are_the_requests_sent() {
         assert_eq!(line.temperature, Some(0.0));
     }
 }
+
+#[test]
+fn noise_images_are_seeded_pngs_of_their_size() {
+    let size = images::parse_size("33x20").unwrap();
+    assert_eq!(size, (33, 20));
+    let a = images::noise_png(size, 7, 3, 0);
+    assert_eq!(a, images::noise_png(size, 7, 3, 0));
+    assert_ne!(a, images::noise_png(size, 7, 3, 1));
+    assert_ne!(a, images::noise_png(size, 7, 4, 0));
+    let decoded = image::load_from_memory(&a).unwrap();
+    assert_eq!((decoded.width(), decoded.height()), (33, 20));
+    for bad in ["33", "x20", "0x20", "33x5000", "ax b"] {
+        assert!(images::parse_size(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn chat_chunks_count_a_token_each() {
+    let chunk = r#"{"choices":[{"index":0,"delta":{"content":"hé"}}]}"#;
+    assert_eq!(parse_event(chunk), Ok(StreamEvent::Tokens(1)));
+    let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant"}}]}"#;
+    assert_eq!(parse_event(role), Ok(StreamEvent::Tokens(0)));
+    let usage = r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#;
+    assert_eq!(parse_event(usage), Ok(StreamEvent::Usage(4)));
+}
