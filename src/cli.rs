@@ -391,6 +391,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "resident_host_weight_bytes": status.resident_host_weight_bytes,
             "checkpoint_bytes": crate::model::checkpoint_bytes(&path),
             "weight_card": status.weight_card,
+            "encoded_images": status.num_encoded_images,
+            "image_cache_hits": status.num_image_cache_hits,
         });
         if dest.as_os_str() == "-" {
             eprintln!("{stats}");

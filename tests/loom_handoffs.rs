@@ -181,3 +181,47 @@ fn two_requests_compiling_one_grammar_share_one_entry() {
         first.join().unwrap();
     });
 }
+
+/// The engine's image rows: two claimants of one image (the encoder actor and a rank) —
+/// exactly one encodes, the other gets its rows; a claim given up (a failed encoder)
+/// passes to the waiter, which encodes it itself.
+#[test]
+fn one_claimant_encodes_an_image_and_the_other_gets_its_rows() {
+    use troupe::runner::image_encoder::{Claim, EmbeddingCache};
+    for give_up in [false, true] {
+        loom::model(move || {
+            let cache = Arc::new(EmbeddingCache::new(1 << 20));
+            let encode = |cache: &EmbeddingCache, value: f32, give_up: bool| -> Option<f32> {
+                match cache.claim(7, true).expect("waits") {
+                    Claim::Ready(rows) => Some(rows[0]),
+                    Claim::Mine if give_up => {
+                        cache.abandon(7);
+                        None
+                    }
+                    Claim::Mine => {
+                        cache.complete(7, Shared::new(vec![value]));
+                        Some(value)
+                    }
+                }
+            };
+            let other = cache.clone();
+            let h = thread::spawn(move || encode(&other, 2.0, false));
+            let mine = encode(&cache, 1.0, give_up);
+            let theirs = h.join().unwrap();
+            let stats = cache.stats();
+            match (mine, theirs) {
+                (Some(a), Some(b)) => {
+                    assert_eq!(a, b, "both claimants see one encoding");
+                    assert_eq!((stats.num_encoded, stats.num_hits), (1, 1));
+                }
+                // Given up first: the other claimed it after and encoded it.
+                (None, Some(b)) => {
+                    assert!(give_up);
+                    assert_eq!(b, 2.0);
+                    assert_eq!(stats.num_encoded, 1);
+                }
+                other => panic!("{other:?}"),
+            }
+        });
+    }
+}

@@ -56,6 +56,9 @@ fn the_engine_serves_images_beside_text() {
             }
             let status = engine.status().await.unwrap();
             assert!(status.num_prefix_hit_blocks > 0, "{status:?}");
+            // Each image once, whichever of the encoder actor and the rank came first.
+            assert_eq!(status.num_encoded_images, 4, "{status:?}");
+            assert!(status.num_image_cache_hits > 0, "{status:?}");
             // Images 1 and 3 of case "a" share a grid: the same prompt ids over either.
             let enc = encoder(&dir);
             let backend = exact();
@@ -152,5 +155,51 @@ fn sequences_with_images_preempted_give_the_same_tokens() {
         })
         .await
         .expect("the engine answered within 180 s");
+    });
+}
+
+/// Two tensor-parallel ranks share the engine's encoder: every image is encoded once, not
+/// once a rank, and the tokens are transformers'.
+#[test]
+fn tensor_parallel_ranks_share_one_encoding_of_each_image() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(120), async {
+            let dir = case_dir("c");
+            let reference = Reference::open(&dir);
+            let cases = cases_json(&dir);
+            let image_token = cases["image_token_id"].as_u64().unwrap() as u32;
+            let prompts = cases["prompts"].as_array().unwrap();
+            let mut cfg = EngineConfig::new(dir.clone());
+            cfg.kv_cache_bytes = 8 << 20;
+            cfg.block_size = 4;
+            cfg.exact_activations = true;
+            cfg.tensor_parallel_size = 2;
+            let engine = Engine::spawn(cfg).await.unwrap();
+            let requests = prompts
+                .iter()
+                .map(|p| request(&dir, p, image_token, 8))
+                .collect();
+            let out = common::engine::ok_outputs(&engine, requests).await;
+            for (p, o) in out.iter().enumerate() {
+                let want = reference.ints(&format!("greedy_{p}"));
+                assert_eq!(o.token_ids, want, "prompt {p}");
+            }
+            let distinct: std::collections::BTreeSet<u64> = prompts
+                .iter()
+                .flat_map(|p| p["images"].as_array().unwrap().iter())
+                .map(|i| i.as_u64().unwrap())
+                .collect();
+            let status = engine.status().await.unwrap();
+            assert_eq!(status.tensor_parallel_size, 2, "{status:?}");
+            assert_eq!(
+                status.num_encoded_images,
+                distinct.len() as u64,
+                "{status:?}"
+            );
+            engine.shutdown(true).await;
+        })
+        .await
+        .expect("the engine answered within 120 s");
     });
 }

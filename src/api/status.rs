@@ -83,6 +83,11 @@ pub struct EngineStatus {
     pub resident_host_weight_bytes: u64,
     /// What each tensor group runs in (the first rank's model card).
     pub weight_card: String,
+    /// Vision-language models: images encoded (each once per engine, by its encoder actor
+    /// ahead of the prefill or by the rank that reached it first), and ranks' lookups that
+    /// found an image's rows encoded already.
+    pub num_encoded_images: u64,
+    pub num_image_cache_hits: u64,
 }
 
 /// The store's counters since it opened.

@@ -10,6 +10,7 @@ use crate::model::{self, ModelText};
 use crate::runner::RankSettings;
 use crate::runner::decode_curve::CurveJob;
 use crate::runner::fault::FaultPlan;
+use crate::runner::image_encoder::ImageEncoder;
 use crate::sched::SchedulerConfig;
 use crate::store::KvStore;
 use crate::sync::Shared;
@@ -210,7 +211,11 @@ pub(super) fn rank_settings(
     cfg: &EngineConfig,
     text: &ModelText,
     pools: &Pools,
-    (faults, kv_store): (FaultPlan, Option<Shared<KvStore>>),
+    (faults, kv_store, images): (
+        FaultPlan,
+        Option<Shared<KvStore>>,
+        Option<Shared<ImageEncoder>>,
+    ),
     (draft, mtp, num_speculative_tokens): (bool, bool, usize),
 ) -> RankSettings {
     let mcfg = &text.config;
@@ -229,6 +234,7 @@ pub(super) fn rank_settings(
         quantization: cfg.quantization,
         kv_dtype: cfg.kv_cache_dtype,
         kv_store,
+        images,
         model_config: mcfg.clone(),
         devices: (0..cfg.tensor_parallel_size)
             .map(|i| match cfg.device {

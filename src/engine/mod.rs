@@ -26,12 +26,14 @@ pub use config::{
 };
 pub use request_stream::RequestStream;
 
+use crate::actors::image_encoder::{EncoderActor, EncoderMsg};
 pub use crate::actors::scheduler::Detached;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{Children, EngineSupervisor, SupervisorArgs, SupervisorMsg};
 use crate::api::{ChoiceText, RequestIds};
 use crate::model::{self, ModelText};
 use crate::runner::fault::FaultPlan;
+use crate::runner::image_encoder::ImageEncoder;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::splitmix64;
 use crate::store::KvStore;
@@ -70,6 +72,8 @@ pub struct EngineHandle {
     grammars: Shared<OnceLock<Result<Shared<GrammarCompiler>, String>>>,
     /// The prefix store, where one is open: a cluster's engines move KV blocks through it.
     kv_store: Option<Shared<KvStore>>,
+    /// A vision-language model's encoder and the actor that encodes requests' images ahead.
+    images: Option<(Shared<ImageEncoder>, ActorRef<EncoderMsg>)>,
 }
 
 impl Engine {
@@ -107,6 +111,11 @@ impl Engine {
             text.deepseek_v4.is_some(),
             draft.is_some(),
         )?;
+        // Loaded once for all ranks (they share its rows); no weights to load under dummy ones.
+        let image_encoder = match (&text.vision, cfg.dummy_weights) {
+            (Some(_), false) => ImageEncoder::load(&cfg.model_path)?.map(Shared::new),
+            _ => None,
+        };
         let sampled = SampledTokens::new();
         let scheduler = build::scheduler_config(&cfg, &text, &pools, draft.as_ref(), mtp)?;
         let num_speculative_tokens = scheduler.num_speculative_tokens;
@@ -127,7 +136,7 @@ impl Engine {
                 &cfg,
                 &text,
                 &pools,
-                (faults.clone(), kv_store.clone()),
+                (faults.clone(), kv_store.clone(), image_encoder.clone()),
                 (draft.is_some(), mtp, num_speculative_tokens),
             ),
             max_rank_restarts: cfg.max_rank_restarts,
@@ -138,6 +147,15 @@ impl Engine {
             .map_err(|e| EngineError::Spawn(e.to_string()))?;
         let children = ractor::call_t!(supervisor, SupervisorMsg::Children, CALL_TIMEOUT_MS)
             .map_err(|e| EngineError::Spawn(call_error("supervisor", e).to_string()))?;
+        let images = match image_encoder {
+            Some(encoder) => {
+                let (actor, _) = Actor::spawn(None, EncoderActor, encoder.clone())
+                    .await
+                    .map_err(|e| EngineError::Spawn(e.to_string()))?;
+                Some((encoder, actor))
+            }
+            None => None,
+        };
         Ok(EngineHandle {
             supervisor,
             scheduler: children.scheduler,
@@ -151,6 +169,7 @@ impl Engine {
                 .map_or(0, |d| d.as_nanos() as u64),
             grammars: Shared::new(OnceLock::new()),
             kv_store,
+            images,
         })
     }
 }
@@ -233,6 +252,10 @@ impl EngineHandle {
             .acquire_owned()
             .await
             .map_err(|_| EngineError::Unavailable("the engine is shut down".into()))?;
+        if let (Some((_, actor)), false) = (&self.images, request.images.is_empty()) {
+            // Encoded while the request waits and prefills what comes before its images.
+            let _ = actor.cast(EncoderMsg::Encode(request.images.clone()));
+        }
         let request_id = self.request_ids.next();
         // Unseeded requests get a seed now, reported back, so any run can be replayed.
         let seed = *request
@@ -332,8 +355,14 @@ impl EngineHandle {
     }
 
     pub async fn status(&self) -> Result<EngineStatus, EngineError> {
-        ractor::call_t!(self.scheduler, SchedulerMsg::Status, CALL_TIMEOUT_MS)
-            .map_err(|e| call_error("scheduler", e))
+        let mut status = ractor::call_t!(self.scheduler, SchedulerMsg::Status, CALL_TIMEOUT_MS)
+            .map_err(|e| call_error("scheduler", e))?;
+        if let Some((encoder, _)) = &self.images {
+            let stats = encoder.stats();
+            status.num_encoded_images = stats.num_encoded;
+            status.num_image_cache_hits = stats.num_hits;
+        }
+        Ok(status)
     }
 
     /// The chain hashes of the blocks its prefix cache holds (`sched::block_hash`).
@@ -368,6 +397,9 @@ impl EngineHandle {
         // Wake a rank worker waiting on tokens of a step that will never be sampled, so
         // its thread (and its weights and KV cache) can go.
         self.sampled.invalidate();
+        if let Some((_, actor)) = &self.images {
+            let _ = actor.stop_and_wait(None, None).await;
+        }
         let _ = self.supervisor.stop_and_wait(None, None).await;
         // The ranks' communicators are aborted on threads that finish once the ranks'
         // decode graphs are gone; a process exiting under them crashes.

@@ -283,6 +283,16 @@ fn status_registry(s: &EngineStatus) -> Registry {
         k.corrupt_blocks,
     );
     counter(
+        "encoded_images",
+        "Images the vision encoder encoded (each once per engine while its rows are cached)",
+        s.num_encoded_images,
+    );
+    counter(
+        "image_cache_hits",
+        "Image lookups that found the encoder's rows cached (a repeated image, or encoded ahead)",
+        s.num_image_cache_hits,
+    );
+    counter(
         "kv_store_dropped_writes",
         "Prefix store: blocks not written to disk because the writer was behind",
         k.dropped_writes,

@@ -1,26 +1,17 @@
-//! A rank's images (vision-language models): the encoder, run on each image the first time
-//! a step reaches its placeholders and kept by content hash, and each step's rows turned
-//! into what the language model runs: placeholders back to the image token, the encoder's
-//! rows over them, every position placed by the sequence's images.
+//! A rank's images (vision-language models): each step's rows turned into what the language
+//! model runs — placeholders back to the image token, the encoder's rows over them (from
+//! the engine's `ImageEncoder`), every position placed by the sequence's images.
 
-use std::collections::VecDeque;
-
+use super::image_encoder::ImageEncoder;
 use super::rank_step::RankStep;
 use crate::model::llama::{RowMedia, SeqStep};
-use crate::model::vision::{ImageSpan, VisionEncoder};
-use crate::step::{PromptImage, is_virtual};
+use crate::model::vision::ImageSpan;
+use crate::step::is_virtual;
 use crate::sync::Shared;
 
-/// Encoder rows kept for images seen lately (a later turn with the same image, a
-/// preempted request recomputed, another completion of it).
-const CACHE_BYTES: usize = 256 << 20;
-
+/// The engine's encoder, as a rank reads it.
 pub(super) struct RankImages {
-    encoder: VisionEncoder,
-    image_token_id: u32,
-    /// (image hash, its rows), least recently used first.
-    cache: VecDeque<(u64, Shared<Vec<f32>>)>,
-    cached_bytes: usize,
+    encoder: Shared<ImageEncoder>,
 }
 
 /// A step's rows as the language model runs them, owned for the step's length.
@@ -40,31 +31,8 @@ struct ImageRow {
 }
 
 impl RankImages {
-    pub(super) fn new(encoder: VisionEncoder, image_token_id: u32) -> RankImages {
-        RankImages {
-            encoder,
-            image_token_id,
-            cache: VecDeque::new(),
-            cached_bytes: 0,
-        }
-    }
-
-    /// The encoder's rows for `image`, from the cache or encoded now.
-    fn rows_of(&mut self, image: &PromptImage) -> Shared<Vec<f32>> {
-        if let Some(i) = self.cache.iter().position(|(h, _)| *h == image.hash) {
-            let entry = self.cache.remove(i).expect("found");
-            let rows = entry.1.clone();
-            self.cache.push_back(entry);
-            return rows;
-        }
-        let rows = Shared::new(self.encoder.encode_pixels(&image.pixels, image.grid));
-        self.cached_bytes += rows.len() * 4;
-        self.cache.push_back((image.hash, rows.clone()));
-        while self.cached_bytes > CACHE_BYTES && self.cache.len() > 1 {
-            let (_, old) = self.cache.pop_front().expect("more than one");
-            self.cached_bytes -= old.len() * 4;
-        }
-        rows
+    pub(super) fn new(encoder: Shared<ImageEncoder>) -> RankImages {
+        RankImages { encoder }
     }
 
     /// What `step`'s rows with images need; `None` where it has none.
@@ -72,7 +40,7 @@ impl RankImages {
         if step.rows.iter().all(|r| r.row.images.is_none()) {
             return None;
         }
-        let hidden = self.encoder.cfg.out_hidden_size;
+        let hidden = self.encoder.out_hidden_size();
         let mut ids = Vec::with_capacity(step.rows.len());
         let mut rows = Vec::new();
         for (i, r) in step.rows.iter().enumerate() {
@@ -82,7 +50,7 @@ impl RankImages {
                     .iter()
                     .map(|&t| {
                         if is_virtual(t) {
-                            self.image_token_id
+                            self.encoder.image_token_id
                         } else {
                             t
                         }
@@ -108,7 +76,12 @@ impl RankImages {
                 let (s, e) = (image.first_token.max(lo), image.end_token().min(hi));
                 // Only placeholders the row runs now (a prompt's, not a draft's).
                 if s < e && tokens[s - lo..e - lo].iter().all(|&t| is_virtual(t)) {
-                    embeds.push((s - lo, self.rows_of(image), s - image.first_token, e - s));
+                    embeds.push((
+                        s - lo,
+                        self.encoder.rows(image),
+                        s - image.first_token,
+                        e - s,
+                    ));
                 }
             }
             rows.push(ImageRow {

@@ -195,18 +195,13 @@ pub(super) fn load_on<B: Backend + 'static>(
         }
         None => None,
     };
-    // Dummy weights (timing runs) have no encoder weights; the engine refuses images.
-    let vision = match args.settings.dummy_weights {
-        true => None,
-        false => crate::model::vision::load_encoder(&args.settings.model_path)?,
-    };
-    let images = match vision {
+    let images = match &args.settings.images {
         Some(_) if draft.is_some() => {
             return Err(
                 "a draft model (`--spec draft`) beside a vision-language model is not built".into(),
             );
         }
-        Some((encoder, image_token_id)) => Some(RankImages::new(encoder, image_token_id)),
+        Some(encoder) => Some(RankImages::new(encoder.clone())),
         None => None,
     };
     Ok(Box::new(OnBackend {

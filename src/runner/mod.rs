@@ -11,6 +11,7 @@ pub mod decode_curve;
 #[cfg(feature = "cuda")]
 mod deepseek_v4_cuda;
 pub mod fault;
+pub mod image_encoder;
 pub mod inputs;
 pub mod rank_step;
 pub mod readback;
@@ -95,6 +96,8 @@ pub struct RankSettings {
     pub kv_dtype: crate::kernels::KvDtype,
     /// The prefix store a rank copies registered blocks to (`--kv-store-dir`, ...).
     pub kv_store: Option<crate::sync::Shared<crate::store::KvStore>>,
+    /// A vision-language model's encoder, shared by the engine's ranks and encoder actor.
+    pub images: Option<crate::sync::Shared<image_encoder::ImageEncoder>>,
     pub dummy_weights: bool,
     pub enforce_eager: bool,
     pub cpu_affinity: affinity::CpuAffinity,

@@ -1,0 +1,209 @@
+//! An engine's vision encoder, shared by its ranks and its encoder actor: each image is
+//! encoded once, by whoever reaches it first — the encoder actor as the request arrives,
+//! ahead of its prefill, or a rank whose step needs the rows before the actor got to
+//! them — and its rows kept by the image's content hash for every rank and later turn.
+
+use std::collections::VecDeque;
+use std::path::Path;
+
+use crate::model::vision::VisionEncoder;
+use crate::step::PromptImage;
+use crate::sync::{Condvar, Mutex, Shared};
+
+/// Encoder rows kept for images seen lately (a later turn with the same image, a
+/// preempted request recomputed, another completion of it).
+const CACHE_BYTES: usize = 256 << 20;
+
+/// Encoder rows by image hash, least recently used first, under a byte budget. An image
+/// being encoded has a slot others wait on instead of encoding it again.
+pub struct EmbeddingCache {
+    state: Mutex<CacheState>,
+    done: Condvar,
+    budget_bytes: usize,
+}
+
+#[derive(Default)]
+struct CacheState {
+    slots: VecDeque<(u64, Slot)>,
+    bytes: usize,
+    stats: EncoderStats,
+}
+
+enum Slot {
+    Encoding,
+    Ready(Shared<Vec<f32>>),
+}
+
+/// What a caller of `EmbeddingCache::claim` is to do.
+pub enum Claim {
+    /// The rows, cached or encoded by another while this caller waited.
+    Ready(Shared<Vec<f32>>),
+    /// The image is the caller's to encode: `complete` (or `abandon`) it.
+    Mine,
+}
+
+/// Images encoded, and ranks' lookups that found the rows cached (or waited while another
+/// encoded them).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EncoderStats {
+    pub num_encoded: u64,
+    pub num_hits: u64,
+}
+
+impl EmbeddingCache {
+    pub fn new(budget_bytes: usize) -> EmbeddingCache {
+        EmbeddingCache {
+            state: Mutex::new(CacheState::default()),
+            done: Condvar::new(),
+            budget_bytes,
+        }
+    }
+
+    /// The rows of `hash`, waiting while another encodes them; `Mine` where nobody has.
+    /// `wait: false` answers `None` instead of waiting.
+    pub fn claim(&self, hash: u64, wait: bool) -> Option<Claim> {
+        let mut st = self.state.lock().expect("no panic holds the cache lock");
+        loop {
+            match st.slots.iter().position(|(h, _)| *h == hash) {
+                None => {
+                    st.slots.push_back((hash, Slot::Encoding));
+                    return Some(Claim::Mine);
+                }
+                Some(i) => match &st.slots[i].1 {
+                    Slot::Ready(rows) => {
+                        let rows = rows.clone();
+                        let entry = st.slots.remove(i).expect("found");
+                        st.slots.push_back(entry);
+                        // A rank's lookup (`wait`), not the actor's look ahead.
+                        st.stats.num_hits += u64::from(wait);
+                        return Some(Claim::Ready(rows));
+                    }
+                    Slot::Encoding if !wait => return None,
+                    Slot::Encoding => {
+                        st = self.done.wait(st).expect("no panic holds the cache lock");
+                    }
+                },
+            }
+        }
+    }
+
+    /// The rows of an image claimed with `Mine`; the least recently used rows go past the
+    /// budget (never those being encoded).
+    pub fn complete(&self, hash: u64, rows: Shared<Vec<f32>>) {
+        let mut st = self.state.lock().expect("no panic holds the cache lock");
+        st.bytes += rows.len() * 4;
+        st.stats.num_encoded += 1;
+        match st.slots.iter_mut().find(|(h, _)| *h == hash) {
+            Some(slot) => slot.1 = Slot::Ready(rows),
+            None => st.slots.push_back((hash, Slot::Ready(rows))),
+        }
+        while st.bytes > self.budget_bytes {
+            let Some(i) = st.slots.iter().position(|(h, s)| {
+                matches!(s, Slot::Ready(_)) && (*h != hash || st.slots.len() == 1)
+            }) else {
+                break;
+            };
+            if let (_, Slot::Ready(old)) = st.slots.remove(i).expect("found") {
+                st.bytes -= old.len() * 4;
+            }
+        }
+        drop(st);
+        self.done.notify_all();
+    }
+
+    /// Gives up a claim (the encoder failed): a waiter claims the image in turn.
+    pub fn abandon(&self, hash: u64) {
+        let mut st = self.state.lock().expect("no panic holds the cache lock");
+        st.slots
+            .retain(|(h, s)| *h != hash || matches!(s, Slot::Ready(_)));
+        drop(st);
+        self.done.notify_all();
+    }
+
+    pub fn stats(&self) -> EncoderStats {
+        self.state
+            .lock()
+            .expect("no panic holds the cache lock")
+            .stats
+    }
+}
+
+/// A claim that is abandoned unless completed, so a panicking encoder leaves no waiter
+/// behind.
+struct ClaimGuard<'a> {
+    cache: &'a EmbeddingCache,
+    hash: u64,
+    open: bool,
+}
+
+impl Drop for ClaimGuard<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            self.cache.abandon(self.hash);
+        }
+    }
+}
+
+/// The model's vision encoder and its cache, one per engine.
+pub struct ImageEncoder {
+    encoder: VisionEncoder,
+    pub image_token_id: u32,
+    cache: EmbeddingCache,
+}
+
+impl ImageEncoder {
+    /// The encoder of the model at `path`; `None` for a model that takes no images.
+    pub fn load(path: &Path) -> Result<Option<ImageEncoder>, crate::error::TroupeError> {
+        Ok(
+            crate::model::vision::load_encoder(path)?.map(|(encoder, image_token_id)| {
+                ImageEncoder {
+                    encoder,
+                    image_token_id,
+                    cache: EmbeddingCache::new(CACHE_BYTES),
+                }
+            }),
+        )
+    }
+
+    /// Rows of each token of the language model's input.
+    pub fn out_hidden_size(&self) -> usize {
+        self.encoder.cfg.out_hidden_size
+    }
+
+    /// The rows of `image`: cached, waited for while another encodes them, or encoded now.
+    pub fn rows(&self, image: &PromptImage) -> Shared<Vec<f32>> {
+        match self.cache.claim(image.hash, true).expect("waits") {
+            Claim::Ready(rows) => rows,
+            Claim::Mine => self.encode_claimed(image),
+        }
+    }
+
+    /// Encodes those of `images` nobody has encoded or is encoding (the encoder actor's
+    /// batch, ahead of the prefills that need them); how many it encoded.
+    pub fn encode_ahead(&self, images: &[PromptImage]) -> usize {
+        let mut num = 0;
+        for image in images {
+            if let Some(Claim::Mine) = self.cache.claim(image.hash, false) {
+                self.encode_claimed(image);
+                num += 1;
+            }
+        }
+        num
+    }
+
+    fn encode_claimed(&self, image: &PromptImage) -> Shared<Vec<f32>> {
+        let mut guard = ClaimGuard {
+            cache: &self.cache,
+            hash: image.hash,
+            open: true,
+        };
+        let rows = Shared::new(self.encoder.encode_pixels(&image.pixels, image.grid));
+        guard.open = false;
+        self.cache.complete(image.hash, rows.clone());
+        rows
+    }
+
+    pub fn stats(&self) -> EncoderStats {
+        self.cache.stats()
+    }
+}
