@@ -393,6 +393,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             "weight_card": status.weight_card,
             "encoded_images": status.num_encoded_images,
             "image_cache_hits": status.num_image_cache_hits,
+            "received_images": status.num_received_images,
         });
         if dest.as_os_str() == "-" {
             eprintln!("{stats}");

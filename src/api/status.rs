@@ -88,6 +88,8 @@ pub struct EngineStatus {
     /// found an image's rows encoded already.
     pub num_encoded_images: u64,
     pub num_image_cache_hits: u64,
+    /// Images whose rows an encode engine sent here (E/P/D).
+    pub num_received_images: u64,
 }
 
 /// The store's counters since it opened.

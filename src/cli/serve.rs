@@ -50,6 +50,9 @@ pub struct ServeArgs {
     /// replica), or only one of them (prefill/decode disaggregation: the router has a
     /// prefill engine prefill each prompt and hand its KV to a decode engine). The KV moves
     /// through the prefix store (a 1 GiB host tier unless --kv-host-cache-bytes says).
+    /// `encode` (a vision-language model): this engine only encodes requests' images, the
+    /// router picking it by the fewest image patches in flight, and sends the rows to the
+    /// engines that prefill them (E/P/D).
     #[arg(long, value_enum, default_value = "both", requires = "cluster")]
     role: ClusterRole,
     /// On SIGTERM, move the requests a peer can continue exactly (one completion, no
@@ -170,6 +173,7 @@ enum ClusterRole {
     Both,
     Prefill,
     Decode,
+    Encode,
 }
 
 /// The host tier a prefill or decode engine keeps KV blocks in unless told otherwise.
@@ -178,7 +182,8 @@ const HAND_OFF_HOST_CACHE_BYTES: usize = 1 << 30;
 pub fn run_serve(args: ServeArgs) -> Result<()> {
     let path = args.engine.model_path(args.model())?;
     let mut cfg = args.engine.config(&path)?;
-    if (args.role != ClusterRole::Both || args.drain_to.is_some()) && cfg.kv_store.host_bytes == 0 {
+    let moves_kv = !matches!(args.role, ClusterRole::Both | ClusterRole::Encode);
+    if (moves_kv || args.drain_to.is_some()) && cfg.kv_store.host_bytes == 0 {
         cfg.kv_store.host_bytes = HAND_OFF_HOST_CACHE_BYTES;
     }
     cfg.queue_timeout = args.queue_timeout;
@@ -218,8 +223,15 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
     let state = crate::protocol::server::state(opts);
     let (hooked, drain_to) = (state.clone(), args.drain_to.clone());
     let shutdown_timeout = args.shutdown_timeout;
+    let encodes = args.role == ClusterRole::Encode;
     let loading = runtime.spawn(async move {
         let engine = Engine::spawn(cfg).await?;
+        if encodes && engine.text().vision.is_none() {
+            return Err(EngineError::Spawn(
+                "--role encode: the model takes no images (it is not a vision-language model)"
+                    .into(),
+            ));
+        }
         if let Some(join) = join {
             // The engine answers HTTP only once it is in the cluster: a router that
             // sees it can send to it.

@@ -1,7 +1,8 @@
 //! The engine's side of a cluster: a node connected to the router's (and, transitively, to
 //! the other engines'), and an agent actor that answers the router's `Report` calls with
 //! the engine's load and cached prefixes, prefills prompts for a decode engine and keeps
-//! the KV blocks a prefill engine sends (`kv_transfer.rs`).
+//! the KV blocks a prefill engine sends (`kv_transfer.rs`); encodes images for its peers
+//! and keeps the image rows an encode engine sends (`image_transfer.rs`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -15,6 +16,7 @@ use serde::{Deserialize, Serialize};
 mod tasks;
 
 use super::ENGINES_GROUP;
+use super::image_transfer::decode_rows;
 use super::kv_transfer::{
     HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, Prefix, encode_chunks,
 };
@@ -56,6 +58,14 @@ pub enum AgentMsg {
     /// An output of a request this engine moved to a peer (`migrate::MovedOutput` as
     /// JSON), for its caller.
     Outputs(String),
+    /// A request's images to encode here and send to the engines that prefill it
+    /// (`image_transfer::EncodeAsk` as JSON); answered with its `EncodeDone` as JSON.
+    #[rpc]
+    EncodeImages(String, RpcReplyPort<String>),
+    /// One image's rows an encode engine sent (`image_transfer::encode_rows`); answered
+    /// with "" once kept, else why not.
+    #[rpc]
+    PutImageRows(Vec<u8>, RpcReplyPort<String>),
 }
 
 /// The process group of one engine's agent alone: how a peer finds it by node name.
@@ -195,6 +205,14 @@ impl Actor for EngineAgent {
             }
             AgentMsg::Prefill(ask, reply) => {
                 tokio::spawn(tasks::answer_prefill(st.engine.clone(), ask, reply));
+            }
+            AgentMsg::EncodeImages(json, reply) => {
+                tokio::spawn(tasks::answer_encode(st.engine.clone(), json, reply));
+            }
+            AgentMsg::PutImageRows(payload, reply) => {
+                let answer = decode_rows(&payload)
+                    .and_then(|(hash, rows)| st.engine.put_image_rows(hash, rows));
+                let _ = reply.send(answer.err().unwrap_or_default());
             }
             AgentMsg::PutBlocks(chunk, reply) => {
                 // Decoding and copying megabytes: off the agent, whose reports must not wait.

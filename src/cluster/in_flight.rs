@@ -1,5 +1,6 @@
 //! Requests the router has forwarded and not yet answered in full, by engine: added to
 //! each engine's last report, so a burst between two reports spreads over the engines.
+//! The same counts, weighted, hold the image patches in flight to each encode engine.
 
 use std::collections::BTreeMap;
 
@@ -14,15 +15,27 @@ pub struct InFlightCounts {
 pub struct InFlight {
     counts: Shared<InFlightCounts>,
     node_name: String,
+    weight: usize,
 }
 
 impl InFlightCounts {
     /// Counts a request forwarded to `node_name` until the guard is dropped.
     pub fn enter(counts: &Shared<InFlightCounts>, node_name: &str) -> InFlight {
-        *counts.lock().entry(node_name.to_string()).or_default() += 1;
+        Self::enter_weighted(counts, node_name, 1)
+    }
+
+    /// Counts `weight` (an encode ask's image patches) for `node_name` until the guard
+    /// is dropped.
+    pub fn enter_weighted(
+        counts: &Shared<InFlightCounts>,
+        node_name: &str,
+        weight: usize,
+    ) -> InFlight {
+        *counts.lock().entry(node_name.to_string()).or_default() += weight;
         InFlight {
             counts: counts.clone(),
             node_name: node_name.to_string(),
+            weight,
         }
     }
 
@@ -46,7 +59,7 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         let mut by_node = self.counts.lock();
         if let Some(n) = by_node.get_mut(&self.node_name) {
-            *n = n.saturating_sub(1);
+            *n = n.saturating_sub(self.weight);
             if *n == 0 {
                 by_node.remove(&self.node_name);
             }

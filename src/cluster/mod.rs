@@ -4,6 +4,7 @@
 //! each request by `route`'s rules and forwards the request to it over HTTP (`router.rs`).
 
 pub mod agent;
+pub mod image_transfer;
 pub mod in_flight;
 pub mod kv_transfer;
 pub mod migrate;

@@ -67,6 +67,7 @@ pub fn load_of(report: &EngineReport) -> EngineLoad {
         role: match report.role.as_str() {
             "prefill" => Role::Prefill,
             "decode" => Role::Decode,
+            "encode" => Role::Encode,
             _ => Role::Both,
         },
         alive: !report.draining,

@@ -9,26 +9,32 @@
 //! over for the request while another can take it.
 
 use actix_web::{HttpRequest, HttpResponse, web};
+use base64::Engine as _;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use super::agent::{AgentMsg, EngineReport, agent_group};
+use super::image_transfer::{EncodeAsk, EncodeDone};
 use super::in_flight::{InFlight, InFlightCounts};
+use super::kv_transfer::MAX_BLOCK_BYTES;
 use super::kv_transfer::{HandOff, PrefillAsk};
 use super::registry::{Registry, load_of};
 use super::router_metrics::Counters;
 use crate::model::ModelText;
+use crate::protocol::anthropic::{MessagesRequest, conversation as anthropic_conversation};
 use crate::protocol::api::ApiError;
 use crate::protocol::guard::{flavor_of, header_key, key_matches};
 use crate::protocol::openai::{ChatRequest, chat_conversation};
 use crate::protocol::serve_options::host_allowed;
-use crate::route::{EngineLoad, Route, RouteConfig, pick_route, prompt_block_hashes};
+use crate::route::{EngineLoad, Route, RouteConfig, pick_encoder, pick_route, prompt_block_hashes};
 use crate::sync::{Mutex, Shared};
 
 /// How many engines a request is tried on before the router gives up.
 const MAX_ATTEMPTS: usize = 3;
 /// How long a prefill engine may take to prefill a prompt and hand its KV over.
 const HAND_OFF_TIMEOUT_MS: u64 = 600_000;
+/// How long an encode engine may take to encode a request's images and send the rows.
+const ENCODE_TIMEOUT_MS: u64 = 120_000;
 
 /// Request headers the engines read (keys, ids, traces); the rest stay here.
 const FORWARDED_HEADERS: &[&str] = &[
@@ -49,6 +55,8 @@ pub struct RouterState {
     counters: Mutex<Counters>,
     /// Requests forwarded and not yet answered in full, by node name.
     in_flight: Shared<InFlightCounts>,
+    /// Image patches sent to each encode engine and not yet encoded, by node name.
+    patches_in_flight: Shared<InFlightCounts>,
     /// Host header values accepted (`None`: any), as `serve` checks them.
     allowed_hosts: Option<Vec<String>>,
     /// Keys a client must send (`--api-key`; none: the door is open).
@@ -74,6 +82,7 @@ impl RouterState {
                 .expect("a plain HTTP client"),
             counters: Mutex::new(Counters::default()),
             in_flight: Shared::new(InFlightCounts::default()),
+            patches_in_flight: Shared::new(InFlightCounts::default()),
             allowed_hosts,
             api_keys: Vec::new(),
         }
@@ -106,6 +115,39 @@ impl RouterState {
             }
             _ => None,
         }
+    }
+
+    /// A chat's images sent as data (not URLs: the engine fetches those), each as its
+    /// file in base64, its MIME type and its patches ((width / patch) × (height / patch)).
+    fn images(&self, path: &str, body: &[u8]) -> Vec<(String, Option<String>, usize)> {
+        let Some(vision) = &self.text.vision else {
+            return Vec::new();
+        };
+        let conv = match path {
+            "/v1/chat/completions" => serde_json::from_slice::<ChatRequest>(body)
+                .ok()
+                .and_then(|r| chat_conversation(&r).ok()),
+            "/v1/messages" => serde_json::from_slice::<MessagesRequest>(body)
+                .ok()
+                .and_then(|r| anthropic_conversation(&r).ok()),
+            _ => None,
+        };
+        let patch = vision.processor.patch_size.max(1) as u64;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        conv.map(|c| c.images)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|i| i.url.is_none())
+            .map(|i| {
+                let (w, h) = image::ImageReader::new(std::io::Cursor::new(&i.bytes))
+                    .with_guessed_format()
+                    .ok()
+                    .and_then(|r| r.into_dimensions().ok())
+                    .unwrap_or((0, 0));
+                let patches = (u64::from(w) / patch) * (u64::from(h) / patch);
+                (b64.encode(&i.bytes), i.mime, patches as usize)
+            })
+            .collect()
     }
 
     /// The request's route: by prefix and work where its prompt is known, by load
@@ -192,10 +234,12 @@ pub async fn forward(
     // Tokenizing a long prompt or rendering a chat template takes milliseconds of CPU:
     // on the blocking pool, not on the worker that serves other requests.
     let (reader, path, bytes) = (st.clone(), req.uri().path().to_string(), body.clone());
-    let prompt = web::block(move || reader.prompt_ids(&path, &bytes))
-        .await
-        .ok()
-        .flatten();
+    let (prompt, images) = web::block(move || {
+        let images = reader.images(&path, &bytes);
+        (reader.prompt_ids(&path, &bytes), images)
+    })
+    .await
+    .unwrap_or_default();
     let mut passed_over: Vec<String> = Vec::new();
     let mut why = "no engine in the cluster can take the request".to_string();
     for attempt in 0..MAX_ATTEMPTS {
@@ -207,7 +251,11 @@ pub async fn forward(
         let engine = &reports[route.target];
         // Counted from now: a burst of hand-offs spreads over the decode engines.
         let counted = InFlightCounts::enter(&st.in_flight, &engine.node_name);
-        if let (Some(from), Some(ids)) = (route.prefill_from, &prompt) {
+        if !images.is_empty() {
+            // The engine that prefills: a prefill engine's hand-off carries no images,
+            // so a request with images is prefilled where it is answered.
+            encode_remote(&st, &reports, &loads, &images, &engine.node_name).await;
+        } else if let (Some(from), Some(ids)) = (route.prefill_from, &prompt) {
             hand_off(&st, &reports[from], engine, ids).await;
         }
         // The last try, or no other engine to try: its 429 or 503 goes to the client.
@@ -358,6 +406,68 @@ async fn relay_stream(
 
 /// The prompt prefilled on `prefill` and its KV handed to `decode`; on failure the decode
 /// engine prefills it itself (counted).
+/// A request's images encoded on the encode engine with the fewest patches in flight (if
+/// the cluster has one) and their rows sent to `target`, which would otherwise encode them
+/// itself — as it does when this fails.
+async fn encode_remote(
+    st: &web::Data<RouterState>,
+    reports: &[EngineReport],
+    loads: &[EngineLoad],
+    images: &[(String, Option<String>, usize)],
+    target: &str,
+) {
+    let in_flight: Vec<usize> = reports
+        .iter()
+        .map(|r| st.patches_in_flight.get(&r.node_name))
+        .collect();
+    let Some(pick) = pick_encoder(loads, &in_flight) else {
+        return;
+    };
+    let encoder = &reports[pick];
+    let patches = images.iter().map(|i| i.2).sum();
+    let _counted =
+        InFlightCounts::enter_weighted(&st.patches_in_flight, &encoder.node_name, patches);
+    let ask = EncodeAsk {
+        images: images
+            .iter()
+            .map(|(d, m, _)| (d.clone(), m.clone()))
+            .collect(),
+        deliver_to: vec![target.to_string()],
+    };
+    let ask = serde_json::to_string(&ask).unwrap_or_default();
+    let done = match ractor::pg::get_members(&agent_group(&encoder.node_name)).pop() {
+        // Past a frame of the transport: the target encodes them.
+        _ if ask.len() > MAX_BLOCK_BYTES => Err("the images are past a frame".to_string()),
+        None => Err("its agent left the cluster".to_string()),
+        Some(cell) => {
+            let agent: ractor::ActorRef<AgentMsg> = cell.into();
+            match ractor::call_t!(agent, AgentMsg::EncodeImages, ENCODE_TIMEOUT_MS, ask) {
+                Ok(answer) => serde_json::from_str::<EncodeDone>(&answer)
+                    .map_err(|_| answer)
+                    .and_then(|d| d.error.clone().map_or(Ok(d), Err)),
+                Err(e) => {
+                    st.registry.forget(&encoder.node_name);
+                    Err(e.to_string())
+                }
+            }
+        }
+    };
+    match done {
+        Ok(d) => st.count(|c| {
+            *c.encoded_images
+                .entry(encoder.node_name.clone())
+                .or_default() += d.num_images as u64;
+        }),
+        Err(e) => {
+            tracing::warn!(
+                "router: encode engine {} did not encode a request's images ({e}); {target} encodes them",
+                encoder.node_name
+            );
+            st.count(|c| c.failed_encodes += 1);
+        }
+    }
+}
+
 async fn hand_off(
     st: &web::Data<RouterState>,
     prefill: &EngineReport,

@@ -23,6 +23,10 @@ pub struct Counters {
     pub kv_bytes_moved: u64,
     /// Seconds spent sending KV blocks between engines.
     pub kv_transfer_secs: f64,
+    /// Images encoded on an encode engine for another engine's prefill, by that engine.
+    pub encoded_images: BTreeMap<String, u64>,
+    /// Encode asks that failed (the prefilling engine then encoded the images itself).
+    pub failed_encodes: u64,
 }
 
 /// The exposition of `reports`, `in_flight` (requests forwarded and not yet answered, by
@@ -147,6 +151,18 @@ fn counter_families(f: &mut Families, c: &Counters) {
         "counter",
         "Hand-offs that failed (the decode engine prefilled the prompt itself).",
         one(c.failed_hand_offs as f64),
+    );
+    f.family(
+        "troupe_router_encoded_images_total",
+        "counter",
+        "Images each encode engine encoded for another engine's prefill.",
+        by_name(&c.encoded_images),
+    );
+    f.family(
+        "troupe_router_failed_encodes_total",
+        "counter",
+        "Encode asks that failed (the prefilling engine encoded the images itself).",
+        one(c.failed_encodes as f64),
     );
     f.family(
         "troupe_router_kv_transferred_bytes_total",

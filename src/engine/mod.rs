@@ -30,7 +30,7 @@ use crate::actors::image_encoder::{EncoderActor, EncoderMsg};
 pub use crate::actors::scheduler::Detached;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{Children, EngineSupervisor, SupervisorArgs, SupervisorMsg};
-use crate::api::{ChoiceText, RequestIds};
+use crate::api::{ChoiceText, PromptImage, RequestIds};
 use crate::model::{self, ModelText};
 use crate::runner::fault::FaultPlan;
 use crate::runner::image_encoder::ImageEncoder;
@@ -361,8 +361,29 @@ impl EngineHandle {
             let stats = encoder.stats();
             status.num_encoded_images = stats.num_encoded;
             status.num_image_cache_hits = stats.num_hits;
+            status.num_received_images = stats.num_received;
         }
         Ok(status)
+    }
+
+    /// `image`'s encoder rows, encoded here unless cached (an encode engine's work for a
+    /// peer, E/P/D); an error for a model that takes no images.
+    pub async fn encode_image(&self, image: PromptImage) -> Result<Shared<Vec<f32>>, String> {
+        let Some((encoder, _)) = &self.images else {
+            return Err("this engine's model takes no images".into());
+        };
+        let encoder = encoder.clone();
+        tokio::task::spawn_blocking(move || encoder.rows(&image))
+            .await
+            .map_err(|e| format!("the image encoder failed: {e}"))
+    }
+
+    /// Keeps the rows of image `hash` a peer encoded, for this engine's prefills.
+    pub fn put_image_rows(&self, hash: u64, rows: Vec<f32>) -> Result<(), String> {
+        match &self.images {
+            Some((encoder, _)) => encoder.insert(hash, rows),
+            None => Err("this engine's model takes no images".into()),
+        }
     }
 
     /// The chain hashes of the blocks its prefix cache holds (`sched::block_hash`).

@@ -72,7 +72,7 @@ fn block_text(b: &Value, field: &str) -> Result<String, ApiError> {
     }
 }
 
-fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
+pub fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages", "messages must not be empty"));
     }

@@ -293,6 +293,11 @@ fn status_registry(s: &EngineStatus) -> Registry {
         s.num_image_cache_hits,
     );
     counter(
+        "received_images",
+        "Images whose encoder rows an encode engine sent here (E/P/D)",
+        s.num_received_images,
+    );
+    counter(
         "kv_store_dropped_writes",
         "Prefix store: blocks not written to disk because the writer was behind",
         k.dropped_writes,

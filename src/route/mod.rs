@@ -34,16 +34,29 @@ pub enum Role {
     Both,
     Prefill,
     Decode,
+    /// A vision-language model's images only: never given a request to generate.
+    Encode,
 }
 
 impl Role {
     pub fn prefills(self) -> bool {
-        self != Role::Decode
+        matches!(self, Role::Both | Role::Prefill)
     }
 
     pub fn decodes(self) -> bool {
-        self != Role::Prefill
+        matches!(self, Role::Both | Role::Decode)
     }
+}
+
+/// The encode engine for a request's images, by the seed's rule: of those alive, the one
+/// with the fewest image patches in flight (`patches_in_flight[i]` for engine `i`).
+pub fn pick_encoder(engines: &[EngineLoad], patches_in_flight: &[usize]) -> Option<usize> {
+    engines
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.alive && e.role == Role::Encode)
+        .min_by_key(|&(i, _)| (patches_in_flight.get(i).copied().unwrap_or(0), i))
+        .map(|(i, _)| i)
 }
 
 /// What the router knows of one engine, as the engine last reported it.

@@ -37,7 +37,7 @@ fn engine(rng: &mut Rng, prompts: &[Vec<u32>]) -> EngineLoad {
     }
     let kv_capacity_tokens = 1024 + rng.below(8192);
     EngineLoad {
-        role: [Role::Both, Role::Prefill, Role::Decode][rng.below(3)],
+        role: [Role::Both, Role::Prefill, Role::Decode, Role::Encode][rng.below(4)],
         alive: rng.below(8) != 0,
         num_running: rng.below(40),
         num_waiting: rng.below(8),
@@ -252,5 +252,34 @@ fn routes_hand_a_prefill_engines_prompts_to_a_decode_engine() {
     if let Some(r) = pick_route(&cfg, &engines, None) {
         assert_eq!(Some(r.target), pick_decode(&engines, 0));
         assert_eq!(r.prefill_from, None);
+    }
+}
+
+#[test]
+fn encoder_picks_take_the_fewest_patches_in_flight() {
+    let mut rng = Rng(5);
+    for _ in 0..200 {
+        let engines: Vec<EngineLoad> = (0..1 + rng.below(6))
+            .map(|_| engine(&mut rng, &[]))
+            .collect();
+        let patches: Vec<usize> = engines.iter().map(|_| rng.below(4) * 1024).collect();
+        let picked = pick_encoder(&engines, &patches);
+        let eligible: Vec<usize> = (0..engines.len())
+            .filter(|&i| engines[i].alive && engines[i].role == Role::Encode)
+            .collect();
+        match picked {
+            None => assert!(eligible.is_empty()),
+            Some(i) => {
+                assert!(eligible.contains(&i), "picked engine {i} cannot encode");
+                let fewest = eligible.iter().map(|&j| patches[j]).min().unwrap();
+                assert_eq!(patches[i], fewest);
+                // Ties go to the first.
+                assert_eq!(Some(&i), eligible.iter().find(|&&j| patches[j] == fewest));
+            }
+        }
+        // An encode engine is never given a request to generate.
+        if let Some(r) = pick_route(&RouteConfig::default(), &engines, None) {
+            assert_ne!(engines[r.target].role, Role::Encode);
+        }
     }
 }

@@ -48,6 +48,8 @@ pub enum Claim {
 pub struct EncoderStats {
     pub num_encoded: u64,
     pub num_hits: u64,
+    /// Rows another engine encoded and sent here (E/P/D).
+    pub num_received: u64,
 }
 
 impl EmbeddingCache {
@@ -90,9 +92,23 @@ impl EmbeddingCache {
     /// The rows of an image claimed with `Mine`; the least recently used rows go past the
     /// budget (never those being encoded).
     pub fn complete(&self, hash: u64, rows: Shared<Vec<f32>>) {
+        self.keep(hash, rows, true);
+    }
+
+    /// Rows encoded elsewhere, kept unless the image is cached or being encoded here.
+    pub fn insert(&self, hash: u64, rows: Shared<Vec<f32>>) {
+        if let Some(Claim::Mine) = self.claim(hash, false) {
+            self.keep(hash, rows, false);
+        }
+    }
+
+    fn keep(&self, hash: u64, rows: Shared<Vec<f32>>, encoded: bool) {
         let mut st = self.state.lock().expect("no panic holds the cache lock");
         st.bytes += rows.len() * 4;
-        st.stats.num_encoded += 1;
+        match encoded {
+            true => st.stats.num_encoded += 1,
+            false => st.stats.num_received += 1,
+        }
         match st.slots.iter_mut().find(|(h, _)| *h == hash) {
             Some(slot) => slot.1 = Slot::Ready(rows),
             None => st.slots.push_back((hash, Slot::Ready(rows))),
@@ -171,9 +187,15 @@ impl ImageEncoder {
     }
 
     /// The rows of `image`: cached, waited for while another encodes them, or encoded now.
+    /// Cached rows of another size (a peer's, or a hash collision) are not the image's:
+    /// it is encoded here instead.
     pub fn rows(&self, image: &PromptImage) -> Shared<Vec<f32>> {
         match self.cache.claim(image.hash, true).expect("waits") {
-            Claim::Ready(rows) => rows,
+            Claim::Ready(rows) if rows.len() == image.num_tokens() * self.out_hidden_size() => rows,
+            Claim::Ready(_) => {
+                tracing::warn!("cached rows of image {:x} are of another size", image.hash);
+                Shared::new(self.encoder.encode_pixels(&image.pixels, image.grid))
+            }
             Claim::Mine => self.encode_claimed(image),
         }
     }
@@ -205,5 +227,19 @@ impl ImageEncoder {
 
     pub fn stats(&self) -> EncoderStats {
         self.cache.stats()
+    }
+
+    /// Rows of image `hash` another engine encoded (E/P/D); refused unless whole rows.
+    /// (`rows` checks them against the image before a rank reads them.)
+    pub fn insert(&self, hash: u64, rows: Vec<f32>) -> Result<(), String> {
+        let width = self.out_hidden_size();
+        if rows.is_empty() || !rows.len().is_multiple_of(width) {
+            return Err(format!(
+                "{} values are not whole rows of {width}",
+                rows.len()
+            ));
+        }
+        self.cache.insert(hash, Shared::new(rows));
+        Ok(())
     }
 }

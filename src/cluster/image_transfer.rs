@@ -1,0 +1,135 @@
+//! Images between engines (E/P/D, issue 64): the router asks an encode engine to encode a
+//! request's images (`EncodeAsk`, the image files as the client sent them); the encode
+//! engine makes the patches as every engine of the model makes them, encodes them and
+//! sends each image's rows, keyed by the image's content hash, to the engines that will
+//! prefill the request (`AgentMsg::PutImageRows`), before the router forwards it there.
+//! An engine that gets no rows (an encode engine gone, rows past a frame) encodes the image
+//! itself: the split only ever moves work.
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+use super::kv_transfer::MAX_BLOCK_BYTES;
+use crate::api::PromptImage;
+use crate::engine::EngineHandle;
+use crate::model::vision::{DecodeLimits, RgbImage};
+
+/// Where an encode engine sends an image's rows: a peer engine, over the cluster's
+/// transport (the agent's `PutImageRows`).
+pub trait RowsPeer {
+    /// Once the peer keeps the rows (`encode_rows`' payload).
+    fn put(&self, payload: Vec<u8>)
+    -> impl std::future::Future<Output = Result<(), String>> + Send;
+}
+
+/// The router's ask to an encode engine (JSON over the cluster transport).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EncodeAsk {
+    /// Each image's file, base64, and the MIME type it was declared with.
+    pub images: Vec<(String, Option<String>)>,
+    /// The engines whose prefills read the rows, by node name.
+    pub deliver_to: Vec<String>,
+}
+
+/// What the encode engine answers: images encoded and patches run, or why not.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EncodeDone {
+    pub num_images: usize,
+    pub num_patches: usize,
+    pub error: Option<String>,
+}
+
+/// One image's rows as a `PutImageRows` payload: its hash, then the rows (f32, LE).
+pub fn encode_rows(hash: u64, rows: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + rows.len() * 4);
+    out.extend_from_slice(&hash.to_le_bytes());
+    out.extend_from_slice(bytemuck::cast_slice(rows));
+    out
+}
+
+pub fn decode_rows(bytes: &[u8]) -> Result<(u64, Vec<f32>), String> {
+    if bytes.len() < 8 || !(bytes.len() - 8).is_multiple_of(4) {
+        return Err(format!("image rows of {} bytes are malformed", bytes.len()));
+    }
+    let hash = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    let rows = bytes[8..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect();
+    Ok((hash, rows))
+}
+
+/// The encode engine's side of `ask`: each image's rows, sent to `peers` (the engines
+/// `ask.deliver_to` names).
+pub async fn encode_for_peers(
+    engine: &EngineHandle,
+    ask: &EncodeAsk,
+    peers: &[impl RowsPeer],
+) -> EncodeDone {
+    let mut done = EncodeDone {
+        num_images: 0,
+        num_patches: 0,
+        error: None,
+    };
+    if let Err(e) = encode_each(engine, ask, peers, &mut done).await {
+        done.error = Some(e);
+    }
+    done
+}
+
+async fn encode_each(
+    engine: &EngineHandle,
+    ask: &EncodeAsk,
+    peers: &[impl RowsPeer],
+    done: &mut EncodeDone,
+) -> Result<(), String> {
+    let processor = engine
+        .text()
+        .vision
+        .as_ref()
+        .map(|v| v.processor.clone())
+        .ok_or("this engine's model takes no images")?;
+    for (i, (data, mime)) in ask.images.iter().enumerate() {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .map_err(|e| format!("image {i}: invalid base64: {e}"))?;
+        let (mime, processor) = (mime.clone(), processor.clone());
+        // Decoding and resampling take milliseconds of CPU: off the async workers.
+        let patches = tokio::task::spawn_blocking(move || {
+            let image = RgbImage::decode(&bytes, mime.as_deref(), DecodeLimits::default())?;
+            processor.patches(&image)
+        })
+        .await
+        .map_err(|e| format!("image {i}: {e}"))?
+        .map_err(|e| format!("image {i}: {e}"))?;
+        let num_patches = patches.grid.iter().product::<usize>();
+        let image = PromptImage::new(0, patches.grid, patches.merge_size, patches.values);
+        let rows = engine.encode_image(image.clone()).await?;
+        let payload = encode_rows(image.hash, &rows);
+        if payload.len() > MAX_BLOCK_BYTES {
+            // Past a frame of the transport: the peers encode this one themselves.
+            continue;
+        }
+        for peer in peers {
+            peer.put(payload.clone()).await?;
+        }
+        done.num_images += 1;
+        done.num_patches += num_patches;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_round_trip_and_malformed_payloads_are_refused() {
+        let rows: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect();
+        let bytes = encode_rows(0xdead_beef_0123, &rows);
+        assert_eq!(decode_rows(&bytes), Ok((0xdead_beef_0123, rows)));
+        for bad in [&bytes[..7], &bytes[..bytes.len() - 1]] {
+            assert!(decode_rows(bad).is_err());
+        }
+    }
+}
