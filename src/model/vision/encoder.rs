@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::VisionError;
 use super::preprocess::ImagePatches;
 use crate::kernels::cpu::CpuMatrix;
-use crate::kernels::cpu::matmul::matmul;
+use crate::kernels::cpu::matmul::{gemm_f32, matmul};
 use crate::model::loader::TensorSource;
 
 /// `vision_config` of a Qwen2.5-VL `config.json`.
@@ -385,25 +385,33 @@ fn attention(
             let k: Vec<Vec<f32>> = (lo..hi)
                 .map(|t| rotate(&qkv[t * 3 * h + h + head * hd..][..hd], &rope[t]))
                 .collect();
-            let mut block = vec![0f32; (hi - lo) * hd];
-            let mut scores = vec![0f32; hi - lo];
-            for (i, qi) in q.iter().enumerate() {
-                let mut max = f32::NEG_INFINITY;
-                for (s, kj) in scores.iter_mut().zip(&k) {
-                    *s = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(*s);
-                }
-                let mut total = 0f32;
-                scores.iter_mut().for_each(|s| {
-                    *s = (*s - max).exp();
-                    total += *s;
-                });
-                let row = &mut block[i * hd..][..hd];
-                for (j, &p) in scores.iter().enumerate() {
-                    let v = &qkv[(lo + j) * 3 * h + 2 * h + head * hd..][..hd];
-                    row.iter_mut().zip(v).for_each(|(o, v)| *o += p / total * v);
+            let len = hi - lo;
+            let (q, k): (Vec<f32>, Vec<f32>) = (q.concat(), k.concat());
+            // V transposed: the second GEMM's weight rows are V's columns.
+            let mut vt = vec![0f32; hd * len];
+            for j in 0..len {
+                let v = &qkv[(lo + j) * 3 * h + 2 * h + head * hd..][..hd];
+                for (d, &x) in v.iter().enumerate() {
+                    vt[d * len + j] = x;
                 }
             }
+            // Scores and the weighted values as GEMMs on this thread (the pool is busy
+            // with the other windows and heads).
+            let mut scores = vec![0f32; len * len];
+            // SAFETY: `scores` holds len × len, `q` and `k` len × hd each.
+            unsafe { gemm_f32(&q, len, &k, len, hd, len, scores.as_mut_ptr(), 1) };
+            for row in scores.chunks_exact_mut(len) {
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+                let mut total = 0f32;
+                row.iter_mut().for_each(|s| {
+                    *s = (*s * scale - max).exp();
+                    total += *s;
+                });
+                row.iter_mut().for_each(|s| *s /= total);
+            }
+            let mut block = vec![0f32; len * hd];
+            // SAFETY: `block` holds len × hd, `scores` len × len, `vt` hd × len.
+            unsafe { gemm_f32(&scores, len, &vt, hd, len, hd, block.as_mut_ptr(), 1) };
             (lo * h + head * hd, block)
         })
         .collect();
