@@ -1,8 +1,6 @@
-//! The encoder actor (vision-language models): the images of each request as it arrives,
-//! encoded on a blocking thread ahead of the prefill that needs them, one batch a message,
-//! into the engine's `ImageEncoder` cache the ranks read. A rank whose step reaches an
-//! image first encodes it itself (or waits while this actor finishes it), so the actor
-//! only ever moves work earlier.
+//! The encoder actor (vision-language models): each request's images, encoded as it arrives
+//! (ahead of its prefill) into the `ImageEncoder` cache the ranks read; a rank that reaches
+//! an image first encodes it itself, so the actor only ever moves work earlier.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
@@ -40,8 +38,7 @@ impl Actor for EncoderActor {
     ) -> Result<(), ActorProcessingErr> {
         let EncoderMsg::Encode(images) = msg;
         let encoder = encoder.clone();
-        // Seconds of CPU a batch: off the async workers. A failed batch costs only time:
-        // the ranks encode what it left.
+        // Seconds of CPU: off the async workers. A failed batch leaves the ranks its images.
         if let Err(e) = tokio::task::spawn_blocking(move || encoder.encode_ahead(&images)).await {
             tracing::warn!("the image encoder failed a batch: {e}");
         }
