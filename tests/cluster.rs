@@ -6,9 +6,10 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::cluster::{self, engine_view, get, names, router_up, wait_for};
 use common::process::{HOST, ServeProcess, free_port, serve};
 use common::server::raw_request;
 use serde_json::{Value, json};
@@ -18,30 +19,14 @@ fn router(cluster_port: u16) -> ServeProcess {
 }
 
 fn router_with(cluster_port: u16, extra: &[&str]) -> ServeProcess {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["router", "--model"])
-        .arg(common::smollm2_path())
-        .args(["--listen", &format!("127.0.0.1:{cluster_port}")])
-        // Every prompt of the tests' is handed over, however short.
-        .args(["--min-hand-off-tokens", "0"])
-        .args(["--port", &port.to_string()])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("troupe router starts");
-    ServeProcess {
-        child,
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
-    }
+    // Every prompt of the tests' is handed over, however short.
+    let mut args = vec!["--min-hand-off-tokens", "0"];
+    args.extend_from_slice(extra);
+    cluster::router(&common::smollm2_path(), cluster_port, &args)
 }
 
 fn engine(cluster_port: u16, name: &str, extra: &[&str]) -> ServeProcess {
-    let cluster = format!("127.0.0.1:{cluster_port}");
-    let mut args = vec!["--cluster", &cluster, "--node-name", name];
-    args.extend_from_slice(extra);
-    serve(&args, &[])
+    cluster::engine(&common::smollm2_path(), cluster_port, name, extra)
 }
 
 /// A completion's reply, as `body` asks it.
@@ -67,18 +52,6 @@ fn token_ids(reply: &Value) -> Vec<u64> {
         .collect()
 }
 
-/// The router's HTTP port answers (503 until an engine joins): its node is up.
-fn router_up(router: &ServeProcess) {
-    let started = Instant::now();
-    while raw_request(router.addr, "GET", "/health", &HOST, b"").status != 503 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the router did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Each body through `addr`, all at once.
 fn burst(addr: SocketAddr, bodies: &[Value]) -> Vec<Vec<u64>> {
     std::thread::scope(|s| {
@@ -90,55 +63,12 @@ fn burst(addr: SocketAddr, bodies: &[Value]) -> Vec<Vec<u64>> {
     })
 }
 
-fn get(addr: SocketAddr, path: &str) -> Value {
-    let r = raw_request(addr, "GET", path, &HOST, b"");
-    assert_eq!(r.status, 200, "{path}");
-    r.json()
-}
-
 fn greedy(prompt: &[u32], max_tokens: usize) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
 }
 
 fn complete(addr: SocketAddr, prompt: &[u32], max_tokens: usize) -> Vec<u64> {
     token_ids(&post(addr, &greedy(prompt, max_tokens)))
-}
-
-/// The router's view, once `ready` holds of it (within `limit`).
-fn wait_for(router: SocketAddr, limit: Duration, ready: impl Fn(&Value) -> bool) -> Value {
-    let started = Instant::now();
-    loop {
-        let r = raw_request(router, "GET", "/router/engines", &HOST, b"");
-        if r.status == 200 {
-            let v = r.json();
-            if ready(&v) {
-                return v;
-            }
-        }
-        assert!(
-            started.elapsed() < limit,
-            "the router's view did not settle"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn names(v: &Value) -> Vec<String> {
-    v["engines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["node_name"].as_str().unwrap().to_string())
-        .collect()
-}
-
-fn engine_view<'a>(v: &'a Value, name: &str) -> &'a Value {
-    v["engines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["node_name"] == name)
-        .unwrap()
 }
 
 fn random_prompts(n: usize, seed: u64, len: usize) -> Vec<Vec<u32>> {
@@ -249,15 +179,6 @@ fn a_router_over_two_engines() {
     assert_eq!(r.status, 503, "no engine left");
 }
 
-/// The prompt-block hits a process's engine found in its store's host tier.
-fn host_hits(addr: SocketAddr) -> u64 {
-    let r = raw_request(addr, "GET", "/metrics", &HOST, b"");
-    let text = String::from_utf8(r.payload()).unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix("troupe_prefix_hit_blocks_total{tier=\"host\"} "))
-        .map_or(0, |v| v.trim().parse().unwrap())
-}
-
 #[test]
 fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
     let cluster_port = free_port();
@@ -304,7 +225,7 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
         .sum();
     assert_eq!(view["kv_blocks_moved"], full_blocks, "{view}");
     assert!(view["kv_bytes_moved"].as_u64().unwrap() > 0, "{view}");
-    assert_eq!(host_hits(d.addr), full_blocks);
+    assert_eq!(cluster::host_hit_blocks(d.addr), full_blocks);
 
     // The same answers from one engine alone.
     let solo = serve(&["--kv-cache-mib", "256"], &[]);
@@ -460,7 +381,7 @@ fn a_draining_engine_moves_its_requests_to_a_peer() {
     assert!(moved > 0, "{line}");
     assert!(line.ends_with(", 0 staying to finish here"), "{line}");
     // e2 found the moved requests' blocks in its store: they came with them.
-    assert!(host_hits(e2.addr) > 0);
+    assert!(cluster::host_hit_blocks(e2.addr) > 0);
     let want: Vec<String> = bodies
         .iter()
         .map(|b| {

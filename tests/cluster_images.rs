@@ -3,15 +3,18 @@
 //! checkpoint. Chats with images through the router equal one colocated engine's replies;
 //! their images are encoded on the encode engine and reach the answering engine as rows
 //! (it encodes none itself); with the encode engine killed mid-burst every request is still
-//! answered, the same.
+//! answered, the same. With prefill and decode engines beside them, a request's images
+//! are encoded on the encode engine, its prompt prefilled with them on the prefill engine,
+//! and the decode engine answers from the KV handed to it, encoding nothing.
 
 mod common;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use base64::Engine as _;
+use common::cluster::{self, get, metric, router_up, wait_for};
 use common::process::{HOST, ServeProcess, free_port, serve_model};
 use common::server::raw_request;
 use serde_json::{Value, json};
@@ -25,37 +28,17 @@ const ENGINE_FLAGS: [&str; 5] = [
     "--exact-activations",
 ];
 
-fn router(model: &std::path::Path, cluster_port: u16) -> ServeProcess {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["router", "--model"])
-        .arg(model)
-        .args(["--listen", &format!("127.0.0.1:{cluster_port}")])
-        .args(["--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("troupe router starts");
-    let router = ServeProcess {
-        child,
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
-    };
-    let started = Instant::now();
-    while raw_request(router.addr, "GET", "/health", &HOST, b"").status != 503 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the router did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn router(model: &Path, cluster_port: u16) -> ServeProcess {
+    // Every prompt is handed over, however short.
+    let router = cluster::router(model, cluster_port, &["--min-hand-off-tokens", "0"]);
+    router_up(&router);
     router
 }
 
-fn engine(model: &std::path::Path, cluster_port: u16, name: &str, role: &str) -> ServeProcess {
-    let cluster = format!("127.0.0.1:{cluster_port}");
-    let mut args = vec!["--cluster", &cluster, "--node-name", name, "--role", role];
+fn engine(model: &Path, cluster_port: u16, name: &str, role: &str) -> ServeProcess {
+    let mut args = vec!["--role", role];
     args.extend_from_slice(&ENGINE_FLAGS);
-    serve_model(model, &args, &[])
+    cluster::engine(model, cluster_port, name, &args)
 }
 
 /// Seeded noise of `w × h` as a PNG: images no engine has seen.
@@ -103,36 +86,10 @@ fn answer(addr: SocketAddr, body: &Value) -> (String, u64) {
     (text, v["usage"]["prompt_tokens"].as_u64().unwrap())
 }
 
-/// A counter of `addr`'s `/metrics` (summed over its labels).
-fn metric(addr: SocketAddr, name: &str) -> f64 {
-    let r = raw_request(addr, "GET", "/metrics", &HOST, b"");
-    assert_eq!(r.status, 200);
-    String::from_utf8_lossy(&r.payload())
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.rsplit_once(' '))
-        .filter(|(key, _)| {
-            let key = key.split('{').next().unwrap();
-            key == name || key == format!("{name}_total")
-        })
-        .map(|(_, v)| v.parse::<f64>().unwrap())
-        .sum()
-}
-
 /// The router lists `n` engines.
 fn wait_for_engines(router: SocketAddr, n: usize) {
-    let started = Instant::now();
-    loop {
-        let r = raw_request(router, "GET", "/router/engines", &HOST, b"");
-        if r.status == 200 && r.json()["engines"].as_array().is_some_and(|e| e.len() == n) {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the router's view did not settle"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let listed = |v: &Value| v["engines"].as_array().is_some_and(|e| e.len() == n);
+    wait_for(router, Duration::from_secs(60), listed);
 }
 
 #[test]
@@ -212,6 +169,125 @@ fn images_encoded_on_an_encode_engine_give_one_engines_replies() {
         8.0,
         "received {received}, encoded {encoded}"
     );
+}
+
+/// A user turn of `parts` (text, or an image as a PNG file): greedy, 6 tokens.
+fn chat_of(parts: &[Result<&str, &[u8]>]) -> Value {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let content: Vec<Value> = (parts.iter())
+        .map(|p| match p {
+            Ok(text) => json!({"type": "text", "text": text}),
+            Err(png) => {
+                let url = format!("data:image/png;base64,{}", b64.encode(png));
+                json!({"type": "image_url", "image_url": {"url": url}})
+            }
+        })
+        .collect();
+    json!({"messages": [{"role": "user", "content": content}], "max_tokens": 6,
+        "temperature": 0, "ignore_eos": true})
+}
+
+/// An Anthropic message's reply text.
+fn message_text(addr: SocketAddr, model: &Path, png: &[u8], text: &str) -> String {
+    let data = base64::engine::general_purpose::STANDARD.encode(png);
+    let body = json!({"model": model.display().to_string(), "max_tokens": 6, "temperature": 0,
+        "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+            {"type": "text", "text": text}]}]});
+    let headers = [("host", "127.0.0.1"), ("content-type", "application/json")];
+    let r = raw_request(
+        addr,
+        "POST",
+        "/v1/messages",
+        &headers,
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.payload()));
+    r.json()["content"][0]["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn images_through_encode_prefill_and_decode_engines_give_one_engines_replies() {
+    let model = common::vision::case_dir("b");
+    let solo = serve_model(&model, &ENGINE_FLAGS, &[]);
+    let cluster_port = free_port();
+    let router = router(&model, cluster_port);
+    let encoder = engine(&model, cluster_port, "enc", "encode");
+    let prefill = engine(&model, cluster_port, "p1", "prefill");
+    let decode = engine(&model, cluster_port, "d1", "decode");
+    wait_for_engines(router.addr, 3);
+
+    // Drawn sizes and places: images first, last (their tokens in the prompt's last
+    // partial block), between texts, one to three a turn; text-only turns among them.
+    let mut rng = common::Rng(64);
+    let images: Vec<Vec<u8>> = (0..6)
+        .map(|i| {
+            noise_png(
+                28 + rng.below(70) as u32,
+                28 + rng.below(70) as u32,
+                300 + i,
+            )
+        })
+        .collect();
+    let bodies: Vec<Value> = (0..8)
+        .map(|i| {
+            let (a, b, c) = (
+                &images[i % 6][..],
+                &images[(i + 1) % 6][..],
+                &images[(i + 3) % 6][..],
+            );
+            let says = format!("turn {i} of the test");
+            match i % 4 {
+                0 => chat_of(&[Ok(&says), Err(a)]),
+                1 => chat_of(&[Err(a), Err(b), Ok(&says)]),
+                2 => chat_of(&[Ok("first"), Err(a), Ok(&says), Err(b), Err(c)]),
+                _ => chat_of(&[Ok(&says)]),
+            }
+        })
+        .collect();
+    let got: Vec<(String, u64)> = std::thread::scope(|s| {
+        let runs: Vec<_> = (bodies.iter())
+            .map(|b| s.spawn(move || answer(router.addr, b)))
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    for (body, got) in bodies.iter().zip(got) {
+        assert_eq!(got, answer(solo.addr, body), "{body:.80}");
+    }
+    let anthropic = message_text(router.addr, &model, &images[5], "and this one?");
+    assert_eq!(
+        anthropic,
+        message_text(solo.addr, &model, &images[5], "and this one?")
+    );
+
+    // Every request was prefilled on p1 and answered by d1; the images were encoded on
+    // enc alone, their rows sent to both.
+    let view = get(router.addr, "/router/engines");
+    assert_eq!(view["hand_offs"], 9, "{view}");
+    assert_eq!(view["failed_hand_offs"], 0, "{view}");
+    let moved = view["kv_blocks_moved"].as_u64().unwrap();
+    assert!(moved > 0, "{view}");
+    // d1 computed none of the blocks moved: each was found in its store, or (a prefix
+    // the turns share) in its device cache. A block staged from the store while another
+    // turn put it in the device cache counts in both tiers.
+    let hits = metric(decode.addr, "troupe_prefix_hit_blocks");
+    assert!(cluster::host_hit_blocks(decode.addr) > 0);
+    assert!(hits >= moved as f64, "{hits} hits: {view}");
+    assert_eq!(metric(encoder.addr, "troupe_encoded_images"), 6.0);
+    assert_eq!(metric(prefill.addr, "troupe_encoded_images"), 0.0);
+    assert_eq!(metric(decode.addr, "troupe_encoded_images"), 0.0);
+    assert_eq!(metric(prefill.addr, "troupe_received_images"), 6.0);
+
+    // With the encode engine gone, the prefill engine encodes a new image itself; the
+    // decode engine still computes none of it.
+    drop(encoder);
+    wait_for_engines(router.addr, 2);
+    let fresh = noise_png(61, 45, 999);
+    let body = chat_of(&[Err(&fresh), Ok("what now?")]);
+    assert_eq!(answer(router.addr, &body), answer(solo.addr, &body));
+    assert_eq!(metric(prefill.addr, "troupe_encoded_images"), 1.0);
+    assert_eq!(metric(decode.addr, "troupe_encoded_images"), 0.0);
+    assert_eq!(get(router.addr, "/router/engines")["hand_offs"], 10);
 }
 
 #[test]

@@ -16,13 +16,14 @@ use serde::{Deserialize, Serialize};
 mod tasks;
 
 use super::ENGINES_GROUP;
-use super::image_transfer::decode_rows;
+use super::image_transfer::{decode_rows, prompt_with_images};
 use super::kv_transfer::{
     HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, Prefix, encode_chunks,
 };
 use super::migrate::{Continuation, DrainAsk, MovedOutput};
 use crate::engine::{Detached, EngineHandle, EngineRequest, RequestOutput};
 use crate::sampling::SamplingParams;
+use crate::step::with_virtual_ids;
 
 /// How long a draining engine waits for a peer's report (a busy peer answers late).
 const PEER_REPORT_TIMEOUT_MS: u64 = 5_000;
@@ -278,7 +279,12 @@ pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result
         temperature: 0.0,
         ..SamplingParams::default()
     };
-    let request = EngineRequest::new(ask.prompt_ids.clone(), 1, greedy);
+    let (prompt_ids, images) =
+        prompt_with_images(engine, ask.prompt_ids.clone(), &ask.images).await?;
+    // Blocks are named as the engines name them: an image's placeholders by its content.
+    let tokens = with_virtual_ids(&prompt_ids, &images);
+    let mut request = EngineRequest::new(prompt_ids, 1, greedy);
+    request.images = images;
     let out = engine
         .generate(request)
         .await
@@ -291,7 +297,7 @@ pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result
     engine.flush_kv_saves().await.map_err(|e| e.to_string())?;
     // What the store does not hold now it has dropped for room: the decode engine
     // computes those blocks again.
-    let prefix = Prefix::export(store, &ask.prompt_ids);
+    let prefix = Prefix::export(store, &tokens);
     let sending = Instant::now();
     let bytes = transport.send(store.namespace(), &prefix).await?;
     Ok(HandOff {

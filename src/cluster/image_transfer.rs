@@ -13,6 +13,8 @@ use super::kv_transfer::MAX_BLOCK_BYTES;
 use crate::api::PromptImage;
 use crate::engine::EngineHandle;
 use crate::model::vision::{DecodeLimits, RgbImage};
+use crate::protocol::conversation::ImageInput;
+use crate::protocol::images::expand_inputs;
 
 /// Where an encode engine sends an image's rows: a peer engine, over the cluster's
 /// transport (the agent's `PutImageRows`).
@@ -57,6 +59,37 @@ pub fn decode_rows(bytes: &[u8]) -> Result<(u64, Vec<f32>), String> {
         .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
         .collect();
     Ok((hash, rows))
+}
+
+/// A prefill ask's prompt (one placeholder per image) widened to its images' tokens, and
+/// the images, made as the engine's own chat route makes them.
+pub async fn prompt_with_images(
+    engine: &EngineHandle,
+    prompt_ids: Vec<u32>,
+    files: &[(String, Option<String>)],
+) -> Result<(Vec<u32>, Vec<PromptImage>), String> {
+    if files.is_empty() {
+        return Ok((prompt_ids, Vec::new()));
+    }
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let inputs = (files.iter().enumerate())
+        .map(|(i, (data, mime))| {
+            Ok(ImageInput {
+                bytes: (b64.decode(data)).map_err(|e| format!("image {i}: invalid base64: {e}"))?,
+                url: None,
+                mime: mime.clone(),
+                field: format!("images[{i}]"),
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let text = engine.text_shared();
+    // Decoding and resampling take milliseconds of CPU: off the async workers.
+    tokio::task::spawn_blocking(move || {
+        expand_inputs(&inputs, "prompt_ids", &text, prompt_ids)
+            .map_err(|r| format!("{}: {}", r.field, r.message))
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// The encode engine's side of `ask`: each image's rows, sent to `peers` (the engines

@@ -21,12 +21,15 @@ pub const MAX_BLOCK_BYTES: usize = 15 << 20;
 /// Tags a chunk of blocks, with its format's version.
 const MAGIC: &[u8; 4] = b"TKV2";
 
-/// What the router asks a prefill engine: run `prompt_ids`, send its blocks to
-/// `decode_node`.
+/// What the router asks a prefill engine: run `prompt_ids` (a chat's with one placeholder
+/// per image of `images`), send its blocks to `decode_node`.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct PrefillAsk {
     pub prompt_ids: Vec<u32>,
     pub decode_node: String,
+    /// Each image's file, base64, and the MIME type it was declared with.
+    #[serde(default)]
+    pub images: Vec<(String, Option<String>)>,
 }
 
 /// One block as it moves: its key and its bytes as the rank's cache stores them.

@@ -4,11 +4,13 @@
 //! each request by `route`'s rules and forwards the request to it over HTTP (`router.rs`).
 
 pub mod agent;
+mod hand_off;
 pub mod image_transfer;
 pub mod in_flight;
 pub mod kv_transfer;
 pub mod migrate;
 pub mod registry;
+mod request_view;
 pub mod router;
 pub mod router_metrics;
 

@@ -9,33 +9,24 @@
 //! over for the request while another can take it.
 
 use actix_web::{HttpRequest, HttpResponse, web};
-use base64::Engine as _;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
-use super::agent::{AgentMsg, EngineReport, agent_group};
-use super::image_transfer::{EncodeAsk, EncodeDone};
+use super::agent::EngineReport;
+use super::hand_off::{encode_remote, hand_off};
 use super::in_flight::{InFlight, InFlightCounts};
-use super::kv_transfer::MAX_BLOCK_BYTES;
-use super::kv_transfer::{HandOff, PrefillAsk};
 use super::registry::{Registry, load_of};
+use super::request_view::RequestView;
 use super::router_metrics::Counters;
 use crate::model::ModelText;
-use crate::protocol::anthropic::{MessagesRequest, conversation as anthropic_conversation};
 use crate::protocol::api::ApiError;
 use crate::protocol::guard::{flavor_of, header_key, key_matches};
-use crate::protocol::openai::{ChatRequest, chat_conversation};
 use crate::protocol::serve_options::host_allowed;
-use crate::route::{EngineLoad, Route, RouteConfig, pick_encoder, pick_route, prompt_block_hashes};
+use crate::route::{EngineLoad, Route, RouteConfig, pick_route, prompt_block_hashes};
 use crate::sync::{Mutex, Shared};
 
 /// How many engines a request is tried on before the router gives up.
 const MAX_ATTEMPTS: usize = 3;
-/// How long a prefill engine may take to prefill a prompt and hand its KV over.
-const HAND_OFF_TIMEOUT_MS: u64 = 600_000;
-/// How long an encode engine may take to encode a request's images and send the rows.
-const ENCODE_TIMEOUT_MS: u64 = 120_000;
-
 /// Request headers the engines read (keys, ids, traces); the rest stay here.
 const FORWARDED_HEADERS: &[&str] = &[
     "content-type",
@@ -54,9 +45,9 @@ pub struct RouterState {
     client: reqwest::Client,
     counters: Mutex<Counters>,
     /// Requests forwarded and not yet answered in full, by node name.
-    in_flight: Shared<InFlightCounts>,
+    pub(super) in_flight: Shared<InFlightCounts>,
     /// Image patches sent to each encode engine and not yet encoded, by node name.
-    patches_in_flight: Shared<InFlightCounts>,
+    pub(super) patches_in_flight: Shared<InFlightCounts>,
     /// Host header values accepted (`None`: any), as `serve` checks them.
     allowed_hosts: Option<Vec<String>>,
     /// Keys a client must send (`--api-key`; none: the door is open).
@@ -88,68 +79,6 @@ impl RouterState {
         }
     }
 
-    /// The prompt's token ids, for the routes whose prompt the router can read.
-    fn prompt_ids(&self, path: &str, body: &[u8]) -> Option<Vec<u32>> {
-        let v: Value = serde_json::from_slice(body).ok()?;
-        match path {
-            "/v1/completions" => {
-                let prompt = match &v["prompt"] {
-                    Value::Array(items) if items.first().is_some_and(|x| !x.is_number()) => {
-                        items[0].clone()
-                    }
-                    other => other.clone(),
-                };
-                match prompt {
-                    Value::String(s) => {
-                        let tok = self.text.tokenizer.as_ref()?;
-                        tok.encode_request_prompt(&s, false, true).ok()
-                    }
-                    Value::Array(ids) => ids.iter().map(|x| x.as_u64().map(|x| x as u32)).collect(),
-                    _ => None,
-                }
-            }
-            "/v1/chat/completions" => {
-                let req: ChatRequest = serde_json::from_value(v).ok()?;
-                let conv = chat_conversation(&req).ok()?;
-                conv.to_prompt_ids(&self.text).ok()
-            }
-            _ => None,
-        }
-    }
-
-    /// A chat's images sent as data (not URLs: the engine fetches those), each as its
-    /// file in base64, its MIME type and its patches ((width / patch) × (height / patch)).
-    fn images(&self, path: &str, body: &[u8]) -> Vec<(String, Option<String>, usize)> {
-        let Some(vision) = &self.text.vision else {
-            return Vec::new();
-        };
-        let conv = match path {
-            "/v1/chat/completions" => serde_json::from_slice::<ChatRequest>(body)
-                .ok()
-                .and_then(|r| chat_conversation(&r).ok()),
-            "/v1/messages" => serde_json::from_slice::<MessagesRequest>(body)
-                .ok()
-                .and_then(|r| anthropic_conversation(&r).ok()),
-            _ => None,
-        };
-        let patch = vision.processor.patch_size.max(1) as u64;
-        let b64 = base64::engine::general_purpose::STANDARD;
-        conv.map(|c| c.images)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|i| i.url.is_none())
-            .map(|i| {
-                let (w, h) = image::ImageReader::new(std::io::Cursor::new(&i.bytes))
-                    .with_guessed_format()
-                    .ok()
-                    .and_then(|r| r.into_dimensions().ok())
-                    .unwrap_or((0, 0));
-                let patches = (u64::from(w) / patch) * (u64::from(h) / patch);
-                (b64.encode(&i.bytes), i.mime, patches as usize)
-            })
-            .collect()
-    }
-
     /// The request's route: by prefix and work where its prompt is known, by load
     /// otherwise.
     fn route(&self, loads: &[EngineLoad], prompt: Option<&[u32]>) -> Option<Route> {
@@ -177,7 +106,7 @@ impl RouterState {
             .collect()
     }
 
-    fn count(&self, f: impl FnOnce(&mut Counters)) {
+    pub(super) fn count(&self, f: impl FnOnce(&mut Counters)) {
         f(&mut self.counters.lock().expect("router lock"));
     }
 
@@ -234,29 +163,37 @@ pub async fn forward(
     // Tokenizing a long prompt or rendering a chat template takes milliseconds of CPU:
     // on the blocking pool, not on the worker that serves other requests.
     let (reader, path, bytes) = (st.clone(), req.uri().path().to_string(), body.clone());
-    let (prompt, images) = web::block(move || {
-        let images = reader.images(&path, &bytes);
-        (reader.prompt_ids(&path, &bytes), images)
-    })
-    .await
-    .unwrap_or_default();
+    let view = web::block(move || RequestView::read(&reader.text, &path, &bytes))
+        .await
+        .unwrap_or_default();
     let mut passed_over: Vec<String> = Vec::new();
     let mut why = "no engine in the cluster can take the request".to_string();
     for attempt in 0..MAX_ATTEMPTS {
         let reports = st.registry.reports();
         let loads = st.loads(&reports, &passed_over);
-        let Some(route) = st.route(&loads, prompt.as_deref()) else {
+        let Some(route) = st.route(&loads, view.prompt.as_deref()) else {
             break;
         };
         let engine = &reports[route.target];
         // Counted from now: a burst of hand-offs spreads over the decode engines.
         let counted = InFlightCounts::enter(&st.in_flight, &engine.node_name);
-        if !images.is_empty() {
-            // The engine that prefills: a prefill engine's hand-off carries no images,
-            // so a request with images is prefilled where it is answered.
-            encode_remote(&st, &reports, &loads, &images, &engine.node_name).await;
-        } else if let (Some(from), Some(ids)) = (route.prefill_from, &prompt) {
-            hand_off(&st, &reports[from], engine, ids).await;
+        let target = engine.node_name.clone();
+        match (route.prefill_from, &view.prompt) {
+            // URLs only the answering engine fetches: prefilled there.
+            (Some(from), Some(ids)) if !view.fetches_images => {
+                let prefill = &reports[from];
+                if !view.images.is_empty() {
+                    // The prefill engine reads the rows; the decode engine those of an
+                    // image that reaches the prompt's last partial block.
+                    let to = vec![prefill.node_name.clone(), target];
+                    encode_remote(&st, &reports, &loads, &view, to).await;
+                }
+                hand_off(&st, prefill, engine, ids, &view).await;
+            }
+            _ if !view.images.is_empty() => {
+                encode_remote(&st, &reports, &loads, &view, vec![target]).await;
+            }
+            _ => {}
         }
         // The last try, or no other engine to try: its 429 or 503 goes to the client.
         let others = (loads.iter().enumerate())
@@ -402,110 +339,6 @@ async fn relay_stream(
     });
     let stream = futures_util::stream::once(std::future::ready(Ok(first))).chain(rest);
     Ok(response.streaming(stream))
-}
-
-/// The prompt prefilled on `prefill` and its KV handed to `decode`; on failure the decode
-/// engine prefills it itself (counted).
-/// A request's images encoded on the encode engine with the fewest patches in flight (if
-/// the cluster has one) and their rows sent to `target`, which would otherwise encode them
-/// itself — as it does when this fails.
-async fn encode_remote(
-    st: &web::Data<RouterState>,
-    reports: &[EngineReport],
-    loads: &[EngineLoad],
-    images: &[(String, Option<String>, usize)],
-    target: &str,
-) {
-    let in_flight: Vec<usize> = reports
-        .iter()
-        .map(|r| st.patches_in_flight.get(&r.node_name))
-        .collect();
-    let Some(pick) = pick_encoder(loads, &in_flight) else {
-        return;
-    };
-    let encoder = &reports[pick];
-    let patches = images.iter().map(|i| i.2).sum();
-    let _counted =
-        InFlightCounts::enter_weighted(&st.patches_in_flight, &encoder.node_name, patches);
-    let ask = EncodeAsk {
-        images: images
-            .iter()
-            .map(|(d, m, _)| (d.clone(), m.clone()))
-            .collect(),
-        deliver_to: vec![target.to_string()],
-    };
-    let ask = serde_json::to_string(&ask).unwrap_or_default();
-    let done = match ractor::pg::get_members(&agent_group(&encoder.node_name)).pop() {
-        // Past a frame of the transport: the target encodes them.
-        _ if ask.len() > MAX_BLOCK_BYTES => Err("the images are past a frame".to_string()),
-        None => Err("its agent left the cluster".to_string()),
-        Some(cell) => {
-            let agent: ractor::ActorRef<AgentMsg> = cell.into();
-            match ractor::call_t!(agent, AgentMsg::EncodeImages, ENCODE_TIMEOUT_MS, ask) {
-                Ok(answer) => serde_json::from_str::<EncodeDone>(&answer)
-                    .map_err(|_| answer)
-                    .and_then(|d| d.error.clone().map_or(Ok(d), Err)),
-                Err(e) => {
-                    st.registry.forget(&encoder.node_name);
-                    Err(e.to_string())
-                }
-            }
-        }
-    };
-    match done {
-        Ok(d) => st.count(|c| {
-            *c.encoded_images
-                .entry(encoder.node_name.clone())
-                .or_default() += d.num_images as u64;
-        }),
-        Err(e) => {
-            tracing::warn!(
-                "router: encode engine {} did not encode a request's images ({e}); {target} encodes them",
-                encoder.node_name
-            );
-            st.count(|c| c.failed_encodes += 1);
-        }
-    }
-}
-
-async fn hand_off(
-    st: &web::Data<RouterState>,
-    prefill: &EngineReport,
-    decode: &EngineReport,
-    prompt: &[u32],
-) {
-    let _counted = InFlightCounts::enter(&st.in_flight, &prefill.node_name);
-    let ask = PrefillAsk {
-        prompt_ids: prompt.to_vec(),
-        decode_node: decode.node_name.clone(),
-    };
-    let done = match ractor::pg::get_members(&agent_group(&prefill.node_name)).pop() {
-        None => Err("its agent left the cluster".to_string()),
-        Some(cell) => {
-            let agent: ractor::ActorRef<AgentMsg> = cell.into();
-            let ask = serde_json::to_string(&ask).unwrap_or_default();
-            match ractor::call_t!(agent, AgentMsg::Prefill, HAND_OFF_TIMEOUT_MS, ask) {
-                Ok(answer) => serde_json::from_str::<HandOff>(&answer).map_err(|_| answer),
-                Err(e) => Err(e.to_string()),
-            }
-        }
-    };
-    match done {
-        Ok(h) => st.count(|c| {
-            *c.hand_offs.entry(prefill.node_name.clone()).or_default() += 1;
-            c.kv_blocks_moved += h.num_blocks as u64;
-            c.kv_bytes_moved += h.bytes;
-            c.kv_transfer_secs += h.transfer_secs;
-        }),
-        Err(e) => {
-            tracing::warn!(
-                "router: hand-off from {} to {}: {e}",
-                prefill.node_name,
-                decode.node_name
-            );
-            st.count(|c| c.failed_hand_offs += 1);
-        }
-    }
 }
 
 /// `GET /router/engines`: each engine's last report (cached blocks counted), how many

@@ -36,6 +36,7 @@ use crate::runner::fault::FaultPlan;
 use crate::runner::image_encoder::ImageEncoder;
 use crate::runner::sampled_tokens::SampledTokens;
 use crate::sampling::splitmix64;
+use crate::step::with_virtual_ids;
 use crate::store::KvStore;
 use crate::structured::GrammarCompiler;
 use speculation::{draft_model, mtp_drafts};
@@ -252,9 +253,12 @@ impl EngineHandle {
             .acquire_owned()
             .await
             .map_err(|_| EngineError::Unavailable("the engine is shut down".into()))?;
-        if let (Some((_, actor)), false) = (&self.images, request.images.is_empty()) {
+        if let Some((_, actor)) = &self.images {
             // Encoded while the request waits and prefills what comes before its images.
-            let _ = actor.cast(EncoderMsg::Encode(request.images.clone()));
+            let ahead = self.images_to_encode(&request);
+            if !ahead.is_empty() {
+                let _ = actor.cast(EncoderMsg::Encode(ahead));
+            }
         }
         let request_id = self.request_ids.next();
         // Unseeded requests get a seed now, reported back, so any run can be replayed.
@@ -364,6 +368,20 @@ impl EngineHandle {
             status.num_received_images = stats.num_received;
         }
         Ok(status)
+    }
+
+    /// The request's images but those whose last token's block the prefix store holds (a
+    /// prefill engine handed it over): the ranks read rows only for tokens they compute.
+    fn images_to_encode(&self, request: &EngineRequest) -> Vec<PromptImage> {
+        let (images, store) = (&request.images, self.kv_store.as_deref());
+        let tokens = store.map(|_| with_virtual_ids(&request.prompt_ids, images));
+        (images.iter())
+            .filter(|i| match (store, &tokens) {
+                (Some(store), Some(tokens)) => !store.may_have_token(tokens, 0, i.end_token() - 1),
+                _ => true,
+            })
+            .cloned()
+            .collect()
     }
 
     /// `image`'s encoder rows, encoded here unless cached (an encode engine's work for a

@@ -206,6 +206,11 @@ impl KvStore {
         in_host || self.disk.as_ref().is_some_and(|d| d.contains(key.hash))
     }
 
+    /// Whether the block of `tokens` holding token `position` may be here.
+    pub fn may_have_token(&self, tokens: &[u32], cache_salt: u64, position: usize) -> bool {
+        self.may_have(tokens, cache_salt, position / self.block_size)
+    }
+
     /// `tokens`' consecutive full blocks from `first_block` on that the store holds,
     /// checked (host memory first, then disk; a disk hit is kept in host memory too).
     /// Blocking: disk reads.

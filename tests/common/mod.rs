@@ -106,6 +106,7 @@ pub fn uniform(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 pub mod cli;
+pub mod cluster;
 pub mod dsv4;
 pub mod dsv4_host;
 pub mod engine;
