@@ -1,13 +1,15 @@
-//! The vision encoder on the CPU: images per second of a Qwen2.5-VL checkpoint's encoder
+//! The vision encoder on the CPU or the GPU: images per second of a Qwen2.5-VL checkpoint's encoder
 //! at the given sizes, from the processor's patches of seeded noise images (the pixels
 //! matter not: every image of a size runs the same work).
 //!
 //! `VISION_DIR=... cargo bench --bench vision_encoder`; `VISION_SIZES` (`448,1024`: square
-//! images, pixels a side), `VISION_REPS` (3). `scripts/bench_vision_encoder.py` makes the
+//! images, pixels a side), `VISION_REPS` (3), `VISION_DEVICE` (`cpu`, or `cuda` in a build
+//! with the `cuda` feature). `scripts/bench_vision_encoder.py` makes the
 //! checkpoint and times transformers' encoder beside it. Prints one JSON line a size.
 
 use std::time::Instant;
 
+use troupe::kernels::Backend;
 use troupe::model::loader::SafetensorsSource;
 use troupe::model::vision::{ImageProcessorConfig, RgbImage, VisionConfig, VisionEncoder};
 
@@ -22,13 +24,37 @@ fn main() {
         std::env::var("VISION_REPS").map_or(3, |s| s.parse().expect("VISION_REPS: a count"));
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let encoder = VisionEncoder::load(
-        VisionConfig::from_hf_json(&json).unwrap(),
-        &SafetensorsSource::open_dir(&dir).unwrap(),
-    )
-    .unwrap();
+    let cfg = VisionConfig::from_hf_json(&json).unwrap();
+    let src = SafetensorsSource::open_dir(&dir).unwrap();
     let processor = ImageProcessorConfig::from_file(&dir.join("preprocessor_config.json")).unwrap();
-    for side in sizes {
+    match std::env::var("VISION_DEVICE").as_deref() {
+        Ok("cpu") | Err(_) => run(
+            &VisionEncoder::load(cfg, &src).unwrap(),
+            &processor,
+            &sizes,
+            reps,
+        ),
+        #[cfg(feature = "cuda")]
+        Ok("cuda") => {
+            let gpu = troupe::kernels::cuda::CudaBackend::new(0, false, false).unwrap();
+            run(
+                &VisionEncoder::load_on(cfg, &src, gpu).unwrap(),
+                &processor,
+                &sizes,
+                reps,
+            )
+        }
+        Ok(other) => panic!("VISION_DEVICE={other}: cpu, or cuda in a build with the cuda feature"),
+    }
+}
+
+fn run<B: Backend>(
+    encoder: &VisionEncoder<B>,
+    processor: &ImageProcessorConfig,
+    sizes: &[u32],
+    reps: usize,
+) {
+    for &side in sizes {
         let mut state = 0x5eedu64;
         let pixels: Vec<u8> = (0..side * side * 3)
             .map(|_| {

@@ -8,6 +8,12 @@
 #   failover  as replicas, one engine killed with SIGKILL KILL_AFTER seconds into the
 #             load: its requests re-run on the other (streams it had started end with an
 #             error event, counted failed); the e2e latency columns show the tail it adds
+#   epd       a vision-language model's E/P/D: the router, an encode engine and an engine
+#             that prefills and decodes (images encoded on the first, rows sent on)
+#   epd-pd    the router, an encode, a prefill and a decode engine
+# With LONG_IMAGES=N the long stream is chats with N noise images of IMAGE_SIZE (WxH)
+# each beside LONG_IN text tokens: a mixed text/image load (MODEL a vision-language model,
+# e.g. one `scripts/make_vl_bench_model.py` writes).
 # The decode-heavy stream's TPOT p99 is what disaggregation protects; the prefill-heavy
 # stream's TTFT is what it costs; the router's counters give the KV moved and its rate.
 # Env: BIN (troupe binary), MODEL, ENGINE_ARGS (flags every engine gets, e.g.
@@ -23,6 +29,13 @@ MODES=${MODES:-"solo replicas pd"}
 LONG_IN=${LONG_IN:-1024} LONG_OUT=${LONG_OUT:-4} LONG_N=${LONG_N:-12} LONG_RATE=${LONG_RATE:-0.5}
 SHORT_IN=${SHORT_IN:-32} SHORT_OUT=${SHORT_OUT:-64} SHORT_N=${SHORT_N:-12} SHORT_RATE=${SHORT_RATE:-1}
 KILL_AFTER=${KILL_AFTER:-6}
+LONG_IMAGES=${LONG_IMAGES:-0} IMAGE_SIZE=${IMAGE_SIZE:-448x448}
+# A vision-language model's vocabulary may be small: prompts go as text then.
+text_args=() long_args=()
+if [ "$LONG_IMAGES" != 0 ]; then
+  text_args=(--text-prompts)
+  long_args=(--images-per-request "$LONG_IMAGES" --image-size "$IMAGE_SIZE")
+fi
 model_args=()
 if [ -n "$MODEL" ]; then model_args=(--model "$MODEL"); fi
 out=$(mktemp -d)
@@ -82,27 +95,32 @@ for mode in $MODES; do
       engine "$http"
       wait_health "$url" 200
       ;;
-    replicas|pd|failover)
+    replicas|pd|failover|epd|epd-pd)
       cluster=$(free_port)
       router "$http" "$cluster"
-      if [ "$mode" = pd ]; then roles=(prefill decode); else roles=(both both); fi
-      for i in 0 1; do
+      case $mode in
+        pd) roles=(prefill decode) ;;
+        epd) roles=(encode both) ;;
+        epd-pd) roles=(encode prefill decode) ;;
+        *) roles=(both both) ;;
+      esac
+      for i in "${!roles[@]}"; do
         engine "$(free_port)" --cluster "127.0.0.1:$cluster" --node-name "$mode-${roles[$i]}-$i" --role "${roles[$i]}"
       done
       victim=${pids[-1]}
-      engines_in_view "$url" 2
+      engines_in_view "$url" "${#roles[@]}"
       ;;
   esac
-  "$BIN" bench-serve --url "$url" --rates 4 --num-prompts 4 --input-len 64 --output-len 4 >/dev/null
+  "$BIN" bench-serve --url "$url" --rates 4 --num-prompts 4 --input-len 64 --output-len 4 "${text_args[@]}" >/dev/null
   before=$(curl -s "$url/router/engines" || echo '{}')
   "$BIN" bench-serve --url "$url" --rates "$LONG_RATE" --num-prompts "$LONG_N" --input-len "$LONG_IN" \
-    --output-len "$LONG_OUT" --seed 1 --json "$out/$mode-long.json" >/dev/null &
+    --output-len "$LONG_OUT" --seed 1 "${long_args[@]}" --json "$out/$mode-long.json" >/dev/null &
   long=$!
   if [ "$mode" = failover ]; then
     (sleep "$KILL_AFTER"; kill -9 "$victim") &
   fi
   "$BIN" bench-serve --url "$url" --rates "$SHORT_RATE" --num-prompts "$SHORT_N" --input-len "$SHORT_IN" \
-    --output-len "$SHORT_OUT" --seed 2 --json "$out/$mode-short.json" >/dev/null
+    --output-len "$SHORT_OUT" --seed 2 "${text_args[@]}" --json "$out/$mode-short.json" >/dev/null
   wait "$long"
   after=$(curl -s "$url/router/engines" || echo '{}')
   rows+=("$(python3 - "$mode" "$out/$mode-long.json" "$out/$mode-short.json" "$before" "$after" <<'EOF'
@@ -113,14 +131,15 @@ try:
     b, a = json.loads(before), json.loads(after)
     moved = a.get("kv_bytes_moved", 0) - b.get("kv_bytes_moved", 0)
     secs = a.get("kv_transfer_secs", 0) - b.get("kv_transfer_secs", 0)
+    encoded = a.get("encoded_images", 0) - b.get("encoded_images", 0)
 except ValueError:
-    moved, secs = 0, 0
+    moved, secs, encoded = 0, 0, 0
 rate = f"{moved / secs / 1e6:.0f}" if secs > 0 else "-"
 f = lambda v: "-" if v is None else f"{v:.0f}"
 print(f"| {mode} | {lr['completed']}/{lr['completed'] + lr['failed']} | {f(lr['ttft_p50_ms'])} | {f(lr['ttft_p99_ms'])} "
       f"| {sr['completed']}/{sr['completed'] + sr['failed']} | {f(sr['ttft_p50_ms'])} | {f(sr['tpot_p50_ms'])} | {f(sr['tpot_p99_ms'])} "
       f"| {f(lr['e2el_p50_ms'])} | {f(lr['e2el_p99_ms'])} | {f(sr['e2el_p50_ms'])} | {f(sr['e2el_p99_ms'])} "
-      f"| {lr['output_token_throughput'] + sr['output_token_throughput']:.1f} | {moved / 1e6:.0f} | {rate} |")
+      f"| {lr['output_token_throughput'] + sr['output_token_throughput']:.1f} | {moved / 1e6:.0f} | {rate} | {encoded} |")
 EOF
 )")
   stop_all
@@ -136,7 +155,7 @@ for _ in range(5):
     best = max(best, 2 * len(src) / t)
 print(f"{best / 1e6:.0f}")')
 echo "host copy bandwidth: $copy MB/s (read + written)"
-echo "long: $LONG_N x ($LONG_IN in, $LONG_OUT out) at $LONG_RATE/s; short: $SHORT_N x ($SHORT_IN in, $SHORT_OUT out) at $SHORT_RATE/s"
-echo "| mode | long ok | long TTFT p50 ms | long TTFT p99 ms | short ok | short TTFT p50 ms | short TPOT p50 ms | short TPOT p99 ms | long e2e p50 ms | long e2e p99 ms | short e2e p50 ms | short e2e p99 ms | out tok/s | KV moved MB | KV MB/s |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "long: $LONG_N x ($LONG_IN in, $LONG_IMAGES images of $IMAGE_SIZE, $LONG_OUT out) at $LONG_RATE/s; short: $SHORT_N x ($SHORT_IN in, $SHORT_OUT out) at $SHORT_RATE/s"
+echo "| mode | long ok | long TTFT p50 ms | long TTFT p99 ms | short ok | short TTFT p50 ms | short TPOT p50 ms | short TPOT p99 ms | long e2e p50 ms | long e2e p99 ms | short e2e p50 ms | short e2e p99 ms | out tok/s | KV moved MB | KV MB/s | images encoded apart |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

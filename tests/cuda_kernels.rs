@@ -18,6 +18,8 @@ fn llama_kernels_compile_for_sm90_with_every_entry_point() {
         "f32_to_bf16_kernel",
         "embedding_kernel",
         "add_bias_kernel",
+        "segment_attention_kernel",
+        "gelu_kernel",
         "rms_norm_kernel",
         "add_rms_norm_kernel",
         "add_kernel",

@@ -16,6 +16,8 @@ pub struct SentImage {
     pub data: String,
     pub mime: Option<String>,
     pub num_patches: usize,
+    /// Its placeholder tokens, about (the processor may resize it).
+    pub num_tokens: usize,
 }
 
 /// A request as the router reads it.
@@ -67,6 +69,13 @@ impl RequestView {
     pub fn num_patches(&self) -> usize {
         self.images.iter().map(|i| i.num_patches).sum()
     }
+
+    /// The prompt's length with each image widened to its tokens, what a hand-off is
+    /// weighed by.
+    pub fn num_prompt_tokens(&self) -> Option<usize> {
+        let widened = self.images.iter().map(|i| i.num_tokens.saturating_sub(1));
+        Some(self.prompt.as_ref()?.len() + widened.sum::<usize>())
+    }
 }
 
 fn completion_prompt(text: &ModelText, body: &[u8]) -> Option<Vec<u32>> {
@@ -90,6 +99,7 @@ fn sent_images(text: &ModelText, conv: &Conversation) -> Vec<SentImage> {
         return Vec::new();
     };
     let patch = vision.processor.patch_size.max(1) as u64;
+    let merged = (vision.processor.merge_size.max(1) as u64).pow(2);
     let b64 = base64::engine::general_purpose::STANDARD;
     (conv.images.iter())
         .filter(|i| i.url.is_none())
@@ -99,10 +109,12 @@ fn sent_images(text: &ModelText, conv: &Conversation) -> Vec<SentImage> {
                 .ok()
                 .and_then(|r| r.into_dimensions().ok())
                 .unwrap_or((0, 0));
+            let patches = (u64::from(w) / patch) * (u64::from(h) / patch);
             SentImage {
                 data: b64.encode(&i.bytes),
                 mime: i.mime.clone(),
-                num_patches: ((u64::from(w) / patch) * (u64::from(h) / patch)) as usize,
+                num_patches: patches as usize,
+                num_tokens: (patches / merged).max(1) as usize,
             }
         })
         .collect()

@@ -81,14 +81,16 @@ impl RouterState {
 
     /// The request's route: by prefix and work where its prompt is known, by load
     /// otherwise.
-    fn route(&self, loads: &[EngineLoad], prompt: Option<&[u32]>) -> Option<Route> {
-        match prompt {
-            Some(ids) => {
+    fn route(&self, loads: &[EngineLoad], view: &RequestView) -> Option<Route> {
+        match (&view.prompt, view.num_prompt_tokens()) {
+            (Some(ids), Some(len)) => {
                 let block_size = loads.first()?.block_size;
+                // An image's blocks are named by its content: only those before the
+                // first image match the engines'.
                 let hashes = prompt_block_hashes(ids, block_size);
-                pick_route(&self.cfg, loads, Some((&hashes, ids.len())))
+                pick_route(&self.cfg, loads, Some((&hashes, len)))
             }
-            None => pick_route(&self.cfg, loads, None),
+            _ => pick_route(&self.cfg, loads, None),
         }
     }
 
@@ -171,7 +173,7 @@ pub async fn forward(
     for attempt in 0..MAX_ATTEMPTS {
         let reports = st.registry.reports();
         let loads = st.loads(&reports, &passed_over);
-        let Some(route) = st.route(&loads, view.prompt.as_deref()) else {
+        let Some(route) = st.route(&loads, &view) else {
             break;
         };
         let engine = &reports[route.target];
@@ -370,6 +372,8 @@ pub async fn engines(st: web::Data<RouterState>, req: HttpRequest) -> HttpRespon
         "kv_blocks_moved": c.kv_blocks_moved,
         "kv_bytes_moved": c.kv_bytes_moved,
         "kv_transfer_secs": c.kv_transfer_secs,
+        "encoded_images": c.encoded_images.values().sum::<u64>(),
+        "failed_encodes": c.failed_encodes,
     }))
 }
 

@@ -114,7 +114,7 @@ impl Engine {
         )?;
         // Loaded once for all ranks (they share its rows); no weights to load under dummy ones.
         let image_encoder = match (&text.vision, cfg.dummy_weights) {
-            (Some(_), false) => ImageEncoder::load(&cfg.model_path)?.map(Shared::new),
+            (Some(_), false) => ImageEncoder::load(&cfg.model_path, cfg.device)?.map(Shared::new),
             _ => None,
         };
         let sampled = SampledTokens::new();

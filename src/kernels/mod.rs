@@ -211,6 +211,23 @@ pub trait Backend: Send + Sync {
         num_heads: usize,
         out: &mut Self::Buf,
     );
+    /// Attention without a mask inside segments (an image encoder's windows): row `r` of
+    /// `q`, `k`, `v` (`[num_rows, num_heads · head_dim]`) attends to the rows of its
+    /// segment, `bounds` the segments' row offsets from 0 up to `num_rows`; scaled by
+    /// `1 / sqrt(head_dim)`.
+    #[allow(clippy::too_many_arguments)]
+    fn segment_attention(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        bounds: &[usize],
+        num_heads: usize,
+        head_dim: usize,
+        out: &mut Self::Buf,
+    );
+    /// `x = gelu(x)` (the error-function form) over its first `len` values.
+    fn gelu(&self, x: &mut Self::Buf, len: usize);
     /// Copies rows `rows[i]` of `x[_, width]` to row `i` of `out`.
     fn gather_rows(&self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
     /// Picks a token for each of `rows` of `[_, vocab]` logits where they lie: per row the

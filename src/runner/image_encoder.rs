@@ -6,9 +6,35 @@
 use std::collections::VecDeque;
 use std::path::Path;
 
-use crate::model::vision::VisionEncoder;
+use crate::kernels::{Backend, Device};
+use crate::model::vision::{VisionEncoder, load_encoder};
 use crate::step::PromptImage;
 use crate::sync::{Condvar, Mutex, Shared};
+
+/// An encoder as loaded, with the model's image token.
+type Loaded = (Box<dyn PixelEncoder>, u32);
+
+#[cfg(feature = "cuda")]
+fn load_on_gpu(path: &Path, ordinal: usize) -> Result<Option<Loaded>, crate::error::TroupeError> {
+    let gpu = crate::kernels::cuda::CudaBackend::new(ordinal, false, false).map_err(|e| {
+        crate::error::TroupeError::InvalidInput(format!("the image encoder's GPU: {e}"))
+    })?;
+    Ok(
+        crate::model::vision::load_encoder_on(path, gpu)?.map(|(e, id)| {
+            (
+                Box::new(OneAtATime(Mutex::new(e))) as Box<dyn PixelEncoder>,
+                id,
+            )
+        }),
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn load_on_gpu(_path: &Path, _ordinal: usize) -> Result<Option<Loaded>, crate::error::TroupeError> {
+    Err(crate::error::TroupeError::InvalidInput(
+        crate::kernels::NO_CUDA.into(),
+    ))
+}
 
 /// Encoder rows kept for images seen lately (a later turn with the same image, a
 /// preempted request recomputed, another completion of it).
@@ -160,30 +186,66 @@ impl Drop for ClaimGuard<'_> {
     }
 }
 
+/// Pixels to the language model's rows, on whichever device the engine runs.
+trait PixelEncoder: Send + Sync {
+    fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32>;
+    fn out_hidden_size(&self) -> usize;
+}
+
+impl<B: Backend> PixelEncoder for VisionEncoder<B> {
+    fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32> {
+        VisionEncoder::encode_pixels(self, values, grid)
+    }
+    fn out_hidden_size(&self) -> usize {
+        self.cfg.out_hidden_size
+    }
+}
+
+/// An encoder on a GPU: its own stream and cuBLAS handle, one image at a time on them
+/// (ranks and the encoder actor may reach different images at once).
+#[cfg(feature = "cuda")]
+struct OneAtATime<E>(Mutex<E>);
+
+#[cfg(feature = "cuda")]
+impl<E: PixelEncoder> PixelEncoder for OneAtATime<E> {
+    fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32> {
+        let encoder = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        encoder.encode_pixels(values, grid)
+    }
+    fn out_hidden_size(&self) -> usize {
+        let encoder = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        encoder.out_hidden_size()
+    }
+}
+
 /// The model's vision encoder and its cache, one per engine.
 pub struct ImageEncoder {
-    encoder: VisionEncoder,
+    encoder: Box<dyn PixelEncoder>,
     pub image_token_id: u32,
     cache: EmbeddingCache,
 }
 
 impl ImageEncoder {
-    /// The encoder of the model at `path`; `None` for a model that takes no images.
-    pub fn load(path: &Path) -> Result<Option<ImageEncoder>, crate::error::TroupeError> {
-        Ok(
-            crate::model::vision::load_encoder(path)?.map(|(encoder, image_token_id)| {
-                ImageEncoder {
-                    encoder,
-                    image_token_id,
-                    cache: EmbeddingCache::new(CACHE_BYTES),
-                }
-            }),
-        )
+    /// The encoder of the model at `path` on `device` (a GPU's in f32 with bf16 GEMM
+    /// operands, the host's exact f32); `None` for a model that takes no images.
+    pub fn load(
+        path: &Path,
+        device: Device,
+    ) -> Result<Option<ImageEncoder>, crate::error::TroupeError> {
+        let loaded: Option<Loaded> = match device {
+            Device::Cpu => load_encoder(path)?.map(|(e, id)| (Box::new(e) as _, id)),
+            Device::Cuda(ordinal) => load_on_gpu(path, ordinal)?,
+        };
+        Ok(loaded.map(|(encoder, image_token_id)| ImageEncoder {
+            encoder,
+            image_token_id,
+            cache: EmbeddingCache::new(CACHE_BYTES),
+        }))
     }
 
     /// Rows of each token of the language model's input.
     pub fn out_hidden_size(&self) -> usize {
-        self.encoder.cfg.out_hidden_size
+        self.encoder.out_hidden_size()
     }
 
     /// The rows of `image`: cached, waited for while another encodes them, or encoded now.

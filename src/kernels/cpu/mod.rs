@@ -10,6 +10,7 @@ pub mod matmul;
 pub mod packed;
 pub mod packed_matmul;
 pub mod qmatrix;
+mod segment_attention;
 pub mod simd;
 pub mod torch_topk;
 
@@ -464,6 +465,23 @@ impl Backend for CpuBackend {
             out.extend_from_slice(&logits[r * vocab..(r + 1) * vocab]);
         }
         out
+    }
+
+    fn segment_attention(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        bounds: &[usize],
+        num_heads: usize,
+        head_dim: usize,
+        out: &mut Vec<f32>,
+    ) {
+        segment_attention::segment_attention(q, k, v, bounds, num_heads, head_dim, out);
+    }
+
+    fn gelu(&self, x: &mut Vec<f32>, len: usize) {
+        segment_attention::gelu(&mut x[..len]);
     }
 
     fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {

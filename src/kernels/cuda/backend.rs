@@ -461,6 +461,23 @@ impl Backend for CudaBackend {
             .then_some(self as &dyn crate::kernels::StepRecorder)
     }
 
+    fn segment_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        bounds: &[usize],
+        num_heads: usize,
+        head_dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        self.launch_segment_attention(q, k, v, bounds, num_heads, head_dim, out);
+    }
+
+    fn gelu(&self, x: &mut CudaSlice<f32>, len: usize) {
+        self.launch_gelu(x, len);
+    }
+
     fn gather_rows(
         &self,
         x: &CudaSlice<f32>,
@@ -468,26 +485,7 @@ impl Backend for CudaBackend {
         rows: &[usize],
         out: &mut CudaSlice<f32>,
     ) {
-        let rows_u32: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let rows_d = self.upload_u32(Meta::Rows, &rows_u32);
-        if self.replaying() {
-            return;
-        }
-        let (w, n) = (width as i32, rows.len() as i32);
-        // SAFETY: every row index is inside x; out holds rows.len()·width.
-        check(
-            unsafe {
-                self.stream
-                    .launch_builder(&self.kernels.gather_rows)
-                    .arg(out)
-                    .arg(x)
-                    .arg(&rows_d.ptr)
-                    .arg(&w)
-                    .arg(&n)
-                    .launch(grid_for(rows.len() * width))
-            },
-            "gather_rows",
-        );
+        self.launch_gather_rows(x, width, rows, out);
     }
 }
 

@@ -25,6 +25,7 @@ mod module;
 pub(crate) mod nccl;
 mod picks;
 mod recorded;
+mod rows;
 mod weights;
 
 use crate::sync::Shared as Arc;

@@ -28,6 +28,7 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/invariant_mma.cu"),
     include_str!("../../../kernels-cuda/sample.cu"),
     include_str!("../../../kernels-cuda/host_flags.cu"),
+    include_str!("../../../kernels-cuda/vision.cu"),
 );
 
 /// Rows `gemv` is compiled for (wider batches go to cuBLAS), and the output columns each of
@@ -211,6 +212,8 @@ pub struct Kernels {
     pub silu_mul: CudaFunction,
     pub copy_columns: CudaFunction,
     pub gather_rows: CudaFunction,
+    pub segment_attention: CudaFunction,
+    pub gelu: CudaFunction,
     pub apply_verified: CudaFunction,
     pub kv_write: ByKvType,
     pub qkv_rope_cache: ByKvType,
@@ -472,6 +475,8 @@ impl Kernels {
             silu_mul: f("silu_mul_kernel")?,
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
+            segment_attention: f("segment_attention_kernel")?,
+            gelu: f("gelu_kernel")?,
             apply_verified: f("apply_verified_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,
             matmul_invariant_splits: f("matmul_invariant_splits_kernel")?,

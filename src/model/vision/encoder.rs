@@ -1,15 +1,17 @@
-//! Qwen2.5-VL's vision transformer on the host, in f32: patches embedded (the Conv3d whose
-//! stride is its kernel is a matmul over a flattened patch), 2-D RoPE over (row, column),
-//! blocks attending within windows of merged patches except the full-attention ones, and
-//! the merger folding each 2×2 patch group into one language-model token.
+//! Qwen2.5-VL's vision transformer on any backend (the host in f32, the GPU): patches
+//! embedded (the Conv3d whose stride is its kernel is a matmul over a flattened patch),
+//! 2-D RoPE over (row, column), blocks attending within windows of merged patches except
+//! the full-attention ones, and the merger folding each 2×2 patch group into one
+//! language-model token. Patches enter in window order (each embeds alone) and the rows
+//! leave in the image's.
 
-use rayon::prelude::*;
 use serde_json::Value;
 
 use super::VisionError;
 use super::preprocess::ImagePatches;
-use crate::kernels::cpu::CpuMatrix;
-use crate::kernels::cpu::matmul::{gemm_f32, matmul};
+use super::windows::{rope_table, window_order};
+use crate::kernels::cpu::CpuBackend;
+use crate::kernels::{Backend, HostData, HostMatrix};
 use crate::model::loader::TensorSource;
 
 /// `vision_config` of a Qwen2.5-VL `config.json`.
@@ -74,9 +76,10 @@ impl VisionConfig {
         if cfg.num_heads == 0
             || !cfg.hidden_size.is_multiple_of(cfg.num_heads)
             || !head_dim.is_multiple_of(4)
+            || head_dim > 128
         {
             return Err(bad(format!(
-                "hidden_size {} over {} heads is not a head size divisible by 4",
+                "hidden_size {} over {} heads is not a head size divisible by 4, at most 128",
                 cfg.hidden_size, cfg.num_heads
             )));
         }
@@ -105,41 +108,37 @@ impl VisionConfig {
     }
 }
 
-struct Linear {
-    w: CpuMatrix,
-    bias: Option<Vec<f32>>,
+/// A projection: `x · wᵀ + bias`.
+struct Linear<B: Backend> {
+    w: B::Matrix,
+    bias: Option<B::Buf>,
 }
 
-impl Linear {
-    fn apply(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        let n = self.w.rows();
-        let mut out = vec![0f32; rows * n];
-        matmul(x, rows, &self.w, &mut out, false);
-        if let Some(b) = &self.bias {
-            out.chunks_exact_mut(n)
-                .for_each(|r| r.iter_mut().zip(b).for_each(|(o, b)| *o += b));
-        }
-        out
+impl<B: Backend> Linear<B> {
+    fn apply(&self, backend: &B, x: &B::Buf, rows: usize, out: &mut B::Buf) {
+        backend.matmul(x, rows, &self.w, self.bias.as_ref(), out);
     }
 }
 
-struct Block {
-    norm1: Vec<f32>,
-    norm2: Vec<f32>,
-    qkv: Linear,
-    proj: Linear,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+struct Block<B: Backend> {
+    norm1: B::Buf,
+    norm2: B::Buf,
+    qkv: Linear<B>,
+    proj: Linear<B>,
+    /// The gate's and the up projection's rows stacked, as `Backend::silu_mul` reads them.
+    gate_up: Linear<B>,
+    down: Linear<B>,
 }
 
-pub struct VisionEncoder {
+/// The encoder's weights on `backend`; by default the host's, in f32.
+pub struct VisionEncoder<B: Backend = CpuBackend> {
     pub cfg: VisionConfig,
-    patch_embed: Linear,
-    blocks: Vec<Block>,
-    merger_norm: Vec<f32>,
-    merger_fc1: Linear,
-    merger_fc2: Linear,
+    backend: B,
+    patch_embed: B::Matrix,
+    blocks: Vec<Block<B>>,
+    merger_norm: B::Buf,
+    merger_fc1: Linear<B>,
+    merger_fc2: Linear<B>,
     inv_freqs: Vec<f32>,
 }
 
@@ -147,7 +146,22 @@ pub struct VisionEncoder {
 const PREFIXES: [&str; 2] = ["visual.", "model.visual."];
 
 impl VisionEncoder {
+    /// The encoder on the host, its activations exact f32 as transformers' reference runs.
     pub fn load(cfg: VisionConfig, src: &dyn TensorSource) -> Result<VisionEncoder, VisionError> {
+        let host = CpuBackend {
+            exact_activations: true,
+            ..CpuBackend::default()
+        };
+        VisionEncoder::load_on(cfg, src, host)
+    }
+}
+
+impl<B: Backend> VisionEncoder<B> {
+    pub fn load_on(
+        cfg: VisionConfig,
+        src: &dyn TensorSource,
+        backend: B,
+    ) -> Result<VisionEncoder<B>, VisionError> {
         let prefix = PREFIXES
             .iter()
             .find(|p| matches!(src.tensor(&format!("{p}merger.ln_q.weight")), Ok(Some(_))))
@@ -166,39 +180,40 @@ impl VisionEncoder {
             }
             Ok(t.into_f32())
         };
-        let linear = |name: &str, n: usize, k: usize, bias: bool| -> Result<Linear, VisionError> {
+        let b = &backend;
+        let matrix = |rows: usize, cols: usize, data: Vec<f32>| {
+            let data = HostData::F32(data);
+            b.upload_matrix(HostMatrix { rows, cols, data })
+        };
+        // Several checkpoint projections stacked by rows (q/k/v come stacked already).
+        let stacked = |names: &[&str], n: usize, k: usize| -> Result<Linear<B>, VisionError> {
+            let (mut w, mut bias) = (Vec::new(), Vec::new());
+            for name in names {
+                w.extend(get(&format!("{name}.weight"), &[n, k])?);
+                bias.extend(get(&format!("{name}.bias"), &[n])?);
+            }
             Ok(Linear {
-                w: CpuMatrix::F32 {
-                    rows: n,
-                    cols: k,
-                    data: get(&format!("{name}.weight"), &[n, k])?,
-                },
-                bias: bias
-                    .then(|| get(&format!("{name}.bias"), &[n]))
-                    .transpose()?,
+                w: matrix(n * names.len(), k, w),
+                bias: Some(b.upload(&bias)),
             })
         };
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let (p, t) = (cfg.patch_size, cfg.temporal_patch_size);
-        let patch_embed = Linear {
-            w: CpuMatrix::F32 {
-                rows: h,
-                cols: cfg.patch_len(),
-                data: get("patch_embed.proj.weight", &[h, 3, t, p, p])?,
-            },
-            bias: None,
-        };
+        let patch_embed = matrix(
+            h,
+            cfg.patch_len(),
+            get("patch_embed.proj.weight", &[h, 3, t, p, p])?,
+        );
         let blocks = (0..cfg.depth)
-            .map(|b| {
-                let n = |s: &str| format!("blocks.{b}.{s}");
+            .map(|l| {
+                let n = |s: &str| format!("blocks.{l}.{s}");
                 Ok(Block {
-                    norm1: get(&n("norm1.weight"), &[h])?,
-                    norm2: get(&n("norm2.weight"), &[h])?,
-                    qkv: linear(&n("attn.qkv"), 3 * h, h, true)?,
-                    proj: linear(&n("attn.proj"), h, h, true)?,
-                    gate: linear(&n("mlp.gate_proj"), i, h, true)?,
-                    up: linear(&n("mlp.up_proj"), i, h, true)?,
-                    down: linear(&n("mlp.down_proj"), h, i, true)?,
+                    norm1: b.upload(&get(&n("norm1.weight"), &[h])?),
+                    norm2: b.upload(&get(&n("norm2.weight"), &[h])?),
+                    qkv: stacked(&[&n("attn.qkv")], 3 * h, h)?,
+                    proj: stacked(&[&n("attn.proj")], h, h)?,
+                    gate_up: stacked(&[&n("mlp.gate_proj"), &n("mlp.up_proj")], i, h)?,
+                    down: stacked(&[&n("mlp.down_proj")], h, i)?,
                 })
             })
             .collect::<Result<Vec<_>, VisionError>>()?;
@@ -212,13 +227,14 @@ impl VisionEncoder {
             })
             .collect();
         Ok(VisionEncoder {
-            merger_norm: get("merger.ln_q.weight", &[h])?,
-            merger_fc1: linear("merger.mlp.0", h * m2, h * m2, true)?,
-            merger_fc2: linear("merger.mlp.2", cfg.out_hidden_size, h * m2, true)?,
+            merger_norm: b.upload(&get("merger.ln_q.weight", &[h])?),
+            merger_fc1: stacked(&["merger.mlp.0"], h * m2, h * m2)?,
+            merger_fc2: stacked(&["merger.mlp.2"], cfg.out_hidden_size, h * m2)?,
             patch_embed,
             blocks,
             inv_freqs,
             cfg,
+            backend,
         })
     }
 
@@ -229,224 +245,68 @@ impl VisionEncoder {
 
     /// `encode` of the processor's rows `values` for a `grid` of patches.
     pub fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32> {
-        let c = &self.cfg;
-        let [gt, gh, gw] = grid;
-        let n = gt * gh * gw;
-        assert_eq!(values.len(), n * c.patch_len(), "patches of another shape");
-        let (h, hd, m) = (c.hidden_size, c.head_dim(), c.spatial_merge_size);
+        let (b, c) = (&self.backend, &self.cfg);
+        let n = grid.iter().product::<usize>();
+        let pl = c.patch_len();
+        assert_eq!(values.len(), n * pl, "patches of another shape");
+        let (h, i, heads, hd) = (
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_heads,
+            c.head_dim(),
+        );
+        let m = c.spatial_merge_size;
         let unit = m * m;
         let order = window_order(grid, m, c.window_size / m / c.patch_size);
-        // Patches, and their rotary rows, in window order (merge groups stay whole).
-        let embedded = self.patch_embed.apply(values, n);
-        let mut x = vec![0f32; n * h];
+        // Patches in window order (merge groups stay whole; each patch embeds alone).
+        let mut ordered = vec![0f32; n * pl];
         for (dst, &group) in order.groups.iter().enumerate() {
-            x[dst * unit * h..][..unit * h]
-                .copy_from_slice(&embedded[group * unit * h..][..unit * h]);
+            ordered[dst * unit * pl..][..unit * pl]
+                .copy_from_slice(&values[group * unit * pl..][..unit * pl]);
         }
-        let rope = self.rope_rows(grid, &order.groups);
-        let full = vec![0, n];
-        for (b, block) in self.blocks.iter().enumerate() {
-            let bounds = if c.fullatt_block_indexes.contains(&b) {
-                &full
-            } else {
-                &order.bounds
+        let mut x = b.alloc(n * h);
+        b.matmul(&b.upload(&ordered), n, &self.patch_embed, None, &mut x);
+        let table = b.upload(&rope_table(grid, m, &order.groups, &self.inv_freqs));
+        let positions: Vec<u32> = (0..n as u32).collect();
+        let [mut normed, mut q, mut k, mut v, mut attn, mut out] = [(); 6].map(|_| b.alloc(n * h));
+        let (mut qkv, mut gate_up, mut act) =
+            (b.alloc(n * 3 * h), b.alloc(n * 2 * i), b.alloc(n * i));
+        let full = [0, n];
+        for (l, block) in self.blocks.iter().enumerate() {
+            let bounds = match c.fullatt_block_indexes.contains(&l) {
+                true => &full[..],
+                false => &order.bounds[..],
             };
-            let normed = rms_norm(&x, &block.norm1, h);
-            let qkv = block.qkv.apply(&normed, n);
-            let attn = attention(&qkv, n, c.num_heads, hd, &rope, bounds);
-            let out = block.proj.apply(&attn, n);
-            x.iter_mut().zip(&out).for_each(|(x, o)| *x += o);
-            let normed = rms_norm(&x, &block.norm2, h);
-            let mut gate = block.gate.apply(&normed, n);
-            let up = block.up.apply(&normed, n);
-            gate.iter_mut()
-                .zip(&up)
-                .for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
-            let out = block.down.apply(&gate, n);
-            x.iter_mut().zip(&out).for_each(|(x, o)| *x += o);
+            b.rms_norm(&x, &block.norm1, NORM_EPS, n, h, &mut normed);
+            block.qkv.apply(b, &normed, n, &mut qkv);
+            b.copy_columns(&qkv, 3 * h, 0, h, n, &mut q);
+            b.copy_columns(&qkv, 3 * h, h, h, n, &mut k);
+            b.copy_columns(&qkv, 3 * h, 2 * h, h, n, &mut v);
+            b.rope(&mut q, &positions, heads, hd, &table);
+            b.rope(&mut k, &positions, heads, hd, &table);
+            b.segment_attention(&q, &k, &v, bounds, heads, hd, &mut attn);
+            block.proj.apply(b, &attn, n, &mut out);
+            b.add(&mut x, &out, n * h);
+            b.rms_norm(&x, &block.norm2, NORM_EPS, n, h, &mut normed);
+            block.gate_up.apply(b, &normed, n, &mut gate_up);
+            b.silu_mul(&gate_up, n, i, &mut act);
+            block.down.apply(b, &act, n, &mut out);
+            b.add(&mut x, &out, n * h);
         }
-        let merged = rms_norm(&x, &self.merger_norm, h);
-        let mut hidden = self.merger_fc1.apply(&merged, n / unit);
-        hidden.iter_mut().for_each(|v| *v = gelu(*v));
-        let out = self.merger_fc2.apply(&hidden, n / unit);
+        // The merger reads each merge group's rows as one.
+        let (groups, d) = (n / unit, c.out_hidden_size);
+        b.rms_norm(&x, &self.merger_norm, NORM_EPS, n, h, &mut normed);
+        let mut hidden = b.alloc(n * h);
+        self.merger_fc1.apply(b, &normed, groups, &mut hidden);
+        b.gelu(&mut hidden, n * h);
+        let mut merged = b.alloc(groups * d);
+        self.merger_fc2.apply(b, &hidden, groups, &mut merged);
+        let rows = b.download(&merged, groups * d);
         // Back from window order to the image's.
-        let d = c.out_hidden_size;
-        let mut tokens = vec![0f32; out.len()];
+        let mut tokens = vec![0f32; groups * d];
         for (src, &group) in order.groups.iter().enumerate() {
-            tokens[group * d..][..d].copy_from_slice(&out[src * d..][..d]);
+            tokens[group * d..][..d].copy_from_slice(&rows[src * d..][..d]);
         }
         tokens
-    }
-
-    /// Per patch (in window order) the head's cos and sin: the first half of the
-    /// frequencies turn with the patch's row, the second with its column, repeated over
-    /// both halves of the head as `rotate_half` pairs them.
-    fn rope_rows(&self, [gt, gh, gw]: [usize; 3], groups: &[usize]) -> Vec<(Vec<f32>, Vec<f32>)> {
-        let m = self.cfg.spatial_merge_size;
-        let per_frame = gh * gw / (m * m);
-        let mut rows = Vec::with_capacity(gt * gh * gw);
-        for &group in groups {
-            let g = group % per_frame;
-            let (bh, bw) = (g / (gw / m), g % (gw / m));
-            for (mh, mw) in (0..m).flat_map(|a| (0..m).map(move |b| (a, b))) {
-                let (r, col) = ((bh * m + mh) as f32, (bw * m + mw) as f32);
-                let angles: Vec<f32> = self
-                    .inv_freqs
-                    .iter()
-                    .map(|f| r * f)
-                    .chain(self.inv_freqs.iter().map(|f| col * f))
-                    .collect();
-                let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
-                let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
-                rows.push((cos, sin));
-            }
-        }
-        rows
-    }
-}
-
-/// The merge groups of an image in window order (each window's groups row-major,
-/// windows row-major, frame after frame), and the windows' bounds in patches.
-struct WindowOrder {
-    groups: Vec<usize>,
-    bounds: Vec<usize>,
-}
-
-fn window_order([gt, gh, gw]: [usize; 3], merge: usize, window: usize) -> WindowOrder {
-    let (lh, lw) = (gh / merge, gw / merge);
-    let mut groups = Vec::with_capacity(gt * lh * lw);
-    let mut bounds = vec![0];
-    for t in 0..gt {
-        for wy in (0..lh).step_by(window) {
-            for wx in (0..lw).step_by(window) {
-                for y in wy..(wy + window).min(lh) {
-                    for x in wx..(wx + window).min(lw) {
-                        groups.push(t * lh * lw + y * lw + x);
-                    }
-                }
-                bounds.push(groups.len() * merge * merge);
-            }
-        }
-    }
-    WindowOrder { groups, bounds }
-}
-
-fn rms_norm(x: &[f32], w: &[f32], width: usize) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    out.par_chunks_exact_mut(width)
-        .zip(x.par_chunks_exact(width))
-        .for_each(|(o, r)| {
-            let ms = r.iter().map(|v| v * v).sum::<f32>() / width as f32;
-            let inv = 1.0 / (ms + NORM_EPS).sqrt();
-            o.iter_mut()
-                .zip(r.iter().zip(w))
-                .for_each(|(o, (v, w))| *o = w * (v * inv));
-        });
-    out
-}
-
-/// GELU as `nn.GELU()` computes it: with the error function, not the tanh fit.
-fn gelu(x: f32) -> f32 {
-    let x = f64::from(x);
-    (0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))) as f32
-}
-
-/// Non-causal attention of each window (`bounds`) over itself, after RoPE on q and k;
-/// `qkv` rows are `[q heads | k heads | v heads]`.
-fn attention(
-    qkv: &[f32],
-    n: usize,
-    heads: usize,
-    hd: usize,
-    rope: &[(Vec<f32>, Vec<f32>)],
-    bounds: &[usize],
-) -> Vec<f32> {
-    let h = heads * hd;
-    let half = hd / 2;
-    let rotate = |v: &[f32], (cos, sin): &(Vec<f32>, Vec<f32>)| -> Vec<f32> {
-        (0..hd)
-            .map(|d| {
-                let (c, s) = (cos[d % half], sin[d % half]);
-                let rot = if d < half { -v[d + half] } else { v[d - half] };
-                v[d] * c + rot * s
-            })
-            .collect()
-    };
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut out = vec![0f32; n * h];
-    let windows: Vec<(usize, usize)> = bounds.windows(2).map(|w| (w[0], w[1])).collect();
-    let results: Vec<(usize, Vec<f32>)> = windows
-        .par_iter()
-        .flat_map_iter(|&(lo, hi)| (0..heads).map(move |head| (lo, hi, head)))
-        .map(|(lo, hi, head)| {
-            let q: Vec<Vec<f32>> = (lo..hi)
-                .map(|t| rotate(&qkv[t * 3 * h + head * hd..][..hd], &rope[t]))
-                .collect();
-            let k: Vec<Vec<f32>> = (lo..hi)
-                .map(|t| rotate(&qkv[t * 3 * h + h + head * hd..][..hd], &rope[t]))
-                .collect();
-            let len = hi - lo;
-            let (q, k): (Vec<f32>, Vec<f32>) = (q.concat(), k.concat());
-            // V transposed: the second GEMM's weight rows are V's columns.
-            let mut vt = vec![0f32; hd * len];
-            for j in 0..len {
-                let v = &qkv[(lo + j) * 3 * h + 2 * h + head * hd..][..hd];
-                for (d, &x) in v.iter().enumerate() {
-                    vt[d * len + j] = x;
-                }
-            }
-            // Scores and the weighted values as GEMMs on this thread (the pool is busy
-            // with the other windows and heads).
-            let mut scores = vec![0f32; len * len];
-            // SAFETY: `scores` holds len × len, `q` and `k` len × hd each.
-            unsafe { gemm_f32(&q, len, &k, len, hd, len, scores.as_mut_ptr(), 1) };
-            for row in scores.chunks_exact_mut(len) {
-                let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-                let mut total = 0f32;
-                row.iter_mut().for_each(|s| {
-                    *s = (*s * scale - max).exp();
-                    total += *s;
-                });
-                row.iter_mut().for_each(|s| *s /= total);
-            }
-            let mut block = vec![0f32; len * hd];
-            // SAFETY: `block` holds len × hd, `scores` len × len, `vt` hd × len.
-            unsafe { gemm_f32(&scores, len, &vt, hd, len, hd, block.as_mut_ptr(), 1) };
-            (lo * h + head * hd, block)
-        })
-        .collect();
-    for (start, block) in results {
-        for (i, row) in block.chunks_exact(hd).enumerate() {
-            out[start + i * h..][..hd].copy_from_slice(row);
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn window_order_covers_every_group_once() {
-        for grid in [[1, 4, 4], [1, 10, 6], [1, 18, 34], [2, 8, 8]] {
-            let order = window_order(grid, 2, 4);
-            let mut seen = order.groups.clone();
-            seen.sort_unstable();
-            assert_eq!(
-                seen,
-                (0..grid.iter().product::<usize>() / 4).collect::<Vec<_>>()
-            );
-            assert_eq!(
-                *order.bounds.last().unwrap(),
-                grid.iter().product::<usize>()
-            );
-            assert!(
-                order
-                    .bounds
-                    .windows(2)
-                    .all(|w| w[1] > w[0] && w[1] - w[0] <= 64)
-            );
-        }
     }
 }

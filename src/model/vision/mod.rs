@@ -1,11 +1,13 @@
 //! Images for vision-language models (Qwen2.5-VL): decoding and the processor's pixels
-//! (`preprocess`, with Pillow's resampling in `resample`), the vision encoder (`encoder`)
+//! (`preprocess`, with Pillow's resampling in `resample`), the vision encoder (`encoder`, on
+//! any backend; its windows and rotary angles in `windows`)
 //! and the language model's multimodal RoPE positions (`mrope`).
 
 pub mod encoder;
 pub mod mrope;
 pub mod preprocess;
 pub mod resample;
+mod windows;
 
 pub use encoder::{VisionConfig, VisionEncoder};
 pub use mrope::{ImageSpan, MropeSection};
@@ -67,9 +69,21 @@ impl VisionText {
     }
 }
 
-/// The vision encoder of the model at `path` and its image token; `None` for a text-only
-/// model or a GGUF file.
+/// The vision encoder of the model at `path` on the host and its image token; `None` for a
+/// text-only model or a GGUF file.
 pub fn load_encoder(path: &Path) -> Result<Option<(VisionEncoder, u32)>, TroupeError> {
+    let host = crate::kernels::cpu::CpuBackend {
+        exact_activations: true,
+        ..Default::default()
+    };
+    load_encoder_on(path, host)
+}
+
+/// `load_encoder` with the encoder's weights on `backend`.
+pub fn load_encoder_on<B: crate::kernels::Backend>(
+    path: &Path,
+    backend: B,
+) -> Result<Option<(VisionEncoder<B>, u32)>, TroupeError> {
     let config = path.join("config.json");
     if !path.is_dir() || !config.is_file() {
         return Ok(None);
@@ -86,7 +100,7 @@ pub fn load_encoder(path: &Path) -> Result<Option<(VisionEncoder, u32)>, TroupeE
     };
     let cfg = VisionConfig::from_hf_json(&json).map_err(invalid)?;
     let src = SafetensorsSource::open_dir(path)?;
-    let encoder = VisionEncoder::load(cfg, &src).map_err(invalid)?;
+    let encoder = VisionEncoder::load_on(cfg, &src, backend).map_err(invalid)?;
     Ok(Some((encoder, vision.image_token_id)))
 }
 

@@ -1,0 +1,64 @@
+//! Qwen2.5-VL's vision encoder on the GPU (issue 64): the generated checkpoints' encoder
+//! rows against transformers' (f32 references; the GPU's GEMMs take bf16 operands, so
+//! within bf16's error), on the committed images and on images of drawn sizes against the
+//! host encoder. Needs a GPU: run by the device scripts.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::vision::{Reference, case_dir, encoder, patches_of};
+use serde_json::Value;
+use troupe::kernels::cuda::CudaBackend;
+use troupe::model::loader::SafetensorsSource;
+use troupe::model::vision::{ImageProcessorConfig, RgbImage, VisionConfig, VisionEncoder};
+
+const CASES: [&str; 3] = ["a", "b", "c"];
+
+fn gpu_encoder(dir: &std::path::Path) -> VisionEncoder<CudaBackend> {
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = VisionConfig::from_hf_json(&json).unwrap();
+    let src = SafetensorsSource::open_dir(dir).unwrap();
+    let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    VisionEncoder::load_on(cfg, &src, gpu).unwrap()
+}
+
+#[test]
+fn gpu_encoder_rows_equal_transformers() {
+    for case in CASES {
+        let dir = case_dir(case);
+        let reference = Reference::open(&dir);
+        let gpu = gpu_encoder(&dir);
+        for i in 0..4 {
+            let patches = patches_of(&dir, i);
+            let got = gpu.encode(&patches);
+            let want = reference.floats(&format!("image_embeds_{i}"));
+            assert_eq!(got.len(), want.len());
+            let err = common::relative_error(&got, &want);
+            assert!(err < 2e-2, "case {case} image {i}: relative error {err}");
+        }
+    }
+}
+
+#[test]
+fn gpu_encoder_equals_the_host_encoder_on_drawn_sizes() {
+    let mut rng = common::Rng(640);
+    for case in CASES {
+        let dir = case_dir(case);
+        let (host, gpu) = (encoder(&dir), gpu_encoder(&dir));
+        let processor =
+            ImageProcessorConfig::from_file(&dir.join("preprocessor_config.json")).unwrap();
+        for _ in 0..3 {
+            let (w, h) = (28 + rng.below(200), 28 + rng.below(200));
+            let pixels: Vec<u8> = (0..w * h * 3).map(|_| rng.next() as u8).collect();
+            let image = RgbImage {
+                height: h,
+                width: w,
+                pixels,
+            };
+            let patches = processor.patches(&image).unwrap();
+            let err = common::relative_error(&gpu.encode(&patches), &host.encode(&patches));
+            assert!(err < 2e-2, "case {case} {w}x{h}: relative error {err}");
+        }
+    }
+}
