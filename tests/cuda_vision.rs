@@ -29,13 +29,27 @@ fn gpu_encoder_rows_equal_transformers() {
         let dir = case_dir(case);
         let reference = Reference::open(&dir);
         let gpu = gpu_encoder(&dir);
-        for i in 0..4 {
-            let patches = patches_of(&dir, i);
-            let got = gpu.encode(&patches);
+        let patches: Vec<_> = (0..4).map(|i| patches_of(&dir, i)).collect();
+        for (i, p) in patches.iter().enumerate() {
+            let got = gpu.encode(p);
             let want = reference.floats(&format!("image_embeds_{i}"));
             assert_eq!(got.len(), want.len());
             let err = common::relative_error(&got, &want);
             assert!(err < 2e-2, "case {case} image {i}: relative error {err}");
+        }
+        // The four as one batch, last first.
+        let batch: Vec<(&[f32], [usize; 3])> = patches
+            .iter()
+            .rev()
+            .map(|p| (&p.values[..], p.grid))
+            .collect();
+        for (i, got) in (0..4).rev().zip(gpu.encode_batch(&batch)) {
+            let want = reference.floats(&format!("image_embeds_{i}"));
+            let err = common::relative_error(&got, &want);
+            assert!(
+                err < 2e-2,
+                "case {case} image {i} in a batch: relative error {err}"
+            );
         }
     }
 }

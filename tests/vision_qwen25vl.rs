@@ -80,6 +80,32 @@ fn encoder_rows_equal_transformers() {
 }
 
 #[test]
+fn a_batch_of_images_encodes_as_each_alone() {
+    for case in CASES {
+        let dir = case_dir(case);
+        let reference = Reference::open(&dir);
+        let enc = encoder(&dir);
+        let patches: Vec<_> = (0..4).map(|i| patches_of(&dir, i)).collect();
+        // Drawn subsets, in drawn orders, of the committed images.
+        let mut rng = common::Rng(case.as_bytes()[0] as u64);
+        for _ in 0..3 {
+            let picked: Vec<usize> = (0..1 + rng.below(4)).map(|_| rng.below(4)).collect();
+            let batch: Vec<(&[f32], [usize; 3])> = (picked.iter())
+                .map(|&i| (&patches[i].values[..], patches[i].grid))
+                .collect();
+            for (&i, got) in picked.iter().zip(enc.encode_batch(&batch)) {
+                let want = reference.floats(&format!("image_embeds_{i}"));
+                let err = common::relative_error(&got, &want);
+                assert!(
+                    err < 1e-4,
+                    "case {case} image {i} of {picked:?}: relative error {err}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn logits_equal_transformers_whole_and_in_chunks() {
     let backend = exact();
     for case in CASES {

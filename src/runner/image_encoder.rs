@@ -36,6 +36,10 @@ fn load_on_gpu(_path: &Path, _ordinal: usize) -> Result<Option<Loaded>, crate::e
     ))
 }
 
+/// Patches one pass of the encoder takes at most: several small images batched, a large
+/// one alone (a 1024² image has 5 184).
+const BATCH_PATCHES: usize = 8192;
+
 /// Encoder rows kept for images seen lately (a later turn with the same image, a
 /// preempted request recomputed, another completion of it).
 const CACHE_BYTES: usize = 256 << 20;
@@ -188,16 +192,20 @@ impl Drop for ClaimGuard<'_> {
 
 /// Pixels to the language model's rows, on whichever device the engine runs.
 trait PixelEncoder: Send + Sync {
-    fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32>;
+    fn encode_batch(&self, images: &[(&[f32], [usize; 3])]) -> Vec<Vec<f32>>;
     fn out_hidden_size(&self) -> usize;
+    fn patch_len(&self) -> usize;
 }
 
 impl<B: Backend> PixelEncoder for VisionEncoder<B> {
-    fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32> {
-        VisionEncoder::encode_pixels(self, values, grid)
+    fn encode_batch(&self, images: &[(&[f32], [usize; 3])]) -> Vec<Vec<f32>> {
+        VisionEncoder::encode_batch(self, images)
     }
     fn out_hidden_size(&self) -> usize {
         self.cfg.out_hidden_size
+    }
+    fn patch_len(&self) -> usize {
+        self.cfg.patch_len()
     }
 }
 
@@ -208,13 +216,17 @@ struct OneAtATime<E>(Mutex<E>);
 
 #[cfg(feature = "cuda")]
 impl<E: PixelEncoder> PixelEncoder for OneAtATime<E> {
-    fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32> {
+    fn encode_batch(&self, images: &[(&[f32], [usize; 3])]) -> Vec<Vec<f32>> {
         let encoder = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        encoder.encode_pixels(values, grid)
+        encoder.encode_batch(images)
     }
     fn out_hidden_size(&self) -> usize {
         let encoder = self.0.lock().unwrap_or_else(|e| e.into_inner());
         encoder.out_hidden_size()
+    }
+    fn patch_len(&self) -> usize {
+        let encoder = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        encoder.patch_len()
     }
 }
 
@@ -222,6 +234,8 @@ impl<E: PixelEncoder> PixelEncoder for OneAtATime<E> {
 pub struct ImageEncoder {
     encoder: Box<dyn PixelEncoder>,
     pub image_token_id: u32,
+    /// Pixel values of one patch.
+    patch_len: usize,
     cache: EmbeddingCache,
 }
 
@@ -237,6 +251,7 @@ impl ImageEncoder {
             Device::Cuda(ordinal) => load_on_gpu(path, ordinal)?,
         };
         Ok(loaded.map(|(encoder, image_token_id)| ImageEncoder {
+            patch_len: encoder.patch_len(),
             encoder,
             image_token_id,
             cache: EmbeddingCache::new(CACHE_BYTES),
@@ -256,34 +271,58 @@ impl ImageEncoder {
             Claim::Ready(rows) if rows.len() == image.num_tokens() * self.out_hidden_size() => rows,
             Claim::Ready(_) => {
                 tracing::warn!("cached rows of image {:x} are of another size", image.hash);
-                Shared::new(self.encoder.encode_pixels(&image.pixels, image.grid))
+                let pixels = [(&image.pixels[..], image.grid)];
+                Shared::new(self.encoder.encode_batch(&pixels).remove(0))
             }
-            Claim::Mine => self.encode_claimed(image),
+            Claim::Mine => self.encode_claimed(&[image]).remove(0),
         }
     }
 
     /// Encodes those of `images` nobody has encoded or is encoding (the encoder actor's
-    /// batch, ahead of the prefills that need them); how many it encoded.
+    /// batch, ahead of the prefills that need them), in passes of at most
+    /// `BATCH_PATCHES` patches; how many it encoded.
     pub fn encode_ahead(&self, images: &[PromptImage]) -> usize {
-        let mut num = 0;
-        for image in images {
-            if let Some(Claim::Mine) = self.cache.claim(image.hash, false) {
-                self.encode_claimed(image);
-                num += 1;
+        let mine: Vec<&PromptImage> = (images.iter())
+            .filter(|i| matches!(self.cache.claim(i.hash, false), Some(Claim::Mine)))
+            .collect();
+        let mut start = 0;
+        while start < mine.len() {
+            let mut end = start + 1;
+            let mut patches = mine[start].pixels.len();
+            while end < mine.len() && patches + mine[end].pixels.len() <= self.batch_values() {
+                patches += mine[end].pixels.len();
+                end += 1;
             }
+            self.encode_claimed(&mine[start..end]);
+            start = end;
         }
-        num
+        mine.len()
     }
 
-    fn encode_claimed(&self, image: &PromptImage) -> Shared<Vec<f32>> {
-        let mut guard = ClaimGuard {
-            cache: &self.cache,
-            hash: image.hash,
-            open: true,
-        };
-        let rows = Shared::new(self.encoder.encode_pixels(&image.pixels, image.grid));
-        guard.open = false;
-        self.cache.complete(image.hash, rows.clone());
+    /// Pixel values a pass of the encoder takes at most (one image may exceed it alone).
+    fn batch_values(&self) -> usize {
+        BATCH_PATCHES * self.patch_len
+    }
+
+    /// Encodes `images`, each claimed here, as one pass; their claims are given up if the
+    /// encoder panics.
+    fn encode_claimed(&self, images: &[&PromptImage]) -> Vec<Shared<Vec<f32>>> {
+        let mut guards: Vec<ClaimGuard<'_>> = (images.iter())
+            .map(|i| ClaimGuard {
+                cache: &self.cache,
+                hash: i.hash,
+                open: true,
+            })
+            .collect();
+        let pixels: Vec<(&[f32], [usize; 3])> =
+            images.iter().map(|i| (&i.pixels[..], i.grid)).collect();
+        let rows: Vec<Shared<Vec<f32>>> = (self.encoder.encode_batch(&pixels).into_iter())
+            .map(Shared::new)
+            .collect();
+        for ((image, guard), rows) in images.iter().zip(&mut guards).zip(&rows) {
+            guard.open = false;
+            self.cache.complete(image.hash, rows.clone());
+        }
         rows
     }
 

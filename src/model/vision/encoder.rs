@@ -103,7 +103,8 @@ impl VisionConfig {
         self.hidden_size / self.num_heads
     }
 
-    fn patch_len(&self) -> usize {
+    /// Values of one patch (3 × temporal patch × patch²).
+    pub fn patch_len(&self) -> usize {
         3 * self.temporal_patch_size * self.patch_size * self.patch_size
     }
 }
@@ -245,10 +246,14 @@ impl<B: Backend> VisionEncoder<B> {
 
     /// `encode` of the processor's rows `values` for a `grid` of patches.
     pub fn encode_pixels(&self, values: &[f32], grid: [usize; 3]) -> Vec<f32> {
+        self.encode_batch(&[(values, grid)]).remove(0)
+    }
+
+    /// Several images' rows from one pass (each image's attention its own): the encoder's
+    /// batch, its GEMMs as tall as the images together.
+    pub fn encode_batch(&self, images: &[(&[f32], [usize; 3])]) -> Vec<Vec<f32>> {
         let (b, c) = (&self.backend, &self.cfg);
-        let n = grid.iter().product::<usize>();
         let pl = c.patch_len();
-        assert_eq!(values.len(), n * pl, "patches of another shape");
         let (h, i, heads, hd) = (
             c.hidden_size,
             c.intermediate_size,
@@ -257,25 +262,35 @@ impl<B: Backend> VisionEncoder<B> {
         );
         let m = c.spatial_merge_size;
         let unit = m * m;
-        let order = window_order(grid, m, c.window_size / m / c.patch_size);
-        // Patches in window order (merge groups stay whole; each patch embeds alone).
-        let mut ordered = vec![0f32; n * pl];
-        for (dst, &group) in order.groups.iter().enumerate() {
-            ordered[dst * unit * pl..][..unit * pl]
-                .copy_from_slice(&values[group * unit * pl..][..unit * pl]);
+        // Patches in window order, image after image (merge groups stay whole; each patch
+        // embeds alone), with each image's windows and its whole as segments.
+        let (mut ordered, mut table, mut orders) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut windows, mut wholes) = (vec![0], vec![0]);
+        for &(values, grid) in images {
+            let n = grid.iter().product::<usize>();
+            assert_eq!(values.len(), n * pl, "patches of another shape");
+            let base = *wholes.last().expect("a bound");
+            let order = window_order(grid, m, c.window_size / m / c.patch_size);
+            for &group in &order.groups {
+                ordered.extend_from_slice(&values[group * unit * pl..][..unit * pl]);
+            }
+            table.extend(rope_table(grid, m, &order.groups, &self.inv_freqs));
+            windows.extend(order.bounds[1..].iter().map(|w| base + w));
+            wholes.push(base + n);
+            orders.push(order);
         }
+        let n = *wholes.last().expect("a bound");
         let mut x = b.alloc(n * h);
         b.matmul(&b.upload(&ordered), n, &self.patch_embed, None, &mut x);
-        let table = b.upload(&rope_table(grid, m, &order.groups, &self.inv_freqs));
+        let table = b.upload(&table);
         let positions: Vec<u32> = (0..n as u32).collect();
         let [mut normed, mut q, mut k, mut v, mut attn, mut out] = [(); 6].map(|_| b.alloc(n * h));
         let (mut qkv, mut gate_up, mut act) =
             (b.alloc(n * 3 * h), b.alloc(n * 2 * i), b.alloc(n * i));
-        let full = [0, n];
         for (l, block) in self.blocks.iter().enumerate() {
             let bounds = match c.fullatt_block_indexes.contains(&l) {
-                true => &full[..],
-                false => &order.bounds[..],
+                true => &wholes,
+                false => &windows,
             };
             b.rms_norm(&x, &block.norm1, NORM_EPS, n, h, &mut normed);
             block.qkv.apply(b, &normed, n, &mut qkv);
@@ -302,11 +317,16 @@ impl<B: Backend> VisionEncoder<B> {
         let mut merged = b.alloc(groups * d);
         self.merger_fc2.apply(b, &hidden, groups, &mut merged);
         let rows = b.download(&merged, groups * d);
-        // Back from window order to the image's.
-        let mut tokens = vec![0f32; groups * d];
-        for (src, &group) in order.groups.iter().enumerate() {
-            tokens[group * d..][..d].copy_from_slice(&rows[src * d..][..d]);
-        }
-        tokens
+        // Each image's rows, back from window order to the image's.
+        (orders.iter().zip(&wholes))
+            .map(|(order, &base)| {
+                let first = base / unit;
+                let mut tokens = vec![0f32; order.groups.len() * d];
+                for (src, &group) in order.groups.iter().enumerate() {
+                    tokens[group * d..][..d].copy_from_slice(&rows[(first + src) * d..][..d]);
+                }
+                tokens
+            })
+            .collect()
     }
 }
