@@ -4,7 +4,7 @@
 //!
 //! `VISION_DIR=... cargo bench --bench vision_encoder`; `VISION_SIZES` (`448,1024`: square
 //! images, pixels a side), `VISION_REPS` (3), `VISION_DEVICE` (`cpu`, or `cuda` in a build
-//! with the `cuda` feature). `scripts/bench_vision_encoder.py` makes the
+//! with the `cuda` feature), `VISION_BATCH` (images a pass, 1). `scripts/bench_vision_encoder.py` makes the
 //! checkpoint and times transformers' encoder beside it. Prints one JSON line a size.
 
 use std::time::Instant;
@@ -48,6 +48,11 @@ fn main() {
     }
 }
 
+/// Images a pass encodes (`VISION_BATCH`, 1): the same image that many times.
+fn batch_size() -> usize {
+    std::env::var("VISION_BATCH").map_or(1, |s| s.parse().expect("VISION_BATCH: a count"))
+}
+
 fn run<B: Backend>(
     encoder: &VisionEncoder<B>,
     processor: &ImageProcessorConfig,
@@ -68,16 +73,18 @@ fn run<B: Backend>(
             pixels,
         };
         let patches = processor.patches(&image).unwrap();
+        let batch = vec![(&patches.values[..], patches.grid); batch_size()];
         // One run to warm the caches and the thread pool.
-        encoder.encode(&patches);
+        encoder.encode_batch(&batch);
         let started = Instant::now();
         for _ in 0..reps {
-            std::hint::black_box(encoder.encode(&patches));
+            std::hint::black_box(encoder.encode_batch(&batch));
         }
-        let secs = started.elapsed().as_secs_f64() / reps as f64;
+        let secs = started.elapsed().as_secs_f64() / (reps * batch.len()) as f64;
         println!(
             "{}",
-            serde_json::json!({"side": side, "grid": patches.grid, "secs_per_image": secs,
+            serde_json::json!({"side": side, "grid": patches.grid, "batch": batch.len(),
+                "secs_per_image": secs,
                 "images_per_sec": 1.0 / secs})
         );
     }
