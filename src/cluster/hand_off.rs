@@ -10,7 +10,7 @@ use super::image_transfer::{EncodeAsk, EncodeDone};
 use super::in_flight::InFlightCounts;
 use super::kv_transfer::{HandOff, MAX_BLOCK_BYTES, PrefillAsk};
 use super::request_view::RequestView;
-use super::router::RouterState;
+use super::router_state::RouterState;
 use crate::route::{EngineLoad, pick_encoder};
 
 /// How long a prefill engine may take to prefill a prompt and hand its KV over.

@@ -13,6 +13,7 @@ pub mod registry;
 mod request_view;
 pub mod router;
 pub mod router_metrics;
+mod router_state;
 
 /// The process group every engine's agent joins.
 pub const ENGINES_GROUP: &str = "troupe.engines";
