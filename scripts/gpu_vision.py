@@ -19,7 +19,6 @@ import base64
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from gpu_serve import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,23 +73,11 @@ def chat_body(side, seed):
 
 
 def troupe_ttft(binary, model_dir, side, reps):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     proc = subprocess.Popen([binary, "serve", "--model", model_dir, "--device", "cuda",
                              "--port", str(port)], stderr=subprocess.DEVNULL)
     try:
-        for _ in range(1200):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit("troupe serve exited")
-            time.sleep(0.25)
+        wait_healthy(port, proc)
         times = []
         for i in range(reps + 1):
             body = json.dumps(chat_body(side, 100 + i)).encode()
