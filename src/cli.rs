@@ -174,6 +174,21 @@ fn prompt_ids(
     tok.encode(&template.render(&messages, true)?)
 }
 
+/// The ids of the flags the user gave (on the command line or in the environment), not
+/// left at their defaults.
+fn given_flags(m: &clap::ArgMatches) -> Vec<String> {
+    use clap::parser::ValueSource;
+    m.ids()
+        .filter(|id| {
+            matches!(
+                m.value_source(id.as_str()),
+                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+            )
+        })
+        .map(|id| id.to_string())
+        .collect()
+}
+
 pub fn main() -> i32 {
     main_from(std::env::args_os())
 }
@@ -183,13 +198,20 @@ pub fn main() -> i32 {
 pub fn main_from(args: impl IntoIterator<Item = std::ffi::OsString>) -> i32 {
     // Logs only when asked for: stderr carries one error line or the stats object, which
     // scripts read.
-    let cli = match Cli::try_parse_from(args) {
+    use clap::{CommandFactory, FromArgMatches};
+    let parsed = Cli::command()
+        .try_get_matches_from(args)
+        .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let (mut cli, matches) = match parsed {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
+    if let (Command::Serve(args), Some(("serve", m))) = (&mut cli.command, matches.subcommand()) {
+        args.given = given_flags(m);
+    }
     // Held to the end: dropping it flushes the spans still buffered.
     let _telemetry = match init_logs(&cli.command) {
         Ok(t) => t,

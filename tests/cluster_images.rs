@@ -1,4 +1,5 @@
-//! E/P/D on the CPU (issue 64): a router, an encode engine (`serve --role encode`) and an
+//! E/P/D on the CPU (issue 64): a router, an encode engine (`serve --role encode`, the vision
+//! encoder alone, served from a directory without the language model) and an
 //! engine that answers, as real processes on loopback, on the generated Qwen2.5-VL
 //! checkpoint. Chats with images through the router equal one colocated engine's replies;
 //! their images are encoded on the encode engine and reach the answering engine as rows
@@ -39,6 +40,28 @@ fn engine(model: &Path, cluster_port: u16, name: &str, role: &str) -> ServeProce
     let mut args = vec!["--role", role];
     args.extend_from_slice(&ENGINE_FLAGS);
     cluster::engine(model, cluster_port, name, &args)
+}
+
+/// An encode engine: the vision encoder alone (it takes no engine flag).
+fn encoder(model: &Path, cluster_port: u16, name: &str) -> ServeProcess {
+    cluster::engine(model, cluster_port, name, &["--role", "encode"])
+}
+
+/// `model` with the vision tower's weights alone: its config, its image processor's and
+/// the `visual.` tensors, no tokenizer and no language model.
+fn vision_only(model: &Path) -> std::path::PathBuf {
+    let dir = common::scratch_dir("vision-only");
+    for file in ["config.json", "preprocessor_config.json"] {
+        std::fs::copy(model.join(file), dir.join(file)).unwrap();
+    }
+    let bytes = std::fs::read(model.join("model.safetensors")).unwrap();
+    let all = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let visual: Vec<(String, safetensors::tensor::TensorView<'_>)> = (all.tensors().into_iter())
+        .filter(|(name, _)| name.contains("visual."))
+        .collect();
+    assert!(!visual.is_empty() && visual.len() < all.len());
+    safetensors::serialize_to_file(visual, None, &dir.join("model.safetensors")).unwrap();
+    dir
 }
 
 /// Seeded noise of `w × h` as a PNG: images no engine has seen.
@@ -98,9 +121,28 @@ fn images_encoded_on_an_encode_engine_give_one_engines_replies() {
     let solo = serve_model(&model, &ENGINE_FLAGS, &[]);
     let cluster_port = free_port();
     let router = router(&model, cluster_port);
-    let encoder = engine(&model, cluster_port, "enc", "encode");
+    // The encode engine loads nothing of the language model: it serves from a directory
+    // that holds none of it.
+    let encoder = encoder(&vision_only(&model), cluster_port, "enc");
     let answering = engine(&model, cluster_port, "main", "both");
     wait_for_engines(router.addr, 2);
+    assert_eq!(get(encoder.addr, "/health")["role"], "encode");
+    let headers = [("host", "127.0.0.1"), ("content-type", "application/json")];
+    let asked = chat("hello", &[]).to_string();
+    let r = raw_request(
+        encoder.addr,
+        "POST",
+        "/v1/chat/completions",
+        &headers,
+        asked.as_bytes(),
+    );
+    assert_eq!(r.status, 421, "a request sent to the encode engine itself");
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("send them to the router")
+    );
 
     let sizes = [(40, 30), (64, 64), (90, 28), (33, 70)];
     let images: Vec<Vec<u8>> = (0..8)
@@ -212,7 +254,7 @@ fn images_through_encode_prefill_and_decode_engines_give_one_engines_replies() {
     let solo = serve_model(&model, &ENGINE_FLAGS, &[]);
     let cluster_port = free_port();
     let router = router(&model, cluster_port);
-    let encoder = engine(&model, cluster_port, "enc", "encode");
+    let encoder = encoder(&model, cluster_port, "enc");
     let prefill = engine(&model, cluster_port, "p1", "prefill");
     let decode = engine(&model, cluster_port, "d1", "decode");
     wait_for_engines(router.addr, 3);
@@ -291,25 +333,38 @@ fn images_through_encode_prefill_and_decode_engines_give_one_engines_replies() {
 }
 
 #[test]
-fn an_encode_engine_needs_a_vision_language_model() {
-    let port = free_port().to_string();
-    let out = common::cli::troupe(&[
-        "serve",
-        "--model",
-        &common::smollm2_path().display().to_string(),
-        "--port",
-        &port,
-        "--cluster",
-        "127.0.0.1:1",
-        "--role",
-        "encode",
-        "--kv-cache-mib",
-        "16",
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+fn an_encode_engine_needs_a_vision_language_model_and_refuses_the_language_models_flags() {
+    let serve = |model: &Path, extra: &[&str]| {
+        let port = free_port().to_string();
+        let model = model.display().to_string();
+        let mut args = vec!["serve", "--model", &model, "--port", &port];
+        args.extend_from_slice(&["--cluster", "127.0.0.1:1", "--role", "encode"]);
+        args.extend_from_slice(extra);
+        let out = common::cli::troupe(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(
+            !out.status.success() && !stderr.contains("panicked"),
+            "{stderr}"
+        );
+        stderr
+    };
+    let stderr = serve(&common::smollm2_path(), &[]);
     assert!(
-        stderr.contains("--role encode: the model takes no images") && !stderr.contains("panicked"),
+        stderr.contains("--role encode: the model takes no images"),
         "{stderr}"
     );
+    let vision = common::vision::case_dir("a");
+    let flags = [
+        "--kv-cache-mib",
+        "16",
+        "--spec",
+        "ngram",
+        "--request-timeout",
+        "5s",
+    ];
+    let stderr = serve(&vision, &flags);
+    assert!(stderr.contains("do not apply to it"), "{stderr}");
+    for flag in ["--kv-cache-mib", "--spec", "--request-timeout"] {
+        assert!(stderr.contains(flag), "{flag}: {stderr}");
+    }
 }

@@ -7,11 +7,13 @@ use clap::{Args, ValueEnum};
 
 use super::engine_runtime;
 use crate::cluster::agent::{self, JoinConfig};
+use crate::cluster::encode_agent;
 use crate::engine::flags::{EngineFlags, parse_duration};
-use crate::engine::{Engine, EngineError};
+use crate::engine::{Engine, EngineError, ImageEngine};
 use crate::error::{Result, TroupeError};
 use crate::model::hub;
 use crate::protocol::serve_options::{ServeOptions, default_allowed_hosts};
+use crate::protocol::server::Served;
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum OpenRoute {
@@ -121,6 +123,10 @@ pub struct ServeArgs {
     pub otlp_traces_endpoint: Option<String>,
     #[command(flatten)]
     engine: EngineFlags,
+    /// The ids of the flags given, not left at their defaults (`--role encode` refuses
+    /// those that do not apply to it).
+    #[arg(skip)]
+    pub given: Vec<String>,
 }
 
 impl ServeArgs {
@@ -179,7 +185,46 @@ enum ClusterRole {
 /// The host tier a prefill or decode engine keeps KV blocks in unless told otherwise.
 const HAND_OFF_HOST_CACHE_BYTES: usize = 1 << 30;
 
+/// Serve flags an encode engine has no use for: it answers no requests and moves none.
+const NOT_FOR_ENCODE: [&str; 9] = [
+    "served_model_name",
+    "drain_to",
+    "allowed_media_domains",
+    "max_queued_requests",
+    "queue_timeout",
+    "request_timeout",
+    "body_read_timeout",
+    "max_rank_restarts",
+    "rank_restart_window",
+];
+
+/// `--role encode` loads the vision tower alone: the language model's flags (every
+/// engine flag but `--device`) and those of requests are refused by name.
+fn refuse_for_encode(given: &[String]) -> Result<()> {
+    let flags = EngineFlags::augment_args(clap::Command::new("engine"));
+    let engine_ids: Vec<&str> = flags.get_arguments().map(|a| a.get_id().as_str()).collect();
+    let refused: Vec<String> = (given.iter())
+        .filter(|id| {
+            (engine_ids.contains(&id.as_str()) && *id != "device")
+                || NOT_FOR_ENCODE.contains(&id.as_str())
+        })
+        .map(|id| format!("--{}", id.replace('_', "-")))
+        .collect();
+    match refused.is_empty() {
+        true => Ok(()),
+        false => Err(TroupeError::InvalidInput(format!(
+            "--role encode runs the model's vision encoder alone, without its language model: \
+             {} do not apply to it",
+            refused.join(", ")
+        ))),
+    }
+}
+
 pub fn run_serve(args: ServeArgs) -> Result<()> {
+    let encodes = args.role == ClusterRole::Encode;
+    if encodes {
+        refuse_for_encode(&args.given)?;
+    }
     let path = args.engine.model_path(args.model())?;
     let mut cfg = args.engine.config(&path)?;
     let moves_kv = !matches!(args.role, ClusterRole::Both | ClusterRole::Encode);
@@ -223,15 +268,24 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
     let state = crate::protocol::server::state(opts);
     let (hooked, drain_to) = (state.clone(), args.drain_to.clone());
     let shutdown_timeout = args.shutdown_timeout;
-    let encodes = args.role == ClusterRole::Encode;
     let loading = runtime.spawn(async move {
-        let engine = Engine::spawn(cfg).await?;
-        if encodes && engine.text().vision.is_none() {
-            return Err(EngineError::Spawn(
-                "--role encode: the model takes no images (it is not a vision-language model)"
-                    .into(),
-            ));
+        if encodes {
+            let encoder =
+                (ImageEngine::load(&cfg.model_path, cfg.device).await).map_err(|e| match e {
+                    EngineError::Spawn(why) => EngineError::Spawn(format!("--role encode: {why}")),
+                    other => other,
+                })?;
+            if let Some(join) = join {
+                let agent = encode_agent::join(encoder.clone(), join)
+                    .await
+                    .map_err(EngineError::Spawn)?;
+                hooked.set_drain_hook(Box::new(move || {
+                    Box::pin(agent::drain(agent.clone(), None, shutdown_timeout))
+                }));
+            }
+            return Ok(Served::Encoder(encoder));
         }
+        let engine = Engine::spawn(cfg).await?;
         if let Some(join) = join {
             // The engine answers HTTP only once it is in the cluster: a router that
             // sees it can send to it.
@@ -248,7 +302,7 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
                 ))
             }));
         }
-        Ok(engine)
+        Ok(Served::Engine(engine))
     });
     crate::notice::notice(&format!(
         "serving on http://{}:{} (answering 503 until the model is loaded)",

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 mod tasks;
 
 use super::ENGINES_GROUP;
-use super::image_transfer::{decode_rows, prompt_with_images};
+use super::image_transfer::{EncodeDone, decode_rows, prompt_with_images};
 use super::kv_transfer::{
     HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, Prefix, encode_chunks,
 };
@@ -207,12 +207,22 @@ impl Actor for EngineAgent {
             AgentMsg::Prefill(ask, reply) => {
                 tokio::spawn(tasks::answer_prefill(st.engine.clone(), ask, reply));
             }
-            AgentMsg::EncodeImages(json, reply) => {
-                tokio::spawn(tasks::answer_encode(st.engine.clone(), json, reply));
+            AgentMsg::EncodeImages(_, reply) => {
+                let done = EncodeDone {
+                    num_images: 0,
+                    num_patches: 0,
+                    error: Some("only an encode engine (--role encode) encodes for peers".into()),
+                };
+                let _ = reply.send(serde_json::to_string(&done).expect("serializes"));
             }
             AgentMsg::PutImageRows(payload, reply) => {
-                let answer = decode_rows(&payload)
-                    .and_then(|(hash, rows)| st.engine.put_image_rows(hash, rows));
+                let answer = decode_rows(&payload).and_then(|(hash, rows)| {
+                    let images = st
+                        .engine
+                        .images()
+                        .ok_or("this engine's model takes no images")?;
+                    images.put_rows(hash, rows)
+                });
                 let _ = reply.send(answer.err().unwrap_or_default());
             }
             AgentMsg::PutBlocks(chunk, reply) => {
@@ -458,6 +468,22 @@ async fn continue_here(engine: EngineHandle, cont: Continuation, d: Detached) {
 /// Starts this process's node, connects it to the router's and starts the agent for
 /// `engine` (returned). The node and the agent live as long as the runtime they were spawned on.
 pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<ActorRef<AgentMsg>, String> {
+    connect(&cfg).await?;
+    let state = AgentState {
+        engine,
+        cfg,
+        moves: HashMap::new(),
+        next_move: 0,
+        draining: false,
+    };
+    let (agent, _) = Actor::spawn(None, EngineAgent, state)
+        .await
+        .map_err(|e| format!("cannot start the cluster agent: {e}"))?;
+    Ok(agent)
+}
+
+/// Starts this process's node and connects it to the router's, and keeps it connected.
+pub(super) async fn connect(cfg: &JoinConfig) -> Result<(), String> {
     let server = ractor_cluster::NodeServer::new(
         0,
         cfg.cookie.clone(),
@@ -481,19 +507,8 @@ pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<ActorRef<Agen
     .await
     .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
     .map_err(|e| unreachable(e.to_string()))?;
-    let router = cfg.router.clone();
-    let state = AgentState {
-        engine,
-        cfg,
-        moves: HashMap::new(),
-        next_move: 0,
-        draining: false,
-    };
-    let (agent, _) = Actor::spawn(None, EngineAgent, state)
-        .await
-        .map_err(|e| format!("cannot start the cluster agent: {e}"))?;
-    tokio::spawn(stay_connected(node, router));
-    Ok(agent)
+    tokio::spawn(stay_connected(node, cfg.router.clone()));
+    Ok(())
 }
 
 /// How often an engine checks that its node is still connected to the router's.

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::kv_transfer::MAX_BLOCK_BYTES;
 use crate::api::PromptImage;
-use crate::engine::EngineHandle;
+use crate::engine::{EngineHandle, ImageEngine};
 use crate::model::vision::{DecodeLimits, RgbImage};
 use crate::protocol::conversation::ImageInput;
 use crate::protocol::images::expand_inputs;
@@ -92,10 +92,10 @@ pub async fn prompt_with_images(
     .map_err(|e| e.to_string())?
 }
 
-/// The encode engine's side of `ask`: each image's rows, sent to `peers` (the engines
-/// `ask.deliver_to` names).
+/// The encode engine's side of `ask`: its images encoded as one batch, each one's rows
+/// sent to `peers` (the engines `ask.deliver_to` names).
 pub async fn encode_for_peers(
-    engine: &EngineHandle,
+    images: &ImageEngine,
     ask: &EncodeAsk,
     peers: &[impl RowsPeer],
 ) -> EncodeDone {
@@ -104,40 +104,45 @@ pub async fn encode_for_peers(
         num_patches: 0,
         error: None,
     };
-    if let Err(e) = encode_each(engine, ask, peers, &mut done).await {
+    if let Err(e) = encode_each(images, ask, peers, &mut done).await {
         done.error = Some(e);
     }
     done
 }
 
 async fn encode_each(
-    engine: &EngineHandle,
+    engine: &ImageEngine,
     ask: &EncodeAsk,
     peers: &[impl RowsPeer],
     done: &mut EncodeDone,
 ) -> Result<(), String> {
-    let processor = engine
-        .text()
-        .vision
-        .as_ref()
-        .map(|v| v.processor.clone())
-        .ok_or("this engine's model takes no images")?;
-    for (i, (data, mime)) in ask.images.iter().enumerate() {
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(data)
-            .map_err(|e| format!("image {i}: invalid base64: {e}"))?;
-        let (mime, processor) = (mime.clone(), processor.clone());
-        // Decoding and resampling take milliseconds of CPU: off the async workers.
-        let patches = tokio::task::spawn_blocking(move || {
-            let image = RgbImage::decode(&bytes, mime.as_deref(), DecodeLimits::default())?;
-            processor.patches(&image)
-        })
-        .await
-        .map_err(|e| format!("image {i}: {e}"))?
-        .map_err(|e| format!("image {i}: {e}"))?;
-        let num_patches = patches.grid.iter().product::<usize>();
-        let image = PromptImage::new(0, patches.grid, patches.merge_size, patches.values);
-        let rows = engine.encode_image(image.clone()).await?;
+    let processor = engine.vision().processor.clone();
+    let files = ask.images.clone();
+    // Decoding and resampling take milliseconds of CPU: off the async workers.
+    let images = tokio::task::spawn_blocking(move || {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        (files.iter().enumerate())
+            .map(|(i, (data, mime))| {
+                let bytes =
+                    (b64.decode(data)).map_err(|e| format!("image {i}: invalid base64: {e}"))?;
+                let image = RgbImage::decode(&bytes, mime.as_deref(), DecodeLimits::default())
+                    .map_err(|e| format!("image {i}: {e}"))?;
+                let patches = processor
+                    .patches(&image)
+                    .map_err(|e| format!("image {i}: {e}"))?;
+                Ok(PromptImage::new(
+                    0,
+                    patches.grid,
+                    patches.merge_size,
+                    patches.values,
+                ))
+            })
+            .collect::<Result<Vec<_>, String>>()
+    })
+    .await
+    .map_err(|e| e.to_string())??;
+    let rows = engine.rows(images.clone()).await?;
+    for (image, rows) in images.iter().zip(rows) {
         let payload = encode_rows(image.hash, &rows);
         if payload.len() > MAX_BLOCK_BYTES {
             // Past a frame of the transport: the peers encode this one themselves.
@@ -147,7 +152,7 @@ async fn encode_each(
             peer.put(payload.clone()).await?;
         }
         done.num_images += 1;
-        done.num_patches += num_patches;
+        done.num_patches += image.grid.iter().product::<usize>();
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! each request by `route`'s rules and forwards the request to it over HTTP (`router.rs`).
 
 pub mod agent;
+pub mod encode_agent;
 mod hand_off;
 pub mod image_transfer;
 pub mod in_flight;

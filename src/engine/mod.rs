@@ -5,6 +5,7 @@ mod build;
 mod config;
 pub mod flags;
 mod grammar;
+mod image_engine;
 mod kv_store;
 mod pools;
 mod request_stream;
@@ -24,9 +25,9 @@ pub use crate::kernels::Device;
 pub use config::{
     DEFAULT_BLOCK_SIZE, EngineConfig, SpecAcceptance, SpecConfig, SpecMethod, SpecVerify,
 };
+pub use image_engine::ImageEngine;
 pub use request_stream::RequestStream;
 
-use crate::actors::image_encoder::{EncoderActor, EncoderMsg};
 pub use crate::actors::scheduler::Detached;
 use crate::actors::scheduler::{SchedulerArgs, SchedulerMsg};
 use crate::actors::supervisor::{Children, EngineSupervisor, SupervisorArgs, SupervisorMsg};
@@ -74,7 +75,7 @@ pub struct EngineHandle {
     /// The prefix store, where one is open: a cluster's engines move KV blocks through it.
     kv_store: Option<Shared<KvStore>>,
     /// A vision-language model's encoder and the actor that encodes requests' images ahead.
-    images: Option<(Shared<ImageEncoder>, ActorRef<EncoderMsg>)>,
+    images: Option<ImageEngine>,
 }
 
 impl Engine {
@@ -148,14 +149,11 @@ impl Engine {
             .map_err(|e| EngineError::Spawn(e.to_string()))?;
         let children = ractor::call_t!(supervisor, SupervisorMsg::Children, CALL_TIMEOUT_MS)
             .map_err(|e| EngineError::Spawn(call_error("supervisor", e).to_string()))?;
-        let images = match image_encoder {
-            Some(encoder) => {
-                let (actor, _) = Actor::spawn(None, EncoderActor, encoder.clone())
-                    .await
-                    .map_err(|e| EngineError::Spawn(e.to_string()))?;
-                Some((encoder, actor))
+        let images = match (image_encoder, &text.vision) {
+            (Some(encoder), Some(vision)) => {
+                Some(ImageEngine::start(vision.clone(), encoder).await?)
             }
-            None => None,
+            _ => None,
         };
         Ok(EngineHandle {
             supervisor,
@@ -253,12 +251,9 @@ impl EngineHandle {
             .acquire_owned()
             .await
             .map_err(|_| EngineError::Unavailable("the engine is shut down".into()))?;
-        if let Some((_, actor)) = &self.images {
+        if let Some(images) = &self.images {
             // Encoded while the request waits and prefills what comes before its images.
-            let ahead = self.images_to_encode(&request);
-            if !ahead.is_empty() {
-                let _ = actor.cast(EncoderMsg::Encode(ahead));
-            }
+            images.encode_ahead(self.images_to_encode(&request));
         }
         let request_id = self.request_ids.next();
         // Unseeded requests get a seed now, reported back, so any run can be replayed.
@@ -361,8 +356,8 @@ impl EngineHandle {
     pub async fn status(&self) -> Result<EngineStatus, EngineError> {
         let mut status = ractor::call_t!(self.scheduler, SchedulerMsg::Status, CALL_TIMEOUT_MS)
             .map_err(|e| call_error("scheduler", e))?;
-        if let Some((encoder, _)) = &self.images {
-            let stats = encoder.stats();
+        if let Some(images) = &self.images {
+            let stats = images.stats();
             status.num_encoded_images = stats.num_encoded;
             status.num_image_cache_hits = stats.num_hits;
             status.num_received_images = stats.num_received;
@@ -384,24 +379,9 @@ impl EngineHandle {
             .collect()
     }
 
-    /// `image`'s encoder rows, encoded here unless cached (an encode engine's work for a
-    /// peer, E/P/D); an error for a model that takes no images.
-    pub async fn encode_image(&self, image: PromptImage) -> Result<Shared<Vec<f32>>, String> {
-        let Some((encoder, _)) = &self.images else {
-            return Err("this engine's model takes no images".into());
-        };
-        let encoder = encoder.clone();
-        tokio::task::spawn_blocking(move || encoder.rows(&image))
-            .await
-            .map_err(|e| format!("the image encoder failed: {e}"))
-    }
-
-    /// Keeps the rows of image `hash` a peer encoded, for this engine's prefills.
-    pub fn put_image_rows(&self, hash: u64, rows: Vec<f32>) -> Result<(), String> {
-        match &self.images {
-            Some((encoder, _)) => encoder.insert(hash, rows),
-            None => Err("this engine's model takes no images".into()),
-        }
+    /// The engine's vision side; `None` for a model that takes no images.
+    pub fn images(&self) -> Option<&ImageEngine> {
+        self.images.as_ref()
     }
 
     /// The chain hashes of the blocks its prefix cache holds (`sched::block_hash`).
@@ -436,8 +416,8 @@ impl EngineHandle {
         // Wake a rank worker waiting on tokens of a step that will never be sampled, so
         // its thread (and its weights and KV cache) can go.
         self.sampled.invalidate();
-        if let Some((_, actor)) = &self.images {
-            let _ = actor.stop_and_wait(None, None).await;
+        if let Some(images) = &self.images {
+            images.stop().await;
         }
         let _ = self.supervisor.stop_and_wait(None, None).await;
         // The ranks' communicators are aborted on threads that finish once the ranks'

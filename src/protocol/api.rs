@@ -62,7 +62,7 @@ impl ApiError {
         match flavor {
             Flavor::OpenAi => {
                 let (kind, code) = match self.status {
-                    400 | 413 | 422 => ("invalid_request_error", None),
+                    400 | 413 | 421 | 422 => ("invalid_request_error", None),
                     401 => ("invalid_request_error", Some("invalid_api_key")),
                     403 => ("permission_error", None),
                     404 => ("not_found_error", None),
@@ -74,7 +74,7 @@ impl ApiError {
             }
             Flavor::Anthropic => {
                 let kind = match self.status {
-                    400 | 422 => "invalid_request_error",
+                    400 | 421 | 422 => "invalid_request_error",
                     401 => "authentication_error",
                     403 => "permission_error",
                     404 => "not_found_error",

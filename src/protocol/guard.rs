@@ -175,8 +175,7 @@ pub async fn guard(
         if !is_generation(&req) {
             return None;
         }
-        if st.engine().is_err() {
-            let e = ApiError::status(503, "the model is still loading");
+        if let Err(e) = st.engine() {
             return Some(error_response(&e, flavor));
         }
         match st.gate.enter() {

@@ -17,7 +17,7 @@ use super::conversation::Conversation;
 use super::metrics::Metrics;
 use super::output_parser::ParseSpec;
 use super::serve_options::ServeOptions;
-use crate::engine::{EngineError, EngineHandle, RequestOutput, RequestStream};
+use crate::engine::{EngineError, EngineHandle, ImageEngine, RequestOutput, RequestStream};
 
 /// Request bodies above this are refused (413) while reading.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
@@ -27,6 +27,9 @@ pub const MAX_IMAGE_BODY_BYTES: usize = 64 << 20;
 pub struct ServerState {
     /// Set once the engine has loaded; until then every route but `/health` is 503.
     engine: OnceLock<EngineHandle>,
+    /// Set instead on an encode engine (`serve --role encode`): the vision tower alone,
+    /// which answers its cluster's asks and no request of the APIs.
+    encoder: OnceLock<ImageEngine>,
     /// Why the engine could not start or has failed for good (`/health` says it).
     failure: OnceLock<String>,
     pub opts: ServeOptions,
@@ -48,6 +51,7 @@ impl ServerState {
     pub fn new(opts: ServeOptions) -> Self {
         ServerState {
             engine: OnceLock::new(),
+            encoder: OnceLock::new(),
             failure: OnceLock::new(),
             gate: Gate::new(opts.admission_limit()),
             opts,
@@ -68,11 +72,27 @@ impl ServerState {
         self.drain_hook.get()
     }
 
-    /// The engine, or 503 while it is loading.
+    /// The engine, or 503 while it is loading (421 on an encode engine, which has none).
     pub fn engine(&self) -> Result<&EngineHandle, ApiError> {
+        if self.encoder.get().is_some() {
+            return Err(ApiError::status(
+                421,
+                "this server is an encode engine (serve --role encode): it encodes images \
+                 for its cluster's engines and answers no requests; send them to the router",
+            ));
+        }
         self.engine
             .get()
             .ok_or_else(|| ApiError::status(503, "the model is still loading"))
+    }
+
+    /// The encoder of an encode engine (`None` on any other server).
+    pub fn encoder(&self) -> Option<&ImageEngine> {
+        self.encoder.get()
+    }
+
+    pub fn set_encoder(&self, encoder: ImageEngine) {
+        let _ = self.encoder.set(encoder);
     }
 
     pub fn set_engine(&self, engine: EngineHandle) {

@@ -17,12 +17,18 @@ use super::guard;
 use super::http::{ServerState, error_response};
 use super::serve_options::ServeOptions;
 use super::{anthropic, completions, openai, responses, tokenize};
-use crate::engine::{EngineError, EngineHandle};
+use crate::engine::{EngineError, EngineHandle, ImageEngine};
 
 pub use super::http::MAX_BODY_BYTES;
 
+/// What a server serves once loaded: an engine, or an encode engine's encoder alone.
+pub enum Served {
+    Engine(EngineHandle),
+    Encoder(ImageEngine),
+}
+
 /// An engine being loaded on the engine's runtime.
-pub type Loading = tokio::task::JoinHandle<Result<EngineHandle, EngineError>>;
+pub type Loading = tokio::task::JoinHandle<Result<Served, EngineError>>;
 
 fn unhealthy(status: &str, reason: Option<&str>) -> HttpResponse {
     HttpResponse::ServiceUnavailable().json(json!({"status": status, "reason": reason}))
@@ -31,6 +37,12 @@ fn unhealthy(status: &str, reason: Option<&str>) -> HttpResponse {
 async fn health(st: web::Data<ServerState>) -> HttpResponse {
     if let Some(reason) = st.failure() {
         return unhealthy("failed", Some(reason));
+    }
+    if st.encoder().is_some() {
+        return match st.gate.is_closed() {
+            true => unhealthy("draining", None),
+            false => HttpResponse::Ok().json(json!({"status": "ok", "role": "encode"})),
+        };
     }
     let Ok(engine) = st.engine() else {
         return unhealthy("loading", None);
@@ -80,18 +92,27 @@ async fn model(st: web::Data<ServerState>, id: web::Path<String>) -> HttpRespons
 }
 
 async fn metrics(st: web::Data<ServerState>) -> HttpResponse {
-    let status = match st.engine() {
-        Ok(engine) => engine
-            .status()
-            .await
-            .map_err(|e| ApiError::status(503, e.to_string())),
-        Err(e) => Err(e),
+    let status = match (st.encoder(), st.engine()) {
+        (Some(encoder), _) => Ok(encoder.status()),
+        (None, engine) => status_of(engine).await,
     };
     match status {
         Ok(status) => HttpResponse::Ok()
             .content_type(super::metrics::CONTENT_TYPE)
             .body(st.metrics.render(&status)),
         Err(e) => error_response(&e, Flavor::OpenAi),
+    }
+}
+
+async fn status_of(
+    engine: Result<&EngineHandle, ApiError>,
+) -> Result<crate::engine::EngineStatus, ApiError> {
+    match engine {
+        Ok(engine) => engine
+            .status()
+            .await
+            .map_err(|e| ApiError::status(503, e.to_string())),
+        Err(e) => Err(e),
     }
 }
 
@@ -184,9 +205,13 @@ pub fn serve_on(
 
 async fn load(st: web::Data<ServerState>, loading: Loading, server: ServerHandle) {
     match loading.await {
-        Ok(Ok(engine)) => {
+        Ok(Ok(Served::Engine(engine))) => {
             st.set_engine(engine);
             crate::notice::notice("the model is loaded");
+        }
+        Ok(Ok(Served::Encoder(encoder))) => {
+            st.set_encoder(encoder);
+            crate::notice::notice("the vision encoder is loaded (an encode engine)");
         }
         Ok(Err(e)) => {
             st.set_failure(e.to_string());
@@ -250,6 +275,10 @@ pub async fn drain(st: &ServerState) {
         hook().await;
     }
     let finished = wait_until_empty(st, Instant::now() + st.opts.shutdown_timeout).await;
+    if let Some(encoder) = st.encoder() {
+        encoder.stop().await;
+        return;
+    }
     let Ok(engine) = st.engine() else {
         return;
     };

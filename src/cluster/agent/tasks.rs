@@ -4,7 +4,6 @@
 
 use ractor::{ActorRef, RpcReplyPort};
 
-use super::super::image_transfer::{EncodeAsk, EncodeDone, RowsPeer, encode_for_peers};
 use super::super::kv_transfer::put_blocks;
 use super::super::migrate::{Continuation, MovedOutput};
 use super::{AgentMsg, AgentState, EngineReport, PrefillAsk, agent_group, prefill_and_send};
@@ -97,51 +96,4 @@ pub(super) async fn continue_moved(
             break;
         }
     }
-}
-
-/// How long a peer may take to keep an image's rows.
-const PUT_ROWS_TIMEOUT_MS: u64 = 30_000;
-
-/// A peer engine's agent, as an encode engine sends it image rows.
-struct AgentPeer(ActorRef<AgentMsg>);
-
-impl RowsPeer for AgentPeer {
-    async fn put(&self, payload: Vec<u8>) -> Result<(), String> {
-        let answer = ractor::call_t!(self.0, AgentMsg::PutImageRows, PUT_ROWS_TIMEOUT_MS, payload)
-            .map_err(|e| format!("sending image rows: {e}"))?;
-        match answer.is_empty() {
-            true => Ok(()),
-            false => Err(answer),
-        }
-    }
-}
-
-/// An encode engine's answer to `EncodeImages`: the images encoded, their rows sent on.
-pub(super) async fn answer_encode(engine: EngineHandle, json: String, reply: RpcReplyPort<String>) {
-    let failed = |e: String| EncodeDone {
-        num_images: 0,
-        num_patches: 0,
-        error: Some(e),
-    };
-    let done = match serde_json::from_str::<EncodeAsk>(&json) {
-        Err(e) => failed(format!("an encode ask: {e}")),
-        Ok(ask) => {
-            let peers: Result<Vec<AgentPeer>, String> = ask
-                .deliver_to
-                .iter()
-                .map(|node| {
-                    ractor::pg::get_members(&agent_group(node))
-                        .into_iter()
-                        .next()
-                        .map(|cell| AgentPeer(cell.into()))
-                        .ok_or_else(|| format!("no engine named {node} in the cluster"))
-                })
-                .collect();
-            match peers {
-                Ok(peers) => encode_for_peers(&engine, &ask, &peers).await,
-                Err(e) => failed(e),
-            }
-        }
-    };
-    let _ = reply.send(serde_json::to_string(&done).expect("serializes"));
 }
