@@ -44,5 +44,4 @@ cargo clippy --release --all-targets --features cuda -- -D warnings
 python3 -m pip install --quiet --disable-pip-version-check --target target/nvrtc "nvidia-cuda-nvrtc==13.0.*"
 LD_LIBRARY_PATH="$PWD/target/nvrtc/nvidia/cu13/lib" cargo test --release --features cuda --test cuda_kernels
 # The loom suites explore the interleavings of our shared-memory primitives.
-RUSTFLAGS="--cfg troupe_loom" LOOM_MAX_PREEMPTIONS=3 \
-  CARGO_TARGET_DIR=target/loom cargo test --release --test 'loom_*'
+LOOM_MAX_PREEMPTIONS=3 cargo test --release --features loom --test 'loom_*'

@@ -184,56 +184,10 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
     let cluster_port = free_port();
     let router = router(cluster_port);
     router_up(&router);
-    let mut p = engine(
-        cluster_port,
-        "p1",
-        &["--role", "prefill", "--kv-cache-mib", "256"],
-    );
-    let d = engine(
-        cluster_port,
-        "d1",
-        &["--role", "decode", "--kv-cache-mib", "256"],
-    );
-    wait_for(router.addr, Duration::from_secs(30), |v| {
-        names(v) == ["d1", "p1"]
-    });
-
-    // 64 requests at once, of drawn lengths, greedy and seeded: prefilled on p1, their
-    // KV handed to d1, which answers.
-    let mut rng = common::Rng(21);
-    let bodies: Vec<Value> = (0..64)
-        .map(|i| {
-            let len = 20 + rng.below(100);
-            let prompt = &random_prompts(1, 100 + i, len)[0];
-            match i % 2 {
-                0 => greedy(prompt, 8),
-                _ => json!({"prompt": prompt, "max_tokens": 8, "temperature": 0.9,
-                            "seed": i, "ignore_eos": true}),
-            }
-        })
-        .collect();
-    let got = burst(router.addr, &bodies);
+    let (mut p, _d, solo) = hand_offs(&router, cluster_port, "auto", 64);
     let view = get(router.addr, "/router/engines");
-    assert_eq!(view["hand_offs"], 64, "{view}");
-    assert_eq!(view["failed_hand_offs"], 0, "{view}");
-    assert_eq!(engine_view(&view, "d1")["routed"], 64, "{view}");
-    assert_eq!(engine_view(&view, "p1")["routed"], 0, "{view}");
-    // Every full block of every prompt moved, and d1 computed none of them again.
-    let full_blocks: u64 = bodies
-        .iter()
-        .map(|b| (b["prompt"].as_array().unwrap().len() as u64 - 1) / 16)
-        .sum();
-    assert_eq!(view["kv_blocks_moved"], full_blocks, "{view}");
-    assert!(view["kv_bytes_moved"].as_u64().unwrap() > 0, "{view}");
-    assert_eq!(cluster::host_hit_blocks(d.addr), full_blocks);
-
-    // The same answers from one engine alone.
-    let solo = serve(&["--kv-cache-mib", "256"], &[]);
-    let want: Vec<Vec<u64>> = bodies
-        .iter()
-        .map(|b| token_ids(&post(solo.addr, b)))
-        .collect();
-    assert_eq!(got, want);
+    // The two engines share this host: the KV went through shared memory.
+    assert_eq!(view["hand_offs_by_transport"]["shm"], 64, "{view}");
 
     // The router killed and started again on the same cluster address: the engines
     // connect to it again on their own, and the cluster answers as before.
@@ -259,6 +213,91 @@ fn a_prefill_engine_hands_its_kv_to_a_decode_engine() {
         complete(solo.addr, &alone, 8)
     );
     assert_eq!(get(router.addr, "/router/engines")["hand_offs"], 1);
+}
+
+/// A prefill engine (`--kv-transport transport`) and a decode engine behind `router`,
+/// and `n` requests at once, of drawn lengths, greedy and seeded: prefilled on the one,
+/// their KV handed to the other, which answers as one engine alone does. The two
+/// engines and the engine alone.
+fn hand_offs(
+    router: &ServeProcess,
+    cluster_port: u16,
+    transport: &str,
+    n: u64,
+) -> (ServeProcess, ServeProcess, ServeProcess) {
+    let p = engine(
+        cluster_port,
+        "p1",
+        &[
+            "--role",
+            "prefill",
+            "--kv-cache-mib",
+            "256",
+            "--kv-transport",
+            transport,
+        ],
+    );
+    let d = engine(
+        cluster_port,
+        "d1",
+        &["--role", "decode", "--kv-cache-mib", "256"],
+    );
+    wait_for(router.addr, Duration::from_secs(30), |v| {
+        names(v) == ["d1", "p1"]
+    });
+    let mut rng = common::Rng(21 + n);
+    let bodies: Vec<Value> = (0..n)
+        .map(|i| {
+            let len = 20 + rng.below(100);
+            let prompt = &random_prompts(1, 100 + i, len)[0];
+            match i % 2 {
+                0 => greedy(prompt, 8),
+                _ => json!({"prompt": prompt, "max_tokens": 8, "temperature": 0.9,
+                            "seed": i, "ignore_eos": true}),
+            }
+        })
+        .collect();
+    let got = burst(router.addr, &bodies);
+    let view = get(router.addr, "/router/engines");
+    assert_eq!(view["hand_offs"], n, "{view}");
+    assert_eq!(view["failed_hand_offs"], 0, "{view}");
+    assert_eq!(engine_view(&view, "d1")["routed"], n, "{view}");
+    assert_eq!(engine_view(&view, "p1")["routed"], 0, "{view}");
+    // Every full block of every prompt moved, and d1 computed none of them again.
+    let full_blocks: u64 = bodies
+        .iter()
+        .map(|b| (b["prompt"].as_array().unwrap().len() as u64 - 1) / 16)
+        .sum();
+    assert_eq!(view["kv_blocks_moved"], full_blocks, "{view}");
+    assert!(view["kv_bytes_moved"].as_u64().unwrap() > 0, "{view}");
+    assert_eq!(cluster::host_hit_blocks(d.addr), full_blocks);
+    let solo = serve(&["--kv-cache-mib", "256"], &[]);
+    let want: Vec<Vec<u64>> = bodies
+        .iter()
+        .map(|b| token_ids(&post(solo.addr, b)))
+        .collect();
+    assert_eq!(got, want);
+    (p, d, solo)
+}
+
+#[test]
+fn kv_told_to_keep_to_tcp_goes_over_tcp_with_the_same_answers() {
+    let cluster_port = free_port();
+    let router = router(cluster_port);
+    router_up(&router);
+    let _engines = hand_offs(&router, cluster_port, "tcp", 12);
+    let view = get(router.addr, "/router/engines");
+    assert_eq!(view["hand_offs_by_transport"]["tcp"], 12, "{view}");
+    assert!(
+        view["hand_offs_by_transport"].get("shm").is_none(),
+        "{view}"
+    );
+    let metrics = raw_request(router.addr, "GET", "/metrics", &HOST, b"");
+    let metrics = String::from_utf8(metrics.payload()).unwrap();
+    assert!(
+        metrics.contains("troupe_router_hand_offs_by_transport_total{transport=\"tcp\"} 12"),
+        "{metrics}"
+    );
 }
 
 /// A streamed completion's text, from its events (an error event fails the test).

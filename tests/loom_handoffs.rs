@@ -1,8 +1,8 @@
 //! Loom: work handed between threads over the crate's channels (`troupe::sync::channel`)
 //! and its shared caches — the CPU ranks' all-reduce, the prefix store's hand-off of
 //! blocks to its disk writer, and the grammar compiler's cache under two requests.
-//! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_handoffs`.
-#![cfg(troupe_loom)]
+//! Run with `cargo test --release --features loom --test loom_handoffs`.
+#![cfg(feature = "loom")]
 
 use std::path::PathBuf;
 use std::sync::Arc as Shared;

@@ -3,8 +3,8 @@
 //! pool, the fault plan's one-shot flags, the drafters' shared calibration, the engine
 //! handle's request ids, the prefix store's host tier, the server's admission gate, the
 //! router's view of its engines and its in-flight counts, a device step's host-call flags.
-//! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_primitives`.
-#![cfg(troupe_loom)]
+//! Run with `cargo test --release --features loom --test loom_primitives`.
+#![cfg(feature = "loom")]
 
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicUsize, Ordering};

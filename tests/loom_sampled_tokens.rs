@@ -1,6 +1,6 @@
 //! Loom: the ZOS hand-off between the sampler (publisher) and a rank worker (waiter).
-//! Run with `RUSTFLAGS="--cfg troupe_loom" cargo test --release --test loom_sampled_tokens`.
-#![cfg(troupe_loom)]
+//! Run with `cargo test --release --features loom --test loom_sampled_tokens`.
+#![cfg(feature = "loom")]
 
 use loom::thread;
 use troupe::runner::sampled_tokens::SampledTokens;

@@ -63,6 +63,12 @@ pub struct ServeArgs {
     /// their clients' streams go on through this process. The rest finish here.
     #[arg(long, value_name = "NODE|auto", requires = "cluster")]
     drain_to: Option<String>,
+    /// How this engine's KV blocks reach a peer (prefill/decode hand-offs, drains):
+    /// `auto` through shared memory to a peer on this host (a region only this user can
+    /// open, proven by the cluster's cookie), over the cluster's TCP connection to others
+    /// or where shared memory fails; `tcp` always over TCP.
+    #[arg(long, value_enum, default_value = "auto", requires = "cluster")]
+    kv_transport: KvTransportArg,
     /// This engine's name in the cluster, unique in it (default: engine-HOST-PORT).
     #[arg(long, requires = "cluster")]
     node_name: Option<String>,
@@ -182,13 +188,21 @@ enum ClusterRole {
     Encode,
 }
 
+/// `--kv-transport`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum KvTransportArg {
+    Auto,
+    Tcp,
+}
+
 /// The host tier a prefill or decode engine keeps KV blocks in unless told otherwise.
 const HAND_OFF_HOST_CACHE_BYTES: usize = 1 << 30;
 
 /// Serve flags an encode engine has no use for: it answers no requests and moves none.
-const NOT_FOR_ENCODE: [&str; 9] = [
+const NOT_FOR_ENCODE: [&str; 10] = [
     "served_model_name",
     "drain_to",
+    "kv_transport",
     "allowed_media_domains",
     "max_queued_requests",
     "queue_timeout",
@@ -264,6 +278,7 @@ pub fn run_serve(args: ServeArgs) -> Result<()> {
             role: format!("{:?}", args.role).to_lowercase(),
             block_size: cfg.block_size,
             listen_ip,
+            kv_shared_memory: args.kv_transport == KvTransportArg::Auto,
         });
     let state = crate::protocol::server::state(opts);
     let (hooked, drain_to) = (state.clone(), args.drain_to.clone());

@@ -9,70 +9,24 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use ractor_cluster::RactorClusterMessage;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use serde::{Deserialize, Serialize};
 
 mod tasks;
 
 use super::ENGINES_GROUP;
+pub use super::agent_msg::{AgentMsg, agent_group};
 use super::image_transfer::{EncodeDone, decode_rows, prompt_with_images};
-use super::kv_transfer::{
-    HandOff, KvTransport, MAX_BLOCK_BYTES, PrefillAsk, Prefix, encode_chunks,
-};
+use super::kv_links::{CHUNK_TIMEOUT_MS, KvLinks};
+use super::kv_transfer::{HandOff, PrefillAsk, Prefix};
 use super::migrate::{Continuation, DrainAsk, MovedOutput};
 use crate::engine::{Detached, EngineHandle, EngineRequest, RequestOutput};
 use crate::sampling::SamplingParams;
 use crate::step::with_virtual_ids;
+use crate::sync::Shared;
 
 /// How long a draining engine waits for a peer's report (a busy peer answers late).
 const PEER_REPORT_TIMEOUT_MS: u64 = 5_000;
-/// How long a chunk of KV blocks may take to be acknowledged.
-const CHUNK_TIMEOUT_MS: u64 = 30_000;
-
-/// What the router may ask an engine's agent; crosses the network.
-#[derive(RactorClusterMessage)]
-pub enum AgentMsg {
-    /// The engine's `EngineReport`, as JSON.
-    #[rpc]
-    Report(RpcReplyPort<String>),
-    /// A prompt to prefill here, its blocks sent to a decode engine
-    /// (`kv_transfer::PrefillAsk` as JSON); answered with the `HandOff` as JSON, or
-    /// `{"error": ...}`.
-    #[rpc]
-    Prefill(String, RpcReplyPort<String>),
-    /// A chunk of KV blocks for this engine's prefix store (`kv_transfer::encode_chunks`);
-    /// answered with "" once kept, else why not.
-    #[rpc]
-    PutBlocks(Vec<u8>, RpcReplyPort<String>),
-    /// The engine is draining (SIGTERM; `migrate::DrainAsk` as JSON): nothing new is taken
-    /// from the cluster, and with `--drain-to` every request a peer can continue moves to
-    /// it. Answered with what is moving.
-    #[rpc]
-    DrainTo(String, RpcReplyPort<String>),
-    /// The drain's time is up: every moved request still unfinished ends with an error.
-    CancelMoves,
-    /// Continue a request another engine moved here (`migrate::Continuation` as JSON);
-    /// answered with "" once admitted, else why not.
-    #[rpc]
-    Continue(String, RpcReplyPort<String>),
-    /// An output of a request this engine moved to a peer (`migrate::MovedOutput` as
-    /// JSON), for its caller.
-    Outputs(String),
-    /// A request's images to encode here and send to the engines that prefill it
-    /// (`image_transfer::EncodeAsk` as JSON); answered with its `EncodeDone` as JSON.
-    #[rpc]
-    EncodeImages(String, RpcReplyPort<String>),
-    /// One image's rows an encode engine sent (`image_transfer::encode_rows`); answered
-    /// with "" once kept, else why not.
-    #[rpc]
-    PutImageRows(Vec<u8>, RpcReplyPort<String>),
-}
-
-/// The process group of one engine's agent alone: how a peer finds it by node name.
-pub fn agent_group(node_name: &str) -> String {
-    format!("{ENGINES_GROUP}.{node_name}")
-}
 
 /// One engine's state as the router sees it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -109,6 +63,8 @@ pub struct JoinConfig {
     pub block_size: usize,
     /// The address this node listens on (the engine's HTTP host).
     pub listen_ip: std::net::IpAddr,
+    /// KV to peers on this host through shared memory (`--kv-transport auto`).
+    pub kv_shared_memory: bool,
 }
 
 /// The router's node is named `router@HOST`.
@@ -127,6 +83,8 @@ pub struct AgentState {
     next_move: u64,
     /// Set by `DrainTo`: prefills and moved requests are refused, reports say so.
     draining: bool,
+    /// The transports KV blocks take to and from peers.
+    links: Shared<KvLinks>,
 }
 
 impl Actor for EngineAgent {
@@ -205,7 +163,8 @@ impl Actor for EngineAgent {
                 let _ = reply.send(answer.to_string());
             }
             AgentMsg::Prefill(ask, reply) => {
-                tokio::spawn(tasks::answer_prefill(st.engine.clone(), ask, reply));
+                let (engine, links) = (st.engine.clone(), st.links.clone());
+                tokio::spawn(tasks::answer_prefill(engine, links, ask, reply));
             }
             AgentMsg::EncodeImages(_, reply) => {
                 let done = EncodeDone {
@@ -232,59 +191,28 @@ impl Actor for EngineAgent {
                     tasks::answer_put_blocks(&engine, &chunk, reply)
                 });
             }
+            AgentMsg::PutShmBlocks(json, reply) => {
+                let (engine, links) = (st.engine.clone(), st.links.clone());
+                tokio::task::spawn_blocking(move || {
+                    tasks::answer_put_shm_blocks(&engine, &links, &json, reply)
+                });
+            }
         }
         Ok(())
     }
 }
 
-/// The cluster's TCP transport: chunks as `AgentMsg::PutBlocks` calls on the decode
-/// engine's agent, each acknowledged before the next.
-pub struct ClusterTcp {
-    dest: ActorRef<AgentMsg>,
-}
-
-impl ClusterTcp {
-    /// The transport to `node`'s agent, once this node is connected to that node.
-    pub fn to_node(node: &str) -> Result<Self, String> {
-        let cell = ractor::pg::get_members(&agent_group(node))
-            .into_iter()
-            .next()
-            .ok_or_else(|| format!("no engine named {node} in the cluster"))?;
-        Ok(ClusterTcp { dest: cell.into() })
-    }
-}
-
-impl KvTransport for ClusterTcp {
-    async fn send(&self, namespace: &str, prefix: &Prefix) -> Result<u64, String> {
-        // A frame past the receiver's limit would end the whole session between the nodes.
-        let blocks = prefix.blocks.iter().map(|(key, p)| (key.hash, p));
-        let mut entries = blocks.chain(prefix.states.iter().map(|(hash, p)| (*hash, p)));
-        if let Some((hash, p)) = entries.find(|(_, p)| p.len() > MAX_BLOCK_BYTES) {
-            return Err(format!(
-                "KV block {hash:016x} (or its state) has {} bytes; the cluster's transport takes at most {MAX_BLOCK_BYTES}",
-                p.len()
-            ));
-        }
-        let mut bytes = 0;
-        for chunk in encode_chunks(namespace, prefix) {
-            bytes += chunk.len() as u64;
-            let answer = ractor::call_t!(self.dest, AgentMsg::PutBlocks, CHUNK_TIMEOUT_MS, chunk)
-                .map_err(|e| format!("sending KV blocks: {e}"))?;
-            if !answer.is_empty() {
-                return Err(answer);
-            }
-        }
-        Ok(bytes)
-    }
-}
-
 /// The prefill engine's side: `ask`'s prompt run here, its blocks sent on.
-pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result<HandOff, String> {
+pub async fn prefill_and_send(
+    engine: &EngineHandle,
+    links: &KvLinks,
+    ask: &PrefillAsk,
+) -> Result<HandOff, String> {
     let started = Instant::now();
     let store = engine
         .kv_store()
         .ok_or("this engine keeps no prefix store (--kv-host-cache-bytes)")?;
-    let transport = ClusterTcp::to_node(&ask.decode_node)?;
+    let peer = links.to_node(&ask.decode_node)?;
     let greedy = SamplingParams {
         temperature: 0.0,
         ..SamplingParams::default()
@@ -309,10 +237,11 @@ pub async fn prefill_and_send(engine: &EngineHandle, ask: &PrefillAsk) -> Result
     // computes those blocks again.
     let prefix = Prefix::export(store, &tokens);
     let sending = Instant::now();
-    let bytes = transport.send(store.namespace(), &prefix).await?;
+    let sent = peer.send(store.namespace(), &prefix).await?;
     Ok(HandOff {
         num_blocks: prefix.blocks.len(),
-        bytes,
+        bytes: sent.bytes,
+        transport: sent.transport.to_string(),
         prefill_secs: started.elapsed().as_secs_f64(),
         transfer_secs: sending.elapsed().as_secs_f64(),
     })
@@ -353,7 +282,8 @@ impl AgentState {
             moving.len()
         );
         let (engine, origin) = (self.engine.clone(), self.cfg.node_name.clone());
-        tokio::spawn(async move { move_all(&engine, &peer, &origin, moving).await });
+        let links = self.links.clone();
+        tokio::spawn(async move { move_all(&engine, &links, &peer, &origin, moving).await });
         let (me, after) = (
             myself.clone(),
             Duration::from_secs_f64(ask.cancel_after_secs),
@@ -411,9 +341,15 @@ async fn pick_peer(myself: &ActorRef<AgentMsg>, target: &str, me: &str) -> Resul
 
 /// Each moving request's blocks to `peer`'s store, then the request itself; a request
 /// whose move fails ends with an error its caller sees.
-async fn move_all(engine: &EngineHandle, peer: &str, origin: &str, moving: Vec<(u64, Detached)>) {
+async fn move_all(
+    engine: &EngineHandle,
+    links: &KvLinks,
+    peer: &str,
+    origin: &str,
+    moving: Vec<(u64, Detached)>,
+) {
     let _ = engine.flush_kv_saves().await;
-    let transport = ClusterTcp::to_node(peer);
+    let transport = links.to_node(peer);
     for (move_id, d) in moving {
         let cont = Continuation::of(&d, origin, move_id);
         let moved = async {
@@ -426,9 +362,13 @@ async fn move_all(engine: &EngineHandle, peer: &str, origin: &str, moving: Vec<(
                 }
             }
             let json = serde_json::to_string(&cont).map_err(|e| e.to_string())?;
-            let answer =
-                ractor::call_t!(transport.dest, AgentMsg::Continue, CHUNK_TIMEOUT_MS, json)
-                    .map_err(|e| e.to_string())?;
+            let answer = ractor::call_t!(
+                transport.agent(),
+                AgentMsg::Continue,
+                CHUNK_TIMEOUT_MS,
+                json
+            )
+            .map_err(|e| e.to_string())?;
             if answer.is_empty() {
                 Ok(())
             } else {
@@ -469,9 +409,11 @@ async fn continue_here(engine: EngineHandle, cont: Continuation, d: Detached) {
 /// `engine` (returned). The node and the agent live as long as the runtime they were spawned on.
 pub async fn join(engine: EngineHandle, cfg: JoinConfig) -> Result<ActorRef<AgentMsg>, String> {
     connect(&cfg).await?;
+    let links = Shared::new(KvLinks::new(&cfg.cookie, cfg.kv_shared_memory));
     let state = AgentState {
         engine,
         cfg,
+        links,
         moves: HashMap::new(),
         next_move: 0,
         draining: false,

@@ -107,7 +107,8 @@ impl Actor for EncodeAgent {
             }
             AgentMsg::PutBlocks(_, reply)
             | AgentMsg::Continue(_, reply)
-            | AgentMsg::PutImageRows(_, reply) => {
+            | AgentMsg::PutImageRows(_, reply)
+            | AgentMsg::PutShmBlocks(_, reply) => {
                 let _ = reply.send(NOT_HERE.into());
             }
             // It moves no requests: nothing comes back, nothing to cancel.

@@ -109,6 +109,9 @@ pub(super) async fn hand_off(
     match done {
         Ok(h) => st.count(|c| {
             *c.hand_offs.entry(prefill.node_name.clone()).or_default() += 1;
+            *c.hand_offs_by_transport
+                .entry(h.transport.clone())
+                .or_default() += 1;
             c.kv_blocks_moved += h.num_blocks as u64;
             c.kv_bytes_moved += h.bytes;
             c.kv_transfer_secs += h.transfer_secs;

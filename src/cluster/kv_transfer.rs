@@ -6,8 +6,8 @@
 //! A model with per-sequence state (DeepSeek-V4) sends the state saved at the last
 //! block's end with them, so the decode engine resumes there without a replay.
 //! The engines keep running other steps while blocks move. Transfer is behind
-//! `KvTransport`: the cluster's TCP connection between the two nodes today (the agent's
-//! `ClusterTcp`). Here: the asks and answers, the chunks' format, the receiving side.
+//! `KvTransport` (`kv_links.rs`: shared memory on one host, the cluster's TCP connection
+//! between hosts). Here: the asks and answers, the chunks' format, the receiving side.
 
 use serde::{Deserialize, Serialize};
 
@@ -39,7 +39,7 @@ pub type State = (u64, Shared<[u8]>);
 
 /// What a prompt's hand-off moves: its blocks, the state at the last one's end if the
 /// store kept one.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Prefix {
     pub blocks: Vec<Block>,
     pub states: Vec<State>,
@@ -74,12 +74,12 @@ impl Prefix {
 pub struct Chunk {
     /// The sender's store namespace (`store::namespace`).
     pub namespace: String,
-    pub blocks: Vec<(BlockKey, Vec<u8>)>,
-    pub states: Vec<(u64, Vec<u8>)>,
+    pub blocks: Vec<Block>,
+    pub states: Vec<State>,
 }
 
 /// What a hand-off moved.
-#[derive(Debug, Default, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct HandOff {
     pub num_blocks: usize,
     pub bytes: u64,
@@ -87,10 +87,14 @@ pub struct HandOff {
     pub prefill_secs: f64,
     /// Sending alone.
     pub transfer_secs: f64,
+    /// How the blocks went: `shm` (shared memory, the peer on this host) or `tcp`.
+    #[serde(default)]
+    pub transport: String,
 }
 
-/// Where a prefill engine's blocks go. TCP between cluster nodes today; a transport
-/// between GPUs (NCCL, RDMA) would move the same blocks without the host copy.
+/// Where an engine's blocks go: shared memory to a peer on the same host, TCP between
+/// hosts (`kv_links.rs`); a transport between GPUs (CUDA IPC, NCCL, RDMA) would move the
+/// same blocks without the host copy.
 pub trait KvTransport {
     /// Bytes sent, once the receiver holds every block.
     fn send(
@@ -115,12 +119,12 @@ pub fn put_blocks(store: &KvStore, chunk: &[u8]) -> Result<usize, String> {
     }
     let n = blocks.len();
     for (key, payload) in blocks {
-        store.import(key, payload.into())?;
+        store.import(key, payload)?;
     }
     // A state only spares the decode engine a replay: one it cannot keep (a store with
     // no host tier) leaves the hand-off whole.
     for (hash, payload) in states {
-        if let Err(e) = store.import_state(hash, payload.into()) {
+        if let Err(e) = store.import_state(hash, payload) {
             tracing::warn!("KV hand-off: {e}; the request replays its window instead");
         }
     }
@@ -130,10 +134,32 @@ pub fn put_blocks(store: &KvStore, chunk: &[u8]) -> Result<usize, String> {
 /// `prefix` as chunks of at most about `CHUNK_BYTES` each (a block or state is never
 /// split; states after every block, so the receiver holds a state's block first).
 pub fn encode_chunks(namespace: &str, prefix: &Prefix) -> Vec<Vec<u8>> {
-    let (blocks, states) = (&prefix.blocks[..], &prefix.states[..]);
-    let sizes = blocks.iter().map(|(_, p)| p.len());
-    let sizes: Vec<usize> = sizes.chain(states.iter().map(|(_, p)| p.len())).collect();
-    let mut chunks = Vec::new();
+    chunk_plan(prefix)
+        .into_iter()
+        .map(|part| {
+            let mut out = Vec::with_capacity(part.encoded_len(namespace, prefix));
+            part.write(namespace, prefix, &mut out)
+                .expect("a Vec takes every write");
+            out
+        })
+        .collect()
+}
+
+/// One chunk's share of a prefix: its blocks, then its states (indices into the prefix).
+#[derive(Debug, Clone)]
+pub struct ChunkPart {
+    blocks: std::ops::Range<usize>,
+    states: std::ops::Range<usize>,
+}
+
+/// How `prefix` splits into chunks of at most about `CHUNK_BYTES` of payload.
+pub fn chunk_plan(prefix: &Prefix) -> Vec<ChunkPart> {
+    let (num_blocks, num_states) = (prefix.blocks.len(), prefix.states.len());
+    let sizes = prefix.blocks.iter().map(|(_, p)| p.len());
+    let sizes: Vec<usize> = sizes
+        .chain(prefix.states.iter().map(|(_, p)| p.len()))
+        .collect();
+    let mut parts = Vec::new();
     let mut first = 0;
     while first < sizes.len() {
         let mut size = 0;
@@ -146,35 +172,64 @@ pub fn encode_chunks(namespace: &str, prefix: &Prefix) -> Vec<Vec<u8>> {
             .count()
             .max(1);
         let end = first + n;
-        let now_blocks = &blocks[first.min(blocks.len())..end.min(blocks.len())];
-        let now_states =
-            &states[first.saturating_sub(blocks.len())..end.saturating_sub(blocks.len())];
-        let mut out = Vec::with_capacity(size + 64);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&(namespace.len() as u32).to_le_bytes());
-        out.extend_from_slice(namespace.as_bytes());
-        out.extend_from_slice(&(now_blocks.len() as u32).to_le_bytes());
-        for (key, payload) in now_blocks {
-            for word in [key.hash, key.parent_hash, key.cache_salt] {
-                out.extend_from_slice(&word.to_le_bytes());
-            }
-            out.extend_from_slice(&(key.tokens.len() as u32).to_le_bytes());
-            for t in key.tokens.iter() {
-                out.extend_from_slice(&t.to_le_bytes());
-            }
-            out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-            out.extend_from_slice(payload);
-        }
-        out.extend_from_slice(&(now_states.len() as u32).to_le_bytes());
-        for (hash, payload) in now_states {
-            out.extend_from_slice(&hash.to_le_bytes());
-            out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-            out.extend_from_slice(payload);
-        }
-        chunks.push(out);
+        parts.push(ChunkPart {
+            blocks: first.min(num_blocks)..end.min(num_blocks),
+            states: first.saturating_sub(num_blocks).min(num_states)
+                ..end.saturating_sub(num_blocks).min(num_states),
+        });
         first = end;
     }
-    chunks
+    parts
+}
+
+impl ChunkPart {
+    /// The chunk's length as `write` lays it out.
+    pub fn encoded_len(&self, namespace: &str, prefix: &Prefix) -> usize {
+        let blocks = prefix.blocks[self.blocks.clone()].iter();
+        let blocks: usize = blocks
+            .map(|(k, p)| 8 * 3 + 4 + 4 * k.tokens.len() + 4 + p.len())
+            .sum();
+        let states: usize = prefix.states[self.states.clone()]
+            .iter()
+            .map(|(_, p)| 8 + 4 + p.len())
+            .sum();
+        MAGIC.len() + 4 + namespace.len() + 4 + blocks + 4 + states
+    }
+
+    /// The chunk written to `out` (a `Vec`, or a slice of shared memory `encoded_len`
+    /// long: an error past its end).
+    pub fn write(
+        &self,
+        namespace: &str,
+        prefix: &Prefix,
+        out: &mut impl std::io::Write,
+    ) -> std::io::Result<()> {
+        let mut emit = |bytes: &[u8]| out.write_all(bytes);
+        let now_blocks = &prefix.blocks[self.blocks.clone()];
+        let now_states = &prefix.states[self.states.clone()];
+        emit(MAGIC)?;
+        emit(&(namespace.len() as u32).to_le_bytes())?;
+        emit(namespace.as_bytes())?;
+        emit(&(now_blocks.len() as u32).to_le_bytes())?;
+        for (key, payload) in now_blocks {
+            for word in [key.hash, key.parent_hash, key.cache_salt] {
+                emit(&word.to_le_bytes())?;
+            }
+            emit(&(key.tokens.len() as u32).to_le_bytes())?;
+            for t in key.tokens.iter() {
+                emit(&t.to_le_bytes())?;
+            }
+            emit(&(payload.len() as u32).to_le_bytes())?;
+            emit(payload)?;
+        }
+        emit(&(now_states.len() as u32).to_le_bytes())?;
+        for (hash, payload) in now_states {
+            emit(&hash.to_le_bytes())?;
+            emit(&(payload.len() as u32).to_le_bytes())?;
+            emit(payload)?;
+        }
+        Ok(())
+    }
 }
 
 /// A chunk of `encode_chunks` back into its namespace and blocks; a short or malformed
@@ -202,7 +257,8 @@ pub fn decode_chunk(chunk: &[u8]) -> Result<Chunk, String> {
             .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect();
         let len = r.u32()? as usize;
-        let payload = r.take(len)?.to_vec();
+        // The one copy out of the chunk (shared memory, or the frame TCP delivered).
+        let payload: Shared<[u8]> = r.take(len)?.into();
         let key = BlockKey {
             hash,
             parent_hash,
@@ -216,7 +272,7 @@ pub fn decode_chunk(chunk: &[u8]) -> Result<Chunk, String> {
     for _ in 0..count {
         let hash = r.u64()?;
         let len = r.u32()? as usize;
-        states.push((hash, r.take(len)?.to_vec()));
+        states.push((hash, r.take(len)?.into()));
     }
     if !r.0.is_empty() {
         return Err(format!("{} bytes past a chunk's last block", r.0.len()));

@@ -4,10 +4,12 @@
 //! each request by `route`'s rules and forwards the request to it over HTTP (`router.rs`).
 
 pub mod agent;
+mod agent_msg;
 pub mod encode_agent;
 mod hand_off;
 pub mod image_transfer;
 pub mod in_flight;
+pub mod kv_links;
 pub mod kv_transfer;
 pub mod migrate;
 pub mod registry;
@@ -15,6 +17,7 @@ mod request_view;
 pub mod router;
 pub mod router_metrics;
 mod router_state;
+pub mod shm_transport;
 
 /// The process group every engine's agent joins.
 pub const ENGINES_GROUP: &str = "troupe.engines";

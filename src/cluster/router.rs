@@ -285,6 +285,7 @@ pub async fn engines(st: web::Data<RouterState>, req: HttpRequest) -> HttpRespon
         "failed_mid_reply": c.failed_mid_reply,
         "hand_offs": c.hand_offs.values().sum::<u64>(),
         "failed_hand_offs": c.failed_hand_offs,
+        "hand_offs_by_transport": c.hand_offs_by_transport,
         "kv_blocks_moved": c.kv_blocks_moved,
         "kv_bytes_moved": c.kv_bytes_moved,
         "kv_transfer_secs": c.kv_transfer_secs,

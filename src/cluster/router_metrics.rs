@@ -19,6 +19,8 @@ pub struct Counters {
     pub hand_offs: BTreeMap<String, u64>,
     /// Hand-offs that failed (the decode engine then prefilled the prompt itself).
     pub failed_hand_offs: u64,
+    /// Hand-offs by the transport their KV took (`shm`, `tcp`).
+    pub hand_offs_by_transport: BTreeMap<String, u64>,
     pub kv_blocks_moved: u64,
     pub kv_bytes_moved: u64,
     /// Seconds spent sending KV blocks between engines.
@@ -151,6 +153,15 @@ fn counter_families(f: &mut Families, c: &Counters) {
         "counter",
         "Hand-offs that failed (the decode engine prefilled the prompt itself).",
         one(c.failed_hand_offs as f64),
+    );
+    let by_transport = c.hand_offs_by_transport.iter();
+    f.family(
+        "troupe_router_hand_offs_by_transport_total",
+        "counter",
+        "Hand-offs by the transport their KV took: shm (shared memory, the engines on one host) or tcp.",
+        by_transport
+            .map(|(t, n)| (format!("{{transport=\"{}\"}}", escape(t)), *n as f64))
+            .collect(),
     );
     f.family(
         "troupe_router_encoded_images_total",

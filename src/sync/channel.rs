@@ -3,13 +3,13 @@
 //! so the loom suites run the code that hands work over them (the CPU collective, the
 //! store's disk writer).
 
-#[cfg(not(troupe_loom))]
+#[cfg(not(feature = "loom"))]
 pub use crossbeam_channel::{Receiver, RecvError, SendError, Sender, unbounded};
 
-#[cfg(troupe_loom)]
+#[cfg(feature = "loom")]
 pub use modelled::{Receiver, RecvError, SendError, Sender, unbounded};
 
-#[cfg(troupe_loom)]
+#[cfg(feature = "loom")]
 mod modelled {
     use std::collections::VecDeque;
 

@@ -1,5 +1,5 @@
 //! The one place shared-memory primitives come from: std normally, loom under
-//! `--cfg troupe_loom` so the loom suites (`tests/loom_*.rs`) can explore their
+//! the `loom` feature so the loom suites (`tests/loom_*.rs`) can explore their
 //! interleavings. Nothing else in the crate names `std::sync`.
 //!
 //! `Shared` is std's `Arc` in both builds: a reference count over data nobody writes
@@ -8,14 +8,14 @@
 //! `OnceLock` is std's too: loom has none, and a value set once before it is read by
 //! anyone has no interleaving to explore.
 
-#[cfg(troupe_loom)]
+#[cfg(feature = "loom")]
 pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, atomic};
-#[cfg(troupe_loom)]
+#[cfg(feature = "loom")]
 pub use loom::thread;
 
-#[cfg(not(troupe_loom))]
+#[cfg(not(feature = "loom"))]
 pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, atomic};
-#[cfg(not(troupe_loom))]
+#[cfg(not(feature = "loom"))]
 pub use std::thread;
 
 pub use std::sync::Arc as Shared;

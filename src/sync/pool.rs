@@ -27,8 +27,12 @@ impl<T> Default for SlotPool<T> {
 impl<T> SlotPool<T> {
     /// A free slot, or a new one from `make` when none is free.
     pub fn take_or(&self, make: impl FnOnce() -> T) -> T {
-        let free = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        free.unwrap_or_else(make)
+        self.take().unwrap_or_else(make)
+    }
+
+    /// A free slot, if one is.
+    pub fn take(&self) -> Option<T> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).pop()
     }
 
     /// Back in the pool for the next taker.

@@ -4,10 +4,12 @@
 
 use ractor::{ActorRef, RpcReplyPort};
 
+use super::super::kv_links::KvLinks;
 use super::super::kv_transfer::put_blocks;
 use super::super::migrate::{Continuation, MovedOutput};
 use super::{AgentMsg, AgentState, EngineReport, PrefillAsk, agent_group, prefill_and_send};
 use crate::engine::EngineHandle;
+use crate::sync::Shared;
 
 impl AgentState {
     /// This engine's load, cache and role for the router, as JSON; `None` when the engine
@@ -40,9 +42,14 @@ impl AgentState {
 
 /// A prompt prefilled here and its KV sent to the decode engine it names: the hand-off,
 /// or the error, as JSON. The prompt runs with the engine's other requests.
-pub(super) async fn answer_prefill(engine: EngineHandle, ask: String, reply: RpcReplyPort<String>) {
+pub(super) async fn answer_prefill(
+    engine: EngineHandle,
+    links: Shared<KvLinks>,
+    ask: String,
+    reply: RpcReplyPort<String>,
+) {
     let done = match serde_json::from_str::<PrefillAsk>(&ask) {
-        Ok(ask) => prefill_and_send(&engine, &ask).await,
+        Ok(ask) => prefill_and_send(&engine, &links, &ask).await,
         Err(e) => Err(format!("a prefill ask: {e}")),
     };
     let answer = match done {
@@ -56,6 +63,21 @@ pub(super) async fn answer_prefill(engine: EngineHandle, ask: String, reply: Rpc
 pub(super) fn answer_put_blocks(engine: &EngineHandle, chunk: &[u8], reply: RpcReplyPort<String>) {
     let kept = match engine.kv_store() {
         Some(store) => put_blocks(store, chunk).map(|_| ()),
+        None => Err("this engine keeps no prefix store (--kv-host-cache-bytes)".to_string()),
+    };
+    let _ = reply.send(kept.err().unwrap_or_default());
+}
+
+/// A chunk of blocks in a peer's shared memory into this engine's prefix store: an empty
+/// answer, or the error (the peer then sends over TCP).
+pub(super) fn answer_put_shm_blocks(
+    engine: &EngineHandle,
+    links: &KvLinks,
+    json: &str,
+    reply: RpcReplyPort<String>,
+) {
+    let kept = match engine.kv_store() {
+        Some(store) => links.put_shm(store, json).map(|_| ()),
         None => Err("this engine keeps no prefix store (--kv-host-cache-bytes)".to_string()),
     };
     let _ = reply.send(kept.err().unwrap_or_default());
