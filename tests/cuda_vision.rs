@@ -76,3 +76,53 @@ fn gpu_encoder_equals_the_host_encoder_on_drawn_sizes() {
         }
     }
 }
+
+/// The segment attention kernels (tensor cores for the head dims they are built for, f32
+/// for the rest) against the host's exact one, on drawn segments: one-row windows, windows
+/// longer than a chunk of keys, tiles of rows straddling several windows, a row count off
+/// every tile.
+#[test]
+fn gpu_segment_attention_equals_the_host_on_drawn_segments() {
+    use troupe::kernels::Backend;
+    use troupe::kernels::cpu::CpuBackend;
+    let host = CpuBackend {
+        exact_activations: true,
+        ..CpuBackend::default()
+    };
+    let gpu = CudaBackend::new(0, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = common::Rng(6400);
+    for head_dim in [8, 16, 32, 64, 80, 128] {
+        for _ in 0..3 {
+            let heads = 1 + rng.below(3);
+            let mut bounds = vec![0];
+            while bounds.len() < 2 || rng.below(4) != 0 {
+                let len = match rng.below(3) {
+                    0 => 1 + rng.below(4),
+                    1 => 1 + rng.below(64),
+                    _ => 60 + rng.below(200),
+                };
+                bounds.push(bounds.last().unwrap() + len);
+            }
+            let rows = *bounds.last().unwrap();
+            let n = rows * heads * head_dim;
+            let draw = |rng: &mut common::Rng| -> Vec<f32> {
+                (0..n)
+                    .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
+                    .collect()
+            };
+            let (q, k, v) = (draw(&mut rng), draw(&mut rng), draw(&mut rng));
+            let mut want = host.alloc(n);
+            let (hq, hk, hv) = (host.upload(&q), host.upload(&k), host.upload(&v));
+            host.segment_attention(&hq, &hk, &hv, &bounds, heads, head_dim, &mut want);
+            let mut got = gpu.alloc(n);
+            let (gq, gk, gv) = (gpu.upload(&q), gpu.upload(&k), gpu.upload(&v));
+            gpu.segment_attention(&gq, &gk, &gv, &bounds, heads, head_dim, &mut got);
+            let (got, want) = (gpu.download(&got, n), host.download(&want, n));
+            let err = common::relative_error(&got, &want);
+            assert!(
+                err < 2e-2,
+                "head_dim {head_dim}, {heads} heads, bounds {bounds:?}: relative error {err}"
+            );
+        }
+    }
+}

@@ -31,6 +31,10 @@ pub const LLAMA_SOURCE: &str = concat!(
     include_str!("../../../kernels-cuda/vision.cu"),
 );
 
+/// Head dims `segment_attention_mma` is compiled for (`vision.cu`'s entries); other heads
+/// take the f32 kernel.
+pub const SEGMENT_MMA_HEAD_DIMS: [usize; 5] = [16, 32, 64, 80, 128];
+
 /// Rows `gemv` is compiled for (wider batches go to cuBLAS), and the output columns each of
 /// its blocks computes.
 pub const GEMV_ROWS: [usize; 3] = [1, 2, 4];
@@ -213,6 +217,8 @@ pub struct Kernels {
     pub copy_columns: CudaFunction,
     pub gather_rows: CudaFunction,
     pub segment_attention: CudaFunction,
+    /// `segment_attention_mma` (tensor cores) per head_dim (`SEGMENT_MMA_HEAD_DIMS`).
+    pub segment_attention_mma: Vec<(usize, CudaFunction)>,
     pub gelu: CudaFunction,
     pub apply_verified: CudaFunction,
     pub kv_write: ByKvType,
@@ -476,6 +482,10 @@ impl Kernels {
             copy_columns: f("copy_columns_kernel")?,
             gather_rows: f("gather_rows_kernel")?,
             segment_attention: f("segment_attention_kernel")?,
+            segment_attention_mma: SEGMENT_MMA_HEAD_DIMS
+                .into_iter()
+                .map(|hd| Ok((hd, f(&format!("segment_attention_mma_{hd}_kernel"))?)))
+                .collect::<Result<_, CudaError>>()?,
             gelu: f("gelu_kernel")?,
             apply_verified: f("apply_verified_kernel")?,
             matmul_invariant: f("matmul_invariant_kernel")?,

@@ -1,6 +1,7 @@
 //! Kernels over plain rows, outside the paged cache: rows gathered, and an image
 //! encoder's (`kernels-cuda/vision.cu`) attention without a mask inside segments of rows
-//! and erf GELU.
+//! (on tensor cores for the head dims `SEGMENT_MMA_HEAD_DIMS` names, else in f32) and erf
+//! GELU.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -12,6 +13,8 @@ const SEGMENT_THREADS: u32 = 128;
 /// Rows of one head a block takes (SEG_BLOCK_ROWS), and the keys of a tile (SEG_KEYS).
 const SEGMENT_BLOCK_ROWS: usize = 16;
 const SEGMENT_KEYS: usize = 32;
+/// Rows of one head a `segment_attention_mma` block takes (FA_ROWS), 16 a warp.
+const SEGMENT_MMA_ROWS: usize = 64;
 /// The widest head the kernel holds (four dims a lane), within 48 KiB of shared memory.
 const MAX_HEAD_DIM: usize = 128;
 
@@ -69,6 +72,32 @@ impl CudaBackend {
         }
         let (r, h, hd) = (rows as i32, num_heads as i32, head_dim as i32);
         let scale = 1.0 / (head_dim as f32).sqrt();
+        let mma = (self.kernels.segment_attention_mma.iter()).find(|(d, _)| *d == head_dim);
+        if let Some((_, kernel)) = mma {
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(SEGMENT_MMA_ROWS) as u32, num_heads as u32, 1),
+                block_dim: (SEGMENT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: q, k, v and out hold rows · heads · head_dim; seg two entries a row.
+            check(
+                unsafe {
+                    self.stream
+                        .launch_builder(kernel)
+                        .arg(out)
+                        .arg(q)
+                        .arg(k)
+                        .arg(v)
+                        .arg(&seg.ptr)
+                        .arg(&r)
+                        .arg(&h)
+                        .arg(&scale)
+                        .launch(cfg)
+                },
+                "segment_attention_mma",
+            );
+            return;
+        }
         let smem_floats =
             SEGMENT_KEYS * (head_dim + 1) + (SEGMENT_KEYS + SEGMENT_BLOCK_ROWS) * head_dim;
         let cfg = LaunchConfig {
