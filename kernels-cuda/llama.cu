@@ -175,10 +175,25 @@ extern "C" __global__ void __launch_bounds__(1024)
     for (int d = threadIdx.x; d < dim; d += blockDim.x) out[(long long)t * dim + d] = bf16_to_f32(row[d]);
 }
 
+// y[rows, cols] += bias: blockIdx.y strides the rows, x spans a row's columns, four at a
+// time where the width allows (every model's does). An element a thread with a 64-bit
+// modulo made this pass 0.65 TB/s on an H100: a fifth of the vision tower's time.
 extern "C" __global__ void add_bias_kernel(float* y, const float* bias, int rows, int cols) {
     pdl_enter();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < (long long)rows * cols) y[i] += bias[i % cols];
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
+        float* yr = y + row * cols;
+        if ((cols & 3) == 0) {
+            if (4 * c < cols) {
+                float4 v = reinterpret_cast<float4*>(yr)[c];
+                float4 b = reinterpret_cast<const float4*>(bias)[c];
+                v.x += b.x; v.y += b.y; v.z += b.z; v.w += b.w;
+                reinterpret_cast<float4*>(yr)[c] = v;
+            }
+        } else if (c < cols) {
+            yr[c] += bias[c];
+        }
+    }
 }
 
 // One block per row. A batch-1 row is latency-bound, not bandwidth-bound: the host picks

@@ -37,7 +37,16 @@ impl CudaBackend {
             return;
         };
         let (rows, cols) = (m as i32, n as i32);
-        // SAFETY: out holds m·n elements, bias n.
+        // A thread per four columns (per column where the width is not a multiple of 4),
+        // a block row per row up to the grid's height.
+        let lanes = if n % 4 == 0 { n / 4 } else { n };
+        let config = LaunchConfig {
+            grid_dim: (lanes.div_ceil(256) as u32, m.clamp(1, 65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: out holds m·n elements, bias n; both 16-byte aligned (device
+        // allocations and whole rows of a multiple of 4 columns).
         check(
             unsafe {
                 self.stream
@@ -46,7 +55,7 @@ impl CudaBackend {
                     .arg(bias)
                     .arg(&rows)
                     .arg(&cols)
-                    .launch(grid_for(m * n))
+                    .launch(config)
             },
             "bias",
         );
