@@ -39,7 +39,7 @@ impl CudaBackend {
         let (rows, cols) = (m as i32, n as i32);
         // A thread per four columns (per column where the width is not a multiple of 4),
         // a block row per row up to the grid's height.
-        let lanes = if n % 4 == 0 { n / 4 } else { n };
+        let lanes = if n.is_multiple_of(4) { n / 4 } else { n };
         let config = LaunchConfig {
             grid_dim: (lanes.div_ceil(256) as u32, m.clamp(1, 65_535) as u32, 1),
             block_dim: (256, 1, 1),
