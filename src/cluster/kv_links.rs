@@ -14,6 +14,9 @@ use crate::sync::{Shared, SlotPool};
 
 /// How long a chunk of KV blocks may take to be acknowledged.
 pub const CHUNK_TIMEOUT_MS: u64 = 30_000;
+/// Shared-memory regions kept for later hand-offs at most (each ≥ 32 MiB of the host's
+/// memory); hand-offs past that many at once make regions they then drop.
+const MAX_POOLED_REGIONS: usize = 4;
 
 /// What a transport moved, and which transport it was (`shm` or `tcp`).
 #[derive(Debug, Clone, Copy)]
@@ -224,7 +227,9 @@ impl KvTransport for ShmTransport<'_> {
         acknowledged(pending).await?;
         // Only a region whose chunks were all acknowledged goes back: after an error the
         // peer may still be reading a slot.
-        self.links.regions.put(region);
+        if self.links.regions.num_free() < MAX_POOLED_REGIONS {
+            self.links.regions.put(region);
+        }
         Ok(bytes)
     }
 }

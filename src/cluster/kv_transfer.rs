@@ -333,6 +333,12 @@ mod tests {
                 .collect();
             let prefix = Prefix { blocks, states };
             let chunks = encode_chunks("ns", &prefix);
+            // Shared memory writes a chunk into a slot of exactly its planned length.
+            let plan = chunk_plan(&prefix);
+            assert_eq!(plan.len(), chunks.len());
+            for (part, c) in plan.iter().zip(&chunks) {
+                assert_eq!(part.encoded_len("ns", &prefix), c.len());
+            }
             let (mut back, mut back_states) = (Vec::new(), Vec::new());
             for c in &chunks {
                 assert!(c.len() <= CHUNK_BYTES + len + 4096, "{} bytes", c.len());

@@ -13,7 +13,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 
 use memmap2::{MmapMut, MmapOptions};
 use serde::{Deserialize, Serialize};
@@ -89,8 +89,9 @@ impl Region {
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
         file.set_len((HEADER_BYTES + SLOTS * slot_bytes) as u64)?;
-        // SAFETY: the memfd is this process's alone until a descriptor of it is sent, and
-        // a receiver only maps it read-only: nothing else changes the mapped bytes.
+        // SAFETY: a receiver maps the region read-only; only a process of this user could
+        // open it to write (through /proc), and what it wrote would only garble chunks this
+        // process reads back nowhere: the mapping is written here, never read for meaning.
         let mut map = unsafe { MmapMut::map_mut(&file)? };
         let nonce = new_nonce();
         let header = &mut map[..HEADER_BYTES];
@@ -173,8 +174,17 @@ pub fn put_shm_blocks(
     if !name.starts_with("/memfd:troupe-kv") {
         return Err(format!("{path} is {name}, not a KV region"));
     }
-    let file = File::open(&path).map_err(|e| format!("opening {path}: {e}"))?;
-    let size = file.metadata().map_err(|e| format!("{path}: {e}"))?.len();
+    // Non-blocking: should the number name a FIFO by now, opening it must not wait.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&path)
+        .map_err(|e| format!("opening {path}: {e}"))?;
+    let meta = file.metadata().map_err(|e| format!("{path}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("{path} is not a KV region (not a regular file)"));
+    }
+    let size = meta.len();
     let fits = at.offset >= HEADER_BYTES as u64
         && at.offset.checked_add(at.len).is_some_and(|end| end <= size);
     if !fits {
@@ -183,10 +193,11 @@ pub fn put_shm_blocks(
             at.offset, at.len
         ));
     }
-    // SAFETY: read-only mappings of a region only its owner writes; the owner writes a
-    // slot only after the receiver acknowledged reading it, so these bytes do not change
-    // under the copy (a misbehaving owner could only garble the blocks, which the store's
-    // key and length checks then refuse).
+    // SAFETY: read-only mappings of a region its owner writes a slot of only after the
+    // receiver acknowledged reading it, so these bytes do not change under the copy. A
+    // misbehaving process of the same user could garble them: the chunk's format and
+    // each block's key and length are checked, its values are not (the cluster's nodes
+    // trust each other, as over TCP).
     let header = unsafe { MmapOptions::new().len(HEADER_BYTES).map(&file) }
         .map_err(|e| format!("mapping {path}: {e}"))?;
     let nonce = &header[8..24];
