@@ -27,6 +27,8 @@ use crate::sync::Shared;
 
 /// How long a draining engine waits for a peer's report (a busy peer answers late).
 const PEER_REPORT_TIMEOUT_MS: u64 = 5_000;
+/// How long a prefill engine waits to see the decode engine the router named.
+const PEER_JOIN_WAIT: Duration = Duration::from_secs(5);
 
 /// One engine's state as the router sees it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -212,7 +214,6 @@ pub async fn prefill_and_send(
     let store = engine
         .kv_store()
         .ok_or("this engine keeps no prefix store (--kv-host-cache-bytes)")?;
-    let peer = links.to_node(&ask.decode_node)?;
     let greedy = SamplingParams {
         temperature: 0.0,
         ..SamplingParams::default()
@@ -236,6 +237,9 @@ pub async fn prefill_and_send(
     // What the store does not hold now it has dropped for room: the decode engine
     // computes those blocks again.
     let prefix = Prefix::export(store, &tokens);
+    let peer = links
+        .to_node_within(&ask.decode_node, PEER_JOIN_WAIT)
+        .await?;
     let sending = Instant::now();
     let sent = peer.send(store.namespace(), &prefix).await?;
     Ok(HandOff {

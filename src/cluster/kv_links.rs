@@ -58,6 +58,25 @@ impl KvLinks {
         })
     }
 
+    /// `to_node`, waiting up to `limit` for the peer to appear: a node learns of another
+    /// through the router's, a moment after the router does, so a hand-off the router
+    /// sends just after an engine joined may find it here a little later.
+    pub async fn to_node_within(
+        &self,
+        node: &str,
+        limit: std::time::Duration,
+    ) -> Result<PeerLink<'_>, String> {
+        let started = std::time::Instant::now();
+        loop {
+            match self.to_node(node) {
+                Err(_) if started.elapsed() < limit => {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                found => return found,
+            }
+        }
+    }
+
     /// The receiving side of a shared-memory chunk (`ShmChunk` as JSON) into `store`.
     pub fn put_shm(&self, store: &KvStore, json: &str) -> Result<usize, String> {
         let at: ShmChunk =
