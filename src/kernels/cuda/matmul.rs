@@ -33,20 +33,13 @@ impl CudaBackend {
         m: usize,
         n: usize,
     ) {
-        let Some(bias) = bias else {
-            return;
-        };
+        let Some(bias) = bias else { return };
         let (rows, cols) = (m as i32, n as i32);
-        // A thread per four columns (per column where the width is not a multiple of 4),
-        // a block row per row up to the grid's height.
+        // A thread per four columns (per column where n is not a multiple of 4), a row a y.
         let lanes = if n.is_multiple_of(4) { n / 4 } else { n };
-        let config = LaunchConfig {
-            grid_dim: (lanes.div_ceil(256) as u32, m.clamp(1, 65_535) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: out holds m·n elements, bias n; both 16-byte aligned (device
-        // allocations and whole rows of a multiple of 4 columns).
+        let mut config = grid_for(lanes);
+        config.grid_dim.1 = m.clamp(1, 65_535) as u32;
+        // SAFETY: out holds m·n elements, bias n; 16-byte aligned rows where n % 4 == 0.
         check(
             unsafe {
                 self.stream
