@@ -79,6 +79,12 @@ def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path,
         if found:
             s[key] = found[-1]
             print(f"  {found[-1]}", flush=True)
+    # TROUPE_LAYER_TIMES=1: one line an eager step; the prompt's own steps come last.
+    timed = re.findall(r"layer times, [^\n]*", res.stderr)
+    if timed:
+        s["layer_times"] = timed
+        for line in timed[-3:]:
+            print(f"  {line}", flush=True)
     print(f"{' '.join(extra) or 'default'} {len(prompts)}x: prefill {s['prefill_tokens_per_s']:.1f} tok/s, "
           f"decode {s['decode_tokens_per_s']:.2f} tok/s, wall {wall:.0f} s; {s['placement']}; "
           f"host {s.get('host_secs')} s / {s.get('host_gb')} GB", flush=True)
@@ -87,7 +93,8 @@ def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path,
 
 # The whole model's decode runs compared against the default, by their key's last word.
 VARIANT_ENV = {"eager": {"TROUPE_HOST_CALLS": "0"}, "flat": {"TROUPE_HOST_MOE": "flat"},
-               "shared": {"TROUPE_MXFP4_KERNEL": "shared"}}
+               "shared": {"TROUPE_MXFP4_KERNEL": "shared"}, "narrow": {"TROUPE_MXFP4_KERNEL": "narrow"},
+               "timed": {"TROUPE_LAYER_TIMES": "1"}}
 
 
 def main() -> None:
@@ -119,6 +126,13 @@ def main() -> None:
                     help="also the whole model's decode runs with TROUPE_MXFP4_KERNEL=shared (host "
                          "experts through the kernel every packed format shares, against the "
                          "default: MXFP4's own decode kernel; the same bits)")
+    ap.add_argument("--compare-mxfp4-narrow", action="store_true",
+                    help="also the whole model's decode runs with TROUPE_MXFP4_KERNEL=narrow (one MXFP4 "
+                         "block a step, against the default: two blocks a 512-bit step and two weight "
+                         "rows at once where AVX-512 VBMI is present; the same bits)")
+    ap.add_argument("--layer-times", action="store_true",
+                    help="also the whole model's prefill with TROUPE_LAYER_TIMES=1 (each block waited "
+                         "on and timed; a streamed layer's copies apart)")
     ap.add_argument("--skip-gpu", action="store_true",
                     help="no all-GPU baseline runs (the whole model's alone, no scaled ratios)")
     ap.add_argument("--out", default=".")
@@ -149,7 +163,8 @@ def main() -> None:
         if not args.skip_batch:
             plan += [(n, f"b{args.batch}", batch, args.new, []) for n in configs]
         compared = [v for v, on in (("eager", args.compare_host_calls), ("flat", args.compare_host_moe),
-                                    ("shared", args.compare_mxfp4_kernel)) if on]
+                                    ("shared", args.compare_mxfp4_kernel),
+                                    ("narrow", args.compare_mxfp4_narrow)) if on]
         for variant in compared:
             if not args.skip_decode:
                 plan.append(("whole", f"b1 {variant}", [decode_prompt], args.new, []))
@@ -162,6 +177,8 @@ def main() -> None:
             plan += [(n, "prefill", [prompt], 1, []) for n in configs]
             if args.compare_never:
                 plan.append(("whole", "prefill never", [prompt], 1, ["--stream-experts", "never"]))
+            if args.layer_times:
+                plan.append(("whole", "prefill timed", [prompt], 1, []))
         for name, key, prompts, new, more in plan:
             extra = configs[name][1] + more
             env_more = VARIANT_ENV.get(key.split()[-1])
@@ -194,7 +211,8 @@ def main() -> None:
               f"{never:.2f} tok/s = {auto / never:.2f}x")
     variants = {"eager": ("recorded steps with host calls", "eager (TROUPE_HOST_CALLS=0)"),
                 "flat": ("host products one task an expert", "flat sweeps (TROUPE_HOST_MOE=flat)"),
-                "shared": ("MXFP4's own kernel", "the shared kernel (TROUPE_MXFP4_KERNEL=shared)")}
+                "shared": ("MXFP4's own kernel", "the shared kernel (TROUPE_MXFP4_KERNEL=shared)"),
+                "narrow": ("MXFP4's wide kernel", "the narrow kernel (TROUPE_MXFP4_KERNEL=narrow)")}
     for variant, (default_label, label) in variants.items():
         for k in ("b1", f"b{args.batch}"):
             if f"whole {k} {variant}" in rows:

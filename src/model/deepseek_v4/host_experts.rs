@@ -59,8 +59,10 @@ pub struct HostExperts<B: DsV4Kernels> {
     cost: RefCell<StreamCost>,
     /// Layers streamed to the device and the expert bytes copied, for the log.
     streamed: [Cell<u64>; 2],
-    /// Host seconds spent queueing those copies (they run on the device meanwhile).
+    /// Host seconds spent queueing those copies (they run on the device meanwhile), and
+    /// waiting for them where `TROUPE_LAYER_TIMES` waits.
     streamed_issue_secs: Cell<f64>,
+    streamed_wait_secs: Cell<f64>,
 }
 
 struct HostLayer<B: DsV4Kernels> {
@@ -160,6 +162,7 @@ impl<B: DsV4Kernels> HostExperts<B> {
             cost: RefCell::new(StreamCost::new(stream, f64::INFINITY, 1.0)),
             streamed: Default::default(),
             streamed_issue_secs: Default::default(),
+            streamed_wait_secs: Default::default(),
         };
         if stream == StreamExperts::Never {
             return Ok(host);
@@ -452,6 +455,12 @@ impl<B: DsV4Kernels> HostExperts<B> {
         Some(out)
     }
 
+    /// `TROUPE_LAYER_TIMES`: seconds the device took to finish a layer's copies once queued.
+    pub fn waited_on_copies(&self, secs: f64) {
+        let w = &self.streamed_wait_secs;
+        w.set(w.get() + secs);
+    }
+
     /// The pairs counted here since the last call, per `[layer, expert]`.
     pub fn take_counts(&self) -> Vec<u32> {
         let mut counts = self.counts.borrow_mut();
@@ -482,10 +491,11 @@ impl<B: DsV4Kernels> Drop for HostExperts<B> {
         let [steps, copied] = &self.streamed;
         if steps.get() > 0 {
             tracing::info!(
-                "host experts streamed to the device: {} layer steps, {:.3} GB of experts copied, {:.3} s queueing the copies",
+                "host experts streamed to the device: {} layer steps, {:.3} GB of experts copied, {:.3} s queueing the copies, {:.3} s waiting for them (TROUPE_LAYER_TIMES)",
                 steps.get(),
                 copied.get() as f64 / 1e9,
-                self.streamed_issue_secs.get()
+                self.streamed_issue_secs.get(),
+                self.streamed_wait_secs.get()
             );
         }
         for (i, steps) in ["decode", "prefill"].iter().enumerate() {

@@ -34,6 +34,7 @@ pub mod expert_streaming;
 pub mod expert_table;
 mod footprint;
 pub mod host_experts;
+mod layer_clock;
 pub mod moe;
 pub mod mtp;
 pub mod pass;
@@ -341,6 +342,10 @@ impl<B: DsV4Kernels> DsV4Model<B> {
         };
         let num_counts = cfg.num_layers * cfg.num_routed_experts;
         let mut counts = b.alloc_ids(num_counts);
+        let mut clock = layer_clock::enabled().then(|| {
+            layer_clock::settle(b, &streams);
+            layer_clock::LayerClock::start()
+        });
         for (l, w) in self.weights.layers.iter().enumerate() {
             block::block(
                 &pass,
@@ -351,6 +356,13 @@ impl<B: DsV4Kernels> DsV4Model<B> {
                 &mut counts,
                 group.as_deref_mut(),
             );
+            if let Some(clock) = clock.as_mut() {
+                layer_clock::settle(b, &streams);
+                clock.lap(self.host.as_ref().is_some_and(|h| h.has_layer(l)));
+            }
+        }
+        if let Some(clock) = &clock {
+            clock.report(tokens);
         }
 
         // Only the logit rows go through the head.

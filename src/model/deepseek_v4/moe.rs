@@ -79,9 +79,15 @@ pub fn moe<B: DsV4Kernels>(
         .filter(|_| deferred.is_none())
         .map(|_| b.download_ids(&chosen, t * k));
     // Or the host's touched experts come to the device and it computes every pair.
-    let streamed = host
-        .zip(chosen_host.as_ref())
-        .and_then(|(h, chosen_host)| h.stream(layer, b, chosen_host));
+    let streamed = host.zip(chosen_host.as_ref()).and_then(|(h, chosen_host)| {
+        let copied = h.stream(layer, b, chosen_host)?;
+        if super::layer_clock::enabled() {
+            let started = std::time::Instant::now();
+            super::layer_clock::settle(b, x);
+            h.waited_on_copies(started.elapsed().as_secs_f64());
+        }
+        Some(copied)
+    });
     let mut host_inputs = chosen_host
         .filter(|_| streamed.is_none())
         .map(|chosen_host| (b.download(x, t * d), chosen_host));

@@ -150,7 +150,9 @@ fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> 
         GgmlType::IQ4NL => pick::<IQ4NL, R>(path),
         GgmlType::IQ4XS => pick::<IQ4XS, R>(path),
         #[cfg(target_arch = "x86_64")]
-        GgmlType::MXFP4 if R < 4 && path == CpuPath::Avx512Vnni && !shared_mxfp4_kernel() => {
+        GgmlType::MXFP4
+            if R < 4 && path == CpuPath::Avx512Vnni && mxfp4_kernel() != Mxfp4Kernel::Shared =>
+        {
             mxfp4_x86::dot_mxfp4_checked::<R>
         }
         GgmlType::MXFP4 => pick::<Mxfp4, R>(path),
@@ -158,11 +160,25 @@ fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> 
     })
 }
 
-/// `TROUPE_MXFP4_KERNEL=shared`: MXFP4 through the kernel every format shares, to measure
-/// its own kernel against (the same bits either way).
-fn shared_mxfp4_kernel() -> bool {
-    static SHARED: crate::sync::OnceLock<bool> = crate::sync::OnceLock::new();
-    *SHARED.get_or_init(|| std::env::var_os("TROUPE_MXFP4_KERNEL").is_some_and(|v| v == "shared"))
+/// Which kernel MXFP4 rows take on the AVX-512 VNNI path (`TROUPE_MXFP4_KERNEL`, to
+/// measure one against another; the same bits from each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mxfp4Kernel {
+    /// `shared`: the kernel every format shares.
+    Shared,
+    /// `narrow`: its own kernel, one block a step (`mxfp4_x86::row_dot`).
+    Narrow,
+    /// The default: two blocks a step where AVX-512 VBMI is present, else `Narrow`.
+    Wide,
+}
+
+fn mxfp4_kernel() -> Mxfp4Kernel {
+    static KERNEL: crate::sync::OnceLock<Mxfp4Kernel> = crate::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| match std::env::var("TROUPE_MXFP4_KERNEL").as_deref() {
+        Ok("shared") => Mxfp4Kernel::Shared,
+        Ok("narrow") => Mxfp4Kernel::Narrow,
+        _ => Mxfp4Kernel::Wide,
+    })
 }
 
 /// The bytes of one weight row; panics unless `w` is `rows` rows of whole blocks and

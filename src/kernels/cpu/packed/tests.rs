@@ -212,3 +212,67 @@ fn a_run_of_weight_rows_gives_each_row_its_lone_bits() {
         }
     }
 }
+
+/// MXFP4's wide kernel (two blocks a step, two weight rows at once) against the narrow
+/// kernel and the scalar path, bit for bit: odd and even block counts (the odd block goes
+/// through the narrow step), odd and even runs of weight rows (the last odd row alone),
+/// one to three activation rows, exponents down to the subnormal scales.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4s_wide_kernel_gives_the_narrow_kernels_bits() {
+    if cpu_path() < CpuPath::Avx512Vnni || !mxfp4_x86::has_vbmi() {
+        eprintln!("no AVX-512 VBMI here: the wide MXFP4 kernel is not taken on this CPU");
+        return;
+    }
+    fn check<const R: usize>(blocks: usize, rows: usize, seed: u64) {
+        let ty = GgmlType::MXFP4;
+        let cols = blocks * ty.block_len();
+        let mut w: Vec<u8> = (0..rows as u64)
+            .flat_map(|r| random_row(ty, blocks, seed * 31 + r))
+            .collect();
+        // A few exponents at the bottom of the range, where the half scale is subnormal.
+        for (i, blk) in w.chunks_exact_mut(ty.block_bytes()).enumerate() {
+            if i % 7 == 3 {
+                blk[0] = (i % 3) as u8;
+            }
+        }
+        let x = activations(R, cols, seed);
+        let mut act = Q8Act::default();
+        act.quantize(&x, R, cols);
+        let xs: [Q8Row<'_>; R] = std::array::from_fn(|i| act.row(i));
+        let (mut wide, mut narrow) = (vec![[0f32; R]; rows], vec![[0f32; R]; rows]);
+        mxfp4_x86::dot_mxfp4_checked::<R>(&w, xs, &mut wide);
+        mxfp4_x86::dot_mxfp4_narrow::<R>(&w, xs, &mut narrow);
+        let row_bytes = w.len() / rows;
+        for r in 0..rows {
+            let scalar = dot_on::<R>(
+                ty,
+                CpuPath::Scalar,
+                &w[r * row_bytes..(r + 1) * row_bytes],
+                xs,
+            );
+            for i in 0..R {
+                let what = format!("{blocks} blocks, row {r} of {rows}, activation {i} of {R}");
+                assert!(wide[r][i] != 0.0, "{what}: zero");
+                assert_eq!(
+                    wide[r][i].to_bits(),
+                    narrow[r][i].to_bits(),
+                    "{what}: wide vs narrow"
+                );
+                assert_eq!(
+                    wide[r][i].to_bits(),
+                    scalar[i].to_bits(),
+                    "{what}: wide vs scalar"
+                );
+            }
+        }
+    }
+    for blocks in 1..=9 {
+        for rows in 1..=5 {
+            let seed = (blocks * 10 + rows) as u64;
+            check::<1>(blocks, rows, seed);
+            check::<2>(blocks, rows, seed + 1000);
+            check::<3>(blocks, rows, seed + 2000);
+        }
+    }
+}
