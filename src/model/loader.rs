@@ -108,7 +108,7 @@ impl GgufSource<'_> {
             }
             ggml_type => HostData::Quantized {
                 ggml_type,
-                bytes: bytes.to_vec(),
+                bytes: self.gguf.copy_out(info),
             },
         };
         self.gguf.release(info);

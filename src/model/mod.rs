@@ -114,19 +114,55 @@ fn sharded_model<B: Backend>(
 fn load_gguf<B: Backend>(path: &Path, backend: &B, shard: TpShard) -> Result<LoadedModel<B>> {
     let gguf = GgufFile::open(path)?;
     let text = gguf_text(&gguf)?;
-    let src = GgufSource {
-        gguf: &gguf,
-        arch: text.config.arch,
-        num_heads: text.config.num_heads,
-        num_kv_heads: text.config.num_kv_heads,
-    };
-    let freq_factors = src.rope_freq_factors()?;
-    let model = sharded_model(&text.config, &src, backend, shard, freq_factors.as_deref())?;
+    let model = gguf_model(&gguf, &text.config, backend, shard)?;
     Ok(LoadedModel {
         path: path.to_path_buf(),
         model,
         text,
     })
+}
+
+fn gguf_model<B: Backend>(
+    gguf: &GgufFile,
+    cfg: &ModelConfig,
+    backend: &B,
+    shard: TpShard,
+) -> Result<LlamaModel<B>> {
+    let src = GgufSource {
+        gguf,
+        arch: cfg.arch,
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+    };
+    let freq_factors = src.rope_freq_factors()?;
+    sharded_model(cfg, &src, backend, shard, freq_factors.as_deref())
+}
+
+/// `load_shard`'s model without its text (tokenizer, template): a rank's load, beside an
+/// engine that holds the text already. A GGUF's tokenizer built from its metadata takes
+/// about 30 MB for a 49k vocabulary; built a second time during the weights' load it
+/// raised peak RSS by as much. `dummy`: `load_dummy_shard`'s seeded weights.
+pub fn load_shard_model<B: Backend>(
+    path: &Path,
+    backend: &B,
+    shard: TpShard,
+    dummy: bool,
+) -> Result<LlamaModel<B>> {
+    if dummy {
+        let (cfg, _) = dummy_config(path)?;
+        let src = loader::DummySource {
+            config: cfg.clone(),
+        };
+        sharded_model(&cfg, &src, backend, shard, None)
+    } else if path.is_dir() {
+        let (cfg, _) = hf_config(path)?;
+        let src = SafetensorsSource::open_dir(path)?;
+        sharded_model(&cfg, &src, backend, shard, None)
+    } else {
+        let gguf = GgufFile::open(path)?;
+        let cfg = ModelConfig::from_gguf(&gguf)?;
+        gguf_model(&gguf, &cfg, backend, shard)
+    }
 }
 
 /// Whether `path` is an HF directory holding a DeepSeek-V4 checkpoint.
@@ -299,13 +335,7 @@ pub fn load_dummy_shard<B: Backend>(
     backend: &B,
     shard: TpShard,
 ) -> Result<LoadedModel<B>> {
-    if !dir.is_dir() {
-        return Err(TroupeError::InvalidInput(format!(
-            "--dummy-weights needs an HF model directory with a config.json; {} is not one",
-            dir.display()
-        )));
-    }
-    let (cfg, json) = hf_config(dir)?;
+    let (cfg, json) = dummy_config(dir)?;
     let src = loader::DummySource {
         config: cfg.clone(),
     };
@@ -316,6 +346,17 @@ pub fn load_dummy_shard<B: Backend>(
         model,
         text,
     })
+}
+
+/// The config of a `--dummy-weights` model: an HF directory's.
+fn dummy_config(dir: &Path) -> Result<(ModelConfig, serde_json::Value)> {
+    if !dir.is_dir() {
+        return Err(TroupeError::InvalidInput(format!(
+            "--dummy-weights needs an HF model directory with a config.json; {} is not one",
+            dir.display()
+        )));
+    }
+    hf_config(dir)
 }
 
 fn load_hf_dir<B: Backend>(dir: &Path, backend: &B, shard: TpShard) -> Result<LoadedModel<B>> {

@@ -161,17 +161,14 @@ fn load_with_cache<B: Backend>(
     backend: &B,
     args: &RankArgs,
 ) -> Result<(LlamaModel<B>, B::KvCache), ActorProcessingErr> {
-    let loaded = if args.settings.dummy_weights {
-        crate::model::load_dummy_shard(path, backend, args.shard)?
-    } else {
-        crate::model::load_shard(path, backend, args.shard)?
-    };
-    let shape = loaded
-        .model
+    // The engine holds the model's text; the rank loads the weights alone.
+    let model =
+        crate::model::load_shard_model(path, backend, args.shard, args.settings.dummy_weights)?;
+    let shape = model
         .kv_cache_shape(args.settings.num_kv_blocks, args.settings.block_size)
         .with_dtype(args.settings.kv_dtype);
     let cache = backend.alloc_kv_cache(shape);
-    Ok((loaded.model, cache))
+    Ok((model, cache))
 }
 
 pub(super) fn load_on<B: Backend + 'static>(

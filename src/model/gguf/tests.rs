@@ -180,3 +180,35 @@ fn an_array_count_past_the_files_end_is_refused_before_reserving() {
     w.bytes.resize(w.bytes.len() + 64, 0);
     assert!(open_err("array.gguf", &w.bytes).contains("cannot fit"));
 }
+
+/// A tensor copied out run by run (its file pages dropped as it goes) has the file's
+/// bytes, for sizes across the run length and offsets off the page grid; a second copy
+/// after the pages were dropped reads them back from the file.
+#[test]
+fn a_tensor_copied_out_in_runs_has_the_files_bytes() {
+    for (case, blocks) in [1usize, 4_000, 123_457, 290_001].into_iter().enumerate() {
+        let mut w = Writer::new(3, 2, 1);
+        w.kv_str("general.architecture", "llama");
+        w.tensor_info("small.weight", &[32], 8, 0);
+        w.tensor_info("big.weight", &[32 * blocks as u64], 8, 64);
+        w.align(32);
+        let data_at = w.bytes.len();
+        w.bytes.resize(data_at + 64, 7);
+        let n = blocks * 34;
+        w.bytes.extend(
+            (0..n).map(|i| (crate::sampling::splitmix64((case * 1_000_003 + i) as u64) >> 7) as u8),
+        );
+        let p = write_tmp(&format!("runs{case}.gguf"), &w.bytes);
+        let g = GgufFile::open(&p).unwrap();
+        let t = g.tensor_info("big.weight").unwrap();
+        let want = &std::fs::read(&p).unwrap()[data_at + 64..];
+        assert_eq!(want.len(), n);
+        let first = g.copy_out(t);
+        assert!(
+            first == want,
+            "{blocks} blocks: the copy differs from the file"
+        );
+        let again = g.copy_out(t);
+        assert!(again == want, "{blocks} blocks: the second copy differs");
+    }
+}
