@@ -93,7 +93,7 @@ def run(binary: str, model: Path, prompts: list[list[int]], new: int, tmp: Path,
 
 # The whole model's decode runs compared against the default, by their key's last word.
 VARIANT_ENV = {"eager": {"TROUPE_HOST_CALLS": "0"}, "flat": {"TROUPE_HOST_MOE": "flat"},
-               "shared": {"TROUPE_MXFP4_KERNEL": "shared"}, "narrow": {"TROUPE_MXFP4_KERNEL": "narrow"},
+               "shared": {"TROUPE_MXFP4_KERNEL": "shared"}, "wide": {"TROUPE_MXFP4_KERNEL": "wide"},
                "timed": {"TROUPE_LAYER_TIMES": "1"}}
 
 
@@ -126,10 +126,10 @@ def main() -> None:
                     help="also the whole model's decode runs with TROUPE_MXFP4_KERNEL=shared (host "
                          "experts through the kernel every packed format shares, against the "
                          "default: MXFP4's own decode kernel; the same bits)")
-    ap.add_argument("--compare-mxfp4-narrow", action="store_true",
-                    help="also the whole model's decode runs with TROUPE_MXFP4_KERNEL=narrow (one MXFP4 "
-                         "block a step, against the default: two blocks a 512-bit step and two weight "
-                         "rows at once where AVX-512 VBMI is present; the same bits)")
+    ap.add_argument("--compare-mxfp4-wide", action="store_true",
+                    help="also the whole model's decode runs with TROUPE_MXFP4_KERNEL=wide (two MXFP4 "
+                         "blocks a 512-bit step and two weight rows at once where AVX-512 VBMI is "
+                         "present, against the default: one block a step; the same bits)")
     ap.add_argument("--layer-times", action="store_true",
                     help="also the whole model's prefill with TROUPE_LAYER_TIMES=1 (each block waited "
                          "on and timed; a streamed layer's copies apart)")
@@ -164,7 +164,7 @@ def main() -> None:
             plan += [(n, f"b{args.batch}", batch, args.new, []) for n in configs]
         compared = [v for v, on in (("eager", args.compare_host_calls), ("flat", args.compare_host_moe),
                                     ("shared", args.compare_mxfp4_kernel),
-                                    ("narrow", args.compare_mxfp4_narrow)) if on]
+                                    ("wide", args.compare_mxfp4_wide)) if on]
         for variant in compared:
             if not args.skip_decode:
                 plan.append(("whole", f"b1 {variant}", [decode_prompt], args.new, []))
@@ -212,7 +212,7 @@ def main() -> None:
     variants = {"eager": ("recorded steps with host calls", "eager (TROUPE_HOST_CALLS=0)"),
                 "flat": ("host products one task an expert", "flat sweeps (TROUPE_HOST_MOE=flat)"),
                 "shared": ("MXFP4's own kernel", "the shared kernel (TROUPE_MXFP4_KERNEL=shared)"),
-                "narrow": ("MXFP4's wide kernel", "the narrow kernel (TROUPE_MXFP4_KERNEL=narrow)")}
+                "wide": ("MXFP4's one-block kernel", "the wide kernel (TROUPE_MXFP4_KERNEL=wide)")}
     for variant, (default_label, label) in variants.items():
         for k in ("b1", f"b{args.batch}"):
             if f"whole {k} {variant}" in rows:

@@ -166,9 +166,11 @@ fn row_dot_on<const R: usize>(ty: GgmlType, path: CpuPath) -> Option<RowDot<R>> 
 enum Mxfp4Kernel {
     /// `shared`: the kernel every format shares.
     Shared,
-    /// `narrow`: its own kernel, one block a step (`mxfp4_x86::row_dot`).
+    /// The default: its own kernel, one block a step (`mxfp4_x86::row_dot`).
     Narrow,
-    /// The default: two blocks a step where AVX-512 VBMI is present, else `Narrow`.
+    /// `wide`: two blocks a 512-bit step where AVX-512 VBMI is present, else `Narrow`.
+    /// Slower where measured (BENCHMARKS.md: 0.8–0.9× streamed on an Ice Lake Xeon);
+    /// kept to measure on hosts with a lighter 512-bit clock penalty.
     Wide,
 }
 
@@ -176,8 +178,8 @@ fn mxfp4_kernel() -> Mxfp4Kernel {
     static KERNEL: crate::sync::OnceLock<Mxfp4Kernel> = crate::sync::OnceLock::new();
     *KERNEL.get_or_init(|| match std::env::var("TROUPE_MXFP4_KERNEL").as_deref() {
         Ok("shared") => Mxfp4Kernel::Shared,
-        Ok("narrow") => Mxfp4Kernel::Narrow,
-        _ => Mxfp4Kernel::Wide,
+        Ok("wide") => Mxfp4Kernel::Wide,
+        _ => Mxfp4Kernel::Narrow,
     })
 }
 

@@ -42,13 +42,25 @@ pub(super) fn dot_mxfp4_checked<const R: usize>(
     }
 }
 
-/// `dot_mxfp4_checked` on the narrow kernel alone (tests compare the two).
+/// `dot_mxfp4_checked` on the wide kernel (`wide`, where `has_vbmi`) or the narrow one,
+/// whatever `TROUPE_MXFP4_KERNEL` says: tests compare the two.
 #[cfg(test)]
-pub(super) fn dot_mxfp4_narrow<const R: usize>(w: &[u8], xs: [Q8Row<'_>; R], out: &mut [[f32; R]]) {
-    assert!(cpu_path() >= CpuPath::Avx512Vnni);
+pub(super) fn dot_mxfp4_on<const R: usize>(
+    wide: bool,
+    w: &[u8],
+    xs: [Q8Row<'_>; R],
+    out: &mut [[f32; R]],
+) {
+    assert!(cpu_path() >= CpuPath::Avx512Vnni && (!wide || has_vbmi()));
     let row_bytes = check_shapes::<super::formats::Mxfp4, R>(w, out.len(), &xs);
-    // SAFETY: as in `dot_mxfp4_checked`.
-    unsafe { dot_mxfp4::<R>(w, row_bytes, xs, out) }
+    // SAFETY: the features are asserted and the shapes checked, as in `dot_mxfp4_checked`.
+    unsafe {
+        if wide {
+            dot_mxfp4_wide::<R>(w, row_bytes, xs, out)
+        } else {
+            dot_mxfp4::<R>(w, row_bytes, xs, out)
+        }
+    }
 }
 
 /// Whether the wide kernel's instructions are here (AVX-512 BW, DQ and VBMI beside the

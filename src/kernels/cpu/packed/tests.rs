@@ -241,8 +241,8 @@ fn mxfp4s_wide_kernel_gives_the_narrow_kernels_bits() {
         act.quantize(&x, R, cols);
         let xs: [Q8Row<'_>; R] = std::array::from_fn(|i| act.row(i));
         let (mut wide, mut narrow) = (vec![[0f32; R]; rows], vec![[0f32; R]; rows]);
-        mxfp4_x86::dot_mxfp4_checked::<R>(&w, xs, &mut wide);
-        mxfp4_x86::dot_mxfp4_narrow::<R>(&w, xs, &mut narrow);
+        mxfp4_x86::dot_mxfp4_on::<R>(true, &w, xs, &mut wide);
+        mxfp4_x86::dot_mxfp4_on::<R>(false, &w, xs, &mut narrow);
         let row_bytes = w.len() / rows;
         for r in 0..rows {
             let scalar = dot_on::<R>(
